@@ -1,0 +1,1 @@
+"""Model backends: native torch models, llama.cpp (GGUF) and n-gram proposers."""

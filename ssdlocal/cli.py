@@ -1,0 +1,163 @@
+"""Typer CLI: wiring only. Each command turns options into configs and calls the library.
+
+Domain errors (SSDLocalError) become `error: ... / hint: ...` on stderr and exit code
+1 (2 for usage errors). No traceback reaches the user unless --verbose is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from .errors import SSDLocalError
+
+app = typer.Typer(
+    name="ssdlocal",
+    help="Fastest exact local LLM generation with Speculative Speculative Decoding (SSD).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ssdlocal {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log details to stderr.")] = False,
+) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
+    _STATE["verbose"] = verbose
+
+
+_STATE: dict[str, bool] = {"verbose": False}
+
+
+def _fan(value: Optional[str]) -> Optional[tuple[int, ...]]:
+    if value is None or value == "auto":
+        return None
+    from .errors import UsageError
+
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise UsageError(
+            f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1"
+        ) from None
+
+
+@app.command()
+def generate(
+    prompts: Annotated[list[str], typer.Argument(help="One or more prompts (a batch).")],
+    target: Annotated[
+        Optional[str],
+        typer.Option(help="Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B."),
+    ] = None,
+    draft: Annotated[
+        Optional[str],
+        typer.Option(help="Draft checkpoint dir, .gguf file, or 'ngram'. Default: Qwen2.5-Coder 0.5B."),
+    ] = None,
+    mode: Annotated[str, typer.Option(help="ar | sd | ssd")] = "ssd",
+    k: Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K).")] = 4,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Random seed (sampling is reproducible).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep generating past end-of-sequence.")] = False,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "bfloat16",
+    target_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    draft_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
+    num_samples: Annotated[int, typer.Option(help="Independent samples of a single prompt.")] = 1,
+    fan_out: Annotated[Optional[str], typer.Option(help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1, or auto.")] = None,
+    fan_out_miss: Annotated[Optional[str], typer.Option(help="SSD fan-out after a miss, or auto.")] = None,
+    saguaro_c: Annotated[float, typer.Option(help="Saguaro sampling constant C in (0, 1].")] = 1.0,
+    backup: Annotated[str, typer.Option(help="SSD backup on a miss: auto | jit | ngram | none")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+) -> None:
+    """Generate text, streaming tokens as they are accepted."""
+    from .config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+    from .errors import UsageError
+
+    try:
+        mode_enum = Mode(mode)
+    except ValueError:
+        raise UsageError(f"unknown mode {mode!r}", "choose one of: ar, sd, ssd") from None
+    if num_samples < 1:
+        raise UsageError(f"num-samples must be >= 1, got {num_samples}", "use --num-samples 1")
+    if num_samples > 1 and len(prompts) != 1:
+        raise UsageError("--num-samples needs exactly one prompt", "pass a single prompt")
+    if any(not p.strip() for p in prompts):
+        raise UsageError("empty prompt", "pass some text to generate from")
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()),
+    )
+    if target is None:
+        target, default_draft = _default_pair(dtype)
+        draft = draft or default_draft
+    elif mode_enum is not Mode.AR and draft is None:
+        raise UsageError(f"--mode {mode} needs --draft", "pass --draft PATH or --draft ngram, or use --mode ar")
+    spec = SpecConfig(
+        mode=mode_enum, k=k, draft=draft if mode_enum is not Mode.AR else None,
+        fan_out=_fan(fan_out), fan_out_miss=_fan(fan_out_miss), saguaro_c=saguaro_c, backup=backup,
+    )
+    config = EngineConfig(
+        target=ModelSpec(target, target_device, dtype),
+        spec=spec,
+        draft_model=ModelSpec(draft, draft_device, dtype) if spec.draft and not spec.draft_is_ngram else None,
+    )
+    from .clirender import run_generate
+
+    run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json)
+
+
+def _default_pair(dtype: str) -> tuple[str, str]:
+    from .assets import ensure_default_pair
+    from .clirender import progress_callback
+
+    with progress_callback() as progress:
+        target, draft = ensure_default_pair(progress=progress, dtype=dtype)
+    return str(target), str(draft)
+
+
+def main() -> None:
+    """Console entry point: run the app, mapping domain errors to exit codes."""
+    try:
+        app(standalone_mode=False)
+    except SSDLocalError as exc:
+        if _STATE["verbose"]:
+            logging.getLogger("ssdlocal").exception("failed")
+        typer.echo(f"error: {exc.message}", err=True)
+        if exc.hint:
+            typer.echo(f"hint: {exc.hint}", err=True)
+        raise SystemExit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted", err=True)
+        raise SystemExit(130) from None
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        raise SystemExit(1) from None
+    except Exception as exc:  # click usage errors and the like
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        raise

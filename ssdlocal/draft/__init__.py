@@ -1,0 +1,1 @@
+"""Draft side of speculation: proposers (n-gram, synchronous model, async SSD worker)."""

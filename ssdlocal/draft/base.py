@@ -1,0 +1,62 @@
+"""The Drafter protocol and the Proposal it returns; what the engine expects of a drafter.
+
+A drafter proposes up to K tokens per active row and says which distribution each
+token was drawn from (`q`), so verification stays lossless. It must not know about
+the target model or the engine's stopping rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one round.
+
+    tokens[b]: the row's draft tokens (0..K of them; empty for idle rows).
+    q: [B, K, V] float32 proposal distributions the tokens were drawn from, or None
+       when every token is a deterministic choice (point mass: greedy or n-gram).
+    cache_hit[b]: SSD only, whether row b was served from the speculation cache.
+    backup: SSD only, which backup produced the missed rows ("jit", "ngram", "none").
+    """
+
+    tokens: list[list[int]]
+    q: torch.Tensor | None
+    cache_hit: list[bool] | None = None
+    backup: str | None = None
+
+
+class Drafter(Protocol):
+    """What the engine calls, in this order: start, then (propose, observe) per round."""
+
+    k: int
+
+    def start(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Prepare for a new batch whose rows currently hold `sequences` (prompt + first token)."""
+
+    def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
+        """Draft up to K tokens for every active row continuing `sequences[b]`."""
+
+    def observe(
+        self, sequences: Sequence[Sequence[int]], n_accepted: Sequence[int], bonus: Sequence[int]
+    ) -> None:
+        """The round's outcome: rows now hold `sequences`; per-row verdict for SSD caches."""
+
+    def close(self) -> None:
+        """Release processes and memory. Idempotent."""
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Pad (with -inf) or cut the last dim of draft logits [..., V_d] to the target's V."""
+    v_draft = logits.shape[-1]
+    if v_draft == vocab_size:
+        return logits
+    if v_draft > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v_draft), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)  # [..., V]

@@ -1,0 +1,60 @@
+"""Events the engine yields while generating; CLI, TUI and bench consume them.
+
+Events are plain frozen dataclasses: no UI library is imported here or by the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class TokenOrigin(str, Enum):
+    """Where an emitted token came from (for colouring in the TUI)."""
+
+    DRAFT_HIT = "draft_hit"  # accepted draft token served from the speculation cache
+    DRAFT = "draft"  # accepted draft token proposed on this round (SD, or SSD miss)
+    TARGET = "target"  # bonus token sampled by the target (and every AR token)
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New committed tokens of one row (`row` indexes the prompts / samples)."""
+
+    row: int
+    token_ids: tuple[int, ...]
+    text: str  # decoded text delta, safe to print as it arrives
+    origins: tuple[str, ...] = ()  # one TokenOrigin value per token
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """One target verification finished; stats consumers update live displays."""
+
+    round_index: int
+    n_drafted: tuple[int, ...]  # per active row
+    n_accepted: tuple[int, ...]
+    cache_hit: tuple[bool, ...] | None = None  # SSD only
+    backup: str | None = None
+    snapshot: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Final result for one row."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """Generation finished for every row."""
+
+    outputs: tuple[Output, ...]
+    stats: dict[str, Any]
+
+
+Event = TokensEvent | RoundEvent | DoneEvent
