@@ -92,7 +92,8 @@ def verify(
         residual = (p_next - q_at).clamp_min(0.0)  # [B, V] max(p_j - q_j, 0)
         residual_mass = residual.sum(-1, keepdim=True)  # [B, 1]
         use_residual = rejected.unsqueeze(-1) & (residual_mass > RESIDUAL_EPS)  # [B, 1]
-        dist = torch.where(use_residual, residual / residual_mass.clamp_min(1e-30), p_next)  # [B, V]
+        normalised = residual / residual_mass.clamp_min(1e-30)  # [B, V]
+        dist = torch.where(use_residual, normalised, p_next)  # [B, V]
     else:
         dist = p_next  # [B, V]
     bonus = sample(dist, generator)  # [B]

@@ -7,7 +7,7 @@ import torch
 from stats_helpers import assert_distribution, assert_not_distribution
 
 from ssdlocal.config import SamplingParams
-from ssdlocal.sampling import logits_to_probs, sample, saguaro_probs
+from ssdlocal.sampling import logits_to_probs, saguaro_probs, sample
 from ssdlocal.verify import verify
 
 
@@ -135,14 +135,15 @@ def test_saguaro_scales_top_f_and_renormalises():
     assert int((out[1] < 0.25).sum()) == 2  # exactly F entries scaled down even with ties
     torch.testing.assert_close(saguaro_probs(q, 0, 0.5), q)
     torch.testing.assert_close(saguaro_probs(q, 3, 1.0), q)
-    torch.testing.assert_close(saguaro_probs(q, 10, 0.5), q)  # F >= V scales all: unchanged after renorm
+    # F >= V scales every entry: unchanged after renormalising
+    torch.testing.assert_close(saguaro_probs(q, 10, 0.5), q)
     q3 = torch.softmax(torch.randn(2, 3, 9, generator=torch.Generator().manual_seed(0)), -1)
     assert saguaro_probs(q3, 2, 0.3).shape == (2, 3, 9)
 
 
 def test_saguaro_sampling_is_lossless_when_verified_against_q_prime():
     """Drafts sampled from q' and verified with q' give emitted first tokens ~ p."""
-    batch, vocab = 40_000, 6
+    batch = 40_000
     gen = torch.Generator().manual_seed(11)
     p = torch.tensor([[0.3, 0.25, 0.2, 0.1, 0.1, 0.05], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]])
     q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
