@@ -129,3 +129,4 @@ class EngineConfig:
     target: ModelSpec
     spec: SpecConfig = field(default_factory=SpecConfig)
     draft_model: ModelSpec | None = None  # set when spec.draft is a checkpoint path
+    pin_cpus: bool = True  # SSD with both models on CPU: give each process its own cores

@@ -42,16 +42,41 @@ class Engine:
 
             draft_tok = load_tokenizer(spec.draft)
             check_pair(load_tokenizer(config.target.path), draft_tok)
-        self.target = load_model(config.target.path, config.target.device, config.target.dtype)
-        self.tokenizer = self.target.tokenizer
-        self.runner = ModelRunner(self.target)
         self._draft_runner = None
-        if draft_tok is not None:
-            draft_spec = config.draft_model
-            draft = load_model(spec.draft, draft_spec.device, draft_spec.dtype)
-            self._draft_runner = ModelRunner(draft)
+        self._worker = None
+        self._placement = None
         self._cancel = False
         self._closed = False
+        try:
+            if draft_tok is not None and spec.mode is Mode.SSD:
+                self._start_worker()  # loads the draft in its own process while we load the target
+            self.target = load_model(config.target.path, config.target.device, config.target.dtype)
+            self.tokenizer = self.target.tokenizer
+            self.runner = ModelRunner(self.target)
+            if self._worker is not None:
+                self._worker.wait_loaded()
+            elif draft_tok is not None:
+                draft_spec = config.draft_model
+                draft = load_model(spec.draft, draft_spec.device, draft_spec.dtype)
+                self._draft_runner = ModelRunner(draft)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_worker(self) -> None:
+        from .draft.ssd import DraftWorkerClient
+        from .placement import split_cpus
+
+        draft_spec = self.config.draft_model
+        both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
+        plan = split_cpus() if both_cpu and self.config.pin_cpus else None
+        if plan is not None:
+            self._placement = plan.apply_to_this_process()
+        self._worker = DraftWorkerClient(
+            draft_spec,
+            threads=plan.draft_threads if plan else None,
+            cpus=plan.draft_cpus if plan else None,
+        )
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Engine":
@@ -61,7 +86,14 @@ class Engine:
         self.close()
 
     def close(self) -> None:
+        """Stop the draft worker (if any) and undo CPU pinning. Idempotent."""
         self._closed = True
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._placement is not None:
+            self._placement.restore()
+            self._placement = None
 
     def cancel(self) -> None:
         """Ask a running `generate` to stop after the current round (thread-safe)."""
@@ -101,7 +133,11 @@ class Engine:
             drafter = ModelDrafter(self._draft_runner, spec.k, params, self.target.args.vocab_size)
             drafter.reserve(batch, num_slots)
             return drafter
-        raise UsageError("--mode ssd is not available in this build", "use --mode sd")
+        from .draft.ssd import SSDDrafter
+
+        if self._worker is None:
+            raise UsageError("the SSD draft worker is not running", "create a new Engine")
+        return SSDDrafter(self._worker, spec, params, self.target.args.vocab_size, num_slots)
 
     def _forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
         try:
@@ -245,7 +281,7 @@ class Engine:
             if cache_hit is not None:
                 stats.record_ssd_row(hit, len(taken))
         if drafter is not None:
-            drafter.observe([r.tokens for r in rows], n_acc_list, bonus_list)
+            drafter.observe([r.tokens for r in rows], n_acc_list, bonus_list, [r.active for r in rows])
         stats.rounds += 1
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

@@ -43,9 +43,14 @@ class Drafter(Protocol):
         """Draft up to K tokens for every active row continuing `sequences[b]`."""
 
     def observe(
-        self, sequences: Sequence[Sequence[int]], n_accepted: Sequence[int], bonus: Sequence[int]
+        self,
+        sequences: Sequence[Sequence[int]],
+        n_accepted: Sequence[int],
+        bonus: Sequence[int],
+        active: Sequence[bool],
     ) -> None:
-        """The round's outcome: rows now hold `sequences`; per-row verdict for SSD caches."""
+        """The round's outcome: rows now hold `sequences`; `active[b]` is False once row b
+        has finished (it will never be proposed for again)."""
 
     def close(self) -> None:
         """Release processes and memory. Idempotent."""

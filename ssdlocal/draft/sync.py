@@ -34,7 +34,7 @@ class NgramDrafter:
         ]
         return Proposal(tokens=tokens, q=None)
 
-    def observe(self, sequences, n_accepted, bonus) -> None:
+    def observe(self, sequences, n_accepted, bonus, active) -> None:
         return None
 
     def close(self) -> None:
@@ -50,14 +50,12 @@ class ModelDrafter:
         k: int,
         params: SamplingParams,
         target_vocab: int,
-        num_slots_extra: int = 0,
     ) -> None:
         self.runner = runner
         self.k = k
         self.params = params
         self.target_vocab = target_vocab
         self.generator = torch.Generator().manual_seed(params.seed + 7919)
-        self.num_slots = 0
 
     def reserve(self, batch_size: int, num_slots: int) -> None:
         """Allocate the draft's KV cache for a batch (engine calls before start)."""
@@ -94,7 +92,7 @@ class ModelDrafter:
         q_all = None if self.params.greedy else torch.stack(q_steps, dim=1)  # [B, K, V]
         return Proposal(tokens=tokens, q=q_all)
 
-    def observe(self, sequences, n_accepted, bonus) -> None:
+    def observe(self, sequences, n_accepted, bonus, active) -> None:
         for b, seq in enumerate(sequences):
             self.runner.sync(b, seq)
 

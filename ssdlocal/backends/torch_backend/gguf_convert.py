@@ -127,12 +127,20 @@ def ensure_converted(
 def _convert(
     gguf_path: Path, tmp: Path, dtype: str, meta: dict[str, object], progress: ProgressCallback | None
 ) -> None:
+    """Dequantize with transformers' GGUF reader and save the tensors directly.
+
+    `from_pretrained(gguf_file=...)` would need `accelerate`; instead a meta-device
+    model supplies the GGUF -> HF name map and the expected parameter names.
+    """
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from safetensors.torch import save_file
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as exc:
         raise ModelLoadError(
-            "converting GGUF files needs torch and transformers", "pip install 'ssdlocal[torch]'"
+            "converting GGUF files needs torch, transformers, safetensors and gguf",
+            "pip install 'ssdlocal[torch]'",
         ) from exc
 
     def step(i: int) -> None:
@@ -140,31 +148,53 @@ def _convert(
             progress("convert", i, _STEPS)
 
     folder, name = str(gguf_path.parent), gguf_path.name
+    torch_dtype = getattr(torch, dtype)
     step(0)
     try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         step(1)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=getattr(torch, dtype)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        parsed = load_gguf_checkpoint(
+            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
         )
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         raise ModelLoadError(
             f"transformers could not load {gguf_path.name}: {exc}",
             "the file may be damaged (delete and fetch again) or use an unsupported quantization",
         ) from exc
+    tensors: dict[str, torch.Tensor] = parsed["tensors"]
     step(2)
-    _set_generation_config(model, tokenizer)
-    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="1000GB")
-    del model
+    expected = set(model.state_dict())
+    missing = expected - set(tensors)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if missing - allowed_missing or set(tensors) - expected:
+        raise ModelLoadError(
+            f"{gguf_path.name}: tensors do not match the {type(model).__name__} layout "
+            f"(missing {sorted(missing - allowed_missing)[:5]}, "
+            f"unexpected {sorted(set(tensors) - expected)[:5]})",
+            "the GGUF file may come from a different architecture variant",
+        )
+    tmp.mkdir(parents=True)
+    config.architectures = [type(model).__name__]
+    config.dtype = torch_dtype
+    config.save_pretrained(tmp)
+    # Tied checkpoints store only model.embed_tokens.weight (like HF's own Qwen2.5 files).
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    del tensors, parsed
     step(3)
+    gen = GenerationConfig.from_model_config(config)
+    _set_generation_config(gen, tokenizer)
+    gen.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _check_saved(tmp, meta)
     step(4)
 
 
-def _set_generation_config(model: object, tokenizer: object) -> None:
+def _set_generation_config(gen: object, tokenizer: object) -> None:
     """eos ids = the tokenizer's eos plus known end-of-turn tokens found in the vocab."""
-    gen = model.generation_config  # type: ignore[attr-defined]
     vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
     eos: list[int] = []
     for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in _EXTRA_EOS)):  # type: ignore[attr-defined]

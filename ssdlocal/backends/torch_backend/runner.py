@@ -81,3 +81,26 @@ class ModelRunner:
         while held[keep] == committed[keep]:
             keep += 1
         del held[keep:]
+
+    # ---- tree decoding support (SSD pre-speculation) ----
+    @torch.inference_mode()
+    def forward_raw(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward with explicit positions/slots/mask; does not touch `held`.
+
+        ids, positions, slots [B, T] long; mask [B, T, S] bool. Returns logits [B, T, V] float32 (CPU).
+        """
+        dev = self.device
+        logits = self.model(ids.to(dev), positions.to(dev), slots.to(dev), mask.to(dev))  # [B, T, V]
+        return logits.float().cpu()
+
+    @torch.inference_mode()
+    def copy_slots(self, row: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy cached k/v of `row` from slots `src` to slots `dst` in every layer."""
+        src_t = torch.tensor(list(src), device=self.device)  # [n]
+        dst_t = torch.tensor(list(dst), device=self.device)  # [n]
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.cache_k[row, :, dst_t] = attn.cache_k[row, :, src_t]  # [Hkv, n, D]
+            attn.cache_v[row, :, dst_t] = attn.cache_v[row, :, src_t]  # [Hkv, n, D]

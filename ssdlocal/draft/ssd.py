@@ -1,0 +1,225 @@
+"""Target side of SSD: the worker process handle and the SSDDrafter the engine drives.
+
+DraftWorkerClient spawns the worker, enforces a timeout on every receive, turns a
+dead or silent worker into DraftWorkerError, and always leaves no process behind on
+close (SHUTDOWN, then terminate, then kill). SSDDrafter implements the Drafter
+protocol: `observe` sends the outcome without waiting, so the worker's reply is
+usually ready by the next `propose` (a cache hit costs only a pipe round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..backup import BackupChooser
+from ..config import ModelSpec, SamplingParams, SpecConfig
+from ..errors import DraftWorkerError, SSDLocalError
+from . import protocol as pr
+from .base import Proposal
+
+log = logging.getLogger(__name__)
+
+
+class DraftWorkerClient:
+    """Owns the draft worker process and the pipe to it."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        *,
+        threads: int | None = None,
+        cpus: tuple[int, ...] | None = None,
+        timeout_s: float = 120.0,
+        load_timeout_s: float = 900.0,
+    ) -> None:
+        import torch.multiprocessing as tmp
+
+        from .worker import worker_main
+
+        ctx = tmp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.timeout_s = timeout_s
+        self.load_timeout_s = load_timeout_s
+        self.proc = ctx.Process(target=worker_main, args=(child, os.getpid()), daemon=True, name="ssdlocal-draft")
+        self.proc.start()
+        child.close()
+        self.vocab_size: int | None = None
+        self._closed = False
+        self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus))
+
+    def send(self, cmd: pr.Cmd, payload=None) -> None:
+        try:
+            self._conn.send((cmd, payload))
+        except (BrokenPipeError, OSError) as exc:
+            raise self._dead("could not send to the draft worker") from exc
+
+    def recv(self, expect: pr.Reply, timeout_s: float | None = None):
+        """Wait for one reply of kind `expect`; raise on error, death or timeout."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            if self._conn.poll(min(0.05, max(0.0, deadline - time.monotonic()))):
+                try:
+                    kind, payload = self._conn.recv()
+                except (EOFError, OSError) as exc:
+                    raise self._dead("the draft worker closed its pipe") from exc
+                if kind == pr.Reply.ERROR:
+                    raise _error_from(payload)
+                if kind != expect:
+                    raise DraftWorkerError(
+                        f"draft worker protocol error: expected {expect.name}, got {kind!r}",
+                        "this is a bug; run with --verbose and report it",
+                    )
+                return payload
+            if not self.proc.is_alive():
+                raise self._dead("the draft worker died")
+            if time.monotonic() >= deadline:
+                raise DraftWorkerError(
+                    f"the draft worker did not answer within {limit:.0f} s",
+                    "the draft device may be overloaded; try --mode sd, or a smaller draft",
+                )
+
+    def _dead(self, what: str) -> DraftWorkerError:
+        self.proc.join(timeout=1.0)
+        code = self.proc.exitcode
+        detail = f" (exit code {code})" if code is not None else ""
+        return DraftWorkerError(
+            f"{what}{detail}",
+            "the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
+        )
+
+    def wait_loaded(self) -> int:
+        msg = self.recv(pr.Reply.LOADED, self.load_timeout_s)
+        self.vocab_size = msg.vocab_size
+        return msg.vocab_size
+
+    def close(self) -> None:
+        """Stop the worker: polite SHUTDOWN, then SIGTERM, then SIGKILL. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.is_alive():
+            try:
+                self._conn.send((pr.Cmd.SHUTDOWN, None))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout=3.0)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=2.0)
+        self._conn.close()
+
+
+def _error_from(msg: pr.ErrorMsg) -> SSDLocalError:
+    from .. import errors
+
+    cls = getattr(errors, msg.kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, SSDLocalError)):
+        cls = DraftWorkerError
+    return cls(msg.message, msg.hint)
+
+
+class SSDDrafter:
+    """Drafter protocol over the async worker: propose waits, observe does not."""
+
+    def __init__(
+        self,
+        client: DraftWorkerClient,
+        spec: SpecConfig,
+        params: SamplingParams,
+        target_vocab: int,
+        num_slots: int,
+    ) -> None:
+        self.client = client
+        self.k = spec.k
+        self.spec = spec
+        self.params = params
+        self.target_vocab = target_vocab
+        self.num_slots = num_slots
+        self._round = 0
+        self._first = True
+        self._sent_at = 0.0
+        self._proposed_at = 0.0
+        self._prev: list[list[int]] = []
+        self._q_buffer: torch.Tensor | None = None
+        self.chooser = BackupChooser(spec.backup, spec.k)
+        self.last: pr.ProposalMsg | None = None
+        self._awaiting = False  # a PROPOSAL reply is owed by the worker
+
+    def start(self, sequences: Sequence[Sequence[int]]) -> None:
+        batch = len(sequences)
+        if not self.params.greedy:
+            self._q_buffer = torch.zeros(batch, self.k, self.target_vocab).share_memory_()  # [B, K, V]
+        msg = pr.StartMsg(
+            sequences=tuple(tuple(s) for s in sequences),
+            params=self.params,
+            k=self.k,
+            num_slots=self.num_slots,
+            target_vocab=self.target_vocab,
+            fan_out=self.spec.fan_out,
+            fan_out_miss=self.spec.fan_out_miss,
+            saguaro_c=self.spec.saguaro_c,
+            backup=self.spec.backup,
+            q_buffer=self._q_buffer,
+        )
+        self.client.send(pr.Cmd.START, msg)
+        self.client.recv(pr.Reply.READY)
+        self._prev = [list(s) for s in sequences]
+        self._first = True
+
+    def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
+        if self._first:
+            self.client.send(pr.Cmd.FIRST)
+            self._first = False
+            self._awaiting = True
+        msg: pr.ProposalMsg = self.client.recv(pr.Reply.PROPOSAL)
+        self._awaiting = False
+        self.last = msg
+        self._proposed_at = time.perf_counter()
+        tokens = [list(t) for t in msg.tokens]
+        q = None
+        if msg.q_written and self._q_buffer is not None:
+            q = self._q_buffer.clone()  # [B, K, V]
+        self.chooser.observe_proposal(msg)
+        return Proposal(tokens=tokens, q=q, cache_hit=list(msg.cache_hit), backup=msg.backup)
+
+    def observe(self, sequences, n_accepted, bonus, active) -> None:
+        verify_s = time.perf_counter() - self._proposed_at
+        if not any(active):
+            return  # generation is over; the worker needs no outcome
+        appended = tuple(tuple(s[len(p) :]) for s, p in zip(sequences, self._prev))
+        if self.last is not None:
+            for b, n in enumerate(n_accepted):
+                if appended[b] and b < len(self.last.cache_hit):
+                    path = "hit" if self.last.cache_hit[b] else (self.last.backup or "jit")
+                    if path in ("hit", "jit", "ngram"):
+                        self.chooser.observe_tokens(path, len(appended[b]))
+        self._prev = [list(s) for s in sequences]
+        backup = self.chooser.choose(sum(active), verify_s)
+        msg = pr.OutcomeMsg(
+            round_index=self._round,
+            appended=appended,
+            n_accepted=tuple(int(n) for n in n_accepted),
+            bonus=tuple(int(x) for x in bonus),
+            active=tuple(bool(a) for a in active),
+            verify_s=verify_s,
+            backup=backup,
+        )
+        self._round += 1
+        self.client.send(pr.Cmd.OUTCOME, msg)
+        self._awaiting = True
+
+    def close(self) -> None:
+        """End of one generate call: collect a reply still owed (after a cancel) so the
+        pipe is clean for the next batch. The worker itself lives on."""
+        if self._awaiting:
+            self._awaiting = False
+            self.client.recv(pr.Reply.PROPOSAL)
