@@ -25,6 +25,7 @@ class Branch:
     bonus: int
     tokens: tuple[int, ...]  # e_1..e_K drafted after the bonus
     logits: torch.Tensor  # [K, V] draft logits predicting e_1..e_K (vocab aligned to target)
+    q: torch.Tensor | None  # [K, V] the q' each e_j was sampled from (None when greedy)
     slot_start: int  # first scratch slot: holds the bonus, then e_1..e_{K-1}
 
 

@@ -180,8 +180,8 @@ class SSDDrafter:
             self.client.send(pr.Cmd.FIRST)
             self._first = False
             self._awaiting = True
+        self._awaiting = False  # on failure the pipe is unusable anyway
         msg: pr.ProposalMsg = self.client.recv(pr.Reply.PROPOSAL)
-        self._awaiting = False
         self.last = msg
         self._proposed_at = time.perf_counter()
         tokens = [list(t) for t in msg.tokens]
