@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .config import EngineConfig, Mode, SamplingParams
+from .config import EngineConfig, Mode, SamplingParams, SpecConfig
 from .errors import OutOfMemoryError, UsageError
 from .events import DoneEvent, Event, Output, RoundEvent, TokenOrigin, TokensEvent
 from .sampling import logits_to_probs, sample
@@ -36,42 +36,49 @@ class Engine:
 
         self.config = config
         spec = config.spec
-        draft_tok = None
-        if spec.mode is not Mode.AR and not spec.draft_is_ngram:
-            from .compat import check_pair
-
-            draft_tok = load_tokenizer(spec.draft)
-            check_pair(load_tokenizer(config.target.path), draft_tok)
         self._draft_runner = None
         self._worker = None
-        self._placement = None
+        self._cpu_plan = None
         self._cancel = False
         self._closed = False
+        self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
+        if self.has_draft_model:
+            from .compat import check_pair
+
+            if config.draft_model is None:
+                raise UsageError("a draft checkpoint needs a ModelSpec", "set EngineConfig.draft_model")
+            check_pair(load_tokenizer(config.target.path), load_tokenizer(spec.draft))
         try:
-            if draft_tok is not None and spec.mode is Mode.SSD:
+            if self.has_draft_model and spec.mode is Mode.SSD:
                 self._start_worker()  # loads the draft in its own process while we load the target
             self.target = load_model(config.target.path, config.target.device, config.target.dtype)
             self.tokenizer = self.target.tokenizer
             self.runner = ModelRunner(self.target)
             if self._worker is not None:
                 self._worker.wait_loaded()
-            elif draft_tok is not None:
-                draft_spec = config.draft_model
-                draft = load_model(spec.draft, draft_spec.device, draft_spec.dtype)
-                self._draft_runner = ModelRunner(draft)
+            elif self.has_draft_model:
+                self._load_draft_here()
         except BaseException:
             self.close()
             raise
 
+    def _load_draft_here(self) -> None:
+        """Load the draft model in this process (synchronous SD)."""
+        from .backends.torch_backend.loader import load_model
+        from .backends.torch_backend.runner import ModelRunner
+
+        d = self.config.draft_model
+        self._draft_runner = ModelRunner(load_model(d.path, d.device, d.dtype))
+
     def _start_worker(self) -> None:
+        """Spawn the SSD draft worker; on CPU-only placements split the cores."""
         from .draft.ssd import DraftWorkerClient
         from .placement import split_cpus
 
         draft_spec = self.config.draft_model
         both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
-        plan = split_cpus() if both_cpu and self.config.pin_cpus else None
-        if plan is not None:
-            self._placement = plan.apply_to_this_process()
+        self._cpu_plan = split_cpus() if both_cpu and self.config.pin_cpus else None
+        plan = self._cpu_plan
         self._worker = DraftWorkerClient(
             draft_spec,
             threads=plan.draft_threads if plan else None,
@@ -86,14 +93,11 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Stop the draft worker (if any) and undo CPU pinning. Idempotent."""
+        """Stop the draft worker (if any). Idempotent; never hangs."""
         self._closed = True
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._placement is not None:
-            self._placement.restore()
-            self._placement = None
 
     def cancel(self) -> None:
         """Ask a running `generate` to stop after the current round (thread-safe)."""
@@ -119,24 +123,31 @@ class Engine:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         return list(self.tokenizer.encode(prompt))
 
-    def _make_drafter(self, params: SamplingParams, batch: int, num_slots: int):
-        spec = self.config.spec
+    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
         if spec.mode is Mode.AR:
             return None
         if spec.draft_is_ngram:
             from .draft.sync import NgramDrafter
 
             return NgramDrafter(spec.k, spec.ngram_max, spec.ngram_min)
+        if spec.draft != self.config.spec.draft:
+            raise UsageError(
+                f"this engine was loaded with draft {self.config.spec.draft!r}, not {spec.draft!r}",
+                "create a new Engine to change the draft model",
+            )
         if spec.mode is Mode.SD:
             from .draft.sync import ModelDrafter
 
+            if self._draft_runner is None:
+                self._load_draft_here()
             drafter = ModelDrafter(self._draft_runner, spec.k, params, self.target.args.vocab_size)
             drafter.reserve(batch, num_slots)
             return drafter
         from .draft.ssd import SSDDrafter
 
         if self._worker is None:
-            raise UsageError("the SSD draft worker is not running", "create a new Engine")
+            self._start_worker()
+            self._worker.wait_loaded()
         return SSDDrafter(self._worker, spec, params, self.target.args.vocab_size, num_slots)
 
     def _forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
@@ -157,18 +168,23 @@ class Engine:
         params: SamplingParams,
         *,
         chat: bool = False,
+        spec: SpecConfig | None = None,
     ) -> Iterator[Event]:
         """Generate for every prompt (strings, or token-id lists) and yield events.
 
+        `spec` overrides the engine's speculation settings for this call (mode, K,
+        fan-out, backup, C); the draft model itself cannot change.
         Yields TokensEvent as tokens are committed, a RoundEvent per verification,
         and finally one DoneEvent with per-row outputs and the stats snapshot.
+        While an SSD call runs on a CPU-only placement, this process is pinned to the
+        target's cores (the worker has the others); the old affinity is restored after.
         """
         if not prompts:
             raise UsageError("no prompt given", "pass at least one prompt")
         ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         if any(len(x) == 0 for x in ids):
             raise UsageError("empty prompt", "pass some text to generate from")
-        spec = self.config.spec
+        spec = spec or self.config.spec
         k = spec.k if spec.mode is not Mode.AR else 0
         batch = len(ids)
         num_slots = max(map(len, ids)) + params.max_new_tokens + k + 2
@@ -183,7 +199,10 @@ class Engine:
         rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
         stats = SpecStats(k=k)
         generator = torch.Generator().manual_seed(params.seed)
-        drafter = self._make_drafter(params, batch, num_slots)
+        drafter = self._make_drafter(spec, params, batch, num_slots)
+        pinned = None
+        if spec.mode is Mode.SSD and self._cpu_plan is not None:
+            pinned = self._cpu_plan.apply_to_this_process()
         try:
             # prefill: the prompt's logits give the first token
             t0 = time.perf_counter()
@@ -209,6 +228,8 @@ class Engine:
                     if r.active:
                         r.finish_reason = "cancelled"
         finally:
+            if pinned is not None:
+                pinned.restore()
             if drafter is not None:
                 drafter.close()
         stats.finish()
