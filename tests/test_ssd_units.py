@@ -1,0 +1,294 @@
+"""Unit tests of SSD's pure parts: fan-out allocation and planner, speculation cache and
+bonus candidates, backup choice, CPU split. No models, no processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ssdlocal.backup import BackupChooser, expected_rate
+from ssdlocal.config import SamplingParams
+from ssdlocal.fanout import FanOutPlanner, capped_geometric
+from ssdlocal.placement import split_cpus
+from ssdlocal.spec_cache import Branch, SpeculationCache, bonus_candidates
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+# ----------------------------------------------------------------- capped_geometric
+@pytest.mark.parametrize("k", [0, 1, 2, 4, 7])
+@pytest.mark.parametrize("budget", [0, 1, 3, 5, 17, 64])
+@pytest.mark.parametrize("acceptance", [0.0, 0.2, 0.5, 0.8, 0.95, 1.0])
+def test_capped_geometric_sums_to_budget(k, budget, acceptance):
+    fan = capped_geometric(k, budget, acceptance)
+    assert len(fan) == k + 1
+    assert sum(fan) == budget
+    assert all(isinstance(f, int) and f >= 0 for f in fan)
+
+
+@pytest.mark.parametrize("acceptance", [0.1, 0.5, 0.7, 0.9])
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("budget", [4, 9, 32])
+def test_capped_geometric_non_increasing_before_last(acceptance, power, budget):
+    """For a < 1 the weights a^(k/(1+r)) decrease in k, and largest-remainder rounding
+    keeps the integer counts non-increasing over k = 0..K-1."""
+    fan = capped_geometric(4, budget, acceptance, power)
+    head = fan[:-1]
+    assert all(x >= y for x, y in zip(head, head[1:])), fan
+
+
+def test_capped_geometric_matches_formula_when_divisible():
+    """Large budget: counts are within 1 of budget * w_k / sum(w) for the DESIGN formula."""
+    k, budget, a, r = 3, 1000, 0.8, 1.0
+    weights = [a ** (i / (1 + r)) for i in range(k)]
+    weights.append(a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r)))
+    exact = [budget * w / sum(weights) for w in weights]
+    fan = capped_geometric(k, budget, a, r)
+    assert all(abs(f - e) < 1.0 for f, e in zip(fan, exact)), (fan, exact)
+
+
+def test_capped_geometric_last_entry_boost():
+    """F_K carries the extra (1-a)^(-1/(1+r)) factor: with high acceptance the
+    all-accepted position gets the largest share, with low acceptance F_0 does."""
+    high = capped_geometric(4, 40, 0.9)
+    assert high[-1] == max(high) and high[-1] > high[-2]
+    low = capped_geometric(4, 40, 0.2)
+    assert low[0] == max(low) and low[-1] < low[0]
+    # ratio F_K / F_{K-1} = (a / (1-a))^(1/(1+r)) > 1 exactly when a > 1/2
+    assert capped_geometric(2, 300, 0.6)[-1] > capped_geometric(2, 300, 0.6)[-2]
+    assert capped_geometric(2, 300, 0.4)[-1] < capped_geometric(2, 300, 0.4)[-2]
+
+
+def test_capped_geometric_power_flattens():
+    """A larger miss-rate exponent r flattens the geometric decay (a^(k/(1+r)))."""
+    steep = capped_geometric(4, 100, 0.5, power=0.1)
+    flat = capped_geometric(4, 100, 0.5, power=10.0)
+    assert steep[0] - steep[3] > flat[0] - flat[3] >= 0
+
+
+def test_capped_geometric_edge_cases():
+    assert capped_geometric(0, 5, 0.7) == (5,)
+    assert capped_geometric(3, 0, 0.7) == (0, 0, 0, 0)
+    # acceptance is clamped, so extreme or out-of-range values still give a valid plan
+    for a in (-1.0, 0.0, 1.0, 2.0):
+        fan = capped_geometric(3, 10, a)
+        assert sum(fan) == 10 and len(fan) == 4
+    assert capped_geometric(3, 10, 1.0) == capped_geometric(3, 10, 0.99)
+    assert sum(capped_geometric(3, 10, 0.7, power=0.0)) == 10  # r clamped > 0
+    with pytest.raises(ValueError):
+        capped_geometric(-1, 4, 0.5)
+    with pytest.raises(ValueError):
+        capped_geometric(3, -1, 0.5)
+
+
+# ----------------------------------------------------------------- FanOutPlanner
+def test_planner_defaults():
+    planner = FanOutPlanner(4)
+    assert planner.budget == 5  # K + 1: one candidate per accepted length to start
+    assert abs(planner.acceptance - 0.7) < 1e-9
+    fan = planner.plan()
+    assert len(fan) == 5 and sum(fan) == 5
+
+
+def test_planner_timing_grows_and_shrinks_within_bounds():
+    planner = FanOutPlanner(3, budget=4, min_budget=2, max_budget=6)
+    planner.observe_timing(prespec_s=0.1, verify_s=1.0)  # lots of slack: grow
+    assert planner.budget == 5
+    planner.observe_timing(prespec_s=0.9, verify_s=1.0)  # between 80% and 100%: hold
+    assert planner.budget == 5
+    for _ in range(10):
+        planner.observe_timing(0.0, 1.0)
+    assert planner.budget == 6  # capped at max_budget
+    planner.observe_timing(prespec_s=1.5, verify_s=1.0)  # too slow: shrink
+    assert planner.budget == 5
+    for _ in range(10):
+        planner.observe_timing(2.0, 1.0)
+    assert planner.budget == 2  # floored at min_budget
+    planner.observe_timing(5.0, 0.0)  # no verify timing: ignored
+    planner.observe_timing(5.0, -1.0)
+    assert planner.budget == 2
+    assert sum(planner.plan()) == 2
+
+
+def test_planner_acceptance_adapts_allocation():
+    good, bad = FanOutPlanner(4, budget=20), FanOutPlanner(4, budget=20)
+    for _ in range(50):
+        good.observe_acceptance(4, 4)  # every draft accepted
+        bad.observe_acceptance(4, 0)  # first draft rejected every time
+    assert good.acceptance > 0.95
+    assert bad.acceptance < 0.05
+    g, b = good.plan(), bad.plan()
+    assert sum(g) == sum(b) == 20
+    assert g[-1] == max(g) and g[-1] > b[-1]  # all-accepted outcome dominates
+    assert b[0] == max(b) and b[0] > g[0]  # reject-at-first outcome dominates
+
+
+def test_planner_acceptance_counts_first_rejection_only():
+    planner = FanOutPlanner(4)
+    acc0, tried0 = planner.accepted, planner.tried
+    planner.observe_acceptance(4, 2)  # 2 accepted + 1 rejected (later drafts never tried)
+    assert planner.accepted - acc0 == 2
+    assert planner.tried - tried0 == 3
+    planner.observe_acceptance(2, 2)  # all of 2 accepted: no failure
+    assert planner.tried - tried0 == 5
+    planner.observe_acceptance(0, 0)  # nothing drafted: nothing learned
+    assert planner.tried - tried0 == 5
+
+
+# ----------------------------------------------------------------- speculation cache
+def _branch(row, n, bonus, k=3, v=8):
+    return Branch(row, n, bonus, tuple(range(k)), torch.zeros(k, v), None, slot_start=10 * row)
+
+
+def test_cache_keys_and_lookup():
+    cache = SpeculationCache()
+    assert len(cache) == 0 and cache.get(0, 0, 0) is None
+    a, b, c = _branch(0, 0, 5), _branch(0, 2, 5), _branch(1, 0, 5)
+    for br in (a, b, c):
+        cache.put(br)
+    assert len(cache) == 3
+    assert set(cache.keys()) == {(0, 0, 5), (0, 2, 5), (1, 0, 5)}
+    assert cache.get(0, 0, 5) is a
+    assert cache.get(0, 2, 5) is b
+    assert cache.get(1, 0, 5) is c
+    # each key component matters
+    assert cache.get(0, 1, 5) is None
+    assert cache.get(0, 0, 6) is None
+    assert cache.get(2, 0, 5) is None
+    # same key overwrites
+    a2 = _branch(0, 0, 5, k=2)
+    cache.put(a2)
+    assert len(cache) == 3 and cache.get(0, 0, 5) is a2
+    cache.clear()
+    assert len(cache) == 0 and cache.keys() == [] and cache.get(1, 0, 5) is None
+
+
+def test_bonus_candidates_excludes_drafted_token():
+    logits = torch.tensor([0.0, 5.0, 4.0, 3.0, 2.0, 1.0])  # ranking 1, 2, 3, 4, 5, 0
+    assert bonus_candidates(logits, drafted=1, fan_out=3, params=GREEDY) == [2, 3, 4]
+    assert bonus_candidates(logits, drafted=3, fan_out=3, params=GREEDY) == [1, 2, 4]
+    # a drafted token outside the top F: nothing to exclude, still F candidates
+    assert bonus_candidates(logits, drafted=0, fan_out=2, params=GREEDY) == [1, 2]
+    # the all-accepted position (drafted None) keeps the draft's top-1
+    assert bonus_candidates(logits, drafted=None, fan_out=3, params=GREEDY) == [1, 2, 3]
+    for drafted in range(6):
+        got = bonus_candidates(logits, drafted, 4, SAMPLED)
+        assert drafted not in got and len(got) == 4 and len(set(got)) == 4
+
+
+def test_bonus_candidates_ordering_and_sizes():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=gen)
+    order = torch.argsort(logits, descending=True).tolist()
+    assert bonus_candidates(logits, None, 10, GREEDY) == order[:10]
+    assert bonus_candidates(logits, order[0], 10, GREEDY) == order[1:11]
+    # warped probabilities keep the logit order at T > 0
+    assert bonus_candidates(logits, None, 10, SAMPLED) == order[:10]
+    assert bonus_candidates(logits, order[4], 6, SamplingParams(temperature=0.5)) == (
+        order[:4] + order[5:7]
+    )
+    # fan-out 0 (or below) caches nothing
+    assert bonus_candidates(logits, order[0], 0, GREEDY) == []
+    assert bonus_candidates(logits, None, -3, SAMPLED) == []
+    # fan-out beyond the vocabulary: every token but the drafted one
+    assert sorted(bonus_candidates(logits, 7, 100, GREEDY)) == [t for t in range(50) if t != 7]
+    assert len(bonus_candidates(logits, None, 100, GREEDY)) == 50
+
+
+# ----------------------------------------------------------------- backup choice
+def test_expected_rate_formula():
+    # batch 2, h = 0.5: tokens = 2*(0.5*4 + 0.5*2) = 6; seconds = 1 + (1 - 0.25)*2 = 2.5
+    assert expected_rate(2, 0.5, 4.0, 2.0, 1.0, 2.0) == pytest.approx(6 / 2.5)
+    # a free backup costs nothing: tokens / verify time
+    assert expected_rate(8, 0.3, 5.0, 1.0, 0.5, 0.0) == pytest.approx(8 * (1.5 + 0.7) / 0.5)
+    assert expected_rate(1, 1.0, 3.0, 1.0, 0.0, 0.0) == 0.0  # no time: no rate
+
+
+def _proposal(hits, backup, busy_s=0.0, prespec_s=0.0):
+    return SimpleNamespace(cache_hit=tuple(hits), backup=backup, busy_s=busy_s, prespec_s=prespec_s)
+
+
+def test_backup_chooser_fixed_policy():
+    for policy in ("jit", "ngram", "none"):
+        chooser = BackupChooser(policy, 4)
+        chooser.observe_proposal(_proposal([False] * 64, "jit", busy_s=9.0))
+        assert chooser.choose(64, 0.01) == policy
+        assert chooser.choose(1, 10.0) == policy
+
+
+def test_backup_chooser_auto_defaults_to_jit_until_timed():
+    chooser = BackupChooser("auto", 4)
+    assert chooser.choose(1, 0.1) == "jit"
+    assert chooser.choose(256, 0.1) == "jit"  # no jit latency measured yet
+    assert chooser.choose(0, 0.1) == "jit"
+
+
+def test_backup_chooser_prefers_jit_at_batch_1_ngram_at_large_batch():
+    chooser = BackupChooser("auto", 4)
+    # a high hit rate, and a jit backup costing half a verification
+    for _ in range(20):
+        chooser.observe_proposal(_proposal([True] * 9 + [False], None))
+    chooser.observe_proposal(_proposal([False], "jit", busy_s=0.6, prespec_s=0.1))
+    assert chooser.jit_s == pytest.approx(0.5)
+    assert chooser.hit_rate > 0.85
+    assert chooser.choose(1, 1.0) == "jit"
+    assert chooser.last == "jit"
+    # with 64 rows almost every round has a miss somewhere: a free backup wins
+    assert chooser.choose(64, 1.0) == "ngram"
+    assert chooser.last == "ngram"
+    # the crossover is monotone in batch size
+    picks = [chooser.choose(b, 1.0) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    first_ngram = picks.index("ngram")
+    assert all(p == "ngram" for p in picks[first_ngram:])
+
+
+def test_backup_chooser_learns_tokens_and_jit_latency():
+    chooser = BackupChooser("auto", 4)
+    chooser.observe_proposal(_proposal([False], "jit", busy_s=1.0, prespec_s=0.0))
+    chooser.observe_proposal(_proposal([False], "jit", busy_s=0.0, prespec_s=0.0))
+    assert chooser.jit_s == pytest.approx(0.8)  # exponential average 0.8/0.2
+    chooser.observe_proposal(_proposal([False], "jit", busy_s=0.1, prespec_s=0.5))
+    assert chooser.jit_s == pytest.approx(0.64)  # busy below prespec clamps to 0
+    before = chooser.tokens_ngram
+    chooser.observe_tokens("ngram", 5.0)
+    assert chooser.tokens_ngram == pytest.approx(0.9 * before + 0.5)
+    # a cheap jit backup (5% of a verification) keeps jit even at batch 16 ...
+    cheap = BackupChooser("auto", 4)
+    cheap.observe_proposal(_proposal([False] * 4, "jit", busy_s=0.05))
+    assert cheap.choose(16, 1.0) == "jit"
+    # ... while an expensive jit backup loses to the free one already at batch 1
+    costly = BackupChooser("auto", 4)
+    costly.observe_proposal(_proposal([False], "jit", busy_s=50.0))
+    assert costly.choose(1, 1.0) == "ngram"
+
+
+# ----------------------------------------------------------------- CPU split
+def test_split_cpus_needs_two():
+    assert split_cpus(()) is None
+    assert split_cpus([3]) is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 16, 64])
+def test_split_cpus_disjoint_cover(n):
+    cpus = list(range(100, 100 + n))
+    plan = split_cpus(cpus)
+    assert plan is not None
+    assert set(plan.target_cpus).isdisjoint(plan.draft_cpus)
+    assert sorted(plan.target_cpus + plan.draft_cpus) == cpus
+    assert plan.draft_threads == max(1, n // 3) == len(plan.draft_cpus)
+    assert plan.target_threads == n - plan.draft_threads >= 1
+    assert plan.draft_cpus == tuple(cpus[-plan.draft_threads :])  # the draft takes the tail
+
+
+def test_split_cpus_examples_and_share():
+    plan = split_cpus([0, 1])
+    assert plan.target_cpus == (0,) and plan.draft_cpus == (1,)
+    plan = split_cpus([0, 2, 4, 6, 8, 10])
+    assert plan.target_cpus == (0, 2, 4, 6) and plan.draft_cpus == (8, 10)
+    plan = split_cpus(list(range(8)), draft_share=0.5)
+    assert plan.target_cpus == (0, 1, 2, 3) and plan.draft_cpus == (4, 5, 6, 7)
+    plan = split_cpus(list(range(8)), draft_share=0.0)  # at least one core for the draft
+    assert plan.draft_cpus == (7,)
