@@ -3,6 +3,7 @@ bonus candidates, backup choice, CPU split. No models, no processes."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -37,7 +38,7 @@ def test_capped_geometric_non_increasing_before_last(acceptance, power, budget):
     keeps the integer counts non-increasing over k = 0..K-1."""
     fan = capped_geometric(4, budget, acceptance, power)
     head = fan[:-1]
-    assert all(x >= y for x, y in zip(head, head[1:])), fan
+    assert all(x >= y for x, y in pairwise(head)), fan
 
 
 def test_capped_geometric_matches_formula_when_divisible():
