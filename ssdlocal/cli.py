@@ -6,10 +6,9 @@ Domain errors (SSDLocalError) become `error: ... / hint: ...` on stderr and exit
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -45,7 +44,7 @@ def _root(
 _STATE: dict[str, bool] = {"verbose": False}
 
 
-def _fan(value: Optional[str]) -> Optional[tuple[int, ...]]:
+def _fan(value: str | None) -> tuple[int, ...] | None:
     if value is None or value == "auto":
         return None
     from .errors import UsageError
@@ -62,11 +61,11 @@ def _fan(value: Optional[str]) -> Optional[tuple[int, ...]]:
 def generate(
     prompts: Annotated[list[str], typer.Argument(help="One or more prompts (a batch).")],
     target: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B."),
     ] = None,
     draft: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="Draft checkpoint dir, .gguf file, or 'ngram'. Default: Qwen2.5-Coder 0.5B."),
     ] = None,
     mode: Annotated[str, typer.Option(help="ar | sd | ssd")] = "ssd",
@@ -77,14 +76,14 @@ def generate(
     seed: Annotated[int, typer.Option(help="Random seed (sampling is reproducible).")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past end-of-sequence.")] = False,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "bfloat16",
     target_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     draft_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
     num_samples: Annotated[int, typer.Option(help="Independent samples of a single prompt.")] = 1,
-    fan_out: Annotated[Optional[str], typer.Option(help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1, or auto.")] = None,
-    fan_out_miss: Annotated[Optional[str], typer.Option(help="SSD fan-out after a miss, or auto.")] = None,
+    fan_out: Annotated[str | None, typer.Option(help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1, or auto.")] = None,
+    fan_out_miss: Annotated[str | None, typer.Option(help="SSD fan-out after a miss, or auto.")] = None,
     saguaro_c: Annotated[float, typer.Option(help="Saguaro sampling constant C in (0, 1].")] = 1.0,
     backup: Annotated[str, typer.Option(help="SSD backup on a miss: auto | jit | ngram | none")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
@@ -107,15 +106,20 @@ def generate(
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()),
     )
+    if target is not None and mode_enum is not Mode.AR and draft is None:
+        raise UsageError(f"--mode {mode} needs --draft", "pass --draft PATH or --draft ngram, or use --mode ar")
+    spec_options = {
+        "mode": mode_enum, "k": k, "fan_out": _fan(fan_out), "fan_out_miss": _fan(fan_out_miss),
+        "saguaro_c": saguaro_c, "backup": backup,
+    }
+    # validate every option before the default pair is fetched (which can take minutes)
+    SpecConfig(**spec_options, draft=(draft or "default") if mode_enum is not Mode.AR else None)
+    ModelSpec(target or "default", target_device, dtype)
+    ModelSpec(draft or "default", draft_device, dtype)
     if target is None:
         target, default_draft = _default_pair(dtype)
         draft = draft or default_draft
-    elif mode_enum is not Mode.AR and draft is None:
-        raise UsageError(f"--mode {mode} needs --draft", "pass --draft PATH or --draft ngram, or use --mode ar")
-    spec = SpecConfig(
-        mode=mode_enum, k=k, draft=draft if mode_enum is not Mode.AR else None,
-        fan_out=_fan(fan_out), fan_out_miss=_fan(fan_out_miss), saguaro_c=saguaro_c, backup=backup,
-    )
+    spec = SpecConfig(**spec_options, draft=draft if mode_enum is not Mode.AR else None)
     config = EngineConfig(
         target=ModelSpec(target, target_device, dtype),
         spec=spec,
@@ -136,28 +140,92 @@ def _default_pair(dtype: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    """Console entry point: run the app, mapping domain errors to exit codes."""
-    try:
-        app(standalone_mode=False)
-    except SSDLocalError as exc:
-        if _STATE["verbose"]:
-            logging.getLogger("ssdlocal").exception("failed")
-        typer.echo(f"error: {exc.message}", err=True)
-        if exc.hint:
-            typer.echo(f"hint: {exc.hint}", err=True)
-        raise SystemExit(exc.exit_code) from None
-    except KeyboardInterrupt:
-        typer.echo("\ninterrupted", err=True)
-        raise SystemExit(130) from None
-    except typer.Exit as exc:
-        raise SystemExit(exc.exit_code) from None
-    except typer.Abort:
-        typer.echo("aborted", err=True)
-        raise SystemExit(1) from None
-    except Exception as exc:  # click usage errors and the like
-        import click
+    """Console entry point: run the app, mapping every failure to a clean exit.
 
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
+    SSDLocalError -> `error:` / `hint:` lines and its exit code (2 usage, 1 runtime);
+    Click's own usage errors -> the same two lines and exit 2; Ctrl-C -> exit 130.
+    Typer returns (not raises) exit codes in non-standalone mode, so the return value
+    of `app(...)` is the exit status; 130 there means Ctrl-C was turned into Exit(130).
+    """
+    try:
+        code = app(standalone_mode=False)
+    except SSDLocalError as exc:
+        _log_traceback()
+        _fail(exc.message, exc.hint, exc.exit_code)
+    except KeyboardInterrupt:
+        _interrupted()
+    except BrokenPipeError:  # `ssdlocal generate ... | head`: the reader left
+        _silence_stdout()
+        raise SystemExit(1) from None
+    except Exception as exc:  # noqa: BLE001 - the CLI edge: nothing escapes as a traceback
+        _fail_unexpected(exc)
+    if isinstance(code, int) and code == 130:
+        _interrupted()
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, hint: str, exit_code: int) -> None:
+    typer.echo(f"error: {message}", err=True)
+    if hint:
+        typer.echo(f"hint: {hint}", err=True)
+    raise SystemExit(exit_code) from None
+
+
+def _interrupted() -> None:
+    typer.echo("\ninterrupted", err=True)
+    raise SystemExit(130) from None
+
+
+def _log_traceback() -> None:
+    if _STATE["verbose"]:
+        logging.getLogger("ssdlocal").exception("failed")
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:  # further writes (and the interpreter's final flush) must not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _click_error_types() -> tuple[type, ...]:
+    """ClickException from Typer's vendored Click (typer >= 0.20) and from click itself."""
+    import importlib
+
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(importlib.import_module(module).ClickException)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def _fail_unexpected(exc: Exception) -> None:
+    if type(exc).__name__ == "Abort" and isinstance(exc.__cause__, KeyboardInterrupt):
+        _interrupted()
+    if type(exc).__name__ == "Abort":
+        _fail("aborted", "", 1)
+    if isinstance(exc, _click_error_types()):
+        if type(exc).__name__ == "NoArgsIsHelpError":  # Typer already printed the help
             raise SystemExit(exc.exit_code) from None
-        raise
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "ssdlocal"
+        _fail(exc.format_message(), f"run `{where} --help` for usage", exc.exit_code)
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+        _log_traceback()
+        _fail(
+            f"out of memory: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device",
+            1,
+        )
+    if _STATE["verbose"]:
+        raise exc
+    _fail(
+        f"unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "),
+        "this is a bug; rerun with --verbose for the traceback and report it",
+        1,
+    )

@@ -99,4 +99,7 @@ def run_generate(
     else:
         for i, out in enumerate(done.outputs):
             sys.stdout.write(f"=== [{i}] ===\n{out.text}\n")
-    err_console.print(f"[dim]{config.spec.mode.value}: {format_stats(done.stats)}[/dim]")
+    # soft_wrap: one line however narrow the terminal (or 80 columns when not a terminal)
+    err_console.print(
+        f"[dim]{config.spec.mode.value}: {format_stats(done.stats)}[/dim]", soft_wrap=True
+    )

@@ -76,6 +76,7 @@ class Engine:
         from .placement import split_cpus
 
         draft_spec = self.config.draft_model
+        _preflight(draft_spec.path)  # bad paths / architectures fail here, not in the worker
         both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
         self._cpu_plan = split_cpus() if both_cpu and self.config.pin_cpus else None
         plan = self._cpu_plan
@@ -95,9 +96,12 @@ class Engine:
     def close(self) -> None:
         """Stop the draft worker (if any). Idempotent; never hangs."""
         self._closed = True
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
 
     def cancel(self) -> None:
         """Ask a running `generate` to stop after the current round (thread-safe)."""
@@ -145,6 +149,8 @@ class Engine:
             return drafter
         from .draft.ssd import SSDDrafter
 
+        if self._worker is not None and self._worker.broken:
+            self._stop_worker()  # it failed on an earlier call: replace it with a fresh one
         if self._worker is None:
             self._start_worker()
             self._worker.wait_loaded()
@@ -227,6 +233,11 @@ class Engine:
                 for r in rows:
                     if r.active:
                         r.finish_reason = "cancelled"
+        except KeyboardInterrupt:
+            if self._worker is not None:  # Ctrl-C: do not wait for the worker, kill it now
+                self._worker.broken = True
+                self._stop_worker()
+            raise
         finally:
             if pinned is not None:
                 pinned.restore()
@@ -327,3 +338,13 @@ class Engine:
             if not emitted[b]:
                 continue
             yield TokensEvent(b, tuple(emitted[b]), row.take_text_delta(), tuple(origins[b]))
+
+
+def _preflight(path: str) -> None:
+    """Cheap checks of a checkpoint (files, config, architecture) without reading weights."""
+    from .backends.torch_backend.loader import load_hf_config, resolve_checkpoint, weight_files
+    from .backends.torch_backend.model import ModelArgs
+
+    ckpt = resolve_checkpoint(path)
+    ModelArgs.from_hf_config(load_hf_config(ckpt))
+    weight_files(ckpt)

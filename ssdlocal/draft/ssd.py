@@ -2,16 +2,20 @@
 
 DraftWorkerClient spawns the worker, enforces a timeout on every receive, turns a
 dead or silent worker into DraftWorkerError, and always leaves no process behind on
-close (SHUTDOWN, then terminate, then kill). SSDDrafter implements the Drafter
+close (SHUTDOWN, then SIGKILL; at once if the worker is broken, hung or stopped). SSDDrafter implements the Drafter
 protocol: `observe` sends the outcome without waiting, so the worker's reply is
 usually ready by the next `propose` (a cache hit costs only a pipe round trip).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -25,8 +29,18 @@ from .base import Proposal
 log = logging.getLogger(__name__)
 
 
+RECV_TIMEOUT_S = 120.0  # longest wait for one reply during generation (tests lower it)
+LOAD_TIMEOUT_S = 900.0  # longest wait for the draft model to load
+_LIVE: weakref.WeakSet[DraftWorkerClient] = weakref.WeakSet()
+_ATEXIT_REGISTERED = False
+
+
 class DraftWorkerClient:
-    """Owns the draft worker process and the pipe to it."""
+    """Owns the draft worker process and the pipe to it.
+
+    After any failed or interrupted exchange the client is `broken` (the pipe may hold
+    half a message): it refuses further use and `close` kills the worker at once.
+    """
 
     def __init__(
         self,
@@ -34,40 +48,60 @@ class DraftWorkerClient:
         *,
         threads: int | None = None,
         cpus: tuple[int, ...] | None = None,
-        timeout_s: float = 120.0,
-        load_timeout_s: float = 900.0,
+        timeout_s: float | None = None,
+        load_timeout_s: float | None = None,
     ) -> None:
         import torch.multiprocessing as tmp
 
         from .worker import worker_main
 
         ctx = tmp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self.timeout_s = timeout_s
-        self.load_timeout_s = load_timeout_s
-        self.proc = ctx.Process(target=worker_main, args=(child, os.getpid()), daemon=True, name="ssdlocal-draft")
-        self.proc.start()
-        child.close()
+        self.timeout_s = RECV_TIMEOUT_S if timeout_s is None else timeout_s
+        self.load_timeout_s = LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self.vocab_size: int | None = None
+        self.broken = False
         self._closed = False
+        _register_atexit()  # after multiprocessing's own hook, so ours runs first
+        self._conn, child = ctx.Pipe(duplex=True)
+        # PR_SET_PDEATHSIG fires when the spawning *thread* exits, so only ask for it
+        # from the main thread; the worker also watches its parent pid itself.
+        on_main = threading.current_thread() is threading.main_thread()
+        self.proc = ctx.Process(
+            target=worker_main, args=(child, os.getpid(), on_main), daemon=True, name="ssdlocal-draft"
+        )
+        self.proc.start()
+        _LIVE.add(self)
+        child.close()
         self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus))
 
     def send(self, cmd: pr.Cmd, payload=None) -> None:
+        self._check_usable()
         try:
             self._conn.send((cmd, payload))
         except (BrokenPipeError, OSError) as exc:
+            self.broken = True
             raise self._dead("could not send to the draft worker") from exc
+        except BaseException:
+            self.broken = True
+            raise
 
     def recv(self, expect: pr.Reply, timeout_s: float | None = None):
         """Wait for one reply of kind `expect`; raise on error, death or timeout."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
+        self._check_usable()
+        try:
+            return self._recv(expect, self.timeout_s if timeout_s is None else timeout_s)
+        except BaseException:
+            self.broken = True  # error reply, death, timeout or Ctrl-C: the pipe is spent
+            raise
+
+    def _recv(self, expect: pr.Reply, limit: float):
         deadline = time.monotonic() + limit
         while True:
             if self._conn.poll(min(0.05, max(0.0, deadline - time.monotonic()))):
                 try:
                     kind, payload = self._conn.recv()
                 except (EOFError, OSError) as exc:
-                    raise self._dead("the draft worker closed its pipe") from exc
+                    raise self._dead("the draft worker died") from exc
                 if kind == pr.Reply.ERROR:
                     raise _error_from(payload)
                 if kind != expect:
@@ -80,16 +114,21 @@ class DraftWorkerClient:
                 raise self._dead("the draft worker died")
             if time.monotonic() >= deadline:
                 raise DraftWorkerError(
-                    f"the draft worker did not answer within {limit:.0f} s",
+                    f"the draft worker did not answer within {limit:g} s (it may be hung or stopped)",
                     "the draft device may be overloaded; try --mode sd, or a smaller draft",
                 )
 
+    def _check_usable(self) -> None:
+        if self._closed or self.broken:
+            raise DraftWorkerError(
+                "the draft worker is " + ("closed" if self._closed else "gone after an earlier failure"),
+                "create a new Engine (or rerun) to start a fresh draft worker",
+            )
+
     def _dead(self, what: str) -> DraftWorkerError:
         self.proc.join(timeout=1.0)
-        code = self.proc.exitcode
-        detail = f" (exit code {code})" if code is not None else ""
         return DraftWorkerError(
-            f"{what}{detail}",
+            f"{what}{_describe_exit(self.proc.exitcode)}",
             "the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
         )
 
@@ -99,23 +138,55 @@ class DraftWorkerClient:
         return msg.vocab_size
 
     def close(self) -> None:
-        """Stop the worker: polite SHUTDOWN, then SIGTERM, then SIGKILL. Idempotent."""
+        """Stop the worker; never hangs, never leaves a process. Idempotent.
+
+        A healthy worker gets SHUTDOWN and a moment to exit; a broken, hung or stopped
+        one (SIGTERM does not reach a SIGSTOPped process) is killed with SIGKILL.
+        """
         if self._closed:
             return
         self._closed = True
-        if self.proc.is_alive():
-            try:
-                self._conn.send((pr.Cmd.SHUTDOWN, None))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(timeout=3.0)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=2.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=2.0)
-        self._conn.close()
+        _LIVE.discard(self)
+        try:
+            if not self.broken and self.proc.is_alive():
+                try:
+                    self._conn.send((pr.Cmd.SHUTDOWN, None))
+                except (BrokenPipeError, OSError):
+                    pass
+                self.proc.join(timeout=2.0)
+        finally:  # also after a Ctrl-C during the polite part
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5.0)
+            if self.proc.is_alive():  # pragma: no cover - unkillable (D state)
+                log.warning("draft worker %s did not exit after SIGKILL", self.proc.pid)
+            self._conn.close()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f" (killed by signal {signal.Signals(-code).name})"
+        except ValueError:
+            return f" (killed by signal {-code})"
+    return f" (exit code {code})"
+
+
+def _register_atexit() -> None:
+    """Kill workers the program forgot to close before multiprocessing's exit hook,
+    which would otherwise SIGTERM and then join a stopped worker forever."""
+    global _ATEXIT_REGISTERED
+    if not _ATEXIT_REGISTERED:
+        atexit.register(_close_all)
+        _ATEXIT_REGISTERED = True
+
+
+def _close_all() -> None:
+    for client in list(_LIVE):
+        client.broken = True  # no polite shutdown at exit: just make sure it is gone
+        client.close()
 
 
 def _error_from(msg: pr.ErrorMsg) -> SSDLocalError:
@@ -219,7 +290,9 @@ class SSDDrafter:
 
     def close(self) -> None:
         """End of one generate call: collect a reply still owed (after a cancel) so the
-        pipe is clean for the next batch. The worker itself lives on."""
-        if self._awaiting:
+        pipe is clean for the next batch. The worker itself lives on. After a failure
+        the client is broken and there is nothing to collect (close kills the worker)."""
+        if self._awaiting and not self.client.broken and not self.client._closed:
             self._awaiting = False
             self.client.recv(pr.Reply.PROPOSAL)
+        self._awaiting = False

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -51,15 +52,36 @@ def _apply_placement(msg: LoadMsg) -> None:
         torch.set_num_threads(msg.threads)
 
 
-def worker_main(conn, parent_pid: int) -> None:
-    """Process entry point. `conn` is the worker's end of a multiprocessing Pipe."""
-    _die_with_parent()
+def _watch_parent(parent_pid: int, every_s: float = 0.5) -> None:
+    """Exit as soon as the parent is gone (reparented), even in the middle of a long
+    model load or pre-speculation; covers platforms and threads without PDEATHSIG."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="ssdlocal-parent-watch", daemon=True).start()
+
+
+def worker_main(conn, parent_pid: int, pdeathsig: bool = True) -> None:
+    """Process entry point. `conn` is the worker's end of a multiprocessing Pipe.
+
+    `pdeathsig` is False when the parent spawned us from a non-main thread: Linux
+    delivers PDEATHSIG when that *thread* exits, which would kill a healthy worker.
+    """
+    if pdeathsig:
+        _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
+        os._exit(0)
+    _watch_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
         _serve(conn, parent_pid)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # parent went away: nothing to report to
-    except BaseException as exc:  # report anything else, then exit non-zero
+    except BaseException as exc:  # noqa: BLE001 - report anything else, then exit non-zero
         _send_error(conn, exc)
         os._exit(1)
 

@@ -20,7 +20,8 @@ from ssdlocal.errors import ModelLoadError, OutOfMemoryError, UnsupportedArchite
 log = logging.getLogger(__name__)
 
 CHECKPOINT_HINT = (
-    "point --target at a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file"
+    "point --target (or --draft) at a Hugging Face checkpoint directory (config.json + *.safetensors)"
+    " or a .gguf file"
 )
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
