@@ -41,9 +41,13 @@ class FanOutPlanner:
     target wait on a hit.
     """
 
-    def __init__(self, k: int, budget: int | None = None, min_budget: int = 1, max_budget: int = 32):
+    def __init__(
+        self, k: int, budget: int | None = None, min_budget: int | None = None, max_budget: int = 32
+    ):
         self.k = k
-        self.min_budget = min_budget
+        # below one candidate per accepted length the hit rate collapses, while a narrower
+        # tree saves little time on memory-bound hardware: K+1 is the default floor
+        self.min_budget = min_budget if min_budget is not None else min(k + 1, max_budget)
         self.max_budget = max_budget
         self.budget = budget if budget is not None else k + 1
         self.accepted = 1.0  # pseudo-counts: prior acceptance 0.7
@@ -60,13 +64,14 @@ class FanOutPlanner:
         self.accepted += n_accepted
         self.tried += n_accepted + (1 if n_accepted < n_drafted else 0)
 
-    def observe_timing(self, prespec_s: float, verify_s: float) -> None:
-        """Grow the budget if pre-speculation took < 80% of a verify, shrink if > 100%."""
+    def observe_timing(self, prespec_s: float, verify_s: float, completed: bool = True) -> None:
+        """Grow the budget if pre-speculation finished in < 80% of a verify; shrink it
+        if it took longer than a verify or had to be cut short (`completed` False)."""
         if verify_s <= 0:
             return
-        if prespec_s > verify_s and self.budget > self.min_budget:
+        if (prespec_s > verify_s or not completed) and self.budget > self.min_budget:
             self.budget -= 1
-        elif prespec_s < 0.8 * verify_s and self.budget < self.max_budget:
+        elif completed and prespec_s < 0.8 * verify_s and self.budget < self.max_budget:
             self.budget += 1
 
     def plan(self) -> tuple[int, ...]:

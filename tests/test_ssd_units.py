@@ -293,3 +293,12 @@ def test_split_cpus_examples_and_share():
     assert plan.target_cpus == (0, 1, 2, 3) and plan.draft_cpus == (4, 5, 6, 7)
     plan = split_cpus(list(range(8)), draft_share=0.0)  # at least one core for the draft
     assert plan.draft_cpus == (7,)
+
+
+def test_planner_floor_defaults_to_one_candidate_per_length_and_cut_short_shrinks():
+    planner = FanOutPlanner(3, budget=6)
+    planner.observe_timing(prespec_s=0.1, verify_s=1.0, completed=False)  # cut short: shrink
+    assert planner.budget == 5
+    for _ in range(10):
+        planner.observe_timing(prespec_s=0.5, verify_s=1.0, completed=False)
+    assert planner.budget == 4  # K + 1

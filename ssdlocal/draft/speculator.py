@@ -70,9 +70,20 @@ class Speculator:
         self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()
+        self.last_depth = 0  # tree depth reached by the last pre-speculation
         runner.feed([list(s[:-1]) for s in start.sequences])
 
     # ------------------------------------------------------------- fan-out
+    def early_stop(self, poll):
+        """`should_stop` for prespeculate: stop when `poll()` says the outcome has arrived.
+
+        Only with automatic fan-out: with fixed fan-outs the tree is always completed,
+        so seeded SSD sampling does not depend on timing.
+        """
+        if self.fixed_hit is not None or self.fixed_miss is not None:
+            return None
+        return lambda: bool(poll())
+
     def fan_for(self, from_hit: bool) -> tuple[int, ...]:
         fixed = self.fixed_hit if from_hit else self.fixed_miss
         if fixed is not None:
@@ -110,9 +121,14 @@ class Speculator:
             row.from_hit = False
 
     # ------------------------------------------------------------- pre-speculation
-    def prespeculate(self) -> float:
-        """Fill the speculation cache for every active row's pending outcome; returns seconds."""
+    def prespeculate(self, should_stop=None) -> float:
+        """Fill the speculation cache for every active row's pending outcome; returns seconds.
+
+        `should_stop` (optional, polled between tree steps) lets the worker cut the tree
+        short when the target's outcome arrives early.
+        """
         t0 = time.perf_counter()
+        self.last_depth = 0
         self.cache.clear()
         rows = self.rows
         # 1. make sure the draft has seen seq + proposal, collecting its predictions
@@ -142,11 +158,15 @@ class Speculator:
         self.last_fan = fans[0] if fans else ()
         width = max((len(t) for t in branches), default=0)
         if width:
-            self._tree_decode(branches, width)
+            self._tree_decode(branches, width, should_stop)
         return time.perf_counter() - t0
 
-    def _tree_decode(self, branches: list[list[tuple[int, int]]], width: int) -> None:
-        """K batched steps decoding every branch; branch i of row b -> scratch base+i*K."""
+    def _tree_decode(self, branches: list[list[tuple[int, int]]], width: int, should_stop=None) -> None:
+        """Up to K batched steps decoding every branch; branch i of row b -> scratch base+i*K.
+
+        `should_stop()` is polled between steps (never before the first): when it turns
+        True the branches keep the depth reached so far (shorter proposals, no waiting).
+        """
         batch, k_len, base = len(self.rows), self.k, self.base
         total = self.runner.num_slots
         fan = self.fan_for(True)  # a branch becomes a proposal only on a hit
@@ -164,32 +184,37 @@ class Speculator:
                 mask[b, i, self.trash] = False
                 mask[b, i, : L + k] = True  # prefix: seq + d_1..d_k (main slots)
         tokens = [[[] for _ in todo] for todo in branches]
-        step_logits: list[torch.Tensor] = []
-        step_q: list[torch.Tensor] = []
+        step_logits: list[torch.Tensor] = []  # per step [B, W, V]
+        step_q: list[torch.Tensor] = []  # per step [B, W, V] (sampling only)
         for j in range(k_len):
+            if j > 0 and should_stop is not None and should_stop():
+                break  # the outcome is here: serve branches of depth j rather than wait
             for b, todo in enumerate(branches):
                 for i in range(len(todo)):
                     mask[b, i, base + i * k_len + j] = True  # the branch's own tokens so far
             logits = align_vocab(self.runner.forward_raw(ids, positions, slots, mask), self.vocab)  # [B, W, V]
-            q = self._probs(logits.reshape(batch * width, -1), fan[j])  # [B*W, V]
-            drawn = sample(q, self.generator).reshape(batch, width)  # [B, W]
+            if self.params.greedy:
+                drawn = torch.argmax(logits, dim=-1)  # [B, W]
+            else:
+                q = self._probs(logits.reshape(batch * width, -1), fan[j])  # [B*W, V]
+                drawn = sample(q, self.generator).reshape(batch, width)  # [B, W]
+                step_q.append(q.reshape(batch, width, -1))
             step_logits.append(logits)
-            step_q.append(q.reshape(batch, width, -1))
             ids = drawn
             positions = positions + 1
             slots = torch.where(slots == self.trash, slots, slots + 1)
+            drawn_list = drawn.tolist()
             for b, todo in enumerate(branches):
                 for i in range(len(todo)):
-                    tokens[b][i].append(int(drawn[b, i]))
-        all_logits = torch.stack(step_logits, dim=2)  # [B, W, K, V]
-        all_q = torch.stack(step_q, dim=2)  # [B, W, K, V]
+                    tokens[b][i].append(drawn_list[b][i])
+        self.last_depth = len(step_logits)
         for b, todo in enumerate(branches):
             for i, (k, c) in enumerate(todo):
                 self.cache.put(
                     Branch(
                         row=b, n_accepted=k, bonus=c, tokens=tuple(tokens[b][i]),
-                        logits=all_logits[b, i],
-                        q=None if self.params.greedy else all_q[b, i],
+                        logits=torch.stack([lg[b, i] for lg in step_logits]),  # [depth, V]
+                        q=None if self.params.greedy else torch.stack([qs[b, i] for qs in step_q]),
                         slot_start=base + i * k_len,
                     )
                 )
@@ -225,9 +250,9 @@ class Speculator:
 
     def _take_branch(self, b: int, branch: Branch, bonus_index: int) -> None:
         r = self.rows[b]
-        k_len = self.k
-        src = [branch.slot_start + j for j in range(k_len)]  # bonus, e_1..e_{K-1}
-        dst = [bonus_index + j for j in range(k_len)]
+        depth = len(branch.tokens)
+        src = [branch.slot_start + j for j in range(depth)]  # bonus, e_1..e_{depth-1}
+        dst = [bonus_index + j for j in range(depth)]
         self.runner.copy_slots(b, src, dst)
         held = self.runner.held[b]
         del held[bonus_index:]
@@ -235,7 +260,7 @@ class Speculator:
         held.extend(branch.tokens[:-1])
         r.proposal = list(branch.tokens)
         r.q = branch.q
-        r.pred = {len(r.seq) + j: branch.logits[j] for j in range(k_len)}
+        r.pred = {len(r.seq) + j: branch.logits[j] for j in range(depth)}
         r.from_hit = True
 
     def _backup(self, missed: list[int], backup: str) -> None:

@@ -157,15 +157,15 @@ def _serve(conn, parent_pid: int) -> None:
         elif cmd == Cmd.FIRST:
             served = spec.first()
             send_proposal(served, time.perf_counter() - t0)
-            prespec_s = spec.prespeculate()
+            prespec_s = spec.prespeculate(spec.early_stop(conn.poll))
         elif cmd == Cmd.OUTCOME:
             assert isinstance(payload, OutcomeMsg)
             round_index = payload.round_index + 1
             for planner in (spec.plan_hit, spec.plan_miss):
-                planner.observe_timing(prespec_s, payload.verify_s)
+                planner.observe_timing(prespec_s, payload.verify_s, spec.last_depth >= spec.k)
             served = spec.resolve(payload)
             busy_s = prespec_s + (time.perf_counter() - t0)
             send_proposal(served, busy_s)
-            prespec_s = spec.prespeculate()
+            prespec_s = spec.prespeculate(spec.early_stop(conn.poll))
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
