@@ -262,6 +262,8 @@ class Engine:
             proposal = drafter.propose([r.tokens for r in rows], active)
             proposal_tokens, q = proposal.tokens, proposal.q
             cache_hit, backup = proposal.cache_hit, proposal.backup
+            if proposal.draft_busy_s is not None:
+                stats.draft_busy_s += proposal.draft_busy_s
         t1 = time.perf_counter()
         # verify: the target scores pending + drafts in one forward
         pending = [self.runner.pending(b, r.tokens) if active[b] else [] for b, r in enumerate(rows)]

@@ -23,12 +23,15 @@ class Proposal:
        when every token is a deterministic choice (point mass: greedy or n-gram).
     cache_hit[b]: SSD only, whether row b was served from the speculation cache.
     backup: SSD only, which backup produced the missed rows ("jit", "ngram", "none").
+    draft_busy_s: SSD only, the worker's compute time since its previous proposal
+       (pre-speculation + serving), to compare with the target's verify time.
     """
 
     tokens: list[list[int]]
     q: torch.Tensor | None
     cache_hit: list[bool] | None = None
     backup: str | None = None
+    draft_busy_s: float | None = None
 
 
 class Drafter(Protocol):

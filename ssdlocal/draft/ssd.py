@@ -260,7 +260,9 @@ class SSDDrafter:
         if msg.q_written and self._q_buffer is not None:
             q = self._q_buffer.clone()  # [B, K, V]
         self.chooser.observe_proposal(msg)
-        return Proposal(tokens=tokens, q=q, cache_hit=list(msg.cache_hit), backup=msg.backup)
+        return Proposal(
+            tokens=tokens, q=q, cache_hit=list(msg.cache_hit), backup=msg.backup, draft_busy_s=msg.busy_s
+        )
 
     def observe(self, sequences, n_accepted, bonus, active) -> None:
         verify_s = time.perf_counter() - self._proposed_at
