@@ -229,3 +229,7 @@ def _fail_unexpected(exc: Exception) -> None:
         "this is a bug; rerun with --verbose for the traceback and report it",
         1,
     )
+
+
+from .cli_bench import bench as _bench  # noqa: E402
+app.command("bench")(_bench)

@@ -1,0 +1,120 @@
+"""Per-system aggregates over benchmark records (pure), with DESIGN.md metric names.
+
+Rates are ratios of sums (total tokens / total decode time, accepted / drafted, ...);
+`tokens_per_s_mean` is the plain mean of the per-record rates. Speedups compare
+`tokens_per_s` (the total rate); a system that failed the exactness check gets none.
+"""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from .project import ProjectionInputs
+
+_SUMMED = (
+    "rounds", "row_rounds", "drafted", "accepted", "emitted", "timed_rounds", "draft_ms_timed",
+    "verify_ms_timed", "rows_hit", "rows_miss", "tokens_on_hit", "tokens_on_miss",
+)  # fmt: skip
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def aggregate(records: list[dict], system: str) -> dict:
+    """Totals and rates of one system's records."""
+    recs = [r for r in records if r["system"] == system]
+    decode_tokens = sum(r["decode_tokens"] for r in recs)
+    decode_s = sum(r["decode_s"] for r in recs)
+    rates = [r["tokens_per_s"] for r in recs if r["tokens_per_s"] is not None]
+    ttfts = [r["ttft_s"] for r in recs if r["ttft_s"] is not None]
+    out: dict = {
+        "records": len(recs),
+        "tokens": sum(r["tokens"] for r in recs),
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "tokens_per_s": _ratio(decode_tokens, decode_s),
+        "tokens_per_s_mean": mean(rates) if rates else None,
+        "ttft_s": mean(ttfts) if ttfts else None,
+    }
+    specs = [r["spec"] for r in recs if r.get("spec")]
+    if not specs:
+        return out
+    s = {key: sum(sp.get(key, 0) for sp in specs) for key in _SUMMED}
+    width = max(len(sp.get("accepted_len_hist") or []) for sp in specs)
+    hist = [0] * width
+    for sp in specs:
+        for i, n in enumerate(sp.get("accepted_len_hist") or []):
+            hist[i] += n
+    backups: dict[str, int] = {}
+    for sp in specs:
+        for name, n in (sp.get("backup_used") or {}).items():
+            backups[name] = backups.get(name, 0) + n
+    out.update(
+        {
+            "k": specs[0]["k"],
+            "rounds": s["rounds"],
+            "draft_ms_per_round": _ratio(s["draft_ms_timed"], s["timed_rounds"]),
+            "verify_ms_per_round": _ratio(s["verify_ms_timed"], s["timed_rounds"]),
+        }
+    )
+    if specs[0]["k"] == 0:
+        return out
+    out.update(
+        {
+            "drafted": s["drafted"],
+            "accepted": s["accepted"],
+            "acceptance_rate": _ratio(s["accepted"], s["drafted"]),
+            "mean_accepted_len": _ratio(s["emitted"], s["row_rounds"]),
+            "accepted_len_hist": hist,
+        }
+    )
+    if any("rows_hit" in sp for sp in specs):
+        out.update(
+            {
+                "cache_hit_rate": _ratio(s["rows_hit"], s["rows_hit"] + s["rows_miss"]),
+                "tokens_per_round_hit": _ratio(s["tokens_on_hit"], s["rows_hit"]),
+                "tokens_per_round_miss": _ratio(s["tokens_on_miss"], s["rows_miss"]),
+                "backup_used": backups,
+            }
+        )
+    return out
+
+
+def aggregate_all(
+    records: list[dict], systems: list[str], exactness: dict[str, dict]
+) -> dict[str, dict]:
+    """Aggregates for every system, with exactness status and speedups vs AR and SD."""
+    aggs = {s: aggregate(records, s) for s in systems}
+    for s, agg in aggs.items():
+        agg["exactness"] = (exactness.get(s) or {}).get("status", "n/a")
+        agg["valid"] = agg["exactness"] != "FAIL"
+    for s, agg in aggs.items():
+        for ref in ("ar", "sd"):
+            base = aggs.get(ref)
+            ok = agg["valid"] and base is not None and base["valid"]
+            rate, base_rate = agg["tokens_per_s"], base["tokens_per_s"] if base else None
+            agg[f"speedup_vs_{ref}"] = rate / base_rate if ok and rate and base_rate else None
+    return aggs
+
+
+def projection_inputs(aggs: dict[str, dict], k: int) -> ProjectionInputs:
+    """Measured inputs for project.py: E_SD, p_hit, E_hit, E_miss from SD / SSD, the
+    draft/target forward ratio from SD's draft time per round / K over AR's time per step,
+    and the draft forwards one SSD miss costs (K for each jit backup, 0 for n-gram / none)."""
+    sd, ssd, ar = aggs.get("sd") or {}, aggs.get("ssd") or {}, aggs.get("ar") or {}
+    ratio = None
+    if sd.get("draft_ms_per_round") and ar.get("verify_ms_per_round"):
+        ratio = sd["draft_ms_per_round"] / k / ar["verify_ms_per_round"]
+    backups = ssd.get("backup_used") or {}
+    n_backup = sum(backups.values())
+    backup_forwards = k * backups.get("jit", 0) / n_backup if n_backup else float(k)
+    return ProjectionInputs(
+        k=k,
+        e_sd=sd.get("mean_accepted_len"),
+        p_hit=ssd.get("cache_hit_rate"),
+        e_hit=ssd.get("tokens_per_round_hit"),
+        e_miss=ssd.get("tokens_per_round_miss"),
+        backup_forwards=backup_forwards,
+        measured_ratio=ratio,
+    )

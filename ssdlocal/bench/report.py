@@ -1,0 +1,230 @@
+"""Benchmark outputs: results.json (environment, settings, records, aggregates,
+projections), results.md (Markdown table) and results.png (matplotlib, Agg backend).
+
+`build_results` is the one place the JSON document is assembled; the writers only
+render it. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .aggregate import aggregate_all, projection_inputs
+from .project import DEFAULT_RATIOS, project
+from .run import BenchRun
+
+SCHEMA_VERSION = 1
+
+
+def environment() -> dict:
+    """Hardware (CPU model, cores, RAM, GPUs) and library versions."""
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = None
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "hardware": {
+            "cpu": cpu,
+            "cores": os.cpu_count(),
+            "usable_cores": usable,
+            "ram_gib": round(ram, 1) if ram else None,
+            "gpus": gpus,
+            "platform": platform.platform(),
+        },
+        "versions": {
+            "ssdlocal": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+    }
+
+
+def build_results(
+    run: BenchRun, *, with_projection: bool, ratios=DEFAULT_RATIOS, env: dict | None = None
+) -> dict:
+    """The results.json document."""
+    aggs = aggregate_all(run.records, run.systems, run.exactness)
+    settings = asdict(run.settings)
+    doc = {
+        "schema": SCHEMA_VERSION,
+        **(env if env is not None else environment()),
+        "settings": {
+            **settings,
+            "target": run.target,
+            "draft": run.draft,
+            "n_prompts": len(run.prompts),
+        },
+        "prompts": [asdict(p) for p in run.prompts],
+        "batches": run.batches,
+        "systems": run.systems,
+        "skipped": run.skipped,
+        "exactness": run.exactness
+        or {s: {"status": "n/a (temperature > 0 or no AR run)"} for s in run.systems},
+        "aggregates": aggs,
+        "records": run.records,
+        "wall_s": run.wall_s,
+    }
+    if with_projection:
+        doc["projections"] = project(projection_inputs(aggs, run.settings.k), ratios)
+    return doc
+
+
+def write_all(doc: dict, out_dir: Path) -> dict[str, Path]:
+    """Write results.json, results.md and results.png into out_dir; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out_dir / "results.json",
+        "md": out_dir / "results.md",
+        "png": out_dir / "results.png",
+    }
+    paths["json"].write_text(json.dumps(doc, indent=2) + "\n")
+    paths["md"].write_text(markdown(doc))
+    write_png(doc, paths["png"])
+    return paths
+
+
+def _f(value, fmt: str = "{:.2f}", none: str = "–") -> str:
+    return none if value is None else fmt.format(value)
+
+
+def summary_rows(doc: dict) -> list[list[str]]:
+    """Table rows shared by Markdown and the terminal: one per system."""
+    rows = []
+    for name, a in doc["aggregates"].items():
+        rate = _f(a["tokens_per_s"])
+        if not a["valid"]:
+            rate = f"FAIL ({rate} not counted)"
+        rows.append(
+            [
+                name,
+                rate,
+                _f(a["tokens_per_s_mean"]),
+                "–" if a["ttft_s"] is None else f"{a['ttft_s'] * 1e3:.0f}",
+                _f(a.get("acceptance_rate"), "{:.0%}"),
+                _f(a.get("mean_accepted_len")),
+                _f(a.get("cache_hit_rate"), "{:.0%}"),
+                _f(a.get("draft_ms_per_round"), "{:.1f}"),
+                _f(a.get("verify_ms_per_round"), "{:.1f}"),
+                _f(a["speedup_vs_ar"], "{:.2f}×"),
+                _f(a["speedup_vs_sd"], "{:.2f}×"),
+                _exact_cell(doc["exactness"].get(name, {})),
+            ]
+        )
+    return rows
+
+
+HEADERS = [
+    "system", "tok/s", "tok/s mean", "TTFT ms", "accept", "tok/round", "cache hit",
+    "draft ms/rnd", "verify ms/rnd", "vs AR", "vs SD", "exact",
+]  # fmt: skip
+
+
+def _exact_cell(ex: dict) -> str:
+    status = ex.get("status", "n/a")
+    if status != "FAIL":
+        return status
+    first = ex["divergences"][0]
+    margin = f", margin {first['margin']:.3f}" if "margin" in first else ""
+    return f"FAIL {ex['mismatched_rows']}/{ex['rows']} (first at {first['index']}{margin})"
+
+
+def markdown(doc: dict) -> str:
+    s, hw, v = doc["settings"], doc["hardware"], doc["versions"]
+    lines = [
+        "# ssdlocal bench",
+        "",
+        f"- target: `{s['target']}`  draft: `{s['draft']}`",
+        (
+            f"- {s['n_prompts']} prompts, batch {s['batch_size']}, max {s['max_new_tokens']} new tokens, "
+            f"K={s['k']}, temperature {s['temperature']}, {s['dtype']}, repeats {s['repeats']}, chat {s['chat']}"
+        ),
+        f"- {hw['cpu']} ({hw['usable_cores']} usable cores), RAM {hw['ram_gib']} GiB, GPUs: {', '.join(hw['gpus']) or 'none'}",
+        f"- ssdlocal {v['ssdlocal']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}",
+        "- tok/s = decode tokens / decode time (prefill excluded); TTFT separately",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in summary_rows(doc)]
+    for name, why in doc["skipped"].items():
+        lines.append(f"\n- {name}: {why}")
+    proj = doc.get("projections")
+    if proj:
+        lines += [
+            "",
+            "## Projection (not measured)",
+            "",
+            proj["label"],
+            "",
+            "| draft/target ratio | SD vs AR | SSD vs AR |",
+            "|---|---|---|",
+        ]
+        for r in proj["rows"]:
+            tag = " (measured)" if r["measured"] else ""
+            lines.append(
+                f"| {r['ratio']:.3f}{tag} | {_f(r['sd_speedup'], '{:.2f}×')} | {_f(r['ssd_speedup'], '{:.2f}×')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_png(doc: dict, path: Path) -> None:
+    """Three panels: tokens/s per system, accepted-length histogram per mode, SSD hit rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    aggs = doc["aggregates"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = list(aggs)
+    rates = [aggs[n]["tokens_per_s"] or 0.0 for n in names]
+    colors = ["tab:red" if not aggs[n]["valid"] else "tab:blue" for n in names]
+    axes[0].bar(names, rates, color=colors)
+    axes[0].set_title("decode tokens/s (red = failed exactness)")
+    axes[0].set_ylabel("tokens/s")
+    hists = {n: a["accepted_len_hist"] for n, a in aggs.items() if a.get("accepted_len_hist")}
+    if hists:
+        width = 0.8 / len(hists)
+        for i, (n, h) in enumerate(hists.items()):
+            total = sum(h) or 1
+            axes[1].bar(
+                [x + i * width for x in range(len(h))], [c / total for c in h], width, label=n
+            )
+        axes[1].legend()
+    axes[1].set_title("accepted draft tokens per round")
+    axes[1].set_xlabel("accepted")
+    ssd = aggs.get("ssd") or {}
+    if ssd.get("cache_hit_rate") is not None:
+        hit = ssd["cache_hit_rate"]
+        axes[2].bar(["hit", "miss"], [hit, 1 - hit], color=["tab:green", "tab:gray"])
+        axes[2].set_ylim(0, 1)
+    else:
+        axes[2].text(0.5, 0.5, "no SSD run", ha="center", va="center")
+    axes[2].set_title("SSD speculation cache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,224 @@
+"""Run the benchmark: one Engine for AR / SD / SSD (spec= per call) plus peers, interleaved.
+
+For each batch of prompts every system runs once, the system order rotating from batch
+to batch (and repeat to repeat) so drift and order effects hit all systems alike. One
+short untimed warm-up generation per system comes first. At temperature 0 every
+system's tokens are checked against AR's (exactness.py). Nothing here prints: progress
+goes to an optional callback `progress(stage, done, total, label)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ..config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ..errors import UsageError
+from .exactness import check_exactness, logit_margin
+from .measure import Measurement, from_engine_events
+from .peers import KNOWN_PEERS, PeerOptions, PeerSkipped, make_peers
+from .prompts import BenchPrompt
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int, str], None]
+MODES = ("ar", "sd", "ssd")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What the user asked the benchmark to do (validated on creation)."""
+
+    modes: tuple[str, ...] = MODES
+    peers: tuple[str, ...] = ()
+    k: int = 4
+    fan_out: tuple[int, ...] | None = None
+    fan_out_miss: tuple[int, ...] | None = None
+    backup: str = "auto"
+    saguaro_c: float = 1.0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 1
+    max_new_tokens: int = 64
+    repeats: int = 1
+    chat: bool = True
+    ignore_eos: bool = False
+    dtype: str = "bfloat16"
+    target_device: str = "cpu"
+    draft_device: str = "cpu"
+    pin_cpus: bool = True
+    warmup_tokens: int = 8
+    gguf_target: str | None = None
+    gguf_draft: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes or len(set(self.modes)) != len(self.modes):
+            raise UsageError(
+                f"bad --modes {','.join(self.modes)!r}", "a comma list of distinct ar, sd, ssd"
+            )
+        bad = [p for p in self.peers if p not in KNOWN_PEERS]
+        if bad:
+            raise UsageError(f"unknown peer {bad[0]!r}", f"choose from: {', '.join(KNOWN_PEERS)}")
+        for name, value in (("batch-size", self.batch_size), ("repeats", self.repeats)):
+            if value < 1:
+                raise UsageError(f"{name} must be >= 1, got {value}", f"use --{name} 1")
+        _ = self.params  # validates sampling options
+        self.spec("sd", "draft")  # validates K / fan-out / backup
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos,
+        )  # fmt: skip
+
+    def spec(self, mode: str, draft: str | None) -> SpecConfig:
+        if mode == "ar":
+            return SpecConfig(mode=Mode.AR, k=self.k)
+        return SpecConfig(
+            mode=Mode(mode), k=self.k, draft=draft, fan_out=self.fan_out,
+            fan_out_miss=self.fan_out_miss, backup=self.backup, saguaro_c=self.saguaro_c,
+        )  # fmt: skip
+
+
+@dataclass
+class BenchRun:
+    """Everything measured; report.py turns it into results.json / .md / .png."""
+
+    settings: BenchSettings
+    target: str
+    draft: str | None
+    prompts: list[BenchPrompt]
+    batches: list[list[str]]  # prompt ids per batch
+    records: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    exactness: dict[str, dict] = field(default_factory=dict)
+    systems: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def run_bench(
+    target: str, draft: str | None, prompts: list[BenchPrompt], settings: BenchSettings,
+    progress: ProgressFn | None = None,
+) -> BenchRun:  # fmt: skip
+    """Load one Engine (and the peers), warm up, run every system on every batch, check
+    exactness. Engine and peers are closed before returning."""
+    from ..engine import Engine
+
+    note = progress or (lambda *a: None)
+    started = time.perf_counter()
+    speculative = [m for m in settings.modes if m != "ar"]
+    if (speculative or "hf-assisted" in settings.peers) and not draft:
+        raise UsageError(
+            "SD, SSD and hf-assisted need a draft", "pass --draft PATH or use --modes ar"
+        )
+    config = EngineConfig(
+        target=ModelSpec(target, settings.target_device, settings.dtype),
+        spec=settings.spec(speculative[0], draft) if speculative else SpecConfig(),
+        draft_model=ModelSpec(draft, settings.draft_device, settings.dtype)
+        if speculative
+        else None,
+        pin_cpus=settings.pin_cpus,
+    )
+    batches = [
+        prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)
+    ]
+    run = BenchRun(settings, target, draft, prompts, [[p.id for p in b] for b in batches])
+    note("load", 0, 1, "loading target and draft")
+    peers: list = []
+    with Engine(config) as engine:
+        try:
+            ids = {p.id: engine.encode(p.prompt, settings.chat) for p in prompts}
+            if settings.peers:
+                note("load", 0, 1, "loading peers")
+                opts = PeerOptions(
+                    target, draft, settings.dtype, settings.target_device, settings.k,
+                    settings.gguf_target, settings.gguf_draft,
+                )  # fmt: skip
+                pad = engine.tokenizer.pad_token_id
+                peers, run.skipped = make_peers(
+                    settings.peers,
+                    opts,
+                    engine.eos_ids,
+                    min(engine.eos_ids) if pad is None else pad,
+                )
+            systems = _systems(engine, settings, draft, peers)
+            _measure_all(run, systems, ids, batches, note)
+            if settings.temperature == 0.0 and "ar" in run.systems:
+                note("exactness", 0, 1, "checking exactness against AR")
+                margin_fn = lambda prompt, prefix, toks: logit_margin(
+                    engine.runner, prompt, prefix, toks
+                )
+                run.exactness = check_exactness(run.records, ids, margin_fn)
+        finally:
+            for peer in peers:
+                peer.close()
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+def _systems(
+    engine, settings: BenchSettings, draft: str | None, peers: list
+) -> dict[str, Callable]:
+    """name -> run(batch_token_ids, params) -> Measurement, in the order the user gave."""
+    systems: dict[str, Callable] = {}
+    for mode in settings.modes:
+        spec = settings.spec(mode, draft)
+        k = 0 if mode == "ar" else settings.k
+
+        def run_mode(batch, params, _mode=mode, _spec=spec, _k=k) -> Measurement:
+            return from_engine_events(_mode, engine.generate(batch, params, spec=_spec), _k)
+
+        systems[mode] = run_mode
+    for peer in peers:
+        systems[peer.name] = peer.generate
+    return systems
+
+
+def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: ProgressFn) -> None:
+    settings = run.settings
+    params = settings.params
+    warm = replace(params, max_new_tokens=min(settings.warmup_tokens, params.max_new_tokens))
+    first = [ids[p.id] for p in batches[0]]
+    for i, (name, fn) in enumerate(list(systems.items())):
+        note("warmup", i, len(systems), f"warm-up {name}")
+        try:
+            fn(first, warm)
+        except PeerSkipped as exc:
+            run.skipped[name] = f"skipped: {exc}"
+            del systems[name]
+    run.systems = list(systems)
+    total = settings.repeats * len(batches) * len(systems)
+    done = 0
+    for repeat in range(settings.repeats):
+        for b, batch in enumerate(batches):
+            names = list(systems)
+            shift = (repeat * len(batches) + b) % len(names)
+            for order, name in enumerate(names[shift:] + names[:shift]):
+                note(
+                    "run",
+                    done,
+                    total,
+                    f"{name} · {', '.join(p.id for p in batch)} · repeat {repeat + 1}",
+                )
+                try:
+                    m = systems[name]([ids[p.id] for p in batch], params)
+                except PeerSkipped as exc:
+                    run.skipped[name] = f"skipped: {exc}"
+                    continue
+                rec = {
+                    "batch": b,
+                    "repeat": repeat,
+                    "order": order,
+                    "prompt_ids": [p.id for p in batch],
+                }
+                rec.update(m.to_json())
+                run.records.append(rec)
+                done += 1
+    note("run", total, total, "done")
+    run.systems = [s for s in run.systems if any(r["system"] == s for r in run.records)]
