@@ -312,3 +312,44 @@ def test_worker_exits_when_parent_is_killed(tiny_dir, tmp_path):
             proc.wait()
         if worker_pid is not None and not process_gone(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+FORGETFUL_SCRIPT = """
+import os, signal, sys
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from ssdlocal.engine import Engine
+
+if __name__ == "__main__":
+    target, draft = sys.argv[1], sys.argv[2]
+    engine = Engine(EngineConfig(
+        target=ModelSpec(target, "cpu", "float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft),
+        draft_model=ModelSpec(draft, "cpu", "float32"),
+        pin_cpus=False,
+    ))
+    print(engine._worker.proc.pid, flush=True)
+    os.kill(engine._worker.proc.pid, signal.SIGSTOP)
+    # exits without engine.close(): multiprocessing's exit hook alone would SIGTERM the
+    # stopped worker and then join it forever
+"""
+
+
+def test_interpreter_exit_without_close_kills_a_stopped_worker(tiny_dir, tmp_path):
+    script = tmp_path / "forgetful.py"
+    script.write_text(textwrap.dedent(FORGETFUL_SCRIPT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    worker_pid = None
+    try:
+        worker_pid = int(_read_until_output(proc, 90).decode().split()[0])
+        proc.wait(timeout=10)
+        assert proc.returncode == 0, proc.stderr.read().decode()
+        assert not wait_gone([worker_pid], 5.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if worker_pid is not None and not process_gone(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
