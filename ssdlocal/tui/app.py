@@ -1,0 +1,122 @@
+"""Textual apps for `ssdlocal chat` and `ssdlocal race`.
+
+Each app loads the engine in a thread worker (the UI shows at once), hands it to its
+screen, shows failures as an ErrorModal, and stops a running generation on quit. The
+caller owns closing the engine (`app.engine`) after `run()` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.screen import Screen
+
+from ..config import EngineConfig, Mode, SamplingParams, SpecConfig
+from .core import ChatSettings, EngineLike, describe_pair, error_text
+from .messages import EngineReady, WorkFailed
+from .screens.chat import ChatScreen
+from .screens.dialogs import ErrorModal
+from .screens.race import RaceScreen
+
+EngineFactory = Callable[[], EngineLike]
+
+
+class EngineApp(App):
+    """Shared by both apps: background engine loading and error display."""
+
+    CSS_PATH = Path(__file__).with_name("ssdlocal.tcss")
+    ENABLE_COMMAND_PALETTE = True
+
+    def __init__(self, load_engine: EngineFactory, config: EngineConfig) -> None:
+        super().__init__()
+        self.load_engine = load_engine
+        self.engine_config = config
+        self.engine: EngineLike | None = None
+        self.pair, self.placement = describe_pair(config)
+        self.main: Screen | None = None
+
+    def make_screen(self) -> Screen:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def on_mount(self) -> None:
+        self.main = self.make_screen()
+        self.push_screen(self.main)
+        self._load()
+
+    @work(thread=True, exit_on_error=False, group="load")
+    def _load(self) -> None:
+        try:
+            engine = self.load_engine()
+        except BaseException as exc:  # noqa: BLE001 - shown in a modal, never a traceback
+            self.post_message(WorkFailed("Could not load the models", *error_text(exc)))
+            return
+        self.post_message(EngineReady(engine))
+
+    def on_engine_ready(self, msg: EngineReady) -> None:
+        self.engine = msg.engine
+        self.main.engine_ready(msg.engine)
+
+    def on_work_failed(self, msg: WorkFailed) -> None:
+        self.main.engine_failed()
+        self.show_error(msg.title, msg.message, msg.hint)
+
+    def show_error(self, title: str, message: str, hint: str = "") -> None:
+        self.push_screen(ErrorModal(title, message, hint))
+
+    async def action_quit(self) -> None:
+        if self.engine is not None:
+            self.engine.cancel()  # a running generate stops after its current round
+        self.exit()
+
+
+class ChatApp(EngineApp):
+    TITLE = "ssdlocal chat"
+
+    def __init__(self, load_engine: EngineFactory, config: EngineConfig, settings: ChatSettings,
+                 system: str | None = None) -> None:
+        super().__init__(load_engine, config)
+        self.chat_settings = settings
+        self.system = system
+
+    def make_screen(self) -> ChatScreen:
+        return ChatScreen(self.chat_settings, self.pair, self.placement, self.system)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        if not isinstance(screen, ChatScreen):
+            return
+        for mode in (Mode.AR, Mode.SD, Mode.SSD):
+            yield SystemCommand(f"Mode: {mode.value.upper()}", f"decode with {mode.value.upper()}",
+                                lambda m=mode: screen.set_mode(m))
+        yield SystemCommand("K +1", "one more draft token per round", screen.action_k_up)
+        yield SystemCommand("K -1", "one draft token fewer per round", screen.action_k_down)
+        yield SystemCommand("Temperature +0.1", "sample more freely", screen.action_temp_up)
+        yield SystemCommand("Temperature -0.1", "sample more greedily", screen.action_temp_down)
+        yield SystemCommand("Stop generation", "stop after the current round", screen.action_stop)
+        yield SystemCommand("Copy last answer", "to the clipboard", screen.action_copy)
+        yield SystemCommand("Clear conversation", "forget the history", screen.action_clear)
+        yield SystemCommand("Toggle token colours", "colour tokens by origin",
+                            screen.action_toggle_colors)
+        yield SystemCommand("Help", "slash commands and keys", screen.action_help)
+
+
+class RaceApp(EngineApp):
+    TITLE = "ssdlocal race"
+
+    def __init__(self, load_engine: EngineFactory, config: EngineConfig, prompt: str,
+                 specs: list[SpecConfig], params: SamplingParams, *, chat: bool = True,
+                 warmup: bool = True, speed: float = 1.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(load_engine, config)
+        self.race_args = dict(prompt=prompt, specs=specs, params=params, chat=chat, warmup=warmup,
+                              speed=speed, clock=clock)
+
+    def make_screen(self) -> RaceScreen:
+        a = self.race_args
+        return RaceScreen(a["prompt"], a["specs"], a["params"], pair=self.pair,
+                          placement=self.placement, chat=a["chat"], warmup=a["warmup"],
+                          speed=a["speed"], clock=a["clock"])

@@ -1,0 +1,290 @@
+"""UI-free core of the chat TUI: settings, slash commands, conversation, token colouring.
+
+Everything here is plain Python over the engine's interface (EngineLike) and events;
+it never imports Textual, so it is tested directly and reused by the race screen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ..errors import UsageError
+from ..events import Event, TokenOrigin
+
+MODES = (Mode.AR, Mode.SD, Mode.SSD)
+
+
+class EngineLike(Protocol):
+    """What the TUI needs from an engine (ssdlocal.engine.Engine, or a scripted fake)."""
+
+    config: EngineConfig
+    tokenizer: Any
+
+    def generate(self, prompts, params: SamplingParams, *, chat: bool = False,
+                 spec: SpecConfig | None = None) -> Iterator[Event]: ...
+    def encode(self, prompt: str, chat: bool) -> list[int]: ...
+    def cancel(self) -> None: ...
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class ChatSettings:
+    """What the user can change between turns. `draft` is fixed by the loaded engine."""
+
+    mode: Mode = Mode.SSD
+    k: int = 4
+    fan_out: tuple[int, ...] | None = None  # None = auto
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 256
+    draft: str | None = None  # checkpoint path / 'ngram' / None (AR only)
+
+    def __post_init__(self) -> None:
+        self.sampling()  # validate now (UsageError with a hint)
+        if self.mode is not Mode.AR and not self.draft:
+            raise UsageError(f"{self.mode.value.upper()} needs a draft model",
+                             "restart with --draft PATH (or --draft ngram) to use SD or SSD")
+        if self.k < 1 or self.k > 16:
+            raise UsageError(f"K must be between 1 and 16, got {self.k}", "try K=4")
+        if self.fan_out is not None and len(self.fan_out) != self.k + 1:
+            raise UsageError(f"fan-out needs K+1 = {self.k + 1} entries, got {len(self.fan_out)}",
+                             f"for K={self.k} write e.g. /fanout {','.join(['1'] * (self.k + 1))}")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              seed=self.seed, max_new_tokens=self.max_new_tokens)
+
+    def spec(self, base: SpecConfig) -> SpecConfig:
+        """The per-call SpecConfig: the engine's settings with mode/K/fan-out overridden."""
+        keep_miss = base.fan_out_miss is not None and len(base.fan_out_miss) == self.k + 1
+        return replace(base, mode=self.mode, k=self.k, draft=self.draft or base.draft,
+                       fan_out=self.fan_out, fan_out_miss=base.fan_out_miss if keep_miss else None)
+
+    def with_mode(self, mode: Mode) -> ChatSettings:
+        return replace(self, mode=mode)
+
+    def next_mode(self) -> ChatSettings:
+        """Cycle AR -> SD -> SSD -> AR (AR only when no draft is loaded)."""
+        if not self.draft:
+            raise UsageError("no draft model is loaded, so only AR is available",
+                             "restart with --draft PATH (or --draft ngram) to use SD or SSD")
+        return self.with_mode(MODES[(MODES.index(self.mode) + 1) % len(MODES)])
+
+    def with_k(self, k: int) -> ChatSettings:
+        fan = self.fan_out if self.fan_out is not None and len(self.fan_out) == k + 1 else None
+        return replace(self, k=k, fan_out=fan)
+
+    def with_temperature(self, temperature: float) -> ChatSettings:
+        return replace(self, temperature=round(max(0.0, temperature), 3))
+
+    def describe(self) -> str:
+        fan = "auto" if self.fan_out is None else ",".join(map(str, self.fan_out))
+        parts = [self.mode.value.upper()]
+        if self.mode is not Mode.AR:
+            parts.append(f"K={self.k}")
+        if self.mode is Mode.SSD:
+            parts.append(f"F={fan}")
+        parts.append(f"T={self.temperature:g}")
+        parts.append(f"max {self.max_new_tokens}")
+        return " · ".join(parts)
+
+
+# --------------------------------------------------------------------------- commands
+COMMANDS_HELP = (
+    ("/mode ar|sd|ssd", "decoding mode (F2 cycles)"),
+    ("/k N", "draft tokens per round K (F3 / F4)"),
+    ("/fanout 3,3,2,2,1|auto", "SSD fan-out per accepted length (K+1 entries)"),
+    ("/temp X", "temperature, 0 = greedy (F5 / F6)"),
+    ("/max N", "max new tokens per answer"),
+    ("/seed N", "sampling seed"),
+    ("/colors", "toggle token colours by origin (F8)"),
+    ("/copy", "copy the last answer (Ctrl+Y)"),
+    ("/stop", "stop the generation (Esc)"),
+    ("/clear", "clear the conversation (Ctrl+L)"),
+    ("/help", "this help (F1)"),
+)
+ACTIONS = ("colors", "copy", "stop", "clear", "help")
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """Outcome of a slash command: new settings, or an action name for the UI."""
+
+    settings: ChatSettings | None = None
+    action: str | None = None
+
+
+def run_command(line: str, settings: ChatSettings) -> CommandResult:
+    """Apply `/name arg` to the settings. Raises UsageError (with a hint) on bad input."""
+    name, _, arg = line.strip().lstrip("/").partition(" ")
+    name, arg = name.lower(), arg.strip()
+    if name in ACTIONS:
+        return CommandResult(action=name)
+    if name in ("mode", "m"):
+        try:
+            return CommandResult(settings.with_mode(Mode(arg.lower())))
+        except ValueError:
+            raise UsageError(f"unknown mode {arg!r}", "use /mode ar, /mode sd or /mode ssd") from None
+    if name == "k":
+        return CommandResult(settings.with_k(_int(arg, "/k 4")))
+    if name in ("fanout", "fan-out", "f"):
+        if arg.lower() in ("", "auto"):
+            return CommandResult(replace(settings, fan_out=None))
+        try:
+            fan = tuple(int(x) for x in arg.split(","))
+        except ValueError:
+            raise UsageError(f"cannot read fan-out {arg!r}", "write e.g. /fanout 3,3,2,2,1") from None
+        if any(f < 0 for f in fan):
+            raise UsageError("fan-out entries must be >= 0", "use 0 to skip a position")
+        return CommandResult(replace(settings, fan_out=fan))
+    if name in ("temp", "temperature", "t"):
+        try:
+            value = float(arg)
+        except ValueError:
+            raise UsageError(f"cannot read temperature {arg!r}", "write e.g. /temp 0.7") from None
+        return CommandResult(replace(settings, temperature=value))
+    if name in ("max", "max-new-tokens"):
+        return CommandResult(replace(settings, max_new_tokens=_int(arg, "/max 256")))
+    if name == "seed":
+        return CommandResult(replace(settings, seed=_int(arg, "/seed 0")))
+    raise UsageError(f"unknown command /{name}", "type /help for the list of commands")
+
+
+def _int(arg: str, example: str) -> int:
+    try:
+        return int(arg)
+    except ValueError:
+        raise UsageError(f"expected a whole number, got {arg!r}", f"write e.g. {example}") from None
+
+
+# --------------------------------------------------------------------------- conversation
+@dataclass
+class Conversation:
+    """The message history; builds the token ids of the next turn via the chat template."""
+
+    system: str | None = None
+    messages: list[dict[str, str]] | None = None
+
+    def __post_init__(self) -> None:
+        self.messages = list(self.messages or [])
+
+    def history(self, user_text: str | None = None) -> list[dict[str, str]]:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        if user_text is not None:
+            msgs.append({"role": "user", "content": user_text})
+        return msgs
+
+    def prompt_ids(self, tokenizer, user_text: str) -> list[int]:
+        """Token ids of the whole conversation plus the new user turn, ready to generate."""
+        msgs = self.history(user_text)
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        else:  # base model: a plain transcript the model can continue
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def add_turn(self, user_text: str, answer: str) -> None:
+        self.messages.append({"role": "user", "content": user_text})
+        self.messages.append({"role": "assistant", "content": answer})
+
+    def clear(self) -> None:
+        self.messages.clear()
+
+
+# --------------------------------------------------------------------------- colouring
+Piece = tuple[str, str]  # (text, TokenOrigin value)
+
+
+class OriginSplitter:
+    """Splits each TokensEvent's text delta into pieces coloured by token origin.
+
+    Inside one event origins form at most a few runs (accepted drafts, then the bonus
+    token). The text up to each run boundary is found by decoding the generated prefix;
+    the event's text delta itself is always shown exactly as the engine streamed it.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.chars = 0  # characters streamed so far
+
+    def split(self, token_ids: Sequence[int], origins: Sequence[str], text: str) -> list[Piece]:
+        origins = list(origins) or [TokenOrigin.TARGET.value] * len(token_ids)
+        start, end = self.chars, self.chars + len(text)
+        runs: list[tuple[int, str]] = []  # (index after the run's last token, origin)
+        for i, origin in enumerate(origins):
+            origin = getattr(origin, "value", origin)
+            if runs and runs[-1][1] == origin:
+                runs[-1] = (i + 1, origin)
+            else:
+                runs.append((i + 1, origin))
+        pieces: list[Piece] = []
+        cut = start
+        for n, (stop, origin) in enumerate(runs):
+            if n == len(runs) - 1:
+                boundary = end
+            else:
+                prefix = self.tokenizer.decode(self.ids + list(token_ids[:stop]), skip_special_tokens=True)
+                boundary = min(max(len(prefix.rstrip("\ufffd")), cut), end)
+            if boundary > cut:
+                pieces.append((text[cut - start : boundary - start], origin))
+            cut = boundary
+        self.ids.extend(token_ids)
+        self.chars = end
+        return pieces
+
+
+# --------------------------------------------------------------------------- header
+def _name(path: str | None) -> str:
+    if not path:
+        return "none"
+    if path == "ngram":
+        return "n-gram (prompt lookup)"
+    return Path(path).name or path
+
+
+def describe_pair(config: EngineConfig) -> tuple[str, str]:
+    """Two header lines: the model pair, and which device/process runs what."""
+    draft = config.spec.draft
+    pair = f"target {_name(config.target.path)} · draft {_name(draft)}"
+    t = config.target
+    where = [f"target → {t.device} ({t.dtype}, this process)"]
+    if draft == "ngram":
+        where.append("draft → n-gram on cpu (this process)")
+    elif config.draft_model is not None:
+        d = config.draft_model
+        where.append(f"draft → {d.device} ({d.dtype}; own process for SSD, in-process for SD)")
+        if t.device == "cpu" and d.device == "cpu" and config.pin_cpus:
+            from ..placement import split_cpus
+
+            plan = split_cpus()
+            if plan is not None:
+                where.append(f"SSD cores: target {_cpus(plan.target_cpus)} | draft {_cpus(plan.draft_cpus)}")
+    return pair, " · ".join(where)
+
+
+def _cpus(cpus: Sequence[int]) -> str:
+    cpus = list(cpus)
+    if len(cpus) > 2 and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def error_text(exc: BaseException) -> tuple[str, str]:
+    """(message, hint) for any failure in background work; SSDLocalError keeps its own."""
+    message = getattr(exc, "message", None)
+    if message is not None:
+        return message, getattr(exc, "hint", "")
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
+        return (f"out of memory: {text}",
+                "use a smaller /max, --dtype bfloat16, or another device")
+    return (f"unexpected {type(exc).__name__}: {text}".rstrip(": "),
+            "this is a bug; rerun with --verbose and report it")

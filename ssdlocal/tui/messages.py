@@ -1,0 +1,82 @@
+"""Typed Textual messages: the only way background workers reach the UI.
+
+Workers (engine loading, generation, race recording) run in threads and post these;
+screens handle them on the event loop. Payloads are plain data (engine events' parts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.message import Message
+
+from .core import Piece
+
+
+class EngineReady(Message):
+    """The engine finished loading."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.engine = engine
+
+
+class WorkFailed(Message):
+    """Background work failed; shown as a modal with the hint (never a crash)."""
+
+    def __init__(self, title: str, message: str, hint: str) -> None:
+        super().__init__()
+        self.title = title
+        self.message = message
+        self.hint = hint
+
+
+class TokensArrived(Message):
+    """New committed tokens of the current answer, split into origin-coloured pieces."""
+
+    def __init__(self, turn: int, pieces: list[Piece], n_tokens: int) -> None:
+        super().__init__()
+        self.turn = turn
+        self.pieces = pieces
+        self.n_tokens = n_tokens
+
+
+class RoundFinished(Message):
+    """One verification round finished: fresh metric snapshot for the stats panel."""
+
+    def __init__(self, turn: int, snapshot: dict[str, Any], backup: str | None,
+                 cache_hit: bool | None) -> None:
+        super().__init__()
+        self.turn = turn
+        self.snapshot = snapshot
+        self.backup = backup
+        self.cache_hit = cache_hit
+
+
+class GenerationDone(Message):
+    """The answer is complete (finish_reason "cancelled" after a stop)."""
+
+    def __init__(self, turn: int, text: str, finish_reason: str, stats: dict[str, Any]) -> None:
+        super().__init__()
+        self.turn = turn
+        self.text = text
+        self.finish_reason = finish_reason
+        self.stats = stats
+
+
+class RaceProgress(Message):
+    """A race run being recorded has produced `tokens` tokens so far."""
+
+    def __init__(self, index: int, tokens: int) -> None:
+        super().__init__()
+        self.index = index
+        self.tokens = tokens
+
+
+class RaceRecorded(Message):
+    """One race run is recorded (a race.RaceRun)."""
+
+    def __init__(self, index: int, run: Any) -> None:
+        super().__init__()
+        self.index = index
+        self.run = run

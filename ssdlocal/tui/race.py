@@ -1,0 +1,162 @@
+"""UI-free core of `ssdlocal race`: record AR, SD and SSD runs, replay them, summarize.
+
+The modes cannot share this machine without slowing each other, so they run one after
+another; each run records when every TokensEvent arrived, and the TUI (or the plain
+table) replays / reports them with those measured timings. No Textual import here.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..config import Mode, SamplingParams, SpecConfig
+from ..events import DoneEvent, Output, TokensEvent
+from .core import EngineLike, OriginSplitter, Piece
+
+RACE_MODES = (Mode.AR, Mode.SD, Mode.SSD)
+
+
+@dataclass
+class RaceRun:
+    """One mode's generation with the arrival time of each TokensEvent (s since start)."""
+
+    mode: Mode
+    times: list[float] = field(default_factory=list)
+    pieces: list[list[Piece]] = field(default_factory=list)  # per event
+    counts: list[int] = field(default_factory=list)  # tokens per event
+    output: Output | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0  # generate call start -> DoneEvent
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+    def shown(self, t: float) -> int:
+        """Number of events that had arrived t seconds after the start."""
+        return bisect_right(self.times, t)
+
+    def tokens_at(self, t: float) -> int:
+        return sum(self.counts[: self.shown(t)])
+
+    def rate_at(self, t: float) -> float | None:
+        """Decode tokens/s at time t (prefill excluded, as `tokens_per_s`)."""
+        n = self.shown(t)
+        if n < 2:
+            return None
+        end = self.times[-1] if n == len(self.times) else t
+        span = end - self.times[0]
+        return (sum(self.counts[1:n]) / span) if span > 0 else None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.times[0] if self.times else None
+
+    @property
+    def decode_rate(self) -> float | None:
+        return self.rate_at(self.times[-1]) if self.times else None
+
+
+def race_specs(base: SpecConfig, k: int | None = None,
+               fan_out: tuple[int, ...] | None = None) -> list[SpecConfig]:
+    """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD)."""
+    k = k or base.k
+    fan = fan_out if fan_out is not None else base.fan_out
+    fan = fan if fan is not None and len(fan) == k + 1 else None
+    return [replace(base, mode=m, k=k, fan_out=fan, fan_out_miss=None) for m in RACE_MODES]
+
+
+def record_run(engine: EngineLike, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig,
+               *, clock: Callable[[], float] = time.perf_counter,
+               on_tokens: Callable[[int], None] | None = None) -> RaceRun:
+    """Generate once and record every TokensEvent with its arrival time."""
+    run = RaceRun(spec.mode)
+    splitter = OriginSplitter(engine.tokenizer)
+    start = clock()
+    for event in engine.generate([prompt_ids], params, spec=spec):
+        if isinstance(event, TokensEvent):
+            run.times.append(clock() - start)
+            run.pieces.append(splitter.split(event.token_ids, event.origins, event.text))
+            run.counts.append(len(event.token_ids))
+            if on_tokens is not None:
+                on_tokens(run.tokens)
+        elif isinstance(event, DoneEvent):
+            run.output = event.outputs[0]
+            run.stats = dict(event.stats)
+    run.wall_s = clock() - start
+    return run
+
+
+@dataclass(frozen=True)
+class RaceRow:
+    mode: str
+    tokens: int
+    wall_s: float
+    ttft_s: float | None
+    tokens_per_s: float | None
+    speedup: float | None  # decode tokens/s over AR's
+    acceptance_rate: float | None
+    mean_accepted_len: float | None
+    cache_hit_rate: float | None
+    identical: bool | None  # same token ids as AR (None for AR itself)
+
+
+def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
+    ar = next((r for r in runs if r.mode is Mode.AR), None)
+    ar_rate = ar.stats.get("tokens_per_s") if ar else None
+    rows = []
+    for r in runs:
+        rate = r.stats.get("tokens_per_s")
+        same = None
+        if ar is not None and r is not ar and r.output and ar.output:
+            same = r.output.token_ids == ar.output.token_ids
+        rows.append(RaceRow(
+            mode=r.mode.value.upper(), tokens=r.tokens, wall_s=r.wall_s,
+            ttft_s=r.stats.get("ttft_s", r.ttft_s), tokens_per_s=rate,
+            speedup=(rate / ar_rate) if rate and ar_rate else None,
+            acceptance_rate=r.stats.get("acceptance_rate"),
+            mean_accepted_len=r.stats.get("mean_accepted_len"),
+            cache_hit_rate=r.stats.get("cache_hit_rate"), identical=same,
+        ))
+    return rows
+
+
+def identical_verdict(rows: Sequence[RaceRow], greedy: bool) -> str:
+    """One sentence about output equality (only expected token-for-token at T=0)."""
+    checks = [r.identical for r in rows if r.identical is not None]
+    if not checks:
+        return ""
+    if all(checks):
+        return "identical output in every mode ✓"
+    differ = ", ".join(r.mode for r in rows if r.identical is False)
+    if greedy:
+        return f"output differs from AR in {differ} ✗ (at T=0 this is a near-tie in low precision or a bug; see `ssdlocal check`)"
+    return f"outputs differ ({differ}): expected at T>0 — same distribution, different samples"
+
+
+def summary_table(rows: Sequence[RaceRow], title: str | None = None):
+    """A rich Table of the race (used by the TUI summary and by `race --no-tui`)."""
+    from rich.table import Table
+
+    def pct(x):
+        return "–" if x is None else f"{x:.0%}"
+
+    def num(x, fmt="{:.1f}"):
+        return "–" if x is None else fmt.format(x)
+
+    table = Table(title=title, expand=False, pad_edge=False)
+    for name in ("mode", "tokens", "tok/s", "speedup", "TTFT", "wall", "acceptance", "tok/round",
+                 "cache hits", "same as AR"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for r in rows:
+        same = "–" if r.identical is None else ("yes" if r.identical else "NO")
+        table.add_row(
+            r.mode, str(r.tokens), num(r.tokens_per_s), num(r.speedup, "{:.2f}×"),
+            "–" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f} ms", f"{r.wall_s:.2f} s",
+            pct(r.acceptance_rate), num(r.mean_accepted_len, "{:.2f}"), pct(r.cache_hit_rate), same,
+        )
+    return table

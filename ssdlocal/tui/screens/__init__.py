@@ -1,0 +1,1 @@
+"""Screens: chat, race, and the modal dialogs (error, help)."""

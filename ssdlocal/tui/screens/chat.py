@@ -1,0 +1,275 @@
+"""ChatScreen: multi-turn chat with streaming, coloured answers and live stats.
+
+Generation runs in a thread worker that turns engine events into typed messages
+(messages.py); handlers here update the widgets. The screen never blocks on the engine.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Static
+
+from ...config import Mode
+from ...errors import SSDLocalError
+from ...events import DoneEvent, RoundEvent, TokensEvent
+from ..core import ChatSettings, Conversation, EngineLike, OriginSplitter, error_text, run_command
+from ..messages import GenerationDone, RoundFinished, TokensArrived, WorkFailed
+from ..widgets.header import PairHeader
+from ..widgets.stats_panel import StatsPanel
+from ..widgets.transcript import AnswerText, Transcript
+
+TEMP_STEP = 0.1
+
+
+class ChatScreen(Screen):
+    """Input at the bottom, transcript above, stats panel on the right."""
+
+    COMPONENT_CLASSES = {"origin--draft_hit", "origin--draft", "origin--target"}
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("f1", "help", "Help"),
+        Binding("f2", "cycle_mode", "Mode"),
+        Binding("f3", "k_down", "K−"),
+        Binding("f4", "k_up", "K+"),
+        Binding("f5", "temp_down", "T−"),
+        Binding("f6", "temp_up", "T+"),
+        Binding("f8", "toggle_colors", "Colours"),
+        Binding("ctrl+y", "copy", "Copy answer", priority=True),
+        Binding("ctrl+l", "clear", "Clear", priority=True),
+    ]
+
+    def __init__(self, settings: ChatSettings, pair: str, placement: str,
+                 system: str | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.pair, self.placement = pair, placement
+        self.conversation = Conversation(system)
+        self.engine: EngineLike | None = None
+        self.generating = False
+        self.stopping = False
+        self.show_colors = True
+        self.turn = 0
+        self.last_answer = ""
+        self._answer: AnswerText | None = None
+        self._user_text = ""
+        self._gen_mode = settings.mode
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        yield PairHeader("chat", self.pair, self.placement, id="header")
+        with Horizontal(id="body"):
+            with Vertical(id="main"):
+                yield Transcript(id="transcript")
+                yield Static(id="status")
+                yield Input(placeholder="Message… (/help for commands, Esc stops)", id="prompt")
+            yield StatsPanel(id="stats")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(StatsPanel).reset(self.settings.mode.value)
+        self.query_one("#prompt", Input).focus()
+        self._update_status()
+
+    def _update_status(self) -> None:
+        if self.engine is None:
+            state = ("loading models…", "italic")
+        elif self.stopping:
+            state = ("stopping…", "bold yellow")
+        elif self.generating:
+            state = (f"generating ({self._gen_mode.value.upper()})…", "bold")
+        else:
+            state = ("ready", "green")
+        if self.show_colors:
+            style = {o: self.get_component_rich_style(f"origin--{o}", partial=True)
+                     for o in ("draft_hit", "draft", "target")}
+            legend = Text.assemble("   ", ("■", style["draft_hit"]), " cache-hit draft  ",
+                                   ("■", style["draft"]), " draft  ", ("■", style["target"]), " target")
+        else:
+            legend = Text("  colours off (F8)", style="dim")
+        self.query_one("#status", Static).update(
+            Text.assemble((self.settings.describe(), "bold"), " · ", state, legend))
+
+    # ------------------------------------------------------------------ engine
+    def engine_ready(self, engine: EngineLike) -> None:
+        self.engine = engine
+        self._update_status()
+
+    def engine_failed(self) -> None:
+        self.query_one("#status", Static).update(Text("models failed to load — Ctrl+Q to quit",
+                                                      style="bold red"))
+
+    @on(Input.Submitted, "#prompt")
+    def _submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        event.input.value = ""
+        if text.startswith("/"):
+            self.command(text)
+        else:
+            self.send(text)
+
+    def command(self, line: str) -> None:
+        try:
+            result = run_command(line, self.settings)
+        except SSDLocalError as exc:
+            self.notify(f"{exc.message}\n{exc.hint}", title="command", severity="warning")
+            return
+        if result.action is not None:
+            self.run_action(result.action if result.action != "colors" else "toggle_colors")
+        elif result.settings is not None:
+            self._apply(result.settings)
+
+    def _apply(self, settings: ChatSettings) -> None:
+        self.settings = settings
+        self._update_status()
+        if not self.generating:
+            self.query_one(StatsPanel).reset(settings.mode.value)
+        note = " (applies to the next answer)" if self.generating else ""
+        self.notify(settings.describe() + note, title="settings", timeout=2)
+
+    def send(self, text: str) -> None:
+        if self.engine is None:
+            self.notify("the models are still loading", severity="warning")
+            return
+        if self.generating:
+            self.notify("still answering — press Esc to stop", severity="warning")
+            return
+        try:
+            ids = self.conversation.prompt_ids(self.engine.tokenizer, text)
+        except Exception as exc:  # noqa: BLE001 - a bad chat template must not crash the UI
+            self.app.show_error("Cannot build the prompt", *error_text(exc))
+            return
+        transcript = self.query_one(Transcript)
+        transcript.add_user(text)
+        self._answer = transcript.add_answer(self.show_colors)
+        self.turn += 1
+        self._user_text = text
+        self.generating, self.stopping = True, False
+        self._gen_mode = self.settings.mode
+        self.query_one(StatsPanel).reset(self._gen_mode.value)
+        self._update_status()
+        self._generate(self.turn, ids, self.settings)
+
+    @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
+    def _generate(self, turn: int, ids: list[int], settings: ChatSettings) -> None:
+        engine = self.engine
+        splitter = OriginSplitter(engine.tokenizer)
+        try:
+            spec = settings.spec(engine.config.spec)
+            for ev in engine.generate([ids], settings.sampling(), spec=spec):
+                if isinstance(ev, TokensEvent):
+                    pieces = splitter.split(ev.token_ids, ev.origins, ev.text)
+                    self.post_message(TokensArrived(turn, pieces, len(ev.token_ids)))
+                elif isinstance(ev, RoundEvent):
+                    hit = None if ev.cache_hit is None else all(ev.cache_hit)
+                    self.post_message(RoundFinished(turn, ev.snapshot, ev.backup, hit))
+                elif isinstance(ev, DoneEvent):
+                    out = ev.outputs[0]
+                    self.post_message(GenerationDone(turn, out.text, out.finish_reason, ev.stats))
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a modal
+            self.post_message(WorkFailed("Generation failed", *error_text(exc)))
+
+    # ------------------------------------------------------------------ messages
+    def on_tokens_arrived(self, msg: TokensArrived) -> None:
+        if msg.turn == self.turn and self._answer is not None:
+            self._answer.append(msg.pieces)
+            self.query_one(Transcript).scroll_end(animate=False)
+
+    def on_round_finished(self, msg: RoundFinished) -> None:
+        if msg.turn == self.turn:
+            self.query_one(StatsPanel).show_stats(self._gen_mode.value, msg.snapshot, backup=msg.backup,
+                                            cache_hit=msg.cache_hit, live=True)
+
+    def on_generation_done(self, msg: GenerationDone) -> None:
+        if msg.turn != self.turn:
+            return
+        self.generating = self.stopping = False
+        self.conversation.add_turn(self._user_text, msg.text)
+        self.last_answer = msg.text
+        s = msg.stats
+        rate = s.get("tokens_per_s")
+        note = f"{self._gen_mode.value.upper()} · {s.get('tokens', 0)} tokens"
+        if rate:
+            note += f" · {rate:.1f} tok/s"
+        if msg.finish_reason == "cancelled":
+            note += " · stopped"
+        elif msg.finish_reason == "length":
+            note += " · max tokens reached"
+        if self._answer is not None:
+            self._answer.set_note(note)
+        self.query_one(StatsPanel).show_stats(self._gen_mode.value, s)
+        self._update_status()
+
+    def on_work_failed(self, msg: WorkFailed) -> None:
+        msg.stop()
+        if self.generating and self._answer is not None:
+            self._answer.set_note(f"failed: {msg.message}")
+        self.generating = self.stopping = False
+        self._update_status()
+        self.app.show_error(msg.title, msg.message, msg.hint)
+
+    # ------------------------------------------------------------------ actions
+    def action_stop(self) -> None:
+        if self.generating and self.engine is not None:
+            self.engine.cancel()
+            self.stopping = True
+            self._update_status()
+
+    def action_help(self) -> None:
+        from .dialogs import HelpModal
+
+        self.app.push_screen(HelpModal())
+
+    def _try(self, change) -> None:
+        try:
+            self._apply(change())
+        except SSDLocalError as exc:
+            self.notify(f"{exc.message}\n{exc.hint}", title="settings", severity="warning")
+
+    def set_mode(self, mode: Mode) -> None:
+        self._try(lambda: self.settings.with_mode(mode))
+
+    def action_cycle_mode(self) -> None:
+        self._try(self.settings.next_mode)
+
+    def action_k_down(self) -> None:
+        self._try(lambda: self.settings.with_k(self.settings.k - 1))
+
+    def action_k_up(self) -> None:
+        self._try(lambda: self.settings.with_k(self.settings.k + 1))
+
+    def action_temp_down(self) -> None:
+        self._try(lambda: self.settings.with_temperature(self.settings.temperature - TEMP_STEP))
+
+    def action_temp_up(self) -> None:
+        self._try(lambda: self.settings.with_temperature(self.settings.temperature + TEMP_STEP))
+
+    def action_toggle_colors(self) -> None:
+        self.show_colors = not self.show_colors
+        self.query_one(Transcript).set_colors(self.show_colors)
+        self._update_status()
+
+    def action_copy(self) -> None:
+        if not self.last_answer:
+            self.notify("no answer to copy yet", severity="warning")
+            return
+        self.app.copy_to_clipboard(self.last_answer)
+        self.notify(f"copied the last answer ({len(self.last_answer)} characters)", timeout=2)
+
+    def action_clear(self) -> None:
+        if self.generating:
+            self.notify("still answering — press Esc to stop first", severity="warning")
+            return
+        self.conversation.clear()
+        self.last_answer = ""
+        self._answer = None
+        self.query_one(Transcript).remove_children()
+        self.query_one(StatsPanel).reset(self.settings.mode.value)
+        self.notify("conversation cleared", timeout=2)

@@ -1,0 +1,72 @@
+"""Modal dialogs: an error with its hint (never a crashed terminal), and the help."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Static
+
+from ..core import COMMANDS_HELP
+
+
+class ErrorModal(ModalScreen[None]):
+    """`title`, the error message, and the hint saying what to do about it."""
+
+    BINDINGS = [Binding("escape,enter", "dismiss_modal", "Close")]
+
+    def __init__(self, title: str, message: str, hint: str = "") -> None:
+        super().__init__()
+        self.title_text, self.message, self.hint = title, message, hint
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="error"):
+            yield Static(Text(self.title_text, style="bold"), id="dialog-title")
+            yield Static(Text(self.message), id="dialog-message")
+            if self.hint:
+                yield Static(Text.assemble(("hint: ", "bold"), self.hint), id="dialog-hint")
+            yield Button("OK", variant="error", id="dialog-ok")
+
+    def on_mount(self) -> None:
+        self.query_one(Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss()
+
+    def action_dismiss_modal(self) -> None:
+        self.dismiss()
+
+
+class HelpModal(ModalScreen[None]):
+    """Slash commands and key bindings of the chat screen."""
+
+    BINDINGS = [Binding("escape,enter,f1,q", "dismiss_modal", "Close")]
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        text.append("Commands (type in the input box)\n", style="bold")
+        for cmd, what in COMMANDS_HELP:
+            text.append(f"  {cmd:<24}", style="bold")
+            text.append(what + "\n")
+        text.append("\nToken colours (legend under the transcript)\n", style="bold")
+        text.append("  cache-hit draft  accepted draft token served from the speculation cache (SSD)\n")
+        text.append("  draft            accepted draft token proposed this round (SD, or an SSD miss)\n")
+        text.append("  target           token sampled by the target (bonus token; every AR token)\n")
+        text.append("\nCtrl+P opens the command palette; Ctrl+Q quits.", style="dim")
+        with Vertical(id="dialog", classes="help"):
+            yield Static(Text("ssdlocal chat — help", style="bold"), id="dialog-title")
+            yield Static(text, id="dialog-message")
+            yield Button("Close", variant="primary", id="dialog-ok")
+
+    def on_mount(self) -> None:
+        self.query_one(Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss()
+
+    def action_dismiss_modal(self) -> None:
+        self.dismiss()

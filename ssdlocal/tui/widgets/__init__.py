@@ -1,0 +1,1 @@
+"""Widgets of the chat and race screens (each in its own module)."""

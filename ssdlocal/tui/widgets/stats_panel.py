@@ -1,0 +1,124 @@
+"""StatsPanel: live speculation metrics of the current (or last) answer.
+
+Reads the engine's metric snapshot (DESIGN.md names: tokens_per_s, ttft_s,
+acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
+accepted_len_hist, draft_ms, verify_ms, backup_used) and draws numbers and bars.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import Static
+
+from .bars import hbar
+
+BAR = 12
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+class StatsPanel(Static):
+    """Redrawn on every RoundFinished / GenerationDone message."""
+
+    COMPONENT_CLASSES = {"stats--title", "stats--bar", "stats--hit", "stats--miss", "stats--draft",
+                         "stats--verify"}
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mode = "ssd"
+        self.snapshot: dict[str, Any] = {}
+        self.last_backup: str | None = None
+        self.last_hit: bool | None = None
+        self.live = False
+
+    def show_stats(self, mode: str, snapshot: dict[str, Any], *, backup: str | None = None,
+             cache_hit: bool | None = None, live: bool = False) -> None:
+        self.mode, self.snapshot, self.live = mode, snapshot, live
+        if cache_hit is not None:
+            self.last_hit = cache_hit
+            self.last_backup = backup
+        self.refresh_panel()
+
+    def reset(self, mode: str) -> None:
+        self.mode, self.snapshot = mode, {}
+        self.last_backup = self.last_hit = None
+        self.refresh_panel()
+
+    def on_mount(self) -> None:
+        self.refresh_panel()
+
+    def _style(self, name: str):
+        return self.get_component_rich_style(f"stats--{name}", partial=True)
+
+    def refresh_panel(self) -> None:
+        s = self.snapshot
+        title = self._style("title")
+        bar = self._style("bar")
+        out = Text()
+
+        def section(name: str) -> None:
+            out.append(("\n" if out else "") + name + "\n", style=title)
+
+        def row(label: str, value: str) -> None:
+            out.append(f"{label:<13}{value}\n")
+
+        state = "live" if self.live else ("last answer" if s else "no answer yet")
+        section(f"Speed · {self.mode.upper()} · {state}")
+        row("tokens/s", _num(s.get("tokens_per_s")))
+        ttft = s.get("ttft_s")
+        row("TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms")
+        row("tokens", f"{s.get('tokens', 0)} in {s.get('rounds', 0)} rounds" if s else "–")
+        if self.mode == "ar":
+            section("Speculation")
+            out.append("AR: the target alone,\none token per round\n", style="dim")
+        else:
+            section("Speculation")
+            row("acceptance", _pct(s.get("acceptance_rate")))
+            row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round"))
+            if self.mode == "ssd":
+                row("cache hits", _pct(s.get("cache_hit_rate")))
+                used = s.get("backup_used") or {}
+                fired = ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none"
+                row("backup fired", fired)
+                if self.last_hit is not None:
+                    last = "hit" if self.last_hit else f"miss → {self.last_backup or 'none'}"
+                    out.append(f"{'last round':<13}")
+                    out.append(last + "\n", style=self._style("hit" if self.last_hit else "miss"))
+            per_pos = s.get("per_position_acceptance") or []
+            section("Acceptance by position")
+            if not per_pos:
+                out.append("–\n", style="dim")
+            for i, frac in enumerate(per_pos):
+                out.append(f"{i + 1:>2} ")
+                out.append_text(hbar(frac, BAR, bar))
+                out.append(f" {_pct(frac):>4}\n")
+            hist = s.get("accepted_len_hist") or []
+            section("Accepted length")
+            total = max(hist, default=0)
+            if not hist or not total:
+                out.append("–\n", style="dim")
+            else:
+                for n, count in enumerate(hist):
+                    out.append(f"{n:>2} ")
+                    out.append_text(hbar(count / total, BAR, bar))
+                    out.append(f" {count:>4}\n")
+        draft_ms, verify_ms = s.get("draft_ms"), s.get("verify_ms")
+        section("Time")
+        if draft_ms is None or verify_ms is None:
+            out.append("–\n", style="dim")
+        else:
+            total_ms = max(draft_ms + verify_ms, 1e-9)
+            for label, ms, style in (("draft", draft_ms, "draft"), ("verify", verify_ms, "verify")):
+                out.append(f"{label:<7}")
+                out.append_text(hbar(ms / total_ms, BAR - 3, self._style(style)))
+                out.append(f" {ms:>6.0f} ms\n")
+        out.rstrip()
+        self.update(out)
