@@ -469,3 +469,37 @@ def test_eos_and_stop_and_length_mixed_in_one_batch(engines, eos_target):
     for what, eng, spec in _modes(engines, target="llama_eos"):
         done, _ = run(eng, PROMPTS_3, params, spec)
         assert_same(ar, done, f"{what} mixed finish")
+
+
+# ----------------------------------------------------------------- bonus == rejected draft
+def _reject_all(p, draft_tokens, q, generator, n_draft=None):
+    """A valid greedy verdict that rejects every draft: the bonus is argmax p at the
+    first position, which often IS the first draft. verify's RESIDUAL_EPS fallback can
+    produce the same situation at T > 0 (bonus drawn from p after a rejection)."""
+    from ssdlocal.sampling import sample
+    from ssdlocal.verify import Verdict
+
+    batch = p.shape[0]
+    return Verdict(torch.zeros(batch, dtype=torch.long), sample(p[:, 0], generator))
+
+
+@pytest.mark.parametrize(
+    ("mode", "draft", "backup"),
+    [("sd", "draft_llama", "auto"), ("sd", "llama", "auto"), ("sd", "ngram", "auto"),
+     ("ssd", "draft_llama", "jit"), ("ssd", "llama", "none"), ("ssd", "llama", "ngram")],
+)
+def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypatch, mode, draft,
+                                                                backup):
+    """When the bonus equals the rejected draft token, target and draft caches already
+    hold that token; its logits are still needed for the next round, so it must be
+    fed again. Output must stay exactly AR's."""
+    import ssdlocal.engine as engine_mod
+
+    ar = ar_reference(engines, "llama", PROMPTS_3, GREEDY)
+    monkeypatch.setattr(engine_mod, "verify", _reject_all)
+    spec = spec_for(engines, Mode(mode), draft, 3, backup=backup)
+    done, rounds = run(engines.get("llama", draft), PROMPTS_3, GREEDY, spec)
+    assert_same(ar, done, f"{mode} {draft} {backup} reject-all")
+    if draft != "ngram":
+        # the situation did occur: some rounds drafted the target's own next token
+        assert any(r.n_drafted and r.n_drafted[0] > 0 for r in rounds)
