@@ -233,3 +233,8 @@ def _fail_unexpected(exc: Exception) -> None:
 
 from .cli_bench import bench as _bench  # noqa: E402
 app.command("bench")(_bench)
+
+
+from . import cli_tui as _tui  # noqa: E402
+app.command("chat")(_tui.chat)
+app.command("race")(_tui.race)

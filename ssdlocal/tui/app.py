@@ -2,7 +2,8 @@
 
 Each app loads the engine in a thread worker (the UI shows at once), hands it to its
 screen, shows failures as an ErrorModal, and stops a running generation on quit. The
-caller owns closing the engine (`app.engine`) after `run()` returns.
+caller closes `app.loaded_engine` after `run()` returns (asyncio waits for worker
+threads at exit, so by then loading and any cancelled generation have finished).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class EngineApp(App):
         self.load_engine = load_engine
         self.engine_config = config
         self.engine: EngineLike | None = None
+        self.loaded_engine: EngineLike | None = None
         self.pair, self.placement = describe_pair(config)
         self.main: Screen | None = None
 
@@ -54,6 +56,7 @@ class EngineApp(App):
         except BaseException as exc:  # noqa: BLE001 - shown in a modal, never a traceback
             self.post_message(WorkFailed("Could not load the models", *error_text(exc)))
             return
+        self.loaded_engine = engine  # for the caller to close, even if we quit while loading
         self.post_message(EngineReady(engine))
 
     def on_engine_ready(self, msg: EngineReady) -> None:
