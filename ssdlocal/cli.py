@@ -32,6 +32,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
@@ -39,6 +40,9 @@ def _root(
 ) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, stream=sys.stderr)
     _STATE["verbose"] = verbose
+    from .settings import apply_defaults
+
+    apply_defaults(ctx)  # config.toml tables and SSDLOCAL_<OPTION> variables become defaults
 
 
 _STATE: dict[str, bool] = {"verbose": False}
@@ -67,6 +71,10 @@ def generate(
     draft: Annotated[
         str | None,
         typer.Option(help="Draft checkpoint dir, .gguf file, or 'ngram'. Default: Qwen2.5-Coder 0.5B."),
+    ] = None,
+    pair: Annotated[
+        str | None,
+        typer.Option(help="A registry pair (see `ssdlocal pairs`) instead of --target/--draft."),
     ] = None,
     mode: Annotated[str, typer.Option(help="ar | sd | ssd")] = "ssd",
     k: Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K).")] = 4,
@@ -116,6 +124,11 @@ def generate(
     SpecConfig(**spec_options, draft=(draft or "default") if mode_enum is not Mode.AR else None)
     ModelSpec(target or "default", target_device, dtype)
     ModelSpec(draft or "default", draft_device, dtype)
+    if pair is not None and target is None:
+        from .pairs import resolve_pair_paths
+
+        target, pair_draft = resolve_pair_paths(pair, dtype=dtype)
+        draft = draft or pair_draft
     if target is None:
         target, default_draft = _default_pair(dtype)
         draft = draft or default_draft
@@ -238,3 +251,9 @@ app.command("bench")(_bench)
 from . import cli_tui as _tui  # noqa: E402
 app.command("chat")(_tui.chat)
 app.command("race")(_tui.race)
+
+from . import cli_models as _models  # noqa: E402
+app.command("pairs")(_models.pairs)
+app.command("pull")(_models.pull)
+app.command("devices")(_models.devices)
+app.command("check")(_models.check)
