@@ -76,7 +76,19 @@ def _engine_factory(config: EngineConfig):
     return load
 
 
+def prepare_subprocesses() -> None:
+    """Start multiprocessing's resource tracker while sys.stderr is still the terminal.
+
+    Textual replaces sys.stderr with a capture object whose fileno() is -1; spawning the
+    SSD draft worker from inside the app would then fail ("bad value(s) in fds_to_keep").
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
 def _run_app(app) -> None:
+    prepare_subprocesses()
     try:
         app.run()
     finally:

@@ -64,7 +64,7 @@ class ChatSettings:
     def spec(self, base: SpecConfig) -> SpecConfig:
         """The per-call SpecConfig: the engine's settings with mode/K/fan-out overridden."""
         keep_miss = base.fan_out_miss is not None and len(base.fan_out_miss) == self.k + 1
-        return replace(base, mode=self.mode, k=self.k, draft=self.draft or base.draft,
+        return replace(base, mode=self.mode, k=self.k, draft=base.draft,
                        fan_out=self.fan_out, fan_out_miss=base.fan_out_miss if keep_miss else None)
 
     def with_mode(self, mode: Mode) -> ChatSettings:

@@ -87,11 +87,13 @@ def fake_config(mode: Mode = Mode.SSD, draft: str | None = "/models/tiny-draft")
 
 class FakeEngine:
     """Scripted Engine stand-in. `delay_s` sleeps (real time) per round; `fail_after`
-    raises `error` after that many rounds (e.g. a DraftWorkerError)."""
+    raises `error` after that many rounds (e.g. a DraftWorkerError); `hold_after`
+    blocks after that many rounds until cancel() (a generation that is surely mid-way)."""
 
     def __init__(self, config: EngineConfig | None = None, *, answer: list[str] | None = None,
                  delay_s: float = 0.0, clock: FakeClock | None = None,
-                 fail_after: int | None = None, error: Exception | None = None) -> None:
+                 fail_after: int | None = None, error: Exception | None = None,
+                 hold_after: int | None = None) -> None:
         self.config = config or fake_config()
         self.tokenizer = FakeTokenizer()
         self.answer = [self.tokenizer._vocab[w] for w in (answer or WORDS)]
@@ -100,6 +102,8 @@ class FakeEngine:
         self.fail_after = fail_after
         self.error = error or SSDLocalError("the draft worker process died (exit code -9)",
                                             "it will be restarted on the next request")
+        self.hold_after = hold_after  # after this many rounds, wait (<= 10 s) for cancel()
+        self._cancelled_event = threading.Event()
         self.calls: list[tuple[list[list[int]], SamplingParams, SpecConfig]] = []
         self.cancelled = 0
         self.closed = False
@@ -114,6 +118,7 @@ class FakeEngine:
 
     def cancel(self) -> None:
         self._cancel = True
+        self._cancelled_event.set()
         self.cancelled += 1
 
     def close(self) -> None:
@@ -125,6 +130,7 @@ class FakeEngine:
         ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         self.calls.append((ids, params, spec))
         self._cancel = False
+        self._cancelled_event.clear()
         k = spec.k if spec.mode is not Mode.AR else 0
         stats = SpecStats(k=k)
         clock = self.clock
@@ -144,6 +150,9 @@ class FakeEngine:
                 raise self.error
             if self.delay_s:
                 time.sleep(self.delay_s)
+            if self.hold_after is not None and rnd == self.hold_after:
+                self._cancelled_event.wait(10)
+                continue
             clock.advance(ROUND_S[spec.mode])
             n_acc = min(ACCEPT_PATTERN[rnd % len(ACCEPT_PATTERN)], k)
             hit = HIT_PATTERN[rnd % len(HIT_PATTERN)] if spec.mode is Mode.SSD else None

@@ -58,6 +58,7 @@ class ChatScreen(Screen):
         self.last_answer = ""
         self._answer: AnswerText | None = None
         self._user_text = ""
+        self._queued: str | None = None
         self._gen_mode = settings.mode
 
     # ------------------------------------------------------------------ layout
@@ -99,6 +100,9 @@ class ChatScreen(Screen):
     def engine_ready(self, engine: EngineLike) -> None:
         self.engine = engine
         self._update_status()
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            self.send(queued)
 
     def engine_failed(self) -> None:
         self.query_one("#status", Static).update(Text("models failed to load — Ctrl+Q to quit",
@@ -122,7 +126,8 @@ class ChatScreen(Screen):
             self.notify(f"{exc.message}\n{exc.hint}", title="command", severity="warning")
             return
         if result.action is not None:
-            self.run_action(result.action if result.action != "colors" else "toggle_colors")
+            action = "toggle_colors" if result.action == "colors" else result.action
+            getattr(self, f"action_{action}")()
         elif result.settings is not None:
             self._apply(result.settings)
 
@@ -136,7 +141,12 @@ class ChatScreen(Screen):
 
     def send(self, text: str) -> None:
         if self.engine is None:
-            self.notify("the models are still loading", severity="warning")
+            if self._queued is None:  # keep the text: it is sent once the models are loaded
+                self._queued = text
+                self.notify("the models are still loading; your message is sent when they are",
+                            timeout=4)
+            else:
+                self.notify("the models are still loading", severity="warning")
             return
         if self.generating:
             self.notify("still answering — press Esc to stop", severity="warning")

@@ -51,6 +51,8 @@ class RaceScreen(Screen):
         self._t0 = 0.0
         self._timer: Timer | None = None
         self.finished = False
+        self.rows: list = []
+        self.verdict = ""
 
     def compose(self) -> ComposeResult:
         yield PairHeader("race", self.pair, self.placement, id="header")
@@ -142,6 +144,7 @@ class RaceScreen(Screen):
                 self._timer.stop()
                 self._timer = None
             rows = summarize([r for r in self.runs if r is not None])
-            verdict = identical_verdict(rows, self.params.greedy)
+            self.rows = rows
+            self.verdict = verdict = identical_verdict(rows, self.params.greedy)
             self._summary(Group(summary_table(rows), Text(
                 f"{verdict}  ·  r: replay  q: quit", style="bold")))
