@@ -74,7 +74,7 @@ def _options(command) -> dict[str, object]:
     return {p.name: p for p in command.params if getattr(p, "param_type_name", "") == "option"}
 
 
-def env_values(command_name: str, command, environ=None) -> dict[str, object]:
+def env_values(command_name: str, command, environ=None, ctx=None) -> dict[str, object]:
     """Option values found in SSDLOCAL_<OPTION> variables for `command`."""
     environ = os.environ if environ is None else environ
     found: dict[str, object] = {}
@@ -84,12 +84,38 @@ def env_values(command_name: str, command, environ=None) -> dict[str, object]:
         value = environ.get(_env_name(param))
         if value is None or value == "":
             continue
-        found[name] = value.split() if getattr(param, "multiple", False) else value
+        value = value.split() if getattr(param, "multiple", False) else value
+        env = _env_name(param)
+        found[name] = _checked(param, value, f"environment variable {env}", f"fix or unset {env}", ctx)
     return found
 
 
-def default_map(group, path: Path | None = None, environ=None) -> dict[str, dict]:
-    """Click default_map for every subcommand of `group`: config file, then env on top."""
+def _checked(param, value, where: str, hint: str, ctx=None):
+    """`value` converted as the option itself would; a UsageError naming `where` if it fails.
+
+    Plain Click options convert through `param.type`; Typer's own options (typer >= 0.2x)
+    through `process_value` with a context for the subcommand. Without either, unchanged.
+    """
+    try:
+        if hasattr(param, "type"):
+            items = value if isinstance(value, list) else [value]
+            converted = [param.type.convert(v, param, ctx) for v in items]
+            return converted if isinstance(value, list) else converted[0]
+        if ctx is not None:
+            return param.process_value(ctx, value)
+    except Exception as exc:  # noqa: BLE001 - Click's BadParameter (vendored or not) and friends
+        text = getattr(exc, "message", None) or str(exc)
+        raise UsageError(f"{where}: invalid value {value!r} for --{param.name.replace('_', '-')}: {text}",
+                         hint) from None
+    return value
+
+
+def default_map(group, path: Path | None = None, environ=None, ctx=None) -> dict[str, dict]:
+    """Click default_map for every subcommand of `group`: config file, then env on top.
+
+    With `ctx` (the group's context) every value is converted and checked up front, so a
+    bad one is reported with the file or variable it came from.
+    """
     path = config_file() if path is None else path
     data = load_config(path)
     commands = getattr(group, "commands", {})
@@ -102,6 +128,7 @@ def default_map(group, path: Path | None = None, environ=None) -> dict[str, dict
     result: dict[str, dict] = {}
     for name, command in commands.items():
         options = _options(command)
+        sub_ctx = type(ctx)(command, parent=ctx, info_name=name) if ctx is not None else None
         values: dict[str, object] = {}
         for key, value in data.get(name, {}).items():
             option = key.replace("-", "_")
@@ -112,8 +139,9 @@ def default_map(group, path: Path | None = None, environ=None) -> dict[str, dict
                     f"options of `ssdlocal {name}`: "
                     + ", ".join(sorted(o.replace("_", "-") for o in options)),
                 )
-            values[option] = value
-        values.update(env_values(name, command, environ))
+            values[option] = _checked(options[option], value, f"config file {path}: [{name}]",
+                                      f"fix `{key}` in {path}", sub_ctx)
+        values.update(env_values(name, command, environ, sub_ctx))
         if values:
             result[name] = values
     return result
@@ -121,7 +149,7 @@ def default_map(group, path: Path | None = None, environ=None) -> dict[str, dict
 
 def apply_defaults(ctx) -> None:
     """Install the default_map on the root Click context (call from the app callback)."""
-    found = default_map(ctx.command)
+    found = default_map(ctx.command, ctx=ctx)
     if found:
         merged = dict(ctx.default_map or {})
         for name, values in found.items():

@@ -1,0 +1,165 @@
+"""The placement planner on fake machines (1, 2, 4+1, 8 GPUs, CPU only, mismatched GPUs,
+plans that cannot fit), device detection on this machine, and `ssdlocal devices`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from ssdlocal.cli import main
+from ssdlocal.devices import GPU, DeviceInventory, PlacementError, detect, plan_placement, read_meminfo
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    return (exit_info.value.code or 0), out, err
+
+
+def machine(*sizes_gb: float, cores: int = 32, ram_gb: float = 256.0, link: str = "unknown") -> DeviceInventory:
+    nvlink = {"nvlink": True, "pcie": False}.get(link)
+    gpus = tuple(GPU(i, f"GPU{i}", size, size - 0.5, nvlink) for i, size in enumerate(sizes_gb))
+    return DeviceInventory(gpus, cores, ram_gb, ram_gb * 0.9, link)
+
+
+H100 = 80.0
+LLAMA_70B, LLAMA_8B, LLAMA_1B = 141.1, 16.1, 2.5
+LLAMA_HEADS = (64, 8)
+
+
+def test_one_gpu_target_on_it_draft_on_cpu():
+    plan = plan_placement(machine(24.0), LLAMA_8B, LLAMA_1B)
+    assert plan.target_devices == ("cuda:0",) and plan.tensor_parallel == 1
+    assert plan.draft_device == "cpu" and plan.draft_kind == "cpu"
+    assert plan.min_headroom_gb > 0
+    assert any("no GPU left for the draft" in n for n in plan.notes)
+
+
+def test_one_gpu_and_one_core_falls_back_to_ngram():
+    plan = plan_placement(machine(24.0, cores=1), LLAMA_8B, LLAMA_1B)
+    assert plan.target_devices == ("cuda:0",) and plan.draft_device == "ngram"
+
+
+def test_two_gpus_draft_gets_its_own():
+    plan = plan_placement(machine(24.0, 24.0), LLAMA_8B, LLAMA_1B)
+    assert plan.target_devices == ("cuda:0",) and plan.draft_device == "cuda:1"
+    assert [u.role for u in plan.uses] == ["target", "draft"]
+
+
+def test_two_gpus_target_needs_both_draft_goes_to_cpu():
+    plan = plan_placement(machine(H100, H100), LLAMA_70B * 0.9, LLAMA_1B, heads=LLAMA_HEADS)
+    assert plan.target_devices == ("cuda:0", "cuda:1") and plan.tensor_parallel == 2
+    assert plan.draft_device == "cpu"
+
+
+def test_four_plus_one_h100_target_tp4_draft_on_fifth():
+    plan = plan_placement(machine(*[H100] * 5), LLAMA_70B, LLAMA_1B, heads=LLAMA_HEADS)
+    assert plan.tensor_parallel == 4
+    assert plan.target_devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    assert plan.draft_device == "cuda:4"
+    assert all(u.headroom_gb > 0 for u in plan.uses)
+    assert [u.role for u in plan.uses].count("target (TP shard)") == 4
+
+
+def test_eight_gpus_keep_one_for_the_draft():
+    nvlink = plan_placement(machine(*[H100] * 8, link="nvlink"), LLAMA_70B, LLAMA_1B, heads=LLAMA_HEADS)
+    assert nvlink.tensor_parallel == 4 and nvlink.draft_device == "cuda:4"  # 8 would leave no GPU
+    assert any("3 GPU(s) unused" in n for n in nvlink.notes)
+    pcie = plan_placement(machine(*[H100] * 8, link="pcie"), LLAMA_8B, LLAMA_1B, heads=LLAMA_HEADS)
+    assert pcie.tensor_parallel == 1 and pcie.draft_device == "cuda:1"  # fewest all-reduces
+    big = plan_placement(machine(*[H100] * 8, link="nvlink"), LLAMA_8B, LLAMA_1B, heads=LLAMA_HEADS)
+    assert big.tensor_parallel == 4 and big.draft_kind == "gpu"  # NVLink: more bandwidth
+
+
+def test_tensor_parallel_degree_divides_the_heads():
+    # Qwen2.5-7B: 28 query heads, 4 KV heads -> TP 8 is impossible
+    plan = plan_placement(machine(*[10.0] * 8, link="nvlink"), 15.2, 1.0, heads=(28, 4))
+    assert plan.tensor_parallel in (2, 4) and 28 % plan.tensor_parallel == 0
+
+
+def test_cpu_only():
+    plan = plan_placement(machine(cores=16, ram_gb=64), 3.1, 1.0)
+    assert plan.target_devices == ("cpu",) and plan.draft_device == "cpu"
+    assert any("separate processes" in n for n in plan.notes)
+    tight = plan_placement(machine(cores=16, ram_gb=24), LLAMA_8B, LLAMA_1B)
+    assert tight.target_devices == ("cpu",) and tight.draft_device == "ngram"
+
+
+def test_mismatched_gpus():
+    plan = plan_placement(machine(12.0, 24.0), LLAMA_8B, LLAMA_1B)
+    assert plan.target_devices == ("cuda:1",) and plan.draft_device == "cuda:0"  # big one for the target
+    with pytest.raises(PlacementError) as info:
+        plan_placement(machine(24.0, 12.0), 65.5, 1.0)
+    assert "needs ~" in info.value.message and "2 GPUs" in info.value.message
+    assert "ssdlocal pairs" in info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("inventory", "needle"),
+    [
+        (machine(24.0), "1 GPU) offers"),
+        (machine(cores=8, ram_gb=32), "no GPU found and RAM offers"),
+        (machine(*[H100] * 4), "4 GPUs) offers"),
+    ],
+)
+def test_plans_that_cannot_fit_are_refused(inventory, needle):
+    with pytest.raises(PlacementError) as info:
+        plan_placement(inventory, 400.0, 2.5, heads=LLAMA_HEADS)
+    assert "the target needs ~" in info.value.message and needle in info.value.message
+
+
+def test_free_memory_counts_not_total():
+    busy = DeviceInventory((GPU(0, "busy", 24.0, 6.0), GPU(1, "idle", 24.0, 23.5)), 8, 64.0)
+    plan = plan_placement(busy, LLAMA_8B, LLAMA_1B)
+    assert plan.target_devices == ("cuda:1",) and plan.draft_device == "cuda:0"
+
+
+def test_detect_this_machine_and_meminfo(tmp_path):
+    inv = detect()
+    assert inv.cpu_cores >= 1 and inv.ram_gb > 0
+    assert inv.interconnect in ("nvlink", "pcie", "unknown")
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemTotal:       16384000 kB\nMemFree:  100 kB\nMemAvailable:    8192000 kB\n")
+    total, available = read_meminfo(str(fake))
+    assert total == pytest.approx(16.777, abs=1e-3) and available == pytest.approx(8.389, abs=1e-3)
+    assert read_meminfo(str(tmp_path / "missing")) == (0.0, None)
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_devices_command_prints_the_plan(monkeypatch, capsys):
+    monkeypatch.setattr("ssdlocal.devices.detect", lambda: machine(*[H100] * 5))
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b")
+    assert code == 0, err
+    assert "cuda:4" in out and "tensor-parallel degree 4" in out and "draft cuda:4" in out
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b", "--json")
+    payload = json.loads(out)
+    assert payload["plan"]["tensor_parallel"] == 4 and len(payload["devices"]["gpus"]) == 5
+
+
+def test_devices_command_on_this_machine(monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "devices")
+    assert code == 0, err
+    assert "qwen2.5-coder-1.5b-offline" in out and "cores" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needles"),
+    [
+        (["devices", "--target-gb", "5000"], 1, ["the target needs ~", "smaller pair"]),
+        (["devices", "--pair", "llama-3.1-70b"], 1, ["1 GPU) offers", "llamacpp"]),
+        (["devices", "--pair", "nope"], 2, ["unknown pair 'nope'"]),
+        (["devices", "--backend", "tpu"], 2, ["unknown backend"]),
+    ],
+)
+def test_devices_bad_input_and_plans_that_do_not_fit(monkeypatch, capsys, args, code, needles):
+    monkeypatch.setattr("ssdlocal.devices.detect", lambda: machine(24.0, ram_gb=32))
+    got, _, err = run_cli(monkeypatch, capsys, *args)
+    assert got == code, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    for needle in needles:
+        assert needle in err, (needle, err)

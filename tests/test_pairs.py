@@ -1,0 +1,185 @@
+"""The pair registry: every shipped pair file is valid and complete, user pair files
+(config dir, SSDLOCAL_PAIRS_PATH, a path) are read, mistakes are clean errors, and
+`generate --pair` / `ssdlocal pairs` use it."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from ssdlocal.cli import main
+from ssdlocal.errors import UsageError
+from ssdlocal.pairs import builtin_dir, get_pair, load_pairs, parse_pair, resolve_pair_paths, suggest_pairs
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRED = {
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+    "qwen3-32b": ("Qwen/Qwen3-32B", "Qwen/Qwen3-0.6B"),
+    "qwen3-8b": ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),
+    "qwen2.5-coder-32b": ("Qwen/Qwen2.5-Coder-32B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+    "qwen2.5-coder-7b": ("Qwen/Qwen2.5-Coder-7B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
+    "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+}
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    return (exit_info.value.code or 0), out, err
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No user pairs or config from the developer's machine."""
+    monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("SSDLOCAL_PAIRS_PATH", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+
+def test_builtin_registry_is_complete():
+    assert builtin_dir() == ROOT / "models" / "pairs"
+    pairs = load_pairs()
+    for name, (target, draft) in REQUIRED.items():
+        assert (pairs[name].target.repo, pairs[name].draft.repo) == (target, draft), name
+    offline = pairs["qwen2.5-coder-1.5b-offline"]
+    from ssdlocal import assets
+
+    assert offline.source == "pypi"
+    assert (offline.target.asset, offline.draft.asset) == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_pair_file(path):
+    pair = parse_pair(path)
+    assert pair.name == path.stem and pair.description and pair.family
+    assert set(pair.backends) == {"torch", "llamacpp"}
+    assert pair.target.bf16_gb > pair.draft.bf16_gb > 0
+    assert pair.target.heads % pair.target.kv_heads == 0
+    if pair.suggested_fan_out is not None:
+        assert len(pair.suggested_fan_out) == pair.suggested_k + 1
+    if pair.source == "hf":
+        for ref in (pair.target, pair.draft, pair.gguf_target, pair.gguf_draft):
+            # "main" until a real commit is pinned; never an invented hash
+            assert ref.revision == "main" or re.fullmatch(r"[0-9a-f]{40}", ref.revision)
+        assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(".gguf")
+        assert pair.gguf_target.quant in pair.gguf_target.filename
+        assert "*.safetensors" in pair.allow_patterns and "*.json" in pair.allow_patterns
+        assert 0 < pair.gguf_target.size_gb < pair.target.bf16_gb
+
+
+def test_user_pair_files_and_paths(tmp_path, tiny_dir):
+    user = tmp_path / "config" / "pairs"
+    user.mkdir(parents=True)
+    (user / "tiny.toml").write_text(
+        f'name = "tiny"\nsource = "local"\nfamily = "llama3"\n'
+        f'[target]\npath = "{tiny_dir["llama"]}"\nbf16_gb = 0.001\n'
+        f'[draft]\npath = "{tiny_dir["draft_llama"]}"\nbf16_gb = 0.001\n'
+    )
+    # a user file may also replace a built-in pair
+    (user / "override.toml").write_text(
+        'name = "qwen2.5-1.5b"\ndescription = "mine"\n[target]\nrepo = "me/t"\n[draft]\nrepo = "me/d"\n'
+    )
+    pairs = load_pairs()
+    assert pairs["tiny"].source == "local" and pairs["qwen2.5-1.5b"].description == "mine"
+    assert resolve_pair_paths("tiny") == (str(tiny_dir["llama"]), str(tiny_dir["draft_llama"]))
+    assert get_pair(str(user / "tiny.toml")).name == "tiny"  # a path works too
+
+
+def test_pairs_path_env(monkeypatch, tmp_path):
+    extra = tmp_path / "extra.toml"
+    extra.write_text('name = "extra"\n[target]\nrepo = "a/b"\n[draft]\nrepo = "a/c"\n')
+    monkeypatch.setenv("SSDLOCAL_PAIRS_PATH", str(extra))
+    assert "extra" in load_pairs()
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("name = \n", "not valid TOML"),
+        ('name = "x"\n[draft]\nrepo = "a/b"\n', "needs a [target] table"),
+        ('name = "x"\nsource = "ftp"\n', "unknown source 'ftp'"),
+        ('name = "x"\nsource = "pypi"\n[target]\nrepo = "a"\n[draft]\nasset = "b"\n', "[target] needs `asset`"),
+        ('name = "x"\n[target]\nrepo = "a"\nsize = 3\n[draft]\nrepo = "b"\n', "unknown keys ['size']"),
+        ('name = "x"\nsuggested_k = 2\nsuggested_fan_out = [1]\n[target]\nrepo = "a"\n[draft]\nrepo = "b"\n',
+         "K+1 = 3"),
+        ('name = "x"\n[target]\nrepo = "a"\n[draft]\nrepo = "b"\n[llamacpp.target]\nrepo = "a"\n',
+         "[llamacpp.target] needs repo + filename"),
+    ],
+)
+def test_bad_pair_files(tmp_path, content, needle):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(content)
+    with pytest.raises(UsageError) as info:
+        parse_pair(bad)
+    assert needle in info.value.message and str(bad) in info.value.message
+
+
+def test_unknown_pair_suggests_names():
+    with pytest.raises(UsageError) as info:
+        get_pair("qwen3-9b")
+    assert "unknown pair 'qwen3-9b'" in info.value.message
+    assert "did you mean" in info.value.hint and "qwen3-8b" in info.value.hint
+    assert suggest_pairs("llama3")[0].startswith("llama")
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_pairs_command(monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "pairs", "--json")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert set(REQUIRED) | {"qwen2.5-coder-1.5b-offline"} <= set(rows)
+    assert rows["llama-3.1-70b"]["fits"] is False  # not on this CPU machine
+    assert rows["qwen2.5-1.5b"]["downloaded"] is False
+    assert rows["qwen3-8b"]["backends"] == ["torch", "llamacpp"]
+    code, out, err = run_cli(monkeypatch, capsys, "pairs")
+    assert code == 0 and "qwen2.5-coder-32b" in out and "fits here" in out
+    code, out, err = run_cli(monkeypatch, capsys, "pairs", "--backend", "llamacpp", "--json")
+    assert json.loads(out)[0]["target_gb"] < 50
+
+
+def test_generate_with_a_local_pair(monkeypatch, capsys, tmp_path, tiny_dir):
+    pair_file = tmp_path / "tiny.toml"
+    pair_file.write_text(
+        f'name = "tiny"\nsource = "local"\n[target]\npath = "{tiny_dir["llama"]}"\n'
+        f'[draft]\npath = "{tiny_dir["draft_llama"]}"\n'
+    )
+    monkeypatch.setenv("SSDLOCAL_PAIRS_PATH", str(pair_file))
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello world", "--pair", "tiny", "--mode", "sd",
+                             "--dtype", "float32", "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["mode"] == "sd" and len(payload["outputs"][0]["token_ids"]) == 5
+    assert payload["stats"]["acceptance_rate"] is not None  # the pair's draft model was used
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needles"),
+    [
+        (["generate", "hi", "--pair", "nope"], 2, ["unknown pair 'nope'", "known pairs"]),
+        (["generate", "hi", "--pair", "qwen3-8b"], 1, ["not downloaded", "ssdlocal pull qwen3-8b"]),
+        (["generate", "hi", "--pair", "/no/such.toml"], 2, ["does not exist"]),
+        (["pairs", "--backend", "onnx"], 2, ["unknown backend 'onnx'"]),
+    ],
+)
+def test_pair_bad_input(monkeypatch, capsys, args, code, needles):
+    got, _, err = run_cli(monkeypatch, capsys, *args)
+    assert got == code, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_local_pair_with_a_bad_path(monkeypatch, capsys, tmp_path):
+    pair_file = tmp_path / "broken.toml"
+    pair_file.write_text('name = "broken"\nsource = "local"\n[target]\npath = "gone"\n[draft]\npath = "gone2"\n')
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", str(pair_file))
+    assert code == 1 and "target path" in err and str(tmp_path / "gone") in err and "fix `path`" in err
