@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
@@ -69,7 +69,8 @@ class ChatScreen(Screen):
                 yield Transcript(id="transcript")
                 yield Static(id="status")
                 yield Input(placeholder="Message… (/help for commands, Esc stops)", id="prompt")
-            yield StatsPanel(id="stats")
+            with VerticalScroll(id="side"):
+                yield StatsPanel(id="stats")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -221,6 +222,7 @@ class ChatScreen(Screen):
         msg.stop()
         if self.generating and self._answer is not None:
             self._answer.set_note(f"failed: {msg.message}")
+            self.query_one(StatsPanel).freeze()
         self.generating = self.stopping = False
         self._update_status()
         self.app.show_error(msg.title, msg.message, msg.hint)

@@ -47,6 +47,11 @@ class StatsPanel(Static):
             self.last_backup = backup
         self.refresh_panel()
 
+    def freeze(self) -> None:
+        """The generation ended without a DoneEvent (an error): the numbers stop being live."""
+        self.live = False
+        self.refresh_panel()
+
     def reset(self, mode: str) -> None:
         self.mode, self.snapshot = mode, {}
         self.last_backup = self.last_hit = None
@@ -75,7 +80,8 @@ class StatsPanel(Static):
         row("tokens/s", _num(s.get("tokens_per_s")))
         ttft = s.get("ttft_s")
         row("TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms")
-        row("tokens", f"{s.get('tokens', 0)} in {s.get('rounds', 0)} rounds" if s else "–")
+        rounds = s.get("rounds", 0)
+        row("tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–")
         if self.mode == "ar":
             section("Speculation")
             out.append("AR: the target alone,\none token per round\n", style="dim")
