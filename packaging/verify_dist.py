@@ -11,9 +11,10 @@ import re
 import subprocess
 import sys
 import tarfile
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,39 +25,47 @@ def project_version() -> str:
 
 def package_version() -> str:
     text = (ROOT / "ssdlocal" / "__init__.py").read_text()
-    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+    return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE).group(1)
 
 
 def source_files() -> list[str]:
     """Files under ssdlocal/ that belong in the wheel (git-tracked when git is available)."""
     try:
-        out = subprocess.run(["git", "ls-files", "ssdlocal"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["git", "ls-files", "ssdlocal"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         out = [str(p.relative_to(ROOT)) for p in (ROOT / "ssdlocal").rglob("*") if p.is_file()]
-    return sorted(f for f in out if "__pycache__" not in f and not f.endswith(".pyc")
-                  and (ROOT / f).is_file())
+    return sorted(
+        f for f in out if "__pycache__" not in f and not f.endswith(".pyc") and (ROOT / f).is_file()
+    )
 
 
 def check_wheel(wheel: Path) -> list[str]:
     problems = []
-    names = set(zipfile.ZipFile(wheel).namelist())
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
     for f in source_files():
         if f not in names:
             problems.append(f"wheel lacks {f}")
     for toml in sorted((ROOT / "models" / "pairs").glob("*.toml")):
         if f"ssdlocal/_pairs/{toml.name}" not in names:
             problems.append(f"wheel lacks the pair file ssdlocal/_pairs/{toml.name}")
-    stray = sorted({n.split("/")[0] for n in names} - {"ssdlocal", wheel.name.split("-")[0] + "-"
-                                                      + wheel.name.split("-")[1] + ".dist-info"})
+    stray = sorted(
+        {n.split("/")[0] for n in names}
+        - {"ssdlocal", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
+    )
     if stray:
         problems.append(f"wheel has unexpected top-level entries: {stray}")
     return problems
 
 
 def check_sdist(sdist: Path) -> list[str]:
-    names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-    need = ["pyproject.toml", "setup.py"] + [f"models/pairs/{p.name}" for p in (ROOT / "models" / "pairs").glob("*.toml")]
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    need = ["pyproject.toml", "setup.py"] + [
+        f"models/pairs/{p.name}" for p in (ROOT / "models" / "pairs").glob("*.toml")
+    ]
     return [f"sdist lacks {n}" for n in need if n not in names]
 
 

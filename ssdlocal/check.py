@@ -98,8 +98,15 @@ def _run_mode(engine, mode: Mode, config: EngineConfig, prompts, params, chat) -
             accepted += stats["acceptance_rate"] * weight
             drafted += weight
     wall = time.perf_counter() - t0
-    return ModeRun(mode.value, tuple(ids), tokens, decode_tokens, decode_s, wall,
-                   accepted / drafted if drafted else None)
+    return ModeRun(
+        mode.value,
+        tuple(ids),
+        tokens,
+        decode_tokens,
+        decode_s,
+        wall,
+        accepted / drafted if drafted else None,
+    )
 
 
 def run_check(
@@ -135,8 +142,16 @@ def run_check(
                 if pos is None:
                     continue
                 margin = target_margin(engine, engine.encode(prompts[i], chat), want[:pos])
-                divergences.append(Divergence(
-                    mode, i, pos, want[pos] if pos < len(want) else None,
-                    got[pos] if pos < len(got) else None, margin,
-                ))
-    return CheckReport(config.target.dtype, tuple(prompts), tuple(runs.values()), tuple(divergences))
+                divergences.append(
+                    Divergence(
+                        mode,
+                        i,
+                        pos,
+                        want[pos] if pos < len(want) else None,
+                        got[pos] if pos < len(got) else None,
+                        margin,
+                    )
+                )
+    return CheckReport(
+        config.target.dtype, tuple(prompts), tuple(runs.values()), tuple(divergences)
+    )

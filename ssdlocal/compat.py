@@ -66,7 +66,9 @@ def check_pair(
     """
     t_kind, d_kind = _tokenizer_kind(target_tok), _tokenizer_kind(draft_tok)
     if t_kind != d_kind:
-        raise _fail(f"tokenizer type check failed: target uses {t_kind}, draft uses {d_kind}", family)
+        raise _fail(
+            f"tokenizer type check failed: target uses {t_kind}, draft uses {d_kind}", family
+        )
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     if len(t_vocab) != len(d_vocab):
         raise _fail(
@@ -106,8 +108,13 @@ def check_pair(
     warnings = []
     if t_special != d_special:
         diff = sorted(t_special ^ d_special)[:4]
-        warnings.append(f"special token sets differ ({', '.join(map(repr, diff))}); ids agree, so drafting works")
-    t_tmpl, d_tmpl = getattr(target_tok, "chat_template", None), getattr(draft_tok, "chat_template", None)
+        warnings.append(
+            f"special token sets differ ({', '.join(map(repr, diff))}); ids agree, so drafting works"
+        )
+    t_tmpl, d_tmpl = (
+        getattr(target_tok, "chat_template", None),
+        getattr(draft_tok, "chat_template", None),
+    )
     if t_tmpl != d_tmpl:
         warnings.append("chat templates differ; prompts are formatted with the target's template")
     checks = ("tokenizer type", "vocabulary size", "token texts", "special tokens", "chat template")
@@ -134,6 +141,9 @@ def check_paths(target: str | Path, draft: str | Path) -> CompatReport:
     d_vocab, _ = config_vocab_size(d_dir)
     family = {"llama": "llama3", "qwen2": "qwen2.5"}.get(family or "", family)
     return check_pair(
-        load_tokenizer(t_dir), load_tokenizer(d_dir),
-        target_vocab=t_vocab, draft_vocab=d_vocab, family=family,
+        load_tokenizer(t_dir),
+        load_tokenizer(d_dir),
+        target_vocab=t_vocab,
+        draft_vocab=d_vocab,
+        family=family,
     )

@@ -79,7 +79,11 @@ class Plan:
 
     @property
     def draft_kind(self) -> str:
-        return "ngram" if self.draft_device == "ngram" else ("gpu" if self.draft_device.startswith("cuda") else "cpu")
+        return (
+            "ngram"
+            if self.draft_device == "ngram"
+            else ("gpu" if self.draft_device.startswith("cuda") else "cpu")
+        )
 
     @property
     def min_headroom_gb(self) -> float:
@@ -131,9 +135,17 @@ def plan_placement(
         shard = need_t / tp
         if shard > min(g.usable_gb for g in group):
             continue
-        uses = [DeviceUse(f"cuda:{g.index}", "target" if tp == 1 else "target (TP shard)", shard, g.usable_gb)
-                for g in group]
-        candidates.append(_with_draft(devices, tp, tuple(f"cuda:{g.index}" for g in group), uses, rest, need_d, 0.0))
+        uses = [
+            DeviceUse(
+                f"cuda:{g.index}", "target" if tp == 1 else "target (TP shard)", shard, g.usable_gb
+            )
+            for g in group
+        ]
+        candidates.append(
+            _with_draft(
+                devices, tp, tuple(f"cuda:{g.index}" for g in group), uses, rest, need_d, 0.0
+            )
+        )
     if not candidates and allow_cpu_target and need_t <= devices.ram_usable_gb:
         uses = [DeviceUse("cpu", "target", need_t, devices.ram_usable_gb)]
         candidates.append(_with_draft(devices, 1, ("cpu",), uses, gpus, need_d, need_t))
@@ -141,7 +153,10 @@ def plan_placement(
         raise PlacementError(_why_not(devices, gpus, need_t, heads, allow_cpu_target), _fit_hint())
     rank = {"gpu": 0, "cpu": 1, "ngram": 2}
     prefer_big = devices.interconnect == "nvlink"
-    return min(candidates, key=lambda p: (rank[p.draft_kind], -p.tensor_parallel if prefer_big else p.tensor_parallel))
+    return min(
+        candidates,
+        key=lambda p: (rank[p.draft_kind], -p.tensor_parallel if prefer_big else p.tensor_parallel),
+    )
 
 
 def _with_draft(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Plan:
@@ -155,7 +170,9 @@ def _with_draft(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Pl
         uses.append(DeviceUse("cpu", "draft", need_d, devices.ram_usable_gb - cpu_used))
         draft = "cpu"
         if target_devices != ("cpu",):
-            notes.append("no GPU left for the draft: it runs on the CPU (SSD overlaps it with the target)")
+            notes.append(
+                "no GPU left for the draft: it runs on the CPU (SSD overlaps it with the target)"
+            )
     else:
         draft = "ngram"
         notes.append("no room for the draft model: n-gram (prompt lookup) drafting instead")
@@ -172,8 +189,10 @@ def _why_not(devices, gpus, need_t, heads, allow_cpu_target) -> str:
         degrees = _tp_degrees(len(gpus), heads)
         best = max(degrees) if degrees else 1
         offer = min(g.usable_gb for g in gpus[:best]) * best
-        text = (f"the target needs ~{need_t:.1f} GB; the largest tensor-parallel group here "
-                f"({best} GPU{'s' if best > 1 else ''}) offers ~{offer:.1f} GB usable")
+        text = (
+            f"the target needs ~{need_t:.1f} GB; the largest tensor-parallel group here "
+            f"({best} GPU{'s' if best > 1 else ''}) offers ~{offer:.1f} GB usable"
+        )
         if not allow_cpu_target:
             return text
         return text + f" and RAM offers ~{devices.ram_usable_gb:.1f} GB"
@@ -181,8 +200,10 @@ def _why_not(devices, gpus, need_t, heads, allow_cpu_target) -> str:
 
 
 def _fit_hint() -> str:
-    return ("choose a smaller pair (`ssdlocal pairs` marks what fits), a llama.cpp GGUF "
-            "quantization (--backend llamacpp), or place models yourself with --target-device")
+    return (
+        "choose a smaller pair (`ssdlocal pairs` marks what fits), a llama.cpp GGUF "
+        "quantization (--backend llamacpp), or place models yourself with --target-device"
+    )
 
 
 # --------------------------------------------------------------------------- detection
@@ -245,7 +266,9 @@ def _nvml_links(count: int) -> tuple[str, list[str]]:
             active = 0
             for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
                 try:
-                    active += int(pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)
+                    active += int(
+                        pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+                    )
                 except Exception:  # noqa: BLE001 - link index not present
                     break
             links.append(active)
@@ -255,8 +278,8 @@ def _nvml_links(count: int) -> tuple[str, list[str]]:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as exc:  # noqa: BLE001
+            log.debug("nvmlShutdown failed: %s", exc)
 
 
 def detect() -> DeviceInventory:

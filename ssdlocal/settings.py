@@ -11,8 +11,9 @@ Knows nothing about models; only the standard library is imported.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from .errors import UsageError
 
@@ -86,7 +87,9 @@ def env_values(command_name: str, command, environ=None, ctx=None) -> dict[str, 
             continue
         value = value.split() if getattr(param, "multiple", False) else value
         env = _env_name(param)
-        found[name] = _checked(param, value, f"environment variable {env}", f"fix or unset {env}", ctx)
+        found[name] = _checked(
+            param, value, f"environment variable {env}", f"fix or unset {env}", ctx
+        )
     return found
 
 
@@ -105,8 +108,9 @@ def _checked(param, value, where: str, hint: str, ctx=None):
             return param.process_value(ctx, value)
     except Exception as exc:  # noqa: BLE001 - Click's BadParameter (vendored or not) and friends
         text = getattr(exc, "message", None) or str(exc)
-        raise UsageError(f"{where}: invalid value {value!r} for --{param.name.replace('_', '-')}: {text}",
-                         hint) from None
+        raise UsageError(
+            f"{where}: invalid value {value!r} for --{param.name.replace('_', '-')}: {text}", hint
+        ) from None
     return value
 
 
@@ -139,8 +143,13 @@ def default_map(group, path: Path | None = None, environ=None, ctx=None) -> dict
                     f"options of `ssdlocal {name}`: "
                     + ", ".join(sorted(o.replace("_", "-") for o in options)),
                 )
-            values[option] = _checked(options[option], value, f"config file {path}: [{name}]",
-                                      f"fix `{key}` in {path}", sub_ctx)
+            values[option] = _checked(
+                options[option],
+                value,
+                f"config file {path}: [{name}]",
+                f"fix `{key}` in {path}",
+                sub_ctx,
+            )
         values.update(env_values(name, command, environ, sub_ctx))
         if values:
             result[name] = values

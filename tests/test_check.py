@@ -35,8 +35,11 @@ def assert_clean_error(code: int, err: str, expected_code: int, *needles: str) -
 
 def _tok_only(src: Path, dst: Path, vocab_size: int | None = None) -> Path:
     """A 'checkpoint' with only tokenizer files and a config.json (no weights needed)."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "config.json",
-                                                            "generation_config.json"))
+    shutil.copytree(
+        src,
+        dst,
+        ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json"),
+    )
     config = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else {}
     config.update({"model_type": "llama"})
     if vocab_size is not None:
@@ -54,9 +57,11 @@ def variants(tmp_path_factory, tiny_dir) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tok_variants")
     base = tiny_dir["llama"]
-    out = {"same": _tok_only(base, root / "same"),
-           "padded": _tok_only(base, root / "padded", vocab_size=512),  # extra embedding rows: fine
-           "short_rows": _tok_only(base, root / "short_rows", vocab_size=300)}  # too few rows
+    out = {
+        "same": _tok_only(base, root / "same"),
+        "padded": _tok_only(base, root / "padded", vocab_size=512),  # extra embedding rows: fine
+        "short_rows": _tok_only(base, root / "short_rows", vocab_size=300),
+    }  # too few rows
     saved = tm.TOKENIZER_VOCAB
     try:
         tm.TOKENIZER_VOCAB = 320
@@ -80,7 +85,9 @@ def variants(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     base_vocab = json.loads((base / "tokenizer.json").read_text())["model"]["vocab"]
     word = Tokenizer(models.WordLevel(vocab=base_vocab, unk_token="<|endoftext|>"))
     word.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=word, eos_token="<|endoftext|>").save_pretrained(root / "wl_tok")
+    PreTrainedTokenizerFast(tokenizer_object=word, eos_token="<|endoftext|>").save_pretrained(
+        root / "wl_tok"
+    )
     out["other_type"] = _tok_only(root / "wl_tok", root / "other_type")
     return out
 
@@ -127,8 +134,20 @@ def test_check_pair_on_loaded_tokenizers_tolerates_padded_rows(tiny_dir):
 
 # ----------------------------------------------------------------------------- check
 def test_check_command_fp32_identical(monkeypatch, capsys, tiny_dir):
-    code, out, err = run_cli(monkeypatch, capsys, "check", "--target", tiny_dir["llama"], "--draft",
-                             tiny_dir["draft_llama"], "--max-new-tokens", "10", "--k", "3", "--json")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "check",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--max-new-tokens",
+        "10",
+        "--k",
+        "3",
+        "--json",
+    )
     assert code == 0, err
     report = json.loads(out)
     assert report["identical"] is True and report["dtype"] == "float32"
@@ -160,9 +179,16 @@ class FakeEngine:
         ids = [5, 6, 7, 8]
         if spec.mode.value == "sd" and prompts[0] == "p1":
             ids = [5, 6, 9, 8]
-        yield DoneEvent((Output("x", tuple(ids), "length"),),
-                        {"tokens": 4, "tokens_per_s": 30.0, "decode_s": 0.1, "rounds": 2,
-                         "acceptance_rate": 0.5 if spec.mode.value != "ar" else None})
+        yield DoneEvent(
+            (Output("x", tuple(ids), "length"),),
+            {
+                "tokens": 4,
+                "tokens_per_s": 30.0,
+                "decode_s": 0.1,
+                "rounds": 2,
+                "acceptance_rate": 0.5 if spec.mode.value != "ar" else None,
+            },
+        )
 
     # runner API used by the logit margin
     def reset(self, batch, slots):
@@ -180,20 +206,32 @@ class FakeEngine:
 def test_divergence_reports_index_and_margin(tiny_dir):
     from ssdlocal.config import EngineConfig, Mode, ModelSpec, SpecConfig
 
-    config = EngineConfig(ModelSpec("t", dtype="bfloat16"), SpecConfig(mode=Mode.SSD, draft="d"),
-                          ModelSpec("d", dtype="bfloat16"))
+    config = EngineConfig(
+        ModelSpec("t", dtype="bfloat16"),
+        SpecConfig(mode=Mode.SSD, draft="d"),
+        ModelSpec("d", dtype="bfloat16"),
+    )
     report = run_check(config, prompts=("p0", "p1"), engine_factory=FakeEngine)
     assert not report.identical
     (div,) = report.divergences
-    assert (div.mode, div.prompt_index, div.position, div.ar_token, div.mode_token) == ("sd", 1, 2, 7, 9)
+    assert (div.mode, div.prompt_index, div.position, div.ar_token, div.mode_token) == (
+        "sd",
+        1,
+        2,
+        7,
+        9,
+    )
     assert div.margin == pytest.approx(0.01, abs=1e-4) and div.near_tie
     assert report.run("ssd").tokens_per_s == pytest.approx(30.0)
 
 
 @pytest.mark.parametrize(
     ("dtype", "margin", "verdict"),
-    [("bfloat16", 0.01, "numerical near-tie in bfloat16"), ("bfloat16", 3.0, "likely a bug"),
-     ("float32", 0.01, "fp32 must be identical")],
+    [
+        ("bfloat16", 0.01, "numerical near-tie in bfloat16"),
+        ("bfloat16", 3.0, "likely a bug"),
+        ("float32", 0.01, "fp32 must be identical"),
+    ],
 )
 def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype, margin, verdict):
     from ssdlocal import check as check_mod
@@ -205,8 +243,17 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
         return CheckReport(dtype, ("p",), runs, (Divergence("ssd", 0, 17, 11, 12, margin),))
 
     monkeypatch.setattr(check_mod, "run_check", fake_run_check)
-    code, out, err = run_cli(monkeypatch, capsys, "check", "--target", tiny_dir["llama"], "--draft",
-                             tiny_dir["draft_llama"], "--dtype", dtype)
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "check",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        dtype,
+    )
     assert code == 1, err
     assert "ssd: prompt 0 diverges from AR at token 17" in out and f"{margin:.4f}" in out
     assert verdict in out and "NOT identical" in out
@@ -230,8 +277,9 @@ def test_check_bad_input(monkeypatch, capsys, tmp_path, args, code, needles):
 
 
 def test_check_incompatible_pair(monkeypatch, capsys, tiny_dir, variants):
-    code, _, err = run_cli(monkeypatch, capsys, "check", "--target", tiny_dir["llama"], "--draft",
-                           variants["swapped"])
+    code, _, err = run_cli(
+        monkeypatch, capsys, "check", "--target", tiny_dir["llama"], "--draft", variants["swapped"]
+    )
     assert_clean_error(code, err, 1, "token text check failed", "known-good pairs:")
 
 
@@ -239,4 +287,6 @@ def test_check_pair_not_pulled(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))
     code, _, err = run_cli(monkeypatch, capsys, "check", "--pair", "qwen2.5-1.5b")
-    assert_clean_error(code, err, 1, "pair 'qwen2.5-1.5b' is not downloaded", "ssdlocal pull qwen2.5-1.5b")
+    assert_clean_error(
+        code, err, 1, "pair 'qwen2.5-1.5b' is not downloaded", "ssdlocal pull qwen2.5-1.5b"
+    )

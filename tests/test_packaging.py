@@ -8,11 +8,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import ssdlocal
 
@@ -27,9 +27,12 @@ def test_version_strings_agree():
         if not path.is_file():
             continue
         text = path.read_text()
-        for pattern in (r"ssdlocal[-:](\d+\.\d+\.\d+\w*)", r'version="(\d+\.\d+\.\d+\w*)"',
-                        r"^Version (\d+\.\d+\.\d+\w*)"):
-            for match in re.finditer(pattern, text, re.M):
+        for pattern in (
+            r"ssdlocal[-:](\d+\.\d+\.\d+\w*)",
+            r'version="(\d+\.\d+\.\d+\w*)"',
+            r"^Version (\d+\.\d+\.\d+\w*)",
+        ):
+            for match in re.finditer(pattern, text, re.MULTILINE):
                 found.setdefault(match.group(1), []).append(path.name)
     assert found, "the packaging files should name the version they package"
     assert set(found) == {version}, found
@@ -47,9 +50,15 @@ def test_cli_version(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run(["bash", str(ROOT / "packaging" / "build.sh"), str(out)], cwd=ROOT,
-                          env={**os.environ, "NO_ISOLATION": "1", "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "packaging" / "build.sh"), str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_ISOLATION": "1", "PYTHON": sys.executable},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("ok: "), proc.stdout
     return out
@@ -78,9 +87,16 @@ def test_verify_dist_catches_a_missing_pair_file(dist, tmp_path):
         for item in src.infolist():
             if not item.filename.endswith("qwen3-8b.toml"):
                 dst.writestr(item, src.read(item))
-    (tmp_path / next(dist.glob("*.tar.gz")).name).write_bytes(next(dist.glob("*.tar.gz")).read_bytes())
-    proc = subprocess.run([sys.executable, str(ROOT / "packaging" / "verify_dist.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    (tmp_path / next(dist.glob("*.tar.gz")).name).write_bytes(
+        next(dist.glob("*.tar.gz")).read_bytes()
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "packaging" / "verify_dist.py"), str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "qwen3-8b.toml" in proc.stderr
 
 
@@ -88,11 +104,19 @@ def test_installed_wheel_finds_its_pairs(dist, tmp_path):
     """Unzip the wheel (a pure-Python install) and import it without site-packages."""
     site = tmp_path / "site"
     zipfile.ZipFile(next(dist.glob("ssdlocal-*.whl"))).extractall(site)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import ssdlocal.pairs as p; "
-            "print(p.builtin_dir()); print(len(p.load_pairs())); print(p.__file__)")
-    proc = subprocess.run([sys.executable, "-S", "-c", code, str(site)], capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path, env={"PATH": os.environ.get("PATH", ""),
-                                                         "SSDLOCAL_CONFIG_DIR": str(tmp_path / "cfg")})
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import ssdlocal.pairs as p; "
+        "print(p.builtin_dir()); print(len(p.load_pairs())); print(p.__file__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(site)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={"PATH": os.environ.get("PATH", ""), "SSDLOCAL_CONFIG_DIR": str(tmp_path / "cfg")},
+    )
     assert proc.returncode == 0, proc.stderr
     where, count, module = proc.stdout.split()
     assert Path(where) == site / "ssdlocal" / "_pairs"

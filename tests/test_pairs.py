@@ -13,7 +13,14 @@ import pytest
 
 from ssdlocal.cli import main
 from ssdlocal.errors import UsageError
-from ssdlocal.pairs import builtin_dir, get_pair, load_pairs, parse_pair, resolve_pair_paths, suggest_pairs
+from ssdlocal.pairs import (
+    builtin_dir,
+    get_pair,
+    load_pairs,
+    parse_pair,
+    resolve_pair_paths,
+    suggest_pairs,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = {
@@ -53,10 +60,15 @@ def test_builtin_registry_is_complete():
     from ssdlocal import assets
 
     assert offline.source == "pypi"
-    assert (offline.target.asset, offline.draft.asset) == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT)
+    assert (offline.target.asset, offline.draft.asset) == (
+        assets.DEFAULT_TARGET,
+        assets.DEFAULT_DRAFT,
+    )
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem
+)
 def test_every_pair_file(path):
     pair = parse_pair(path)
     assert pair.name == path.stem and pair.description and pair.family
@@ -69,7 +81,9 @@ def test_every_pair_file(path):
         for ref in (pair.target, pair.draft, pair.gguf_target, pair.gguf_draft):
             # "main" until a real commit is pinned; never an invented hash
             assert ref.revision == "main" or re.fullmatch(r"[0-9a-f]{40}", ref.revision)
-        assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(".gguf")
+        assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(
+            ".gguf"
+        )
         assert pair.gguf_target.quant in pair.gguf_target.filename
         assert "*.safetensors" in pair.allow_patterns and "*.json" in pair.allow_patterns
         assert 0 < pair.gguf_target.size_gb < pair.target.bf16_gb
@@ -106,12 +120,22 @@ def test_pairs_path_env(monkeypatch, tmp_path):
         ("name = \n", "not valid TOML"),
         ('name = "x"\n[draft]\nrepo = "a/b"\n', "needs a [target] table"),
         ('name = "x"\nsource = "ftp"\n', "unknown source 'ftp'"),
-        ('name = "x"\nsource = "pypi"\n[target]\nrepo = "a"\n[draft]\nasset = "b"\n', "[target] needs `asset`"),
-        ('name = "x"\n[target]\nrepo = "a"\nsize = 3\n[draft]\nrepo = "b"\n', "unknown keys ['size']"),
-        ('name = "x"\nsuggested_k = 2\nsuggested_fan_out = [1]\n[target]\nrepo = "a"\n[draft]\nrepo = "b"\n',
-         "K+1 = 3"),
-        ('name = "x"\n[target]\nrepo = "a"\n[draft]\nrepo = "b"\n[llamacpp.target]\nrepo = "a"\n',
-         "[llamacpp.target] needs repo + filename"),
+        (
+            'name = "x"\nsource = "pypi"\n[target]\nrepo = "a"\n[draft]\nasset = "b"\n',
+            "[target] needs `asset`",
+        ),
+        (
+            'name = "x"\n[target]\nrepo = "a"\nsize = 3\n[draft]\nrepo = "b"\n',
+            "unknown keys ['size']",
+        ),
+        (
+            'name = "x"\nsuggested_k = 2\nsuggested_fan_out = [1]\n[target]\nrepo = "a"\n[draft]\nrepo = "b"\n',
+            "K+1 = 3",
+        ),
+        (
+            'name = "x"\n[target]\nrepo = "a"\n[draft]\nrepo = "b"\n[llamacpp.target]\nrepo = "a"\n',
+            "[llamacpp.target] needs repo + filename",
+        ),
     ],
 )
 def test_bad_pair_files(tmp_path, content, needle):
@@ -152,8 +176,21 @@ def test_generate_with_a_local_pair(monkeypatch, capsys, tmp_path, tiny_dir):
         f'[draft]\npath = "{tiny_dir["draft_llama"]}"\n'
     )
     monkeypatch.setenv("SSDLOCAL_PAIRS_PATH", str(pair_file))
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello world", "--pair", "tiny", "--mode", "sd",
-                             "--dtype", "float32", "--max-new-tokens", "5", "--json")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "Hello world",
+        "--pair",
+        "tiny",
+        "--mode",
+        "sd",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "5",
+        "--json",
+    )
     assert code == 0, err
     payload = json.loads(out)
     assert payload["mode"] == "sd" and len(payload["outputs"][0]["token_ids"]) == 5
@@ -180,6 +217,10 @@ def test_pair_bad_input(monkeypatch, capsys, args, code, needles):
 
 def test_local_pair_with_a_bad_path(monkeypatch, capsys, tmp_path):
     pair_file = tmp_path / "broken.toml"
-    pair_file.write_text('name = "broken"\nsource = "local"\n[target]\npath = "gone"\n[draft]\npath = "gone2"\n')
+    pair_file.write_text(
+        'name = "broken"\nsource = "local"\n[target]\npath = "gone"\n[draft]\npath = "gone2"\n'
+    )
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", str(pair_file))
-    assert code == 1 and "target path" in err and str(tmp_path / "gone") in err and "fix `path`" in err
+    assert (
+        code == 1 and "target path" in err and str(tmp_path / "gone") in err and "fix `path`" in err
+    )

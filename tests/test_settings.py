@@ -35,7 +35,13 @@ def cfg(tmp_path, monkeypatch) -> Path:
     """An empty config dir (XDG_CONFIG_HOME); returns the config.toml path."""
     monkeypatch.delenv("SSDLOCAL_CONFIG_DIR", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for var in ("SSDLOCAL_MAX_NEW_TOKENS", "SSDLOCAL_JSON", "SSDLOCAL_K", "SSDLOCAL_MODE", "SSDLOCAL_STOP"):
+    for var in (
+        "SSDLOCAL_MAX_NEW_TOKENS",
+        "SSDLOCAL_JSON",
+        "SSDLOCAL_K",
+        "SSDLOCAL_MODE",
+        "SSDLOCAL_STOP",
+    ):
         monkeypatch.delenv(var, raising=False)
     path = tmp_path / "xdg" / "ssdlocal" / "config.toml"
     path.parent.mkdir(parents=True)
@@ -55,16 +61,26 @@ def test_config_dir_locations(monkeypatch, tmp_path):
 
 def test_load_config(cfg):
     assert load_config() == {}
-    cfg.write_text('[generate]\nmax_new_tokens = 7\n')
+    cfg.write_text("[generate]\nmax_new_tokens = 7\n")
     assert load_config() == {"generate": {"max_new_tokens": 7}}
 
 
 def gen_json(tiny, *extra):
-    return ["generate", "Hello world", "--target", tiny["llama"], "--dtype", "float32", "--mode", "ar", *extra]
+    return [
+        "generate",
+        "Hello world",
+        "--target",
+        tiny["llama"],
+        "--dtype",
+        "float32",
+        "--mode",
+        "ar",
+        *extra,
+    ]
 
 
 def test_precedence_flag_env_file(monkeypatch, capsys, cfg, tiny_dir):
-    cfg.write_text('[generate]\nmax-new-tokens = 3\njson = true\n')
+    cfg.write_text("[generate]\nmax-new-tokens = 3\njson = true\n")
     code, out, err = run_cli(monkeypatch, capsys, *gen_json(tiny_dir))
     assert code == 0, err
     assert len(json.loads(out)["outputs"][0]["token_ids"]) == 3  # file: 3 tokens, --json
@@ -80,8 +96,16 @@ def test_env_only(monkeypatch, capsys, cfg, tiny_dir):
     monkeypatch.setenv("SSDLOCAL_MAX_NEW_TOKENS", "4")
     monkeypatch.setenv("SSDLOCAL_MODE", "sd")
     monkeypatch.setenv("SSDLOCAL_DRAFT", "ngram")
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello world", "--target", tiny_dir["llama"],
-                             "--dtype", "float32")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "Hello world",
+        "--target",
+        tiny_dir["llama"],
+        "--dtype",
+        "float32",
+    )
     assert code == 0, err
     payload = json.loads(out)
     assert payload["mode"] == "sd" and len(payload["outputs"][0]["token_ids"]) == 4
@@ -100,7 +124,9 @@ def test_env_only(monkeypatch, capsys, cfg, tiny_dir):
 )
 def test_invalid_config_file(monkeypatch, capsys, cfg, content, needles):
     cfg.write_text(content)
-    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--target", "/nowhere", "--mode", "ar")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "generate", "hi", "--target", "/nowhere", "--mode", "ar"
+    )
     assert_clean_error(code, err, 2, *needles)
     if "k must be" not in needles[0]:
         assert str(cfg) in err.split("hint:")[0] or str(cfg) in err
@@ -117,11 +143,12 @@ def test_unreadable_config_file(monkeypatch, capsys, cfg):
 def test_bad_env_value_is_a_usage_error(monkeypatch, capsys, cfg):
     monkeypatch.setenv("SSDLOCAL_K", "four")
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--mode", "ar")
-    assert_clean_error(code, err, 2, "environment variable SSDLOCAL_K", "'four'", "--k",
-                       "fix or unset SSDLOCAL_K")
+    assert_clean_error(
+        code, err, 2, "environment variable SSDLOCAL_K", "'four'", "--k", "fix or unset SSDLOCAL_K"
+    )
 
 
 def test_other_commands_read_their_table(monkeypatch, capsys, cfg):
-    cfg.write_text('[devices]\ntarget-gb = 5000\n')
+    cfg.write_text("[devices]\ntarget-gb = 5000\n")
     code, _, err = run_cli(monkeypatch, capsys, "devices")
     assert_clean_error(code, err, 1, "the target needs ~")
