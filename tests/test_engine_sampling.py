@@ -1,0 +1,263 @@
+"""Statistical losslessness end to end at temperature 1: AR, SD and SSD samples follow
+the target's exact distribution over the first three generated tokens.
+
+Reference: the exact joint p(t1, t2, t3 | prompt) = p(t1) p(t2 | t1) p(t3 | t1, t2),
+computed from the target's logits with transformers (an independent implementation of
+the same checkpoint), each conditional warped by `logits_to_probs` exactly as the
+engine warps p (temperature, top-p). Every pair (t1, t2) with probability >= 1/N is
+enumerated with all V choices of t3; all other triples form one "other" category whose
+probability is exactly 1 minus the rest (a triple is never likelier than its pair, so
+no category with >= 1 expected count hides in "other"). stats_helpers pools categories
+below 5 expected counts, and ALPHA = 1e-4 (a correct implementation fails < 1 in 10^4).
+
+Why three tokens: the first token comes from the prefill and the second from round 0,
+which SSD always drafts just-in-time. The third comes from round 1 whenever round 0
+rejected its first draft, and round 1 is served from the speculation cache (a hit) or
+by the backup (jit / ngram / none). The tests assert both paths actually ran.
+
+Models: a low-entropy target (the tiny llama with its lm_head scaled x3: top-1 ~0.55,
+top-5 ~0.85 at T=1) and a draft that differs on purpose (a noisy copy whose lm_head is
+flattened x0.8), so about half the first drafts are rejected and the residual path
+carries a lot of mass; in round 1 about 60% of the rows hit the cache.
+
+Power: N = 1500 samples per configuration (one batch of the prompt repeated; SSD's
+worker takes a few seconds per configuration at this batch size on a 2-core CPU).
+The broken variants below give p-values below 1e-25 (bonus drawn from p instead of
+the residual; acceptance by "draft == argmax p"), and even AR samples at T=1 checked
+against the joint at T=0.9 fail (p ~1e-18); as a rule of thumb a lossy variant that
+moves ~5% of probability between likely outcomes is caught.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from stats_helpers import (
+    assert_distribution,
+    assert_not_distribution,
+    chi_square_pvalue,
+)
+
+import ssdlocal.engine as engine_mod
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.engine import Engine
+from ssdlocal.events import DoneEvent, RoundEvent
+from ssdlocal.sampling import logits_to_probs, sample
+from ssdlocal.verify import Verdict, verify
+
+N = 1500
+K = 2
+PROMPT = "The quick brown fox"
+T1 = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
+FAN = (5, 2, 1)  # F_0..F_K: many candidates after a first-draft rejection
+
+
+def _scale_lm_head(directory, factor: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(directory.glob("*.safetensors")):
+        state = load_file(f)
+        if "lm_head.weight" in state:
+            state["lm_head.weight"] = state["lm_head.weight"] * factor
+            save_file(state, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir, tmp_path_factory):
+    """(target, draft) directories: a low-entropy target and a deliberately different draft."""
+    from tiny_models import make_draft_like
+
+    root = tmp_path_factory.mktemp("lowent")
+    target = root / "target"
+    shutil.copytree(tiny_dir["llama"], target)
+    _scale_lm_head(target, 3.0)
+    draft = make_draft_like(target, root / "draft", noise=0.008, seed=21)
+    _scale_lm_head(draft, 0.8)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the SSD worker has its own threads; avoid oversubscription
+    target, draft = models
+    cfg = EngineConfig(
+        target=ModelSpec(str(target)),
+        spec=SpecConfig(mode=Mode.SD, k=K, draft=str(draft)),
+        draft_model=ModelSpec(str(draft)),
+        pin_cpus=False,
+    )
+    with Engine(cfg) as eng:
+        yield eng
+    torch.set_num_threads(old)
+
+
+class ExactJoint:
+    """Exact distribution of (t1, t2, t3) for one set of sampling params, as categories."""
+
+    def __init__(self, target_dir, prompt_ids: list[int], params: SamplingParams, n: int):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+        @torch.no_grad()
+        def next_probs(prefixes: list[list[int]]) -> torch.Tensor:  # -> [P, V]
+            ids = torch.tensor(prefixes, dtype=torch.long)  # [P, L] (all the same length)
+            logits = model(input_ids=ids).logits[:, -1].float()  # [P, V]
+            return logits_to_probs(logits, params).double()
+
+        threshold = 1.0 / n
+        p1 = next_probs([prompt_ids])[0]  # [V]
+        firsts = [t for t in range(p1.numel()) if p1[t] >= threshold]
+        p2 = next_probs([prompt_ids + [t] for t in firsts])  # [F, V]
+        pairs: list[tuple[int, int]] = []
+        pair_probs: list[float] = []
+        for i, t1 in enumerate(firsts):
+            for t2 in range(p2.shape[1]):
+                joint = float(p1[t1] * p2[i, t2])
+                if joint >= threshold:
+                    pairs.append((t1, t2))
+                    pair_probs.append(joint)
+        p3 = next_probs([prompt_ids + list(pair) for pair in pairs])  # [P, V]
+        self.vocab = p3.shape[1]
+        self.pair_index = {pair: i for i, pair in enumerate(pairs)}
+        triple = torch.tensor(pair_probs, dtype=torch.float64).unsqueeze(1) * p3  # [P, V]
+        flat = triple.reshape(-1).numpy()
+        other = max(0.0, 1.0 - float(flat.sum()))
+        self.probs = np.append(flat, other)  # categories: pair_i * V + t3, then "other"
+        self.other = len(pairs) * self.vocab
+
+    def categories(self, outputs) -> np.ndarray:
+        out = np.empty(len(outputs), dtype=np.int64)
+        for j, o in enumerate(outputs):
+            t1, t2, t3 = o.token_ids
+            i = self.pair_index.get((t1, t2))
+            out[j] = self.other if i is None else i * self.vocab + t3
+        return out
+
+
+_JOINTS: dict = {}
+
+
+def exact_joint(engine: Engine, models, params: SamplingParams) -> ExactJoint:
+    key = (params.temperature, params.top_k, params.top_p)
+    if key not in _JOINTS:
+        prompt_ids = engine.encode(PROMPT, chat=False)
+        _JOINTS[key] = ExactJoint(models[0], prompt_ids, params, N)
+    return _JOINTS[key]
+
+
+def sample_outputs(engine: Engine, spec: SpecConfig, params: SamplingParams):
+    """N independent samples: one batch of the prompt repeated N times."""
+    rounds, done = [], None
+    for ev in engine.generate([PROMPT] * N, params, spec=spec):
+        if isinstance(ev, RoundEvent):
+            rounds.append(ev)
+        elif isinstance(ev, DoneEvent):
+            done = ev
+    assert done is not None and len(done.outputs) == N
+    assert all(len(o.token_ids) == 3 for o in done.outputs)
+    return done, rounds
+
+
+def ssd_spec(engine: Engine, **kw) -> SpecConfig:
+    kw.setdefault("fan_out", FAN)
+    kw.setdefault("fan_out_miss", FAN)
+    return SpecConfig(mode=Mode.SSD, k=K, draft=engine.config.spec.draft, **kw)
+
+
+# ----------------------------------------------------------------- lossless modes
+def test_exact_reference_is_a_distribution(engine, models):
+    joint = exact_joint(engine, models, T1)
+    assert abs(joint.probs.sum() - 1.0) < 1e-6
+    assert (joint.probs >= 0).all()
+    # low entropy: most of the mass sits in enumerated triples with >= 5 expected counts
+    assert joint.probs[joint.probs * N >= 5].sum() > 0.5
+
+
+def test_ar_matches_exact_joint(engine, models):
+    """The harness itself: plain AR sampling follows the computed joint."""
+    joint = exact_joint(engine, models, T1)
+    done, _ = sample_outputs(engine, SpecConfig(mode=Mode.AR), replace(T1, seed=11))
+    assert_distribution(joint.categories(done.outputs), joint.probs, what="AR")
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sd_matches_exact_joint(engine, models, top_p):
+    params = replace(T1, top_p=top_p, seed=12)
+    joint = exact_joint(engine, models, params)
+    spec = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)
+    done, _ = sample_outputs(engine, spec, params)
+    s = done.stats
+    assert 0.2 < s["acceptance_rate"] < 0.9  # the draft differs: rejections are common
+    assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SD top_p={top_p}")
+
+
+SSD_CASES = {
+    "jit": {"backup": "jit"},
+    "ngram": {"backup": "ngram"},
+    "none": {"backup": "none"},
+    "saguaro-c0.5": {"backup": "jit", "saguaro_c": 0.5},
+    "top-p0.9": {"backup": "jit"},
+}
+
+
+@pytest.mark.parametrize("case", list(SSD_CASES))
+def test_ssd_matches_exact_joint(engine, models, case):
+    params = replace(T1, seed=100 + list(SSD_CASES).index(case))
+    if case == "top-p0.9":
+        params = replace(params, top_p=0.9)
+    joint = exact_joint(engine, models, params)
+    spec = ssd_spec(engine, **SSD_CASES[case])
+    done, rounds = sample_outputs(engine, spec, params)
+    s = done.stats
+    # both SSD paths ran in round 1: some rows were served from the cache, some missed
+    round1 = rounds[1] if len(rounds) > 1 else None
+    assert round1 is not None
+    assert 0 < sum(round1.cache_hit) < len(round1.cache_hit)
+    assert s["backup_used"].get(spec.backup, 0) >= 1
+    assert 0 < s["cache_hit_rate"] < 1
+    assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SSD {case}")
+
+
+# ----------------------------------------------------------------- the test can fail
+def _bonus_from_p(p, draft_tokens, q, generator, n_draft=None) -> Verdict:
+    """Broken: correct acceptance, but the bonus is drawn from p even after a rejection."""
+    verdict = verify(p, draft_tokens, q, generator, n_draft)
+    rows = torch.arange(p.shape[0])  # [B]
+    bonus = sample(p[rows, verdict.n_accepted], generator)  # [B]
+    return Verdict(verdict.n_accepted, bonus)
+
+
+def _accept_argmax(p, draft_tokens, q, generator, n_draft=None) -> Verdict:
+    """Broken: accept a draft when it equals argmax p (the greedy rule) at T > 0."""
+    batch, k = draft_tokens.shape
+    if n_draft is None:
+        n_draft = torch.full((batch,), k, dtype=torch.long)
+    real = torch.arange(k).unsqueeze(0) < n_draft.unsqueeze(1)  # [B, K]
+    accept = (p[:, :k].argmax(-1) == draft_tokens) & real  # [B, K]
+    n_acc = torch.cumprod(accept.long(), dim=-1).sum(-1)  # [B]
+    bonus = sample(p[torch.arange(batch), n_acc], generator)  # [B]
+    return Verdict(n_acc, bonus)
+
+
+@pytest.mark.parametrize("broken", [_bonus_from_p, _accept_argmax], ids=["bonus-from-p", "argmax"])
+def test_broken_verify_is_detected(engine, models, monkeypatch, broken):
+    """The same harness rejects a lossy verification (SD and SSD share the engine's verify)."""
+    monkeypatch.setattr(engine_mod, "verify", broken)
+    params = replace(T1, seed=31)
+    joint = exact_joint(engine, models, params)
+    sd = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)
+    done, _ = sample_outputs(engine, sd, params)
+    assert_not_distribution(joint.categories(done.outputs), joint.probs, what=f"SD {broken.__name__}")
+
+
+def test_wrong_reference_is_detected(engine, models):
+    """Sensitivity: samples at T=1 do not pass against the joint at T=0.9."""
+    joint_t = exact_joint(engine, models, replace(T1, temperature=0.9))
+    done, _ = sample_outputs(engine, SpecConfig(mode=Mode.AR), replace(T1, seed=41))
+    assert chi_square_pvalue(joint_t.categories(done.outputs), joint_t.probs) < 1e-4
