@@ -12,16 +12,16 @@ import pytest
 
 pytest.importorskip("textual")
 
-from ssdlocal.config import Mode, SamplingParams  # noqa: E402
-from ssdlocal.errors import DraftWorkerError, ModelLoadError, UsageError  # noqa: E402
-from ssdlocal.tui.app import ChatApp, RaceApp  # noqa: E402
-from ssdlocal.tui.core import ChatSettings, Conversation, OriginSplitter, run_command  # noqa: E402
-from ssdlocal.tui.race import RaceRun, race_specs, record_run, summarize  # noqa: E402
-from ssdlocal.tui.screens.chat import ChatScreen  # noqa: E402
-from ssdlocal.tui.screens.dialogs import ErrorModal  # noqa: E402
-from ssdlocal.tui.testing import WORDS, FakeEngine, fake_config  # noqa: E402
-from ssdlocal.tui.widgets.stats_panel import StatsPanel  # noqa: E402
-from ssdlocal.tui.widgets.transcript import AnswerText  # noqa: E402
+from ssdlocal.config import Mode, SamplingParams
+from ssdlocal.errors import DraftWorkerError, ModelLoadError, UsageError
+from ssdlocal.tui.app import ChatApp, RaceApp
+from ssdlocal.tui.core import ChatSettings, Conversation, OriginSplitter, run_command
+from ssdlocal.tui.race import RaceRun, race_specs, record_run, summarize
+from ssdlocal.tui.screens.chat import ChatScreen
+from ssdlocal.tui.screens.dialogs import ErrorModal
+from ssdlocal.tui.testing import WORDS, FakeEngine, fake_config
+from ssdlocal.tui.widgets.stats_panel import StatsPanel
+from ssdlocal.tui.widgets.transcript import AnswerText
 
 SIZE = (120, 36)
 
@@ -87,8 +87,12 @@ async def test_chat_streams_an_answer_and_keeps_the_history():
         # second turn: the history (with the first answer) is part of the prompt
         await say(pilot, "and then?")
         await finish(pilot)
-        conv = Conversation(messages=[{"role": "user", "content": "hello there"},
-                                      {"role": "assistant", "content": expected}])
+        conv = Conversation(
+            messages=[
+                {"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": expected},
+            ]
+        )
         assert engine.calls[1][0] == [conv.prompt_ids(engine.tokenizer, "and then?")]
         assert len(screen.conversation.messages) == 4
 
@@ -207,8 +211,12 @@ async def test_copy_clear_colours_and_help():
 
 @asynctest
 async def test_generation_error_shows_modal_and_recovers():
-    engine = FakeEngine(fail_after=2, error=DraftWorkerError("the draft worker died (exit code -9)",
-                                                             "it is restarted on the next request"))
+    engine = FakeEngine(
+        fail_after=2,
+        error=DraftWorkerError(
+            "the draft worker died (exit code -9)", "it is restarted on the next request"
+        ),
+    )
     app = chat_app(engine)
     async with app.run_test(size=SIZE) as pilot:
         screen = await ready(pilot)
@@ -248,9 +256,15 @@ async def test_unexpected_error_and_load_failure_show_modals():
 
 # --------------------------------------------------------------------------- race
 def race_app(engine: FakeEngine, **kw) -> RaceApp:
-    return RaceApp(lambda: engine, engine.config, "Explain speculative decoding.",
-                   race_specs(engine.config.spec), SamplingParams(max_new_tokens=30),
-                   clock=engine.clock, **kw)
+    return RaceApp(
+        lambda: engine,
+        engine.config,
+        "Explain speculative decoding.",
+        race_specs(engine.config.spec),
+        SamplingParams(max_new_tokens=30),
+        clock=engine.clock,
+        **kw,
+    )
 
 
 @asynctest
@@ -265,12 +279,17 @@ async def test_race_records_three_modes_and_replays_to_a_summary():
                 break
         screen = app.screen
         assert screen.finished
-        assert [c[2].mode for c in engine.calls] == [Mode.AR, Mode.SD, Mode.SSD] * 2  # warm-up + runs
+        assert [c[2].mode for c in engine.calls] == [
+            Mode.AR,
+            Mode.SD,
+            Mode.SSD,
+        ] * 2  # warm-up + runs
         assert all(c[1].max_new_tokens == 4 for c in engine.calls[:3])
         assert "identical output in every mode" in screen.verdict
         assert [r.mode for r in screen.rows] == ["AR", "SD", "SSD"]
         assert "replayed side by side with measured timings" in str(
-            screen.query_one("#race-note").content)
+            screen.query_one("#race-note").content
+        )
         texts = {p.body.text for p in screen.panes}
         assert len(texts) == 1 and texts.pop().split() == WORDS[:30]
         screen.speed = 1e-3  # replay slowly: it must restart from nothing
@@ -322,8 +341,10 @@ def test_origin_splitter_follows_token_boundaries():
 def test_race_timeline_and_summary():
     engine = FakeEngine()
     ids = engine.encode("hi", chat=True)
-    runs = [record_run(engine, ids, SamplingParams(max_new_tokens=20), s, clock=engine.clock)
-            for s in race_specs(engine.config.spec)]
+    runs = [
+        record_run(engine, ids, SamplingParams(max_new_tokens=20), s, clock=engine.clock)
+        for s in race_specs(engine.config.spec)
+    ]
     ar = runs[0]
     assert ar.tokens == 20 and ar.shown(0.0) == 0 and ar.shown(ar.times[-1]) == len(ar.times)
     assert ar.rate_at(ar.times[-1]) == pytest.approx(ar.stats["tokens_per_s"])
@@ -333,9 +354,11 @@ def test_race_timeline_and_summary():
 
 
 def test_engine_and_cli_do_not_import_textual():
-    code = ("import sys, ssdlocal.cli, ssdlocal.cli_tui, ssdlocal.tui, ssdlocal.tui.core, "
-            "ssdlocal.tui.race, ssdlocal.tui.testing; "
-            "assert 'textual' not in sys.modules, 'textual imported eagerly'")
+    code = (
+        "import sys, ssdlocal.cli, ssdlocal.cli_tui, ssdlocal.tui, ssdlocal.tui.core, "
+        "ssdlocal.tui.race, ssdlocal.tui.testing; "
+        "assert 'textual' not in sys.modules, 'textual imported eagerly'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

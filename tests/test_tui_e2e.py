@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("textual")
 
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 
 
 @pytest.fixture()

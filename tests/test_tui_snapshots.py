@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
 
-from ssdlocal.config import SamplingParams  # noqa: E402
-from ssdlocal.errors import OutOfMemoryError  # noqa: E402
-from ssdlocal.tui.app import ChatApp, RaceApp  # noqa: E402
-from ssdlocal.tui.core import ChatSettings  # noqa: E402
-from ssdlocal.tui.race import race_specs  # noqa: E402
-from ssdlocal.tui.testing import FakeEngine  # noqa: E402
+from ssdlocal.config import SamplingParams
+from ssdlocal.errors import OutOfMemoryError
+from ssdlocal.tui.app import ChatApp, RaceApp
+from ssdlocal.tui.core import ChatSettings
+from ssdlocal.tui.race import race_specs
+from ssdlocal.tui.testing import FakeEngine
 
 SIZE = (120, 36)
 
@@ -46,9 +46,13 @@ def test_chat_screen(snap_compare):
 
 
 def test_chat_error_modal(snap_compare):
-    engine = FakeEngine(fail_after=1, error=OutOfMemoryError(
-        "out of memory running the target on cuda:0",
-        "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device"))
+    engine = FakeEngine(
+        fail_after=1,
+        error=OutOfMemoryError(
+            "out of memory running the target on cuda:0",
+            "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device",
+        ),
+    )
 
     async def run_before(pilot):
         await _ask(pilot, "hi")
@@ -58,9 +62,14 @@ def test_chat_error_modal(snap_compare):
 
 def test_race_screen(snap_compare):
     engine = FakeEngine()
-    app = RaceApp(lambda: engine, engine.config, "Explain speculative decoding in one paragraph.",
-                  race_specs(engine.config.spec), SamplingParams(max_new_tokens=60),
-                  clock=engine.clock)
+    app = RaceApp(
+        lambda: engine,
+        engine.config,
+        "Explain speculative decoding in one paragraph.",
+        race_specs(engine.config.spec),
+        SamplingParams(max_new_tokens=60),
+        clock=engine.clock,
+    )
 
     async def run_before(pilot):
         for _ in range(200):

@@ -17,5 +17,6 @@ def require_textual() -> None:
     try:
         import textual  # noqa: F401
     except ImportError:
-        raise SSDLocalError("the chat and race screens need Textual, which is not installed",
-                            INSTALL_HINT) from None
+        raise SSDLocalError(
+            "the chat and race screens need Textual, which is not installed", INSTALL_HINT
+        ) from None

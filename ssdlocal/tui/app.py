@@ -38,6 +38,7 @@ class EngineApp(App):
         self.engine_config = config
         self.engine: EngineLike | None = None
         self.loaded_engine: EngineLike | None = None
+        self.load_failed = False  # the CLI then exits with status 1
         self.pair, self.placement = describe_pair(config)
         self.main: Screen | None = None
 
@@ -64,6 +65,7 @@ class EngineApp(App):
         self.main.engine_ready(msg.engine)
 
     def on_work_failed(self, msg: WorkFailed) -> None:
+        self.load_failed = True
         self.main.engine_failed()
         self.show_error(msg.title, msg.message, msg.hint)
 
@@ -79,8 +81,13 @@ class EngineApp(App):
 class ChatApp(EngineApp):
     TITLE = "ssdlocal chat"
 
-    def __init__(self, load_engine: EngineFactory, config: EngineConfig, settings: ChatSettings,
-                 system: str | None = None) -> None:
+    def __init__(
+        self,
+        load_engine: EngineFactory,
+        config: EngineConfig,
+        settings: ChatSettings,
+        system: str | None = None,
+    ) -> None:
         super().__init__(load_engine, config)
         self.chat_settings = settings
         self.system = system
@@ -93,8 +100,11 @@ class ChatApp(EngineApp):
         if not isinstance(screen, ChatScreen):
             return
         for mode in (Mode.AR, Mode.SD, Mode.SSD):
-            yield SystemCommand(f"Mode: {mode.value.upper()}", f"decode with {mode.value.upper()}",
-                                lambda m=mode: screen.set_mode(m))
+            yield SystemCommand(
+                f"Mode: {mode.value.upper()}",
+                f"decode with {mode.value.upper()}",
+                lambda m=mode: screen.set_mode(m),
+            )
         yield SystemCommand("K +1", "one more draft token per round", screen.action_k_up)
         yield SystemCommand("K -1", "one draft token fewer per round", screen.action_k_down)
         yield SystemCommand("Temperature +0.1", "sample more freely", screen.action_temp_up)
@@ -102,24 +112,49 @@ class ChatApp(EngineApp):
         yield SystemCommand("Stop generation", "stop after the current round", screen.action_stop)
         yield SystemCommand("Copy last answer", "to the clipboard", screen.action_copy)
         yield SystemCommand("Clear conversation", "forget the history", screen.action_clear)
-        yield SystemCommand("Toggle token colours", "colour tokens by origin",
-                            screen.action_toggle_colors)
+        yield SystemCommand(
+            "Toggle token colours", "colour tokens by origin", screen.action_toggle_colors
+        )
         yield SystemCommand("Help", "slash commands and keys", screen.action_help)
 
 
 class RaceApp(EngineApp):
     TITLE = "ssdlocal race"
 
-    def __init__(self, load_engine: EngineFactory, config: EngineConfig, prompt: str,
-                 specs: list[SpecConfig], params: SamplingParams, *, chat: bool = True,
-                 warmup: bool = True, speed: float = 1.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        load_engine: EngineFactory,
+        config: EngineConfig,
+        prompt: str,
+        specs: list[SpecConfig],
+        params: SamplingParams,
+        *,
+        chat: bool = True,
+        warmup: bool = True,
+        speed: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         super().__init__(load_engine, config)
-        self.race_args = dict(prompt=prompt, specs=specs, params=params, chat=chat, warmup=warmup,
-                              speed=speed, clock=clock)
+        self.race_args = {
+            "prompt": prompt,
+            "specs": specs,
+            "params": params,
+            "chat": chat,
+            "warmup": warmup,
+            "speed": speed,
+            "clock": clock,
+        }
 
     def make_screen(self) -> RaceScreen:
         a = self.race_args
-        return RaceScreen(a["prompt"], a["specs"], a["params"], pair=self.pair,
-                          placement=self.placement, chat=a["chat"], warmup=a["warmup"],
-                          speed=a["speed"], clock=a["clock"])
+        return RaceScreen(
+            a["prompt"],
+            a["specs"],
+            a["params"],
+            pair=self.pair,
+            placement=self.placement,
+            chat=a["chat"],
+            warmup=a["warmup"],
+            speed=a["speed"],
+            clock=a["clock"],
+        )

@@ -24,8 +24,9 @@ class EngineLike(Protocol):
     config: EngineConfig
     tokenizer: Any
 
-    def generate(self, prompts, params: SamplingParams, *, chat: bool = False,
-                 spec: SpecConfig | None = None) -> Iterator[Event]: ...
+    def generate(
+        self, prompts, params: SamplingParams, *, chat: bool = False, spec: SpecConfig | None = None
+    ) -> Iterator[Event]: ...
     def encode(self, prompt: str, chat: bool) -> list[int]: ...
     def cancel(self) -> None: ...
     def close(self) -> None: ...
@@ -49,23 +50,38 @@ class ChatSettings:
     def __post_init__(self) -> None:
         self.sampling()  # validate now (UsageError with a hint)
         if self.mode is not Mode.AR and not self.draft:
-            raise UsageError(f"{self.mode.value.upper()} needs a draft model",
-                             "restart with --draft PATH (or --draft ngram) to use SD or SSD")
+            raise UsageError(
+                f"{self.mode.value.upper()} needs a draft model",
+                "restart with --draft PATH (or --draft ngram) to use SD or SSD",
+            )
         if self.k < 1 or self.k > 16:
             raise UsageError(f"K must be between 1 and 16, got {self.k}", "try K=4")
         if self.fan_out is not None and len(self.fan_out) != self.k + 1:
-            raise UsageError(f"fan-out needs K+1 = {self.k + 1} entries, got {len(self.fan_out)}",
-                             f"for K={self.k} write e.g. /fanout {','.join(['1'] * (self.k + 1))}")
+            raise UsageError(
+                f"fan-out needs K+1 = {self.k + 1} entries, got {len(self.fan_out)}",
+                f"for K={self.k} write e.g. /fanout {','.join(['1'] * (self.k + 1))}",
+            )
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              seed=self.seed, max_new_tokens=self.max_new_tokens)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_new_tokens=self.max_new_tokens,
+        )
 
     def spec(self, base: SpecConfig) -> SpecConfig:
         """The per-call SpecConfig: the engine's settings with mode/K/fan-out overridden."""
         keep_miss = base.fan_out_miss is not None and len(base.fan_out_miss) == self.k + 1
-        return replace(base, mode=self.mode, k=self.k, draft=base.draft,
-                       fan_out=self.fan_out, fan_out_miss=base.fan_out_miss if keep_miss else None)
+        return replace(
+            base,
+            mode=self.mode,
+            k=self.k,
+            draft=base.draft,
+            fan_out=self.fan_out,
+            fan_out_miss=base.fan_out_miss if keep_miss else None,
+        )
 
     def with_mode(self, mode: Mode) -> ChatSettings:
         return replace(self, mode=mode)
@@ -73,8 +89,10 @@ class ChatSettings:
     def next_mode(self) -> ChatSettings:
         """Cycle AR -> SD -> SSD -> AR (AR only when no draft is loaded)."""
         if not self.draft:
-            raise UsageError("no draft model is loaded, so only AR is available",
-                             "restart with --draft PATH (or --draft ngram) to use SD or SSD")
+            raise UsageError(
+                "no draft model is loaded, so only AR is available",
+                "restart with --draft PATH (or --draft ngram) to use SD or SSD",
+            )
         return self.with_mode(MODES[(MODES.index(self.mode) + 1) % len(MODES)])
 
     def with_k(self, k: int) -> ChatSettings:
@@ -131,7 +149,9 @@ def run_command(line: str, settings: ChatSettings) -> CommandResult:
         try:
             return CommandResult(settings.with_mode(Mode(arg.lower())))
         except ValueError:
-            raise UsageError(f"unknown mode {arg!r}", "use /mode ar, /mode sd or /mode ssd") from None
+            raise UsageError(
+                f"unknown mode {arg!r}", "use /mode ar, /mode sd or /mode ssd"
+            ) from None
     if name == "k":
         return CommandResult(settings.with_k(_int(arg, "/k 4")))
     if name in ("fanout", "fan-out", "f"):
@@ -140,7 +160,9 @@ def run_command(line: str, settings: ChatSettings) -> CommandResult:
         try:
             fan = tuple(int(x) for x in arg.split(","))
         except ValueError:
-            raise UsageError(f"cannot read fan-out {arg!r}", "write e.g. /fanout 3,3,2,2,1") from None
+            raise UsageError(
+                f"cannot read fan-out {arg!r}", "write e.g. /fanout 3,3,2,2,1"
+            ) from None
         if any(f < 0 for f in fan):
             raise UsageError("fan-out entries must be >= 0", "use 0 to skip a position")
         return CommandResult(replace(settings, fan_out=fan))
@@ -187,7 +209,9 @@ class Conversation:
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         else:  # base model: a plain transcript the model can continue
-            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
+            text = (
+                "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
+            )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def add_turn(self, user_text: str, answer: str) -> None:
@@ -231,7 +255,9 @@ class OriginSplitter:
             if n == len(runs) - 1:
                 boundary = end
             else:
-                prefix = self.tokenizer.decode(self.ids + list(token_ids[:stop]), skip_special_tokens=True)
+                prefix = self.tokenizer.decode(
+                    self.ids + list(token_ids[:stop]), skip_special_tokens=True
+                )
                 boundary = min(max(len(prefix.rstrip("\ufffd")), cut), end)
             if boundary > cut:
                 pieces.append((text[cut - start : boundary - start], origin))
@@ -266,7 +292,9 @@ def describe_pair(config: EngineConfig) -> tuple[str, str]:
 
             plan = split_cpus()
             if plan is not None:
-                where.append(f"SSD cores: target {_cpus(plan.target_cpus)} | draft {_cpus(plan.draft_cpus)}")
+                where.append(
+                    f"SSD cores: target {_cpus(plan.target_cpus)} | draft {_cpus(plan.draft_cpus)}"
+                )
     return pair, " · ".join(where)
 
 
@@ -284,7 +312,8 @@ def error_text(exc: BaseException) -> tuple[str, str]:
         return message, getattr(exc, "hint", "")
     text = str(exc).splitlines()[0] if str(exc) else ""
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
-        return (f"out of memory: {text}",
-                "use a smaller /max, --dtype bfloat16, or another device")
-    return (f"unexpected {type(exc).__name__}: {text}".rstrip(": "),
-            "this is a bug; rerun with --verbose and report it")
+        return (f"out of memory: {text}", "use a smaller /max, --dtype bfloat16, or another device")
+    return (
+        f"unexpected {type(exc).__name__}: {text}".rstrip(": "),
+        "this is a bug; rerun with --verbose and report it",
+    )

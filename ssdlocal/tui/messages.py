@@ -44,8 +44,9 @@ class TokensArrived(Message):
 class RoundFinished(Message):
     """One verification round finished: fresh metric snapshot for the stats panel."""
 
-    def __init__(self, turn: int, snapshot: dict[str, Any], backup: str | None,
-                 cache_hit: bool | None) -> None:
+    def __init__(
+        self, turn: int, snapshot: dict[str, Any], backup: str | None, cache_hit: bool | None
+    ) -> None:
         super().__init__()
         self.turn = turn
         self.snapshot = snapshot
@@ -65,12 +66,13 @@ class GenerationDone(Message):
 
 
 class RaceProgress(Message):
-    """A race run being recorded has produced `tokens` tokens so far."""
+    """A race run being recorded has produced `tokens` tokens so far (`pieces`: the new text)."""
 
-    def __init__(self, index: int, tokens: int) -> None:
+    def __init__(self, index: int, tokens: int, pieces: list[Piece] | None = None) -> None:
         super().__init__()
         self.index = index
         self.tokens = tokens
+        self.pieces = pieces or []
 
 
 class RaceRecorded(Message):

@@ -61,8 +61,9 @@ class RaceRun:
         return self.rate_at(self.times[-1]) if self.times else None
 
 
-def race_specs(base: SpecConfig, k: int | None = None,
-               fan_out: tuple[int, ...] | None = None) -> list[SpecConfig]:
+def race_specs(
+    base: SpecConfig, k: int | None = None, fan_out: tuple[int, ...] | None = None
+) -> list[SpecConfig]:
     """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD)."""
     k = k or base.k
     fan = fan_out if fan_out is not None else base.fan_out
@@ -70,10 +71,19 @@ def race_specs(base: SpecConfig, k: int | None = None,
     return [replace(base, mode=m, k=k, fan_out=fan, fan_out_miss=None) for m in RACE_MODES]
 
 
-def record_run(engine: EngineLike, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig,
-               *, clock: Callable[[], float] = time.perf_counter,
-               on_tokens: Callable[[int], None] | None = None) -> RaceRun:
-    """Generate once and record every TokensEvent with its arrival time."""
+def record_run(
+    engine: EngineLike,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    spec: SpecConfig,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    on_tokens: Callable[[int, list[Piece]], None] | None = None,
+) -> RaceRun:
+    """Generate once and record every TokensEvent with its arrival time.
+
+    `on_tokens(total_tokens, new_pieces)` is called after each TokensEvent (live progress).
+    """
     run = RaceRun(spec.mode)
     splitter = OriginSplitter(engine.tokenizer)
     start = clock()
@@ -83,7 +93,7 @@ def record_run(engine: EngineLike, prompt_ids: list[int], params: SamplingParams
             run.pieces.append(splitter.split(event.token_ids, event.origins, event.text))
             run.counts.append(len(event.token_ids))
             if on_tokens is not None:
-                on_tokens(run.tokens)
+                on_tokens(run.tokens, run.pieces[-1])
         elif isinstance(event, DoneEvent):
             run.output = event.outputs[0]
             run.stats = dict(event.stats)
@@ -114,14 +124,20 @@ def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
         same = None
         if ar is not None and r is not ar and r.output and ar.output:
             same = r.output.token_ids == ar.output.token_ids
-        rows.append(RaceRow(
-            mode=r.mode.value.upper(), tokens=r.tokens, wall_s=r.wall_s,
-            ttft_s=r.stats.get("ttft_s", r.ttft_s), tokens_per_s=rate,
-            speedup=(rate / ar_rate) if rate and ar_rate else None,
-            acceptance_rate=r.stats.get("acceptance_rate"),
-            mean_accepted_len=r.stats.get("mean_accepted_len"),
-            cache_hit_rate=r.stats.get("cache_hit_rate"), identical=same,
-        ))
+        rows.append(
+            RaceRow(
+                mode=r.mode.value.upper(),
+                tokens=r.tokens,
+                wall_s=r.wall_s,
+                ttft_s=r.stats.get("ttft_s", r.ttft_s),
+                tokens_per_s=rate,
+                speedup=(rate / ar_rate) if rate and ar_rate else None,
+                acceptance_rate=r.stats.get("acceptance_rate"),
+                mean_accepted_len=r.stats.get("mean_accepted_len"),
+                cache_hit_rate=r.stats.get("cache_hit_rate"),
+                identical=same,
+            )
+        )
     return rows
 
 
@@ -134,7 +150,10 @@ def identical_verdict(rows: Sequence[RaceRow], greedy: bool) -> str:
         return "identical output in every mode ✓"
     differ = ", ".join(r.mode for r in rows if r.identical is False)
     if greedy:
-        return f"output differs from AR in {differ} ✗ (at T=0 this is a near-tie in low precision or a bug; see `ssdlocal check`)"
+        return (
+            f"output differs from AR in {differ} ✗ (at T=0 this is a near-tie in low "
+            "precision or a bug; see `ssdlocal check`)"
+        )
     return f"outputs differ ({differ}): expected at T>0 — same distribution, different samples"
 
 
@@ -149,14 +168,31 @@ def summary_table(rows: Sequence[RaceRow], title: str | None = None):
         return "–" if x is None else fmt.format(x)
 
     table = Table(title=title, expand=False, pad_edge=False)
-    for name in ("mode", "tokens", "tok/s", "speedup", "TTFT", "wall", "acceptance", "tok/round",
-                 "cache hits", "same as AR"):
+    for name in (
+        "mode",
+        "tokens",
+        "tok/s",
+        "speedup",
+        "TTFT",
+        "wall",
+        "acceptance",
+        "tok/round",
+        "cache hits",
+        "same as AR",
+    ):
         table.add_column(name, justify="left" if name == "mode" else "right")
     for r in rows:
         same = "–" if r.identical is None else ("yes" if r.identical else "NO")
         table.add_row(
-            r.mode, str(r.tokens), num(r.tokens_per_s), num(r.speedup, "{:.2f}×"),
-            "–" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f} ms", f"{r.wall_s:.2f} s",
-            pct(r.acceptance_rate), num(r.mean_accepted_len, "{:.2f}"), pct(r.cache_hit_rate), same,
+            r.mode,
+            str(r.tokens),
+            num(r.tokens_per_s),
+            num(r.speedup, "{:.2f}×"),
+            "–" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f} ms",
+            f"{r.wall_s:.2f} s",
+            pct(r.acceptance_rate),
+            num(r.mean_accepted_len, "{:.2f}"),
+            pct(r.cache_hit_rate),
+            same,
         )
     return table

@@ -11,19 +11,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 from ..config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ..errors import SSDLocalError
 from ..events import DoneEvent, Event, Output, RoundEvent, TokenOrigin, TokensEvent
 from ..stats import SpecStats
 
-WORDS = (
+_TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large "
     "target model checks in one pass. Accepted tokens are free; a rejected one is replaced "
     "by a bonus token from the target, so the output is exactly what the target alone "
     "would write. SSD goes further: while the target verifies, the draft already prepares "
     "the next round for the most likely outcomes, and a cache hit hides the drafting time."
-).split()
+)
+WORDS = _TEXT.split()
 ACCEPT_PATTERN = (4, 2, 4, 0, 3, 4, 1, 4)  # accepted drafts per round (capped at K)
 HIT_PATTERN = (True, True, False, True, True, True, False, True)
 ROUND_S = {Mode.AR: 0.050, Mode.SD: 0.085, Mode.SSD: 0.055}  # virtual seconds per round
@@ -51,7 +53,7 @@ class FakeTokenizer:
 
     chat_template = "{fake chatml}"
     eos_token_id = 0
-    SPECIAL = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+    SPECIAL: ClassVar[dict[int, str]] = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
 
     def __init__(self) -> None:
         self._vocab = {w: i + 3 for i, w in enumerate(dict.fromkeys(WORDS))}
@@ -81,8 +83,12 @@ class FakeTokenizer:
 def fake_config(mode: Mode = Mode.SSD, draft: str | None = "/models/tiny-draft") -> EngineConfig:
     spec = SpecConfig(mode=mode, k=4, draft=draft if mode is not Mode.AR or draft else None)
     draft_model = ModelSpec(draft, "cpu", "float32") if draft and draft != "ngram" else None
-    return EngineConfig(target=ModelSpec("/models/tiny-target", "cpu", "float32"), spec=spec,
-                        draft_model=draft_model, pin_cpus=False)
+    return EngineConfig(
+        target=ModelSpec("/models/tiny-target", "cpu", "float32"),
+        spec=spec,
+        draft_model=draft_model,
+        pin_cpus=False,
+    )
 
 
 class FakeEngine:
@@ -90,18 +96,27 @@ class FakeEngine:
     raises `error` after that many rounds (e.g. a DraftWorkerError); `hold_after`
     blocks after that many rounds until cancel() (a generation that is surely mid-way)."""
 
-    def __init__(self, config: EngineConfig | None = None, *, answer: list[str] | None = None,
-                 delay_s: float = 0.0, clock: FakeClock | None = None,
-                 fail_after: int | None = None, error: Exception | None = None,
-                 hold_after: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        answer: list[str] | None = None,
+        delay_s: float = 0.0,
+        clock: FakeClock | None = None,
+        fail_after: int | None = None,
+        error: Exception | None = None,
+        hold_after: int | None = None,
+    ) -> None:
         self.config = config or fake_config()
         self.tokenizer = FakeTokenizer()
         self.answer = [self.tokenizer._vocab[w] for w in (answer or WORDS)]
         self.delay_s = delay_s
         self.clock = clock or FakeClock()
         self.fail_after = fail_after
-        self.error = error or SSDLocalError("the draft worker process died (exit code -9)",
-                                            "it will be restarted on the next request")
+        self.error = error or SSDLocalError(
+            "the draft worker process died (exit code -9)",
+            "it will be restarted on the next request",
+        )
         self.hold_after = hold_after  # after this many rounds, wait (<= 10 s) for cancel()
         self._cancelled_event = threading.Event()
         self.calls: list[tuple[list[list[int]], SamplingParams, SpecConfig]] = []
@@ -112,8 +127,9 @@ class FakeEngine:
     # Engine interface -------------------------------------------------------
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if chat:
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                        add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
         return self.tokenizer.encode(prompt)
 
     def cancel(self) -> None:
@@ -124,8 +140,9 @@ class FakeEngine:
     def close(self) -> None:
         self.closed = True
 
-    def generate(self, prompts, params: SamplingParams, *, chat: bool = False,
-                 spec: SpecConfig | None = None) -> Iterator[Event]:
+    def generate(
+        self, prompts, params: SamplingParams, *, chat: bool = False, spec: SpecConfig | None = None
+    ) -> Iterator[Event]:
         spec = spec or self.config.spec
         ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         self.calls.append((ids, params, spec))
@@ -139,7 +156,9 @@ class FakeEngine:
         clock.advance(PREFILL_S)
         stats.tokens = 1
         ttft = clock() - t_start
-        yield TokensEvent(0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,))
+        yield TokensEvent(
+            0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,)
+        )
         pos, rnd = 1, 0
         finish = "length"
         while pos < len(budget):
@@ -173,24 +192,29 @@ class FakeEngine:
                     backup = "jit"
                     stats.backup_used["jit"] = stats.backup_used.get("jit", 0) + 1
             yield TokensEvent(0, tuple(new), self.tokenizer.decode(new), tuple(origins))
-            yield RoundEvent(rnd, (k,), (n_acc,), (hit,) if hit is not None else None, backup,
-                             self._snapshot(stats, ttft, clock() - t_start))
+            yield RoundEvent(
+                rnd,
+                (k,),
+                (n_acc,),
+                (hit,) if hit is not None else None,
+                backup,
+                self._snapshot(stats, ttft, clock() - t_start),
+            )
             pos += len(new)
             rnd += 1
         generated = tuple(budget[:pos])
-        yield DoneEvent((Output(self.tokenizer.decode(generated), generated, finish),),
-                        self._snapshot(stats, ttft, clock() - t_start))
+        yield DoneEvent(
+            (Output(self.tokenizer.decode(generated), generated, finish),),
+            self._snapshot(stats, ttft, clock() - t_start),
+        )
 
     @staticmethod
     def _snapshot(stats: SpecStats, ttft: float, elapsed: float) -> dict:
         snap = stats.snapshot()
         decode_s = elapsed - ttft
-        snap.update(ttft_s=ttft, decode_s=decode_s,
-                    tokens_per_s=(stats.emitted_in_rounds / decode_s) if decode_s > 0 else None)
+        snap.update(
+            ttft_s=ttft,
+            decode_s=decode_s,
+            tokens_per_s=(stats.emitted_in_rounds / decode_s) if decode_s > 0 else None,
+        )
         return snap
-
-    def __enter__(self) -> FakeEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -6,10 +6,12 @@ Generation runs in a thread worker that turns engine events into typed messages
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
@@ -17,7 +19,14 @@ from textual.widgets import Footer, Input, Static
 from ...config import Mode
 from ...errors import SSDLocalError
 from ...events import DoneEvent, RoundEvent, TokensEvent
-from ..core import ChatSettings, Conversation, EngineLike, OriginSplitter, error_text, run_command
+from ..core import (
+    ChatSettings,
+    Conversation,
+    EngineLike,
+    OriginSplitter,
+    error_text,
+    run_command,
+)
 from ..messages import GenerationDone, RoundFinished, TokensArrived, WorkFailed
 from ..widgets.header import PairHeader
 from ..widgets.stats_panel import StatsPanel
@@ -29,9 +38,9 @@ TEMP_STEP = 0.1
 class ChatScreen(Screen):
     """Input at the bottom, transcript above, stats panel on the right."""
 
-    COMPONENT_CLASSES = {"origin--draft_hit", "origin--draft", "origin--target"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"origin--draft_hit", "origin--draft", "origin--target"}
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", priority=True),
         Binding("f1", "help", "Help"),
         Binding("f2", "cycle_mode", "Mode"),
@@ -44,8 +53,9 @@ class ChatScreen(Screen):
         Binding("ctrl+l", "clear", "Clear", priority=True),
     ]
 
-    def __init__(self, settings: ChatSettings, pair: str, placement: str,
-                 system: str | None = None) -> None:
+    def __init__(
+        self, settings: ChatSettings, pair: str, placement: str, system: str | None = None
+    ) -> None:
         super().__init__()
         self.settings = settings
         self.pair, self.placement = pair, placement
@@ -88,14 +98,24 @@ class ChatScreen(Screen):
         else:
             state = ("ready", "green")
         if self.show_colors:
-            style = {o: self.get_component_rich_style(f"origin--{o}", partial=True)
-                     for o in ("draft_hit", "draft", "target")}
-            legend = Text.assemble("   ", ("■", style["draft_hit"]), " cache-hit draft  ",
-                                   ("■", style["draft"]), " draft  ", ("■", style["target"]), " target")
+            style = {
+                o: self.get_component_rich_style(f"origin--{o}", partial=True)
+                for o in ("draft_hit", "draft", "target")
+            }
+            legend = Text.assemble(
+                "   ",
+                ("■", style["draft_hit"]),
+                " cache-hit draft  ",
+                ("■", style["draft"]),
+                " draft  ",
+                ("■", style["target"]),
+                " target",
+            )
         else:
             legend = Text("  colours off (F8)", style="dim")
         self.query_one("#status", Static).update(
-            Text.assemble((self.settings.describe(), "bold"), " · ", state, legend))
+            Text.assemble((self.settings.describe(), "bold"), " · ", state, legend)
+        )
 
     # ------------------------------------------------------------------ engine
     def engine_ready(self, engine: EngineLike) -> None:
@@ -106,8 +126,9 @@ class ChatScreen(Screen):
             self.send(queued)
 
     def engine_failed(self) -> None:
-        self.query_one("#status", Static).update(Text("models failed to load — Ctrl+Q to quit",
-                                                      style="bold red"))
+        self.query_one("#status", Static).update(
+            Text("models failed to load — Ctrl+Q to quit", style="bold red")
+        )
 
     @on(Input.Submitted, "#prompt")
     def _submitted(self, event: Input.Submitted) -> None:
@@ -144,8 +165,9 @@ class ChatScreen(Screen):
         if self.engine is None:
             if self._queued is None:  # keep the text: it is sent once the models are loaded
                 self._queued = text
-                self.notify("the models are still loading; your message is sent when they are",
-                            timeout=4)
+                self.notify(
+                    "the models are still loading; your message is sent when they are", timeout=4
+                )
             else:
                 self.notify("the models are still loading", severity="warning")
             return
@@ -195,8 +217,13 @@ class ChatScreen(Screen):
 
     def on_round_finished(self, msg: RoundFinished) -> None:
         if msg.turn == self.turn:
-            self.query_one(StatsPanel).show_stats(self._gen_mode.value, msg.snapshot, backup=msg.backup,
-                                            cache_hit=msg.cache_hit, live=True)
+            self.query_one(StatsPanel).show_stats(
+                self._gen_mode.value,
+                msg.snapshot,
+                backup=msg.backup,
+                cache_hit=msg.cache_hit,
+                live=True,
+            )
 
     def on_generation_done(self, msg: GenerationDone) -> None:
         if msg.turn != self.turn:

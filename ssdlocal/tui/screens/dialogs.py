@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
@@ -15,7 +17,7 @@ from ..core import COMMANDS_HELP
 class ErrorModal(ModalScreen[None]):
     """`title`, the error message, and the hint saying what to do about it."""
 
-    BINDINGS = [Binding("escape,enter", "dismiss_modal", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,enter", "dismiss_modal", "Close")]
 
     def __init__(self, title: str, message: str, hint: str = "") -> None:
         super().__init__()
@@ -43,7 +45,7 @@ class ErrorModal(ModalScreen[None]):
 class HelpModal(ModalScreen[None]):
     """Slash commands and key bindings of the chat screen."""
 
-    BINDINGS = [Binding("escape,enter,f1,q", "dismiss_modal", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,enter,f1,q", "dismiss_modal", "Close")]
 
     def compose(self) -> ComposeResult:
         text = Text()
@@ -52,9 +54,15 @@ class HelpModal(ModalScreen[None]):
             text.append(f"  {cmd:<24}", style="bold")
             text.append(what + "\n")
         text.append("\nToken colours (legend under the transcript)\n", style="bold")
-        text.append("  cache-hit draft  accepted draft token served from the speculation cache (SSD)\n")
-        text.append("  draft            accepted draft token proposed this round (SD, or an SSD miss)\n")
-        text.append("  target           token sampled by the target (bonus token; every AR token)\n")
+        text.append(
+            "  cache-hit draft  accepted draft token served from the speculation cache (SSD)\n"
+        )
+        text.append(
+            "  draft            accepted draft token proposed this round (SD, or an SSD miss)\n"
+        )
+        text.append(
+            "  target           token sampled by the target (bonus token; every AR token)\n"
+        )
         text.append("\nCtrl+P opens the command palette; Ctrl+Q quits.", style="dim")
         with Vertical(id="dialog", classes="help"):
             yield Static(Text("ssdlocal chat — help", style="bold"), id="dialog-title")

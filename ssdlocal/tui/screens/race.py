@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 from rich.console import Group
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.timer import Timer
@@ -28,20 +29,32 @@ from ..widgets.header import PairHeader
 from ..widgets.race_pane import RacePane
 
 FPS = 30
-NOTE = ("The three runs were generated one after another (at once they would slow each "
-        "other down) and are replayed side by side with measured timings.")
+NOTE = (
+    "The three runs were generated one after another (at once they would slow each "
+    "other down) and are replayed side by side with measured timings."
+)
 
 
 class RaceScreen(Screen):
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("r", "replay", "Replay"),
         Binding("s", "skip", "Skip to end"),
         Binding("q", "app.quit", "Quit"),
     ]
 
-    def __init__(self, prompt: str, specs: list[SpecConfig], params: SamplingParams, *,
-                 pair: str, placement: str, chat: bool = True, warmup: bool = True,
-                 speed: float = 1.0, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        prompt: str,
+        specs: list[SpecConfig],
+        params: SamplingParams,
+        *,
+        pair: str,
+        placement: str,
+        chat: bool = True,
+        warmup: bool = True,
+        speed: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         super().__init__()
         self.prompt, self.specs, self.params = prompt, specs, params
         self.pair, self.placement = pair, placement
@@ -57,8 +70,9 @@ class RaceScreen(Screen):
     def compose(self) -> ComposeResult:
         yield PairHeader("race", self.pair, self.placement, id="header")
         prompt = self.prompt if len(self.prompt) < 200 else self.prompt[:197] + "…"
-        yield Static(Text.assemble(("prompt: ", "bold"), prompt, "\n", (NOTE, "italic dim")),
-                     id="race-note")
+        yield Static(
+            Text.assemble(("prompt: ", "bold"), prompt, "\n", (NOTE, "italic dim")), id="race-note"
+        )
         with Horizontal(id="panes"):
             for spec in self.specs:
                 yield RacePane(spec.mode.value, id=f"pane-{spec.mode.value}")
@@ -87,23 +101,34 @@ class RaceScreen(Screen):
         try:
             ids = engine.encode(self.prompt, self.chat)
             if self.warmup:  # first calls pay one-time costs (allocation, lazy draft load)
-                short = SamplingParams(temperature=self.params.temperature, seed=self.params.seed,
-                                       max_new_tokens=min(4, self.params.max_new_tokens))
+                short = SamplingParams(
+                    temperature=self.params.temperature,
+                    seed=self.params.seed,
+                    max_new_tokens=min(4, self.params.max_new_tokens),
+                )
                 for spec in self.specs:
                     for _ in engine.generate([ids], short, spec=spec):
                         pass
             for i, spec in enumerate(self.specs):
                 self.post_message(RaceProgress(i, 0))
-                run = record_run(engine, ids, self.params, spec, clock=self.clock,
-                                 on_tokens=lambda n, i=i: self.post_message(RaceProgress(i, n)))
+                run = record_run(
+                    engine,
+                    ids,
+                    self.params,
+                    spec,
+                    clock=self.clock,
+                    on_tokens=lambda n, new, i=i: self.post_message(RaceProgress(i, n, new)),
+                )
                 self.post_message(RaceRecorded(i, run))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a modal
             self.post_message(WorkFailed("Race failed", *error_text(exc)))
 
     def on_race_progress(self, msg: RaceProgress) -> None:
-        self.panes[msg.index].recording(msg.tokens)
+        self.panes[msg.index].recording(msg.tokens, msg.pieces)
         mode = self.specs[msg.index].mode.value.upper()
-        self._summary(Text(f"recording {mode} ({msg.index + 1}/{len(self.specs)})…", style="italic"))
+        self._summary(
+            Text(f"recording {mode} ({msg.index + 1}/{len(self.specs)})…", style="italic")
+        )
 
     def on_race_recorded(self, msg: RaceRecorded) -> None:
         self.runs[msg.index] = msg.run
@@ -125,7 +150,9 @@ class RaceScreen(Screen):
         for pane in self.panes:
             pane.reset()
         self.finished = False
-        self._summary(Text("replaying with measured timings…  (s: skip to the end)", style="italic"))
+        self._summary(
+            Text("replaying with measured timings…  (s: skip to the end)", style="italic")
+        )
         self._t0 = time.monotonic()
         self._timer = self.set_interval(1 / FPS, self._tick)
 
@@ -146,5 +173,6 @@ class RaceScreen(Screen):
             rows = summarize([r for r in self.runs if r is not None])
             self.rows = rows
             self.verdict = verdict = identical_verdict(rows, self.params.greedy)
-            self._summary(Group(summary_table(rows), Text(
-                f"{verdict}  ·  r: replay  q: quit", style="bold")))
+            self._summary(
+                Group(summary_table(rows), Text(f"{verdict}  ·  r: replay  q: quit", style="bold"))
+            )

@@ -14,6 +14,8 @@ class PairHeader(Static):
         self._title, self._pair, self._placement = title, pair, placement
 
     def on_mount(self) -> None:
-        text = Text.assemble((f" ssdlocal {self._title} ", "bold reverse"), "  ", (self._pair, "bold"))
+        text = Text.assemble(
+            (f" ssdlocal {self._title} ", "bold reverse"), "  ", (self._pair, "bold")
+        )
         text.append("\n " + self._placement, style="dim")
         self.update(text)

@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
+from ..core import Piece
 from ..race import RaceRun
 from .transcript import AnswerText
 
@@ -34,12 +35,21 @@ class RacePane(Vertical):
     def body(self) -> AnswerText:
         return self.query_one(AnswerText)
 
-    def recording(self, tokens: int) -> None:
-        self.meter.update(Text(f"recording… {tokens} tokens", style="italic"))
+    def recording(self, tokens: int, pieces: list[Piece]) -> None:
+        """Live text while this mode is being recorded (the replay starts from scratch)."""
+        self.meter.update(Text(f"recording (live)… {tokens} tokens", style="italic"))
+        if pieces:
+            self.body.append(pieces)
+            self.query_one(".pane-body", VerticalScroll).scroll_end(animate=False)
 
     def recorded(self, run: RaceRun) -> None:
         self.race_run = run
-        self.meter.update(Text(f"recorded {run.tokens} tokens — waiting for the others", style="dim"))
+        self.meter.update(
+            Text(
+                f"recorded {run.tokens} tokens in {run.wall_s:.2f} s — waiting for the others",
+                style="dim",
+            )
+        )
 
     def reset(self) -> None:
         self._shown = 0
@@ -60,7 +70,8 @@ class RacePane(Vertical):
         rate = run.rate_at(t)
         elapsed = min(t, run.wall_s)
         meter = Text.assemble(
-            ("–" if rate is None else f"{rate:6.1f}", "bold"), " tok/s  ",
+            ("–" if rate is None else f"{rate:6.1f}", "bold"),
+            " tok/s  ",
             (f"{run.tokens_at(t):>4} tokens  {elapsed:5.2f} s", "dim"),
         )
         if done:

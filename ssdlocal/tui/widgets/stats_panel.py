@@ -7,7 +7,7 @@ accepted_len_hist, draft_ms, verify_ms, backup_used) and draws numbers and bars.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.widgets import Static
@@ -28,8 +28,14 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
 class StatsPanel(Static):
     """Redrawn on every RoundFinished / GenerationDone message."""
 
-    COMPONENT_CLASSES = {"stats--title", "stats--bar", "stats--hit", "stats--miss", "stats--draft",
-                         "stats--verify"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "stats--title",
+        "stats--bar",
+        "stats--hit",
+        "stats--miss",
+        "stats--draft",
+        "stats--verify",
+    }
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -39,8 +45,15 @@ class StatsPanel(Static):
         self.last_hit: bool | None = None
         self.live = False
 
-    def show_stats(self, mode: str, snapshot: dict[str, Any], *, backup: str | None = None,
-             cache_hit: bool | None = None, live: bool = False) -> None:
+    def show_stats(
+        self,
+        mode: str,
+        snapshot: dict[str, Any],
+        *,
+        backup: str | None = None,
+        cache_hit: bool | None = None,
+        live: bool = False,
+    ) -> None:
         self.mode, self.snapshot, self.live = mode, snapshot, live
         if cache_hit is not None:
             self.last_hit = cache_hit

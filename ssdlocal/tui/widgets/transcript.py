@@ -6,6 +6,8 @@ Origin colours come from the stylesheet (component classes `origin--draft_hit`,
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
@@ -18,7 +20,7 @@ ORIGIN_CLASSES = ("origin--draft_hit", "origin--draft", "origin--target")
 class AnswerText(Static):
     """Streaming text made of (text, origin) pieces; colours can be switched off."""
 
-    COMPONENT_CLASSES = set(ORIGIN_CLASSES)
+    COMPONENT_CLASSES: ClassVar[set[str]] = set(ORIGIN_CLASSES)
 
     def __init__(self, colors: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
