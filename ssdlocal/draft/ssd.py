@@ -72,7 +72,11 @@ class DraftWorkerClient:
         self.proc.start()
         _LIVE.add(self)
         child.close()
-        self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus))
+        try:
+            self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus))
+        except BaseException:
+            self.close()  # the caller never gets a handle to close
+            raise
 
     def send(self, cmd: pr.Cmd, payload=None) -> None:
         self._check_usable()
