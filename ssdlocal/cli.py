@@ -81,7 +81,7 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Random seed (sampling is reproducible).")] = 0,
+    seed: Annotated[int, typer.Option(help="Random seed. AR/SD samples are reproducible; SSD samples too with a fixed --fan-out and --backup other than auto (adaptive schedules follow timing).")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 128,
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past end-of-sequence.")] = False,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
