@@ -162,6 +162,8 @@ def _run_and_report(target, draft, prompts, settings, out_dir: Path, with_projec
 
         def progress(stage: str, done: int, total: int, label: str) -> None:
             bars.update(task, completed=done, total=total, description=label, stage=stage)
+            if not err.is_terminal:  # a log file: no live bar, so one plain line per step
+                err.print(f"[{done}/{total}] {stage}: {label}", markup=False, highlight=False)
 
         run = run_bench(target, draft, prompts, settings, progress)
     doc = build_results(run, with_projection=with_projection)

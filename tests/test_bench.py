@@ -16,7 +16,7 @@ import torch
 
 from ssdlocal.bench import run as bench_run
 from ssdlocal.bench.aggregate import aggregate, aggregate_all
-from ssdlocal.bench.exactness import check_exactness, divergence_index
+from ssdlocal.bench.exactness import check_exactness, divergence_index, logit_margin
 from ssdlocal.bench.project import ProjectionInputs, project, sd_speedup, ssd_speedup
 from ssdlocal.bench.prompts import BenchPrompt, load_prompts, select
 from ssdlocal.bench.report import build_results, write_all
@@ -163,6 +163,7 @@ def test_exactness_failure_is_flagged_with_margin(tiny_dir, monkeypatch, tmp_pat
     assert ex["status"] == "FAIL" and ex["mismatched_rows"] == 2
     div = ex["divergences"][0]
     assert div["index"] == 3 and div["margin"] >= 0.0 and div["top1_id"] == div["ar_token"]
+    assert isinstance(div["near_tie"], bool)
     doc = build_results(run, with_projection=False, env={"hardware": {"cpu": "x", "usable_cores": 1,
                         "ram_gib": 1, "gpus": []}, "versions": {"ssdlocal": "0", "torch": "0",
                         "transformers": "0", "python": "3"}})  # fmt: skip
@@ -316,3 +317,23 @@ def test_aggregate_math_by_hand():
     assert (
         aggs["ssd"]["speedup_vs_ar"] == pytest.approx(3.0) and aggs["ssd"]["speedup_vs_sd"] is None
     )
+
+
+def test_logit_margin_near_tie_in_bf16_ulps():
+    class FakeRunner:
+        def __init__(self, top2: float) -> None:
+            self.top2 = top2
+
+        def reset(self, batch, slots):
+            pass
+
+        def feed(self, rows):
+            logits = torch.zeros(len(rows[0]), 8)
+            logits[-1, 3], logits[-1, 5] = 17.5, self.top2
+            return [logits]
+
+    # bf16 at |17.5|: one unit in the last place is 2^(4-7) = 0.125
+    tie = logit_margin(FakeRunner(17.375), [1], [2], [3, 5], torch.bfloat16)
+    assert tie["margin"] == pytest.approx(0.125) and tie["near_tie"] and tie["top1_id"] == 3
+    assert not logit_margin(FakeRunner(16.5), [1], [], (), torch.bfloat16)["near_tie"]
+    assert not logit_margin(FakeRunner(17.375), [1], [], (), torch.float32)["near_tie"]

@@ -7,10 +7,12 @@ prefix; it resets the runner's cache, so call it only between generations.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 MarginFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], dict]
 
 
@@ -23,16 +25,22 @@ def divergence_index(reference: Sequence[int], other: Sequence[int]) -> int | No
 
 
 def logit_margin(
-    runner, prompt: Sequence[int], prefix: Sequence[int], tokens: Sequence[int] = ()
+    runner, prompt: Sequence[int], prefix: Sequence[int], tokens: Sequence[int] = (), dtype=None
 ) -> dict:
-    """Target logits after prompt + prefix: top1 - top2 margin, the top-2 ids, and the logit
-    of each id in `tokens` (e.g. AR's token and the other system's token there)."""
+    """Target logits after prompt + prefix: top1 - top2 margin, the top-2 ids, the logit of
+    each id in `tokens` (e.g. AR's token and the other system's token there), and
+    `near_tie`: the margin is within 2 units in the last place of the model's `dtype` at
+    the top logit's magnitude (kernel-shape rounding can swap such a pair; DESIGN §1)."""
     ids = list(prompt) + list(prefix)
     runner.reset(1, len(ids) + 2)
     logits = runner.feed([ids])[0][-1].float()  # [V]
     top = torch.topk(logits, 2)
+    margin = float(top.values[0] - top.values[1])
+    top1 = abs(float(top.values[0])) or 1.0
+    ulp = 2.0 ** (math.floor(math.log2(top1)) - MANTISSA_BITS.get(dtype, 23))
     return {
-        "margin": float(top.values[0] - top.values[1]),
+        "margin": margin,
+        "near_tie": margin <= 2 * ulp,
         "top1_id": int(top.indices[0]),
         "top2_id": int(top.indices[1]),
         "token_logits": {str(t): float(logits[t]) for t in tokens if 0 <= t < logits.numel()},

@@ -53,6 +53,7 @@ def environment() -> dict:
             "ram_gib": round(ram, 1) if ram else None,
             "gpus": gpus,
             "platform": platform.platform(),
+            "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         },
         "versions": {
             "ssdlocal": __version__,
@@ -149,6 +150,8 @@ def _exact_cell(ex: dict) -> str:
         return status
     first = ex["divergences"][0]
     margin = f", margin {first['margin']:.3f}" if "margin" in first else ""
+    if first.get("near_tie"):
+        margin += ", near-tie: rounding?"
     return f"FAIL {ex['mismatched_rows']}/{ex['rows']} (first at {first['index']}{margin})"
 
 

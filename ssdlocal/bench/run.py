@@ -152,7 +152,7 @@ def run_bench(
             if settings.temperature == 0.0 and "ar" in run.systems:
                 note("exactness", 0, 1, "checking exactness against AR")
                 margin_fn = lambda prompt, prefix, toks: logit_margin(
-                    engine.runner, prompt, prefix, toks
+                    engine.runner, prompt, prefix, toks, engine.target.dtype
                 )
                 run.exactness = check_exactness(run.records, ids, margin_fn)
         finally:
