@@ -6,9 +6,9 @@ backups, forced all-hit / all-miss speculation caches, stop strings, EOS and
 max-new-tokens truncation, and the sanity of the reported stats.
 
 Engines are module-scoped and reused with per-call `spec=` overrides, so each SSD
-draft worker is spawned once. Torch runs one thread in this process while these tests
-run: with pin_cpus=False the worker's threads and ours would otherwise oversubscribe
-the cores and spin-wait (SSD gets ~100x slower on a 2-core machine).
+draft worker is spawned once. Torch runs one thread in this process and in the workers
+while these tests run: with pin_cpus=False the worker's threads and ours would otherwise
+oversubscribe the cores and spin-wait (SSD gets ~100x slower on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
+    """One intra-op thread here and in the draft workers spawned by this module (they
+    read OMP_NUM_THREADS at start): tiny batches gain nothing from threads, and on a busy
+    2-core machine a parallel region waiting on a descheduled thread stalls for long."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
     torch.set_num_threads(old)
 
 
@@ -117,8 +122,14 @@ def assert_same(ar: DoneEvent, out: DoneEvent, what: str) -> None:
         assert o.finish_reason == a.finish_reason, f"{what}: row {b} finish reason differs"
 
 
-def check_stats(done: DoneEvent, rounds: list[RoundEvent], k: int, *, model_draft: bool) -> None:
-    """The DESIGN metric definitions hold on a finished run."""
+def check_stats(
+    done: DoneEvent, rounds: list[RoundEvent], k: int, *, model_draft: bool, full_depth: bool = True
+) -> None:
+    """The DESIGN metric definitions hold on a finished run.
+
+    model_draft: every row-round drafted (a draft model, not n-gram / no backup);
+    full_depth: ... exactly K tokens (SSD with automatic fan-out may serve a cache hit
+    from a branch cut short when the outcome arrived early)."""
     s = done.stats
     assert s["rounds"] == len(rounds)
     assert s["tokens"] == sum(len(o.token_ids) for o in done.outputs)
@@ -128,8 +139,10 @@ def check_stats(done: DoneEvent, rounds: list[RoundEvent], k: int, *, model_draf
     assert len(hist) == k + 1
     assert sum(hist) == drafted_row_rounds  # one entry per row-round that drafted
     if model_draft:
-        assert sum(hist) == row_rounds  # a draft model always drafts K
-        assert all(set(r.n_drafted) == {k} for r in rounds)
+        assert sum(hist) == row_rounds  # a draft model always drafts
+        assert all(min(r.n_drafted) >= 1 for r in rounds)
+        if full_depth:
+            assert all(set(r.n_drafted) == {k} for r in rounds)
     for r in rounds:
         assert all(0 <= a <= n <= k for a, n in zip(r.n_accepted, r.n_drafted))
     drafted = sum(sum(r.n_drafted) for r in rounds)
@@ -230,8 +243,9 @@ def test_ssd_equals_ar(engines, backup, fan_kind, k, prompts):
     spec = spec_for(engines, Mode.SSD, "draft_llama", k, fan_out=f, fan_out_miss=f, backup=backup)
     done, rounds = run(engines.get("llama", "draft_llama"), prompts, GREEDY, spec)
     assert_same(ar, done, f"SSD k={k} fan={fan_kind} backup={backup}")
-    check_stats(done, rounds, k, model_draft=backup == "jit")
+    check_stats(done, rounds, k, model_draft=backup == "jit", full_depth=f is not None)
     assert not any(rounds[0].cache_hit)  # nothing was pre-speculated before round 0
+    assert set(rounds[0].n_drafted) == {k}  # round 0 is drafted just-in-time, full depth
     used = done.stats["backup_used"]
     if backup != "auto":
         assert set(used) <= {backup}
