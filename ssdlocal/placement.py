@@ -23,10 +23,12 @@ class CpuPlan:
     def draft_threads(self) -> int:
         return len(self.draft_cpus)
 
-    def apply_to_this_process(self) -> "_Restore":
+    def apply_to_this_process(self, pin_affinity: bool = True) -> "_Restore":
+        """Use the target's thread count here (and its cores when `pin_affinity`)."""
         import torch
 
-        old_cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None
+        can_pin = pin_affinity and hasattr(os, "sched_getaffinity")
+        old_cpus = tuple(sorted(os.sched_getaffinity(0))) if can_pin else None
         old_threads = torch.get_num_threads()
         if old_cpus is not None:
             os.sched_setaffinity(0, set(self.target_cpus))
