@@ -79,12 +79,14 @@ class Engine:
         draft_spec = self.config.draft_model
         _preflight(draft_spec.path)  # bad paths / architectures fail here, not in the worker
         both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
-        self._cpu_plan = split_cpus() if both_cpu and self.config.pin_cpus else None
+        # both on CPU: split the cores (thread counts always; affinity when pin_cpus),
+        # otherwise two full thread pools oversubscribe the cores and both crawl
+        self._cpu_plan = split_cpus() if both_cpu else None
         plan = self._cpu_plan
         self._worker = DraftWorkerClient(
             draft_spec,
             threads=plan.draft_threads if plan else None,
-            cpus=plan.draft_cpus if plan else None,
+            cpus=plan.draft_cpus if plan and self.config.pin_cpus else None,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -209,7 +211,7 @@ class Engine:
         drafter = self._make_drafter(spec, params, batch, num_slots)
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
-            pinned = self._cpu_plan.apply_to_this_process()
+            pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
         try:
             # prefill: the prompt's logits give the first token
             t0 = time.perf_counter()
