@@ -88,6 +88,10 @@ def generate(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "bfloat16",
     target_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     draft_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    target_devices: Annotated[
+        str | None,
+        typer.Option(help="Tensor-parallel target over these devices, e.g. cuda:0-3 (overrides --target-device)."),
+    ] = None,
     chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
     num_samples: Annotated[int, typer.Option(help="Independent samples of a single prompt.")] = 1,
     fan_out: Annotated[str | None, typer.Option(help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1, or auto.")] = None,
@@ -120,6 +124,12 @@ def generate(
         "mode": mode_enum, "k": k, "fan_out": _fan(fan_out), "fan_out_miss": _fan(fan_out_miss),
         "saguaro_c": saguaro_c, "backup": backup,
     }
+    tp_devices: tuple[str, ...] = ()
+    if target_devices is not None:
+        from .parallel.devarg import parse_devices
+
+        tp_devices = parse_devices(target_devices)
+        target_device = tp_devices[0]
     # validate every option before the default pair is fetched (which can take minutes)
     SpecConfig(**spec_options, draft=(draft or "default") if mode_enum is not Mode.AR else None)
     ModelSpec(target or "default", target_device, dtype)
@@ -137,6 +147,7 @@ def generate(
         target=ModelSpec(target, target_device, dtype),
         spec=spec,
         draft_model=ModelSpec(draft, draft_device, dtype) if spec.draft and not spec.draft_is_ngram else None,
+        target_devices=tp_devices if len(tp_devices) > 1 else (),
     )
     from .clirender import run_generate
 

@@ -130,3 +130,16 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     draft_model: ModelSpec | None = None  # set when spec.draft is a checkpoint path
     pin_cpus: bool = True  # SSD with both models on CPU: give each process its own cores
+    # Tensor-parallel target: one rank per device, rank 0 on target_devices[0] runs the
+    # engine (ssdlocal/parallel). Empty or one device = the target alone on target.device.
+    target_devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for dev in self.target_devices:
+            ModelSpec(self.target.path, dev, self.target.dtype)  # same device rules
+        if len(self.target_devices) > 1 and self.target_devices[0] != self.target.device:
+            raise UsageError(
+                f"target device {self.target.device!r} is not the first of the target devices "
+                f"{', '.join(self.target_devices)}",
+                "rank 0 of a tensor-parallel target runs on the first target device",
+            )

@@ -40,6 +40,7 @@ class Engine:
         self._draft_runner = None
         self._worker = None
         self._cpu_plan = None
+        self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
         self._cancel = False
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
@@ -52,7 +53,12 @@ class Engine:
         try:
             if self.has_draft_model and spec.mode is Mode.SSD:
                 self._start_worker()  # loads the draft in its own process while we load the target
-            self.target = load_model(config.target.path, config.target.device, config.target.dtype)
+            if len(config.target_devices) > 1:
+                from .parallel.group import load_tensor_parallel
+
+                self.target, self._tp_group = load_tensor_parallel(config.target, config.target_devices)
+            else:
+                self.target = load_model(config.target.path, config.target.device, config.target.dtype)
             self.tokenizer = self.target.tokenizer
             self.runner = ModelRunner(self.target)
             if self._worker is not None:
@@ -99,7 +105,12 @@ class Engine:
     def close(self) -> None:
         """Stop the draft worker (if any). Idempotent; never hangs."""
         self._closed = True
-        self._stop_worker()
+        try:
+            self._stop_worker()
+        finally:
+            group, self._tp_group = self._tp_group, None
+            if group is not None:
+                group.close()
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None

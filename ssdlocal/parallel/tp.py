@@ -1,0 +1,129 @@
+"""Tensor parallelism applied to a loaded Transformer from outside the model code (gpt-fast tp.py).
+
+Each rank keeps 1/TP of the attention heads and of the MLP's intermediate features:
+q/k/v and gate/up are split column-wise (by heads for attention), o_proj and down_proj
+row-wise and followed by an all_reduce. Embeddings, norms and lm_head stay replicated,
+so every rank ends with the full logits. The KV cache holds only the rank's kv heads
+(the model's args are replaced by per-rank head counts before `setup_cache`).
+Knows nothing about processes: it only needs a rank, a world size and a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UsageError
+
+
+class RowParallelLinear(nn.Module):
+    """The rank's column slice of a Linear's weight; partial outputs are summed over ranks.
+
+    The bias (if any) is added once, after the all_reduce, so no rank adds it twice.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in / TP]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # [out]
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        out = F.linear(x, self.weight)  # [..., out] partial sum of this rank's features
+        dist.all_reduce(out, group=self.group)  # [..., out] full sum
+        return out if self.bias is None else out + self.bias
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:
+    """Raise UsageError unless heads, kv heads and MLP width split evenly over `tp` ranks."""
+    bad = [
+        f"{name}={value}"
+        for name, value in (
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("intermediate_size", intermediate_size),
+        )
+        if value % tp
+    ]
+    if tp < 1 or bad:
+        raise UsageError(
+            f"tensor parallelism over {tp} devices needs {', '.join(bad) or 'tp >= 1'} divisible by {tp}",
+            "use a number of target devices that divides the model's head counts "
+            "(`ssdlocal devices` picks one)",
+        )
+
+
+def _rows(t: Tensor, rank: int, tp: int) -> Tensor:
+    """Rank's contiguous slice of dim 0 (output features of a Linear)."""
+    n = t.shape[0] // tp
+    return t[rank * n : (rank + 1) * n].contiguous()
+
+
+def _cols(t: Tensor, rank: int, tp: int) -> Tensor:
+    """Rank's contiguous slice of dim 1 (input features of a Linear)."""
+    n = t.shape[1] // tp
+    return t[:, rank * n : (rank + 1) * n].contiguous()
+
+
+def _shard_columns(linear: nn.Linear, rank: int, tp: int) -> None:
+    """Keep the rank's output features (whole heads when the features are heads x D)."""
+    linear.weight = nn.Parameter(_rows(linear.weight.data, rank, tp), requires_grad=False)  # [out/TP, in]
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(_rows(linear.bias.data, rank, tp), requires_grad=False)  # [out/TP]
+    linear.out_features //= tp
+
+
+def _row_parallel(linear: nn.Linear, rank: int, tp: int, group) -> RowParallelLinear:
+    bias = None if linear.bias is None else linear.bias.data
+    return RowParallelLinear(_cols(linear.weight.data, rank, tp), bias, group)
+
+
+def apply_tensor_parallel(model: nn.Module, rank: int, tp: int, group=None) -> nn.Module:
+    """Shard a loaded Transformer in place for `rank` of `tp`; returns the same model.
+
+    Contiguous head blocks per rank keep grouped-query attention intact: with
+    rep = H / Hkv, the rank's q heads [r*H/TP, (r+1)*H/TP) use exactly its kv heads
+    [r*Hkv/TP, (r+1)*Hkv/TP). Call before `setup_cache`; `model.args` then carries the
+    per-rank head counts so the cache is [B, Hkv/TP, N, D].
+    """
+    args = model.args
+    check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, tp)
+    if tp == 1:
+        return model
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            _shard_columns(proj, rank, tp)
+        attn.o_proj = _row_parallel(attn.o_proj, rank, tp, group)
+        attn.n_heads //= tp
+        attn.n_kv_heads //= tp
+        attn.cache_k = attn.cache_v = None
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            _shard_columns(proj, rank, tp)
+        mlp.down_proj = _row_parallel(mlp.down_proj, rank, tp, group)
+    model.args = replace(
+        args,
+        num_heads=args.num_heads // tp,
+        num_kv_heads=args.num_kv_heads // tp,
+        intermediate_size=args.intermediate_size // tp,
+    )
+    model.tp_rank, model.tp_size = rank, tp
+    return model
+
+
+def shard_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds (shared tensors counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+__all__ = ["RowParallelLinear", "apply_tensor_parallel", "check_divisible", "shard_bytes"]

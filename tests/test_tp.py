@@ -1,0 +1,273 @@
+"""Tensor-parallel target on CPU (gloo, fp32, tiny models): TP=2 equals TP=1 token for
+token (AR, SD, SSD), a killed or hung rank gives a clear error and leaves no process,
+rank processes die with their parent; device-list parsing, q-channel selection and the
+planner's TP choices. GPU checks are marked `gpu` (deselected by default).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.engine import Engine
+from ssdlocal.errors import UsageError
+from ssdlocal.events import DoneEvent
+from ssdlocal.parallel.channel import choose_q_channel, make_q_channel, write_q
+from ssdlocal.parallel.devarg import format_devices, parse_devices, plan_flags
+from ssdlocal.parallel.group import TensorParallelError, backend_for
+
+PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+TP2 = ("cpu", "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread here and in the spawned ranks (they read OMP_NUM_THREADS)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(old)
+
+
+def _config(path, devices=(), mode=Mode.AR, draft=None) -> EngineConfig:
+    return EngineConfig(
+        target=ModelSpec(str(path)),
+        spec=SpecConfig(mode=mode, k=3, draft=None if draft is None else str(draft)),
+        draft_model=None if draft is None else ModelSpec(str(draft)),
+        pin_cpus=False,
+        target_devices=devices,
+    )
+
+
+def _tokens(engine: Engine, spec: SpecConfig | None = None) -> list[tuple[int, ...]]:
+    done = [e for e in engine.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)]
+    return [o.token_ids for o in done[0].outputs]
+
+
+def _rank_procs(engine: Engine):
+    return list(engine._tp_group.procs)
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_equals_tp1_greedy(tiny_dir, arch):
+    with Engine(_config(tiny_dir[arch])) as one:
+        want = _tokens(one)
+    with Engine(_config(tiny_dir[arch], TP2)) as two:
+        procs = _rank_procs(two)
+        assert two.runner.model.shard.args.num_kv_heads == 1  # 2 kv heads split over 2 ranks
+        assert _tokens(two) == want
+        assert two.runner.model.shard.layers[0].self_attn.cache_k.shape[1] == 1  # [B, Hkv/TP, N, D]
+        assert _tokens(two) == want  # a second call reuses the group (cache re-setup)
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_sd_and_ssd_with_tp2_target_equal_ar(tiny_dir):
+    with Engine(_config(tiny_dir["llama"], TP2, Mode.SSD, tiny_dir["draft_llama"])) as eng:
+        ar = _tokens(eng, SpecConfig(mode=Mode.AR))
+        ssd = _tokens(eng, SpecConfig(mode=Mode.SSD, k=3, draft=str(tiny_dir["draft_llama"])))
+        sd = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=str(tiny_dir["draft_llama"])))
+        ngram = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft="ngram"))
+    assert ssd == ar and sd == ar and ngram == ar
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+def test_killed_rank_is_reported_and_nothing_is_left(tiny_dir):
+    engine = Engine(_config(tiny_dir["llama"], TP2))
+    procs = _rank_procs(engine)
+    try:
+        _tokens(engine)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        with pytest.raises(TensorParallelError) as info:
+            _tokens(engine)
+        assert "rank 1" in info.value.message and "SIGKILL" in info.value.message, info.value.message
+        assert info.value.hint
+        with pytest.raises(TensorParallelError):  # the group refuses further use
+            _tokens(engine)
+    finally:
+        engine.close()
+    assert all(not p.is_alive() for p in procs)
+    with Engine(_config(tiny_dir["llama"], TP2)) as again:  # the process group was left cleanly
+        assert len(_tokens(again)) == 2
+
+
+def test_hung_rank_times_out_and_is_killed(tiny_dir, monkeypatch):
+    from ssdlocal.parallel import group
+
+    monkeypatch.setattr(group, "COLLECTIVE_TIMEOUT_S", 4.0)
+    engine = Engine(_config(tiny_dir["llama"], TP2))
+    procs = _rank_procs(engine)
+    try:
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError) as info:
+            _tokens(engine)
+        assert time.monotonic() - t0 < 30
+        assert "collective failed" in info.value.message or "did not answer" in info.value.message
+    finally:
+        engine.close()  # SIGTERM cannot reach a stopped process: close must SIGKILL it
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_one_group_per_process(tiny_dir):
+    with Engine(_config(tiny_dir["llama"], TP2)):
+        with pytest.raises(TensorParallelError, match="already running"):
+            Engine(_config(tiny_dir["llama"], TP2))
+
+
+def test_indivisible_heads_are_refused_before_spawning(tiny_dir):
+    with pytest.raises(UsageError, match="divisible by 3"):
+        Engine(_config(tiny_dir["llama"], ("cpu",) * 3))
+
+
+_PARENT = """
+import os, sys, time, torch
+from ssdlocal.config import ModelSpec
+from ssdlocal.parallel.group import load_tensor_parallel
+if __name__ == "__main__":
+    loaded, group = load_tensor_parallel(ModelSpec(sys.argv[1]), ("cpu", "cpu"))
+    print(" ".join(str(p.pid) for p in group.procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_ranks_exit_when_the_parent_is_killed(tiny_dir, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_dir["llama"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        line = proc.stdout.readline().decode().split()
+        assert line, proc.stderr.read().decode()[-2000:]
+        pids = [int(x) for x in line]
+    finally:
+        proc.kill()  # SIGKILL: no cleanup code runs in the parent
+        proc.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, "rank processes outlived their parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_parse_devices():
+    assert parse_devices("cuda:0-3") == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    assert parse_devices("cuda:0-1,cuda:4") == ("cuda:0", "cuda:1", "cuda:4")
+    assert parse_devices("cuda:2-cuda:3") == ("cuda:2", "cuda:3")
+    assert parse_devices("cpu*2") == ("cpu", "cpu") == parse_devices("cpu,cpu")
+    assert parse_devices("cuda") == ("cuda:0",)
+    for bad in ("cuda:3-1", "cuda:0,cuda:0", "cuda:0,cpu", "gpu0", "cuda:0,,cuda:1", "cuda:0-1,cuda:1"):
+        with pytest.raises(UsageError):
+            parse_devices(bad)
+    assert format_devices(("cuda:0", "cuda:1", "cuda:2")) == "cuda:0-2"
+    assert format_devices(("cuda:0", "cuda:2")) == "cuda:0,cuda:2"
+    assert format_devices(("cpu", "cpu")) == "cpu*2"
+
+
+def test_backend_choice():
+    assert backend_for(("cpu", "cpu")) == "gloo"
+    assert backend_for(("cuda:0", "cuda:1")) == "nccl"
+    with pytest.raises(TensorParallelError):
+        backend_for(("cuda:0", "cpu"))
+    with pytest.raises(TensorParallelError):
+        backend_for(("cuda:1", "cuda:1"))
+
+
+def test_config_checks_target_devices():
+    with pytest.raises(UsageError):
+        EngineConfig(target=ModelSpec("x"), target_devices=("cpu", "tpu:0"))
+    with pytest.raises(UsageError, match="first of the target devices"):
+        EngineConfig(target=ModelSpec("x", "cpu"), target_devices=("cuda:0", "cuda:1"))
+
+
+def test_q_channel_selection():
+    linux = {"platform": "linux", "cuda_available": True}
+    assert choose_q_channel("cuda:0", "cuda:4", **linux).kind == "cuda-ipc"
+    assert choose_q_channel("cuda:0", "cuda:0", **linux).kind == "cuda-ipc"  # one GPU, two processes
+    assert choose_q_channel("cuda:0", "cpu", **linux).kind == "shm"
+    assert choose_q_channel("cpu", "cuda:0", **linux).kind == "shm"
+    assert choose_q_channel("cpu", "cpu", **linux).kind == "shm"
+    assert choose_q_channel("cuda:0", "ngram", **linux).kind == "none"
+    assert choose_q_channel("cuda:0", "cuda:1", platform="win32", cuda_available=True).kind == "shm"
+    assert choose_q_channel("cuda:0", "cuda:1", platform="linux", cuda_available=False).kind == "shm"
+    assert choose_q_channel("cuda:0", "cuda:1", force="shm", **linux).kind == "shm"
+    with pytest.raises(UsageError):
+        choose_q_channel("cpu", "cpu", force="cuda-ipc", **linux)
+    with pytest.raises(UsageError):
+        choose_q_channel("cpu", "cpu", force="carrier-pigeon", **linux)
+
+
+def test_shm_channel_roundtrip():
+    choice = choose_q_channel("cpu", "cpu")
+    channel = make_q_channel(choice, batch=2, k=3, vocab=5)
+    assert channel.buffer.is_shared()
+    q = torch.rand(1, 3, 5)
+    write_q(channel.buffer, q)
+    got = channel.read()
+    assert torch.equal(got[:1], q)
+    channel.buffer.zero_()
+    assert torch.equal(got[:1], q)  # read() returns a private copy
+
+
+def test_planner_chooses_tp_and_draft_gpu():
+    from ssdlocal.devices import GPU, DeviceInventory, plan_placement
+
+    def inventory(n, link):
+        return DeviceInventory(tuple(GPU(i, "GPU", 24.0) for i in range(n)), 16, 128.0,
+                               interconnect=link)
+
+    heads = (32, 8)
+    plan = plan_placement(inventory(2, "pcie"), 14.0, 1.0, heads=heads)
+    assert plan.tensor_parallel == 1 and plan.draft_device == "cuda:1"
+    plan = plan_placement(inventory(5, "nvlink"), 60.0, 1.0, heads=heads)
+    assert plan.tensor_parallel == 4 and plan.draft_device == "cuda:4"
+    assert plan_flags(plan) == "--target-devices cuda:0-3 --draft-device cuda:4"
+    plan = plan_placement(inventory(8, "nvlink"), 14.0, 1.0, heads=heads)
+    assert plan.tensor_parallel == 4 and plan.draft_device.startswith("cuda:")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_checks():
+    """Runs scripts/gpu_check.py (needs CUDA): TP exactness on 2+ GPUs, SSD on GPUs, channel."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    script = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
+    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
