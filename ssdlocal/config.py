@@ -111,8 +111,11 @@ class ModelSpec:
     path: str
     device: str = "cpu"
     dtype: str = "float32"
+    backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
 
     def __post_init__(self) -> None:
+        if self.backend not in ("torch", "llamacpp"):
+            raise UsageError(f"unknown backend {self.backend!r}", "choose one of: torch, llamacpp")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UsageError(
                 f"unknown dtype {self.dtype!r}", "choose one of: float32, bfloat16, float16"

@@ -32,9 +32,6 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from .backends.torch_backend.loader import load_model, load_tokenizer
-        from .backends.torch_backend.runner import ModelRunner
-
         self.config = config
         spec = config.spec
         self._draft_runner = None
@@ -49,7 +46,10 @@ class Engine:
 
             if config.draft_model is None:
                 raise UsageError("a draft checkpoint needs a ModelSpec", "set EngineConfig.draft_model")
-            check_pair(load_tokenizer(config.target.path), load_tokenizer(spec.draft))
+            check_pair(
+                _tokenizer(config.target.path, config.target.backend),
+                _tokenizer(spec.draft, config.draft_model.backend),
+            )
         try:
             if self.has_draft_model and spec.mode is Mode.SSD:
                 self._start_worker()  # loads the draft in its own process while we load the target
@@ -58,9 +58,9 @@ class Engine:
 
                 self.target, self._tp_group = load_tensor_parallel(config.target, config.target_devices)
             else:
-                self.target = load_model(config.target.path, config.target.device, config.target.dtype)
+                self.target = _load_model(config.target)
             self.tokenizer = self.target.tokenizer
-            self.runner = ModelRunner(self.target)
+            self.runner = _make_runner(self.target)
             if self._worker is not None:
                 self._worker.wait_loaded()
             elif self.has_draft_model:
@@ -71,11 +71,7 @@ class Engine:
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
-        from .backends.torch_backend.loader import load_model
-        from .backends.torch_backend.runner import ModelRunner
-
-        d = self.config.draft_model
-        self._draft_runner = ModelRunner(load_model(d.path, d.device, d.dtype))
+        self._draft_runner = _make_runner(_load_model(self.config.draft_model))
 
     def _start_worker(self) -> None:
         """Spawn the SSD draft worker; on CPU-only placements split the cores."""
@@ -83,7 +79,7 @@ class Engine:
         from .placement import split_cpus
 
         draft_spec = self.config.draft_model
-        _preflight(draft_spec.path)  # bad paths / architectures fail here, not in the worker
+        _preflight(draft_spec.path, draft_spec.backend)  # bad paths / architectures fail here, not in the worker
         both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
         # both on CPU: split the cores (thread counts always; affinity when pin_cpus),
         # otherwise two full thread pools oversubscribe the cores and both crawl
@@ -356,8 +352,42 @@ class Engine:
             yield TokensEvent(b, tuple(emitted[b]), row.take_text_delta(), tuple(origins[b]))
 
 
-def _preflight(path: str) -> None:
+def _load_model(spec):
+    """Load a ModelSpec's model on its backend (torch: HF dir or converted .gguf)."""
+    if spec.backend == "llamacpp":
+        from .backends.llamacpp import load_gguf
+
+        return load_gguf(spec.path, spec.device)
+    from .backends.torch_backend.loader import load_model
+
+    return load_model(spec.path, spec.device, spec.dtype)
+
+
+def _make_runner(loaded):
+    """The runner for a loaded model: LlamaCppRunner for GGUF via llama.cpp, else ModelRunner."""
+    from .backends.llamacpp import LlamaCppRunner, LoadedGGUF
+    from .backends.torch_backend.runner import ModelRunner
+
+    return LlamaCppRunner(loaded) if isinstance(loaded, LoadedGGUF) else ModelRunner(loaded)
+
+
+def _tokenizer(path: str, backend: str):
+    if backend == "llamacpp":
+        from .backends.llamacpp import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    from .backends.torch_backend.loader import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _preflight(path: str, backend: str = "torch") -> None:
     """Cheap checks of a checkpoint (files, config, architecture) without reading weights."""
+    if backend == "llamacpp":
+        from .backends.llamacpp import preflight
+
+        preflight(path)
+        return
     from .backends.torch_backend.loader import load_hf_config, resolve_checkpoint, weight_files
     from .backends.torch_backend.model import ModelArgs
 

@@ -145,8 +145,14 @@ def _serve(conn, parent_pid: int) -> None:
         if cmd == Cmd.LOAD:
             assert isinstance(payload, LoadMsg)
             _apply_placement(payload)
-            loaded = load_model(payload.model.path, payload.model.device, payload.model.dtype)
-            runner = ModelRunner(loaded)
+            if payload.model.backend == "llamacpp":  # GGUF through llama.cpp, SSD tree via sequences
+                from ..backends.llamacpp import LlamaCppRunner, load_gguf
+
+                loaded = load_gguf(payload.model.path, payload.model.device, payload.threads)
+                runner = LlamaCppRunner(loaded, tree=True)
+            else:
+                loaded = load_model(payload.model.path, payload.model.device, payload.model.dtype)
+                runner = ModelRunner(loaded)
             conn.send((Reply.LOADED, LoadedMsg(loaded.args.vocab_size, str(loaded.device))))
         elif cmd == Cmd.START:
             assert isinstance(payload, StartMsg) and runner is not None

@@ -1,0 +1,20 @@
+"""llama.cpp backend (llama-cpp-python, GGUF files): loader, runner, thin C-API adapter.
+
+Nothing here imports llama_cpp at import time; `load_gguf` does, with an install hint.
+"""
+
+from .loader import GGUFArgs, LoadedGGUF, check_gguf_file, gguf_tokenizer, load_gguf
+from .runner import LlamaCppRunner
+
+__all__ = [
+    "GGUFArgs", "LlamaCppRunner", "LoadedGGUF", "check_gguf_file", "gguf_tokenizer", "load_gguf",
+    "preflight",
+]
+
+
+def preflight(path: str) -> None:
+    """Cheap checks before a worker loads a GGUF: the file, and that llama_cpp imports."""
+    from .lib import import_llama_cpp
+
+    check_gguf_file(path)
+    import_llama_cpp()

@@ -1,0 +1,185 @@
+"""The only module that touches llama-cpp-python: a thin adapter over its low-level C API.
+
+LlamaLib exposes what LlamaCppRunner needs (load a GGUF, make a context with a unified
+multi-sequence KV cache, decode one llama_batch with per-token logits flags, remove /
+copy sequence ranges). Tests swap in a fake with the same methods, so the runner's
+bookkeeping is tested without the compiled library. Imported lazily, never at import
+time of ssdlocal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ...errors import ModelLoadError, OutOfMemoryError
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'ssdlocal[llamacpp]' (builds llama-cpp-python from source, a few minutes)"
+_BACKEND_READY = False
+
+
+def import_llama_cpp():
+    """The `llama_cpp` module, or ModelLoadError with the install hint."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ModelLoadError(
+            "the llama.cpp backend needs llama-cpp-python, which is not installed", INSTALL_HINT
+        ) from exc
+    except OSError as exc:  # the shared library failed to load
+        raise ModelLoadError(
+            f"llama-cpp-python is installed but its library failed to load: {exc}",
+            "reinstall it: pip install --force-reinstall --no-cache-dir llama-cpp-python",
+        ) from exc
+    return llama_cpp
+
+
+class LlamaLib:
+    """llama.cpp calls used by the runner; every pointer stays inside this class."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        global _BACKEND_READY
+        self.ll = import_llama_cpp()
+        try:  # route llama.cpp's stderr chatter through its Python logger (quiet)
+            from llama_cpp._logger import set_verbose
+
+            set_verbose(verbose)
+        except ImportError:  # pragma: no cover - older layouts
+            pass
+        if not _BACKEND_READY:
+            self.ll.llama_backend_init()
+            _BACKEND_READY = True
+        self._batches: dict[int, tuple[object, int]] = {}  # id(ctx) -> (llama_batch, capacity)
+
+    # ------------------------------------------------------------------ models
+    def supports_gpu(self) -> bool:
+        return bool(self.ll.llama_supports_gpu_offload())
+
+    def max_sequences(self) -> int:
+        return int(self.ll.llama_max_parallel_sequences())
+
+    def load_model(self, path: str, n_gpu_layers: int, main_gpu: int):
+        params = self.ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.main_gpu = main_gpu
+        if n_gpu_layers and hasattr(self.ll, "LLAMA_SPLIT_MODE_NONE"):
+            params.split_mode = self.ll.LLAMA_SPLIT_MODE_NONE  # one GPU: main_gpu
+        model = self.ll.llama_model_load_from_file(os.fsencode(path), params)
+        if not model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path}",
+                "the file may be damaged or use an architecture this llama-cpp-python build does "
+                "not know; run with --verbose to see llama.cpp's message, or upgrade llama-cpp-python",
+            )
+        return model
+
+    def free_model(self, model) -> None:
+        self.ll.llama_model_free(model)
+
+    def n_vocab(self, model) -> int:
+        return int(self.ll.llama_vocab_n_tokens(self.ll.llama_model_get_vocab(model)))
+
+    def n_ctx_train(self, model) -> int:
+        return int(self.ll.llama_model_n_ctx_train(model))
+
+    def meta(self, model, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.ll.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def tokenize(self, model, text: str, add_special: bool = False) -> list[int]:
+        vocab = self.ll.llama_model_get_vocab(model)
+        raw = text.encode("utf-8")
+        cap = len(raw) + 16
+        out = (self.ll.llama_token * cap)()
+        n = self.ll.llama_tokenize(vocab, raw, len(raw), out, cap, add_special, True)
+        if n < 0:  # pragma: no cover - cap is always enough for BPE
+            raise ModelLoadError("llama.cpp tokenization failed", "report a bug")
+        return list(out[:n])
+
+    # ------------------------------------------------------------------ contexts
+    def new_context(self, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int):
+        params = self.ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        if hasattr(params, "kv_unified"):
+            params.kv_unified = True  # branches share prefix cells; seq_cp needs one stream
+        if hasattr(params, "no_perf"):
+            params.no_perf = True
+        ctx = self.ll.llama_init_from_model(model, params)
+        if not ctx:
+            raise OutOfMemoryError(
+                f"llama.cpp could not create a context of {n_ctx} tokens",
+                "use fewer prompts or a smaller --max-new-tokens",
+            )
+        batch = self.ll.llama_batch_init(n_batch, 0, 1)
+        self._batches[id(ctx)] = (batch, n_batch)
+        return ctx
+
+    def free_context(self, ctx) -> None:
+        batch, _ = self._batches.pop(id(ctx), (None, 0))
+        if batch is not None:
+            self.ll.llama_batch_free(batch)
+        self.ll.llama_free(ctx)
+
+    def set_threads(self, ctx, n_threads: int) -> None:
+        self.ll.llama_set_n_threads(ctx, n_threads, n_threads)
+
+    # ------------------------------------------------------------------ memory
+    def clear(self, ctx) -> None:
+        self.ll.llama_memory_clear(self.ll.llama_get_memory(ctx), True)
+
+    def seq_rm(self, ctx, seq: int, p0: int, p1: int) -> bool:
+        return bool(self.ll.llama_memory_seq_rm(self.ll.llama_get_memory(ctx), seq, p0, p1))
+
+    def seq_cp(self, ctx, src: int, dst: int, p0: int, p1: int) -> None:
+        self.ll.llama_memory_seq_cp(self.ll.llama_get_memory(ctx), src, dst, p0, p1)
+
+    # ------------------------------------------------------------------ decode
+    def decode(
+        self,
+        ctx,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seqs: Sequence[int],
+        want: Sequence[bool],
+        n_vocab: int,
+    ) -> np.ndarray:
+        """One llama_decode; returns float32 logits [n_wanted, V] in batch order.
+
+        The caller keeps len(tokens) <= the context's n_batch.
+        """
+        batch, cap = self._batches[id(ctx)]
+        n = len(tokens)
+        if n > cap:
+            raise RuntimeError(f"llama batch of {n} tokens exceeds n_batch {cap}")
+        batch.n_tokens = n
+        for i in range(n):
+            batch.token[i] = tokens[i]
+            batch.pos[i] = positions[i]
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seqs[i]
+            batch.logits[i] = 1 if want[i] else 0
+        rc = self.ll.llama_decode(ctx, batch)
+        if rc == 1:
+            raise OutOfMemoryError(
+                "llama.cpp found no room in its KV cache for this step (out of memory)",
+                "use fewer prompts or a smaller --max-new-tokens",
+            )
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        n_out = sum(1 for w in want if w)
+        if n_out == 0:
+            return np.empty((0, n_vocab), dtype=np.float32)
+        ptr = self.ll.llama_get_logits(ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, n_vocab)).copy()

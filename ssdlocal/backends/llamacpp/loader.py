@@ -1,0 +1,197 @@
+"""Load a GGUF file for the llama.cpp backend: checks, tokenizer, llama.cpp model.
+
+Returns a LoadedGGUF with the fields the engine and drafters read from a torch
+LoadedModel (tokenizer, args.vocab_size, args.max_position_embeddings, eos_token_ids,
+device, dtype). The HF-like tokenizer is built by transformers from the GGUF's own
+vocabulary once and cached; its ids are checked against llama.cpp's tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...errors import ModelLoadError, UnsupportedArchitectureError
+
+log = logging.getLogger(__name__)
+
+GGUF_HINT = (
+    "the llama.cpp backend reads .gguf files; for a Hugging Face checkpoint directory "
+    "use the torch backend (--backend torch)"
+)
+_VOCAB_PROBE = "Hello world! def add(a, b):\n    return a + b  # 123 émoji 🙂 你好"
+
+
+@dataclass(frozen=True)
+class GGUFArgs:
+    """What the engine reads from `args`: logits width and the longest context."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    arch: str
+
+
+@dataclass
+class LoadedGGUF:
+    model: object  # llama_model pointer (owned by `lib`)
+    lib: object  # LlamaLib (or a fake in tests)
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    args: GGUFArgs
+    path: Path
+    device: torch.device
+    dtype: torch.dtype  # of the logits we return; the weights keep the GGUF's quantization
+    eos_token_ids: tuple[int, ...]
+    threads: int | None  # llama.cpp CPU threads (None: the process's CPU affinity)
+    n_gpu_layers: int
+    main_gpu: int
+
+
+def check_gguf_file(path: str | Path) -> Path:
+    """The path as a readable GGUF file (magic bytes checked), or ModelLoadError."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist", GGUF_HINT)
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is a directory, not a .gguf file", GGUF_HINT)
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}", "check the file's permissions") from exc
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header)", GGUF_HINT)
+    return path
+
+
+def gguf_architecture(path: Path) -> str:
+    from ..torch_backend.gguf_convert import gguf_metadata
+
+    return str(gguf_metadata(path).get("architecture") or "unknown")
+
+
+def parse_llama_device(device: str, lib) -> tuple[torch.device, int, int]:
+    """"cpu" / "cuda" / "cuda:N" -> (torch device, n_gpu_layers, main_gpu)."""
+    if device == "cpu":
+        return torch.device("cpu"), 0, 0
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not lib.supports_gpu():
+            raise ModelLoadError(
+                f"device {device!r} requested but this llama-cpp-python build has no GPU support",
+                "reinstall with CUDA: CMAKE_ARGS='-DGGML_CUDA=on' pip install --force-reinstall "
+                "--no-cache-dir llama-cpp-python, or use --device cpu",
+            )
+        index = int(device[5:]) if device.startswith("cuda:") else 0
+        if torch.cuda.is_available() and index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs)",
+                "run `ssdlocal devices` to list devices",
+            )
+        return torch.device("cuda", index), 0x7FFFFFFF, index  # all layers on that GPU
+    raise ModelLoadError(f"invalid device {device!r}", 'use "cpu", "cuda" or "cuda:N"')
+
+
+def tokenizer_cache_dir(path: Path) -> Path:
+    from ...assets import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "gguf-tokenizers" / f"{path.name.removesuffix('.gguf')}-{key[:12]}"
+
+
+def gguf_tokenizer(path: str | Path):
+    """An HF tokenizer built from the GGUF's vocabulary (cached after the first build)."""
+    from transformers import AutoTokenizer
+
+    path = check_gguf_file(path)
+    cached = tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ImportError as exc:
+        raise ModelLoadError(
+            "reading a GGUF tokenizer needs the `gguf` package", "pip install gguf"
+        ) from exc
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        arch = gguf_architecture(path)
+        raise UnsupportedArchitectureError(
+            f"transformers cannot build a tokenizer from {path.name} (architecture {arch!r}): {exc}",
+            "ssdlocal needs transformers' GGUF tokenizer support for this architecture "
+            "(llama, qwen2, qwen3, gemma3, ...); upgrade transformers or use another model",
+        ) from exc
+    tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+    try:
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError as exc:  # a read-only cache is not fatal
+        log.debug("could not cache the GGUF tokenizer in %s: %s", cached, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def eos_ids_of(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's eos plus known end-of-turn tokens (same rule as GGUF conversion)."""
+    from ..torch_backend.gguf_convert import _EXTRA_EOS
+
+    vocab = tokenizer.get_vocab()
+    found: list[int] = []
+    for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in _EXTRA_EOS)):
+        if tid is not None and int(tid) not in found:
+            found.append(int(tid))
+    return tuple(found)
+
+
+def check_vocab(lib, model, tokenizer, path: Path) -> int:
+    """llama.cpp's vocabulary must give the HF tokenizer's ids; returns llama's n_vocab."""
+    n_vocab = lib.n_vocab(model)
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if top >= n_vocab:
+        raise ModelLoadError(
+            f"vocabulary mismatch in {path.name}: the tokenizer uses ids up to {top}, "
+            f"llama.cpp's vocabulary has {n_vocab} tokens",
+            "the GGUF's tokenizer metadata looks damaged; fetch the file again",
+        )
+    ours = list(tokenizer.encode(_VOCAB_PROBE, add_special_tokens=False))
+    theirs = lib.tokenize(model, _VOCAB_PROBE)
+    if ours != theirs:
+        raise ModelLoadError(
+            f"vocabulary mismatch in {path.name}: transformers and llama.cpp tokenize a probe "
+            f"text differently ({ours[:8]} vs {theirs[:8]})",
+            "upgrade transformers and llama-cpp-python, or use the torch backend for this file",
+        )
+    return n_vocab
+
+
+def load_gguf(
+    path: str | Path, device: str = "cpu", threads: int | None = None, lib=None
+) -> LoadedGGUF:
+    """Load a GGUF file with llama.cpp (the KV cache comes with the runner's context)."""
+    path = check_gguf_file(path)
+    if lib is None:
+        from .lib import LlamaLib
+
+        lib = LlamaLib(verbose=log.isEnabledFor(logging.DEBUG))
+    dev, n_gpu_layers, main_gpu = parse_llama_device(device, lib)
+    tokenizer = gguf_tokenizer(path)
+    try:
+        model = lib.load_model(str(path), n_gpu_layers, main_gpu)
+    except ModelLoadError as exc:
+        arch = gguf_architecture(path)
+        raise UnsupportedArchitectureError(
+            f"{exc.message} (architecture {arch!r})", exc.hint
+        ) from exc
+    n_vocab = check_vocab(lib, model, tokenizer, path)
+    arch = lib.meta(model, "general.architecture") or "unknown"
+    args = GGUFArgs(n_vocab, lib.n_ctx_train(model), arch)
+    log.info("loaded %s (%s) with llama.cpp on %s", path, arch, dev)
+    return LoadedGGUF(
+        model, lib, tokenizer, args, path, dev, torch.float32, eos_ids_of(tokenizer),
+        threads, n_gpu_layers, main_gpu,
+    )

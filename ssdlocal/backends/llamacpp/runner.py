@@ -1,0 +1,288 @@
+"""LlamaCppRunner: ModelRunner's interface over a llama.cpp context (GGUF models).
+
+Row b of a batch is llama.cpp sequence b in one unified KV cache. `held[b]` means what
+it means for ModelRunner (tokens of row b whose keys/values are cached); callers may
+shorten it directly (sync_for_next, the speculator), so before touching row b the
+runner removes the cache cells past the common prefix of `held[b]` and what it really
+wrote (`_kv[b]`) with llama_memory_seq_rm. SSD tree decoding (`forward_raw`) maps each
+branch to its own sequence: the row's prefix cells are shared with it by seq_cp (no
+data copy), its own tokens are decoded in one llama_batch per step with every other
+branch, and `copy_slots` hands an accepted branch's cells back to the row (seq_cp).
+Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...errors import UsageError
+
+N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
+_PAD = 256  # llama.cpp rounds the context size up to this
+
+
+@dataclass
+class _Chain:
+    """One tree branch: llama.cpp sequence `seq` = row's first n_main tokens + own tokens."""
+
+    row: int
+    n_main: int
+    prefix: list[int]  # the row's tokens 0..n_main-1 when the branch was made
+    slots: list[int] = field(default_factory=list)  # scratch slots written, in order
+    tokens: list[int] = field(default_factory=list)  # their tokens
+
+
+class LlamaCppRunner:
+    """Feeds variable-length token lists per row through a llama.cpp model.
+
+    `tree=True` sizes the context for SSD tree decoding (many sequences).
+    """
+
+    def __init__(self, loaded, *, tree: bool = False) -> None:
+        self.loaded = loaded
+        self.lib = loaded.lib
+        self.model = loaded.model
+        self.device = loaded.device
+        self.vocab_size = loaded.args.vocab_size
+        self.threads = loaded.threads  # None: torch.get_num_threads() at each decode
+        self.tree = tree
+        self.held: list[list[int]] = []
+        self.num_slots = 0
+        self._ctx = None
+        self._ctx_cells = 0
+        self._ctx_seqs = 0
+        self._ctx_threads = 0
+        self._n_batch = N_BATCH
+        self._kv: list[list[int]] = []  # per row: tokens really in sequence b
+        self._chains: dict[int, _Chain] = {}  # branch sequence id -> chain
+        self._scratch: dict[tuple[int, int], int] = {}  # (row, slot) -> branch sequence id
+        self._free: list[int] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self, batch_size: int, num_slots: int) -> None:
+        """Forget all rows; (re)create the context when it is too small."""
+        cells = -(-batch_size * num_slots // _PAD) * _PAD
+        seqs = self.lib.max_sequences() if self.tree else batch_size
+        if seqs < batch_size:
+            raise UsageError(
+                f"llama.cpp supports at most {seqs} parallel sequences, asked for {batch_size} rows",
+                "use fewer prompts per call",
+            )
+        if self._ctx is None or cells > self._ctx_cells or seqs > self._ctx_seqs:
+            self.close()
+            self._n_batch = min(N_BATCH, cells)
+            self._ctx = self.lib.new_context(self.model, cells, self._n_batch, seqs, self._want_threads())
+            self._ctx_cells, self._ctx_seqs = cells, seqs
+            self._ctx_threads = self._want_threads()
+        else:
+            self.lib.clear(self._ctx)
+        self.num_slots = num_slots
+        self.held = [[] for _ in range(batch_size)]
+        self._kv = [[] for _ in range(batch_size)]
+        self._chains.clear()
+        self._scratch.clear()
+        self._free = list(range(self._ctx_seqs - 1, batch_size - 1, -1))  # pop() gives the lowest
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self.lib.free_context(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:  # the model outlives contexts; free ours first
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
+
+    def _want_threads(self) -> int:
+        # the CPU placement (placement.py) sets torch's thread count for each process
+        return self.threads or max(1, torch.get_num_threads())
+
+    # ------------------------------------------------------------------ rows
+    def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
+        """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
+        return list(tokens[len(self.held[row]) :])
+
+    def sync(self, row: int, committed: Sequence[int]) -> None:
+        """Keep only the cached tokens that agree with the row's committed sequence."""
+        held = self.held[row]
+        n = min(len(held), len(committed))
+        if held[:n] == list(committed[:n]):
+            del held[n:]
+            return
+        keep = 0
+        while held[keep] == committed[keep]:
+            keep += 1
+        del held[keep:]
+
+    def _reconcile(self, row: int) -> None:
+        """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]."""
+        kv, held = self._kv[row], self.held[row]
+        n = min(len(kv), len(held))
+        if kv[:n] != held[:n]:
+            n = next(i for i in range(n) if kv[i] != held[i])
+        if n < len(kv):
+            self.lib.seq_rm(self._ctx, row, n, -1)
+            del kv[n:]
+        if len(held) > n:
+            raise RuntimeError(f"row {row}: held tokens that were never fed to llama.cpp")  # a bug
+
+    def _decode(self, tokens, positions, seqs) -> np.ndarray:
+        """Decode in chunks of n_batch, logits for every token: [N, V] float32."""
+        want = self._want_threads()
+        if want != self._ctx_threads:
+            self.lib.set_threads(self._ctx, want)
+            self._ctx_threads = want
+        out = []
+        step = self._n_batch
+        for i in range(0, len(tokens), step):
+            sl = slice(i, i + step)
+            n = len(tokens[sl])
+            out.append(
+                self.lib.decode(
+                    self._ctx, tokens[sl], positions[sl], seqs[sl], [True] * n, self.vocab_size
+                )
+            )
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Append rows[b] to row b's cache and return their logits.
+
+        Returns per row a float32 tensor [len(rows[b]), V] (empty rows give [0, V]).
+        """
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        for b, r in enumerate(rows):
+            if not r:
+                continue
+            self._reconcile(b)
+            start = len(self.held[b])
+            if start + len(r) > self.num_slots:
+                raise RuntimeError("KV cache too small for this step")  # engine sizes it; a bug
+            tokens.extend(int(t) for t in r)
+            positions.extend(range(start, start + len(r)))
+            seqs.extend([b] * len(r))
+        if not tokens:
+            return [torch.empty(0, self.vocab_size) for _ in rows]
+        logits = torch.from_numpy(self._decode(tokens, positions, seqs))  # [N, V]
+        result = []
+        offset = 0
+        for b, r in enumerate(rows):
+            n = len(r)
+            result.append(logits[offset : offset + n])
+            offset += n
+            if n:
+                self.held[b].extend(int(t) for t in r)
+                self._kv[b].extend(int(t) for t in r)
+        return result
+
+    # ------------------------------------------------------------------ tree decoding (SSD)
+    def forward_raw(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """ModelRunner.forward_raw for tree masks; does not touch `held`.
+
+        ids, positions, slots [B, T] long; mask [B, T, S] bool. Query (b, t) writes slot
+        slots[b, t] and may see a prefix 0..n-1 of row b's cached tokens plus the scratch
+        slots one earlier branch wrote (its chain). The last slot is the trash slot of
+        padded queries (skipped; their logits are zeros). Returns [B, T, V] float32.
+        """
+        batch, width = ids.shape
+        trash = self.num_slots - 1
+        ids_l, pos_l, slot_l = ids.tolist(), positions.tolist(), slots.tolist()
+        live = [(b, t) for b in range(batch) for t in range(width) if slot_l[b][t] != trash]
+        visible = {q: mask[q[0], q[1]].nonzero().flatten().tolist() for q in live}
+        continues = any(
+            (b, s) in self._scratch and s != slot_l[b][t] for (b, t), vis in visible.items() for s in vis
+        )
+        if not continues:
+            self._drop_chains()  # a new tree: no query continues an earlier branch
+        claimed: set[int] = set()
+        plan: list[tuple[int, int, _Chain, int]] = []  # (b, t, chain, seq)
+        for b, t in live:
+            self._reconcile(b)
+            own = slot_l[b][t]
+            if (b, own) in self._scratch:
+                raise NotImplementedError("forward_raw: a slot is written twice in one tree")
+            main = [s for s in visible[(b, t)] if (b, s) not in self._scratch and s != own]
+            scratch = [s for s in visible[(b, t)] if (b, s) in self._scratch and s != own]
+            n_main = len(main)
+            if main != list(range(n_main)) or n_main > len(self._kv[b]):
+                raise NotImplementedError(
+                    "forward_raw: a query must see a prefix of its row's cached tokens"
+                )
+            if not scratch:
+                seq = self._alloc()
+                self.lib.seq_cp(self._ctx, b, seq, 0, n_main)
+                chain = _Chain(b, n_main, self._kv[b][:n_main])
+            else:
+                parent = self._scratch[(b, scratch[0])]
+                chain = self._chains[parent]
+                if sorted(scratch) != sorted(chain.slots) or chain.n_main != n_main:
+                    raise NotImplementedError("forward_raw: a query must see one whole branch")
+                if parent in claimed:
+                    raise NotImplementedError("forward_raw: two queries continue one branch")
+                seq = parent
+            if pos_l[b][t] != chain.n_main + len(chain.slots):
+                raise NotImplementedError("forward_raw: branch positions must be consecutive")
+            claimed.add(seq)
+            plan.append((b, t, chain, seq))
+        out = torch.zeros(batch, width, self.vocab_size)  # [B, T, V]
+        if not plan:
+            return out
+        logits = self._decode(
+            [ids_l[b][t] for b, t, _, _ in plan],
+            [pos_l[b][t] for b, t, _, _ in plan],
+            [seq for _, _, _, seq in plan],
+        )  # [N, V]
+        for i, (b, t, chain, seq) in enumerate(plan):
+            out[b, t] = torch.from_numpy(logits[i])
+            chain.slots.append(slot_l[b][t])
+            chain.tokens.append(ids_l[b][t])
+            self._chains[seq] = chain
+            self._scratch[(b, slot_l[b][t])] = seq
+        return out
+
+    def copy_slots(self, row: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Make the branch written at scratch slots `src` row `row`'s tokens at `dst`.
+
+        dst must be consecutive positions starting where the branch leaves the row's
+        prefix (what the speculator does when a cached branch is taken).
+        """
+        src, dst = list(src), list(dst)
+        if not src:
+            return
+        seq = self._scratch.get((row, src[0]))
+        chain = self._chains.get(seq) if seq is not None else None
+        if chain is None or chain.row != row:
+            raise NotImplementedError("copy_slots: source slots are not one branch of this row")
+        depth = len(src)
+        if src != chain.slots[:depth] or dst != list(range(chain.n_main, chain.n_main + depth)):
+            raise NotImplementedError("copy_slots: slots must be a branch's head, copied in place")
+        kv = self._kv[row]
+        if kv[: chain.n_main] != chain.prefix:
+            raise RuntimeError(f"copy_slots: row {row} changed below the branch point")  # a bug
+        self.lib.seq_rm(self._ctx, row, chain.n_main, -1)
+        del kv[chain.n_main :]
+        self.lib.seq_cp(self._ctx, seq, row, chain.n_main, chain.n_main + depth)
+        kv.extend(chain.tokens[:depth])
+
+    def _alloc(self) -> int:
+        if not self._free:
+            raise UsageError(
+                f"SSD fan-out needs more than the {self._ctx_seqs} sequences llama.cpp supports",
+                "use fewer prompts per call or a smaller --fan-out",
+            )
+        return self._free.pop()
+
+    def _drop_chains(self) -> None:
+        for seq in self._chains:
+            self.lib.seq_rm(self._ctx, seq, -1, -1)
+            self._free.append(seq)
+        self._free.sort(reverse=True)
+        self._chains.clear()
+        self._scratch.clear()

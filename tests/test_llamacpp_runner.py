@@ -1,0 +1,404 @@
+"""The llama.cpp backend without the compiled library: a fake LlamaLib with llama.cpp's
+KV-cache semantics (unified cells carrying sequence ids, seq_rm / seq_cp by position
+ranges, batch position checks) and logits that are a pure function of the tokens a
+query can see. A stale or missing cell changes the logits or trips an assertion, so
+these tests check the runner's bookkeeping: AR == SD == SSD token for token through the
+Engine, the SSD tree decode and branch hand-over, mixed torch/GGUF pairs, load errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
+from ssdlocal.backends.llamacpp import loader as gguf_loader
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.draft.base import Proposal
+from ssdlocal.draft.protocol import OutcomeMsg, StartMsg
+from ssdlocal.draft.speculator import Speculator
+from ssdlocal.engine import Engine
+from ssdlocal.errors import ModelLoadError, SSDLocalError, UsageError
+from ssdlocal.events import DoneEvent
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
+
+
+# ----------------------------------------------------------------- the fake library
+class FakeCtx:
+    def __init__(self, model, n_ctx, n_batch, n_seq_max):
+        self.model, self.n_ctx, self.n_batch, self.n_seq_max = model, n_ctx, n_batch, n_seq_max
+        self.cells: list[dict] = []  # {"pos", "token", "seqs": set}
+        self.decoded = 0
+        self.freed = False
+
+
+class FakeLlamaLib:
+    """llama.cpp's memory semantics in Python; model `path` picks the logits function."""
+
+    def __init__(self, vocab: int, tokenizer=None, max_seq: int = 64) -> None:
+        self.vocab, self.tokenizer, self.max_seq = vocab, tokenizer, max_seq
+        self.contexts: list[FakeCtx] = []
+        self.rm_calls: list[tuple[int, int, int]] = []
+
+    # models
+    def supports_gpu(self) -> bool:
+        return False
+
+    def max_sequences(self) -> int:
+        return self.max_seq
+
+    def load_model(self, path, n_gpu_layers, main_gpu):
+        return Path(path).name
+
+    def n_vocab(self, model) -> int:
+        return self.vocab
+
+    def n_ctx_train(self, model) -> int:
+        return 4096
+
+    def meta(self, model, key):
+        return "fake"
+
+    def tokenize(self, model, text):
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # contexts
+    def new_context(self, model, n_ctx, n_batch, n_seq_max, n_threads):
+        ctx = FakeCtx(model, n_ctx, n_batch, n_seq_max)
+        self.contexts.append(ctx)
+        return ctx
+
+    def free_context(self, ctx) -> None:
+        ctx.freed = True
+
+    def set_threads(self, ctx, n) -> None:
+        pass
+
+    def clear(self, ctx) -> None:
+        ctx.cells = []
+
+    def seq_rm(self, ctx, seq, p0, p1) -> bool:
+        self.rm_calls.append((seq, p0, p1))
+        hi = p1 if p1 >= 0 else 1 << 30
+        lo = max(p0, 0)
+        for c in ctx.cells:
+            if (seq < 0 or seq in c["seqs"]) and lo <= c["pos"] < hi:
+                c["seqs"].discard(seq) if seq >= 0 else c["seqs"].clear()
+        ctx.cells = [c for c in ctx.cells if c["seqs"]]
+        return True
+
+    def seq_cp(self, ctx, src, dst, p0, p1) -> None:
+        hi = p1 if p1 >= 0 else 1 << 30
+        for c in ctx.cells:
+            if src in c["seqs"] and max(p0, 0) <= c["pos"] < hi:
+                c["seqs"].add(dst)
+
+    def decode(self, ctx, tokens, positions, seqs, want, n_vocab):
+        assert not ctx.freed and len(tokens) <= ctx.n_batch
+        assert len(ctx.cells) + len(tokens) <= ctx.n_ctx, "KV cache full"
+        next_pos: dict[int, int] = {}
+        for tok, pos, seq in zip(tokens, positions, seqs):
+            assert 0 <= seq < ctx.n_seq_max and 0 <= tok < self.vocab
+            if seq not in next_pos:  # llama.cpp: batch positions continue the sequence
+                have = [c["pos"] for c in ctx.cells if seq in c["seqs"]]
+                next_pos[seq] = max(have) + 1 if have else 0
+            assert pos == next_pos[seq], f"seq {seq}: position {pos}, expected {next_pos[seq]}"
+            next_pos[seq] += 1
+            ctx.cells.append({"pos": pos, "token": tok, "seqs": {seq}})
+        rows = []
+        for (tok, pos, seq), w in zip(zip(tokens, positions, seqs), want):
+            seen = sorted((c["pos"], c["token"]) for c in ctx.cells if seq in c["seqs"] and c["pos"] <= pos)
+            assert [p for p, _ in seen] == list(range(pos + 1)), f"seq {seq} sees {seen}"
+            if w:
+                rows.append(model_logits(ctx.model, [t for _, t in seen], self.vocab))
+        ctx.decoded += len(tokens)
+        return np.stack(rows).astype(np.float32) if rows else np.empty((0, n_vocab), np.float32)
+
+
+def model_logits(model: str, tokens: list[int], vocab: int) -> np.ndarray:
+    """A 'model': a bigram table plus noise hashed from the whole visible context; the
+    draft ("draft*.gguf") shares the table with smaller, different noise."""
+    table = np.random.default_rng(1234).standard_normal((vocab, vocab)).astype(np.float32)
+    is_draft = model.startswith("draft")
+    noise_rng = np.random.default_rng([hash(tuple(tokens)) & 0xFFFFFFFF, 7 if is_draft else 3])
+    noise = noise_rng.standard_normal(vocab)
+    return (2.0 * table[tokens[-1]] + (0.2 if is_draft else 0.6) * noise).astype(np.float32)
+
+
+def reference_greedy(model: str, prompt: list[int], n: int, vocab: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(model_logits(model, seq, vocab))))
+    return seq[len(prompt) :]
+
+
+# ----------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tok_dir(tiny_dir) -> Path:
+    return tiny_dir["llama"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab(tok_dir) -> int:
+    return json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture
+def fake(monkeypatch, tokenizer, vocab, tmp_path):
+    """Patch the backend to use FakeLlamaLib; returns (lib, target.gguf, draft.gguf)."""
+    lib = FakeLlamaLib(vocab, tokenizer)
+    monkeypatch.setattr("ssdlocal.backends.llamacpp.lib.LlamaLib", lambda verbose=False: lib)
+    monkeypatch.setattr(gguf_loader, "gguf_tokenizer", lambda path: tokenizer)
+    monkeypatch.setattr("ssdlocal.backends.llamacpp.gguf_tokenizer", lambda path: tokenizer)
+    paths = []
+    for name in ("target.gguf", "draft.gguf"):
+        p = tmp_path / name
+        p.write_bytes(b"GGUF" + b"\0" * 60)
+        paths.append(str(p))
+    return lib, paths[0], paths[1]
+
+
+def run(engine: Engine, prompts, spec=None, params=GREEDY):
+    done = [ev for ev in engine.generate(prompts, params, spec=spec) if isinstance(ev, DoneEvent)][0]
+    return [list(o.token_ids) for o in done.outputs], done.stats
+
+
+# ----------------------------------------------------------------- engine: AR / SD
+def test_ar_matches_reference_and_sd_matches_ar(fake, tokenizer, vocab):
+    lib, target, draft = fake
+    cfg = EngineConfig(
+        target=ModelSpec(target, backend="llamacpp"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=draft),
+        draft_model=ModelSpec(draft, backend="llamacpp"),
+    )
+    with Engine(cfg) as eng:
+        ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
+        for prompt, out in zip(PROMPTS, ar):
+            ids = list(tokenizer.encode(prompt))
+            assert out == reference_greedy("target.gguf", ids, GREEDY.max_new_tokens, vocab)
+        sd, stats = run(eng, PROMPTS)
+        assert sd == ar
+        assert stats["acceptance_rate"] > 0.3  # the draft shares the bigram table
+        ng, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=4, draft="ngram"))
+        assert ng == ar
+        one, _ = run(eng, PROMPTS[1:2])  # batch 1 after batch 3 reuses the context
+        assert one == ar[1:2]
+
+
+def test_mixed_torch_target_gguf_draft(fake, tiny_dir):
+    """torch target + GGUF draft (through the fake): SD reproduces the torch AR."""
+    _, _, draft = fake
+    cfg = EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"])),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=draft),
+        draft_model=ModelSpec(draft, backend="llamacpp"),
+    )
+    with Engine(cfg) as eng:
+        ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
+        sd, stats = run(eng, PROMPTS)
+    assert sd == ar and stats["rounds"] > 0
+
+
+# ----------------------------------------------------------------- SSD in process
+class InProcessSSD:
+    """The worker's Speculator driven in this process (no spawn): same calls, same order."""
+
+    def __init__(self, runner, spec: SpecConfig, params, vocab, num_slots) -> None:
+        self.runner, self.spec, self.params, self.vocab, self.num_slots = runner, spec, params, vocab, num_slots
+        self.k = spec.k
+        self.next = None
+        self.hits = 0
+
+    def start(self, sequences):
+        msg = StartMsg(
+            tuple(tuple(s) for s in sequences), self.params, self.k, self.num_slots, self.vocab,
+            self.spec.fan_out, self.spec.fan_out_miss, self.spec.saguaro_c, "jit", None,
+        )
+        self.sp = Speculator(self.runner, msg)
+        self.prev = [list(s) for s in sequences]
+        self.round = 0
+
+    def propose(self, sequences, active):
+        served = self.sp.first() if self.next is None else self.next
+        if self.next is None:
+            self.sp.prespeculate()
+        self.hits += sum(served.cache_hit)
+        return Proposal(served.tokens, served.q, served.cache_hit, served.backup)
+
+    def observe(self, sequences, n_accepted, bonus, active):
+        if not any(active):
+            return
+        appended = tuple(tuple(s[len(p) :]) for s, p in zip(sequences, self.prev))
+        self.prev = [list(s) for s in sequences]
+        msg = OutcomeMsg(self.round, appended, tuple(n_accepted), tuple(bonus), tuple(active), 0.0, "jit")
+        self.round += 1
+        self.next = self.sp.resolve(msg)
+        self.sp.prespeculate()
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("draft_name", ["draft", "target"])
+def test_ssd_tree_decode_matches_ar(fake, monkeypatch, vocab, draft_name):
+    """SSD with a GGUF draft: tree branches live in their own llama.cpp sequences and a
+    hit hands the branch's cells to the row. Greedy output == AR; hits happen."""
+    lib, target, draft = fake
+    draft_path = target if draft_name == "target" else draft
+    drafters = []
+
+    def make_drafter(self, spec, params, batch, num_slots):
+        if spec.mode is not Mode.SSD:
+            return Engine._make_drafter_orig(self, spec, params, batch, num_slots)
+        runner = LlamaCppRunner(load_gguf(draft_path), tree=True)
+        drafters.append(InProcessSSD(runner, spec, params, vocab, num_slots))
+        return drafters[-1]
+
+    monkeypatch.setattr(Engine, "_make_drafter_orig", Engine._make_drafter, raising=False)
+    monkeypatch.setattr(Engine, "_make_drafter", make_drafter)
+    cfg = EngineConfig(target=ModelSpec(target, backend="llamacpp"))
+    ssd = SpecConfig(mode=Mode.SSD, k=3, draft="ngram", fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3))
+    with Engine(cfg) as eng:
+        ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
+        out, _ = run(eng, PROMPTS, ssd)
+        assert out == ar
+        assert drafters[-1].hits > 0
+        one, _ = run(eng, PROMPTS[:1], replace(ssd, k=2, fan_out=None, fan_out_miss=None))
+        assert one == ar[:1]
+
+
+# ----------------------------------------------------------------- runner bookkeeping
+@pytest.fixture
+def runner(fake):
+    lib, target, _ = fake
+    return lib, LlamaCppRunner(load_gguf(target), tree=True)
+
+
+def test_truncated_held_removes_cells(runner):
+    lib, r = runner
+    r.reset(2, 64)
+    r.feed([[1, 2, 3, 4], [5, 6]])
+    del r.held[0][2:]  # what sync_for_next does
+    lib.rm_calls.clear()
+    out = r.feed([[9], []])
+    assert (0, 2, -1) in lib.rm_calls
+    expected = model_logits("target.gguf", [1, 2, 9], lib.vocab)
+    assert torch.allclose(out[0][0], torch.from_numpy(expected))
+    assert out[1].shape == (0, lib.vocab)
+    r.sync(1, [5, 7])
+    assert r.held[1] == [5]
+
+
+def test_context_reuse_and_growth(runner):
+    lib, r = runner
+    r.reset(1, 100)
+    first = lib.contexts[-1]
+    r.reset(1, 50)  # smaller: same context, cleared
+    assert lib.contexts[-1] is first and first.cells == []
+    r.reset(4, 300)  # larger: a new one, the old one freed
+    assert lib.contexts[-1] is not first and first.freed
+    assert lib.contexts[-1].n_ctx >= 1200
+
+
+def test_long_feed_is_chunked(runner):
+    lib, r = runner
+    r.reset(1, 1500)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, lib.vocab, 1100)]
+    out = r.feed([prompt])[0]
+    assert out.shape == (1100, lib.vocab)
+    assert torch.allclose(out[-1], torch.from_numpy(model_logits("target.gguf", prompt, lib.vocab)))
+
+
+def test_forward_raw_rejects_unsupported_masks(runner):
+    lib, r = runner
+    r.reset(1, 40)
+    r.feed([[1, 2, 3, 4]])
+    ids = torch.tensor([[7]])
+    mask = torch.zeros(1, 1, 40, dtype=torch.bool)
+    mask[0, 0, [0, 2, 30]] = True  # not a prefix of the row
+    with pytest.raises(NotImplementedError):
+        r.forward_raw(ids, torch.tensor([[2]]), torch.tensor([[30]]), mask)
+
+
+def test_too_many_branches_is_a_usage_error(fake):
+    lib, target, _ = fake
+    lib.max_seq = 3
+    r = LlamaCppRunner(load_gguf(target), tree=True)
+    r.reset(1, 40)
+    r.feed([[1, 2]])
+    ids = torch.tensor([[4, 5, 6]])
+    mask = torch.zeros(1, 3, 40, dtype=torch.bool)
+    mask[:, :, :2] = True
+    for i, s in enumerate((20, 22, 24)):
+        mask[0, i, s] = True
+    with pytest.raises(UsageError, match="sequences"):
+        r.forward_raw(ids, torch.full((1, 3), 2), torch.tensor([[20, 22, 24]]), mask)
+
+
+# ----------------------------------------------------------------- load errors
+def test_not_a_gguf(tmp_path, fake):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not really")
+    with pytest.raises(ModelLoadError, match="not a GGUF") as info:
+        load_gguf(bad)
+    assert "torch" in info.value.hint
+    with pytest.raises(ModelLoadError, match="directory"):
+        load_gguf(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_gguf(tmp_path / "missing.gguf")
+
+
+def test_missing_llama_cpp_hint(monkeypatch, fake):
+    _, target, _ = fake
+    monkeypatch.undo()  # the real LlamaLib, with llama_cpp made unimportable
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ModelLoadError) as info:
+        load_gguf(target)
+    assert "ssdlocal[llamacpp]" in info.value.hint
+
+
+def test_gpu_without_gpu_build(fake):
+    _, target, _ = fake
+    with pytest.raises(ModelLoadError, match="no GPU support"):
+        load_gguf(target, "cuda:0")
+
+
+def test_vocab_mismatch(fake, monkeypatch):
+    lib, target, _ = fake
+    monkeypatch.setattr(lib, "tokenize", lambda model, text: [1, 2, 3])
+    with pytest.raises(ModelLoadError, match="vocabulary mismatch"):
+        load_gguf(target)
+    monkeypatch.setattr(lib, "vocab", 10)
+    with pytest.raises(ModelLoadError, match="vocabulary mismatch"):
+        load_gguf(target)
+
+
+def test_unknown_backend():
+    with pytest.raises(UsageError, match="backend"):
+        ModelSpec("x.gguf", backend="vllm")
+    assert issubclass(ModelLoadError, SSDLocalError)
+
+
+def test_package_does_not_import_llama_cpp():
+    import subprocess
+
+    code = (
+        "import sys, ssdlocal.backends.llamacpp, ssdlocal.engine; "
+        "assert 'llama_cpp' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
