@@ -17,20 +17,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
-from enum import IntEnum
 
 import torch
 
 from ..config import ModelSpec
 from ..errors import SSDLocalError, UsageError
+from .rank import Cmd, RankError, Reply, TensorParallelError, describe_exit, load_shard, rank_main
 
 log = logging.getLogger(__name__)
 
@@ -39,35 +36,6 @@ COLLECTIVE_TIMEOUT_S = 120.0  # any one broadcast / all_reduce (tests lower it)
 LOAD_TIMEOUT_S = 900.0  # loading and sharding the checkpoint on every rank
 _LIVE: weakref.WeakSet[RankGroup] = weakref.WeakSet()
 _ATEXIT_REGISTERED = False
-
-
-class TensorParallelError(SSDLocalError):
-    """A tensor-parallel rank failed, died, hung, or the group could not start."""
-
-
-class Cmd(IntEnum):
-    """Rank 0 -> other ranks (pipe)."""
-
-    CACHE = 1  # (batch_size, num_slots): allocate the rank's KV cache
-    FORWARD = 2  # (B, T, S): join the input broadcasts, then run the forward
-    SHUTDOWN = 9
-
-
-class Reply(IntEnum):
-    """Other ranks -> rank 0 (pipe)."""
-
-    JOINING = 1  # about to join the process group
-    LOADED = 2  # shard loaded (payload: bytes of parameters held)
-    ACK = 3  # cache allocated
-    ERROR = 9  # RankError
-
-
-@dataclass(frozen=True)
-class RankError:
-    rank: int
-    message: str
-    hint: str
-    kind: str  # class name from ssdlocal.errors, or "TensorParallelError"
 
 
 def backend_for(devices: tuple[str, ...]) -> str:
@@ -86,18 +54,6 @@ def backend_for(devices: tuple[str, ...]) -> str:
         f"target devices mix kinds: {', '.join(devices)}",
         "use only GPUs (cuda:0-3) or only the CPU for a tensor-parallel target",
     )
-
-
-def load_shard(spec: ModelSpec, device: str, rank: int, world: int):
-    """Load the checkpoint on the CPU, keep this rank's shard, move it to `device`."""
-    from ..backends.torch_backend.loader import load_model
-    from .tp import apply_tensor_parallel
-
-    loaded = load_model(spec.path, "cpu", spec.dtype)
-    apply_tensor_parallel(loaded.model, rank, world)
-    loaded.model.to(device)
-    loaded.device = torch.device(device)
-    return loaded
 
 
 # --------------------------------------------------------------------------- rank 0
@@ -159,6 +115,10 @@ class RankGroup:
             )
         if self.backend == "gloo" and sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+        if self.backend == "nccl":
+            # On a collective timeout NCCL's own watchdog aborts the communicators and lets
+            # the error surface here (mode 2) instead of tearing down the user's process.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         _register_atexit()
         _LIVE.add(self)
         try:
@@ -296,7 +256,7 @@ class RankGroup:
             proc.join(timeout=0.5 if not proc.is_alive() else 0)
             if proc.exitcode is not None:
                 return TensorParallelError(
-                    f"{what}: rank {rank} ({self.devices[rank]}) exited{_describe_exit(proc.exitcode)}",
+                    f"{what}: rank {rank} ({self.devices[rank]}) exited{describe_exit(proc.exitcode)}",
                     "the rank was killed or crashed (out of memory?); rerun, or use fewer target devices",
                 )
         return TensorParallelError(
@@ -310,7 +270,7 @@ class RankGroup:
         while not self._closed:
             for rank, proc in enumerate(self.procs, start=1):
                 if not proc.is_alive() and not self._closed and self._dead is None:
-                    self._dead = f"rank {rank} ({self.devices[rank]}) exited{_describe_exit(proc.exitcode)}"
+                    self._dead = f"rank {rank} ({self.devices[rank]}) exited{describe_exit(proc.exitcode)}"
                     log.warning("tensor-parallel %s", self._dead)
                     if self.backend == "nccl":
                         _abort_nccl()
@@ -396,92 +356,6 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
         raise
 
 
-# --------------------------------------------------------------------------- other ranks
-
-
-def rank_main(conn, rank, world, port, backend, devices, spec, parent_pid, pdeathsig,
-              rendezvous_timeout_s, collective_timeout_s, threads) -> None:
-    """Process entry point of rank `rank` >= 1 (spawned by RankGroup)."""
-    from ..draft.worker import _die_with_parent, _watch_parent
-
-    if pdeathsig:
-        _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
-        os._exit(0)
-    _watch_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when we stop
-    try:
-        _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
-               rendezvous_timeout_s, collective_timeout_s, threads)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        os._exit(0)  # rank 0 went away: nothing to report to
-    except BaseException as exc:  # noqa: BLE001 - report anything else, then exit non-zero
-        _send_error(conn, rank, devices[rank], exc)
-        os._exit(1)
-
-
-def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
-           rendezvous_timeout_s, collective_timeout_s, threads) -> None:
-    import torch.distributed as dist
-
-    if threads:
-        torch.set_num_threads(threads)
-    device = torch.device(devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if backend == "gloo" and sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    conn.send((Reply.JOINING, None))
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                          timeout=timedelta(seconds=rendezvous_timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=collective_timeout_s))
-    from .tp import shard_bytes
-
-    loaded = load_shard(spec, devices[rank], rank, world)
-    model = loaded.model
-    model.lm_head = torch.nn.Identity()  # only rank 0 needs logits: skip the [hidden, V] matmul
-    conn.send((Reply.LOADED, shard_bytes(model)))
-    with torch.inference_mode():
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent_pid:
-                    return
-                continue
-            cmd, payload = conn.recv()
-            if cmd == Cmd.FORWARD:
-                B, T, S = payload
-                packed = torch.empty(3, B, T, dtype=torch.long, device=device)  # ids, positions, slots
-                mask8 = torch.empty(B, T, S, dtype=torch.uint8, device=device)
-                dist.broadcast(packed, 0)
-                dist.broadcast(mask8, 0)
-                model(packed[0], packed[1], packed[2], mask8.bool())  # output unused: rank 0 has it
-            elif cmd == Cmd.CACHE:
-                batch_size, num_slots = payload
-                model.setup_cache(batch_size, num_slots, loaded.dtype, device)
-                conn.send((Reply.ACK, None))
-            elif cmd == Cmd.SHUTDOWN:
-                dist.destroy_process_group()
-                return
-            else:
-                raise RuntimeError(f"unknown command {cmd!r}")
-
-
-def _send_error(conn, rank: int, device: str, exc: BaseException) -> None:
-    if isinstance(exc, SSDLocalError):
-        msg = RankError(rank, f"tensor-parallel rank {rank} ({device}): {exc.message}", exc.hint,
-                        type(exc).__name__)
-    else:
-        tail = "".join(traceback.format_exception(exc)[-3:]).strip()
-        msg = RankError(rank, f"tensor-parallel rank {rank} ({device}) failed: {tail}",
-                        "run with --verbose; out of memory or a device error is the usual cause",
-                        "TensorParallelError")
-    try:
-        conn.send((Reply.ERROR, msg))
-    except (OSError, EOFError):
-        pass
-
-
 def _error_from(msg: RankError) -> SSDLocalError:
     from .. import errors
 
@@ -494,17 +368,6 @@ def _error_from(msg: RankError) -> SSDLocalError:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return ""
-    if code < 0:
-        try:
-            return f" (killed by signal {signal.Signals(-code).name})"
-        except ValueError:
-            return f" (killed by signal {-code})"
-    return f" (exit code {code})"
 
 
 def _register_atexit() -> None:

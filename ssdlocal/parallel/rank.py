@@ -1,0 +1,158 @@
+"""Ranks 1..N-1 of a tensor-parallel target: the process entry point, the loop that
+mirrors rank 0's forwards, and the pipe protocol both sides speak (Cmd / Reply).
+
+A rank loads its shard, then waits on its pipe (checking that its parent lives) for
+CACHE / FORWARD / SHUTDOWN; for FORWARD it joins rank 0's input broadcasts and runs
+the same forward, so every all_reduce meets its partners. Any failure is sent to
+rank 0 as a RankError before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+
+import torch
+
+from ..config import ModelSpec
+from ..errors import SSDLocalError
+
+
+class TensorParallelError(SSDLocalError):
+    """A tensor-parallel rank failed, died, hung, or the group could not start."""
+
+
+class Cmd(IntEnum):
+    """Rank 0 -> other ranks (pipe)."""
+
+    CACHE = 1  # (batch_size, num_slots): allocate the rank's KV cache
+    FORWARD = 2  # (B, T, S): join the input broadcasts, then run the forward
+    SHUTDOWN = 9
+
+
+class Reply(IntEnum):
+    """Other ranks -> rank 0 (pipe)."""
+
+    JOINING = 1  # about to join the process group
+    LOADED = 2  # shard loaded (payload: bytes of parameters held)
+    ACK = 3  # cache allocated
+    ERROR = 9  # RankError
+
+
+@dataclass(frozen=True)
+class RankError:
+    rank: int
+    message: str
+    hint: str
+    kind: str  # class name from ssdlocal.errors, or "TensorParallelError"
+
+
+def load_shard(spec: ModelSpec, device: str, rank: int, world: int):
+    """Load the checkpoint on the CPU, keep this rank's shard, move it to `device`."""
+    from ..backends.torch_backend.loader import load_model
+    from .tp import apply_tensor_parallel
+
+    loaded = load_model(spec.path, "cpu", spec.dtype)
+    apply_tensor_parallel(loaded.model, rank, world)
+    loaded.model.to(device)
+    loaded.device = torch.device(device)
+    return loaded
+
+
+def rank_main(conn, rank, world, port, backend, devices, spec, parent_pid, pdeathsig,
+              rendezvous_timeout_s, collective_timeout_s, threads) -> None:
+    """Process entry point of rank `rank` >= 1 (spawned by RankGroup)."""
+    from ..draft.worker import _die_with_parent, _watch_parent
+
+    if pdeathsig:
+        _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
+        os._exit(0)
+    _watch_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when we stop
+    try:
+        _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
+               rendezvous_timeout_s, collective_timeout_s, threads)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(0)  # rank 0 went away: nothing to report to
+    except BaseException as exc:  # noqa: BLE001 - report anything else, then exit non-zero
+        _send_error(conn, rank, devices[rank], exc)
+        os._exit(1)
+
+
+def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
+           rendezvous_timeout_s, collective_timeout_s, threads) -> None:
+    import torch.distributed as dist
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device(devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if backend == "gloo" and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    conn.send((Reply.JOINING, None))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=rendezvous_timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=collective_timeout_s))
+    from .tp import shard_bytes
+
+    loaded = load_shard(spec, devices[rank], rank, world)
+    model = loaded.model
+    model.lm_head = torch.nn.Identity()  # only rank 0 needs logits: skip the [hidden, V] matmul
+    conn.send((Reply.LOADED, shard_bytes(model)))
+    with torch.inference_mode():
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            cmd, payload = conn.recv()
+            if cmd == Cmd.FORWARD:
+                B, T, S = payload
+                packed = torch.empty(3, B, T, dtype=torch.long, device=device)  # ids, positions, slots
+                mask8 = torch.empty(B, T, S, dtype=torch.uint8, device=device)
+                dist.broadcast(packed, 0)
+                dist.broadcast(mask8, 0)
+                model(packed[0], packed[1], packed[2], mask8.bool())  # output unused: rank 0 has it
+            elif cmd == Cmd.CACHE:
+                batch_size, num_slots = payload
+                model.setup_cache(batch_size, num_slots, loaded.dtype, device)
+                conn.send((Reply.ACK, None))
+            elif cmd == Cmd.SHUTDOWN:
+                dist.destroy_process_group()
+                return
+            else:
+                raise RuntimeError(f"unknown command {cmd!r}")
+
+
+def _send_error(conn, rank: int, device: str, exc: BaseException) -> None:
+    if isinstance(exc, SSDLocalError):
+        msg = RankError(rank, f"tensor-parallel rank {rank} ({device}): {exc.message}", exc.hint,
+                        type(exc).__name__)
+    else:
+        tail = "".join(traceback.format_exception(exc)[-3:]).strip()
+        msg = RankError(rank, f"tensor-parallel rank {rank} ({device}) failed: {tail}",
+                        "run with --verbose; out of memory or a device error is the usual cause",
+                        "TensorParallelError")
+    try:
+        conn.send((Reply.ERROR, msg))
+    except (OSError, EOFError):
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f" (killed by signal {signal.Signals(-code).name})"
+        except ValueError:
+            return f" (killed by signal {-code})"
+    return f" (exit code {code})"
