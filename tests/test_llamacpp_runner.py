@@ -402,3 +402,16 @@ def test_package_does_not_import_llama_cpp():
         "assert 'llama_cpp' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_architecture_named(tmp_path, monkeypatch):
+    """A GGUF transformers cannot build a tokenizer for: the error names its architecture."""
+    from test_assets import _write_tiny_gguf
+
+    from ssdlocal.errors import UnsupportedArchitectureError
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "odd.gguf"
+    _write_tiny_gguf(path, arch="mamba9")
+    with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
+        gguf_loader.gguf_tokenizer(path)

@@ -1,0 +1,125 @@
+"""The llama.cpp backend with the compiled llama-cpp-python (marker `llamacpp`, deselected
+by default: `pytest -m llamacpp`). Greedy exactness: our SD and SSD with a llama.cpp
+target reproduce our AR with the same target token for token, on a tiny F32 GGUF the
+suite writes and on the real Qwen2.5-Coder 0.5B Q4_K_M when it is in the cache. When a
+quantized run diverges, the failure names the target's logit margin there (DESIGN.md:
+batch shapes change llama.cpp's numerics, so a near-tie can flip).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.llamacpp
+pytest.importorskip("llama_cpp")
+
+from ssdlocal.assets import DEFAULT_DRAFT, gguf_path  # noqa: E402
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
+from ssdlocal.engine import Engine  # noqa: E402
+from ssdlocal.errors import ModelLoadError  # noqa: E402
+from ssdlocal.events import DoneEvent  # noqa: E402
+
+PROMPTS = ["the cat sat on the mat and the cat", "def f(x): return x + 1\ndef g"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSDLOCAL_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    from test_assets import _write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2-f32.gguf"
+    _write_tiny_gguf(path)
+    return path
+
+
+def run(engine, prompts, spec, params, chat=False):
+    done = [e for e in engine.generate(prompts, params, spec=spec, chat=chat) if isinstance(e, DoneEvent)]
+    return [list(o.token_ids) for o in done[0].outputs], done[0].stats
+
+
+def margin_note(engine, prompt_ids, ref, got) -> str:
+    """Where `got` leaves `ref`, and the target's top-2 logit gap at that position."""
+    import torch
+
+    for p, (a, b) in enumerate(zip(ref, got)):
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        engine.runner.reset(1, len(prompt_ids[p]) + i + 2)
+        logits = engine.runner.feed([prompt_ids[p] + a[:i]])[0][-1]
+        top = torch.topk(logits, 2).values
+        return f"prompt {p} token {i}: AR {a[i]} vs {b[i]}, target top-2 margin {float(top[0] - top[1]):.4g}"
+    return "same tokens"
+
+
+def check_all_modes(target: str, draft: str, chat: bool, max_new: int, prompts=PROMPTS):
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    cfg = EngineConfig(
+        target=ModelSpec(target, backend="llamacpp"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft),
+        draft_model=ModelSpec(draft, backend="llamacpp"),
+        pin_cpus=False,
+    )
+    with Engine(cfg) as eng:
+        ids = [eng.encode(p, chat) for p in prompts]
+        ar, _ = run(eng, ids, SpecConfig(mode=Mode.AR), params)
+        specs = {
+            "sd-ngram": SpecConfig(mode=Mode.SD, k=4, draft="ngram"),
+            "sd": SpecConfig(mode=Mode.SD, k=3, draft=draft),
+            "ssd": SpecConfig(mode=Mode.SSD, k=3, draft=draft, fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3)),
+            "ssd-auto": SpecConfig(mode=Mode.SSD, k=3, draft=draft),
+        }
+        stats = {}
+        for name, spec in specs.items():
+            for batch in (ids, ids[:1]):
+                out, st = run(eng, batch, spec, params)
+                assert out == ar[: len(batch)], f"{name}: " + margin_note(eng, batch, ar, out)
+            stats[name] = st
+    return stats
+
+
+def test_tiny_gguf_ar_sd_ssd_exact(tiny_gguf):
+    stats = check_all_modes(str(tiny_gguf), str(tiny_gguf), chat=False, max_new=24)
+    assert stats["sd"]["acceptance_rate"] > 0.9  # itself as draft
+    assert stats["ssd"]["cache_hit_rate"] > 0.5
+
+
+REAL = gguf_path(DEFAULT_DRAFT)
+
+
+@pytest.mark.skipif(not REAL.is_file(), reason=f"{REAL} not assembled (ssdlocal pull)")
+def test_real_qwen_05b_ar_sd_ssd_exact():
+    prompts = ["Write a Python function that checks whether a number is prime."]
+    check_all_modes(str(REAL), str(REAL), chat=True, max_new=32, prompts=prompts)
+
+
+def test_torch_target_with_gguf_draft(tiny_gguf):
+    """Mixed backends: the torch target (the GGUF converted) verifies a llama.cpp draft."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    cfg = EngineConfig(
+        target=ModelSpec(str(tiny_gguf)),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=str(tiny_gguf)),
+        draft_model=ModelSpec(str(tiny_gguf), backend="llamacpp"),
+        pin_cpus=False,
+    )
+    with Engine(cfg) as eng:
+        ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR), params)
+        sd, st = run(eng, PROMPTS, None, params)
+        ssd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SSD, k=3, draft=str(tiny_gguf)), params)
+    assert sd == ar and ssd == ar
+    assert st["acceptance_rate"] > 0.8
+
+
+def test_llama_cpp_rejects_garbage_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\0" * 100)
+    with pytest.raises(ModelLoadError):
+        Engine(EngineConfig(target=ModelSpec(str(bad), backend="llamacpp")))
