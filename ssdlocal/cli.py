@@ -88,6 +88,8 @@ def generate(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "bfloat16",
     target_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     draft_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    target_backend: Annotated[str, typer.Option(help="torch | llamacpp (llamacpp runs a .gguf target through llama.cpp)")] = "torch",
+    draft_backend: Annotated[str, typer.Option(help="torch | llamacpp (llamacpp runs a .gguf draft through llama.cpp)")] = "torch",
     target_devices: Annotated[
         str | None,
         typer.Option(help="Tensor-parallel target over these devices, e.g. cuda:0-3 (overrides --target-device)."),
@@ -132,21 +134,21 @@ def generate(
         target_device = tp_devices[0]
     # validate every option before the default pair is fetched (which can take minutes)
     SpecConfig(**spec_options, draft=(draft or "default") if mode_enum is not Mode.AR else None)
-    ModelSpec(target or "default", target_device, dtype)
-    ModelSpec(draft or "default", draft_device, dtype)
+    ModelSpec(target or "default", target_device, dtype, target_backend)
+    ModelSpec(draft or "default", draft_device, dtype, draft_backend)
     if pair is not None and target is None:
         from .pairs import resolve_pair_paths
 
         target, pair_draft = resolve_pair_paths(pair, dtype=dtype)
         draft = draft or pair_draft
     if target is None:
-        target, default_draft = _default_pair(dtype)
+        target, default_draft = _default_pair(dtype, (target_backend, draft_backend))
         draft = draft or default_draft
     spec = SpecConfig(**spec_options, draft=draft if mode_enum is not Mode.AR else None)
     config = EngineConfig(
-        target=ModelSpec(target, target_device, dtype),
+        target=ModelSpec(target, target_device, dtype, target_backend),
         spec=spec,
-        draft_model=ModelSpec(draft, draft_device, dtype) if spec.draft and not spec.draft_is_ngram else None,
+        draft_model=ModelSpec(draft, draft_device, dtype, draft_backend) if spec.draft and not spec.draft_is_ngram else None,
         target_devices=tp_devices if len(tp_devices) > 1 else (),
     )
     from .clirender import run_generate
@@ -154,13 +156,25 @@ def generate(
     run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json)
 
 
-def _default_pair(dtype: str) -> tuple[str, str]:
+def _default_pair(dtype: str, backends: tuple[str, str] = ("torch", "torch")) -> tuple[str, str]:
     from .assets import ensure_default_pair
     from .clirender import progress_callback
 
     with progress_callback() as progress:
-        target, draft = ensure_default_pair(progress=progress, dtype=dtype)
-    return str(target), str(draft)
+        if backends == ("torch", "torch"):
+            target, draft = ensure_default_pair(progress=progress, dtype=dtype)
+            return str(target), str(draft)
+        from .assets import DEFAULT_DRAFT, DEFAULT_TARGET, fetch_gguf
+
+        paths = []  # llama.cpp reads the GGUF itself; torch gets it converted
+        for name, backend in zip((DEFAULT_TARGET, DEFAULT_DRAFT), backends):
+            path = fetch_gguf(name, progress=progress)
+            if backend == "torch":
+                from .backends.torch_backend.gguf_convert import ensure_converted
+
+                path = ensure_converted(path, progress=progress, dtype=dtype)
+            paths.append(str(path))
+    return paths[0], paths[1]
 
 
 def main() -> None:

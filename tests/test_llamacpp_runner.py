@@ -415,3 +415,34 @@ def test_unknown_architecture_named(tmp_path, monkeypatch):
     _write_tiny_gguf(path, arch="mamba9")
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
         gguf_loader.gguf_tokenizer(path)
+
+
+def _cli(monkeypatch, capsys, *args):
+    from ssdlocal.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out, err = capsys.readouterr()
+    return info.value.code or 0, out, err
+
+
+def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):
+    _, target, draft = fake
+    base = ["generate", "the cat", "--target", target, "--max-new-tokens", "8", "--json"]
+    code, out, err = _cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "llamacpp")
+    assert code == 0, err
+    ar = json.loads(out)
+    code, out, err = _cli(
+        monkeypatch, capsys, *base, "--mode", "sd", "--draft", draft,
+        "--target-backend", "llamacpp", "--draft-backend", "llamacpp",
+    )
+    assert code == 0, err
+    assert json.loads(out)["outputs"][0]["token_ids"] == ar["outputs"][0]["token_ids"]
+    code, _, err = _cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "vllm")
+    assert code == 2 and "backend" in err
+    code, _, err = _cli(
+        monkeypatch, capsys, "generate", "x", "--target", str(tiny_dir["llama"]), "--mode", "ar",
+        "--target-backend", "llamacpp",
+    )
+    assert code == 1 and "not a .gguf" in err and "hint:" in err
