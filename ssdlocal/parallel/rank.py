@@ -78,6 +78,9 @@ def rank_main(conn, rank, world, port, backend, devices, spec, parent_pid, pdeat
     try:
         _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
                rendezvous_timeout_s, collective_timeout_s, threads)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: gloo/store threads may abort() in destructors
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(0)  # rank 0 went away: nothing to report to
     except BaseException as exc:  # noqa: BLE001 - report anything else, then exit non-zero
