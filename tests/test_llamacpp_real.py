@@ -15,11 +15,11 @@ import pytest
 pytestmark = pytest.mark.llamacpp
 pytest.importorskip("llama_cpp")
 
-from ssdlocal.assets import DEFAULT_DRAFT, gguf_path  # noqa: E402
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
-from ssdlocal.engine import Engine  # noqa: E402
-from ssdlocal.errors import ModelLoadError  # noqa: E402
-from ssdlocal.events import DoneEvent  # noqa: E402
+from ssdlocal.assets import DEFAULT_DRAFT, gguf_path
+from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.engine import Engine
+from ssdlocal.errors import ModelLoadError
+from ssdlocal.events import DoneEvent
 
 PROMPTS = ["the cat sat on the mat and the cat", "def f(x): return x + 1\ndef g"]
 

@@ -174,13 +174,13 @@ def fake(monkeypatch, tokenizer, vocab, tmp_path):
 
 
 def run(engine: Engine, prompts, spec=None, params=GREEDY):
-    done = [ev for ev in engine.generate(prompts, params, spec=spec) if isinstance(ev, DoneEvent)][0]
+    done = next(ev for ev in engine.generate(prompts, params, spec=spec) if isinstance(ev, DoneEvent))
     return [list(o.token_ids) for o in done.outputs], done.stats
 
 
 # ----------------------------------------------------------------- engine: AR / SD
 def test_ar_matches_reference_and_sd_matches_ar(fake, tokenizer, vocab):
-    lib, target, draft = fake
+    _lib, target, draft = fake
     cfg = EngineConfig(
         target=ModelSpec(target, backend="llamacpp"),
         spec=SpecConfig(mode=Mode.SD, k=3, draft=draft),
@@ -258,7 +258,7 @@ class InProcessSSD:
 def test_ssd_tree_decode_matches_ar(fake, monkeypatch, vocab, draft_name):
     """SSD with a GGUF draft: tree branches live in their own llama.cpp sequences and a
     hit hands the branch's cells to the row. Greedy output == AR; hits happen."""
-    lib, target, draft = fake
+    _lib, target, draft = fake
     draft_path = target if draft_name == "target" else draft
     drafters = []
 
@@ -325,7 +325,7 @@ def test_long_feed_is_chunked(runner):
 
 
 def test_forward_raw_rejects_unsupported_masks(runner):
-    lib, r = runner
+    _lib, r = runner
     r.reset(1, 40)
     r.feed([[1, 2, 3, 4]])
     ids = torch.tensor([[7]])

@@ -29,7 +29,7 @@ def _ours(engine, ids, params, spec):
     """(tokens per prompt, decode tokens, decode seconds, stats of the last prompt)."""
     outs, tokens, seconds, stats = [], 0, 0.0, None
     for prompt in ids:
-        done = [e for e in engine.generate([prompt], params, spec=spec) if isinstance(e, DoneEvent)][0]
+        done = next(e for e in engine.generate([prompt], params, spec=spec) if isinstance(e, DoneEvent))
         stats = done.stats
         outs.append(list(done.outputs[0].token_ids))
         tokens += max(len(outs[-1]) - 1, 0)  # the first token belongs to prefill
