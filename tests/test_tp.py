@@ -180,6 +180,54 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    from ssdlocal.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    return (exit_info.value.code or 0), out, err
+
+
+def test_cli_target_devices(tiny_dir, monkeypatch, capsys):
+    import json
+
+    common = ["generate", "The quick brown fox", "--target", tiny_dir["llama"], "--mode", "ar",
+              "--dtype", "float32", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    code, out, err = _cli(monkeypatch, capsys, *common)
+    assert code == 0, err
+    code, out_tp, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
+    assert code == 0, err
+    assert json.loads(out_tp)["outputs"] == json.loads(out)["outputs"]
+    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
+    assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
+
+
+def test_ctrl_c_during_tp_generate(tiny_dir):
+    from test_worker_reliability import _read_until_output, children_of, wait_gone
+
+    cmd = [sys.executable, "-m", "ssdlocal", "generate", "Hello world", "--target", str(tiny_dir["llama"]),
+           "--mode", "ar", "--dtype", "float32", "--max-new-tokens", "490", "--ignore-eos",
+           "--target-devices", "cpu*2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        _read_until_output(proc, 90)  # streaming has started
+        children = children_of(proc.pid)
+        assert children, "rank 1 should be a child of the CLI"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        err = err.decode()
+        assert proc.returncode == 130, err
+        assert "interrupted" in err and "Traceback" not in err, err
+        assert not wait_gone(children, 5.0), "a rank survived Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # --------------------------------------------------------------------------- pure parts
 
 
