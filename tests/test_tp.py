@@ -319,3 +319,17 @@ def test_gpu_checks():
     result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 7), (3, 5, 64), (1, 4, 9)])
+def test_forward_inputs_pack_into_one_tensor(shape):
+    from ssdlocal.parallel.rank import pack_inputs, packed_size, unpack_inputs
+
+    B, T, S = shape
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + S)
+    ids, positions, slots = (torch.randint(0, 999, (B, T), generator=gen) for _ in range(3))
+    mask = torch.rand(B, T, S, generator=gen) > 0.5
+    packed = pack_inputs(ids, positions, slots, mask)
+    assert packed.dtype == torch.long and packed.numel() == packed_size(B, T, S)
+    for got, want in zip(unpack_inputs(packed, B, T, S), (ids, positions, slots, mask)):
+        assert torch.equal(got, want)

@@ -27,7 +27,7 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import SSDLocalError, UsageError
-from .rank import Cmd, RankError, Reply, TensorParallelError, describe_exit, load_shard, rank_main
+from .rank import Cmd, RankError, Reply, TensorParallelError, describe_exit, load_shard, pack_inputs, rank_main
 
 log = logging.getLogger(__name__)
 
@@ -228,10 +228,7 @@ class RankGroup:
         S = mask.shape[-1]
         self.command_all(Cmd.FORWARD, (B, T, S))
         try:
-            packed = torch.stack((ids, positions, slots)).to(self.device)  # [3, B, T] long
-            mask8 = mask.to(device=self.device, dtype=torch.uint8)  # [B, T, S]
-            dist.broadcast(packed, 0)
-            dist.broadcast(mask8, 0)
+            dist.broadcast(pack_inputs(ids, positions, slots, mask).to(self.device), 0)  # one collective
             return shard(ids, positions, slots, mask)  # [B, T, V]; all_reduce inside
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent

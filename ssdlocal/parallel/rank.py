@@ -64,6 +64,30 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int):
     return loaded
 
 
+def packed_size(B: int, T: int, S: int) -> int:
+    """int64 words of pack_inputs' result: 3*B*T for ids/positions/slots, the mask bytes / 8."""
+    return 3 * B * T + -(-(B * T * S) // 8)
+
+
+def pack_inputs(ids, positions, slots, mask):
+    """ids/positions/slots [B, T] long + mask [B, T, S] bool -> one flat int64 tensor, so a
+    forward costs one broadcast; the mask travels as bytes (8 per word), not as int64."""
+    B, T, S = mask.shape
+    mask8 = mask.reshape(-1).to(torch.uint8)  # [B*T*S]
+    pad = packed_size(B, T, S) * 8 - 3 * B * T * 8 - mask8.numel()
+    if pad:
+        mask8 = torch.cat((mask8, mask8.new_zeros(pad)))  # [8 * words]
+    head = torch.stack((ids, positions, slots)).reshape(-1).to(torch.long)  # [3*B*T]
+    return torch.cat((head, mask8.view(torch.long)))  # [packed_size]
+
+
+def unpack_inputs(packed, B: int, T: int, S: int):
+    """Inverse of pack_inputs: (ids, positions, slots [B, T] long, mask [B, T, S] bool)."""
+    head = packed[: 3 * B * T].view(3, B, T)  # [3, B, T]
+    mask = packed[3 * B * T :].view(torch.uint8)[: B * T * S].view(B, T, S).bool()  # [B, T, S]
+    return head[0], head[1], head[2], mask
+
+
 def rank_main(conn, rank, world, port, backend, devices, spec, parent_pid, pdeathsig,
               rendezvous_timeout_s, collective_timeout_s, threads) -> None:
     """Process entry point of rank `rank` >= 1 (spawned by RankGroup)."""
@@ -119,11 +143,9 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
             cmd, payload = conn.recv()
             if cmd == Cmd.FORWARD:
                 B, T, S = payload
-                packed = torch.empty(3, B, T, dtype=torch.long, device=device)  # ids, positions, slots
-                mask8 = torch.empty(B, T, S, dtype=torch.uint8, device=device)
+                packed = torch.empty(packed_size(B, T, S), dtype=torch.long, device=device)
                 dist.broadcast(packed, 0)
-                dist.broadcast(mask8, 0)
-                model(packed[0], packed[1], packed[2], mask8.bool())  # output unused: rank 0 has it
+                model(*unpack_inputs(packed, B, T, S))  # output unused: rank 0 has the logits
             elif cmd == Cmd.CACHE:
                 batch_size, num_slots = payload
                 model.setup_cache(batch_size, num_slots, loaded.dtype, device)
