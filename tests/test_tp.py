@@ -333,3 +333,21 @@ def test_forward_inputs_pack_into_one_tensor(shape):
     assert packed.dtype == torch.long and packed.numel() == packed_size(B, T, S)
     for got, want in zip(unpack_inputs(packed, B, T, S), (ids, positions, slots, mask)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_shard_loader_reads_exactly_the_rank_slices(tiny_dir, arch):
+    """Reading slices from safetensors == loading everything and sharding (tp.py)."""
+    from ssdlocal.backends.torch_backend.loader import load_model
+    from ssdlocal.parallel.shard_loader import load_shard
+    from ssdlocal.parallel.tp import apply_tensor_parallel
+
+    for rank in (0, 1):
+        full = load_model(tiny_dir[arch])
+        apply_tensor_parallel(full.model, rank, 2)
+        shard = load_shard(ModelSpec(str(tiny_dir[arch])), "cpu", rank, 2, tokenizer=False)
+        want, got = full.model.state_dict(), shard.model.state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+        assert shard.args == full.args and shard.model.args == full.model.args
+        assert shard.model.args.num_heads * 2 == full.args.num_heads

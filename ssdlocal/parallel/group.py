@@ -27,7 +27,7 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import SSDLocalError, UsageError
-from .rank import Cmd, RankError, Reply, TensorParallelError, describe_exit, load_shard, pack_inputs, rank_main
+from .rank import Cmd, RankError, Reply, TensorParallelError, describe_exit, pack_inputs, rank_main
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +343,8 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
     check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, len(devices))
     group = RankGroup(spec, devices, **timeouts)
     try:
+        from .shard_loader import load_shard
+
         loaded = load_shard(spec, devices[0], 0, len(devices))
         group.wait_loaded()
         loaded.model = TPModel(loaded.model, group)

@@ -19,7 +19,6 @@ from enum import IntEnum
 
 import torch
 
-from ..config import ModelSpec
 from ..errors import SSDLocalError
 
 
@@ -50,18 +49,6 @@ class RankError:
     message: str
     hint: str
     kind: str  # class name from ssdlocal.errors, or "TensorParallelError"
-
-
-def load_shard(spec: ModelSpec, device: str, rank: int, world: int):
-    """Load the checkpoint on the CPU, keep this rank's shard, move it to `device`."""
-    from ..backends.torch_backend.loader import load_model
-    from .tp import apply_tensor_parallel
-
-    loaded = load_model(spec.path, "cpu", spec.dtype)
-    apply_tensor_parallel(loaded.model, rank, world)
-    loaded.model.to(device)
-    loaded.device = torch.device(device)
-    return loaded
 
 
 def packed_size(B: int, T: int, S: int) -> int:
@@ -130,7 +117,9 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
                             timeout=timedelta(seconds=collective_timeout_s))
     from .tp import shard_bytes
 
-    loaded = load_shard(spec, devices[rank], rank, world)
+    from .shard_loader import load_shard
+
+    loaded = load_shard(spec, devices[rank], rank, world, tokenizer=False)
     model = loaded.model
     model.lm_head = torch.nn.Identity()  # only rank 0 needs logits: skip the [hidden, V] matmul
     conn.send((Reply.LOADED, shard_bytes(model)))

@@ -1,0 +1,103 @@
+"""Load one tensor-parallel rank's shard straight from safetensors slices.
+
+Each rank reads only its rows of q/k/v/gate/up and its columns of o_proj/down_proj
+(plus the replicated embeddings, norms and lm_head), so host memory per rank is about
+weights / TP + the replicated part, not the whole model. The sharded module layout
+comes from tp.apply_tensor_parallel on a meta-device model, so loading and sharding
+cannot disagree. Reuses the loader's checks; knows nothing about processes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from safetensors import safe_open
+
+from ..backends.torch_backend.loader import (
+    LoadedModel,
+    eos_ids,
+    load_hf_config,
+    load_tokenizer,
+    parse_device,
+    parse_dtype,
+    resolve_checkpoint,
+    weight_files,
+)
+from ..backends.torch_backend.model import ModelArgs, Transformer
+from ..config import ModelSpec
+from ..errors import ModelLoadError, OutOfMemoryError
+from .tp import apply_tensor_parallel, check_divisible
+
+log = logging.getLogger(__name__)
+
+_ROWS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight",
+         "v_proj.bias", "gate_proj.weight", "up_proj.weight")  # output features split
+_COLS = ("o_proj.weight", "down_proj.weight")  # input features split; o_proj.bias replicated
+
+
+def shard_rule(key: str) -> str | None:
+    """'rows', 'cols' or None (replicated) for a checkpoint tensor name (minus "model.")."""
+    if key.endswith(_ROWS):
+        return "rows"
+    if key.endswith(_COLS):
+        return "cols"
+    return None
+
+
+def _read(f, name: str, rule: str | None, rank: int, world: int) -> torch.Tensor:
+    if rule is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    shape = part.get_shape()
+    dim = 0 if rule == "rows" else 1
+    n = shape[dim] // world
+    if n * world != shape[dim]:
+        raise ModelLoadError(f"{name} has {shape[dim]} features, not divisible by {world} ranks",
+                             "use a number of target devices that divides the model's head counts")
+    return part[rank * n : (rank + 1) * n] if dim == 0 else part[:, rank * n : (rank + 1) * n]
+
+
+def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer: bool = True) -> LoadedModel:
+    """The rank's shard of `spec` on `device`; `args` stays the full model's, `model.args` per rank."""
+    ckpt = resolve_checkpoint(spec.path)
+    hf_config = load_hf_config(ckpt)
+    args = ModelArgs.from_hf_config(hf_config)
+    check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, world)
+    files = weight_files(ckpt)
+    dev, dtype = parse_device(device), parse_dtype(spec.dtype, hf_config)
+    tok = load_tokenizer(ckpt) if tokenizer else None
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors
+    try:
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
+                for name in f.keys():
+                    key = name.removeprefix("model.")
+                    if key.endswith("rotary_emb.inv_freq"):
+                        continue
+                    if args.tie_word_embeddings and key == "lm_head.weight":
+                        continue
+                    state[key] = _read(f, name, shard_rule(key), rank, world).to(device=dev, dtype=dtype)
+        expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"checkpoint {ckpt} does not match the {args.arch} architecture: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}",
+                hint="the weights may be from another model or an incomplete download",
+            )
+        model.load_state_dict(state, strict=False, assign=True)
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        del state
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemoryError(
+            f"not enough memory on {dev} for rank {rank}'s shard of {ckpt}",
+            hint="use more target devices, a smaller dtype (--dtype bfloat16), or a smaller model",
+        ) from exc
+    model.requires_grad_(False).eval()
+    log.info("rank %d/%d: loaded its shard of %s on %s", rank, world, ckpt, dev)
+    return LoadedModel(model, tok, args, hf_config, ckpt, dev, dtype, eos_ids(ckpt, hf_config, tok))
