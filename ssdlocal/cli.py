@@ -92,7 +92,7 @@ def generate(
     draft_backend: Annotated[str, typer.Option(help="torch | llamacpp (llamacpp runs a .gguf draft through llama.cpp)")] = "torch",
     target_devices: Annotated[
         str | None,
-        typer.Option(help="Tensor-parallel target over these devices, e.g. cuda:0-3 (overrides --target-device)."),
+        typer.Option(help="Tensor-parallel target over these devices, e.g. cuda:0-3 (overrides --target-device); auto = the planner's target and draft devices."),
     ] = None,
     chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
     num_samples: Annotated[int, typer.Option(help="Independent samples of a single prompt.")] = 1,
@@ -127,7 +127,8 @@ def generate(
         "saguaro_c": saguaro_c, "backup": backup,
     }
     tp_devices: tuple[str, ...] = ()
-    if target_devices is not None:
+    auto_place = target_devices is not None and target_devices.strip() == "auto"
+    if target_devices is not None and not auto_place:
         from .parallel.devarg import parse_devices
 
         tp_devices = parse_devices(target_devices)
@@ -144,6 +145,11 @@ def generate(
     if target is None:
         target, default_draft = _default_pair(dtype, (target_backend, draft_backend))
         draft = draft or default_draft
+    if auto_place:
+        from .parallel.auto import auto_devices
+
+        tp_devices, draft_device = auto_devices(target, draft if mode_enum is not Mode.AR else None, dtype)
+        target_device = tp_devices[0]
     spec = SpecConfig(**spec_options, draft=draft if mode_enum is not Mode.AR else None)
     config = EngineConfig(
         target=ModelSpec(target, target_device, dtype, target_backend),

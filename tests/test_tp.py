@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.devices import GPU, DeviceInventory
 from ssdlocal.engine import Engine
 from ssdlocal.errors import UsageError
 from ssdlocal.events import DoneEvent
@@ -200,6 +201,10 @@ def test_cli_target_devices(tiny_dir, monkeypatch, capsys):
     code, out_tp, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
     assert code == 0, err
     assert json.loads(out_tp)["outputs"] == json.loads(out)["outputs"]
+    monkeypatch.setattr("ssdlocal.devices.detect", lambda: DeviceInventory((), 2, 16.0))
+    code, out_auto, err = _cli(monkeypatch, capsys, *common, "--target-devices", "auto")
+    assert code == 0, err
+    assert json.loads(out_auto)["outputs"] == json.loads(out)["outputs"]
     code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
     assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
 
@@ -351,3 +356,22 @@ def test_shard_loader_reads_exactly_the_rank_slices(tiny_dir, arch):
         assert all(torch.equal(want[k], got[k]) for k in want)
         assert shard.args == full.args and shard.model.args == full.model.args
         assert shard.model.args.num_heads * 2 == full.args.num_heads
+
+
+def test_auto_devices_sizes_the_checkpoints_and_asks_the_planner(tiny_dir):
+    from safetensors import safe_open
+
+    from ssdlocal.parallel.auto import auto_devices, checkpoint_gb
+
+    path, draft = tiny_dir["llama"], tiny_dir["draft_llama"]
+    numel = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as fh:
+            numel += sum(fh.get_tensor(k).numel() for k in fh.keys())
+    assert checkpoint_gb(path, "float32") == pytest.approx(numel * 4 / 1e9)
+    assert checkpoint_gb(path, "bfloat16") == pytest.approx(numel * 2 / 1e9)
+    cpu_only = DeviceInventory((), 2, 16.0)
+    assert auto_devices(str(path), str(draft), "float32", cpu_only) == (("cpu",), "cpu")
+    three = DeviceInventory(tuple(GPU(i, "GPU", 24.0) for i in range(3)), 8, 64.0, interconnect="nvlink")
+    assert auto_devices(str(path), str(draft), "float32", three) == (("cuda:0", "cuda:1"), "cuda:2")
+    assert auto_devices(str(path), None, "float32", three)[0] == ("cuda:0", "cuda:1")

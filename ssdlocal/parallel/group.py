@@ -27,7 +27,15 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import SSDLocalError, UsageError
-from .rank import Cmd, RankError, Reply, TensorParallelError, describe_exit, pack_inputs, rank_main
+from .rank import (
+    Cmd,
+    RankError,
+    Reply,
+    TensorParallelError,
+    describe_exit,
+    pack_inputs,
+    rank_main,
+)
 
 log = logging.getLogger(__name__)
 

@@ -115,9 +115,8 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
                           timeout=timedelta(seconds=rendezvous_timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=collective_timeout_s))
-    from .tp import shard_bytes
-
     from .shard_loader import load_shard
+    from .tp import shard_bytes
 
     loaded = load_shard(spec, devices[rank], rank, world, tokenizer=False)
     model = loaded.model
