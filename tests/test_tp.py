@@ -128,6 +128,21 @@ def test_hung_rank_times_out_and_is_killed(tiny_dir, monkeypatch):
     assert all(not p.is_alive() for p in procs)
 
 
+def test_a_rank_load_error_reaches_rank_0_with_its_cause(tmp_path):
+    from ssdlocal.errors import ModelLoadError
+    from ssdlocal.parallel.group import RankGroup
+
+    group = RankGroup(ModelSpec(str(tmp_path / "missing")), TP2)  # rank 0 never loads it here
+    try:
+        with pytest.raises(ModelLoadError) as info:
+            group.wait_loaded()
+        assert "rank 1" in info.value.message and "does not exist" in info.value.message
+        assert info.value.hint
+    finally:
+        group.close()
+    assert all(not p.is_alive() for p in group.procs)
+
+
 def test_one_group_per_process(tiny_dir):
     with Engine(_config(tiny_dir["llama"], TP2)):
         with pytest.raises(TensorParallelError, match="already running"):

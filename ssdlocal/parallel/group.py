@@ -155,8 +155,11 @@ class RankGroup:
                 self._recv(rank, Reply.JOINING, self.rendezvous_timeout_s)
             if self.backend == "nccl":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world,
-                                    timeout=timedelta(seconds=self.collective_timeout_s))
+            try:
+                dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world,
+                                        timeout=timedelta(seconds=self.collective_timeout_s))
+            except RuntimeError as exc:  # a rank died or hung while joining
+                raise self.failure(f"the tensor-parallel ranks could not join ({_first_line(exc)})") from exc
             self._store = store
             self._watchdog = threading.Thread(target=self._watch, name="ssdlocal-tp-watchdog",
                                               daemon=True)
