@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 
 from ..config import ModelSpec
-from ..errors import SSDLocalError, UsageError
+from ..errors import OutOfMemoryError, SSDLocalError, UsageError
 from .rank import (
     Cmd,
     RankError,
@@ -111,7 +111,6 @@ class RankGroup:
         self.broken = False
         self._closed = False
         self._dead: str | None = None  # set by the watchdog: which rank died and how
-        self._errors: dict[int, RankError] = {}
         self.procs, self.conns = [], []
         if not dist.is_available():
             raise TensorParallelError("this torch build has no torch.distributed",
@@ -243,11 +242,16 @@ class RankGroup:
             return shard(ids, positions, slots, mask)  # [B, T, V]; all_reduce inside
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise OutOfMemoryError(
+                    f"out of memory on {self.device} in the tensor-parallel forward",
+                    "use fewer prompts, a smaller --max-new-tokens, or more target devices",
+                ) from exc
             if isinstance(exc, RuntimeError):  # gloo/NCCL errors, timeouts (DistBackendError)
                 raise self.failure(f"a tensor-parallel collective failed ({_first_line(exc)})") from exc
             raise
 
-    def failure(self, what: str) -> TensorParallelError:
+    def failure(self, what: str) -> SSDLocalError:
         """The best account of why the group failed: a rank's own error, else its exit."""
         time.sleep(0.05)  # a crashing rank's ERROR reply may still be in flight
         for rank in range(1, self.world):
