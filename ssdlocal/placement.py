@@ -2,6 +2,9 @@
 
 `split_cpus` is pure over the list of usable CPUs; `CpuPlan.apply_to_this_process`
 pins the target (this process) and returns a handle that restores the old setting.
+Affinity is set on every thread of the process: Linux pins single threads, and torch's
+OpenMP workers created while pinned would otherwise stay on the target's cores after
+a restore (an AR run after an SSD run then crawled on one core with two threads).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class CpuPlan:
         old_cpus = tuple(sorted(os.sched_getaffinity(0))) if can_pin else None
         old_threads = torch.get_num_threads()
         if old_cpus is not None:
-            os.sched_setaffinity(0, set(self.target_cpus))
+            set_process_affinity(self.target_cpus)
         torch.set_num_threads(self.target_threads)
         return _Restore(old_cpus, old_threads)
 
@@ -45,8 +48,22 @@ class _Restore:
         import torch
 
         if self.cpus is not None:
-            os.sched_setaffinity(0, set(self.cpus))
+            set_process_affinity(self.cpus)
         torch.set_num_threads(self.threads)
+
+
+def set_process_affinity(cpus) -> None:
+    """Pin every thread of this process (not just the caller) to `cpus`."""
+    wanted = set(cpus)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread is the best we can do
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, wanted)
+        except OSError:  # thread exited meanwhile
+            pass
 
 
 def usable_cpus() -> tuple[int, ...]:

@@ -47,7 +47,9 @@ def _apply_placement(msg: LoadMsg) -> None:
     import torch
 
     if msg.cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(msg.cpus))
+        from ..placement import set_process_affinity
+
+        set_process_affinity(msg.cpus)
     if msg.threads:
         torch.set_num_threads(msg.threads)
 
