@@ -63,9 +63,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="LlamaPromptLookupDecoding num_pred_tokens")
     ap.add_argument("--modes", default="ar,sd,sd-ngram,ssd,peer,peer-lookup")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads for AR/SD and the peers (0 = torch's default); SSD splits the cores")
     ap.add_argument("--out", default="llamacpp_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     from ...bench.prompts import load_prompts, select
     from ...engine import Engine
 
@@ -97,37 +104,25 @@ def main(argv: list[str] | None = None) -> dict:
             results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs,
                              "acceptance_rate": stats.get("acceptance_rate"),
                              "mean_accepted_len": stats.get("mean_accepted_len"),
-                             "cache_hit_rate": stats.get("cache_hit_rate")}
+                             "cache_hit_rate": stats.get("cache_hit_rate"),
+                             "last_prompt_draft_ms": stats.get("draft_ms"),
+                             "last_prompt_verify_ms": stats.get("verify_ms"),
+                             "last_prompt_rounds": stats.get("rounds")}
             print(f"{name:12s} {n / s:7.2f} tok/s  ({n} tokens, {s:.1f}s)", flush=True)
-    threads = os.cpu_count() or 1
-    if "peer" in modes or "peer-lookup" in modes:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        n_ctx = max(map(len, ids)) + args.max_new_tokens + 64
-        for name in ("peer", "peer-lookup"):
-            if name not in modes:
-                continue
-            draft_model = (
-                LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens) if name == "peer-lookup" else None
-            )
-            llm = Llama(model_path=args.target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                        verbose=False, draft_model=draft_model)
-            _peer(llm, ids[:1], replace_max(params, 4), eos)
-            outs, n, s = _peer(llm, ids, params, eos)
-            results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs}
-            print(f"{name:12s} {n / s:7.2f} tok/s  ({n} tokens, {s:.1f}s)", flush=True)
-            del llm
-    ar = results.get("ar", {}).get("outputs")
-    for name, r in results.items():
-        if ar is not None:
-            r["same_as_ar"] = r["outputs"] == ar
-            r["first_divergence"] = _first_divergence(ar, r["outputs"])
-        if "ar" in results:
-            r["speedup_vs_ar"] = r["tokens_per_s"] / results["ar"]["tokens_per_s"]
+        if "peer" in modes or "peer-lookup" in modes:
+            _run_peers(args, modes, ids, params, eos, threads, results)
+        ar = results.get("ar", {}).get("outputs")
+        for name, r in results.items():  # where a mode left AR: the target's top-2 logit gap
+            if ar is not None and name != "ar":
+                r["same_as_ar"] = r["outputs"] == ar
+                r["first_divergence"] = _first_divergence(ar, r["outputs"])
+                _add_margin(eng, ids, ar, r["first_divergence"])
+            if "ar" in results:
+                r["speedup_vs_ar"] = r["tokens_per_s"] / results["ar"]["tokens_per_s"]
     summary = {
         "target": args.target, "draft": args.draft, "k": args.k, "max_new_tokens": args.max_new_tokens,
-        "prompts": len(ids), "cpus": threads, "load_avg": os.getloadavg(), "results": results,
+        "prompts": len(ids), "threads": threads, "cpus": os.cpu_count(),
+        "load_avg_end": os.getloadavg(), "results": results,
     }
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"\n{'mode':12s} {'tok/s':>7s} {'x AR':>6s} {'accept':>7s} {'hit':>5s}  same tokens as our AR")
@@ -136,8 +131,42 @@ def main(argv: list[str] | None = None) -> dict:
         hit = r.get("cache_hit_rate")
         print(f"{name:12s} {r['tokens_per_s']:7.2f} {r.get('speedup_vs_ar', 1):6.2f} "
               f"{'' if acc is None else f'{acc:.2f}':>7s} {'' if hit is None else f'{hit:.2f}':>5s}  "
-              f"{r.get('same_as_ar')} {r.get('first_divergence') or ''}")
+              f"{r.get('same_as_ar', '')} {r.get('first_divergence') or ''}")
     return summary
+
+
+def _run_peers(args, modes, ids, params, eos, threads, results) -> None:
+    """llama-cpp-python plain and with LlamaPromptLookupDecoding, same prompts and threads."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    n_ctx = max(map(len, ids)) + args.max_new_tokens + 64
+    for name in ("peer", "peer-lookup"):
+        if name not in modes:
+            continue
+        lookup = LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)
+        llm = Llama(model_path=args.target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                    verbose=False, draft_model=lookup if name == "peer-lookup" else None)
+        _peer(llm, ids[:1], replace_max(params, 4), eos)  # warm-up
+        outs, n, s = _peer(llm, ids, params, eos)
+        results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs}
+        print(f"{name:12s} {n / s:7.2f} tok/s  ({n} tokens, {s:.1f}s)", flush=True)
+        llm.close()
+
+
+def _add_margin(engine, ids, ar, div) -> None:
+    """Add the target's logits at the divergence (one forward over prompt + AR prefix)."""
+    import torch
+
+    if not div or "got" not in div:
+        return
+    prefix = ids[div["prompt"]] + ar[div["prompt"]][: div["index"]]
+    engine.runner.reset(1, len(prefix) + 2)
+    logits = engine.runner.feed([prefix])[0][-1]  # [V]
+    top = torch.topk(logits, 2)
+    div["top2"] = top.indices.tolist()
+    div["top2_margin"] = float(top.values[0] - top.values[1])
+    div["logit_ar_minus_got"] = float(logits[div["ar"]] - logits[div["got"]])
 
 
 def replace_max(params: SamplingParams, n: int) -> SamplingParams:
