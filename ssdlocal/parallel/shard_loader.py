@@ -80,7 +80,7 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
                         continue
                     if args.tie_word_embeddings and key == "lm_head.weight":
                         continue
-                    state[key] = _read(f, name, shard_rule(key), rank, world).to(device=dev, dtype=dtype)
+                    state[key] = _read(f, name, shard_rule(key), rank, world).to(device=dev, dtype=dtype, copy=True)
         expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
