@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default="ar,sd,sd-ngram,ssd,peer,peer-lookup")
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads for AR/SD and the peers (0 = torch's default); SSD splits the cores")
+    ap.add_argument("--peer-flash-attn", choices=("on", "off"), default="on",
+                    help="flash attention for the peers (ours: llama.cpp's auto, on for CPU)")
     ap.add_argument("--out", default="llamacpp_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -146,7 +148,8 @@ def _run_peers(args, modes, ids, params, eos, threads, results) -> None:
             continue
         lookup = LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)
         llm = Llama(model_path=args.target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                    verbose=False, draft_model=lookup if name == "peer-lookup" else None)
+                    verbose=False, draft_model=lookup if name == "peer-lookup" else None,
+                    flash_attn=args.peer_flash_attn == "on")
         _peer(llm, ids[:1], replace_max(params, 4), eos)  # warm-up
         outs, n, s = _peer(llm, ids, params, eos)
         results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs}
