@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from . import __version__
+from .config import parse_fan_out
 from .errors import SSDLocalError
 
 app = typer.Typer(
@@ -46,19 +47,6 @@ def _root(
 
 
 _STATE: dict[str, bool] = {"verbose": False}
-
-
-def _fan(value: str | None) -> tuple[int, ...] | None:
-    if value is None or value == "auto":
-        return None
-    from .errors import UsageError
-
-    try:
-        return tuple(int(x) for x in value.split(","))
-    except ValueError:
-        raise UsageError(
-            f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1"
-        ) from None
 
 
 @app.command()
@@ -123,7 +111,7 @@ def generate(
     if target is not None and mode_enum is not Mode.AR and draft is None:
         raise UsageError(f"--mode {mode} needs --draft", "pass --draft PATH or --draft ngram, or use --mode ar")
     spec_options = {
-        "mode": mode_enum, "k": k, "fan_out": _fan(fan_out), "fan_out_miss": _fan(fan_out_miss),
+        "mode": mode_enum, "k": k, "fan_out": parse_fan_out(fan_out), "fan_out_miss": parse_fan_out(fan_out_miss),
         "saguaro_c": saguaro_c, "backup": backup,
     }
     tp_devices: tuple[str, ...] = ()

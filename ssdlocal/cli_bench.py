@@ -13,22 +13,12 @@ from typing import Annotated
 
 import typer
 
+from .config import parse_fan_out
 from .errors import UsageError
 
 
 def _csv(value: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in value.split(",") if x.strip())
-
-
-def _fan(value: str | None) -> tuple[int, ...] | None:
-    if value is None or value == "auto":
-        return None
-    try:
-        return tuple(int(x) for x in value.split(","))
-    except ValueError:
-        raise UsageError(
-            f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1"
-        ) from None
 
 
 def bench(
@@ -110,7 +100,7 @@ def bench(
     from .config import ModelSpec
 
     settings = BenchSettings(
-        modes=_csv(modes), peers=_csv(peers), k=k, fan_out=_fan(fan_out), fan_out_miss=_fan(fan_out_miss),
+        modes=_csv(modes), peers=_csv(peers), k=k, fan_out=parse_fan_out(fan_out), fan_out_miss=parse_fan_out(fan_out_miss),
         backup=backup, saguaro_c=saguaro_c, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens, repeats=repeats,
         chat=chat, ignore_eos=ignore_eos, dtype=dtype, target_device=target_device,

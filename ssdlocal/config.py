@@ -57,6 +57,18 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def parse_fan_out(value: str | None) -> tuple[int, ...] | None:
+    """CLI text -> fan-out tuple: "3,3,2,2,1" -> (3, 3, 2, 2, 1); None or "auto" -> None."""
+    if value is None or value == "auto":
+        return None
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise UsageError(
+            f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1"
+        ) from None
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings. `draft` is a checkpoint path, 'ngram', or None for AR."""

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from ..backends.torch_backend.loader import (
     LoadedModel,
+    assign_weights,
     eos_ids,
     load_hf_config,
     load_tokenizer,
@@ -81,17 +82,7 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
                     if args.tie_word_embeddings and key == "lm_head.weight":
                         continue
                     state[key] = _read(f, name, shard_rule(key), rank, world).to(device=dev, dtype=dtype, copy=True)
-        expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ModelLoadError(
-                f"checkpoint {ckpt} does not match the {args.arch} architecture: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}",
-                hint="the weights may be from another model or an incomplete download",
-            )
-        model.load_state_dict(state, strict=False, assign=True)
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+        assign_weights(model, state, ckpt)
         del state
     except torch.OutOfMemoryError as exc:
         raise OutOfMemoryError(

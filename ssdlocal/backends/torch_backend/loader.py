@@ -148,6 +148,27 @@ def read_state_dict(files: list[Path], device: torch.device, dtype: torch.dtype)
     return state
 
 
+def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Path) -> None:
+    """Move `state` into the meta-device `model` (no copy); names must match exactly.
+
+    Tied models expect no lm_head.weight (it is re-tied to the embedding here).
+    Raises ModelLoadError naming missing / unexpected tensors.
+    """
+    args = model.args
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint {ckpt} does not match the {args.arch} architecture: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
+            hint="the weights may be from another model or an incomplete download",
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
     found: list[int] = []
 
@@ -181,18 +202,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") ->
         state = read_state_dict(files, dev, torch_dtype)
         if args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ModelLoadError(
-                f"checkpoint {ckpt} does not match the {args.arch} architecture: "
-                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
-                hint="the weights may be from another model or an incomplete download",
-            )
-        model.load_state_dict(state, strict=False, assign=True)
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+        assign_weights(model, state, ckpt)
         del state
     except torch.OutOfMemoryError as exc:
         raise _oom(ckpt, dev, torch_dtype) from exc
