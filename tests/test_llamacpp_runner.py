@@ -47,6 +47,7 @@ class FakeLlamaLib:
         self.vocab, self.tokenizer, self.max_seq = vocab, tokenizer, max_seq
         self.contexts: list[FakeCtx] = []
         self.rm_calls: list[tuple[int, int, int]] = []
+        self.freed_models: list[str] = []
 
     # models
     def supports_gpu(self) -> bool:
@@ -57,6 +58,9 @@ class FakeLlamaLib:
 
     def load_model(self, path, n_gpu_layers, main_gpu):
         return Path(path).name
+
+    def free_model(self, model) -> None:
+        self.freed_models.append(model)
 
     def n_vocab(self, model) -> int:
         return self.vocab
@@ -302,6 +306,18 @@ def test_truncated_held_removes_cells(runner):
     assert out[1].shape == (0, lib.vocab)
     r.sync(1, [5, 7])
     assert r.held[1] == [5]
+
+
+def test_model_freed_after_runner(fake):
+    import gc
+
+    lib, target, _ = fake
+    r = LlamaCppRunner(load_gguf(target))
+    r.reset(1, 16)
+    ctx = lib.contexts[-1]
+    del r
+    gc.collect()
+    assert ctx.freed and lib.freed_models == ["target.gguf"]
 
 
 def test_context_reuse_and_growth(runner):

@@ -8,6 +8,7 @@ vocabulary once and cached; its ids are checked against llama.cpp's tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -47,9 +48,19 @@ class LoadedGGUF:
     device: torch.device
     dtype: torch.dtype  # of the logits we return; the weights keep the GGUF's quantization
     eos_token_ids: tuple[int, ...]
-    threads: int | None  # llama.cpp CPU threads (None: the process's CPU affinity)
+    threads: int | None  # llama.cpp CPU threads (None: torch.get_num_threads() at each decode)
     n_gpu_layers: int
     main_gpu: int
+
+    def close(self) -> None:
+        """Free the llama.cpp model (runners free their contexts first: they hold us)."""
+        model, self.model = self.model, None
+        if model is not None:
+            self.lib.free_model(model)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone
+            self.close()
 
 
 def check_gguf_file(path: str | Path) -> Path:
