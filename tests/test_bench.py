@@ -342,3 +342,14 @@ def test_logit_margin_near_tie_in_bf16_ulps():
     assert tie["margin"] == pytest.approx(0.125) and tie["near_tie"] and tie["top1_id"] == 3
     assert not logit_margin(FakeRunner(16.5), [1], [], (), torch.bfloat16)["near_tie"]
     assert not logit_margin(FakeRunner(17.375), [1], [], (), torch.float32)["near_tie"]
+
+
+def test_projection_uses_full_depth_hits_only_where_prespeculation_fits():
+    from ssdlocal.bench.project import ProjectionInputs, project, ssd_speedup
+
+    inputs = ProjectionInputs(k=4, e_sd=3.3, p_hit=0.75, e_hit=2.4, e_miss=3.0, backup_forwards=4)
+    rows = {row["ratio"]: row["ssd_speedup"] for row in project(inputs, (0.1, 0.35))["rows"]}
+    # T_p = 5 * 0.1 = 0.5 <= 1: the tree completes, a hit carries E_SD tokens
+    assert abs(rows[0.1] - ssd_speedup(0.75, 3.3, 3.0, 4, 0.1, 4)) < 1e-12
+    # T_p = 5 * 0.35 = 1.75 > 1: measured (cut-short) E_hit
+    assert abs(rows[0.35] - ssd_speedup(0.75, 2.4, 3.0, 4, 0.35, 4)) < 1e-12

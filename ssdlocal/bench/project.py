@@ -7,6 +7,12 @@ DESIGN.md §1, latencies in units of one target verification (taken = one AR ste
 where r = draft forward time / target forward time and T_b = backup_forwards * r
 (K for the neural jit backup, 0 for a fast n-gram / no backup). These are projections
 from measured acceptance and hit rates, not measurements.
+
+E_hit is the measured SSD tokens per hit round, except where pre-speculation fits inside
+one verification (T_p <= 1): there the worker completes all K steps, so a hit round
+carries as many tokens as an SD round (E_SD, same draft and acceptance). Where the run
+measured a slower draft (e.g. both models sharing a 2-core CPU) the measured E_hit
+reflects trees cut short and would understate SSD on faster draft hardware.
 """
 
 from __future__ import annotations
@@ -58,9 +64,9 @@ def project(inputs: ProjectionInputs, ratios: tuple[float, ...] = DEFAULT_RATIOS
         sd = sd_speedup(inputs.e_sd, inputs.k, r) if inputs.e_sd else None
         ssd = None
         if inputs.p_hit is not None and inputs.e_hit is not None and e_miss is not None:
-            ssd = ssd_speedup(
-                inputs.p_hit, inputs.e_hit, e_miss, inputs.k, r, inputs.backup_forwards
-            )
+            full_depth = (inputs.k + 1) * r <= 1.0 and inputs.e_sd is not None
+            e_hit = max(inputs.e_hit, inputs.e_sd) if full_depth else inputs.e_hit
+            ssd = ssd_speedup(inputs.p_hit, e_hit, e_miss, inputs.k, r, inputs.backup_forwards)
         elif inputs.p_hit == 0.0 and e_miss is not None:  # never hit: E_hit is irrelevant
             ssd = ssd_speedup(0.0, 0.0, e_miss, inputs.k, r, inputs.backup_forwards)
         rows.append(
