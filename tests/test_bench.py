@@ -120,6 +120,7 @@ def test_aggregates_follow_the_records(full_run):
         assert len(a["accepted_len_hist"]) == 5  # K = 4
         assert 1.0 <= a["mean_accepted_len"] <= 5.0
     assert 0.0 <= aggs["ssd"]["cache_hit_rate"] <= 1.0
+    assert aggs["ssd"]["draft_busy_ms_per_round"] > 0.0  # the worker reports its compute
     assert "cache_hit_rate" not in aggs["sd"]
     rows = doc["projections"]["rows"]
     assert [r["ratio"] for r in rows][:5] == [0.02, 0.05, 0.1, 0.2, 0.35] or any(

@@ -14,6 +14,7 @@ from .project import ProjectionInputs
 _SUMMED = (
     "rounds", "row_rounds", "drafted", "accepted", "emitted", "timed_rounds", "draft_ms_timed",
     "verify_ms_timed", "rows_hit", "rows_miss", "tokens_on_hit", "tokens_on_miss",
+    "draft_busy_ms_timed",
 )  # fmt: skip
 
 
@@ -75,6 +76,7 @@ def aggregate(records: list[dict], system: str) -> dict:
                 "cache_hit_rate": _ratio(s["rows_hit"], s["rows_hit"] + s["rows_miss"]),
                 "tokens_per_round_hit": _ratio(s["tokens_on_hit"], s["rows_hit"]),
                 "tokens_per_round_miss": _ratio(s["tokens_on_miss"], s["rows_miss"]),
+                "draft_busy_ms_per_round": _ratio(s["draft_busy_ms_timed"], s["timed_rounds"]),
                 "backup_used": backups,
             }
         )

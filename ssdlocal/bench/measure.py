@@ -100,6 +100,13 @@ def from_engine_events(system: str, events: Iterable[Event], k: int) -> Measurem
                     "tokens_on_hit": (stats.get("tokens_per_round_hit") or 0.0) * rows_hit,
                     "tokens_on_miss": (stats.get("tokens_per_round_miss") or 0.0) * rows_miss,
                     "backup_used": dict(stats.get("backup_used") or {}),
+                    # the worker's compute per round (pre-speculation + serving), to set
+                    # against the target's verify time: > verify means the draft is the bottleneck
+                    "draft_busy_ms_timed": (
+                        last_snap.get("draft_busy_ms", 0.0) - first_snap.get("draft_busy_ms", 0.0)
+                    )
+                    if timed > 0
+                    else 0.0,
                 }
             )
     elif rounds > 1 and first_snap is not None:  # AR: keep the per-step target latency
