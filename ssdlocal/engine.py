@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .config import EngineConfig, Mode, SamplingParams, SpecConfig
-from .draft.base import sync_for_next
 from .errors import OutOfMemoryError, UsageError
 from .events import DoneEvent, Event, Output, RoundEvent, TokenOrigin, TokensEvent
 from .sampling import logits_to_probs, sample
@@ -319,7 +318,7 @@ class Engine:
             taken = [tok for tok in new if row.append(tok)]
             emitted.append(taken)
             origins.append(kinds[: len(taken)])
-            sync_for_next(self.runner, b, row.tokens)
+            self.runner.sync(b, row.tokens)
             stats.tokens += len(taken)
             stats.record_row(int(n_draft[b]), n, len(taken))
             if cache_hit is not None:

@@ -517,3 +517,17 @@ def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypa
     if draft != "ngram":
         # the situation did occur: some rounds drafted the target's own next token
         assert any(r.n_drafted and r.n_drafted[0] > 0 for r in rounds)
+
+
+def test_sync_held_keeps_the_common_prefix_but_never_the_last_committed_token():
+    from ssdlocal.backends.held import sync_held
+
+    held = [1, 2, 3, 4, 5]
+    sync_held(held, [1, 2, 3, 9, 9, 9])  # diverges at index 3
+    assert held == [1, 2, 3]
+    held = [1, 2, 3, 4]
+    sync_held(held, [1, 2, 3, 4])  # all cached, but the last token must be fed again
+    assert held == [1, 2, 3]
+    held = [1, 2]
+    sync_held(held, [1, 2, 3, 4])  # a prefix of committed stays as it is
+    assert held == [1, 2]

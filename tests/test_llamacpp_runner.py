@@ -297,7 +297,7 @@ def test_truncated_held_removes_cells(runner):
     lib, r = runner
     r.reset(2, 64)
     r.feed([[1, 2, 3, 4], [5, 6]])
-    del r.held[0][2:]  # what sync_for_next does
+    del r.held[0][2:]  # what a runner.sync after a rejection does
     lib.rm_calls.clear()
     out = r.feed([[9], []])
     assert (0, 2, -1) in lib.rm_calls

@@ -69,16 +69,3 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     pad = logits.new_full((*logits.shape[:-1], vocab_size - v_draft), float("-inf"))
     return torch.cat([logits, pad], dim=-1)  # [..., V]
 
-
-def sync_for_next(runner, row: int, sequence: Sequence[int]) -> None:
-    """`runner.sync`, then make sure the last token of `sequence` is not cached.
-
-    Its logits predict the next token, so the next feed must include it. It can already
-    be cached when the bonus token equals the draft token rejected at that position
-    (verify's RESIDUAL_EPS fallback, which samples the bonus from p); the cache would
-    then hold every token and the next feed would score nothing.
-    """
-    runner.sync(row, sequence)
-    held = runner.held[row]
-    if len(held) >= len(sequence):
-        del held[len(sequence) - 1 :]

@@ -22,7 +22,7 @@ from ..fanout import FanOutPlanner
 from ..ngram import propose_ngram
 from ..sampling import logits_to_probs, sample, saguaro_probs
 from ..spec_cache import Branch, SpeculationCache, bonus_candidates
-from .base import align_vocab, sync_for_next
+from .base import align_vocab
 from .protocol import OutcomeMsg, StartMsg
 
 
@@ -241,7 +241,7 @@ class Speculator:
             else:
                 missed.append(b)
                 r.pred = {}
-                sync_for_next(self.runner, b, r.seq)
+                self.runner.sync(b, r.seq)
         backup = None
         if missed:
             backup = outcome.backup

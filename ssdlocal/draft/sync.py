@@ -13,7 +13,7 @@ import torch
 from ..config import SamplingParams
 from ..ngram import propose_ngram
 from ..sampling import logits_to_probs, sample
-from .base import Proposal, align_vocab, sync_for_next
+from .base import Proposal, align_vocab
 
 
 class NgramDrafter:
@@ -94,7 +94,7 @@ class ModelDrafter:
 
     def observe(self, sequences, n_accepted, bonus, active) -> None:
         for b, seq in enumerate(sequences):
-            sync_for_next(self.runner, b, seq)
+            self.runner.sync(b, seq)
 
     def close(self) -> None:
         return None

@@ -2,7 +2,7 @@
 
 Row b of a batch is llama.cpp sequence b in one unified KV cache. `held[b]` means what
 it means for ModelRunner (tokens of row b whose keys/values are cached); callers may
-shorten it directly (sync_for_next, the speculator), so before touching row b the
+shorten it directly (the speculator), so before touching row b the
 runner removes the cache cells past the common prefix of `held[b]` and what it really
 wrote (`_kv[b]`) with llama_memory_seq_rm. SSD tree decoding (`forward_raw`) maps each
 branch to its own sequence: the row's prefix cells are shared with it by seq_cp (no
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ...errors import UsageError
+from ..held import sync_held
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
 _PAD = 256  # llama.cpp rounds the context size up to this
@@ -107,16 +108,8 @@ class LlamaCppRunner:
         return list(tokens[len(self.held[row]) :])
 
     def sync(self, row: int, committed: Sequence[int]) -> None:
-        """Keep only the cached tokens that agree with the row's committed sequence."""
-        held = self.held[row]
-        n = min(len(held), len(committed))
-        if held[:n] == list(committed[:n]):
-            del held[n:]
-            return
-        keep = 0
-        while held[keep] == committed[keep]:
-            keep += 1
-        del held[keep:]
+        """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
+        sync_held(self.held[row], committed)
 
     def _reconcile(self, row: int) -> None:
         """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..held import sync_held
 from .loader import LoadedModel
 from .model import causal_mask
 
@@ -71,16 +72,8 @@ class ModelRunner:
         return [logits[b, : lengths[b]] for b in range(batch)]
 
     def sync(self, row: int, committed: Sequence[int]) -> None:
-        """Keep only the cached tokens that agree with the row's committed sequence."""
-        held = self.held[row]
-        n = min(len(held), len(committed))
-        if held[:n] == list(committed[:n]):  # common case, C-speed comparison
-            del held[n:]
-            return
-        keep = 0
-        while held[keep] == committed[keep]:
-            keep += 1
-        del held[keep:]
+        """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
+        sync_held(self.held[row], committed)
 
     # ---- tree decoding support (SSD pre-speculation) ----
     @torch.inference_mode()
