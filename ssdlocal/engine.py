@@ -163,7 +163,10 @@ class Engine:
         if self._worker is None:
             self._start_worker()
             self._worker.wait_loaded()
-        return SSDDrafter(self._worker, spec, params, self.target.args.vocab_size, num_slots)
+        return SSDDrafter(
+            self._worker, spec, params, self.target.args.vocab_size, num_slots,
+            target_device=self.config.target.device, draft_device=self.config.draft_model.device,
+        )
 
     def _forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
         try:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -308,6 +309,59 @@ def test_shm_channel_roundtrip():
     assert torch.equal(got[:1], q)
     channel.buffer.zero_()
     assert torch.equal(got[:1], q)  # read() returns a private copy
+
+
+class _FakeWorker:
+    """Stands in for DraftWorkerClient: records what SSDDrafter sends, answers READY."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def send(self, cmd, payload=None) -> None:
+        self.sent.append((cmd, payload))
+
+    def recv(self, expect, timeout_s=None):
+        return None
+
+
+def _drafter(params, target_device, draft_device):
+    from ssdlocal.draft.ssd import SSDDrafter
+
+    spec = SpecConfig(mode=Mode.SSD, k=3, draft="draft")
+    worker = _FakeWorker()
+    drafter = SSDDrafter(worker, spec, SamplingParams(**params), target_vocab=5, num_slots=64,
+                         target_device=target_device, draft_device=draft_device)
+    return drafter, worker
+
+
+def test_ssd_drafter_picks_cuda_ipc_for_two_gpus(monkeypatch):
+    """cuda:0 target + cuda:1 draft: the q buffer is made as a cuda-ipc channel on the
+    target's GPU (make_q_channel is mocked, so nothing is allocated on a GPU)."""
+    import ssdlocal.draft.ssd as ssd_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "platform", "linux")
+    made = []
+
+    def fake_make(choice, batch, k, vocab, target_device="cpu"):
+        made.append((choice.kind, batch, k, vocab, target_device))
+        return SimpleNamespace(buffer="gpu-buffer")
+
+    monkeypatch.setattr(ssd_mod, "make_q_channel", fake_make)
+    drafter, worker = _drafter({"temperature": 1.0}, "cuda:0", "cuda:1")
+    drafter.start([[1, 2], [3]])
+    assert made == [("cuda-ipc", 2, 3, 5, "cuda:0")]
+    assert worker.sent[0][1].q_buffer == "gpu-buffer"
+
+
+def test_ssd_drafter_q_channel_on_cpu_and_greedy():
+    drafter, worker = _drafter({"temperature": 1.0}, "cpu", "cpu")
+    drafter.start([[1, 2]])
+    buffer = worker.sent[0][1].q_buffer
+    assert drafter._q_channel.kind == "shm" and buffer.is_shared() and buffer.shape == (1, 3, 5)
+    greedy, worker = _drafter({"temperature": 0.0}, "cuda:0", "cuda:1")
+    greedy.start([[1, 2]])
+    assert greedy._q_channel is None and worker.sent[0][1].q_buffer is None
 
 
 def test_planner_chooses_tp_and_draft_gpu():

@@ -18,11 +18,10 @@ import time
 import weakref
 from collections.abc import Sequence
 
-import torch
-
 from ..backup import BackupChooser
 from ..config import ModelSpec, SamplingParams, SpecConfig
 from ..errors import DraftWorkerError, SSDLocalError
+from ..parallel.channel import QChannel, choose_q_channel, make_q_channel
 from . import protocol as pr
 from .base import Proposal
 
@@ -31,6 +30,7 @@ log = logging.getLogger(__name__)
 
 RECV_TIMEOUT_S = 120.0  # longest wait for one reply during generation (tests lower it)
 LOAD_TIMEOUT_S = 900.0  # longest wait for the draft model to load
+VERIFY_DEVICE = "cpu"  # the engine builds p [B, K+1, V] on the CPU, so q is read there
 _LIVE: weakref.WeakSet[DraftWorkerClient] = weakref.WeakSet()
 _ATEXIT_REGISTERED = False
 
@@ -212,8 +212,13 @@ class SSDDrafter:
         params: SamplingParams,
         target_vocab: int,
         num_slots: int,
+        *,
+        target_device: str = "cpu",
+        draft_device: str = "cpu",
     ) -> None:
         self.client = client
+        self.target_device = target_device  # rank 0 of the target: where the q buffer lives
+        self.draft_device = draft_device
         self.k = spec.k
         self.spec = spec
         self.params = params
@@ -224,15 +229,18 @@ class SSDDrafter:
         self._sent_at = 0.0
         self._proposed_at = 0.0
         self._prev: list[list[int]] = []
-        self._q_buffer: torch.Tensor | None = None
+        self._q_channel: QChannel | None = None  # None when greedy (no q)
         self.chooser = BackupChooser(spec.backup, spec.k)
         self.last: pr.ProposalMsg | None = None
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
 
     def start(self, sequences: Sequence[Sequence[int]]) -> None:
         batch = len(sequences)
+        self._q_channel = None
         if not self.params.greedy:
-            self._q_buffer = torch.zeros(batch, self.k, self.target_vocab).share_memory_()  # [B, K, V]
+            choice = choose_q_channel(self.target_device, self.draft_device)
+            log.debug("q channel: %s (%s)", choice.kind, choice.reason)
+            self._q_channel = make_q_channel(choice, batch, self.k, self.target_vocab, self.target_device)
         msg = pr.StartMsg(
             sequences=tuple(tuple(s) for s in sequences),
             params=self.params,
@@ -243,7 +251,7 @@ class SSDDrafter:
             fan_out_miss=self.spec.fan_out_miss,
             saguaro_c=self.spec.saguaro_c,
             backup=self.spec.backup,
-            q_buffer=self._q_buffer,
+            q_buffer=None if self._q_channel is None else self._q_channel.buffer,
         )
         self.client.send(pr.Cmd.START, msg)
         self.client.recv(pr.Reply.READY)
@@ -261,8 +269,8 @@ class SSDDrafter:
         self._proposed_at = time.perf_counter()
         tokens = [list(t) for t in msg.tokens]
         q = None
-        if msg.q_written and self._q_buffer is not None:
-            q = self._q_buffer.clone()  # [B, K, V]
+        if msg.q_written and self._q_channel is not None:
+            q = self._q_channel.read(VERIFY_DEVICE)  # [B, K, V] where the engine's p lives
         self.chooser.observe_proposal(msg)
         return Proposal(
             tokens=tokens, q=q, cache_hit=list(msg.cache_hit), backup=msg.backup, draft_busy_s=msg.busy_s

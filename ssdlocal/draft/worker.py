@@ -105,6 +105,7 @@ def _send_error(conn, exc: BaseException) -> None:
 def _serve(conn, parent_pid: int) -> None:
     from ..backends.torch_backend.loader import load_model
     from ..backends.torch_backend.runner import ModelRunner
+    from ..parallel.channel import write_q
     from .speculator import Served, Speculator
 
     runner = None
@@ -117,7 +118,7 @@ def _serve(conn, parent_pid: int) -> None:
     def send_proposal(served: Served, busy: float) -> None:
         q_written = False
         if served.q is not None and q_buffer is not None:
-            q_buffer[: served.q.shape[0]].copy_(served.q)
+            write_q(q_buffer, served.q)  # [n, K, V]; synchronizes a CUDA buffer before the reply
             q_written = True
         conn.send(
             (
