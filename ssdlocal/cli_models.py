@@ -175,6 +175,7 @@ def devices(
 
     from .devices import detect, plan_placement
     from .hub import OFFLINE_PAIR, _check_backend
+    from .parallel.devarg import plan_flags
     from .pairs import get_pair
 
     _check_backend(backend)
@@ -228,6 +229,7 @@ def devices(
         )
     out.print(plan_table)
     out.print(f"{_plan_summary(plan)}; tensor-parallel degree {plan.tensor_parallel}")
+    out.print(f"flags: {plan_flags(plan)}", soft_wrap=True)  # what generate takes to reproduce it
     for note in plan.notes:
         out.print(f"[dim]note: {note}[/dim]")
 

@@ -148,6 +148,7 @@ def test_devices_command_prints_the_plan(monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b")
     assert code == 0, err
     assert "cuda:4" in out and "tensor-parallel degree 4" in out and "draft cuda:4" in out
+    assert "flags: --target-devices cuda:0-3 --draft-device cuda:4" in out
     code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b", "--json")
     payload = json.loads(out)
     assert payload["plan"]["tensor_parallel"] == 4 and len(payload["devices"]["gpus"]) == 5
