@@ -72,6 +72,13 @@ def bench(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "bfloat16",
     target_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     draft_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    target_devices: Annotated[
+        str | None,
+        typer.Option(
+            help="Tensor-parallel target over these devices, e.g. cuda:0-3 "
+            "(overrides --target-device)."
+        ),
+    ] = None,
     chat: Annotated[
         bool, typer.Option(help="Wrap each prompt in the model's chat template.")
     ] = True,
@@ -99,6 +106,12 @@ def bench(
     from .bench.run import BenchSettings
     from .config import ModelSpec
 
+    tp_devices: tuple[str, ...] = ()
+    if target_devices is not None:
+        from .parallel.devarg import parse_devices
+
+        tp_devices = parse_devices(target_devices)
+        target_device = tp_devices[0]
     settings = BenchSettings(
         modes=_csv(modes), peers=_csv(peers), k=k, fan_out=parse_fan_out(fan_out), fan_out_miss=parse_fan_out(fan_out_miss),
         backup=backup, saguaro_c=saguaro_c, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -106,6 +119,7 @@ def bench(
         chat=chat, ignore_eos=ignore_eos, dtype=dtype, target_device=target_device,
         draft_device=draft_device, pin_cpus=pin and os.environ.get("SSDLOCAL_BENCH_NO_PIN") != "1",
         gguf_target=gguf_target, gguf_draft=gguf_draft,
+        target_devices=tp_devices if len(tp_devices) > 1 else (),
     )  # fmt: skip
     ModelSpec(target or "default", target_device, dtype)
     ModelSpec(draft or "default", draft_device, dtype)

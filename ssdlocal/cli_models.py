@@ -175,8 +175,8 @@ def devices(
 
     from .devices import detect, plan_placement
     from .hub import OFFLINE_PAIR, _check_backend
-    from .parallel.devarg import plan_flags
     from .pairs import get_pair
+    from .parallel.devarg import plan_flags
 
     _check_backend(backend)
     if target_gb is not None:
@@ -252,6 +252,13 @@ def check(
     k: Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K).")] = 4,
     target_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     draft_device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    target_devices: Annotated[
+        str | None,
+        typer.Option(
+            help="Tensor-parallel target over these devices, e.g. cuda:0-3 "
+            "(overrides --target-device)."
+        ),
+    ] = None,
     chat: Annotated[bool, typer.Option(help="Wrap prompts in the target's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -271,6 +278,12 @@ def check(
     if (target is None) != (draft is None) and pair is None:
         raise UsageError("--target and --draft go together", "pass both, or --pair NAME")
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    tp_devices: tuple[str, ...] = ()
+    if target_devices is not None:
+        from .parallel.devarg import parse_devices
+
+        tp_devices = parse_devices(target_devices)
+        target_device = tp_devices[0]
     SpecConfig(mode=Mode.SSD, k=k, draft=draft or "default")  # validate before any download
     ModelSpec(target or "default", target_device, dtype)
     ModelSpec(draft or "default", draft_device, dtype)
@@ -291,6 +304,7 @@ def check(
         target=ModelSpec(target, target_device, dtype),
         spec=SpecConfig(mode=Mode.SSD, k=k, draft=draft),
         draft_model=ModelSpec(draft, draft_device, dtype) if draft != "ngram" else None,
+        target_devices=tp_devices if len(tp_devices) > 1 else (),
     )
     with err_console.status("loading ...", spinner="dots") as status:
         report = run_check(

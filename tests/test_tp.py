@@ -225,6 +225,34 @@ def test_cli_target_devices(tiny_dir, monkeypatch, capsys):
     assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
 
 
+def test_check_target_devices(tiny_dir, monkeypatch, capsys):
+    import json
+
+    common = ["check", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
+              "--max-new-tokens", "6", "--k", "3", "--json"]
+    code, out, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["identical"] is True and [r["mode"] for r in report["runs"]] == ["ar", "sd", "ssd"]
+    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
+    assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
+
+
+def test_bench_target_devices(tiny_dir, monkeypatch, capsys, tmp_path):
+    import json
+
+    common = ["bench", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
+              "--dtype", "float32", "--max-new-tokens", "6", "--no-chat", "--no-pin", "--ignore-eos",
+              "--modes", "ar,sd", "--limit", "1", "--out", tmp_path]
+    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
+    assert code == 0, err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["settings"]["target_devices"] == ["cpu", "cpu"]
+    assert doc["exactness"]["sd"]["status"] == "exact"
+    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
+    assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
+
+
 def test_ctrl_c_during_tp_generate(tiny_dir):
     from test_worker_reliability import _read_until_output, children_of, wait_gone
 

@@ -54,6 +54,7 @@ class BenchSettings:
     warmup_tokens: int = 8
     gguf_target: str | None = None
     gguf_draft: str | None = None
+    target_devices: tuple[str, ...] = ()  # tensor-parallel target (rank 0 on target_device)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -124,6 +125,7 @@ def run_bench(
         if speculative
         else None,
         pin_cpus=settings.pin_cpus,
+        target_devices=settings.target_devices,
     )
     batches = [
         prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)
