@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import threading
 import time
 import weakref
@@ -22,6 +21,7 @@ from ..backup import BackupChooser
 from ..config import ModelSpec, SamplingParams, SpecConfig
 from ..errors import DraftWorkerError, SSDLocalError
 from ..parallel.channel import QChannel, choose_q_channel, make_q_channel
+from ..procs import describe_exit
 from . import protocol as pr
 from .base import Proposal
 
@@ -132,7 +132,7 @@ class DraftWorkerClient:
     def _dead(self, what: str) -> DraftWorkerError:
         self.proc.join(timeout=1.0)
         return DraftWorkerError(
-            f"{what}{_describe_exit(self.proc.exitcode)}",
+            f"{what}{describe_exit(self.proc.exitcode)}",
             "the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
         )
 
@@ -167,15 +167,6 @@ class DraftWorkerClient:
             self._conn.close()
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return ""
-    if code < 0:
-        try:
-            return f" (killed by signal {signal.Signals(-code).name})"
-        except ValueError:
-            return f" (killed by signal {-code})"
-    return f" (exit code {code})"
 
 
 def _register_atexit() -> None:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
-import threading
 import time
 import traceback
 
+from ..procs import start_child
 from .protocol import (
     Cmd,
     ErrorMsg,
@@ -30,19 +28,6 @@ from .protocol import (
 log = logging.getLogger(__name__)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent exits (no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except OSError:  # pragma: no cover - exotic libc
-        pass
-
-
 def _apply_placement(msg: LoadMsg) -> None:
     import torch
 
@@ -54,31 +39,12 @@ def _apply_placement(msg: LoadMsg) -> None:
         torch.set_num_threads(msg.threads)
 
 
-def _watch_parent(parent_pid: int, every_s: float = 0.5) -> None:
-    """Exit as soon as the parent is gone (reparented), even in the middle of a long
-    model load or pre-speculation; covers platforms and threads without PDEATHSIG."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(every_s)
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="ssdlocal-parent-watch", daemon=True).start()
-
-
 def worker_main(conn, parent_pid: int, pdeathsig: bool = True) -> None:
     """Process entry point. `conn` is the worker's end of a multiprocessing Pipe.
 
-    `pdeathsig` is False when the parent spawned us from a non-main thread: Linux
-    delivers PDEATHSIG when that *thread* exits, which would kill a healthy worker.
+    `pdeathsig`: see ssdlocal.procs.start_child.
     """
-    if pdeathsig:
-        _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
-        os._exit(0)
-    _watch_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    start_child(parent_pid, pdeathsig)
     try:
         _serve(conn, parent_pid)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -27,12 +27,12 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import OutOfMemoryError, SSDLocalError, UsageError
+from ..procs import describe_exit
 from .rank import (
     Cmd,
     RankError,
     Reply,
     TensorParallelError,
-    describe_exit,
     pack_inputs,
     rank_main,
 )

@@ -10,7 +10,6 @@ rank 0 as a RankError before the process exits non-zero.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -78,14 +77,9 @@ def unpack_inputs(packed, B: int, T: int, S: int):
 def rank_main(conn, rank, world, port, backend, devices, spec, parent_pid, pdeathsig,
               rendezvous_timeout_s, collective_timeout_s, threads) -> None:
     """Process entry point of rank `rank` >= 1 (spawned by RankGroup)."""
-    from ..draft.worker import _die_with_parent, _watch_parent
+    from ..procs import start_child
 
-    if pdeathsig:
-        _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
-        os._exit(0)
-    _watch_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when we stop
+    start_child(parent_pid, pdeathsig)  # rank 0 decides when we stop
     try:
         _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
                rendezvous_timeout_s, collective_timeout_s, threads)
@@ -160,12 +154,3 @@ def _send_error(conn, rank: int, device: str, exc: BaseException) -> None:
         pass
 
 
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return ""
-    if code < 0:
-        try:
-            return f" (killed by signal {signal.Signals(-code).name})"
-        except ValueError:
-            return f" (killed by signal {-code})"
-    return f" (exit code {code})"
