@@ -58,7 +58,8 @@ def _engine_config(
 
     The draft stays loaded whatever the starting mode, so the chat can switch modes.
     """
-    from .cli import _default_pair, _fan
+    from .cli import _default_pair
+    from .config import parse_fan_out
 
     if need_draft and target is not None and draft is None:
         raise UsageError(
@@ -72,8 +73,8 @@ def _engine_config(
         )
     options = {
         "k": k,
-        "fan_out": _fan(fan_out),
-        "fan_out_miss": _fan(fan_out_miss),
+        "fan_out": parse_fan_out(fan_out),
+        "fan_out_miss": parse_fan_out(fan_out_miss),
         "saguaro_c": saguaro_c,
         "backup": backup,
     }
