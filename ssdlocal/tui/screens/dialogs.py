@@ -14,7 +14,21 @@ from textual.widgets import Button, Static
 from ..core import COMMANDS_HELP
 
 
-class ErrorModal(ModalScreen[None]):
+class _Dialog(ModalScreen[None]):
+    """A modal with one button: focused on open; the button or a binding closes it."""
+
+    def on_mount(self) -> None:
+        self.query_one(Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss()
+
+    def action_dismiss_modal(self) -> None:
+        self.dismiss()
+
+
+class ErrorModal(_Dialog):
     """`title`, the error message, and the hint saying what to do about it."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,enter", "dismiss_modal", "Close")]
@@ -31,18 +45,8 @@ class ErrorModal(ModalScreen[None]):
                 yield Static(Text.assemble(("hint: ", "bold"), self.hint), id="dialog-hint")
             yield Button("OK", variant="error", id="dialog-ok")
 
-    def on_mount(self) -> None:
-        self.query_one(Button).focus()
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        self.dismiss()
-
-    def action_dismiss_modal(self) -> None:
-        self.dismiss()
-
-
-class HelpModal(ModalScreen[None]):
+class HelpModal(_Dialog):
     """Slash commands and key bindings of the chat screen."""
 
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,enter,f1,q", "dismiss_modal", "Close")]
@@ -68,13 +72,3 @@ class HelpModal(ModalScreen[None]):
             yield Static(Text("ssdlocal chat — help", style="bold"), id="dialog-title")
             yield Static(text, id="dialog-message")
             yield Button("Close", variant="primary", id="dialog-ok")
-
-    def on_mount(self) -> None:
-        self.query_one(Button).focus()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        self.dismiss()
-
-    def action_dismiss_modal(self) -> None:
-        self.dismiss()
