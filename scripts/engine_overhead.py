@@ -11,10 +11,10 @@ from pathlib import Path
 from tiny_models import make_tiny_suite
 root = Path("/tmp/ssdlocal-tiny-suite")
 d = {p.name: p for p in root.iterdir()} if (root / "llama").exists() else make_tiny_suite(root)
-from ssdlocal.config import *
+from ssdlocal.core.config import *
 from ssdlocal.engine import Engine
-from ssdlocal.events import DoneEvent
-from ssdlocal.backends.torch_backend import runner as runner_mod
+from ssdlocal.core.events import DoneEvent
+from ssdlocal.backends.torch import runner as runner_mod
 
 def main():
     torch.set_num_threads(1)
@@ -23,7 +23,7 @@ def main():
     eng = Engine(cfg)
     # time spent inside model forwards (target and draft) via a wrapper on ModelRunner.feed/forward_raw
     spent = {"fwd": 0.0}
-    from ssdlocal.backends.torch_backend import model as model_mod
+    from ssdlocal.backends.torch import model as model_mod
     orig = model_mod.Transformer.forward
     def timed(self, *a, **k):
         t = time.perf_counter(); out = orig(self, *a, **k); spent["fwd"] += time.perf_counter() - t; return out

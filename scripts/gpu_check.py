@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
 from ssdlocal.engine import Engine  # noqa: E402
-from ssdlocal.events import DoneEvent  # noqa: E402
+from ssdlocal.core.events import DoneEvent  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
@@ -76,8 +76,9 @@ def tp_degree(n_devices: int, heads: tuple[int, ...] = (4, 2)) -> int:
 
 
 def check_inventory(results: dict) -> None:
-    from ssdlocal.devices import detect, plan_placement
-    from ssdlocal.parallel.devarg import plan_flags
+    from ssdlocal.placement.inventory import detect
+    from ssdlocal.placement.planner import plan_placement
+    from ssdlocal.placement.devarg import plan_flags
 
     inv = detect()
     log(f"GPUs: {[(g.index, g.name, round(g.total_gb, 1)) for g in inv.gpus]}; "
@@ -124,7 +125,7 @@ def check_ssd(dirs, target_devices, draft_device, results: dict) -> bool:
 
 
 def _ipc_child(conn, draft_device: str, vocab: int) -> None:
-    from ssdlocal.parallel.channel import write_q
+    from ssdlocal.ipc.qchannel import write_q
 
     buffer = conn.recv()  # CUDA tensor: arrives as an IPC handle
     torch.cuda.set_device(torch.device(draft_device))
@@ -139,7 +140,7 @@ def _ipc_child(conn, draft_device: str, vocab: int) -> None:
 
 
 def check_channel(target_device: str, draft_device: str, results: dict, repeats: int) -> bool:
-    from ssdlocal.parallel.channel import QChannel, choose_q_channel, write_q
+    from ssdlocal.ipc.qchannel import QChannel, choose_q_channel, write_q
 
     choice = choose_q_channel(target_device, draft_device)
     log(f"  channel for {target_device} -> {draft_device}: {choice.kind} ({choice.reason})")

@@ -6,9 +6,9 @@ Needs the offline pair converted (run `ssdlocal generate --chat hi` once).
 Usage: python scripts/ssd_time_split.py
 """
 import glob, sys, json
-from ssdlocal.config import *
+from ssdlocal.core.config import *
 from ssdlocal.engine import Engine
-from ssdlocal.assets import ensure_default_pair
+from ssdlocal.weights.assets import ensure_default_pair
 
 T, D = (str(p) for p in ensure_default_pair())
 def main():

@@ -4,7 +4,7 @@ The guard matters: the SSD draft worker is started with the `spawn` method, whic
 re-imports the main module in the child; the CLI must not run again there.
 """
 
-from ssdlocal.cli import main
+from ssdlocal.cli.app import main
 
 if __name__ == "__main__":
     main()

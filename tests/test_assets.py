@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ssdlocal import assets
-from ssdlocal.assets import GGUFAsset, PackagePin
-from ssdlocal.errors import AssetError, UnsupportedArchitectureError
+from ssdlocal.core.errors import AssetError, UnsupportedArchitectureError
+from ssdlocal.weights import assets
+from ssdlocal.weights.assets import GGUFAsset, PackagePin
 
 # ----------------------------------------------------------------------- fake wheels
 
@@ -259,7 +259,7 @@ def tiny_gguf(tmp_path_factory):
 def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ssdlocal.backends.torch_backend import gguf_convert
+    from ssdlocal.backends.torch import gguf_convert
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
     src, reference = tiny_gguf
@@ -293,7 +293,7 @@ def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch):
 def test_convert_bf16_into_explicit_dir(tiny_gguf, tmp_path):
     from safetensors import safe_open
 
-    from ssdlocal.backends.torch_backend.gguf_convert import ensure_converted
+    from ssdlocal.backends.torch.gguf_convert import ensure_converted
 
     out = ensure_converted(tiny_gguf[0], out_dir=tmp_path / "ckpt")
     assert out == tmp_path / "ckpt"
@@ -304,7 +304,7 @@ def test_convert_bf16_into_explicit_dir(tiny_gguf, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from ssdlocal.backends.torch_backend.gguf_convert import ensure_converted
+    from ssdlocal.backends.torch.gguf_convert import ensure_converted
 
     path = tmp_path / "g.gguf"
     w = gguf.GGUFWriter(str(path), "gemma3")
@@ -319,7 +319,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_converted_dir_key_changes_with_file(tiny_gguf, tmp_path):
-    from ssdlocal.backends.torch_backend.gguf_convert import converted_dir
+    from ssdlocal.backends.torch.gguf_convert import converted_dir
 
     copy = tmp_path / tiny_gguf[0].name
     copy.write_bytes(tiny_gguf[0].read_bytes())

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from cli_helpers import run_cli
 
 from ssdlocal.bench import run as bench_run
 from ssdlocal.bench.aggregate import aggregate, aggregate_all
@@ -20,8 +21,15 @@ from ssdlocal.bench.exactness import check_exactness, divergence_index, logit_ma
 from ssdlocal.bench.project import ProjectionInputs, project, sd_speedup, ssd_speedup
 from ssdlocal.bench.prompts import BenchPrompt, load_prompts, select
 from ssdlocal.bench.report import build_results, write_all
-from ssdlocal.cli import main
-from ssdlocal.errors import UsageError
+from ssdlocal.cli.app import main
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.errors import UsageError
 
 MAX_NEW = 8
 
@@ -32,14 +40,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
 
 
 def tiny_args(tiny_dir, *extra) -> list:
@@ -153,18 +153,16 @@ def test_exactness_failure_is_flagged_with_margin(tiny_dir, monkeypatch, tmp_pat
         return m
 
     monkeypatch.setattr(bench_run, "from_engine_events", corrupt_sd)
-    settings = bench_run.BenchSettings(
-        modes=("ar", "sd"),
-        max_new_tokens=MAX_NEW,
-        ignore_eos=True,
-        chat=False,
-        dtype="float32",
+    settings = bench_run.BenchSettings(modes=("ar", "sd"), chat=False)
+    config = EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=4, draft=str(tiny_dir["draft_llama"])),
+        draft_model=ModelSpec(str(tiny_dir["draft_llama"]), dtype="float32"),
         pin_cpus=False,
     )
     prompts = [BenchPrompt("a", "code", "def foo(x):"), BenchPrompt("b", "chat", "The cat sat")]
-    run = bench_run.run_bench(
-        str(tiny_dir["llama"]), str(tiny_dir["draft_llama"]), prompts, settings
-    )
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    run = bench_run.run_bench(config, prompts, settings, params)
     ex = run.exactness["sd"]
     assert ex["status"] == "FAIL" and ex["mismatched_rows"] == 2
     div = ex["divergences"][0]

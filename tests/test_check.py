@@ -6,31 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_clean_error, run_cli
 
-from ssdlocal.check import Divergence, ModeRun, run_check
-from ssdlocal.cli import main
-from ssdlocal.compat import check_pair, check_paths
-from ssdlocal.errors import IncompatiblePairError
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
-
-
-def assert_clean_error(code: int, err: str, expected_code: int, *needles: str) -> None:
-    assert code == expected_code, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
-    for needle in needles:
-        assert needle in err, (needle, err)
+from ssdlocal.bench.check import Divergence, ModeRun, run_check
+from ssdlocal.core.errors import IncompatiblePairError
+from ssdlocal.weights.compat import check_pair, check_paths
 
 
 def _tok_only(src: Path, dst: Path, vocab_size: int | None = None) -> Path:
@@ -174,7 +157,7 @@ class FakeEngine:
         return [1, 2, 3]
 
     def generate(self, prompts, params, chat=False, spec=None):
-        from ssdlocal.events import DoneEvent, Output
+        from ssdlocal.core.events import DoneEvent, Output
 
         ids = [5, 6, 7, 8]
         if spec.mode.value == "sd" and prompts[0] == "p1":
@@ -204,7 +187,7 @@ class FakeEngine:
 
 
 def test_divergence_reports_index_and_margin(tiny_dir):
-    from ssdlocal.config import EngineConfig, Mode, ModelSpec, SpecConfig
+    from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 
     config = EngineConfig(
         ModelSpec("t", dtype="bfloat16"),
@@ -234,8 +217,8 @@ def test_divergence_reports_index_and_margin(tiny_dir):
     ],
 )
 def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype, margin, verdict):
-    from ssdlocal import check as check_mod
-    from ssdlocal.check import CheckReport
+    from ssdlocal.bench import check as check_mod
+    from ssdlocal.bench.check import CheckReport
 
     def fake_run_check(config, params=None, chat=False, on_mode=None):
         assert config.target.dtype == dtype
@@ -272,7 +255,9 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
 )
 def test_check_bad_input(monkeypatch, capsys, tmp_path, args, code, needles):
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr("ssdlocal.cli._default_pair", lambda dtype: pytest.fail("no download"))
+    monkeypatch.setattr(
+        "ssdlocal.cli.resolve.default_pair_paths", lambda *a, **k: pytest.fail("no download")
+    )
     assert_clean_error(*run_cli(monkeypatch, capsys, "check", *args)[::2], code, *needles)
 
 

@@ -15,34 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ssdlocal.cli import main
+from cli_helpers import assert_clean_error, run_cli
 
 STATS_KEYS = {
     "tokens", "tokens_per_s", "ttft_s", "rounds", "acceptance_rate", "mean_accepted_len",
     "per_position_acceptance", "draft_ms", "verify_ms",
 }
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run `ssdlocal ARGS` through main(); return (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    code = exit_info.value.code
-    return (0 if code is None else code), out, err
-
-
-def assert_clean_error(code: int, err: str, expected_code: int, *needles: str) -> None:
-    """Exactly one `error:` line and one `hint:` line; no traceback; the right code."""
-    assert code == expected_code, err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 2, err
-    assert lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
-    for needle in needles:
-        assert needle.lower() in err.lower(), (needle, err)
 
 
 def gen(tiny: dict[str, Path], *extra: str) -> list[str]:
@@ -120,12 +98,12 @@ def test_empty_prompt(monkeypatch, capsys, tiny_dir):
 
 
 def test_option_errors_come_before_the_default_pair_download(monkeypatch, capsys):
-    from ssdlocal import cli
+    from ssdlocal.cli import resolve
 
-    def no_download(dtype):
+    def no_download(*args, **kwargs):
         raise AssertionError("the default pair must not be fetched for a bad option")
 
-    monkeypatch.setattr(cli, "_default_pair", no_download)
+    monkeypatch.setattr(resolve, "default_pair_paths", no_download)
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--k", "0")
     assert_clean_error(code, err, 2, "k must be >= 1")
 
@@ -195,10 +173,10 @@ def _oom(*args, **kwargs):
 @pytest.mark.parametrize(
     ("target", "needles"),
     [
-        ("ssdlocal.backends.torch_backend.loader.read_state_dict", ["not enough memory", "--dtype"]),
-        ("ssdlocal.backends.torch_backend.runner.ModelRunner.feed", ["out of memory running the target"]),
+        ("ssdlocal.backends.torch.loader.read_state_dict", ["not enough memory", "--dtype"]),
+        ("ssdlocal.backends.torch.runner.TorchRunner.feed", ["out of memory running the target"]),
         # not mapped by the library: the CLI's last line of defence still prints two lines
-        ("ssdlocal.backends.torch_backend.runner.ModelRunner.reset", ["out of memory", "smaller"]),
+        ("ssdlocal.backends.torch.runner.TorchRunner.reset", ["out of memory", "smaller"]),
     ],
 )
 def test_out_of_memory(monkeypatch, capsys, tiny_dir, target, needles):
@@ -211,7 +189,7 @@ def test_unexpected_exception_is_one_line_without_verbose(monkeypatch, capsys, t
     def boom(*args, **kwargs):
         raise ValueError("something odd")
 
-    monkeypatch.setattr("ssdlocal.backends.torch_backend.runner.ModelRunner.reset", boom)
+    monkeypatch.setattr("ssdlocal.backends.torch.runner.TorchRunner.reset", boom)
     code, _, err = run_cli(monkeypatch, capsys, *gen(tiny_dir, "--mode", "ar"))
     assert_clean_error(code, err, 1, "unexpected ValueError: something odd", "--verbose")
 
@@ -220,7 +198,7 @@ def test_keyboard_interrupt_exits_130(monkeypatch, capsys, tiny_dir):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("ssdlocal.backends.torch_backend.runner.ModelRunner.feed", interrupt)
+    monkeypatch.setattr("ssdlocal.backends.torch.runner.TorchRunner.feed", interrupt)
     code, _, err = run_cli(monkeypatch, capsys, *gen(tiny_dir, "--mode", "ar"))
     assert code == 130 and "interrupted" in err and "Traceback" not in err
 

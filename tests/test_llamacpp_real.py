@@ -2,7 +2,7 @@
 by default: `pytest -m llamacpp`). Greedy exactness: our SD and SSD with a llama.cpp
 target reproduce our AR with the same target token for token, on a tiny F32 GGUF the
 suite writes and on the real Qwen2.5-Coder 0.5B Q4_K_M when it is in the cache. When a
-quantized run diverges, the failure names the target's logit margin there (DESIGN.md:
+quantized run diverges, the failure names the target's logit margin there (docs/architecture.md §2:
 batch shapes change llama.cpp's numerics, so a near-tie can flip).
 """
 
@@ -15,11 +15,17 @@ import pytest
 pytestmark = pytest.mark.llamacpp
 pytest.importorskip("llama_cpp")
 
-from ssdlocal.assets import DEFAULT_DRAFT, gguf_path
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from ssdlocal.errors import ModelLoadError
-from ssdlocal.events import DoneEvent
+from ssdlocal.weights.assets import DEFAULT_DRAFT, gguf_path
 
 PROMPTS = ["the cat sat on the mat and the cat", "def f(x): return x + 1\ndef g"]
 

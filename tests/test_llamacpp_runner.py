@@ -16,16 +16,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_helpers import run_cli
 
 from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
 from ssdlocal.backends.llamacpp import loader as gguf_loader
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.errors import ModelLoadError, SSDLocalError, UsageError
+from ssdlocal.core.events import DoneEvent
 from ssdlocal.draft.base import Proposal
-from ssdlocal.draft.protocol import OutcomeMsg, StartMsg
-from ssdlocal.draft.speculator import Speculator
+from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
+from ssdlocal.draft.ssd.speculator import Speculator
 from ssdlocal.engine import Engine
-from ssdlocal.errors import ModelLoadError, SSDLocalError, UsageError
-from ssdlocal.events import DoneEvent
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
@@ -424,7 +431,7 @@ def test_unknown_architecture_named(tmp_path, monkeypatch):
     """A GGUF transformers cannot build a tokenizer for: the error names its architecture."""
     from test_assets import _write_tiny_gguf
 
-    from ssdlocal.errors import UnsupportedArchitectureError
+    from ssdlocal.core.errors import UnsupportedArchitectureError
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "odd.gguf"
@@ -433,31 +440,21 @@ def test_unknown_architecture_named(tmp_path, monkeypatch):
         gguf_loader.gguf_tokenizer(path)
 
 
-def _cli(monkeypatch, capsys, *args):
-    from ssdlocal.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    return info.value.code or 0, out, err
-
-
 def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):
     _, target, draft = fake
     base = ["generate", "the cat", "--target", target, "--max-new-tokens", "8", "--json"]
-    code, out, err = _cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "llamacpp")
+    code, out, err = run_cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "llamacpp")
     assert code == 0, err
     ar = json.loads(out)
-    code, out, err = _cli(
+    code, out, err = run_cli(
         monkeypatch, capsys, *base, "--mode", "sd", "--draft", draft,
         "--target-backend", "llamacpp", "--draft-backend", "llamacpp",
     )
     assert code == 0, err
     assert json.loads(out)["outputs"][0]["token_ids"] == ar["outputs"][0]["token_ids"]
-    code, _, err = _cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "vllm")
+    code, _, err = run_cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "vllm")
     assert code == 2 and "backend" in err
-    code, _, err = _cli(
+    code, _, err = run_cli(
         monkeypatch, capsys, "generate", "x", "--target", str(tiny_dir["llama"]), "--mode", "ar",
         "--target-backend", "llamacpp",
     )

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from ssdlocal.backends.torch_backend.loader import load_model, load_tokenizer
-from ssdlocal.backends.torch_backend.model import ModelArgs, causal_mask
-from ssdlocal.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.backends.torch.loader import load_model, load_tokenizer
+from ssdlocal.backends.torch.model import ModelArgs, causal_mask
+from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
 
 ARCHS = ["llama", "qwen2", "qwen3", "llama3_rope"]
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]

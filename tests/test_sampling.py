@@ -6,9 +6,9 @@ import pytest
 import torch
 from stats_helpers import assert_distribution, assert_not_distribution
 
-from ssdlocal.config import SamplingParams
-from ssdlocal.sampling import logits_to_probs, saguaro_probs, sample
-from ssdlocal.verify import verify
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
+from ssdlocal.core.verify import verify
 
 
 def _params(**kw) -> SamplingParams:

@@ -4,30 +4,14 @@ option defaults (flag > environment > file > built-in); bad files are clean erro
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_clean_error, run_cli
 
-from ssdlocal.cli import main
-from ssdlocal.errors import UsageError
-from ssdlocal.settings import config_dir, load_config
-
-
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
-
-
-def assert_clean_error(code: int, err: str, expected_code: int, *needles: str) -> None:
-    assert code == expected_code, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
-    for needle in needles:
-        assert needle in err, (needle, err)
+from ssdlocal.cli.settings import load_config
+from ssdlocal.core.errors import UsageError
+from ssdlocal.core.paths import config_dir
 
 
 @pytest.fixture

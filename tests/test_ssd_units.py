@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ssdlocal.backup import BackupChooser, expected_rate
-from ssdlocal.config import SamplingParams
-from ssdlocal.fanout import FanOutPlanner, capped_geometric
-from ssdlocal.placement import split_cpus
-from ssdlocal.spec_cache import Branch, SpeculationCache, bonus_candidates
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.placement.cpus import split_cpus
+from ssdlocal.spec.backup import BackupChooser, expected_rate
+from ssdlocal.spec.fanout import FanOutPlanner, capped_geometric
+from ssdlocal.spec.spec_cache import Branch, SpeculationCache, bonus_candidates
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0)
@@ -42,7 +42,7 @@ def test_capped_geometric_non_increasing_before_last(acceptance, power, budget):
 
 
 def test_capped_geometric_matches_formula_when_divisible():
-    """Large budget: counts are within 1 of budget * w_k / sum(w) for the DESIGN formula."""
+    """Large budget: counts are within 1 of budget * w_k / sum(w) for the capped-geometric formula."""
     k, budget, a, r = 3, 1000, 0.8, 1.0
     weights = [a ** (i / (1 + r)) for i in range(k)]
     weights.append(a ** (k / (1 + r)) * (1 - a) ** (-1 / (1 + r)))

@@ -16,15 +16,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_helpers import run_cli
 
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ssdlocal.devices import GPU, DeviceInventory
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.errors import TensorParallelError, UsageError
+from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from ssdlocal.errors import UsageError
-from ssdlocal.events import DoneEvent
-from ssdlocal.parallel.channel import choose_q_channel, make_q_channel, write_q
-from ssdlocal.parallel.devarg import format_devices, parse_devices, plan_flags
-from ssdlocal.parallel.group import TensorParallelError, backend_for
+from ssdlocal.ipc.qchannel import choose_q_channel, make_q_channel, write_q
+from ssdlocal.parallel.group import backend_for
+from ssdlocal.placement.devarg import format_devices, parse_devices, plan_flags
+from ssdlocal.placement.inventory import GPU, DeviceInventory
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -72,7 +79,7 @@ def test_tp2_equals_tp1_greedy(tiny_dir, arch):
         procs = _rank_procs(two)
         assert two.runner.model.shard.args.num_kv_heads == 1  # 2 kv heads split over 2 ranks
         assert _tokens(two) == want
-        assert two.runner.model.shard.layers[0].self_attn.cache_k.shape[1] == 1  # [B, Hkv/TP, N, D]
+        assert two.runner.model.shard.layers[0].self_attn.kv_cache.k.shape[1] == 1  # [B, Hkv/TP, N, D]
         assert _tokens(two) == want  # a second call reuses the group (cache re-setup)
     assert all(not p.is_alive() for p in procs)
 
@@ -130,7 +137,7 @@ def test_hung_rank_times_out_and_is_killed(tiny_dir, monkeypatch):
 
 
 def test_a_rank_load_error_reaches_rank_0_with_its_cause(tmp_path):
-    from ssdlocal.errors import ModelLoadError
+    from ssdlocal.core.errors import ModelLoadError
     from ssdlocal.parallel.group import RankGroup
 
     group = RankGroup(ModelSpec(str(tmp_path / "missing")), TP2)  # rank 0 never loads it here
@@ -157,7 +164,7 @@ def test_indivisible_heads_are_refused_before_spawning(tiny_dir):
 
 _PARENT = """
 import os, sys, time, torch
-from ssdlocal.config import ModelSpec
+from ssdlocal.core.config import ModelSpec
 from ssdlocal.parallel.group import load_tensor_parallel
 if __name__ == "__main__":
     loaded, group = load_tensor_parallel(ModelSpec(sys.argv[1]), ("cpu", "cpu"))
@@ -197,31 +204,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    from ssdlocal.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    out, err = capsys.readouterr()
-    return (exit_info.value.code or 0), out, err
-
-
 def test_cli_target_devices(tiny_dir, monkeypatch, capsys):
     import json
 
     common = ["generate", "The quick brown fox", "--target", tiny_dir["llama"], "--mode", "ar",
               "--dtype", "float32", "--max-new-tokens", "8", "--ignore-eos", "--json"]
-    code, out, err = _cli(monkeypatch, capsys, *common)
+    code, out, err = run_cli(monkeypatch, capsys, *common)
     assert code == 0, err
-    code, out_tp, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
+    code, out_tp, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
     assert code == 0, err
     assert json.loads(out_tp)["outputs"] == json.loads(out)["outputs"]
-    monkeypatch.setattr("ssdlocal.devices.detect", lambda: DeviceInventory((), 2, 16.0))
-    code, out_auto, err = _cli(monkeypatch, capsys, *common, "--target-devices", "auto")
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: DeviceInventory((), 2, 16.0))
+    code, out_auto, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "auto")
     assert code == 0, err
     assert json.loads(out_auto)["outputs"] == json.loads(out)["outputs"]
-    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
     assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
 
 
@@ -230,11 +227,11 @@ def test_check_target_devices(tiny_dir, monkeypatch, capsys):
 
     common = ["check", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
               "--max-new-tokens", "6", "--k", "3", "--json"]
-    code, out, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
+    code, out, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
     assert code == 0, err
     report = json.loads(out)
     assert report["identical"] is True and [r["mode"] for r in report["runs"]] == ["ar", "sd", "ssd"]
-    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
     assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
 
 
@@ -244,12 +241,12 @@ def test_bench_target_devices(tiny_dir, monkeypatch, capsys, tmp_path):
     common = ["bench", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
               "--dtype", "float32", "--max-new-tokens", "6", "--no-chat", "--no-pin", "--ignore-eos",
               "--modes", "ar,sd", "--limit", "1", "--out", tmp_path]
-    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
     assert code == 0, err
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["settings"]["target_devices"] == ["cpu", "cpu"]
     assert doc["exactness"]["sd"]["status"] == "exact"
-    code, _, err = _cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
+    code, _, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cuda:3-1")
     assert code == 2 and "error: device range" in err and "hint: write cuda:1-3" in err
 
 
@@ -353,7 +350,7 @@ class _FakeWorker:
 
 
 def _drafter(params, target_device, draft_device):
-    from ssdlocal.draft.ssd import SSDDrafter
+    from ssdlocal.draft.ssd.client import SSDDrafter
 
     spec = SpecConfig(mode=Mode.SSD, k=3, draft="draft")
     worker = _FakeWorker()
@@ -365,7 +362,7 @@ def _drafter(params, target_device, draft_device):
 def test_ssd_drafter_picks_cuda_ipc_for_two_gpus(monkeypatch):
     """cuda:0 target + cuda:1 draft: the q buffer is made as a cuda-ipc channel on the
     target's GPU (make_q_channel is mocked, so nothing is allocated on a GPU)."""
-    import ssdlocal.draft.ssd as ssd_mod
+    import ssdlocal.draft.ssd.client as ssd_mod
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sys, "platform", "linux")
@@ -393,7 +390,8 @@ def test_ssd_drafter_q_channel_on_cpu_and_greedy():
 
 
 def test_planner_chooses_tp_and_draft_gpu():
-    from ssdlocal.devices import GPU, DeviceInventory, plan_placement
+    from ssdlocal.placement.inventory import GPU, DeviceInventory
+    from ssdlocal.placement.planner import plan_placement
 
     def inventory(n, link):
         return DeviceInventory(tuple(GPU(i, "GPU", 24.0) for i in range(n)), 16, 128.0,
@@ -440,7 +438,7 @@ def test_forward_inputs_pack_into_one_tensor(shape):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_shard_loader_reads_exactly_the_rank_slices(tiny_dir, arch):
     """Reading slices from safetensors == loading everything and sharding (tp.py)."""
-    from ssdlocal.backends.torch_backend.loader import load_model
+    from ssdlocal.backends.torch.loader import load_model
     from ssdlocal.parallel.shard_loader import load_shard
     from ssdlocal.parallel.tp import apply_tensor_parallel
 
@@ -458,7 +456,7 @@ def test_shard_loader_reads_exactly_the_rank_slices(tiny_dir, arch):
 def test_auto_devices_sizes_the_checkpoints_and_asks_the_planner(tiny_dir):
     from safetensors import safe_open
 
-    from ssdlocal.parallel.auto import auto_devices, checkpoint_gb
+    from ssdlocal.placement.auto import auto_devices, checkpoint_gb
 
     path, draft = tiny_dir["llama"], tiny_dir["draft_llama"]
     numel = 0

@@ -12,14 +12,15 @@ import pytest
 
 pytest.importorskip("textual")
 
-from ssdlocal.config import Mode, SamplingParams
-from ssdlocal.errors import DraftWorkerError, ModelLoadError, UsageError
+from fake_engine import WORDS, FakeEngine, chat_settings, fake_config
+
+from ssdlocal.core.config import Mode, SamplingParams
+from ssdlocal.core.errors import DraftWorkerError, ModelLoadError, UsageError
 from ssdlocal.tui.app import ChatApp, RaceApp
-from ssdlocal.tui.core import ChatSettings, Conversation, OriginSplitter, run_command
+from ssdlocal.tui.core import Conversation, OriginSplitter, run_command
 from ssdlocal.tui.race import RaceRun, race_specs, record_run, summarize
 from ssdlocal.tui.screens.chat import ChatScreen
 from ssdlocal.tui.screens.dialogs import ErrorModal
-from ssdlocal.tui.testing import WORDS, FakeEngine, fake_config
 from ssdlocal.tui.widgets.stats_panel import StatsPanel
 from ssdlocal.tui.widgets.transcript import AnswerText
 
@@ -40,7 +41,7 @@ def asynctest(fn):
 
 def chat_app(engine: FakeEngine, **settings) -> ChatApp:
     settings.setdefault("max_new_tokens", 40)
-    chat = ChatSettings(draft=engine.config.spec.draft, **settings)
+    chat = chat_settings(draft=engine.config.spec.draft, **settings)
     return ChatApp(lambda: engine, engine.config, chat)
 
 
@@ -108,7 +109,7 @@ async def test_message_typed_while_loading_is_sent_after_load():
         gate.wait(5)
         return engine
 
-    app = ChatApp(slow_load, engine.config, ChatSettings(draft="d", max_new_tokens=10))
+    app = ChatApp(slow_load, engine.config, chat_settings(draft="d", max_new_tokens=10))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         await say(pilot, "early")
@@ -162,21 +163,21 @@ async def test_keys_and_commands_change_mode_k_temperature():
         await say(pilot, "/mode ssd")
         await say(pilot, "/fanout 2,2,2,1,1,1")
         await say(pilot, "/k abc")  # bad input: a warning, settings unchanged
-        assert screen.settings.k == 5 and screen.settings.fan_out == (2, 2, 2, 1, 1, 1)
+        assert screen.settings.k == 5 and screen.settings.spec.fan_out == (2, 2, 2, 1, 1, 1)
         await say(pilot, "hi")
         await finish(pilot)
         _, params, spec = engine.calls[-1]
         assert spec.mode is Mode.SSD and spec.k == 5 and spec.fan_out == (2, 2, 2, 1, 1, 1)
         assert params.temperature == pytest.approx(0.7)
         await pilot.press("f3")  # K=4: the fan-out no longer fits and falls back to auto
-        assert screen.settings.k == 4 and screen.settings.fan_out is None
+        assert screen.settings.k == 4 and screen.settings.spec.fan_out is None
         assert "K=4" in str(screen.query_one("#status").content)
 
 
 @asynctest
 async def test_ar_only_engine_refuses_other_modes():
     engine = FakeEngine(fake_config(Mode.AR, draft=None))
-    app = ChatApp(lambda: engine, engine.config, ChatSettings(mode=Mode.AR, max_new_tokens=5))
+    app = ChatApp(lambda: engine, engine.config, chat_settings(mode=Mode.AR, draft=None, max_new_tokens=5))
     async with app.run_test(size=SIZE) as pilot:
         screen = await ready(pilot)
         await pilot.press("f2")
@@ -239,7 +240,7 @@ async def test_unexpected_error_and_load_failure_show_modals():
     def broken():
         raise ModelLoadError("cannot read /nope/model.safetensors", "check the --target path")
 
-    app = ChatApp(broken, fake_config(), ChatSettings(draft="d"))
+    app = ChatApp(broken, fake_config(), chat_settings(draft="d"))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.app.workers.wait_for_complete()
         await pilot.pause()
@@ -311,7 +312,7 @@ async def test_race_failure_shows_modal():
 
 # --------------------------------------------------------------------------- UI-free core
 def test_commands_and_settings():
-    s = ChatSettings(draft="d")
+    s = chat_settings(draft="d")
     assert run_command("/mode ar", s).settings.mode is Mode.AR
     assert run_command("/stop", s).action == "stop"
     assert run_command("/max 12", s).settings.max_new_tokens == 12
@@ -320,9 +321,14 @@ def test_commands_and_settings():
             run_command(bad, s)
         assert info.value.hint
     with pytest.raises(UsageError):
-        ChatSettings(mode=Mode.SSD, draft=None)
-    spec = ChatSettings(draft="d", k=3, fan_out=(1, 1, 1, 1)).spec(fake_config().spec)
-    assert spec.k == 3 and spec.fan_out == (1, 1, 1, 1) and spec.draft == "/models/tiny-draft"
+        chat_settings(mode=Mode.SSD, draft=None)
+    with pytest.raises(UsageError, match="between 1 and 16"):
+        chat_settings(draft="d", k=17)
+    k3 = s.with_k(3)
+    assert k3.k == 3 and k3.spec.fan_out is None and k3.spec.draft == "d"
+    spec = run_command("/fanout 1,1,1,1", k3).settings.spec
+    assert spec.k == 3 and spec.fan_out == (1, 1, 1, 1)
+    assert run_command("/k 4", run_command("/fanout 1,1,1,1", k3).settings).settings.spec.fan_out is None
 
 
 def test_origin_splitter_follows_token_boundaries():
@@ -355,8 +361,8 @@ def test_race_timeline_and_summary():
 
 def test_engine_and_cli_do_not_import_textual():
     code = (
-        "import sys, ssdlocal.cli, ssdlocal.cli_tui, ssdlocal.tui, ssdlocal.tui.core, "
-        "ssdlocal.tui.race, ssdlocal.tui.testing; "
+        "import sys, ssdlocal.cli, ssdlocal.cli.tui, ssdlocal.tui, ssdlocal.tui.core, "
+        "ssdlocal.tui.race; "
         "assert 'textual' not in sys.modules, 'textual imported eagerly'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -365,7 +371,7 @@ def test_engine_and_cli_do_not_import_textual():
 def test_missing_textual_gives_install_hint(monkeypatch):
     import builtins
 
-    from ssdlocal.errors import SSDLocalError
+    from ssdlocal.core.errors import SSDLocalError
     from ssdlocal.tui import require_textual
 
     real_import = builtins.__import__

@@ -11,7 +11,13 @@ import pytest
 
 pytest.importorskip("textual")
 
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
 
 
 @pytest.fixture()
@@ -25,7 +31,7 @@ def one_torch_thread():
 
 
 def test_chat_on_tiny_checkpoint_matches_ar(tiny_dir, one_torch_thread):
-    from ssdlocal.cli_tui import prepare_subprocesses
+    from ssdlocal.cli.tui import prepare_subprocesses
     from ssdlocal.engine import Engine
     from ssdlocal.tui.app import ChatApp
     from ssdlocal.tui.core import ChatSettings, Conversation
@@ -38,7 +44,7 @@ def test_chat_on_tiny_checkpoint_matches_ar(tiny_dir, one_torch_thread):
         draft_model=ModelSpec(draft, "cpu", "float32"),
         pin_cpus=False,
     )
-    settings = ChatSettings(mode=Mode.SSD, k=4, draft=draft, max_new_tokens=24)
+    settings = ChatSettings(SpecConfig(mode=Mode.SSD, k=4, draft=draft), SamplingParams(max_new_tokens=24))
     prepare_subprocesses()
     app = ChatApp(lambda: Engine(config), config, settings)
 

@@ -11,18 +11,18 @@ import pytest
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
 
-from ssdlocal.config import SamplingParams
-from ssdlocal.errors import OutOfMemoryError
+from fake_engine import FakeEngine, chat_settings
+
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.errors import OutOfMemoryError
 from ssdlocal.tui.app import ChatApp, RaceApp
-from ssdlocal.tui.core import ChatSettings
 from ssdlocal.tui.race import race_specs
-from ssdlocal.tui.testing import FakeEngine
 
 SIZE = (120, 36)
 
 
 def _chat(engine: FakeEngine) -> ChatApp:
-    settings = ChatSettings(draft=engine.config.spec.draft, max_new_tokens=48)
+    settings = chat_settings(draft=engine.config.spec.draft, max_new_tokens=48)
     return ChatApp(lambda: engine, engine.config, settings)
 
 

@@ -20,9 +20,9 @@ from stats_helpers import (
     joint_index,
 )
 
-from ssdlocal.config import SamplingParams
-from ssdlocal.sampling import logits_to_probs, saguaro_probs, sample
-from ssdlocal.verify import Verdict, point_mass, verify
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
+from ssdlocal.core.verify import Verdict, point_mass, verify
 
 B = 40_000  # trials per statistical test
 

@@ -18,11 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ssdlocal.draft import ssd
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.errors import DraftWorkerError, ModelLoadError
+from ssdlocal.core.events import DoneEvent, RoundEvent
+from ssdlocal.draft.ssd import client as ssd
 from ssdlocal.engine import Engine
-from ssdlocal.errors import DraftWorkerError, ModelLoadError
-from ssdlocal.events import DoneEvent, RoundEvent
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and signals")
 
@@ -274,7 +280,7 @@ def test_ctrl_c_during_ssd_generate(tiny_dir):
 
 PARENT_SCRIPT = """
 import sys, time
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 from ssdlocal.engine import Engine
 
 if __name__ == "__main__":
@@ -316,7 +322,7 @@ def test_worker_exits_when_parent_is_killed(tiny_dir, tmp_path):
 
 FORGETFUL_SCRIPT = """
 import os, signal, sys
-from ssdlocal.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 from ssdlocal.engine import Engine
 
 if __name__ == "__main__":

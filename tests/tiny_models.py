@@ -82,8 +82,15 @@ def make_tiny_checkpoint(
     tokenizer_dir: Path | None = None,
 ) -> Path:
     """Random-init a transformers model of `arch` ("llama" | "qwen2" | "qwen3") and save it."""
-    from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

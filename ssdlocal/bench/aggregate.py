@@ -1,4 +1,4 @@
-"""Per-system aggregates over benchmark records (pure), with DESIGN.md metric names.
+"""Per-system aggregates over benchmark records (pure), with the shared metric names.
 
 Rates are ratios of sums (total tokens / total decode time, accepted / drafted, ...);
 `tokens_per_s_mean` is the plain mean of the per-record rates. Speedups compare
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from statistics import mean
 
-from .project import ProjectionInputs
+from ssdlocal.bench.project import ProjectionInputs
 
 _SUMMED = (
     "rounds", "row_rounds", "drafted", "accepted", "emitted", "timed_rounds", "draft_ms_timed",

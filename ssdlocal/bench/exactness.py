@@ -1,7 +1,7 @@
 """Exactness at temperature 0: every system's tokens vs AR's, with the target's logit
-margin at the first divergence, so a bf16 near-tie can be told from a bug (DESIGN §1).
+margin at the first divergence, so a bf16 near-tie can be told from a bug (docs/architecture.md §2).
 
-`logit_margin` runs the engine's loaded target (its ModelRunner) on prompt + common
+`logit_margin` runs the engine's loaded target (its Runner) on prompt + common
 prefix; it resets the runner's cache, so call it only between generations.
 """
 
@@ -30,7 +30,7 @@ def logit_margin(
     """Target logits after prompt + prefix: top1 - top2 margin, the top-2 ids, the logit of
     each id in `tokens` (e.g. AR's token and the other system's token there), and
     `near_tie`: the margin is within 2 units in the last place of the model's `dtype` at
-    the top logit's magnitude (kernel-shape rounding can swap such a pair; DESIGN §1)."""
+    the top logit's magnitude (kernel-shape rounding can swap such a pair)."""
     ids = list(prompt) + list(prefix)
     runner.reset(1, len(ids) + 2)
     logits = runner.feed([ids])[0][-1].float()  # [V]

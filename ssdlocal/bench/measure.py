@@ -1,7 +1,7 @@
 """One timed generation call of one system (our mode or a peer) over one batch of prompts.
 
 `Measurement` is the common record every system returns; `from_engine_events` builds it
-from an Engine event stream. Timing contract (DESIGN.md metric names): `ttft_s` is the
+from an Engine event stream. Timing contract (docs/architecture.md §3): `ttft_s` is the
 time to the first generated token, `decode_s` the time from there to the end, and
 `decode_tokens` the generated tokens after each row's first one, so
 tokens_per_s = decode_tokens / decode_s excludes prefill.
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import DoneEvent, Event, RoundEvent
+from ssdlocal.core.events import DoneEvent, Event, RoundEvent
 
 
 @dataclass

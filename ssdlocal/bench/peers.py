@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import SamplingParams
-from .measure import Measurement
+from ssdlocal.bench.measure import Measurement
+from ssdlocal.core.config import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Projected SD / SSD speedups over AR at other draft/target latency ratios (pure math).
 
-DESIGN.md §1, latencies in units of one target verification (taken = one AR step):
+docs/architecture.md §1, latencies in units of one target verification (taken = one AR step):
     SD round  = K draft forwards + 1 verify            -> speedup_SD  = E_SD / (1 + K*r)
     SSD round = max(1, T_p) on a hit, 1 + T_b on a miss, with T_p = (K+1)*r
     speedup_SSD = (p_hit*E_hit + (1-p_hit)*E_miss) / (p_hit*max(1, T_p) + (1-p_hit)*(1 + T_b))
@@ -43,7 +43,7 @@ def sd_speedup(e_sd: float, k: int, ratio: float) -> float:
 def ssd_speedup(
     p_hit: float, e_hit: float, e_miss: float, k: int, ratio: float, backup_forwards: float
 ) -> float:
-    """SSD over AR by DESIGN.md §1 with T_p = (K+1)*ratio and T_b = backup_forwards*ratio."""
+    """SSD over AR by the speedup formula (docs/architecture.md §1) with T_p = (K+1)*ratio and T_b = backup_forwards*ratio."""
     t_p = (k + 1) * ratio
     t_b = backup_forwards * ratio
     tokens = p_hit * e_hit + (1.0 - p_hit) * e_miss
@@ -78,7 +78,7 @@ def project(inputs: ProjectionInputs, ratios: tuple[float, ...] = DEFAULT_RATIOS
             }
         )
     return {
-        "label": "projection (not measured): DESIGN.md §1 formula, T_p = (K+1) draft forwards, "
+        "label": "projection (not measured): SSD speedup formula of docs/architecture.md §1, T_p = (K+1) draft forwards, "
         "verify = 1 target forward, SD round = K draft forwards + 1 verify",
         "inputs": asdict(inputs),
         "rows": rows,

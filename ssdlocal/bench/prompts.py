@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..errors import UsageError
+from ssdlocal.core.errors import UsageError
 
 DEFAULT_SET = "ssdlocal/data/prompts.jsonl"
 

@@ -14,9 +14,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .aggregate import aggregate_all, projection_inputs
-from .project import DEFAULT_RATIOS, project
-from .run import BenchRun
+from ssdlocal.bench.aggregate import aggregate_all, projection_inputs
+from ssdlocal.bench.project import DEFAULT_RATIOS, project
+from ssdlocal.bench.run import BenchRun
 
 SCHEMA_VERSION = 1
 
@@ -26,7 +26,7 @@ def environment() -> dict:
     import torch
     import transformers
 
-    from .. import __version__
+    from ssdlocal import __version__
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -69,16 +69,10 @@ def build_results(
 ) -> dict:
     """The results.json document."""
     aggs = aggregate_all(run.records, run.systems, run.exactness)
-    settings = asdict(run.settings)
     doc = {
         "schema": SCHEMA_VERSION,
         **(env if env is not None else environment()),
-        "settings": {
-            **settings,
-            "target": run.target,
-            "draft": run.draft,
-            "n_prompts": len(run.prompts),
-        },
+        "settings": settings_record(run),
         "prompts": [asdict(p) for p in run.prompts],
         "batches": run.batches,
         "systems": run.systems,
@@ -90,8 +84,27 @@ def build_results(
         "wall_s": run.wall_s,
     }
     if with_projection:
-        doc["projections"] = project(projection_inputs(aggs, run.settings.k), ratios)
+        doc["projections"] = project(projection_inputs(aggs, run.config.spec.k), ratios)
     return doc
+
+
+def settings_record(run: BenchRun) -> dict:
+    """The flat "settings" object of results.json: what was asked, in one place."""
+    config, spec, params, s = run.config, run.config.spec, run.params, run.settings
+    return {
+        "modes": list(s.modes), "peers": list(s.peers), "k": spec.k,
+        "fan_out": spec.fan_out, "fan_out_miss": spec.fan_out_miss, "backup": spec.backup,
+        "saguaro_c": spec.saguaro_c, "temperature": params.temperature, "top_k": params.top_k,
+        "top_p": params.top_p, "seed": params.seed, "batch_size": s.batch_size,
+        "max_new_tokens": params.max_new_tokens, "repeats": s.repeats, "chat": s.chat,
+        "ignore_eos": params.ignore_eos, "dtype": config.target.dtype,
+        "target_device": config.target.device,
+        "draft_device": config.draft_model.device if config.draft_model else None,
+        "pin_cpus": config.pin_cpus, "warmup_tokens": s.warmup_tokens,
+        "gguf_target": s.gguf_target, "gguf_draft": s.gguf_draft,
+        "target_devices": list(config.target_devices),
+        "target": run.target, "draft": run.draft, "n_prompts": len(run.prompts),
+    }  # fmt: skip
 
 
 def write_all(doc: dict, out_dir: Path) -> dict[str, Path]:

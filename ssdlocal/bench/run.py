@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ..errors import UsageError
-from .exactness import check_exactness, logit_margin
-from .measure import Measurement, from_engine_events
-from .peers import KNOWN_PEERS, PeerOptions, PeerSkipped, make_peers
-from .prompts import BenchPrompt
+from ssdlocal.bench.exactness import check_exactness, logit_margin
+from ssdlocal.bench.measure import Measurement, from_engine_events
+from ssdlocal.bench.peers import KNOWN_PEERS, PeerOptions, PeerSkipped, make_peers
+from ssdlocal.bench.prompts import BenchPrompt
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.core.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -29,32 +29,16 @@ MODES = ("ar", "sd", "ssd")
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What the user asked the benchmark to do (validated on creation)."""
+    """What the benchmark runs besides the engine config and sampling parameters."""
 
     modes: tuple[str, ...] = MODES
     peers: tuple[str, ...] = ()
-    k: int = 4
-    fan_out: tuple[int, ...] | None = None
-    fan_out_miss: tuple[int, ...] | None = None
-    backup: str = "auto"
-    saguaro_c: float = 1.0
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
     batch_size: int = 1
-    max_new_tokens: int = 64
     repeats: int = 1
     chat: bool = True
-    ignore_eos: bool = False
-    dtype: str = "bfloat16"
-    target_device: str = "cpu"
-    draft_device: str = "cpu"
-    pin_cpus: bool = True
     warmup_tokens: int = 8
     gguf_target: str | None = None
     gguf_draft: str | None = None
-    target_devices: tuple[str, ...] = ()  # tensor-parallel target (rank 0 on target_device)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
@@ -68,32 +52,26 @@ class BenchSettings:
         for name, value in (("batch-size", self.batch_size), ("repeats", self.repeats)):
             if value < 1:
                 raise UsageError(f"{name} must be >= 1, got {value}", f"use --{name} 1")
-        _ = self.params  # validates sampling options
-        self.spec("sd", "draft")  # validates K / fan-out / backup
 
     @property
-    def params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos,
-        )  # fmt: skip
+    def needs_draft(self) -> bool:
+        return any(m != "ar" for m in self.modes) or "hf-assisted" in self.peers
 
-    def spec(self, mode: str, draft: str | None) -> SpecConfig:
-        if mode == "ar":
-            return SpecConfig(mode=Mode.AR, k=self.k)
-        return SpecConfig(
-            mode=Mode(mode), k=self.k, draft=draft, fan_out=self.fan_out,
-            fan_out_miss=self.fan_out_miss, backup=self.backup, saguaro_c=self.saguaro_c,
-        )  # fmt: skip
+
+def mode_spec(base: SpecConfig, mode: str) -> SpecConfig:
+    """The engine's speculation settings for one of our modes (AR drafts nothing)."""
+    if mode == "ar":
+        return SpecConfig(mode=Mode.AR, k=base.k)
+    return replace(base, mode=Mode(mode))
 
 
 @dataclass
 class BenchRun:
     """Everything measured; report.py turns it into results.json / .md / .png."""
 
+    config: EngineConfig
+    params: SamplingParams
     settings: BenchSettings
-    target: str
-    draft: str | None
     prompts: list[BenchPrompt]
     batches: list[list[str]]  # prompt ids per batch
     records: list[dict] = field(default_factory=list)
@@ -102,35 +80,33 @@ class BenchRun:
     systems: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
+    @property
+    def target(self) -> str:
+        return self.config.target.path
+
+    @property
+    def draft(self) -> str | None:
+        return self.config.spec.draft
+
 
 def run_bench(
-    target: str, draft: str | None, prompts: list[BenchPrompt], settings: BenchSettings,
-    progress: ProgressFn | None = None,
+    config: EngineConfig, prompts: list[BenchPrompt], settings: BenchSettings,
+    params: SamplingParams, progress: ProgressFn | None = None,
 ) -> BenchRun:  # fmt: skip
     """Load one Engine (and the peers), warm up, run every system on every batch, check
     exactness. Engine and peers are closed before returning."""
-    from ..engine import Engine
+    from ssdlocal.engine import Engine
 
     note = progress or (lambda *a: None)
     started = time.perf_counter()
-    speculative = [m for m in settings.modes if m != "ar"]
-    if (speculative or "hf-assisted" in settings.peers) and not draft:
+    if settings.needs_draft and not config.spec.draft:
         raise UsageError(
             "SD, SSD and hf-assisted need a draft", "pass --draft PATH or use --modes ar"
         )
-    config = EngineConfig(
-        target=ModelSpec(target, settings.target_device, settings.dtype),
-        spec=settings.spec(speculative[0], draft) if speculative else SpecConfig(),
-        draft_model=ModelSpec(draft, settings.draft_device, settings.dtype)
-        if speculative
-        else None,
-        pin_cpus=settings.pin_cpus,
-        target_devices=settings.target_devices,
-    )
     batches = [
         prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)
     ]
-    run = BenchRun(settings, target, draft, prompts, [[p.id for p in b] for b in batches])
+    run = BenchRun(config, params, settings, prompts, [[p.id for p in b] for b in batches])
     note("load", 0, 1, "loading target and draft")
     peers: list = []
     with Engine(config) as engine:
@@ -139,8 +115,8 @@ def run_bench(
             if settings.peers:
                 note("load", 0, 1, "loading peers")
                 opts = PeerOptions(
-                    target, draft, settings.dtype, settings.target_device, settings.k,
-                    settings.gguf_target, settings.gguf_draft,
+                    config.target.path, config.spec.draft, config.target.dtype,
+                    config.target.device, config.spec.k, settings.gguf_target, settings.gguf_draft,
                 )  # fmt: skip
                 pad = engine.tokenizer.pad_token_id
                 peers, run.skipped = make_peers(
@@ -149,9 +125,9 @@ def run_bench(
                     engine.eos_ids,
                     min(engine.eos_ids) if pad is None else pad,
                 )
-            systems = _systems(engine, settings, draft, peers)
+            systems = _systems(engine, config.spec, settings, peers)
             _measure_all(run, systems, ids, batches, note)
-            if settings.temperature == 0.0 and "ar" in run.systems:
+            if params.greedy and "ar" in run.systems:
                 note("exactness", 0, 1, "checking exactness against AR")
                 margin_fn = lambda prompt, prefix, toks: logit_margin(
                     engine.runner, prompt, prefix, toks, engine.target.dtype
@@ -165,13 +141,13 @@ def run_bench(
 
 
 def _systems(
-    engine, settings: BenchSettings, draft: str | None, peers: list
+    engine, base: SpecConfig, settings: BenchSettings, peers: list
 ) -> dict[str, Callable]:
     """name -> run(batch_token_ids, params) -> Measurement, in the order the user gave."""
     systems: dict[str, Callable] = {}
     for mode in settings.modes:
-        spec = settings.spec(mode, draft)
-        k = 0 if mode == "ar" else settings.k
+        spec = mode_spec(base, mode)
+        k = 0 if mode == "ar" else base.k
 
         def run_mode(batch, params, _mode=mode, _spec=spec, _k=k) -> Measurement:
             return from_engine_events(_mode, engine.generate(batch, params, spec=_spec), _k)
@@ -183,8 +159,7 @@ def _systems(
 
 
 def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: ProgressFn) -> None:
-    settings = run.settings
-    params = settings.params
+    settings, params = run.settings, run.params
     warm = replace(params, max_new_tokens=min(settings.warmup_tokens, params.max_new_tokens))
     first = [ids[p.id] for p in batches[0]]
     for i, (name, fn) in enumerate(list(systems.items())):

@@ -1,7 +1,7 @@
 """Synchronous drafters: the n-gram (prompt-lookup) proposer and a draft model in-process.
 
-Both run on the target's thread between verifications (SD). The SSD worker reuses
-ModelDrafter's stepping logic inside its own process.
+Both run on the target's thread between verifications (SD). The SSD worker has its
+own drafting code (draft/ssd/speculator.py), which also decodes fan-out trees.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import SamplingParams
-from ..ngram import propose_ngram
-from ..sampling import logits_to_probs, sample
-from .base import Proposal, align_vocab
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sampling import logits_to_probs, sample
+from ssdlocal.draft.base import Proposal, align_vocab
+from ssdlocal.spec.ngram import propose_ngram
 
 
 class NgramDrafter:
@@ -46,7 +46,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        runner,  # ModelRunner of the draft model
+        runner,  # backends.base.Runner of the draft model
         k: int,
         params: SamplingParams,
         target_vocab: int,

@@ -1,49 +1,40 @@
 """A tensor-parallel target: rank 0 in this process (it runs the engine), one spawned
 process per other rank, each holding a shard (tp.py) on its own device.
 
-Rank 0 wraps its shard in `TPModel`, which ModelRunner uses like a plain Transformer:
+Rank 0 wraps its shard in `TPModel`, which TorchRunner uses like a plain Transformer:
 before each forward it sends a small header (op, shapes) down a pipe to every rank,
 broadcasts ids/positions/slots/mask with torch.distributed, and runs its shard; the
 ranks run the same forward, so every all_reduce meets its partners. Idle ranks wait on
 the pipe (with a parent-death check), never inside a collective, so an idle engine
 cannot time out, while every collective has the process group's timeout.
-Robustness follows draft/ssd.py: rendezvous on a port the OS picks (TCPStore bound to
-port 0 on 127.0.0.1), a watchdog thread that notices a dead rank, a broken group that
-refuses further use, SHUTDOWN then SIGKILL on close, an atexit hook, PDEATHSIG.
+Each rank is an ipc.ChildProcess (deadline receives, SHUTDOWN then SIGKILL on close,
+killed at exit if forgotten, dies with its parent); on top of that the group
+rendezvouses on a port the OS picks, runs a watchdog thread that notices a dead rank,
+and refuses further use once broken.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
 import threading
 import time
-import weakref
 from datetime import timedelta
 
 import torch
 
-from ..config import ModelSpec
-from ..errors import OutOfMemoryError, SSDLocalError, UsageError
-from ..procs import describe_exit
-from .rank import (
-    Cmd,
-    RankError,
-    Reply,
-    TensorParallelError,
-    pack_inputs,
-    rank_main,
-)
+from ssdlocal.core.config import ModelSpec
+from ssdlocal.core.errors import OutOfMemoryError, SSDLocalError, TensorParallelError, UsageError
+from ssdlocal.ipc.lifetime import describe_exit
+from ssdlocal.ipc.child import ChildProcess
+from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, rank_main
 
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 60.0  # spawn + import + joining the process group
 COLLECTIVE_TIMEOUT_S = 120.0  # any one broadcast / all_reduce (tests lower it)
 LOAD_TIMEOUT_S = 900.0  # loading and sharding the checkpoint on every rank
-_LIVE: weakref.WeakSet[RankGroup] = weakref.WeakSet()
-_ATEXIT_REGISTERED = False
 
 
 def backend_for(devices: tuple[str, ...]) -> str:
@@ -68,7 +59,7 @@ def backend_for(devices: tuple[str, ...]) -> str:
 
 
 class TPModel:
-    """What ModelRunner sees on rank 0: the local shard, mirrored on every other rank."""
+    """What TorchRunner sees on rank 0: the local shard, mirrored on every other rank."""
 
     def __init__(self, shard, group: RankGroup) -> None:
         self.shard = shard
@@ -87,7 +78,7 @@ class TPModel:
 
 
 class RankGroup:
-    """Owns ranks 1..N-1 (processes), the pipes to them and the default process group."""
+    """Owns ranks 1..N-1 (ipc.ChildProcess each) and the default process group."""
 
     def __init__(
         self,
@@ -99,7 +90,6 @@ class RankGroup:
         load_timeout_s: float | None = None,
     ) -> None:
         import torch.distributed as dist
-        import torch.multiprocessing as tmp
 
         self.devices = tuple(devices)
         self.world = len(devices)
@@ -111,7 +101,7 @@ class RankGroup:
         self.broken = False
         self._closed = False
         self._dead: str | None = None  # set by the watchdog: which rank died and how
-        self.procs, self.conns = [], []
+        self.children: list[ChildProcess] = []
         if not dist.is_available():
             raise TensorParallelError("this torch build has no torch.distributed",
                                       "install a torch build with distributed support")
@@ -126,89 +116,63 @@ class RankGroup:
             # On a collective timeout NCCL's own watchdog aborts the communicators and lets
             # the error surface here (mode 2) instead of tearing down the user's process.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        _register_atexit()
-        _LIVE.add(self)
         try:
-            # The OS picks a free port: no race with other programs, no fixed port.
-            store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True,
-                                  timeout=timedelta(seconds=self.rendezvous_timeout_s),
-                                  wait_for_workers=False)
-            ctx = tmp.get_context("spawn")
-            on_main = threading.current_thread() is threading.main_thread()
-            threads = max(1, torch.get_num_threads() // self.world) if self.backend == "gloo" else None
-            for rank in range(1, self.world):
-                conn, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=rank_main,
-                    args=(child, rank, self.world, store.port, self.backend, self.devices, spec,
-                          os.getpid(), on_main, self.rendezvous_timeout_s, self.collective_timeout_s,
-                          threads),
-                    daemon=True,
-                    name=f"ssdlocal-tp{rank}",
-                )
-                proc.start()
-                child.close()
-                self.procs.append(proc)
-                self.conns.append(conn)
-            for rank in range(1, self.world):
-                self._recv(rank, Reply.JOINING, self.rendezvous_timeout_s)
-            if self.backend == "nccl":
-                torch.cuda.set_device(self.device)
-            try:
-                dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world,
-                                        timeout=timedelta(seconds=self.collective_timeout_s))
-            except RuntimeError as exc:  # a rank died or hung while joining
-                raise self.failure(f"the tensor-parallel ranks could not join ({_first_line(exc)})") from exc
-            self._store = store
-            self._watchdog = threading.Thread(target=self._watch, name="ssdlocal-tp-watchdog",
-                                              daemon=True)
-            self._watchdog.start()
+            self._start(spec, dist)
         except BaseException:
             self.broken = True
             self.close()
             raise
 
+    def _start(self, spec: ModelSpec, dist) -> None:
+        """Rendezvous, spawn the ranks, join the process group, start the watchdog."""
+        # The OS picks a free port: no race with other programs, no fixed port.
+        store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True,
+                              timeout=timedelta(seconds=self.rendezvous_timeout_s),
+                              wait_for_workers=False)
+        threads = max(1, torch.get_num_threads() // self.world) if self.backend == "gloo" else None
+        for rank in range(1, self.world):
+            self.children.append(ChildProcess(
+                rank_main,
+                (rank, self.world, store.port, self.backend, self.devices, spec,
+                 self.rendezvous_timeout_s, self.collective_timeout_s, threads),
+                name=f"ssdlocal-tp{rank}", role=f"tensor-parallel rank {rank} ({self.devices[rank]})",
+                error=TensorParallelError,
+                dead_hint="the rank was killed or crashed (out of memory?); rerun, or use fewer target devices",
+                hung_hint="the device may be overloaded or the process stopped; rerun, or use one target device",
+            ))  # fmt: skip
+        for rank in range(1, self.world):
+            self._recv(rank, Reply.JOINING, self.rendezvous_timeout_s)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        try:
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world,
+                                    timeout=timedelta(seconds=self.collective_timeout_s))
+        except RuntimeError as exc:  # a rank died or hung while joining
+            raise self.failure(f"the tensor-parallel ranks could not join ({_first_line(exc)})") from exc
+        self._store = store
+        self._watchdog = threading.Thread(target=self._watch, name="ssdlocal-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def procs(self) -> list:
+        return [c.proc for c in self.children]
+
     # ---- messaging
     def _recv(self, rank: int, expect: Reply, limit: float):
         """Wait for one reply of kind `expect` from `rank`; raise on error, death or timeout."""
-        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
-        deadline = time.monotonic() + limit
-        while True:
-            if conn.poll(min(0.05, max(0.0, deadline - time.monotonic()))):
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError) as exc:
-                    self.broken = True
-                    raise self.failure(f"tensor-parallel rank {rank} died") from exc
-                if kind == Reply.ERROR:
-                    self.broken = True
-                    raise _error_from(payload)
-                if kind != expect:
-                    self.broken = True
-                    raise TensorParallelError(
-                        f"tensor-parallel protocol error: rank {rank} sent {kind!r}, expected {expect.name}",
-                        "this is a bug; run with --verbose and report it",
-                    )
-                return payload
-            if not proc.is_alive():
-                self.broken = True
-                raise self.failure(f"tensor-parallel rank {rank} died")
-            if time.monotonic() >= deadline:
-                self.broken = True
-                raise TensorParallelError(
-                    f"tensor-parallel rank {rank} ({self.devices[rank]}) did not answer within {limit:g} s",
-                    "the device may be overloaded or the process stopped; rerun, or use one target device",
-                )
+        try:
+            return self.children[rank - 1].recv(expect, limit)
+        except BaseException:
+            self.broken = True
+            raise
 
     def command_all(self, cmd: Cmd, payload) -> None:
         self._check_usable()
         try:
-            for conn in self.conns:
-                conn.send((cmd, payload))
-        except BaseException as exc:
+            for child in self.children:
+                child.send(cmd, payload)
+        except BaseException:
             self.broken = True
-            if isinstance(exc, (BrokenPipeError, OSError)):
-                raise self.failure("could not reach a tensor-parallel rank") from exc
             raise
 
     def wait_loaded(self) -> list[int]:
@@ -253,24 +217,17 @@ class RankGroup:
 
     def failure(self, what: str) -> SSDLocalError:
         """The best account of why the group failed: a rank's own error, else its exit."""
-        time.sleep(0.05)  # a crashing rank's ERROR reply may still be in flight
-        for rank in range(1, self.world):
-            conn, proc = self.conns[rank - 1], self.procs[rank - 1]
-            try:
-                while conn.poll(0.2 if not proc.is_alive() else 0):
-                    kind, payload = conn.recv()
-                    if kind == Reply.ERROR:
-                        return _error_from(payload)
-            except (EOFError, OSError):
-                pass
-        for rank in range(1, self.world):
-            proc = self.procs[rank - 1]
+        time.sleep(0.05)  # a crashing rank's error reply may still be in flight
+        for child in self.children:
+            found = child.pending_error()
+            if found is not None:
+                return found
+        for child in self.children:
+            proc = child.proc
             proc.join(timeout=0.5 if not proc.is_alive() else 0)
             if proc.exitcode is not None:
-                return TensorParallelError(
-                    f"{what}: rank {rank} ({self.devices[rank]}) exited{describe_exit(proc.exitcode)}",
-                    "the rank was killed or crashed (out of memory?); rerun, or use fewer target devices",
-                )
+                return TensorParallelError(f"{what}: {child.role} exited{describe_exit(proc.exitcode)}",
+                                           child.dead_hint)
         return TensorParallelError(
             f"{what}",
             "a rank may be hung or its device overloaded; rerun with --verbose, or use one target device",
@@ -280,10 +237,11 @@ class RankGroup:
         """Notice a dead rank between and during forwards; abort NCCL so rank 0 does not
         sit in a collective until the timeout (gloo fails at once when a peer's socket closes)."""
         while not self._closed:
-            for rank, proc in enumerate(self.procs, start=1):
+            for child in self.children:
+                proc = child.proc
                 if not proc.is_alive() and not self._closed and self._dead is None:
-                    self._dead = f"rank {rank} ({self.devices[rank]}) exited{describe_exit(proc.exitcode)}"
-                    log.warning("tensor-parallel %s", self._dead)
+                    self._dead = f"{child.role} exited{describe_exit(proc.exitcode)}"
+                    log.warning("%s", self._dead)
                     if self.backend == "nccl":
                         _abort_nccl()
             time.sleep(every_s)
@@ -294,25 +252,11 @@ class RankGroup:
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
         try:
-            if not self.broken:
-                for conn in self.conns:
-                    try:
-                        conn.send((Cmd.SHUTDOWN, None))
-                    except (BrokenPipeError, OSError):
-                        pass
-                for proc in self.procs:
-                    proc.join(timeout=5.0)
+            for child in self.children:
+                child.broken = child.broken or self.broken
+                child.close(grace_s=5.0)
         finally:
-            for proc in self.procs:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(timeout=5.0)
-                if proc.is_alive():  # pragma: no cover - unkillable (D state)
-                    log.warning("tensor-parallel rank %s did not exit after SIGKILL", proc.pid)
-            for conn in self.conns:
-                conn.close()
             _leave_process_group(self.broken)
 
 
@@ -343,11 +287,11 @@ def _abort_nccl() -> None:
 def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
     """Start the ranks, load the shards everywhere; returns (LoadedModel on rank 0, RankGroup).
 
-    The LoadedModel's `model` is a TPModel, so ModelRunner drives the whole group.
+    The LoadedModel's `model` is a TPModel, so TorchRunner drives the whole group.
     """
-    from ..backends.torch_backend.loader import load_hf_config, resolve_checkpoint
-    from ..backends.torch_backend.model import ModelArgs
-    from .tp import check_divisible
+    from ssdlocal.backends.torch.loader import load_hf_config, resolve_checkpoint
+    from ssdlocal.backends.torch.model import ModelArgs
+    from ssdlocal.parallel.tp import check_divisible
 
     if getattr(spec, "backend", "torch") != "torch":
         raise UsageError(
@@ -358,7 +302,7 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
     check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, len(devices))
     group = RankGroup(spec, devices, **timeouts)
     try:
-        from .shard_loader import load_shard
+        from ssdlocal.parallel.shard_loader import load_shard
 
         loaded = load_shard(spec, devices[0], 0, len(devices))
         group.wait_loaded()
@@ -370,29 +314,6 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
         raise
 
 
-def _error_from(msg: RankError) -> SSDLocalError:
-    from .. import errors
-
-    cls = getattr(errors, msg.kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, SSDLocalError)):
-        cls = TensorParallelError
-    return cls(msg.message, msg.hint)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
-def _register_atexit() -> None:
-    """Kill ranks the program forgot to close, before multiprocessing's own exit hook."""
-    global _ATEXIT_REGISTERED
-    if not _ATEXIT_REGISTERED:
-        atexit.register(_close_all)
-        _ATEXIT_REGISTERED = True
-
-
-def _close_all() -> None:
-    for group in list(_LIVE):
-        group.broken = True
-        group.close()

@@ -1,28 +1,21 @@
-"""Ranks 1..N-1 of a tensor-parallel target: the process entry point, the loop that
+"""Ranks 1..N-1 of a tensor-parallel target: the process entry point, the handler that
 mirrors rank 0's forwards, and the pipe protocol both sides speak (Cmd / Reply).
 
-A rank loads its shard, then waits on its pipe (checking that its parent lives) for
-CACHE / FORWARD / SHUTDOWN; for FORWARD it joins rank 0's input broadcasts and runs
-the same forward, so every all_reduce meets its partners. Any failure is sent to
-rank 0 as a RankError before the process exits non-zero.
+A rank loads its shard, then answers rank 0 through ssdlocal.ipc's serve loop (which
+also notices a dead parent): CACHE allocates its KV cache; FORWARD joins rank 0's input
+broadcasts and runs the same forward, so every all_reduce meets its partners. Any
+failure reaches rank 0 as an error reply before the process exits non-zero.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
 
 import torch
 
-from ..errors import SSDLocalError
-
-
-class TensorParallelError(SSDLocalError):
-    """A tensor-parallel rank failed, died, hung, or the group could not start."""
 
 
 class Cmd(IntEnum):
@@ -30,7 +23,6 @@ class Cmd(IntEnum):
 
     CACHE = 1  # (batch_size, num_slots): allocate the rank's KV cache
     FORWARD = 2  # (B, T, S): join the input broadcasts, then run the forward
-    SHUTDOWN = 9
 
 
 class Reply(IntEnum):
@@ -39,15 +31,6 @@ class Reply(IntEnum):
     JOINING = 1  # about to join the process group
     LOADED = 2  # shard loaded (payload: bytes of parameters held)
     ACK = 3  # cache allocated
-    ERROR = 9  # RankError
-
-
-@dataclass(frozen=True)
-class RankError:
-    rank: int
-    message: str
-    hint: str
-    kind: str  # class name from ssdlocal.errors, or "TensorParallelError"
 
 
 def packed_size(B: int, T: int, S: int) -> int:
@@ -74,28 +57,24 @@ def unpack_inputs(packed, B: int, T: int, S: int):
     return head[0], head[1], head[2], mask
 
 
-def rank_main(conn, rank, world, port, backend, devices, spec, parent_pid, pdeathsig,
+def rank_main(conn, parent_pid, pdeathsig, rank, world, port, backend, devices, spec,
               rendezvous_timeout_s, collective_timeout_s, threads) -> None:
-    """Process entry point of rank `rank` >= 1 (spawned by RankGroup)."""
-    from ..procs import start_child
+    """Process entry point of rank `rank` >= 1 (spawned by RankGroup through ipc)."""
+    from ssdlocal.ipc.serve import run_child
 
-    start_child(parent_pid, pdeathsig)  # rank 0 decides when we stop
-    try:
+    def body() -> None:
         _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
                rendezvous_timeout_s, collective_timeout_s, threads)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown: gloo/store threads may abort() in destructors
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        os._exit(0)  # rank 0 went away: nothing to report to
-    except BaseException as exc:  # noqa: BLE001 - report anything else, then exit non-zero
-        _send_error(conn, rank, devices[rank], exc)
-        os._exit(1)
+
+    run_child(conn, parent_pid, pdeathsig, body, role=f"tensor-parallel rank {rank} ({devices[rank]})",
+              default_kind="TensorParallelError", prefix_errors=True)
 
 
 def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
            rendezvous_timeout_s, collective_timeout_s, threads) -> None:
     import torch.distributed as dist
+
+    from ssdlocal.ipc.serve import serve
 
     if threads:
         torch.set_num_threads(threads)
@@ -109,48 +88,27 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
                           timeout=timedelta(seconds=rendezvous_timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=collective_timeout_s))
-    from .shard_loader import load_shard
-    from .tp import shard_bytes
+    from ssdlocal.parallel.shard_loader import load_shard
+    from ssdlocal.parallel.tp import shard_bytes
 
     loaded = load_shard(spec, devices[rank], rank, world, tokenizer=False)
     model = loaded.model
     model.lm_head = torch.nn.Identity()  # only rank 0 needs logits: skip the [hidden, V] matmul
     conn.send((Reply.LOADED, shard_bytes(model)))
+
+    def handle(cmd, payload) -> None:
+        if cmd == Cmd.FORWARD:
+            B, T, S = payload
+            packed = torch.empty(packed_size(B, T, S), dtype=torch.long, device=device)
+            dist.broadcast(packed, 0)
+            model(*unpack_inputs(packed, B, T, S))  # output unused: rank 0 has the logits
+        elif cmd == Cmd.CACHE:
+            batch_size, num_slots = payload
+            model.setup_cache(batch_size, num_slots, loaded.dtype, device)
+            conn.send((Reply.ACK, None))
+        else:
+            raise RuntimeError(f"unknown command {cmd!r}")
+
     with torch.inference_mode():
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent_pid:
-                    return
-                continue
-            cmd, payload = conn.recv()
-            if cmd == Cmd.FORWARD:
-                B, T, S = payload
-                packed = torch.empty(packed_size(B, T, S), dtype=torch.long, device=device)
-                dist.broadcast(packed, 0)
-                model(*unpack_inputs(packed, B, T, S))  # output unused: rank 0 has the logits
-            elif cmd == Cmd.CACHE:
-                batch_size, num_slots = payload
-                model.setup_cache(batch_size, num_slots, loaded.dtype, device)
-                conn.send((Reply.ACK, None))
-            elif cmd == Cmd.SHUTDOWN:
-                dist.destroy_process_group()
-                return
-            else:
-                raise RuntimeError(f"unknown command {cmd!r}")
-
-
-def _send_error(conn, rank: int, device: str, exc: BaseException) -> None:
-    if isinstance(exc, SSDLocalError):
-        msg = RankError(rank, f"tensor-parallel rank {rank} ({device}): {exc.message}", exc.hint,
-                        type(exc).__name__)
-    else:
-        tail = "".join(traceback.format_exception(exc)[-3:]).strip()
-        msg = RankError(rank, f"tensor-parallel rank {rank} ({device}) failed: {tail}",
-                        "run with --verbose; out of memory or a device error is the usual cause",
-                        "TensorParallelError")
-    try:
-        conn.send((Reply.ERROR, msg))
-    except (OSError, EOFError):
-        pass
-
-
+        if serve(conn, parent_pid, handle) == "shutdown":
+            dist.destroy_process_group()

@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from safetensors import safe_open
 
-from ..backends.torch_backend.loader import (
+from ssdlocal.backends.torch.loader import (
     LoadedModel,
     assign_weights,
     eos_ids,
@@ -22,13 +21,14 @@ from ..backends.torch_backend.loader import (
     load_tokenizer,
     parse_device,
     parse_dtype,
+    read_state_dict,
     resolve_checkpoint,
     weight_files,
 )
-from ..backends.torch_backend.model import ModelArgs, Transformer
-from ..config import ModelSpec
-from ..errors import ModelLoadError, OutOfMemoryError
-from .tp import apply_tensor_parallel, check_divisible
+from ssdlocal.backends.torch.model import ModelArgs, Transformer
+from ssdlocal.core.config import ModelSpec
+from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
+from ssdlocal.parallel.tp import apply_tensor_parallel, check_divisible
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +72,10 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
         model = Transformer(args)
     apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors
     try:
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
-                for name in f.keys():
-                    key = name.removeprefix("model.")
-                    if key.endswith("rotary_emb.inv_freq"):
-                        continue
-                    if args.tie_word_embeddings and key == "lm_head.weight":
-                        continue
-                    state[key] = _read(f, name, shard_rule(key), rank, world).to(device=dev, dtype=dtype, copy=True)
+        state = read_state_dict(
+            files, dev, dtype, tied=args.tie_word_embeddings,
+            read=lambda f, name, key: _read(f, name, shard_rule(key), rank, world),
+        )  # fmt: skip
         assign_weights(model, state, ckpt)
         del state
     except torch.OutOfMemoryError as exc:

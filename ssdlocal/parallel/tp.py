@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import UsageError
+from ssdlocal.core.errors import UsageError
 
 
 class RowParallelLinear(nn.Module):
@@ -101,7 +101,6 @@ def apply_tensor_parallel(model: nn.Module, rank: int, tp: int, group=None) -> n
         attn.o_proj = _row_parallel(attn.o_proj, rank, tp, group)
         attn.n_heads //= tp
         attn.n_kv_heads //= tp
-        attn.cache_k = attn.cache_v = None
         for proj in (mlp.gate_proj, mlp.up_proj):
             _shard_columns(proj, rank, tp)
         mlp.down_proj = _row_parallel(mlp.down_proj, rank, tp, group)

@@ -12,7 +12,7 @@ INSTALL_HINT = "install the TUI extra: pip install 'ssdlocal[tui]'"
 
 def require_textual() -> None:
     """Raise SSDLocalError (with the install hint) when Textual is not installed."""
-    from ..errors import SSDLocalError
+    from ssdlocal.core.errors import SSDLocalError
 
     try:
         import textual  # noqa: F401

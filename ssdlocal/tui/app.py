@@ -16,12 +16,12 @@ from textual import work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-from ..config import EngineConfig, Mode, SamplingParams, SpecConfig
-from .core import ChatSettings, EngineLike, describe_pair, error_text
-from .messages import EngineReady, WorkFailed
-from .screens.chat import ChatScreen
-from .screens.dialogs import ErrorModal
-from .screens.race import RaceScreen
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.tui.core import ChatSettings, EngineLike, describe_pair, error_text
+from ssdlocal.tui.messages import EngineReady, WorkFailed
+from ssdlocal.tui.screens.chat import ChatScreen
+from ssdlocal.tui.screens.dialogs import ErrorModal
+from ssdlocal.tui.screens.race import RaceScreen
 
 EngineFactory = Callable[[], EngineLike]
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import EngineConfig, Mode, SamplingParams, SpecConfig
-from ..errors import UsageError
-from ..events import Event, TokenOrigin
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.core.errors import UsageError
+from ssdlocal.core.events import Event, TokenOrigin
 
 MODES = (Mode.AR, Mode.SD, Mode.SSD)
 
@@ -33,62 +33,50 @@ class EngineLike(Protocol):
 
 
 # --------------------------------------------------------------------------- settings
+MAX_K = 16  # the chat's K keys stop here
+
+
 @dataclass(frozen=True)
 class ChatSettings:
-    """What the user can change between turns. `draft` is fixed by the loaded engine."""
+    """What the user can change between turns: the per-call speculation settings (the
+    draft model itself is fixed by the loaded engine) and the sampling parameters.
+    Both are validated by their own classes; only the chat's K range is checked here."""
 
-    mode: Mode = Mode.SSD
-    k: int = 4
-    fan_out: tuple[int, ...] | None = None  # None = auto
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    max_new_tokens: int = 256
-    draft: str | None = None  # checkpoint path / 'ngram' / None (AR only)
+    spec: SpecConfig
+    sampling: SamplingParams = SamplingParams(max_new_tokens=256)
 
     def __post_init__(self) -> None:
-        self.sampling()  # validate now (UsageError with a hint)
-        if self.mode is not Mode.AR and not self.draft:
-            raise UsageError(
-                f"{self.mode.value.upper()} needs a draft model",
-                "restart with --draft PATH (or --draft ngram) to use SD or SSD",
-            )
-        if self.k < 1 or self.k > 16:
-            raise UsageError(f"K must be between 1 and 16, got {self.k}", "try K=4")
-        if self.fan_out is not None and len(self.fan_out) != self.k + 1:
-            raise UsageError(
-                f"fan-out needs K+1 = {self.k + 1} entries, got {len(self.fan_out)}",
-                f"for K={self.k} write e.g. /fanout {','.join(['1'] * (self.k + 1))}",
-            )
+        if not 1 <= self.spec.k <= MAX_K:
+            raise UsageError(f"K must be between 1 and {MAX_K}, got {self.spec.k}", "try K=4")
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-            max_new_tokens=self.max_new_tokens,
-        )
+    @property
+    def mode(self) -> Mode:
+        return self.spec.mode
 
-    def spec(self, base: SpecConfig) -> SpecConfig:
-        """The per-call SpecConfig: the engine's settings with mode/K/fan-out overridden."""
-        keep_miss = base.fan_out_miss is not None and len(base.fan_out_miss) == self.k + 1
-        return replace(
-            base,
-            mode=self.mode,
-            k=self.k,
-            draft=base.draft,
-            fan_out=self.fan_out,
-            fan_out_miss=base.fan_out_miss if keep_miss else None,
-        )
+    @property
+    def k(self) -> int:
+        return self.spec.k
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    def with_spec(self, **changes: Any) -> ChatSettings:
+        return replace(self, spec=replace(self.spec, **changes))
+
+    def with_sampling(self, **changes: Any) -> ChatSettings:
+        return replace(self, sampling=replace(self.sampling, **changes))
 
     def with_mode(self, mode: Mode) -> ChatSettings:
-        return replace(self, mode=mode)
+        return self.with_spec(mode=mode)
 
     def next_mode(self) -> ChatSettings:
         """Cycle AR -> SD -> SSD -> AR (AR only when no draft is loaded)."""
-        if not self.draft:
+        if not self.spec.draft:
             raise UsageError(
                 "no draft model is loaded, so only AR is available",
                 "restart with --draft PATH (or --draft ngram) to use SD or SSD",
@@ -96,14 +84,15 @@ class ChatSettings:
         return self.with_mode(MODES[(MODES.index(self.mode) + 1) % len(MODES)])
 
     def with_k(self, k: int) -> ChatSettings:
-        fan = self.fan_out if self.fan_out is not None and len(self.fan_out) == k + 1 else None
-        return replace(self, k=k, fan_out=fan)
+        """A new K; fan-out lists that no longer have K+1 entries fall back to auto."""
+        fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
+        return self.with_spec(k=k, fan_out=fits(self.spec.fan_out), fan_out_miss=fits(self.spec.fan_out_miss))
 
     def with_temperature(self, temperature: float) -> ChatSettings:
-        return replace(self, temperature=round(max(0.0, temperature), 3))
+        return self.with_sampling(temperature=round(max(0.0, temperature), 3))
 
     def describe(self) -> str:
-        fan = "auto" if self.fan_out is None else ",".join(map(str, self.fan_out))
+        fan = "auto" if self.spec.fan_out is None else ",".join(map(str, self.spec.fan_out))
         parts = [self.mode.value.upper()]
         if self.mode is not Mode.AR:
             parts.append(f"K={self.k}")
@@ -156,26 +145,24 @@ def run_command(line: str, settings: ChatSettings) -> CommandResult:
         return CommandResult(settings.with_k(_int(arg, "/k 4")))
     if name in ("fanout", "fan-out", "f"):
         if arg.lower() in ("", "auto"):
-            return CommandResult(replace(settings, fan_out=None))
+            return CommandResult(settings.with_spec(fan_out=None))
         try:
             fan = tuple(int(x) for x in arg.split(","))
         except ValueError:
             raise UsageError(
                 f"cannot read fan-out {arg!r}", "write e.g. /fanout 3,3,2,2,1"
             ) from None
-        if any(f < 0 for f in fan):
-            raise UsageError("fan-out entries must be >= 0", "use 0 to skip a position")
-        return CommandResult(replace(settings, fan_out=fan))
+        return CommandResult(settings.with_spec(fan_out=fan))
     if name in ("temp", "temperature", "t"):
         try:
             value = float(arg)
         except ValueError:
             raise UsageError(f"cannot read temperature {arg!r}", "write e.g. /temp 0.7") from None
-        return CommandResult(replace(settings, temperature=value))
+        return CommandResult(settings.with_sampling(temperature=value))
     if name in ("max", "max-new-tokens"):
-        return CommandResult(replace(settings, max_new_tokens=_int(arg, "/max 256")))
+        return CommandResult(settings.with_sampling(max_new_tokens=_int(arg, "/max 256")))
     if name == "seed":
-        return CommandResult(replace(settings, seed=_int(arg, "/seed 0")))
+        return CommandResult(settings.with_sampling(seed=_int(arg, "/seed 0")))
     raise UsageError(f"unknown command /{name}", "type /help for the list of commands")
 
 
@@ -288,7 +275,7 @@ def describe_pair(config: EngineConfig) -> tuple[str, str]:
         d = config.draft_model
         where.append(f"draft → {d.device} ({d.dtype}; own process for SSD, in-process for SD)")
         if t.device == "cpu" and d.device == "cpu" and config.pin_cpus:
-            from ..placement import split_cpus
+            from ssdlocal.placement.cpus import split_cpus
 
             plan = split_cpus()
             if plan is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from textual.message import Message
 
-from .core import Piece
+from ssdlocal.tui.core import Piece
 
 
 class EngineReady(Message):

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config import Mode, SamplingParams, SpecConfig
-from ..events import DoneEvent, Output, TokensEvent
-from .core import EngineLike, OriginSplitter, Piece
+from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
+from ssdlocal.core.events import DoneEvent, Output, TokensEvent
+from ssdlocal.tui.core import EngineLike, OriginSplitter, Piece
 
 RACE_MODES = (Mode.AR, Mode.SD, Mode.SSD)
 
@@ -55,10 +55,6 @@ class RaceRun:
     @property
     def ttft_s(self) -> float | None:
         return self.times[0] if self.times else None
-
-    @property
-    def decode_rate(self) -> float | None:
-        return self.rate_at(self.times[-1]) if self.times else None
 
 
 def race_specs(

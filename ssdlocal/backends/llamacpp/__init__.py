@@ -3,8 +3,14 @@
 Nothing here imports llama_cpp at import time; `load_gguf` does, with an install hint.
 """
 
-from .loader import GGUFArgs, LoadedGGUF, check_gguf_file, gguf_tokenizer, load_gguf
-from .runner import LlamaCppRunner
+from ssdlocal.backends.llamacpp.loader import (
+    GGUFArgs,
+    LoadedGGUF,
+    check_gguf_file,
+    gguf_tokenizer,
+    load_gguf,
+)
+from ssdlocal.backends.llamacpp.runner import LlamaCppRunner
 
 __all__ = [
     "GGUFArgs", "LlamaCppRunner", "LoadedGGUF", "check_gguf_file", "gguf_tokenizer", "load_gguf",
@@ -14,7 +20,7 @@ __all__ = [
 
 def preflight(path: str) -> None:
     """Cheap checks before a worker loads a GGUF: the file, and that llama_cpp imports."""
-    from .lib import import_llama_cpp
+    from ssdlocal.backends.llamacpp.lib import import_llama_cpp
 
     check_gguf_file(path)
     import_llama_cpp()

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...errors import ModelLoadError, OutOfMemoryError
+from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ...errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def check_gguf_file(path: str | Path) -> Path:
 
 
 def gguf_architecture(path: Path) -> str:
-    from ..torch_backend.gguf_convert import gguf_metadata
+    from ssdlocal.backends.torch.gguf_convert import gguf_metadata
 
     return str(gguf_metadata(path).get("architecture") or "unknown")
 
@@ -108,7 +108,7 @@ def parse_llama_device(device: str, lib) -> tuple[torch.device, int, int]:
 
 
 def tokenizer_cache_dir(path: Path) -> Path:
-    from ...assets import cache_dir
+    from ssdlocal.core.paths import cache_dir
 
     st = path.stat()
     key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
@@ -149,7 +149,7 @@ def gguf_tokenizer(path: str | Path):
 
 def eos_ids_of(tokenizer) -> tuple[int, ...]:
     """The tokenizer's eos plus known end-of-turn tokens (same rule as GGUF conversion)."""
-    from ..torch_backend.gguf_convert import _EXTRA_EOS
+    from ssdlocal.backends.torch.gguf_convert import _EXTRA_EOS
 
     vocab = tokenizer.get_vocab()
     found: list[int] = []
@@ -186,7 +186,7 @@ def load_gguf(
     """Load a GGUF file with llama.cpp (the KV cache comes with the runner's context)."""
     path = check_gguf_file(path)
     if lib is None:
-        from .lib import LlamaLib
+        from ssdlocal.backends.llamacpp.lib import LlamaLib
 
         lib = LlamaLib(verbose=log.isEnabledFor(logging.DEBUG))
     dev, n_gpu_layers, main_gpu = parse_llama_device(device, lib)

@@ -1,13 +1,13 @@
-"""LlamaCppRunner: ModelRunner's interface over a llama.cpp context (GGUF models).
+"""LlamaCppRunner: the Runner protocol (backends/base.py) over a llama.cpp context.
 
 Row b of a batch is llama.cpp sequence b in one unified KV cache. `held[b]` means what
-it means for ModelRunner (tokens of row b whose keys/values are cached); callers may
-shorten it directly (the speculator), so before touching row b the
-runner removes the cache cells past the common prefix of `held[b]` and what it really
-wrote (`_kv[b]`) with llama_memory_seq_rm. SSD tree decoding (`forward_raw`) maps each
-branch to its own sequence: the row's prefix cells are shared with it by seq_cp (no
-data copy), its own tokens are decoded in one llama_batch per step with every other
-branch, and `copy_slots` hands an accepted branch's cells back to the row (seq_cp).
+it means for every runner (tokens of row b whose keys/values are cached); `sync` only
+shortens it, so before touching row b the runner removes the cache cells past the
+common prefix of `held[b]` and what it really wrote (`_kv[b]`) with
+llama_memory_seq_rm. SSD tree decoding (`forward_raw`) maps each branch to its own
+sequence: the row's prefix cells are shared with it by seq_cp (no data copy), its own
+tokens are decoded in one llama_batch per step with every other branch, and
+`take_branch` hands an accepted branch's cells back to the row (seq_cp).
 Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...errors import UsageError
-from ..held import sync_held
+from ssdlocal.backends.base import sync_held
+from ssdlocal.core.errors import UsageError
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
 _PAD = 256  # llama.cpp rounds the context size up to this
@@ -103,6 +103,9 @@ class LlamaCppRunner:
         return self.threads or max(1, torch.get_num_threads())
 
     # ------------------------------------------------------------------ rows
+    def cached(self, row: int) -> int:
+        return len(self.held[row])
+
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
         return list(tokens[len(self.held[row]) :])
@@ -177,7 +180,7 @@ class LlamaCppRunner:
     def forward_raw(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """ModelRunner.forward_raw for tree masks; does not touch `held`.
+        """Runner.forward_raw for tree masks; does not touch `held`.
 
         ids, positions, slots [B, T] long; mask [B, T, S] bool. Query (b, t) writes slot
         slots[b, t] and may see a prefix 0..n-1 of row b's cached tokens plus the scratch
@@ -240,13 +243,19 @@ class LlamaCppRunner:
             self._scratch[(b, slot_l[b][t])] = seq
         return out
 
-    def copy_slots(self, row: int, src: Sequence[int], dst: Sequence[int]) -> None:
+    def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+        """Adopt the branch written at scratch slots `src` as the row's tokens from `start`."""
+        self._copy_slots(row, list(src), list(range(start, start + len(src))))
+        held = self.held[row]
+        del held[start:]
+        held.extend(tokens)
+
+    def _copy_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Make the branch written at scratch slots `src` row `row`'s tokens at `dst`.
 
         dst must be consecutive positions starting where the branch leaves the row's
         prefix (what the speculator does when a cached branch is taken).
         """
-        src, dst = list(src), list(dst)
         if not src:
             return
         seq = self._scratch.get((row, src[0]))

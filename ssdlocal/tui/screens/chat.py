@@ -16,10 +16,10 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from ...config import Mode
-from ...errors import SSDLocalError
-from ...events import DoneEvent, RoundEvent, TokensEvent
-from ..core import (
+from ssdlocal.core.config import Mode
+from ssdlocal.core.errors import SSDLocalError
+from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
+from ssdlocal.tui.core import (
     ChatSettings,
     Conversation,
     EngineLike,
@@ -27,10 +27,15 @@ from ..core import (
     error_text,
     run_command,
 )
-from ..messages import GenerationDone, RoundFinished, TokensArrived, WorkFailed
-from ..widgets.header import PairHeader
-from ..widgets.stats_panel import StatsPanel
-from ..widgets.transcript import AnswerText, Transcript
+from ssdlocal.tui.messages import (
+    GenerationDone,
+    RoundFinished,
+    TokensArrived,
+    WorkFailed,
+)
+from ssdlocal.tui.widgets.header import PairHeader
+from ssdlocal.tui.widgets.stats_panel import StatsPanel
+from ssdlocal.tui.widgets.transcript import AnswerText, Transcript
 
 TEMP_STEP = 0.1
 
@@ -195,8 +200,7 @@ class ChatScreen(Screen):
         engine = self.engine
         splitter = OriginSplitter(engine.tokenizer)
         try:
-            spec = settings.spec(engine.config.spec)
-            for ev in engine.generate([ids], settings.sampling(), spec=spec):
+            for ev in engine.generate([ids], settings.sampling, spec=settings.spec):
                 if isinstance(ev, TokensEvent):
                     pieces = splitter.split(ev.token_ids, ev.origins, ev.text)
                     self.post_message(TokensArrived(turn, pieces, len(ev.token_ids)))
@@ -262,7 +266,7 @@ class ChatScreen(Screen):
             self._update_status()
 
     def action_help(self) -> None:
-        from .dialogs import HelpModal
+        from ssdlocal.tui.screens.dialogs import HelpModal
 
         self.app.push_screen(HelpModal())
 

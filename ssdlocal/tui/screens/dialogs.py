@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from ..core import COMMANDS_HELP
+from ssdlocal.tui.core import COMMANDS_HELP
 
 
 class _Dialog(ModalScreen[None]):

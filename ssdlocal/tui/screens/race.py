@@ -21,12 +21,18 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
-from ...config import SamplingParams, SpecConfig
-from ..core import EngineLike, error_text
-from ..messages import RaceProgress, RaceRecorded, WorkFailed
-from ..race import RaceRun, identical_verdict, record_run, summarize, summary_table
-from ..widgets.header import PairHeader
-from ..widgets.race_pane import RacePane
+from ssdlocal.core.config import SamplingParams, SpecConfig
+from ssdlocal.tui.core import EngineLike, error_text
+from ssdlocal.tui.messages import RaceProgress, RaceRecorded, WorkFailed
+from ssdlocal.tui.race import (
+    RaceRun,
+    identical_verdict,
+    record_run,
+    summarize,
+    summary_table,
+)
+from ssdlocal.tui.widgets.header import PairHeader
+from ssdlocal.tui.widgets.race_pane import RacePane
 
 FPS = 30
 NOTE = (

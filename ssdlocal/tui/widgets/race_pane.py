@@ -7,9 +7,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
-from ..core import Piece
-from ..race import RaceRun
-from .transcript import AnswerText
+from ssdlocal.tui.core import Piece
+from ssdlocal.tui.race import RaceRun
+from ssdlocal.tui.widgets.transcript import AnswerText
 
 
 class RacePane(Vertical):

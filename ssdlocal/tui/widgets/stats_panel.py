@@ -1,6 +1,6 @@
 """StatsPanel: live speculation metrics of the current (or last) answer.
 
-Reads the engine's metric snapshot (DESIGN.md names: tokens_per_s, ttft_s,
+Reads the engine's metric snapshot (the metric names of docs/architecture.md §3: tokens_per_s, ttft_s,
 acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
 accepted_len_hist, draft_ms, verify_ms, backup_used) and draws numbers and bars.
 """
@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from rich.text import Text
 from textual.widgets import Static
 
-from .bars import hbar
+from ssdlocal.tui.widgets.bars import hbar
 
 BAR = 12
 

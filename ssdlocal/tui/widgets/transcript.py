@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from ..core import Piece
+from ssdlocal.tui.core import Piece
 
 ORIGIN_CLASSES = ("origin--draft_hit", "origin--draft", "origin--target")
 
@@ -78,10 +78,6 @@ class Transcript(VerticalScroll):
         self.mount(answer)
         self.scroll_end(animate=False)
         return answer
-
-    def add_note(self, text: str) -> None:
-        self.mount(Static(Text(text), classes="note"))
-        self.scroll_end(animate=False)
 
     def set_colors(self, on: bool) -> None:
         for answer in self.query(AnswerText):

@@ -1,0 +1,102 @@
+"""What every backend offers the layers above: the Runner protocol and the slot layout.
+
+A runner owns one loaded model and its KV cache, and remembers for each row of a batch
+`held[b]`: the tokens whose keys/values sit in that row's cache slots 0..len-1. The
+engine, the drafters and the SSD speculator use only these methods; nobody edits a
+runner's cache or bookkeeping from outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class Runner(Protocol):
+    """One loaded model, its KV cache, and which tokens each row holds."""
+
+    vocab_size: int
+    num_slots: int  # cache slots per row after `reset`
+    device: torch.device
+
+    def reset(self, batch_size: int, num_slots: int) -> None:
+        """Forget all rows; (re)allocate the cache for this shape when needed."""
+
+    def cached(self, row: int) -> int:
+        """How many of row `row`'s tokens are in the cache."""
+
+    def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
+        """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
+
+    def feed(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Append rows[b] to row b's cache; per row float32 logits [len(rows[b]), V]."""
+
+    def sync(self, row: int, committed: Sequence[int]) -> None:
+        """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
+
+    def forward_raw(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Tree step: ids/positions/slots [B, T], mask [B, T, S] -> logits [B, T, V];
+        writes the given slots but leaves each row's held tokens unchanged."""
+
+    def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+        """Adopt a tree branch: the k/v at scratch slots `src` become the row's slots
+        start..start+len(src)-1, which now hold `tokens` (one per slot)."""
+
+
+def sync_held(held: list[int], committed: Sequence[int]) -> None:
+    """Shorten `held` in place to what may stay cached before the next feed.
+
+    That is the longest common prefix with `committed`, but never `committed`'s last
+    token: its logits predict the next token, so the next feed must start with it. (It
+    can already be cached when the bonus token equals the draft token rejected at that
+    position, e.g. by verify's RESIDUAL_EPS fallback.)
+    """
+    n = max(0, min(len(held), len(committed) - 1))
+    if held[:n] == list(committed[:n]):  # common case, C-speed comparison
+        del held[n:]
+        return
+    keep = 0
+    while held[keep] == committed[keep]:
+        keep += 1
+    del held[keep:]
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """The cache slots of one row, defined once for the engine and the SSD draft.
+
+    [0, main): the row's own tokens: prompt, generated tokens, and one round of drafts
+    past the budget; then `branches` scratch runs of `depth` slots (SSD pre-speculation,
+    branch i starts at main + i * depth); the last slot is a trash slot that padded tree
+    queries write to.
+    """
+
+    main: int
+    branches: int = 0
+    depth: int = 0
+
+    @classmethod
+    def for_generation(cls, longest_prompt: int, max_new_tokens: int, k: int) -> SlotLayout:
+        """The target's rows: prompt + budget + K drafts of the last round + 2 spare."""
+        return cls(longest_prompt + max_new_tokens + k + 2)
+
+    def with_tree(self, branches: int, k: int) -> SlotLayout:
+        """The SSD draft's rows: the target's tokens plus the proposal not yet verified
+        (K + 2 more main slots), then `branches` scratch runs of K slots and the trash."""
+        return SlotLayout(self.main + k + 2, branches, k)
+
+    @property
+    def total(self) -> int:
+        return self.main + self.branches * self.depth + (1 if self.branches else 0)
+
+    @property
+    def trash(self) -> int:
+        return self.total - 1
+
+    def scratch(self, branch: int, step: int = 0) -> int:
+        return self.main + branch * self.depth + step

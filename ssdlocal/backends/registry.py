@@ -1,0 +1,63 @@
+"""One entry point per job for every backend: load a model, make its runner, read its
+tokenizer, and check a path cheaply before anything heavy happens.
+
+Callers (engine, SSD worker, compatibility checks) never branch on the backend name
+themselves. Backends are imported lazily: llama_cpp only when a GGUF runs through it.
+"""
+
+from __future__ import annotations
+
+from ssdlocal.core.config import ModelSpec
+
+
+def load(spec: ModelSpec, *, threads: int | None = None):
+    """Load `spec`'s model on its backend: torch (HF dir or converted .gguf) or llama.cpp.
+
+    `threads` is llama.cpp's CPU thread count (None: torch's count at each decode);
+    the torch backend uses torch's own thread setting.
+    """
+    if spec.backend == "llamacpp":
+        from ssdlocal.backends.llamacpp import load_gguf
+
+        return load_gguf(spec.path, spec.device, threads)
+    from ssdlocal.backends.torch.loader import load_model
+
+    return load_model(spec.path, spec.device, spec.dtype)
+
+
+def make_runner(loaded, *, tree: bool = False):
+    """The Runner for a loaded model. `tree`: it will decode SSD fan-out trees (llama.cpp
+    sizes its context for many sequences; the torch runner needs nothing extra)."""
+    from ssdlocal.backends.llamacpp import LlamaCppRunner, LoadedGGUF
+
+    if isinstance(loaded, LoadedGGUF):
+        return LlamaCppRunner(loaded, tree=tree)
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    return TorchRunner(loaded)
+
+
+def load_tokenizer(path: str, backend: str = "torch"):
+    """The model's tokenizer (transformers), reading no weights."""
+    if backend == "llamacpp":
+        from ssdlocal.backends.llamacpp import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    from ssdlocal.backends.torch.loader import load_tokenizer as torch_tokenizer
+
+    return torch_tokenizer(path)
+
+
+def preflight(path: str, backend: str = "torch") -> None:
+    """Cheap checks of a checkpoint (files, config, architecture) without reading weights."""
+    if backend == "llamacpp":
+        from ssdlocal.backends.llamacpp import preflight as gguf_preflight
+
+        gguf_preflight(path)
+        return
+    from ssdlocal.backends.torch.loader import load_hf_config, resolve_checkpoint, weight_files
+    from ssdlocal.backends.torch.model import ModelArgs
+
+    ckpt = resolve_checkpoint(path)
+    ModelArgs.from_hf_config(load_hf_config(ckpt))
+    weight_files(ckpt)

@@ -1,0 +1,42 @@
+"""The static KV cache of one attention layer: a fixed array of slots per row.
+
+Allocated once (zeros, so slots never written hold no NaN); the model writes each new
+token's k/v into the slot its caller chose and reads the first S slots back. Which
+tokens a row's slots hold is the runner's bookkeeping, not the cache's: rejected drafts
+need no rollback, the next write simply lands in the same slots (as in gpt-fast).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    """k and v, each [B, Hkv, num_slots, D]."""
+
+    def __init__(self, batch: int, n_kv_heads: int, num_slots: int, head_dim: int, dtype, device) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, num_slots, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, slots: Tensor, k_new: Tensor, v_new: Tensor, span: int) -> tuple[Tensor, Tensor]:
+        """Write k_new/v_new [B, Hkv, T, D] at slots [B, T]; return keys/values of slots [0, span).
+
+        Writing first means the caller's attention mask governs the new tokens too.
+        """
+        batch, length = slots.shape
+        rows = torch.arange(batch, device=slots.device)[:, None].expand(batch, length)  # [B, T]
+        self.k[rows, :, slots] = k_new.transpose(1, 2)  # [B, Hkv, N, D] <- [B, T, Hkv, D]
+        self.v[rows, :, slots] = v_new.transpose(1, 2)  # [B, Hkv, N, D] <- [B, T, Hkv, D]
+        return self.k[:, :, :span], self.v[:, :, :span]  # [B, Hkv, S, D] each
+
+    def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
+        """Copy row `row`'s k/v from slots `src` [n] to slots `dst` [n]."""
+        self.k[row, :, dst] = self.k[row, :, src]  # [Hkv, n, D]
+        self.v[row, :, dst] = self.v[row, :, src]  # [Hkv, n, D]

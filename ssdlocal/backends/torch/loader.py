@@ -1,0 +1,236 @@
+"""Load a checkpoint (HF directory with safetensors, or a .gguf file) into our Transformer.
+
+Owns path validation, config/tokenizer loading, HF-name -> module mapping and
+dtype/device placement. Knows nothing about decoding or speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ssdlocal.backends.torch.model import ModelArgs, Transformer, _unsupported
+from ssdlocal.core.errors import (
+    ModelLoadError,
+    OutOfMemoryError,
+    UnsupportedArchitectureError,
+)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_HINT = (
+    "point --target (or --draft) at a Hugging Face checkpoint directory (config.json + *.safetensors)"
+    " or a .gguf file"
+)
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    args: ModelArgs
+    hf_config: object
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+
+
+def parse_dtype(dtype: str | torch.dtype, hf_config=None) -> torch.dtype:
+    """"float32"/"bf16"/... -> torch dtype; "auto" takes the checkpoint's dtype (float32 if unknown)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(found, str):
+            found = DTYPES.get(found)
+        return found if isinstance(found, torch.dtype) else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}", hint="use one of: float32, bfloat16, float16, auto")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ModelLoadError(f"invalid device {device!r}", hint='use "cpu", "cuda" or "cuda:N"') from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available",
+                                 hint="use --device cpu, or install a CUDA build of torch")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs)",
+                                 hint="run `ssdlocal devices` to list devices")
+        dev = torch.device("cuda", index)
+    return dev
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Return an HF checkpoint directory for `path`, converting a .gguf file if needed."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist", hint=CHECKPOINT_HINT)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file", hint=CHECKPOINT_HINT)
+        from ssdlocal.backends.torch.gguf_convert import ensure_converted
+
+        return ensure_converted(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json", hint=CHECKPOINT_HINT)
+    return path
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:  # unknown model_type: name it from the raw json
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}", hint=CHECKPOINT_HINT) from exc
+        names = ", ".join(raw.get("architectures") or []) or raw.get("model_type") or "unknown"
+        raise _unsupported(f"architecture {names}") from exc
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer (no weights are read)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_checkpoint(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}",
+                             hint="the directory needs tokenizer.json / tokenizer_config.json") from exc
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{path} is missing shards: {', '.join(missing)}",
+                                 hint="the download is incomplete; pull the model again")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights", hint=CHECKPOINT_HINT)
+    return files
+
+
+def read_state_dict(
+    files: list[Path], device: torch.device, dtype: torch.dtype, *, tied: bool = False, read=None
+) -> dict[str, torch.Tensor]:
+    """HF tensor names (minus "model.") -> tensors already in the target dtype/device.
+
+    `read(f, name, key)` picks what to keep of one tensor (default: all of it; tensor
+    parallelism reads a slice). With `tied` embeddings a stored lm_head.weight is skipped.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
+            for name in f.keys():
+                key = name.removeprefix("model.")
+                if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+                    continue  # some old checkpoints store this non-weight
+                tensor = f.get_tensor(name) if read is None else read(f, name, key)
+                # copy=True: never keep weights backed by the memory-mapped file. Such
+                # pages are clean page cache that the kernel may drop under memory
+                # pressure; every forward then page-faults the weights back in (seen:
+                # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
+                state[key] = tensor.to(device=device, dtype=dtype, copy=True)
+    return state
+
+
+def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Path) -> None:
+    """Move `state` into the meta-device `model` (no copy); names must match exactly.
+
+    Tied models expect no lm_head.weight (it is re-tied to the embedding here).
+    Raises ModelLoadError naming missing / unexpected tensors.
+    """
+    args = model.args
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint {ckpt} does not match the {args.arch} architecture: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
+            hint="the weights may be from another model or an incomplete download",
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
+    found: list[int] = []
+
+    def add(value) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in found:
+                found.append(v)
+
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        except ValueError:
+            log.warning("ignoring unreadable %s", gen)
+    add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """Load config, tokenizer and weights; the KV cache is left to the caller (setup_cache)."""
+    ckpt = resolve_checkpoint(path)
+    hf_config = load_hf_config(ckpt)
+    args = ModelArgs.from_hf_config(hf_config)
+    files = weight_files(ckpt)
+    dev, torch_dtype = parse_device(device), parse_dtype(dtype, hf_config)
+    tokenizer = load_tokenizer(ckpt)
+    try:
+        with torch.device("meta"):
+            model = Transformer(args)
+        state = read_state_dict(files, dev, torch_dtype, tied=args.tie_word_embeddings)
+        assign_weights(model, state, ckpt)
+        del state
+    except torch.OutOfMemoryError as exc:
+        raise _oom(ckpt, dev, torch_dtype) from exc
+    except RuntimeError as exc:
+        msg = str(exc).lower()
+        if "out of memory" in msg or "not enough memory" in msg:
+            raise _oom(ckpt, dev, torch_dtype) from exc
+        raise
+    model.requires_grad_(False).eval()
+    log.info("loaded %s (%s, %d layers) on %s as %s", ckpt, args.arch, args.num_layers, dev, torch_dtype)
+    return LoadedModel(model, tokenizer, args, hf_config, ckpt, dev, torch_dtype,
+                       eos_ids(ckpt, hf_config, tokenizer))
+
+
+def _oom(path: Path, device: torch.device, dtype: torch.dtype) -> OutOfMemoryError:
+    return OutOfMemoryError(
+        f"not enough memory on {device} to load {path} as {str(dtype).removeprefix('torch.')}",
+        hint="use a smaller dtype (--dtype bfloat16), a smaller model, or another device",
+    )
+
+
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "UnsupportedArchitectureError"]

@@ -1,0 +1,264 @@
+"""Native Llama / Qwen2 / Qwen3 forward pass over a static KV cache with arbitrary masks.
+
+The cache is a fixed array of slots; callers say which slot each new token's k/v
+goes to and which slots each query may see, so linear decoding, batches with
+per-row positions and fan-out trees all use one forward. transformers is used only
+for config parsing (by the loader); this module knows nothing about files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ssdlocal.backends.torch.kvcache import KVCache
+from ssdlocal.core.errors import OutOfMemoryError, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def _unsupported(what: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(
+        f"unsupported model: {what}",
+        hint="ssdlocal's torch backend supports " + ", ".join(SUPPORTED_ARCHITECTURES)
+        + "; GGUF files of other architectures may work with the llama.cpp backend",
+    )
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    qkv_bias: bool  # qwen2: True
+    qk_norm: bool  # qwen3: per-head RMSNorm on q and k before RoPE
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    o_bias: bool = False  # llama/qwen3 with attention_bias=True also bias o_proj
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> ModelArgs:
+        names = list(getattr(cfg, "architectures", None) or [])
+        model_type = getattr(cfg, "model_type", None)
+        arch = next((SUPPORTED_ARCHITECTURES[n] for n in names if n in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not names and model_type in SUPPORTED_ARCHITECTURES.values():
+            arch = model_type
+        if arch is None:
+            raise _unsupported(f"architecture {', '.join(names) or model_type or 'unknown'}")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise _unsupported(f"{arch} with hidden_act={cfg.hidden_act!r}")
+        if getattr(cfg, "mlp_bias", False):
+            raise _unsupported(f"{arch} with mlp_bias=True")
+        if getattr(cfg, "use_sliding_window", False):
+            raise _unsupported(f"{arch} with use_sliding_window=True")
+
+        # transformers 5 keeps theta and scaling together in rope_parameters; 4.x split them.
+        rope = getattr(cfg, "rope_parameters", None)
+        if rope:
+            theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+            scaling = dict(rope)
+        else:
+            theta = getattr(cfg, "rope_theta", 10000.0)
+            scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+        scaling.pop("rope_theta", None)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise _unsupported(f"{arch} with rope_type={rope_type!r}")
+        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        num_heads = cfg.num_attention_heads
+        return cls(
+            arch=arch,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            qkv_bias=True if arch == "qwen2" else attention_bias,
+            qk_norm=arch == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            o_bias=attention_bias and arch != "qwen2",
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Inverse RoPE frequencies [head_dim // 2] float32, as transformers computes them."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]  # [D/2]
+    elif scaling.get("rope_type") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq  # [D/2]
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # [D/2]
+        smooth = (old_len / wavelen - low) / (high - low)  # [D/2]
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # [D/2]
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)  # [D/2]
+        inv_freq = torch.where(is_medium, smoothed, scaled)  # [D/2]
+    return inv_freq
+
+
+def causal_mask(positions: Tensor, S: int) -> Tensor:
+    """Linear-case mask [B, T, S]: slot s visible iff s <= position (slot == position)."""
+    slots = torch.arange(S, device=positions.device)  # [S]
+    return slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Same op order as transformers: normalize in float32, cast back, then scale.
+        h = x.float()  # [..., dim]
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., dim]
+        return self.weight * h.to(x.dtype)  # [..., dim]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # [..., D/2] each
+    return torch.cat((-x2, x1), dim=-1)  # [..., D]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.kv_cache: KVCache | None = None  # set by Transformer.setup_cache
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, H, D], [B, T, Hkv, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|Hkv, T, D]
+        q = q * cos + rotate_half(q) * sin  # [B, H, T, D]
+        k = k * cos + rotate_half(k) * sin  # [B, Hkv, T, D]
+
+        keys, values = self.kv_cache.update(slots, k, v, mask.shape[-1])  # [B, Hkv, S, D] each
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            keys = keys.repeat_interleave(rep, dim=1)  # [B, H, S, D]
+            values = values.repeat_interleave(rep, dim=1)  # [B, H, S, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, hidden]
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
+
+
+class Transformer(nn.Module):
+    """Module names mirror the HF checkpoints minus the leading "model." prefix."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope_cos: Tensor | None = None  # [max_pos, D] float32, set by setup_cache
+        self.rope_sin: Tensor | None = None  # [max_pos, D] float32
+        self.num_slots = 0
+
+    def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
+        """Allocate one KVCache per layer (`args` head counts: per rank under TP)."""
+        a = self.args
+        try:
+            for layer in self.layers:
+                layer.self_attn.kv_cache = None  # free the old cache before allocating
+            for layer in self.layers:
+                layer.self_attn.kv_cache = KVCache(
+                    batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device
+                )
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemoryError(
+                f"KV cache of {batch_size} x {num_slots} slots does not fit on {device}",
+                hint="use a shorter --max-tokens / smaller batch, a smaller dtype, or another device",
+            ) from exc
+        self.num_slots = num_slots
+        n_pos = max(a.max_position_embeddings, num_slots)
+        if self.rope_cos is None or self.rope_cos.shape[0] < n_pos or self.rope_cos.device != torch.device(device):
+            inv_freq = rope_inv_freq(a).to(device)  # [D/2]
+            freqs = torch.arange(n_pos, device=device, dtype=torch.float)[:, None] * inv_freq  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            self.rope_cos, self.rope_sin = emb.cos(), emb.sin()  # [P, D] each
+
+    def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
+        """Copy row `row`'s cached k/v from slots `src` [n] to `dst` [n] in every layer."""
+        for layer in self.layers:
+            layer.self_attn.kv_cache.copy_slots(row, src, dst)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor) -> Tensor:
+        """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool -> logits [B, T, V] float32."""
+        if self.rope_cos is None:
+            raise RuntimeError("call setup_cache() before forward()")
+        x = self.embed_tokens(input_ids)  # [B, T, hidden]
+        cos = self.rope_cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
+        sin = self.rope_sin[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
+        # A query that may see nothing (padding) would turn into NaN and poison the cache.
+        mask = attn_mask | ~attn_mask.any(-1, keepdim=True)  # [B, T, S]
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, mask)  # [B, T, hidden]
+        return self.lm_head(self.norm(x)).float()  # [B, T, V]

@@ -1,0 +1,193 @@
+"""`ssdlocal bench`: options -> EngineConfig + BenchSettings -> run_bench -> results + summary.
+
+Wiring and terminal rendering only (Rich progress on stderr, summary table on stdout);
+the measuring lives in ssdlocal/bench/.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ssdlocal.cli import options as o
+from ssdlocal.cli.resolve import (
+    ModelOptions,
+    SamplingOptions,
+    SpecOptions,
+    engine_config,
+    gather,
+)
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def bench(
+    target: o.Target = None,
+    draft: o.Draft = None,
+    pair: o.PairName = None,
+    modes: Annotated[
+        str, typer.Option(help="Our modes to run, comma-separated: ar,sd,ssd.")
+    ] = "ar,sd,ssd",
+    peers: Annotated[
+        str,
+        typer.Option(
+            help="Peers on the same weights: hf,hf-assisted,llamacpp,llamacpp-assisted (empty = none)."
+        ),
+    ] = "",
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help="JSONL of {id, kind, prompt} or plain text, one prompt per line. Default: the built-in set."
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="Use the first N prompts (round-robin over kinds).")
+    ] = None,
+    k: o.K = 4,
+    fan_out: o.FanOut = None,
+    fan_out_miss: o.FanOutMiss = None,
+    backup: o.Backup = "auto",
+    saguaro_c: o.SaguaroC = 1.0,
+    temperature: Annotated[
+        float, typer.Option(help="0 = greedy (exactness is checked against AR).")
+    ] = 0.0,
+    top_k: o.TopK = 0,
+    top_p: o.TopP = 1.0,
+    seed: o.Seed = 0,
+    batch_size: Annotated[int, typer.Option(help="Prompts per generate call.")] = 1,
+    max_new_tokens: o.MaxNewTokens = 128,
+    repeats: Annotated[int, typer.Option(help="Times to run the whole prompt set.")] = 1,
+    ignore_eos: o.IgnoreEos = False,
+    dtype: o.Dtype = "bfloat16",
+    target_device: o.TargetDevice = "cpu",
+    draft_device: o.DraftDevice = "cpu",
+    target_devices: o.TargetDevices = None,
+    target_backend: o.TargetBackend = "torch",
+    draft_backend: o.DraftBackend = "torch",
+    chat: o.Chat = True,
+    out: o.OutDir = None,
+    project: Annotated[
+        bool,
+        typer.Option(
+            "--project", help="Also project SD/SSD speedups at other draft/target latency ratios."
+        ),
+    ] = False,
+    gguf_target: Annotated[
+        str | None, typer.Option(help="GGUF target for the llama.cpp peers.")
+    ] = None,
+    gguf_draft: Annotated[
+        str | None, typer.Option(help="GGUF draft for llamacpp-assisted.")
+    ] = None,
+    pin: Annotated[
+        bool, typer.Option(hidden=True, help="Pin SSD target/draft to disjoint CPUs.")
+    ] = True,
+) -> None:
+    """Benchmark AR, SD and SSD (and peers) on the same prompts; write JSON, Markdown and a plot."""
+    from ssdlocal.bench.prompts import load_prompts, select
+    from ssdlocal.bench.run import BenchSettings
+
+    values = locals()
+    settings = BenchSettings(
+        modes=_csv(modes), peers=_csv(peers), batch_size=batch_size, repeats=repeats, chat=chat,
+        gguf_target=gguf_target, gguf_draft=gguf_draft,
+    )  # fmt: skip
+    params = gather(SamplingOptions, values).params()
+    speculative = [m for m in settings.modes if m != "ar"]
+    spec_opts = SpecOptions(
+        mode=speculative[0] if speculative else "ar", k=k, fan_out=fan_out,
+        fan_out_miss=fan_out_miss, saguaro_c=saguaro_c, backup=backup,
+    )  # fmt: skip
+    chosen = select(load_prompts(prompts), limit)
+    why = "--target needs --draft for SD, SSD and hf-assisted" if settings.needs_draft else None
+    config = engine_config(gather(ModelOptions, values), spec_opts, need_draft=why)
+    pin_cpus = pin and os.environ.get("SSDLOCAL_BENCH_NO_PIN") != "1"
+    config = replace(config, pin_cpus=pin_cpus)
+    out_dir = out or Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
+    _run_and_report(config, chosen, settings, params, out_dir, project)
+
+
+def _run_and_report(config, prompts, settings, params, out_dir: Path, with_projection: bool) -> None:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ssdlocal.bench.report import build_results, write_all
+    from ssdlocal.bench.run import run_bench
+
+    try:  # transformers' own warnings and load bars would tear the progress display
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+    err = Console(stderr=True)
+    bars = Progress(
+        TextColumn("[bold]{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+    )  # fmt: skip
+    with bars:
+        task = bars.add_task("", total=None, stage="load")
+
+        def progress(stage: str, done: int, total: int, label: str) -> None:
+            bars.update(task, completed=done, total=total, description=label, stage=stage)
+            if not err.is_terminal:  # a log file: no live bar, so one plain line per step
+                err.print(f"[{done}/{total}] {stage}: {label}", markup=False, highlight=False)
+
+        run = run_bench(config, prompts, settings, params, progress)
+    doc = build_results(run, with_projection=with_projection)
+    paths = write_all(doc, out_dir)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=180)  # a file or pipe: keep one row per line
+    render_summary(doc, console)
+    err.print(
+        f"[dim]wrote {paths['json']}, {paths['md'].name}, {paths['png'].name} in {run.wall_s:.0f} s[/dim]"
+    )
+
+
+def render_summary(doc: dict, console) -> None:
+    """Rich table of per-system aggregates, skipped peers and projections."""
+    from rich.table import Table
+
+    from ssdlocal.bench.report import HEADERS, summary_rows
+
+    s = doc["settings"]
+    table = Table(
+        title=f"ssdlocal bench · {s['n_prompts']} prompts · {s['max_new_tokens']} new tokens · "
+        f"K={s['k']} · T={s['temperature']} · {s['dtype']}",
+        caption="tok/s = decode tokens / decode time (prefill excluded)",
+    )
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h in ("system", "exact") else "right")
+    for row in summary_rows(doc):
+        style = "red" if row[1].startswith("FAIL") else None
+        table.add_row(*row, style=style)
+    console.print(table)
+    for name, why in doc["skipped"].items():
+        console.print(f"{name}: {why}", markup=False)
+    proj = doc.get("projections")
+    if proj:
+        pt = Table(title="projection (not measured)", caption=proj["label"])
+        for h in ("draft/target latency ratio", "SD vs AR", "SSD vs AR"):
+            pt.add_column(h, justify="right")
+        for r in proj["rows"]:
+            fmt = lambda v: "–" if v is None else f"{v:.2f}×"
+            pt.add_row(
+                f"{r['ratio']:.3f}" + (" (measured)" if r["measured"] else ""),
+                fmt(r["sd_speedup"]),
+                fmt(r["ssd_speedup"]),
+            )
+        console.print(pt)

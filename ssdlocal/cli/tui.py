@@ -1,0 +1,210 @@
+"""Typer commands `chat` and `race`: wiring only.
+
+Options are generate's (the shared aliases of options.py). Textual is imported only when
+a TUI actually starts (with an install hint when missing); `race --no-tui` prints a Rich
+table instead.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ssdlocal.cli import options as o
+from ssdlocal.cli.resolve import (
+    ModelOptions,
+    SamplingOptions,
+    SpecOptions,
+    engine_config,
+    gather,
+    parse_mode,
+)
+from ssdlocal.core.config import EngineConfig, SamplingParams
+from ssdlocal.core.errors import UsageError
+
+
+def _engine_factory(config: EngineConfig):
+    def load():
+        from ssdlocal.engine import (
+            Engine,  # torch is imported in the loading thread, not before the UI
+        )
+
+        return Engine(config)
+
+    return load
+
+
+def prepare_subprocesses() -> None:
+    """Start multiprocessing's resource tracker while sys.stderr is still the terminal.
+
+    Textual replaces sys.stderr with a capture object whose fileno() is -1; spawning the
+    SSD draft worker from inside the app would then fail ("bad value(s) in fds_to_keep").
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def _run_app(app) -> None:
+    prepare_subprocesses()
+    try:
+        app.run()
+    finally:
+        engine = app.loaded_engine
+        if engine is not None:
+            engine.close()
+    if app.load_failed:  # the error and its hint were shown in the app
+        raise typer.Exit(1)
+
+
+def chat(
+    target: o.Target = None,
+    draft: o.Draft = None,
+    pair: o.PairName = None,
+    mode: Annotated[str, typer.Option(help="Starting mode: ar | sd | ssd (F2 switches).")] = "ssd",
+    k: o.K = 4,
+    temperature: o.Temperature = 0.0,
+    top_k: o.TopK = 0,
+    top_p: o.TopP = 1.0,
+    seed: o.Seed = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 256,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    dtype: o.Dtype = "bfloat16",
+    target_device: o.TargetDevice = "cpu",
+    draft_device: o.DraftDevice = "cpu",
+    target_devices: o.TargetDevices = None,
+    target_backend: o.TargetBackend = "torch",
+    draft_backend: o.DraftBackend = "torch",
+    fan_out: o.FanOut = None,
+    fan_out_miss: o.FanOutMiss = None,
+    saguaro_c: o.SaguaroC = 1.0,
+    backup: o.Backup = "auto",
+) -> None:
+    """Interactive chat (Textual) with live speculation stats; F1 for help."""
+    from ssdlocal.tui import require_textual
+    from ssdlocal.tui.core import ChatSettings
+
+    values = locals()
+    parse_mode(mode)
+    require_textual()
+    params = gather(SamplingOptions, values).params()
+    config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values), keep_draft=True)
+    settings = ChatSettings(config.spec, params)
+    from ssdlocal.tui.app import ChatApp
+
+    _run_app(ChatApp(_engine_factory(config), config, settings, system=system))
+
+
+def race(
+    prompt: Annotated[str, typer.Argument(help="The prompt all three modes answer.")],
+    target: o.Target = None,
+    draft: o.Draft = None,
+    pair: o.PairName = None,
+    k: o.K = 4,
+    temperature: o.Temperature = 0.0,
+    top_k: o.TopK = 0,
+    top_p: o.TopP = 1.0,
+    seed: o.Seed = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per run.")] = 128,
+    dtype: o.Dtype = "bfloat16",
+    target_device: o.TargetDevice = "cpu",
+    draft_device: o.DraftDevice = "cpu",
+    target_devices: o.TargetDevices = None,
+    target_backend: o.TargetBackend = "torch",
+    draft_backend: o.DraftBackend = "torch",
+    fan_out: o.FanOut = None,
+    fan_out_miss: o.FanOutMiss = None,
+    saguaro_c: o.SaguaroC = 1.0,
+    backup: o.Backup = "auto",
+    chat_template: Annotated[
+        bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")
+    ] = True,
+    warmup: Annotated[bool, typer.Option(help="One short untimed run per mode first.")] = True,
+    speed: Annotated[float, typer.Option(help="Replay speed (1 = real time).")] = 1.0,
+    no_tui: Annotated[
+        bool, typer.Option("--no-tui", help="Print a table instead of the TUI.")
+    ] = False,
+) -> None:
+    """AR | SD | SSD side by side on one prompt: speedups and an identical-output check.
+
+    The modes run one after another and are replayed with their measured timings.
+    """
+    from ssdlocal.tui.race import race_specs
+
+    if not prompt.strip():
+        raise UsageError("empty prompt", "pass some text to generate from")
+    if not speed > 0:
+        raise UsageError(f"speed must be > 0, got {speed}", "use --speed 1 for real time")
+    values = locals()
+    params = gather(SamplingOptions, values).params()
+    if not no_tui:
+        from ssdlocal.tui import require_textual
+
+        require_textual()
+    config = engine_config(
+        gather(ModelOptions, values),
+        gather(SpecOptions, values),  # mode: ssd (the draft loads in its worker process)
+        need_draft="the race needs a draft for SD and SSD",
+    )
+    specs = race_specs(config.spec)
+    if no_tui:
+        _race_plain(config, prompt, specs, params, chat=chat_template, warmup=warmup)
+        return
+    from ssdlocal.tui.app import RaceApp
+
+    _run_app(
+        RaceApp(
+            _engine_factory(config),
+            config,
+            prompt,
+            specs,
+            params,
+            chat=chat_template,
+            warmup=warmup,
+            speed=speed,
+        )
+    )
+
+
+def _race_plain(
+    config: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool
+) -> None:
+    """`race --no-tui`: run the three modes and print the answer and a Rich table."""
+    from rich.console import Console
+
+    from ssdlocal.cli.render import err_console
+    from ssdlocal.engine import Engine
+    from ssdlocal.tui.race import (
+        identical_verdict,
+        record_run,
+        summarize,
+        summary_table,
+    )
+
+    with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
+        engine = Engine(config)
+    with engine:
+        ids = engine.encode(prompt, chat)
+        if warmup:
+            short = SamplingParams(
+                temperature=params.temperature,
+                seed=params.seed,
+                max_new_tokens=min(4, params.max_new_tokens),
+            )
+            with err_console.status("warming up ...", spinner="dots"):
+                for spec in specs:
+                    for _ in engine.generate([ids], short, spec=spec):
+                        pass
+        runs = []
+        for spec in specs:
+            with err_console.status(f"running {spec.mode.value.upper()} ...", spinner="dots"):
+                runs.append(record_run(engine, ids, params, spec))
+    console = Console()
+    first = runs[0].output
+    console.print(first.text if first else "", markup=False, highlight=False)
+    rows = summarize(runs)
+    console.print(summary_table(rows, title="AR | SD | SSD, run one after another"))
+    verdict = identical_verdict(rows, params.greedy)
+    if verdict:
+        console.print(verdict, markup=False, highlight=False)

@@ -1,0 +1,160 @@
+"""Frozen configuration dataclasses: what the user asked for, validated on creation.
+
+Facts discovered at run time (eos ids, cache sizes, devices actually used) live in
+result objects elsewhere, never here. Invalid values raise UsageError with a hint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ssdlocal.core.errors import UsageError
+
+
+class Mode(str, Enum):
+    """Decoding mode: plain autoregressive, synchronous SD, or asynchronous SSD."""
+
+    AR = "ar"
+    SD = "sd"
+    SSD = "ssd"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise UsageError(
+                f"temperature must be >= 0, got {self.temperature}",
+                "use 0 for greedy decoding or a positive value such as 0.7",
+            )
+        if self.top_k < 0:
+            raise UsageError(f"top-k must be >= 0, got {self.top_k}", "use 0 to disable top-k")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UsageError(
+                f"top-p must be in (0, 1], got {self.top_p}", "use 1.0 to disable top-p"
+            )
+        if self.max_new_tokens < 1:
+            raise UsageError(
+                f"max-new-tokens must be >= 1, got {self.max_new_tokens}",
+                "ask for at least one new token",
+            )
+        if any(s == "" for s in self.stop):
+            raise UsageError("stop strings must not be empty", "drop the empty --stop value")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def parse_fan_out(value: str | None) -> tuple[int, ...] | None:
+    """CLI text -> fan-out tuple: "3,3,2,2,1" -> (3, 3, 2, 2, 1); None or "auto" -> None."""
+    if value is None or value == "auto":
+        return None
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise UsageError(
+            f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1"
+        ) from None
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings. `draft` is a checkpoint path, 'ngram', or None for AR."""
+
+    mode: Mode = Mode.AR
+    k: int = 4
+    draft: str | None = None
+    ngram_max: int = 3  # longest n-gram the prompt-lookup proposer matches
+    ngram_min: int = 1
+    # SSD / Saguaro (used by --mode ssd)
+    fan_out: tuple[int, ...] | None = None  # None = auto
+    fan_out_miss: tuple[int, ...] | None = None
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise UsageError(f"k must be >= 1, got {self.k}", "use --k 4 (a typical lookahead)")
+        if self.mode is not Mode.AR and not self.draft:
+            raise UsageError(
+                f"--mode {self.mode.value} needs a draft",
+                "pass --draft PATH (a checkpoint with the target's tokenizer) or --draft ngram",
+            )
+        if not (0.0 < self.saguaro_c <= 1.0):
+            raise UsageError(
+                f"saguaro-c must be in (0, 1], got {self.saguaro_c}", "use 1.0 to disable"
+            )
+        if self.backup not in ("auto", "jit", "ngram", "none"):
+            raise UsageError(
+                f"unknown backup {self.backup!r}", "choose one of: auto, jit, ngram, none"
+            )
+        for name, fan in (("fan-out", self.fan_out), ("fan-out-miss", self.fan_out_miss)):
+            if fan is not None:
+                if len(fan) != self.k + 1:
+                    raise UsageError(
+                        f"{name} needs K+1 = {self.k + 1} entries (one per accepted length), "
+                        f"got {len(fan)}",
+                        f"for K={self.k} write e.g. {','.join(['1'] * (self.k + 1))}",
+                    )
+                if any(f < 0 for f in fan):
+                    raise UsageError(f"{name} entries must be >= 0", "use 0 to skip a position")
+
+    @property
+    def draft_is_ngram(self) -> bool:
+        return self.draft == "ngram"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model lives and how to run it."""
+
+    path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("torch", "llamacpp"):
+            raise UsageError(f"unknown backend {self.backend!r}", "choose one of: torch, llamacpp")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise UsageError(
+                f"unknown dtype {self.dtype!r}", "choose one of: float32, bfloat16, float16"
+            )
+        dev = self.device
+        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs: target, optional draft model, speculation settings."""
+
+    target: ModelSpec
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    draft_model: ModelSpec | None = None  # set when spec.draft is a checkpoint path
+    pin_cpus: bool = True  # SSD with both models on CPU: give each process its own cores
+    # Tensor-parallel target: one rank per device, rank 0 on target_devices[0] runs the
+    # engine (ssdlocal/parallel). Empty or one device = the target alone on target.device.
+    target_devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for dev in self.target_devices:
+            ModelSpec(self.target.path, dev, self.target.dtype)  # same device rules
+        if len(self.target_devices) > 1 and self.target_devices[0] != self.target.device:
+            raise UsageError(
+                f"target device {self.target.device!r} is not the first of the target devices "
+                f"{', '.join(self.target_devices)}",
+                "rank 0 of a tensor-parallel target runs on the first target device",
+            )

@@ -1,0 +1,77 @@
+"""Per-row generation state: committed tokens, stopping rules and streamed text.
+
+`Row.append` is the only way a generated token enters a row; it applies EOS, the
+token budget and stop strings identically in every mode, which is what keeps AR,
+SD and SSD outputs token-for-token equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ssdlocal.core.config import SamplingParams
+
+
+@dataclass
+class Row:
+    """One sequence being generated: prompt + generated tokens."""
+
+    prompt: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    tokenizer: object
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    _emitted_chars: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def active(self) -> bool:
+        return self.finish_reason is None
+
+    def append(self, token: int) -> bool:
+        """Add one generated token; returns False (and ignores the token) once finished."""
+        if self.finish_reason is not None:
+            return False
+        self.generated.append(token)
+        if not self.params.ignore_eos and token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif self.params.stop and self._stop_index(self.full_text()) is not None:
+            self.finish_reason = "stop"
+        elif len(self.generated) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return True
+
+    def full_text(self) -> str:
+        return self.tokenizer.decode(self.generated, skip_special_tokens=True)
+
+    def _stop_index(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def text(self) -> str:
+        """The output text: decoded, cut before the first stop string."""
+        text = self.full_text()
+        cut = self._stop_index(text) if self.params.stop else None
+        return text if cut is None else text[:cut]
+
+    def take_text_delta(self) -> str:
+        """Text not yet streamed that can no longer change (held back: partial UTF-8,
+        and a tail that might be the start of a stop string)."""
+        text = self.text()
+        if self.finish_reason is None:
+            end = len(text)
+            while end > self._emitted_chars and text[end - 1] == "\ufffd":
+                end -= 1
+            for stop in self.params.stop:
+                for n in range(min(len(stop) - 1, end), 0, -1):
+                    if text[:end].endswith(stop[:n]):
+                        end -= n
+                        break
+            text = text[: max(end, self._emitted_chars)]
+        delta = text[self._emitted_chars :]
+        self._emitted_chars = len(text)
+        return delta

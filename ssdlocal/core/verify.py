@@ -1,0 +1,100 @@
+"""Pure lossless verification of speculated tokens: tensors in, Verdict out.
+
+Implements the speculative-sampling accept/reject rule (accept x with probability
+min(1, p(x)/q(x)), bonus from norm(max(p - q, 0)) at the first rejection, or from p
+after the last draft). No state, no I/O, inputs are never mutated. Knows nothing
+about models, caches or where the drafts came from beyond their proposal `q`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ssdlocal.core.sampling import sample
+
+# A residual with less mass than this is numerical noise (p == q up to rounding);
+# the bonus is then drawn from p, which differs from the exact rule by < this mass.
+RESIDUAL_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one verification round for every row of the batch."""
+
+    n_accepted: Tensor  # [B] long, 0..n_draft[b]
+    bonus: Tensor  # [B] long: the token the target emits after the accepted prefix
+
+
+def point_mass(tokens: Tensor, vocab_size: int) -> Tensor:
+    """tokens [B, K] long -> one-hot proposals q [B, K, V] float32."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)  # [B, K, V]
+
+
+def verify(
+    p: Tensor,
+    draft_tokens: Tensor,
+    q: Tensor | None,
+    generator: torch.Generator | None,
+    n_draft: Tensor | None = None,
+) -> Verdict:
+    """Accept a prefix of each row's drafts and pick the bonus token, losslessly.
+
+    p: [B, K+1, V] target probabilities (temperature/top-k/top-p already applied).
+    draft_tokens: [B, K] long; entries at positions >= n_draft[b] are ignored.
+    q: [B, K, V] the distributions the drafts were sampled from, or None for point-mass
+       proposals (a deterministic drafter such as n-gram).
+    n_draft: [B] long, the number of real drafts per row (0..K); None means K.
+    Draws B*K uniforms for acceptance, then B for the bonus, from `generator`.
+    """
+    batch, k_plus_1, vocab_size = p.shape
+    k = k_plus_1 - 1
+    if draft_tokens.shape != (batch, k):
+        raise ValueError(f"draft_tokens shape {tuple(draft_tokens.shape)} != {(batch, k)}")
+    if q is not None and q.shape != (batch, k, vocab_size):
+        raise ValueError(f"q shape {tuple(q.shape)} != {(batch, k, vocab_size)}")
+    device = p.device
+    p = p.to(torch.float32)  # [B, K+1, V] (a copy if the dtype differs; never written)
+    rows = torch.arange(batch, device=device)  # [B]
+    if n_draft is None:
+        n_draft = torch.full((batch,), k, dtype=torch.long, device=device)  # [B]
+    n_draft = n_draft.to(device=device, dtype=torch.long).clamp(0, k)  # [B]
+
+    # --- accept / reject each draft position -------------------------------------
+    positions = torch.arange(k, device=device)  # [K]
+    real = positions.unsqueeze(0) < n_draft.unsqueeze(1)  # [B, K]
+    tokens = torch.where(real, draft_tokens.to(device), 0)  # [B, K] padding -> token 0
+    p_draft = p[:, :k].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, K] p(x_i)
+    if q is None:
+        q_draft = torch.ones_like(p_draft)  # [B, K] point mass: q(x_i) = 1
+    else:
+        q = q.to(device=device, dtype=torch.float32)  # [B, K, V]
+        q_draft = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, K] q(x_i)
+    rand_device = generator.device if generator is not None else device
+    u = torch.rand((batch, k), generator=generator, device=rand_device).to(device)  # [B, K]
+    # u < p/q written without division: q(x) == 0 with p(x) > 0 accepts, 0/0 rejects.
+    accept = (u * q_draft < p_draft) & real  # [B, K]
+    n_accepted = torch.cumprod(accept.to(torch.long), dim=-1).sum(-1)  # [B]
+
+    # --- bonus token ---------------------------------------------------------------
+    p_next = p[rows, n_accepted]  # [B, V] target distribution after the accepted prefix
+    rejected = n_accepted < n_draft  # [B]
+    if k > 0:
+        at = n_accepted.clamp(max=k - 1)  # [B] the rejected position (where rejected)
+        if q is None:
+            rejected_token = tokens[rows, at]  # [B]
+            q_at = point_mass(rejected_token, vocab_size)  # [B, V]
+            # p - p(x) * onehot(x) is p with x zeroed, i.e. max(p - onehot(x), 0).
+        else:
+            q_at = q[rows, at]  # [B, V]
+        residual = (p_next - q_at).clamp_min(0.0)  # [B, V] max(p_j - q_j, 0)
+        residual_mass = residual.sum(-1, keepdim=True)  # [B, 1]
+        use_residual = rejected.unsqueeze(-1) & (residual_mass > RESIDUAL_EPS)  # [B, 1]
+        normalised = residual / residual_mass.clamp_min(1e-30)  # [B, V]
+        dist = torch.where(use_residual, normalised, p_next)  # [B, V]
+    else:
+        dist = p_next  # [B, V]
+    bonus = sample(dist, generator)  # [B]
+    return Verdict(n_accepted=n_accepted, bonus=bonus)

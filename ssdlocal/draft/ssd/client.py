@@ -1,0 +1,202 @@
+"""Target side of SSD: the worker process handle and the SSDDrafter the engine drives.
+
+DraftWorkerClient spawns the worker (an ipc.ChildProcess: deadline on every receive, a
+dead or silent worker becomes DraftWorkerError, no process left behind on close).
+SSDDrafter implements the Drafter protocol: `observe` sends the outcome without waiting,
+so the worker's reply is usually ready by the next `propose` (a cache hit then costs
+only a pipe round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from ssdlocal.core.config import ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.errors import DraftWorkerError
+from ssdlocal.draft.base import Proposal
+from ssdlocal.draft.ssd import protocol as pr
+from ssdlocal.ipc.child import ChildProcess
+from ssdlocal.ipc.qchannel import QChannel, choose_q_channel, make_q_channel
+from ssdlocal.spec.backup import BackupChooser
+
+log = logging.getLogger(__name__)
+
+
+RECV_TIMEOUT_S = 120.0  # longest wait for one reply during generation (tests lower it)
+LOAD_TIMEOUT_S = 900.0  # longest wait for the draft model to load
+VERIFY_DEVICE = "cpu"  # the engine builds p [B, K+1, V] on the CPU, so q is read there
+
+
+class DraftWorkerClient:
+    """Owns the draft worker process (an ipc.ChildProcess) and loads the draft in it.
+
+    After any failed or interrupted exchange the client is `broken`: it refuses further
+    use and `close` kills the worker at once.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        *,
+        threads: int | None = None,
+        cpus: tuple[int, ...] | None = None,
+        timeout_s: float | None = None,
+        load_timeout_s: float | None = None,
+    ) -> None:
+        from ssdlocal.draft.ssd.worker import worker_main
+
+        self.timeout_s = RECV_TIMEOUT_S if timeout_s is None else timeout_s
+        self.load_timeout_s = LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
+        self.vocab_size: int | None = None
+        self.child = ChildProcess(
+            worker_main, (), name="ssdlocal-draft", role="the draft worker", error=DraftWorkerError,
+            dead_hint="the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
+            hung_hint="the draft device may be overloaded; try --mode sd, or a smaller draft",
+        )  # fmt: skip
+        try:
+            self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus))
+        except BaseException:
+            self.close()  # the caller never gets a handle to close
+            raise
+
+    @property
+    def proc(self):
+        return self.child.proc
+
+    @property
+    def broken(self) -> bool:
+        return self.child.broken
+
+    @broken.setter
+    def broken(self, value: bool) -> None:
+        self.child.broken = value
+
+    @property
+    def usable(self) -> bool:
+        return not (self.child.broken or self.child.closed)
+
+    def send(self, cmd: pr.Cmd, payload=None) -> None:
+        self.child.send(cmd, payload)
+
+    def recv(self, expect: pr.Reply, timeout_s: float | None = None):
+        """Wait for one reply of kind `expect`; raise on error, death or timeout."""
+        return self.child.recv(expect, self.timeout_s if timeout_s is None else timeout_s)
+
+    def wait_loaded(self) -> int:
+        msg = self.recv(pr.Reply.LOADED, self.load_timeout_s)
+        self.vocab_size = msg.vocab_size
+        return msg.vocab_size
+
+    def close(self) -> None:
+        """Stop the worker; never hangs, never leaves a process. Idempotent."""
+        self.child.close()
+
+
+class SSDDrafter:
+    """Drafter protocol over the async worker: propose waits, observe does not."""
+
+    def __init__(
+        self,
+        client: DraftWorkerClient,
+        spec: SpecConfig,
+        params: SamplingParams,
+        target_vocab: int,
+        num_slots: int,
+        *,
+        target_device: str = "cpu",
+        draft_device: str = "cpu",
+    ) -> None:
+        self.client = client
+        self.target_device = target_device  # rank 0 of the target: where the q buffer lives
+        self.draft_device = draft_device
+        self.k = spec.k
+        self.spec = spec
+        self.params = params
+        self.target_vocab = target_vocab
+        self.num_slots = num_slots
+        self._round = 0
+        self._first = True
+        self._proposed_at = 0.0
+        self._prev: list[list[int]] = []
+        self._q_channel: QChannel | None = None  # None when greedy (no q)
+        self.chooser = BackupChooser(spec.backup, spec.k)
+        self.last: pr.ProposalMsg | None = None
+        self._awaiting = False  # a PROPOSAL reply is owed by the worker
+
+    def start(self, sequences: Sequence[Sequence[int]]) -> None:
+        batch = len(sequences)
+        self._q_channel = None
+        if not self.params.greedy:
+            choice = choose_q_channel(self.target_device, self.draft_device)
+            log.debug("q channel: %s (%s)", choice.kind, choice.reason)
+            self._q_channel = make_q_channel(choice, batch, self.k, self.target_vocab, self.target_device)
+        msg = pr.StartMsg(
+            sequences=tuple(tuple(s) for s in sequences),
+            params=self.params,
+            k=self.k,
+            num_slots=self.num_slots,
+            target_vocab=self.target_vocab,
+            fan_out=self.spec.fan_out,
+            fan_out_miss=self.spec.fan_out_miss,
+            saguaro_c=self.spec.saguaro_c,
+            backup=self.spec.backup,
+            q_buffer=None if self._q_channel is None else self._q_channel.buffer,
+        )
+        self.client.send(pr.Cmd.START, msg)
+        self.client.recv(pr.Reply.READY)
+        self._prev = [list(s) for s in sequences]
+        self._first = True
+
+    def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
+        if self._first:
+            self.client.send(pr.Cmd.FIRST)
+            self._first = False
+        self._awaiting = False  # on failure the pipe is unusable anyway
+        msg: pr.ProposalMsg = self.client.recv(pr.Reply.PROPOSAL)
+        self.last = msg
+        self._proposed_at = time.perf_counter()
+        tokens = [list(t) for t in msg.tokens]
+        q = None
+        if msg.q_written and self._q_channel is not None:
+            q = self._q_channel.read(VERIFY_DEVICE)  # [B, K, V] where the engine's p lives
+        self.chooser.observe_proposal(msg)
+        return Proposal(
+            tokens=tokens, q=q, cache_hit=list(msg.cache_hit), backup=msg.backup, draft_busy_s=msg.busy_s
+        )
+
+    def observe(self, sequences, n_accepted, bonus, active) -> None:
+        verify_s = time.perf_counter() - self._proposed_at
+        if not any(active):
+            return  # generation is over; the worker needs no outcome
+        appended = tuple(tuple(s[len(p) :]) for s, p in zip(sequences, self._prev))
+        if self.last is not None:
+            for b, n in enumerate(n_accepted):
+                if appended[b] and b < len(self.last.cache_hit):
+                    path = "hit" if self.last.cache_hit[b] else (self.last.backup or "jit")
+                    if path in ("hit", "jit", "ngram"):
+                        self.chooser.observe_tokens(path, len(appended[b]))
+        self._prev = [list(s) for s in sequences]
+        backup = self.chooser.choose(sum(active), verify_s)
+        msg = pr.OutcomeMsg(
+            round_index=self._round,
+            appended=appended,
+            n_accepted=tuple(int(n) for n in n_accepted),
+            bonus=tuple(int(x) for x in bonus),
+            active=tuple(bool(a) for a in active),
+            verify_s=verify_s,
+            backup=backup,
+        )
+        self._round += 1
+        self.client.send(pr.Cmd.OUTCOME, msg)
+        self._awaiting = True
+
+    def close(self) -> None:
+        """End of one generate call: collect a reply still owed (after a cancel) so the
+        pipe is clean for the next batch. The worker itself lives on. After a failure
+        the client is broken and there is nothing to collect (close kills the worker)."""
+        if self._awaiting and self.client.usable:
+            self._awaiting = False
+            self.client.recv(pr.Reply.PROPOSAL)
+        self._awaiting = False

@@ -1,0 +1,80 @@
+"""Typed messages between the target (engine) and the SSD draft worker process.
+
+Commands are IntEnum values, payloads frozen dataclasses; nothing else crosses the
+pipe (SHUTDOWN and error replies are ssdlocal.ipc's shared control messages). Draft
+distributions q travel through the q channel (shared memory or CUDA IPC), not the pipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ssdlocal.core.config import ModelSpec, SamplingParams
+
+
+class Cmd(IntEnum):
+    """Target -> worker."""
+
+    LOAD = 1  # load the draft model (payload LoadMsg)
+    START = 2  # new batch (StartMsg)
+    FIRST = 3  # draft the first round just-in-time (no payload)
+    OUTCOME = 4  # verification result of the last round (OutcomeMsg)
+
+
+class Reply(IntEnum):
+    """Worker -> target."""
+
+    LOADED = 1  # LoadedMsg
+    READY = 2  # batch prefilled
+    PROPOSAL = 3  # ProposalMsg
+
+
+@dataclass(frozen=True)
+class LoadMsg:
+    model: ModelSpec
+    threads: int | None  # torch threads for the worker (None = leave default)
+    cpus: tuple[int, ...] | None  # CPU affinity for the worker process
+
+
+@dataclass(frozen=True)
+class LoadedMsg:
+    vocab_size: int
+    device: str
+
+
+@dataclass(frozen=True)
+class StartMsg:
+    sequences: tuple[tuple[int, ...], ...]  # each row: prompt + first token
+    params: SamplingParams
+    k: int
+    num_slots: int  # main-region slots per row (the target's size)
+    target_vocab: int
+    fan_out: tuple[int, ...] | None  # after a hit; None = auto
+    fan_out_miss: tuple[int, ...] | None  # after a miss; None = auto
+    saguaro_c: float
+    backup: str  # "jit" | "ngram" | "none" (auto is resolved by the engine each round)
+    q_buffer: object | None  # shared tensor [B, K, V] float32 for q, or None when greedy
+
+
+@dataclass(frozen=True)
+class OutcomeMsg:
+    round_index: int
+    appended: tuple[tuple[int, ...], ...]  # per row: committed tokens this round
+    n_accepted: tuple[int, ...]
+    bonus: tuple[int, ...]
+    active: tuple[bool, ...]
+    verify_s: float  # the target's verification time (for fan-out budget sizing)
+    backup: str  # backup to use for missed rows this round
+
+
+@dataclass(frozen=True)
+class ProposalMsg:
+    round_index: int
+    tokens: tuple[tuple[int, ...], ...]
+    cache_hit: tuple[bool, ...]
+    backup: str | None  # which backup served the missed rows (None if all hit)
+    q_written: bool  # q for these tokens is in the shared buffer
+    busy_s: float  # worker compute time since the previous proposal (pre-spec + resolve)
+    prespec_s: float  # time of the pre-speculation that preceded this proposal
+    fan_out: tuple[int, ...]  # fan-out used for the pre-speculation

@@ -1,0 +1,285 @@
+"""Draft-side SSD logic for one batch: drafting, pre-speculation, cache lookup, backups.
+
+Runs inside the draft worker process (or in-process in tests). While the target
+verifies round T, `prespeculate` decodes K tokens for every likely outcome
+(n_accepted, bonus) of T in one batched tree forward per step; `resolve` then serves
+round T+1 from the speculation cache, or from the backup on a miss.
+
+KV layout per row: backends.base.SlotLayout.with_tree (the row's sequence, then one
+scratch run of K slots per branch, then a trash slot that padded queries write to).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ssdlocal.backends.base import SlotLayout
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
+from ssdlocal.draft.base import align_vocab
+from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
+from ssdlocal.spec.fanout import FanOutPlanner
+from ssdlocal.spec.ngram import propose_ngram
+from ssdlocal.spec.spec_cache import Branch, SpeculationCache, bonus_candidates
+
+
+@dataclass
+class RowState:
+    seq: list[int]  # committed tokens (last one = latest bonus, not yet fed)
+    proposal: list[int]  # current drafts d_1..d_n (n <= K)
+    q: torch.Tensor | None  # [n, V] distributions the drafts were drawn from (None = greedy)
+    pred: dict[int, torch.Tensor]  # sequence index -> draft logits [V] predicting it
+    from_hit: bool = False
+    active: bool = True
+
+
+@dataclass(frozen=True)
+class Served:
+    """The next proposal, as the worker returns it."""
+
+    tokens: list[list[int]]
+    q: torch.Tensor | None  # [B, K, V]
+    cache_hit: list[bool]
+    backup: str | None
+
+
+class Speculator:
+    """Owns a draft Runner's state for one batch of rows."""
+
+    def __init__(self, runner, start: StartMsg, max_budget: int = 32) -> None:
+        self.runner = runner
+        self.k = start.k
+        self.params: SamplingParams = start.params
+        self.vocab = start.target_vocab
+        self.c = start.saguaro_c
+        self.fixed_hit = start.fan_out
+        self.fixed_miss = start.fan_out_miss
+        self.plan_hit = FanOutPlanner(self.k, max_budget=max_budget)
+        self.plan_miss = FanOutPlanner(self.k, max_budget=max_budget)
+        widest = max(max_budget, sum(start.fan_out or ()), sum(start.fan_out_miss or ()))
+        self.max_branches = widest
+        self.layout = SlotLayout(start.num_slots).with_tree(widest, self.k)
+        runner.reset(len(start.sequences), self.layout.total)
+        self.generator = torch.Generator().manual_seed(start.params.seed + 104729)
+        self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
+        self.cache = SpeculationCache()
+        self.last_fan: tuple[int, ...] = ()
+        self.last_depth = 0  # tree depth reached by the last pre-speculation
+        runner.feed([list(s[:-1]) for s in start.sequences])
+
+    # ------------------------------------------------------------- fan-out
+    def early_stop(self, poll):
+        """`should_stop` for prespeculate: stop when `poll()` says the outcome has arrived.
+
+        Only with automatic fan-out: with fixed fan-outs the tree is always completed,
+        so seeded SSD sampling does not depend on timing.
+        """
+        if self.fixed_hit is not None or self.fixed_miss is not None:
+            return None
+        return lambda: bool(poll())
+
+    def fan_for(self, from_hit: bool) -> tuple[int, ...]:
+        fixed = self.fixed_hit if from_hit else self.fixed_miss
+        if fixed is not None:
+            return fixed
+        return (self.plan_hit if from_hit else self.plan_miss).plan()
+
+    def _probs(self, logits: torch.Tensor, fan: int) -> torch.Tensor:
+        """Draft logits [N, V] -> q' [N, V]: warped like p, then Saguaro-scaled."""
+        q = logits_to_probs(logits, self.params)  # [N, V]
+        return saguaro_probs(q, fan, self.c) if not self.params.greedy else q
+
+    # ------------------------------------------------------------- drafting (jit)
+    def draft_jit(self, which: list[int]) -> None:
+        """Draft K tokens just-in-time for rows `which` (SD for those rows)."""
+        fan = self.fan_for(False)
+        feeds = [self.runner.pending(b, r.seq) if b in which else [] for b, r in enumerate(self.rows)]
+        drafts: dict[int, list[int]] = {b: [] for b in which}
+        qs: dict[int, list[torch.Tensor]] = {b: [] for b in which}
+        for step in range(self.k):
+            out = self.runner.feed(feeds)  # per row [len, V_d]
+            feeds = [[] for _ in self.rows]
+            for b in which:
+                row = self.rows[b]
+                last = align_vocab(out[b][-1:], self.vocab)  # [1, V]
+                row.pred[len(row.seq) + step] = last[0]
+                q = self._probs(last, fan[step])  # [1, V]
+                token = int(sample(q, self.generator)[0])
+                drafts[b].append(token)
+                qs[b].append(q[0])
+                feeds[b] = [token]
+        for b in which:
+            row = self.rows[b]
+            row.proposal = drafts[b]
+            row.q = None if self.params.greedy else torch.stack(qs[b])  # [K, V]
+            row.from_hit = False
+
+    # ------------------------------------------------------------- pre-speculation
+    def prespeculate(self, should_stop=None) -> float:
+        """Fill the speculation cache for every active row's pending outcome; returns seconds.
+
+        `should_stop` (optional, polled between tree steps) lets the worker cut the tree
+        short when the target's outcome arrives early.
+        """
+        t0 = time.perf_counter()
+        self.last_depth = 0
+        self.cache.clear()
+        rows = self.rows
+        # 1. make sure the draft has seen seq + proposal, collecting its predictions
+        feeds = [
+            self.runner.pending(b, r.seq + r.proposal) if r.active else [] for b, r in enumerate(rows)
+        ]
+        starts = [self.runner.cached(b) for b in range(len(rows))]
+        out = self.runner.feed(feeds)
+        for b, r in enumerate(rows):
+            for j in range(len(feeds[b])):
+                r.pred[starts[b] + j + 1] = align_vocab(out[b][j], self.vocab)  # [V]
+        # 2. candidates per accepted length
+        branches: list[list[tuple[int, int]]] = []
+        fans: list[tuple[int, ...]] = []
+        for r in rows:
+            fan = self.fan_for(r.from_hit)
+            fans.append(fan)
+            todo: list[tuple[int, int]] = []
+            if r.active:
+                L, n_d = len(r.seq), len(r.proposal)
+                for k in range(n_d + 1):
+                    f = fan[k] if k < n_d else fan[self.k]
+                    drafted = r.proposal[k] if k < n_d else None
+                    for c in bonus_candidates(r.pred[L + k], drafted, f, self.params):
+                        todo.append((k, c))
+            branches.append(todo[: self.max_branches])
+        self.last_fan = fans[0] if fans else ()
+        width = max((len(t) for t in branches), default=0)
+        if width:
+            self._tree_decode(branches, width, should_stop)
+        return time.perf_counter() - t0
+
+    def _tree_decode(self, branches: list[list[tuple[int, int]]], width: int, should_stop=None) -> None:
+        """Up to K batched steps decoding every branch; branch i of row b -> scratch run i.
+
+        `should_stop()` is polled between steps (never before the first): when it turns
+        True the branches keep the depth reached so far (shorter proposals, no waiting).
+        """
+        batch, k_len, layout = len(self.rows), self.k, self.layout
+        trash = layout.trash
+        fan = self.fan_for(True)  # a branch becomes a proposal only on a hit
+        ids = torch.zeros(batch, width, dtype=torch.long)  # [B, W]
+        positions = torch.zeros(batch, width, dtype=torch.long)  # [B, W]
+        slots = torch.full((batch, width), trash, dtype=torch.long)  # [B, W]
+        mask = torch.zeros(batch, width, layout.total, dtype=torch.bool)  # [B, W, S]
+        mask[:, :, trash] = True  # padded queries see only the trash slot
+        for b, todo in enumerate(branches):
+            L = len(self.rows[b].seq)
+            for i, (k, c) in enumerate(todo):
+                ids[b, i] = c
+                positions[b, i] = L + k
+                slots[b, i] = layout.scratch(i)
+                mask[b, i, trash] = False
+                mask[b, i, : L + k] = True  # prefix: seq + d_1..d_k (main slots)
+        tokens = [[[] for _ in todo] for todo in branches]
+        step_logits: list[torch.Tensor] = []  # per step [B, W, V]
+        step_q: list[torch.Tensor] = []  # per step [B, W, V] (sampling only)
+        for j in range(k_len):
+            if j > 0 and should_stop is not None and should_stop():
+                break  # the outcome is here: serve branches of depth j rather than wait
+            for b, todo in enumerate(branches):
+                for i in range(len(todo)):
+                    mask[b, i, layout.scratch(i, j)] = True  # the branch's own tokens so far
+            logits = align_vocab(self.runner.forward_raw(ids, positions, slots, mask), self.vocab)  # [B, W, V]
+            if self.params.greedy:
+                drawn = torch.argmax(logits, dim=-1)  # [B, W]
+            else:
+                q = self._probs(logits.reshape(batch * width, -1), fan[j])  # [B*W, V]
+                drawn = sample(q, self.generator).reshape(batch, width)  # [B, W]
+                step_q.append(q.reshape(batch, width, -1))
+            step_logits.append(logits)
+            ids = drawn
+            positions = positions + 1
+            slots = torch.where(slots == trash, slots, slots + 1)
+            drawn_list = drawn.tolist()
+            for b, todo in enumerate(branches):
+                for i in range(len(todo)):
+                    tokens[b][i].append(drawn_list[b][i])
+        self.last_depth = len(step_logits)
+        for b, todo in enumerate(branches):
+            for i, (k, c) in enumerate(todo):
+                self.cache.put(
+                    Branch(
+                        row=b, n_accepted=k, bonus=c, tokens=tuple(tokens[b][i]),
+                        logits=torch.stack([lg[b, i] for lg in step_logits]),  # [depth, V]
+                        q=None if self.params.greedy else torch.stack([qs[b, i] for qs in step_q]),
+                        slot_start=layout.scratch(i),
+                    )
+                )
+
+    # ------------------------------------------------------------- resolve
+    def resolve(self, outcome: OutcomeMsg) -> Served:
+        """Apply the target's verdict; serve the next proposal from cache or backup."""
+        hits = [False] * len(self.rows)
+        missed: list[int] = []
+        for b, r in enumerate(self.rows):
+            if not outcome.active[b]:
+                r.active = False
+                r.proposal, r.q, r.pred = [], None, {}
+                continue
+            n, bonus = outcome.n_accepted[b], outcome.bonus[b]
+            planner = self.plan_hit if r.from_hit else self.plan_miss
+            planner.observe_acceptance(len(r.proposal), n)
+            old_len = len(r.seq)
+            r.seq = r.seq + list(outcome.appended[b])
+            branch = self.cache.get(b, n, bonus)
+            if branch is not None and list(outcome.appended[b]) == r.proposal[:n] + [bonus]:
+                self._take_branch(b, branch, old_len + n)
+                hits[b] = True
+            else:
+                missed.append(b)
+                r.pred = {}
+                self.runner.sync(b, r.seq)
+        backup = None
+        if missed:
+            backup = outcome.backup
+            self._backup(missed, backup)
+        return self._served(hits, backup)
+
+    def _take_branch(self, b: int, branch: Branch, bonus_index: int) -> None:
+        r = self.rows[b]
+        depth = len(branch.tokens)
+        src = [branch.slot_start + j for j in range(depth)]  # holds bonus, e_1..e_{depth-1}
+        self.runner.take_branch(b, src, bonus_index, r.seq[bonus_index:] + list(branch.tokens[:-1]))
+        r.proposal = list(branch.tokens)
+        r.q = branch.q
+        r.pred = {len(r.seq) + j: branch.logits[j] for j in range(depth)}
+        r.from_hit = True
+
+    def _backup(self, missed: list[int], backup: str) -> None:
+        if backup == "jit":
+            self.draft_jit(missed)
+            return
+        for b in missed:
+            r = self.rows[b]
+            r.proposal = propose_ngram(r.seq, self.k) if backup == "ngram" else []
+            r.q = None
+            if not self.params.greedy and r.proposal:
+                r.q = torch.nn.functional.one_hot(
+                    torch.tensor(r.proposal), self.vocab
+                ).float()  # [n, V] point mass
+            r.from_hit = False
+
+    def _served(self, hits: list[bool], backup: str | None) -> Served:
+        tokens = [list(r.proposal) if r.active else [] for r in self.rows]
+        q = None
+        if not self.params.greedy:
+            q = torch.zeros(len(self.rows), self.k, self.vocab)  # [B, K, V]
+            for b, r in enumerate(self.rows):
+                if r.active and r.q is not None:
+                    q[b, : len(r.proposal)] = r.q
+        return Served(tokens, q, hits, backup)
+
+    def first(self) -> Served:
+        """Round 0: every row drafts just-in-time (nothing was pre-speculated yet)."""
+        self.draft_jit([b for b, r in enumerate(self.rows) if r.active])
+        return self._served([False] * len(self.rows), None)

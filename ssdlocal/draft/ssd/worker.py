@@ -1,0 +1,110 @@
+"""The SSD draft worker process: owns the draft model, its KV cache and the speculation cache.
+
+Started by DraftWorkerClient (client.py) through ssdlocal.ipc. Talks only in the typed
+messages of protocol.py. After answering each proposal it pre-speculates for that
+proposal's outcomes while the target verifies. Exits on SHUTDOWN, when the pipe
+closes, or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ssdlocal.draft.ssd.protocol import (
+    Cmd,
+    LoadedMsg,
+    LoadMsg,
+    OutcomeMsg,
+    ProposalMsg,
+    Reply,
+    StartMsg,
+)
+
+
+def worker_main(conn, parent_pid: int, pdeathsig: bool = True) -> None:
+    """Process entry point. `conn` is the worker's end of the pipe (see ipc.ChildProcess)."""
+    from ssdlocal.ipc.serve import run_child, serve
+
+    worker = DraftWorker(conn)
+    run_child(
+        conn, parent_pid, pdeathsig, lambda: serve(conn, parent_pid, worker.handle),
+        role="draft worker", default_kind="DraftWorkerError",
+    )  # fmt: skip
+
+
+class DraftWorker:
+    """The worker's state between messages: the runner, the batch's Speculator, timings."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.runner = None
+        self.spec = None  # Speculator of the current batch
+        self.q_buffer = None
+        self.prespec_s = 0.0  # the pre-speculation that preceded the next proposal
+        self.round_index = 0
+
+    def handle(self, cmd, payload) -> None:
+        t0 = time.perf_counter()
+        if cmd == Cmd.LOAD:
+            self._load(payload)
+        elif cmd == Cmd.START:
+            self._start(payload)
+        elif cmd == Cmd.FIRST:
+            self._propose(self.spec.first(), time.perf_counter() - t0)
+        elif cmd == Cmd.OUTCOME:
+            self._outcome(payload, t0)
+        else:
+            raise RuntimeError(f"unknown command {cmd!r}")
+
+    def _load(self, msg: LoadMsg) -> None:
+        from ssdlocal.backends import registry
+
+        _apply_placement(msg)
+        loaded = registry.load(msg.model, threads=msg.threads)
+        self.runner = registry.make_runner(loaded, tree=True)
+        self.conn.send((Reply.LOADED, LoadedMsg(loaded.args.vocab_size, str(loaded.device))))
+
+    def _start(self, msg: StartMsg) -> None:
+        from ssdlocal.draft.ssd.speculator import Speculator
+
+        if self.runner is None:
+            raise RuntimeError("START before LOAD")  # the client always loads first
+        self.spec = Speculator(self.runner, msg)
+        self.q_buffer = msg.q_buffer
+        self.round_index = 0
+        self.conn.send((Reply.READY, None))
+
+    def _outcome(self, msg: OutcomeMsg, t0: float) -> None:
+        spec = self.spec
+        self.round_index = msg.round_index + 1
+        for planner in (spec.plan_hit, spec.plan_miss):
+            planner.observe_timing(self.prespec_s, msg.verify_s, spec.last_depth >= spec.k)
+        served = spec.resolve(msg)
+        self._propose(served, self.prespec_s + (time.perf_counter() - t0))
+
+    def _propose(self, served, busy_s: float) -> None:
+        """Send the proposal, then pre-speculate its outcomes while the target verifies."""
+        from ssdlocal.ipc.qchannel import write_q
+
+        q_written = served.q is not None and self.q_buffer is not None
+        if q_written:
+            write_q(self.q_buffer, served.q)  # [n, K, V]; synchronizes a CUDA buffer first
+        msg = ProposalMsg(
+            self.round_index, tuple(tuple(t) for t in served.tokens), tuple(served.cache_hit),
+            served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan,
+        )  # fmt: skip
+        self.conn.send((Reply.PROPOSAL, msg))
+        self.prespec_s = self.spec.prespeculate(self.spec.early_stop(self.conn.poll))
+
+
+def _apply_placement(msg: LoadMsg) -> None:
+    """The CPU cores and thread count the engine gave this process."""
+    import torch
+
+    if msg.cpus and hasattr(os, "sched_setaffinity"):
+        from ssdlocal.placement.cpus import set_process_affinity
+
+        set_process_affinity(msg.cpus)
+    if msg.threads:
+        torch.set_num_threads(msg.threads)

@@ -1,0 +1,272 @@
+"""The Engine: loads the target (and draft), then per generate call a prefill and rounds.
+
+The engine owns the target model and a drafter (none for AR, n-gram or a draft model
+for SD, the async worker for SSD); each round is round.py's propose -> score -> verify
+-> commit -> record. It never imports a UI library and yields events to its callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ssdlocal.backends import registry
+from ssdlocal.backends.base import SlotLayout
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.core.errors import OutOfMemoryError, UsageError
+from ssdlocal.core.events import (
+    DoneEvent,
+    Event,
+    Output,
+    TokenOrigin,
+)
+from ssdlocal.core.sampling import logits_to_probs, sample
+from ssdlocal.core.sequence import Row
+from ssdlocal.core.stats import SpecStats
+from ssdlocal.engine.round import Round, token_events
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Loads the target (and draft) once; `generate` may be called many times.
+
+    Use as a context manager so drafter processes are shut down deterministically.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        spec = config.spec
+        self._draft_runner = None
+        self._worker = None
+        self._cpu_plan = None
+        self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
+        self._cancel = False
+        self._closed = False
+        self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
+        if self.has_draft_model:
+            from ssdlocal.weights.compat import check_pair
+
+            if config.draft_model is None:
+                raise UsageError("a draft checkpoint needs a ModelSpec", "set EngineConfig.draft_model")
+            check_pair(
+                registry.load_tokenizer(config.target.path, config.target.backend),
+                registry.load_tokenizer(spec.draft, config.draft_model.backend),
+            )
+        try:
+            if self.has_draft_model and spec.mode is Mode.SSD:
+                self._start_worker()  # loads the draft in its own process while we load the target
+            if len(config.target_devices) > 1:
+                from ssdlocal.parallel.group import load_tensor_parallel
+
+                self.target, self._tp_group = load_tensor_parallel(config.target, config.target_devices)
+            else:
+                self.target = registry.load(config.target)
+            self.tokenizer = self.target.tokenizer
+            self.runner = registry.make_runner(self.target)
+            if self._worker is not None:
+                self._worker.wait_loaded()
+            elif self.has_draft_model:
+                self._load_draft_here()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_draft_here(self) -> None:
+        """Load the draft model in this process (synchronous SD)."""
+        self._draft_runner = registry.make_runner(registry.load(self.config.draft_model))
+
+    def _start_worker(self) -> None:
+        """Spawn the SSD draft worker; on CPU-only placements split the cores."""
+        from ssdlocal.draft.ssd.client import DraftWorkerClient
+        from ssdlocal.placement.cpus import split_cpus
+
+        draft_spec = self.config.draft_model
+        # bad paths / architectures fail here, not in the worker
+        registry.preflight(draft_spec.path, draft_spec.backend)
+        both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
+        # both on CPU: split the cores (thread counts always; affinity when pin_cpus),
+        # otherwise two full thread pools oversubscribe the cores and both crawl
+        self._cpu_plan = split_cpus() if both_cpu else None
+        plan = self._cpu_plan
+        self._worker = DraftWorkerClient(
+            draft_spec,
+            threads=plan.draft_threads if plan else None,
+            cpus=plan.draft_cpus if plan and self.config.pin_cpus else None,
+        )
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the draft worker (if any). Idempotent; never hangs."""
+        self._closed = True
+        try:
+            self._stop_worker()
+        finally:
+            group, self._tp_group = self._tp_group, None
+            if group is not None:
+                group.close()
+
+    def _stop_worker(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+    def cancel(self) -> None:
+        """Ask a running `generate` to stop after the current round (thread-safe)."""
+        self._cancel = True
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.target.eos_token_ids)
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids of one prompt, through the chat template when `chat`."""
+        if not prompt.strip():
+            raise UsageError("empty prompt", "pass some text to generate from")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UsageError(
+                    "this model's tokenizer has no chat template", "drop --chat to use a raw prompt"
+                )
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(prompt))
+
+    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
+        if spec.mode is Mode.AR:
+            return None
+        if spec.draft_is_ngram:
+            from ssdlocal.draft.sync import NgramDrafter
+
+            return NgramDrafter(spec.k, spec.ngram_max, spec.ngram_min)
+        if spec.draft != self.config.spec.draft:
+            raise UsageError(
+                f"this engine was loaded with draft {self.config.spec.draft!r}, not {spec.draft!r}",
+                "create a new Engine to change the draft model",
+            )
+        if spec.mode is Mode.SD:
+            from ssdlocal.draft.sync import ModelDrafter
+
+            if self._draft_runner is None:
+                self._load_draft_here()
+            drafter = ModelDrafter(self._draft_runner, spec.k, params, self.target.args.vocab_size)
+            drafter.reserve(batch, num_slots)
+            return drafter
+        from ssdlocal.draft.ssd.client import SSDDrafter
+
+        if self._worker is not None and self._worker.broken:
+            self._stop_worker()  # it failed on an earlier call: replace it with a fresh one
+        if self._worker is None:
+            self._start_worker()
+            self._worker.wait_loaded()
+        return SSDDrafter(
+            self._worker, spec, params, self.target.args.vocab_size, num_slots,
+            target_device=self.config.target.device, draft_device=self.config.draft_model.device,
+        )
+
+    def _forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        try:
+            return self.runner.feed(rows)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # noqa: PERF203
+            if "out of memory" in str(exc).lower() or isinstance(exc, torch.OutOfMemoryError):
+                raise OutOfMemoryError(
+                    f"out of memory running the target on {self.target.device}",
+                    "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device",
+                ) from exc
+            raise
+
+    # ----------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        chat: bool = False,
+        spec: SpecConfig | None = None,
+    ) -> Iterator[Event]:
+        """Generate for every prompt (strings, or token-id lists) and yield events.
+
+        `spec` overrides the engine's speculation settings for this call (mode, K,
+        fan-out, backup, C); the draft model itself cannot change.
+        Yields TokensEvent as tokens are committed, a RoundEvent per verification,
+        and finally one DoneEvent with per-row outputs and the stats snapshot.
+        While an SSD call runs on a CPU-only placement, this process is pinned to the
+        target's cores (the worker has the others); the old affinity is restored after.
+        """
+        if not prompts:
+            raise UsageError("no prompt given", "pass at least one prompt")
+        ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        if any(len(x) == 0 for x in ids):
+            raise UsageError("empty prompt", "pass some text to generate from")
+        spec = spec or self.config.spec
+        k = spec.k if spec.mode is not Mode.AR else 0
+        batch = len(ids)
+        num_slots = SlotLayout.for_generation(max(map(len, ids)), params.max_new_tokens, k).main
+        limit = self.target.args.max_position_embeddings
+        if num_slots > limit:
+            raise UsageError(
+                f"prompt + max-new-tokens needs {num_slots} positions, the model supports {limit}",
+                "shorten the prompt or lower --max-new-tokens",
+            )
+        self._cancel = False
+        self.runner.reset(batch, num_slots)
+        rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
+        stats = SpecStats(k=k)
+        generator = torch.Generator().manual_seed(params.seed)
+        drafter = self._make_drafter(spec, params, batch, num_slots)
+        pinned = None
+        if spec.mode is Mode.SSD and self._cpu_plan is not None:
+            pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
+        try:
+            # prefill: the prompt's logits give the first token
+            t0 = time.perf_counter()
+            logits = self._forward([r.prompt for r in rows])
+            p_first = logits_to_probs(torch.stack([lg[-1] for lg in logits]), params)  # [B, V]
+            first = sample(p_first, generator)  # [B]
+            stats.verify_s += time.perf_counter() - t0
+            for b, row in enumerate(rows):
+                row.append(int(first[b]))
+            stats.mark_first_token()
+            stats.tokens += batch
+            yield from token_events(
+                rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * batch
+            )
+            if drafter is not None:
+                drafter.start([r.tokens for r in rows])
+            rounds = Round(
+                self.runner, self._forward, drafter, rows, k, self.target.args.vocab_size,
+                params, generator, stats,
+            )  # fmt: skip
+            round_index = 0
+            while any(r.active for r in rows) and not self._cancel:
+                yield from rounds.run(round_index)
+                round_index += 1
+            if self._cancel:
+                for r in rows:
+                    if r.active:
+                        r.finish_reason = "cancelled"
+        except KeyboardInterrupt:
+            if self._worker is not None:  # Ctrl-C: do not wait for the worker, kill it now
+                self._worker.broken = True
+                self._stop_worker()
+            raise
+        finally:
+            if pinned is not None:
+                pinned.restore()
+            if drafter is not None:
+                drafter.close()
+        stats.finish()
+        outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
+        yield DoneEvent(outputs, stats.snapshot())

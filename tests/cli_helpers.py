@@ -1,0 +1,37 @@
+"""Running the CLI in-process for tests: exit code, stdout and stderr of `ssdlocal ARGS`.
+
+`main()` is called directly (it maps errors to exit codes; Typer's CliRunner would
+bypass that), with sys.argv patched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """Run `ssdlocal ARGS` through main(); return (exit code, stdout, stderr)."""
+    from ssdlocal.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["ssdlocal", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    return (0 if code is None else code), out, err
+
+
+def assert_clean_error(
+    code: int, err: str, expected_code: int, *needles: str, skip: tuple[str, ...] = ()
+) -> None:
+    """Exactly one `error:` line and one `hint:` line (lines starting with a `skip`
+    prefix aside), no traceback, the right exit code, and every needle in the text."""
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(skip or "\0")]
+    assert len(lines) == 2, err
+    assert lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    for needle in needles:
+        assert needle in err, (needle, err)

@@ -1,0 +1,243 @@
+"""A scripted fake engine for the TUI tests: same interface as Engine, no model.
+
+It yields fixed TokensEvent / RoundEvent / DoneEvent sequences per mode (the same
+answer in every mode, like an exact engine at T=0), with timings from a virtual clock
+so stats and replays are deterministic. Optional real delays make "stop" testable.
+UI-free: no Textual import.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import ClassVar
+
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.errors import SSDLocalError
+from ssdlocal.core.events import (
+    DoneEvent,
+    Event,
+    Output,
+    RoundEvent,
+    TokenOrigin,
+    TokensEvent,
+)
+from ssdlocal.core.stats import SpecStats
+
+_TEXT = (
+    "Speculative decoding lets a small draft model propose several tokens that the large "
+    "target model checks in one pass. Accepted tokens are free; a rejected one is replaced "
+    "by a bonus token from the target, so the output is exactly what the target alone "
+    "would write. SSD goes further: while the target verifies, the draft already prepares "
+    "the next round for the most likely outcomes, and a cache hit hides the drafting time."
+)
+WORDS = _TEXT.split()
+ACCEPT_PATTERN = (4, 2, 4, 0, 3, 4, 1, 4)  # accepted drafts per round (capped at K)
+HIT_PATTERN = (True, True, False, True, True, True, False, True)
+ROUND_S = {Mode.AR: 0.050, Mode.SD: 0.085, Mode.SSD: 0.055}  # virtual seconds per round
+PREFILL_S = 0.120
+
+
+class FakeClock:
+    """A thread-safe virtual clock the fake engine advances instead of sleeping."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+
+class FakeTokenizer:
+    """Word-level tokenizer: id i <-> WORDS[i - 3]; ids 0..2 are special."""
+
+    chat_template = "{fake chatml}"
+    eos_token_id = 0
+    SPECIAL: ClassVar[dict[int, str]] = {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+
+    def __init__(self) -> None:
+        self._vocab = {w: i + 3 for i, w in enumerate(dict.fromkeys(WORDS))}
+        self._words = {i: w for w, i in self._vocab.items()}
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        text = "".join(f"<|im_start|>{m['role']} {m['content']} <|im_end|> " for m in messages)
+        if add_generation_prompt:
+            text += "<|im_start|>assistant "
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        inverse = {v: k for k, v in self.SPECIAL.items()}
+        return [inverse.get(w, self._vocab.get(w, 3 + hash(w) % 50)) for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        out = []
+        for i in ids:
+            if i in self.SPECIAL:
+                if not skip_special_tokens:
+                    out.append(self.SPECIAL[i] + " ")
+            else:
+                out.append(self._words.get(int(i), "?") + " ")
+        return "".join(out)
+
+
+def fake_config(mode: Mode = Mode.SSD, draft: str | None = "/models/tiny-draft") -> EngineConfig:
+    spec = SpecConfig(mode=mode, k=4, draft=draft if mode is not Mode.AR or draft else None)
+    draft_model = ModelSpec(draft, "cpu", "float32") if draft and draft != "ngram" else None
+    return EngineConfig(
+        target=ModelSpec("/models/tiny-target", "cpu", "float32"),
+        spec=spec,
+        draft_model=draft_model,
+        pin_cpus=False,
+    )
+
+
+class FakeEngine:
+    """Scripted Engine stand-in. `delay_s` sleeps (real time) per round; `fail_after`
+    raises `error` after that many rounds (e.g. a DraftWorkerError); `hold_after`
+    blocks after that many rounds until cancel() (a generation that is surely mid-way)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        answer: list[str] | None = None,
+        delay_s: float = 0.0,
+        clock: FakeClock | None = None,
+        fail_after: int | None = None,
+        error: Exception | None = None,
+        hold_after: int | None = None,
+    ) -> None:
+        self.config = config or fake_config()
+        self.tokenizer = FakeTokenizer()
+        self.answer = [self.tokenizer._vocab[w] for w in (answer or WORDS)]
+        self.delay_s = delay_s
+        self.clock = clock or FakeClock()
+        self.fail_after = fail_after
+        self.error = error or SSDLocalError(
+            "the draft worker process died (exit code -9)",
+            "it will be restarted on the next request",
+        )
+        self.hold_after = hold_after  # after this many rounds, wait (<= 10 s) for cancel()
+        self._cancelled_event = threading.Event()
+        self.calls: list[tuple[list[list[int]], SamplingParams, SpecConfig]] = []
+        self.cancelled = 0
+        self.closed = False
+        self._cancel = False
+
+    # Engine interface -------------------------------------------------------
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+        return self.tokenizer.encode(prompt)
+
+    def cancel(self) -> None:
+        self._cancel = True
+        self._cancelled_event.set()
+        self.cancelled += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    def generate(
+        self, prompts, params: SamplingParams, *, chat: bool = False, spec: SpecConfig | None = None
+    ) -> Iterator[Event]:
+        spec = spec or self.config.spec
+        ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        self.calls.append((ids, params, spec))
+        self._cancel = False
+        self._cancelled_event.clear()
+        k = spec.k if spec.mode is not Mode.AR else 0
+        stats = SpecStats(k=k)
+        clock = self.clock
+        t_start = clock()
+        budget = self.answer[: params.max_new_tokens]
+        clock.advance(PREFILL_S)
+        stats.tokens = 1
+        ttft = clock() - t_start
+        yield TokensEvent(
+            0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,)
+        )
+        pos, rnd = 1, 0
+        finish = "length"
+        while pos < len(budget):
+            if self._cancel:
+                finish = "cancelled"
+                break
+            if self.fail_after is not None and rnd >= self.fail_after:
+                raise self.error
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.hold_after is not None and rnd == self.hold_after:
+                self._cancelled_event.wait(10)
+                continue
+            clock.advance(ROUND_S[spec.mode])
+            n_acc = min(ACCEPT_PATTERN[rnd % len(ACCEPT_PATTERN)], k)
+            hit = HIT_PATTERN[rnd % len(HIT_PATTERN)] if spec.mode is Mode.SSD else None
+            new = budget[pos : pos + n_acc + 1]
+            draft_origin = TokenOrigin.DRAFT_HIT if hit else TokenOrigin.DRAFT
+            origins = [draft_origin.value] * (len(new) - 1) + [TokenOrigin.TARGET.value]
+            stats.tokens += len(new)
+            stats.record_row(k, min(n_acc, len(new) - 1) if k else 0, len(new))
+            stats.rounds += 1
+            stats.draft_s += 0.02 * bool(k) if not hit else 0.001
+            stats.verify_s += 0.04
+            backup = None
+            if hit is not None:
+                stats.record_ssd_row(hit, len(new))
+                stats.ssd_rounds += 1
+                stats.cache_hits += int(hit)
+                if not hit:
+                    backup = "jit"
+                    stats.backup_used["jit"] = stats.backup_used.get("jit", 0) + 1
+            yield TokensEvent(0, tuple(new), self.tokenizer.decode(new), tuple(origins))
+            yield RoundEvent(
+                rnd,
+                (k,),
+                (n_acc,),
+                (hit,) if hit is not None else None,
+                backup,
+                self._snapshot(stats, ttft, clock() - t_start),
+            )
+            pos += len(new)
+            rnd += 1
+        generated = tuple(budget[:pos])
+        yield DoneEvent(
+            (Output(self.tokenizer.decode(generated), generated, finish),),
+            self._snapshot(stats, ttft, clock() - t_start),
+        )
+
+    @staticmethod
+    def _snapshot(stats: SpecStats, ttft: float, elapsed: float) -> dict:
+        snap = stats.snapshot()
+        decode_s = elapsed - ttft
+        snap.update(
+            ttft_s=ttft,
+            decode_s=decode_s,
+            tokens_per_s=(stats.emitted_in_rounds / decode_s) if decode_s > 0 else None,
+        )
+        return snap
+
+
+def chat_settings(
+    mode: Mode = Mode.SSD, draft: str | None = "d", k: int = 4, fan_out=None, **sampling
+):
+    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams."""
+    from ssdlocal.tui.core import ChatSettings
+
+    spec = SpecConfig(mode=mode, k=k, draft=draft, fan_out=fan_out)
+    return ChatSettings(spec, SamplingParams(**{"max_new_tokens": 256, **sampling}))
