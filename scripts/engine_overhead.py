@@ -1,45 +1,74 @@
 """Engine overhead per round on tiny checkpoints: round wall time minus model forward time.
 
 Builds the test suite's tiny Llama checkpoints (tests/tiny_models.py) in /tmp once, then
-runs AR and SD (K=4) twice each and prints ms of non-model work per round.
-Usage: python scripts/engine_overhead.py
-"""
-import sys, time, torch
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from pathlib import Path
-from tiny_models import make_tiny_suite
-root = Path("/tmp/ssdlocal-tiny-suite")
-d = {p.name: p for p in root.iterdir()} if (root / "llama").exists() else make_tiny_suite(root)
-from ssdlocal.core.config import *
-from ssdlocal.engine import Engine
-from ssdlocal.core.events import DoneEvent
-from ssdlocal.backends.torch import runner as runner_mod
+runs AR and SD (K=4, draft model) `--repeats` times each, interleaved, one torch thread,
+200 new tokens, and prints the median milliseconds of non-model work per round.
 
-def main():
+    python scripts/engine_overhead.py [--repeats 5] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from tiny_models import make_tiny_suite  # noqa: E402
+
+from ssdlocal.backends.torch import model as model_mod  # noqa: E402
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
+from ssdlocal.engine import Engine  # noqa: E402
+
+SUITE = Path("/tmp/ssdlocal-tiny-suite")
+PROMPT = "hello world, def foo(x):"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    dirs = {p.name: p for p in SUITE.iterdir()} if (SUITE / "llama").exists() else make_tiny_suite(SUITE)
     torch.set_num_threads(1)
-    cfg = EngineConfig(target=ModelSpec(str(d["llama"])), spec=SpecConfig(mode=Mode.SD, k=4, draft=str(d["draft_llama"])),
-                       draft_model=ModelSpec(str(d["draft_llama"])))
-    eng = Engine(cfg)
-    # time spent inside model forwards (target and draft) via a wrapper on ModelRunner.feed/forward_raw
-    spent = {"fwd": 0.0}
-    from ssdlocal.backends.torch import model as model_mod
-    orig = model_mod.Transformer.forward
+    draft = str(dirs["draft_llama"])
+    cfg = EngineConfig(
+        target=ModelSpec(str(dirs["llama"])), spec=SpecConfig(mode=Mode.SD, k=4, draft=draft),
+        draft_model=ModelSpec(draft),
+    )
+    spent = {"forward": 0.0}
+    forward = model_mod.Transformer.forward
+
     def timed(self, *a, **k):
-        t = time.perf_counter(); out = orig(self, *a, **k); spent["fwd"] += time.perf_counter() - t; return out
+        t = time.perf_counter()
+        out = forward(self, *a, **k)
+        spent["forward"] += time.perf_counter() - t
+        return out
+
     model_mod.Transformer.forward = timed
-    p = SamplingParams(max_new_tokens=200, ignore_eos=True)
-    for mode in ("ar", "sd", "ar", "sd"):
-        spec = SpecConfig(mode=Mode(mode), k=4, draft=str(d["draft_llama"]))
-        spent["fwd"] = 0.0
-        t0 = time.perf_counter()
-        evs = list(eng.generate(["hello world, def foo(x):"], p, spec=spec))
-        wall = time.perf_counter() - t0
-        s = evs[-1].stats
-        rounds = s["rounds"] + 1
-        print(f"{mode}: {rounds} rounds, wall {wall*1e3:.1f} ms, in model forward {spent['fwd']*1e3:.1f} ms, "
-              f"engine overhead {(wall - spent['fwd'])/rounds*1e3:.3f} ms/round, {s['tokens_per_s']:.0f} tok/s")
-    eng.close()
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    results: dict[str, list[float]] = {"ar": [], "sd": []}
+    with Engine(cfg) as engine:
+        for _ in range(args.repeats + 1):  # the first pass warms up
+            for mode in ("ar", "sd"):
+                spec = SpecConfig(mode=Mode(mode), k=4, draft=draft)
+                spent["forward"] = 0.0
+                t0 = time.perf_counter()
+                events = list(engine.generate([PROMPT] * args.batch, params, spec=spec))
+                wall = time.perf_counter() - t0
+                rounds = events[-1].stats["rounds"] + 1  # + the prefill
+                results[mode].append((wall - spent["forward"]) / rounds * 1e3)
+    for mode, values in results.items():
+        values = values[1:]
+        print(f"{mode}: engine overhead {statistics.median(values):.3f} ms/round "
+              f"(median of {len(values)}, min {min(values):.3f}, max {max(values):.3f})")
+
 
 if __name__ == "__main__":
     main()
