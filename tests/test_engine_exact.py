@@ -492,15 +492,14 @@ def test_eos_and_stop_and_length_mixed_in_one_batch(engines, eos_target):
 
 
 # ----------------------------------------------------------------- bonus == rejected draft
-def _reject_all(p, draft_tokens, q, generator, n_draft=None):
-    """A valid greedy verdict that rejects every draft: the bonus is argmax p at the
-    first position, which often IS the first draft. verify's RESIDUAL_EPS fallback can
-    produce the same situation at T > 0 (bonus drawn from p after a rejection)."""
-    from ssdlocal.core.sampling import sample
+def _reject_all(logits, draft_tokens, q, params, generator, n_draft=None):
+    """A valid greedy verdict that rejects every draft: the bonus is the target's argmax
+    at the first position, which often IS the first draft. verify's RESIDUAL_EPS fallback
+    can produce the same situation at T > 0 (bonus drawn from p after a rejection)."""
     from ssdlocal.core.verify import Verdict
 
-    batch = p.shape[0]
-    return Verdict(torch.zeros(batch, dtype=torch.long), sample(p[:, 0], generator))
+    batch = logits.shape[0]
+    return Verdict(torch.zeros(batch, dtype=torch.long), torch.argmax(logits[:, 0], dim=-1))
 
 
 @pytest.mark.parametrize(
@@ -516,7 +515,7 @@ def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypa
     import ssdlocal.engine.round as engine_mod
 
     ar = ar_reference(engines, "llama", PROMPTS_3, GREEDY)
-    monkeypatch.setattr(engine_mod, "verify", _reject_all)
+    monkeypatch.setattr(engine_mod, "verify_logits", _reject_all)
     spec = spec_for(engines, Mode(mode), draft, 3, backup=backup)
     done, rounds = run(engines.get("llama", draft), PROMPTS_3, GREEDY, spec)
     assert_same(ar, done, f"{mode} {draft} {backup} reject-all")

@@ -42,7 +42,7 @@ from stats_helpers import (
     chi_square_pvalue,
 )
 
-import ssdlocal.engine.round as engine_mod
+import ssdlocal.core.verify as verify_mod
 from ssdlocal.core.config import (
     EngineConfig,
     Mode,
@@ -255,8 +255,9 @@ def _accept_argmax(p, draft_tokens, q, generator, n_draft=None) -> Verdict:
 
 @pytest.mark.parametrize("broken", [_bonus_from_p, _accept_argmax], ids=["bonus-from-p", "argmax"])
 def test_broken_verify_is_detected(engine, models, monkeypatch, broken):
-    """The same harness rejects a lossy verification (SD and SSD share the engine's verify)."""
-    monkeypatch.setattr(engine_mod, "verify", broken)
+    """The same harness rejects a lossy verification (every mode verifies through
+    core.verify.verify_logits, which calls `verify` at T > 0)."""
+    monkeypatch.setattr(verify_mod, "verify", broken)
     params = replace(T1, seed=31)
     joint = exact_joint(engine, models, params)
     sd = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)

@@ -249,9 +249,11 @@ class InProcessSSD:
         if self.next is None:
             self.sp.prespeculate()
         self.hits += sum(served.cache_hit)
-        return Proposal(served.tokens, served.q, served.cache_hit, served.backup)
+        return Proposal.from_lists(
+            served.tokens, self.k, "cpu", q=served.q, cache_hit=served.cache_hit, backup=served.backup
+        )
 
-    def observe(self, sequences, n_accepted, bonus, active):
+    def observe(self, sequences, n_accepted, bonus, active, verdict=None):
         if not any(active):
             return
         appended = tuple(tuple(s[len(p) :]) for s, p in zip(sequences, self.prev))

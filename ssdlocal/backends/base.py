@@ -32,7 +32,18 @@ class Runner(Protocol):
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
 
     def feed(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Append rows[b] to row b's cache; per row float32 logits [len(rows[b]), V]."""
+        """Append rows[b] to row b's cache; per row float32 logits [len(rows[b]), V]
+        on the runner's device."""
+
+    def begin_steps(self) -> None:
+        """Decode with `step` from here: each row's length is what it has cached."""
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] on the device at positions length..length+T-1 of each row ->
+        logits [B, T, V] float32 (valid until the next step). Lengths do not move."""
+
+    def advance(self, n) -> None:
+        """Each row's length += n (a [B] long tensor, possibly negative, or one int)."""
 
     def sync(self, row: int, committed: Sequence[int]) -> None:
         """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
@@ -42,6 +53,10 @@ class Runner(Protocol):
     ) -> torch.Tensor:
         """Tree step: ids/positions/slots [B, T], mask [B, T, S] -> logits [B, T, V];
         writes the given slots but leaves each row's held tokens unchanged."""
+
+    def tree_width(self, width: int) -> int:
+        """How many queries a tree step of `width` branches should have (padding with
+        queries that see only the trash slot; e.g. to reuse captured graphs)."""
 
     def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         """Adopt a tree branch: the k/v at scratch slots `src` become the row's slots

@@ -2,7 +2,9 @@
 
 `Row.append` is the only way a generated token enters a row; it applies EOS, the
 token budget and stop strings identically in every mode, which is what keeps AR,
-SD and SSD outputs token-for-token equal.
+SD and SSD outputs token-for-token equal. While a row runs, its text grows by decoding
+a short window of new tokens (cost independent of the length so far); the final text
+is one full decode.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ class Row:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     _emitted_chars: int = 0
+    _text: str = ""  # text of generated[:_read], grown incrementally while running
+    _prefix: int = 0  # start of the decode window
+    _read: int = 0  # generated tokens whose text is in _text
+    _final: str | None = None  # the full decode, once finished
 
     @property
     def tokens(self) -> list[int]:
@@ -39,7 +45,7 @@ class Row:
         self.generated.append(token)
         if not self.params.ignore_eos and token in self.eos_ids:
             self.finish_reason = "eos"
-        elif self.params.stop and self._stop_index(self.full_text()) is not None:
+        elif self.params.stop and self._stop_index(self._running_text()) is not None:
             self.finish_reason = "stop"
         elif len(self.generated) >= self.params.max_new_tokens:
             self.finish_reason = "length"
@@ -48,13 +54,34 @@ class Row:
     def full_text(self) -> str:
         return self.tokenizer.decode(self.generated, skip_special_tokens=True)
 
+    def _running_text(self) -> str:
+        """The text so far, extended by decoding only the tokens since the last call.
+
+        Decodes the window generated[_prefix:] against generated[_prefix:_read] and keeps
+        the difference, unless it ends in a partial character (U+FFFD), which waits for
+        the next token. Tokens that decode to nothing (skipped specials) also wait.
+        """
+        if self._read < len(self.generated):
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            before = decode(self.generated[self._prefix : self._read])
+            now = decode(self.generated[self._prefix :])
+            if len(now) > len(before) and not now.endswith("\ufffd"):
+                self._text += now[len(before) :]
+                self._prefix, self._read = self._read, len(self.generated)
+        return self._text
+
     def _stop_index(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
         return min(hits) if hits else None
 
     def text(self) -> str:
         """The output text: decoded, cut before the first stop string."""
-        text = self.full_text()
+        if self.finish_reason is None:
+            text = self._running_text()
+        else:
+            if self._final is None:
+                self._final = self.full_text()
+            text = self._final
         cut = self._stop_index(text) if self.params.stop else None
         return text if cut is None else text[:cut]
 

@@ -2,8 +2,10 @@
 
 Implements the speculative-sampling accept/reject rule (accept x with probability
 min(1, p(x)/q(x)), bonus from norm(max(p - q, 0)) at the first rejection, or from p
-after the last draft). No state, no I/O, inputs are never mutated. Knows nothing
-about models, caches or where the drafts came from beyond their proposal `q`.
+after the last draft). `verify_logits` is the one entry every mode uses: at temperature 0
+it takes the target's argmax path (what `verify` does with one-hot p, without building
+p or drawing random numbers), otherwise p from `logits_to_probs` and `verify`. Runs on
+whatever device the tensors live on. No state, no I/O, inputs are never mutated.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ssdlocal.core.sampling import sample
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sampling import logits_to_probs, sample
 
 # A residual with less mass than this is numerical noise (p == q up to rounding);
 # the bonus is then drawn from p, which differs from the exact rule by < this mass.
@@ -97,4 +100,33 @@ def verify(
     else:
         dist = p_next  # [B, V]
     bonus = sample(dist, generator)  # [B]
+    return Verdict(n_accepted=n_accepted, bonus=bonus)
+
+
+def verify_logits(
+    logits: Tensor,
+    draft_tokens: Tensor,
+    q: Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    n_draft: Tensor | None = None,
+) -> Verdict:
+    """`verify` from the target's raw logits [B, K+1, V] (K may be 0: plain decoding).
+
+    Greedy: draft i is accepted iff it equals the target's argmax there and every earlier
+    draft was accepted; the bonus is the argmax after the accepted prefix. That is exactly
+    `verify` with one-hot p (the residual of a one-hot p is the same one-hot), and it
+    draws nothing from `generator`. Otherwise p = logits_to_probs(logits) and `verify`.
+    """
+    if not params.greedy:
+        return verify(logits_to_probs(logits, params), draft_tokens, q, generator, n_draft)
+    batch, k_plus_1, _ = logits.shape
+    k = k_plus_1 - 1
+    best = torch.argmax(logits, dim=-1)  # [B, K+1]
+    if n_draft is None:
+        n_draft = torch.full((batch,), k, dtype=torch.long, device=logits.device)  # [B]
+    real = torch.arange(k, device=logits.device)[None, :] < n_draft[:, None]  # [B, K]
+    match = (best[:, :k] == draft_tokens) & real  # [B, K]
+    n_accepted = torch.cumprod(match.to(torch.long), dim=-1).sum(-1)  # [B]
+    bonus = best.gather(1, n_accepted[:, None]).squeeze(1)  # [B]
     return Verdict(n_accepted=n_accepted, bonus=bonus)

@@ -1,8 +1,9 @@
 """The Drafter protocol and the Proposal it returns; what the engine expects of a drafter.
 
 A drafter proposes up to K tokens per active row and says which distribution each
-token was drawn from (`q`), so verification stays lossless. It must not know about
-the target model or the engine's stopping rules.
+token was drawn from (`q`), so verification stays lossless. Proposals live on the
+target's device. A drafter must not know about the target model or the engine's
+stopping rules.
 """
 
 from __future__ import annotations
@@ -16,22 +17,36 @@ import torch
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for one round.
+    """Draft tokens for one round, where the target verifies them.
 
-    tokens[b]: the row's draft tokens (0..K of them; empty for idle rows).
-    q: [B, K, V] float32 proposal distributions the tokens were drawn from, or None
-       when every token is a deterministic choice (point mass: greedy or n-gram).
+    drafts: [B, K] long on the target's device; entries past n_draft[b] are padding.
+    n_draft: [B] long on the target's device, real drafts per row (0 for idle rows).
+    q: [B, K, V] float32 on the target's device, the distributions the drafts were drawn
+       from, or None when every draft is a deterministic choice (point mass: greedy or
+       n-gram).
+    tokens: the same drafts as host lists when the drafter has them (else the engine
+       reads them back with the verdict).
     cache_hit[b]: SSD only, whether row b was served from the speculation cache.
     backup: SSD only, which backup produced the missed rows ("jit", "ngram", "none").
     draft_busy_s: SSD only, the worker's compute time since its previous proposal
        (pre-speculation + serving), to compare with the target's verify time.
     """
 
-    tokens: list[list[int]]
-    q: torch.Tensor | None
+    drafts: torch.Tensor
+    n_draft: torch.Tensor
+    q: torch.Tensor | None = None
+    tokens: list[list[int]] | None = None
     cache_hit: list[bool] | None = None
     backup: str | None = None
     draft_busy_s: float | None = None
+
+    @classmethod
+    def from_lists(cls, tokens: Sequence[Sequence[int]], k: int, device, **fields) -> Proposal:
+        """Host token lists (0..K per row) -> drafts and n_draft on `device`."""
+        padded = [list(t) + [0] * (k - len(t)) for t in tokens]
+        drafts = torch.tensor(padded, dtype=torch.long).reshape(len(padded), k)  # [B, K]
+        n_draft = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # [B]
+        return cls(drafts.to(device), n_draft.to(device), tokens=[list(t) for t in tokens], **fields)
 
 
 class Drafter(Protocol):
@@ -51,9 +66,11 @@ class Drafter(Protocol):
         n_accepted: Sequence[int],
         bonus: Sequence[int],
         active: Sequence[bool],
+        verdict=None,
     ) -> None:
         """The round's outcome: rows now hold `sequences`; `active[b]` is False once row b
-        has finished (it will never be proposed for again)."""
+        has finished (it will never be proposed for again). `verdict` (core.verify.Verdict)
+        holds the same n_accepted and bonus on the target's device."""
 
     def close(self) -> None:
         """Release processes and memory. Idempotent."""

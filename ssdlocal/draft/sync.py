@@ -19,10 +19,11 @@ from ssdlocal.spec.ngram import propose_ngram
 class NgramDrafter:
     """Prompt-lookup proposals; deterministic, so verified as point masses (q=None)."""
 
-    def __init__(self, k: int, n_max: int = 3, n_min: int = 1) -> None:
+    def __init__(self, k: int, n_max: int = 3, n_min: int = 1, device="cpu") -> None:
         self.k = k
         self.n_max = n_max
         self.n_min = n_min
+        self.device = device  # where the target verifies
 
     def start(self, sequences: Sequence[Sequence[int]]) -> None:
         return None
@@ -32,9 +33,9 @@ class NgramDrafter:
             propose_ngram(seq, self.k, self.n_max, self.n_min) if on else []
             for seq, on in zip(sequences, active)
         ]
-        return Proposal(tokens=tokens, q=None)
+        return Proposal.from_lists(tokens, self.k, self.device)
 
-    def observe(self, sequences, n_accepted, bonus, active) -> None:
+    def observe(self, sequences, n_accepted, bonus, active, verdict=None) -> None:
         return None
 
     def close(self) -> None:
@@ -42,59 +43,82 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A draft model run just-in-time: K forwards per round, batched over rows."""
+    """A draft model run just in time: K forwards per round, batched over rows, with the
+    draft's tokens, positions and distributions kept on its device (no host round trip
+    between the K steps).
 
-    def __init__(
-        self,
-        runner,  # backends.base.Runner of the draft model
-        k: int,
-        params: SamplingParams,
-        target_vocab: int,
-    ) -> None:
-        self.runner = runner
+    Cache bookkeeping per row (c = tokens the draft has cached at a round's start, L =
+    committed tokens): the first step feeds the 1 or 2 committed tokens it lacks (the
+    bonus, preceded by the last draft d_K when all K drafts were accepted), so it is a
+    [B, 2] step whose padding writes past L; steps 2..K feed d_1..d_{K-1}. After the
+    verdict (n accepted) the cache keeps L + min(n, K-1) tokens.
+    """
+
+    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device) -> None:
+        self.runner = runner  # backends.base.Runner of the draft model
         self.k = k
         self.params = params
         self.target_vocab = target_vocab
-        self.generator = torch.Generator().manual_seed(params.seed + 7919)
+        self.device = device  # where the target verifies
+        self.generator = self._generator()
+
+    def _generator(self) -> torch.Generator:
+        return torch.Generator(device=self.runner.device).manual_seed(self.params.seed + 7919)
 
     def reserve(self, batch_size: int, num_slots: int) -> None:
         """Allocate the draft's KV cache for a batch (engine calls before start)."""
         self.runner.reset(batch_size, num_slots)
-        self.generator = torch.Generator().manual_seed(self.params.seed + 7919)
+        self.generator = self._generator()
 
     def start(self, sequences: Sequence[Sequence[int]]) -> None:
         """Prefill the draft on every row's sequence except its last token."""
         self.runner.feed([list(seq[:-1]) for seq in sequences])
+        self.runner.begin_steps()
+        dev = self.runner.device
+        self.last = torch.tensor([seq[-1] for seq in sequences], device=dev)  # [B] pending bonus
+        self.last_draft = torch.zeros_like(self.last)  # [B] d_K of the previous round
+        self.two = torch.zeros(len(sequences), dtype=torch.long, device=dev)  # [B] 1 if d_K pending
 
+    @torch.inference_mode()
     def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
-        batch = len(sequences)
-        rows = [self.runner.pending(b, seq) if active[b] else [] for b, seq in enumerate(sequences)]
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        q_steps: list[torch.Tensor] = []
-        for _ in range(self.k):
-            logits = self.runner.feed(rows)  # per row [len, V_d]
-            last = torch.stack(
-                [
-                    lg[-1] if len(lg) else torch.zeros(lg.shape[-1])
-                    for lg in logits
-                ]
-            )  # [B, V_d]
-            q = logits_to_probs(align_vocab(last, self.target_vocab), self.params)  # [B, V]
-            drawn = sample(q, self.generator)  # [B]
-            q_steps.append(q)
-            rows = []
-            for b in range(batch):
-                if active[b]:
-                    tokens[b].append(int(drawn[b]))
-                    rows.append([int(drawn[b])])
-                else:
-                    rows.append([])
-        q_all = None if self.params.greedy else torch.stack(q_steps, dim=1)  # [B, K, V]
-        return Proposal(tokens=tokens, q=q_all)
+        batch, runner = len(sequences), self.runner
+        rows = torch.arange(batch, device=runner.device)  # [B]
+        first = torch.stack([torch.where(self.two.bool(), self.last_draft, self.last), self.last], 1)
+        logits = runner.step(first)[rows, self.two]  # [B, V_d]: after the last pending token
+        runner.advance(1 + self.two)
+        drafts, qs = [], []
+        for j in range(self.k):
+            if j > 0:
+                logits = runner.step(drafts[-1][:, None])[:, 0]  # [B, V_d]
+                runner.advance(1)
+            token, q = self._draw(logits)
+            drafts.append(token)
+            qs.append(q)
+        self.last_draft = drafts[-1]
+        n_draft = torch.tensor([self.k if a else 0 for a in active], device=self.device)  # [B]
+        q_all = None if self.params.greedy else torch.stack(qs, dim=1).to(self.device)  # [B, K, V]
+        return Proposal(torch.stack(drafts, dim=1).to(self.device), n_draft, q_all)  # [B, K]
 
-    def observe(self, sequences, n_accepted, bonus, active) -> None:
-        for b, seq in enumerate(sequences):
-            self.runner.sync(b, seq)
+    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [B, V_d] -> (token [B], q [B, V] or None when greedy)."""
+        aligned = align_vocab(logits, self.target_vocab)  # [B, V]
+        if self.params.greedy:
+            return torch.argmax(aligned, dim=-1), None  # [B]
+        q = logits_to_probs(aligned, self.params)  # [B, V]
+        return sample(q, self.generator), q
+
+    @torch.inference_mode()
+    def observe(self, sequences, n_accepted, bonus, active, verdict=None) -> None:
+        """Keep L + min(n, K-1) cached tokens per active row; finished rows rewind to
+        where this round started (so their positions never run past the cache)."""
+        dev = self.runner.device
+        n = torch.tensor(list(n_accepted), device=dev) if verdict is None else verdict.n_accepted.to(dev)
+        live = torch.tensor(list(active), device=dev)  # [B] bool
+        fed = self.two + self.k  # [B] tokens fed this round
+        keep = 1 + self.two + n.clamp(max=self.k - 1)  # [B] of them still valid
+        self.runner.advance(torch.where(live, keep - fed, -fed))
+        self.two = (n == self.k).long() & live.long()  # [B]
+        self.last = torch.tensor(list(bonus), device=dev) if verdict is None else verdict.bonus.to(dev)
 
     def close(self) -> None:
         return None

@@ -23,7 +23,7 @@ from ssdlocal.core.events import (
     Output,
     TokenOrigin,
 )
-from ssdlocal.core.sampling import logits_to_probs, sample
+from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
 from ssdlocal.engine.round import Round, token_events
@@ -150,7 +150,7 @@ class Engine:
         if spec.draft_is_ngram:
             from ssdlocal.draft.sync import NgramDrafter
 
-            return NgramDrafter(spec.k, spec.ngram_max, spec.ngram_min)
+            return NgramDrafter(spec.k, spec.ngram_max, spec.ngram_min, self.runner.device)
         if spec.draft != self.config.spec.draft:
             raise UsageError(
                 f"this engine was loaded with draft {self.config.spec.draft!r}, not {spec.draft!r}",
@@ -161,7 +161,9 @@ class Engine:
 
             if self._draft_runner is None:
                 self._load_draft_here()
-            drafter = ModelDrafter(self._draft_runner, spec.k, params, self.target.args.vocab_size)
+            drafter = ModelDrafter(
+                self._draft_runner, spec.k, params, self.target.args.vocab_size, self.runner.device
+            )
             drafter.reserve(batch, num_slots)
             return drafter
         from ssdlocal.draft.ssd.client import SSDDrafter
@@ -176,9 +178,10 @@ class Engine:
             target_device=self.config.target.device, draft_device=self.config.draft_model.device,
         )
 
-    def _forward(self, rows: list[list[int]]) -> list[torch.Tensor]:
+    def _guard(self, fn, *args):
+        """fn(*args) on the target, with running out of memory turned into a clear error."""
         try:
-            return self.runner.feed(rows)
+            return fn(*args)
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # noqa: PERF203
             if "out of memory" in str(exc).lower() or isinstance(exc, torch.OutOfMemoryError):
                 raise OutOfMemoryError(
@@ -205,50 +208,26 @@ class Engine:
         While an SSD call runs on a CPU-only placement, this process is pinned to the
         target's cores (the worker has the others); the old affinity is restored after.
         """
-        if not prompts:
-            raise UsageError("no prompt given", "pass at least one prompt")
-        ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
-        if any(len(x) == 0 for x in ids):
-            raise UsageError("empty prompt", "pass some text to generate from")
         spec = spec or self.config.spec
+        ids = self._prompt_ids(prompts, chat)
         k = spec.k if spec.mode is not Mode.AR else 0
-        batch = len(ids)
-        num_slots = SlotLayout.for_generation(max(map(len, ids)), params.max_new_tokens, k).main
-        limit = self.target.args.max_position_embeddings
-        if num_slots > limit:
-            raise UsageError(
-                f"prompt + max-new-tokens needs {num_slots} positions, the model supports {limit}",
-                "shorten the prompt or lower --max-new-tokens",
-            )
+        num_slots = self._slots(ids, params, k)
         self._cancel = False
-        self.runner.reset(batch, num_slots)
+        self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
         stats = SpecStats(k=k)
-        generator = torch.Generator().manual_seed(params.seed)
-        drafter = self._make_drafter(spec, params, batch, num_slots)
+        generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        drafter = self._make_drafter(spec, params, len(ids), num_slots)
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
         try:
-            # prefill: the prompt's logits give the first token
-            t0 = time.perf_counter()
-            logits = self._forward([r.prompt for r in rows])
-            p_first = logits_to_probs(torch.stack([lg[-1] for lg in logits]), params)  # [B, V]
-            first = sample(p_first, generator)  # [B]
-            stats.verify_s += time.perf_counter() - t0
-            for b, row in enumerate(rows):
-                row.append(int(first[b]))
-            stats.mark_first_token()
-            stats.tokens += batch
-            yield from token_events(
-                rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * batch
-            )
+            first = self._prefill(rows, params, generator, stats)
+            origin = [[TokenOrigin.TARGET]] * len(rows)
+            yield from token_events(rows, [[r.generated[0]] for r in rows], origin)
             if drafter is not None:
                 drafter.start([r.tokens for r in rows])
-            rounds = Round(
-                self.runner, self._forward, drafter, rows, k, self.target.args.vocab_size,
-                params, generator, stats,
-            )  # fmt: skip
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, stats, first)
             round_index = 0
             while any(r.active for r in rows) and not self._cancel:
                 yield from rounds.run(round_index)
@@ -270,3 +249,37 @@ class Engine:
         stats.finish()
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
+
+    def _prompt_ids(self, prompts, chat: bool) -> list[list[int]]:
+        if not prompts:
+            raise UsageError("no prompt given", "pass at least one prompt")
+        ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        if any(len(x) == 0 for x in ids):
+            raise UsageError("empty prompt", "pass some text to generate from")
+        return ids
+
+    def _slots(self, ids: list[list[int]], params: SamplingParams, k: int) -> int:
+        """Cache slots per row for this call; refused past the model's context."""
+        num_slots = SlotLayout.for_generation(max(map(len, ids)), params.max_new_tokens, k).main
+        limit = self.target.args.max_position_embeddings
+        if num_slots > limit:
+            raise UsageError(
+                f"prompt + max-new-tokens needs {num_slots} positions, the model supports {limit}",
+                "shorten the prompt or lower --max-new-tokens",
+            )
+        return num_slots
+
+    def _prefill(self, rows, params, generator, stats) -> torch.Tensor:
+        """Feed every prompt; the first token of each row, as [B] on the target's device."""
+        t0 = time.perf_counter()
+        logits = self._guard(self.runner.feed, [r.prompt for r in rows])
+        last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
+        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
+        first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]
+        stats.verify_s += time.perf_counter() - t0
+        for row, token in zip(rows, first.tolist()):
+            row.append(token)
+        stats.mark_first_token()
+        stats.tokens += len(rows)
+        self.runner.begin_steps()
+        return first

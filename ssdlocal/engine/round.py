@@ -1,8 +1,9 @@
 """One decoding round over a batch: propose -> score -> verify -> commit -> record.
 
-`commit` is the only step that changes rows and the target's cache bookkeeping;
-`verify` is the pure function of ssdlocal.core.verify. The Round holds what stays the
-same for a whole generate call (runner, drafter, sampling, random stream, stats).
+Device-resident: drafts, the target's logits, p, q and the verdict stay where the target
+runs; per round one small tensor (accepted counts, bonus tokens, and the drafts when the
+host does not have them) crosses to the host, which needs the tokens for text, stop
+strings and events. `commit` is the only step that changes rows and cache lengths.
 """
 
 from __future__ import annotations
@@ -15,35 +16,42 @@ import torch
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import Event, RoundEvent, TokenOrigin, TokensEvent
-from ssdlocal.core.sampling import logits_to_probs, sample
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
-from ssdlocal.core.verify import verify
+from ssdlocal.core.verify import Verdict, verify_logits
 from ssdlocal.draft.base import Proposal
 
 
 @dataclass(frozen=True)
-class Scored:
-    """The target's view of one round's proposal."""
+class Outcome:
+    """The verdict on the host: accepted drafts and bonus per row, the drafts as lists."""
 
-    p: torch.Tensor  # [B, K+1, V] target probabilities at each draft position and the next
-    drafts: torch.Tensor  # [B, K] long, draft tokens (0 past n_draft)
-    n_draft: torch.Tensor  # [B] long, real drafts per row
+    n_accepted: list[int]
+    bonus: list[int]
+    drafts: list[list[int]]
 
 
 @dataclass
 class Round:
-    """Everything one generate call's rounds share."""
+    """Everything one generate call's rounds share.
 
-    runner: object  # backends.base.Runner of the target
-    forward: Callable  # runner.feed with out-of-memory errors mapped
+    `last` [B] holds each row's newest committed token (the prefill's first token, then
+    each bonus), which the target has not cached yet: every round feeds it first.
+    """
+
+    runner: object  # backends.base.Runner of the target, in step mode
+    guard: Callable  # guard(fn, *args): fn(*args) with out-of-memory errors mapped
     drafter: object | None  # draft.base.Drafter, None for AR
     rows: list[Row]
     k: int  # drafts per round (0 for AR)
-    vocab_size: int
     params: SamplingParams
     generator: torch.Generator
     stats: SpecStats
+    last: torch.Tensor  # [B] long on the target's device
+
+    def __post_init__(self) -> None:
+        self.device = self.last.device
+        self.live = torch.ones(len(self.rows), dtype=torch.bool, device=self.device)  # [B]
 
     def run(self, index: int) -> Iterator[Event]:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
@@ -51,54 +59,45 @@ class Round:
         t0 = time.perf_counter()
         proposal = self.propose(active)
         t1 = time.perf_counter()
-        scored = self.score(proposal, active)
-        n_acc, bonus = self.verify(scored, proposal)
+        logits = self.guard(self.runner.step, self.score_ids(proposal))  # [B, K+1, V]
+        verdict = verify_logits(
+            logits, proposal.drafts, proposal.q, self.params, self.generator, proposal.n_draft
+        )
+        outcome = self.read_back(verdict, proposal)
         t2 = time.perf_counter()
-        emitted, origins = self.commit(proposal, n_acc, bonus, active)
-        self.record(proposal, scored, n_acc, emitted, active, t1 - t0, t2 - t1)
+        emitted, origins = self.commit(proposal, verdict, outcome, active)
+        self.record(proposal, outcome, emitted, active, t1 - t0, t2 - t1)
         yield from token_events(self.rows, emitted, origins)
-        yield self.round_event(index, proposal, scored, n_acc, active)
+        yield self.round_event(index, proposal, outcome, active)
 
     # ------------------------------------------------------------------ steps
     def propose(self, active: list[bool]) -> Proposal:
         if self.drafter is None:
-            return Proposal(tokens=[[] for _ in self.rows], q=None)
+            batch = len(self.rows)
+            empty = torch.zeros(batch, 0, dtype=torch.long, device=self.device)  # [B, 0]
+            return Proposal(empty, torch.zeros(batch, dtype=torch.long, device=self.device))
         return self.drafter.propose([r.tokens for r in self.rows], active)
 
-    def score(self, proposal: Proposal, active: list[bool]) -> Scored:
-        """The target scores every row's pending tokens + drafts in one forward."""
-        batch, width = len(self.rows), self.k + 1
-        pending = [
-            self.runner.pending(b, r.tokens) if active[b] else [] for b, r in enumerate(self.rows)
-        ]
-        logits = self.forward([pending[b] + proposal.tokens[b] for b in range(batch)])
-        stacked = torch.zeros(batch, width, self.vocab_size)  # [B, K+1, V]
-        drafts = torch.zeros(batch, self.k, dtype=torch.long)  # [B, K]
-        n_draft = torch.zeros(batch, dtype=torch.long)  # [B]
-        for b in range(batch):
-            if not active[b]:
-                continue
-            n = len(proposal.tokens[b])
-            scored = logits[b][len(pending[b]) - 1 :]  # [n+1, V]
-            stacked[b, : n + 1] = scored
-            stacked[b, n + 1 :] = scored[-1]
-            drafts[b, :n] = torch.tensor(proposal.tokens[b], dtype=torch.long)
-            n_draft[b] = n
-        return Scored(logits_to_probs(stacked, self.params), drafts, n_draft)  # p [B, K+1, V]
+    def score_ids(self, proposal: Proposal) -> torch.Tensor:
+        """[B, K+1]: each row's pending token, then its drafts (padding past n_draft writes
+        cache slots beyond the row's length, which later steps overwrite)."""
+        return torch.cat([self.last[:, None], proposal.drafts], dim=1)
 
-    def verify(self, scored: Scored, proposal: Proposal) -> tuple[list[int], list[int]]:
-        """(accepted drafts per row, bonus token per row)."""
-        if self.k == 0:  # AR: the bonus is the next token
-            bonus = sample(scored.p[:, 0], self.generator)  # [B]
-            return [0] * len(self.rows), bonus.tolist()
-        verdict = verify(scored.p, scored.drafts, proposal.q, self.generator, scored.n_draft)
-        return verdict.n_accepted.tolist(), verdict.bonus.tolist()
+    def read_back(self, verdict: Verdict, proposal: Proposal) -> Outcome:
+        """The one device -> host transfer of the round."""
+        parts = [verdict.n_accepted[:, None], verdict.bonus[:, None]]
+        if proposal.tokens is None:
+            parts.append(proposal.drafts)
+        host = torch.cat(parts, dim=1).tolist()  # [B, 2 (+K)]
+        drafts = proposal.tokens if proposal.tokens is not None else [h[2:] for h in host]
+        return Outcome([h[0] for h in host], [h[1] for h in host], drafts)
 
     def commit(
-        self, proposal: Proposal, n_acc: list[int], bonus: list[int], active: list[bool]
+        self, proposal: Proposal, verdict: Verdict, outcome: Outcome, active: list[bool]
     ) -> tuple[list[list[int]], list[list[str]]]:
-        """Append accepted drafts + bonus to each row (stopping rules apply) and tell the
-        target runner and the drafter. Returns the tokens each row took and their origins."""
+        """Append accepted drafts + bonus to each row (stopping rules apply), move the
+        target's cache lengths past the pending token and the accepted drafts, and tell
+        the drafter. Returns the tokens each row took and their origins."""
         emitted: list[list[int]] = []
         origins: list[list[str]] = []
         for b, row in enumerate(self.rows):
@@ -106,27 +105,32 @@ class Round:
                 emitted.append([])
                 origins.append([])
                 continue
+            n = outcome.n_accepted[b]
             hit = bool(proposal.cache_hit[b]) if proposal.cache_hit is not None else False
-            draft_origin = TokenOrigin.DRAFT_HIT if hit else TokenOrigin.DRAFT
-            new = proposal.tokens[b][: n_acc[b]] + [bonus[b]]
-            kinds = [draft_origin] * n_acc[b] + [TokenOrigin.TARGET]
-            taken = [tok for tok in new if row.append(tok)]
+            kinds = [TokenOrigin.DRAFT_HIT if hit else TokenOrigin.DRAFT] * n + [TokenOrigin.TARGET]
+            taken = [tok for tok in outcome.drafts[b][:n] + [outcome.bonus[b]] if row.append(tok)]
             emitted.append(taken)
             origins.append(kinds[: len(taken)])
-            self.runner.sync(b, row.tokens)
+        self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0))
+        self.last = verdict.bonus
+        still = [r.active for r in self.rows]
+        if still != active:  # a row finished: its cache length stays where it is
+            self.live = torch.tensor(still, device=self.device)
         if self.drafter is not None:
             self.drafter.observe(
-                [r.tokens for r in self.rows], n_acc, bonus, [r.active for r in self.rows]
+                [r.tokens for r in self.rows], outcome.n_accepted, outcome.bonus, still, verdict
             )
         return emitted, origins
 
-    def record(self, proposal, scored, n_acc, emitted, active, draft_s, verify_s) -> None:
+    def record(self, proposal, outcome, emitted, active, draft_s, verify_s) -> None:
         stats = self.stats
+        n_draft = [len(t) for t in outcome.drafts] if proposal.tokens is not None else None
         for b in range(len(self.rows)):
             if not active[b]:
                 continue
+            drafted = n_draft[b] if n_draft is not None else self.k
             stats.tokens += len(emitted[b])
-            stats.record_row(int(scored.n_draft[b]), n_acc[b], len(emitted[b]))
+            stats.record_row(drafted, outcome.n_accepted[b], len(emitted[b]))
             if proposal.cache_hit is not None:
                 stats.record_ssd_row(bool(proposal.cache_hit[b]), len(emitted[b]))
         if proposal.draft_busy_s is not None:
@@ -140,13 +144,14 @@ class Round:
             if proposal.backup:
                 stats.backup_used[proposal.backup] = stats.backup_used.get(proposal.backup, 0) + 1
 
-    def round_event(self, index, proposal, scored, n_acc, active) -> RoundEvent:
+    def round_event(self, index, proposal, outcome, active) -> RoundEvent:
         live = [b for b in range(len(self.rows)) if active[b]]
         hits = proposal.cache_hit
+        n_draft = [len(outcome.drafts[b]) if proposal.tokens is not None else self.k for b in live]
         return RoundEvent(
             index,
-            tuple(int(scored.n_draft[b]) for b in live),
-            tuple(n_acc[b] for b in live),
+            tuple(n_draft),
+            tuple(outcome.n_accepted[b] for b in live),
             tuple(hits[b] for b in live) if hits is not None else None,
             proposal.backup,
             self.stats.snapshot(),

@@ -60,6 +60,7 @@ class LlamaCppRunner:
         self._ctx_threads = 0
         self._n_batch = N_BATCH
         self._kv: list[list[int]] = []  # per row: tokens really in sequence b
+        self._lengths: list[int] = []  # per row: cached tokens while decoding with `step`
         self._chains: dict[int, _Chain] = {}  # branch sequence id -> chain
         self._scratch: dict[tuple[int, int], int] = {}  # (row, slot) -> branch sequence id
         self._free: list[int] = []
@@ -176,6 +177,23 @@ class LlamaCppRunner:
                 self._kv[b].extend(int(t) for t in r)
         return result
 
+    # ------------------------------------------------------------------ decode steps
+    def begin_steps(self) -> None:
+        """Start decoding with `step` (see TorchRunner.step): lengths from what is cached."""
+        self._lengths = [len(h) for h in self.held]
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V]."""
+        rows = ids.tolist()
+        for b, held in enumerate(self.held):
+            del held[self._lengths[b] :]  # rejected tokens of the last step
+        return torch.stack(self.feed(rows))  # [B, T, V]
+
+    def advance(self, n) -> None:
+        """lengths += n (a [B] tensor or one int for every row)."""
+        values = n.tolist() if isinstance(n, torch.Tensor) else [n] * len(self._lengths)
+        self._lengths = [length + int(k) for length, k in zip(self._lengths, values)]
+
     # ------------------------------------------------------------------ tree decoding (SSD)
     def forward_raw(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
@@ -242,6 +260,10 @@ class LlamaCppRunner:
             self._chains[seq] = chain
             self._scratch[(b, slot_l[b][t])] = seq
         return out
+
+    def tree_width(self, width: int) -> int:
+        """No padding: every branch is its own llama.cpp sequence."""
+        return width
 
     def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         """Adopt the branch written at scratch slots `src` as the row's tokens from `start`."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.kvcache import KVCache
+from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.core.errors import OutOfMemoryError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = {
@@ -162,7 +163,9 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.kv_cache: KVCache | None = None  # set by Transformer.setup_cache
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
+        """mask [B, T, S] bool: query t of row b sees slot s. None: a fresh prefill
+        (every row starts at slot 0, no padding): plain causal attention over the new tokens."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
@@ -173,12 +176,15 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin  # [B, H, T, D]
         k = k * cos + rotate_half(k) * sin  # [B, Hkv, T, D]
 
-        keys, values = self.kv_cache.update(slots, k, v, mask.shape[-1])  # [B, Hkv, S, D] each
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            keys = keys.repeat_interleave(rep, dim=1)  # [B, H, S, D]
-            values = values.repeat_interleave(rep, dim=1)  # [B, H, S, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])  # [B, H, T, D]
+        span = T if mask is None else mask.shape[-1]
+        keys, values = self.kv_cache.update(slots, k, v, span)  # [B, Hkv, S, D] each
+        gqa = self.n_kv_heads != self.n_heads  # SDPA shares each kv head among H/Hkv q heads
+        if mask is None:  # flash / efficient kernels: causal over the new tokens, no dense mask
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask[:, None], enable_gqa=gqa
+            )  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
 
 
@@ -201,7 +207,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
 
@@ -250,15 +256,20 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.self_attn.kv_cache.copy_slots(row, src, dst)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor) -> Tensor:
-        """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool -> logits [B, T, V] float32."""
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor | None
+    ) -> Tensor:
+        """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool (or None for a
+        fresh causal prefill) -> logits [B, T, V] float32.
+
+        Every query must see at least one slot (callers give padded queries their own
+        slot or a trash slot); an all-false mask row would turn into NaN.
+        """
         if self.rope_cos is None:
             raise RuntimeError("call setup_cache() before forward()")
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
         cos = self.rope_cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
         sin = self.rope_sin[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
-        # A query that may see nothing (padding) would turn into NaN and poison the cache.
-        mask = attn_mask | ~attn_mask.any(-1, keepdim=True)  # [B, T, S]
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, mask)  # [B, T, hidden]
-        return self.lm_head(self.norm(x)).float()  # [B, T, V]
+            x = layer(x, cos, sin, slots, attn_mask)  # [B, T, hidden]
+        return fp32_logits(self.lm_head, self.norm(x))  # [B, T, V]

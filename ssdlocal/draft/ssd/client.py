@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 RECV_TIMEOUT_S = 120.0  # longest wait for one reply during generation (tests lower it)
 LOAD_TIMEOUT_S = 900.0  # longest wait for the draft model to load
-VERIFY_DEVICE = "cpu"  # the engine builds p [B, K+1, V] on the CPU, so q is read there
 
 
 class DraftWorkerClient:
@@ -157,16 +156,16 @@ class SSDDrafter:
         msg: pr.ProposalMsg = self.client.recv(pr.Reply.PROPOSAL)
         self.last = msg
         self._proposed_at = time.perf_counter()
-        tokens = [list(t) for t in msg.tokens]
         q = None
         if msg.q_written and self._q_channel is not None:
-            q = self._q_channel.read(VERIFY_DEVICE)  # [B, K, V] where the engine's p lives
+            q = self._q_channel.read(self.target_device)  # [B, K, V] where the target verifies
         self.chooser.observe_proposal(msg)
-        return Proposal(
-            tokens=tokens, q=q, cache_hit=list(msg.cache_hit), backup=msg.backup, draft_busy_s=msg.busy_s
-        )
+        return Proposal.from_lists(
+            msg.tokens, self.k, self.target_device, q=q, cache_hit=list(msg.cache_hit),
+            backup=msg.backup, draft_busy_s=msg.busy_s,
+        )  # fmt: skip
 
-    def observe(self, sequences, n_accepted, bonus, active) -> None:
+    def observe(self, sequences, n_accepted, bonus, active, verdict=None) -> None:
         verify_s = time.perf_counter() - self._proposed_at
         if not any(active):
             return  # generation is over; the worker needs no outcome

@@ -63,7 +63,7 @@ class Speculator:
         self.max_branches = widest
         self.layout = SlotLayout(start.num_slots).with_tree(widest, self.k)
         runner.reset(len(start.sequences), self.layout.total)
-        self.generator = torch.Generator().manual_seed(start.params.seed + 104729)
+        self.generator = torch.Generator(device=runner.device).manual_seed(start.params.seed + 104729)
         self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()
@@ -163,56 +163,65 @@ class Speculator:
 
         `should_stop()` is polled between steps (never before the first): when it turns
         True the branches keep the depth reached so far (shorter proposals, no waiting).
+        Inputs and masks are built on the draft's device; the width is padded up to what
+        the runner prefers (its graph buckets) with queries that see only the trash slot.
         """
-        batch, k_len, layout = len(self.rows), self.k, self.layout
-        trash = layout.trash
+        width = self.runner.tree_width(width)
+        ids, positions, slots, prefix = self._tree_inputs(branches, width)  # [B, W] each
+        own = slots.clone()  # [B, W] first scratch slot of each branch (trash for padding)
+        real = slots != self.layout.trash  # [B, W]
+        span = torch.arange(self.layout.total, device=ids.device)  # [S]
         fan = self.fan_for(True)  # a branch becomes a proposal only on a hit
-        ids = torch.zeros(batch, width, dtype=torch.long)  # [B, W]
-        positions = torch.zeros(batch, width, dtype=torch.long)  # [B, W]
-        slots = torch.full((batch, width), trash, dtype=torch.long)  # [B, W]
-        mask = torch.zeros(batch, width, layout.total, dtype=torch.bool)  # [B, W, S]
-        mask[:, :, trash] = True  # padded queries see only the trash slot
-        for b, todo in enumerate(branches):
-            L = len(self.rows[b].seq)
-            for i, (k, c) in enumerate(todo):
-                ids[b, i] = c
-                positions[b, i] = L + k
-                slots[b, i] = layout.scratch(i)
-                mask[b, i, trash] = False
-                mask[b, i, : L + k] = True  # prefix: seq + d_1..d_k (main slots)
-        tokens = [[[] for _ in todo] for todo in branches]
+        step_tokens: list[torch.Tensor] = []  # per step [B, W]
         step_logits: list[torch.Tensor] = []  # per step [B, W, V]
         step_q: list[torch.Tensor] = []  # per step [B, W, V] (sampling only)
-        for j in range(k_len):
+        for j in range(self.k):
             if j > 0 and should_stop is not None and should_stop():
                 break  # the outcome is here: serve branches of depth j rather than wait
-            for b, todo in enumerate(branches):
-                for i in range(len(todo)):
-                    mask[b, i, layout.scratch(i, j)] = True  # the branch's own tokens so far
-            logits = align_vocab(self.runner.forward_raw(ids, positions, slots, mask), self.vocab)  # [B, W, V]
+            sees_prefix = span[None, None, :] < prefix[..., None]  # [B, W, S] seq + d_1..d_k
+            sees_own = (span >= own[..., None]) & (span <= own[..., None] + j)  # [B, W, S]
+            mask = torch.where(real[..., None], sees_prefix | sees_own, span == self.layout.trash)
+            logits = self.runner.forward_raw(ids, positions, slots, mask)  # [B, W, V_d]
+            logits = align_vocab(logits, self.vocab)  # [B, W, V]
             if self.params.greedy:
                 drawn = torch.argmax(logits, dim=-1)  # [B, W]
             else:
-                q = self._probs(logits.reshape(batch * width, -1), fan[j])  # [B*W, V]
-                drawn = sample(q, self.generator).reshape(batch, width)  # [B, W]
-                step_q.append(q.reshape(batch, width, -1))
+                q = self._probs(logits.reshape(-1, logits.shape[-1]), fan[j])  # [B*W, V]
+                drawn = sample(q, self.generator).reshape(ids.shape)  # [B, W]
+                step_q.append(q.reshape(logits.shape))
+            step_tokens.append(drawn)
             step_logits.append(logits)
             ids = drawn
             positions = positions + 1
-            slots = torch.where(slots == trash, slots, slots + 1)
-            drawn_list = drawn.tolist()
-            for b, todo in enumerate(branches):
-                for i in range(len(todo)):
-                    tokens[b][i].append(drawn_list[b][i])
+            slots = torch.where(real, slots + 1, slots)
         self.last_depth = len(step_logits)
+        self._cache_branches(branches, step_tokens, step_logits, step_q)
+
+    def _tree_inputs(self, branches, width: int):
+        """ids, positions, slots and prefix lengths [B, W] of every branch's first query."""
+        layout, batch = self.layout, len(self.rows)
+        host = torch.zeros(4, batch, width, dtype=torch.long)  # ids, positions, slots, prefix
+        host[2] = layout.trash  # padded queries write the trash slot
+        for b, todo in enumerate(branches):
+            L = len(self.rows[b].seq)
+            for i, (k, c) in enumerate(todo):
+                host[:, b, i] = torch.tensor([c, L + k, layout.scratch(i), L + k])
+        return host.to(self.runner.device).unbind(0)
+
+    def _cache_branches(self, branches, step_tokens, step_logits, step_q) -> None:
+        """Store every branch's drafted tokens, logits and q in the speculation cache."""
+        if not step_tokens:
+            return
+        tokens = torch.stack(step_tokens, dim=-1).tolist()  # [B, W, depth]: one host transfer
+        logits = torch.stack(step_logits, dim=2)  # [B, W, depth, V]
+        qs = torch.stack(step_q, dim=2) if step_q else None  # [B, W, depth, V]
         for b, todo in enumerate(branches):
             for i, (k, c) in enumerate(todo):
                 self.cache.put(
                     Branch(
                         row=b, n_accepted=k, bonus=c, tokens=tuple(tokens[b][i]),
-                        logits=torch.stack([lg[b, i] for lg in step_logits]),  # [depth, V]
-                        q=None if self.params.greedy else torch.stack([qs[b, i] for qs in step_q]),
-                        slot_start=layout.scratch(i),
+                        logits=logits[b, i], q=None if qs is None else qs[b, i],
+                        slot_start=self.layout.scratch(i),
                     )
                 )
 
