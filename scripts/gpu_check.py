@@ -16,7 +16,8 @@ Checks (exit code 1 if any exactness check fails):
      own process on the next free GPU, or on cuda:0 when there is only one GPU;
   4. q channel: the automatic choice, and a CUDA IPC round trip (child process writes q
      from its GPU into the target's buffer) compared with the shared-memory path;
-  5. timings: per-forward latency of the target for 1 and K+1 tokens, TP=1 vs TP=N.
+  5. CUDA graphs (the captured decode and tree steps) give the eager path's tokens;
+  6. timings: per-forward latency of the target for 1 and K+1 tokens, TP=1 vs TP=N.
 Results are printed and written to --out (JSON).
 """
 
@@ -193,18 +194,41 @@ def check_channel(target_device: str, draft_device: str, results: dict, repeats:
 
 
 def forward_ms(engine: Engine, n_tokens: int, repeats: int) -> float:
-    """Median latency of one target forward of `n_tokens` new tokens after a 64-token prefix."""
+    """Median latency of one target step of `n_tokens` new tokens after a 64-token prefix
+    (steps do not move the write position, so each one rewrites the same slots)."""
     runner = engine.runner
     runner.reset(1, 256)
     runner.feed([list(range(5, 69))])
-    feed = [list(range(7, 7 + n_tokens))]
+    runner.begin_steps()
+    ids = torch.arange(7, 7 + n_tokens, device=runner.device)[None]  # [1, T]
     times = []
     for _ in range(repeats + 3):
         t0 = time.perf_counter()
-        runner.feed(feed)  # returns CPU logits: includes the device sync
+        runner.step(ids).sum().item()  # .item(): includes the device sync
         times.append(time.perf_counter() - t0)
-        del runner.held[0][-n_tokens:]  # roll back: the write position is the only state
     return 1e3 * statistics.median(times[3:])
+
+
+def check_graphs_exact(dirs, device: str, results: dict) -> bool:
+    """CUDA graphs (or their CPU emulation) give the eager kernels' tokens, AR / SD / SSD."""
+    draft = str(dirs["draft_llama"])
+    want = None
+    for graphs in ("off", "emulate" if device == "cpu" else "auto"):
+        cfg = EngineConfig(
+            target=ModelSpec(str(dirs["llama"]), device, "float32"),
+            spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft),
+            draft_model=ModelSpec(draft, device, "float32"), pin_cpus=False, graphs=graphs,
+        )
+        with Engine(cfg) as eng:
+            got = [tokens(eng, SpecConfig(mode=m, k=K, draft=draft)) for m in (Mode.AR, Mode.SD, Mode.SSD)]
+            stats = eng.runner.graphs.stats if eng.runner.graphs is not None else None
+        want = want or got
+    same = got == want and got[0] == got[1] == got[2]
+    results["graphs_exact"] = {"identical": same, "captured": stats.captured if stats else 0,
+                               "replays": stats.replays if stats else 0}
+    log(f"  graphs vs eager on {device}: {'identical' if same else 'DIFFERENT'} "
+        f"({results['graphs_exact']['captured']} shapes captured, {results['graphs_exact']['replays']} replays)")
+    return same
 
 
 def check_timings(path, devices, dtype, label, results: dict, repeats: int) -> None:
@@ -273,7 +297,9 @@ def main() -> int:
         log("4. q channel")
         draft_dev = "cpu" if args.cpu else (gpus[n] if len(gpus) > n else gpus[0])
         ok &= check_channel(tp_devices[0], draft_dev, results, repeats)
-        log("5. per-forward latency (ms, median)")
+        log("5. captured forwards == eager")
+        ok &= check_graphs_exact(dirs, tp_devices[0] if args.cpu else gpus[0], results)
+        log("6. per-forward latency (ms, median)")
         check_timings(dirs["llama"], tp_devices, "float32", "tiny llama fp32", results, repeats)
         if args.synthetic:
             path = synthetic(Path(tmp), args.synthetic)

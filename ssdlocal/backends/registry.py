@@ -25,16 +25,17 @@ def load(spec: ModelSpec, *, threads: int | None = None):
     return load_model(spec.path, spec.device, spec.dtype)
 
 
-def make_runner(loaded, *, tree: bool = False):
+def make_runner(loaded, *, tree: bool = False, graphs: str = "auto"):
     """The Runner for a loaded model. `tree`: it will decode SSD fan-out trees (llama.cpp
-    sizes its context for many sequences; the torch runner needs nothing extra)."""
+    sizes its context for many sequences). `graphs`: captured forwards for the torch
+    runner ("auto" = CUDA graphs on CUDA, "off", "emulate"); llama.cpp has its own."""
     from ssdlocal.backends.llamacpp import LlamaCppRunner, LoadedGGUF
 
     if isinstance(loaded, LoadedGGUF):
         return LlamaCppRunner(loaded, tree=tree)
     from ssdlocal.backends.torch.runner import TorchRunner
 
-    return TorchRunner(loaded)
+    return TorchRunner(loaded, graphs=graphs)
 
 
 def load_tokenizer(path: str, backend: str = "torch"):

@@ -26,8 +26,13 @@ PairName = Annotated[
     typer.Option("--pair", help="A registry pair (see `ssdlocal pairs`) instead of --target/--draft."),
 ]
 Dtype = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
-TargetDevice = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
-DraftDevice = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
+TargetDevice = Annotated[
+    str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPUs when present, else the CPU).")
+]
+DraftDevice = Annotated[
+    str,
+    typer.Option(help="auto | cpu | cuda | cuda:N (auto: a free GPU, else the target's, else the CPU)."),
+]
 TargetDevices = Annotated[
     str | None,
     typer.Option(
@@ -36,14 +41,33 @@ TargetDevices = Annotated[
     ),
 ]
 TargetBackend = Annotated[
-    str, typer.Option(help="torch | llamacpp (llamacpp runs a .gguf target through llama.cpp)")
+    str,
+    typer.Option(
+        help="auto | torch | llamacpp (auto: llama.cpp for a .gguf target on a CPU-only run "
+        "when llama-cpp-python is installed, else torch)."
+    ),
 ]
 DraftBackend = Annotated[
-    str, typer.Option(help="torch | llamacpp (llamacpp runs a .gguf draft through llama.cpp)")
+    str, typer.Option(help="auto | torch | llamacpp (auto: the target's, for a .gguf draft).")
+]
+CudaGraphs = Annotated[
+    bool,
+    typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Capture each decode step shape as a CUDA graph (GPUs only; off: eager kernels).",
+    ),
 ]
 
 # --------------------------------------------------------------------------- speculation
-ModeName = Annotated[str, typer.Option("--mode", help="ar | sd | ssd")]
+ModeName = Annotated[
+    str,
+    typer.Option(
+        "--mode",
+        help="auto | ar | sd | ssd (auto: SSD when the draft has hardware of its own, SD when "
+        "it shares the target's GPU, on a CPU-only machine whichever a calibration predicts "
+        "fastest, AR without a draft).",
+    ),
+]
 K = Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K).")]
 FanOut = Annotated[
     str | None,

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -82,10 +83,11 @@ def run_generate(
                 sys.stdout.flush()
             elif isinstance(event, DoneEvent):
                 done = event
-    assert done is not None  # generate always ends with DoneEvent
+    if done is None:  # pragma: no cover - generate always ends with a DoneEvent
+        raise RuntimeError("the engine ended without a DoneEvent")
     if as_json:
         payload = {
-            "mode": config.spec.mode.value,
+            "mode": done.stats["mode"],
             "outputs": [
                 {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
                 for o in done.outputs
@@ -100,6 +102,7 @@ def run_generate(
         for i, out in enumerate(done.outputs):
             sys.stdout.write(f"=== [{i}] ===\n{out.text}\n")
     # soft_wrap: one line however narrow the terminal (or 80 columns when not a terminal)
-    err_console.print(
-        f"[dim]{config.spec.mode.value}: {format_stats(done.stats)}[/dim]", soft_wrap=True
-    )
+    stats = done.stats
+    reason = escape(stats["mode_reason"])
+    err_console.print(f"[dim]mode {stats['mode']}: {reason}[/dim]", soft_wrap=True)
+    err_console.print(f"[dim]{stats['mode']}: {format_stats(stats)}[/dim]", soft_wrap=True)

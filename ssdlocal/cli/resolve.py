@@ -33,18 +33,19 @@ class ModelOptions:
     draft: str | None = None
     pair: str | None = None
     dtype: str = "bfloat16"
-    target_device: str = "cpu"
-    draft_device: str = "cpu"
+    target_device: str = "auto"
+    draft_device: str = "auto"
     target_devices: str | None = None
-    target_backend: str = "torch"
-    draft_backend: str = "torch"
+    target_backend: str = "auto"
+    draft_backend: str = "auto"
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
 class SpecOptions:
     """Speculation settings as typed on the command line."""
 
-    mode: str = "ssd"
+    mode: str = "auto"
     k: int = 4
     fan_out: str | None = None
     fan_out_miss: str | None = None
@@ -91,7 +92,7 @@ def engine_config(
     required even though --mode says otherwise (race, check).
     """
     mode = parse_mode(spec_opts.mode)
-    wants_draft = mode is not Mode.AR or need_draft is not None
+    wants_draft = mode not in (Mode.AR, Mode.AUTO) or need_draft is not None
     if models.target is not None and wants_draft and models.draft is None:
         hint = "pass --draft PATH (same tokenizer as the target) or --draft ngram"
         raise UsageError(
@@ -103,31 +104,70 @@ def engine_config(
         "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss),
         "saguaro_c": spec_opts.saguaro_c, "backup": spec_opts.backup,
     }  # fmt: skip
-    target_device, draft_device = models.target_device, models.draft_device
     tp_devices, auto_place = _target_devices(models.target_devices)
-    if tp_devices:
-        target_device = tp_devices[0]
-    # validate every option before the default pair is fetched (which can take minutes)
-    SpecConfig(**options, draft=(models.draft or "default") if wants_draft else None)
-    ModelSpec(models.target or "default", target_device, models.dtype, models.target_backend)
-    ModelSpec(models.draft or "default", draft_device, models.dtype, models.draft_backend)
-    target, draft = model_paths(models)
+    _validate(models, options, wants_draft, tp_devices)  # before any download
+    backends = choose_backends(models, tp_devices)
+    target, draft = model_paths(models, backends)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
-    if auto_place:
+    draft = draft if loads_draft else None
+    if auto_place or (models.target_device == "auto" and not tp_devices):
         from ssdlocal.placement.auto import auto_devices
 
-        tp_devices, draft_device = auto_devices(target, draft if loads_draft else None, models.dtype)
-        target_device = tp_devices[0]
-    spec = SpecConfig(**options, draft=draft if loads_draft else None)
+        tp_devices, auto_draft = auto_devices(target, draft, models.dtype, backend=backends[0])
+        draft_device = auto_draft if models.draft_device == "auto" else models.draft_device
+    else:
+        tp_devices = tp_devices or (models.target_device,)
+        draft_device = models.draft_device
+        if draft_device == "auto":
+            from ssdlocal.placement.auto import auto_draft_device
+
+            draft_device = auto_draft_device(tp_devices[0])
+    spec = SpecConfig(**options, draft=draft)
     draft_model = None
     if spec.draft and not spec.draft_is_ngram:
-        draft_model = ModelSpec(draft, draft_device, models.dtype, models.draft_backend)
+        draft_model = ModelSpec(draft, draft_device, models.dtype, backends[1])
     return EngineConfig(
-        target=ModelSpec(target, target_device, models.dtype, models.target_backend),
+        target=ModelSpec(target, tp_devices[0], models.dtype, backends[0]),
         spec=spec,
         draft_model=draft_model,
         target_devices=tp_devices if len(tp_devices) > 1 else (),
+        graphs="auto" if models.cuda_graphs else "off",
     )
+
+
+def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices) -> None:
+    """Every option checked by the config classes ("auto" values stand in as defaults)."""
+    SpecConfig(**options, draft=(models.draft or "default") if wants_draft else None)
+    target_device = tp_devices[0] if tp_devices else models.target_device
+    for path, device, backend in (
+        (models.target, target_device, models.target_backend),
+        (models.draft, models.draft_device, models.draft_backend),
+    ):
+        ModelSpec(
+            path or "default", "cpu" if device == "auto" else device, models.dtype,
+            "torch" if backend == "auto" else backend,
+        )  # fmt: skip
+
+
+def choose_backends(models: ModelOptions, tp_devices=()) -> tuple[str, str]:
+    """(target, draft) backends; "auto" = llama.cpp for GGUF models on a CPU-only run when
+    llama-cpp-python is installed (its quantized CPU kernels beat our dense ones), else
+    torch (GPUs, tensor parallelism, checkpoint directories)."""
+    if "auto" not in (models.target_backend, models.draft_backend):
+        return models.target_backend, models.draft_backend
+    from ssdlocal.placement.auto import llamacpp_wins
+
+    cpu = not tp_devices and models.target_device in ("cpu", "auto")
+    pick = "llamacpp" if cpu and llamacpp_wins(models.target, models.target_device) else "torch"
+    target = pick if models.target_backend == "auto" else models.target_backend
+    draft = models.draft_backend
+    if draft == "auto":
+        draft = target if models.draft is None or _is_gguf(models.draft) else "torch"
+    return target, draft
+
+
+def _is_gguf(path: str | None) -> bool:
+    return path is not None and path.lower().endswith(".gguf")
 
 
 def _target_devices(text: str | None) -> tuple[tuple[str, ...], bool]:
@@ -141,18 +181,16 @@ def _target_devices(text: str | None) -> tuple[tuple[str, ...], bool]:
     return parse_devices(text), False
 
 
-def model_paths(models: ModelOptions) -> tuple[str, str | None]:
+def model_paths(models: ModelOptions, backends: tuple[str, str]) -> tuple[str, str | None]:
     """(target, draft) paths: explicit ones, else the --pair's, else the offline default pair."""
     target, draft = models.target, models.draft
     if models.pair is not None and target is None:
         from ssdlocal.weights.hub import resolve_pair_paths
 
-        target, pair_draft = resolve_pair_paths(models.pair, dtype=models.dtype)
+        target, pair_draft = resolve_pair_paths(models.pair, backend=backends[0], dtype=models.dtype)
         draft = draft or pair_draft
     if target is None:
-        target, default_draft = default_pair_paths(
-            models.dtype, (models.target_backend, models.draft_backend)
-        )
+        target, default_draft = default_pair_paths(models.dtype, backends)
         draft = draft or default_draft
     return target, draft
 

@@ -7,6 +7,7 @@ table instead.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -62,7 +63,9 @@ def chat(
     target: o.Target = None,
     draft: o.Draft = None,
     pair: o.PairName = None,
-    mode: Annotated[str, typer.Option(help="Starting mode: ar | sd | ssd (F2 switches).")] = "ssd",
+    mode: Annotated[
+        str, typer.Option(help="Starting mode: auto | ar | sd | ssd (F2 switches).")
+    ] = "auto",
     k: o.K = 4,
     temperature: o.Temperature = 0.0,
     top_k: o.TopK = 0,
@@ -71,11 +74,12 @@ def chat(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per answer at most.")] = 256,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     dtype: o.Dtype = "bfloat16",
-    target_device: o.TargetDevice = "cpu",
-    draft_device: o.DraftDevice = "cpu",
+    target_device: o.TargetDevice = "auto",
+    draft_device: o.DraftDevice = "auto",
     target_devices: o.TargetDevices = None,
-    target_backend: o.TargetBackend = "torch",
-    draft_backend: o.DraftBackend = "torch",
+    target_backend: o.TargetBackend = "auto",
+    draft_backend: o.DraftBackend = "auto",
+    cuda_graphs: o.CudaGraphs = True,
     fan_out: o.FanOut = None,
     fan_out_miss: o.FanOutMiss = None,
     saguaro_c: o.SaguaroC = 1.0,
@@ -108,11 +112,12 @@ def race(
     seed: o.Seed = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per run.")] = 128,
     dtype: o.Dtype = "bfloat16",
-    target_device: o.TargetDevice = "cpu",
-    draft_device: o.DraftDevice = "cpu",
+    target_device: o.TargetDevice = "auto",
+    draft_device: o.DraftDevice = "auto",
     target_devices: o.TargetDevices = None,
-    target_backend: o.TargetBackend = "torch",
-    draft_backend: o.DraftBackend = "torch",
+    target_backend: o.TargetBackend = "auto",
+    draft_backend: o.DraftBackend = "auto",
+    cuda_graphs: o.CudaGraphs = True,
     fan_out: o.FanOut = None,
     fan_out_miss: o.FanOutMiss = None,
     saguaro_c: o.SaguaroC = 1.0,
@@ -144,7 +149,7 @@ def race(
         require_textual()
     config = engine_config(
         gather(ModelOptions, values),
-        gather(SpecOptions, values),  # mode: ssd (the draft loads in its worker process)
+        replace(gather(SpecOptions, values), mode="ssd"),  # the worker loads the draft at start
         need_draft="the race needs a draft for SD and SSD",
     )
     specs = race_specs(config.spec)

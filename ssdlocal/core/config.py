@@ -13,11 +13,13 @@ from ssdlocal.core.errors import UsageError
 
 
 class Mode(str, Enum):
-    """Decoding mode: plain autoregressive, synchronous SD, or asynchronous SSD."""
+    """Decoding mode: plain autoregressive, synchronous SD, asynchronous SSD, or AUTO
+    (the engine picks one of the three when it loads; see ssdlocal.engine.auto)."""
 
     AR = "ar"
     SD = "sd"
     SSD = "ssd"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise UsageError(f"k must be >= 1, got {self.k}", "use --k 4 (a typical lookahead)")
-        if self.mode is not Mode.AR and not self.draft:
+        if self.mode not in (Mode.AR, Mode.AUTO) and not self.draft:
             raise UsageError(
                 f"--mode {self.mode.value} needs a draft",
                 "pass --draft PATH (a checkpoint with the target's tokenizer) or --draft ngram",
@@ -137,6 +139,9 @@ class ModelSpec:
             raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")
 
 
+GRAPH_MODES = ("auto", "off", "emulate")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs: target, optional draft model, speculation settings."""
@@ -148,8 +153,15 @@ class EngineConfig:
     # Tensor-parallel target: one rank per device, rank 0 on target_devices[0] runs the
     # engine (ssdlocal/parallel). Empty or one device = the target alone on target.device.
     target_devices: tuple[str, ...] = ()
+    # Captured forwards: "auto" = CUDA graphs on CUDA devices (eager elsewhere), "off",
+    # or "emulate" (the captured code path without CUDA: static buffers, for tests).
+    graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.graphs not in GRAPH_MODES:
+            raise UsageError(
+                f"unknown graphs setting {self.graphs!r}", f"choose one of: {', '.join(GRAPH_MODES)}"
+            )
         for dev in self.target_devices:
             ModelSpec(self.target.path, dev, self.target.dtype)  # same device rules
         if len(self.target_devices) > 1 and self.target_devices[0] != self.target.device:

@@ -16,6 +16,8 @@ class SpecStats:
     """Accumulates per-round facts. Times are wall-clock seconds."""
 
     k: int = 0
+    mode: str = ""  # the mode that ran
+    mode_reason: str = ""  # why (one sentence)
     tokens: int = 0  # generated tokens, all rows
     rounds: int = 0  # target verifications after prefill
     row_rounds: int = 0  # (row, round) pairs: one per active row per round
@@ -81,6 +83,8 @@ class SpecStats:
         row_rounds = self.row_rounds
         decode_tokens = self.emitted_in_rounds
         out: dict[str, Any] = {
+            "mode": self.mode,
+            "mode_reason": self.mode_reason,
             "tokens": self.tokens,
             "tokens_per_s": (decode_tokens / decode_s) if decode_s > 0 else None,
             "ttft_s": ttft,

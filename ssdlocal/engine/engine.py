@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -26,6 +27,7 @@ from ssdlocal.core.events import (
 from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
+from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice
 from ssdlocal.engine.round import Round, token_events
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,12 @@ class Engine:
                 registry.load_tokenizer(config.target.path, config.target.backend),
                 registry.load_tokenizer(spec.draft, config.draft_model.backend),
             )
+        # `choice`: the mode this engine runs when asked for auto, and why
+        self.choice = placement_choice(config) if spec.mode is Mode.AUTO else ModeChoice(
+            spec.mode, f"--mode {spec.mode.value} was asked for"
+        )  # fmt: skip
         try:
-            if self.has_draft_model and spec.mode is Mode.SSD:
+            if self.has_draft_model and self.choice is not None and self.choice.mode is Mode.SSD:
                 self._start_worker()  # loads the draft in its own process while we load the target
             if len(config.target_devices) > 1:
                 from ssdlocal.parallel.group import load_tensor_parallel
@@ -66,18 +72,23 @@ class Engine:
             else:
                 self.target = registry.load(config.target)
             self.tokenizer = self.target.tokenizer
-            self.runner = registry.make_runner(self.target)
+            self.runner = registry.make_runner(self.target, graphs=config.graphs)
             if self._worker is not None:
                 self._worker.wait_loaded()
             elif self.has_draft_model:
                 self._load_draft_here()
+            if self.choice is None:  # target and draft share the CPU: measure them
+                self.choice = calibrated_choice(calibrate(self.runner, self._draft_runner, spec.k))
+            log.info("mode %s: %s", self.choice.mode.value, self.choice.reason)
         except BaseException:
             self.close()
             raise
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
-        self._draft_runner = registry.make_runner(registry.load(self.config.draft_model))
+        self._draft_runner = registry.make_runner(
+            registry.load(self.config.draft_model), graphs=self.config.graphs
+        )
 
     def _start_worker(self) -> None:
         """Spawn the SSD draft worker; on CPU-only placements split the cores."""
@@ -96,6 +107,7 @@ class Engine:
             draft_spec,
             threads=plan.draft_threads if plan else None,
             cpus=plan.draft_cpus if plan and self.config.pin_cpus else None,
+            graphs=self.config.graphs,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -209,13 +221,16 @@ class Engine:
         target's cores (the worker has the others); the old affinity is restored after.
         """
         spec = spec or self.config.spec
+        reason = self._reason(spec)
+        if spec.mode is Mode.AUTO:
+            spec = replace(spec, mode=self.choice.mode)
         ids = self._prompt_ids(prompts, chat)
         k = spec.k if spec.mode is not Mode.AR else 0
         num_slots = self._slots(ids, params, k)
         self._cancel = False
         self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
-        stats = SpecStats(k=k)
+        stats = SpecStats(k=k, mode=spec.mode.value, mode_reason=reason)
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         drafter = self._make_drafter(spec, params, len(ids), num_slots)
         pinned = None
@@ -249,6 +264,13 @@ class Engine:
         stats.finish()
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
+
+    def _reason(self, spec: SpecConfig) -> str:
+        """Why a call with `spec` runs the mode it runs: the engine's choice (auto, or its
+        configured mode), or the mode this call asked for."""
+        if spec.mode is Mode.AUTO or spec is self.config.spec:
+            return self.choice.reason
+        return f"--mode {spec.mode.value} was asked for"
 
     def _prompt_ids(self, prompts, chat: bool) -> list[list[int]]:
         if not prompts:

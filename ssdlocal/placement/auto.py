@@ -1,8 +1,11 @@
-"""`--target-devices auto`: size the checkpoints and ask the planner (planner.py) where
-the target (one device or a tensor-parallel group) and the draft go.
+"""Automatic placement: `--target-device auto`, `--draft-device auto`, `--target-devices
+auto`, and whether llama.cpp beats torch for a CPU-only run.
 
 Sizes come from safetensors headers (no weights are read), scaled to the run dtype;
-a .gguf file counts by its size on disk. Pure apart from reading headers and `detect()`.
+a .gguf file counts by its size on disk. The planner (planner.py) puts the target on the
+GPUs (tensor parallel across several) and the draft on a free GPU; with no GPU left for
+the draft it shares the target's GPU when it fits there (a GPU draft outruns a CPU one).
+Pure apart from reading headers, `detect()` and checking that llama_cpp imports.
 """
 
 from __future__ import annotations
@@ -44,18 +47,58 @@ def _heads(path: str | Path) -> tuple[int, ...]:
     return (args.num_heads, args.num_kv_heads)
 
 
-def auto_devices(target: str, draft: str | None, dtype: str, inventory=None):
+def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, backend: str = "torch"):
     """(target devices, draft device) from the planner; draft None/'ngram' needs no device.
 
     Raises PlacementError (with a hint) when nothing fits.
     """
     from ssdlocal.placement.inventory import detect
-    from ssdlocal.placement.planner import plan_placement
+    from ssdlocal.placement.planner import OVERHEAD, plan_placement
 
     inventory = detect() if inventory is None else inventory
+    if not inventory.gpus:
+        return ("cpu",), "cpu"
     draft_gb = checkpoint_gb(draft, dtype) if draft and draft != "ngram" else 0.0
-    plan = plan_placement(inventory, checkpoint_gb(target, dtype), draft_gb, heads=_heads(target))
-    log.info("auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices),
-             plan.tensor_parallel, plan.draft_device)
+    heads = _heads(target) if backend == "torch" else ()
+    plan = plan_placement(inventory, checkpoint_gb(target, dtype), draft_gb, heads=heads)
     draft_device = plan.draft_device if plan.draft_device != "ngram" else "cpu"
+    main = plan.target_devices[0]
+    if draft_device == "cpu" and main.startswith("cuda") and draft_gb:
+        room = next((u.headroom_gb for u in plan.uses if u.device == main), 0.0)
+        if room >= draft_gb * OVERHEAD + max(0.25, 0.1 * draft_gb):
+            draft_device = main  # no free GPU: share the target's (SD there beats a CPU draft)
+    log.info("auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices),
+             plan.tensor_parallel, draft_device)
     return tuple(plan.target_devices), draft_device
+
+
+def auto_draft_device(target_device: str, inventory=None) -> str:
+    """The draft's device for an explicit target device: another GPU when there is one,
+    else the target's own GPU, else the CPU."""
+    if not target_device.startswith("cuda"):
+        return "cpu"
+    from ssdlocal.placement.inventory import detect
+
+    inventory = detect() if inventory is None else inventory
+    taken = target_device if ":" in target_device else "cuda:0"
+    free = [f"cuda:{g.index}" for g in inventory.gpus if f"cuda:{g.index}" != taken]
+    return free[0] if free else taken
+
+
+def llamacpp_wins(target: str | None, target_device: str, inventory=None) -> bool:
+    """True when a CPU-only run of this target should use llama.cpp: the target is a GGUF
+    file (or the built-in pair, which ships as GGUF), the machine has no GPU in play, and
+    llama-cpp-python is installed."""
+    if target is not None and not target.lower().endswith(".gguf"):
+        return False
+    if target_device == "auto":
+        from ssdlocal.placement.inventory import detect
+
+        inventory = detect() if inventory is None else inventory
+        if inventory.gpus:
+            return False
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True

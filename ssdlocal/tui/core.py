@@ -81,7 +81,8 @@ class ChatSettings:
                 "no draft model is loaded, so only AR is available",
                 "restart with --draft PATH (or --draft ngram) to use SD or SSD",
             )
-        return self.with_mode(MODES[(MODES.index(self.mode) + 1) % len(MODES)])
+        now = MODES.index(self.mode) if self.mode in MODES else -1  # AUTO: start the cycle
+        return self.with_mode(MODES[(now + 1) % len(MODES)])
 
     def with_k(self, k: int) -> ChatSettings:
         """A new K; fan-out lists that no longer have K+1 entries fall back to auto."""

@@ -41,6 +41,7 @@ class DraftWorkerClient:
         *,
         threads: int | None = None,
         cpus: tuple[int, ...] | None = None,
+        graphs: str = "auto",
         timeout_s: float | None = None,
         load_timeout_s: float | None = None,
     ) -> None:
@@ -55,7 +56,7 @@ class DraftWorkerClient:
             hung_hint="the draft device may be overloaded; try --mode sd, or a smaller draft",
         )  # fmt: skip
         try:
-            self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus))
+            self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus, graphs))
         except BaseException:
             self.close()  # the caller never gets a handle to close
             raise

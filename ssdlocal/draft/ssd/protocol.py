@@ -35,6 +35,7 @@ class LoadMsg:
     model: ModelSpec
     threads: int | None  # torch threads for the worker (None = leave default)
     cpus: tuple[int, ...] | None  # CPU affinity for the worker process
+    graphs: str = "auto"  # captured forwards (EngineConfig.graphs)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class DraftWorker:
 
         _apply_placement(msg)
         loaded = registry.load(msg.model, threads=msg.threads)
-        self.runner = registry.make_runner(loaded, tree=True)
+        self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
         self.conn.send((Reply.LOADED, LoadedMsg(loaded.args.vocab_size, str(loaded.device))))
 
     def _start(self, msg: StartMsg) -> None:

@@ -125,6 +125,12 @@ class ChatScreen(Screen):
     # ------------------------------------------------------------------ engine
     def engine_ready(self, engine: EngineLike) -> None:
         self.engine = engine
+        choice = getattr(engine, "choice", None)
+        if choice is not None:
+            self.query_one(PairHeader).show_mode(f"mode {choice.mode.value}: {choice.reason}")
+            if self.settings.mode is Mode.AUTO:  # the chat starts in the mode auto chose
+                self.settings = self.settings.with_mode(choice.mode)
+                self.query_one(StatsPanel).reset(self.settings.mode.value)
         self._update_status()
         queued, self._queued = self._queued, None
         if queued is not None:

@@ -1,4 +1,5 @@
-"""PairHeader: the model pair and the placement (which device / process runs what)."""
+"""PairHeader: the model pair, the placement (which device / process runs what), and
+once the engine has chosen it, the decoding mode with its reason."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ class PairHeader(Static):
         self._title, self._pair, self._placement = title, pair, placement
 
     def on_mount(self) -> None:
+        self.show_mode(None)
+
+    def show_mode(self, line: str | None) -> None:
+        """Redraw, with `line` (e.g. "mode SD: target and draft share ...") when known."""
         text = Text.assemble(
             (f" ssdlocal {self._title} ", "bold reverse"), "  ", (self._pair, "bold")
         )
         text.append("\n " + self._placement, style="dim")
+        if line:
+            text.append("\n " + line, style="dim italic")
         self.update(text)

@@ -1,0 +1,172 @@
+"""Captured forwards: the graph cache's bookkeeping (device abstracted), the captured code
+path equal to the eager one token for token (fp32; AR, SD, SSD; one and several rows;
+each architecture), float32 logits from bf16 weights, and real CUDA graphs (`gpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssdlocal.backends.torch.graphs import (
+    BUCKETS,
+    Captured,
+    EmulatedGraphs,
+    GraphCache,
+    bucket,
+    make_graph_cache,
+)
+from ssdlocal.backends.torch.logits import REFINED, fp32_logits, refine_top
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.events import DoneEvent
+from ssdlocal.engine import Engine
+
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
+
+
+# --------------------------------------------------------------------------- bookkeeping
+class CountingBackend(EmulatedGraphs):
+    """Emulated capture that counts captures and can refuse (memory) or fail."""
+
+    def __init__(self, free=None, fail=False) -> None:
+        super().__init__(lambda: free)
+        self.captures = 0
+        self.fail = fail
+
+    def capture(self, fn, inputs) -> Captured:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        return super().capture(fn, inputs)
+
+
+def _double(x):
+    return x * 2
+
+
+def test_capture_once_then_replay_with_new_inputs():
+    backend = CountingBackend()
+    cache = GraphCache(backend)
+    first = cache.run(("step", 1, 2), _double, x=torch.tensor([1.0, 2.0]))
+    assert first.tolist() == [2.0, 4.0] and backend.captures == 1
+    again = cache.run(("step", 1, 2), _double, x=torch.tensor([5.0, 6.0]))
+    assert again.tolist() == [10.0, 12.0] and backend.captures == 1
+    assert again.data_ptr() == first.data_ptr()  # the static output buffer
+    assert cache.stats.captured == 1 and cache.stats.replays == 1 and len(cache) == 1
+    cache.run(("step", 1, 3), _double, x=torch.tensor([1.0, 1.0, 1.0]))
+    assert backend.captures == 2 and len(cache) == 2
+    cache.clear()
+    assert len(cache) == 0
+    cache.run(("step", 1, 2), _double, x=torch.tensor([1.0, 2.0]))
+    assert backend.captures == 3
+
+
+def test_memory_budget_refuses_capture_and_runs_eagerly():
+    cache = GraphCache(CountingBackend(free=100), reserve_bytes=1000)
+    out = cache.run("k", _double, x=torch.tensor([3.0]))
+    assert out.tolist() == [6.0]
+    assert len(cache) == 0 and cache.stats.eager == 1 and "memory budget" in cache.stats.refused[0]
+    cache.run("k", _double, x=torch.tensor([4.0]))
+    assert cache.stats.eager == 2  # not tried again
+
+
+def test_failed_capture_falls_back_to_eager_for_that_shape():
+    cache = GraphCache(CountingBackend(fail=True))
+    assert cache.run("k", _double, x=torch.tensor([1.0])).tolist() == [2.0]
+    assert len(cache) == 0 and "capture failed" in cache.stats.refused[0]
+
+
+def test_graph_count_limit():
+    cache = GraphCache(CountingBackend(), max_graphs=2)
+    for key in range(4):
+        cache.run(key, _double, x=torch.tensor([float(key)]))
+    assert len(cache) == 2 and cache.stats.eager == 2
+
+
+def test_buckets_and_modes():
+    assert [bucket(w) for w in (1, 2, 3, 5, 9, 17, 33, 64, 65)] == [1, 2, 4, 8, 16, 32, 64, 64, 65]
+    assert BUCKETS[0] == 1
+    cpu = torch.device("cpu")
+    assert make_graph_cache(cpu, "auto") is None and make_graph_cache(cpu, "off") is None
+    assert isinstance(make_graph_cache(cpu, "emulate").backend, EmulatedGraphs)
+
+
+# --------------------------------------------------------------------------- fp32 logits
+def test_refined_logits_match_float32_where_it_matters():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 500, bias=True).to(torch.bfloat16)
+    h = torch.randn(2, 3, 64).to(torch.bfloat16)
+    exact = h.float() @ head.weight.float().t() + head.bias.float()  # [2, 3, 500]
+    rounded = head(h).float()
+    got = fp32_logits(head, h)
+    top = exact.topk(REFINED, dim=-1)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert torch.allclose(got.gather(-1, top.indices), top.values, atol=1e-4)
+    assert not torch.equal(rounded, exact)  # bf16 output rounding is what the refinement removes
+    # a near tie in bf16 output is decided by the float32 values
+    tie = torch.zeros(1, 1, 500)
+    tie[0, 0, 7] = tie[0, 0, 9] = 1.0
+    w = torch.zeros(500, 4)
+    w[7, 0], w[9, 0] = 1.0, 1.001
+    refined = refine_top(tie.clone(), torch.ones(1, 1, 4), w, None)
+    assert int(refined.argmax()) == 9
+
+
+# --------------------------------------------------------------------------- engine paths
+def _tokens(engine: Engine, spec: SpecConfig, prompts) -> list[tuple[int, ...]]:
+    done = [e for e in engine.generate(prompts, GREEDY, spec=spec) if isinstance(e, DoneEvent)]
+    return [o.token_ids for o in done[0].outputs]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize(("target", "draft"), [("llama", "draft_llama"), ("qwen2", "draft_qwen2"),
+                                               ("qwen3", "qwen3")])  # fmt: skip
+def test_captured_path_equals_eager_path(tiny_dir, target, draft):
+    """The static-buffer path a CUDA graph replays (full-cache masks, padded tree widths)
+    gives the eager path's tokens in AR, SD and SSD, for one row and for three."""
+    t, d = str(tiny_dir[target]), str(tiny_dir[draft])
+
+    def engine(graphs: str) -> Engine:
+        return Engine(EngineConfig(
+            target=ModelSpec(t), spec=SpecConfig(mode=Mode.SSD, k=3, draft=d, backup="jit"),
+            draft_model=ModelSpec(d), pin_cpus=False, graphs=graphs,
+        ))  # fmt: skip
+
+    specs = [SpecConfig(mode=m, k=3, draft=d, backup="jit") for m in (Mode.AR, Mode.SD, Mode.SSD)]
+    with engine("off") as eager:
+        want = {(s.mode, n): _tokens(eager, s, PROMPTS[:n]) for s in specs for n in (1, 3)}
+    with engine("emulate") as captured:
+        for (mode, n), tokens in want.items():
+            spec = next(s for s in specs if s.mode is mode)
+            assert _tokens(captured, spec, PROMPTS[:n]) == tokens, (mode, n)
+        graphs = captured.runner.graphs
+        assert graphs is not None and graphs.stats.replays > 0 and graphs.stats.captured >= 4
+        assert want[(Mode.AR, 3)] == want[(Mode.SSD, 3)] == want[(Mode.SD, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_on_gpu(tiny_dir):
+    t, d = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
+    results = {}
+    for graphs in ("off", "auto"):
+        config = EngineConfig(
+            target=ModelSpec(t, "cuda:0"), spec=SpecConfig(mode=Mode.SD, k=3, draft=d),
+            draft_model=ModelSpec(d, "cuda:0"), graphs=graphs,
+        )  # fmt: skip
+        with Engine(config) as engine:
+            results[graphs] = [_tokens(engine, SpecConfig(mode=m, k=3, draft=d), PROMPTS)
+                               for m in (Mode.AR, Mode.SD)]  # fmt: skip
+            if graphs == "auto":
+                assert engine.runner.graphs.stats.captured > 0
+    assert results["off"] == results["auto"]
