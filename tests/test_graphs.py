@@ -170,3 +170,20 @@ def test_cuda_graphs_equal_eager_on_gpu(tiny_dir):
             if graphs == "auto":
                 assert engine.runner.graphs.stats.captured > 0
     assert results["off"] == results["auto"]
+
+
+def test_gpu_bench_script_runs_on_cpu(tmp_path):
+    """`scripts/gpu_bench.py --cpu --quick` exercises the GPU benchmark's code without a GPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+    subprocess.run([sys.executable, str(script), "--cpu", "--quick", "--out", str(tmp_path)],
+                   check=True, timeout=600, capture_output=True)  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [m["model"] for m in results["models"]] == ["tiny-draft", "tiny-target"]
+    assert results["models"][0]["tree16_graphs_ms"] > 0 and results["models"][1]["ar_tok_s"] > 0
+    assert set(results["end_to_end"]["modes"]) == {"ar", "sd", "ssd"}
+    assert "| tiny-target |" in (tmp_path / "results.md").read_text()
