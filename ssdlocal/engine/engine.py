@@ -8,8 +8,9 @@ for SD, the async worker for SSD); each round is round.py's propose -> score -> 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -45,6 +46,8 @@ class Engine:
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
         self._cancel = False
+        self._row_cancels: set[int] = set()
+        self._row_cancel_lock = threading.Lock()
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
         if self.has_draft_model:
@@ -124,10 +127,49 @@ class Engine:
         """Ask a running `generate` to stop after the current round (thread-safe)."""
         self._cancel = True
 
+    def cancel_rows(self, rows: Iterable[int]) -> None:
+        """Stop some rows of the running `generate` (thread-safe): they finish with
+        "cancelled" at the next round boundary, the other rows go on unchanged."""
+        with self._row_cancel_lock:
+            self._row_cancels.update(rows)
+
+    def _take_row_cancels(self) -> set[int]:
+        with self._row_cancel_lock:
+            taken, self._row_cancels = self._row_cancels, set()
+        return taken
+
+    def _apply_row_cancels(self, rows: list[Row]) -> None:
+        for b in self._take_row_cancels():
+            if 0 <= b < len(rows) and rows[b].active:
+                rows[b].finish_reason = "cancelled"
+
     # ----------------------------------------------------------------- helpers
     @property
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.target.eos_token_ids)
+
+    @property
+    def context(self) -> int:
+        """The target's context: positions a prompt and its new tokens may fill."""
+        return self.target.args.max_position_embeddings
+
+    def token_budgets(self, prompt_lengths: Sequence[int], max_new_tokens: int | None) -> list[int]:
+        """New tokens each prompt may get: `max_new_tokens`, or (None) the rest of the
+        context. UsageError when a prompt leaves no room for them."""
+        limit = self.context
+        for n in prompt_lengths:
+            if max_new_tokens is None and n >= limit:
+                raise UsageError(
+                    f"the prompt has {n} tokens, the model's context is {limit}",
+                    "shorten the prompt",
+                )
+            if max_new_tokens is not None and n + max_new_tokens > limit:
+                raise UsageError(
+                    f"prompt ({n} tokens) + max-new-tokens ({max_new_tokens}) needs "
+                    f"{n + max_new_tokens} positions, the model's context is {limit}",
+                    "shorten the prompt or lower --max-new-tokens",
+                )
+        return [limit - n if max_new_tokens is None else max_new_tokens for n in prompt_lengths]
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of one prompt, through the chat template when `chat`."""
@@ -213,16 +255,12 @@ class Engine:
         spec = spec or self.config.spec
         k = spec.k if spec.mode is not Mode.AR else 0
         batch = len(ids)
-        num_slots = SlotLayout.for_generation(max(map(len, ids)), params.max_new_tokens, k).main
-        limit = self.target.args.max_position_embeddings
-        if num_slots > limit:
-            raise UsageError(
-                f"prompt + max-new-tokens needs {num_slots} positions, the model supports {limit}",
-                "shorten the prompt or lower --max-new-tokens",
-            )
+        budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens)
+        num_slots = SlotLayout.for_generation(max(len(x) + n for x, n in zip(ids, budgets)), k).main
         self._cancel = False
+        self._take_row_cancels()  # cancels meant for an earlier call
         self.runner.reset(batch, num_slots)
-        rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
+        rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
         stats = SpecStats(k=k)
         generator = torch.Generator().manual_seed(params.seed)
         drafter = self._make_drafter(spec, params, batch, num_slots)
@@ -251,6 +289,9 @@ class Engine:
             )  # fmt: skip
             round_index = 0
             while any(r.active for r in rows) and not self._cancel:
+                self._apply_row_cancels(rows)
+                if not any(r.active for r in rows):
+                    break
                 yield from rounds.run(round_index)
                 round_index += 1
             if self._cancel:
