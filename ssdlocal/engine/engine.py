@@ -27,6 +27,7 @@ from ssdlocal.core.events import (
 from ssdlocal.core.sampling import logits_to_probs, sample
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
+from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
 
 log = logging.getLogger(__name__)
@@ -173,18 +174,7 @@ class Engine:
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of one prompt, through the chat template when `chat`."""
-        if not prompt.strip():
-            raise UsageError("empty prompt", "pass some text to generate from")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise UsageError(
-                    "this model's tokenizer has no chat template", "drop --chat to use a raw prompt"
-                )
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return list(self.tokenizer.encode(prompt))
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
         if spec.mode is Mode.AR:
