@@ -50,6 +50,11 @@ class Metrics:
                 self.duration_sum += duration_s
                 self.duration_count += 1
 
+    def record_tokens(self, n: int) -> None:
+        """Tokens the engine just committed (for any row, cancelled ones included)."""
+        with self._lock:
+            self.generated_tokens += n
+
     def record_job(self, rows, stats: dict) -> None:
         """A job's rows finished (RowStats of the scheduler)."""
         with self._lock:
@@ -68,7 +73,6 @@ class Metrics:
         """One generate call ended: its engine stats snapshot."""
         with self._lock:
             self.batches += 1
-            self.generated_tokens += stats.get("tokens", 0)  # cancelled rows' tokens too
             self.draft_s += stats.get("draft_ms", 0.0) / 1e3
             self.verify_s += stats.get("verify_ms", 0.0) / 1e3
             if stats.get("tokens_per_s") is not None:

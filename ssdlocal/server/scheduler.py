@@ -203,6 +203,7 @@ class Scheduler:
             for event in events:
                 run.cancel_left(self.engine)
                 if isinstance(event, TokensEvent):
+                    self.metrics.record_tokens(len(event.token_ids))
                     run.tokens(event)
                 elif isinstance(event, RoundEvent):
                     run.round(event)
