@@ -175,7 +175,7 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         state.metrics.record_request(endpoint, "invalid")
         raise
     rows = [ids for ids in prompts for _ in range(req.n)]
-    job = state.scheduler.submit(rows, req.params, req.seeded)
+    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream)
     answer = Responses(req, state.model, sum(map(len, prompts)))
     outcome = _Outcome(state.metrics, endpoint, sum(map(len, prompts)), started)
     if req.stream:

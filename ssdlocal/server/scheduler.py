@@ -72,6 +72,7 @@ class Job:
     params: SamplingParams
     seeded: bool
     loop: asyncio.AbstractEventLoop
+    stream: bool = True  # push each Chunk (else only the answer: fewer wake-ups of the loop)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -127,8 +128,10 @@ class Scheduler:
         with self._cond:
             return len(self._pending)
 
-    def submit(self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool) -> Job:
-        job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop())
+    def submit(
+        self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True
+    ) -> Job:
+        job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop(), stream)
         with self._cond:
             if self._stopping:
                 job.push(Failed(RuntimeError("the server is shutting down")))
@@ -254,7 +257,7 @@ class _BatchRun:
         self.text[b] += event.text
         self.finish[b] = event.finish_reason
         job, choice = self.owners[b]
-        if not job.done:
+        if job.stream and not job.done:
             job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason))
 
     def round(self, event: RoundEvent) -> None:
