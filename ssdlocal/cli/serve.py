@@ -26,7 +26,8 @@ def serve(
         str | None, typer.Option(help="Require `Authorization: Bearer KEY` on /v1 requests.")
     ] = None,
     served_model_name: Annotated[
-        str | None, typer.Option(help="The model id clients send. Default: the target's file name.")
+        str | None,
+        typer.Option(help="The model id clients send. Default: the pair's or the target's file name."),
     ] = None,
     max_batch: Annotated[int, typer.Option(help="Most rows (requests x n) in one engine batch.")] = 8,
     target: o.Target = None,
@@ -61,7 +62,7 @@ def serve(
     sock = bind(host, port)  # before the models load: a taken port fails at once
     try:
         config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values))
-        name = served_model_name or _model_name(config.target.path)
+        name = served_model_name or _model_name(target, pair, config.target.path)
         _serve(sock, config, name, api_key=api_key, max_batch=max_batch, max_new_tokens=max_new_tokens)
     finally:
         sock.close()
@@ -77,7 +78,14 @@ def _require_server_libraries() -> None:
         ) from None
 
 
-def _model_name(path: str) -> str:
+def _model_name(target: str | None, pair: str | None, path: str) -> str:
+    """The id clients send: the pair's name, the default model's, or the target's file name."""
+    if target is None and pair is not None:
+        return Path(pair).name.removesuffix(".toml")
+    if target is None:
+        from ssdlocal.weights.assets import DEFAULT_TARGET
+
+        return DEFAULT_TARGET
     return Path(path).name.removesuffix(".gguf") or path
 
 
