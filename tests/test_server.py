@@ -265,3 +265,43 @@ def test_metrics_parse_as_prometheus_text_and_move(server):
     if server.mode == "ssd":
         hits_misses = after["ssdlocal_ssd_cache_hits_total"] + after["ssdlocal_ssd_cache_misses_total"]
         assert hits_misses > before["ssdlocal_ssd_cache_hits_total"] + before["ssdlocal_ssd_cache_misses_total"]
+
+
+# ----------------------------------------------------------------------------- shapes, failures
+def test_several_prompts_and_n_choices(server):
+    if server.mode != "ar":
+        pytest.skip("request shapes do not depend on the mode")
+    reply = server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    ids = [c.model_extra["token_ids"] for c in reply.choices]
+    assert ids[0] == ids[1] and ids[2] == ids[3]  # greedy: the n choices of a prompt agree
+    for prompt, got in zip(PROMPTS[:2], (ids[0], ids[2])):
+        assert got == ask(server.client, prompt, chat=False, stream=False, max_tokens=6, ignore_eos=True)["ids"]
+    assert reply.usage.completion_tokens == 24
+    assert reply.model_extra["ssdlocal"]["batch_size"] == 4
+
+
+def test_the_engine_survives_a_failed_request(server, monkeypatch):
+    if server.mode == "sd":
+        pytest.skip("AR and SSD cover the failure path")
+    feed = server.engine.runner.feed
+    calls = []
+
+    def fail_once(rows):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("simulated device failure")
+        return feed(rows)
+
+    monkeypatch.setattr(server.engine.runner, "feed", fail_once)
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    status, reply = server.post("/v1/completions", body)
+    _assert_error_body(reply, status, 500)
+    assert "simulated device failure" in reply["error"]["message"] and reply["error"]["type"] == "server_error"
+    calls.clear()  # and once more while streaming: an error event the client raises
+    with pytest.raises(openai.APIError, match="simulated device failure"):
+        list(server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True))
+    got = ask(server.client, "Hello", chat=False, stream=True, max_tokens=4)
+    assert len(got["ids"]) == 4 and got["finish"] == "length"
+    assert server.get("/health")[0] == 200
