@@ -36,7 +36,7 @@ class LiveServer:
         self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch,
                                    batch_wait_s=0.05)
         state = ServerState(self.scheduler, self.metrics, MODEL, self.engine.context, self.engine.tokenizer,
-                            api_key=api_key)
+                            api_key=api_key, vocab_size=self.engine.target.args.vocab_size)
         self.sock = bind("127.0.0.1", 0)
         self.url = url(self.sock)
         self.server = make_server(create_app(state))

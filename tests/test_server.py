@@ -208,6 +208,7 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(server):
         (json.dumps({"model": MODEL, "prompt": "Hello " * 600, "max_tokens": 4}).encode(), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": "Hello", "logprobs": 3}).encode(), 400, "logprobs"),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": [5, 10**6], "max_tokens": 2}).encode(), 400, "prompt"),
     ]
     for data, expected, param in cases:
         status, body = server.post("/v1/completions", data)

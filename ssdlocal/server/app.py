@@ -51,6 +51,7 @@ class ServerState:
     tokenizer: object  # the target's tokenizer (copied for this side)
     api_key: str | None = None
     default_max_tokens: int | None = None  # None: until end-of-sequence, bounded by the context
+    vocab_size: int | None = None  # token-id prompts must stay below it
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -171,6 +172,7 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         except UsageError as exc:
             raise bad(exc.message, param="messages" if req.chat else "prompt") from None
         _check_context(prompts, req, state.context)
+        _check_token_ids(prompts, state.vocab_size)
     except APIError:
         state.metrics.record_request(endpoint, "invalid")
         raise
@@ -217,6 +219,14 @@ def _check_context(prompts: list[tuple[int, ...]], req: ParsedRequest, context: 
                 "Please reduce the length of the prompt or max_tokens.",
                 param=param, code="context_length_exceeded",
             )  # fmt: skip
+
+
+def _check_token_ids(prompts: list[tuple[int, ...]], vocab_size: int | None) -> None:
+    for ids in prompts:
+        bad_ids = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad_ids:
+            raise bad(f"token id {bad_ids[0]} is outside the vocabulary (0..{(vocab_size or 1) - 1})",
+                      param="prompt")  # fmt: skip
 
 
 @dataclass
