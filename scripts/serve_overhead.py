@@ -28,11 +28,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from server_helpers import MODEL, LiveServer  # noqa: E402
-from tiny_models import make_tiny_suite  # noqa: E402
+from server_helpers import MODEL, LiveServer
+from tiny_models import make_tiny_suite
 
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
-from ssdlocal.core.events import DoneEvent  # noqa: E402
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.events import DoneEvent
 
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"
@@ -41,7 +47,7 @@ PROMPT = "hello world, def foo(x):"
 def direct(live: LiveServer, tokens: int) -> tuple[float, float]:
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    done = [ev for ev in live.engine.generate([PROMPT], params) if isinstance(ev, DoneEvent)][0]
+    done = next(ev for ev in live.engine.generate([PROMPT], params) if isinstance(ev, DoneEvent))
     return (time.perf_counter() - t0) * 1e3, done.stats["tokens_per_s"]
 
 
@@ -96,7 +102,7 @@ def main() -> None:
             sequential = time.perf_counter() - t0
             t0 = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
-                list(pool.map(lambda _: http(live, args.tokens, True), range(8)))
+                list(pool.map(lambda _, live=live: http(live, args.tokens, True), range(8)))
             together = time.perf_counter() - t0
             print(f"{mode:5} 8 streams: sequential {sequential:.2f} s, concurrent {together:.2f} s "
                   f"({sequential / together:.2f}x)")

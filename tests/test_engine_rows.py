@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
 from ssdlocal.engine import Engine
@@ -82,7 +88,7 @@ def test_cancel_rows_stops_only_those_rows(engine):
 
 def test_events_name_rows_and_finish_reasons(engine):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    done, events = _collect(engine, PROMPTS, params)
+    _, events = _collect(engine, PROMPTS, params)
     finishes = {ev.row: ev.finish_reason for ev in events if isinstance(ev, TokensEvent) and ev.finish_reason}
     assert finishes == {0: "length", 1: "length", 2: "length"}
     for ev in events:

@@ -25,7 +25,7 @@ from server_helpers import MODEL, LiveServer
 openai = pytest.importorskip("openai")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig  # noqa: E402
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 
 PROMPTS = [
     "The quick brown fox",

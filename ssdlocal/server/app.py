@@ -23,13 +23,24 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.engine.prompts import encode_messages
 from ssdlocal.server.metrics import Metrics
-from ssdlocal.server.protocol import APIError, ParsedRequest, bad, parse_chat, parse_completion
+from ssdlocal.server.protocol import (
+    APIError,
+    ParsedRequest,
+    bad,
+    parse_chat,
+    parse_completion,
+)
 from ssdlocal.server.responses import Responses
 from ssdlocal.server.scheduler import Chunk, Failed, Finished, Job, Scheduler
 

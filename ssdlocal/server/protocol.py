@@ -25,7 +25,7 @@ class APIError(Exception):
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        type: str = "invalid_request_error",  # OpenAI's field name
         param: str | None = None,
         code: str | None = None,
     ) -> None:

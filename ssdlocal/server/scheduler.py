@@ -214,7 +214,7 @@ class Scheduler:
                 elif isinstance(event, DoneEvent):
                     run.answer_finished(self.metrics, everyone=True)
                     self.metrics.record_batch(event.stats, time.perf_counter() - started)
-        except Exception as exc:  # noqa: BLE001 - one failed call must not stop the server
+        except Exception as exc:  # one failed call must not stop the server
             log.warning("generate failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
             for job in batch:
                 if not job.done:
