@@ -111,7 +111,7 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens) 
         scheduler = Scheduler(engine, metrics, mode=mode, max_batch=max_batch)
         state = ServerState(
             scheduler, metrics, name, engine.context, engine.tokenizer,
-            api_key=api_key, default_max_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size,
+            api_key=api_key, max_new_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size,
         )  # fmt: skip
         server = make_server(create_app(state), verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
         scheduler.start()

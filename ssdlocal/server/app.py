@@ -61,7 +61,7 @@ class ServerState:
     context: int  # the target's context (prompt + new tokens)
     tokenizer: object  # the target's tokenizer (copied for this side)
     api_key: str | None = None
-    default_max_tokens: int | None = None  # None: until end-of-sequence, bounded by the context
+    max_new_tokens: int | None = None  # cap on answers; None: until end-of-sequence / the context
     vocab_size: int | None = None  # token-id prompts must stay below it
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -175,7 +175,7 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad(f"the request body is not valid JSON: {exc}") from None
-        req = parse(body, state.default_max_tokens)
+        req = parse(body, state.max_new_tokens)
         if req.model != state.model:
             raise _unknown_model(req.model)
         try:

@@ -80,22 +80,22 @@ _UNSUPPORTED = {
 }
 
 
-def parse_completion(body: Any, default_max_tokens: int | None) -> ParsedRequest:
+def parse_completion(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     """A /v1/completions body: prompt is a string, a list of strings, a list of token
     ids, or a list of token-id lists."""
     body = _object(body)
     prompts = _prompts(body.get("prompt"))
-    return _parse(body, default_max_tokens, prompts=prompts)
+    return _parse(body, max_new_tokens, prompts=prompts)
 
 
-def parse_chat(body: Any, default_max_tokens: int | None) -> ParsedRequest:
+def parse_chat(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     """A /v1/chat/completions body: messages with roles system | developer | user |
     assistant and text content (a string or a list of text parts)."""
     body = _object(body)
     messages = _messages(body.get("messages"))
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, default_max_tokens, messages=messages)
+    return _parse(body, max_new_tokens, messages=messages)
 
 
 def _object(body: Any) -> dict:
@@ -104,7 +104,8 @@ def _object(body: Any) -> dict:
     return body
 
 
-def _parse(body: dict, default_max_tokens: int | None, **what) -> ParsedRequest:
+def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
+    """`max_new_tokens`: the server's cap on answers (None: the context bounds them)."""
     for name, is_default in _UNSUPPORTED.items():
         if name in body and not is_default(body[name]):
             raise bad(f"'{name}' is not supported by ssdlocal", param=name, code="unsupported")
@@ -132,7 +133,7 @@ def _parse(body: dict, default_max_tokens: int | None, **what) -> ParsedRequest:
         params = SamplingParams(
             temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
             seed=0 if seed is None else seed,
-            max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            max_new_tokens=_capped(max_tokens, max_new_tokens),
             ignore_eos=_bool(body, "ignore_eos"), stop=stop,
         )  # fmt: skip
     except UsageError as exc:
@@ -142,6 +143,13 @@ def _parse(body: dict, default_max_tokens: int | None, **what) -> ParsedRequest:
         include_usage=stream and bool(options.get("include_usage")),
         return_token_ids=_bool(body, "return_token_ids"), **what,
     )  # fmt: skip
+
+
+def _capped(asked: int | None, cap: int | None) -> int | None:
+    """The request's max_tokens within the server's --max-new-tokens (its default too)."""
+    if asked is None or cap is None:
+        return cap if asked is None else asked
+    return min(asked, cap)
 
 
 def _int(body: dict, name: str, default, minimum: int | None = None):
