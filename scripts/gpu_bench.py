@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ssdlocal.backends.torch.loader import LoadedModel  # noqa: E402
 from ssdlocal.backends.torch.model import ModelArgs, Transformer  # noqa: E402
 from ssdlocal.backends.torch.runner import TorchRunner  # noqa: E402
-from ssdlocal.bench.project import sd_speedup, ssd_speedup  # noqa: E402
 from ssdlocal.core.config import SamplingParams  # noqa: E402
 from ssdlocal.core.verify import verify_logits  # noqa: E402
 from ssdlocal.draft.sync import ModelDrafter  # noqa: E402

@@ -6,7 +6,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
 
 from ssdlocal.bench.project import sd_speedup
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig

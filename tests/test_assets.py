@@ -256,7 +256,7 @@ def tiny_gguf(tmp_path_factory):
     return path, model
 
 
-def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch):
+def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ssdlocal.backends.torch import gguf_convert
@@ -267,6 +267,10 @@ def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch):
     out = gguf_convert.ensure_converted(src, progress=lambda *a: stages.append(a), dtype="float32")
     assert out.parent == tmp_path / "converted" and out.name.startswith("tiny-qwen2-f32-float32-")
     assert stages[-1] == ("convert", 4, 4)
+    # transformers' own tqdm bar is silenced; its tensor loop reports to our callback
+    assert "de-quantizing" not in capfd.readouterr().err
+    tensors = [s for s in stages if s[0] == "dequantize"]
+    assert tensors[-1][1] == tensors[-1][2] > 0 and tensors[0][1] == 0
     for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (out / f).is_file(), f
     assert not list(tmp_path.glob("converted/*.tmp-*"))

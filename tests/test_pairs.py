@@ -160,6 +160,20 @@ def test_pairs_command(monkeypatch, capsys):
     assert json.loads(out)[0]["target_gb"] < 50
 
 
+@pytest.mark.parametrize("width", [80, 120])
+def test_pairs_table_is_never_truncated(monkeypatch, capsys, width):
+    from rich.console import Console
+
+    monkeypatch.setattr("ssdlocal.cli.models.out", Console(width=width, soft_wrap=True))
+    code, out, err = run_cli(monkeypatch, capsys, "pairs")
+    assert code == 0, err
+    assert "…" not in out
+    table = [line for line in out.splitlines() if line.strip() and not line.startswith("pull one")]
+    assert table and all(len(line) <= width for line in table)
+    rows = [line for line in table if line.startswith("qwen3-8b ")]
+    assert len(rows) == 1 and "torch, llamacpp" in rows[0]  # whole, on the pair's one line
+
+
 def test_generate_with_a_local_pair(monkeypatch, capsys, tmp_path, tiny_dir):
     pair_file = tmp_path / "tiny.toml"
     pair_file.write_text(

@@ -96,9 +96,10 @@ class SlotLayout:
     depth: int = 0
 
     @classmethod
-    def for_generation(cls, longest_prompt: int, max_new_tokens: int, k: int) -> SlotLayout:
-        """The target's rows: prompt + budget + K drafts of the last round + 2 spare."""
-        return cls(longest_prompt + max_new_tokens + k + 2)
+    def for_generation(cls, longest_row: int, k: int) -> SlotLayout:
+        """The target's rows: the longest prompt + budget, then K drafts of the last round
+        (scored, never committed, so they may pass the model's context) + 2 spare."""
+        return cls(longest_row + k + 2)
 
     def with_tree(self, branches: int, k: int) -> SlotLayout:
         """The SSD draft's rows: the target's tokens plus the proposal not yet verified

@@ -51,12 +51,13 @@ _STATE: dict[str, bool] = {"verbose": False}
 
 def _register() -> None:
     """Attach every command (each module imports only what its command needs)."""
-    from ssdlocal.cli import bench, check, generate, models, tui
+    from ssdlocal.cli import bench, check, generate, models, serve, tui
 
     app.command()(generate.generate)
     app.command()(bench.bench)
     app.command()(tui.chat)
     app.command()(tui.race)
+    app.command()(serve.serve)
     app.command()(models.pairs)
     app.command()(models.pull)
     app.command()(models.devices)

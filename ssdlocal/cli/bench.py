@@ -62,7 +62,7 @@ def bench(
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
     batch_size: Annotated[int, typer.Option(help="Prompts per generate call.")] = 1,
-    max_new_tokens: o.MaxNewTokens = 128,
+    max_new_tokens: o.FixedNewTokens = 128,
     repeats: Annotated[int, typer.Option(help="Times to run the whole prompt set.")] = 1,
     ignore_eos: o.IgnoreEos = False,
     dtype: o.Dtype = "bfloat16",

@@ -31,7 +31,7 @@ def check(
     dtype: Annotated[
         str, typer.Option(help="float32 (must be identical) | bfloat16 | float16")
     ] = "float32",
-    max_new_tokens: o.MaxNewTokens = 32,
+    max_new_tokens: o.FixedNewTokens = 32,
     k: o.K = 4,
     fan_out: o.FanOut = None,
     fan_out_miss: o.FanOutMiss = None,

@@ -28,7 +28,7 @@ def generate(
     top_k: o.TopK = 0,
     top_p: o.TopP = 1.0,
     seed: o.Seed = 0,
-    max_new_tokens: o.MaxNewTokens = 128,
+    max_new_tokens: o.MaxNewTokens = o.DEFAULT_MAX_NEW_TOKENS,
     ignore_eos: o.IgnoreEos = False,
     stop: o.Stop = None,
     dtype: o.Dtype = "bfloat16",

@@ -11,6 +11,7 @@ import sys
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -96,18 +97,26 @@ def pairs(
         )
         return
     memory = "bf16" if backend == "torch" else "GGUF"
-    table = Table(title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})")
+    # no vertical rules: a row fits on one line of an 80-column terminal; narrower ones
+    # wrap the backends and placement cells (never an ellipsis)
+    table = Table(
+        title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})", box=box.SIMPLE_HEAD,
+        show_edge=False, pad_edge=False, collapse_padding=True,
+    )  # fmt: skip
     table.add_column("name", no_wrap=True)
-    for col in ("target", "draft", "backends", "pulled", "fits here"):
-        table.add_column(col)
+    for col in ("target", "draft"):
+        table.add_column(col, justify="right")
+    table.add_column("backends", overflow="fold", min_width=len("torch, llamacpp"))
+    table.add_column("pulled")
+    table.add_column("fits here", overflow="fold")  # target/draft devices, or no
     for r in rows:
         table.add_row(
             r["name"],
             _gb(r["target_gb"]),
             _gb(r["draft_gb"]),
-            ",".join(r["backends"]),
+            ", ".join(r["backends"]),
             "yes" if r["downloaded"] else "no",
-            f"[green]yes[/green] {r['short']}" if r["fits"] else "[red]no[/red]",
+            f"[green]{r['short']}[/green]" if r["fits"] else "[red]no[/red]",  # where it fits
         )
     out.print(table)
     out.print(

@@ -88,7 +88,17 @@ Seed = Annotated[
         "--fan-out and --backup other than auto (adaptive schedules follow timing)."
     ),
 ]
-MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate per prompt.")]
+# generate, chat and serve share one default: an answer runs to its end (end-of-sequence or
+# a stop string), bounded by the model's context; bench, check and race measure a fixed count.
+DEFAULT_MAX_NEW_TOKENS: int | None = None
+MaxNewTokens = Annotated[
+    int | None,
+    typer.Option(
+        help="Cap on new tokens per answer. Default: until end-of-sequence, bounded by the "
+        "model's context."
+    ),
+]
+FixedNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.")]
 IgnoreEos = Annotated[bool, typer.Option(help="Keep generating past end-of-sequence.")]
 Stop = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")]
 

@@ -16,10 +16,12 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 from ssdlocal.core.config import EngineConfig, SamplingParams
 from ssdlocal.core.events import DoneEvent, TokensEvent
@@ -27,24 +29,60 @@ from ssdlocal.core.events import DoneEvent, TokensEvent
 err_console = Console(stderr=True)
 
 
+# what each stage of a first-run fetch counts (weights/assets.py, backends/torch/gguf_convert.py)
+STAGE_UNITS = {"download": "files", "assemble": "bytes", "dequantize": "tensors", "convert": "steps"}
+
+
+class _AmountColumn(ProgressColumn):
+    """`3/6 files`, `2/4 steps`, or `1.2/3.4 GB` for byte stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bytes = DownloadColumn()
+
+    def render(self, task) -> Text:
+        unit = task.fields.get("unit", "steps")
+        if unit == "bytes":
+            return self._bytes.render(task)
+        total = "?" if task.total is None else f"{task.total:.0f}"
+        return Text(f"{task.completed:.0f}/{total} {unit}", style="progress.download")
+
+
+class _SpeedColumn(ProgressColumn):
+    """Transfer speed, for byte stages only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._speed = TransferSpeedColumn()
+
+    def render(self, task) -> Text:
+        return self._speed.render(task) if task.fields.get("unit") == "bytes" else Text("")
+
+
 @contextlib.contextmanager
-def progress_callback() -> Iterator:
-    """A `progress(stage, done, total)` callback drawing one rich bar per stage."""
+def progress_callback(console: Console | None = None) -> Iterator:
+    """A `progress(stage, done, total)` callback: one Rich display, a bar per stage (a
+    new one when a finished stage starts again, e.g. for the draft), each in its unit."""
     bars = Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("[bold]{task.description:<10}"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        _AmountColumn(),
+        _SpeedColumn(),
         TimeRemainingColumn(),
-        console=err_console,
+        console=console or err_console,
         transient=False,
     )
     tasks: dict[str, int] = {}
 
     def update(stage: str, done: int, total: int | None) -> None:
-        if stage not in tasks:
-            tasks[stage] = bars.add_task(stage, total=total)
-        bars.update(tasks[stage], completed=done, total=total)
+        task = tasks.get(stage)
+        if task is not None:
+            old = next(t for t in bars.tasks if t.id == task)
+            if old.finished and done < (old.total or 0):
+                task = None  # the same stage for the next file
+        if task is None:
+            task = tasks[stage] = bars.add_task(stage, total=total, unit=STAGE_UNITS.get(stage, "steps"))
+        bars.update(task, completed=done, total=total)
 
     with bars:
         yield update

@@ -59,7 +59,7 @@ class SamplingOptions:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # None: until end-of-sequence, bounded by the context
     ignore_eos: bool = False
     stop: list[str] | None = None
 

@@ -24,13 +24,17 @@ class Mode(str, Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. temperature 0 means greedy (argmax)."""
+    """How tokens are chosen. temperature 0 means greedy (argmax).
+
+    max_new_tokens None: generate until end-of-sequence (or a stop string), bounded by
+    the model's context minus the prompt. The CLI's default is None (options.py).
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0
     seed: int = 0
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
 
@@ -46,7 +50,7 @@ class SamplingParams:
             raise UsageError(
                 f"top-p must be in (0, 1], got {self.top_p}", "use 1.0 to disable top-p"
             )
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UsageError(
                 f"max-new-tokens must be >= 1, got {self.max_new_tokens}",
                 "ask for at least one new token",

@@ -26,6 +26,7 @@ class TokensEvent:
     token_ids: tuple[int, ...]
     text: str  # decoded text delta, safe to print as it arrives
     origins: tuple[str, ...] = ()  # one TokenOrigin value per token
+    finish_reason: str | None = None  # set on the row's last event: "eos" | "stop" | "length"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class RoundEvent:
     cache_hit: tuple[bool, ...] | None = None  # SSD only
     backup: str | None = None
     snapshot: dict[str, Any] = field(default_factory=dict)
+    rows: tuple[int, ...] = ()  # the row index of each entry of n_drafted / n_accepted
 
 
 @dataclass(frozen=True)

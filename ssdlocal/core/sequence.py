@@ -22,6 +22,7 @@ class Row:
     params: SamplingParams
     eos_ids: frozenset[int]
     tokenizer: object
+    budget: int | None = None  # new tokens allowed when params.max_new_tokens is None
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     _emitted_chars: int = 0
@@ -47,9 +48,19 @@ class Row:
             self.finish_reason = "eos"
         elif self.params.stop and self._stop_index(self._running_text()) is not None:
             self.finish_reason = "stop"
-        elif len(self.generated) >= self.params.max_new_tokens:
+        elif len(self.generated) >= self.max_new_tokens:
             self.finish_reason = "length"
         return True
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The row's token budget: the params' cap, else its own (the rest of the context)."""
+        cap = self.params.max_new_tokens
+        if cap is None:
+            if self.budget is None:
+                raise ValueError("a row without max_new_tokens needs a budget")  # engine bug
+            return self.budget
+        return cap
 
     def full_text(self) -> str:
         return self.tokenizer.decode(self.generated, skip_special_tokens=True)

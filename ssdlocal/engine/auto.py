@@ -11,7 +11,6 @@ whether SD beats AR.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 

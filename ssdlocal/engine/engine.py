@@ -8,8 +8,9 @@ for SD, the async worker for SSD); each round is round.py's propose -> score -> 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,6 +29,7 @@ from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice
+from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ class Engine:
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
         self._cancel = False
+        self._row_cancels: set[int] = set()
+        self._row_cancel_lock = threading.Lock()
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
         if self.has_draft_model:
@@ -136,25 +140,53 @@ class Engine:
         """Ask a running `generate` to stop after the current round (thread-safe)."""
         self._cancel = True
 
+    def cancel_rows(self, rows: Iterable[int]) -> None:
+        """Stop some rows of the running `generate` (thread-safe): they finish with
+        "cancelled" at the next round boundary, the other rows go on unchanged."""
+        with self._row_cancel_lock:
+            self._row_cancels.update(rows)
+
+    def _take_row_cancels(self) -> set[int]:
+        with self._row_cancel_lock:
+            taken, self._row_cancels = self._row_cancels, set()
+        return taken
+
+    def _apply_row_cancels(self, rows: list[Row]) -> None:
+        for b in self._take_row_cancels():
+            if 0 <= b < len(rows) and rows[b].active:
+                rows[b].finish_reason = "cancelled"
+
     # ----------------------------------------------------------------- helpers
     @property
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.target.eos_token_ids)
 
+    @property
+    def context(self) -> int:
+        """The target's context: positions a prompt and its new tokens may fill."""
+        return self.target.args.max_position_embeddings
+
+    def token_budgets(self, prompt_lengths: Sequence[int], max_new_tokens: int | None) -> list[int]:
+        """New tokens each prompt may get: `max_new_tokens`, or (None) the rest of the
+        context. UsageError when a prompt leaves no room for them."""
+        limit = self.context
+        for n in prompt_lengths:
+            if max_new_tokens is None and n >= limit:
+                raise UsageError(
+                    f"the prompt has {n} tokens, the model's context is {limit}",
+                    "shorten the prompt",
+                )
+            if max_new_tokens is not None and n + max_new_tokens > limit:
+                raise UsageError(
+                    f"prompt ({n} tokens) + max-new-tokens ({max_new_tokens}) needs "
+                    f"{n + max_new_tokens} positions, the model's context is {limit}",
+                    "shorten the prompt or lower --max-new-tokens",
+                )
+        return [limit - n if max_new_tokens is None else max_new_tokens for n in prompt_lengths]
+
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of one prompt, through the chat template when `chat`."""
-        if not prompt.strip():
-            raise UsageError("empty prompt", "pass some text to generate from")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise UsageError(
-                    "this model's tokenizer has no chat template", "drop --chat to use a raw prompt"
-                )
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return list(self.tokenizer.encode(prompt))
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
         if spec.mode is Mode.AR:
@@ -226,13 +258,16 @@ class Engine:
             spec = replace(spec, mode=self.choice.mode)
         ids = self._prompt_ids(prompts, chat)
         k = spec.k if spec.mode is not Mode.AR else 0
-        num_slots = self._slots(ids, params, k)
+        batch = len(ids)
+        budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens)
+        num_slots = SlotLayout.for_generation(max(len(x) + n for x, n in zip(ids, budgets)), k).main
         self._cancel = False
-        self.runner.reset(len(ids), num_slots)
-        rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
+        self._take_row_cancels()  # cancels meant for an earlier call
+        self.runner.reset(batch, num_slots)
+        rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
         stats = SpecStats(k=k, mode=spec.mode.value, mode_reason=reason)
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        drafter = self._make_drafter(spec, params, len(ids), num_slots)
+        drafter = self._make_drafter(spec, params, batch, num_slots)
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
@@ -245,6 +280,9 @@ class Engine:
             rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, stats, first)
             round_index = 0
             while any(r.active for r in rows) and not self._cancel:
+                self._apply_row_cancels(rows)
+                if not any(r.active for r in rows):
+                    break
                 yield from rounds.run(round_index)
                 round_index += 1
             if self._cancel:
@@ -279,17 +317,6 @@ class Engine:
         if any(len(x) == 0 for x in ids):
             raise UsageError("empty prompt", "pass some text to generate from")
         return ids
-
-    def _slots(self, ids: list[list[int]], params: SamplingParams, k: int) -> int:
-        """Cache slots per row for this call; refused past the model's context."""
-        num_slots = SlotLayout.for_generation(max(map(len, ids)), params.max_new_tokens, k).main
-        limit = self.target.args.max_position_embeddings
-        if num_slots > limit:
-            raise UsageError(
-                f"prompt + max-new-tokens needs {num_slots} positions, the model supports {limit}",
-                "shorten the prompt or lower --max-new-tokens",
-            )
-        return num_slots
 
     def _prefill(self, rows, params, generator, stats) -> torch.Tensor:
         """Feed every prompt; the first token of each row, as [B] on the target's device."""

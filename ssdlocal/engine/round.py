@@ -155,6 +155,7 @@ class Round:
             tuple(hits[b] for b in live) if hits is not None else None,
             proposal.backup,
             self.stats.snapshot(),
+            rows=tuple(live),
         )
 
 
@@ -162,4 +163,5 @@ def token_events(rows, emitted, origins) -> Iterator[TokensEvent]:
     """One TokensEvent per row that took tokens, with the text now safe to show."""
     for b, row in enumerate(rows):
         if emitted[b]:
-            yield TokensEvent(b, tuple(emitted[b]), row.take_text_delta(), tuple(origins[b]))
+            text = row.take_text_delta()
+            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason)

@@ -62,7 +62,7 @@ class ChatSettings:
         return self.sampling.temperature
 
     @property
-    def max_new_tokens(self) -> int:
+    def max_new_tokens(self) -> int | None:
         return self.sampling.max_new_tokens
 
     def with_spec(self, **changes: Any) -> ChatSettings:
@@ -100,7 +100,7 @@ class ChatSettings:
         if self.mode is Mode.SSD:
             parts.append(f"F={fan}")
         parts.append(f"T={self.temperature:g}")
-        parts.append(f"max {self.max_new_tokens}")
+        parts.append("max to EOS" if self.max_new_tokens is None else f"max {self.max_new_tokens}")
         return " · ".join(parts)
 
 
@@ -110,7 +110,7 @@ COMMANDS_HELP = (
     ("/k N", "draft tokens per round K (F3 / F4)"),
     ("/fanout 3,3,2,2,1|auto", "SSD fan-out per accepted length (K+1 entries)"),
     ("/temp X", "temperature, 0 = greedy (F5 / F6)"),
-    ("/max N", "max new tokens per answer"),
+    ("/max N|eos", "max new tokens per answer (eos: until end-of-sequence)"),
     ("/seed N", "sampling seed"),
     ("/colors", "toggle token colours by origin (F8)"),
     ("/copy", "copy the last answer (Ctrl+Y)"),
@@ -161,7 +161,8 @@ def run_command(line: str, settings: ChatSettings) -> CommandResult:
             raise UsageError(f"cannot read temperature {arg!r}", "write e.g. /temp 0.7") from None
         return CommandResult(settings.with_sampling(temperature=value))
     if name in ("max", "max-new-tokens"):
-        return CommandResult(settings.with_sampling(max_new_tokens=_int(arg, "/max 256")))
+        cap = None if arg.strip().lower() in ("eos", "none", "off") else _int(arg, "/max 256 or /max eos")
+        return CommandResult(settings.with_sampling(max_new_tokens=cap))
     if name == "seed":
         return CommandResult(settings.with_sampling(seed=_int(arg, "/seed 0")))
     raise UsageError(f"unknown command /{name}", "type /help for the list of commands")

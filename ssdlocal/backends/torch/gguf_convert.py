@@ -9,12 +9,14 @@ knows nothing about where GGUF files come from.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ssdlocal.core.errors import (
@@ -136,6 +138,38 @@ def ensure_converted(
     return out
 
 
+@contextlib.contextmanager
+def _no_foreign_progress_bars(progress: ProgressCallback | None) -> Iterator[None]:
+    """Silence transformers' own tqdm bars ("Converting and de-quantizing GGUF tensors")
+    while it reads a GGUF file; its tensor loop reports to `progress` as the stage
+    "dequantize" (tensors done, total) instead, so the caller's display is the only one."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:  # imported there from tqdm.auto, which ignores the switch above
+        gguf_utils.tqdm = lambda iterable=(), *args, **kwargs: _reporting(iterable, progress)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _reporting(iterable, progress: ProgressCallback | None) -> Iterator:
+    items = list(iterable)
+    for i, item in enumerate(items):
+        if progress:
+            progress("dequantize", i, len(items))
+        yield item
+    if progress:
+        progress("dequantize", len(items), len(items))
+
+
 def _convert(
     gguf_path: Path,
     tmp: Path,
@@ -178,9 +212,10 @@ def _convert(
         step(1)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        parsed = load_gguf_checkpoint(
-            str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
-        )
+        with _no_foreign_progress_bars(progress):
+            parsed = load_gguf_checkpoint(
+                str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
+            )
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         raise ModelLoadError(
             f"transformers could not load {gguf_path.name}: {exc}",

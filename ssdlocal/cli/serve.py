@@ -1,0 +1,125 @@
+"""`ssdlocal serve`: options -> socket, EngineConfig, Engine -> the OpenAI-compatible server.
+
+The port is bound before the models load, so a taken port fails at once; loopback is
+the default and any other host warns unless --api-key is set. Wiring only: the server
+is ssdlocal.server.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ssdlocal.cli import options as o
+from ssdlocal.cli.resolve import ModelOptions, SpecOptions, engine_config, gather
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.errors import UsageError
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option(help="Require `Authorization: Bearer KEY` on /v1 requests.")
+    ] = None,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="The model id clients send. Default: the pair's or the target's file name."),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Most rows (requests x n) in one engine batch.")] = 8,
+    target: o.Target = None,
+    draft: o.Draft = None,
+    pair: o.PairName = None,
+    mode: o.ModeName = "ssd",
+    k: o.K = 4,
+    max_new_tokens: o.MaxNewTokens = o.DEFAULT_MAX_NEW_TOKENS,
+    dtype: o.Dtype = "bfloat16",
+    target_device: o.TargetDevice = "cpu",
+    draft_device: o.DraftDevice = "cpu",
+    target_backend: o.TargetBackend = "torch",
+    draft_backend: o.DraftBackend = "torch",
+    target_devices: o.TargetDevices = None,
+    fan_out: o.FanOut = None,
+    fan_out_miss: o.FanOutMiss = None,
+    saguaro_c: o.SaguaroC = 1.0,
+    backup: o.Backup = "auto",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"port must be in 0..65535, got {port}", "use e.g. --port 8000")
+    if max_batch < 1:
+        raise UsageError(f"max-batch must be >= 1, got {max_batch}", "use e.g. --max-batch 8")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("the API key is empty", "pass a non-empty --api-key or drop it")
+    SamplingParams(max_new_tokens=max_new_tokens)  # validates --max-new-tokens
+    _require_server_libraries()
+    values = locals()
+    from ssdlocal.server.run import bind
+
+    sock = bind(host, port)  # before the models load: a taken port fails at once
+    try:
+        config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values))
+        name = served_model_name or _model_name(target, pair, config.target.path)
+        _serve(sock, config, name, api_key=api_key, max_batch=max_batch, max_new_tokens=max_new_tokens)
+    finally:
+        sock.close()
+
+
+def _require_server_libraries() -> None:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "the server needs Starlette and uvicorn", "install them with: pip install 'ssdlocal[serve]'"
+        ) from None
+
+
+def _model_name(target: str | None, pair: str | None, path: str) -> str:
+    """The id clients send: the pair's name, the default model's, or the target's file name."""
+    if target is None and pair is not None:
+        return Path(pair).name.removesuffix(".toml")
+    if target is None:
+        from ssdlocal.weights.assets import DEFAULT_TARGET
+
+        return DEFAULT_TARGET
+    return Path(path).name.removesuffix(".gguf") or path
+
+
+def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens) -> None:
+    from ssdlocal import __version__
+    from ssdlocal.cli.render import err_console
+    from ssdlocal.engine import Engine
+    from ssdlocal.server.app import ServerState, create_app
+    from ssdlocal.server.metrics import Metrics
+    from ssdlocal.server.run import is_loopback, make_server, url
+    from ssdlocal.server.scheduler import Scheduler
+
+    if not is_loopback(sock) and api_key is None:
+        err_console.print(
+            f"warning: listening on {url(sock)} without --api-key: anyone who can reach this "
+            "machine can use the model", style="yellow", soft_wrap=True,
+        )  # fmt: skip
+    with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
+        engine = Engine(config)
+    with engine:
+        mode = config.spec.mode.value
+        metrics = Metrics(name, mode, __version__)
+        scheduler = Scheduler(engine, metrics, mode=mode, max_batch=max_batch)
+        state = ServerState(
+            scheduler, metrics, name, engine.context, engine.tokenizer,
+            api_key=api_key, max_new_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size,
+        )  # fmt: skip
+        server = make_server(create_app(state), verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
+        scheduler.start()
+        err_console.print(
+            f"serving [bold]{name}[/bold] ({mode}) at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "
+            "Ctrl-C stops", soft_wrap=True, highlight=False,
+        )  # fmt: skip
+        try:
+            server.run(sockets=[sock])
+        finally:
+            scheduler.stop()

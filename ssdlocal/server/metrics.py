@@ -1,0 +1,150 @@
+"""The server's counters and their Prometheus text exposition (GET /metrics).
+
+Request counts by endpoint and outcome, prompt and generated tokens, speculation
+counters (drafted / accepted tokens, row-rounds, SSD cache hits and misses, as vLLM
+exposes its spec-decode counters) with the rates derived from them, draft / verify
+time, and the last batch's tokens/s. Thread-safe: the engine thread records, the HTTP
+side renders. Knows nothing of HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+
+PREFIX = "ssdlocal_"
+
+
+class Metrics:
+    """Counters since the server started."""
+
+    def __init__(self, model: str, mode: str, version: str) -> None:
+        self.model, self.mode, self.version = model, mode, version
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, status)
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.row_rounds = 0
+        self.emitted_in_rounds = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.batches = 0
+        self.draft_s = 0.0
+        self.verify_s = 0.0
+        self.last_tokens_per_s = math.nan
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self.duration_sum = 0.0
+        self.duration_count = 0
+
+    # ------------------------------------------------------------------ recording
+    def record_request(self, endpoint: str, status: str, prompt_tokens: int = 0, duration_s: float | None = None) -> None:
+        """One request answered: status ok | invalid | error | cancelled."""
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+            self.prompt_tokens += prompt_tokens
+            if duration_s is not None:
+                self.duration_sum += duration_s
+                self.duration_count += 1
+
+    def record_tokens(self, n: int) -> None:
+        """Tokens the engine just committed (for any row, cancelled ones included)."""
+        with self._lock:
+            self.generated_tokens += n
+
+    def record_job(self, rows, stats: dict) -> None:
+        """A job's rows finished (RowStats of the scheduler)."""
+        with self._lock:
+            for r in rows:
+                self.drafted += r.drafted
+                self.accepted += r.accepted
+                self.row_rounds += r.row_rounds
+                self.emitted_in_rounds += r.emitted_in_rounds
+                self.cache_hits += r.hits
+                self.cache_misses += r.misses
+            if stats.get("ttft_s") is not None:
+                self.ttft_sum += stats["ttft_s"]
+                self.ttft_count += 1
+
+    def record_batch(self, stats: dict, wall_s: float) -> None:
+        """One generate call ended: its engine stats snapshot."""
+        with self._lock:
+            self.batches += 1
+            self.draft_s += stats.get("draft_ms", 0.0) / 1e3
+            self.verify_s += stats.get("verify_ms", 0.0) / 1e3
+            if stats.get("tokens_per_s") is not None:
+                self.last_tokens_per_s = stats["tokens_per_s"]
+
+    # ------------------------------------------------------------------ exposition
+    def render(self, running: int, waiting: int) -> str:
+        """Prometheus text format (version 0.0.4)."""
+        with self._lock:
+            lines: list[str] = []
+
+            def family(name: str, kind: str, help_text: str, samples) -> None:
+                lines.append(f"# HELP {PREFIX}{name} {help_text}")
+                lines.append(f"# TYPE {PREFIX}{name} {kind}")
+                for suffix, labels, value in samples:
+                    lines.append(f"{PREFIX}{name}{suffix}{_labels(labels)} {_number(value)}")
+
+            def one(name: str, kind: str, help_text: str, value) -> None:
+                family(name, kind, help_text, [("_total" if kind == "counter" else "", {}, value)])
+
+            family("info", "gauge", "The served model and decoding mode.",
+                   [("", {"model": self.model, "mode": self.mode, "version": self.version}, 1)])
+            family("requests", "counter", "Requests answered, by endpoint and status "
+                   "(ok, invalid, error, cancelled).",
+                   [("_total", {"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            one("requests_running", "gauge", "Requests in the running batch.", running)
+            one("requests_waiting", "gauge", "Requests waiting for the engine.", waiting)
+            one("prompt_tokens", "counter", "Prompt tokens of answered requests.", self.prompt_tokens)
+            one("generation_tokens", "counter", "Tokens the engine generated (rows cancelled mid-way included).", self.generated_tokens)
+            one("batches", "counter", "Engine generate calls.", self.batches)
+            one("tokens_per_second", "gauge", "Decode tokens/s of the last batch (all its rows).",
+                self.last_tokens_per_s)
+            one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", self.drafted)
+            one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", self.accepted)
+            one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", self.row_rounds)
+            one("spec_decode_emitted_tokens", "counter",
+                "Tokens committed by decode rounds (accepted drafts + bonus).", self.emitted_in_rounds)
+            one("ssd_cache_hits", "counter", "SSD row-rounds served from the speculation cache.",
+                self.cache_hits)
+            one("ssd_cache_misses", "counter", "SSD row-rounds that missed the cache.", self.cache_misses)
+            one("acceptance_rate", "gauge", "Accepted / drafted tokens since start.",
+                _ratio(self.accepted, self.drafted))
+            one("mean_accepted_len", "gauge", "Tokens per row-round since start.",
+                _ratio(self.emitted_in_rounds, self.row_rounds))
+            one("cache_hit_rate", "gauge", "SSD cache hits / SSD row-rounds since start.",
+                _ratio(self.cache_hits, self.cache_hits + self.cache_misses))
+            one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
+            one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
+            family("time_to_first_token_seconds", "summary", "From arrival to the first token.",
+                   [("_sum", {}, self.ttft_sum), ("_count", {}, self.ttft_count)])
+            family("request_duration_seconds", "summary", "From arrival to the answer's end.",
+                   [("_sum", {}, self.duration_sum), ("_count", {}, self.duration_count)])
+            return "\n".join(lines) + "\n"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _number(value: float) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"

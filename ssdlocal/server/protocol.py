@@ -1,0 +1,244 @@
+"""OpenAI request bodies -> validated requests, and OpenAI's error body.
+
+Parses the JSON of /v1/completions and /v1/chat/completions into a `ParsedRequest`
+(prompts or messages, SamplingParams, n, stream options) and raises `APIError` with
+OpenAI's `{"error": {"message", "type", "param", "code"}}` for anything invalid or
+unsupported. Knows nothing of HTTP frameworks, tokenizers or the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.errors import UsageError
+
+MAX_N = 16  # choices per request
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One validated request. Exactly one of `prompts` (completions: text or token ids per
+    prompt) and `messages` (chat) is set."""
+
+    model: str
+    params: SamplingParams  # seed 0 when the request gave none (see `seeded`)
+    seeded: bool  # the request chose its seed
+    n: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    return_token_ids: bool  # vLLM's extra field: token ids in each choice
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    messages: tuple[dict[str, str], ...] = ()
+
+    @property
+    def chat(self) -> bool:
+        return bool(self.messages)
+
+
+# fields accepted only at their default value: name -> (default test, what to say)
+_UNSUPPORTED = {
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "echo": lambda v: v in (None, False),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: v in (None, ""),
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+}
+
+
+def parse_completion(body: Any, max_new_tokens: int | None) -> ParsedRequest:
+    """A /v1/completions body: prompt is a string, a list of strings, a list of token
+    ids, or a list of token-id lists."""
+    body = _object(body)
+    prompts = _prompts(body.get("prompt"))
+    return _parse(body, max_new_tokens, prompts=prompts)
+
+
+def parse_chat(body: Any, max_new_tokens: int | None) -> ParsedRequest:
+    """A /v1/chat/completions body: messages with roles system | developer | user |
+    assistant and text content (a string or a list of text parts)."""
+    body = _object(body)
+    messages = _messages(body.get("messages"))
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    return _parse(body, max_new_tokens, messages=messages)
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
+    """`max_new_tokens`: the server's cap on answers (None: the context bounds them)."""
+    for name, is_default in _UNSUPPORTED.items():
+        if name in body and not is_default(body[name]):
+            raise bad(f"'{name}' is not supported by ssdlocal", param=name, code="unsupported")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required: the id of a model from GET /v1/models", param="model")
+    max_tokens = _int(body, "max_tokens", None, minimum=1)
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise bad(f"temperature must be >= 0, got {temperature}", param="temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _int(body, "top_k", 0, minimum=-1)  # vLLM: -1 (or 0) = off
+    seed = _int(body, "seed", None)
+    n = _int(body, "n", 1, minimum=1)
+    if n > MAX_N:
+        raise bad(f"n must be at most {MAX_N}, got {n}", param="n")
+    stop = _stop(body.get("stop"))
+    stream = _bool(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", param="stream_options")
+    try:
+        params = SamplingParams(
+            temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+            seed=0 if seed is None else seed,
+            max_new_tokens=_capped(max_tokens, max_new_tokens),
+            ignore_eos=_bool(body, "ignore_eos"), stop=stop,
+        )  # fmt: skip
+    except UsageError as exc:
+        raise bad(exc.message) from None
+    return ParsedRequest(
+        model=model, params=params, seeded=seed is not None, n=n, stream=stream,
+        include_usage=stream and bool(options.get("include_usage")),
+        return_token_ids=_bool(body, "return_token_ids"), **what,
+    )  # fmt: skip
+
+
+def _capped(asked: int | None, cap: int | None) -> int | None:
+    """The request's max_tokens within the server's --max-new-tokens (its default too)."""
+    if asked is None or cap is None:
+        return cap if asked is None else asked
+    return min(asked, cap)
+
+
+def _int(body: dict, name: str, default, minimum: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer, got {value!r}", param=name)
+    if minimum is not None and value < minimum:
+        raise bad(f"'{name}' must be >= {minimum}, got {value}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"'{name}' must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad("'stop' must be a non-empty string or a list of them", param="stop")
+    return tuple(stops)
+
+
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    def token_list(x) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str):
+        prompts: list = [value]
+    elif token_list(value):
+        prompts = [tuple(value)]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or token_list(p) for p in value):
+        prompts = [p if isinstance(p, str) else tuple(p) for p in value]
+    else:
+        raise bad("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
+    if any(isinstance(p, str) and not p.strip() for p in prompts):
+        raise bad("'prompt' must not be empty", param="prompt")
+    return tuple(prompts)
+
+
+def _messages(value: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise bad("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = message.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise bad(
+                f"messages[{i}].role {role!r} is not supported: use system, user or assistant",
+                param=f"messages[{i}].role",
+            )
+        out.append({"role": role, "content": _content(message.get("content"), i)})
+    if not any(m["content"].strip() for m in out):
+        raise bad("the messages have no text", param="messages")
+    return tuple(out)
+
+
+def _content(value: Any, i: int) -> str:
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(
+                    f"messages[{i}].content: only text parts are supported",
+                    param=f"messages[{i}].content",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")

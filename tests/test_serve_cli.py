@@ -1,0 +1,120 @@
+"""The `ssdlocal serve` command: a taken port is refused with error + hint before any
+model loads, a non-loopback host warns without --api-key, --api-key is enforced, and
+the real command (a subprocess) serves a request and stops cleanly on Ctrl-C.
+
+Everything listens on 127.0.0.1 only, on free ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from cli_helpers import assert_clean_error, run_cli
+
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_taken_port_is_refused_before_models_load(monkeypatch, capsys, tiny_dir):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    loads = []
+    monkeypatch.setattr("ssdlocal.cli.serve.engine_config", lambda *a, **k: loads.append(1))
+    try:
+        code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar",
+                               "--port", port)
+    finally:
+        taken.close()
+    assert_clean_error(code, err, 1, f"port {port} on 127.0.0.1 is already in use", f"--port {port + 1}")
+    assert not loads
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--port", "70000"], "port must be in 0..65535"),
+    (["--max-batch", "0"], "max-batch must be >= 1"),
+    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--api-key", " "], "the API key is empty"),
+])
+def test_bad_serve_options_are_usage_errors(monkeypatch, capsys, tiny_dir, args, needle):
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar", *args)
+    assert_clean_error(code, err, 2, needle)
+
+
+@pytest.mark.parametrize("api_key", [None, "secret"])
+def test_a_non_loopback_host_warns_without_an_api_key(monkeypatch, capsys, tmp_path, api_key):
+    """The warning comes before the models load (here: a missing target ends the run);
+    the socket itself stays on loopback, only its loopback check is faked."""
+    monkeypatch.setattr("ssdlocal.server.run.is_loopback", lambda sock: False)
+    extra = ["--api-key", api_key] if api_key else []
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tmp_path / "missing", "--mode", "ar",
+                           "--port", "0", *extra)
+    assert code != 0 and "Traceback" not in err
+    warned = "without --api-key" in err
+    assert warned == (api_key is None), err
+
+
+def test_api_key_is_required_when_set(tiny_dir):
+    from server_helpers import MODEL, LiveServer
+
+    from ssdlocal.core.config import EngineConfig, ModelSpec
+
+    live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]))), api_key="s3cret")
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
+        status, reply = live.post("/v1/completions", body)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        status, reply = live.post("/v1/completions", body, {"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, reply = live.post("/v1/completions", body, {"Authorization": "Bearer s3cret"})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 2
+        assert live.client.models.list().data[0].id == MODEL  # the client sends the key
+    finally:
+        live.close()
+
+
+def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ssdlocal", "serve", "--target", str(tiny_dir["llama"]), "--mode", "sd",
+         "--draft", "ngram", "--dtype", "float32", "--port", "0", "--served-model-name", "tiny-llama"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "serve exited early"
+            if line.startswith("serving "):
+                url = line.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
+        assert url and url.startswith("http://127.0.0.1:"), url
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+        req = urllib.request.Request(
+            f"{url}/completions", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "tiny-llama", "prompt": "Hello world", "max_tokens": 5,
+                             "temperature": 0}).encode(),
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            reply = json.loads(resp.read())
+        assert reply["usage"]["completion_tokens"] == 5 and reply["ssdlocal"]["mode"] == "sd"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert "Traceback" not in err, err
+        assert proc.returncode in (0, 130), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

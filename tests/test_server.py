@@ -1,0 +1,308 @@
+"""`ssdlocal serve` end to end with the official `openai` client, in AR, SD and SSD:
+
+- completions and chat completions at temperature 0 equal `ssdlocal generate --json`
+  token for token, streamed and not, with usage and per-request `ssdlocal` stats;
+- 8 concurrent streamed requests each equal their sequential result (and share batches);
+- a client that disconnects cancels its rows, the others go on;
+- bad requests get OpenAI's error body and the next request still succeeds;
+- /metrics parses as Prometheus text and its counters move.
+
+Servers run in this process on 127.0.0.1 and a free port (tests/server_helpers.py),
+one per mode for the module, and are stopped at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from server_helpers import MODEL, LiveServer
+
+openai = pytest.importorskip("openai")
+parser = pytest.importorskip("prometheus_client.parser")
+
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was a little model",
+    "def fibonacci(n):",
+    "Hello",
+    "import torch\nx = torch.zeros(3, 4)",
+    "The cat sat on the mat. The mat was red and",
+    "for i in range(10):",
+    "Speculative decoding lets a small draft model propose tokens",
+]
+STATS_KEYS = {"acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s", "mode"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread here and in SSD workers: tiny batches gain nothing from threads
+    and a 2-core machine would oversubscribe (see test_engine_exact.py)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(old)
+
+
+def _config(tiny_dir, mode: str) -> EngineConfig:
+    draft = None if mode == "ar" else str(tiny_dir["draft_llama"])
+    return EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"])),
+        spec=SpecConfig(mode=Mode(mode), k=3, draft=draft),
+        draft_model=ModelSpec(draft) if draft else None,
+        pin_cpus=False,
+    )
+
+
+@pytest.fixture(scope="module", params=["ar", "sd", "ssd"])
+def server(request, tiny_dir):
+    live = LiveServer(_config(tiny_dir, request.param))
+    yield live
+    live.close()
+
+
+def ask(client, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 16, **extra) -> dict:
+    """One request; returns text, token ids, finish reason, usage and the ssdlocal stats."""
+    body = {"return_token_ids": True, **extra}
+    common = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "extra_body": body}
+    if chat:
+        reply = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+    else:
+        reply = client.completions.create(prompt=prompt, **common)
+    if not stream:
+        choice = reply.choices[0]
+        text = choice.message.content if chat else choice.text
+        return {"text": text, "ids": choice.model_extra["token_ids"], "finish": choice.finish_reason,
+                "usage": reply.usage, "stats": reply.model_extra["ssdlocal"]}
+    out = {"text": "", "ids": [], "finish": None, "usage": None, "stats": None}
+    for chunk in reply:
+        for choice in chunk.choices:
+            out["text"] += (choice.delta.content or "") if chat else choice.text
+            out["ids"] += choice.model_extra.get("token_ids") or []
+            out["finish"] = choice.finish_reason or out["finish"]
+        if chunk.model_extra.get("ssdlocal") is not None:
+            out["stats"], out["usage"] = chunk.model_extra["ssdlocal"], chunk.usage
+    return out
+
+
+def generate_json(monkeypatch, capsys, tiny_dir, mode: str, prompt: str, *extra: str) -> dict:
+    args = ["generate", prompt, "--target", tiny_dir["llama"], "--dtype", "float32", "--mode", mode,
+            "--k", "3", "--json", *extra]
+    if mode != "ar":
+        args += ["--draft", tiny_dir["draft_llama"]]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    return json.loads(out)["outputs"][0]
+
+
+def metrics(live: LiveServer) -> dict[str, float]:
+    """/metrics parsed with prometheus_client: sample name{labels} -> value."""
+    status, text = live.get("/metrics")
+    assert status == 200
+    values = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_temperature_0_equals_generate_json(server, monkeypatch, capsys, tiny_dir, chat):
+    prompt = "Write a function that returns the sum of a list of numbers."
+    extra = ["--max-new-tokens", "16"] + (["--chat"] if chat else [])
+    expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, *extra)
+    for stream in (False, True):
+        got = ask(server.client, prompt, chat=chat, stream=stream)
+        assert got["ids"] == expected["token_ids"], (stream, got, expected)
+        assert got["text"] == expected["text"]
+        assert got["finish"] == {"eos": "stop", "stop": "stop", "length": "length"}[expected["finish_reason"]]
+        assert got["usage"].completion_tokens == len(expected["token_ids"])
+        assert got["usage"].total_tokens == got["usage"].prompt_tokens + got["usage"].completion_tokens
+        assert STATS_KEYS <= set(got["stats"]) and got["stats"]["mode"] == server.mode
+        if server.mode != "ar":
+            assert 0 <= got["stats"]["acceptance_rate"] <= 1 and got["stats"]["mean_accepted_len"] >= 1
+        assert (got["stats"]["cache_hit_rate"] is not None) == (server.mode == "ssd")
+
+
+def test_concurrent_streams_equal_their_sequential_results(server):
+    def run(prompt: str) -> dict:
+        return ask(server.client, prompt, chat=False, stream=True, max_tokens=20, ignore_eos=True)
+
+    sequential = [run(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        concurrent = list(pool.map(run, PROMPTS))
+    for prompt, alone, together in zip(PROMPTS, sequential, concurrent):
+        assert together["ids"] == alone["ids"] and together["text"] == alone["text"], prompt
+        assert len(together["ids"]) == 20
+    assert max(r["stats"]["batch_size"] for r in concurrent) > 1  # they shared the engine
+    assert all(r["stats"]["batch_size"] == 1 for r in sequential)
+
+
+def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, tiny_dir):
+    if server.mode == "ssd":
+        pytest.skip("SSD samples follow the adaptive backup's timing (README: seeded SSD)")
+    prompt = "Once upon a time"
+    expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, "--max-new-tokens", "12",
+                             "--temperature", "1", "--seed", "7")
+    for _ in range(2):
+        got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=1.0, seed=7)
+        assert got["ids"] == expected["token_ids"]
+
+
+# ----------------------------------------------------------------------------- cancellation
+def test_a_client_that_disconnects_cancels_its_rows(server):
+    before = metrics(server)
+    n = 120
+    other = ThreadPoolExecutor(1).submit(
+        ask, server.client, PROMPTS[2], chat=False, stream=True, max_tokens=n, ignore_eos=True
+    )
+    stream = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=n, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += sum(len(c.text) for c in chunk.choices)
+        if received >= 3:
+            break
+    stream.close()  # the client leaves mid-answer
+    finished = other.result(timeout=120)  # the request that stayed goes on to its end
+    assert finished["stats"]["batch_size"] == 2  # both shared one batch
+    deadline = time.monotonic() + 60
+    while (after := metrics(server))["ssdlocal_requests_running"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    key = "ssdlocal_requests_total{endpoint=completions,status=cancelled}"
+    assert after[key] == before.get(key, 0) + 1
+    # the engine stopped the cancelled row early: far fewer than its n tokens were made
+    made = after["ssdlocal_generation_tokens_total"] - before["ssdlocal_generation_tokens_total"]
+    assert n <= made < n + n // 2, made
+    # and the row that stayed got exactly what it gets alone
+    alone = ask(server.client, PROMPTS[2], chat=False, stream=False, max_tokens=n, ignore_eos=True)
+    assert finished["ids"] == alone["ids"] and len(alone["ids"]) == n
+
+
+# ----------------------------------------------------------------------------- errors
+def _assert_error_body(body: dict, status: int, expected_status: int, param: str | None = None) -> None:
+    assert status == expected_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(server):
+    good = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}).encode()
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"model": "gpt-4", "prompt": "Hello"}).encode(), 404, "model"),
+        (json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "Hello", "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "prompt": "Hello " * 600, "max_tokens": 4}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": "Hello", "logprobs": 3}).encode(), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": [5, 10**6], "max_tokens": 2}).encode(), 400, "prompt"),
+    ]
+    for data, expected, param in cases:
+        status, body = server.post("/v1/completions", data)
+        _assert_error_body(body, status, expected, param)
+        status, body = server.post("/v1/completions", good)  # the next request still succeeds
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    status, body = server.post("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode())
+    _assert_error_body(body, status, 400, "messages")
+    too_long = json.dumps({"model": MODEL, "prompt": "Hello " * 600}).encode()  # no max_tokens
+    status, body = server.post("/v1/completions", too_long)
+    _assert_error_body(body, status, 400, "prompt")
+    assert body["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as info:  # the official client sees the same
+        server.client.completions.create(model="nope", prompt="Hello", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=-1)
+    status, body = server.get("/v1/nowhere")
+    _assert_error_body(json.loads(body), status, 404)
+    assert ask(server.client, "Hello", chat=True, stream=True, max_tokens=4)["usage"].completion_tokens == 4
+
+
+def test_models_and_health(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == server.engine.context
+    assert server.get("/health")[0] == 200
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_metrics_parse_as_prometheus_text_and_move(server):
+    before = metrics(server)
+    ask(server.client, PROMPTS[1], chat=False, stream=False, max_tokens=12, ignore_eos=True)
+    ask(server.client, PROMPTS[1], chat=True, stream=True, max_tokens=12, ignore_eos=True)
+    deadline = time.monotonic() + 30  # a batch is counted when its generate call returns,
+    while (after := metrics(server))["ssdlocal_batches_total"] < before["ssdlocal_batches_total"] + 2:
+        assert time.monotonic() < deadline  # just after the answer was sent
+        time.sleep(0.02)
+    for endpoint in ("completions", "chat"):
+        key = f"ssdlocal_requests_total{{endpoint={endpoint},status=ok}}"
+        assert after[key] == before.get(key, 0) + 1
+    assert after["ssdlocal_generation_tokens_total"] == before["ssdlocal_generation_tokens_total"] + 24
+    assert after["ssdlocal_prompt_tokens_total"] > before["ssdlocal_prompt_tokens_total"]
+    assert after["ssdlocal_batches_total"] == before["ssdlocal_batches_total"] + 2
+    assert after["ssdlocal_tokens_per_second"] > 0
+    assert after["ssdlocal_verify_seconds_total"] > before["ssdlocal_verify_seconds_total"]
+    assert after["ssdlocal_request_duration_seconds_count"] == before["ssdlocal_request_duration_seconds_count"] + 2
+    assert after[f"ssdlocal_info{{mode={server.mode},model={MODEL},version={__import__('ssdlocal').__version__}}}"] == 1
+    if server.mode != "ar":
+        assert after["ssdlocal_spec_decode_draft_tokens_total"] > before["ssdlocal_spec_decode_draft_tokens_total"]
+        assert 0 <= after["ssdlocal_acceptance_rate"] <= 1
+        assert after["ssdlocal_mean_accepted_len"] >= 1
+        assert after["ssdlocal_draft_seconds_total"] > before["ssdlocal_draft_seconds_total"]
+    if server.mode == "ssd":
+        hits_misses = after["ssdlocal_ssd_cache_hits_total"] + after["ssdlocal_ssd_cache_misses_total"]
+        assert hits_misses > before["ssdlocal_ssd_cache_hits_total"] + before["ssdlocal_ssd_cache_misses_total"]
+
+
+# ----------------------------------------------------------------------------- shapes, failures
+def test_several_prompts_and_n_choices(server):
+    if server.mode != "ar":
+        pytest.skip("request shapes do not depend on the mode")
+    reply = server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    ids = [c.model_extra["token_ids"] for c in reply.choices]
+    assert ids[0] == ids[1] and ids[2] == ids[3]  # greedy: the n choices of a prompt agree
+    for prompt, got in zip(PROMPTS[:2], (ids[0], ids[2])):
+        assert got == ask(server.client, prompt, chat=False, stream=False, max_tokens=6, ignore_eos=True)["ids"]
+    assert reply.usage.completion_tokens == 24
+    assert reply.model_extra["ssdlocal"]["batch_size"] == 4
+
+
+def test_the_engine_survives_a_failed_request(server, monkeypatch):
+    if server.mode == "sd":
+        pytest.skip("AR and SSD cover the failure path")
+    feed = server.engine.runner.feed
+    calls = []
+
+    def fail_once(rows):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("simulated device failure")
+        return feed(rows)
+
+    monkeypatch.setattr(server.engine.runner, "feed", fail_once)
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    status, reply = server.post("/v1/completions", body)
+    _assert_error_body(reply, status, 500)
+    assert "simulated device failure" in reply["error"]["message"] and reply["error"]["type"] == "server_error"
+    calls.clear()  # and once more while streaming: an error event the client raises
+    with pytest.raises(openai.APIError, match="simulated device failure"):
+        list(server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True))
+    got = ask(server.client, "Hello", chat=False, stream=True, max_tokens=4)
+    assert len(got["ids"]) == 4 and got["finish"] == "length"
+    assert server.get("/health")[0] == 200

@@ -1,0 +1,62 @@
+"""Request validation of the server, without a server: OpenAI fields -> SamplingParams,
+the --max-new-tokens cap, and APIError bodies for bad or unsupported fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from ssdlocal.server.protocol import APIError, parse_chat, parse_completion
+
+
+def test_max_tokens_within_the_servers_cap():
+    def max_new(body_max, cap):
+        body = {"model": "m", "prompt": "hi"}
+        if body_max is not None:
+            body["max_tokens"] = body_max
+        return parse_completion(body, cap).params.max_new_tokens
+
+    assert max_new(None, None) is None  # until end-of-sequence, bounded by the context
+    assert max_new(50, None) == 50
+    assert max_new(None, 64) == 64  # the cap is the default ...
+    assert max_new(500, 64) == 64  # ... and the bound
+    assert max_new(10, 64) == 10
+
+
+def test_openai_defaults_and_vllm_extras():
+    req = parse_completion({"model": "m", "prompt": ["a", [1, 2, 3]], "top_k": -1, "ignore_eos": True,
+                            "stop": "\n", "n": 2}, None)
+    assert req.prompts == ("a", (1, 2, 3)) and req.n == 2
+    assert req.params.temperature == 1.0 and req.params.top_k == 0 and req.params.ignore_eos
+    assert req.params.stop == ("\n",) and not req.seeded
+    chat = parse_chat({"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                                  {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                       "max_completion_tokens": 7, "seed": 3}, None)
+    assert chat.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
+    assert chat.params.max_new_tokens == 7 and chat.seeded and chat.params.seed == 3
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi"}, "model"),
+    ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ({"model": "m", "prompt": "hi", "temperature": -0.1}, "temperature"),
+    ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "m", "prompt": "hi", "n": 0}, "n"),
+    ({"model": "m", "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": 5}, "prompt"),
+    ({"model": "m", "prompt": "hi", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "hi", "frequency_penalty": 1.0}, "frequency_penalty"),
+])
+def test_bad_fields_name_themselves(body, param):
+    with pytest.raises(APIError) as info:
+        parse_completion(body, None)
+    assert info.value.status == 400 and info.value.body()["error"]["param"] == param
+
+
+def test_bad_messages():
+    for messages, param in (([], "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+        with pytest.raises(APIError) as info:
+            parse_chat({"model": "m", "messages": messages}, None)
+        assert info.value.body()["error"]["param"] == param
