@@ -187,3 +187,31 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     assert results["models"][0]["tree16_graphs_ms"] > 0 and results["models"][1]["ar_tok_s"] > 0
     assert set(results["end_to_end"]["modes"]) == {"ar", "sd", "ssd"}
     assert "| tiny-target |" in (tmp_path / "results.md").read_text()
+
+
+def test_kv_cache_grows_keeping_its_contents(tiny_dir, monkeypatch):
+    """The cache starts small and doubles as rows grow; what it held survives, and the
+    logits equal those of a cache allocated at full size up front."""
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch import runner as runner_mod
+
+    loaded = registry.load(ModelSpec(str(tiny_dir["llama"])))
+    prompt = [5 + (i * 7) % 300 for i in range(300)]
+
+    def logits(first_capacity: int, graphs: str):
+        monkeypatch.setattr(runner_mod, "FIRST_CAPACITY", first_capacity)
+        runner = runner_mod.TorchRunner(loaded, graphs=graphs)
+        runner.reset(1, 500)
+        start = runner.capacity
+        out = [runner.feed([prompt[:100]])[0], runner.feed([prompt[100:]])[0]]
+        runner.begin_steps()
+        out.append(runner.step(torch.tensor([[7, 8]]), bound=302).clone()[0])
+        return torch.cat(out), start, runner.capacity
+
+    grown, start, end = logits(256, "off")
+    assert start == 256 and end == 512
+    full, start, _ = logits(1024, "off")
+    assert start == 512  # never more than the call may use
+    assert torch.equal(grown, full)
+    emulated, _, _ = logits(256, "emulate")
+    assert torch.allclose(emulated, full, atol=1e-5)

@@ -38,9 +38,10 @@ class Runner(Protocol):
     def begin_steps(self) -> None:
         """Decode with `step` from here: each row's length is what it has cached."""
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """ids [B, T] on the device at positions length..length+T-1 of each row ->
-        logits [B, T, V] float32 (valid until the next step). Lengths do not move."""
+        logits [B, T, V] float32 (valid until the next step). Lengths do not move.
+        `bound`, when known: max(length) + T over the rows (limits attention spans)."""
 
     def advance(self, n) -> None:
         """Each row's length += n (a [B] long tensor, possibly negative, or one int)."""

@@ -82,14 +82,15 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
         batch, runner = len(sequences), self.runner
+        bound = max(map(len, sequences)) + self.k  # past every write of this round
         rows = torch.arange(batch, device=runner.device)  # [B]
         first = torch.stack([torch.where(self.two.bool(), self.last_draft, self.last), self.last], 1)
-        logits = runner.step(first)[rows, self.two]  # [B, V_d]: after the last pending token
+        logits = runner.step(first, bound)[rows, self.two]  # [B, V_d]: after the last pending token
         runner.advance(1 + self.two)
         drafts, qs = [], []
         for j in range(self.k):
             if j > 0:
-                logits = runner.step(drafts[-1][:, None])[:, 0]  # [B, V_d]
+                logits = runner.step(drafts[-1][:, None], bound)[:, 0]  # [B, V_d]
                 runner.advance(1)
             token, q = self._draw(logits)
             drafts.append(token)

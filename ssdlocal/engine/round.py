@@ -59,7 +59,8 @@ class Round:
         t0 = time.perf_counter()
         proposal = self.propose(active)
         t1 = time.perf_counter()
-        logits = self.guard(self.runner.step, self.score_ids(proposal))  # [B, K+1, V]
+        bound = max(len(r.tokens) for r in self.rows) + self.k  # past every row's last write
+        logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         verdict = verify_logits(
             logits, proposal.drafts, proposal.q, self.params, self.generator, proposal.n_draft
         )

@@ -182,7 +182,7 @@ class LlamaCppRunner:
         """Start decoding with `step` (see TorchRunner.step): lengths from what is cached."""
         self._lengths = [len(h) for h in self.held]
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V]."""
         rows = ids.tolist()
         for b, held in enumerate(self.held):

@@ -36,6 +36,14 @@ class KVCache(nn.Module):
         self.v[rows, :, slots] = v_new.transpose(1, 2)  # [B, Hkv, N, D] <- [B, T, Hkv, D]
         return self.k[:, :, :span], self.v[:, :, :span]  # [B, Hkv, S, D] each
 
+    def grown(self, num_slots: int) -> KVCache:
+        """A larger cache holding this one's contents in its first slots."""
+        batch, heads, old, dim = self.k.shape
+        bigger = KVCache(batch, heads, num_slots, dim, self.k.dtype, self.k.device)
+        bigger.k[:, :, :old] = self.k
+        bigger.v[:, :, :old] = self.v
+        return bigger
+
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s k/v from slots `src` [n] to slots `dst` [n]."""
         self.k[row, :, dst] = self.k[row, :, src]  # [Hkv, n, D]

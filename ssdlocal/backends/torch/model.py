@@ -251,6 +251,18 @@ class Transformer(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
             self.rope_cos, self.rope_sin = emb.cos(), emb.sin()  # [P, D] each
 
+    def grow_cache(self, num_slots: int) -> None:
+        """Enlarge every layer's KV cache to `num_slots`, keeping what it holds."""
+        try:
+            for layer in self.layers:
+                layer.self_attn.kv_cache = layer.self_attn.kv_cache.grown(num_slots)
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemoryError(
+                f"growing the KV cache to {num_slots} slots per row does not fit",
+                hint="cap the answer with --max-new-tokens, use fewer prompts, or another device",
+            ) from exc
+        self.num_slots = num_slots  # RoPE tables cover every position: positions are not slots
+
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s cached k/v from slots `src` [n] to `dst` [n] in every layer."""
         for layer in self.layers:

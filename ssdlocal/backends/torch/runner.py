@@ -4,9 +4,11 @@ Two ways to feed a row's tokens. `feed` takes host token lists of any length (pr
 the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
 the decode path: ids already on the device, positions from the per-row `lengths` kept
 on the device and moved only by `advance` (also on the device), causal masks built on
-the device, and, on CUDA, one captured graph per (batch, tokens) shape. Rejected drafts
-need no rollback: the write position is the only cache state (as in gpt-fast). The
-runner knows nothing about speculation.
+the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape.
+The KV cache starts small and doubles as rows grow (an answer bounded only by the
+context does not reserve the whole context up front). Rejected drafts need no rollback:
+the write position is the only cache state (as in gpt-fast). The runner knows nothing
+about speculation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
 
-SLOT_ROUNDING = 256  # cache capacity grows in these steps, so captured graphs stay valid
+SLOT_ROUNDING = 256  # cache capacity grows in these steps
+FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
 
 
 class TorchRunner:
@@ -33,8 +36,8 @@ class TorchRunner:
         self.device = loaded.device
         self.vocab_size = loaded.args.vocab_size
         self.held: list[list[int]] = []
-        self.num_slots = 0  # slots per row the caller asked for
-        self.capacity = 0  # slots per row allocated (>= num_slots)
+        self.num_slots = 0  # slots per row a call may use at most
+        self.capacity = 0  # slots per row allocated now (grows up to num_slots)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] for `step`
         self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
         self.graphs = make_graph_cache(self.device, graphs) if self.plain else None
@@ -42,16 +45,34 @@ class TorchRunner:
 
     # ------------------------------------------------------------------ rows
     def reset(self, batch_size: int, num_slots: int) -> None:
-        """Forget all rows; (re)allocate the cache when the shape outgrows it."""
-        if batch_size != len(self.held) or num_slots > self.capacity:
-            capacity = -(-num_slots // SLOT_ROUNDING) * SLOT_ROUNDING
-            self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
-            self.capacity = capacity
-            if self.graphs is not None:
-                self.graphs.clear()  # they read the old cache
+        """Forget all rows. A cache of another batch size is allocated anew, small (a
+        tensor-parallel model allocates `num_slots` at once: its ranks cannot grow)."""
+        full = not self.plain and num_slots > self.capacity
+        if batch_size != len(self.held) or self.capacity == 0 or full:
+            first = min(num_slots, FIRST_CAPACITY) if self.plain else num_slots
+            self._allocate(batch_size, _rounded(first))
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
+    def _allocate(self, batch_size: int, capacity: int) -> None:
+        self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
+        self.capacity = capacity
+        if self.graphs is not None:
+            self.graphs.clear()  # they read the old cache
+
+    def _ensure(self, slots: int) -> None:
+        """Room for slot indices below `slots`: double the capacity (up to num_slots,
+        rounded) keeping the contents; needing more than num_slots is a caller bug."""
+        if slots <= self.capacity:
+            return
+        limit = _rounded(self.num_slots)
+        if slots > limit or not self.plain:
+            raise RuntimeError(f"KV cache too small: slot {slots - 1}, {self.num_slots} sized")
+        self.model.grow_cache(min(limit, _rounded(max(slots, 2 * self.capacity))))
+        self.capacity = self.model.num_slots
+        if self.graphs is not None:
+            self.graphs.clear()  # they read the old cache
 
     def cached(self, row: int) -> int:
         return len(self.held[row])
@@ -74,8 +95,7 @@ class TorchRunner:
         if t_max == 0:
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in rows]
         starts = [len(h) for h in self.held]
-        if max(s + t_max for s in starts) > self.capacity:
-            raise RuntimeError("KV cache too small for this step")  # engine sizes it; a bug if hit
+        self._ensure(max(starts) + t_max)
         ids = torch.tensor([list(r) + [0] * (t_max - len(r)) for r in rows], dtype=torch.long)
         ids = ids.to(self.device)  # [B, T]; pads write past held, harmless
         positions = torch.tensor(starts, device=self.device)[:, None] + self._arange(t_max)  # [B, T]
@@ -92,32 +112,30 @@ class TorchRunner:
         self.lengths = torch.tensor([len(h) for h in self.held], device=self.device)
 
     @torch.inference_mode()
-    def step(self, ids: Tensor) -> Tensor:
+    def step(self, ids: Tensor, bound: int | None = None) -> Tensor:
         """ids [B, T] long on the device, written at positions lengths..lengths+T-1 of
         each row -> logits [B, T, V] float32 (a static buffer under graphs: read it
-        before the next step). `lengths` does not move: call `advance`. `held` is not
-        kept up to date by steps (reset before feeding again)."""
+        before the next step). `bound`: a host-known bound on max(lengths) + T, which
+        limits the attention span (None: every slot a call may use). `lengths` does not
+        move: call `advance`. `held` is not kept up to date by steps."""
+        span = _rounded(self.num_slots) if bound is None else bound
+        if self.graphs is not None or self.device.type == "cuda":
+            span = min(_bucket_span(span), _rounded(self.num_slots))  # few shapes to capture
+        self._ensure(span)
         if self.graphs is not None:
-            return self.graphs.run(("step", *ids.shape), self._step_full, ids=ids)
-        if self.device.type == "cuda":
-            return self._step_full(ids)  # no host sync for a span
-        return self._step_span(ids)
+            step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
+            return self.graphs.run(("step", *ids.shape, span), step, ids=ids)
+        return self._step(ids, span)
 
     @torch.inference_mode()
     def advance(self, n: Tensor | int) -> None:
         """lengths += n ([B] long on the device, or one int for every row), in place."""
         self.lengths += n
 
-    def _step_full(self, ids: Tensor) -> Tensor:
-        """The capturable step: attention over every allocated slot, masked causally."""
+    def _step(self, ids: Tensor, span: int) -> Tensor:
+        """Attention over slots [0, span), masked causally on the device (capturable)."""
         positions = self.lengths[:, None] + self._arange(ids.shape[1])  # [B, T]
-        mask = causal_mask(positions, self.capacity)  # [B, T, S] built on the device
-        return self.model(ids, positions, positions, mask)  # [B, T, V]
-
-    def _step_span(self, ids: Tensor) -> Tensor:
-        """The CPU step: attention over the slots in use only."""
-        positions = self.lengths[:, None] + self._arange(ids.shape[1])  # [B, T]
-        mask = causal_mask(positions, int(positions.max()) + 1)  # [B, T, S]
+        mask = causal_mask(positions, span)  # [B, T, S]
         return self.model(ids, positions, positions, mask)  # [B, T, V]
 
     def _arange(self, n: int) -> Tensor:
@@ -131,6 +149,7 @@ class TorchRunner:
         """Tree step with explicit positions/slots/mask ([B, T] x3, [B, T, S], on the
         device); does not touch `held`. Returns logits [B, T, V] float32 on the device,
         which the caller owns."""
+        self._ensure(mask.shape[-1])
         if self.graphs is not None:
             return self.graphs.run(
                 ("tree", *mask.shape), self.model, input_ids=ids, positions=positions,
@@ -152,3 +171,15 @@ class TorchRunner:
         held = self.held[row]
         del held[start:]
         held.extend(tokens)
+
+
+def _rounded(slots: int) -> int:
+    return -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING
+
+
+def _bucket_span(span: int) -> int:
+    """Captured steps attend over a power-of-two number of slots (at least 256)."""
+    bucket = SLOT_ROUNDING
+    while bucket < span:
+        bucket *= 2
+    return bucket
