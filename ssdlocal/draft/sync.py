@@ -55,12 +55,12 @@ class ModelDrafter:
         self.k = k
         self.params = params
         self.target_vocab = target_vocab
-        self.generator = torch.Generator().manual_seed(params.seed + 7919)
+        self.generator = torch.Generator().manual_seed(params.stream_seed(7919))
 
     def reserve(self, batch_size: int, num_slots: int) -> None:
         """Allocate the draft's KV cache for a batch (engine calls before start)."""
         self.runner.reset(batch_size, num_slots)
-        self.generator = torch.Generator().manual_seed(self.params.seed + 7919)
+        self.generator = torch.Generator().manual_seed(self.params.stream_seed(7919))
 
     def start(self, sequences: Sequence[Sequence[int]]) -> None:
         """Prefill the draft on every row's sequence except its last token."""

@@ -16,13 +16,14 @@ import torch
 from ssdlocal.backends import registry
 from ssdlocal.backends.base import SlotLayout
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
-from ssdlocal.core.errors import OutOfMemoryError, UsageError
+from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import (
     DoneEvent,
     Event,
     Output,
     TokenOrigin,
 )
+from ssdlocal.core.memory import oom_error
 from ssdlocal.core.sampling import logits_to_probs, sample
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
@@ -180,12 +181,10 @@ class Engine:
         try:
             return self.runner.feed(rows)
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # noqa: PERF203
-            if "out of memory" in str(exc).lower() or isinstance(exc, torch.OutOfMemoryError):
-                raise OutOfMemoryError(
-                    f"out of memory running the target on {self.target.device}",
-                    "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device",
-                ) from exc
-            raise
+            mapped = oom_error(exc, f"running the target on {self.target.device}")
+            if mapped is None:
+                raise
+            raise mapped from exc
 
     # ----------------------------------------------------------------- generate
     def generate(

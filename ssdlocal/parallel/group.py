@@ -24,7 +24,8 @@ from datetime import timedelta
 import torch
 
 from ssdlocal.core.config import ModelSpec
-from ssdlocal.core.errors import OutOfMemoryError, SSDLocalError, TensorParallelError, UsageError
+from ssdlocal.core.errors import SSDLocalError, TensorParallelError, UsageError
+from ssdlocal.core.memory import oom_error
 from ssdlocal.ipc.lifetime import describe_exit
 from ssdlocal.ipc.child import ChildProcess
 from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, pin_to_loopback, rank_main
@@ -213,11 +214,9 @@ class RankGroup:
             return shard(ids, positions, slots, mask)  # [B, T, V]; all_reduce inside
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise OutOfMemoryError(
-                    f"out of memory on {self.device} in the tensor-parallel forward",
-                    "use fewer prompts, a smaller --max-new-tokens, or more target devices",
-                ) from exc
+            mapped = oom_error(exc, f"on {self.device} in the tensor-parallel forward")
+            if mapped is not None:
+                raise mapped from exc
             if isinstance(exc, RuntimeError):  # gloo/NCCL errors, timeouts (DistBackendError)
                 raise self.failure(f"a tensor-parallel collective failed ({_first_line(exc)})") from exc
             raise

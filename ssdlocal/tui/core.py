@@ -298,8 +298,12 @@ def error_text(exc: BaseException) -> tuple[str, str]:
     if message is not None:
         return message, getattr(exc, "hint", "")
     text = str(exc).splitlines()[0] if str(exc) else ""
-    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
-        return (f"out of memory: {text}", "use a smaller /max, --dtype bfloat16, or another device")
+    from ssdlocal.core.memory import oom_error
+
+    oom = oom_error(exc, hint="use a smaller /max or /k, /clear the history, --dtype bfloat16, "
+                               "or another device")
+    if oom is not None:
+        return oom.message, oom.hint
     return (
         f"unexpected {type(exc).__name__}: {text}".rstrip(": "),
         "this is a bug; rerun with --verbose and report it",

@@ -20,6 +20,7 @@ from ssdlocal.core.errors import (
     OutOfMemoryError,
     UnsupportedArchitectureError,
 )
+from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
 
 log = logging.getLogger(__name__)
 
@@ -213,12 +214,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") ->
         state = read_state_dict(files, dev, torch_dtype, tied=args.tie_word_embeddings)
         assign_weights(model, state, ckpt)
         del state
-    except torch.OutOfMemoryError as exc:
-        raise _oom(ckpt, dev, torch_dtype) from exc
-    except RuntimeError as exc:
-        msg = str(exc).lower()
-        if "out of memory" in msg or "not enough memory" in msg:
-            raise _oom(ckpt, dev, torch_dtype) from exc
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if is_oom(exc):
+            raise _oom(ckpt, dev, torch_dtype, exc) from exc
         raise
     model.requires_grad_(False).eval()
     log.info("loaded %s (%s, %d layers) on %s as %s", ckpt, args.arch, args.num_layers, dev, torch_dtype)
@@ -226,10 +224,12 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") ->
                        eos_ids(ckpt, hf_config, tokenizer))
 
 
-def _oom(path: Path, device: torch.device, dtype: torch.dtype) -> OutOfMemoryError:
+def _oom(path: Path, device: torch.device, dtype: torch.dtype, exc: BaseException) -> OutOfMemoryError:
+    size = requested_bytes(str(exc))
+    failed = f" (an allocation of {human_bytes(size)} failed)" if size else ""
     return OutOfMemoryError(
-        f"not enough memory on {device} to load {path} as {str(dtype).removeprefix('torch.')}",
-        hint="use a smaller dtype (--dtype bfloat16), a smaller model, or another device",
+        f"not enough memory on {device} to load {path} as {str(dtype).removeprefix('torch.')}{failed}",
+        hint="use a smaller dtype (--dtype bfloat16), a smaller or quantized model, or another device",
     )
 
 
