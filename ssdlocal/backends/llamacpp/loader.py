@@ -122,9 +122,11 @@ def gguf_tokenizer(path: str | Path):
     path = check_gguf_file(path)
     cached = tokenizer_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
+        return AutoTokenizer.from_pretrained(cached, trust_remote_code=False)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, trust_remote_code=False
+        )
     except ImportError as exc:
         raise ModelLoadError(
             "reading a GGUF tokenizer needs the `gguf` package", "pip install gguf"

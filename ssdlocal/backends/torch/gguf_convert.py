@@ -173,11 +173,11 @@ def _convert(
     torch_dtype = getattr(torch, dtype)
     step(0)
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
         step(1)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
         parsed = load_gguf_checkpoint(
             str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
         )
@@ -255,7 +255,7 @@ def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
             f"converted checkpoint lacks tensors {sorted(missing)}", "report a bug"
         )
     if meta.get("has_chat_template"):
-        tok = AutoTokenizer.from_pretrained(str(tmp))
+        tok = AutoTokenizer.from_pretrained(str(tmp), trust_remote_code=False)
         if not tok.chat_template:
             raise ModelLoadError(
                 "the GGUF file has a chat template but the converted tokenizer lost it",

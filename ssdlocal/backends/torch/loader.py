@@ -98,7 +98,7 @@ def load_hf_config(path: Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError) as exc:  # unknown model_type: name it from the raw json
         try:
             raw = json.loads((path / "config.json").read_text())
@@ -114,7 +114,7 @@ def load_tokenizer(path: str | Path):
 
     path = resolve_checkpoint(path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}",
                              hint="the directory needs tokenizer.json / tokenizer_config.json") from exc
