@@ -51,3 +51,151 @@ def test_a_checkpoint_asking_for_remote_code_is_refused_without_asking(tiny_dir,
     (ckpt / "evil.py").write_text("raise SystemExit('remote code ran')\n")
     with pytest.raises(ModelLoadError):
         load_hf_config(ckpt)
+
+
+# --------------------------------------------------------------------------- pair files
+_GOOD = '[target]\nrepo = "org/t"\n[draft]\nrepo = "org/d"\n'
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (_GOOD + '[torch]\nallow_patterns = "*.safetensors"\n', "`torch.allow_patterns` must be a list of glob"),
+    ('torch = "x"\n' + _GOOD, "`torch` must be a table"),
+    ('[target]\nrepo = "org/t"\nbf16_gb = "big"\n[draft]\nrepo = "org/d"\n', "`target.bf16_gb` must be a number"),
+    ('[target]\nrepo = "org/t"\nrevision = 7\n[draft]\nrepo = "org/d"\n', "`target.revision` must be a non-empty string"),
+    ('gated = "false"\n' + _GOOD, "`gated` must be true or false"),
+    ('[target]\nrepo = "not a repo"\n[draft]\nrepo = "org/d"\n', "`target.repo` must be a hub repo id"),
+    ("sugested_k = 4\n" + _GOOD, "unknown keys ['sugested_k']"),
+    ("suggested_k = 4.5\n" + _GOOD, "`suggested_k` must be an integer >= 1"),
+    (_GOOD + "[torch]\nallow_patterns = []\n", "must not be empty"),
+    (_GOOD + "[llamacpp]\ntarget = 3\n", "`llamacpp.target` must be a table"),
+    (_GOOD + '[llamacpp.target]\nrepo = "org/t"\nfilename = ["a.gguf"]\n',
+     "`llamacpp.target.filename` must be a non-empty string"),
+])
+def test_pair_files_are_checked_against_a_schema(monkeypatch, capsys, tmp_path, content, needle):
+    from cli_helpers import assert_clean_error, run_cli
+
+    pair = tmp_path / "mine.toml"
+    pair.write_text(content)
+    code, _, err = run_cli(monkeypatch, capsys, "pull", str(pair))
+    assert_clean_error(code, err, 2, str(pair), needle)
+
+
+def test_a_user_pair_cannot_shadow_a_built_in_one(monkeypatch, capsys, tmp_path):
+    from cli_helpers import assert_clean_error, run_cli
+
+    monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("SSDLOCAL_PAIRS_PATH", raising=False)
+    user = tmp_path / "config" / "pairs"
+    user.mkdir(parents=True)
+    (user / "evil.toml").write_text('name = "qwen2.5-7b"\n' + _GOOD)
+    for args in (["pairs", "--json"], ["pull", "qwen2.5-7b"]):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert_clean_error(code, err, 2, "'qwen2.5-7b' is defined twice", str(user / "evil.toml"),
+                           "another `name`")
+
+
+# --------------------------------------------------------------------------- hub and lock
+from test_hub import COMMIT, hub  # noqa: E402,F401 - the fake hub fixture
+
+NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def _lock(tmp_path) -> dict:
+    import json
+
+    return json.loads((tmp_path / "config" / "pairs.lock.json").read_text())["models"]
+
+
+def test_pull_locks_the_commit_and_every_file(monkeypatch, capsys, hub, tmp_path):
+    import hashlib
+    import json
+
+    from cli_helpers import run_cli
+
+    code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
+    assert code == 0, err
+    target = _lock(tmp_path)["fake-pair/torch/target"]
+    assert target["repo"] == "org/target" and target["revision"] == "v1.0"
+    assert target["commit"] == COMMIT
+    weights = (hub.remote / "org/target/model.safetensors").read_bytes()
+    assert target["files"]["model.safetensors"]["sha256"] == hashlib.sha256(weights).hexdigest()
+    assert set(target["files"]) == {"config.json", "model.safetensors", "tokenizer.json"}
+    code, out, _ = run_cli(monkeypatch, capsys, "pairs", "--json")
+    row = next(r for r in json.loads(out) if r["name"] == "fake-pair")
+    assert row["locked"] == {"target": COMMIT, "draft": COMMIT} and row["downloaded"]
+    code, out, _ = run_cli(monkeypatch, capsys, "pairs")
+    assert f"@{COMMIT[:7]}" in out  # the pulled column (rich may wrap it)
+
+
+def test_a_changed_file_is_refused_on_load(monkeypatch, capsys, hub, tmp_path):
+    from cli_helpers import assert_clean_error, run_cli
+
+    from ssdlocal.core.errors import AssetError
+    from ssdlocal.weights.hub import resolve_pair_paths
+
+    assert run_cli(monkeypatch, capsys, "pull", "fake-pair")[0] == 0
+    target, _ = resolve_pair_paths("fake-pair")
+    weights = Path(target) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF  # same size, other bytes
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AssetError, match="changed since it was pulled"):
+        resolve_pair_paths("fake-pair")
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", "fake-pair")
+    assert_clean_error(code, err, 1, "model.safetensors changed since it was pulled",
+                       "ssdlocal pull fake-pair")
+    (Path(target) / "injected.safetensors").write_bytes(b"x")
+    weights.write_bytes(hub.remote.joinpath("org/target/model.safetensors").read_bytes())
+    with pytest.raises(AssetError, match="not trusted"):
+        resolve_pair_paths("fake-pair")
+
+
+def test_a_moved_revision_is_refused_until_update(monkeypatch, capsys, hub, tmp_path):
+    from cli_helpers import assert_clean_error, run_cli
+
+    from ssdlocal.weights.hub import resolve_pair_paths
+
+    assert run_cli(monkeypatch, capsys, "pull", "fake-pair")[0] == 0
+    first = resolve_pair_paths("fake-pair")
+    hub.commit = NEW_COMMIT  # upstream pushed to the branch / moved the tag
+    code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
+    assert_clean_error(code, err, 1, f"now resolves to commit {NEW_COMMIT[:12]}",
+                       f"commit {COMMIT[:12]} was pulled first", "--update", skip=("pulling ",))
+    assert resolve_pair_paths("fake-pair") == first  # loads keep using the trusted commit
+    code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair", "--update")
+    assert code == 0, err
+    assert _lock(tmp_path)["fake-pair/torch/target"]["commit"] == NEW_COMMIT
+    assert Path(resolve_pair_paths("fake-pair")[0]).name == NEW_COMMIT
+
+
+def test_gguf_pull_is_locked_too(monkeypatch, capsys, hub, tmp_path):
+    from cli_helpers import run_cli
+
+    assert run_cli(monkeypatch, capsys, "pull", "fake-pair", "--backend", "llamacpp")[0] == 0
+    entry = _lock(tmp_path)["fake-pair/llamacpp/draft"]
+    assert entry["commit"] == COMMIT and list(entry["files"]) == ["draft-Q8_0.gguf"]
+
+
+def test_a_missing_gguf_file_on_the_hub_names_the_key_to_fix(monkeypatch, capsys, hub, tmp_path):
+    from cli_helpers import assert_clean_error, run_cli
+
+    (hub.remote / "org/draft-gguf/draft-Q8_0.gguf").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair", "--backend", "llamacpp")
+    assert_clean_error(code, err, 1, "org/draft-gguf/draft-Q8_0.gguf does not exist on the hub",
+                       "`filename` under [llamacpp.draft]", skip=("pulling ",))
+
+
+def test_an_invalid_repo_id_reaching_the_hub_client_is_a_usage_error(monkeypatch, tmp_path):
+    """The real client validates ids before any network use (pair files are checked
+    earlier; a Pair built in code is not)."""
+    from ssdlocal.core.errors import UsageError
+    from ssdlocal.weights import hub as hub_mod
+    from ssdlocal.weights.pairs import ModelRef, Pair
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path / "config"))
+    pair = Pair("p", "", "", "hf", ModelRef(repo="not//valid"), ModelRef(repo="org/d"),
+                file=tmp_path / "p.toml")
+    with pytest.raises(UsageError) as info:
+        hub_mod.pull(pair)
+    assert "not a valid hub repo id" in info.value.message and "[target]" in info.value.hint
