@@ -199,3 +199,88 @@ def test_an_invalid_repo_id_reaching_the_hub_client_is_a_usage_error(monkeypatch
     with pytest.raises(UsageError) as info:
         hub_mod.pull(pair)
     assert "not a valid hub repo id" in info.value.message and "[target]" in info.value.hint
+
+
+# --------------------------------------------------------------------------- GGUF conversion
+from test_assets import tiny_gguf  # noqa: E402,F401 - a tiny Qwen2 GGUF fixture
+
+
+def test_two_converters_of_one_file_convert_it_once(tiny_gguf, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from ssdlocal.backends.torch import gguf_convert
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(gguf_path, tmp, dtype, meta, progress):
+        calls.append(tmp)
+        tmp.mkdir(parents=True)
+        time.sleep(0.5)  # the other thread arrives meanwhile
+        (tmp / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_convert, "_convert", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        gguf_convert.ensure_converted(tiny_gguf[0], dtype="float32"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+    assert (results[0] / "ssdlocal-convert.json").is_file()
+
+
+def test_leftovers_of_a_killed_conversion_are_removed(tiny_gguf, tmp_path, monkeypatch):
+    from ssdlocal.backends.torch.gguf_convert import converted_dir, ensure_converted
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
+    out = converted_dir(tiny_gguf[0], "float32")
+    stale = out.with_name(f"{out.name}.tmp-4194999")  # a pid that died mid-conversion
+    (stale / "junk").parent.mkdir(parents=True)
+    (stale / "junk").write_bytes(b"x" * 1000)
+    out.mkdir()
+    (out / "config.json").write_text("{half")  # no marker: never trusted
+    assert ensure_converted(tiny_gguf[0], dtype="float32") == out
+    assert not list(out.parent.glob("*.tmp-*"))
+    assert (out / "ssdlocal-convert.json").is_file() and (out / "model.safetensors").is_file()
+
+
+_TQDM = ("\rConverting", "Converting")  # transformers' progress bar on stderr
+
+
+def _gguf_cli(tiny_gguf):
+    return ["generate", "hi there", "--target", str(tiny_gguf[0]), "--mode", "ar", "--dtype",
+            "float32", "--max-new-tokens", "2"]
+
+
+def test_a_full_disk_during_conversion_is_a_clean_error(monkeypatch, capsys, tiny_gguf, tmp_path):
+    import errno
+
+    import safetensors.torch
+    from cli_helpers import assert_clean_error, run_cli
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    code, _, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf))
+    assert_clean_error(code, err, 1, "no space left", "SSDLOCAL_CACHE", skip=_TQDM)
+    converted = tmp_path / "converted"
+    assert not [p for p in converted.iterdir() if p.is_dir()]  # nothing half-written kept
+
+
+def test_a_damaged_cached_conversion_names_the_dir_to_delete(monkeypatch, capsys, tiny_gguf, tmp_path):
+    from cli_helpers import assert_clean_error, run_cli
+
+    from ssdlocal.backends.torch.gguf_convert import ensure_converted
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
+    out = ensure_converted(tiny_gguf[0])  # the dtype the CLI converts to
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    code, _, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf))
+    assert_clean_error(code, err, 1, "cannot read the weights", f"delete {out}", skip=_TQDM)

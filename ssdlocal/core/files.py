@@ -53,3 +53,35 @@ def sha256_file(path: Path) -> str:
             digest.update(block)
     return digest.hexdigest()
 
+
+
+def remembered_sha256(path: Path, memo: Path) -> str:
+    """sha256 of `path`'s content, remembered in the JSON file `memo` by the file's path,
+    size, mtime, ctime and inode: an unchanged file is read once, a rewritten one again."""
+    import json
+
+    st = path.stat()
+    key = str(path.resolve())
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    lock = memo.with_name(memo.name + ".lock")
+
+    def read() -> dict:
+        try:
+            found = json.loads(memo.read_text())
+        except (OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    with file_lock(lock):
+        hit = read().get(key)
+    if isinstance(hit, dict) and hit.get("stamp") == stamp and isinstance(hit.get("sha256"), str):
+        return hit["sha256"]
+    digest = sha256_file(path)
+    try:
+        with file_lock(lock):
+            data = read()
+            data[key] = {"stamp": stamp, "sha256": digest}
+            atomic_write_text(memo, json.dumps(data, indent=1) + "\n")
+    except OSError:  # a read-only cache only costs hashing again next time
+        pass
+    return digest
