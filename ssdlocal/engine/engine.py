@@ -49,13 +49,15 @@ class Engine:
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
         if self.has_draft_model:
-            from ssdlocal.weights.compat import check_pair
+            from ssdlocal.weights.compat import check_pair, embedding_rows
 
             if config.draft_model is None:
                 raise UsageError("a draft checkpoint needs a ModelSpec", "set EngineConfig.draft_model")
             check_pair(
                 registry.load_tokenizer(config.target.path, config.target.backend),
                 registry.load_tokenizer(spec.draft, config.draft_model.backend),
+                target_vocab=embedding_rows(config.target.path, config.target.backend),
+                draft_vocab=embedding_rows(spec.draft, config.draft_model.backend),
             )
         try:
             if self.has_draft_model and spec.mode is Mode.SSD:
