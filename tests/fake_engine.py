@@ -20,7 +20,7 @@ from ssdlocal.core.config import (
     SamplingParams,
     SpecConfig,
 )
-from ssdlocal.core.errors import SSDLocalError
+from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.core.events import (
     DoneEvent,
     Event,
@@ -119,6 +119,7 @@ class FakeEngine:
         fail_after: int | None = None,
         error: Exception | None = None,
         hold_after: int | None = None,
+        context: int = 1 << 20,
     ) -> None:
         self.config = config or fake_config()
         self.tokenizer = FakeTokenizer()
@@ -131,6 +132,7 @@ class FakeEngine:
             "it will be restarted on the next request",
         )
         self.hold_after = hold_after  # after this many rounds, wait (<= 10 s) for cancel()
+        self.context = context  # positions the "models" hold: longer prompts are refused
         self._cancelled_event = threading.Event()
         self.calls: list[tuple[list[list[int]], SamplingParams, SpecConfig]] = []
         self.cancelled = 0
@@ -145,6 +147,11 @@ class FakeEngine:
             )
         return self.tokenizer.encode(prompt)
 
+    def max_prompt_tokens(self, max_new_tokens: int, spec: SpecConfig | None = None) -> int:
+        spec = spec or self.config.spec
+        k = spec.k if spec.mode is not Mode.AR else 0
+        return self.context - max_new_tokens - k - 2  # as Engine: SlotLayout.for_generation
+
     def cancel(self) -> None:
         self._cancel = True
         self._cancelled_event.set()
@@ -158,6 +165,9 @@ class FakeEngine:
     ) -> Iterator[Event]:
         spec = spec or self.config.spec
         ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        if max(map(len, ids)) > self.max_prompt_tokens(params.max_new_tokens, spec):
+            raise UsageError("prompt + max-new-tokens exceeds the context (fake engine)",
+                             "shorten the prompt or lower --max-new-tokens")
         self.calls.append((ids, params, spec))
         self._cancel = False
         self._cancelled_event.clear()

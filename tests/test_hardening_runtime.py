@@ -75,3 +75,66 @@ def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypat
         assert not exposed, f"listening beyond this machine: {exposed}"
         done = list(engine.generate(["hello"], SamplingParams(max_new_tokens=3)))
         assert done[-1].outputs[0].token_ids
+
+
+# --------------------------------------------------------------------------- context lengths
+@pytest.fixture(scope="module")
+def short_draft(tiny_dir, tmp_path_factory):
+    """The tiny draft with a 64-position context (the target keeps 512)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("short") / "draft"
+    shutil.copytree(tiny_dir["draft_llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("mode", [Mode.SD, Mode.SSD])
+def test_the_draft_models_context_is_respected(tiny_dir, short_draft, mode):
+    from ssdlocal.core.errors import UsageError
+
+    k = 3
+    spec = SpecConfig(mode=mode, k=k, draft=str(short_draft))
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), spec=spec,
+                          draft_model=ModelSpec(str(short_draft)), pin_cpus=False)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    with Engine(config) as engine:
+        budget = engine.max_prompt_tokens(params.max_new_tokens, spec)
+        ssd_extra = k + 2 if mode is Mode.SSD else 0
+        assert budget == 64 - ssd_extra - (params.max_new_tokens + k + 2)
+        done = list(engine.generate([[5] * budget], params, spec=spec))[-1]
+        assert len(done.outputs[0].token_ids) == params.max_new_tokens
+        with pytest.raises(UsageError) as info:
+            list(engine.generate([[5] * (budget + 1)], params, spec=spec))
+        assert "the draft model supports" in info.value.message
+        ar = SpecConfig(mode=Mode.AR)  # AR never runs the draft: the target's 512 count
+        assert engine.max_prompt_tokens(params.max_new_tokens, ar) == 512 - params.max_new_tokens - 2
+
+
+def test_chat_history_is_trimmed_to_the_context(tiny_dir):
+    from ssdlocal.core.errors import UsageError
+    from ssdlocal.tui.core import Conversation
+
+    spec = SpecConfig(mode=Mode.SD, k=3, draft=str(tiny_dir["draft_llama"]))
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), spec=spec,
+                          draft_model=ModelSpec(str(tiny_dir["draft_llama"])), pin_cpus=False)
+    params = SamplingParams(max_new_tokens=64)
+    conversation = Conversation("You are terse.")
+    for _ in range(12):  # far more history than 512 positions hold
+        conversation.add_turn("Tell me about the quick brown fox and the lazy dog.",
+                              "The quick brown fox jumps over the lazy dog. " * 3)
+    with Engine(config) as engine:
+        budget = engine.max_prompt_tokens(params.max_new_tokens, spec)
+        assert len(conversation.prompt_ids(engine.tokenizer, "and then?")) > budget
+        ids, dropped = conversation.fit_prompt_ids(engine.tokenizer, "and then?", budget)
+        assert 0 < dropped < 12 and len(ids) <= budget
+        assert len(conversation.messages) == 2 * (12 - dropped)
+        assert conversation.prompt_ids(engine.tokenizer, "and then?") == ids
+        done = list(engine.generate([ids], params, spec=spec))[-1]  # fits: no error
+        assert done.outputs[0].token_ids
+        with pytest.raises(UsageError) as info:  # the message alone is too long
+            conversation.fit_prompt_ids(engine.tokenizer, "fox " * 600, budget)
+        assert "/max" in info.value.hint

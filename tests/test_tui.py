@@ -385,3 +385,19 @@ def test_missing_textual_gives_install_hint(monkeypatch):
     with pytest.raises(SSDLocalError) as info:
         require_textual()
     assert "ssdlocal[tui]" in info.value.hint
+
+
+@asynctest
+async def test_chat_forgets_the_oldest_turns_when_the_context_is_full():
+    engine = FakeEngine(context=160)  # a few turns of ~40-token answers fill it
+    app = chat_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        for i in range(6):
+            await say(pilot, f"question {i} about the draft model")
+            await finish(pilot)
+            assert not isinstance(app.screen, ErrorModal), app.screen.message
+        assert len(engine.calls) == 6 and screen.turn == 6
+        budget = engine.max_prompt_tokens(40)
+        assert all(len(ids[0]) <= budget for ids, _, _ in engine.calls)
+        assert len(screen.conversation.messages) < 2 * 6  # the oldest turns were forgotten

@@ -45,6 +45,7 @@ class Engine:
         self._worker = None
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
+        self.draft_context: int | None = None  # the draft model's context, once loaded
         self._cancel = False
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
@@ -71,7 +72,7 @@ class Engine:
             self.tokenizer = self.target.tokenizer
             self.runner = registry.make_runner(self.target)
             if self._worker is not None:
-                self._worker.wait_loaded()
+                self._wait_worker()
             elif self.has_draft_model:
                 self._load_draft_here()
         except BaseException:
@@ -80,7 +81,13 @@ class Engine:
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
-        self._draft_runner = registry.make_runner(registry.load(self.config.draft_model))
+        loaded = registry.load(self.config.draft_model)
+        self.draft_context = loaded.args.max_position_embeddings
+        self._draft_runner = registry.make_runner(loaded)
+
+    def _wait_worker(self) -> None:
+        self._worker.wait_loaded()
+        self.draft_context = self._worker.max_positions
 
     def _start_worker(self) -> None:
         """Spawn the SSD draft worker; on CPU-only placements split the cores."""
@@ -132,6 +139,25 @@ class Engine:
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.target.eos_token_ids)
 
+    def context_limit(self, spec: SpecConfig | None = None) -> tuple[int, str]:
+        """(positions one generate call may fill, the model that sets the limit).
+
+        The target's context, and the draft model's when `spec` runs it: SSD's draft
+        also holds the unverified proposal (K + 2 more positions)."""
+        spec = spec or self.config.spec
+        limit, which = self.target.args.max_position_embeddings, "the target model"
+        if spec.mode is not Mode.AR and not spec.draft_is_ngram and self.draft_context is not None:
+            extra = spec.k + 2 if spec.mode is Mode.SSD else 0
+            if self.draft_context - extra < limit:
+                limit, which = self.draft_context - extra, "the draft model"
+        return limit, which
+
+    def max_prompt_tokens(self, max_new_tokens: int, spec: SpecConfig | None = None) -> int:
+        """The longest prompt that leaves room for `max_new_tokens` in both models' context."""
+        spec = spec or self.config.spec
+        k = spec.k if spec.mode is not Mode.AR else 0
+        return self.context_limit(spec)[0] - SlotLayout.for_generation(0, max_new_tokens, k).main
+
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Token ids of one prompt, through the chat template when `chat`."""
         if not prompt.strip():
@@ -173,7 +199,7 @@ class Engine:
             self._stop_worker()  # it failed on an earlier call: replace it with a fresh one
         if self._worker is None:
             self._start_worker()
-            self._worker.wait_loaded()
+            self._wait_worker()
         return SSDDrafter(
             self._worker, spec, params, self.target.args.vocab_size, num_slots,
             target_device=self.config.target.device, draft_device=self.config.draft_model.device,
@@ -215,10 +241,10 @@ class Engine:
         k = spec.k if spec.mode is not Mode.AR else 0
         batch = len(ids)
         num_slots = SlotLayout.for_generation(max(map(len, ids)), params.max_new_tokens, k).main
-        limit = self.target.args.max_position_embeddings
+        limit, which = self.context_limit(spec)
         if num_slots > limit:
             raise UsageError(
-                f"prompt + max-new-tokens needs {num_slots} positions, the model supports {limit}",
+                f"prompt + max-new-tokens needs {num_slots} positions, {which} supports {limit}",
                 "shorten the prompt or lower --max-new-tokens",
             )
         self._cancel = False

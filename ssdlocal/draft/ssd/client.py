@@ -50,6 +50,7 @@ class DraftWorkerClient:
         self.timeout_s = RECV_TIMEOUT_S if timeout_s is None else timeout_s
         self.load_timeout_s = LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self.vocab_size: int | None = None
+        self.max_positions: int | None = None  # the draft's context, once loaded
         self.child = ChildProcess(
             worker_main, (), name="ssdlocal-draft", role="the draft worker", error=DraftWorkerError,
             dead_hint="the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
@@ -86,7 +87,7 @@ class DraftWorkerClient:
 
     def wait_loaded(self) -> int:
         msg = self.recv(pr.Reply.LOADED, self.load_timeout_s)
-        self.vocab_size = msg.vocab_size
+        self.vocab_size, self.max_positions = msg.vocab_size, msg.max_positions
         return msg.vocab_size
 
     def close(self) -> None:

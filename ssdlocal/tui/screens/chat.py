@@ -179,11 +179,17 @@ class ChatScreen(Screen):
         if self.generating:
             self.notify("still answering — press Esc to stop", severity="warning")
             return
+        budget = self.engine.max_prompt_tokens(self.settings.max_new_tokens, self.settings.spec)
         try:
-            ids = self.conversation.prompt_ids(self.engine.tokenizer, text)
+            ids, dropped = self.conversation.fit_prompt_ids(self.engine.tokenizer, text, budget)
         except Exception as exc:  # noqa: BLE001 - a bad chat template must not crash the UI
             self.app.show_error("Cannot build the prompt", *error_text(exc))
             return
+        if dropped:
+            self.notify(
+                f"the oldest {dropped} turn(s) no longer fit the models' context and were "
+                "forgotten", title="history", timeout=6,
+            )
         transcript = self.query_one(Transcript)
         transcript.add_user(text)
         self._answer = transcript.add_answer(self.show_colors)
