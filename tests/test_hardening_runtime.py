@@ -138,3 +138,28 @@ def test_chat_history_is_trimmed_to_the_context(tiny_dir):
         with pytest.raises(UsageError) as info:  # the message alone is too long
             conversation.fit_prompt_ids(engine.tokenizer, "fox " * 600, budget)
         assert "/max" in info.value.hint
+
+
+# --------------------------------------------------------------------------- cancellation
+def test_a_token_cancelled_before_generate_starts_stops_it(tiny_dir):
+    from ssdlocal.core.cancel import CancelToken
+
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), pin_cpus=False)
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    with Engine(config) as engine:
+        token = CancelToken()
+        token.cancel()  # e.g. Esc pressed before the worker thread reached generate
+        done = list(engine.generate(["hello", "world"], params, cancel=token))
+        assert len(done) == 1
+        assert [o.finish_reason for o in done[0].outputs] == ["cancelled", "cancelled"]
+        engine.cancel()  # reaches no call: the next one runs in full
+        full = list(engine.generate(["hello"], params))[-1]
+        assert len(full.outputs[0].token_ids) == 50
+        parent = CancelToken()
+        child = CancelToken(parent)
+        events = engine.generate(["hello"], params, cancel=child)
+        next(events)  # the first token: the call is running
+        parent.cancel()  # an app quitting stops every call made under it
+        last = list(events)[-1]
+        assert last.outputs[0].finish_reason == "cancelled"
+        assert len(last.outputs[0].token_ids) < 50

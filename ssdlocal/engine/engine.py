@@ -15,6 +15,7 @@ import torch
 
 from ssdlocal.backends import registry
 from ssdlocal.backends.base import SlotLayout
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import (
@@ -46,7 +47,7 @@ class Engine:
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
         self.draft_context: int | None = None  # the draft model's context, once loaded
-        self._cancel = False
+        self._running: CancelToken | None = None  # the token of the latest generate call
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
         if self.has_draft_model:
@@ -131,8 +132,13 @@ class Engine:
             worker.close()
 
     def cancel(self) -> None:
-        """Ask a running `generate` to stop after the current round (thread-safe)."""
-        self._cancel = True
+        """Ask the running `generate` to stop after the current round (thread-safe).
+
+        Only a call already running is reached; to stop a call that may not have started
+        yet, pass it a CancelToken (`generate(..., cancel=token)`) and cancel that."""
+        token = self._running
+        if token is not None:
+            token.cancel()
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -222,11 +228,14 @@ class Engine:
         *,
         chat: bool = False,
         spec: SpecConfig | None = None,
+        cancel: CancelToken | None = None,
     ) -> Iterator[Event]:
         """Generate for every prompt (strings, or token-id lists) and yield events.
 
         `spec` overrides the engine's speculation settings for this call (mode, K,
-        fan-out, backup, C); the draft model itself cannot change.
+        fan-out, backup, C); the draft model itself cannot change. `cancel` stops the
+        call after its current round; cancelled before the call starts, it returns at
+        once (every row "cancelled", no tokens).
         Yields TokensEvent as tokens are committed, a RoundEvent per verification,
         and finally one DoneEvent with per-row outputs and the stats snapshot.
         While an SSD call runs on a CPU-only placement, this process is pinned to the
@@ -247,7 +256,11 @@ class Engine:
                 f"prompt + max-new-tokens needs {num_slots} positions, {which} supports {limit}",
                 "shorten the prompt or lower --max-new-tokens",
             )
-        self._cancel = False
+        token = self._running = cancel if cancel is not None else CancelToken()
+        if token.cancelled:  # stopped before it began
+            outputs = tuple(Output("", (), "cancelled") for _ in ids)
+            yield DoneEvent(outputs, SpecStats(k=k).snapshot())
+            return
         self.runner.reset(batch, num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer) for x in ids]
         stats = SpecStats(k=k)
@@ -277,10 +290,10 @@ class Engine:
                 params, generator, stats,
             )  # fmt: skip
             round_index = 0
-            while any(r.active for r in rows) and not self._cancel:
+            while any(r.active for r in rows) and not token.cancelled:
                 yield from rounds.run(round_index)
                 round_index += 1
-            if self._cancel:
+            if token.cancelled:
                 for r in rows:
                     if r.active:
                         r.finish_reason = "cancelled"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import Event, TokenOrigin
@@ -25,7 +26,8 @@ class EngineLike(Protocol):
     tokenizer: Any
 
     def generate(
-        self, prompts, params: SamplingParams, *, chat: bool = False, spec: SpecConfig | None = None
+        self, prompts, params: SamplingParams, *, chat: bool = False,
+        spec: SpecConfig | None = None, cancel: CancelToken | None = None,
     ) -> Iterator[Event]: ...
     def encode(self, prompt: str, chat: bool) -> list[int]: ...
     def max_prompt_tokens(self, max_new_tokens: int, spec: SpecConfig | None = None) -> int: ...
