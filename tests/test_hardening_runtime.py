@@ -163,3 +163,44 @@ def test_a_token_cancelled_before_generate_starts_stops_it(tiny_dir):
         last = list(events)[-1]
         assert last.outputs[0].finish_reason == "cancelled"
         assert len(last.outputs[0].token_ids) < 50
+
+
+# --------------------------------------------------------------------------- SSD deadlines
+@linux_only
+def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
+    """A worker that is slow to prefill (here: stopped for 1.5 s right after START) is
+    waited for when the prompt is long, but a short prompt's deadline still catches it."""
+    import signal
+    import threading
+
+    from ssdlocal.core.errors import DraftWorkerError
+    from ssdlocal.draft.ssd import client as ssd_client
+    from ssdlocal.draft.ssd.protocol import Cmd
+
+    monkeypatch.setattr(ssd_client, "RECV_TIMEOUT_S", 0.5)
+    draft = str(tiny_dir["draft_llama"])
+    spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft, fan_out=(1, 1, 1, 1), backup="jit")
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), spec=spec,
+                          draft_model=ModelSpec(draft), pin_cpus=False)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    send = ssd_client.DraftWorkerClient.send
+    timers = []
+
+    def send_then_stall(self, cmd, payload=None):
+        send(self, cmd, payload)
+        if cmd == Cmd.START:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            timer = threading.Timer(1.5, os.kill, (self.proc.pid, signal.SIGCONT))
+            timers.append(timer)
+            timer.start()
+
+    with Engine(config) as engine:
+        monkeypatch.setattr(ssd_client.DraftWorkerClient, "send", send_then_stall)
+        try:
+            done = list(engine.generate([[5] * 300], params))[-1]  # deadline 0.5 + 75 s
+            assert len(done.outputs[0].token_ids) == 8
+            with pytest.raises(DraftWorkerError, match="did not answer within 1"):
+                list(engine.generate([[5]], params))  # deadline 0.5 + 2 * 0.25 s
+        finally:
+            for timer in timers:
+                timer.join()

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 RECV_TIMEOUT_S = 120.0  # longest wait for one reply during generation (tests lower it)
+PREFILL_S_PER_TOKEN = 0.25  # more for READY per prompt token the worker prefills (slow CPUs)
 LOAD_TIMEOUT_S = 900.0  # longest wait for the draft model to load
 VERIFY_DEVICE = "cpu"  # the engine builds p [B, K+1, V] on the CPU, so q is read there
 
@@ -146,7 +147,10 @@ class SSDDrafter:
             q_buffer=None if self._q_channel is None else self._q_channel.buffer,
         )
         self.client.send(pr.Cmd.START, msg)
-        self.client.recv(pr.Reply.READY)
+        # READY comes after the worker has prefilled every prompt: long prompts on a CPU
+        # can take minutes, which must not pass for a hung worker.
+        tokens = sum(len(s) for s in sequences)
+        self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
         self._prev = [list(s) for s in sequences]
         self._first = True
 
