@@ -118,13 +118,14 @@ def pairs(
 
 
 def _pulled(row: dict) -> str:
-    """'yes @0123abc' (the locked target commit), 'yes (not locked)', or 'no'."""
+    """'@0123abc' (pulled; the locked target commit), 'unlocked' (a hub download no pull
+    has locked yet), 'yes' (PyPI or local files), or 'no'. Short: the table must fit."""
     if not row["downloaded"]:
         return "no"
     if row["source"] != "hf":
-        return "yes (sha256)" if row["source"] == "pypi" else "yes (local)"
+        return "yes"
     locked = row["locked"] or {}
-    return f"yes @{locked['target'][:7]}" if "target" in locked else "yes (not locked)"
+    return f"@{locked['target'][:7]}" if "target" in locked else "unlocked"
 
 
 def _user_dir():
