@@ -194,7 +194,8 @@ def _snapshot(pair: Pair, ref: ModelRef, role: str, how: _How) -> tuple[Path, st
             f"the snapshot of {ref.repo} in {folder} has no config.json",
             f"check allow_patterns in {pair.file}, then run `ssdlocal pull {pair.name}` again",
         )
-    _trust(pair, "torch", role, ref, folder, lock.snapshot_files(folder), locked, how)
+    names = lock.snapshot_files(folder, pair.allow_patterns, pair.ignore_patterns)
+    _trust(pair, "torch", role, ref, folder, names, locked, how)
     return folder, folder.name
 
 

@@ -8,6 +8,7 @@ another commit is refused until the user trusts it (`pull --update`).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 from dataclasses import dataclass
@@ -121,7 +122,10 @@ def commits(pair: str, backend: str) -> dict[str, str]:
             for role in ("target", "draft") if _key(pair, backend, role) in models}
 
 
-def snapshot_files(root: Path) -> list[str]:
-    """Every file below a snapshot folder, as paths relative to it."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                  if p.is_file() and not p.name.endswith(".incomplete"))
+def snapshot_files(root: Path, allow: tuple[str, ...], ignore: tuple[str, ...] = ()) -> list[str]:
+    """The files below a snapshot folder that a pull fetches (its allow / ignore patterns),
+    as paths relative to it; files other tools put there are not ours to trust or refuse."""
+    names = (str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    return sorted(n for n in names if not n.endswith(".incomplete")
+                  and any(fnmatch.fnmatch(n, pat) for pat in allow)
+                  and not any(fnmatch.fnmatch(n, pat) for pat in ignore))
