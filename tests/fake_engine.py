@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import ClassVar
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import (
     EngineConfig,
     Mode,
@@ -20,7 +21,7 @@ from ssdlocal.core.config import (
     SamplingParams,
     SpecConfig,
 )
-from ssdlocal.core.errors import SSDLocalError
+from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.core.events import (
     DoneEvent,
     Event,
@@ -119,6 +120,7 @@ class FakeEngine:
         fail_after: int | None = None,
         error: Exception | None = None,
         hold_after: int | None = None,
+        context: int = 1 << 20,
     ) -> None:
         self.config = config or fake_config()
         self.tokenizer = FakeTokenizer()
@@ -131,11 +133,12 @@ class FakeEngine:
             "it will be restarted on the next request",
         )
         self.hold_after = hold_after  # after this many rounds, wait (<= 10 s) for cancel()
-        self._cancelled_event = threading.Event()
+        self.context = context  # positions the "models" hold: longer prompts are refused
+        self.gate: threading.Event | None = None  # generate waits for it first (a slow start)
         self.calls: list[tuple[list[list[int]], SamplingParams, SpecConfig]] = []
         self.cancelled = 0
         self.closed = False
-        self._cancel = False
+        self._running: CancelToken | None = None
 
     # Engine interface -------------------------------------------------------
     def encode(self, prompt: str, chat: bool) -> list[int]:
@@ -145,23 +148,37 @@ class FakeEngine:
             )
         return self.tokenizer.encode(prompt)
 
+    def max_prompt_tokens(self, max_new_tokens: int, spec: SpecConfig | None = None) -> int:
+        spec = spec or self.config.spec
+        k = spec.k if spec.mode is not Mode.AR else 0
+        return self.context - max_new_tokens - k - 2  # as Engine: SlotLayout.for_generation
+
     def cancel(self) -> None:
-        self._cancel = True
-        self._cancelled_event.set()
+        """As Engine.cancel: reaches only a call already running."""
         self.cancelled += 1
+        if self._running is not None:
+            self._running.cancel()
 
     def close(self) -> None:
         self.closed = True
 
     def generate(
-        self, prompts, params: SamplingParams, *, chat: bool = False, spec: SpecConfig | None = None
+        self, prompts, params: SamplingParams, *, chat: bool = False,
+        spec: SpecConfig | None = None, cancel: CancelToken | None = None,
     ) -> Iterator[Event]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        token = self._running = cancel if cancel is not None else CancelToken()
         spec = spec or self.config.spec
         ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        if max(map(len, ids)) > self.max_prompt_tokens(params.max_new_tokens, spec):
+            raise UsageError("prompt + max-new-tokens exceeds the context (fake engine)",
+                             "shorten the prompt or lower --max-new-tokens")
         self.calls.append((ids, params, spec))
-        self._cancel = False
-        self._cancelled_event.clear()
         k = spec.k if spec.mode is not Mode.AR else 0
+        if token.cancelled:  # as Engine: stopped before it began
+            yield DoneEvent((Output("", (), "cancelled"),), SpecStats(k=k).snapshot())
+            return
         stats = SpecStats(k=k)
         clock = self.clock
         t_start = clock()
@@ -175,7 +192,7 @@ class FakeEngine:
         pos, rnd = 1, 0
         finish = "length"
         while pos < len(budget):
-            if self._cancel:
+            if token.cancelled:
                 finish = "cancelled"
                 break
             if self.fail_after is not None and rnd >= self.fail_after:
@@ -183,7 +200,9 @@ class FakeEngine:
             if self.delay_s:
                 time.sleep(self.delay_s)
             if self.hold_after is not None and rnd == self.hold_after:
-                self._cancelled_event.wait(10)
+                deadline = time.monotonic() + 10
+                while not token.cancelled and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 continue
             clock.advance(ROUND_S[spec.mode])
             n_acc = min(ACCEPT_PATTERN[rnd % len(ACCEPT_PATTERN)], k)

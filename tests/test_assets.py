@@ -322,12 +322,17 @@ def test_unsupported_architecture(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_converted_dir_key_changes_with_file(tiny_gguf, tmp_path):
+def test_converted_dir_key_follows_the_content(tiny_gguf, tmp_path):
     from ssdlocal.backends.torch.gguf_convert import converted_dir
 
     copy = tmp_path / tiny_gguf[0].name
     copy.write_bytes(tiny_gguf[0].read_bytes())
     before = converted_dir(copy, root=tmp_path)
     os.utime(copy, ns=(0, 0))
+    assert converted_dir(copy, root=tmp_path) == before  # same bytes, other mtime: same key
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    os.utime(copy, ns=(0, 0))  # same name, size and mtime as before: only the bytes differ
     assert converted_dir(copy, root=tmp_path) != before
     assert converted_dir(copy, "float32", root=tmp_path) != converted_dir(copy, root=tmp_path)

@@ -1,17 +1,20 @@
 """`ssdlocal pull` and hub.py against a fake hub: downloads land in the HF cache layout,
 allow/ignore patterns, revision and HF_TOKEN are passed on, HF_HOME / HF_HUB_OFFLINE
-are honoured, an interrupted download resumes on the next call, and every failure
-(unknown pair, unreachable hub, gated repo) is a clean error with a hint.
+are honoured, after an interruption the next pull keeps the finished files and
+restarts the one cut off, and every failure (unknown pair, unreachable hub, gated repo)
+is a clean error with a hint.
 
 The fake replaces huggingface_hub.snapshot_download / hf_hub_download and copies files
-from a local "remote" folder, keeping partial files as `<name>.incomplete` the way the
-real client does. One test drives the real client at a closed port (no fake).
+from a local "remote" folder; like the real client (huggingface_hub >= 1.0) it writes
+each file to a temporary name and deletes it when the transfer breaks, so a cut-off
+file starts over. One test drives the real client at a closed port (no fake).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +36,8 @@ class FakeHub:
         self.unreachable = False
         self.gated: set[str] = set()
         self.fail_after: int | None = None  # bytes of one file, then a transport error
-        self.resumed_from: dict[str, int] = {}
+        self.copies: dict[str, int] = {}  # repo/file -> transfers started
+        self.commit = COMMIT  # what a branch or tag resolves to now
 
     def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
         for name, data in files.items():
@@ -61,29 +65,30 @@ class FakeHub:
             raise GatedRepoError(f"Access to model {repo} is restricted.", response=response)
 
     def _copy(self, src: Path, dst: Path) -> None:
-        """Copy with resume: continue a `.incomplete` file from its size."""
+        """Copy through a temporary file that is deleted if the transfer breaks."""
         import httpx2
 
         if dst.exists():
             return
         dst.parent.mkdir(parents=True, exist_ok=True)
+        key = str(src.relative_to(self.remote))
+        self.copies[key] = self.copies.get(key, 0) + 1
         partial = dst.with_name(dst.name + ".incomplete")
-        start = partial.stat().st_size if partial.exists() else 0
-        if start:
-            self.resumed_from[src.name] = start
         data = src.read_bytes()
-        with open(partial, "ab") as fh:
+        with open(partial, "wb") as fh:
             if self.fail_after is not None and len(data) > self.fail_after:
-                fh.write(data[start : self.fail_after])
+                fh.write(data[: self.fail_after])
                 self.fail_after = None
+                partial.unlink()
                 raise httpx2.ReadError(
                     "peer closed connection without sending complete message body"
                 )
-            fh.write(data[start:])
+            fh.write(data)
         partial.rename(dst)
 
-    def _snapshot_dir(self, cache_dir: str, repo: str) -> Path:
-        return Path(cache_dir) / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
+    def _snapshot_dir(self, cache_dir: str, repo: str, revision: str | None = None) -> Path:
+        commit = revision if revision and re.fullmatch(r"[0-9a-f]{40}", revision) else self.commit
+        return Path(cache_dir) / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
 
     def snapshot_download(
         self,
@@ -109,7 +114,7 @@ class FakeHub:
                 "local_only": local_files_only,
             }
         )
-        snap = self._snapshot_dir(cache_dir, repo_id)
+        snap = self._snapshot_dir(cache_dir, repo_id, revision)
         self._check(repo_id, local_files_only, snap)
         if local_files_only or self.unreachable:
             return str(snap)
@@ -144,7 +149,7 @@ class FakeHub:
                 "local_only": local_files_only,
             }
         )
-        snap = self._snapshot_dir(cache_dir, repo_id)
+        snap = self._snapshot_dir(cache_dir, repo_id, revision)
         target = snap / filename
         if local_files_only or self.unreachable:
             from huggingface_hub.errors import LocalEntryNotFoundError
@@ -153,6 +158,14 @@ class FakeHub:
                 return str(target)
             raise LocalEntryNotFoundError("cannot find the requested file in the local cache")
         self._check(repo_id, False, snap)
+        if not (self.remote / repo_id / filename).is_file():
+            import httpx2
+            from huggingface_hub.errors import RemoteEntryNotFoundError
+
+            url = f"https://hf.co/{repo_id}/resolve/{revision}/{filename}"
+            response = httpx2.Response(404, request=httpx2.Request("GET", url))
+            raise RemoteEntryNotFoundError(f"404 Client Error. Entry Not Found for url: {url}",
+                                           response=response)
         self._copy(self.remote / repo_id / filename, target)
         return str(target)
 
@@ -250,15 +263,18 @@ def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(
     assert row["downloaded"] is True
 
 
-def test_interrupted_download_resumes(monkeypatch, capsys, hub):
+def test_interrupted_download_keeps_finished_files_and_restarts_the_cut_one(
+    monkeypatch, capsys, hub
+):
     hub.fail_after = 5000  # the first big file breaks off after 5000 bytes
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
-    assert_clean_error(
-        code, err, 1, "interrupted", "peer closed", "ssdlocal pull fake-pair", "resume"
-    )
+    assert_clean_error(code, err, 1, "interrupted", "peer closed", "ssdlocal pull fake-pair",
+                       "finished before the interruption are kept", "starts over")
+    assert "resume" not in err  # huggingface_hub restarts a cut-off file: promise nothing else
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
     assert code == 0, err
-    assert hub.resumed_from == {"model.safetensors": 5000}
+    assert hub.copies["org/target/config.json"] == 1  # kept from the first pull
+    assert hub.copies["org/target/model.safetensors"] == 2  # cut off: fetched again
     snap = Path(out.split("target: ")[1].split(" (commit")[0])
     assert (snap / "model.safetensors").read_bytes() == (
         hub.remote / "org/target/model.safetensors"

@@ -339,13 +339,17 @@ def test_shm_channel_roundtrip():
 class _FakeWorker:
     """Stands in for DraftWorkerClient: records what SSDDrafter sends, answers READY."""
 
+    timeout_s = 120.0  # DraftWorkerClient's receive deadline
+
     def __init__(self) -> None:
         self.sent = []
+        self.timeouts = []
 
     def send(self, cmd, payload=None) -> None:
         self.sent.append((cmd, payload))
 
     def recv(self, expect, timeout_s=None):
+        self.timeouts.append(timeout_s)
         return None
 
 

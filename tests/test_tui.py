@@ -45,9 +45,19 @@ def chat_app(engine: FakeEngine, **settings) -> ChatApp:
     return ChatApp(lambda: engine, engine.config, chat)
 
 
-async def ready(pilot) -> ChatScreen:
+async def settle(pilot) -> None:
+    """Wait for the loading thread (not a Textual worker), then for the workers."""
+    for _ in range(500):
+        if not getattr(pilot.app, "loading", False):
+            break
+        await pilot.pause(0.01)
+    await pilot.pause()
     await pilot.app.workers.wait_for_complete()
     await pilot.pause()
+
+
+async def ready(pilot) -> ChatScreen:
+    await settle(pilot)
     screen = pilot.app.screen
     assert isinstance(screen, ChatScreen) and screen.engine is not None
     return screen
@@ -59,8 +69,7 @@ async def say(pilot, text: str) -> None:
 
 
 async def finish(pilot) -> None:
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause()
+    await settle(pilot)
 
 
 # --------------------------------------------------------------------------- chat
@@ -135,7 +144,7 @@ async def test_stop_mid_generation_and_engine_stays_usable():
         await pilot.press("escape")
         await finish(pilot)
         answer = screen.query_one(AnswerText)
-        assert engine.cancelled == 1 and not screen.generating
+        assert engine.calls and not screen.generating
         assert "stopped" in answer.note
         assert 0 < len(answer.text.split()) < len(WORDS)
         assert screen.conversation.messages[-1]["content"] == answer.text  # partial answer kept
@@ -242,8 +251,7 @@ async def test_unexpected_error_and_load_failure_show_modals():
 
     app = ChatApp(broken, fake_config(), chat_settings(draft="d"))
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
+        await settle(pilot)
         assert isinstance(app.screen, ErrorModal)
         assert app.screen.hint == "check the --target path"
     engine = FakeEngine(fail_after=0, error=RuntimeError("CUDA out of memory. Tried to allocate"))
@@ -273,7 +281,7 @@ async def test_race_records_three_modes_and_replays_to_a_summary():
     engine = FakeEngine()
     app = race_app(engine, speed=50.0)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.app.workers.wait_for_complete()
+        await settle(pilot)
         for _ in range(100):
             await pilot.pause(0.02)
             if app.screen.finished:
@@ -305,8 +313,7 @@ async def test_race_failure_shows_modal():
     engine = FakeEngine(fail_after=1)
     app = race_app(engine, warmup=False)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.app.workers.wait_for_complete()
-        await pilot.pause()
+        await settle(pilot)
         assert isinstance(app.screen, ErrorModal)
 
 
@@ -385,3 +392,87 @@ def test_missing_textual_gives_install_hint(monkeypatch):
     with pytest.raises(SSDLocalError) as info:
         require_textual()
     assert "ssdlocal[tui]" in info.value.hint
+
+
+@asynctest
+async def test_chat_forgets_the_oldest_turns_when_the_context_is_full():
+    engine = FakeEngine(context=160)  # a few turns of ~40-token answers fill it
+    app = chat_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        for i in range(6):
+            await say(pilot, f"question {i} about the draft model")
+            await finish(pilot)
+            assert not isinstance(app.screen, ErrorModal), app.screen.message
+        assert len(engine.calls) == 6 and screen.turn == 6
+        budget = engine.max_prompt_tokens(40)
+        assert all(len(ids[0]) <= budget for ids, _, _ in engine.calls)
+        assert len(screen.conversation.messages) < 2 * 6  # the oldest turns were forgotten
+
+
+# --------------------------------------------------------------------------- stop and quit
+@asynctest
+async def test_esc_before_the_generation_has_started_stops_it():
+    import threading
+
+    engine = FakeEngine()
+    app = chat_app(engine, max_new_tokens=len(WORDS))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        engine.gate = threading.Event()  # the worker thread is slow to reach generate
+        await say(pilot, "long answer please")
+        await pilot.press("escape")
+        engine.gate.set()
+        await finish(pilot)
+        answer = screen.query_one(AnswerText)
+        assert "stopped" in answer.note and len(answer.text.split()) < len(WORDS)
+
+
+@asynctest
+async def test_quitting_the_race_stops_the_remaining_modes():
+    import time
+
+    engine = FakeEngine(hold_after=2)  # the first warm-up run is surely mid-way at quit
+    app = race_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        for _ in range(200):
+            await pilot.pause(0.02)
+            if engine.calls:
+                break
+        t0 = time.monotonic()
+        await pilot.press("q")
+    assert time.monotonic() - t0 < 5
+    assert len(engine.calls) == 1  # none of the other five runs started
+
+
+def test_quit_while_the_models_load_returns_at_once_and_closes_them_later():
+    import asyncio
+    import threading
+    import time
+
+    gate = threading.Event()
+    engine = FakeEngine()
+
+    def slow_load():
+        gate.wait(20)
+        return engine
+
+    app = RaceApp(slow_load, engine.config, "hi", race_specs(engine.config.spec),
+                  SamplingParams(max_new_tokens=5))
+
+    async def quit_at_once():
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            await pilot.press("q")
+
+    t0 = time.monotonic()
+    asyncio.run(quit_at_once())  # asyncio waits for executor threads (Textual's workers) here
+    assert time.monotonic() - t0 < 5, "quit waited for the load"
+    assert app.release_engine() is None and not engine.closed  # still loading
+    gate.set()
+    for _ in range(200):
+        if engine.closed:
+            break
+        time.sleep(0.02)
+    assert engine.closed and not engine.calls  # closed on arrival, never used

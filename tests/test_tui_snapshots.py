@@ -27,6 +27,11 @@ def _chat(engine: FakeEngine) -> ChatApp:
 
 
 async def _loaded(pilot) -> None:
+    for _ in range(500):  # the loading thread is not a Textual worker
+        if not pilot.app.loading:
+            break
+        await pilot.pause(0.01)
+    await pilot.pause()
     await pilot.app.workers.wait_for_complete()
     await pilot.pause()
 

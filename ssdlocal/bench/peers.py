@@ -79,12 +79,16 @@ class HFPeer:
         self.torch = torch
         self.device = torch.device(opts.device)
         self.model = (
-            AutoModelForCausalLM.from_pretrained(opts.target, dtype=dtype).to(self.device).eval()
+            AutoModelForCausalLM.from_pretrained(
+                opts.target, dtype=dtype, trust_remote_code=False
+            ).to(self.device).eval()
         )
         self.assistant = None
         if name == "hf-assisted":
             self.assistant = (
-                AutoModelForCausalLM.from_pretrained(opts.draft, dtype=dtype).to(self.device).eval()
+                AutoModelForCausalLM.from_pretrained(
+                    opts.draft, dtype=dtype, trust_remote_code=False
+                ).to(self.device).eval()
             )
             gc = self.assistant.generation_config
             gc.num_assistant_tokens = opts.k  # same lookahead K as our SD / SSD

@@ -143,13 +143,12 @@ def _fail_unexpected(exc: Exception) -> None:
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ssdlocal"
         _fail(exc.format_message(), f"run `{where} --help` for usage", exc.exit_code)
-    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+    from ssdlocal.core.memory import oom_error
+
+    oom = oom_error(exc)
+    if oom is not None:  # torch's CUDA error or the CPU allocator's, wherever it surfaced
         _log_traceback()
-        _fail(
-            f"out of memory: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-            "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device",
-            1,
-        )
+        _fail(oom.message, oom.hint, 1)
     if _STATE["verbose"]:
         raise exc
     _fail(

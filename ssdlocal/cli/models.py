@@ -67,6 +67,7 @@ def pairs(
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
     from ssdlocal.placement.inventory import detect
     from ssdlocal.weights.hub import check_backend, is_downloaded
+    from ssdlocal.weights.lock import commits
     from ssdlocal.weights.pairs import load_pairs
 
     check_backend(backend)
@@ -85,6 +86,7 @@ def pairs(
                 "backends": list(pair.backends),
                 "source": pair.source,
                 "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
+                "locked": commits(pair.name, backend) or None,  # trusted commit per model
                 "fits": plan is not None,
                 "placement": summary,
                 "suggested_k": pair.suggested_k,
@@ -115,13 +117,24 @@ def pairs(
             _gb(r["target_gb"]),
             _gb(r["draft_gb"]),
             ", ".join(r["backends"]),
-            "yes" if r["downloaded"] else "no",
+            _pulled(r),
             f"[green]{r['short']}[/green]" if r["fits"] else "[red]no[/red]",  # where it fits
         )
     out.print(table)
     out.print(
         f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]"
     )
+
+
+def _pulled(row: dict) -> str:
+    """'@0123abc' (pulled; the locked target commit), 'unlocked' (a hub download no pull
+    has locked yet), 'yes' (PyPI or local files), or 'no'. Short: the table must fit."""
+    if not row["downloaded"]:
+        return "no"
+    if row["source"] != "hf":
+        return "yes"
+    locked = row["locked"] or {}
+    return f"@{locked['target'][:7]}" if "target" in locked else "unlocked"
 
 
 def _user_dir():
@@ -141,8 +154,17 @@ def pull(
     dtype: Annotated[
         str, typer.Option(help="dtype of the converted checkpoint (offline pair, torch).")
     ] = "bfloat16",
+    update: Annotated[
+        bool,
+        typer.Option(help="Trust the commit the pair's revision resolves to now, replacing the "
+                     "locked one from the first pull."),
+    ] = False,
 ) -> None:
-    """Download a pair's target and draft (resumes an interrupted download)."""
+    """Download a pair's target and draft, and lock the commit (trusted on first use).
+
+    After an interruption, run it again: finished files are kept, a file cut off midway
+    starts over.
+    """
     from ssdlocal.cli.render import err_console, progress_callback
     from ssdlocal.weights.hub import check_backend
     from ssdlocal.weights.hub import pull as hub_pull
@@ -154,7 +176,7 @@ def pull(
         f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}"
     )
     with progress_callback() as progress:
-        result = hub_pull(found, backend, dtype=dtype, progress=progress)
+        result = hub_pull(found, backend, dtype=dtype, progress=progress, update=update)
     for role, path, commit in (
         ("target", result.target, result.commits[0]),
         ("draft", result.draft, result.commits[1]),

@@ -68,23 +68,29 @@ ModeName = Annotated[
         "fastest, AR without a draft).",
     ),
 ]
-K = Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K).")]
+K = Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K), 1 to 32.")]
 FanOut = Annotated[
     str | None,
-    typer.Option(help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1, or auto."),
+    typer.Option(
+        help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1 (at most 256 in "
+        "all), or auto."
+    ),
 ]
 FanOutMiss = Annotated[str | None, typer.Option(help="SSD fan-out after a miss, or auto.")]
 SaguaroC = Annotated[float, typer.Option(help="Saguaro sampling constant C in (0, 1].")]
 Backup = Annotated[str, typer.Option(help="SSD backup on a miss: auto | jit | ngram | none")]
 
 # --------------------------------------------------------------------------- sampling
-Temperature = Annotated[float, typer.Option(help="0 = greedy.")]
+Temperature = Annotated[
+    float,
+    typer.Option(help="0 = greedy; otherwise at least 1e-4 (tinier values are refused: use 0)."),
+]
 TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")]
 Seed = Annotated[
     int,
     typer.Option(
-        help="Random seed. AR/SD samples are reproducible; SSD samples too with a fixed "
+        help="Random seed, 0 to 2^64-1. AR/SD samples are reproducible; SSD samples too with a fixed "
         "--fan-out and --backup other than auto (adaptive schedules follow timing)."
     ),
 ]

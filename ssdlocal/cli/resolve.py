@@ -158,12 +158,20 @@ def choose_backends(models: ModelOptions, tp_devices=()) -> tuple[str, str]:
     from ssdlocal.placement.auto import llamacpp_wins
 
     cpu = not tp_devices and models.target_device in ("cpu", "auto")
-    pick = "llamacpp" if cpu and llamacpp_wins(models.target, models.target_device) else "torch"
+    gguf = models.target is not None or models.pair is None or _pair_has_gguf(models.pair)
+    wins = cpu and gguf and llamacpp_wins(models.target, models.target_device)
+    pick = "llamacpp" if wins else "torch"
     target = pick if models.target_backend == "auto" else models.target_backend
     draft = models.draft_backend
     if draft == "auto":
         draft = target if models.draft is None or _is_gguf(models.draft) else "torch"
     return target, draft
+
+
+def _pair_has_gguf(name: str) -> bool:
+    from ssdlocal.weights.pairs import get_pair
+
+    return "llamacpp" in get_pair(name).backends
 
 
 def _is_gguf(path: str | None) -> bool:

@@ -52,7 +52,7 @@ def _run_app(app) -> None:
     try:
         app.run()
     finally:
-        engine = app.loaded_engine
+        engine = app.release_engine()  # one still loading closes itself when it is ready
         if engine is not None:
             engine.close()
     if app.load_failed:  # the error and its hint were shown in the app

@@ -11,6 +11,11 @@ from enum import Enum
 
 from ssdlocal.core.errors import UsageError
 
+SEED_MAX = 2**64 - 1  # seeds are 64-bit: 0 ..= SEED_MAX in every mode
+MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy)
+MAX_K = 32  # draft tokens per round
+MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
+
 
 class Mode(str, Enum):
     """Decoding mode: plain autoregressive, synchronous SD, asynchronous SSD, or AUTO
@@ -39,10 +44,21 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
             raise UsageError(
-                f"temperature must be >= 0, got {self.temperature}",
+                f"temperature must be >= 0 and finite, got {self.temperature}",
                 "use 0 for greedy decoding or a positive value such as 0.7",
+            )
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise UsageError(
+                f"temperature {self.temperature:g} is too small to sample with "
+                f"(at least {MIN_TEMPERATURE:g}, or 0)",
+                "use --temperature 0 for greedy decoding (what a tiny temperature approaches)",
+            )
+        if not (isinstance(self.seed, int) and 0 <= self.seed <= SEED_MAX):
+            raise UsageError(
+                f"seed must be a whole number from 0 to {SEED_MAX} (64 bits), got {self.seed}",
+                "use e.g. --seed 0",
             )
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0, got {self.top_k}", "use 0 to disable top-k")
@@ -61,6 +77,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def stream_seed(self, offset: int) -> int:
+        """Seed of a derived random stream (a drafter's): seed + offset, wrapped to 64 bits."""
+        return (self.seed + offset) & SEED_MAX
 
 
 def parse_fan_out(value: str | None) -> tuple[int, ...] | None:
@@ -93,6 +113,11 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise UsageError(f"k must be >= 1, got {self.k}", "use --k 4 (a typical lookahead)")
+        if self.k > MAX_K:
+            raise UsageError(
+                f"k must be at most {MAX_K}, got {self.k}",
+                "use --k 4 to 8: acceptance falls with every position, so long lookaheads waste work",
+            )
         if self.mode not in (Mode.AR, Mode.AUTO) and not self.draft:
             raise UsageError(
                 f"--mode {self.mode.value} needs a draft",
@@ -116,6 +141,13 @@ class SpecConfig:
                     )
                 if any(f < 0 for f in fan):
                     raise UsageError(f"{name} entries must be >= 0", "use 0 to skip a position")
+                if sum(fan) > MAX_FAN_OUT_TOTAL:
+                    raise UsageError(
+                        f"{name} {','.join(map(str, fan))} asks for {sum(fan)} branches per row; "
+                        f"at most {MAX_FAN_OUT_TOTAL}",
+                        "each branch costs the draft K tokens of work and cache per row; "
+                        f"try e.g. {','.join(['2'] * (self.k + 1))}, or auto",
+                    )
 
     @property
     def draft_is_ngram(self) -> bool:

@@ -63,7 +63,7 @@ class ModelDrafter:
         self.generator = self._generator()
 
     def _generator(self) -> torch.Generator:
-        return torch.Generator(device=self.runner.device).manual_seed(self.params.seed + 7919)
+        return torch.Generator(device=self.runner.device).manual_seed(self.params.stream_seed(7919))
 
     def reserve(self, batch_size: int, num_slots: int) -> None:
         """Allocate the draft's KV cache for a batch (engine calls before start)."""

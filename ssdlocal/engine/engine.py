@@ -17,14 +17,16 @@ import torch
 
 from ssdlocal.backends import registry
 from ssdlocal.backends.base import SlotLayout
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
-from ssdlocal.core.errors import OutOfMemoryError, UsageError
+from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import (
     DoneEvent,
     Event,
     Output,
     TokenOrigin,
 )
+from ssdlocal.core.memory import oom_error
 from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
@@ -48,19 +50,22 @@ class Engine:
         self._worker = None
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
-        self._cancel = False
         self._row_cancels: set[int] = set()
         self._row_cancel_lock = threading.Lock()
+        self.draft_context: int | None = None  # the draft model's context, once loaded
+        self._running: CancelToken | None = None  # the token of the latest generate call
         self._closed = False
         self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
         if self.has_draft_model:
-            from ssdlocal.weights.compat import check_pair
+            from ssdlocal.weights.compat import check_pair, embedding_rows
 
             if config.draft_model is None:
                 raise UsageError("a draft checkpoint needs a ModelSpec", "set EngineConfig.draft_model")
             check_pair(
                 registry.load_tokenizer(config.target.path, config.target.backend),
                 registry.load_tokenizer(spec.draft, config.draft_model.backend),
+                target_vocab=embedding_rows(config.target.path, config.target.backend),
+                draft_vocab=embedding_rows(spec.draft, config.draft_model.backend),
             )
         # `choice`: the mode this engine runs when asked for auto, and why
         self.choice = placement_choice(config) if spec.mode is Mode.AUTO else ModeChoice(
@@ -78,7 +83,7 @@ class Engine:
             self.tokenizer = self.target.tokenizer
             self.runner = registry.make_runner(self.target, graphs=config.graphs)
             if self._worker is not None:
-                self._worker.wait_loaded()
+                self._wait_worker()
             elif self.has_draft_model:
                 self._load_draft_here()
             if self.choice is None:  # target and draft share the CPU: measure them
@@ -90,9 +95,13 @@ class Engine:
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
-        self._draft_runner = registry.make_runner(
-            registry.load(self.config.draft_model), graphs=self.config.graphs
-        )
+        loaded = registry.load(self.config.draft_model)
+        self.draft_context = loaded.args.max_position_embeddings
+        self._draft_runner = registry.make_runner(loaded, graphs=self.config.graphs)
+
+    def _wait_worker(self) -> None:
+        self._worker.wait_loaded()
+        self.draft_context = self._worker.max_positions
 
     def _start_worker(self) -> None:
         """Spawn the SSD draft worker; on CPU-only placements split the cores."""
@@ -137,8 +146,13 @@ class Engine:
             worker.close()
 
     def cancel(self) -> None:
-        """Ask a running `generate` to stop after the current round (thread-safe)."""
-        self._cancel = True
+        """Ask the running `generate` to stop after the current round (thread-safe).
+
+        Only a call already running is reached; to stop a call that may not have started
+        yet, pass it a CancelToken (`generate(..., cancel=token)`) and cancel that."""
+        token = self._running
+        if token is not None:
+            token.cancel()
 
     def cancel_rows(self, rows: Iterable[int]) -> None:
         """Stop some rows of the running `generate` (thread-safe): they finish with
@@ -161,25 +175,46 @@ class Engine:
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.target.eos_token_ids)
 
+    def context_limit(self, spec: SpecConfig | None = None) -> tuple[int, str]:
+        """(positions one generate call may fill, the model that sets the limit).
+
+        The target's context, and the draft model's when `spec` runs it: SSD's draft
+        also holds the unverified proposal (K + 2 more positions)."""
+        spec = spec or self.config.spec
+        if spec.mode is Mode.AUTO:
+            spec = replace(spec, mode=self.choice.mode)
+        limit, which = self.target.args.max_position_embeddings, "the target model"
+        if spec.mode is not Mode.AR and not spec.draft_is_ngram and self.draft_context is not None:
+            extra = spec.k + 2 if spec.mode is Mode.SSD else 0
+            if self.draft_context - extra < limit:
+                limit, which = self.draft_context - extra, "the draft model"
+        return limit, which
+
     @property
     def context(self) -> int:
-        """The target's context: positions a prompt and its new tokens may fill."""
-        return self.target.args.max_position_embeddings
+        """Positions a prompt and its new tokens may fill (both models' contexts)."""
+        return self.context_limit()[0]
 
-    def token_budgets(self, prompt_lengths: Sequence[int], max_new_tokens: int | None) -> list[int]:
+    def max_prompt_tokens(self, max_new_tokens: int | None, spec: SpecConfig | None = None) -> int:
+        """The longest prompt that leaves room for `max_new_tokens` (None: at least one)."""
+        return self.context_limit(spec)[0] - (max_new_tokens or 1)
+
+    def token_budgets(
+        self, prompt_lengths: Sequence[int], max_new_tokens: int | None, spec: SpecConfig | None = None
+    ) -> list[int]:
         """New tokens each prompt may get: `max_new_tokens`, or (None) the rest of the
         context. UsageError when a prompt leaves no room for them."""
-        limit = self.context
+        limit, which = self.context_limit(spec)
         for n in prompt_lengths:
             if max_new_tokens is None and n >= limit:
                 raise UsageError(
-                    f"the prompt has {n} tokens, the model's context is {limit}",
+                    f"the prompt has {n} tokens, {which}'s context is {limit}",
                     "shorten the prompt",
                 )
             if max_new_tokens is not None and n + max_new_tokens > limit:
                 raise UsageError(
                     f"prompt ({n} tokens) + max-new-tokens ({max_new_tokens}) needs "
-                    f"{n + max_new_tokens} positions, the model's context is {limit}",
+                    f"{n + max_new_tokens} positions, {which}'s context is {limit}",
                     "shorten the prompt or lower --max-new-tokens",
                 )
         return [limit - n if max_new_tokens is None else max_new_tokens for n in prompt_lengths]
@@ -216,7 +251,7 @@ class Engine:
             self._stop_worker()  # it failed on an earlier call: replace it with a fresh one
         if self._worker is None:
             self._start_worker()
-            self._worker.wait_loaded()
+            self._wait_worker()
         return SSDDrafter(
             self._worker, spec, params, self.target.args.vocab_size, num_slots,
             target_device=self.config.target.device, draft_device=self.config.draft_model.device,
@@ -227,12 +262,10 @@ class Engine:
         try:
             return fn(*args)
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # noqa: PERF203
-            if "out of memory" in str(exc).lower() or isinstance(exc, torch.OutOfMemoryError):
-                raise OutOfMemoryError(
-                    f"out of memory running the target on {self.target.device}",
-                    "use fewer prompts, a smaller --max-new-tokens, --dtype bfloat16, or another device",
-                ) from exc
-            raise
+            mapped = oom_error(exc, f"running the target on {self.target.device}")
+            if mapped is None:
+                raise
+            raise mapped from exc
 
     # ----------------------------------------------------------------- generate
     def generate(
@@ -242,11 +275,14 @@ class Engine:
         *,
         chat: bool = False,
         spec: SpecConfig | None = None,
+        cancel: CancelToken | None = None,
     ) -> Iterator[Event]:
         """Generate for every prompt (strings, or token-id lists) and yield events.
 
         `spec` overrides the engine's speculation settings for this call (mode, K,
-        fan-out, backup, C); the draft model itself cannot change.
+        fan-out, backup, C); the draft model itself cannot change. `cancel` stops the
+        call after its current round; cancelled before the call starts, it returns at
+        once (every row "cancelled", no tokens).
         Yields TokensEvent as tokens are committed, a RoundEvent per verification,
         and finally one DoneEvent with per-row outputs and the stats snapshot.
         While an SSD call runs on a CPU-only placement, this process is pinned to the
@@ -259,10 +295,14 @@ class Engine:
         ids = self._prompt_ids(prompts, chat)
         k = spec.k if spec.mode is not Mode.AR else 0
         batch = len(ids)
-        budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens)
+        budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens, spec)
         num_slots = SlotLayout.for_generation(max(len(x) + n for x, n in zip(ids, budgets)), k).main
-        self._cancel = False
         self._take_row_cancels()  # cancels meant for an earlier call
+        token = self._running = cancel if cancel is not None else CancelToken()
+        if token.cancelled:  # stopped before it began
+            outputs = tuple(Output("", (), "cancelled") for _ in ids)
+            yield DoneEvent(outputs, SpecStats(k=k, mode=spec.mode.value, mode_reason=reason).snapshot())
+            return
         self.runner.reset(batch, num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
         stats = SpecStats(k=k, mode=spec.mode.value, mode_reason=reason)
@@ -279,13 +319,13 @@ class Engine:
                 drafter.start([r.tokens for r in rows])
             rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, stats, first)
             round_index = 0
-            while any(r.active for r in rows) and not self._cancel:
+            while any(r.active for r in rows) and not token.cancelled:
                 self._apply_row_cancels(rows)
                 if not any(r.active for r in rows):
                     break
                 yield from rounds.run(round_index)
                 round_index += 1
-            if self._cancel:
+            if token.cancelled:
                 for r in rows:
                     if r.active:
                         r.finish_reason = "cancelled"

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 
 from ssdlocal.core.errors import SSDLocalError
+from ssdlocal.core.memory import oom_error
 from ssdlocal.ipc.child import Control, ErrorReply
 from ssdlocal.ipc.lifetime import start_child
 
@@ -45,6 +46,7 @@ def send_error(
     conn, exc: BaseException, role: str, default_kind: str, *, prefix: bool = False
 ) -> None:
     """Report `exc` to the parent as an ErrorReply (best effort: the pipe may be gone)."""
+    exc = oom_error(exc, "" if prefix else f"in the {role}") or exc  # the allocator's error: a clear message
     if isinstance(exc, SSDLocalError):
         message = f"{role}: {exc.message}" if prefix else exc.message
         reply = ErrorReply(message, exc.hint, type(exc).__name__)

@@ -9,7 +9,7 @@ the pipe (with a parent-death check), never inside a collective, so an idle engi
 cannot time out, while every collective has the process group's timeout.
 Each rank is an ipc.ChildProcess (deadline receives, SHUTDOWN then SIGKILL on close,
 killed at exit if forgotten, dies with its parent); on top of that the group
-rendezvouses on a port the OS picks, runs a watchdog thread that notices a dead rank,
+rendezvouses on a loopback port the OS picks (nothing listens beyond this machine), runs a watchdog thread that notices a dead rank,
 and refuses further use once broken.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -25,10 +24,11 @@ from datetime import timedelta
 import torch
 
 from ssdlocal.core.config import ModelSpec
-from ssdlocal.core.errors import OutOfMemoryError, SSDLocalError, TensorParallelError, UsageError
+from ssdlocal.core.errors import SSDLocalError, TensorParallelError, UsageError
+from ssdlocal.core.memory import oom_error
 from ssdlocal.ipc.lifetime import describe_exit
 from ssdlocal.ipc.child import ChildProcess
-from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, rank_main
+from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, pin_to_loopback, rank_main
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ class RankGroup:
                 "a tensor-parallel target is already running in this process",
                 "close the other Engine first (one tensor-parallel group per process)",
             )
-        if self.backend == "gloo" and sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
+        pin_to_loopback(self.backend)  # every rank is on this machine
         if self.backend == "nccl":
             # On a collective timeout NCCL's own watchdog aborts the communicators and lets
             # the error surface here (mode 2) instead of tearing down the user's process.
@@ -125,10 +124,19 @@ class RankGroup:
 
     def _start(self, spec: ModelSpec, dist) -> None:
         """Rendezvous, spawn the ranks, join the process group, start the watchdog."""
-        # The OS picks a free port: no race with other programs, no fixed port.
-        store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True,
-                              timeout=timedelta(seconds=self.rendezvous_timeout_s),
-                              wait_for_workers=False)
+        # The store has no authentication, so it must not listen beyond this machine: a
+        # TCPStore master binds every interface whatever host it is given, so it gets a
+        # socket already bound to loopback, on a free port the OS picks.
+        listener = loopback_listener()
+        try:
+            store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], self.world,
+                                  is_master=True, master_listen_fd=listener.fileno(),
+                                  timeout=timedelta(seconds=self.rendezvous_timeout_s),
+                                  wait_for_workers=False)
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the descriptor now and closes it when it goes
         threads = max(1, torch.get_num_threads() // self.world) if self.backend == "gloo" else None
         for rank in range(1, self.world):
             self.children.append(ChildProcess(
@@ -206,11 +214,9 @@ class RankGroup:
             return shard(ids, positions, slots, mask)  # [B, T, V]; all_reduce inside
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise OutOfMemoryError(
-                    f"out of memory on {self.device} in the tensor-parallel forward",
-                    "use fewer prompts, a smaller --max-new-tokens, or more target devices",
-                ) from exc
+            mapped = oom_error(exc, f"on {self.device} in the tensor-parallel forward")
+            if mapped is not None:
+                raise mapped from exc
             if isinstance(exc, RuntimeError):  # gloo/NCCL errors, timeouts (DistBackendError)
                 raise self.failure(f"a tensor-parallel collective failed ({_first_line(exc)})") from exc
             raise
@@ -258,6 +264,20 @@ class RankGroup:
                 child.close(grace_s=5.0)
         finally:
             _leave_process_group(self.broken)
+
+
+def loopback_listener():
+    """A listening TCP socket on 127.0.0.1 and a free port (for TCPStore's master_listen_fd)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _leave_process_group(broken: bool) -> None:

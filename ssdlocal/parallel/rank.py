@@ -57,6 +57,13 @@ def unpack_inputs(packed, B: int, T: int, S: int):
     return head[0], head[1], head[2], mask
 
 
+def pin_to_loopback(backend: str) -> None:
+    """Single-machine groups bootstrap over loopback only (children inherit the setting)."""
+    if not sys.platform.startswith("linux"):
+        return
+    os.environ.setdefault("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "lo")
+
+
 def rank_main(conn, parent_pid, pdeathsig, rank, world, port, backend, devices, spec,
               rendezvous_timeout_s, collective_timeout_s, threads) -> None:
     """Process entry point of rank `rank` >= 1 (spawned by RankGroup through ipc)."""
@@ -81,8 +88,7 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if backend == "gloo" and sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    pin_to_loopback(backend)  # inherited from rank 0 already
     conn.send((Reply.JOINING, None))
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=timedelta(seconds=rendezvous_timeout_s))

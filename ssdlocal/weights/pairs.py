@@ -9,6 +9,8 @@ planning in ssdlocal.placement. Only the standard library is imported here.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -19,8 +21,50 @@ from ssdlocal.core.errors import UsageError
 
 BACKENDS = ("torch", "llamacpp")
 SOURCES = ("hf", "pypi", "local")
-_MODEL_KEYS = {"repo", "revision", "asset", "path", "params_b", "bf16_gb", "heads", "kv_heads"}
-_FILE_KEYS = {"repo", "revision", "filename", "asset", "path", "quant", "size_gb"}
+MAX_SUGGESTED_K = 32
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What one key's value must be: a test and the words for it in an error."""
+
+    ok: Callable[[object], bool]
+    words: str
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+_STR = _Kind(lambda v: isinstance(v, str) and v != "", "a non-empty string")
+_TEXT = _Kind(lambda v: isinstance(v, str), "a string")
+_BOOL = _Kind(lambda v: isinstance(v, bool), "true or false (unquoted)")
+_GB = _Kind(_number, "a number >= 0")
+_COUNT = _Kind(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
+_REPO = _Kind(lambda v: isinstance(v, str) and bool(_REPO_ID.match(v)) and ".." not in v
+              and "--" not in v, 'a hub repo id "owner/name"')
+_GLOBS = _Kind(lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
+               'a list of glob strings, e.g. ["*.json", "*.safetensors"]')
+_TABLE = _Kind(lambda v: isinstance(v, dict), "a table")
+_FAN = _Kind(lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                    and x >= 0 for x in v), "a list of integers >= 0")
+
+_TOP_KEYS = {
+    "name": _STR, "description": _TEXT, "family": _TEXT, "source": _STR, "gated": _BOOL,
+    "suggested_k": _COUNT, "suggested_fan_out": _FAN, "target": _TABLE, "draft": _TABLE,
+    "torch": _TABLE, "llamacpp": _TABLE,
+}
+_MODEL_KEYS = {
+    "repo": _REPO, "revision": _STR, "asset": _STR, "path": _STR, "params_b": _GB,
+    "bf16_gb": _GB, "heads": _COUNT, "kv_heads": _COUNT,
+}
+_FILE_KEYS = {
+    "repo": _REPO, "revision": _STR, "filename": _STR, "asset": _STR, "path": _STR,
+    "quant": _TEXT, "size_gb": _GB,
+}
+_TORCH_KEYS = {"allow_patterns": _GLOBS, "ignore_patterns": _GLOBS}
+_LLAMACPP_KEYS = {"target": _TABLE, "draft": _TABLE}
 
 
 @dataclass(frozen=True)
@@ -112,38 +156,52 @@ def _bad(path: Path, what: str) -> UsageError:
     )
 
 
-def _table(data: dict, key: str, path: Path) -> dict:
-    value = data.get(key)
-    if not isinstance(value, dict):
-        raise _bad(path, f"needs a [{key}] table")
-    return value
+def _check(table: dict, schema: dict[str, _Kind], where: str, path: Path, *, kinds: bool = True) -> dict:
+    """Every key known and (with `kinds`) every value of the right kind; `where` names the
+    table ("" = the top level)."""
+    unknown = set(table) - set(schema)
+    if unknown:
+        inside = f"[{where}] has" if where else "has"
+        raise _bad(path, f"{inside} unknown keys {sorted(unknown)} (known: {', '.join(schema)})")
+    for key, value in table.items() if kinds else ():
+        if not schema[key].ok(value):
+            name = f"{where}.{key}" if where else key
+            raise _bad(path, f"`{name}` must be {schema[key].words}, got {value!r}")
+    return table
 
 
 def _model(data: dict, key: str, source: str, path: Path) -> ModelRef:
-    table = _table(data, key, path)
-    unknown = set(table) - _MODEL_KEYS
-    if unknown:
-        raise _bad(path, f"[{key}] has unknown keys {sorted(unknown)}")
+    if key not in data:
+        raise _bad(path, f"needs a [{key}] table")
+    table = _check(data[key], _MODEL_KEYS, key, path, kinds=False)
     need = {"hf": "repo", "pypi": "asset", "local": "path"}[source]
     if not table.get(need):
         raise _bad(path, f'[{key}] needs `{need}` for source = "{source}"')
-    return ModelRef(**table)
+    return ModelRef(**_check(table, _MODEL_KEYS, key, path))
 
 
-def _gguf(table: object, key: str, path: Path) -> GGUFRef | None:
+def _gguf(table: dict | None, key: str, path: Path) -> GGUFRef | None:
     if table is None:
         return None
-    if not isinstance(table, dict) or set(table) - _FILE_KEYS:
-        raise _bad(path, f"[llamacpp.{key}] must be a table with keys from {sorted(_FILE_KEYS)}")
+    _check(table, _FILE_KEYS, f"llamacpp.{key}", path, kinds=False)
     if not (
         table.get("asset") or table.get("path") or (table.get("repo") and table.get("filename"))
     ):
         raise _bad(path, f"[llamacpp.{key}] needs repo + filename, asset, or path")
-    return GGUFRef(**table)
+    return GGUFRef(**_check(table, _FILE_KEYS, f"llamacpp.{key}", path))
+
+
+def _suggested(data: dict, path: Path) -> tuple[int, tuple[int, ...] | None]:
+    k, fan = data.get("suggested_k", 4), data.get("suggested_fan_out")
+    if k > MAX_SUGGESTED_K:
+        raise _bad(path, f"suggested_k must be at most {MAX_SUGGESTED_K}, got {k}")
+    if fan is not None and len(fan) != k + 1:
+        raise _bad(path, f"suggested_fan_out needs K+1 = {k + 1} integers >= 0, got {fan!r}")
+    return k, tuple(fan) if fan is not None else None
 
 
 def parse_pair(path: Path) -> Pair:
-    """Read one pair file; every mistake is a UsageError naming the file."""
+    """Read one pair file; every mistake is a UsageError naming the file and the key."""
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
@@ -151,33 +209,27 @@ def parse_pair(path: Path) -> Pair:
         raise _bad(path, f"not valid TOML ({exc})") from None
     except OSError as exc:
         raise _bad(path, f"cannot be read ({exc.strerror or exc})") from None
-    name = data.get("name") or path.stem
+    _check(data, _TOP_KEYS, "", path)
     source = data.get("source", "hf")
     if source not in SOURCES:
         raise _bad(path, f"unknown source {source!r} (use one of {', '.join(SOURCES)})")
-    k = data.get("suggested_k", 4)
-    fan = data.get("suggested_fan_out")
-    if not isinstance(k, int) or k < 1:
-        raise _bad(path, f"suggested_k must be an integer >= 1, got {k!r}")
-    if fan is not None and (
-        not isinstance(fan, list)
-        or len(fan) != k + 1
-        or not all(isinstance(f, int) and f >= 0 for f in fan)
-    ):
-        raise _bad(path, f"suggested_fan_out needs K+1 = {k + 1} integers >= 0, got {fan!r}")
-    torch_table = data.get("torch") or {}
-    llamacpp = data.get("llamacpp") or {}
+    k, fan = _suggested(data, path)
+    torch_table = _check(data.get("torch", {}), _TORCH_KEYS, "torch", path)
+    llamacpp = _check(data.get("llamacpp", {}), _LLAMACPP_KEYS, "llamacpp", path)
+    allow = torch_table.get("allow_patterns", list(Pair.allow_patterns))
+    if not allow:
+        raise _bad(path, "`torch.allow_patterns` must not be empty (nothing would be downloaded)")
     return Pair(
-        name=str(name),
-        description=str(data.get("description", "")),
-        family=str(data.get("family", "")),
+        name=data.get("name") or path.stem,
+        description=data.get("description", ""),
+        family=data.get("family", ""),
         source=source,
         target=_model(data, "target", source, path),
         draft=_model(data, "draft", source, path),
         suggested_k=k,
-        suggested_fan_out=tuple(fan) if fan is not None else None,
-        gated=bool(data.get("gated", False)),
-        allow_patterns=tuple(torch_table.get("allow_patterns", Pair.allow_patterns)),
+        suggested_fan_out=fan,
+        gated=data.get("gated", False),
+        allow_patterns=tuple(allow),
         ignore_patterns=tuple(torch_table.get("ignore_patterns", ())),
         gguf_target=_gguf(llamacpp.get("target"), "target", path),
         gguf_draft=_gguf(llamacpp.get("draft"), "draft", path),
@@ -192,17 +244,27 @@ def _files_in(where: Path) -> list[Path]:
 
 
 def pair_files() -> list[Path]:
-    """Built-in files, then the user's, then $SSDLOCAL_PAIRS_PATH (later ones override)."""
+    """Built-in files, then the user's, then $SSDLOCAL_PAIRS_PATH (each file once)."""
     files = _files_in(builtin_dir()) + _files_in(user_dir())
     for entry in os.environ.get("SSDLOCAL_PAIRS_PATH", "").split(os.pathsep):
         if entry:
             files += _files_in(Path(entry).expanduser())
-    return files
+    return list({f.resolve(): f for f in files}.values())
 
 
 def load_pairs() -> dict[str, Pair]:
-    """Every known pair by name (a user file with a built-in name replaces it)."""
-    return {pair.name: pair for pair in map(parse_pair, pair_files())}
+    """Every known pair by name. A name defined twice (a user file reusing a built-in
+    name, or two user files) is an error: a pair must never be silently replaced."""
+    pairs: dict[str, Pair] = {}
+    for pair in map(parse_pair, pair_files()):
+        first = pairs.get(pair.name)
+        if first is not None:
+            raise UsageError(
+                f"pair {pair.name!r} is defined twice: in {first.file} and in {pair.file}",
+                f"give the pair in {pair.file} another `name` (built-in names are reserved)",
+            )
+        pairs[pair.name] = pair
+    return pairs
 
 
 def get_pair(name: str) -> Pair:

@@ -9,7 +9,6 @@ vocabulary once and cached; its ids are checked against llama.cpp's tokenizer.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -108,11 +107,13 @@ def parse_llama_device(device: str, lib) -> tuple[torch.device, int, int]:
 
 
 def tokenizer_cache_dir(path: Path) -> Path:
+    """Named by the GGUF file's content (as conversions are), not its name and mtime."""
+    from ssdlocal.core.files import remembered_sha256
     from ssdlocal.core.paths import cache_dir
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    return cache_dir() / "gguf-tokenizers" / f"{path.name.removesuffix('.gguf')}-{key[:12]}"
+    root = cache_dir() / "gguf-tokenizers"
+    key = remembered_sha256(path, root / "digests.json")
+    return root / f"{path.name.removesuffix('.gguf')}-{key[:16]}"
 
 
 def gguf_tokenizer(path: str | Path):
@@ -122,9 +123,15 @@ def gguf_tokenizer(path: str | Path):
     path = check_gguf_file(path)
     cached = tokenizer_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
+        try:
+            return AutoTokenizer.from_pretrained(cached, trust_remote_code=False)
+        except (OSError, ValueError, TypeError) as exc:  # a damaged cache entry: build it again
+            log.warning("rebuilding the damaged tokenizer cache %s (%s)", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, trust_remote_code=False
+        )
     except ImportError as exc:
         raise ModelLoadError(
             "reading a GGUF tokenizer needs the `gguf` package", "pip install gguf"

@@ -3,14 +3,15 @@
 transformers dequantizes the GGUF tensors to dense weights (slow: ~50 s for a 1.5B);
 we save the result as config.json + model.safetensors + tokenizer files +
 generation_config.json so the native torch loader reads it in seconds afterwards.
-The cache key is the GGUF file's name, size and mtime plus the dtype. This module
-knows nothing about where GGUF files come from.
+The cache key is the GGUF file's content (sha256) plus the dtype; one process converts
+a file at a time (a lock), leftovers of killed conversions are removed, and a directory
+is trusted only once its marker is written. Knows nothing about where GGUF files come from.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import errno
 import json
 import logging
 import os
@@ -20,10 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ssdlocal.core.errors import (
+    AssetError,
     ModelLoadError,
     UnsupportedArchitectureError,
     UsageError,
 )
+from ssdlocal.core.files import file_lock, remembered_sha256
+from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 
 log = logging.getLogger(__name__)
@@ -71,12 +75,19 @@ def _read_with_gguf(path: str) -> dict[str, object]:
     return {k: reader.fields[k].contents() for k in keys if k in reader.fields}
 
 
+def is_conversion(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory this module wrote (a cache entry)."""
+    return (Path(path) / _MARKER).is_file()
+
+
+
 def converted_dir(gguf_path: Path, dtype: str = "bfloat16", root: Path | None = None) -> Path:
-    """The cache directory for `gguf_path` converted to `dtype` (may not exist yet)."""
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    """The cache directory for `gguf_path` converted to `dtype` (may not exist yet): named
+    by the file's content, so a changed file is converted again and a copy is not."""
+    root = root or cache_dir() / "converted"
+    key = remembered_sha256(gguf_path, root / "digests.json")
     stem = gguf_path.name.removesuffix(".gguf")
-    return (root or cache_dir() / "converted") / f"{stem}-{dtype}-{key[:12]}"
+    return root / f"{stem}-{dtype}-{key[:16]}"
 
 
 def ensure_converted(
@@ -107,35 +118,55 @@ def ensure_converted(
             f"supported GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     out.parent.mkdir(parents=True, exist_ok=True)
+    # One converter per output: a second process waits here, then finds the marker.
+    with file_lock(out.with_name(out.name + ".lock")):
+        if (out / _MARKER).is_file():
+            return out
+        _remove_leftovers(out)
+        _convert_into(gguf_path, out, dtype, meta, progress)
+    return out
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Under the lock nobody else converts into `out`: its temporary dirs are from killed
+    processes, and `out` without a marker is half-written."""
+    for stale in out.parent.glob(f"{out.name}.tmp-*"):
+        log.info("removing %s, left by an interrupted conversion", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    if out.exists():
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _convert_into(gguf_path: Path, out: Path, dtype: str, meta: dict, progress) -> None:
+    """Convert into a temporary dir, write the marker last, then rename it to `out`."""
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
     try:
         _convert(gguf_path, tmp, dtype, meta, progress)
-        (tmp / _MARKER).write_text(
-            json.dumps(
-                {
-                    "source": gguf_path.name,
-                    "size": gguf_path.stat().st_size,
-                    "mtime_ns": gguf_path.stat().st_mtime_ns,
-                    "architecture": arch,
-                    "dtype": dtype,
-                    "seconds": round(time.perf_counter() - t0, 1),
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-        try:
-            os.replace(tmp, out)  # atomic when `out` does not exist
-        except OSError:
-            if not (out / _MARKER).is_file():  # not a concurrent winner: a stale dir
-                shutil.rmtree(out, ignore_errors=True)
-                os.replace(tmp, out)
+        info = {"source": gguf_path.name, "sha256": out.name.rsplit("-", 1)[-1],
+                "architecture": meta["architecture"], "dtype": dtype,
+                "seconds": round(time.perf_counter() - t0, 1)}
+        (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(tmp, out)  # atomic: `out` does not exist (removed under the lock)
+    except OSError as exc:
+        raise _disk_error(exc, out) or exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s -> %s in %.1fs", gguf_path.name, out, time.perf_counter() - t0)
-    return out
+
+
+def _disk_error(exc: BaseException, where: Path, need: int | None = None) -> AssetError | None:
+    """AssetError for a full disk (OSError ENOSPC, or safetensors' wrapped io error)."""
+    full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        "No space left on device" in str(exc) or "StorageFull" in str(exc))
+    if not full:
+        return None
+    size = f" (~{human_bytes(need)} needed)" if need else ""
+    return AssetError(
+        f"no space left in {where.parent} for the converted checkpoint{size}",
+        "free some disk space or point SSDLOCAL_CACHE at a larger disk, then rerun; "
+        "nothing half-written was kept",
+    )
 
 
 @contextlib.contextmanager
@@ -207,11 +238,11 @@ def _convert(
     torch_dtype = getattr(torch, dtype)
     step(0)
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
         step(1)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
         with _no_foreign_progress_bars(progress):
             parsed = load_gguf_checkpoint(
                 str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
@@ -233,6 +264,8 @@ def _convert(
             f"unexpected {sorted(set(tensors) - expected)[:5]})",
             "the GGUF file may come from a different architecture variant",
         )
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    _check_free_space(tmp.parent, need)
     tmp.mkdir(parents=True)
     config.architectures = [type(model).__name__]
     # GGUF stores floats as float32: 1e-6 arrives as 9.99999997e-07. Keep the short form.
@@ -241,11 +274,14 @@ def _convert(
     config.dtype = torch_dtype
     config.save_pretrained(tmp)
     # Tied checkpoints store only model.embed_tokens.weight (like HF's own Qwen2.5 files).
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(tmp / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    try:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+    except Exception as exc:  # safetensors wraps io errors in its own SafetensorError
+        raise _disk_error(exc, tmp, need) or exc
     del tensors, parsed
     step(3)
     gen = GenerationConfig.from_model_config(config)
@@ -254,6 +290,16 @@ def _convert(
     tokenizer.save_pretrained(tmp)
     _check_saved(tmp, meta)
     step(4)
+
+
+def _check_free_space(where: Path, need: int) -> None:
+    free = shutil.disk_usage(where).free
+    if free < need * 1.05 + (64 << 20):
+        raise AssetError(
+            f"not enough disk space in {where} for the converted checkpoint: "
+            f"{human_bytes(free)} free, ~{human_bytes(need)} needed",
+            "free some space or point SSDLOCAL_CACHE at a larger disk, then rerun",
+        )
 
 
 def _set_generation_config(gen: object, tokenizer: object) -> None:
@@ -290,7 +336,7 @@ def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
             f"converted checkpoint lacks tensors {sorted(missing)}", "report a bug"
         )
     if meta.get("has_chat_template"):
-        tok = AutoTokenizer.from_pretrained(str(tmp))
+        tok = AutoTokenizer.from_pretrained(str(tmp), trust_remote_code=False)
         if not tok.chat_template:
             raise ModelLoadError(
                 "the GGUF file has a chat template but the converted tokenizer lost it",

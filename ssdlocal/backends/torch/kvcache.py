@@ -11,6 +11,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ssdlocal.core.errors import OutOfMemoryError
+from ssdlocal.core.memory import OOM_HINT, available_ram_bytes, human_bytes
+
+
+def check_room(need: int, device, what: str, freed: int = 0) -> None:
+    """Refuse an allocation of `need` bytes on the CPU that cannot fit in the memory
+    available (plus `freed`, what the caller releases first): on Linux a too-large
+    allocation often succeeds lazily and then swaps the machine to a standstill.
+    CUDA allocations fail at once by themselves (mapped by the caller)."""
+    if torch.device(device).type != "cpu":
+        return
+    free = available_ram_bytes()
+    if free is not None and need > free + freed:
+        raise OutOfMemoryError(
+            f"the {what} needs {human_bytes(need)} on cpu, but only "
+            f"{human_bytes(free + freed)} of memory is available",
+            OOM_HINT,
+        )
+
 
 class KVCache(nn.Module):
     """k and v, each [B, Hkv, num_slots, D]."""
@@ -20,6 +39,15 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, num_slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @staticmethod
+    def bytes_for(batch: int, n_kv_heads: int, num_slots: int, head_dim: int, dtype) -> int:
+        """Bytes of one layer's k and v together."""
+        return 2 * batch * n_kv_heads * num_slots * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
     @property
     def num_slots(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ssdlocal.backends.torch.model import ModelArgs, Transformer, _unsupported
 from ssdlocal.core.errors import (
@@ -20,6 +20,7 @@ from ssdlocal.core.errors import (
     OutOfMemoryError,
     UnsupportedArchitectureError,
 )
+from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def damaged_hint(ckpt: Path) -> str:
+    """What to do about an unreadable file in checkpoint `ckpt`: always delete and refetch."""
+    from ssdlocal.backends.torch.gguf_convert import is_conversion
+
+    if is_conversion(ckpt):
+        return f"the cached conversion is damaged: delete {ckpt} and rerun (it is converted again)"
+    return f"the file is damaged or incomplete: delete {ckpt} and download the model again"
+
+
 def load_hf_config(path: Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as exc:  # unknown model_type: name it from the raw json
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:  # unknown model_type: name it from the raw json
         try:
             raw = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
-            raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}", hint=CHECKPOINT_HINT) from exc
+            raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(exc)}",
+                                 hint=damaged_hint(path)) from exc
         names = ", ".join(raw.get("architectures") or []) or raw.get("model_type") or "unknown"
         raise _unsupported(f"architecture {names}") from exc
 
@@ -113,10 +124,13 @@ def load_tokenizer(path: str | Path):
 
     path = resolve_checkpoint(path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}",
-                             hint="the directory needs tokenizer.json / tokenizer_config.json") from exc
+        hint = "the directory needs tokenizer.json / tokenizer_config.json"
+        if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+            hint = damaged_hint(path)
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {_first_line(exc)}",
+                             hint=hint) from exc
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -213,23 +227,30 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") ->
         state = read_state_dict(files, dev, torch_dtype, tied=args.tie_word_embeddings)
         assign_weights(model, state, ckpt)
         del state
-    except torch.OutOfMemoryError as exc:
-        raise _oom(ckpt, dev, torch_dtype) from exc
-    except RuntimeError as exc:
-        msg = str(exc).lower()
-        if "out of memory" in msg or "not enough memory" in msg:
-            raise _oom(ckpt, dev, torch_dtype) from exc
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if is_oom(exc):
+            raise _oom(ckpt, dev, torch_dtype, exc) from exc
         raise
+    except (SafetensorError, OSError) as exc:  # truncated or garbled weights
+        raise ModelLoadError(f"cannot read the weights in {ckpt}: {_first_line(exc)}",
+                             hint=damaged_hint(ckpt)) from exc
     model.requires_grad_(False).eval()
     log.info("loaded %s (%s, %d layers) on %s as %s", ckpt, args.arch, args.num_layers, dev, torch_dtype)
     return LoadedModel(model, tokenizer, args, hf_config, ckpt, dev, torch_dtype,
                        eos_ids(ckpt, hf_config, tokenizer))
 
 
-def _oom(path: Path, device: torch.device, dtype: torch.dtype) -> OutOfMemoryError:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _oom(path: Path, device: torch.device, dtype: torch.dtype, exc: BaseException) -> OutOfMemoryError:
+    size = requested_bytes(str(exc))
+    failed = f" (an allocation of {human_bytes(size)} failed)" if size else ""
     return OutOfMemoryError(
-        f"not enough memory on {device} to load {path} as {str(dtype).removeprefix('torch.')}",
-        hint="use a smaller dtype (--dtype bfloat16), a smaller model, or another device",
+        f"not enough memory on {device} to load {path} as {str(dtype).removeprefix('torch.')}{failed}",
+        hint="use a smaller dtype (--dtype bfloat16), a smaller or quantized model, or another device",
     )
 
 

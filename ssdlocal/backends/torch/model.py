@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.kvcache import KVCache
+from ssdlocal.backends.torch.kvcache import KVCache, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
-from ssdlocal.core.errors import OutOfMemoryError, UnsupportedArchitectureError
+from ssdlocal.core.errors import UnsupportedArchitectureError
+from ssdlocal.core.memory import oom_error
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -231,6 +232,10 @@ class Transformer(nn.Module):
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
         """Allocate one KVCache per layer (`args` head counts: per rank under TP)."""
         a = self.args
+        what = f"KV cache of {batch_size} x {num_slots} slots"
+        old = sum(layer.self_attn.kv_cache.nbytes for layer in self.layers if layer.self_attn.kv_cache)
+        need = KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers)
+        check_room(need, device, what, freed=old)
         try:
             for layer in self.layers:
                 layer.self_attn.kv_cache = None  # free the old cache before allocating
@@ -238,11 +243,11 @@ class Transformer(nn.Module):
                 layer.self_attn.kv_cache = KVCache(
                     batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device
                 )
-        except torch.OutOfMemoryError as exc:
-            raise OutOfMemoryError(
-                f"KV cache of {batch_size} x {num_slots} slots does not fit on {device}",
-                hint="use a shorter --max-tokens / smaller batch, a smaller dtype, or another device",
-            ) from exc
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            mapped = oom_error(exc, f"allocating the {what} on {device}")
+            if mapped is None:
+                raise
+            raise mapped from exc
         self.num_slots = num_slots
         n_pos = max(a.max_position_embeddings, num_slots)
         if self.rope_cos is None or self.rope_cos.shape[0] < n_pos or self.rope_cos.device != torch.device(device):
@@ -253,14 +258,18 @@ class Transformer(nn.Module):
 
     def grow_cache(self, num_slots: int) -> None:
         """Enlarge every layer's KV cache to `num_slots`, keeping what it holds."""
-        try:
+        first = self.layers[0].self_attn.kv_cache
+        batch, heads, _, dim = first.k.shape
+        what = f"KV cache of {batch} x {num_slots} slots"
+        check_room(KVCache.bytes_for(batch, heads, num_slots, dim, first.k.dtype), first.k.device, what)
+        try:  # one layer at a time: the old and new cache of only one layer coexist
             for layer in self.layers:
                 layer.self_attn.kv_cache = layer.self_attn.kv_cache.grown(num_slots)
-        except torch.OutOfMemoryError as exc:
-            raise OutOfMemoryError(
-                f"growing the KV cache to {num_slots} slots per row does not fit",
-                hint="cap the answer with --max-new-tokens, use fewer prompts, or another device",
-            ) from exc
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            mapped = oom_error(exc, f"growing the {what} on {first.k.device}")
+            if mapped is None:
+                raise
+            raise mapped from exc
         self.num_slots = num_slots  # RoPE tables cover every position: positions are not slots
 
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 RECV_TIMEOUT_S = 120.0  # longest wait for one reply during generation (tests lower it)
+PREFILL_S_PER_TOKEN = 0.25  # more for READY per prompt token the worker prefills (slow CPUs)
 LOAD_TIMEOUT_S = 900.0  # longest wait for the draft model to load
 
 
@@ -50,6 +51,7 @@ class DraftWorkerClient:
         self.timeout_s = RECV_TIMEOUT_S if timeout_s is None else timeout_s
         self.load_timeout_s = LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self.vocab_size: int | None = None
+        self.max_positions: int | None = None  # the draft's context, once loaded
         self.child = ChildProcess(
             worker_main, (), name="ssdlocal-draft", role="the draft worker", error=DraftWorkerError,
             dead_hint="the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
@@ -86,7 +88,7 @@ class DraftWorkerClient:
 
     def wait_loaded(self) -> int:
         msg = self.recv(pr.Reply.LOADED, self.load_timeout_s)
-        self.vocab_size = msg.vocab_size
+        self.vocab_size, self.max_positions = msg.vocab_size, msg.max_positions
         return msg.vocab_size
 
     def close(self) -> None:
@@ -145,7 +147,10 @@ class SSDDrafter:
             q_buffer=None if self._q_channel is None else self._q_channel.buffer,
         )
         self.client.send(pr.Cmd.START, msg)
-        self.client.recv(pr.Reply.READY)
+        # READY comes after the worker has prefilled every prompt: long prompts on a CPU
+        # can take minutes, which must not pass for a hung worker.
+        tokens = sum(len(s) for s in sequences)
+        self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
         self._prev = [list(s) for s in sequences]
         self._first = True
 

@@ -42,6 +42,7 @@ class LoadMsg:
 class LoadedMsg:
     vocab_size: int
     device: str
+    max_positions: int  # the draft's context length
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,9 @@ class Speculator:
         self.max_branches = widest
         self.layout = SlotLayout(start.num_slots).with_tree(widest, self.k)
         runner.reset(len(start.sequences), self.layout.total)
-        self.generator = torch.Generator(device=runner.device).manual_seed(start.params.seed + 104729)
+        self.generator = torch.Generator(device=runner.device).manual_seed(
+            start.params.stream_seed(104729)
+        )
         self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()

@@ -63,7 +63,8 @@ class DraftWorker:
         _apply_placement(msg)
         loaded = registry.load(msg.model, threads=msg.threads)
         self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
-        self.conn.send((Reply.LOADED, LoadedMsg(loaded.args.vocab_size, str(loaded.device))))
+        reply = LoadedMsg(loaded.args.vocab_size, str(loaded.device), loaded.args.max_position_embeddings)
+        self.conn.send((Reply.LOADED, reply))
 
     def _start(self, msg: StartMsg) -> None:
         from ssdlocal.draft.ssd.speculator import Speculator

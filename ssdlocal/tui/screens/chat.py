@@ -16,6 +16,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode
 from ssdlocal.core.errors import SSDLocalError
 from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
@@ -75,6 +76,7 @@ class ChatScreen(Screen):
         self._user_text = ""
         self._queued: str | None = None
         self._gen_mode = settings.mode
+        self._stop: CancelToken | None = None  # the current answer's
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -185,11 +187,17 @@ class ChatScreen(Screen):
         if self.generating:
             self.notify("still answering — press Esc to stop", severity="warning")
             return
+        budget = self.engine.max_prompt_tokens(self.settings.max_new_tokens, self.settings.spec)
         try:
-            ids = self.conversation.prompt_ids(self.engine.tokenizer, text)
+            ids, dropped = self.conversation.fit_prompt_ids(self.engine.tokenizer, text, budget)
         except Exception as exc:  # noqa: BLE001 - a bad chat template must not crash the UI
             self.app.show_error("Cannot build the prompt", *error_text(exc))
             return
+        if dropped:
+            self.notify(
+                f"the oldest {dropped} turn(s) no longer fit the models' context and were "
+                "forgotten", title="history", timeout=6,
+            )
         transcript = self.query_one(Transcript)
         transcript.add_user(text)
         self._answer = transcript.add_answer(self.show_colors)
@@ -199,14 +207,16 @@ class ChatScreen(Screen):
         self._gen_mode = self.settings.mode
         self.query_one(StatsPanel).reset(self._gen_mode.value)
         self._update_status()
-        self._generate(self.turn, ids, self.settings)
+        # made now, so Esc works even before the worker thread has started generating
+        self._stop = CancelToken(parent=self.app.quitting)
+        self._generate(self.turn, ids, self.settings, self._stop)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
-    def _generate(self, turn: int, ids: list[int], settings: ChatSettings) -> None:
+    def _generate(self, turn: int, ids: list[int], settings: ChatSettings, stop: CancelToken) -> None:
         engine = self.engine
         splitter = OriginSplitter(engine.tokenizer)
         try:
-            for ev in engine.generate([ids], settings.sampling, spec=settings.spec):
+            for ev in engine.generate([ids], settings.sampling, spec=settings.spec, cancel=stop):
                 if isinstance(ev, TokensEvent):
                     pieces = splitter.split(ev.token_ids, ev.origins, ev.text)
                     self.post_message(TokensArrived(turn, pieces, len(ev.token_ids)))
@@ -266,8 +276,8 @@ class ChatScreen(Screen):
 
     # ------------------------------------------------------------------ actions
     def action_stop(self) -> None:
-        if self.generating and self.engine is not None:
-            self.engine.cancel()
+        if self.generating and self._stop is not None:
+            self._stop.cancel()
             self.stopping = True
             self._update_status()
 

@@ -21,6 +21,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams, SpecConfig
 from ssdlocal.tui.core import EngineLike, error_text
 from ssdlocal.tui.messages import RaceProgress, RaceRecorded, WorkFailed
@@ -104,6 +105,7 @@ class RaceScreen(Screen):
     @work(thread=True, exclusive=True, group="race", exit_on_error=False)
     def _record(self) -> None:
         engine = self.engine
+        stop = CancelToken(parent=self.app.quitting)  # quitting stops this run and the rest
         try:
             ids = engine.encode(self.prompt, self.chat)
             if self.warmup:  # first calls pay one-time costs (allocation, lazy draft load)
@@ -113,9 +115,13 @@ class RaceScreen(Screen):
                     max_new_tokens=min(4, self.params.max_new_tokens),
                 )
                 for spec in self.specs:
-                    for _ in engine.generate([ids], short, spec=spec):
+                    for _ in engine.generate([ids], short, spec=spec, cancel=stop):
                         pass
+                    if stop.cancelled:
+                        return
             for i, spec in enumerate(self.specs):
+                if stop.cancelled:
+                    return
                 self.post_message(RaceProgress(i, 0))
                 run = record_run(
                     engine,
@@ -124,6 +130,7 @@ class RaceScreen(Screen):
                     spec,
                     clock=self.clock,
                     on_tokens=lambda n, new, i=i: self.post_message(RaceProgress(i, n, new)),
+                    cancel=stop,
                 )
                 self.post_message(RaceRecorded(i, run))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a modal
