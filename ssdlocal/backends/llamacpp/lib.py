@@ -52,6 +52,8 @@ class LlamaLib:
             set_verbose(verbose)
         except ImportError:  # pragma: no cover - older layouts
             pass
+        if not verbose:  # some notices are logged at level NONE, which maps to CRITICAL
+            logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL + 10)
         if not _BACKEND_READY:
             self.ll.llama_backend_init()
             _BACKEND_READY = True
