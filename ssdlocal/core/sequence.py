@@ -36,6 +36,11 @@ class Row:
         return self.prompt + self.generated
 
     @property
+    def length(self) -> int:
+        """len(tokens), without building the list."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
     def active(self) -> bool:
         return self.finish_reason is None
 

@@ -123,6 +123,8 @@ def verify_logits(
     batch, k_plus_1, _ = logits.shape
     k = k_plus_1 - 1
     best = torch.argmax(logits, dim=-1)  # [B, K+1]
+    if k == 0:  # plain decoding: nothing to accept
+        return Verdict(n_accepted=torch.zeros_like(best[:, 0]), bonus=best[:, 0])
     if n_draft is None:
         n_draft = torch.full((batch,), k, dtype=torch.long, device=logits.device)  # [B]
     real = torch.arange(k, device=logits.device)[None, :] < n_draft[:, None]  # [B, K]

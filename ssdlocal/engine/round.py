@@ -51,7 +51,10 @@ class Round:
 
     def __post_init__(self) -> None:
         self.device = self.last.device
-        self.live = torch.ones(len(self.rows), dtype=torch.bool, device=self.device)  # [B]
+        batch = len(self.rows)
+        self.live = torch.ones(batch, dtype=torch.bool, device=self.device)  # [B]
+        none = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
+        self.no_drafts = Proposal(none[:, None][:, :0], none)  # AR: [B, 0] drafts
 
     def run(self, index: int) -> Iterator[Event]:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
@@ -59,7 +62,7 @@ class Round:
         t0 = time.perf_counter()
         proposal = self.propose(active)
         t1 = time.perf_counter()
-        bound = max(len(r.tokens) for r in self.rows) + self.k  # past every row's last write
+        bound = max(r.length for r in self.rows) + self.k  # past every row's last write
         logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         verdict = verify_logits(
             logits, proposal.drafts, proposal.q, self.params, self.generator, proposal.n_draft
@@ -74,14 +77,14 @@ class Round:
     # ------------------------------------------------------------------ steps
     def propose(self, active: list[bool]) -> Proposal:
         if self.drafter is None:
-            batch = len(self.rows)
-            empty = torch.zeros(batch, 0, dtype=torch.long, device=self.device)  # [B, 0]
-            return Proposal(empty, torch.zeros(batch, dtype=torch.long, device=self.device))
+            return self.no_drafts
         return self.drafter.propose([r.tokens for r in self.rows], active)
 
     def score_ids(self, proposal: Proposal) -> torch.Tensor:
         """[B, K+1]: each row's pending token, then its drafts (padding past n_draft writes
         cache slots beyond the row's length, which later steps overwrite)."""
+        if proposal.drafts.shape[1] == 0:
+            return self.last[:, None]
         return torch.cat([self.last[:, None], proposal.drafts], dim=1)
 
     def read_back(self, verdict: Verdict, proposal: Proposal) -> Outcome:
@@ -112,7 +115,10 @@ class Round:
             taken = [tok for tok in outcome.drafts[b][:n] + [outcome.bonus[b]] if row.append(tok)]
             emitted.append(taken)
             origins.append(kinds[: len(taken)])
-        self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0))
+        if self.k == 0:  # AR: only the pending token becomes cached
+            self.runner.advance(self.live.long())
+        else:
+            self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0))
         self.last = verdict.bonus
         still = [r.active for r in self.rows]
         if still != active:  # a row finished: its cache length stays where it is
