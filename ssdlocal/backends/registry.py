@@ -7,6 +7,8 @@ themselves. Backends are imported lazily: llama_cpp only when a GGUF runs throug
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ssdlocal.core.config import ModelSpec
 
 
@@ -22,7 +24,7 @@ def load(spec: ModelSpec, *, threads: int | None = None):
         return load_gguf(spec.path, spec.device, threads)
     from ssdlocal.backends.torch.loader import load_model
 
-    return load_model(spec.path, spec.device, spec.dtype)
+    return load_model(spec.path, spec.device, spec.dtype, spec.quantization)
 
 
 def make_runner(loaded, *, tree: bool = False):
@@ -55,9 +57,10 @@ def preflight(path: str, backend: str = "torch") -> None:
 
         gguf_preflight(path)
         return
-    from ssdlocal.backends.torch.loader import load_hf_config, resolve_checkpoint, weight_files
+    from ssdlocal.backends.torch.loader import config_dir, load_hf_config, weight_files
     from ssdlocal.backends.torch.model import ModelArgs
 
-    ckpt = resolve_checkpoint(path)
+    ckpt = config_dir(path)  # a .gguf: its metadata only; weights are converted when loaded
     ModelArgs.from_hf_config(load_hf_config(ckpt))
-    weight_files(ckpt)
+    if ckpt.resolve() == Path(path).expanduser().resolve():
+        weight_files(ckpt)

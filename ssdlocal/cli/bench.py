@@ -66,6 +66,8 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Times to run the whole prompt set.")] = 1,
     ignore_eos: o.IgnoreEos = False,
     dtype: o.Dtype = "bfloat16",
+    quantization: o.Quantization = "auto",
+    draft_quantization: o.DraftQuantization = None,
     target_device: o.TargetDevice = "cpu",
     draft_device: o.DraftDevice = "cpu",
     target_devices: o.TargetDevices = None,

@@ -32,6 +32,8 @@ def generate(
     ignore_eos: o.IgnoreEos = False,
     stop: o.Stop = None,
     dtype: o.Dtype = "bfloat16",
+    quantization: o.Quantization = "auto",
+    draft_quantization: o.DraftQuantization = None,
     target_device: o.TargetDevice = "cpu",
     draft_device: o.DraftDevice = "cpu",
     target_backend: o.TargetBackend = "torch",

