@@ -49,7 +49,7 @@ QUANT_FILE = "quantization.json"  # in a quantized checkpoint: scheme, group siz
 _MARKER = "ssdlocal-quantize.json"
 _META_MARKER = "ssdlocal-meta.json"
 _FORMAT = 1
-_ROWS_ELEMENTS = 1 << 21  # weights per block of rows read from the GGUF
+_ROWS_ELEMENTS = 1 << 20  # weights per block of rows read from the GGUF
 _GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 _CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: bounded float32 temporaries
-_PACK_ROWS = 1024  # CPU int4 packing in row blocks (its layout is local to 32-row blocks)
+_PACK_ROWS = 128  # CPU int4 packing in row blocks (its layout is local to 32-row blocks)
 
 
 def is_quantized_linear(module_name: str) -> bool:
@@ -233,7 +233,7 @@ def _pad_rows(w: QuantizedWeight, extra: int) -> QuantizedWeight:
 
 
 def _pack_int4_cpu(codes: Tensor) -> Tensor:
-    """uint8 [N, K/2] (high nibble first) -> the CPU kernel's layout, 1024 rows at a time."""
+    """uint8 [N, K/2] (high nibble first) -> the CPU kernel's layout, 128 rows at a time."""
     n, half = codes.shape
     out = torch.empty(n, half, dtype=torch.uint8)
     for r in range(0, n, _PACK_ROWS):

@@ -88,7 +88,7 @@ class MemoryReleaser:
     memory. malloc_trim costs a few milliseconds; a no-op where there is no glibc.
     """
 
-    def __init__(self, every: int = 32 << 20) -> None:
+    def __init__(self, every: int = 16 << 20) -> None:
         self.every, self.pending = every, 0
         try:
             import ctypes
