@@ -184,3 +184,28 @@ def test_cli_resolves_draft_quantization(tiny_dir):
     cfg = engine_config(replace(models, draft_quantization="int8"), SpecOptions(mode="sd"))
     assert (cfg.target.quantization, cfg.draft_model.quantization) == ("int4", "int8")
     assert ModelOptions(quantization="int4", draft_backend="llamacpp").quantizations() == ("int4", "auto")
+
+
+def test_pairs_and_planner_size_quantized_weights(monkeypatch, capsys, tiny_dir):
+    import json
+
+    from ssdlocal.placement.auto import checkpoint_gb
+    from ssdlocal.weights.pairs import get_pair
+
+    offline = get_pair("qwen2.5-coder-1.5b-offline")
+    assert offline.schemes("auto") == ("int4", "int4") and get_pair("qwen2.5-7b").schemes("auto") == ("none",) * 2
+    bf16_t, _ = offline.memory_gb("torch", "none")
+    int4_t, _ = offline.memory_gb("torch", "auto")
+    int8_t, _ = offline.memory_gb("torch", "int8")
+    # 1.31B quantized parameters + a 0.23B bf16 embedding (+ its int4 copy as lm_head)
+    assert bf16_t == 3.1 and int4_t == pytest.approx(1.54 * 0.625 + 0.23 * 2, abs=0.01) and int4_t < int8_t < bf16_t
+    code, out, err = run_cli(monkeypatch, capsys, "pairs", "--json", "--quantization", "int4")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["llama-3.1-70b"]["quantization"] == "int4"
+    assert rows["llama-3.1-70b"]["target_gb"] < 0.35 * get_pair("llama-3.1-70b").target.bf16_gb
+    code, _, err = run_cli(monkeypatch, capsys, "devices", "--quantization", "int9")
+    assert_clean_error(code, err, 2, "int9")
+    path = tiny_dir["qwen2"]
+    assert checkpoint_gb(path, "float32", "int4") < 0.5 * checkpoint_gb(path, "float32")  # tied: fp32 embedding
+    assert checkpoint_gb(path, "float32", "auto") == checkpoint_gb(path, "float32")

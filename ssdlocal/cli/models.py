@@ -14,6 +14,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ssdlocal.cli import options as o
+from ssdlocal.core.quantization import check_quantization
+
 out = Console(soft_wrap=True)
 
 
@@ -21,11 +24,11 @@ def _gb(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
 
-def _plan_or_reason(inventory, pair, backend: str) -> tuple[object | None, str]:
+def _plan_or_reason(inventory, pair, backend: str, quantization: str) -> tuple[object | None, str]:
     from ssdlocal.core.errors import PlacementError
     from ssdlocal.placement.planner import plan_placement
 
-    t_gb, d_gb = pair.memory_gb(backend)
+    t_gb, d_gb = pair.memory_gb(backend, quantization)
     try:
         plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None)
     except PlacementError as exc:
@@ -61,6 +64,7 @@ def pairs(
     backend: Annotated[
         str, typer.Option(help="Which files count as downloaded: torch | llamacpp")
     ] = "torch",
+    quantization: o.Quantization = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
@@ -69,11 +73,12 @@ def pairs(
     from ssdlocal.weights.pairs import load_pairs
 
     check_backend(backend)
+    check_quantization(quantization)
     inventory = detect()
     rows = []
     for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb)):
-        plan, summary = _plan_or_reason(inventory, pair, backend)
-        t_gb, d_gb = pair.memory_gb(backend)
+        plan, summary = _plan_or_reason(inventory, pair, backend, quantization)
+        t_gb, d_gb = pair.memory_gb(backend, quantization)
         rows.append(
             {
                 "name": pair.name,
@@ -81,6 +86,7 @@ def pairs(
                 "draft": pair.draft.label,
                 "target_gb": t_gb,
                 "draft_gb": d_gb,
+                "quantization": pair.schemes(quantization)[0] if backend == "torch" else "gguf",
                 "backends": list(pair.backends),
                 "source": pair.source,
                 "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
@@ -95,16 +101,17 @@ def pairs(
             json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n"
         )
         return
-    memory = "bf16" if backend == "torch" else "GGUF"
-    table = Table(title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})")
+    memory = "GGUF" if backend != "torch" else {"none": "bf16", "auto": "as loaded"}.get(quantization, quantization)
+    table = Table(title=f"ssdlocal pairs ({backend}; weight sizes in GB, {memory})")
     table.add_column("name", no_wrap=True)
-    for col in ("target", "draft", "backends", "pulled", "fits here"):
+    for col in ("target", "draft", "weights", "backends", "pulled", "fits here"):
         table.add_column(col)
     for r in rows:
         table.add_row(
             r["name"],
             _gb(r["target_gb"]),
             _gb(r["draft_gb"]),
+            {"none": "bf16"}.get(r["quantization"], r["quantization"]),
             ",".join(r["backends"]),
             "yes" if r["downloaded"] else "no",
             f"[green]yes[/green] {r['short']}" if r["fits"] else "[red]no[/red]",
@@ -169,6 +176,7 @@ def devices(
         float | None, typer.Option(help="Plan for a target of this many GB instead of a pair.")
     ] = None,
     draft_gb: Annotated[float, typer.Option(help="Draft size in GB with --target-gb.")] = 1.0,
+    quantization: o.Quantization = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Show GPUs, CPU and RAM, and the placement plan for a pair (refused if it cannot fit)."""
@@ -181,6 +189,7 @@ def devices(
     from ssdlocal.weights.pairs import get_pair
 
     check_backend(backend)
+    check_quantization(quantization)
     if target_gb is not None:
         label, t_gb, d_gb, heads = (
             f"{target_gb:g} GB target + {draft_gb:g} GB draft",
@@ -190,7 +199,7 @@ def devices(
         )
     else:
         found = get_pair(pair or OFFLINE_PAIR)
-        t_gb, d_gb = found.memory_gb(backend)
+        t_gb, d_gb = found.memory_gb(backend, quantization)
         label, heads = found.name, _heads(found)
     inventory = detect()
     if as_json:
