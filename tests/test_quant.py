@@ -303,3 +303,26 @@ def test_gguf_load_peak_memory(tmp_path):
     growth = m["peak"] - m["before"]
     assert growth < m["model_mb"] + 64, m  # the model plus one block of rows in flight
     assert growth < 0.6 * bf16_mb, m
+
+
+def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
+    """bench's llama.cpp peers default to the GGUF a (converted) target came from."""
+    from ssdlocal.backends.registry import gguf_source
+    from ssdlocal.backends.torch.gguf_convert import ensure_converted
+    from ssdlocal.bench.run import BenchSettings
+    from ssdlocal.cli.bench import _default_gguf_peers
+    from ssdlocal.core.config import EngineConfig, ModelSpec, SpecConfig
+    from ssdlocal.core.paths import cache_dir
+
+    path = gguf_files["qwen2", "q8_0"][0]
+    assert gguf_source(str(path)) == str(path)
+    assert gguf_source(str(gguf_quant.ensure_quantized(path, "int8", "float32"))) == str(path.resolve())
+    cached = cache_dir() / "gguf" / "tiny-f32.gguf"  # where downloaded assets live
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tiny_gguf.write_gguf(cached, gguf_files["qwen2", "q8_0"][1], "qwen2", "f32")
+    assert gguf_source(str(ensure_converted(cached, dtype="float32"))) == str(cached)
+    assert gguf_source(str(tmp_path)) is None and gguf_source("ngram") is None
+    config = EngineConfig(ModelSpec(str(path)), SpecConfig(), None)
+    settings = _default_gguf_peers(BenchSettings(peers=("llamacpp",)), config)
+    assert settings.gguf_target == str(path) and settings.gguf_draft is None
+    assert _default_gguf_peers(BenchSettings(), config).gguf_target is None  # no llama.cpp peer

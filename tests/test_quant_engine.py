@@ -209,3 +209,20 @@ def test_pairs_and_planner_size_quantized_weights(monkeypatch, capsys, tiny_dir)
     path = tiny_dir["qwen2"]
     assert checkpoint_gb(path, "float32", "int4") < 0.5 * checkpoint_gb(path, "float32")  # tied: fp32 embedding
     assert checkpoint_gb(path, "float32", "auto") == checkpoint_gb(path, "float32")
+
+
+def test_check_and_bench_on_quantized_target(monkeypatch, capsys, tiny_dir, tmp_path):
+    import json
+
+    pair = ["--target", tiny_dir["qwen2"], "--draft", tiny_dir["draft_qwen2"], "--max-new-tokens", "10"]
+    code, out, err = run_cli(monkeypatch, capsys, "check", *pair, "--k", "3", "--quantization", "int4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["identical"] is True and [r["mode"] for r in report["runs"]] == ["ar", "sd", "ssd"]
+    code, _, err = run_cli(monkeypatch, capsys, "bench", *pair, "--dtype", "float32", "--no-chat", "--no-pin",
+                           "--limit", "1", "--modes", "ar,sd", "--quantization", "int8",
+                           "--draft-quantization", "none", "--out", tmp_path)  # fmt: skip
+    assert code == 0, err
+    settings = json.loads((tmp_path / "results.json").read_text())["settings"]
+    assert (settings["quantization"], settings["draft_quantization"]) == ("int8", "none")
+    assert "weights int8" in (tmp_path / "results.md").read_text()

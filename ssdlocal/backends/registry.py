@@ -64,3 +64,26 @@ def preflight(path: str, backend: str = "torch") -> None:
     ModelArgs.from_hf_config(load_hf_config(ckpt))
     if ckpt.resolve() == Path(path).expanduser().resolve():
         weight_files(ckpt)
+
+
+def gguf_source(path: str | None) -> str | None:
+    """The GGUF file a model path came from, when known: the path itself (.gguf), or the
+    source of a cached conversion (float or quantized) whose file is still on disk."""
+    if not path or path == "ngram":
+        return None
+    found = Path(path).expanduser()
+    if found.is_file() and found.suffix.lower() == ".gguf":
+        return str(found)
+    import json
+
+    from ssdlocal.core.paths import cache_dir
+
+    for marker in ("quantization.json", "ssdlocal-convert.json"):
+        try:
+            info = json.loads((found / marker).read_text())
+        except (OSError, ValueError):
+            continue
+        for candidate in (info.get("path"), cache_dir() / "gguf" / str(info.get("source", ""))):
+            if candidate and Path(candidate).is_file() and str(candidate).endswith(".gguf"):
+                return str(candidate)
+    return None

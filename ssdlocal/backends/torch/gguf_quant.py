@@ -253,7 +253,8 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
         config["dtype"] = dtype
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         info = {"format": _FORMAT, "scheme": scheme, "group_size": 32 if scheme == "int4" else 0,
-                "dtype": dtype, "source": gguf_path.name, "sha256": content_key(gguf_path)}  # fmt: skip
+                "dtype": dtype, "source": gguf_path.name, "path": str(gguf_path.resolve()),
+                "sha256": content_key(gguf_path)}  # fmt: skip
         info["tensors"] = _convert(gguf_path, tmp / "model.safetensors", scheme, getattr(torch, dtype),
                                    config, progress)  # fmt: skip
         (tmp / QUANT_FILE).write_text(json.dumps(info, indent=1) + "\n")
