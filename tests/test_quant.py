@@ -25,7 +25,7 @@ import torch
 
 from ssdlocal.backends.torch import gguf_quant
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.quant import QuantLinear, QuantizedWeight, model_bytes, quantize
+from ssdlocal.backends.torch.quant import QuantEmbedding, QuantLinear, QuantizedWeight, model_bytes, quantize
 from ssdlocal.core.errors import UsageError
 
 gguf = pytest.importorskip("gguf")
@@ -214,8 +214,14 @@ def test_gguf_loads_into_quantized_layout(gguf_files, arch, mix):
             "model.embed_tokens.weight" if name == "lm_head" else f"model.{name}.weight")
         hf = hf_state[hf_key].numpy()  # the rows are in Hugging Face order again
         assert np.abs(got - hf).max() < 0.3 * np.abs(hf).max(), name
-    emb = loaded.model.embed_tokens.weight
-    assert emb.dtype == torch.float32 and not isinstance(loaded.model.embed_tokens, QuantLinear)
+    # the embedding stays quantized: Q4_K exactly as int4, Q8_0 as int8 rows
+    emb = loaded.model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and emb.scheme == scheme
+    ids = torch.arange(emb.num_embeddings)
+    want = gguf.quants.dequantize(*next((t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors
+                                        if t.name == "token_embd.weight")).reshape(emb.num_embeddings, -1)
+    bound = 1e-5 * np.abs(want).max() if scheme == "int4" else np.abs(want).max(1, keepdims=True) / 254 + 1e-6
+    assert (np.abs(emb(ids).numpy() - want) <= bound).all()
 
 
 def test_gguf_scheme_and_cache_key(gguf_files, tmp_path, monkeypatch):
@@ -326,3 +332,14 @@ def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
     settings = _default_gguf_peers(BenchSettings(peers=("llamacpp",)), config)
     assert settings.gguf_target == str(path) and settings.gguf_draft is None
     assert _default_gguf_peers(BenchSettings(), config).gguf_target is None  # no llama.cpp peer
+
+
+def test_cpu_int4_layout_matches_torch_packing():
+    """QuantLinear builds the CPU kernel's layout itself; it must equal torch's converter."""
+    from ssdlocal.backends.torch import quant
+
+    assert quant._cpu_layout_known()
+    for n, k in ((32, 64), (96, 256), (2048 + 64, 96)):
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        codes = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
+        assert torch.equal(quant._pack_int4_cpu_numpy(codes), torch._convert_weight_to_int4pack_for_cpu(q, 1))

@@ -197,8 +197,9 @@ def test_pairs_and_planner_size_quantized_weights(monkeypatch, capsys, tiny_dir)
     bf16_t, _ = offline.memory_gb("torch", "none")
     int4_t, _ = offline.memory_gb("torch", "auto")
     int8_t, _ = offline.memory_gb("torch", "int8")
-    # 1.31B quantized parameters + a 0.23B bf16 embedding (+ its int4 copy as lm_head)
-    assert bf16_t == 3.1 and int4_t == pytest.approx(1.54 * 0.625 + 0.23 * 2, abs=0.01) and int4_t < int8_t < bf16_t
+    # 1.54B parameters at 0.625 bytes + the GGUF's 0.23B embedding, still quantized (<= int8)
+    assert bf16_t == 3.1 and int4_t == pytest.approx(1.54 * 0.625 + 0.23 * 1, abs=0.01) and int4_t < int8_t < bf16_t
+    assert get_pair("qwen2.5-7b").memory_gb("torch", "int4")[0] == pytest.approx(7.6 * 0.625 + 0.55 * 2, abs=0.01)
     code, out, err = run_cli(monkeypatch, capsys, "pairs", "--json", "--quantization", "int4")
     assert code == 0, err
     rows = {r["name"]: r for r in json.loads(out)}

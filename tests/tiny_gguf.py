@@ -100,12 +100,13 @@ def make_hf_model(arch: str, seed: int = 0, tie: bool = False, hidden: int = 256
 
 
 def tensor_type(gguf_name: str, mix: str) -> str:
-    """The ggml type of a 2-D weight under `mix` (q4_k_m: Q6_K for v, down, embeddings)."""
+    """The ggml type of a 2-D weight under `mix` (q4_k_m: Q6_K for v, down and the output
+    matrix, Q4_K for the rest, the embedding included, as in the offline 1.5B's file)."""
     if mix == "q8_0":
         return "Q8_0"
     if mix == "f32":
         return "F32"
-    return "Q6_K" if any(p in gguf_name for p in ("attn_v", "ffn_down", "token_embd", "output.")) else "Q4_K"
+    return "Q6_K" if any(p in gguf_name for p in ("attn_v", "ffn_down", "output.")) else "Q4_K"
 
 
 def write_gguf(path: Path, model, arch: str, mix: str) -> Path:

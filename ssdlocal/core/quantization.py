@@ -49,14 +49,16 @@ def bytes_per_param(scheme: str, dtype: str = "bfloat16") -> float:
     return float(size)
 
 
-def quantized_gb(params_b: float, embed_b: float, scheme: str, dtype: str = "bfloat16") -> float:
+def quantized_gb(params_b: float, embed_b: float, scheme: str, dtype: str = "bfloat16",
+                 embed_bytes: float | None = None) -> float:  # fmt: skip
     """Weight memory in GB of a model of `params_b` billion parameters, `embed_b` of them in
-    the token embedding (which stays in `dtype`; a quantized copy serves as lm_head).
+    the token embedding, which takes `embed_bytes` per weight (None: the dtype's size; a
+    GGUF's embedding stays quantized) while a quantized copy of it serves as lm_head.
 
-    Counts every parameter at the quantized rate plus the embedding at full size: exact
-    for tied embeddings, a little high (by the lm_head's codes) for untied ones.
+    Counts every parameter at the quantized rate plus the embedding: exact for tied
+    embeddings, a little high (by the lm_head's codes) for untied ones.
     """
     size = _DTYPE_BYTES.get(dtype, 2)
     if scheme == "none":
         return params_b * size
-    return params_b * bytes_per_param(scheme, dtype) + embed_b * size
+    return params_b * bytes_per_param(scheme, dtype) + embed_b * (size if embed_bytes is None else embed_bytes)

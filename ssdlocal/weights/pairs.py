@@ -101,7 +101,9 @@ class Pair:
                 out.append(ref.bf16_gb)
             else:  # no embedding size given: assume a tenth of the model, on the safe side
                 embed = ref.embed_b if ref.embed_b is not None else 0.1 * ref.params_b
-                out.append(round(quantized_gb(ref.params_b, embed, scheme), 2))
+                # a GGUF pair's embedding stays quantized (int8 at most); a safetensors one, bf16
+                embed_bytes = 1.0 if self.source == "pypi" else None
+                out.append(round(quantized_gb(ref.params_b, embed, scheme, embed_bytes=embed_bytes), 2))
         return out[0], out[1]
 
 

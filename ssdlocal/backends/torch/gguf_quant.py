@@ -2,7 +2,8 @@
 
 Nothing ever holds a full-precision copy of the model: each GGUF tensor is read a block
 of rows at a time, turned into the quantized layout (Q4_0/Q4_1/Q4_K change layout
-exactly, other types are de-quantized and re-quantized) and streamed to disk. The cache
+exactly, other types are de-quantized and re-quantized) and streamed to disk. The token
+embedding, quantized in the file already, stays quantized too (_embedding_scheme). The cache
 directory holds config + tokenizer (from the GGUF metadata, via gguf_convert), one
 model.safetensors of codes, scales and the float tensors, and quantization.json; it is
 keyed by the file's sha256 + scheme + dtype, built under a temporary name and renamed,
@@ -282,12 +283,17 @@ def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, config
                 continue
             module, _, leaf = name.rpartition(".")
             rows = _row_order(module, info.shape[0], heads) if permute else None
+            # tied: lm_head gets codes of its own, else it must share a float embedding
+            head_from_embedding = is_quantized_linear("lm_head") and can_quantize(info.shape, scheme)
             if leaf == "weight" and is_quantized_linear(module) and can_quantize(info.shape, scheme):
                 _add_quantized(writer, gguf_path, info, module, scheme, dtype, rows, counts)
+            elif name == "embed_tokens.weight" and (not tied or head_from_embedding):
+                _add_quantized(writer, gguf_path, info, module, _embedding_scheme(info, scheme),
+                               dtype, None, counts)  # fmt: skip
             else:
                 writer.add(_hf(name), _float_tensor(gguf_path, info, dtype, rows))
                 counts["float"] += 1
-            if name == "embed_tokens.weight" and tied and can_quantize(info.shape, scheme):
+            if name == "embed_tokens.weight" and tied and head_from_embedding:
                 _add_quantized(writer, gguf_path, info, "lm_head", scheme, dtype, None, counts)
             releaser.processed(info.shape[0] * info.row_bytes())
             if progress:
@@ -298,6 +304,13 @@ def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, config
     writer.close({"format": "pt"})
     releaser.flush()
     return counts
+
+
+def _embedding_scheme(info: TensorInfo, scheme: str) -> str:
+    """A GGUF's embedding stays quantized: int4 where its values are int4 already (Q4_*,
+    exact), int8 per row otherwise (finer than the 5- and 6-bit types it comes from)."""
+    exact = scheme == "int4" and info.ggml_type in EXACT_INT4 and can_quantize(info.shape, "int4")
+    return "int4" if exact else "int8"
 
 
 def _hf(name: str) -> str:

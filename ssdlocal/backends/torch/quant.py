@@ -9,9 +9,11 @@ them for shards). Knows nothing about files or processes. docs/architecture.md
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,7 +26,6 @@ log = logging.getLogger(__name__)
 # norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 _CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: bounded float32 temporaries
-_PACK_ROWS = 128  # CPU int4 packing in row blocks (its layout is local to 32-row blocks)
 
 
 def is_quantized_linear(module_name: str) -> bool:
@@ -176,7 +177,7 @@ class QuantLinear(nn.Module):
     def _pack(self, w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
         n = w.shape[0]
         if self.kernel in ("int4_cpu", "int4_cuda"):
-            multiple = 16 if self.kernel == "int4_cpu" else 8  # the kernels' N granularity
+            multiple = 32 if self.kernel == "int4_cpu" else 8  # whole row blocks of the layouts
             w = _pad_rows(w, -n % multiple)
             # [K/group, N, 2]: (scale, zero) per group and output feature
             sz = torch.stack((w.scales.t(), w.zeros.t()), dim=-1).to(device, dtype).contiguous()
@@ -233,14 +234,47 @@ def _pad_rows(w: QuantizedWeight, extra: int) -> QuantizedWeight:
 
 
 def _pack_int4_cpu(codes: Tensor) -> Tensor:
-    """uint8 [N, K/2] (high nibble first) -> the CPU kernel's layout, 128 rows at a time."""
+    """uint8 [N, K/2] (high nibble first, N % 32 == 0) -> the CPU kernel's layout.
+
+    That layout (found by probing torch._convert_weight_to_int4pack_for_cpu, and checked
+    against it once per process) stores each block of 32 rows as bytes [K, 16]: byte
+    (k, j) holds row j's value k in its low nibble and row 16 + j's in its high nibble.
+    Built here with a few numpy byte operations per block of rows: no int32 copy of the
+    weights, and no burst of small multithreaded torch ops (they stall on a busy machine).
+    """
+    if not _cpu_layout_known():  # another torch release: let torch pack, 128 rows at a time
+        out = torch.empty_like(codes)
+        for r in range(0, codes.shape[0], 128):
+            block = codes[r : r + 128]
+            q = torch.stack((block >> 4, block & 15), dim=-1).reshape(block.shape[0], -1).to(torch.int32)
+            out[r : r + 128] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        return out
+    return _pack_int4_cpu_numpy(codes)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_layout_known() -> bool:
+    q = torch.randint(0, 16, (64, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    codes = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
+    same = torch.equal(_pack_int4_cpu_numpy(codes), torch._convert_weight_to_int4pack_for_cpu(q, 1))
+    if not same:
+        log.warning("torch's CPU int4 layout changed: packing through torch (slower loads)")
+    return same
+
+
+def _pack_int4_cpu_numpy(codes: Tensor) -> Tensor:
     n, half = codes.shape
-    out = torch.empty(n, half, dtype=torch.uint8)
-    for r in range(0, n, _PACK_ROWS):
-        block = codes[r : r + _PACK_ROWS]
-        q = torch.stack((block >> 4, block & 15), dim=-1).reshape(block.shape[0], 2 * half).to(torch.int32)
-        out[r : r + _PACK_ROWS] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    return out
+    src = codes.numpy()
+    out = np.empty((n, half), dtype=np.uint8)
+    step = max(32, _CHUNK_ELEMENTS // (2 * half) // 32 * 32)
+    for r in range(0, n, step):
+        block = src[r : r + step].reshape(-1, 2, 16, half)  # [B, 2, 16, K/2]
+        low_rows, high_rows = block[:, 0], block[:, 1]  # rows j and 16 + j: [B, 16, K/2]
+        even = (low_rows >> 4) | (high_rows & 0xF0)  # values k = 2i
+        odd = (low_rows & 0x0F) | (high_rows << 4)  # values k = 2i + 1
+        pairs = np.stack((even, odd), axis=-1).reshape(block.shape[0], 16, 2 * half)  # [B, 16, K]
+        out[r : r + step] = pairs.transpose(0, 2, 1).reshape(-1, half)  # [B, K, 16] -> rows
+    return torch.from_numpy(out)
 
 
 def _pack_int4_cuda(codes: Tensor) -> Tensor:
@@ -248,6 +282,28 @@ def _pack_int4_cuda(codes: Tensor) -> Tensor:
     k = codes.shape[1] * 2
     tiles = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
     return torch._convert_weight_to_int4pack(codes.contiguous(), tiles)
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding kept as int8 / int4 codes (a GGUF's embedding is quantized
+    already); a lookup de-quantizes only the rows it gathers, in float32, then `dtype`."""
+
+    def __init__(self, weight: QuantizedWeight, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.scheme, self.group_size, self.dtype = weight.scheme, weight.group_size, dtype
+        self.register_buffer("codes", weight.codes.to(device))
+        self.register_buffer("scales", weight.scales.to(device))  # kept as stored: float32 math
+        self.register_buffer("zeros", None if weight.zeros is None else weight.zeros.to(device))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)  # [B*T]
+        zeros = None if self.zeros is None else self.zeros[flat]
+        rows = QuantizedWeight(self.scheme, self.codes[flat], self.scales[flat], zeros, self.group_size)
+        return rows.dequantize(self.dtype).view(*ids.shape, self.embedding_dim)  # [B, T, hidden]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.scheme}"
 
 
 # --------------------------------------------------------------------------- models
@@ -289,5 +345,5 @@ def model_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["LINEAR_NAMES", "QuantLinear", "QuantizedWeight", "can_quantize", "is_quantized_linear",
+__all__ = ["LINEAR_NAMES", "QuantEmbedding", "QuantLinear", "QuantizedWeight", "can_quantize", "is_quantized_linear",
            "kernel_for", "model_bytes", "pack_int4", "quantize", "quantize_model"]  # fmt: skip

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.gguf_quant import QUANT_FILE, ensure_quantized, gguf_scheme
 from ssdlocal.backends.torch.quant import (
+    QuantEmbedding,
     QuantizedWeight,
     QuantLinear,
     can_quantize,
@@ -96,7 +97,8 @@ def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], sche
                     loader.install(module, quantize(f.read(name), scheme, dtype))
                 else:
                     tensor = f.read(name)
-                    if tied and from_float and key == "embed_tokens.weight" and can_quantize(tensor.shape, scheme):
+                    if (tied and from_float and key == "embed_tokens.weight" and "lm_head" in linears
+                            and can_quantize(tensor.shape, scheme)):
                         loader.install("lm_head", quantize(tensor, scheme, dtype))  # its own codes
                     loader.floats[key] = shard(key, tensor).to(device=device, dtype=dtype)
     loader.finish(expected, tied, ckpt)
@@ -115,11 +117,16 @@ class _Filler:
     def add_part(self, module: str, leaf: str, tensor: Tensor) -> None:
         parts = self.parts.setdefault(module, {})
         parts[leaf] = tensor
-        if {"codes", "scales"} <= parts.keys() and (self.scheme == "int8" or "zeros" in parts):
-            codes, zeros = parts["codes"], parts.get("zeros")
-            group = codes.shape[1] * 2 // zeros.shape[1] if zeros is not None else 0
-            self.install(module, QuantizedWeight(self.scheme, codes, parts["scales"], zeros, group))
-            del self.parts[module]
+        codes = parts.get("codes")
+        if codes is None or "scales" not in parts:
+            return
+        scheme = "int8" if codes.dtype == torch.int8 else "int4"  # an embedding may differ
+        if scheme == "int4" and "zeros" not in parts:
+            return
+        zeros = parts.get("zeros")
+        group = codes.shape[1] * 2 // zeros.shape[1] if zeros is not None else 0
+        self.install(module, QuantizedWeight(scheme, codes, parts["scales"], zeros, group))
+        del self.parts[module]
 
     def install(self, module: str, weight: QuantizedWeight) -> None:
         if weight.scales.dtype != self.dtype:  # a checkpoint stored for another dtype
@@ -128,6 +135,10 @@ class _Filler:
                                      weight.group_size)  # fmt: skip
         old = self.model.get_submodule(module)
         weight = self.shard(f"{module}.weight", weight)
+        if module == "embed_tokens":  # a quantized checkpoint's embedding: codes, looked up
+            replace_module(self.model, module, QuantEmbedding(weight, dtype=self.dtype, device=self.device))
+            self.installed.add(module)
+            return
         replace_module(self.model, module, QuantLinear(
             weight, None, dtype=self.dtype, device=self.device,
             reduce=hasattr(old, "group"), group=getattr(old, "group", None),
@@ -141,7 +152,7 @@ class _Filler:
             if leaf == "bias":  # QuantLinear adds it after any all_reduce
                 self.model.get_submodule(module).bias = nn.Parameter(self.floats.pop(key), requires_grad=False)
         provided = set(self.floats) | {f"{m}.weight" for m in self.installed}
-        provided |= {f"{m}.bias" for m in self.installed if self.model.get_submodule(m).bias is not None}
+        provided |= {f"{m}.bias" for m in self.installed if getattr(self.model.get_submodule(m), "bias", None) is not None}
         if tied and "lm_head" not in self.installed:
             expected = expected - {"lm_head.weight"}
         missing, unexpected = sorted(expected - provided), sorted(provided - expected)
@@ -165,30 +176,36 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str) -> int:
     `scheme` in `dtype`, from file headers only."""
     from math import prod
 
-    from ssdlocal.backends.torch.gguf_quant import hf_name
+    from ssdlocal.backends.torch.gguf_quant import _embedding_scheme, hf_name
     from ssdlocal.backends.torch.gguf_read import GGUFHeader
     from ssdlocal.core.quantization import bytes_per_param
 
     path = Path(path).expanduser()
     if path.is_dir() and quant_info(path):
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
     shapes: dict[str, tuple[int, ...]] = {}
+    embedding = float(size)  # bytes per embedding weight: floats stay floats
     if path.is_file():
         for t in GGUFHeader.read(path).tensors:
             name = hf_name(t.name)
             if name is not None:
                 shapes[name] = t.shape
+            if name == "embed_tokens.weight":  # a GGUF's embedding stays quantized
+                embedding = bytes_per_param(_embedding_scheme(t, scheme), dtype)
     else:
         for file in sorted(path.glob("*.safetensors")):
             with SafetensorsReader(file) as f:
                 shapes.update({k.removeprefix("model."): f.shape(k) for k in f.keys()})
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
     tied = "lm_head.weight" not in shapes
     total = 0.0
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
         quantized = leaf == "weight" and is_quantized_linear(module) and can_quantize(shape, scheme)
-        total += prod(shape) * (bytes_per_param(scheme, dtype) if quantized else size)
-        if tied and name == "embed_tokens.weight" and can_quantize(shape, scheme):
-            total += prod(shape) * bytes_per_param(scheme, dtype)  # lm_head's own codes
+        if name == "embed_tokens.weight":
+            total += prod(shape) * embedding
+            if tied and can_quantize(shape, scheme):
+                total += prod(shape) * bytes_per_param(scheme, dtype)  # lm_head's own codes
+        else:
+            total += prod(shape) * (bytes_per_param(scheme, dtype) if quantized else size)
     return int(total)
