@@ -343,3 +343,44 @@ def test_cpu_int4_layout_matches_torch_packing():
         q = torch.randint(0, 16, (n, k), dtype=torch.int32)
         codes = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
         assert torch.equal(quant._pack_int4_cpu_numpy(codes), torch._convert_weight_to_int4pack_for_cpu(q, 1))
+
+
+def test_quantize_model_equals_quantized_load(tiny_dir):
+    """Swapping a loaded float model's linears gives the model a quantized load gives."""
+    from ssdlocal.backends.torch.quant import quantize_model
+
+    for scheme in ("int8", "int4"):
+        swapped = load_model(tiny_dir["qwen2"], "cpu", "float32")
+        quantize_model(swapped.model, scheme)
+        assert isinstance(swapped.model.lm_head, QuantLinear)
+        loaded = load_model(tiny_dir["qwen2"], "cpu", "float32", scheme)
+        assert torch.equal(logits(swapped), logits(loaded))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_equal_dequantized_matmul(scheme, dtype):
+    w, bias = torch.randn(200, 384) * 0.05, torch.randn(200)
+    qw = quantize(w, scheme, dtype)
+    lin = QuantLinear(qw, bias, dtype=dtype, device="cuda")
+    want_kernel = {("int4", torch.bfloat16): "int4_cuda", ("int4", torch.float32): "int4_dequant"}
+    assert lin.kernel == want_kernel.get((scheme, dtype), "int8_cuda")
+    x = torch.randn(3, 7, 384).to(dtype)
+    ref = x.float() @ qw.dequantize().t() + bias.to(dtype).float()
+    out = lin(x.cuda()).float().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (out - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.gpu
+def test_cuda_quantized_model_matches_cpu(gguf_files):
+    path, _ = gguf_files["llama", "q4_k_m"]
+    cpu = logits(load_model(path, "cpu", "bfloat16", "int4"), torch.bfloat16)
+    gpu = load_model(path, "cuda", "bfloat16", "int4")
+    t = IDS.shape[1]
+    pos = torch.arange(t, device="cuda")[None]
+    gpu.model.setup_cache(1, t, torch.bfloat16, "cuda")
+    mask = torch.ones(1, t, t, dtype=torch.bool, device="cuda").tril()
+    out = gpu.model(IDS.cuda(), pos, pos, mask).float().cpu()
+    assert (out - cpu).abs().max() < 0.05 * cpu.abs().max()

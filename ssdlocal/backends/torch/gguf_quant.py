@@ -49,7 +49,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 QUANT_FILE = "quantization.json"  # in a quantized checkpoint: scheme, group size, dtype, source
 _MARKER = "ssdlocal-quantize.json"
 _META_MARKER = "ssdlocal-meta.json"
-_FORMAT = 1
+_FORMAT = 2  # in the cache key: a new layout never reads an old cache
 _ROWS_ELEMENTS = 1 << 20  # weights per block of rows read from the GGUF
 _GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _BLOCK = {
@@ -123,7 +123,7 @@ def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
 
 def quantized_dir(gguf_path: Path, scheme: str, dtype: str) -> Path:
     stem = gguf_path.name.removesuffix(".gguf")
-    return cache_dir() / "quantized" / f"{stem}-{scheme}-{dtype}-{content_key(gguf_path)[:16]}"
+    return cache_dir() / "quantized" / f"{stem}-{scheme}-{dtype}-v{_FORMAT}-{content_key(gguf_path)[:16]}"
 
 
 @contextlib.contextmanager
