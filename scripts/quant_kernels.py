@@ -4,7 +4,9 @@ For the 1536x8960 (gate/up) and 8960x1536 (down) projections of Qwen2.5-1.5B, ti
 bf16 `F.linear`, the int8 kernel (`torch._weight_int8pack_mm`), the int4 kernel
 (`torch._weight_int4pack_mm_for_cpu`, group 32) and the small-M variants tried for
 QuantLinear, for M = 1..16 rows. Variants run interleaved, `--repeats` rounds of
-`--inner` calls each; the table shows the median milliseconds per call.
+`--inner` calls each; the table shows the median milliseconds per call. "kernel" rows
+call torch's op directly, "QuantLinear" rows the module (which splits M = 4q + r rows
+into two calls); `--ideas` adds the variants that were tried and rejected.
 
     python scripts/quant_kernels.py [--threads 2] [--ms 1,2,3,4,5,6,8,16]
 """
@@ -80,12 +82,15 @@ def main() -> None:
         w = (torch.randn(n, k) * 0.02).bfloat16()
         int8 = QuantLinear(quantize(w, "int8", torch.bfloat16), None, dtype=torch.bfloat16, device="cpu")
         int4 = QuantLinear(quantize(w, "int4", torch.bfloat16), None, dtype=torch.bfloat16, device="cpu")
-        variants = {"bf16": lambda x: F.linear(x, w), "int8": int8, "int4": int4}
-        if opts.ideas:
+        variants = {
+            "bf16 `F.linear`": lambda x: F.linear(x, w),
+            "int8 kernel": int8._cpu_mm, "int8 QuantLinear (split rows)": int8,
+            "int4 kernel": int4._cpu_mm, "int4 QuantLinear (split rows)": int4,
+        }  # fmt: skip
+        if opts.ideas:  # tried and rejected (QuantLinear's split is _split_rows(kernel, 4))
             variants.update({
-                "int8 tiled dequant": _tiled_dequant_int8(int8),
-                "int4 split 4+1": _split_rows(int4, 4), "int4 pad to 4": _pad_rows(int4, 4),
-                "int8 split 4+1": _split_rows(int8, 4), "int8 pad to 4": _pad_rows(int8, 4),
+                "int8 tiled dequant + bf16 mm": _tiled_dequant_int8(int8),
+                "int4 pad rows to 4": _pad_rows(int4._cpu_mm, 4), "int8 pad rows to 4": _pad_rows(int8._cpu_mm, 4),
             })  # fmt: skip
         times = {(name, m): [] for name in variants for m in ms}
         inputs = {m: torch.randn(m, k).bfloat16() for m in ms}
