@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ssdlocal.backends.torch.quant import QuantLinear, quantize  # noqa: E402
+from ssdlocal.backends.torch.quant import QuantLinear, quantize
 
 
 def _tiled_dequant_int8(lin: QuantLinear, tile: int = 512):
@@ -83,7 +83,7 @@ def main() -> None:
         int8 = QuantLinear(quantize(w, "int8", torch.bfloat16), None, dtype=torch.bfloat16, device="cpu")
         int4 = QuantLinear(quantize(w, "int4", torch.bfloat16), None, dtype=torch.bfloat16, device="cpu")
         variants = {
-            "bf16 `F.linear`": lambda x: F.linear(x, w),
+            "bf16 `F.linear`": lambda x, w=w: F.linear(x, w),
             "int8 kernel": int8._cpu_mm, "int8 QuantLinear (split rows)": int8,
             "int4 kernel": int4._cpu_mm, "int4 QuantLinear (split rows)": int4,
         }  # fmt: skip

@@ -80,7 +80,7 @@ def run_variant(name: str, path: str, quantization: str, opts, float_lm_head: bo
     env = {**os.environ, **env}
     if float_lm_head:  # its own cache: the cache key does not know about this experiment
         env["SSDLOCAL_CACHE"] = f"{opts.out}/cache-float-lm-head"
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,7 +114,7 @@ def main() -> None:
                                                    "load_peak_mb": results[name]["load_peak_mb"]}  # fmt: skip
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"}), flush=True)
     ref = torch.load(f"{opts.out}/bf16.pt").float() if "bf16" in results else None
-    print(f"\n| variant | weights MB | load s (first) | peak MB (load / run) | AR tok/s | top-1 vs bf16 | KL vs bf16 |")
+    print("\n| variant | weights MB | load s (first) | peak MB (load / run) | AR tok/s | top-1 vs bf16 | KL vs bf16 |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "tok_s" not in r:

@@ -12,7 +12,13 @@ import pytest
 import torch
 from cli_helpers import assert_clean_error, run_cli
 
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
@@ -227,3 +233,23 @@ def test_check_and_bench_on_quantized_target(monkeypatch, capsys, tiny_dir, tmp_
     settings = json.loads((tmp_path / "results.json").read_text())["settings"]
     assert (settings["quantization"], settings["draft_quantization"]) == ("int8", "none")
     assert "weights int8" in (tmp_path / "results.md").read_text()
+
+
+def test_pull_prepares_the_quantized_cache(monkeypatch, capsys, tmp_path):
+    """`pull` of the offline (GGUF) pair builds what `generate --quantization auto` loads."""
+    import tiny_gguf
+
+    from ssdlocal.weights import assets
+
+    model = tiny_gguf.make_hf_model("qwen2", seed=5, tie=True)
+    files = {name: tiny_gguf.write_gguf(tmp_path / f"{name}.gguf", model, "qwen2", "q4_k_m")
+             for name in (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT)}  # fmt: skip
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(assets, "fetch_gguf", lambda name, progress=None, cache=None: files[name])
+    monkeypatch.setattr(assets, "ensure_default_pair", lambda *a, **k: pytest.fail("bf16 conversion"))
+    code, out, err = run_cli(monkeypatch, capsys, "pull", "qwen2.5-coder-1.5b-offline")
+    assert code == 0, err
+    root = tmp_path / "cache" / "quantized"
+    for role, name in (("target", assets.DEFAULT_TARGET), ("draft", assets.DEFAULT_DRAFT)):
+        (built,) = [d for d in root.glob(f"{name}-int4-bfloat16-*") if d.is_dir()]
+        assert f"{role}: {built}" in out and (built / "quantization.json").is_file()

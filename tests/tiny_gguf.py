@@ -36,7 +36,7 @@ def _f16(x: np.ndarray) -> np.ndarray:
 def encode_q4_k(w: np.ndarray) -> np.ndarray:
     """W [N, K] (K % 256 == 0) -> Q4_K bytes [N, K/256*144]: per 32 weights a 6-bit scale
     and min under per-256 fp16 super-scales, 4-bit values (ggml's layout)."""
-    n, k = w.shape
+    n = w.shape[0]
     x = w.astype(np.float32).reshape(-1, 8, 32)  # [nb, 8, 32]
     lo = np.minimum(x.min(-1), 0.0)  # [nb, 8] (mins are stored as non-negative offsets)
     scale = (x.max(-1) - lo) / 15
@@ -60,7 +60,7 @@ def encode_q4_k(w: np.ndarray) -> np.ndarray:
 def encode_q6_k(w: np.ndarray) -> np.ndarray:
     """W [N, K] (K % 256 == 0) -> Q6_K bytes [N, K/256*210]: int8 scale per 16 weights
     under an fp16 super-scale, 6-bit signed values (ggml's layout)."""
-    n, k = w.shape
+    n = w.shape[0]
     x = w.astype(np.float32).reshape(-1, 16, 16)  # [nb, 16, 16]
     s = np.abs(x).max(-1) / 31  # [nb, 16]
     d = (s.max(-1) / 127).astype(np.float16).astype(np.float32)  # [nb]
@@ -86,13 +86,18 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def make_hf_model(arch: str, seed: int = 0, tie: bool = False, hidden: int = 256, ffn: int = 512,
                   layers: int = 2, heads: int = 4, kv_heads: int = 2):  # fmt: skip
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     tokens, _ = byte_vocab()
-    common = dict(vocab_size=len(tokens), hidden_size=hidden, intermediate_size=ffn,
-                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-                  initializer_range=0.1)  # fmt: skip
+    common = {"vocab_size": len(tokens), "hidden_size": hidden, "intermediate_size": ffn,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": tie,
+              "initializer_range": 0.1}  # fmt: skip
     torch.manual_seed(seed)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0)).eval()

