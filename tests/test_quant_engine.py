@@ -85,10 +85,20 @@ def test_quantized_target_float_draft_and_unquantized_target_differ(tiny_dir):
     assert outs["none"] != outs["int4"]  # 4-bit weights change some greedy choices here
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_tp2_quantized_equals_tp1(tiny_dir, scheme):
+@pytest.mark.parametrize("scheme", ["int8", "int4", "gguf"])
+def test_tp2_quantized_equals_tp1(tiny_dir, tmp_path, monkeypatch, scheme):
+    """Safetensors quantized while loading, and a Q4_K_M GGUF's cached int4 checkpoint
+    (quantized embedding, int4 column slices of o_proj/down_proj read from the cache)."""
+    path, quantization = str(tiny_dir["qwen2"]), scheme
+    if scheme == "gguf":
+        import tiny_gguf
+
+        monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))  # read by the ranks too
+        model = tiny_gguf.make_hf_model("qwen2", seed=4, tie=True)
+        path, quantization = str(tiny_gguf.write_gguf(tmp_path / "t.gguf", model, "qwen2", "q4_k_m")), "auto"
+
     def cfg(devices):
-        return EngineConfig(target=ModelSpec(str(tiny_dir["qwen2"]), quantization=scheme),
+        return EngineConfig(target=ModelSpec(path, quantization=quantization),
                             pin_cpus=False, target_devices=devices)  # fmt: skip
 
     with Engine(cfg(())) as one:

@@ -101,17 +101,18 @@ def pairs(
             json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n"
         )
         return
-    memory = "GGUF" if backend != "torch" else {"none": "bf16", "auto": "as loaded"}.get(quantization, quantization)
-    table = Table(title=f"ssdlocal pairs ({backend}; weight sizes in GB, {memory})")
+    memory = "GGUF" if backend != "torch" else {
+        "none": "bf16", "auto": "as loaded: GGUF pairs quantized, others bf16"
+    }.get(quantization, quantization)  # fmt: skip
+    table = Table(title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})")
     table.add_column("name", no_wrap=True)
-    for col in ("target", "draft", "weights", "backends", "pulled", "fits here"):
+    for col in ("target", "draft", "backends", "pulled", "fits here"):
         table.add_column(col)
     for r in rows:
         table.add_row(
             r["name"],
             _gb(r["target_gb"]),
             _gb(r["draft_gb"]),
-            {"none": "bf16"}.get(r["quantization"], r["quantization"]),
             ",".join(r["backends"]),
             "yes" if r["downloaded"] else "no",
             f"[green]yes[/green] {r['short']}" if r["fits"] else "[red]no[/red]",
