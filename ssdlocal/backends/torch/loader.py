@@ -112,8 +112,12 @@ def config_dir(path: str | Path) -> Path:
     (a .gguf file's metadata is extracted once into a small cached directory)."""
     path = _checked(path)
     if path.is_file():
+        from ssdlocal.backends.torch.gguf_convert import _MARKER, converted_dir
         from ssdlocal.backends.torch.gguf_quant import metadata_dir
 
+        for dtype in ("bfloat16", "float32", "float16"):  # a float conversion has them too
+            if (converted_dir(path, dtype) / _MARKER).is_file():
+                return converted_dir(path, dtype)
         return metadata_dir(path)
     return path
 
