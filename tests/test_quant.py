@@ -389,3 +389,17 @@ def test_cuda_quantized_model_matches_cpu(gguf_files):
     mask = torch.ones(1, t, t, dtype=torch.bool, device="cuda").tril()
     out = gpu.model(IDS.cuda(), pos, pos, mask).float().cpu()
     assert (out - cpu).abs().max() < 0.05 * cpu.abs().max()
+
+
+def test_hf_peer_reads_a_gguf_target_through_its_float_conversion(gguf_files, tmp_path):
+    """bench's transformers peers get a checkpoint directory even when our target is a
+    .gguf file (the default pair under --quantization auto)."""
+    from ssdlocal.bench.peers import HFPeer, PeerOptions
+
+    path = tmp_path / "f32.gguf"
+    tiny_gguf.write_gguf(path, gguf_files["qwen2", "q8_0"][1], "qwen2", "f32")
+    peer = HFPeer("hf-assisted", PeerOptions(str(path), str(path), "float32", "cpu", 2), frozenset({0}), 0)
+    with torch.no_grad():
+        want = gguf_files["qwen2", "q8_0"][1](IDS).logits
+        got = peer.model(IDS).logits  # the conversion is cached in bf16
+        assert (got - want).abs().max() < 0.05 * want.abs().max() and peer.assistant is not None
