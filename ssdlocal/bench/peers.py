@@ -74,21 +74,23 @@ class HFPeer:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from ssdlocal.backends.torch.loader import resolve_checkpoint
+
         dtype = getattr(torch, opts.dtype)
         self.name = name
         self.torch = torch
         self.device = torch.device(opts.device)
+        # a .gguf target (run quantized by us) is the float model of its cached conversion here
+        target, draft = resolve_checkpoint(opts.target), opts.draft and resolve_checkpoint(opts.draft)
         self.model = (
-            AutoModelForCausalLM.from_pretrained(
-                opts.target, dtype=dtype, trust_remote_code=False
-            ).to(self.device).eval()
+            AutoModelForCausalLM.from_pretrained(target, dtype=dtype, trust_remote_code=False)
+            .to(self.device).eval()
         )
         self.assistant = None
         if name == "hf-assisted":
             self.assistant = (
-                AutoModelForCausalLM.from_pretrained(
-                    opts.draft, dtype=dtype, trust_remote_code=False
-                ).to(self.device).eval()
+                AutoModelForCausalLM.from_pretrained(draft, dtype=dtype, trust_remote_code=False)
+                .to(self.device).eval()
             )
             gc = self.assistant.generation_config
             gc.num_assistant_tokens = opts.k  # same lookahead K as our SD / SSD

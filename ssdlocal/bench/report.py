@@ -98,6 +98,8 @@ def settings_record(run: BenchRun) -> dict:
         "top_p": params.top_p, "seed": params.seed, "batch_size": s.batch_size,
         "max_new_tokens": params.max_new_tokens, "repeats": s.repeats, "chat": s.chat,
         "ignore_eos": params.ignore_eos, "dtype": config.target.dtype,
+        "quantization": run.quantization or config.target.quantization,
+        "draft_quantization": config.draft_model.quantization if config.draft_model else None,
         "target_device": config.target.device,
         "draft_device": config.draft_model.device if config.draft_model else None,
         "pin_cpus": config.pin_cpus, "warmup_tokens": s.warmup_tokens,
@@ -176,7 +178,8 @@ def markdown(doc: dict) -> str:
         f"- target: `{s['target']}`  draft: `{s['draft']}`",
         (
             f"- {s['n_prompts']} prompts, batch {s['batch_size']}, max {s['max_new_tokens']} new tokens, "
-            f"K={s['k']}, temperature {s['temperature']}, {s['dtype']}, repeats {s['repeats']}, chat {s['chat']}"
+            f"K={s['k']}, temperature {s['temperature']}, {s['dtype']}, weights {s.get('quantization')}, "
+            f"repeats {s['repeats']}, chat {s['chat']}"
         ),
         f"- {hw['cpu']} ({hw['usable_cores']} usable cores), RAM {hw['ram_gib']} GiB, GPUs: {', '.join(hw['gpus']) or 'none'}",
         f"- ssdlocal {v['ssdlocal']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}",

@@ -78,6 +78,7 @@ class BenchRun:
     skipped: dict[str, str] = field(default_factory=dict)
     exactness: dict[str, dict] = field(default_factory=dict)
     systems: list[str] = field(default_factory=list)
+    quantization: str | None = None  # the target's weights as loaded (none | int8 | int4)
     wall_s: float = 0.0
 
     @property
@@ -110,6 +111,7 @@ def run_bench(
     note("load", 0, 1, "loading target and draft")
     peers: list = []
     with Engine(config) as engine:
+        run.quantization = getattr(engine.target, "quantization", None)  # torch: the resolved scheme
         try:
             ids = {p.id: engine.encode(p.prompt, settings.chat) for p in prompts}
             if settings.peers:

@@ -66,6 +66,8 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Times to run the whole prompt set.")] = 1,
     ignore_eos: o.IgnoreEos = False,
     dtype: o.Dtype = "bfloat16",
+    quantization: o.Quantization = "auto",
+    draft_quantization: o.DraftQuantization = None,
     target_device: o.TargetDevice = "auto",
     draft_device: o.DraftDevice = "auto",
     target_devices: o.TargetDevices = None,
@@ -81,10 +83,12 @@ def bench(
         ),
     ] = False,
     gguf_target: Annotated[
-        str | None, typer.Option(help="GGUF target for the llama.cpp peers.")
+        str | None,
+        typer.Option(help="GGUF target for the llama.cpp peers. Default: the GGUF the target came from."),
     ] = None,
     gguf_draft: Annotated[
-        str | None, typer.Option(help="GGUF draft for llamacpp-assisted.")
+        str | None,
+        typer.Option(help="GGUF draft for llamacpp-assisted. Default: the GGUF the draft came from."),
     ] = None,
     pin: Annotated[
         bool, typer.Option(hidden=True, help="Pin SSD target/draft to disjoint CPUs.")
@@ -108,10 +112,24 @@ def bench(
     chosen = select(load_prompts(prompts), limit)
     why = "--target needs --draft for SD, SSD and hf-assisted" if settings.needs_draft else None
     config = engine_config(gather(ModelOptions, values), spec_opts, need_draft=why)
+    settings = _default_gguf_peers(settings, config)
     pin_cpus = pin and os.environ.get("SSDLOCAL_BENCH_NO_PIN") != "1"
     config = replace(config, pin_cpus=pin_cpus)
     out_dir = out or Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
     _run_and_report(config, chosen, settings, params, out_dir, project)
+
+
+def _default_gguf_peers(settings, config):
+    """llama.cpp peers default to the GGUF files the target and draft came from."""
+    if not any(p.startswith("llamacpp") for p in settings.peers):
+        return settings
+    from ssdlocal.backends.registry import gguf_source
+
+    return replace(
+        settings,
+        gguf_target=settings.gguf_target or gguf_source(config.target.path),
+        gguf_draft=settings.gguf_draft or gguf_source(config.spec.draft),
+    )
 
 
 def _run_and_report(config, prompts, settings, params, out_dir: Path, with_projection: bool) -> None:
@@ -168,7 +186,7 @@ def render_summary(doc: dict, console) -> None:
     s = doc["settings"]
     table = Table(
         title=f"ssdlocal bench · {s['n_prompts']} prompts · {s['max_new_tokens']} new tokens · "
-        f"K={s['k']} · T={s['temperature']} · {s['dtype']}",
+        f"K={s['k']} · T={s['temperature']} · {s['dtype']} · weights {s.get('quantization')}",
         caption="tok/s = decode tokens / decode time (prefill excluded)",
     )
     for h in HEADERS:

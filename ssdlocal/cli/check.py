@@ -31,6 +31,8 @@ def check(
     dtype: Annotated[
         str, typer.Option(help="float32 (must be identical) | bfloat16 | float16")
     ] = "float32",
+    quantization: o.Quantization = "auto",
+    draft_quantization: o.DraftQuantization = None,
     max_new_tokens: o.FixedNewTokens = 32,
     k: o.K = 4,
     fan_out: o.FanOut = None,

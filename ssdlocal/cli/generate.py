@@ -32,6 +32,8 @@ def generate(
     ignore_eos: o.IgnoreEos = False,
     stop: o.Stop = None,
     dtype: o.Dtype = "bfloat16",
+    quantization: o.Quantization = "auto",
+    draft_quantization: o.DraftQuantization = None,
     target_device: o.TargetDevice = "auto",
     draft_device: o.DraftDevice = "auto",
     target_backend: o.TargetBackend = "auto",

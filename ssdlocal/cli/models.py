@@ -15,6 +15,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ssdlocal.cli import options as o
+from ssdlocal.core.quantization import check_quantization
+
 out = Console(soft_wrap=True)
 
 
@@ -22,11 +25,11 @@ def _gb(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
 
-def _plan_or_reason(inventory, pair, backend: str) -> tuple[object | None, str]:
+def _plan_or_reason(inventory, pair, backend: str, quantization: str) -> tuple[object | None, str]:
     from ssdlocal.core.errors import PlacementError
     from ssdlocal.placement.planner import plan_placement
 
-    t_gb, d_gb = pair.memory_gb(backend)
+    t_gb, d_gb = pair.memory_gb(backend, quantization)
     try:
         plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None)
     except PlacementError as exc:
@@ -62,6 +65,7 @@ def pairs(
     backend: Annotated[
         str, typer.Option(help="Which files count as downloaded: torch | llamacpp")
     ] = "torch",
+    quantization: o.Quantization = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
@@ -71,11 +75,12 @@ def pairs(
     from ssdlocal.weights.pairs import load_pairs
 
     check_backend(backend)
+    check_quantization(quantization)
     inventory = detect()
     rows = []
     for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb)):
-        plan, summary = _plan_or_reason(inventory, pair, backend)
-        t_gb, d_gb = pair.memory_gb(backend)
+        plan, summary = _plan_or_reason(inventory, pair, backend, quantization)
+        t_gb, d_gb = pair.memory_gb(backend, quantization)
         rows.append(
             {
                 "name": pair.name,
@@ -83,6 +88,7 @@ def pairs(
                 "draft": pair.draft.label,
                 "target_gb": t_gb,
                 "draft_gb": d_gb,
+                "quantization": pair.schemes(quantization)[0] if backend == "torch" else "gguf",
                 "backends": list(pair.backends),
                 "source": pair.source,
                 "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
@@ -98,7 +104,9 @@ def pairs(
             json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n"
         )
         return
-    memory = "bf16" if backend == "torch" else "GGUF"
+    memory = "GGUF" if backend != "torch" else {
+        "none": "bf16", "auto": "GGUF pairs quantized, others bf16"
+    }.get(quantization, quantization)  # fmt: skip
     # no vertical rules: a row fits on one line of an 80-column terminal; narrower ones
     # wrap the backends and placement cells (never an ellipsis)
     table = Table(
@@ -159,6 +167,13 @@ def pull(
         typer.Option(help="Trust the commit the pair's revision resolves to now, replacing the "
                      "locked one from the first pull."),
     ] = False,
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="Weights to prepare for the torch backend, as `generate` will load them: none "
+            "(a bf16 checkpoint from a GGUF pair) | int8 | int4 | auto (a GGUF's own class)."
+        ),
+    ] = "auto",
 ) -> None:
     """Download a pair's target and draft, and lock the commit (trusted on first use).
 
@@ -171,12 +186,17 @@ def pull(
     from ssdlocal.weights.pairs import get_pair
 
     check_backend(backend)
+    check_quantization(quantization)
     found = get_pair(pair)
     err_console.print(
         f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}"
     )
     with progress_callback() as progress:
-        result = hub_pull(found, backend, dtype=dtype, progress=progress, update=update)
+        result = hub_pull(
+            found, backend, dtype=dtype, progress=progress, update=update, quantization=quantization
+        )
+        if backend == "torch" and quantization != "none":
+            result = _prepare_quantized(result, quantization, dtype, progress)
     for role, path, commit in (
         ("target", result.target, result.commits[0]),
         ("draft", result.draft, result.commits[1]),
@@ -184,6 +204,20 @@ def pull(
         at = f" (commit {commit})" if commit else ""
         out.print(f"{role}: {path}{at}")
     out.print(f'[dim]use it: ssdlocal generate --pair {found.name} "your prompt"[/dim]')
+
+
+def _prepare_quantized(result, quantization: str, dtype: str, progress):
+    """Build the quantized caches of a pulled pair's GGUF files now, not at the first run."""
+    import dataclasses
+
+    from ssdlocal.backends.torch.quant_load import quantized_checkpoint, resolve_scheme
+
+    paths = []
+    for path in (result.target, result.draft):
+        scheme = resolve_scheme(path, quantization)
+        is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+        paths.append(quantized_checkpoint(path, scheme, dtype, progress) if is_gguf and scheme != "none" else path)
+    return dataclasses.replace(result, target=paths[0], draft=paths[1])
 
 
 # --------------------------------------------------------------------------- devices
@@ -200,6 +234,7 @@ def devices(
         float | None, typer.Option(help="Plan for a target of this many GB instead of a pair.")
     ] = None,
     draft_gb: Annotated[float, typer.Option(help="Draft size in GB with --target-gb.")] = 1.0,
+    quantization: o.Quantization = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Show GPUs, CPU and RAM, and the placement plan for a pair (refused if it cannot fit)."""
@@ -212,6 +247,7 @@ def devices(
     from ssdlocal.weights.pairs import get_pair
 
     check_backend(backend)
+    check_quantization(quantization)
     if target_gb is not None:
         label, t_gb, d_gb, heads = (
             f"{target_gb:g} GB target + {draft_gb:g} GB draft",
@@ -221,7 +257,7 @@ def devices(
         )
     else:
         found = get_pair(pair or OFFLINE_PAIR)
-        t_gb, d_gb = found.memory_gb(backend)
+        t_gb, d_gb = found.memory_gb(backend, quantization)
         label, heads = found.name, _heads(found)
     inventory = detect()
     if as_json:

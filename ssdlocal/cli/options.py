@@ -40,6 +40,16 @@ TargetDevices = Annotated[
         "--target-device); auto = the planner's target and draft devices."
     ),
 ]
+Quantization = Annotated[
+    str,
+    typer.Option(
+        help="Weights (torch backend): none | int8 | int4 | auto. auto = a GGUF's own class "
+        "(Q4_*/Q5_* -> int4, Q8_0/Q6_K -> int8, F16/BF16/F32 -> none); safetensors -> none."
+    ),
+]
+DraftQuantization = Annotated[
+    str | None, typer.Option(help="Draft weights when they differ from --quantization.")
+]
 TargetBackend = Annotated[
     str,
     typer.Option(

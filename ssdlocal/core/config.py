@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.quantization import check_quantization
 
 SEED_MAX = 2**64 - 1  # seeds are 64-bit: 0 ..= SEED_MAX in every mode
 MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy)
@@ -162,10 +163,20 @@ class ModelSpec:
     device: str = "cpu"
     dtype: str = "float32"
     backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
+    # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
+    # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "llamacpp"):
             raise UsageError(f"unknown backend {self.backend!r}", "choose one of: torch, llamacpp")
+        check_quantization(self.quantization)
+        if self.backend == "llamacpp" and self.quantization in ("int8", "int4"):
+            raise UsageError(
+                f"--quantization {self.quantization} applies to the torch backend only",
+                "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
+                "or use the torch backend",
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UsageError(
                 f"unknown dtype {self.dtype!r}", "choose one of: float32, bfloat16, float16"

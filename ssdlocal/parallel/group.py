@@ -318,7 +318,9 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
             f"tensor parallelism needs the torch backend, not {spec.backend}",
             "drop --target-devices, or load the checkpoint with the torch backend",
         )
-    args = ModelArgs.from_hf_config(load_hf_config(resolve_checkpoint(spec.path)))
+    # converts a .gguf once here (float or quantized), so the ranks find it in the cache
+    ckpt = resolve_checkpoint(spec.path, getattr(spec, "quantization", "none"), spec.dtype)
+    args = ModelArgs.from_hf_config(load_hf_config(ckpt))
     check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, len(devices))
     group = RankGroup(spec, devices, **timeouts)
     try:

@@ -2,7 +2,8 @@
 
 Each rank reads only its rows of q/k/v/gate/up and its columns of o_proj/down_proj
 (plus the replicated embeddings, norms and lm_head), so host memory per rank is about
-weights / TP + the replicated part, not the whole model. The sharded module layout
+weights / TP + the replicated part, not the whole model. Quantized weights are read one
+tensor at a time, quantized whole and then split (shard_value). The sharded module layout
 comes from tp.apply_tensor_parallel on a meta-device model, so loading and sharding
 cannot disagree. Reuses the loader's checks; knows nothing about processes.
 """
@@ -26,6 +27,8 @@ from ssdlocal.backends.torch.loader import (
     weight_files,
 )
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
+from ssdlocal.backends.torch.quant import QuantizedWeight
+from ssdlocal.backends.torch.quant_load import load_quantized_weights, resolve_scheme
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
 from ssdlocal.parallel.tp import apply_tensor_parallel, check_divisible
@@ -59,9 +62,29 @@ def _read(f, name: str, rule: str | None, rank: int, world: int) -> torch.Tensor
     return part[rank * n : (rank + 1) * n] if dim == 0 else part[:, rank * n : (rank + 1) * n]
 
 
+def shard_value(key: str, value, rank: int, world: int):
+    """The rank's part of a whole tensor or QuantizedWeight `key` (quantized weights are
+    quantized whole, then split: every rank then holds exactly TP=1's codes and scales)."""
+    rule = shard_rule(key)
+    if rule is None:
+        return value
+    dim = 0 if rule == "rows" else 1
+    n = value.shape[dim] // world
+    if n * world != value.shape[dim]:
+        raise ModelLoadError(f"{key} has {value.shape[dim]} features, not divisible by {world} ranks",
+                             "use a number of target devices that divides the model's head counts")
+    if isinstance(value, QuantizedWeight):
+        if rule == "cols" and value.scheme == "int4" and n % value.group_size:
+            raise ModelLoadError(f"{key}: {n} input features per rank split the int4 groups of "
+                                 f"{value.group_size}", "use fewer target devices, or --quantization int8")
+        return value.rows(rank * n, (rank + 1) * n) if dim == 0 else value.cols(rank * n, (rank + 1) * n)
+    return value.narrow(dim, rank * n, n).contiguous()
+
+
 def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer: bool = True) -> LoadedModel:
     """The rank's shard of `spec` on `device`; `args` stays the full model's, `model.args` per rank."""
-    ckpt = resolve_checkpoint(spec.path)
+    scheme = resolve_scheme(spec.path, spec.quantization)
+    ckpt = resolve_checkpoint(spec.path, scheme, spec.dtype)
     hf_config = load_hf_config(ckpt)
     args = ModelArgs.from_hf_config(hf_config)
     check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, world)
@@ -72,12 +95,16 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
         model = Transformer(args)
     apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors
     try:
-        state = read_state_dict(
-            files, dev, dtype, tied=args.tie_word_embeddings,
-            read=lambda f, name, key: _read(f, name, shard_rule(key), rank, world),
-        )  # fmt: skip
-        assign_weights(model, state, ckpt)
-        del state
+        if scheme != "none":
+            load_quantized_weights(model, ckpt, files, scheme, dev, dtype,
+                                   shard=lambda key, value: shard_value(key, value, rank, world))  # fmt: skip
+        else:
+            state = read_state_dict(
+                files, dev, dtype, tied=args.tie_word_embeddings,
+                read=lambda f, name, key: _read(f, name, shard_rule(key), rank, world),
+            )  # fmt: skip
+            assign_weights(model, state, ckpt)
+            del state
     except torch.OutOfMemoryError as exc:
         raise OutOfMemoryError(
             f"not enough memory on {dev} for rank {rank}'s shard of {ckpt}",
@@ -85,4 +112,4 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
         ) from exc
     model.requires_grad_(False).eval()
     log.info("rank %d/%d: loaded its shard of %s on %s", rank, world, ckpt, dev)
-    return LoadedModel(model, tok, args, hf_config, ckpt, dev, dtype, eos_ids(ckpt, hf_config, tok))
+    return LoadedModel(model, tok, args, hf_config, ckpt, dev, dtype, eos_ids(ckpt, hf_config, tok), scheme)

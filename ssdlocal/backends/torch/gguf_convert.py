@@ -214,15 +214,9 @@ def _convert(
     model supplies the GGUF -> HF name map and the expected parameter names.
     """
     try:
-        import numpy as np
         import torch
         from safetensors.torch import save_file
-        from transformers import (
-            AutoConfig,
-            AutoModelForCausalLM,
-            AutoTokenizer,
-            GenerationConfig,
-        )
+        from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as exc:
         raise ModelLoadError(
@@ -234,13 +228,11 @@ def _convert(
         if progress:
             progress("convert", i, _STEPS)
 
-    folder, name = str(gguf_path.parent), gguf_path.name
     torch_dtype = getattr(torch, dtype)
     step(0)
+    config, tokenizer = read_config_and_tokenizer(gguf_path)
+    step(1)
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
-        step(1)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
         with _no_foreign_progress_bars(progress):
@@ -248,10 +240,7 @@ def _convert(
                 str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
             )
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
-        raise ModelLoadError(
-            f"transformers could not load {gguf_path.name}: {exc}",
-            "the file may be damaged (delete and fetch again) or use an unsupported quantization",
-        ) from exc
+        raise _unreadable(gguf_path, exc) from exc
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
     step(2)
     expected = set(model.state_dict())
@@ -267,12 +256,6 @@ def _convert(
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     _check_free_space(tmp.parent, need)
     tmp.mkdir(parents=True)
-    config.architectures = [type(model).__name__]
-    # GGUF stores floats as float32: 1e-6 arrives as 9.99999997e-07. Keep the short form.
-    if isinstance(getattr(config, "rms_norm_eps", None), float):
-        config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
-    config.dtype = torch_dtype
-    config.save_pretrained(tmp)
     # Tied checkpoints store only model.embed_tokens.weight (like HF's own Qwen2.5 files).
     try:
         save_file(
@@ -284,10 +267,7 @@ def _convert(
         raise _disk_error(exc, tmp, need) or exc
     del tensors, parsed
     step(3)
-    gen = GenerationConfig.from_model_config(config)
-    _set_generation_config(gen, tokenizer)
-    gen.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    write_config_and_tokenizer(tmp, config, tokenizer, type(model).__name__, torch_dtype)
     _check_saved(tmp, meta)
     step(4)
 
@@ -300,6 +280,43 @@ def _check_free_space(where: Path, need: int) -> None:
             f"{human_bytes(free)} free, ~{human_bytes(need)} needed",
             "free some space or point SSDLOCAL_CACHE at a larger disk, then rerun",
         )
+
+
+def _unreadable(gguf_path: Path, exc: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"transformers could not load {gguf_path.name}: {exc}",
+        "the file may be damaged (delete and fetch again) or use an unsupported quantization",
+    )
+
+
+def read_config_and_tokenizer(gguf_path: Path) -> tuple[object, object]:
+    """transformers' config and tokenizer built from a GGUF file's metadata (no weights read)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        return (AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False),
+                AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False))  # fmt: skip
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        raise _unreadable(gguf_path, exc) from exc
+
+
+def write_config_and_tokenizer(out: Path, config, tokenizer, architecture: str, torch_dtype) -> None:
+    """Save config.json, generation_config.json and the tokenizer files into `out`."""
+    import numpy as np
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    config.architectures = [architecture]
+    # GGUF stores floats as float32: 1e-6 arrives as 9.99999997e-07. Keep the short form.
+    if isinstance(getattr(config, "rms_norm_eps", None), float):
+        config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
+    config.dtype = torch_dtype
+    config.save_pretrained(out)
+    gen = GenerationConfig.from_model_config(config)
+    _set_generation_config(gen, tokenizer)
+    gen.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _set_generation_config(gen: object, tokenizer: object) -> None:
@@ -319,7 +336,6 @@ def _set_generation_config(gen: object, tokenizer: object) -> None:
 def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
     """The saved checkpoint must hold the tensors and chat template we rely on."""
     from safetensors import safe_open
-    from transformers import AutoTokenizer
 
     config = json.loads((tmp / "config.json").read_text())
     weights = tmp / "model.safetensors"
@@ -335,8 +351,15 @@ def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
         raise ModelLoadError(
             f"converted checkpoint lacks tensors {sorted(missing)}", "report a bug"
         )
+    check_chat_template(tmp, meta)
+
+
+def check_chat_template(out: Path, meta: dict[str, object]) -> None:
+    """A GGUF with a chat template must keep it in the saved tokenizer files."""
+    from transformers import AutoTokenizer
+
     if meta.get("has_chat_template"):
-        tok = AutoTokenizer.from_pretrained(str(tmp), trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
         if not tok.chat_template:
             raise ModelLoadError(
                 "the GGUF file has a chat template but the converted tokenizer lost it",

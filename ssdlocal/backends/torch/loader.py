@@ -15,6 +15,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ssdlocal.backends.torch.model import ModelArgs, Transformer, _unsupported
+from ssdlocal.backends.torch.quant_load import (
+    load_quantized_weights,
+    quantized_checkpoint,
+    resolve_scheme,
+)
 from ssdlocal.core.errors import (
     ModelLoadError,
     OutOfMemoryError,
@@ -45,6 +50,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    quantization: str = "none"  # the scheme the linears hold: none | int8 | int4
 
 
 def parse_dtype(dtype: str | torch.dtype, hf_config=None) -> torch.dtype:
@@ -78,19 +84,42 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Return an HF checkpoint directory for `path`, converting a .gguf file if needed."""
+def _checked(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist", hint=CHECKPOINT_HINT)
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path} is a file but not a .gguf file", hint=CHECKPOINT_HINT)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json", hint=CHECKPOINT_HINT)
+    return path
+
+
+def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfloat16") -> Path:
+    """Return an HF checkpoint directory for `path`, converting a .gguf file if needed:
+    to a float checkpoint (scheme none) or straight to a quantized one (int8 | int4)."""
+    path = _checked(path)
+    if path.is_file() and scheme != "none":
+        return quantized_checkpoint(path, resolve_scheme(path, scheme), dtype)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf file", hint=CHECKPOINT_HINT)
         from ssdlocal.backends.torch.gguf_convert import ensure_converted
 
         return ensure_converted(path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json", hint=CHECKPOINT_HINT)
+    return path
+
+
+def config_dir(path: str | Path) -> Path:
+    """A directory with the config and tokenizer of `path`, converting no weights
+    (a .gguf file's metadata is extracted once into a small cached directory)."""
+    path = _checked(path)
+    if path.is_file():
+        from ssdlocal.backends.torch.gguf_convert import _MARKER, converted_dir
+        from ssdlocal.backends.torch.gguf_quant import metadata_dir
+
+        for dtype in ("bfloat16", "float32", "float16"):  # a float conversion has them too
+            if (converted_dir(path, dtype) / _MARKER).is_file():
+                return converted_dir(path, dtype)
+        return metadata_dir(path)
     return path
 
 
@@ -122,7 +151,7 @@ def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (no weights are read)."""
     from transformers import AutoTokenizer
 
-    path = resolve_checkpoint(path)
+    path = config_dir(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
@@ -213,9 +242,15 @@ def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(found)
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """Load config, tokenizer and weights; the KV cache is left to the caller (setup_cache)."""
-    ckpt = resolve_checkpoint(path)
+def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
+               quantization: str = "none") -> LoadedModel:  # fmt: skip
+    """Load config, tokenizer and weights; the KV cache is left to the caller (setup_cache).
+
+    quantization: none | int8 | int4 | auto (quant_load.resolve_scheme); quantized linears
+    are QuantLinears (quant.py), filled tensor by tensor.
+    """
+    scheme = resolve_scheme(path, quantization)
+    ckpt = resolve_checkpoint(path, scheme, dtype)
     hf_config = load_hf_config(ckpt)
     args = ModelArgs.from_hf_config(hf_config)
     files = weight_files(ckpt)
@@ -224,9 +259,12 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") ->
     try:
         with torch.device("meta"):
             model = Transformer(args)
-        state = read_state_dict(files, dev, torch_dtype, tied=args.tie_word_embeddings)
-        assign_weights(model, state, ckpt)
-        del state
+        if scheme != "none":
+            load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype)
+        else:
+            state = read_state_dict(files, dev, torch_dtype, tied=args.tie_word_embeddings)
+            assign_weights(model, state, ckpt)
+            del state
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if is_oom(exc):
             raise _oom(ckpt, dev, torch_dtype, exc) from exc
@@ -235,9 +273,10 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32") ->
         raise ModelLoadError(f"cannot read the weights in {ckpt}: {_first_line(exc)}",
                              hint=damaged_hint(ckpt)) from exc
     model.requires_grad_(False).eval()
-    log.info("loaded %s (%s, %d layers) on %s as %s", ckpt, args.arch, args.num_layers, dev, torch_dtype)
+    log.info("loaded %s (%s, %d layers) on %s as %s, weights %s", ckpt, args.arch, args.num_layers,
+             dev, torch_dtype, scheme)  # fmt: skip
     return LoadedModel(model, tokenizer, args, hf_config, ckpt, dev, torch_dtype,
-                       eos_ids(ckpt, hf_config, tokenizer))
+                       eos_ids(ckpt, hf_config, tokenizer), scheme)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,372 @@
+"""GGUF -> cached int8 / int4 checkpoint, one tensor (and one block of rows) at a time.
+
+Nothing ever holds a full-precision copy of the model: each GGUF tensor is read a block
+of rows at a time, turned into the quantized layout (Q4_0/Q4_1/Q4_K change layout
+exactly, other types are de-quantized and re-quantized) and streamed to disk. The token
+embedding, quantized in the file already, stays quantized too (_embedding_scheme). The cache
+directory holds config + tokenizer (from the GGUF metadata, via gguf_convert), one
+model.safetensors of codes, scales and the float tensors, and quantization.json; it is
+keyed by the file's sha256 + scheme + dtype, built under a temporary name and renamed,
+with the marker written last. Knows nothing about where GGUF files come from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ssdlocal.backends.torch.gguf_read import (
+    EXACT_INT4,
+    GGUFHeader,
+    TensorInfo,
+    dequantize_rows,
+    int4_rows,
+)
+from ssdlocal.backends.torch.quant import (
+    QuantizedWeight,
+    can_quantize,
+    is_quantized_linear,
+    pack_int4,
+    quantize,
+)
+from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsWriter
+from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.core.paths import ProgressCallback, cache_dir
+from ssdlocal.core.quantization import scheme_for_gguf_type
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QUANT_FILE = "quantization.json"  # in a quantized checkpoint: scheme, group size, dtype, source
+_MARKER = "ssdlocal-quantize.json"
+_META_MARKER = "ssdlocal-meta.json"
+_FORMAT = 2  # in the cache key: a new layout never reads an old cache
+_ROWS_ELEMENTS = 1 << 20  # weights per block of rows read from the GGUF
+_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> our name (HF minus "model."); None for tensors we do not use."""
+    stem, _, leaf = gguf_name.rpartition(".")
+    if stem == "rope_freqs":
+        return None  # llama3 RoPE factors: recomputed from the config
+    if stem in _GLOBAL:
+        return f"{_GLOBAL[stem]}.{leaf}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+        return f"layers.{parts[1]}.{_BLOCK[parts[2]]}.{leaf}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a llama/qwen2/qwen3 model",
+                         "the file may hold another architecture; try the llama.cpp backend")
+
+
+# --------------------------------------------------------------------------- keys and schemes
+
+
+def content_key(gguf_path: Path) -> str:
+    """sha256 of the file, computed once per (path, size, mtime, inode) and remembered.
+
+    A download verified by ssdlocal.weights.assets already records it next to the file.
+    """
+    st = gguf_path.stat()
+    verified = gguf_path.with_name(gguf_path.name + ".verified.json")
+    with contextlib.suppress(OSError, ValueError):
+        info = json.loads(verified.read_text())
+        if info.get("size") == st.st_size and isinstance(info.get("sha256"), str):
+            return info["sha256"]
+    stat_key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo = cache_dir() / "gguf-keys" / (hashlib.sha256(stat_key.encode()).hexdigest()[:32] + ".txt")
+    with contextlib.suppress(OSError):
+        return memo.read_text().strip()
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as fh:
+        while block := fh.read(16 << 20):
+            digest.update(block)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}")
+    tmp.write_text(digest.hexdigest() + "\n")
+    os.replace(tmp, memo)
+    return digest.hexdigest()
+
+
+def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
+    """What `--quantization auto` means for this file: its file type's class
+    (Q4_* / Q5_* -> int4, Q8_0 / Q6_K -> int8, floats -> none)."""
+    header = header or GGUFHeader.read(gguf_path)
+    file_type = header.metadata.get("general.file_type")
+    if isinstance(file_type, int):
+        from gguf import LlamaFileType
+
+        with contextlib.suppress(ValueError):
+            return scheme_for_gguf_type(LlamaFileType(file_type).name)
+    sizes: dict[str, int] = {}  # no file type: the type holding most matrix weights
+    for t in header.tensors:
+        if len(t.shape) == 2:
+            sizes[t.type_name] = sizes.get(t.type_name, 0) + t.shape[0] * t.shape[1]
+    return scheme_for_gguf_type(max(sizes, key=sizes.get)) if sizes else "none"
+
+
+def quantized_dir(gguf_path: Path, scheme: str, dtype: str) -> Path:
+    stem = gguf_path.name.removesuffix(".gguf")
+    return cache_dir() / "quantized" / f"{stem}-{scheme}-{dtype}-v{_FORMAT}-{content_key(gguf_path)[:16]}"
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """One process converts a given file at a time (others wait, then find the cache)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_atomically(out: Path, marker: str, build) -> Path:
+    """Run build(tmp) into a temporary sibling of `out`, write nothing half-done, rename."""
+    if (out / marker).is_file():
+        return out
+    with _lock(out.with_name(out.name + ".lock")):
+        if (out / marker).is_file():
+            return out
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            build(tmp)
+            shutil.rmtree(out, ignore_errors=True)  # a stale directory without its marker
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def metadata_dir(gguf_path: Path) -> Path:
+    """A cached directory with only config.json, generation_config.json and the tokenizer
+    of a GGUF file: what needs no weights (tokenizer checks, config, planning) reads it.
+
+    transformers builds both from the GGUF metadata, parsing the file with a reader that
+    touches every page of it (about a minute and the file's size in resident memory), so
+    that runs once, in a child process: the caller's memory stays that of its model.
+    """
+    gguf_path = Path(gguf_path)
+    stem = gguf_path.name.removesuffix(".gguf")
+    out = cache_dir() / "gguf-meta" / f"{stem}-{content_key(gguf_path)[:16]}"
+    if (out / _META_MARKER).is_file():
+        return out
+    header = GGUFHeader.read(gguf_path)
+    arch = str(header.metadata.get("general.architecture"))
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{gguf_path.name} has architecture {arch!r}, which ssdlocal does not implement",
+            f"supported GGUF architectures: {', '.join(ARCHITECTURES)}",
+        )
+    tied = not any(t.name == "output.weight" for t in header.tensors)
+    chat = "tokenizer.chat_template" in header.metadata
+
+    def build(tmp: Path) -> None:
+        import subprocess
+        import sys
+
+        import ssdlocal
+
+        env = dict(os.environ)  # the child imports this very package, wherever it lives
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
+        )
+        args = [str(gguf_path), str(tmp), ARCHITECTURES[arch], str(int(tied)), str(int(chat))]
+        run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        error = tmp / "error.json"
+        if error.is_file():
+            raise ModelLoadError(**json.loads(error.read_text()))
+        if run.returncode != 0 or not (tmp / "config.json").is_file():
+            tail = (run.stderr or "").strip().splitlines()[-3:]
+            raise ModelLoadError(f"reading the metadata of {gguf_path.name} failed: {' / '.join(tail)}",
+                                 "run again; if it persists the file may be damaged: fetch it again")
+        (tmp / _META_MARKER).write_text(json.dumps({"source": gguf_path.name}) + "\n")
+
+    return _build_atomically(out, _META_MARKER, build)
+
+
+_METADATA_CHILD = (
+    "import sys; from ssdlocal.backends.torch.gguf_quant import _write_metadata; "
+    "_write_metadata(*sys.argv[1:4], sys.argv[4] == '1', sys.argv[5] == '1')"
+)
+
+
+def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, chat: bool) -> None:
+    """Child process: transformers' config + tokenizer of the GGUF, saved into `out`."""
+    from ssdlocal.backends.torch import gguf_convert as conv
+    from ssdlocal.core.errors import SSDLocalError
+
+    try:
+        config, tokenizer = conv.read_config_and_tokenizer(Path(gguf_path))
+        # tied iff the file has no separate output matrix (llama.cpp then reuses token_embd)
+        config.tie_word_embeddings = tied
+        conv.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
+        conv.check_chat_template(Path(out), {"has_chat_template": chat})
+    except SSDLocalError as exc:
+        (Path(out) / "error.json").write_text(json.dumps({"message": exc.message, "hint": exc.hint}))
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
+                     progress: ProgressCallback | None = None) -> Path:  # fmt: skip
+    """The cached `scheme` (int8 | int4) checkpoint of `gguf_path`, converting on first use."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf_path}", "check the path")
+    out = quantized_dir(gguf_path, scheme, dtype)
+    if (out / _MARKER).is_file():
+        return out
+    meta = metadata_dir(gguf_path)
+
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        for f in meta.iterdir():
+            if f.is_file() and f.name != _META_MARKER:
+                shutil.copy(f, tmp / f.name)
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        info = {"format": _FORMAT, "scheme": scheme, "group_size": 32 if scheme == "int4" else 0,
+                "dtype": dtype, "source": gguf_path.name, "path": str(gguf_path.resolve()),
+                "sha256": content_key(gguf_path)}  # fmt: skip
+        info["tensors"] = _convert(gguf_path, tmp / "model.safetensors", scheme, getattr(torch, dtype),
+                                   config, progress)  # fmt: skip
+        (tmp / QUANT_FILE).write_text(json.dumps(info, indent=1) + "\n")
+        info["seconds"] = round(time.perf_counter() - t0, 1)
+        (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")  # last: the directory is whole
+        log.info("quantized %s to %s (%s) in %.1fs", gguf_path.name, scheme, dtype, info["seconds"])
+
+    return _build_atomically(out, _MARKER, build)
+
+
+def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, config: dict,
+             progress: ProgressCallback | None) -> dict[str, int]:  # fmt: skip
+    """Stream every tensor into `out`; returns how many tensors went to each storage kind."""
+    header = GGUFHeader.read(gguf_path)
+    heads = (config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"])
+    permute = header.metadata.get("general.architecture") == "llama"  # llama.cpp reorders q/k rows
+    tied = bool(config.get("tie_word_embeddings"))
+    writer = SafetensorsWriter(out)
+    counts = {"quantized": 0, "float": 0, "exact_int4": 0}
+    releaser = MemoryReleaser()
+    try:
+        for i, info in enumerate(header.tensors):
+            name = hf_name(info.name)
+            if name is None:
+                continue
+            module, _, leaf = name.rpartition(".")
+            rows = _row_order(module, info.shape[0], heads) if permute else None
+            # tied: lm_head gets codes of its own, else it must share a float embedding
+            head_from_embedding = is_quantized_linear("lm_head") and can_quantize(info.shape, scheme)
+            if leaf == "weight" and is_quantized_linear(module) and can_quantize(info.shape, scheme):
+                _add_quantized(writer, gguf_path, info, module, scheme, dtype, rows, counts)
+            elif name == "embed_tokens.weight" and (not tied or head_from_embedding):
+                _add_quantized(writer, gguf_path, info, module, _embedding_scheme(info, scheme),
+                               dtype, None, counts)  # fmt: skip
+            else:
+                writer.add(_hf(name), _float_tensor(gguf_path, info, dtype, rows))
+                counts["float"] += 1
+            if name == "embed_tokens.weight" and tied and head_from_embedding:
+                _add_quantized(writer, gguf_path, info, "lm_head", scheme, dtype, None, counts)
+            releaser.processed(info.shape[0] * info.row_bytes())
+            if progress:
+                progress("quantize", i + 1, len(header.tensors))
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close({"format": "pt"})
+    releaser.flush()
+    return counts
+
+
+def _embedding_scheme(info: TensorInfo, scheme: str) -> str:
+    """A GGUF's embedding stays quantized: int4 where its values are int4 already (Q4_*,
+    exact), int8 per row otherwise (finer than the 5- and 6-bit types it comes from)."""
+    exact = scheme == "int4" and info.ggml_type in EXACT_INT4 and can_quantize(info.shape, "int4")
+    return "int4" if exact else "int8"
+
+
+def _hf(name: str) -> str:
+    return name if name.startswith("lm_head") else f"model.{name}"
+
+
+def _row_order(module: str, n_rows: int, heads: tuple[int, int]) -> torch.Tensor | None:
+    """llama.cpp stores llama q/k rows of each head as (pairs, 2) instead of (2, half):
+    the index that restores the Hugging Face order, or None for other tensors."""
+    n_heads = heads[0] if module.endswith("q_proj") else heads[1] if module.endswith("k_proj") else 0
+    if not n_heads:
+        return None
+    index = torch.arange(n_rows).view(n_heads, n_rows // n_heads // 2, 2)
+    return index.transpose(1, 2).reshape(-1)
+
+
+def _row_blocks(info: TensorInfo) -> Iterator[tuple[int, int]]:
+    n = info.shape[0] if len(info.shape) > 1 else 1
+    step = max(32, _ROWS_ELEMENTS // info.shape[-1] // 32 * 32)
+    for start in range(0, n, step):
+        yield start, min(n, start + step)
+
+
+def _float_tensor(path: Path, info: TensorInfo, dtype: torch.dtype, rows) -> torch.Tensor:
+    """A tensor kept in floating point (embedding, norms, biases), filled block by block."""
+    if len(info.shape) == 1:
+        out = torch.from_numpy(dequantize_rows(path, info, 0, 1)[0].copy()).to(dtype)
+    else:
+        out = torch.empty(info.shape, dtype=dtype)
+        for start, stop in _row_blocks(info):
+            out[start:stop] = torch.from_numpy(dequantize_rows(path, info, start, stop))
+    return out if rows is None else out[rows]
+
+
+def _add_quantized(writer, path: Path, info: TensorInfo, module: str, scheme: str,
+                   dtype: torch.dtype, rows, counts: dict[str, int]) -> None:  # fmt: skip
+    parts = []
+    exact = scheme == "int4" and info.ggml_type in EXACT_INT4
+    for start, stop in _row_blocks(info):
+        if exact:
+            q, s, z = (torch.from_numpy(a) for a in int4_rows(path, info, start, stop))
+            parts.append(pack_int4(q, s, z, dtype))
+        else:
+            parts.append(quantize(torch.from_numpy(dequantize_rows(path, info, start, stop)), scheme, dtype))
+    qw = _concat(parts)
+    if rows is not None:
+        qw = qw.permute_rows(rows)
+    for key, tensor in qw.tensors(_hf(module)).items():
+        writer.add(key, tensor)
+    counts["exact_int4" if exact else "quantized"] += 1
+
+
+def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(first.scheme, torch.cat([p.codes for p in parts]),
+                           torch.cat([p.scales for p in parts]), zeros, first.group_size)  # fmt: skip

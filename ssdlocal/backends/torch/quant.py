@@ -1,0 +1,361 @@
+"""Weight-only int8 / int4 linears, applied to a Transformer from outside its code.
+
+QuantizedWeight is the device-neutral form that checkpoints store (codes plus scales);
+QuantLinear packs it for its device's kernel once, at construction, and runs that kernel;
+quantize_model swaps a loaded model's linears for QuantLinears (as parallel/tp.py swaps
+them for shards). Knows nothing about files or processes. docs/architecture.md
+("Quantized weights") gives the layouts, the kernels and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ssdlocal.core.quantization import INT4_GROUP
+
+log = logging.getLogger(__name__)
+
+# Linears that get quantized, by the last part of their module name. Embeddings and
+# norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+_CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: bounded float32 temporaries
+# torch's CPU int4 / int8 kernels take the rows of x in blocks of 4; a partial block after
+# whole ones costs as much as a whole one more, and a separate call for it costs less
+# (docs/architecture.md, "Quantized weights": M=5 4.3 -> 3.4 ms on one 1536x8960 matrix).
+_CPU_ROW_BLOCK = 4
+
+
+def is_quantized_linear(module_name: str) -> bool:
+    return module_name.rpartition(".")[2] in LINEAR_NAMES
+
+
+def can_quantize(shape: tuple[int, ...], scheme: str) -> bool:
+    """int4 needs whole groups along the input features; int8 takes any matrix."""
+    return len(shape) == 2 and (scheme == "int8" or (scheme == "int4" and shape[1] % INT4_GROUP == 0))
+
+
+@dataclass
+class QuantizedWeight:
+    """One Linear weight W [N out, K in], quantized; what checkpoints store.
+
+    int8: codes int8 [N, K], scales [N]; W = codes * scale (symmetric, per output channel).
+    int4: codes uint8 [N, K/2], input feature 2j in the high nibble and 2j+1 in the low one;
+          scales, zeros [N, K/group]; W = (code - 8) * scale + zero (the kernels' convention).
+    """
+
+    scheme: str
+    codes: Tensor
+    scales: Tensor
+    zeros: Tensor | None = None
+    group_size: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.codes.shape
+        return (n, k * 2) if self.scheme == "int4" else (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.codes, self.scales, self.zeros)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W [N, K] in `dtype` (computed in float32)."""
+        if self.scheme == "int8":
+            return (self.codes.float() * self.scales.float()[:, None]).to(dtype)  # [N, K]
+        n, k = self.shape
+        q = torch.stack((self.codes >> 4, self.codes & 15), dim=-1).reshape(n, k).float()  # [N, K]
+        g = self.group_size
+        w = (q.view(n, k // g, g) - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
+        return w.reshape(n, k).to(dtype)  # [N, K]
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output features [start, stop) (tensor-parallel column split)."""
+        zeros = None if self.zeros is None else self.zeros[start:stop].contiguous()
+        return QuantizedWeight(self.scheme, self.codes[start:stop].contiguous(),
+                               self.scales[start:stop].contiguous(), zeros, self.group_size)  # fmt: skip
+
+    def cols(self, start: int, stop: int) -> QuantizedWeight:
+        """Input features [start, stop) (tensor-parallel row split); int4 needs whole groups."""
+        if self.scheme == "int8":  # per-output-channel scales hold for any slice of the inputs
+            return QuantizedWeight("int8", self.codes[:, start:stop].contiguous(), self.scales)
+        g = self.group_size
+        if start % g or stop % g:
+            raise ValueError(f"int4 input slice [{start}, {stop}) is not aligned to groups of {g}")
+        return QuantizedWeight(
+            "int4", self.codes[:, start // 2 : stop // 2].contiguous(),
+            self.scales[:, start // g : stop // g].contiguous(),
+            self.zeros[:, start // g : stop // g].contiguous(), g,
+        )  # fmt: skip
+
+    def permute_rows(self, index: Tensor) -> QuantizedWeight:
+        zeros = None if self.zeros is None else self.zeros[index]
+        return QuantizedWeight(self.scheme, self.codes[index], self.scales[index], zeros, self.group_size)
+
+    def tensors(self, prefix: str) -> dict[str, Tensor]:
+        """Checkpoint entries: `<prefix>.codes`, `.scales` (and `.zeros` for int4)."""
+        out = {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales}
+        if self.zeros is not None:
+            out[f"{prefix}.zeros"] = self.zeros
+        return out
+
+
+def pack_int4(q: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    """QuantizedWeight from int4 values q [N, K] (0..15) and float scales/zeros [N, K/group]."""
+    q = q.to(torch.uint8)
+    codes = (q[:, 0::2] << 4) | q[:, 1::2]  # [N, K/2]
+    group = q.shape[1] // scales.shape[1]
+    return QuantizedWeight("int4", codes.contiguous(), scales.to(dtype), zeros.to(dtype), group)
+
+
+def quantize(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
+    """Quantize W [N, K] (any float dtype, CPU) with scales in `dtype`, a row block at a time."""
+    n, k = w.shape
+    step = max(32, _CHUNK_ELEMENTS // k // 32 * 32)
+    parts = [_quantize_rows(w[r : r + step].float(), scheme, dtype) for r in range(0, n, step)]
+    if len(parts) == 1:
+        return parts[0]
+    zeros = None if scheme == "int8" else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(scheme, torch.cat([p.codes for p in parts]),
+                           torch.cat([p.scales for p in parts]), zeros, parts[0].group_size)  # fmt: skip
+
+
+def _quantize_rows(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
+    """w [n, K] float32. Codes are rounded against the scales as stored (in `dtype`)."""
+    if scheme == "int8":
+        scales = (w.abs().amax(dim=1) / 127).to(dtype)  # [n]
+        sf = scales.float().masked_fill(scales == 0, 1.0)  # an all-zero row: any scale works
+        codes = (w / sf[:, None]).round_().clamp_(-128, 127).to(torch.int8)  # [n, K]
+        return QuantizedWeight("int8", codes, scales)
+    if scheme != "int4":
+        raise ValueError(f"unknown quantization scheme {scheme!r}")
+    n, k = w.shape
+    wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # [n, G, g]
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [n, G]
+    scales = ((hi - lo) / 15).to(dtype)  # [n, G]
+    zeros = (lo + 8 * (hi - lo) / 15).to(dtype)  # [n, G]: the value code 8 stands for
+    sf = scales.float().masked_fill(scales == 0, 1.0)  # a constant group: codes all 8
+    q = ((wg - zeros.float()[..., None]) / sf[..., None] + 8).round_().clamp_(0, 15)  # [n, G, g]
+    return pack_int4(q.view(n, k), scales, zeros, dtype)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def kernel_for(scheme: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Which matmul runs a QuantLinear: see docs/architecture.md, "Quantized weights"."""
+    if device.type == "cpu":
+        if scheme == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            return "int4_dequant"  # torch < 2.6: no CPU int4 kernel
+        return f"{scheme}_cpu"
+    if scheme == "int4":
+        return "int4_cuda" if dtype == torch.bfloat16 else "int4_dequant"  # tinygemm is bf16-only
+    return "int8_cuda"
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W as int8 / int4 codes, packed for `device`'s kernel.
+
+    `reduce`: a row-parallel shard (tensor parallelism): the partial output is summed
+    over the ranks of `group` before the bias is added once.
+    """
+
+    def __init__(self, weight: QuantizedWeight, bias: Tensor | None, *, dtype: torch.dtype,
+                 device: torch.device | str, reduce: bool = False, group=None) -> None:  # fmt: skip
+        super().__init__()
+        device = torch.device(device)
+        self.out_features, self.in_features = weight.shape
+        self.scheme, self.group_size = weight.scheme, weight.group_size
+        self.kernel = kernel_for(weight.scheme, device, dtype)
+        self.reduce, self.group = reduce, group
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        self._pack(weight, dtype, device)
+
+    def _pack(self, w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        n = w.shape[0]
+        if self.kernel in ("int4_cpu", "int4_cuda"):
+            multiple = 32 if self.kernel == "int4_cpu" else 8  # whole row blocks of the layouts
+            w = _pad_rows(w, -n % multiple)
+            # [K/group, N, 2]: (scale, zero) per group and output feature
+            sz = torch.stack((w.scales.t(), w.zeros.t()), dim=-1).to(device, dtype).contiguous()
+            self.register_buffer("scales_and_zeros", sz)
+            self.register_buffer("packed", _pack_int4_cpu(w.codes) if self.kernel == "int4_cpu"
+                                 else _pack_int4_cuda(w.codes.to(device)))  # fmt: skip
+        elif self.kernel == "int4_dequant":
+            self.register_buffer("codes", w.codes.to(device))
+            self.register_buffer("scales", w.scales.to(device, dtype))
+            self.register_buffer("zeros", w.zeros.to(device, dtype))
+        else:  # int8: codes [N, K] int8, scales [N]
+            self.register_buffer("codes", w.codes.to(device))
+            self.register_buffer("scales", w.scales.to(device, dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
+        k = self.kernel
+        if k in ("int4_cpu", "int8_cpu"):
+            m = x2.shape[0]
+            whole = m // _CPU_ROW_BLOCK * _CPU_ROW_BLOCK
+            if 0 < whole < m:  # e.g. a K=4 verify (M=5): 4 rows + 1 row beat 5 rows at once
+                out = torch.cat([self._cpu_mm(x2[:whole]), self._cpu_mm(x2[whole:])])
+            else:
+                out = self._cpu_mm(x2)  # [M, N]
+        elif k == "int4_cuda":
+            out = torch._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        elif k == "int8_cuda":  # torch's CUDA int8pack kernel is a naive fp32 loop: convert instead
+            out = F.linear(x2, self.codes.to(x2.dtype)) * self.scales  # [M, N]
+        else:
+            w = QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size)
+            out = F.linear(x2, w.dequantize(x2.dtype))  # [M, N]
+        if out.shape[-1] != self.out_features:  # rows padded for the kernel
+            out = out[:, : self.out_features].contiguous()
+        if self.reduce:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.group)  # [M, N] full sum over the ranks
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*lead, self.out_features)
+
+    def _cpu_mm(self, x2: Tensor) -> Tensor:
+        if self.kernel == "int4_cpu":
+            return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        return torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [M, N]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.scheme}, kernel={self.kernel}"
+
+
+def _pad_rows(w: QuantizedWeight, extra: int) -> QuantizedWeight:
+    """Append `extra` all-zero output rows (code 8, scale 0, zero 0)."""
+    if extra == 0:
+        return w
+    k2, groups = w.codes.shape[1], w.scales.shape[1]
+    return QuantizedWeight(
+        "int4", torch.cat([w.codes, torch.full((extra, k2), 0x88, dtype=torch.uint8)]),
+        torch.cat([w.scales, w.scales.new_zeros(extra, groups)]),
+        torch.cat([w.zeros, w.zeros.new_zeros(extra, groups)]), w.group_size,
+    )  # fmt: skip
+
+
+def _pack_int4_cpu(codes: Tensor) -> Tensor:
+    """uint8 [N, K/2] (high nibble first, N % 32 == 0) -> the CPU kernel's layout.
+
+    That layout (found by probing torch._convert_weight_to_int4pack_for_cpu, and checked
+    against it once per process) stores each block of 32 rows as bytes [K, 16]: byte
+    (k, j) holds row j's value k in its low nibble and row 16 + j's in its high nibble.
+    Built here with a few numpy byte operations per block of rows: no int32 copy of the
+    weights, and no burst of small multithreaded torch ops (they stall on a busy machine).
+    """
+    if not _cpu_layout_known():  # another torch release: let torch pack, 128 rows at a time
+        out = torch.empty_like(codes)
+        for r in range(0, codes.shape[0], 128):
+            block = codes[r : r + 128]
+            q = torch.stack((block >> 4, block & 15), dim=-1).reshape(block.shape[0], -1).to(torch.int32)
+            out[r : r + 128] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        return out
+    return _pack_int4_cpu_numpy(codes)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_layout_known() -> bool:
+    q = torch.randint(0, 16, (64, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    codes = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
+    same = torch.equal(_pack_int4_cpu_numpy(codes), torch._convert_weight_to_int4pack_for_cpu(q, 1))
+    if not same:
+        log.warning("torch's CPU int4 layout changed: packing through torch (slower loads)")
+    return same
+
+
+def _pack_int4_cpu_numpy(codes: Tensor) -> Tensor:
+    n, half = codes.shape
+    src = codes.numpy()
+    out = np.empty((n, half), dtype=np.uint8)
+    step = max(32, _CHUNK_ELEMENTS // (2 * half) // 32 * 32)
+    for r in range(0, n, step):
+        block = src[r : r + step].reshape(-1, 2, 16, half)  # [B, 2, 16, K/2]
+        low_rows, high_rows = block[:, 0], block[:, 1]  # rows j and 16 + j: [B, 16, K/2]
+        even = (low_rows >> 4) | (high_rows & 0xF0)  # values k = 2i
+        odd = (low_rows & 0x0F) | (high_rows << 4)  # values k = 2i + 1
+        pairs = np.stack((even, odd), axis=-1).reshape(block.shape[0], 16, 2 * half)  # [B, 16, K]
+        out[r : r + step] = pairs.transpose(0, 2, 1).reshape(-1, half)  # [B, K, 16] -> rows
+    return torch.from_numpy(out)
+
+
+def _pack_int4_cuda(codes: Tensor) -> Tensor:
+    """uint8 [N, K/2] on a GPU -> tinygemm's [N/8, K/(16*tiles), 32, tiles/2] int32 layout."""
+    k = codes.shape[1] * 2
+    tiles = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
+    return torch._convert_weight_to_int4pack(codes.contiguous(), tiles)
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding kept as int8 / int4 codes (a GGUF's embedding is quantized
+    already); a lookup de-quantizes only the rows it gathers, in float32, then `dtype`."""
+
+    def __init__(self, weight: QuantizedWeight, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.scheme, self.group_size, self.dtype = weight.scheme, weight.group_size, dtype
+        self.register_buffer("codes", weight.codes.to(device))
+        self.register_buffer("scales", weight.scales.to(device))  # kept as stored: float32 math
+        self.register_buffer("zeros", None if weight.zeros is None else weight.zeros.to(device))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)  # [B*T]
+        zeros = None if self.zeros is None else self.zeros[flat]
+        rows = QuantizedWeight(self.scheme, self.codes[flat], self.scales[flat], zeros, self.group_size)
+        return rows.dequantize(self.dtype).view(*ids.shape, self.embedding_dim)  # [B, T, hidden]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.scheme}"
+
+
+# --------------------------------------------------------------------------- models
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
+
+
+def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
+    """Swap the linears of a loaded model (LINEAR_NAMES) for QuantLinears, in place.
+
+    Row-parallel shards (modules with a `group`, see parallel/tp.py) keep their all_reduce.
+    A tied lm_head gets its own codes; the embedding it shared stays as it was.
+    """
+    if scheme == "none":
+        return model
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        if not is_quantized_linear(name) or weight is None or not can_quantize(tuple(weight.shape), scheme):
+            continue
+        qw = quantize(weight.detach().cpu(), scheme, weight.dtype)
+        bias = None if module.bias is None else module.bias.detach()
+        replace_module(model, name, QuantLinear(
+            qw, bias, dtype=weight.dtype, device=weight.device,
+            reduce=hasattr(module, "group"), group=getattr(module, "group", None),
+        ))  # fmt: skip
+    return model
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["LINEAR_NAMES", "QuantEmbedding", "QuantLinear", "QuantizedWeight", "can_quantize", "is_quantized_linear",
+           "kernel_for", "model_bytes", "pack_int4", "quantize", "quantize_model"]  # fmt: skip

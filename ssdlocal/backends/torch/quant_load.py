@@ -1,0 +1,211 @@
+"""Fill a meta-device Transformer with quantized linears, one checkpoint tensor at a time.
+
+Sources: a float checkpoint (each linear weight is read, quantized, and dropped) or a
+quantized one (gguf_quant.py's cache: codes + scales, packed for the device as read).
+Peak memory stays near the final model size: no float copy of the whole model and no
+memory map whose touched pages would count twice. Also decides what `--quantization
+auto` means for a path. Knows nothing about tensor parallelism beyond a `shard` hook.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ssdlocal.backends.torch.gguf_quant import QUANT_FILE, ensure_quantized, gguf_scheme
+from ssdlocal.backends.torch.quant import (
+    QuantEmbedding,
+    QuantizedWeight,
+    QuantLinear,
+    can_quantize,
+    is_quantized_linear,
+    quantize,
+    replace_module,
+)
+from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsReader
+from ssdlocal.core.errors import ModelLoadError, UsageError
+from ssdlocal.core.quantization import SCHEMES, check_quantization
+
+log = logging.getLogger(__name__)
+
+# shard(key, value) -> the rank's part of a tensor or QuantizedWeight (key: "...q_proj.weight")
+Shard = Callable[[str, "Tensor | QuantizedWeight"], "Tensor | QuantizedWeight"]
+
+
+def quant_info(path: Path) -> dict | None:
+    """quantization.json of a quantized checkpoint directory, None for anything else."""
+    try:
+        return json.loads((Path(path) / QUANT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_scheme(path: str | Path, quantization: str) -> str:
+    """none | int8 | int4 for `path`: `auto` is a GGUF's own class, a quantized
+    checkpoint's scheme, and none for float checkpoints. Validates the combination."""
+    check_quantization(quantization)
+    path = Path(path).expanduser()
+    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    info = None if is_gguf or not path.is_dir() else quant_info(path)
+    if quantization == "auto":
+        if is_gguf:
+            return gguf_scheme(path)
+        return info["scheme"] if info else "none"
+    if info and info.get("scheme") != quantization:
+        raise UsageError(
+            f"{path} holds {info.get('scheme')} weights, not {quantization}",
+            f"use --quantization auto (or {info.get('scheme')}), or point at the float checkpoint",
+        )
+    return quantization
+
+
+def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> Path:
+    """The directory to read for `scheme`: a GGUF's cached conversion, else `path` itself."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        name = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+        return ensure_quantized(path, scheme, name, progress)
+    return path
+
+
+def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], scheme: str,
+                           device: torch.device, dtype: torch.dtype, *, shard: Shard | None = None) -> None:  # fmt: skip
+    """Fill meta-device `model` (possibly already shaped for a TP rank): LINEAR_NAMES
+    modules become QuantLinears, every other tensor is assigned in `dtype` on `device`."""
+    if scheme not in SCHEMES[1:]:
+        raise ValueError(f"not a quantization scheme: {scheme!r}")
+    shard = shard or (lambda key, value: value)
+    tied = model.args.tie_word_embeddings
+    from_float = quant_info(ckpt) is None  # else the checkpoint stores lm_head's codes itself
+    expected = set(model.state_dict())  # meta: names only
+    linears = {n for n, _ in model.named_modules() if is_quantized_linear(n)}
+    loader = _Filler(model, scheme, device, dtype, shard)
+    for file in files:
+        with SafetensorsReader(file) as f:
+            for name in f.keys():  # noqa: SIM118 - a reader, not a dict
+                key = name.removeprefix("model.")
+                module, _, leaf = key.rpartition(".")
+                if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+                    continue
+                if leaf in ("codes", "scales", "zeros"):  # a quantized checkpoint
+                    loader.add_part(module, leaf, f.read(name))
+                elif module in linears and leaf == "weight" and can_quantize(f.shape(name), scheme):
+                    loader.install(module, quantize(f.read(name), scheme, dtype))
+                else:
+                    tensor = f.read(name)
+                    if (tied and from_float and key == "embed_tokens.weight" and "lm_head" in linears
+                            and can_quantize(tensor.shape, scheme)):
+                        loader.install("lm_head", quantize(tensor, scheme, dtype))  # its own codes
+                    loader.floats[key] = shard(key, tensor).to(device=device, dtype=dtype)
+    loader.finish(expected, tied, ckpt)
+
+
+class _Filler:
+    """Collects a load: QuantLinears installed as their weights arrive, floats for the rest."""
+
+    def __init__(self, model: nn.Module, scheme: str, device, dtype, shard: Shard) -> None:
+        self.model, self.scheme, self.device, self.dtype, self.shard = model, scheme, device, dtype, shard
+        self.floats: dict[str, Tensor] = {}
+        self.parts: dict[str, dict[str, Tensor]] = {}
+        self.installed: set[str] = set()
+        self.releaser = MemoryReleaser()
+
+    def add_part(self, module: str, leaf: str, tensor: Tensor) -> None:
+        parts = self.parts.setdefault(module, {})
+        parts[leaf] = tensor
+        codes = parts.get("codes")
+        if codes is None or "scales" not in parts:
+            return
+        scheme = "int8" if codes.dtype == torch.int8 else "int4"  # an embedding may differ
+        if scheme == "int4" and "zeros" not in parts:
+            return
+        zeros = parts.get("zeros")
+        group = codes.shape[1] * 2 // zeros.shape[1] if zeros is not None else 0
+        self.install(module, QuantizedWeight(scheme, codes, parts["scales"], zeros, group))
+        del self.parts[module]
+
+    def install(self, module: str, weight: QuantizedWeight) -> None:
+        if weight.scales.dtype != self.dtype:  # a checkpoint stored for another dtype
+            zeros = None if weight.zeros is None else weight.zeros.to(self.dtype)
+            weight = QuantizedWeight(weight.scheme, weight.codes, weight.scales.to(self.dtype), zeros,
+                                     weight.group_size)  # fmt: skip
+        old = self.model.get_submodule(module)
+        weight = self.shard(f"{module}.weight", weight)
+        if module == "embed_tokens":  # a quantized checkpoint's embedding: codes, looked up
+            replace_module(self.model, module, QuantEmbedding(weight, dtype=self.dtype, device=self.device))
+            self.installed.add(module)
+            return
+        replace_module(self.model, module, QuantLinear(
+            weight, None, dtype=self.dtype, device=self.device,
+            reduce=hasattr(old, "group"), group=getattr(old, "group", None),
+        ))  # fmt: skip
+        self.installed.add(module)
+        self.releaser.processed(weight.nbytes)
+
+    def finish(self, expected: set[str], tied: bool, ckpt: Path) -> None:
+        for key in [k for k in self.floats if k.rpartition(".")[0] in self.installed]:
+            module, _, leaf = key.rpartition(".")
+            if leaf == "bias":  # QuantLinear adds it after any all_reduce
+                self.model.get_submodule(module).bias = nn.Parameter(self.floats.pop(key), requires_grad=False)
+        provided = set(self.floats) | {f"{m}.weight" for m in self.installed}
+        provided |= {f"{m}.bias" for m in self.installed if getattr(self.model.get_submodule(m), "bias", None) is not None}
+        if tied and "lm_head" not in self.installed:
+            expected = expected - {"lm_head.weight"}
+        missing, unexpected = sorted(expected - provided), sorted(provided - expected)
+        if missing or unexpected or self.parts:
+            unexpected += sorted(self.parts)
+            raise ModelLoadError(
+                f"checkpoint {ckpt} does not match the {self.model.args.arch} architecture: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected or incomplete {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
+                hint="the weights may be from another model or an incomplete download",
+            )
+        self.model.load_state_dict(self.floats, strict=False, assign=True)
+        if tied and "lm_head" not in self.installed:
+            self.model.lm_head.weight = self.model.embed_tokens.weight
+        self.releaser.flush()
+        log.info("%d linears as %s", len(self.installed), self.scheme)
+
+
+def weight_bytes(path: str | Path, scheme: str, dtype: str) -> int:
+    """Bytes the weights of `path` (HF dir, quantized dir or .gguf) take once loaded with
+    `scheme` in `dtype`, from file headers only."""
+    from math import prod
+
+    from ssdlocal.backends.torch.gguf_quant import _embedding_scheme, hf_name
+    from ssdlocal.backends.torch.gguf_read import GGUFHeader
+    from ssdlocal.core.quantization import bytes_per_param
+
+    path = Path(path).expanduser()
+    if path.is_dir() and quant_info(path):
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
+    shapes: dict[str, tuple[int, ...]] = {}
+    embedding = float(size)  # bytes per embedding weight: floats stay floats
+    if path.is_file():
+        for t in GGUFHeader.read(path).tensors:
+            name = hf_name(t.name)
+            if name is not None:
+                shapes[name] = t.shape
+            if name == "embed_tokens.weight":  # a GGUF's embedding stays quantized
+                embedding = bytes_per_param(_embedding_scheme(t, scheme), dtype)
+    else:
+        for file in sorted(path.glob("*.safetensors")):
+            with SafetensorsReader(file) as f:
+                shapes.update({k.removeprefix("model."): f.shape(k) for k in f.keys()})  # noqa: SIM118
+    tied = "lm_head.weight" not in shapes
+    total = 0.0
+    for name, shape in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        quantized = leaf == "weight" and is_quantized_linear(module) and can_quantize(shape, scheme)
+        if name == "embed_tokens.weight":
+            total += prod(shape) * embedding
+            if tied and can_quantize(shape, scheme):
+                total += prod(shape) * bytes_per_param(scheme, dtype)  # lm_head's own codes
+        else:
+            total += prod(shape) * (bytes_per_param(scheme, dtype) if quantized else size)
+    return int(total)

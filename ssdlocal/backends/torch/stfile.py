@@ -1,0 +1,149 @@
+"""Safetensors files read and written one tensor at a time, with plain file I/O.
+
+Reading copies each tensor into its own allocation: pages of a memory-mapped file that
+were touched count as resident memory until the map closes, which doubles the peak of
+a load. Writing streams each tensor's bytes, so a converter never holds the whole
+model. The format is the public safetensors one (8-byte header size, JSON header,
+data), so any safetensors reader opens these files. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ssdlocal.core.errors import ModelLoadError
+
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "BOOL": torch.bool,
+}  # fmt: skip
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+class SafetensorsReader:
+    """Tensors of one .safetensors file by name; `read` returns a fresh CPU tensor."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fh = open(self.path, "rb")  # noqa: SIM115 - closed by close()/__exit__
+        try:
+            (size,) = struct.unpack("<Q", self._fh.read(8))
+            if size > _MAX_HEADER:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(self._fh.read(size))
+        except (struct.error, ValueError) as exc:
+            self._fh.close()
+            raise ModelLoadError(f"{self.path} is not a readable safetensors file: {exc}",
+                                 "the download or conversion is incomplete; fetch the model again") from exc
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self._entries: dict[str, dict] = header
+        self._data_start = 8 + size
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entries[name]["shape"])
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> Tensor:
+        """The tensor `name` (or only its rows [start, stop) along dim 0)."""
+        entry = self._entries[name]
+        dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if rows is not None:
+            row_bytes = (end - begin) // max(shape[0], 1)
+            begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        self._fh.seek(self._data_start + begin)
+        if self._fh.readinto(memoryview(out.numpy())) != end - begin:
+            raise ModelLoadError(f"{self.path} is truncated at tensor {name}",
+                                 "the download or conversion is incomplete; fetch the model again")
+        return out.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> SafetensorsReader:  # noqa: PYI034 - Python 3.10 has no typing.Self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MemoryReleaser:
+    """Hands freed heap memory back to the OS every `every` bytes of tensors processed.
+
+    glibc keeps freed blocks of up to 32 MB in the heap once blocks that large were
+    freed, so a loader's per-tensor temporaries would otherwise add up in resident
+    memory. malloc_trim costs a few milliseconds; a no-op where there is no glibc.
+    """
+
+    def __init__(self, every: int = 16 << 20) -> None:
+        self.every, self.pending = every, 0
+        try:
+            import ctypes
+
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self._trim = None
+
+    def processed(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._trim is not None:
+            self._trim(0)
+        self.pending = 0
+
+
+class SafetensorsWriter:
+    """Append tensors one at a time; `close` writes the file (data staged in `<path>.data`)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._staged = self.path.with_name(self.path.name + ".data")
+        self._fh = open(self._staged, "wb")  # noqa: SIM115 - closed by close()
+        self._entries: dict[str, dict] = {}
+        self._offset = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if name in self._entries:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        t = tensor.detach().cpu().contiguous()
+        raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        self._fh.write(memoryview(raw.reshape(-1).numpy()))
+        size = t.numel() * t.element_size()
+        self._entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                               "data_offsets": [self._offset, self._offset + size]}  # fmt: skip
+        self._offset += size
+
+    def close(self, metadata: dict[str, str] | None = None) -> None:
+        self._fh.close()
+        header = dict(self._entries)
+        if metadata:
+            header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, like the reference writer
+        with open(self.path, "wb") as out, open(self._staged, "rb") as data:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            shutil.copyfileobj(data, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        self._staged.unlink()
+
+    def abort(self) -> None:
+        self._fh.close()
+        self._staged.unlink(missing_ok=True)
