@@ -76,7 +76,7 @@ def test_results_json_schema(full_run):
         "projections",
     ):
         assert key in doc
-    assert {"cpu", "cores", "ram_gib", "gpus"} <= set(doc["hardware"])
+    assert {"cpu", "cores", "cpu_isa", "cpu_bf16", "ram_gib", "gpus"} <= set(doc["hardware"])
     assert {"ssdlocal", "torch", "transformers", "python"} <= set(doc["versions"])
     assert doc["systems"] == ["ar", "sd", "ssd", "hf", "hf-assisted"]
     # llama.cpp peers are skipped either way: the extra is missing, or no GGUF was given

@@ -82,6 +82,27 @@ def test_round_trip_within_half_a_step(scheme, dtype):
     assert qw.nbytes == (96 * 256 + 96 * size if scheme == "int8" else 96 * 128 + 2 * 96 * 8 * size)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_head_rows_and_fp32_logits(scheme):
+    """A quantized lm_head's rows de-quantize to exactly the weights the kernel uses, and
+    fp32_logits recomputes its best candidates from them in float32 (ties in bf16 output
+    then do not depend on how many tokens one forward scores)."""
+    from ssdlocal.backends.torch.logits import REFINED, fp32_logits
+
+    w = torch.randn(72, 128) * 0.05  # 72 rows: int4 pads them to the kernel's 96
+    qw = quantize(w, scheme, torch.bfloat16)
+    lin = QuantLinear(qw, None, dtype=torch.bfloat16, device="cpu")
+    idx = torch.tensor([[0, 71], [17, 40]])
+    assert torch.equal(lin.dequantize_rows(idx), qw.dequantize()[idx])
+    h = torch.randn(2, 3, 128).bfloat16()
+    exact = h.float() @ qw.dequantize().t()  # [2, 3, 72]
+    got = fp32_logits(lin, h)
+    top = exact.topk(REFINED, dim=-1)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert torch.allclose(got.gather(-1, top.indices), top.values, atol=1e-5)
+    assert not torch.equal(lin(h).float(), exact)  # the kernel's bf16 output is rounded
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("n", [64, 40])  # 40: int4 pads the rows to the kernel's multiple of 16

@@ -28,14 +28,15 @@ def environment() -> dict:
 
     from ssdlocal import __version__
 
-    cpu = platform.processor() or platform.machine()
+    info: dict[str, str] = {}  # the first CPU's "model name" and "flags" lines
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
     ram = None
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -50,6 +51,10 @@ def environment() -> dict:
             "cpu": cpu,
             "cores": os.cpu_count(),
             "usable_cores": usable,
+            # what torch's CPU kernels use, and whether bf16 matmuls are native (without
+            # it a bf16 forward of K+1 tokens costs several times one token's)
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
             "ram_gib": round(ram, 1) if ram else None,
             "gpus": gpus,
             "platform": platform.platform(),
@@ -181,7 +186,8 @@ def markdown(doc: dict) -> str:
             f"K={s['k']}, temperature {s['temperature']}, {s['dtype']}, weights {s.get('quantization')}, "
             f"repeats {s['repeats']}, chat {s['chat']}"
         ),
-        f"- {hw['cpu']} ({hw['usable_cores']} usable cores), RAM {hw['ram_gib']} GiB, GPUs: {', '.join(hw['gpus']) or 'none'}",
+        f"- {hw['cpu']} ({hw['usable_cores']} usable cores, {hw.get('cpu_isa')}, native bf16: "
+        f"{'yes' if hw.get('cpu_bf16') else 'no'}), RAM {hw['ram_gib']} GiB, GPUs: {', '.join(hw['gpus']) or 'none'}",
         f"- ssdlocal {v['ssdlocal']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}",
         "- tok/s = decode tokens / decode time (prefill excluded); TTFT separately",
         "",

@@ -224,6 +224,34 @@ class QuantLinear(nn.Module):
             out = out + self.bias
         return out.view(*lead, self.out_features)
 
+    def dequantize_rows(self, idx: Tensor) -> Tensor | None:
+        """Output rows `idx` (any shape) of W as float32 [*idx.shape, in_features], exactly
+        the values the kernel multiplies by; None where the packed layout is not ours to
+        read (CUDA tinygemm, or a torch release whose CPU int4 layout changed)."""
+        flat = idx.reshape(-1)
+        if self.kernel in ("int8_cpu", "int8_cuda"):
+            rows = self.codes[flat].float() * self.scales[flat].float()[:, None]  # [R, K]
+        elif self.kernel == "int4_dequant":
+            w = QuantizedWeight("int4", self.codes[flat], self.scales[flat], self.zeros[flat], self.group_size)
+            rows = w.dequantize(torch.float32)  # [R, K]
+        elif self.kernel == "int4_cpu" and _cpu_layout_known():
+            rows = self._int4_cpu_rows(flat)
+        else:
+            return None
+        return rows.view(*idx.shape, self.in_features)
+
+    def _int4_cpu_rows(self, flat: Tensor) -> Tensor:
+        """Unpack rows from the CPU kernel's layout (see _pack_int4_cpu): per block of 32
+        rows, byte (k, j) holds row j's code k (low nibble) and row 16 + j's (high)."""
+        k, g = self.in_features, self.group_size
+        blocks = self.packed.view(-1, k, 16)  # [N/32, K, 16]
+        byte = blocks[flat // 32, :, flat % 16]  # [R, K]
+        q = torch.where((flat % 32 < 16)[:, None], byte & 15, byte >> 4).float()  # [R, K]
+        sz = self.scales_and_zeros[:, flat].float()  # [K/g, R, 2]
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [R, K/g]
+        w = (q.view(-1, k // g, g) - 8) * scales[..., None] + zeros[..., None]  # [R, K/g, g]
+        return w.view(-1, k)  # [R, K]
+
     def _cpu_mm(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_cpu":
             return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
