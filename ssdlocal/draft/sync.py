@@ -50,7 +50,8 @@ class ModelDrafter:
     Cache bookkeeping per row (c = tokens the draft has cached at a round's start, L =
     committed tokens): the first step feeds the 1 or 2 committed tokens it lacks (the
     bonus, preceded by the last draft d_K when all K drafts were accepted), so it is a
-    [B, 2] step whose padding writes past L; steps 2..K feed d_1..d_{K-1}. After the
+    [B, 2] step whose padding writes past L (on a CPU, a [B, 1] step when no row has d_K
+    pending); steps 2..K feed d_1..d_{K-1}. After the
     verdict (n accepted) the cache keeps L + min(n, K-1) tokens.
     """
 
@@ -84,8 +85,13 @@ class ModelDrafter:
         batch, runner = len(sequences), self.runner
         bound = max(map(len, sequences)) + self.k  # past every write of this round
         rows = torch.arange(batch, device=runner.device)  # [B]
-        first = torch.stack([torch.where(self.two.bool(), self.last_draft, self.last), self.last], 1)
-        logits = runner.step(first, bound)[rows, self.two]  # [B, V_d]: after the last pending token
+        if runner.device.type == "cpu" and not bool(self.two.any()):
+            # only the bonus is pending: on a CPU a 1-token step costs less than a 2-token one
+            # (no graphs to keep the shape for; reading `two` costs no device sync)
+            logits = runner.step(self.last[:, None], bound)[:, 0]  # [B, V_d]
+        else:
+            first = torch.stack([torch.where(self.two.bool(), self.last_draft, self.last), self.last], 1)
+            logits = runner.step(first, bound)[rows, self.two]  # [B, V_d]: after the last pending token
         runner.advance(1 + self.two)
         drafts, qs = [], []
         for j in range(self.k):
