@@ -17,3 +17,19 @@ def tiny_dir(tmp_path_factory) -> dict[str, Path]:
     from tiny_models import make_tiny_suite
 
     return make_tiny_suite(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread in a module and in the processes it spawns (draft workers and
+    tensor-parallel ranks read OMP_NUM_THREADS at start): tiny models gain nothing from
+    threads, and on a busy 2-core machine a parallel region waiting on a descheduled
+    thread stalls for long. Use with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(old)

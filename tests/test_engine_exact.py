@@ -40,17 +40,7 @@ MAX_NEW = 28
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread here and in the draft workers spawned by this module (they
-    read OMP_NUM_THREADS at start): tiny batches gain nothing from threads, and on a busy
-    2-core machine a parallel region waiting on a descheduled thread stalls for long."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 class Engines:

@@ -9,7 +9,6 @@ tokens and RoundEvent.rows naming the row of each per-row entry.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ssdlocal.core.config import (
     EngineConfig,
@@ -25,14 +24,7 @@ from ssdlocal.engine import Engine
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def foo(x):"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module", params=["ar", "sd", "ssd"])

@@ -119,14 +119,7 @@ def _tokens(engine: Engine, spec: SpecConfig, prompts) -> list[tuple[int, ...]]:
     return [o.token_ids for o in done[0].outputs]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.mark.parametrize(("target", "draft"), [("llama", "draft_llama"), ("qwen2", "draft_qwen2"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 from cli_helpers import assert_clean_error, run_cli
 
 from ssdlocal.core.config import (
@@ -28,15 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 DRAFTS = {"llama": "draft_llama", "qwen2": "draft_qwen2", "qwen3": "draft_llama"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread here and in spawned workers / ranks (see test_engine_exact.py)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def tokens(engine: Engine, spec: SpecConfig, prompts=PROMPTS, params=GREEDY):

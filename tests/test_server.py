@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 from cli_helpers import run_cli
 from server_helpers import MODEL, LiveServer
 
@@ -40,16 +39,7 @@ PROMPTS = [
 STATS_KEYS = {"acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s", "mode"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread here and in SSD workers: tiny batches gain nothing from threads
-    and a 2-core machine would oversubscribe (see test_engine_exact.py)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def _config(tiny_dir, mode: str) -> EngineConfig:

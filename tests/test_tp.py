@@ -38,15 +38,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 TP2 = ("cpu", "cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread here and in the spawned ranks (they read OMP_NUM_THREADS)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 def _config(path, devices=(), mode=Mode.AR, draft=None) -> EngineConfig:
