@@ -40,6 +40,7 @@ from ssdlocal.backends.torch.quant import (
 )
 from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsWriter
 from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.core.files import file_lock
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.quantization import scheme_for_gguf_type
 
@@ -126,25 +127,11 @@ def quantized_dir(gguf_path: Path, scheme: str, dtype: str) -> Path:
     return cache_dir() / "quantized" / f"{stem}-{scheme}-{dtype}-v{_FORMAT}-{content_key(gguf_path)[:16]}"
 
 
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """One process converts a given file at a time (others wait, then find the cache)."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _build_atomically(out: Path, marker: str, build) -> Path:
     """Run build(tmp) into a temporary sibling of `out`, write nothing half-done, rename."""
     if (out / marker).is_file():
         return out
-    with _lock(out.with_name(out.name + ".lock")):
+    with file_lock(out.with_name(out.name + ".lock")):  # one converter per file; others wait
         if (out / marker).is_file():
             return out
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
