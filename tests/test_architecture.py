@@ -169,7 +169,8 @@ def test_engine_imports_no_ui_library():
 def test_docs_and_docstrings_point_inside_the_repository():
     offenders = [
         str(p.relative_to(PACKAGE.parent))
-        for p in [*PACKAGE.rglob("*.py"), PACKAGE.parent / "README.md"]
+        for p in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "docs").rglob("*.md"),
+                  *(PACKAGE.parent / "models").rglob("*.toml"), PACKAGE.parent / "README.md"]
         if "DESIGN.md" in p.read_text() or "../shared" in p.read_text()
     ]
     assert not offenders, offenders
