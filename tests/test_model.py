@@ -159,6 +159,21 @@ def test_sharded_checkpoint_and_bf16(tiny_dir, tmp_path):
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
+def test_whole_checkpoints_load_without_a_memory_map(tiny_dir, monkeypatch):
+    """Touched pages of a memory-mapped file stay resident until it closes, which doubled
+    the peak of a float load; whole tensors are read with plain file I/O instead."""
+    from ssdlocal.backends.torch import loader
+
+    reference = {k: v.clone() for k, v in load_model(tiny_dir["llama"]).model.state_dict().items()}
+
+    def no_map(*args, **kwargs):
+        raise AssertionError("a whole-checkpoint load memory-mapped its file")
+
+    monkeypatch.setattr(loader, "safe_open", no_map)
+    loaded = load_model(tiny_dir["llama"]).model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in reference.items())
+
+
 def test_loaded_model_metadata(tiny_dir):
     loaded = load_model(tiny_dir["llama"])
     assert loaded.eos_token_ids == (0,)

@@ -20,6 +20,7 @@ from ssdlocal.backends.torch.quant_load import (
     quantized_checkpoint,
     resolve_scheme,
 )
+from ssdlocal.backends.torch.stfile import DamagedFileError, SafetensorsReader
 from ssdlocal.core.errors import (
     ModelLoadError,
     OutOfMemoryError,
@@ -188,18 +189,29 @@ def read_state_dict(
     """
     state: dict[str, torch.Tensor] = {}
     for file in files:
+        if read is None:  # whole tensors: plain reads, so no memory-mapped page stays resident
+            with SafetensorsReader(file) as f:
+                for name in f.keys():
+                    if (key := _state_key(name, tied)) is not None:
+                        state[key] = f.read(name).to(device=device, dtype=dtype)  # own allocation
+            continue
         with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
             for name in f.keys():
-                key = name.removeprefix("model.")
-                if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
-                    continue  # some old checkpoints store this non-weight
-                tensor = f.get_tensor(name) if read is None else read(f, name, key)
-                # copy=True: never keep weights backed by the memory-mapped file. Such
-                # pages are clean page cache that the kernel may drop under memory
-                # pressure; every forward then page-faults the weights back in (seen:
-                # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
-                state[key] = tensor.to(device=device, dtype=dtype, copy=True)
+                if (key := _state_key(name, tied)) is not None:
+                    # copy=True: never keep weights backed by the memory-mapped file. Such
+                    # pages are clean page cache that the kernel may drop under memory
+                    # pressure; every forward then page-faults the weights back in (seen:
+                    # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
+                    state[key] = read(f, name, key).to(device=device, dtype=dtype, copy=True)
     return state
+
+
+def _state_key(name: str, tied: bool) -> str | None:
+    """Our name for checkpoint tensor `name`, or None for one we do not load."""
+    key = name.removeprefix("model.")
+    if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+        return None  # some old checkpoints store this non-weight; a tied head is the embedding
+    return key
 
 
 def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Path) -> None:
@@ -269,7 +281,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
         if is_oom(exc):
             raise _oom(ckpt, dev, torch_dtype, exc) from exc
         raise
-    except (SafetensorError, OSError) as exc:  # truncated or garbled weights
+    except (SafetensorError, DamagedFileError, OSError) as exc:  # truncated or garbled weights
         raise ModelLoadError(f"cannot read the weights in {ckpt}: {_first_line(exc)}",
                              hint=damaged_hint(ckpt)) from exc
     model.requires_grad_(False).eval()

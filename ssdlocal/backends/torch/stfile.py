@@ -29,6 +29,10 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 << 20
 
 
+class DamagedFileError(ModelLoadError):
+    """A safetensors file whose header or data cannot be read (truncated, garbled)."""
+
+
 class SafetensorsReader:
     """Tensors of one .safetensors file by name; `read` returns a fresh CPU tensor."""
 
@@ -42,7 +46,7 @@ class SafetensorsReader:
             header = json.loads(self._fh.read(size))
         except (struct.error, ValueError) as exc:
             self._fh.close()
-            raise ModelLoadError(f"{self.path} is not a readable safetensors file: {exc}",
+            raise DamagedFileError(f"{self.path} is not a readable safetensors file: {exc}",
                                  "the download or conversion is incomplete; fetch the model again") from exc
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, dict] = header
@@ -66,7 +70,7 @@ class SafetensorsReader:
         out = torch.empty(end - begin, dtype=torch.uint8)
         self._fh.seek(self._data_start + begin)
         if self._fh.readinto(memoryview(out.numpy())) != end - begin:
-            raise ModelLoadError(f"{self.path} is truncated at tensor {name}",
+            raise DamagedFileError(f"{self.path} is truncated at tensor {name}",
                                  "the download or conversion is incomplete; fetch the model again")
         return out.view(dtype).reshape(shape)
 
