@@ -118,3 +118,22 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])  # race runs every mode: no --mode
+def test_model_commands_take_generates_model_and_speculation_options_and_defaults(command):
+    """Every command that runs a model accepts the options `generate` does for the model,
+    devices, backends, weights and speculation, with the same defaults (e.g. --mode auto)."""
+    import dataclasses
+    import inspect
+
+    from ssdlocal.cli import serve, tui
+    from ssdlocal.cli.generate import generate
+    from ssdlocal.cli.resolve import ModelOptions, SpecOptions
+
+    func = {"serve": serve.serve, "chat": tui.chat}[command]
+    ours, theirs = inspect.signature(generate).parameters, inspect.signature(func).parameters
+    shared = {f.name for cls in (ModelOptions, SpecOptions) for f in dataclasses.fields(cls)} & set(ours)
+    missing = "absent"
+    assert len(shared) > 10
+    assert {n: theirs[n].default if n in theirs else missing for n in shared} == {n: ours[n].default for n in shared}

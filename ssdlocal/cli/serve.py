@@ -33,14 +33,17 @@ def serve(
     target: o.Target = None,
     draft: o.Draft = None,
     pair: o.PairName = None,
-    mode: o.ModeName = "ssd",
+    mode: o.ModeName = "auto",
     k: o.K = 4,
     max_new_tokens: o.MaxNewTokens = o.DEFAULT_MAX_NEW_TOKENS,
     dtype: o.Dtype = "bfloat16",
-    target_device: o.TargetDevice = "cpu",
-    draft_device: o.DraftDevice = "cpu",
-    target_backend: o.TargetBackend = "torch",
-    draft_backend: o.DraftBackend = "torch",
+    quantization: o.Quantization = "auto",
+    draft_quantization: o.DraftQuantization = None,
+    target_device: o.TargetDevice = "auto",
+    draft_device: o.DraftDevice = "auto",
+    target_backend: o.TargetBackend = "auto",
+    draft_backend: o.DraftBackend = "auto",
+    cuda_graphs: o.CudaGraphs = True,
     target_devices: o.TargetDevices = None,
     fan_out: o.FanOut = None,
     fan_out_miss: o.FanOutMiss = None,
@@ -106,7 +109,7 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens) 
     with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
         engine = Engine(config)
     with engine:
-        mode = config.spec.mode.value
+        mode = engine.choice.mode.value  # what --mode auto resolved to, as requests report it
         metrics = Metrics(name, mode, __version__)
         scheduler = Scheduler(engine, metrics, mode=mode, max_batch=max_batch)
         state = ServerState(
@@ -116,8 +119,8 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens) 
         server = make_server(create_app(state), verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
         scheduler.start()
         err_console.print(
-            f"serving [bold]{name}[/bold] ({mode}) at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "
-            "Ctrl-C stops", soft_wrap=True, highlight=False,
+            f"serving [bold]{name}[/bold] at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "
+            f"Ctrl-C stops\nmode {mode}: {engine.choice.reason}", soft_wrap=True, highlight=False,
         )  # fmt: skip
         try:
             server.run(sockets=[sock])
