@@ -71,10 +71,8 @@ class QuantizedWeight:
         if self.scheme == "int8":
             return (self.codes.float() * self.scales.float()[:, None]).to(dtype)  # [N, K]
         n, k = self.shape
-        q = torch.stack((self.codes >> 4, self.codes & 15), dim=-1).reshape(n, k).float()  # [N, K]
-        g = self.group_size
-        w = (q.view(n, k // g, g) - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
-        return w.reshape(n, k).to(dtype)  # [N, K]
+        q = torch.stack((self.codes >> 4, self.codes & 15), dim=-1).reshape(n, k)  # [N, K]
+        return dequantize_int4(q, self.scales, self.zeros, self.group_size).to(dtype)  # [N, K]
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output features [start, stop) (tensor-parallel column split)."""
@@ -144,6 +142,14 @@ def _quantize_rows(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeigh
     sf = scales.float().masked_fill(scales == 0, 1.0)  # a constant group: codes all 8
     q = ((wg - zeros.float()[..., None]) / sf[..., None] + 8).round_().clamp_(0, 15)  # [n, G, g]
     return pack_int4(q.view(n, k), scales, zeros, dtype)
+
+
+def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
+    """Codes q [N, K] (0..15) with scales and zeros [N, K/group] -> float32 W [N, K]:
+    W = (q - 8) * s + z, the convention of every int4 kernel here."""
+    n, k = q.shape
+    w = (q.float().view(n, k // group_size, group_size) - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.view(n, k)  # [N, K]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -243,14 +249,11 @@ class QuantLinear(nn.Module):
     def _int4_cpu_rows(self, flat: Tensor) -> Tensor:
         """Unpack rows from the CPU kernel's layout (see _pack_int4_cpu): per block of 32
         rows, byte (k, j) holds row j's code k (low nibble) and row 16 + j's (high)."""
-        k, g = self.in_features, self.group_size
-        blocks = self.packed.view(-1, k, 16)  # [N/32, K, 16]
+        blocks = self.packed.view(-1, self.in_features, 16)  # [N/32, K, 16]
         byte = blocks[flat // 32, :, flat % 16]  # [R, K]
-        q = torch.where((flat % 32 < 16)[:, None], byte & 15, byte >> 4).float()  # [R, K]
-        sz = self.scales_and_zeros[:, flat].float()  # [K/g, R, 2]
-        scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [R, K/g]
-        w = (q.view(-1, k // g, g) - 8) * scales[..., None] + zeros[..., None]  # [R, K/g, g]
-        return w.view(-1, k)  # [R, K]
+        q = torch.where((flat % 32 < 16)[:, None], byte & 15, byte >> 4)  # [R, K]
+        sz = self.scales_and_zeros[:, flat]  # [K/g, R, 2]
+        return dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), self.group_size)  # [R, K]
 
     def _cpu_mm(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_cpu":
