@@ -216,7 +216,7 @@ def main() -> int:
         return 2
     device = torch.device("cpu" if args.cpu else "cuda:0")
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    graph_mode = "emulate" if args.cpu else "auto"
+    graph_mode = "trace" if args.cpu else "auto"
     repeats = 3 if args.quick else 20
     prompt = 32 if args.quick else PROMPT
     names = ("tiny-draft", "tiny-target") if args.quick else ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")

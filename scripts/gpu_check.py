@@ -210,10 +210,10 @@ def forward_ms(engine: Engine, n_tokens: int, repeats: int) -> float:
 
 
 def check_graphs_exact(dirs, device: str, results: dict) -> bool:
-    """CUDA graphs (or their CPU emulation) give the eager kernels' tokens, AR / SD / SSD."""
+    """CUDA graphs (or their CPU twin, traced graphs) give the eager kernels' tokens, AR / SD / SSD."""
     draft = str(dirs["draft_llama"])
     want = None
-    for graphs in ("off", "emulate" if device == "cpu" else "auto"):
+    for graphs in ("off", "trace" if device == "cpu" else "auto"):
         cfg = EngineConfig(
             target=ModelSpec(str(dirs["llama"]), device, "float32"),
             spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft),

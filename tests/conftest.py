@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Captured steps that read tensors their owner did not declare static, or a static tensor
+# rebound after capture, fail loudly in tests (in use they only warn and run eagerly).
+# Set before anything starts a draft worker or rank, which inherit it.
+os.environ.setdefault("SSDLOCAL_GRAPHS_STRICT", "1")
 
 
 @pytest.fixture(scope="session")

@@ -331,7 +331,7 @@ def test_logit_margin_near_tie_in_bf16_ulps():
         def reset(self, batch, slots):
             pass
 
-        def feed(self, rows):
+        def feed(self, rows, logits="all"):
             logits = torch.zeros(len(rows[0]), 8)
             logits[-1, 3], logits[-1, 5] = 17.5, self.top2
             return [logits]

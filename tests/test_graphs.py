@@ -8,16 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ssdlocal.backends.torch.capture import Captured, TracedGraphs
 from ssdlocal.backends.torch.graphs import (
     BUCKETS,
-    Captured,
-    EmulatedGraphs,
     GraphCache,
+    GraphSafetyError,
     bucket,
+    graph_report,
     make_graph_cache,
 )
 from ssdlocal.backends.torch.logits import REFINED, fp32_logits, refine_top
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 
@@ -26,19 +28,30 @@ PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a 
 
 
 # --------------------------------------------------------------------------- bookkeeping
-class CountingBackend(EmulatedGraphs):
-    """Emulated capture that counts captures and can refuse (memory) or fail."""
+class CountingBackend:
+    """Capture = remember the function; replay = call it again over the static inputs.
+    Counts captures and can refuse (memory), fail, or replay wrongly."""
 
-    def __init__(self, free=None, fail=False) -> None:
-        super().__init__(lambda: free)
+    kind = "counting"
+
+    def __init__(self, free=None, fail=False, wrong=False) -> None:
+        self.free, self.fail, self.wrong = free, fail, wrong
         self.captures = 0
-        self.fail = fail
+
+    def free_bytes(self):
+        return self.free
 
     def capture(self, fn, inputs) -> Captured:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captures += 1
-        return super().capture(fn, inputs)
+        static = {name: t.clone() for name, t in inputs.items()}
+        output = fn(**static)
+
+        def run() -> None:
+            output.copy_(fn(**static) + (1.0 if self.wrong else 0.0))
+
+        return Captured(static, output, run, output.nbytes, computed=True)
 
 
 def _double(x):
@@ -47,7 +60,7 @@ def _double(x):
 
 def test_capture_once_then_replay_with_new_inputs():
     backend = CountingBackend()
-    cache = GraphCache(backend)
+    cache = GraphCache(backend, self_check=False)
     first = cache.run(("step", 1, 2), _double, x=torch.tensor([1.0, 2.0]))
     assert first.tolist() == [2.0, 4.0] and backend.captures == 1
     again = cache.run(("step", 1, 2), _double, x=torch.tensor([5.0, 6.0]))
@@ -66,15 +79,16 @@ def test_memory_budget_refuses_capture_and_runs_eagerly():
     cache = GraphCache(CountingBackend(free=100), reserve_bytes=1000)
     out = cache.run("k", _double, x=torch.tensor([3.0]))
     assert out.tolist() == [6.0]
-    assert len(cache) == 0 and cache.stats.eager == 1 and "memory budget" in cache.stats.refused[0]
+    assert len(cache) == 0 and cache.stats.eager == 1 and cache.stats.refused == 1
+    assert "memory budget" in cache.notes[0]
     cache.run("k", _double, x=torch.tensor([4.0]))
-    assert cache.stats.eager == 2  # not tried again
+    assert cache.stats.eager == 2 and cache.stats.refused == 1  # not tried again
 
 
 def test_failed_capture_falls_back_to_eager_for_that_shape():
     cache = GraphCache(CountingBackend(fail=True))
     assert cache.run("k", _double, x=torch.tensor([1.0])).tolist() == [2.0]
-    assert len(cache) == 0 and "capture failed" in cache.stats.refused[0]
+    assert len(cache) == 0 and "capture failed" in cache.notes[0] and cache.stats.refused == 1
 
 
 def test_graph_count_limit():
@@ -84,12 +98,110 @@ def test_graph_count_limit():
     assert len(cache) == 2 and cache.stats.eager == 2
 
 
-def test_buckets_and_modes():
+def test_buckets_and_modes(monkeypatch):
     assert [bucket(w) for w in (1, 2, 3, 5, 9, 17, 33, 64, 65)] == [1, 2, 4, 8, 16, 32, 64, 64, 65]
     assert BUCKETS[0] == 1
     cpu = torch.device("cpu")
+    monkeypatch.delenv("SSDLOCAL_GRAPHS", raising=False)
     assert make_graph_cache(cpu, "auto") is None and make_graph_cache(cpu, "off") is None
-    assert isinstance(make_graph_cache(cpu, "emulate").backend, EmulatedGraphs)
+    assert isinstance(make_graph_cache(cpu, "trace").backend, TracedGraphs)
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")  # the environment wins over the config
+    assert isinstance(make_graph_cache(cpu, "auto").backend, TracedGraphs)
+    assert isinstance(make_graph_cache(cpu, "off").backend, TracedGraphs)
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "off")
+    assert make_graph_cache(cpu, "trace") is None
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "emulate")
+    with pytest.raises(UsageError, match="SSDLOCAL_GRAPHS"):
+        make_graph_cache(cpu, "auto")
+
+
+def test_a_wrong_first_replay_drops_the_graphs_and_runs_eagerly():
+    """The self-check: the first replay of each shape is compared with an eager run."""
+    cache = GraphCache(CountingBackend(wrong=True))
+    assert cache.run("k", _double, x=torch.tensor([1.0])).tolist() == [2.0]  # the capturing call
+    assert cache.run("k", _double, x=torch.tensor([2.0])).tolist() == [4.0]  # replay 5 != eager 4
+    assert cache.disabled and cache.stats.dropped == 1 and "differs from eager" in cache.notes[0]
+    assert cache.run("k", _double, x=torch.tensor([3.0])).tolist() == [6.0]  # eager from now on
+    assert cache.stats.eager == 1 and len(cache) == 0
+
+
+class Owner:
+    """A graph owner with one declared static tensor (`scale`), like a runner's state."""
+
+    def __init__(self) -> None:
+        self.scale = torch.tensor([2.0])
+        self.hidden = torch.tensor([10.0])  # read by `leaky`, never registered
+
+    def registered(self):
+        yield self.scale
+
+    def state_tensors(self):
+        return (self.scale,)
+
+    def describe(self, tensor):
+        for name, value in vars(self).items():
+            if value is tensor:
+                return f"owner.{name}"
+        return "unknown"
+
+    def step(self, x):
+        return x * self.scale
+
+    def leaky(self, x):
+        return x + self.hidden
+
+
+def test_traced_replay_reads_a_rebound_tensor_stale_like_a_cuda_graph():
+    """No Python runs at replay: the tensor held at capture is read, as a CUDA graph would."""
+    owner = Owner()
+    cache = GraphCache(TracedGraphs(), None, self_check=False)  # no owner declaration: no guards
+    assert cache.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [2.0]
+    owner.scale = torch.tensor([3.0])  # rebound, not updated in place
+    assert cache.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [2.0]  # stale
+    owner.scale.fill_(5.0)  # the new tensor: invisible to the graph
+    assert cache.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [2.0]
+
+
+def test_the_guard_catches_a_rebound_static_tensor():
+    owner = Owner()
+    strict = GraphCache(TracedGraphs(), owner, strict=True)
+    strict.run("k", owner.step, x=torch.tensor([1.0]))
+    owner.scale = torch.tensor([3.0])
+    with pytest.raises(GraphSafetyError, match="owner.scale"):
+        strict.run("k", owner.step, x=torch.tensor([1.0]))
+    owner = Owner()
+    lenient = GraphCache(TracedGraphs(), owner, strict=False)
+    lenient.run("k", owner.step, x=torch.tensor([1.0]))
+    owner.scale = torch.tensor([3.0])
+    assert lenient.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [3.0]  # recaptured
+    assert lenient.stats.dropped == 1 and lenient.stats.captured == 2
+
+
+def test_the_audit_lists_tensors_that_are_not_registered_static():
+    owner = Owner()
+    strict = GraphCache(TracedGraphs(), owner, strict=True)
+    with pytest.raises(GraphSafetyError, match="owner.hidden"):
+        strict.run("k", owner.leaky, x=torch.tensor([1.0]))
+    lenient = GraphCache(TracedGraphs(), owner, strict=False)
+    assert lenient.run("k", owner.leaky, x=torch.tensor([1.0])).tolist() == [11.0]
+    assert lenient.stats.refused == 1 and lenient.stats.eager == 1 and "owner.hidden" in lenient.notes[0]
+    owner.hidden = torch.tensor([20.0])
+    assert lenient.run("k", owner.leaky, x=torch.tensor([1.0])).tolist() == [21.0]  # eager: fresh
+
+
+def test_graph_report_counts_one_calls_share():
+    cache = GraphCache(CountingBackend(free=100), reserve_bytes=1000)
+
+    class Runner:
+        graphs = cache
+
+    before = graph_report(Runner())
+    cache.run("k", _double, x=torch.tensor([1.0]))
+    report = graph_report(Runner(), before)
+    assert report["mode"] == "counting" and report["refused"] == 1 and report["eager"] == 1
+    assert "memory budget" in report["notes"][0]
+    assert graph_report(object()) == {"mode": "off", "captured": 0, "replays": 0, "eager": 0,
+                                      "refused": 0, "dropped": 0}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- fp32 logits
@@ -125,8 +237,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 @pytest.mark.parametrize(("target", "draft"), [("llama", "draft_llama"), ("qwen2", "draft_qwen2"),
                                                ("qwen3", "qwen3")])  # fmt: skip
 def test_captured_path_equals_eager_path(tiny_dir, target, draft):
-    """The static-buffer path a CUDA graph replays (full-cache masks, padded tree widths)
-    gives the eager path's tokens in AR, SD and SSD, for one row and for three."""
+    """The path a CUDA graph replays (traced op graphs over static buffers, full-cache
+    masks, padded tree widths) gives the eager path's tokens in AR, SD and SSD, for one row
+    and for three."""
     t, d = str(tiny_dir[target]), str(tiny_dir[draft])
 
     def engine(graphs: str) -> Engine:
@@ -138,7 +251,7 @@ def test_captured_path_equals_eager_path(tiny_dir, target, draft):
     specs = [SpecConfig(mode=m, k=3, draft=d, backup="jit") for m in (Mode.AR, Mode.SD, Mode.SSD)]
     with engine("off") as eager:
         want = {(s.mode, n): _tokens(eager, s, PROMPTS[:n]) for s in specs for n in (1, 3)}
-    with engine("emulate") as captured:
+    with engine("trace") as captured:
         for (mode, n), tokens in want.items():
             spec = next(s for s in specs if s.mode is mode)
             assert _tokens(captured, spec, PROMPTS[:n]) == tokens, (mode, n)
@@ -206,5 +319,5 @@ def test_kv_cache_grows_keeping_its_contents(tiny_dir, monkeypatch):
     full, start, _ = logits(1024, "off")
     assert start == 512  # never more than the call may use
     assert torch.equal(grown, full)
-    emulated, _, _ = logits(256, "emulate")
-    assert torch.allclose(emulated, full, atol=1e-5)
+    traced, _, _ = logits(256, "trace")  # captured steps attend over a bucketed span
+    assert torch.allclose(traced, full, atol=1e-5)

@@ -31,9 +31,10 @@ class Runner(Protocol):
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
 
-    def feed(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Append rows[b] to row b's cache; per row float32 logits [len(rows[b]), V]
-        on the runner's device."""
+    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all") -> list[torch.Tensor]:
+        """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
+        `logits` "all" [len(rows[b]), V], "last" [1, V] (its last token), "none" [0, V].
+        Only the positions asked for are computed (a long prompt's logits are large)."""
 
     def begin_steps(self) -> None:
         """Decode with `step` from here: each row's length is what it has cached."""

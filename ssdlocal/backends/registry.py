@@ -27,10 +27,19 @@ def load(spec: ModelSpec, *, threads: int | None = None):
     return load_model(spec.path, spec.device, spec.dtype, spec.quantization)
 
 
+def claim_device(device: str) -> None:
+    """Make `device` the current CUDA device of this process (a process that owns a model
+    on a GPU other than cuda:0 must, or work lands on the wrong GPU); no-op otherwise."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
 def make_runner(loaded, *, tree: bool = False, graphs: str = "auto"):
     """The Runner for a loaded model. `tree`: it will decode SSD fan-out trees (llama.cpp
     sizes its context for many sequences). `graphs`: captured forwards for the torch
-    runner ("auto" = CUDA graphs on CUDA, "off", "emulate"); llama.cpp has its own."""
+    runner ("auto" = CUDA graphs on CUDA, "off", "trace"); llama.cpp has its own."""
     from ssdlocal.backends.llamacpp import LlamaCppRunner, LoadedGGUF
 
     if isinstance(loaded, LoadedGGUF):

@@ -33,7 +33,7 @@ def logit_margin(
     the top logit's magnitude (kernel-shape rounding can swap such a pair)."""
     ids = list(prompt) + list(prefix)
     runner.reset(1, len(ids) + 2)
-    logits = runner.feed([ids])[0][-1].float()  # [V]
+    logits = runner.feed([ids], "last")[0][-1].float()  # [V]
     top = torch.topk(logits, 2)
     margin = float(top.values[0] - top.values[1])
     top1 = abs(float(top.values[0])) or 1.0

@@ -171,7 +171,7 @@ def _add_margin(engine, ids, ar, div) -> None:
         return
     prefix = ids[div["prompt"]] + ar[div["prompt"]][: div["index"]]
     engine.runner.reset(1, len(prefix) + 2)
-    logits = engine.runner.feed([prefix])[0][-1]  # [V]
+    logits = engine.runner.feed([prefix], "last")[0][-1]  # [V]
     top = torch.topk(logits, 2)
     div["top2"] = top.indices.tolist()
     div["top2_margin"] = float(top.values[0] - top.values[1])

@@ -104,6 +104,21 @@ def format_stats(stats: dict) -> str:
     return " | ".join(parts)
 
 
+def graph_warning(stats: dict) -> str | None:
+    """One line when captured steps were refused or dropped for any model, else None."""
+    parts = []
+    for model, report in (stats.get("graphs") or {}).items():
+        refused, dropped = report.get("refused", 0), report.get("dropped", 0)
+        if refused or dropped:
+            what = [f"{refused} shape(s) refused"] if refused else []
+            what += [f"dropped {dropped} time(s)"] if dropped else []
+            why = (report.get("notes") or [""])[0]
+            parts.append(f"{model} {', '.join(what)}" + (f" ({why})" if why else ""))
+    if not parts:
+        return None
+    return "graphs: " + "; ".join(parts) + " - those steps ran eagerly (same output, slower)"
+
+
 def run_generate(
     config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool
 ) -> None:
@@ -123,6 +138,9 @@ def run_generate(
                 done = event
     if done is None:  # pragma: no cover - generate always ends with a DoneEvent
         raise RuntimeError("the engine ended without a DoneEvent")
+    warning = graph_warning(done.stats)
+    if warning:
+        err_console.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
     if as_json:
         payload = {
             "mode": done.stats["mode"],

@@ -155,6 +155,17 @@ class SpecConfig:
         return self.draft == "ngram"
 
 
+def normalize_device(device: str) -> str:
+    """One spelling per device, so devices can be compared as strings: "cuda" (torch's
+    default CUDA device, index 0 in a process that sets none) -> "cuda:0"; "cuda:01" ->
+    "cuda:1". Other names are returned as they are."""
+    if device == "cuda":
+        return "cuda:0"
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return f"cuda:{int(device[5:])}"
+    return device
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Where a model lives and how to run it."""
@@ -184,9 +195,10 @@ class ModelSpec:
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")
+        object.__setattr__(self, "device", normalize_device(dev))  # compared as strings later
 
 
-GRAPH_MODES = ("auto", "off", "emulate")
+GRAPH_MODES = ("auto", "off", "trace")
 
 
 @dataclass(frozen=True)
@@ -201,7 +213,8 @@ class EngineConfig:
     # engine (ssdlocal/parallel). Empty or one device = the target alone on target.device.
     target_devices: tuple[str, ...] = ()
     # Captured forwards: "auto" = CUDA graphs on CUDA devices (eager elsewhere), "off",
-    # or "emulate" (the captured code path without CUDA: static buffers, for tests).
+    # or "trace" (CUDA-graph semantics on any device: traced op graphs replayed over the
+    # tensors they captured). SSDLOCAL_GRAPHS=auto|off|trace overrides it in any process.
     graphs: str = "auto"
 
     def __post_init__(self) -> None:
@@ -211,6 +224,7 @@ class EngineConfig:
             )
         for dev in self.target_devices:
             ModelSpec(self.target.path, dev, self.target.dtype)  # same device rules
+        object.__setattr__(self, "target_devices", tuple(normalize_device(d) for d in self.target_devices))
         if len(self.target_devices) > 1 and self.target_devices[0] != self.target.device:
             raise UsageError(
                 f"target device {self.target.device!r} is not the first of the target devices "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 
@@ -38,6 +39,8 @@ class SpecStats:
     rows_miss: int = 0
     backup_used: dict[str, int] = field(default_factory=dict)
     draft_busy_s: float = 0.0
+    # captured-step counts per model ("target", "draft"), as of now: set by the engine
+    graphs_now: Callable[[], dict[str, dict]] | None = None
     start_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     end_time: float | None = None
@@ -99,6 +102,8 @@ class SpecStats:
             "draft_ms": self.draft_s * 1e3,
             "verify_ms": self.verify_s * 1e3,
         }
+        if self.graphs_now is not None:
+            out["graphs"] = self.graphs_now()
         if self.ssd_rounds:
             rows = self.rows_hit + self.rows_miss
             out.update(

@@ -73,7 +73,7 @@ class ModelDrafter:
 
     def start(self, sequences: Sequence[Sequence[int]]) -> None:
         """Prefill the draft on every row's sequence except its last token."""
-        self.runner.feed([list(seq[:-1]) for seq in sequences])
+        self.runner.feed([list(seq[:-1]) for seq in sequences], "none")
         self.runner.begin_steps()
         dev = self.runner.device
         self.last = torch.tensor([seq[-1] for seq in sequences], device=dev)  # [B] pending bonus

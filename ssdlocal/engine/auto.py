@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlocal.core.config import EngineConfig, Mode
+from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before anything was generated
 CALIBRATION_PROMPT = 16  # tokens of context the timed forwards attend to
@@ -57,8 +57,8 @@ def placement_choice(config: EngineConfig) -> ModeChoice | None:
         return ModeChoice(Mode.AR, "no draft model, so plain autoregressive decoding")
     if spec.draft_is_ngram:
         return ModeChoice(Mode.SD, "the n-gram draft costs nothing to run, so synchronous speculation")
-    targets = config.target_devices or (config.target.device,)
-    draft = config.draft_model.device
+    targets = tuple(map(normalize_device, config.target_devices or (config.target.device,)))
+    draft = normalize_device(config.draft_model.device)
     where = ",".join(targets)
     if draft not in targets and (_is_gpu(draft) or any(_is_gpu(t) for t in targets)):
         return ModeChoice(
@@ -82,7 +82,7 @@ def calibrate(target, draft, k: int) -> Calibration:
 
 def _time_steps(runner, width: int) -> float:
     runner.reset(1, CALIBRATION_PROMPT + width + 2)
-    runner.feed([list(range(1, CALIBRATION_PROMPT + 1))])
+    runner.feed([list(range(1, CALIBRATION_PROMPT + 1))], "none")
     runner.begin_steps()
     ids = torch.ones(1, width, dtype=torch.long, device=runner.device)
     runner.step(ids)  # warm-up (first-call allocations)

@@ -17,6 +17,7 @@ import torch
 
 from ssdlocal.backends import registry
 from ssdlocal.backends.base import SlotLayout
+from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
@@ -80,6 +81,7 @@ class Engine:
                 self.target, self._tp_group = load_tensor_parallel(config.target, config.target_devices)
             else:
                 self.target = registry.load(config.target)
+            registry.claim_device(config.target.device)  # rank 0 of a TP target too
             self.tokenizer = self.target.tokenizer
             self.runner = registry.make_runner(self.target, graphs=config.graphs)
             if self._worker is not None:
@@ -308,6 +310,8 @@ class Engine:
         stats = SpecStats(k=k, mode=spec.mode.value, mode_reason=reason)
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         drafter = self._make_drafter(spec, params, batch, num_slots)
+        graphs_before = self._graph_reports(drafter)
+        stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
@@ -337,11 +341,24 @@ class Engine:
         finally:
             if pinned is not None:
                 pinned.restore()
+            final = self._graph_reports(drafter, graphs_before)
+            stats.graphs_now = lambda: final
             if drafter is not None:
                 drafter.close()
         stats.finish()
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
+
+    def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
+        """Captured-step counts per model, minus `since` (the reports at the call's start)."""
+        since = since or {}
+        reports = {"target": graph_report(self.runner, since.get("target"))}
+        draft_runner = getattr(drafter, "runner", None)
+        if draft_runner is not None:  # SD: the draft model runs here
+            reports["draft"] = graph_report(draft_runner, since.get("draft"))
+        elif hasattr(drafter, "graph_report") and drafter.graph_report() is not None:
+            reports["draft"] = drafter.graph_report()  # SSD: counted in the worker
+        return reports
 
     def _reason(self, spec: SpecConfig) -> str:
         """Why a call with `spec` runs the mode it runs: the engine's choice (auto, or its
@@ -361,7 +378,7 @@ class Engine:
     def _prefill(self, rows, params, generator, stats) -> torch.Tensor:
         """Feed every prompt; the first token of each row, as [B] on the target's device."""
         t0 = time.perf_counter()
-        logits = self._guard(self.runner.feed, [r.prompt for r in rows])
+        logits = self._guard(self.runner.feed, [r.prompt for r in rows], "last")
         last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
         no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
         first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]

@@ -72,9 +72,11 @@ class TPModel:
         self.shard.setup_cache(batch_size, num_slots, dtype, device)
         self.group.collect_acks()
 
-    def __call__(self, ids, positions, slots, mask):
-        """ids/positions/slots [B, T] long, mask [B, T, S] bool (on rank 0's device) -> logits."""
-        return self.group.forward(self.shard, ids, positions, slots, mask)
+    def __call__(self, ids, positions, slots, mask, keep=None):
+        """ids/positions/slots [B, T] long, mask [B, T, S] bool (on rank 0's device) ->
+        logits [B, T, V], or [B, n, V] at the query indices `keep` [B, n] (rank 0's lm_head
+        only: the other ranks compute no logits)."""
+        return self.group.forward(self.shard, ids, positions, slots, mask, keep)
 
 
 class RankGroup:
@@ -203,7 +205,7 @@ class RankGroup:
             raise self.failure("a tensor-parallel rank died")
 
     # ---- the mirrored forward
-    def forward(self, shard, ids, positions, slots, mask):
+    def forward(self, shard, ids, positions, slots, mask, keep=None):
         import torch.distributed as dist
 
         B, T = ids.shape
@@ -211,7 +213,7 @@ class RankGroup:
         self.command_all(Cmd.FORWARD, (B, T, S))
         try:
             dist.broadcast(pack_inputs(ids, positions, slots, mask).to(self.device), 0)  # one collective
-            return shard(ids, positions, slots, mask)  # [B, T, V]; all_reduce inside
+            return shard(ids, positions, slots, mask, keep)  # [B, T or n, V]; all_reduce inside
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent
             mapped = oom_error(exc, f"on {self.device} in the tensor-parallel forward")

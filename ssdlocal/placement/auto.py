@@ -21,16 +21,17 @@ log = logging.getLogger(__name__)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none") -> float:
-    """Weights of a checkpoint in GB when loaded as `dtype` with `quantization`
-    (header-only read; quantized sizes count codes + scales, see core/quantization.py)."""
+def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", device_type: str = "cpu") -> float:
+    """Weights of a checkpoint in GB when loaded as `dtype` with `quantization` on a
+    `device_type` device (header-only read; quantized sizes count codes + scales, see
+    core/quantization.py)."""
     path = Path(path).expanduser()
     if quantization != "none":
         from ssdlocal.backends.torch.quant_load import resolve_scheme, weight_bytes
 
         scheme = resolve_scheme(path, quantization)
         if scheme != "none":
-            return weight_bytes(path, scheme, dtype) / 1e9
+            return weight_bytes(path, scheme, dtype, device_type) / 1e9
     if path.is_file():  # .gguf: quantized on disk; the torch backend dequantizes to dtype
         return path.stat().st_size / 1e9
     numel = 0
@@ -67,9 +68,10 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     inventory = detect() if inventory is None else inventory
     if not inventory.gpus:
         return ("cpu",), "cpu"
-    draft_gb = checkpoint_gb(draft, dtype, quantizations[1]) if draft and draft != "ngram" else 0.0
+    draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft and draft != "ngram" else 0.0
     heads = _heads(target) if backend == "torch" else ()
-    plan = plan_placement(inventory, checkpoint_gb(target, dtype, quantizations[0]), draft_gb, heads=heads)
+    target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
+    plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
     draft_device = plan.draft_device if plan.draft_device != "ngram" else "cpu"
     main = plan.target_devices[0]
     if draft_device == "cpu" and main.startswith("cuda") and draft_gb:

@@ -212,6 +212,7 @@ class Scheduler:
                     run.round(event)
                     run.answer_finished(self.metrics)
                 elif isinstance(event, DoneEvent):
+                    run.graphs = event.stats.get("graphs", run.graphs)
                     run.answer_finished(self.metrics, everyone=True)
                     self.metrics.record_batch(event.stats, time.perf_counter() - started)
         except Exception as exc:  # one failed call must not stop the server
@@ -235,6 +236,7 @@ class _BatchRun:
         self.ids: list[list[int]] = [[] for _ in owners]
         self.finish: list[str | None] = [None] * len(owners)
         self.cancel_sent: set[int] = set()  # job ids
+        self.graphs: dict | None = None  # captured-step counts of the call so far
 
     def cancel_left(self, engine) -> None:
         """Stop the rows of jobs whose client left (called between events)."""
@@ -261,6 +263,7 @@ class _BatchRun:
             job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason))
 
     def round(self, event: RoundEvent) -> None:
+        self.graphs = event.snapshot.get("graphs", self.graphs)
         for i, b in enumerate(event.rows):
             stats = self.stats[b]
             stats.row_rounds += 1
@@ -303,4 +306,5 @@ class _BatchRun:
             "tokens_per_s": emitted / decode_s if decode_s > 0 else None,
             "ttft_s": (min(firsts) - job.submitted_at) if firsts else None,
             "batch_size": len(self.owners),
+            "graphs": self.graphs,
         }

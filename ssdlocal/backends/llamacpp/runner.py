@@ -127,32 +127,34 @@ class LlamaCppRunner:
         if len(held) > n:
             raise RuntimeError(f"row {row}: held tokens that were never fed to llama.cpp")  # a bug
 
-    def _decode(self, tokens, positions, seqs) -> np.ndarray:
-        """Decode in chunks of n_batch, logits for every token: [N, V] float32."""
+    def _decode(self, tokens, positions, seqs, want=None) -> np.ndarray:
+        """Decode in chunks of n_batch; float32 logits [N wanted, V] for the tokens whose
+        `want` flag is set (default: every token)."""
         want = self._want_threads()
         if want != self._ctx_threads:
             self.lib.set_threads(self._ctx, want)
             self._ctx_threads = want
+        want = [True] * len(tokens) if want is None else want
         out = []
         step = self._n_batch
         for i in range(0, len(tokens), step):
             sl = slice(i, i + step)
-            n = len(tokens[sl])
-            out.append(
-                self.lib.decode(
-                    self._ctx, tokens[sl], positions[sl], seqs[sl], [True] * n, self.vocab_size
-                )
-            )
+            out.append(self.lib.decode(self._ctx, tokens[sl], positions[sl], seqs[sl], want[sl], self.vocab_size))
         return out[0] if len(out) == 1 else np.concatenate(out)
 
-    def feed(self, rows: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all") -> list[torch.Tensor]:
         """Append rows[b] to row b's cache and return their logits.
 
-        Returns per row a float32 tensor [len(rows[b]), V] (empty rows give [0, V]).
+        Returns per row a float32 tensor: `logits` "all" [len(rows[b]), V], "last" [1, V]
+        (the row's last token), "none" [0, V]; empty rows give [0, V]. llama.cpp computes
+        logits only for the tokens asked for.
         """
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be all, last or none, got {logits!r}")  # a caller bug
         tokens: list[int] = []
         positions: list[int] = []
         seqs: list[int] = []
+        want: list[bool] = []
         for b, r in enumerate(rows):
             if not r:
                 continue
@@ -163,14 +165,16 @@ class LlamaCppRunner:
             tokens.extend(int(t) for t in r)
             positions.extend(range(start, start + len(r)))
             seqs.extend([b] * len(r))
+            want.extend([logits == "all"] * (len(r) - 1) + [logits != "none"])
         if not tokens:
             return [torch.empty(0, self.vocab_size) for _ in rows]
-        logits = torch.from_numpy(self._decode(tokens, positions, seqs))  # [N, V]
+        out = torch.from_numpy(self._decode(tokens, positions, seqs, want))  # [N wanted, V]
+        per_row = {"all": None, "last": 1, "none": 0}[logits]
         result = []
         offset = 0
         for b, r in enumerate(rows):
-            n = len(r)
-            result.append(logits[offset : offset + n])
+            n = len(r) if per_row is None or not r else per_row
+            result.append(out[offset : offset + n])
             offset += n
             if n:
                 self.held[b].extend(int(t) for t in r)

@@ -1,26 +1,47 @@
-"""Captured forwards: one CUDA graph per input shape, replayed with static buffers.
+"""Captured forwards: one graph per input shape, replayed with static buffers, never trusted blindly.
 
-A decode step of a small model is bound by kernel launches, not by memory: capturing the
+A decode step of a small model is bound by kernel launches, not memory: capturing the
 whole forward once per shape and replaying it removes that cost (the nano-vllm pattern:
-static input and output buffers, one shared memory pool). `GraphCache.run` captures a
-shape on first use with the call's own inputs (so the capture's side effects on the KV
-cache are exactly the step's), replays it afterwards, and runs eagerly where capture is
-refused (memory budget, failure). The capture mechanism is a small backend object, so the
-bookkeeping is tested on the CPU with `EmulatedGraphs` (same buffers, replay = call again).
+static input and output buffers, one memory pool). A replay reads every tensor at the
+address it had at capture, so `GraphCache` guards three ways against a graph that would
+change the output:
+- the audit: at capture, every tensor the (traced) step reads besides its inputs must be
+  registered static by its owner (parameters, buffers, KV cache, RoPE tables, declared
+  state); an unregistered one refuses that shape (it runs eagerly) with a warning, or
+  fails loudly under SSDLOCAL_GRAPHS_STRICT=1 (the test suite sets it);
+- the guard: before each replay the owner's rebindable static tensors must still be the
+  ones captured; if one was rebound, every graph is dropped and recaptured;
+- the self-check: the first replay of each shape is compared with an eager run of the
+  same inputs; on a difference the cache drops its graphs and runs eagerly from then on.
+Refusals and drops are counted in `GraphStats` and never only logged at DEBUG.
+Modes: "auto" (CUDA graphs on CUDA devices, none elsewhere), "off", "trace" (the CPU
+twin of CUDA graphs, capture.TracedGraphs); SSDLOCAL_GRAPHS overrides the configured mode.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from ssdlocal.backends.torch.capture import CaptureError, Captured, CudaGraphs, TracedGraphs, storage_key
+
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tree widths are padded up to one of these
+GRAPH_MODES = ("auto", "off", "trace")
+ENV_MODE = "SSDLOCAL_GRAPHS"  # overrides the configured mode in every command (and the server)
+ENV_STRICT = "SSDLOCAL_GRAPHS_STRICT"  # "1": audit failures and rebinds raise (tests)
+MAX_NOTES = 8  # reasons kept per cache for refusals and drops
+
+
+class GraphSafetyError(RuntimeError):
+    """A captured step would read memory its owner does not keep in place (strict mode)."""
 
 
 def bucket(width: int) -> int:
@@ -28,66 +49,38 @@ def bucket(width: int) -> int:
     return next((b for b in BUCKETS if b >= width), width)
 
 
-@dataclass
-class Captured:
-    inputs: dict[str, Tensor]  # static buffers the replay reads
-    output: Tensor  # static buffer the replay writes
-    replay: Callable[[], None]
-    nbytes: int = 0  # memory the capture took
-    computed: bool = False  # `output` already holds the capturing call's result
+class StaticTensors(Protocol):
+    """What a graph's owner declares about the tensors its steps read besides their inputs."""
 
+    def registered(self) -> Iterable[Tensor]:
+        """Every tensor a captured step may read: kept alive and updated only in place."""
 
-class CudaGraphs:
-    """Real capture: warm up on a side stream, then record into a shared memory pool."""
+    def state_tensors(self) -> tuple[Tensor, ...]:
+        """The registered tensors the owner may legitimately reallocate (KV cache, RoPE
+        tables, per-row lengths); compared by identity before every replay."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def free_bytes(self) -> int:
-        return torch.cuda.mem_get_info(self.device)[0]
-
-    def capture(self, fn: Callable[..., Tensor], inputs: dict[str, Tensor]) -> Captured:
-        static = {name: t.clone() for name, t in inputs.items()}
-        before = torch.cuda.memory_reserved(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # allocator and library handles settle before recording
-                fn(**static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = fn(**static)
-        used = torch.cuda.memory_reserved(self.device) - before
-        return Captured(static, output, graph.replay, max(0, used))
-
-
-class EmulatedGraphs:
-    """The captured code path without CUDA: static buffers, replay re-runs the function."""
-
-    def __init__(self, free: Callable[[], int | None] = lambda: None) -> None:
-        self._free = free
-
-    def free_bytes(self) -> int | None:
-        return self._free()
-
-    def capture(self, fn: Callable[..., Tensor], inputs: dict[str, Tensor]) -> Captured:
-        static = {name: t.clone() for name, t in inputs.items()}
-        output = fn(**static)
-
-        def replay() -> None:
-            output.copy_(fn(**static))
-
-        return Captured(static, output, replay, output.numel() * output.element_size(), True)
+    def describe(self, tensor: Tensor) -> str:
+        """A readable name for a tensor a step read (for audit messages)."""
 
 
 @dataclass
 class GraphStats:
-    captured: int = 0
-    replays: int = 0
-    eager: int = 0  # calls that ran eagerly (refused or failed shapes)
-    refused: list[str] = field(default_factory=list)
+    """Counts of one cache's life; `minus` gives one call's share."""
+
+    captured: int = 0  # shapes captured
+    replays: int = 0  # steps served by a replay
+    eager: int = 0  # steps run eagerly (refused shapes, or graphs dropped)
+    refused: int = 0  # shapes refused (memory budget, capture failure, audit)
+    dropped: int = 0  # times every graph was dropped (rebound state, self-check mismatch)
+
+    def minus(self, before: GraphStats) -> GraphStats:
+        return GraphStats(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
+
+    def copy(self) -> GraphStats:
+        return GraphStats(*(getattr(self, f.name) for f in fields(self)))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class GraphCache:
@@ -95,15 +88,29 @@ class GraphCache:
 
     `reserve_bytes`: capture is refused when the device would have less free memory than
     this afterwards (what the KV cache and activations of eager work still need).
+    `statics`: the owner's declaration (StaticTensors); without one nothing is audited or
+    guarded (unit tests of the bookkeeping only).
     """
 
-    def __init__(self, backend, *, reserve_bytes: int = 1 << 30, max_graphs: int = 64) -> None:
+    def __init__(self, backend, statics: StaticTensors | None = None, *, reserve_bytes: int = 1 << 30,
+                 max_graphs: int = 64, strict: bool | None = None, self_check: bool = True) -> None:  # fmt: skip
         self.backend = backend
+        self.statics = statics
         self.reserve_bytes = reserve_bytes
         self.max_graphs = max_graphs
+        self.strict = os.environ.get(ENV_STRICT) == "1" if strict is None else strict
+        self.self_check = self_check
+        self.disabled = False  # a self-check failed: eager from now on
+        self.notes: list[str] = []  # why shapes were refused or graphs dropped (bounded)
+        self.stats = GraphStats()
         self._graphs: dict[Hashable, Captured] = {}
         self._refused: set[Hashable] = set()
-        self.stats = GraphStats()
+        self._checked: set[Hashable] = set()
+        self._state: tuple[Tensor, ...] | None = None  # the owner's state at the first capture
+
+    @property
+    def kind(self) -> str:
+        return getattr(self.backend, "kind", "emulated")
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -113,50 +120,148 @@ class GraphCache:
 
         The returned tensor is a static buffer: read it before the next call with `key`.
         """
+        if self.disabled:
+            return self._eager(fn, inputs)
+        self._guard_state()
         captured = self._graphs.get(key)
         if captured is None and key not in self._refused:
             captured = self._capture(key, fn, inputs)
-            if captured is not None:
+            if captured is not None and captured.computed:
                 return captured.output  # the capture ran this very step (same inputs)
         if captured is None:
-            self.stats.eager += 1
-            return fn(**inputs)
-        for name, value in inputs.items():
-            captured.inputs[name].copy_(value, non_blocking=True)
-        captured.replay()
+            return self._eager(fn, inputs)
+        out = captured.replay(inputs)
         self.stats.replays += 1
-        return captured.output
+        if self.self_check and key not in self._checked:
+            return self._first_replay_check(key, fn, inputs, out)
+        return out
 
+    def _eager(self, fn, inputs) -> Tensor:
+        self.stats.eager += 1
+        return fn(**inputs)
+
+    # ------------------------------------------------------------------ capture
     def _capture(self, key, fn, inputs) -> Captured | None:
         free = self.backend.free_bytes()
         if len(self._graphs) >= self.max_graphs or (free is not None and free < self.reserve_bytes):
             return self._refuse(key, "memory budget")
         try:
             captured = self.backend.capture(fn, inputs)
-        except RuntimeError as exc:  # an op that cannot be captured: stay eager for this shape
-            log.debug("graph capture of %s failed: %s", key, exc)
-            return self._refuse(key, f"capture failed ({str(exc).splitlines()[0][:80]})")
-        if not captured.computed:
-            captured.replay()  # recording does not run the step; the replay does
+        except (RuntimeError, CaptureError) as exc:  # an op that cannot be captured: eager
+            return self._refuse(key, f"capture failed ({str(exc).splitlines()[0][:100]})")
+        unregistered = self._audit(captured)
+        if unregistered:
+            what = ", ".join(unregistered)
+            if self.strict:
+                raise GraphSafetyError(f"captured step {key} reads tensors not registered static: {what}")
+            return self._refuse(key, f"reads tensors not registered static: {what}")
+        if self._state is None and self.statics is not None:
+            self._state = tuple(self.statics.state_tensors())
         self._graphs[key] = captured
         self.stats.captured += 1
         return captured
 
+    def _audit(self, captured: Captured) -> list[str]:
+        """Names of tensors the step reads that its owner did not register as static."""
+        if self.statics is None or not captured.reads:
+            return []
+        known = {storage_key(t) for t in self.statics.registered()}
+        return [self.statics.describe(t) for t in captured.reads if storage_key(t) not in known]
+
     def _refuse(self, key, why: str) -> None:
         self._refused.add(key)
-        self.stats.refused.append(f"{key}: {why}")
+        self.stats.refused += 1
+        self._note(f"shape {key}: {why}")
         return None
+
+    # ------------------------------------------------------------------ guards
+    def _guard_state(self) -> None:
+        """Drop every graph if the owner rebound a tensor the graphs read (a bug: the
+        owner calls `clear` when it reallocates on purpose)."""
+        if self._state is None or self.statics is None:
+            return
+        now = tuple(self.statics.state_tensors())
+        if len(now) == len(self._state) and all(a is b for a, b in zip(now, self._state)):
+            return
+        changed = [self.statics.describe(b) for a, b in zip(self._state, now) if a is not b]
+        msg = f"a static tensor was rebound after capture ({', '.join(changed) or 'count changed'})"
+        if self.strict:
+            raise GraphSafetyError(msg)
+        self.drop(msg + ": graphs recaptured")
+
+    def _first_replay_check(self, key, fn, inputs, out: Tensor) -> Tensor:
+        """Compare the first replay of `key` with an eager run of the same inputs."""
+        self._checked.add(key)
+        replayed = out.clone()
+        want = fn(**inputs)  # writes the same cache slots with the same values
+        if _same(replayed, want):
+            return out
+        self.drop(f"shape {key}: the replay differs from eager")
+        self.disabled = True
+        log.warning("captured step %s gave other logits than eager: graphs dropped, eager from now on", key)
+        return want
+
+    def drop(self, why: str) -> None:
+        """Forget every capture because of a fault (counted, and noted for the user)."""
+        self.stats.dropped += 1
+        self._note(why)
+        log.warning("graphs dropped: %s", why)
+        self.clear()
+
+    def _note(self, text: str) -> None:
+        if len(self.notes) < MAX_NOTES:
+            self.notes.append(text)
 
     def clear(self) -> None:
         """Forget every capture (the buffers they read, e.g. the KV cache, are gone)."""
         self._graphs.clear()
         self._refused.clear()
+        self._checked.clear()
+        self._state = None
 
 
-def make_graph_cache(device: torch.device, mode: str) -> GraphCache | None:
-    """`mode`: "auto" (CUDA graphs on CUDA devices, none elsewhere), "off", "emulate"."""
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Replayed and eager logits agree: the same argmax everywhere and close values (a
+    graph replays the eager kernels, but a library may pick another algorithm inside a
+    capture; a stale read differs grossly)."""
+    if a.shape != b.shape:
+        return False
+    if not torch.equal(a.argmax(-1), b.argmax(-1)):
+        return False
+    return bool(torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3))
+
+
+def graph_report(runner, since: dict | None = None) -> dict:
+    """A runner's graph counts as plain data: {"mode", "captured", "replays", "eager",
+    "refused", "dropped"} (+ "notes" when shapes were refused or graphs dropped), minus
+    `since` (an earlier report of the same runner). Runners without graphs: mode "off"."""
+    cache = getattr(runner, "graphs", None)
+    if cache is None:
+        return {"mode": "off", **GraphStats().as_dict()}
+    counts = cache.stats.as_dict()
+    if since:
+        counts = {name: value - since.get(name, 0) for name, value in counts.items()}
+    report = {"mode": cache.kind, **counts}
+    if cache.notes and (counts["refused"] or counts["dropped"]):
+        report["notes"] = list(cache.notes)
+    return report
+
+
+def resolve_mode(configured: str) -> str:
+    """The graph mode to use: SSDLOCAL_GRAPHS when set (auto|off|trace), else `configured`."""
+    env = os.environ.get(ENV_MODE, "").strip().lower()
+    if env and env not in GRAPH_MODES:
+        from ssdlocal.core.errors import UsageError
+
+        raise UsageError(f"{ENV_MODE}={env!r} is not a graph mode", f"use one of: {', '.join(GRAPH_MODES)}")
+    return env if env and env != "auto" else configured
+
+
+def make_graph_cache(device: torch.device, mode: str, statics: StaticTensors | None = None) -> GraphCache | None:
+    """The graph cache for a model on `device` in graph mode `mode` (see resolve_mode)."""
+    mode = resolve_mode(mode)
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return None
-    if mode == "emulate" or device.type != "cuda":
-        return GraphCache(EmulatedGraphs())
-    return GraphCache(CudaGraphs(device))
+    if mode == "trace":
+        return GraphCache(TracedGraphs(), statics)
+    return GraphCache(CudaGraphs(device), statics)

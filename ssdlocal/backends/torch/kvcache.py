@@ -49,6 +49,9 @@ class KVCache(nn.Module):
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        return self.k, self.v
+
     @property
     def num_slots(self) -> int:
         return self.k.shape[2]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssdlocal.backends.torch.attention import AttentionMask, attend
 from ssdlocal.backends.torch.kvcache import KVCache, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.core.errors import UnsupportedArchitectureError
@@ -164,8 +165,8 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.kv_cache: KVCache | None = None  # set by Transformer.setup_cache
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
-        """mask [B, T, S] bool: query t of row b sees slot s. None: a fresh prefill
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
+        """mask: which slots each query sees (AttentionMask). None: a fresh prefill
         (every row starts at slot 0, no padding): plain causal attention over the new tokens."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
@@ -177,15 +178,9 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin  # [B, H, T, D]
         k = k * cos + rotate_half(k) * sin  # [B, Hkv, T, D]
 
-        span = T if mask is None else mask.shape[-1]
+        span = T if mask is None else mask.span
         keys, values = self.kv_cache.update(slots, k, v, span)  # [B, Hkv, S, D] each
-        gqa = self.n_kv_heads != self.n_heads  # SDPA shares each kv head among H/Hkv q heads
-        if mask is None:  # flash / efficient kernels: causal over the new tokens, no dense mask
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask[:, None], enable_gqa=gqa
-            )  # [B, H, T, D]
+        out = attend(q, k, v, keys, values, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
 
 
@@ -208,7 +203,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
 
@@ -225,8 +220,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope_cos: Tensor | None = None  # [max_pos, D] float32, set by setup_cache
-        self.rope_sin: Tensor | None = None  # [max_pos, D] float32
+        # RoPE tables [P, D] float32, P >= every position a step can use (the context, and
+        # the cache's slots: drafts of the last round may pass the context); set by
+        # setup_cache, grown by grow_cache. Buffers: captured steps read them.
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
         self.num_slots = 0
 
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
@@ -249,12 +247,19 @@ class Transformer(nn.Module):
                 raise
             raise mapped from exc
         self.num_slots = num_slots
-        n_pos = max(a.max_position_embeddings, num_slots)
-        if self.rope_cos is None or self.rope_cos.shape[0] < n_pos or self.rope_cos.device != torch.device(device):
-            inv_freq = rope_inv_freq(a).to(device)  # [D/2]
-            freqs = torch.arange(n_pos, device=device, dtype=torch.float)[:, None] * inv_freq  # [P, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-            self.rope_cos, self.rope_sin = emb.cos(), emb.sin()  # [P, D] each
+        self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
+
+    def _cover_positions(self, n_pos: int, device: torch.device) -> None:
+        """RoPE tables for positions [0, n_pos) on `device` (kept when they already are)."""
+        if self.rope_cos is not None and self.rope_cos.shape[0] >= n_pos and self.rope_cos.device == device:
+            return
+        inv_freq = rope_inv_freq(self.args).to(device)  # [D/2]
+        freqs = torch.arange(n_pos, device=device, dtype=torch.float)[:, None] * inv_freq  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()  # [P, D] each
+
+    def rope_tables(self) -> tuple[Tensor, Tensor]:
+        return self.rope_cos, self.rope_sin
 
     def grow_cache(self, num_slots: int) -> None:
         """Enlarge every layer's KV cache to `num_slots`, keeping what it holds."""
@@ -270,7 +275,8 @@ class Transformer(nn.Module):
             if mapped is None:
                 raise
             raise mapped from exc
-        self.num_slots = num_slots  # RoPE tables cover every position: positions are not slots
+        self.num_slots = num_slots
+        self._cover_positions(num_slots, first.k.device)  # a slot index never exceeds a position's
 
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s cached k/v from slots `src` [n] to `dst` [n] in every layer."""
@@ -278,10 +284,12 @@ class Transformer(nn.Module):
             layer.self_attn.kv_cache.copy_slots(row, src, dst)
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor | None
+        self, input_ids: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor | None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool (or None for a
-        fresh causal prefill) -> logits [B, T, V] float32.
+        fresh causal prefill) -> logits [B, T, V] float32; with `keep` [B, n] long (query
+        indices), only those positions reach the lm_head: logits [B, n, V].
 
         Every query must see at least one slot (callers give padded queries their own
         slot or a trash slot); an all-false mask row would turn into NaN.
@@ -291,6 +299,10 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
         cos = self.rope_cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
         sin = self.rope_sin[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
+        groups = self.args.num_heads // self.args.num_kv_heads
+        mask = None if attn_mask is None else AttentionMask.build(attn_mask, groups, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, attn_mask)  # [B, T, hidden]
-        return fp32_logits(self.lm_head, self.norm(x))  # [B, T, V]
+            x = layer(x, cos, sin, slots, mask)  # [B, T, hidden]
+        if keep is not None:
+            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, hidden]
+        return fp32_logits(self.lm_head, self.norm(x))  # [B, T or n, V]

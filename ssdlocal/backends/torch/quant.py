@@ -198,7 +198,10 @@ class QuantLinear(nn.Module):
             self.register_buffer("codes", w.codes.to(device))
             self.register_buffer("scales", w.scales.to(device, dtype))
             self.register_buffer("zeros", w.zeros.to(device, dtype))
-        else:  # int8: codes [N, K] int8, scales [N]
+        elif self.kernel == "int8_cuda":  # the codes in the activation dtype (exact: |code| <= 128)
+            self.register_buffer("codes", w.codes.to(device, dtype))
+            self.register_buffer("scales", w.scales.to(device, dtype))
+        else:  # int8 on the CPU: codes [N, K] int8, scales [N]
             self.register_buffer("codes", w.codes.to(device))
             self.register_buffer("scales", w.scales.to(device, dtype))
 
@@ -215,8 +218,8 @@ class QuantLinear(nn.Module):
                 out = self._cpu_mm(x2)  # [M, N]
         elif k == "int4_cuda":
             out = torch._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        elif k == "int8_cuda":  # torch's CUDA int8pack kernel is a naive fp32 loop: convert instead
-            out = F.linear(x2, self.codes.to(x2.dtype)) * self.scales  # [M, N]
+        elif k == "int8_cuda":  # torch's CUDA int8pack kernel is a naive fp32 loop: codes held in
+            out = F.linear(x2, self.codes) * self.scales  # [M, N]; the activation dtype at load
         else:
             w = QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size)
             out = F.linear(x2, w.dequantize(x2.dtype))  # [M, N]

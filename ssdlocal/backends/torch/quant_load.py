@@ -171,9 +171,10 @@ class _Filler:
         log.info("%d linears as %s", len(self.installed), self.scheme)
 
 
-def weight_bytes(path: str | Path, scheme: str, dtype: str) -> int:
+def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "cpu") -> int:
     """Bytes the weights of `path` (HF dir, quantized dir or .gguf) take once loaded with
-    `scheme` in `dtype`, from file headers only."""
+    `scheme` in `dtype` on a `device_type` device, from file headers only (int8 on CUDA
+    is held in the activation dtype: see core.quantization.bytes_per_param)."""
     from math import prod
 
     from ssdlocal.backends.torch.gguf_quant import _embedding_scheme, hf_name
@@ -182,7 +183,8 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str) -> int:
 
     path = Path(path).expanduser()
     if path.is_dir() and quant_info(path):
-        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return on_disk * 2 if scheme == "int8" and device_type == "cuda" else on_disk
     size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
     shapes: dict[str, tuple[int, ...]] = {}
     embedding = float(size)  # bytes per embedding weight: floats stay floats
@@ -205,7 +207,7 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str) -> int:
         if name == "embed_tokens.weight":
             total += prod(shape) * embedding
             if tied and can_quantize(shape, scheme):
-                total += prod(shape) * bytes_per_param(scheme, dtype)  # lm_head's own codes
+                total += prod(shape) * bytes_per_param(scheme, dtype, device_type)  # lm_head's own codes
         else:
-            total += prod(shape) * (bytes_per_param(scheme, dtype) if quantized else size)
+            total += prod(shape) * (bytes_per_param(scheme, dtype, device_type) if quantized else size)
     return int(total)

@@ -3,17 +3,20 @@
 Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill,
 the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
 the decode path: ids already on the device, positions from the per-row `lengths` kept
-on the device and moved only by `advance` (also on the device), causal masks built on
-the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape.
-The KV cache starts small and doubles as rows grow (an answer bounded only by the
-context does not reserve the whole context up front). Rejected drafts need no rollback:
-the write position is the only cache state (as in gpt-fast). The runner knows nothing
-about speculation.
+on the device and moved only by `advance` (in place, on the device), causal masks built
+on the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape.
+
+Every tensor a captured step reads besides its inputs is static: the model's parameters
+and buffers (KV cache, RoPE tables) and this runner's `DecodeState`, which is updated only
+in place and cannot be rebound. The runner registers them with its graph cache
+(`registered`, `state_tensors`) and clears the cache itself whenever it reallocates one.
+The KV cache starts small and doubles as rows grow. Rejected drafts need no rollback: the
+write position is the only cache state (as in gpt-fast). Knows nothing about speculation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +28,27 @@ from ssdlocal.backends.torch.model import Transformer, causal_mask
 
 SLOT_ROUNDING = 256  # cache capacity grows in these steps
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
+STEP_OFFSETS = 64  # widest `step` served by the static offsets (wider ones grow them)
+LOGITS_KINDS = ("all", "last", "none")
+
+
+class DecodeState:
+    """Per-row `lengths` [B] and token `offsets` [STEP_OFFSETS] long, on the device.
+
+    Captured steps read these at fixed addresses, so they change only in place (`copy_`,
+    `+=`); rebinding an attribute raises. A new batch size gets a new DecodeState (and the
+    runner drops its graphs)."""
+
+    __slots__ = ("lengths", "offsets")
+
+    def __init__(self, batch: int, width: int, device: torch.device) -> None:
+        object.__setattr__(self, "lengths", torch.zeros(batch, dtype=torch.long, device=device))
+        object.__setattr__(self, "offsets", torch.arange(width, device=device))
+
+    def __setattr__(self, name: str, value) -> None:
+        if getattr(self, name, None) is value:  # `state.lengths += n` rebinds the same tensor
+            return
+        raise AttributeError(f"DecodeState.{name} is read by captured steps: update it in place")
 
 
 class TorchRunner:
@@ -38,10 +62,37 @@ class TorchRunner:
         self.held: list[list[int]] = []
         self.num_slots = 0  # slots per row a call may use at most
         self.capacity = 0  # slots per row allocated now (grows up to num_slots)
-        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] for `step`
+        self.state = DecodeState(0, STEP_OFFSETS, self.device)
         self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
-        self.graphs = make_graph_cache(self.device, graphs) if self.plain else None
-        self._offsets = torch.arange(64, device=self.device)  # [64] token offsets within a step
+        self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else None
+
+    @property
+    def lengths(self) -> Tensor:
+        """[B] long on the device: each row's length for `step` (see `advance`)."""
+        return self.state.lengths
+
+    # ------------------------------------------------------------------ static tensors
+    def registered(self) -> Iterator[Tensor]:
+        """Every tensor a captured step may read besides its inputs (graphs.StaticTensors)."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        yield self.state.lengths
+        yield self.state.offsets
+
+    def state_tensors(self) -> tuple[Tensor, ...]:
+        """The registered tensors this runner may reallocate, compared before each replay."""
+        caches = (t for layer in self.model.layers for t in layer.self_attn.kv_cache.tensors())
+        return (self.state.lengths, self.state.offsets, *self.model.rope_tables(), *caches)
+
+    def describe(self, tensor: Tensor) -> str:
+        """Where a tensor read by a step lives: an attribute of this runner or its model."""
+        for owner, prefix in ((self, "runner"), (self.state, "runner.state"), (self.model, "model")):
+            names = owner.__slots__ if hasattr(owner, "__slots__") else vars(owner)
+            for name in names:
+                value = getattr(owner, name, None)
+                if isinstance(value, Tensor) and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                    return f"{prefix}.{name}"
+        return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor made at capture"
 
     # ------------------------------------------------------------------ rows
     def reset(self, batch_size: int, num_slots: int) -> None:
@@ -53,13 +104,14 @@ class TorchRunner:
             self._allocate(batch_size, _rounded(first))
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.state.lengths.zero_()
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
         self.capacity = capacity
-        if self.graphs is not None:
-            self.graphs.clear()  # they read the old cache
+        if batch_size != self.state.lengths.numel():
+            self.state = DecodeState(batch_size, self.state.offsets.numel(), self.device)
+        self._graphs_invalid()  # they read the old cache
 
     def _ensure(self, slots: int) -> None:
         """Room for slot indices below `slots`: double the capacity (up to num_slots,
@@ -71,8 +123,11 @@ class TorchRunner:
             raise RuntimeError(f"KV cache too small: slot {slots - 1}, {self.num_slots} sized")
         self.model.grow_cache(min(limit, _rounded(max(slots, 2 * self.capacity))))
         self.capacity = self.model.num_slots
+        self._graphs_invalid()  # they read the old cache
+
+    def _graphs_invalid(self) -> None:
         if self.graphs is not None:
-            self.graphs.clear()  # they read the old cache
+            self.graphs.clear()
 
     def cached(self, row: int) -> int:
         return len(self.held[row])
@@ -87,9 +142,12 @@ class TorchRunner:
 
     # ------------------------------------------------------------------ host feeds
     @torch.inference_mode()
-    def feed(self, rows: Sequence[Sequence[int]]) -> list[Tensor]:
-        """Append rows[b] to row b's cache; per row float32 logits [len(rows[b]), V]
-        on the runner's device (empty rows give [0, V])."""
+    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all") -> list[Tensor]:
+        """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
+        `logits` "all" [len(rows[b]), V], "last" [1, V] (the row's last token), "none"
+        [0, V]. Empty rows give [0, V]. Only the positions asked for reach the lm_head."""
+        if logits not in LOGITS_KINDS:
+            raise ValueError(f"logits must be one of {LOGITS_KINDS}, got {logits!r}")  # a caller bug
         lengths = [len(r) for r in rows]
         t_max = max(lengths)
         if t_max == 0:
@@ -98,18 +156,29 @@ class TorchRunner:
         self._ensure(max(starts) + t_max)
         ids = torch.tensor([list(r) + [0] * (t_max - len(r)) for r in rows], dtype=torch.long)
         ids = ids.to(self.device)  # [B, T]; pads write past held, harmless
-        positions = torch.tensor(starts, device=self.device)[:, None] + self._arange(t_max)  # [B, T]
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t_max, device=self.device)  # [B, T]
         fresh = self.plain and not any(starts) and len(set(lengths)) == 1
         mask = None if fresh else causal_mask(positions, max(starts) + t_max)  # [B, T, S]
-        logits = self.model(ids, positions, positions, mask)  # [B, T, V] float32
+        keep = self._kept_positions(lengths, logits)  # [B, n] or None (all)
+        out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
         for b, r in enumerate(rows):
             self.held[b].extend(r)
-        return [logits[b, : lengths[b]] for b in range(len(rows))]
+        if logits == "all":
+            return [out[b, : lengths[b]] for b in range(len(rows))]
+        return [out[b, :1] if lengths[b] and logits == "last" else out[b, :0] for b in range(len(rows))]
+
+    def _kept_positions(self, lengths: list[int], logits: str) -> Tensor | None:
+        if logits == "all":
+            return None
+        if logits == "none":
+            return torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)  # [B, 0]
+        last = [max(n - 1, 0) for n in lengths]
+        return torch.tensor(last, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
 
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:
         """Start decoding with `step`: each row's length is what `feed` left cached."""
-        self.lengths = torch.tensor([len(h) for h in self.held], device=self.device)
+        self.state.lengths.copy_(torch.tensor([len(h) for h in self.held], dtype=torch.long))
 
     @torch.inference_mode()
     def step(self, ids: Tensor, bound: int | None = None) -> Tensor:
@@ -122,6 +191,11 @@ class TorchRunner:
         if self.graphs is not None or self.device.type == "cuda":
             span = min(_bucket_span(span), _rounded(self.num_slots))  # few shapes to capture
         self._ensure(span)
+        if ids.shape[1] > self.state.offsets.numel():  # wider than any step so far
+            old = self.state.lengths
+            self.state = DecodeState(old.numel(), ids.shape[1], self.device)
+            self.state.lengths.copy_(old)
+            self._graphs_invalid()
         if self.graphs is not None:
             step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
             return self.graphs.run(("step", *ids.shape, span), step, ids=ids)
@@ -130,18 +204,13 @@ class TorchRunner:
     @torch.inference_mode()
     def advance(self, n: Tensor | int) -> None:
         """lengths += n ([B] long on the device, or one int for every row), in place."""
-        self.lengths += n
+        self.state.lengths += n
 
     def _step(self, ids: Tensor, span: int) -> Tensor:
         """Attention over slots [0, span), masked causally on the device (capturable)."""
-        positions = self.lengths[:, None] + self._arange(ids.shape[1])  # [B, T]
+        positions = self.state.lengths[:, None] + self.state.offsets[: ids.shape[1]]  # [B, T]
         mask = causal_mask(positions, span)  # [B, T, S]
         return self.model(ids, positions, positions, mask)  # [B, T, V]
-
-    def _arange(self, n: int) -> Tensor:
-        if n > self._offsets.numel():
-            self._offsets = torch.arange(n, device=self.device)
-        return self._offsets[:n]
 
     # ------------------------------------------------------------------ trees (SSD)
     @torch.inference_mode()

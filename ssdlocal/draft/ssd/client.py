@@ -126,6 +126,7 @@ class SSDDrafter:
         self.chooser = BackupChooser(spec.backup, spec.k)
         self.last: pr.ProposalMsg | None = None
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
+        self.graphs_at_start: dict | None = None  # the worker's graph counts at START
 
     def start(self, sequences: Sequence[Sequence[int]]) -> None:
         batch = len(sequences)
@@ -150,7 +151,7 @@ class SSDDrafter:
         # READY comes after the worker has prefilled every prompt: long prompts on a CPU
         # can take minutes, which must not pass for a hung worker.
         tokens = sum(len(s) for s in sequences)
-        self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
+        self.graphs_at_start = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
         self._prev = [list(s) for s in sequences]
         self._first = True
 
@@ -196,6 +197,16 @@ class SSDDrafter:
         self._round += 1
         self.client.send(pr.Cmd.OUTCOME, msg)
         self._awaiting = True
+
+    def graph_report(self) -> dict | None:
+        """The draft runner's graph counts during this batch (as of its last proposal)."""
+        if self.last is None or self.last.graphs is None:
+            return None
+        start = self.graphs_at_start or {}
+        counts = {k: v - start.get(k, 0) if isinstance(v, int) else v for k, v in self.last.graphs.items()}
+        if not (counts.get("refused") or counts.get("dropped")):
+            counts.pop("notes", None)
+        return counts
 
     def close(self) -> None:
         """End of one generate call: collect a reply still owed (after a cancel) so the

@@ -26,7 +26,7 @@ class Reply(IntEnum):
     """Worker -> target."""
 
     LOADED = 1  # LoadedMsg
-    READY = 2  # batch prefilled
+    READY = 2  # batch prefilled (payload: the draft runner's graph counts so far)
     PROPOSAL = 3  # ProposalMsg
 
 
@@ -80,3 +80,4 @@ class ProposalMsg:
     busy_s: float  # worker compute time since the previous proposal (pre-spec + resolve)
     prespec_s: float  # time of the pre-speculation that preceded this proposal
     fan_out: tuple[int, ...]  # fan-out used for the pre-speculation
+    graphs: dict | None = None  # the draft runner's graph counts so far (graphs.graph_report)

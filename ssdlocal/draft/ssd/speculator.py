@@ -46,6 +46,13 @@ class Served:
     backup: str | None
 
 
+def wait_for_device(t: torch.Tensor) -> None:
+    """Block until the work queued on `t`'s device so far has run (CUDA queues kernels
+    asynchronously: without this, every tree step is queued before the first poll)."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
 class Speculator:
     """Owns a draft Runner's state for one batch of rows."""
 
@@ -70,7 +77,7 @@ class Speculator:
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()
         self.last_depth = 0  # tree depth reached by the last pre-speculation
-        runner.feed([list(s[:-1]) for s in start.sequences])
+        runner.feed([list(s[:-1]) for s in start.sequences], "none")
 
     # ------------------------------------------------------------- fan-out
     def early_stop(self, poll):
@@ -163,8 +170,9 @@ class Speculator:
     def _tree_decode(self, branches: list[list[tuple[int, int]]], width: int, should_stop=None) -> None:
         """Up to K batched steps decoding every branch; branch i of row b -> scratch run i.
 
-        `should_stop()` is polled between steps (never before the first): when it turns
-        True the branches keep the depth reached so far (shorter proposals, no waiting).
+        `should_stop()` is polled between steps (never before the first), after the device
+        has finished the previous step: when it turns True the branches keep the depth
+        reached so far (shorter proposals, no waiting), also on a GPU.
         Inputs and masks are built on the draft's device; the width is padded up to what
         the runner prefers (its graph buckets) with queries that see only the trash slot.
         """
@@ -178,8 +186,10 @@ class Speculator:
         step_logits: list[torch.Tensor] = []  # per step [B, W, V]
         step_q: list[torch.Tensor] = []  # per step [B, W, V] (sampling only)
         for j in range(self.k):
-            if j > 0 and should_stop is not None and should_stop():
-                break  # the outcome is here: serve branches of depth j rather than wait
+            if j > 0 and should_stop is not None:
+                wait_for_device(ids)  # step j-1 done: the poll sees real progress, not a queue
+                if should_stop():
+                    break  # the outcome is here: serve branches of depth j rather than wait
             sees_prefix = span[None, None, :] < prefix[..., None]  # [B, W, S] seq + d_1..d_k
             sees_own = (span >= own[..., None]) & (span <= own[..., None] + j)  # [B, W, S]
             mask = torch.where(real[..., None], sees_prefix | sees_own, span == self.layout.trash)
@@ -276,15 +286,15 @@ class Speculator:
             r.q = None
             if not self.params.greedy and r.proposal:
                 r.q = torch.nn.functional.one_hot(
-                    torch.tensor(r.proposal), self.vocab
-                ).float()  # [n, V] point mass
+                    torch.tensor(r.proposal, device=self.runner.device), self.vocab
+                ).float()  # [n, V] point mass, on the draft's device
             r.from_hit = False
 
     def _served(self, hits: list[bool], backup: str | None) -> Served:
         tokens = [list(r.proposal) if r.active else [] for r in self.rows]
         q = None
         if not self.params.greedy:
-            q = torch.zeros(len(self.rows), self.k, self.vocab)  # [B, K, V]
+            q = torch.zeros(len(self.rows), self.k, self.vocab, device=self.runner.device)  # [B, K, V]
             for b, r in enumerate(self.rows):
                 if r.active and r.q is not None:
                     q[b, : len(r.proposal)] = r.q

@@ -62,6 +62,7 @@ class DraftWorker:
 
         _apply_placement(msg)
         loaded = registry.load(msg.model, threads=msg.threads)
+        registry.claim_device(msg.model.device)
         self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
         reply = LoadedMsg(loaded.args.vocab_size, str(loaded.device), loaded.args.max_position_embeddings)
         self.conn.send((Reply.LOADED, reply))
@@ -74,7 +75,7 @@ class DraftWorker:
         self.spec = Speculator(self.runner, msg)
         self.q_buffer = msg.q_buffer
         self.round_index = 0
-        self.conn.send((Reply.READY, None))
+        self.conn.send((Reply.READY, self._graphs()))
 
     def _outcome(self, msg: OutcomeMsg, t0: float) -> None:
         spec = self.spec
@@ -93,10 +94,16 @@ class DraftWorker:
             write_q(self.q_buffer, served.q)  # [n, K, V]; synchronizes a CUDA buffer first
         msg = ProposalMsg(
             self.round_index, tuple(tuple(t) for t in served.tokens), tuple(served.cache_hit),
-            served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan,
+            served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan, self._graphs(),
         )  # fmt: skip
         self.conn.send((Reply.PROPOSAL, msg))
         self.prespec_s = self.spec.prespeculate(self.spec.early_stop(self.conn.poll))
+
+
+    def _graphs(self) -> dict:
+        from ssdlocal.backends.torch.graphs import graph_report
+
+        return graph_report(self.runner)
 
 
 def _apply_placement(msg: LoadMsg) -> None:

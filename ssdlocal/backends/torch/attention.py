@@ -1,0 +1,82 @@
+"""Which fused attention kernel each step runs, and the mask in the form that kernel takes.
+
+torch's SDPA picks its kernel from what the call allows: flash takes no mask; the
+memory-efficient kernel takes an additive mask but not grouped-query attention
+(`enable_gqa`); with a boolean mask and GQA on CUDA only the math kernel is left, which
+repeats K/V to every head and works in float32 over the whole span. So on CUDA a masked
+step (decode, verify, SSD tree) folds the G = H / Hkv query heads that share one kv head
+into the query length — q [B, H, T, D] -> [B, Hkv, G*T, D], mask row g*T + t = mask row t —
+and runs the memory-efficient kernel with an additive mask built once per forward: no
+K/V copy, and G*T query rows per kv head fill the kernel's tiles better than T.
+The fresh causal prefill (no mask) keeps flash with native GQA. On the CPU, torch's
+flash kernel takes boolean masks and GQA as they are. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KERNELS = ("flash-causal", "efficient-folded", "cpu-flash")
+
+
+def attention_kernel(device_type: str, masked: bool) -> str:
+    """The kernel a step uses: "flash-causal" (CUDA, no mask: a fresh prefill),
+    "efficient-folded" (CUDA with a mask: GQA folded into the queries), "cpu-flash"
+    (torch's CPU kernel: boolean masks and GQA as they are)."""
+    if device_type != "cuda":
+        return "cpu-flash"
+    return "efficient-folded" if masked else "flash-causal"
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which cache slots each query sees, prepared once per forward for every layer.
+
+    kernel: one of KERNELS ("flash-causal" never has a mask object: it is None).
+    tensor: "cpu-flash": bool [B, 1, T, S]; "efficient-folded": additive [B, 1, G*T, S]
+        in the activation dtype (0 where visible, -inf elsewhere).
+    span: S, the slots attended.
+    """
+
+    kernel: str
+    tensor: Tensor
+    span: int
+
+    @classmethod
+    def build(cls, mask: Tensor, groups: int, dtype: torch.dtype) -> AttentionMask:
+        """mask [B, T, S] bool (query t of row b sees slot s) for a model whose query heads
+        come in `groups` per kv head, computing in `dtype`."""
+        B, T, S = mask.shape
+        kernel = attention_kernel(mask.device.type, masked=True)
+        if kernel == "cpu-flash":
+            return cls(kernel, mask[:, None], S)  # [B, 1, T, S]
+        rows = mask[:, None].expand(B, groups, T, S).reshape(B, 1, groups * T, S)  # [B, 1, G*T, S]
+        bias = torch.zeros(rows.shape, dtype=dtype, device=mask.device)  # [B, 1, G*T, S]
+        return cls(kernel, bias.masked_fill_(~rows, float("-inf")), S)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, mask: AttentionMask | None) -> Tensor:
+    """q [B, H, T, D]; k/v [B, Hkv, T, D] (the new tokens, used when mask is None);
+    keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:  # a fresh prefill: causal over the new tokens, no dense mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
+    if mask.kernel == "cpu-flash":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.tensor, enable_gqa=gqa)
+    return folded_attention(q, keys, values, mask.tensor)
+
+
+def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """Grouped-query attention as plain multi-head attention over Hkv heads of G*T queries.
+
+    q [B, H, T, D], keys/values [B, Hkv, S, D], bias [B, 1, G*T, S] additive -> [B, H, T, D].
+    Query head h belongs to kv head h // G (the grouping `enable_gqa` uses)."""
+    B, H, T, D = q.shape
+    kv_heads = keys.shape[1]
+    folded = q.reshape(B, kv_heads, (H // kv_heads) * T, D)  # [B, Hkv, G*T, D]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias)  # [B, Hkv, G*T, D]
+    return out.reshape(B, H, T, D)
