@@ -216,7 +216,7 @@ class QuantLinear(nn.Module):
                 out = torch.cat([self._cpu_mm(x2[:whole]), self._cpu_mm(x2[whole:])])
             else:
                 out = self._cpu_mm(x2)  # [M, N]
-        elif k == "int4_cuda":
+        elif k == "int4_cuda":  # tinygemm: bf16 x, groups of 32..256, scales_and_zeros [K/g, N, 2]
             out = torch._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         elif k == "int8_cuda":  # torch's CUDA int8pack kernel is a naive fp32 loop: codes held in
             out = F.linear(x2, self.codes) * self.scales  # [M, N]; the activation dtype at load
@@ -324,10 +324,18 @@ def _pack_int4_cpu_numpy(codes: Tensor) -> Tensor:
 
 
 def _pack_int4_cuda(codes: Tensor) -> Tensor:
-    """uint8 [N, K/2] on a GPU -> tinygemm's [N/8, K/(16*tiles), 32, tiles/2] int32 layout."""
-    k = codes.shape[1] * 2
+    """uint8 [N, K/2] on a GPU -> tinygemm's [N/8, K/(16*tiles), 32, tiles/2] int32 layout.
+
+    tinygemm's own conditions (its CUDA kernel checks them; its fake/meta kernel does not,
+    so they are checked here too): N % 8 == 0, K % (16 * tiles) == 0, tiles in 2/4/8."""
+    n, k = codes.shape[0], codes.shape[1] * 2
     tiles = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
-    return torch._convert_weight_to_int4pack(codes.contiguous(), tiles)
+    if n % 8 or k % (16 * tiles):
+        raise ValueError(f"tinygemm int4 needs N % 8 == 0 and K % 32 == 0, got N={n}, K={k}")
+    packed = torch._convert_weight_to_int4pack(codes.contiguous(), tiles)
+    if tuple(packed.shape) != (n // 8, k // (16 * tiles), 32, tiles // 2):  # another layout
+        raise RuntimeError(f"unexpected tinygemm packing {tuple(packed.shape)} for N={n}, K={k}")
+    return packed
 
 
 class QuantEmbedding(nn.Module):
