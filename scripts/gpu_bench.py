@@ -126,7 +126,7 @@ def copy_bandwidth(device: torch.device, gb: float) -> float:
 def prefilled(loaded: LoadedModel, graphs: str, prompt: int) -> TorchRunner:
     runner = TorchRunner(loaded, graphs=graphs)
     runner.reset(1, prompt + 256)
-    runner.feed([list(range(1, prompt + 1))])
+    runner.feed([list(range(1, prompt + 1))], "none")
     runner.begin_steps()
     return runner
 

@@ -36,11 +36,23 @@ def _config(target="cuda:0", draft="cuda:1", draft_path="d", tp=()) -> EngineCon
         (_config("cuda:0", "cuda:2", tp=("cuda:0", "cuda:1")), Mode.SSD, "target on cuda:0,cuda:1"),
         (_config("cuda:0", "cuda:0"), Mode.SD, "share cuda:0"),
         (_config("cuda:0", "cuda:0", tp=("cuda:0", "cuda:1")), Mode.SD, "share cuda:0"),
+        (_config("cuda", "cuda:0"), Mode.SD, "share cuda:0"),  # one GPU, two spellings
+        (_config("cuda:0", "cuda"), Mode.SD, "share cuda:0"),
     ],
 )
 def test_placement_decides_the_mode(config, mode, words):
     choice = placement_choice(config)
     assert choice.mode is mode and words in choice.reason, choice
+
+
+def test_device_names_are_normalised():
+    from ssdlocal.core.config import normalize_device
+
+    assert [normalize_device(d) for d in ("cuda", "cuda:0", "cuda:01", "cuda:3", "cpu")] == [
+        "cuda:0", "cuda:0", "cuda:1", "cuda:3", "cpu"]
+    assert ModelSpec("t", "cuda").device == "cuda:0"
+    assert EngineConfig(ModelSpec("t", "cuda"), target_devices=("cuda", "cuda:1")).target_devices == (
+        "cuda:0", "cuda:1")
 
 
 def test_cpu_only_needs_a_calibration():

@@ -321,3 +321,28 @@ def test_kv_cache_grows_keeping_its_contents(tiny_dir, monkeypatch):
     assert torch.equal(grown, full)
     traced, _, _ = logits(256, "trace")  # captured steps attend over a bucketed span
     assert torch.allclose(traced, full, atol=1e-5)
+
+
+def test_the_lm_head_runs_only_on_the_positions_asked_for(tiny_dir):
+    """A prefill needs the last position's logits only: a long prompt must not build
+    [T, V] float32 logits (32k tokens x 152k vocabulary = 20 GB)."""
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    loaded = registry.load(ModelSpec(str(tiny_dir["qwen2"])))
+    seen: list[tuple[int, ...]] = []
+    loaded.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    prompts = [[5 + i % 50 for i in range(300)], [7, 8, 9]]
+    runner = TorchRunner(loaded, graphs="off")
+    runner.reset(2, 400)
+    every = runner.feed(prompts, "all")
+    runner.reset(2, 400)
+    last = runner.feed(prompts, "last")
+    runner.reset(2, 400)
+    none = runner.feed(prompts, "none")
+    assert seen == [(2, 300, 64), (2, 1, 64), (2, 0, 64)]
+    assert [t.shape for t in last] == [(1, loaded.args.vocab_size)] * 2 and [t.shape[0] for t in none] == [0, 0]
+    for b in range(2):
+        assert torch.allclose(last[b][0], every[b][-1], atol=1e-5)
+    with pytest.raises(ValueError, match="logits"):
+        runner.feed(prompts, "first")

@@ -302,3 +302,43 @@ def test_planner_floor_defaults_to_one_candidate_per_length_and_cut_short_shrink
     for _ in range(10):
         planner.observe_timing(prespec_s=0.5, verify_s=1.0, completed=False)
     assert planner.budget == 4  # K + 1
+
+
+def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
+    """A GPU queues the tree's steps asynchronously: the poll for the outcome must come after
+    the previous step has run, or every step is queued before the first poll and the tree
+    cannot be cut short. The speculator waits for the device before each poll."""
+    import torch
+
+    from ssdlocal.backends.base import SlotLayout
+    from ssdlocal.core.config import SamplingParams
+    from ssdlocal.draft.ssd import speculator as sp
+
+    events: list[str] = []
+    monkeypatch.setattr(sp, "wait_for_device", lambda t: events.append("wait"))
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def tree_width(self, width):
+            return width
+
+        def forward_raw(self, ids, positions, slots, mask):
+            events.append("step")
+            return torch.zeros(*ids.shape, 10)
+
+    spec = object.__new__(sp.Speculator)
+    spec.runner, spec.k, spec.vocab = Runner(), 4, 10
+    spec.params = SamplingParams()
+    spec.layout = SlotLayout(16).with_tree(4, 4)
+    spec.rows = [sp.RowState([1, 2, 3], [4, 5, 6, 7], None, {})]
+    spec.cache = sp.SpeculationCache()
+    spec.fixed_hit = spec.fixed_miss = (1, 1, 1, 1, 1)
+
+    def should_stop():
+        events.append("poll")
+        return events.count("step") >= 2
+
+    spec._tree_decode([[(0, 8), (1, 9)]], 2, should_stop)
+    assert events == ["step", "wait", "poll", "step", "wait", "poll"]
+    assert spec.last_depth == 2

@@ -1,0 +1,266 @@
+"""GPU acceptance: one command that says whether this GPU runs ssdlocal correctly, and how fast.
+
+    python scripts/gpu_accept.py --out DIR            # one NVIDIA GPU, no network, < 8 minutes
+    python scripts/gpu_accept.py --out DIR --cpu      # the same steps on the CPU (checks the script)
+
+Needs only torch and transformers (which brings tokenizers, safetensors, numpy and
+huggingface-hub): the engine imports nothing else. Tiny checkpoints are written to a temp
+dir (tests/tiny_models.py); the timing models are random bf16 weights in Qwen2.5 shapes.
+If an import fails on a machine that has no network, carry the wheel: on a machine with
+network `pip download <package> --no-deps -d wheels/`, copy `wheels/` beside this
+checkout, then `pip install --no-index --find-links wheels <package>`.
+
+Steps (each writes DIR/results.json and DIR/results.md before the next starts, so a run
+cut short still leaves what it found; exit code 1 if any exactness check fails):
+  1. environment: torch, GPU, measured device-copy bandwidth;
+  2. graphs == eager == AR, fp32 greedy, llama / qwen2 / qwen3: one engine per graph mode
+     runs a sequence of calls (batch sizes 1, 1, 3, 2; a prompt longer than 64 tokens) in
+     AR, SD and SSD with the draft on the same GPU; every call equals the eager engine's and
+     AR's; graphs captured and replayed, none refused or dropped;
+  3. the same sequence with SSDLOCAL_GRAPHS=trace (the CPU twin of CUDA graphs) on the GPU;
+  4. step times at T=1 and T=K+1 for Qwen2.5-1.5B and 7B shapes in bf16 (eager and graphs)
+     against the bandwidth limit (weight bytes / measured bandwidth);
+  5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
+     can-use checks for the shapes the model passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+K = 4
+CALLS = [  # (prompts, new tokens): the same batch size twice, then others, a long prompt
+    (["The quick brown fox"], 24),
+    (["hello world, def foo(x):"], 24),
+    (["Once upon a time", "a", "def bar(y): return"], 16),
+    ([" ".join(f"w{i}" for i in range(70))], 16),
+    (["the cat sat", "x = 1"], 20),
+]
+PAIRS = {"llama": "draft_llama", "qwen2": "draft_qwen2", "qwen3": "qwen3"}
+
+
+class Results:
+    """Results so far, written after every step."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.data: dict = {"steps": {}, "failures": []}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def put(self, step: str, value) -> None:
+        self.data["steps"][step] = value
+        self.write()
+
+    def fail(self, what: str) -> None:
+        print(f"FAIL: {what}", flush=True)
+        self.data["failures"].append(what)
+        self.write()
+
+    def write(self) -> None:
+        (self.out / "results.json").write_text(json.dumps(self.data, indent=1, default=str))
+        (self.out / "results.md").write_text(render(self.data))
+
+
+def render(data: dict) -> str:
+    lines = ["# ssdlocal GPU acceptance", ""]
+    env = data["steps"].get("environment")
+    if env:
+        lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
+    for step in ("exact_cuda_graphs", "exact_traced"):
+        rows = data["steps"].get(step)
+        if rows:
+            lines += [f"## {step}", "", "| arch | mode | graphs | calls equal eager | equal AR | captured | replays | refused | dropped |",
+                      "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_eager']} | {r['equal_ar']} | "
+                      f"{r['captured']} | {r['replays']} | {r['refused']} | {r['dropped']} |" for r in rows]  # fmt: skip
+            lines.append("")
+    timing = data["steps"].get("step_times")
+    if timing:
+        lines += ["## step times (bf16, ms, median)", "",
+                  f"| model | weights GB | bandwidth limit | T=1 eager | T=1 graphs | T={K + 1} eager | T={K + 1} graphs | T=1 graphs / limit | T={K + 1} / T=1 |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in timing:
+            lines.append(
+                f"| {r['model']} | {r['weight_gb']:.2f} | {r['limit_ms']:.2f} | {r['T1_eager']:.2f} | "
+                f"{r['T1_graphs']:.2f} | {r['TK_eager']:.2f} | {r['TK_graphs']:.2f} | "
+                f"{r['T1_graphs'] / r['limit_ms']:.2f}x | {r['TK_graphs'] / r['T1_graphs']:.2f}x |"
+            )
+        lines.append("")
+    kernels = data["steps"].get("attention_kernels")
+    if kernels:
+        lines += ["## attention kernels", ""] + [f"- {k}: {v}" for k, v in kernels.items()] + [""]
+    lines += ["## failures", ""] + ([f"- {f}" for f in data["failures"]] or ["none"])
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- steps
+def environment(device: torch.device) -> dict:
+    from gpu_bench import copy_bandwidth
+
+    env = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        env["bandwidth_gb_s"] = round(copy_bandwidth(device, 2.0) / 1e9, 1)
+    return env
+
+
+def _tokens(engine, mode, prompts, new):
+    from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
+    from ssdlocal.core.events import DoneEvent
+
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    spec = SpecConfig(mode=Mode(mode), k=K, draft=engine.config.spec.draft, backup="jit")
+    done = [e for e in engine.generate(prompts, params, spec=spec) if isinstance(e, DoneEvent)][0]
+    return [o.token_ids for o in done.outputs], done.stats.get("graphs", {})
+
+
+def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+    """Each arch: a sequence of calls per mode, per graph mode, against eager and AR."""
+    from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
+    from ssdlocal.engine import Engine
+
+    rows = []
+    for arch, draft in PAIRS.items():
+        t, d = str(dirs[arch]), str(dirs[draft])
+        outs: dict[tuple[str, str], list] = {}
+        for graphs in ("off", *graph_modes):
+            config = EngineConfig(
+                target=ModelSpec(t, device), spec=SpecConfig(mode=Mode.SSD, k=K, draft=d, backup="jit"),
+                draft_model=ModelSpec(d, device), pin_cpus=False, graphs=graphs,
+            )  # fmt: skip
+            with Engine(config) as engine:
+                for mode in ("ar", "sd", "ssd"):
+                    counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0}
+                    got = []
+                    for prompts, new in CALLS:
+                        tokens, graph_stats = _tokens(engine, mode, prompts, new)
+                        got.append(tokens)
+                        for model in graph_stats.values():
+                            for key in counts:
+                                counts[key] += model.get(key, 0)
+                    outs[(graphs, mode)] = (got, counts)
+        for graphs in graph_modes:
+            for mode in ("ar", "sd", "ssd"):
+                got, counts = outs[(graphs, mode)]
+                row = {"arch": arch, "mode": mode, "graphs": graphs,
+                       "equal_eager": got == outs[("off", mode)][0], "equal_ar": got == outs[("off", "ar")][0],
+                       **counts}  # fmt: skip
+                rows.append(row)
+                if not (row["equal_eager"] and row["equal_ar"]):
+                    results.fail(f"{step}: {arch} {mode} with graphs={graphs} differs")
+                if graphs != "off" and (counts["replays"] == 0 or counts["refused"] or counts["dropped"]):
+                    results.fail(f"{step}: {arch} {mode} graphs={graphs}: {counts}")
+                results.put(step, rows)
+        print(f"  {arch}: done", flush=True)
+
+
+def step_times(device: torch.device, bandwidth: float, models: tuple[str, ...], results: Results) -> None:
+    from gpu_bench import prefilled, random_model, step_ms, weight_bytes
+
+    rows = []
+    for name in models:
+        loaded = random_model(name, device, torch.bfloat16)
+        row = {"model": name, "weight_gb": weight_bytes(loaded) / 1e9,
+               "limit_ms": weight_bytes(loaded) / bandwidth * 1e3}  # fmt: skip
+        for label, mode in (("eager", "off"), ("graphs", "auto")):
+            runner = prefilled(loaded, mode, 512)
+            row[f"T1_{label}"] = step_ms(runner, 1, 20)
+            row[f"TK_{label}"] = step_ms(runner, K + 1, 20)
+            if label == "graphs" and runner.graphs is not None:
+                row["graphs"] = runner.graphs.stats.as_dict()
+            del runner
+        rows.append(row)
+        results.put("step_times", rows)
+        del loaded
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        print(f"  {name}: {row}", flush=True)
+
+
+def attention_kernels(device: torch.device, results: Results) -> None:
+    """Profile one masked decode step and one fresh prefill of a GQA model; ask torch too."""
+    from gpu_bench import prefilled, random_model
+
+    from ssdlocal.backends.torch.attention import AttentionMask
+
+    loaded = random_model("qwen2.5-1.5b", device, torch.bfloat16)
+    runner = prefilled(loaded, "off", 512)
+    found = {}
+    for label, fn in (("decode_T1", lambda: runner.step(torch.ones(1, 1, dtype=torch.long, device=device))),
+                      ("verify_T5", lambda: runner.step(torch.ones(1, K + 1, dtype=torch.long, device=device))),
+                      ("prefill", lambda: (runner.reset(1, 1024), runner.feed([list(range(1, 300))], "last")))):  # fmt: skip
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        names = {e.name for e in prof.events() if any(w in e.name.lower() for w in ("fmha", "flash", "attention", "attn", "softmax"))}
+        found[label] = sorted(names)[:6] or ["no attention-like kernel seen"]
+    a = loaded.args
+    q = torch.zeros(1, a.num_kv_heads, (a.num_heads // a.num_kv_heads) * (K + 1), a.head_dim, dtype=torch.bfloat16, device=device)
+    keys = torch.zeros(1, a.num_kv_heads, 1024, a.head_dim, dtype=torch.bfloat16, device=device)
+    mask = AttentionMask.build(torch.ones(1, K + 1, 1024, dtype=torch.bool, device=device),
+                               a.num_heads // a.num_kv_heads, torch.bfloat16)  # fmt: skip
+    params = torch.backends.cuda.SDPAParams(q, keys, keys, mask.tensor, 0.0, False, False)
+    found["can_use_efficient(folded verify)"] = torch.backends.cuda.can_use_efficient_attention(params, True)
+    found["can_use_flash(folded verify)"] = torch.backends.cuda.can_use_flash_attention(params, False)
+    results.put("attention_kernels", found)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu-accept-out")
+    ap.add_argument("--cpu", action="store_true", help="run the steps on the CPU (checks the script)")
+    ap.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b", help="timing shapes (gpu_bench.py SHAPES)")
+    args = ap.parse_args()
+    results = Results(Path(args.out))
+    device = torch.device("cpu" if args.cpu else "cuda:0")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (use --cpu to check the script)")
+        return 2
+    t0 = time.perf_counter()
+    steps = [
+        ("environment", lambda: results.put("environment", environment(device))),
+    ]
+    from tiny_models import make_tiny_suite
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = make_tiny_suite(Path(tmp))
+        graph_modes = ("trace",) if args.cpu else ("auto",)
+        steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results, "exact_cuda_graphs")))
+        if not args.cpu:
+            def traced() -> None:
+                exactness(dirs, str(device), ("trace",), results, "exact_traced")
+            steps.append(("exact_traced", traced))
+            steps.append(("step_times", lambda: step_times(
+                device, results.data["steps"]["environment"]["bandwidth_gb_s"] * 1e9,
+                tuple(args.models.split(",")), results)))  # fmt: skip
+            steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
+        for name, run in steps:
+            print(f"[{time.perf_counter() - t0:5.0f} s] {name}", flush=True)
+            try:
+                run()
+            except Exception as exc:  # a step that breaks must not hide the others' results
+                results.fail(f"{name} raised {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+    results.data["wall_s"] = round(time.perf_counter() - t0, 1)
+    results.write()
+    print(render(results.data))
+    return 1 if results.data["failures"] else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SSDLOCAL_GRAPHS_STRICT", "1")  # audit failures are failures here
+    sys.exit(main())
