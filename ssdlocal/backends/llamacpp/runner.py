@@ -130,10 +130,10 @@ class LlamaCppRunner:
     def _decode(self, tokens, positions, seqs, want=None) -> np.ndarray:
         """Decode in chunks of n_batch; float32 logits [N wanted, V] for the tokens whose
         `want` flag is set (default: every token)."""
-        want = self._want_threads()
-        if want != self._ctx_threads:
-            self.lib.set_threads(self._ctx, want)
-            self._ctx_threads = want
+        threads = self._want_threads()
+        if threads != self._ctx_threads:
+            self.lib.set_threads(self._ctx, threads)
+            self._ctx_threads = threads
         want = [True] * len(tokens) if want is None else want
         out = []
         step = self._n_batch
@@ -176,7 +176,7 @@ class LlamaCppRunner:
             n = len(r) if per_row is None or not r else per_row
             result.append(out[offset : offset + n])
             offset += n
-            if n:
+            if r:
                 self.held[b].extend(int(t) for t in r)
                 self._kv[b].extend(int(t) for t in r)
         return result
