@@ -60,3 +60,36 @@ def test_bad_messages():
         with pytest.raises(APIError) as info:
             parse_chat({"model": "m", "messages": messages}, None)
         assert info.value.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", float("inf")), ("temperature", 1e-9), ("temperature", float("nan")),
+    ("seed", -1), ("seed", 2**64), ("top_p", float("nan")),
+])  # fmt: skip
+def test_sampling_errors_name_their_field(field, value):
+    with pytest.raises(APIError) as info:
+        parse_completion({"model": "m", "prompt": "hi", field: value}, None)
+    assert info.value.status == 400 and info.value.param == field, info.value.message
+
+
+def test_stop_strings_are_bounded():
+    assert parse_completion({"model": "m", "prompt": "hi", "stop": ["x" * 64] * 16}, None).params.stop
+    for stop in (["a"] * 17, "x" * 65, [f"s{i}" for i in range(100_000)]):
+        with pytest.raises(APIError) as info:
+            parse_completion({"model": "m", "prompt": "hi", "stop": stop}, None)
+        assert info.value.param == "stop"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m", "prompt": "a\ud800b"}, "prompt"),
+    ({"model": "\ud800", "prompt": "ab"}, "model"),
+    ({"model": "m", "prompt": ["ok", "\udfff"]}, "prompt"),
+    ({"model": "m", "prompt": "ab", "stop": [[["\ud800"]]]}, "stop"),
+    ({"model": "m", "prompt": "ab", "x\ud800": 1}, None),
+])  # fmt: skip
+def test_lone_surrogates_are_invalid_requests(body, param):
+    with pytest.raises(APIError) as info:
+        parse_completion(body, None)
+    err = info.value.body()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    err["message"].encode("utf-8")  # the error itself is valid text
