@@ -329,3 +329,20 @@ def test_max_new_tokens_caps_answers_within_the_room_left(live):
 def test_sampling_errors_name_their_field(live, field, raw):
     data = b'{"model": "tiny", "prompt": "Hello", "max_tokens": 2, "%s": %s}' % (field.encode(), raw)
     assert_error(*live.post("/v1/completions", data), 400, field)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no open-file limit to manage")
+def test_connections_fit_the_open_file_limit(monkeypatch, caplog):
+    import resource
+
+    from ssdlocal.server.connections import FD_RESERVE, fit_connections
+
+    limits = {"now": (256, 1024)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
+    assert fit_connections(128) == 128 and limits["now"] == (256, 1024)  # room already
+    assert fit_connections(500) == 500 and limits["now"] == (500 + FD_RESERVE, 1024)  # raised to fit
+    limits["now"] = (100, 100)
+    with caplog.at_level("WARNING"):
+        assert fit_connections(128) == 100 - FD_RESERVE  # cannot be raised: fewer, with a warning
+    assert "ulimit -n" in caplog.text

@@ -1,5 +1,6 @@
 """Request validation of the server, without a server: OpenAI fields -> SamplingParams,
-the --max-new-tokens cap, and APIError bodies for bad or unsupported fields."""
+the --max-new-tokens cap, APIError bodies for bad or unsupported fields (naming them),
+bounds on stop strings, lone surrogates; and how a job is split into engine calls."""
 
 from __future__ import annotations
 
@@ -93,3 +94,26 @@ def test_lone_surrogates_are_invalid_requests(body, param):
     err = info.value.body()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     err["message"].encode("utf-8")  # the error itself is valid text
+
+
+def test_a_job_runs_in_parts_of_at_most_max_batch_rows_with_one_budget_each():
+    import asyncio
+
+    from ssdlocal.core.config import SamplingParams
+    from ssdlocal.server.scheduler import Job
+
+    loop = asyncio.new_event_loop()
+
+    def parts(params, seeded, budgets, max_batch):
+        job = Job(((1,),) * len(budgets), params, seeded, loop, budgets=tuple(budgets))
+        job.split(max_batch)
+        return [(p.start, p.stop, p.params.max_new_tokens, p.params.seed) for p in job.parts]
+
+    greedy = SamplingParams(temperature=0, seed=5, max_new_tokens=64)
+    assert parts(greedy, False, [64] * 9, 4) == [(0, 4, 64, 5), (4, 8, 64, 5), (8, 9, 64, 5)]
+    assert parts(greedy, False, [None, None, 64, 64, 64], 8) == [(0, 2, None, 5), (2, 5, 64, 5)]
+    sampled = SamplingParams(temperature=1, seed=5, max_new_tokens=8)
+    seeds = [seed for *_, seed in parts(sampled, True, [8] * 6, 2)]
+    assert seeds[0] == 5 and len(set(seeds)) == 3  # a seeded job's parts do not repeat each other
+    assert {seed for *_, seed in parts(sampled, False, [8] * 6, 2)} == {5}  # unseeded: drawn per call
+    loop.close()

@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -93,7 +93,9 @@ class ServerState:
         return out
 
 
-def create_app(state: ServerState) -> Starlette:
+def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
+    """The ASGI app: Starlette's routes, in a wrapper that keeps cancellations at
+    shutdown (a response that could not end in time) out of the log."""
     async def models(request: Request) -> Response:
         _authorize(request, state)
         return JSONResponse({"object": "list", "data": [_model_card(state)]})

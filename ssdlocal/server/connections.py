@@ -56,8 +56,10 @@ def protocol_class(limits: ServerLimits):
     busy = _error_response(503, "Service Unavailable",
                            f"too many open connections (this server allows {limits.max_connections}, "
                            "--max-connections); retry shortly", "server_error", "too_many_connections")  # fmt: skip
-    bad_request = _error_response(400, "Bad Request", "the request's head cannot be parsed as HTTP/1.1 "
-                                  "(malformed, or over 16 KiB)", "invalid_request_error", "invalid_http_request")  # fmt: skip
+    bad_request = _error_response(
+        400, "Bad Request", "the request's head cannot be parsed as HTTP/1.1 (malformed, or over 16 KiB)",
+        "invalid_request_error", "invalid_http_request",
+    )  # fmt: skip
 
     class LimitedH11Protocol(H11Protocol):
         _head_timer = None

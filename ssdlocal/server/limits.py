@@ -10,6 +10,7 @@ strings live in protocol.py with the other fields. Knows nothing of the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -97,11 +98,12 @@ async def _read(request, limits: ServerLimits) -> bytes:
 
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise _too_large(None, limits)
-            chunks.append(chunk)
+        async with contextlib.aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise _too_large(None, limits)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone from None
     return b"".join(chunks)

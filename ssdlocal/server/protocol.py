@@ -181,7 +181,8 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
             SamplingParams(**{name: value})
         except UsageError as exc:
             raise bad(exc.message, param=param) from None
-    params = SamplingParams(**{name: value for name, (value, _) in fields.items()}, ignore_eos=_bool(body, "ignore_eos"))
+    values = {name: value for name, (value, _) in fields.items()}
+    params = SamplingParams(**values, ignore_eos=_bool(body, "ignore_eos"))
     return ParsedRequest(
         model=model, params=params, seeded=seed is not None, n=n, stream=stream,
         include_usage=stream and bool(options.get("include_usage")),

@@ -119,7 +119,7 @@ class Job:
             while stop < len(self.rows) and stop - start < max_batch and budgets[stop] == budgets[start]:
                 stop += 1
             params = replace(self.params, max_new_tokens=budgets[start])
-            if start and not params.greedy:
+            if start and self.seeded and not params.greedy:
                 params = replace(params, seed=params.stream_seed(start * _PART_SEED_STRIDE))
             self.parts.append(Part(start, stop, params))
             start = stop
