@@ -47,6 +47,7 @@ def test_a_taken_port_is_refused_before_models_load(monkeypatch, capsys, tiny_di
     (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
     (["--api-key", " "], "the API key is empty"),
     (["--max-body-mb", "0"], "max-body-mb must be positive"),
+    (["--max-body-mb", "inf"], "max-body-mb must be positive"),
     (["--max-request-rows", "0"], "max-request-rows must be positive"),
     (["--max-connections", "0"], "max-connections must be positive"),
     (["--max-prompt-chars", "0"], "max-prompt-chars must be >= 1"),

@@ -6,7 +6,7 @@ OpenAI's error body, fast, before anything costly runs, and the server goes on.
 - rows (prompts x n) over --max-request-rows: 400; fewer run in engine calls of at
   most --max-batch rows, each equal to its result alone;
 - stop strings bounded in count and length;
-- deep JSON nesting and lone surrogates: 400, no internal text;
+- deep JSON nesting, lone surrogates, a chat template that refuses: 400, no internal text;
 - silent connections, half-sent heads and bodies that never arrive are closed (408 for
   the body); connections past --max-connections get 503; running out of descriptors
   is logged once, and the server recovers;
@@ -201,6 +201,18 @@ def test_deep_json_and_lone_surrogates_are_client_errors(live):
     huge = json.dumps({"model": "m" * 100_000, "prompt": "ab"}).encode()
     assert len(assert_error(*live.post("/v1/completions", huge), 404, "model")["message"]) < 300
     assert_still_serving(live)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_client_error(live, monkeypatch):
+    jinja2 = pytest.importorskip("jinja2")
+
+    def refuse(*args, **kwargs):
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr(live.state.tokenizer, "apply_chat_template", refuse)
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 2}).encode()
+    error = assert_error(*live.post("/v1/chat/completions", chat), 400, "messages")
+    assert "roles must alternate" in error["message"]
 
 
 # ----------------------------------------------------------------------------- row 6

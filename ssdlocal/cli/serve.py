@@ -87,8 +87,8 @@ def serve(
     from ssdlocal.server.limits import MiB, ServerLimits
     from ssdlocal.server.run import bind, sigterm_exits
 
-    if not max_body_mb > 0:
-        raise UsageError(f"max-body-mb must be positive, got {max_body_mb}", "use e.g. --max-body-mb 8")
+    if not 0 < max_body_mb < 1 << 20:  # NaN and inf fail too
+        raise UsageError(f"max-body-mb must be positive (MiB), got {max_body_mb}", "use e.g. --max-body-mb 8")
     limits = ServerLimits(
         max_body_bytes=max(1, round(max_body_mb * MiB)), max_prompt_chars=max_prompt_chars,
         max_request_rows=max_request_rows, max_connections=max_connections, header_timeout_s=header_timeout,
