@@ -17,6 +17,7 @@ from ssdlocal import __version__
 from ssdlocal.core.config import EngineConfig
 from ssdlocal.engine import Engine
 from ssdlocal.server.app import ServerState, create_app
+from ssdlocal.server.limits import ServerLimits
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.run import bind, make_server, url
 from ssdlocal.server.scheduler import Scheduler
@@ -27,7 +28,10 @@ MODEL = "tiny"
 class LiveServer:
     """Engine + scheduler + uvicorn thread; `client` is an openai.OpenAI for it."""
 
-    def __init__(self, config: EngineConfig, *, api_key: str | None = None, max_batch: int = 8) -> None:
+    def __init__(
+        self, config: EngineConfig, *, api_key: str | None = None, max_batch: int = 8,
+        limits: ServerLimits | None = None, max_new_tokens: int | None = None,
+    ) -> None:
         import openai
 
         self.engine = Engine(config)
@@ -35,11 +39,14 @@ class LiveServer:
         self.metrics = Metrics(MODEL, self.mode, __version__)
         self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch,
                                    batch_wait_s=0.05)
-        state = ServerState(self.scheduler, self.metrics, MODEL, self.engine.context, self.engine.tokenizer,
-                            api_key=api_key, vocab_size=self.engine.target.args.vocab_size)
+        self.limits = limits or ServerLimits()
+        self.state = ServerState(self.scheduler, self.metrics, MODEL, self.engine.context, self.engine.tokenizer,
+                                 api_key=api_key, vocab_size=self.engine.target.args.vocab_size,
+                                 limits=self.limits, max_new_tokens=max_new_tokens)
         self.sock = bind("127.0.0.1", 0)
         self.url = url(self.sock)
-        self.server = make_server(create_app(state))
+        self.port = self.sock.getsockname()[1]
+        self.server = make_server(create_app(self.state), limits=self.limits, on_shutdown=self.state.begin_shutdown)
         self.scheduler.start()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()

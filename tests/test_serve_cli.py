@@ -46,10 +46,43 @@ def test_a_taken_port_is_refused_before_models_load(monkeypatch, capsys, tiny_di
     (["--max-batch", "0"], "max-batch must be >= 1"),
     (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
     (["--api-key", " "], "the API key is empty"),
+    (["--max-body-mb", "0"], "max-body-mb must be positive"),
+    (["--max-body-mb", "inf"], "max-body-mb must be positive"),
+    (["--max-request-rows", "0"], "max-request-rows must be positive"),
+    (["--max-connections", "0"], "max-connections must be positive"),
+    (["--max-prompt-chars", "0"], "max-prompt-chars must be >= 1"),
+    (["--header-timeout", "0"], "header-timeout must be a positive number of seconds"),
+    (["--body-timeout", "inf"], "body-timeout must be a positive number of seconds"),
+    (["--idle-timeout", "-1"], "idle-timeout must be a positive number of seconds"),
 ])
 def test_bad_serve_options_are_usage_errors(monkeypatch, capsys, tiny_dir, args, needle):
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar", *args)
     assert_clean_error(code, err, 2, needle)
+
+
+def test_every_server_limit_is_an_option_documented_in_help_and_readme(monkeypatch, capsys):
+    """Each limit has a `serve` option with a default and help text shown by --help, and
+    a row in the README's Serving section."""
+    import typer
+
+    from ssdlocal.cli.app import app
+
+    params = {p.opts[0]: p for p in typer.main.get_command(app).commands["serve"].params if p.opts}
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(monkeypatch, capsys, "serve", "--help")
+    assert code == 0
+    readme = (ROOT / "README.md").read_text()
+    serving = readme[readme.index("## Serving"):readme.index("## Generating")]
+    for option, default in [("--max-body-mb", 8.0), ("--max-prompt-chars", None), ("--max-request-rows", 64),
+                            ("--max-batch", 8), ("--max-connections", 128), ("--header-timeout", 10.0),
+                            ("--body-timeout", 30.0), ("--idle-timeout", 5.0)]:
+        assert params[option].default == default and params[option].help, option
+        assert option in out, option
+        assert f"| `{option}` ({default if default is not None else ''}" in serving, option
+    assert "32 per token" in params["--max-prompt-chars"].help
+    from ssdlocal.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    assert f"`stop`: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters" in serving
 
 
 @pytest.mark.parametrize("api_key", [None, "secret"])

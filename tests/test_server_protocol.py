@@ -1,5 +1,6 @@
 """Request validation of the server, without a server: OpenAI fields -> SamplingParams,
-the --max-new-tokens cap, and APIError bodies for bad or unsupported fields."""
+the --max-new-tokens cap, APIError bodies for bad or unsupported fields (naming them),
+bounds on stop strings, lone surrogates; and how a job is split into engine calls."""
 
 from __future__ import annotations
 
@@ -60,3 +61,59 @@ def test_bad_messages():
         with pytest.raises(APIError) as info:
             parse_chat({"model": "m", "messages": messages}, None)
         assert info.value.body()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", float("inf")), ("temperature", 1e-9), ("temperature", float("nan")),
+    ("seed", -1), ("seed", 2**64), ("top_p", float("nan")),
+])  # fmt: skip
+def test_sampling_errors_name_their_field(field, value):
+    with pytest.raises(APIError) as info:
+        parse_completion({"model": "m", "prompt": "hi", field: value}, None)
+    assert info.value.status == 400 and info.value.param == field, info.value.message
+
+
+def test_stop_strings_are_bounded():
+    assert parse_completion({"model": "m", "prompt": "hi", "stop": ["x" * 64] * 16}, None).params.stop
+    for stop in (["a"] * 17, "x" * 65, [f"s{i}" for i in range(100_000)]):
+        with pytest.raises(APIError) as info:
+            parse_completion({"model": "m", "prompt": "hi", "stop": stop}, None)
+        assert info.value.param == "stop"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m", "prompt": "a\ud800b"}, "prompt"),
+    ({"model": "\ud800", "prompt": "ab"}, "model"),
+    ({"model": "m", "prompt": ["ok", "\udfff"]}, "prompt"),
+    ({"model": "m", "prompt": "ab", "stop": [[["\ud800"]]]}, "stop"),
+    ({"model": "m", "prompt": "ab", "x\ud800": 1}, None),
+])  # fmt: skip
+def test_lone_surrogates_are_invalid_requests(body, param):
+    with pytest.raises(APIError) as info:
+        parse_completion(body, None)
+    err = info.value.body()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    err["message"].encode("utf-8")  # the error itself is valid text
+
+
+def test_a_job_runs_in_parts_of_at_most_max_batch_rows_with_one_budget_each():
+    import asyncio
+
+    from ssdlocal.core.config import SamplingParams
+    from ssdlocal.server.scheduler import Job
+
+    loop = asyncio.new_event_loop()
+
+    def parts(params, seeded, budgets, max_batch):
+        job = Job(((1,),) * len(budgets), params, seeded, loop, budgets=tuple(budgets))
+        job.split(max_batch)
+        return [(p.start, p.stop, p.params.max_new_tokens, p.params.seed) for p in job.parts]
+
+    greedy = SamplingParams(temperature=0, seed=5, max_new_tokens=64)
+    assert parts(greedy, False, [64] * 9, 4) == [(0, 4, 64, 5), (4, 8, 64, 5), (8, 9, 64, 5)]
+    assert parts(greedy, False, [None, None, 64, 64, 64], 8) == [(0, 2, None, 5), (2, 5, 64, 5)]
+    sampled = SamplingParams(temperature=1, seed=5, max_new_tokens=8)
+    seeds = [seed for *_, seed in parts(sampled, True, [8] * 6, 2)]
+    assert seeds[0] == 5 and len(set(seeds)) == 3  # a seeded job's parts do not repeat each other
+    assert {seed for *_, seed in parts(sampled, False, [8] * 6, 2)} == {5}  # unseeded: drawn per call
+    loop.close()

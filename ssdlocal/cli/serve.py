@@ -1,13 +1,15 @@
 """`ssdlocal serve`: options -> socket, EngineConfig, Engine -> the OpenAI-compatible server.
 
 The port is bound before the models load, so a taken port fails at once; loopback is
-the default and any other host warns unless --api-key is set. Wiring only: the server
-is ssdlocal.server.
+the default and any other host warns unless --api-key is set. The request and
+connection limits become a ServerLimits. SIGTERM stops it like Ctrl-C (exit 0 instead
+of 130). Wiring only: the server is ssdlocal.server.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -30,6 +32,28 @@ def serve(
         typer.Option(help="The model id clients send. Default: the pair's or the target's file name."),
     ] = None,
     max_batch: Annotated[int, typer.Option(help="Most rows (requests x n) in one engine batch.")] = 8,
+    max_request_rows: Annotated[
+        int, typer.Option(help="Most completions (prompts x n) one request may ask for; more: 400. "
+                          "A request runs in engine batches of at most --max-batch rows.")
+    ] = 64,
+    max_body_mb: Annotated[float, typer.Option(help="Largest request body in MiB; larger: 413, unread.")] = 8.0,
+    max_prompt_chars: Annotated[
+        int | None, typer.Option(help="Most prompt characters per request, checked before tokenizing; "
+                                 "more: 400. Default: 32 per token of the model's context, at most 1,000,000.")
+    ] = None,
+    max_connections: Annotated[
+        int, typer.Option(help="Most open connections; one more is answered 503 and closed.")
+    ] = 128,
+    header_timeout: Annotated[
+        float, typer.Option(help="Seconds for a request's headers to arrive (from connecting or the "
+                            "previous answer); then the connection is closed.")
+    ] = 10.0,
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds for a request's body to arrive once its headers did; then 408.")
+    ] = 30.0,
+    idle_timeout: Annotated[
+        float, typer.Option(help="Seconds a kept-alive connection may idle between requests.")
+    ] = 5.0,
     target: o.Target = None,
     draft: o.Draft = None,
     pair: o.PairName = None,
@@ -60,15 +84,25 @@ def serve(
     SamplingParams(max_new_tokens=max_new_tokens)  # validates --max-new-tokens
     _require_server_libraries()
     values = locals()
-    from ssdlocal.server.run import bind
+    from ssdlocal.server.limits import MiB, ServerLimits
+    from ssdlocal.server.run import bind, sigterm_exits
 
-    sock = bind(host, port)  # before the models load: a taken port fails at once
-    try:
-        config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values))
-        name = served_model_name or _model_name(target, pair, config.target.path)
-        _serve(sock, config, name, api_key=api_key, max_batch=max_batch, max_new_tokens=max_new_tokens)
-    finally:
-        sock.close()
+    if not 0 < max_body_mb < 1 << 20:  # NaN and inf fail too
+        raise UsageError(f"max-body-mb must be positive (MiB), got {max_body_mb}", "use e.g. --max-body-mb 8")
+    limits = ServerLimits(
+        max_body_bytes=max(1, round(max_body_mb * MiB)), max_prompt_chars=max_prompt_chars,
+        max_request_rows=max_request_rows, max_connections=max_connections, header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout, idle_timeout_s=idle_timeout,
+    )  # fmt: skip
+    with sigterm_exits():
+        sock = bind(host, port)  # before the models load: a taken port fails at once
+        try:
+            config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values))
+            name = served_model_name or _model_name(target, pair, config.target.path)
+            _serve(sock, config, name, api_key=api_key, max_batch=max_batch, max_new_tokens=max_new_tokens,
+                   limits=limits)  # fmt: skip
+        finally:
+            sock.close()
 
 
 def _require_server_libraries() -> None:
@@ -92,11 +126,12 @@ def _model_name(target: str | None, pair: str | None, path: str) -> str:
     return Path(path).name.removesuffix(".gguf") or path
 
 
-def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens) -> None:
+def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, limits) -> None:
     from ssdlocal import __version__
     from ssdlocal.cli.render import err_console
     from ssdlocal.engine import Engine
     from ssdlocal.server.app import ServerState, create_app
+    from ssdlocal.server.connections import fit_connections
     from ssdlocal.server.metrics import Metrics
     from ssdlocal.server.run import is_loopback, make_server, url
     from ssdlocal.server.scheduler import Scheduler
@@ -112,11 +147,13 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens) 
         mode = engine.choice.mode.value  # what --mode auto resolved to, as requests report it
         metrics = Metrics(name, mode, __version__)
         scheduler = Scheduler(engine, metrics, mode=mode, max_batch=max_batch)
+        limits = replace(limits, max_connections=fit_connections(limits.max_connections))
         state = ServerState(
-            scheduler, metrics, name, engine.context, engine.tokenizer,
-            api_key=api_key, max_new_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size,
+            scheduler, metrics, name, engine.context, engine.tokenizer, api_key=api_key,
+            max_new_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size, limits=limits,
         )  # fmt: skip
-        server = make_server(create_app(state), verbose=logging.getLogger().isEnabledFor(logging.DEBUG))
+        server = make_server(create_app(state), limits=limits, on_shutdown=state.begin_shutdown,
+                             verbose=logging.getLogger().isEnabledFor(logging.DEBUG))  # fmt: skip
         scheduler.start()
         err_console.print(
             f"serving [bold]{name}[/bold] at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "

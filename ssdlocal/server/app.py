@@ -2,9 +2,11 @@
 
 GET /v1/models, POST /v1/completions and /v1/chat/completions (whole or streamed as
 OpenAI chunks ending with `data: [DONE]`), GET /metrics (Prometheus text), GET /health.
-Requests are parsed by protocol.py, tokenized here (a tokenizer copy of our own: the
-engine thread decodes with its own), and run by the Scheduler; a client that
-disconnects cancels its job. Every failure is answered with OpenAI's error body.
+Requests are read and bounded by limits.py, parsed by protocol.py, tokenized here (a
+tokenizer copy of our own, one prompt at a time under its lock: the engine thread
+decodes with its own), and run by the Scheduler; a client that disconnects cancels its
+job. When the server stops, answers in flight end with a "server shutting down" error.
+Every failure is answered with OpenAI's error body; a client's mistakes are 4xx.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -33,6 +35,7 @@ from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.engine.prompts import encode_messages
+from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.protocol import (
     APIError,
@@ -42,13 +45,9 @@ from ssdlocal.server.protocol import (
     parse_completion,
 )
 from ssdlocal.server.responses import Responses
-from ssdlocal.server.scheduler import Chunk, Failed, Finished, Job, Scheduler
+from ssdlocal.server.scheduler import Chunk, Failed, Finished, Job, Scheduler, ServerShuttingDown
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was complete."""
 
 
 @dataclass
@@ -63,6 +62,7 @@ class ServerState:
     api_key: str | None = None
     max_new_tokens: int | None = None  # cap on answers; None: until end-of-sequence / the context
     vocab_size: int | None = None  # token-id prompts must stay below it
+    limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -71,16 +71,31 @@ class ServerState:
         except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared, under the lock
             log.debug("tokenizer not copyable; sharing the engine's")
         self._tokenizer_lock = threading.Lock()
+        self.closing = asyncio.Event()  # set when the server starts stopping (begin_shutdown)
+
+    def begin_shutdown(self) -> None:
+        """The server is stopping: refuse new work, end answers in flight with an error."""
+        self.closing.set()
 
     def encode(self, req: ParsedRequest) -> list[tuple[int, ...]]:
-        """Token ids per prompt (chat: one, the conversation through the template)."""
-        with self._tokenizer_lock:
-            if req.chat:
+        """Token ids per prompt (chat: one, the conversation through the template). The lock
+        is held for one prompt at a time, and prompts are bounded (limits.check_request)."""
+        if req.chat:
+            with self._tokenizer_lock:
                 return [tuple(encode_messages(self.tokenizer, req.messages))]
-            return [p if isinstance(p, tuple) else tuple(self.tokenizer.encode(p)) for p in req.prompts]
+        out = []
+        for p in req.prompts:
+            if isinstance(p, tuple):
+                out.append(p)
+                continue
+            with self._tokenizer_lock:
+                out.append(tuple(self.tokenizer.encode(p)))
+        return out
 
 
-def create_app(state: ServerState) -> Starlette:
+def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
+    """The ASGI app: Starlette's routes, in a wrapper that keeps cancellations at
+    shutdown (a response that could not end in time) out of the log."""
     async def models(request: Request) -> Response:
         _authorize(request, state)
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
@@ -115,12 +130,23 @@ def create_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    app = Starlette(routes=routes, exception_handlers=handlers)
+
+    async def guarded(scope, receive, send) -> None:
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not state.closing.is_set():
+                raise
+            # cancelled by the server's shutdown deadline (a client that stopped reading):
+            # the connection is closed either way; no traceback for it
+
+    return guarded
 
 
 # ---------------------------------------------------------------------- errors
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -130,12 +156,15 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error")
-    return JSONResponse(_failure(exc).body(), status_code=500)
+    log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
+    err = APIError(500, "internal server error (the server's log has the details)", type="server_error")
+    return JSONResponse(err.body(), status_code=500)
 
 
 def _failure(exc: BaseException) -> APIError:
     """An engine-side failure as an API error (usage errors are the client's)."""
+    if isinstance(exc, ServerShuttingDown):
+        return shutting_down()
     if isinstance(exc, UsageError):
         return bad(f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
     if isinstance(exc, SSDLocalError):
@@ -145,6 +174,7 @@ def _failure(exc: BaseException) -> APIError:
 
 
 def _unknown_model(name: str) -> APIError:
+    name = name if len(name) <= 80 else name[:77] + "..."
     return APIError(
         404, f"The model `{name}` does not exist: GET /v1/models lists the served model",
         param="model", code="model_not_found",
@@ -167,37 +197,42 @@ def _model_card(state: ServerState) -> dict:
 
 
 # ---------------------------------------------------------------------- generation
+class _Stopping(Exception):
+    """The server started stopping while the answer was being made."""
+
+
 async def _generate(request: Request, state: ServerState, endpoint: str, parse) -> Response:
     started = time.perf_counter()
     try:
         _authorize(request, state)
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON: {exc}") from None
-        req = parse(body, state.max_new_tokens)
+        if state.closing.is_set():
+            raise shutting_down()
+        raw = await read_body(request, state.limits, state.closing)
+        req = await run_in_threadpool(_parse_body, raw, parse, state.max_new_tokens)
         if req.model != state.model:
             raise _unknown_model(req.model)
-        try:
-            prompts = await run_in_threadpool(state.encode, req)
-        except UsageError as exc:
-            raise bad(exc.message, param="messages" if req.chat else "prompt") from None
-        _check_context(prompts, req, state.context)
+        check_request(req, state.limits, state.context)  # before the tokenizer: cheap bounds
+        prompts = await run_in_threadpool(_encode, state, req)
+        budgets = _budgets(prompts, req, state.context)
         _check_token_ids(prompts, state.vocab_size)
-    except APIError:
-        state.metrics.record_request(endpoint, "invalid")
+    except ClientGone:
+        state.metrics.record_request(endpoint, "cancelled")
+        return Response(status_code=499)
+    except APIError as exc:
+        state.metrics.record_request(endpoint, "invalid" if exc.status < 500 else "error")
         raise
     rows = [ids for ids in prompts for _ in range(req.n)]
-    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream)
+    row_budgets = [b for b in budgets for _ in range(req.n)]
+    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream, budgets=row_budgets)
     answer = Responses(req, state.model, sum(map(len, prompts)))
     outcome = _Outcome(state.metrics, endpoint, sum(map(len, prompts)), started)
     if req.stream:
         return StreamingResponse(
-            _sse(request, job, answer, outcome), media_type="text/event-stream",
+            _sse(request, job, answer, outcome, state.closing), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )  # fmt: skip
     try:
-        async for item in _items(request, job):
+        async for item in _items(request, job, state.closing):
             if isinstance(item, Failed):
                 outcome.status = "error"
                 raise _failure(item.error)
@@ -207,29 +242,72 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
     except ClientGone:
         outcome.status = "cancelled"
         return Response(status_code=499)
+    except _Stopping:
+        outcome.status = "error"
+        raise shutting_down() from None
     finally:
         job.cancel()  # no-op once answered
         outcome.record()
     raise AssertionError("the job ended without an answer")  # pragma: no cover
 
 
-def _check_context(prompts: list[tuple[int, ...]], req: ParsedRequest, context: int) -> None:
-    asked = req.params.max_new_tokens
+def _parse_body(raw: bytes, parse, max_new_tokens: int | None) -> ParsedRequest:
+    """JSON -> a validated request (in a worker thread: a large body does not stall the loop)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise bad(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    return parse(body, max_new_tokens)
+
+
+def _encode(state: ServerState, req: ParsedRequest) -> list[tuple[int, ...]]:
     param = "messages" if req.chat else "prompt"
+    try:
+        return state.encode(req)
+    except UsageError as exc:
+        raise bad(exc.message, param=param) from None
+    except Exception as exc:
+        if req.chat and _is_template_error(exc):  # e.g. "roles must alternate user/assistant"
+            raise bad(f"the model's chat template refused the messages: {str(exc)[:200]}", param=param) from None
+        raise
+
+
+def _is_template_error(exc: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return False
+    return isinstance(exc, TemplateError)
+
+
+def _budgets(prompts: list[tuple[int, ...]], req: ParsedRequest, context: int) -> list[int | None]:
+    """New tokens per prompt: the request's max_tokens (within --max-new-tokens) must fit
+    the context; without it, min(--max-new-tokens, the room left in the context), where
+    None stands for the room left (the engine's own per-row budget)."""
+    param = "messages" if req.chat else "prompt"
+    cap = req.params.max_new_tokens  # max_tokens within the server's cap, or the cap, or None
+    budgets = []
     for ids in prompts:
-        if asked is None and len(ids) >= context:
+        if not ids:
+            raise bad("the prompt encodes to no tokens", param=param)
+        room = context - len(ids)
+        if req.max_tokens is not None and cap is not None and cap > room:
+            raise bad(
+                f"This model's maximum context length is {context} tokens, however you requested "
+                f"{len(ids) + cap} tokens ({len(ids)} in the prompt, {cap} for the completion). "
+                "Please reduce the length of the prompt or max_tokens.",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
+        if room < 1:
             raise bad(
                 f"This model's maximum context length is {context} tokens, however the prompt "
                 f"has {len(ids)} tokens. Please reduce the length of the prompt.",
                 param=param, code="context_length_exceeded",
             )  # fmt: skip
-        if asked is not None and len(ids) + asked > context:
-            raise bad(
-                f"This model's maximum context length is {context} tokens, however you requested "
-                f"{len(ids) + asked} tokens ({len(ids)} in the prompt, {asked} for the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
+        budgets.append(cap if req.max_tokens is not None or (cap is not None and cap < room) else None)
+    return budgets
 
 
 def _check_token_ids(prompts: list[tuple[int, ...]], vocab_size: int | None) -> None:
@@ -255,24 +333,28 @@ class _Outcome:
         self.metrics.record_request(self.endpoint, self.status, self.prompt_tokens, duration)
 
 
-async def _items(request: Request, job: Job) -> AsyncIterator[Chunk | Finished | Failed]:
+async def _items(
+    request: Request, job: Job, closing: asyncio.Event
+) -> AsyncIterator[Chunk | Finished | Failed]:
     """The job's items until its answer (Finished or Failed); ClientGone if the client
-    disconnects first (the job is then cancelled)."""
+    disconnects first, _Stopping if the server starts stopping (the job is then cancelled)."""
     gone = asyncio.ensure_future(_disconnected(request))
+    stop = asyncio.ensure_future(closing.wait())
     try:
         while True:
             item_task = asyncio.ensure_future(job.queue.get())
-            done, _ = await asyncio.wait({item_task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({item_task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
             if item_task not in done:
                 item_task.cancel()
                 job.cancel()
-                raise ClientGone
+                raise ClientGone if gone in done else _Stopping
             item = item_task.result()
             yield item
             if isinstance(item, (Finished, Failed)):
                 return
     finally:
         gone.cancel()
+        stop.cancel()
 
 
 async def _disconnected(request: Request) -> None:
@@ -280,23 +362,30 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _sse(request: Request, job: Job, answer: Responses, outcome: _Outcome) -> AsyncIterator[str]:
-    """Server-sent events: OpenAI chunks, then `data: [DONE]`."""
+async def _sse(
+    request: Request, job: Job, answer: Responses, outcome: _Outcome, closing: asyncio.Event
+) -> AsyncIterator[str]:
+    """Server-sent events: OpenAI chunks, then `data: [DONE]`. A failure, or the server
+    stopping, sends an error event before `[DONE]` (the official client raises it)."""
     try:
         if answer.req.chat:
             for index in range(len(job.rows)):
                 yield _event(answer.role_chunk(index))
-        async for item in _items(request, job):
-            if isinstance(item, Chunk):
-                if item.text or answer.req.return_token_ids:
-                    yield _event(answer.text_chunk(item.choice, item.text, item.token_ids))
-            elif isinstance(item, Finished):
-                for chunk in answer.finish_chunks(item):
-                    yield _event(chunk)
-                outcome.status = "ok"
-            else:
-                outcome.status = "error"
-                yield _event(_failure(item.error).body())
+        try:
+            async for item in _items(request, job, closing):
+                if isinstance(item, Chunk):
+                    if item.text or answer.req.return_token_ids:
+                        yield _event(answer.text_chunk(item.choice, item.text, item.token_ids))
+                elif isinstance(item, Finished):
+                    for chunk in answer.finish_chunks(item):
+                        yield _event(chunk)
+                    outcome.status = "ok"
+                else:
+                    outcome.status = "error"
+                    yield _event(_failure(item.error).body())
+        except _Stopping:
+            outcome.status = "error"
+            yield _event(shutting_down().body())
         yield "data: [DONE]\n\n"
     except ClientGone:
         outcome.status = "cancelled"

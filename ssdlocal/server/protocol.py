@@ -3,11 +3,14 @@
 Parses the JSON of /v1/completions and /v1/chat/completions into a `ParsedRequest`
 (prompts or messages, SamplingParams, n, stream options) and raises `APIError` with
 OpenAI's `{"error": {"message", "type", "param", "code"}}` for anything invalid or
-unsupported. Knows nothing of HTTP frameworks, tokenizers or the engine.
+unsupported, naming the offending field in `param`. Text must be valid Unicode (no
+lone surrogates); error messages quote client values only shortened. Knows nothing of
+HTTP frameworks, tokenizers or the engine.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +18,9 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.errors import UsageError
 
 MAX_N = 16  # choices per request
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; some editor plug-ins send more
+MAX_STOP_CHARS = 64  # each stop string is searched in the answer after every round
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -28,6 +34,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # OpenAI's field name
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,  # extra response headers (e.g. Connection: close)
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -35,6 +42,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -56,6 +64,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     return_token_ids: bool  # vLLM's extra field: token ids in each choice
+    max_tokens: int | None = None  # as the request gave it (None: absent; params hold the cap)
     prompts: tuple[str | tuple[int, ...], ...] = ()
     messages: tuple[dict[str, str], ...] = ()
 
@@ -101,7 +110,40 @@ def parse_chat(body: Any, max_new_tokens: int | None) -> ParsedRequest:
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    _check_unicode(body)
     return body
+
+
+def _check_unicode(body: dict) -> None:
+    """Every string (keys too) is valid Unicode: JSON's \\ud800-style escapes can encode
+    lone surrogates, which no tokenizer or UTF-8 encoder accepts. Iterative, so any
+    nesting depth the JSON parser accepted is fine."""
+    for key, value in body.items():
+        stack = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                if not item.isascii() and _SURROGATE.search(item):
+                    raise bad(
+                        f"'{_show_key(key)}' is not valid Unicode: it contains a lone surrogate "
+                        "(a \\ud800-\\udfff escape without its pair); send UTF-8 text",
+                        param=_show_key(key) if _SURROGATE.search(key) is None else None,
+                    )  # fmt: skip
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+
+
+def _show_key(key: str) -> str:
+    return _SURROGATE.sub("?", key)[:64]
+
+
+def _show(value: Any) -> str:
+    """A client value for an error message: repr, at most 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
@@ -129,19 +171,22 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("'stream_options' must be an object", param="stream_options")
-    try:
-        params = SamplingParams(
-            temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-            seed=0 if seed is None else seed,
-            max_new_tokens=_capped(max_tokens, max_new_tokens),
-            ignore_eos=_bool(body, "ignore_eos"), stop=stop,
-        )  # fmt: skip
-    except UsageError as exc:
-        raise bad(exc.message) from None
+    fields = {  # SamplingParams field -> (value, the request's field)
+        "temperature": (temperature, "temperature"), "top_k": (max(top_k, 0), "top_k"), "top_p": (top_p, "top_p"),
+        "seed": (0 if seed is None else seed, "seed"),
+        "max_new_tokens": (_capped(max_tokens, max_new_tokens), "max_tokens"), "stop": (stop, "stop"),
+    }  # fmt: skip
+    for name, (value, param) in fields.items():  # SamplingParams' own rules, one field at a time
+        try:
+            SamplingParams(**{name: value})
+        except UsageError as exc:
+            raise bad(exc.message, param=param) from None
+    values = {name: value for name, (value, _) in fields.items()}
+    params = SamplingParams(**values, ignore_eos=_bool(body, "ignore_eos"))
     return ParsedRequest(
         model=model, params=params, seeded=seed is not None, n=n, stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
-        return_token_ids=_bool(body, "return_token_ids"), **what,
+        return_token_ids=_bool(body, "return_token_ids"), max_tokens=max_tokens, **what,
     )  # fmt: skip
 
 
@@ -157,7 +202,7 @@ def _int(body: dict, name: str, default, minimum: int | None = None):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"'{name}' must be an integer, got {value!r}", param=name)
+        raise bad(f"'{name}' must be an integer, got {_show(value)}", param=name)
     if minimum is not None and value < minimum:
         raise bad(f"'{name}' must be >= {minimum}, got {value}", param=name)
     return value
@@ -168,7 +213,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(f"'{name}' must be a number, got {value!r}", param=name)
+        raise bad(f"'{name}' must be a number, got {_show(value)}", param=name)
     return float(value)
 
 
@@ -177,7 +222,7 @@ def _bool(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad(f"'{name}' must be true or false, got {value!r}", param=name)
+        raise bad(f"'{name}' must be true or false, got {_show(value)}", param=name)
     return value
 
 
@@ -187,6 +232,11 @@ def _stop(value: Any) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad("'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed", param="stop")
     return tuple(stops)
 
 
@@ -219,7 +269,7 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
             role = "system"
         if role not in ("system", "user", "assistant"):
             raise bad(
-                f"messages[{i}].role {role!r} is not supported: use system, user or assistant",
+                f"messages[{i}].role {_show(role)} is not supported: use system, user or assistant",
                 param=f"messages[{i}].role",
             )
         out.append({"role": role, "content": _content(message.get("content"), i)})

@@ -1,11 +1,13 @@
 """One thread owns the Engine; requests become Jobs that it batches, runs and answers.
 
-Jobs whose settings allow it (same SamplingParams; sampled requests with a seed of their
-own run alone, so a seeded sample repeats) share one `Engine.generate` call, one row
-per choice; others wait in arrival order. The thread routes each row's tokens to its
-job's asyncio queue, answers a job as soon as its rows finish, cancels the rows of a
-job whose client left (`Engine.cancel_rows`), and survives a failed call: that batch's
-jobs get the error, the next batch runs. Knows nothing of HTTP.
+A job's rows (one per choice) run in parts: consecutive rows with the same token budget,
+at most `max_batch` of them, so no engine call ever has more than `max_batch` rows.
+Parts whose settings allow it (same SamplingParams; sampled requests with a seed of
+their own run alone, so a seeded sample repeats) share one `Engine.generate` call;
+others wait in arrival order. The thread routes each row's tokens to its job's asyncio
+queue, answers a job as soon as all its rows finish, cancels the rows of a job whose
+client left (`Engine.cancel_rows`), and survives a failed call: that batch's jobs get
+the error, the next batch runs. Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -64,29 +66,71 @@ class Failed:
     error: BaseException
 
 
+class ServerShuttingDown(Exception):
+    """The server stopped before the job could run."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows [start, stop) of a job that run in one engine call, with these params."""
+
+    start: int
+    stop: int
+    params: SamplingParams
+
+
 @dataclass(eq=False)
 class Job:
-    """One request: a row per choice (prompt token ids), its params, its answer queue."""
+    """One request: a row per choice (prompt token ids), its params, its answer queue.
+    The engine thread keeps each choice's tokens, text and stats here across parts."""
 
     rows: tuple[tuple[int, ...], ...]
     params: SamplingParams
     seeded: bool
     loop: asyncio.AbstractEventLoop
     stream: bool = True  # push each Chunk (else only the answer: fewer wake-ups of the loop)
+    budgets: tuple[int | None, ...] | None = None  # per-row max_new_tokens (default: params')
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the client side; the engine thread acts on it
     done: bool = False  # engine thread: answered (Finished / Failed) or dropped
 
-    @property
-    def batch_key(self) -> tuple:
-        """Jobs with equal keys may share one generate call."""
-        if self.params.greedy:
-            return ("greedy", replace(self.params, seed=0))
+    def __post_init__(self) -> None:
+        n = len(self.rows)
+        self.parts: list[Part] = []  # split by the scheduler
+        self.next_part = 0  # parts before it have run or are running
+        self.stats = [RowStats() for _ in range(n)]
+        self.text = [""] * n
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.batch_size = 0  # rows of the largest engine call it shared
+
+    def split(self, max_batch: int) -> None:
+        """Parts of at most max_batch consecutive rows with one budget each. A seeded
+        sampled job's later parts draw from seeds of their own (rows must not repeat)."""
+        budgets = self.budgets or (self.params.max_new_tokens,) * len(self.rows)
+        start = 0
+        while start < len(self.rows):
+            stop = start + 1
+            while stop < len(self.rows) and stop - start < max_batch and budgets[stop] == budgets[start]:
+                stop += 1
+            params = replace(self.params, max_new_tokens=budgets[start])
+            if start and self.seeded and not params.greedy:
+                params = replace(params, seed=params.stream_seed(start * _PART_SEED_STRIDE))
+            self.parts.append(Part(start, stop, params))
+            start = stop
+
+    def batch_key(self, part: Part) -> tuple:
+        """Parts with equal keys may share one generate call."""
+        if part.params.greedy:
+            return ("greedy", replace(part.params, seed=0))
         if self.seeded:
-            return ("seeded", self.id)  # its own random stream: a seeded sample repeats
-        return ("sampled", self.params)
+            return ("seeded", self.id, part.start)  # its own random stream: a seeded sample repeats
+        return ("sampled", part.params)
 
     def cancel(self) -> None:
         """The client left: drop the job if it waits, stop its rows if they run."""
@@ -98,6 +142,9 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: the server is gone
             self.cancelled = True
+
+
+_PART_SEED_STRIDE = 0x9E3779B1  # seeds of a job's later parts: far from the drafter's offsets
 
 
 class Scheduler:
@@ -129,12 +176,17 @@ class Scheduler:
             return len(self._pending)
 
     def submit(
-        self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True
+        self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True,
+        budgets: Sequence[int | None] | None = None,
     ) -> Job:
-        job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop(), stream)
+        """A job for these rows; `budgets`: each row's max_new_tokens (None: the room left
+        in the context), instead of params.max_new_tokens for all."""
+        job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop(), stream,
+                  tuple(budgets) if budgets is not None else None)  # fmt: skip
+        job.split(self.max_batch)
         with self._cond:
             if self._stopping:
-                job.push(Failed(RuntimeError("the server is shutting down")))
+                job.push(Failed(ServerShuttingDown()))
                 return job
             self._pending.append(job)
             self._cond.notify()
@@ -147,7 +199,8 @@ class Scheduler:
             waiting, self._pending = self._pending, []
             self._cond.notify_all()
         for job in waiting:
-            job.push(Failed(RuntimeError("the server is shutting down")))
+            if not job.done:
+                job.push(Failed(ServerShuttingDown()))
         self.engine.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -164,12 +217,13 @@ class Scheduler:
             finally:
                 self.running = 0
 
-    def _next_batch(self) -> list[Job] | None:
-        """Wait for jobs; take the first live one and every waiting job that can share
-        its generate call (up to max_batch rows), in arrival order."""
+    def _next_batch(self) -> list[tuple[Job, Part]] | None:
+        """Wait for jobs; take the first live job's next part and the next part of every
+        waiting job that can share its generate call (up to max_batch rows), in arrival
+        order. A job stays in line until all its parts are taken."""
         with self._cond:
             while not self._stopping:
-                self._pending = [j for j in self._pending if not j.cancelled]
+                self._pending = [j for j in self._pending if not (j.cancelled or j.done)]
                 if self._pending:
                     break
                 self._cond.wait()
@@ -179,30 +233,37 @@ class Scheduler:
             deadline = time.monotonic() + self.batch_wait_s
             while (left := deadline - time.monotonic()) > 0 and not self._stopping:
                 self._cond.wait(left)
-            live = [j for j in self._pending if not j.cancelled]
-            first = live[0] if live else None
-            if first is None:
+            live = [j for j in self._pending if not (j.cancelled or j.done)]
+            if not live:
                 self._pending = []
                 return []
-            batch, rows = [first], len(first.rows)
+            first = live[0]
+            part = first.parts[first.next_part]
+            key, batch, rows = first.batch_key(part), [(first, part)], part.stop - part.start
             for job in live[1:]:
-                if job.batch_key == first.batch_key and rows + len(job.rows) <= self.max_batch:
-                    batch.append(job)
-                    rows += len(job.rows)
-            self._pending = [j for j in live if j not in batch]
+                other = job.parts[job.next_part]
+                if job.batch_key(other) == key and rows + other.stop - other.start <= self.max_batch:
+                    batch.append((job, other))
+                    rows += other.stop - other.start
+            for job, _ in batch:
+                job.next_part += 1
+            self._pending = [j for j in live if j.next_part < len(j.parts)]
             return batch
 
-    def _run(self, batch: list[Job]) -> None:
+    def _run(self, batch: list[tuple[Job, Part]]) -> None:
         if not batch:
             return
-        params = batch[0].params
-        if not params.greedy and not batch[0].seeded:
+        first, part = batch[0]
+        params = part.params
+        if not params.greedy and not first.seeded:
             params = replace(params, seed=random.randrange(2**31))  # a fresh sample each call
-        owners = [(job, choice) for job in batch for choice in range(len(job.rows))]
+        owners = [(job, choice) for job, p in batch for choice in range(p.start, p.stop)]
+        for job, _ in batch:
+            job.batch_size = max(job.batch_size, len(owners))
         run = _BatchRun(batch, owners, self.mode)
         started = time.perf_counter()
         try:
-            events = self.engine.generate([r for job in batch for r in job.rows], params)
+            events = self.engine.generate([job.rows[choice] for job, choice in owners], params)
             for event in events:
                 run.cancel_left(self.engine)
                 if isinstance(event, TokensEvent):
@@ -217,55 +278,52 @@ class Scheduler:
                     self.metrics.record_batch(event.stats, time.perf_counter() - started)
         except Exception as exc:  # one failed call must not stop the server
             log.warning("generate failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
-            for job in batch:
+            for job, _ in batch:
                 if not job.done:
                     job.done = True
                     job.push(Failed(exc))
 
 
 class _BatchRun:
-    """The state of one generate call: which job and choice each row serves, their
-    tokens, text and stats, and which jobs are answered."""
+    """One generate call: which job and choice each row serves (`owners`), which parts
+    it runs, and which of their jobs are answered. Rows' tokens and stats go to the job."""
 
-    def __init__(self, batch: list[Job], owners: list[tuple[Job, int]], mode: str) -> None:
+    def __init__(self, batch: list[tuple[Job, Part]], owners: list[tuple[Job, int]], mode: str) -> None:
         self.batch = batch
         self.owners = owners
         self.mode = mode
-        self.stats = [RowStats() for _ in owners]
-        self.text = [""] * len(owners)
-        self.ids: list[list[int]] = [[] for _ in owners]
-        self.finish: list[str | None] = [None] * len(owners)
         self.cancel_sent: set[int] = set()  # job ids
         self.graphs: dict | None = None  # captured-step counts of the call so far
+        self.complete: set[int] = set()  # job ids whose part in this call has finished
 
     def cancel_left(self, engine) -> None:
         """Stop the rows of jobs whose client left (called between events)."""
-        for job in self.batch:
+        for job, _ in self.batch:
             if job.cancelled and not job.done and job.id not in self.cancel_sent:
                 self.cancel_sent.add(job.id)
                 job.done = True
                 engine.cancel_rows([b for b, (owner, _) in enumerate(self.owners) if owner is job])
 
     def tokens(self, event: TokensEvent) -> None:
-        b = event.row
+        job, choice = self.owners[event.row]
         now = time.perf_counter()
-        stats = self.stats[b]
+        stats = job.stats[choice]
         if stats.first_token_at is None:
             stats.first_token_at = now
         else:
             stats.emitted_in_rounds += len(event.token_ids)
         stats.last_token_at = now
-        self.ids[b].extend(event.token_ids)
-        self.text[b] += event.text
-        self.finish[b] = event.finish_reason
-        job, choice = self.owners[b]
+        job.ids[choice].extend(event.token_ids)
+        job.text[choice] += event.text
+        job.finish[choice] = event.finish_reason
         if job.stream and not job.done:
             job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason))
 
     def round(self, event: RoundEvent) -> None:
         self.graphs = event.snapshot.get("graphs", self.graphs)
         for i, b in enumerate(event.rows):
-            stats = self.stats[b]
+            job, choice = self.owners[b]
+            stats = job.stats[choice]
             stats.row_rounds += 1
             stats.drafted += event.n_drafted[i]
             stats.accepted += event.n_accepted[i]
@@ -276,22 +334,28 @@ class _BatchRun:
                     stats.misses += 1
 
     def answer_finished(self, metrics, everyone: bool = False) -> None:
-        """Answer every job whose rows have all finished (all of them at the end)."""
-        for job in self.batch:
-            if job.done:
+        """Answer every job whose rows have all finished (all parts run: at the end of
+        the call, every part of it has)."""
+        for job, part in self.batch:
+            if job.done or job.id in self.complete:
                 continue
-            rows = [b for b, (owner, _) in enumerate(self.owners) if owner is job]
-            if not everyone and any(self.finish[b] is None for b in rows):
+            rows = range(part.start, part.stop)
+            if not everyone and any(job.finish[c] is None for c in rows):
                 continue
+            self.complete.add(job.id)
+            for c in rows:
+                job.finish[c] = job.finish[c] or "length"
+            if part is not job.parts[-1]:
+                continue  # its next part answers it
             job.done = True
-            stats = self.job_stats(job, rows)
-            metrics.record_job([self.stats[b] for b in rows], stats)
-            choices = tuple((self.text[b], tuple(self.ids[b]), self.finish[b] or "length") for b in rows)
+            stats = self.job_stats(job)
+            metrics.record_job(job.stats, stats)
+            choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
             job.push(Finished(choices, stats))
 
-    def job_stats(self, job: Job, rows: list[int]) -> dict[str, Any]:
+    def job_stats(self, job: Job) -> dict[str, Any]:
         """The request's own speculation stats (docs/architecture.md §3 names)."""
-        rs = [self.stats[b] for b in rows]
+        rs = job.stats
         drafted, accepted = sum(s.drafted for s in rs), sum(s.accepted for s in rs)
         row_rounds, emitted = sum(s.row_rounds for s in rs), sum(s.emitted_in_rounds for s in rs)
         hits, misses = sum(s.hits for s in rs), sum(s.misses for s in rs)
@@ -305,6 +369,6 @@ class _BatchRun:
             "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
             "tokens_per_s": emitted / decode_s if decode_s > 0 else None,
             "ttft_s": (min(firsts) - job.submitted_at) if firsts else None,
-            "batch_size": len(self.owners),
-            "graphs": self.graphs,
+            "batch_size": job.batch_size,
+            "graphs": self.graphs,  # the engine call that finished this request
         }

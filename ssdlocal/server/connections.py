@@ -1,0 +1,155 @@
+"""Connections: uvicorn's HTTP/1.1 (h11) protocol with the limits uvicorn lacks.
+
+At most `max_connections` open at once (one more is answered 503 and closed before its
+request is read); a deadline for each request's head, counted from the connection's
+start or the previous answer (silent connections and half-sent headers are closed);
+OpenAI-shaped bodies for malformed requests. `quiet_accept_errors` reports the event
+loop's accept failures (EMFILE: out of file descriptors) in one log line, not one
+traceback per attempt; `fit_connections` makes room for the connections in the process's
+open-file limit. Knows nothing of routes or the engine.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+
+from ssdlocal.server.limits import ServerLimits
+
+log = logging.getLogger(__name__)
+FD_RESERVE = 64  # descriptors besides connections: model files, pipes, the listener, logs
+ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def _error_response(status: int, reason: str, message: str, kind: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+class RateLimitedLog:
+    """One warning, then at most one per `every_s` seconds saying how many were held back."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._last = -float("inf")
+        self._held = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        log.warning(message + (f" ({held} more since the last report)" if held else ""), *args)
+
+
+def protocol_class(limits: ServerLimits):
+    """uvicorn's h11 protocol class, with the connection limit and the head deadline."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    refused = RateLimitedLog()
+    busy = _error_response(503, "Service Unavailable",
+                           f"too many open connections (this server allows {limits.max_connections}, "
+                           "--max-connections); retry shortly", "server_error", "too_many_connections")  # fmt: skip
+    bad_request = _error_response(
+        400, "Bad Request", "the request's head cannot be parsed as HTTP/1.1 (malformed, or over 16 KiB)",
+        "invalid_request_error", "invalid_http_request",
+    )  # fmt: skip
+
+    class LimitedH11Protocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                refused.warning("%d connections open: refusing new ones (--max-connections)", len(self.connections) - 1)
+                transport.write(busy)
+                transport.close()
+                return
+            self._arm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_head_deadline()
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _arm_head_deadline(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(limits.header_timeout_s, self._head_deadline)
+
+        def _head_deadline(self) -> None:
+            """No request is being answered: the connection is waiting for a head (or
+            sending the rest of a body already answered, e.g. with 413). Close it."""
+            self._head_timer = None
+            if self.transport.is_closing() or not (self.cycle is None or self.cycle.response_complete):
+                return  # a request head arrived: its body and answer have deadlines of their own
+            log.debug("closing a connection: no request head within %g s", limits.header_timeout_s)
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (a malformed head, or one over h11's 16 KiB):
+            OpenAI's body, unless an answer is already under way (then only close)."""
+            if self.conn.our_state is h11.IDLE:
+                self.transport.write(bad_request)
+            self.transport.close()
+
+    return LimitedH11Protocol
+
+
+def quiet_accept_errors(loop) -> None:
+    """Report the loop's accept failures (out of descriptors or memory) as one warning
+    line now and then; asyncio's default handler logs a traceback per failed accept,
+    and retries every accept in the backlog on each wake-up."""
+    reports = RateLimitedLog()
+    default = loop.get_exception_handler()
+
+    def handler(loop, context) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in ACCEPT_ERRORS and "accept" in context.get("message", ""):
+            reports.warning("cannot accept connections: %s (raise `ulimit -n`, or lower --max-connections); "
+                            "retrying every second", exc.strerror or exc)  # fmt: skip
+            return
+        if default is not None:
+            default(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def fit_connections(max_connections: int) -> int:
+    """Connections that fit the open-file limit: raise the soft limit toward the hard one
+    if needed; if that is not enough, warn and return the number that fits."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: no such limit to manage
+        return max_connections
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft >= need:
+        return max_connections
+    fits = max(1, soft - FD_RESERVE)
+    log.warning("the open-file limit (%d) leaves room for %d connections, not %d: serving at most %d "
+                "(raise `ulimit -n` for more)", soft, fits, max_connections, fits)  # fmt: skip
+    return fits
