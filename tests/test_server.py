@@ -279,11 +279,11 @@ def test_the_engine_survives_a_failed_request(server, monkeypatch):
     feed = server.engine.runner.feed
     calls = []
 
-    def fail_once(rows):
+    def fail_once(rows, logits="all"):
         if not calls:
             calls.append(1)
             raise RuntimeError("simulated device failure")
-        return feed(rows)
+        return feed(rows, logits)
 
     monkeypatch.setattr(server.engine.runner, "feed", fail_once)
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
