@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 K = 4
 CALLS = [  # (prompts, new tokens): the same batch size twice, then others, a long prompt
@@ -140,8 +141,7 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
         outs: dict[tuple[str, str], list] = {}
         for graphs in ("off", *graph_modes):
             config = EngineConfig(
-                target=ModelSpec(t, device), spec=SpecConfig(mode=Mode.SSD, k=K, draft=d, backup="jit"),
-                draft_model=ModelSpec(d, device), pin_cpus=False, graphs=graphs,
+                target=ModelSpec(t, device, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(d, device, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
             )  # fmt: skip
             with Engine(config) as engine:
                 for mode in ("ar", "sd", "ssd"):

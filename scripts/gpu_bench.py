@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -37,6 +38,7 @@ from ssdlocal.backends.torch.model import ModelArgs, Transformer  # noqa: E402
 from ssdlocal.backends.torch.runner import TorchRunner  # noqa: E402
 from ssdlocal.core.config import SamplingParams  # noqa: E402
 from ssdlocal.core.verify import verify_logits  # noqa: E402
+from ssdlocal.draft.base import RoundOutcome  # noqa: E402
 from ssdlocal.draft.sync import ModelDrafter  # noqa: E402
 
 K = 4
@@ -183,21 +185,23 @@ def sd_round_ms(target: LoadedModel, draft: LoadedModel, graph_mode: str, rounds
     t_runner = prefilled(target, graph_mode, prompt)
     d_runner = TorchRunner(draft, graphs=graph_mode)
     drafter = ModelDrafter(d_runner, K, params, target.args.vocab_size, target.device)
-    seq = list(range(1, prompt + 2))
+    row = SimpleNamespace(tokens=list(range(1, prompt + 2)))  # what a drafter reads of a row
+    row.length = len(row.tokens)
     drafter.reserve(1, prompt + rounds * (K + 1) + 64)  # the target's runner has 256 spare
-    drafter.start([seq])
-    last = torch.tensor([seq[-1]], device=target.device)
+    drafter.start([row])
+    last = torch.tensor([row.tokens[-1]], device=target.device)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        proposal = drafter.propose([seq], [True])
-        logits = t_runner.step(torch.cat([last[:, None], proposal.drafts], 1), len(seq) + K)
+        proposal = drafter.propose([True])
+        logits = t_runner.step(torch.cat([last[:, None], proposal.drafts], 1), row.length + K)
         verdict = verify_logits(logits, proposal.drafts, None, params, None, proposal.n_draft)
         host = torch.cat([verdict.n_accepted, verdict.bonus, proposal.drafts[0]]).tolist()
         n, bonus, drafts = host[0], host[1], host[2:]
         t_runner.advance(1 + verdict.n_accepted)
-        seq = seq + drafts[:n] + [bonus]
-        drafter.observe([seq], [n], [bonus], [True], verdict)
+        row.tokens += drafts[:n] + [bonus]
+        row.length = len(row.tokens)
+        drafter.observe(RoundOutcome((tuple(drafts[:n] + [bonus]),), (n,), (bonus,), (True,), verdict))
         last = verdict.bonus
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times[2:])

@@ -10,6 +10,8 @@ from pathlib import Path
 from ssdlocal.bench.project import sd_speedup
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 
 def save_checkpoint(loaded, out: Path) -> Path:
@@ -51,15 +53,14 @@ def end_to_end(names, device, dtype, quick: bool, random_model) -> dict:
         draft, target = paths[names[0]], paths[names[1]]
         dev = str(device)
         config = EngineConfig(
-            ModelSpec(target, dev, dtype_name), SpecConfig(mode=Mode.SSD, k=4, draft=draft),
-            ModelSpec(draft, dev, dtype_name), pin_cpus=False,
+            ModelSpec(target, dev, dtype_name), SpecConfig(mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, dev, dtype_name))), pin_cpus=False,
         )  # fmt: skip
         params = SamplingParams(max_new_tokens=16 if quick else 64, ignore_eos=True)
         from ssdlocal.engine import Engine
 
         with Engine(config) as engine:
             for mode in (Mode.AR, Mode.SD, Mode.SSD):
-                spec = SpecConfig(mode=mode, k=4, draft=draft, fan_out=(1, 1, 1, 1, 2),
+                spec = SpecConfig(mode=mode, k=4, draft=draft_of(draft), fan_out=(1, 1, 1, 1, 2),
                                   fan_out_miss=(1, 1, 1, 1, 2), backup="jit")  # fmt: skip
                 for _ in range(2):  # the first run pays captures and allocations
                     done = [e for e in engine.generate([list(range(1, 65))], params, spec=spec)

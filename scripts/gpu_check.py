@@ -40,6 +40,8 @@ import torch  # noqa: E402
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
 from ssdlocal.engine import Engine  # noqa: E402
 from ssdlocal.core.events import DoneEvent  # noqa: E402
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
@@ -59,8 +61,7 @@ def config(path, devices: tuple[str, ...], dtype="float32", mode=Mode.AR, draft=
            draft_device="cpu") -> EngineConfig:
     return EngineConfig(
         target=ModelSpec(str(path), devices[0], dtype),
-        spec=SpecConfig(mode=mode, k=K, draft=None if draft is None else str(draft)),
-        draft_model=None if draft is None else ModelSpec(str(draft), draft_device, dtype),
+        spec=SpecConfig(mode=mode, k=K, draft=draft_of(None if draft is None else str(draft), draft_device, dtype)),
         pin_cpus=False,
         target_devices=devices if len(devices) > 1 else (),
     )
@@ -115,8 +116,8 @@ def check_ssd(dirs, target_devices, draft_device, results: dict) -> bool:
                  draft_device=draft_device)
     with Engine(cfg) as eng:
         ar = tokens(eng, SpecConfig(mode=Mode.AR))
-        ssd = tokens(eng, SpecConfig(mode=Mode.SSD, k=K, draft=str(dirs["draft_llama"])))
-        sd = tokens(eng, SpecConfig(mode=Mode.SD, k=K, draft=str(dirs["draft_llama"])))
+        ssd = tokens(eng, SpecConfig(mode=Mode.SSD, k=K, draft=draft_of(str(dirs["draft_llama"]))))
+        sd = tokens(eng, SpecConfig(mode=Mode.SD, k=K, draft=draft_of(str(dirs["draft_llama"]))))
     ok = ssd == ar and sd == ar
     results["ssd_exact"] = {"target": list(target_devices), "draft": draft_device, "ssd": ssd == ar,
                             "sd": sd == ar}
@@ -216,11 +217,10 @@ def check_graphs_exact(dirs, device: str, results: dict) -> bool:
     for graphs in ("off", "trace" if device == "cpu" else "auto"):
         cfg = EngineConfig(
             target=ModelSpec(str(dirs["llama"]), device, "float32"),
-            spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft),
-            draft_model=ModelSpec(draft, device, "float32"), pin_cpus=False, graphs=graphs,
+            spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(draft, device, "float32"))), pin_cpus=False, graphs=graphs,
         )
         with Engine(cfg) as eng:
-            got = [tokens(eng, SpecConfig(mode=m, k=K, draft=draft)) for m in (Mode.AR, Mode.SD, Mode.SSD)]
+            got = [tokens(eng, SpecConfig(mode=m, k=K, draft=draft_of(draft))) for m in (Mode.AR, Mode.SD, Mode.SSD)]
             stats = eng.runner.graphs.stats if eng.runner.graphs is not None else None
         want = want or got
     same = got == want and got[0] == got[1] == got[2]

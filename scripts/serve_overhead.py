@@ -39,6 +39,7 @@ from ssdlocal.core.config import (
     SpecConfig,
 )
 from ssdlocal.core.events import DoneEvent
+from drafts import draft_of  # noqa: E402
 
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"
@@ -78,9 +79,8 @@ def main() -> None:
     print(f"{'mode':5} {'path':14} {'wall ms':>9} {'tok/s':>8}")
     for mode in args.modes.split(","):
         config = EngineConfig(
-            target=ModelSpec(str(dirs["llama"])),
-            spec=SpecConfig(mode=Mode(mode), k=4, draft=None if mode == "ar" else draft),
-            draft_model=None if mode == "ar" else ModelSpec(draft),
+            target=ModelSpec(str(dirs["llama"]), dtype="float32"),
+            spec=SpecConfig(mode=Mode(mode), k=4, draft=draft_of(None if mode == "ar" else draft)),
             pin_cpus=False,
         )
         live = LiveServer(config)

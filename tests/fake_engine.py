@@ -31,6 +31,7 @@ from ssdlocal.core.events import (
     TokensEvent,
 )
 from ssdlocal.core.stats import SpecStats
+from drafts import draft_of
 
 _TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large "
@@ -95,14 +96,8 @@ class FakeTokenizer:
 
 
 def fake_config(mode: Mode = Mode.SSD, draft: str | None = "/models/tiny-draft") -> EngineConfig:
-    spec = SpecConfig(mode=mode, k=4, draft=draft if mode is not Mode.AR or draft else None)
-    draft_model = ModelSpec(draft, "cpu", "float32") if draft and draft != "ngram" else None
-    return EngineConfig(
-        target=ModelSpec("/models/tiny-target", "cpu", "float32"),
-        spec=spec,
-        draft_model=draft_model,
-        pin_cpus=False,
-    )
+    spec = SpecConfig(mode=mode, k=4, draft=draft_of(draft))
+    return EngineConfig(target=ModelSpec("/models/tiny-target", "cpu", "float32"), spec=spec, pin_cpus=False)
 
 
 class FakeEngine:
@@ -258,5 +253,5 @@ def chat_settings(
     """ChatSettings for tests: speculation fields by name, the rest to SamplingParams."""
     from ssdlocal.tui.core import ChatSettings
 
-    spec = SpecConfig(mode=mode, k=k, draft=draft, fan_out=fan_out)
+    spec = SpecConfig(mode=mode, k=k, draft=draft_of(draft), fan_out=fan_out)
     return ChatSettings(spec, SamplingParams(**{"max_new_tokens": 256, **sampling}))

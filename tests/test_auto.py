@@ -18,12 +18,13 @@ from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from ssdlocal.engine.auto import Calibration, calibrated_choice, placement_choice
 from ssdlocal.placement.inventory import GPU, DeviceInventory
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft
 
 
 def _config(target="cuda:0", draft="cuda:1", draft_path="d", tp=()) -> EngineConfig:
-    spec = SpecConfig(mode=Mode.AUTO, k=4, draft=draft_path)
-    model = ModelSpec(draft_path, draft) if draft_path and draft_path != "ngram" else None
-    return EngineConfig(ModelSpec("t", target), spec, model, target_devices=tp)
+    spec = SpecConfig(mode=Mode.AUTO, k=4, draft=draft_of(draft_path, draft))
+    return EngineConfig(ModelSpec("t", target, dtype="float32"), spec, target_devices=tp)
 
 
 @pytest.mark.parametrize(
@@ -50,8 +51,8 @@ def test_device_names_are_normalised():
 
     assert [normalize_device(d) for d in ("cuda", "cuda:0", "cuda:01", "cuda:3", "cpu")] == [
         "cuda:0", "cuda:0", "cuda:1", "cuda:3", "cpu"]
-    assert ModelSpec("t", "cuda").device == "cuda:0"
-    assert EngineConfig(ModelSpec("t", "cuda"), target_devices=("cuda", "cuda:1")).target_devices == (
+    assert ModelSpec("t", "cuda", dtype="float32").device == "cuda:0"
+    assert EngineConfig(ModelSpec("t", "cuda", dtype="float32"), target_devices=("cuda", "cuda:1")).target_devices == (
         "cuda:0", "cuda:1")
 
 
@@ -82,7 +83,7 @@ def one_thread():
 def test_engine_auto_on_cpu_reports_mode_and_reason(tiny_dir, one_thread):
     t, d = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    config = EngineConfig(ModelSpec(t), SpecConfig(mode=Mode.AUTO, k=3, draft=d), ModelSpec(d))
+    config = EngineConfig(ModelSpec(t, dtype="float32"), SpecConfig(mode=Mode.AUTO, k=3, draft=ModelDraft(ModelSpec(d, dtype="float32"))))
     with Engine(config) as engine:
         assert engine.choice.mode in (Mode.AR, Mode.SD) and "share the CPU" in engine.choice.reason
         done = [e for e in engine.generate(["the cat"], params) if isinstance(e, DoneEvent)][0]

@@ -30,6 +30,7 @@ from ssdlocal.core.config import (
     SpecConfig,
 )
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.config import ModelDraft
 
 MAX_NEW = 8
 
@@ -156,8 +157,7 @@ def test_exactness_failure_is_flagged_with_margin(tiny_dir, monkeypatch, tmp_pat
     settings = bench_run.BenchSettings(modes=("ar", "sd"), chat=False)
     config = EngineConfig(
         target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
-        spec=SpecConfig(mode=Mode.SD, k=4, draft=str(tiny_dir["draft_llama"])),
-        draft_model=ModelSpec(str(tiny_dir["draft_llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=4, draft=ModelDraft(ModelSpec(str(tiny_dir["draft_llama"]), dtype="float32"))),
         pin_cpus=False,
     )
     prompts = [BenchPrompt("a", "code", "def foo(x):"), BenchPrompt("b", "chat", "The cat sat")]

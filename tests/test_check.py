@@ -14,6 +14,7 @@ from cli_helpers import assert_clean_error, run_cli
 from ssdlocal.bench.check import Divergence, ModeRun, run_check
 from ssdlocal.core.errors import IncompatiblePairError
 from ssdlocal.weights.compat import check_pair, check_paths
+from ssdlocal.core.config import ModelDraft
 
 
 def _tok_only(src: Path, dst: Path, vocab_size: int | None = None) -> Path:
@@ -191,8 +192,7 @@ def test_divergence_reports_index_and_margin(tiny_dir):
 
     config = EngineConfig(
         ModelSpec("t", dtype="bfloat16"),
-        SpecConfig(mode=Mode.SSD, draft="d"),
-        ModelSpec("d", dtype="bfloat16"),
+        SpecConfig(mode=Mode.SSD, draft=ModelDraft(ModelSpec("d", dtype="bfloat16"))),
     )
     report = run_check(config, prompts=("p0", "p1"), engine_factory=FakeEngine)
     assert not report.identical

@@ -36,7 +36,7 @@ def test_one_gpu_target_on_it_draft_on_cpu():
 
 def test_one_gpu_and_one_core_falls_back_to_ngram():
     plan = plan_placement(machine(24.0, cores=1), LLAMA_8B, LLAMA_1B)
-    assert plan.target_devices == ("cuda:0",) and plan.draft_device == "ngram"
+    assert plan.target_devices == ("cuda:0",) and plan.draft_device is None and plan.draft_where == "n-gram"
 
 
 def test_two_gpus_draft_gets_its_own():
@@ -83,7 +83,7 @@ def test_cpu_only():
     assert plan.target_devices == ("cpu",) and plan.draft_device == "cpu"
     assert any("separate processes" in n for n in plan.notes)
     tight = plan_placement(machine(cores=16, ram_gb=24), LLAMA_8B, LLAMA_1B)
-    assert tight.target_devices == ("cpu",) and tight.draft_device == "ngram"
+    assert tight.target_devices == ("cpu",) and tight.draft_device is None
 
 
 def test_mismatched_gpus():

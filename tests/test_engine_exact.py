@@ -29,6 +29,8 @@ from ssdlocal.core.config import (
 )
 from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.engine import Engine
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft
 
 PROMPTS_1 = ["The quick brown fox"]
 PROMPTS_3 = [
@@ -61,9 +63,8 @@ class Engines:
             draft_path = self.path(draft)
             mode = Mode.AR if draft is None else Mode.SD
             cfg = EngineConfig(
-                target=ModelSpec(self.path(target)),
-                spec=SpecConfig(mode=mode, k=2, draft=draft_path),
-                draft_model=ModelSpec(draft_path) if draft not in (None, "ngram") else None,
+                target=ModelSpec(self.path(target), dtype="float32"),
+                spec=SpecConfig(mode=mode, k=2, draft=draft_of(draft_path)),
                 pin_cpus=False,
             )
             self._engines[key] = Engine(cfg)
@@ -107,7 +108,7 @@ def ar_reference(engines: Engines, target: str, prompts, params: SamplingParams)
 
 
 def spec_for(engines: Engines, mode: Mode, draft: str, k: int, **kw) -> SpecConfig:
-    return SpecConfig(mode=mode, k=k, draft=engines.path(draft), **kw)
+    return SpecConfig(mode=mode, k=k, draft=draft_of(engines.path(draft)), **kw)
 
 
 def assert_same(ar: DoneEvent, out: DoneEvent, what: str) -> None:
@@ -344,9 +345,8 @@ def test_engine_default_spec_runs_ssd(tiny_dir):
     """The usage of the README: mode fixed in the EngineConfig, no per-call override."""
     draft = str(tiny_dir["draft_llama"])
     cfg = EngineConfig(
-        target=ModelSpec(str(tiny_dir["llama"])),
-        spec=SpecConfig(mode=Mode.SSD, k=4, draft=draft, fan_out=None, backup="jit"),
-        draft_model=ModelSpec(draft),
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, dtype="float32")), fan_out=None, backup="jit"),
         pin_cpus=False,
     )
     params = replace(GREEDY, max_new_tokens=12)

@@ -17,6 +17,7 @@ from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
+from drafts import draft_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -57,7 +58,7 @@ def fresh_ar(short):
     """Each call on a new AR engine of its own."""
     out = []
     for prompts, max_new in CALLS:
-        with Engine(EngineConfig(target=ModelSpec(short["qwen2"]))) as engine:
+        with Engine(EngineConfig(target=ModelSpec(short["qwen2"], dtype="float32"))) as engine:
             out.append(_tokens(engine, prompts, max_new))
     return out
 
@@ -70,8 +71,8 @@ def test_a_sequence_of_calls_on_one_engine_equals_fresh_engines(short, fresh_ar,
         pytest.skip("AR has no K")
     path = short["draft_qwen2"] if draft == "model" else draft
     config = EngineConfig(
-        target=ModelSpec(short["qwen2"]), spec=SpecConfig(mode=mode, k=k, draft=path, backup="jit"),
-        draft_model=ModelSpec(path) if draft == "model" else None, pin_cpus=False,
+        target=ModelSpec(short["qwen2"], dtype="float32"),
+        spec=SpecConfig(mode=mode, k=k, draft=draft_of(path), backup="jit"), pin_cpus=False,
     )  # fmt: skip
     with Engine(config) as engine:
         limit = engine.context  # SSD's draft also holds the unverified proposal: K + 2 less

@@ -20,6 +20,7 @@ from ssdlocal.core.config import (
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
 from ssdlocal.engine import Engine
+from drafts import draft_of
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def foo(x):"]
 
@@ -32,9 +33,8 @@ def engine(request, tiny_dir):
     mode = Mode(request.param)
     draft = None if mode is Mode.AR else str(tiny_dir["draft_llama"])
     config = EngineConfig(
-        target=ModelSpec(str(tiny_dir["llama"])),
-        spec=SpecConfig(mode=mode, k=3, draft=draft),
-        draft_model=ModelSpec(draft) if draft else None,
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=mode, k=3, draft=draft_of(draft)),
         pin_cpus=False,
     )
     with Engine(config) as eng:

@@ -54,6 +54,7 @@ from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.core.sampling import logits_to_probs, sample
 from ssdlocal.core.verify import Verdict, verify
 from ssdlocal.engine import Engine
+from ssdlocal.core.config import ModelDraft
 
 N = 2500
 K = 2
@@ -92,9 +93,8 @@ def engine(models):
     torch.set_num_threads(1)  # one thread here and in the worker: no oversubscription
     target, draft = models
     cfg = EngineConfig(
-        target=ModelSpec(str(target)),
-        spec=SpecConfig(mode=Mode.SD, k=K, draft=str(draft)),
-        draft_model=ModelSpec(str(draft)),
+        target=ModelSpec(str(target), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=K, draft=ModelDraft(ModelSpec(str(draft), dtype="float32"))),
         pin_cpus=False,
     )
     with pytest.MonkeyPatch.context() as mp:

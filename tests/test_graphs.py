@@ -22,6 +22,8 @@ from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
@@ -244,11 +246,10 @@ def test_captured_path_equals_eager_path(tiny_dir, target, draft):
 
     def engine(graphs: str) -> Engine:
         return Engine(EngineConfig(
-            target=ModelSpec(t), spec=SpecConfig(mode=Mode.SSD, k=3, draft=d, backup="jit"),
-            draft_model=ModelSpec(d), pin_cpus=False, graphs=graphs,
+            target=ModelSpec(t, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(d, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
         ))  # fmt: skip
 
-    specs = [SpecConfig(mode=m, k=3, draft=d, backup="jit") for m in (Mode.AR, Mode.SD, Mode.SSD)]
+    specs = [SpecConfig(mode=m, k=3, draft=draft_of(d), backup="jit") for m in (Mode.AR, Mode.SD, Mode.SSD)]
     with engine("off") as eager:
         want = {(s.mode, n): _tokens(eager, s, PROMPTS[:n]) for s in specs for n in (1, 3)}
     with engine("trace") as captured:
@@ -267,11 +268,10 @@ def test_cuda_graphs_equal_eager_on_gpu(tiny_dir):
     results = {}
     for graphs in ("off", "auto"):
         config = EngineConfig(
-            target=ModelSpec(t, "cuda:0"), spec=SpecConfig(mode=Mode.SD, k=3, draft=d),
-            draft_model=ModelSpec(d, "cuda:0"), graphs=graphs,
+            target=ModelSpec(t, "cuda:0", dtype="float32"), spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(d, "cuda:0", dtype="float32"))), graphs=graphs,
         )  # fmt: skip
         with Engine(config) as engine:
-            results[graphs] = [_tokens(engine, SpecConfig(mode=m, k=3, draft=d), PROMPTS)
+            results[graphs] = [_tokens(engine, SpecConfig(mode=m, k=3, draft=draft_of(d)), PROMPTS)
                                for m in (Mode.AR, Mode.SD)]  # fmt: skip
             if graphs == "auto":
                 assert engine.runner.graphs.stats.captured > 0
@@ -301,7 +301,7 @@ def test_kv_cache_grows_keeping_its_contents(tiny_dir, monkeypatch):
     from ssdlocal.backends import registry
     from ssdlocal.backends.torch import runner as runner_mod
 
-    loaded = registry.load(ModelSpec(str(tiny_dir["llama"])))
+    loaded = registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32"))
     prompt = [5 + (i * 7) % 300 for i in range(300)]
 
     def logits(first_capacity: int, graphs: str):
@@ -329,7 +329,7 @@ def test_the_lm_head_runs_only_on_the_positions_asked_for(tiny_dir):
     from ssdlocal.backends import registry
     from ssdlocal.backends.torch.runner import TorchRunner
 
-    loaded = registry.load(ModelSpec(str(tiny_dir["qwen2"])))
+    loaded = registry.load(ModelSpec(str(tiny_dir["qwen2"]), dtype="float32"))
     seen: list[tuple[int, ...]] = []
     loaded.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     prompts = [[5 + i % 50 for i in range(300)], [7, 8, 9]]

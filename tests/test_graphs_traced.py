@@ -23,6 +23,7 @@ from ssdlocal.backends.torch.graphs import GraphSafetyError
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
+from ssdlocal.core.config import ModelDraft
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -40,8 +41,7 @@ CALLS = [  # (prompts, max_new_tokens): lengths and batch sizes change from call
 
 def _config(tiny_dir, target: str, draft: str, graphs: str, mode: Mode = Mode.SSD) -> EngineConfig:
     t, d = str(tiny_dir[target]), str(tiny_dir[draft])
-    return EngineConfig(target=ModelSpec(t), spec=SpecConfig(mode=mode, k=K, draft=d, backup="jit"),
-                        draft_model=ModelSpec(d), pin_cpus=False, graphs=graphs)  # fmt: skip
+    return EngineConfig(target=ModelSpec(t, dtype="float32"), spec=SpecConfig(mode=mode, k=K, draft=ModelDraft(ModelSpec(d, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs)  # fmt: skip
 
 
 def _run(engine: Engine, prompts, max_new: int, mode: Mode, **spec):

@@ -16,6 +16,7 @@ from cli_helpers import assert_clean_error, run_cli
 
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import OutOfMemoryError, UsageError
+from ssdlocal.core.config import NgramDraft
 
 SEED_MAX = 2**64 - 1
 
@@ -74,8 +75,8 @@ def test_huge_fan_out_is_refused_at_once(monkeypatch, capsys, tiny_dir):
 
 def test_k_is_capped():
     with pytest.raises(UsageError, match="at most 32"):
-        SpecConfig(mode=Mode.SD, k=1000, draft="ngram")
-    assert SpecConfig(mode=Mode.SD, k=32, draft="ngram").k == 32
+        SpecConfig(mode=Mode.SD, k=1000, draft=NgramDraft())
+    assert SpecConfig(mode=Mode.SD, k=32, draft=NgramDraft()).k == 32
 
 
 # --------------------------------------------------------------------------- device lists

@@ -14,6 +14,7 @@ import pytest
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.engine import Engine
+from drafts import draft_of
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -64,7 +65,7 @@ def _is_loopback(addr: str) -> bool:
 @linux_only
 def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), pin_cpus=False,
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), pin_cpus=False,
                           target_devices=("cpu", "cpu"))
     with Engine(config) as engine:
         pids = [os.getpid(), *(p.pid for p in engine._tp_group.procs)]
@@ -96,9 +97,8 @@ def test_the_draft_models_context_is_respected(tiny_dir, short_draft, mode):
     from ssdlocal.core.errors import UsageError
 
     k = 3
-    spec = SpecConfig(mode=mode, k=k, draft=str(short_draft))
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), spec=spec,
-                          draft_model=ModelSpec(str(short_draft)), pin_cpus=False)
+    spec = SpecConfig(mode=mode, k=k, draft=draft_of(str(short_draft)))
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), spec=spec, pin_cpus=False)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     with Engine(config) as engine:
         budget = engine.max_prompt_tokens(params.max_new_tokens, spec)
@@ -117,9 +117,8 @@ def test_chat_history_is_trimmed_to_the_context(tiny_dir):
     from ssdlocal.core.errors import UsageError
     from ssdlocal.tui.core import Conversation
 
-    spec = SpecConfig(mode=Mode.SD, k=3, draft=str(tiny_dir["draft_llama"]))
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), spec=spec,
-                          draft_model=ModelSpec(str(tiny_dir["draft_llama"])), pin_cpus=False)
+    spec = SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(tiny_dir["draft_llama"])))
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), spec=spec, pin_cpus=False)
     params = SamplingParams(max_new_tokens=64)
     conversation = Conversation("You are terse.")
     for _ in range(12):  # far more history than 512 positions hold
@@ -143,7 +142,7 @@ def test_chat_history_is_trimmed_to_the_context(tiny_dir):
 def test_a_token_cancelled_before_generate_starts_stops_it(tiny_dir):
     from ssdlocal.core.cancel import CancelToken
 
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), pin_cpus=False)
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), pin_cpus=False)
     params = SamplingParams(max_new_tokens=50, ignore_eos=True)
     with Engine(config) as engine:
         token = CancelToken()
@@ -178,9 +177,8 @@ def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
 
     monkeypatch.setattr(ssd_client, "RECV_TIMEOUT_S", 0.5)
     draft = str(tiny_dir["draft_llama"])
-    spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft, fan_out=(1, 1, 1, 1), backup="jit")
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"])), spec=spec,
-                          draft_model=ModelSpec(draft), pin_cpus=False)
+    spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(draft), fan_out=(1, 1, 1, 1), backup="jit")
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), spec=spec, pin_cpus=False)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     send = ssd_client.DraftWorkerClient.send
     timers = []

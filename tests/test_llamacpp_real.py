@@ -26,6 +26,7 @@ from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from ssdlocal.weights.assets import DEFAULT_DRAFT, gguf_path
+from ssdlocal.core.config import ModelDraft, NgramDraft
 
 PROMPTS = ["the cat sat on the mat and the cat", "def f(x): return x + 1\ndef g"]
 
@@ -69,19 +70,18 @@ def margin_note(engine, prompt_ids, ref, got) -> str:
 def check_all_modes(target: str, draft: str, chat: bool, max_new: int, prompts=PROMPTS):
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
     cfg = EngineConfig(
-        target=ModelSpec(target, backend="llamacpp"),
-        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft),
-        draft_model=ModelSpec(draft, backend="llamacpp"),
+        target=ModelSpec(target, backend="llamacpp", dtype="float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))),
         pin_cpus=False,
     )
     with Engine(cfg) as eng:
         ids = [eng.encode(p, chat) for p in prompts]
         ar, _ = run(eng, ids, SpecConfig(mode=Mode.AR), params)
         specs = {
-            "sd-ngram": SpecConfig(mode=Mode.SD, k=4, draft="ngram"),
-            "sd": SpecConfig(mode=Mode.SD, k=3, draft=draft),
-            "ssd": SpecConfig(mode=Mode.SSD, k=3, draft=draft, fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3)),
-            "ssd-auto": SpecConfig(mode=Mode.SSD, k=3, draft=draft),
+            "sd-ngram": SpecConfig(mode=Mode.SD, k=4, draft=NgramDraft()),
+            "sd": SpecConfig(mode=Mode.SD, k=3, draft=cfg.spec.draft),
+            "ssd": SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft, fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3)),
+            "ssd-auto": SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft),
         }
         stats = {}
         for name, spec in specs.items():
@@ -111,15 +111,14 @@ def test_torch_target_with_gguf_draft(tiny_gguf):
     """Mixed backends: the torch target (the GGUF converted) verifies a llama.cpp draft."""
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
     cfg = EngineConfig(
-        target=ModelSpec(str(tiny_gguf)),
-        spec=SpecConfig(mode=Mode.SD, k=3, draft=str(tiny_gguf)),
-        draft_model=ModelSpec(str(tiny_gguf), backend="llamacpp"),
+        target=ModelSpec(str(tiny_gguf), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(str(tiny_gguf), backend="llamacpp", dtype="float32"))),
         pin_cpus=False,
     )
     with Engine(cfg) as eng:
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR), params)
         sd, st = run(eng, PROMPTS, None, params)
-        ssd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SSD, k=3, draft=str(tiny_gguf)), params)
+        ssd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft), params)
     assert sd == ar and ssd == ar
     assert st["acceptance_rate"] > 0.8
 
@@ -128,4 +127,4 @@ def test_llama_cpp_rejects_garbage_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\0" * 100)
     with pytest.raises(ModelLoadError):
-        Engine(EngineConfig(target=ModelSpec(str(bad), backend="llamacpp")))
+        Engine(EngineConfig(target=ModelSpec(str(bad), backend="llamacpp", dtype="float32")))

@@ -33,6 +33,7 @@ from ssdlocal.draft.base import Proposal
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
 from ssdlocal.engine import Engine
+from ssdlocal.core.config import ModelDraft, NgramDraft
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
@@ -193,9 +194,8 @@ def run(engine: Engine, prompts, spec=None, params=GREEDY):
 def test_ar_matches_reference_and_sd_matches_ar(fake, tokenizer, vocab):
     _lib, target, draft = fake
     cfg = EngineConfig(
-        target=ModelSpec(target, backend="llamacpp"),
-        spec=SpecConfig(mode=Mode.SD, k=3, draft=draft),
-        draft_model=ModelSpec(draft, backend="llamacpp"),
+        target=ModelSpec(target, backend="llamacpp", dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))),
     )
     with Engine(cfg) as eng:
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
@@ -205,7 +205,7 @@ def test_ar_matches_reference_and_sd_matches_ar(fake, tokenizer, vocab):
         sd, stats = run(eng, PROMPTS)
         assert sd == ar
         assert stats["acceptance_rate"] > 0.3  # the draft shares the bigram table
-        ng, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=4, draft="ngram"))
+        ng, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=4, draft=NgramDraft()))
         assert ng == ar
         one, _ = run(eng, PROMPTS[1:2])  # batch 1 after batch 3 reuses the context
         assert one == ar[1:2]
@@ -215,9 +215,8 @@ def test_mixed_torch_target_gguf_draft(fake, tiny_dir):
     """torch target + GGUF draft (through the fake): SD reproduces the torch AR."""
     _, _, draft = fake
     cfg = EngineConfig(
-        target=ModelSpec(str(tiny_dir["llama"])),
-        spec=SpecConfig(mode=Mode.SD, k=3, draft=draft),
-        draft_model=ModelSpec(draft, backend="llamacpp"),
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))),
     )
     with Engine(cfg) as eng:
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
@@ -235,16 +234,16 @@ class InProcessSSD:
         self.next = None
         self.hits = 0
 
-    def start(self, sequences):
+    def start(self, rows):
+        sequences = [row.tokens for row in rows]
         msg = StartMsg(
             tuple(tuple(s) for s in sequences), self.params, self.k, self.num_slots, self.vocab,
             self.spec.fan_out, self.spec.fan_out_miss, self.spec.saguaro_c, "jit", None,
         )
         self.sp = Speculator(self.runner, msg)
-        self.prev = [list(s) for s in sequences]
         self.round = 0
 
-    def propose(self, sequences, active):
+    def propose(self, active):
         served = self.sp.first() if self.next is None else self.next
         if self.next is None:
             self.sp.prespeculate()
@@ -253,12 +252,11 @@ class InProcessSSD:
             served.tokens, self.k, "cpu", q=served.q, cache_hit=served.cache_hit, backup=served.backup
         )
 
-    def observe(self, sequences, n_accepted, bonus, active, verdict=None):
-        if not any(active):
+    def observe(self, outcome):
+        if not any(outcome.active):
             return
-        appended = tuple(tuple(s[len(p) :]) for s, p in zip(sequences, self.prev))
-        self.prev = [list(s) for s in sequences]
-        msg = OutcomeMsg(self.round, appended, tuple(n_accepted), tuple(bonus), tuple(active), 0.0, "jit")
+        msg = OutcomeMsg(self.round, outcome.appended, outcome.n_accepted, outcome.bonus, outcome.active,
+                         0.0, "jit")  # fmt: skip
         self.round += 1
         self.next = self.sp.resolve(msg)
         self.sp.prespeculate()
@@ -284,8 +282,8 @@ def test_ssd_tree_decode_matches_ar(fake, monkeypatch, vocab, draft_name):
 
     monkeypatch.setattr(Engine, "_make_drafter_orig", Engine._make_drafter, raising=False)
     monkeypatch.setattr(Engine, "_make_drafter", make_drafter)
-    cfg = EngineConfig(target=ModelSpec(target, backend="llamacpp"))
-    ssd = SpecConfig(mode=Mode.SSD, k=3, draft="ngram", fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3))
+    cfg = EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"))
+    ssd = SpecConfig(mode=Mode.SSD, k=3, draft=NgramDraft(), fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3))
     with Engine(cfg) as eng:
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
         out, _ = run(eng, PROMPTS, ssd)
@@ -415,7 +413,7 @@ def test_vocab_mismatch(fake, monkeypatch):
 
 def test_unknown_backend():
     with pytest.raises(UsageError, match="backend"):
-        ModelSpec("x.gguf", backend="vllm")
+        ModelSpec("x.gguf", backend="vllm", dtype="float32")
     assert issubclass(ModelLoadError, SSDLocalError)
 
 

@@ -355,7 +355,7 @@ def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
     tiny_gguf.write_gguf(cached, gguf_files["qwen2", "q8_0"][1], "qwen2", "f32")
     assert gguf_source(str(ensure_converted(cached, dtype="float32"))) == str(cached)
     assert gguf_source(str(tmp_path)) is None and gguf_source("ngram") is None
-    config = EngineConfig(ModelSpec(str(path)), SpecConfig(), None)
+    config = EngineConfig(ModelSpec(str(path), dtype="float32"), SpecConfig(), None)
     settings = _default_gguf_peers(BenchSettings(peers=("llamacpp",)), config)
     assert settings.gguf_target == str(path) and settings.gguf_draft is None
     assert _default_gguf_peers(BenchSettings(), config).gguf_target is None  # no llama.cpp peer

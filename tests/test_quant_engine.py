@@ -21,6 +21,8 @@ from ssdlocal.core.config import (
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft, NgramDraft
 
 PROMPTS = ["hello world, def foo(x):", "Once upon a time there was a little model that"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
@@ -40,18 +42,17 @@ def tokens(engine: Engine, spec: SpecConfig, prompts=PROMPTS, params=GREEDY):
 def test_sd_and_ssd_equal_ar_on_quantized_target(tiny_dir, arch, scheme):
     target, draft = str(tiny_dir[arch]), str(tiny_dir[DRAFTS[arch]])
     cfg = EngineConfig(
-        target=ModelSpec(target, quantization=scheme),
-        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft),
-        draft_model=ModelSpec(draft, quantization=scheme),  # the SSD worker loads it quantized
+        target=ModelSpec(target, quantization=scheme, dtype="float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, quantization=scheme, dtype="float32"))),  # the SSD worker loads it quantized
         pin_cpus=False,
     )
     with Engine(cfg) as eng:
         assert eng.target.quantization == scheme
         ar, _ = tokens(eng, SpecConfig(mode=Mode.AR))
-        sd, sd_stats = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=draft))
-        ssd, ssd_stats = tokens(eng, SpecConfig(mode=Mode.SSD, k=3, draft=draft,
+        sd, sd_stats = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=cfg.spec.draft))
+        ssd, ssd_stats = tokens(eng, SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft,
                                                 fan_out=(2, 2, 1, 2), fan_out_miss=(2, 2, 1, 2)))  # fmt: skip
-        ngram, _ = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft="ngram"))
+        ngram, _ = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=NgramDraft()))
     assert sd == ar and ssd == ar and ngram == ar
     assert ssd_stats["rounds"] > 0
     if arch != "qwen3":  # a noisy copy of the target (qwen3 borrows the unrelated llama draft)
@@ -65,12 +66,11 @@ def test_quantized_target_float_draft_and_unquantized_target_differ(tiny_dir):
     long = replace(GREEDY, max_new_tokens=40)
     outs = {}
     for scheme in ("none", "int4"):
-        cfg = EngineConfig(target=ModelSpec(target, quantization=scheme),
-                           spec=SpecConfig(mode=Mode.SD, k=3, draft=draft),
-                           draft_model=ModelSpec(draft), pin_cpus=False)  # fmt: skip
+        cfg = EngineConfig(target=ModelSpec(target, quantization=scheme, dtype="float32"),
+                           spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, dtype="float32"))), pin_cpus=False)  # fmt: skip
         with Engine(cfg) as eng:
             ar, _ = tokens(eng, SpecConfig(mode=Mode.AR), params=long)
-            sd, _ = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=draft), params=long)
+            sd, _ = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=draft_of(draft)), params=long)
         assert sd == ar
         outs[scheme] = ar
     assert outs["none"] != outs["int4"]  # 4-bit weights change some greedy choices here
@@ -89,7 +89,7 @@ def test_tp2_quantized_equals_tp1(tiny_dir, tmp_path, monkeypatch, scheme):
         path, quantization = str(tiny_gguf.write_gguf(tmp_path / "t.gguf", model, "qwen2", "q4_k_m")), "auto"
 
     def cfg(devices):
-        return EngineConfig(target=ModelSpec(path, quantization=quantization),
+        return EngineConfig(target=ModelSpec(path, quantization=quantization, dtype="float32"),
                             pin_cpus=False, target_devices=devices)  # fmt: skip
 
     with Engine(cfg(())) as one:
@@ -131,9 +131,8 @@ def quantized_models(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sampling_engine(quantized_models):
     target, draft, _ = quantized_models
-    cfg = EngineConfig(target=ModelSpec(str(target), quantization="int4"),
-                       spec=SpecConfig(mode=Mode.SD, k=2, draft=str(draft)),
-                       draft_model=ModelSpec(str(draft)), pin_cpus=False)  # fmt: skip
+    cfg = EngineConfig(target=ModelSpec(str(target), quantization="int4", dtype="float32"),
+                       spec=SpecConfig(mode=Mode.SD, k=2, draft=ModelDraft(ModelSpec(str(draft), dtype="float32"))), pin_cpus=False)  # fmt: skip
     with Engine(cfg) as eng:
         yield eng
 
@@ -148,9 +147,9 @@ def test_sampling_matches_quantized_target_distribution(sampling_engine, quantiz
     prompt_ids = sampling_engine.encode(ts.PROMPT, chat=False)
     joint = ts.ExactJoint(reference, prompt_ids, params, ts.N)
     if mode == "sd":
-        spec = SpecConfig(mode=Mode.SD, k=ts.K, draft=str(draft))
+        spec = SpecConfig(mode=Mode.SD, k=ts.K, draft=sampling_engine.config.spec.draft)
     else:
-        spec = SpecConfig(mode=Mode.SSD, k=ts.K, draft=str(draft), fan_out=ts.FAN,
+        spec = SpecConfig(mode=Mode.SSD, k=ts.K, draft=sampling_engine.config.spec.draft, fan_out=ts.FAN,
                           fan_out_miss=ts.FAN, backup="jit")  # fmt: skip
     done, _ = ts.sample_outputs(sampling_engine, spec, params)
     assert 0.2 < done.stats["acceptance_rate"] < 0.95
@@ -161,12 +160,12 @@ def test_sampling_matches_quantized_target_distribution(sampling_engine, quantiz
 
 
 def test_model_spec_quantization_rules():
-    assert ModelSpec("x").quantization == "none"
+    assert ModelSpec("x", dtype="float32").quantization == "none"
     with pytest.raises(UsageError, match="quantization"):
-        ModelSpec("x", quantization="int3")
+        ModelSpec("x", quantization="int3", dtype="float32")
     with pytest.raises(UsageError, match="torch backend"):
-        ModelSpec("x.gguf", backend="llamacpp", quantization="int4")
-    assert ModelSpec("x.gguf", backend="llamacpp", quantization="auto").quantization == "auto"
+        ModelSpec("x.gguf", backend="llamacpp", quantization="int4", dtype="float32")
+    assert ModelSpec("x.gguf", backend="llamacpp", quantization="auto", dtype="float32").quantization == "auto"
 
 
 def test_cli_generate_quantized(tiny_dir, monkeypatch, capsys):

@@ -103,7 +103,7 @@ def test_api_key_is_required_when_set(tiny_dir):
 
     from ssdlocal.core.config import EngineConfig, ModelSpec
 
-    live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]))), api_key="s3cret")
+    live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]), dtype="float32")), api_key="s3cret")
     try:
         body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
         status, reply = live.post("/v1/completions", body)

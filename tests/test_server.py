@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 parser = pytest.importorskip("prometheus_client.parser")
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from drafts import draft_of
 
 PROMPTS = [
     "The quick brown fox",
@@ -45,9 +46,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 def _config(tiny_dir, mode: str) -> EngineConfig:
     draft = None if mode == "ar" else str(tiny_dir["draft_llama"])
     return EngineConfig(
-        target=ModelSpec(str(tiny_dir["llama"])),
-        spec=SpecConfig(mode=Mode(mode), k=3, draft=draft),
-        draft_model=ModelSpec(draft) if draft else None,
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode(mode), k=3, draft=draft_of(draft)),
         pin_cpus=False,
     )
 

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):
-    server = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]))), limits=LIMITS,
+    server = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]), dtype="float32")), limits=LIMITS,
                         max_batch=4, max_new_tokens=CAP)
     yield server
     server.close()

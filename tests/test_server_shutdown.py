@@ -42,7 +42,7 @@ def _slow_down(live: LiveServer, monkeypatch, seconds: float) -> None:
 
 
 def test_answers_in_flight_end_with_an_error_when_the_server_stops(tiny_dir, monkeypatch):
-    live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]))))
+    live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]), dtype="float32")))
     try:
         _slow_down(live, monkeypatch, 0.02)
         stream = live.client.completions.create(model=MODEL, prompt="Hello", max_tokens=300, temperature=0,

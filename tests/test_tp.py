@@ -32,6 +32,8 @@ from ssdlocal.ipc.qchannel import choose_q_channel, make_q_channel, write_q
 from ssdlocal.parallel.group import backend_for
 from ssdlocal.placement.devarg import format_devices, parse_devices, plan_flags
 from ssdlocal.placement.inventory import GPU, DeviceInventory
+from drafts import draft_of, row_views
+from ssdlocal.core.config import NgramDraft
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -43,9 +45,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 def _config(path, devices=(), mode=Mode.AR, draft=None) -> EngineConfig:
     return EngineConfig(
-        target=ModelSpec(str(path)),
-        spec=SpecConfig(mode=mode, k=3, draft=None if draft is None else str(draft)),
-        draft_model=None if draft is None else ModelSpec(str(draft)),
+        target=ModelSpec(str(path), dtype="float32"),
+        spec=SpecConfig(mode=mode, k=3, draft=draft_of(None if draft is None else str(draft))),
         pin_cpus=False,
         target_devices=devices,
     )
@@ -79,9 +80,9 @@ def test_tp2_equals_tp1_greedy(tiny_dir, arch):
 def test_sd_and_ssd_with_tp2_target_equal_ar(tiny_dir):
     with Engine(_config(tiny_dir["llama"], TP2, Mode.SSD, tiny_dir["draft_llama"])) as eng:
         ar = _tokens(eng, SpecConfig(mode=Mode.AR))
-        ssd = _tokens(eng, SpecConfig(mode=Mode.SSD, k=3, draft=str(tiny_dir["draft_llama"])))
-        sd = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=str(tiny_dir["draft_llama"])))
-        ngram = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft="ngram"))
+        ssd = _tokens(eng, SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(str(tiny_dir["draft_llama"]))))
+        sd = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(tiny_dir["draft_llama"]))))
+        ngram = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=NgramDraft()))
     assert ssd == ar and sd == ar and ngram == ar
 
 
@@ -132,7 +133,7 @@ def test_a_rank_load_error_reaches_rank_0_with_its_cause(tmp_path):
     from ssdlocal.core.errors import ModelLoadError
     from ssdlocal.parallel.group import RankGroup
 
-    group = RankGroup(ModelSpec(str(tmp_path / "missing")), TP2)  # rank 0 never loads it here
+    group = RankGroup(ModelSpec(str(tmp_path / "missing"), dtype="float32"), TP2)  # rank 0 never loads it here
     try:
         with pytest.raises(ModelLoadError) as info:
             group.wait_loaded()
@@ -294,9 +295,9 @@ def test_backend_choice():
 
 def test_config_checks_target_devices():
     with pytest.raises(UsageError):
-        EngineConfig(target=ModelSpec("x"), target_devices=("cpu", "tpu:0"))
+        EngineConfig(target=ModelSpec("x", dtype="float32"), target_devices=("cpu", "tpu:0"))
     with pytest.raises(UsageError, match="first of the target devices"):
-        EngineConfig(target=ModelSpec("x", "cpu"), target_devices=("cuda:0", "cuda:1"))
+        EngineConfig(target=ModelSpec("x", "cpu", dtype="float32"), target_devices=("cuda:0", "cuda:1"))
 
 
 def test_q_channel_selection():
@@ -306,7 +307,6 @@ def test_q_channel_selection():
     assert choose_q_channel("cuda:0", "cpu", **linux).kind == "shm"
     assert choose_q_channel("cpu", "cuda:0", **linux).kind == "shm"
     assert choose_q_channel("cpu", "cpu", **linux).kind == "shm"
-    assert choose_q_channel("cuda:0", "ngram", **linux).kind == "none"
     assert choose_q_channel("cuda:0", "cuda:1", platform="win32", cuda_available=True).kind == "shm"
     assert choose_q_channel("cuda:0", "cuda:1", platform="linux", cuda_available=False).kind == "shm"
     assert choose_q_channel("cuda:0", "cuda:1", force="shm", **linux).kind == "shm"
@@ -348,7 +348,7 @@ class _FakeWorker:
 def _drafter(params, target_device, draft_device):
     from ssdlocal.draft.ssd.client import SSDDrafter
 
-    spec = SpecConfig(mode=Mode.SSD, k=3, draft="draft")
+    spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("draft"))
     worker = _FakeWorker()
     drafter = SSDDrafter(worker, spec, SamplingParams(**params), target_vocab=5, num_slots=64,
                          target_device=target_device, draft_device=draft_device)
@@ -370,18 +370,18 @@ def test_ssd_drafter_picks_cuda_ipc_for_two_gpus(monkeypatch):
 
     monkeypatch.setattr(ssd_mod, "make_q_channel", fake_make)
     drafter, worker = _drafter({"temperature": 1.0}, "cuda:0", "cuda:1")
-    drafter.start([[1, 2], [3]])
+    drafter.start(row_views([1, 2], [3]))
     assert made == [("cuda-ipc", 2, 3, 5, "cuda:0")]
     assert worker.sent[0][1].q_buffer == "gpu-buffer"
 
 
 def test_ssd_drafter_q_channel_on_cpu_and_greedy():
     drafter, worker = _drafter({"temperature": 1.0}, "cpu", "cpu")
-    drafter.start([[1, 2]])
+    drafter.start(row_views([1, 2]))
     buffer = worker.sent[0][1].q_buffer
     assert drafter._q_channel.kind == "shm" and buffer.is_shared() and buffer.shape == (1, 3, 5)
     greedy, worker = _drafter({"temperature": 0.0}, "cuda:0", "cuda:1")
-    greedy.start([[1, 2]])
+    greedy.start(row_views([1, 2]))
     assert greedy._q_channel is None and worker.sent[0][1].q_buffer is None
 
 
@@ -441,7 +441,7 @@ def test_shard_loader_reads_exactly_the_rank_slices(tiny_dir, arch):
     for rank in (0, 1):
         full = load_model(tiny_dir[arch])
         apply_tensor_parallel(full.model, rank, 2)
-        shard = load_shard(ModelSpec(str(tiny_dir[arch])), "cpu", rank, 2, tokenizer=False)
+        shard = load_shard(ModelSpec(str(tiny_dir[arch]), dtype="float32"), "cpu", rank, 2, tokenizer=False)
         want, got = full.model.state_dict(), shard.model.state_dict()
         assert want.keys() == got.keys()
         assert all(torch.equal(want[k], got[k]) for k in want)

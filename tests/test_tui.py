@@ -329,10 +329,10 @@ def test_commands_and_settings():
         assert info.value.hint
     with pytest.raises(UsageError):
         chat_settings(mode=Mode.SSD, draft=None)
-    with pytest.raises(UsageError, match="between 1 and 16"):
-        chat_settings(draft="d", k=17)
+    with pytest.raises(UsageError, match="at most 32"):
+        chat_settings(draft="d", k=33)
     k3 = s.with_k(3)
-    assert k3.k == 3 and k3.spec.fan_out is None and k3.spec.draft == "d"
+    assert k3.k == 3 and k3.spec.fan_out is None and k3.spec.draft.model.path == "d"
     spec = run_command("/fanout 1,1,1,1", k3).settings.spec
     assert spec.k == 3 and spec.fan_out == (1, 1, 1, 1)
     assert run_command("/k 4", run_command("/fanout 1,1,1,1", k3).settings).settings.spec.fan_out is None

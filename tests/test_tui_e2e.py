@@ -18,6 +18,8 @@ from ssdlocal.core.config import (
     SamplingParams,
     SpecConfig,
 )
+from drafts import draft_of
+from ssdlocal.core.config import ModelDraft
 
 
 @pytest.fixture()
@@ -40,11 +42,10 @@ def test_chat_on_tiny_checkpoint_matches_ar(tiny_dir, one_torch_thread):
     draft = str(tiny_dir["draft_llama"])
     config = EngineConfig(
         target=ModelSpec(str(tiny_dir["llama"]), "cpu", "float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=4, draft=draft),
-        draft_model=ModelSpec(draft, "cpu", "float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, "cpu", "float32"))),
         pin_cpus=False,
     )
-    settings = ChatSettings(SpecConfig(mode=Mode.SSD, k=4, draft=draft), SamplingParams(max_new_tokens=24))
+    settings = ChatSettings(SpecConfig(mode=Mode.SSD, k=4, draft=draft_of(draft)), SamplingParams(max_new_tokens=24))
     prepare_subprocesses()
     app = ChatApp(lambda: Engine(config), config, settings)
 

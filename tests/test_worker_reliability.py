@@ -29,6 +29,7 @@ from ssdlocal.core.errors import DraftWorkerError, ModelLoadError
 from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.draft.ssd import client as ssd
 from ssdlocal.engine import Engine
+from ssdlocal.core.config import ModelDraft
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and signals")
 
@@ -38,8 +39,7 @@ LONG = SamplingParams(max_new_tokens=300, ignore_eos=True)
 def ssd_config(tiny: dict[str, Path], k: int = 3, **spec) -> EngineConfig:
     return EngineConfig(
         target=ModelSpec(str(tiny["llama"]), "cpu", "float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=k, draft=str(tiny["draft_llama"]), **spec),
-        draft_model=ModelSpec(str(tiny["draft_llama"]), "cpu", "float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=k, draft=ModelDraft(ModelSpec(str(tiny["draft_llama"]), "cpu", "float32")), **spec),
         pin_cpus=False,
     )
 
@@ -211,7 +211,7 @@ def test_worker_outlives_the_thread_that_spawned_it(tiny_dir):
 
 # ----------------------------------------------------------------------------- load errors
 def test_draft_load_error_in_worker_reaches_the_caller(tmp_path):
-    client = ssd.DraftWorkerClient(ModelSpec(str(tmp_path / "no_such_draft")), load_timeout_s=60)
+    client = ssd.DraftWorkerClient(ModelSpec(str(tmp_path / "no_such_draft"), dtype="float32"), load_timeout_s=60)
     try:
         with pytest.raises(ModelLoadError) as info:  # the worker's class, not a generic one
             client.wait_loaded()
@@ -235,8 +235,7 @@ def test_bad_draft_is_refused_before_spawning(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ssd, "DraftWorkerClient", no_spawn)
     config = EngineConfig(
         target=ModelSpec(str(tiny_dir["llama"]), "cpu", "float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=3, draft=str(no_weights)),
-        draft_model=ModelSpec(str(no_weights), "cpu", "float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(str(no_weights), "cpu", "float32"))),
         pin_cpus=False,
     )
     with pytest.raises(ModelLoadError, match="no \\*.safetensors weights"):
@@ -280,15 +279,14 @@ def test_ctrl_c_during_ssd_generate(tiny_dir):
 
 PARENT_SCRIPT = """
 import sys, time
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SpecConfig
 from ssdlocal.engine import Engine
 
 if __name__ == "__main__":
     target, draft = sys.argv[1], sys.argv[2]
     engine = Engine(EngineConfig(
         target=ModelSpec(target, "cpu", "float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft),
-        draft_model=ModelSpec(draft, "cpu", "float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, "cpu", "float32"))),
         pin_cpus=False,
     ))
     print(engine._worker.proc.pid, flush=True)
@@ -322,15 +320,14 @@ def test_worker_exits_when_parent_is_killed(tiny_dir, tmp_path):
 
 FORGETFUL_SCRIPT = """
 import os, signal, sys
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SpecConfig
 from ssdlocal.engine import Engine
 
 if __name__ == "__main__":
     target, draft = sys.argv[1], sys.argv[2]
     engine = Engine(EngineConfig(
         target=ModelSpec(target, "cpu", "float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft),
-        draft_model=ModelSpec(draft, "cpu", "float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, "cpu", "float32"))),
         pin_cpus=False,
     ))
     print(engine._worker.proc.pid, flush=True)

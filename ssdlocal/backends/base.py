@@ -8,7 +8,7 @@ runner's cache or bookkeeping from outside.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +46,11 @@ class Runner(Protocol):
 
     def advance(self, n) -> None:
         """Each row's length += n (a [B] long tensor, possibly negative, or one int)."""
+
+    def end_steps(self, kept: Mapping[int, Sequence[int]]) -> None:
+        """Back to `feed` after steps that began at each row's cached tokens: row b in
+        `kept` now also holds kept[b] (what its first steps wrote, in order); every other
+        row holds what it held at `begin_steps`."""
 
     def sync(self, row: int, committed: Sequence[int]) -> None:
         """Keep only the cached tokens the next feed can build on (see `sync_held`)."""

@@ -79,7 +79,7 @@ def preflight(path: str, backend: str = "torch") -> None:
 def gguf_source(path: str | None) -> str | None:
     """The GGUF file a model path came from, when known: the path itself (.gguf), or the
     source of a cached conversion (float or quantized) whose file is still on disk."""
-    if not path or path == "ngram":
+    if not path:
         return None
     found = Path(path).expanduser()
     if found.is_file() and found.suffix.lower() == ".gguf":

@@ -18,13 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from ssdlocal.core.config import (
-    EngineConfig,
-    Mode,
-    ModelSpec,
-    SamplingParams,
-    SpecConfig,
-)
+from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, NgramDraft, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.weights.assets import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_path
 
@@ -87,10 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     modes = args.modes.split(",")
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     target = ModelSpec(args.target, backend="llamacpp")
-    draft = ModelSpec(args.draft, backend="llamacpp")
-    cfg = EngineConfig(
-        target=target, spec=SpecConfig(mode=Mode.SSD, k=args.k, draft=args.draft), draft_model=draft
-    )
+    draft = ModelDraft(ModelSpec(args.draft, backend="llamacpp"))
+    cfg = EngineConfig(target=target, spec=SpecConfig(mode=Mode.SSD, k=args.k, draft=draft))
     prompts = [p.prompt for p in select(load_prompts(), args.prompts)]
     results: dict[str, dict] = {}
     t_load = time.perf_counter()
@@ -100,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
         eos = eng.eos_ids
         runs = {
             "ar": SpecConfig(mode=Mode.AR),
-            "sd": SpecConfig(mode=Mode.SD, k=args.k, draft=args.draft),
-            "sd-ngram": SpecConfig(mode=Mode.SD, k=args.k, draft="ngram"),
-            "ssd": SpecConfig(mode=Mode.SSD, k=args.k, draft=args.draft),
+            "sd": SpecConfig(mode=Mode.SD, k=args.k, draft=draft),
+            "sd-ngram": SpecConfig(mode=Mode.SD, k=args.k, draft=NgramDraft()),
+            "ssd": SpecConfig(mode=Mode.SSD, k=args.k, draft=draft),
         }
         _ours(eng, ids[:1], replace_max(params, 4), runs["ar"])  # warm-up
         for name, spec in runs.items():

@@ -87,7 +87,9 @@ class BenchRun:
 
     @property
     def draft(self) -> str | None:
-        return self.config.spec.draft
+        """The draft for reports: its checkpoint path, "n-gram (prompt lookup)", or None."""
+        draft = self.config.spec.draft
+        return None if draft.kind == "none" else draft.label
 
 
 def run_bench(
@@ -100,7 +102,7 @@ def run_bench(
 
     note = progress or (lambda *a: None)
     started = time.perf_counter()
-    if settings.needs_draft and not config.spec.draft:
+    if settings.needs_draft and config.spec.draft.kind == "none":
         raise UsageError(
             "SD, SSD and hf-assisted need a draft", "pass --draft PATH or use --modes ar"
         )
@@ -117,7 +119,7 @@ def run_bench(
             if settings.peers:
                 note("load", 0, 1, "loading peers")
                 opts = PeerOptions(
-                    config.target.path, config.spec.draft, config.target.dtype,
+                    config.target.path, config.draft_model and config.draft_model.path, config.target.dtype,
                     config.target.device, config.spec.k, settings.gguf_target, settings.gguf_draft,
                 )  # fmt: skip
                 pad = engine.tokenizer.pad_token_id

@@ -128,7 +128,7 @@ def _default_gguf_peers(settings, config):
     return replace(
         settings,
         gguf_target=settings.gguf_target or gguf_source(config.target.path),
-        gguf_draft=settings.gguf_draft or gguf_source(config.spec.draft),
+        gguf_draft=settings.gguf_draft or gguf_source(config.draft_model and config.draft_model.path),
     )
 
 

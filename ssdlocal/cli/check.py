@@ -66,7 +66,7 @@ def check(
     if config.draft_model is not None:
         from ssdlocal.weights.compat import check_paths
 
-        warnings = check_paths(config.target.path, config.spec.draft).warnings  # before weights load
+        warnings = check_paths(config.target.path, config.draft_model.path).warnings  # before weights load
     with err_console.status("loading ...", spinner="dots") as status:
         report = run_check(
             config, params=params, chat=chat, on_mode=lambda m: status.update(f"running {m} ...")

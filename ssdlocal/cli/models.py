@@ -49,13 +49,13 @@ def _plan_short(plan) -> str:
         if len(devs) == 1
         else f"{devs[0]}-{devs[-1].split(':')[-1]} TP{plan.tensor_parallel}"
     )
-    return f"{target}/{plan.draft_device}"
+    return f"{target}/{plan.draft_where}"
 
 
 def _plan_summary(plan) -> str:
     target = ",".join(plan.target_devices)
     tp = f" TP={plan.tensor_parallel}" if plan.tensor_parallel > 1 else ""
-    return f"target {target}{tp}, draft {plan.draft_device}"
+    return f"target {target}{tp}, draft {plan.draft_where}"
 
 
 # --------------------------------------------------------------------------- pairs

@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ssdlocal.core.config import (
+    Draft,
     EngineConfig,
     Mode,
+    ModelDraft,
     ModelSpec,
+    NgramDraft,
+    NoDraft,
     SamplingParams,
     SpecConfig,
     parse_fan_out,
@@ -134,22 +138,28 @@ def engine_config(
             from ssdlocal.placement.auto import auto_draft_device
 
             draft_device = auto_draft_device(tp_devices[0])
-    spec = SpecConfig(**options, draft=draft)
-    draft_model = None
-    if spec.draft and not spec.draft_is_ngram:
-        draft_model = ModelSpec(draft, draft_device, models.dtype, backends[1], quants[1])
+    model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0]),
-        spec=spec,
-        draft_model=draft_model,
+        spec=SpecConfig(**options, draft=parse_draft(draft, model)),
         target_devices=tp_devices if len(tp_devices) > 1 else (),
         graphs="auto" if models.cuda_graphs else "off",
     )
 
 
+def parse_draft(text: str | None, model) -> Draft:
+    """--draft as typed (None, "ngram", or a checkpoint path) -> the Draft it names;
+    `model(path)` makes a path's ModelSpec (device, dtype, backend, weights)."""
+    if text is None:
+        return NoDraft()
+    if text == "ngram":
+        return NgramDraft()
+    return ModelDraft(model(text))
+
+
 def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices) -> None:
     """Every option checked by the config classes ("auto" values stand in as defaults)."""
-    SpecConfig(**options, draft=(models.draft or "default") if wants_draft else None)
+    SpecConfig(**options, draft=NgramDraft() if wants_draft else NoDraft())
     target_device = tp_devices[0] if tp_devices else models.target_device
     quants = models.quantizations(("torch", "torch"))
     for path, device, backend, quant in (

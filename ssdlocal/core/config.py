@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.quantization import check_quantization
+from ssdlocal.core.models import (  # noqa: F401 - re-exported: the config's vocabulary
+    DEFAULT_DTYPE,
+    Draft,
+    ModelDraft,
+    ModelSpec,
+    NgramDraft,
+    NoDraft,
+    normalize_device,
+)
 
 SEED_MAX = 2**64 - 1  # seeds are 64-bit: 0 ..= SEED_MAX in every mode
 MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy)
@@ -98,13 +106,11 @@ def parse_fan_out(value: str | None) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation settings. `draft` is a checkpoint path, 'ngram', or None for AR."""
+    """Speculation settings: the mode, K, the draft (core.models.Draft) and SSD's knobs."""
 
     mode: Mode = Mode.AR
     k: int = 4
-    draft: str | None = None
-    ngram_max: int = 3  # longest n-gram the prompt-lookup proposer matches
-    ngram_min: int = 1
+    draft: Draft = NoDraft()
     # SSD / Saguaro (used by --mode ssd)
     fan_out: tuple[int, ...] | None = None  # None = auto
     fan_out_miss: tuple[int, ...] | None = None
@@ -119,7 +125,7 @@ class SpecConfig:
                 f"k must be at most {MAX_K}, got {self.k}",
                 "use --k 4 to 8: acceptance falls with every position, so long lookaheads waste work",
             )
-        if self.mode not in (Mode.AR, Mode.AUTO) and not self.draft:
+        if self.mode not in (Mode.AR, Mode.AUTO) and isinstance(self.draft, NoDraft):
             raise UsageError(
                 f"--mode {self.mode.value} needs a draft",
                 "pass --draft PATH (a checkpoint with the target's tokenizer) or --draft ngram",
@@ -150,64 +156,17 @@ class SpecConfig:
                         f"try e.g. {','.join(['2'] * (self.k + 1))}, or auto",
                     )
 
-    @property
-    def draft_is_ngram(self) -> bool:
-        return self.draft == "ngram"
-
-
-def normalize_device(device: str) -> str:
-    """One spelling per device, so devices can be compared as strings: "cuda" (torch's
-    default CUDA device, index 0 in a process that sets none) -> "cuda:0"; "cuda:01" ->
-    "cuda:1". Other names are returned as they are."""
-    if device == "cuda":
-        return "cuda:0"
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return f"cuda:{int(device[5:])}"
-    return device
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where a model lives and how to run it."""
-
-    path: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
-    # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
-    # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
-    quantization: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("torch", "llamacpp"):
-            raise UsageError(f"unknown backend {self.backend!r}", "choose one of: torch, llamacpp")
-        check_quantization(self.quantization)
-        if self.backend == "llamacpp" and self.quantization in ("int8", "int4"):
-            raise UsageError(
-                f"--quantization {self.quantization} applies to the torch backend only",
-                "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
-                "or use the torch backend",
-            )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise UsageError(
-                f"unknown dtype {self.dtype!r}", "choose one of: float32, bfloat16, float16"
-            )
-        dev = self.device
-        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")
-        object.__setattr__(self, "device", normalize_device(dev))  # compared as strings later
-
 
 GRAPH_MODES = ("auto", "off", "trace")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs: target, optional draft model, speculation settings."""
+    """Everything the engine needs: the target and the speculation settings (which hold the
+    draft, see core.models)."""
 
     target: ModelSpec
     spec: SpecConfig = field(default_factory=SpecConfig)
-    draft_model: ModelSpec | None = None  # set when spec.draft is a checkpoint path
     pin_cpus: bool = True  # SSD with both models on CPU: give each process its own cores
     # Tensor-parallel target: one rank per device, rank 0 on target_devices[0] runs the
     # engine (ssdlocal/parallel). Empty or one device = the target alone on target.device.
@@ -231,3 +190,8 @@ class EngineConfig:
                 f"{', '.join(self.target_devices)}",
                 "rank 0 of a tensor-parallel target runs on the first target device",
             )
+
+    @property
+    def draft_model(self) -> ModelSpec | None:
+        """The draft model's spec when the draft is a model (spec.draft.model)."""
+        return self.spec.draft.model

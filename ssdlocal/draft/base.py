@@ -1,9 +1,11 @@
-"""The Drafter protocol and the Proposal it returns; what the engine expects of a drafter.
+"""The Drafter protocol, the Proposal it returns and the RoundOutcome it learns from.
 
 A drafter proposes up to K tokens per active row and says which distribution each
 token was drawn from (`q`), so verification stays lossless. Proposals live on the
-target's device. A drafter must not know about the target model or the engine's
-stopping rules.
+target's device. Data flows one way per step: the engine hands the drafter read-only
+views of its rows once (`start`), asks for proposals (`propose(active)`) and tells it
+what each round decided (`observe(RoundOutcome)`); a drafter never keeps or diffs copies
+of the rows. A drafter must not know about the target model or the stopping rules.
 """
 
 from __future__ import annotations
@@ -49,40 +51,50 @@ class Proposal:
         return cls(drafts.to(device), n_draft.to(device), tokens=[list(t) for t in tokens], **fields)
 
 
+class RowView(Protocol):
+    """A row as drafters see it (core.sequence.Row): read, never written."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt + committed tokens, the last of which the target has not cached yet."""
+
+    @property
+    def length(self) -> int:
+        """len(tokens), without building the list."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round decided, built once by the engine's commit step.
+
+    appended[b]: the tokens row b took this round (accepted drafts, then the bonus token,
+        cut by the stopping rules); () for rows that were idle.
+    n_accepted[b], bonus[b]: the verdict per row, on the host.
+    active[b]: whether row b goes on (False once finished: never proposed for again).
+    verdict: the same n_accepted and bonus on the target's device (core.verify.Verdict).
+    """
+
+    appended: tuple[tuple[int, ...], ...]
+    n_accepted: tuple[int, ...]
+    bonus: tuple[int, ...]
+    active: tuple[bool, ...]
+    verdict: object = None
+
+
 class Drafter(Protocol):
     """What the engine calls, in this order: start, then (propose, observe) per round."""
 
     k: int
 
-    def start(self, sequences: Sequence[Sequence[int]]) -> None:
-        """Prepare for a new batch whose rows currently hold `sequences` (prompt + first token)."""
+    def start(self, rows: Sequence[RowView]) -> None:
+        """A new batch: `rows` are the engine's rows (prompt + first token so far); the
+        drafter may read them whenever it proposes, and must not change them."""
 
-    def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
-        """Draft up to K tokens for every active row continuing `sequences[b]`."""
+    def propose(self, active: Sequence[bool]) -> Proposal:
+        """Draft up to K tokens for every active row, continuing its tokens."""
 
-    def observe(
-        self,
-        sequences: Sequence[Sequence[int]],
-        n_accepted: Sequence[int],
-        bonus: Sequence[int],
-        active: Sequence[bool],
-        verdict=None,
-    ) -> None:
-        """The round's outcome: rows now hold `sequences`; `active[b]` is False once row b
-        has finished (it will never be proposed for again). `verdict` (core.verify.Verdict)
-        holds the same n_accepted and bonus on the target's device."""
+    def observe(self, outcome: RoundOutcome) -> None:
+        """What the round decided (the rows already hold the appended tokens)."""
 
     def close(self) -> None:
         """Release processes and memory. Idempotent."""
-
-
-def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Pad (with -inf) or cut the last dim of draft logits [..., V_d] to the target's V."""
-    v_draft = logits.shape[-1]
-    if v_draft == vocab_size:
-        return logits
-    if v_draft > vocab_size:
-        return logits[..., :vocab_size]
-    pad = logits.new_full((*logits.shape[:-1], vocab_size - v_draft), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)  # [..., V]
-

@@ -53,10 +53,10 @@ def _is_gpu(device: str) -> bool:
 def placement_choice(config: EngineConfig) -> ModeChoice | None:
     """The mode the placement alone decides, or None when only a calibration can."""
     spec = config.spec
-    if not spec.draft:
-        return ModeChoice(Mode.AR, "no draft model, so plain autoregressive decoding")
-    if spec.draft_is_ngram:
-        return ModeChoice(Mode.SD, "the n-gram draft costs nothing to run, so synchronous speculation")
+    if spec.draft.model is None:
+        if spec.draft.kind == "none":
+            return ModeChoice(Mode.AR, "no draft model, so plain autoregressive decoding")
+        return ModeChoice(Mode.SD, f"the {spec.draft.label} draft costs nothing to run, so synchronous speculation")
     targets = tuple(map(normalize_device, config.target_devices or (config.target.device,)))
     draft = normalize_device(config.draft_model.device)
     where = ",".join(targets)

@@ -32,6 +32,7 @@ from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice
+from ssdlocal.draft.factory import DraftResources, make_drafter
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
 
@@ -56,17 +57,16 @@ class Engine:
         self.draft_context: int | None = None  # the draft model's context, once loaded
         self._running: CancelToken | None = None  # the token of the latest generate call
         self._closed = False
-        self.has_draft_model = bool(spec.draft) and not spec.draft_is_ngram
-        if self.has_draft_model:
+        draft_model = spec.draft.model
+        self.has_draft_model = draft_model is not None
+        if draft_model is not None:
             from ssdlocal.weights.compat import check_pair, embedding_rows
 
-            if config.draft_model is None:
-                raise UsageError("a draft checkpoint needs a ModelSpec", "set EngineConfig.draft_model")
             check_pair(
                 registry.load_tokenizer(config.target.path, config.target.backend),
-                registry.load_tokenizer(spec.draft, config.draft_model.backend),
+                registry.load_tokenizer(draft_model.path, draft_model.backend),
                 target_vocab=embedding_rows(config.target.path, config.target.backend),
-                draft_vocab=embedding_rows(spec.draft, config.draft_model.backend),
+                draft_vocab=embedding_rows(draft_model.path, draft_model.backend),
             )
         # `choice`: the mode this engine runs when asked for auto, and why
         self.choice = placement_choice(config) if spec.mode is Mode.AUTO else ModeChoice(
@@ -186,7 +186,7 @@ class Engine:
         if spec.mode is Mode.AUTO:
             spec = replace(spec, mode=self.choice.mode)
         limit, which = self.target.args.max_position_embeddings, "the target model"
-        if spec.mode is not Mode.AR and not spec.draft_is_ngram and self.draft_context is not None:
+        if spec.mode is not Mode.AR and spec.draft.model is not None and self.draft_context is not None:
             extra = spec.k + 2 if spec.mode is Mode.SSD else 0
             if self.draft_context - extra < limit:
                 limit, which = self.draft_context - extra, "the draft model"
@@ -226,38 +226,31 @@ class Engine:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
-        if spec.mode is Mode.AR:
-            return None
-        if spec.draft_is_ngram:
-            from ssdlocal.draft.sync import NgramDrafter
-
-            return NgramDrafter(spec.k, spec.ngram_max, spec.ngram_min, self.runner.device)
-        if spec.draft != self.config.spec.draft:
+        if spec.draft.model is not None and spec.draft != self.config.spec.draft:
             raise UsageError(
-                f"this engine was loaded with draft {self.config.spec.draft!r}, not {spec.draft!r}",
+                f"this engine was loaded with draft {self.config.spec.draft.label!r}, not {spec.draft.label!r}",
                 "create a new Engine to change the draft model",
             )
-        if spec.mode is Mode.SD:
-            from ssdlocal.draft.sync import ModelDrafter
+        resources = DraftResources(
+            self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
+            draft_runner=self._draft_runner_here, worker=self._ready_worker,
+        )  # fmt: skip
+        return make_drafter(spec, params, resources)
 
-            if self._draft_runner is None:
-                self._load_draft_here()
-            drafter = ModelDrafter(
-                self._draft_runner, spec.k, params, self.target.args.vocab_size, self.runner.device
-            )
-            drafter.reserve(batch, num_slots)
-            return drafter
-        from ssdlocal.draft.ssd.client import SSDDrafter
+    def _draft_runner_here(self):
+        """The draft model in this process (SD), loaded on first use."""
+        if self._draft_runner is None:
+            self._load_draft_here()
+        return self._draft_runner
 
+    def _ready_worker(self):
+        """The SSD draft worker, replaced when it failed on an earlier call."""
         if self._worker is not None and self._worker.broken:
-            self._stop_worker()  # it failed on an earlier call: replace it with a fresh one
+            self._stop_worker()
         if self._worker is None:
             self._start_worker()
             self._wait_worker()
-        return SSDDrafter(
-            self._worker, spec, params, self.target.args.vocab_size, num_slots,
-            target_device=self.config.target.device, draft_device=self.config.draft_model.device,
-        )
+        return self._worker
 
     def _guard(self, fn, *args):
         """fn(*args) on the target, with running out of memory turned into a clear error."""
@@ -320,7 +313,7 @@ class Engine:
             origin = [[TokenOrigin.TARGET]] * len(rows)
             yield from token_events(rows, [[r.generated[0]] for r in rows], origin)
             if drafter is not None:
-                drafter.start([r.tokens for r in rows])
+                drafter.start(rows)
             rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, stats, first)
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:

@@ -19,11 +19,11 @@ from ssdlocal.core.events import Event, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import SpecStats
 from ssdlocal.core.verify import Verdict, verify_logits
-from ssdlocal.draft.base import Proposal
+from ssdlocal.draft.base import Proposal, RoundOutcome
 
 
 @dataclass(frozen=True)
-class Outcome:
+class HostVerdict:
     """The verdict on the host: accepted drafts and bonus per row, the drafts as lists."""
 
     n_accepted: list[int]
@@ -78,7 +78,7 @@ class Round:
     def propose(self, active: list[bool]) -> Proposal:
         if self.drafter is None:
             return self.no_drafts
-        return self.drafter.propose([r.tokens for r in self.rows], active)
+        return self.drafter.propose(active)
 
     def score_ids(self, proposal: Proposal) -> torch.Tensor:
         """[B, K+1]: each row's pending token, then its drafts (padding past n_draft writes
@@ -87,21 +87,21 @@ class Round:
             return self.last[:, None]
         return torch.cat([self.last[:, None], proposal.drafts], dim=1)
 
-    def read_back(self, verdict: Verdict, proposal: Proposal) -> Outcome:
+    def read_back(self, verdict: Verdict, proposal: Proposal) -> HostVerdict:
         """The one device -> host transfer of the round."""
         parts = [verdict.n_accepted[:, None], verdict.bonus[:, None]]
         if proposal.tokens is None:
             parts.append(proposal.drafts)
         host = torch.cat(parts, dim=1).tolist()  # [B, 2 (+K)]
         drafts = proposal.tokens if proposal.tokens is not None else [h[2:] for h in host]
-        return Outcome([h[0] for h in host], [h[1] for h in host], drafts)
+        return HostVerdict([h[0] for h in host], [h[1] for h in host], drafts)
 
     def commit(
-        self, proposal: Proposal, verdict: Verdict, outcome: Outcome, active: list[bool]
+        self, proposal: Proposal, verdict: Verdict, outcome: HostVerdict, active: list[bool]
     ) -> tuple[list[list[int]], list[list[str]]]:
         """Append accepted drafts + bonus to each row (stopping rules apply), move the
         target's cache lengths past the pending token and the accepted drafts, and tell
-        the drafter. Returns the tokens each row took and their origins."""
+        the drafter (one RoundOutcome). Returns the tokens each row took and their origins."""
         emitted: list[list[int]] = []
         origins: list[list[str]] = []
         for b, row in enumerate(self.rows):
@@ -124,9 +124,10 @@ class Round:
         if still != active:  # a row finished: its cache length stays where it is
             self.live = torch.tensor(still, device=self.device)
         if self.drafter is not None:
-            self.drafter.observe(
-                [r.tokens for r in self.rows], outcome.n_accepted, outcome.bonus, still, verdict
-            )
+            self.drafter.observe(RoundOutcome(
+                tuple(map(tuple, emitted)), tuple(outcome.n_accepted), tuple(outcome.bonus),
+                tuple(still), verdict,
+            ))  # fmt: skip
         return emitted, origins
 
     def record(self, proposal, outcome, emitted, active, draft_s, verify_s) -> None:

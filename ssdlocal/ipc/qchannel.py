@@ -6,8 +6,9 @@ Two kinds, chosen by `choose_q_channel` from the two devices:
   (peer-to-peer when the GPUs allow it) and synchronizes before it replies; no host
   round trip.
 - "shm": a shared-memory CPU tensor (the CPU path, and any placement with a CPU side).
-"none" when the draft is the n-gram proposer (no q). Selection is pure (testable on
-CPU); buffers are made with `make_q_channel`. Knows nothing about the engine or pipes.
+Only a draft model sends q (other drafts propose point masses); "none" is the kind a
+caller may use for no channel. Selection is pure (testable on CPU); buffers are made with
+`make_q_channel`. Knows nothing about the engine or pipes.
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ def choose_q_channel(
                 "drop the override: the shared-memory channel is chosen automatically",
             )
         return ChannelChoice(force, "forced")
-    if draft_device == "ngram":
-        return ChannelChoice("none", "n-gram draft: point-mass proposals, no q to send")
     if ipc_ok:
         same = target_device == draft_device
         return ChannelChoice(

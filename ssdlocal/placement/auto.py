@@ -58,7 +58,8 @@ def _heads(path: str | Path) -> tuple[int, ...]:
 
 def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
                  backend: str = "torch", quantizations: tuple[str, str] = ("none", "none")):  # fmt: skip
-    """(target devices, draft device) from the planner; draft None/'ngram' needs no device.
+    """(target devices, draft device) from the planner; `draft` None (no draft model) needs
+    no device.
 
     Raises PlacementError (with a hint) when nothing fits.
     """
@@ -68,11 +69,11 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     inventory = detect() if inventory is None else inventory
     if not inventory.gpus:
         return ("cpu",), "cpu"
-    draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft and draft != "ngram" else 0.0
+    draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft else 0.0
     heads = _heads(target) if backend == "torch" else ()
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
     plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
-    draft_device = plan.draft_device if plan.draft_device != "ngram" else "cpu"
+    draft_device = plan.draft_device or "cpu"  # no room anywhere: the CPU, where RAM may swap
     main = plan.target_devices[0]
     if draft_device == "cpu" and main.startswith("cuda") and draft_gb:
         room = next((u.headroom_gb for u in plan.uses if u.device == main), 0.0)

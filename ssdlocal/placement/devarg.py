@@ -68,6 +68,6 @@ def plan_flags(plan) -> str:
     """The generate flags that reproduce a devices.Plan."""
     target = format_devices(plan.target_devices)
     flag = "--target-devices" if len(plan.target_devices) > 1 else "--target-device"
-    if plan.draft_device == "ngram":
+    if plan.draft_device is None:  # no room for the draft model
         return f"{flag} {target} --draft ngram"
     return f"{flag} {target} --draft-device {plan.draft_device}"

@@ -33,18 +33,22 @@ class DeviceUse:
 @dataclass(frozen=True)
 class Plan:
     target_devices: tuple[str, ...]  # ("cuda:0", "cuda:1", ...) or ("cpu",)
-    draft_device: str  # "cuda:N", "cpu" or "ngram"
+    draft_device: str | None  # "cuda:N", "cpu", or None: no room for a draft model (n-gram drafting)
     tensor_parallel: int
     uses: tuple[DeviceUse, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
     @property
     def draft_kind(self) -> str:
-        return (
-            "ngram"
-            if self.draft_device == "ngram"
-            else ("gpu" if self.draft_device.startswith("cuda") else "cpu")
-        )
+        """Where the draft model runs: "gpu", "cpu", or "none" (it fits nowhere)."""
+        if self.draft_device is None:
+            return "none"
+        return "gpu" if self.draft_device.startswith("cuda") else "cpu"
+
+    @property
+    def draft_where(self) -> str:
+        """The draft's device for people: a device name, or "n-gram" when no model fits."""
+        return self.draft_device or "n-gram"
 
     @property
     def min_headroom_gb(self) -> float:
@@ -112,7 +116,7 @@ def plan_placement(
         candidates.append(_with_draft(devices, 1, ("cpu",), uses, gpus, need_d, need_t))
     if not candidates:
         raise PlacementError(_why_not(devices, gpus, need_t, heads, allow_cpu_target), _fit_hint())
-    rank = {"gpu": 0, "cpu": 1, "ngram": 2}
+    rank = {"gpu": 0, "cpu": 1, "none": 2}
     prefer_big = devices.interconnect == "nvlink"
     return min(
         candidates,
@@ -135,11 +139,11 @@ def _with_draft(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Pl
                 "no GPU left for the draft: it runs on the CPU (SSD overlaps it with the target)"
             )
     else:
-        draft = "ngram"
+        draft = None
         notes.append("no room for the draft model: n-gram (prompt lookup) drafting instead")
     if target_devices == ("cpu",) and draft == "cpu":
         notes.append("target and draft run as separate processes on separate cores")
-    unused = len(rest) - (1 if draft.startswith("cuda") else 0)
+    unused = len(rest) - (1 if draft and draft.startswith("cuda") else 0)
     if unused > 0:
         notes.append(f"{unused} GPU(s) unused")
     return Plan(target_devices, draft, tp, tuple(uses), tuple(notes))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ssdlocal.core.cancel import CancelToken
-from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.core.config import MAX_K, EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import Event, TokenOrigin
 
@@ -36,9 +36,6 @@ class EngineLike(Protocol):
 
 
 # --------------------------------------------------------------------------- settings
-MAX_K = 16  # the chat's K keys stop here
-
-
 @dataclass(frozen=True)
 class ChatSettings:
     """What the user can change between turns: the per-call speculation settings (the
@@ -79,7 +76,7 @@ class ChatSettings:
 
     def next_mode(self) -> ChatSettings:
         """Cycle AR -> SD -> SSD -> AR (AR only when no draft is loaded)."""
-        if not self.spec.draft:
+        if self.spec.draft.kind == "none":
             raise UsageError(
                 "no draft model is loaded, so only AR is available",
                 "restart with --draft PATH (or --draft ngram) to use SD or SSD",
@@ -281,20 +278,16 @@ class OriginSplitter:
 
 # --------------------------------------------------------------------------- header
 def _name(path: str | None) -> str:
-    if not path:
-        return "none"
-    if path == "ngram":
-        return "n-gram (prompt lookup)"
-    return Path(path).name or path
+    return Path(path).name or path if path else "none"
 
 
 def describe_pair(config: EngineConfig) -> tuple[str, str]:
     """Two header lines: the model pair, and which device/process runs what."""
     draft = config.spec.draft
-    pair = f"target {_name(config.target.path)} · draft {_name(draft)}"
+    pair = f"target {_name(config.target.path)} · draft {_name(draft.model.path) if draft.model else draft.label}"
     t = config.target
     where = [f"target → {t.device} ({t.dtype}, this process)"]
-    if draft == "ngram":
+    if draft.kind == "ngram":
         where.append("draft → n-gram on cpu (this process)")
     elif config.draft_model is not None:
         d = config.draft_model

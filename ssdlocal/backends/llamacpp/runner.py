@@ -61,6 +61,7 @@ class LlamaCppRunner:
         self._n_batch = N_BATCH
         self._kv: list[list[int]] = []  # per row: tokens really in sequence b
         self._lengths: list[int] = []  # per row: cached tokens while decoding with `step`
+        self._step_base: list[int] = []  # per row: cached tokens at begin_steps
         self._chains: dict[int, _Chain] = {}  # branch sequence id -> chain
         self._scratch: dict[tuple[int, int], int] = {}  # (row, slot) -> branch sequence id
         self._free: list[int] = []
@@ -185,6 +186,14 @@ class LlamaCppRunner:
     def begin_steps(self) -> None:
         """Start decoding with `step` (see TorchRunner.step): lengths from what is cached."""
         self._lengths = [len(h) for h in self.held]
+        self._step_base = list(self._lengths)
+
+    def end_steps(self, kept) -> None:
+        """Rows in `kept` hold their cached tokens at `begin_steps` + kept[row]; the others
+        forget what steps fed them (the next feed drops those cells, see _reconcile)."""
+        for row, held in enumerate(self.held):
+            del held[self._step_base[row] :]
+            held.extend(kept.get(row, ()))
 
     def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V]."""

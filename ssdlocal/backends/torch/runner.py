@@ -201,6 +201,12 @@ class TorchRunner:
             return self.graphs.run(("step", *ids.shape, span), step, ids=ids)
         return self._step(ids, span)
 
+    def end_steps(self, kept) -> None:
+        """Rows in `kept` hold the tokens their first steps wrote (Runner.end_steps); steps
+        never change `held`, so the other rows hold what they held."""
+        for row, tokens in kept.items():
+            self.held[row].extend(tokens)
+
     @torch.inference_mode()
     def advance(self, n: Tensor | int) -> None:
         """lengths += n ([B] long on the device, or one int for every row), in place."""

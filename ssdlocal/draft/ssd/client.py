@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ssdlocal.core.config import ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import DraftWorkerError
-from ssdlocal.draft.base import Proposal
+from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.draft.ssd import protocol as pr
 from ssdlocal.ipc.child import ChildProcess
 from ssdlocal.ipc.qchannel import QChannel, choose_q_channel, make_q_channel
@@ -121,14 +121,14 @@ class SSDDrafter:
         self._round = 0
         self._first = True
         self._proposed_at = 0.0
-        self._prev: list[list[int]] = []
         self._q_channel: QChannel | None = None  # None when greedy (no q)
         self.chooser = BackupChooser(spec.backup, spec.k)
         self.last: pr.ProposalMsg | None = None
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
         self.graphs_at_start: dict | None = None  # the worker's graph counts at START
 
-    def start(self, sequences: Sequence[Sequence[int]]) -> None:
+    def start(self, rows: Sequence[RowView]) -> None:
+        sequences = [row.tokens for row in rows]
         batch = len(sequences)
         self._q_channel = None
         if not self.params.greedy:
@@ -152,10 +152,9 @@ class SSDDrafter:
         # can take minutes, which must not pass for a hung worker.
         tokens = sum(len(s) for s in sequences)
         self.graphs_at_start = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
-        self._prev = [list(s) for s in sequences]
         self._first = True
 
-    def propose(self, sequences: Sequence[Sequence[int]], active: Sequence[bool]) -> Proposal:
+    def propose(self, active: Sequence[bool]) -> Proposal:
         if self._first:
             self.client.send(pr.Cmd.FIRST)
             self._first = False
@@ -172,28 +171,21 @@ class SSDDrafter:
             backup=msg.backup, draft_busy_s=msg.busy_s,
         )  # fmt: skip
 
-    def observe(self, sequences, n_accepted, bonus, active, verdict=None) -> None:
+    def observe(self, outcome: RoundOutcome) -> None:
         verify_s = time.perf_counter() - self._proposed_at
-        if not any(active):
+        if not any(outcome.active):
             return  # generation is over; the worker needs no outcome
-        appended = tuple(tuple(s[len(p) :]) for s, p in zip(sequences, self._prev))
         if self.last is not None:
-            for b, n in enumerate(n_accepted):
-                if appended[b] and b < len(self.last.cache_hit):
+            for b, appended in enumerate(outcome.appended):
+                if appended and b < len(self.last.cache_hit):
                     path = "hit" if self.last.cache_hit[b] else (self.last.backup or "jit")
                     if path in ("hit", "jit", "ngram"):
-                        self.chooser.observe_tokens(path, len(appended[b]))
-        self._prev = [list(s) for s in sequences]
-        backup = self.chooser.choose(sum(active), verify_s)
+                        self.chooser.observe_tokens(path, len(appended))
+        backup = self.chooser.choose(sum(outcome.active), verify_s)
         msg = pr.OutcomeMsg(
-            round_index=self._round,
-            appended=appended,
-            n_accepted=tuple(int(n) for n in n_accepted),
-            bonus=tuple(int(x) for x in bonus),
-            active=tuple(bool(a) for a in active),
-            verify_s=verify_s,
-            backup=backup,
-        )
+            round_index=self._round, appended=outcome.appended, n_accepted=outcome.n_accepted,
+            bonus=outcome.bonus, active=outcome.active, verify_s=verify_s, backup=backup,
+        )  # fmt: skip
         self._round += 1
         self.client.send(pr.Cmd.OUTCOME, msg)
         self._awaiting = True

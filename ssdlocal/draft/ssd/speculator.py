@@ -19,7 +19,7 @@ import torch
 from ssdlocal.backends.base import SlotLayout
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
-from ssdlocal.draft.base import align_vocab
+from ssdlocal.draft.decode import DraftDecoder, align_vocab
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.spec.fanout import FanOutPlanner
 from ssdlocal.spec.ngram import propose_ngram
@@ -103,27 +103,29 @@ class Speculator:
 
     # ------------------------------------------------------------- drafting (jit)
     def draft_jit(self, which: list[int]) -> None:
-        """Draft K tokens just-in-time for rows `which` (SD for those rows)."""
+        """Draft K tokens just-in-time for rows `which` (SD for those rows), on the draft's
+        device with the K-step decoder ModelDrafter uses; one host read-back at the end.
+
+        The first forward feeds each row's pending tokens (the committed ones it lacks);
+        then K-1 one-token steps over every row (the other rows' writes land past their
+        cached tokens and are forgotten by `end_steps`)."""
         fan = self.fan_for(False)
         feeds = [self.runner.pending(b, r.seq) if b in which else [] for b, r in enumerate(self.rows)]
-        drafts: dict[int, list[int]] = {b: [] for b in which}
-        qs: dict[int, list[torch.Tensor]] = {b: [] for b in which}
-        for step in range(self.k):
-            out = self.runner.feed(feeds)  # per row [len, V_d]
-            feeds = [[] for _ in self.rows]
-            for b in which:
-                row = self.rows[b]
-                last = align_vocab(out[b][-1:], self.vocab)  # [1, V]
-                row.pred[len(row.seq) + step] = last[0]
-                q = self._probs(last, fan[step])  # [1, V]
-                token = int(sample(q, self.generator)[0])
-                drafts[b].append(token)
-                qs[b].append(q[0])
-                feeds[b] = [token]
+        out = self.runner.feed(feeds, "last")  # per row [1, V_d] (or [0, V_d])
+        width = max(o.shape[-1] for o in out)
+        first = torch.stack([o[-1] if len(o) else o.new_zeros(width) for o in out])  # [B, V_d]
+        self.runner.begin_steps()
+        decoder = DraftDecoder(self.runner, self.k, self.params, self.vocab, self.generator,
+                               probs=lambda logits, j: self._probs(logits, fan[j]))  # fmt: skip
+        bound = max(self.runner.cached(b) for b in range(len(self.rows))) + self.k
+        drafted = decoder.decode(first, bound, keep_logits=True)
+        tokens = drafted.tokens.tolist()  # [B, K]: the one host transfer
+        self.runner.end_steps({b: tokens[b][: self.k - 1] for b in which})  # d_1..d_{K-1} cached
         for b in which:
             row = self.rows[b]
-            row.proposal = drafts[b]
-            row.q = None if self.params.greedy else torch.stack(qs[b])  # [K, V]
+            row.proposal = tokens[b]
+            row.q = None if drafted.q is None else drafted.q[b]  # [K, V]
+            row.pred.update({len(row.seq) + j: drafted.logits[b, j] for j in range(self.k)})
             row.from_hit = False
 
     # ------------------------------------------------------------- pre-speculation

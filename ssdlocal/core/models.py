@@ -1,0 +1,103 @@
+"""What runs: a model (`ModelSpec`) and the draft that proposes tokens for the target (`Draft`).
+
+A draft is one of a few typed descriptions, never a magic string:
+- `NoDraft()`: nothing proposes (plain decoding);
+- `NgramDraft(n_max, n_min)`: prompt lookup over the row's own tokens (point-mass proposals);
+- `ModelDraft(model)`: a draft model, run in-process (SD) or in its own process (SSD).
+Every kind answers `model` (its ModelSpec, or None) and `label` (one line for people), so
+callers that only need those never branch on the kind. Invalid values raise UsageError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ssdlocal.core.errors import UsageError
+from ssdlocal.core.quantization import check_quantization
+
+DEFAULT_DTYPE = "bfloat16"  # the activation dtype models run in unless told otherwise
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("torch", "llamacpp")
+
+
+def normalize_device(device: str) -> str:
+    """One spelling per device, so devices can be compared as strings: "cuda" (torch's
+    default CUDA device, index 0 in a process that sets none) -> "cuda:0"; "cuda:01" ->
+    "cuda:1". Other names are returned as they are."""
+    if device == "cuda":
+        return "cuda:0"
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return f"cuda:{int(device[5:])}"
+    return device
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model lives and how to run it."""
+
+    path: str
+    device: str = "cpu"
+    dtype: str = DEFAULT_DTYPE
+    backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
+    # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
+    # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
+    quantization: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise UsageError(f"unknown backend {self.backend!r}", f"choose one of: {', '.join(BACKENDS)}")
+        check_quantization(self.quantization)
+        if self.backend == "llamacpp" and self.quantization in ("int8", "int4"):
+            raise UsageError(
+                f"--quantization {self.quantization} applies to the torch backend only",
+                "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
+                "or use the torch backend",
+            )
+        if self.dtype not in DTYPES:
+            raise UsageError(f"unknown dtype {self.dtype!r}", f"choose one of: {', '.join(DTYPES)}")
+        dev = self.device
+        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")
+        object.__setattr__(self, "device", normalize_device(dev))  # compared as strings later
+
+
+@dataclass(frozen=True)
+class NoDraft:
+    """No proposals: plain autoregressive decoding."""
+
+    kind: ClassVar[str] = "none"
+    model: ClassVar[None] = None
+    label: ClassVar[str] = "none"
+
+
+@dataclass(frozen=True)
+class NgramDraft:
+    """Prompt lookup: the continuation of the longest n-gram (n_max down to n_min) that
+    ends the row and occurred earlier in it. Deterministic: verified as point masses."""
+
+    n_max: int = 3
+    n_min: int = 1
+    kind: ClassVar[str] = "ngram"
+    model: ClassVar[None] = None
+    label: ClassVar[str] = "n-gram (prompt lookup)"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_min <= self.n_max:
+            raise UsageError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}",
+                             "use the defaults (n_min 1, n_max 3)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelDraft:
+    """A draft model with the target's tokenizer (checked when the engine loads)."""
+
+    model: ModelSpec
+    kind: ClassVar[str] = "model"
+
+    @property
+    def label(self) -> str:
+        return self.model.path
+
+
+Draft = NoDraft | NgramDraft | ModelDraft

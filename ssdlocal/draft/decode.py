@@ -1,0 +1,90 @@
+"""The K-step draft decoder both model drafters share: K tokens per row on the draft's device.
+
+`ModelDrafter` (SD) and the SSD speculator's just-in-time backup both need the same job
+done: given the draft's logits after each row's newest token, draw d_1, feed it, draw
+d_2, ... d_K. Everything stays on the draft's device (tokens, q, logits): no host round
+trip between the K steps, one read-back at the end by whoever needs host lists.
+Knows nothing about rounds, verification or processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sampling import logits_to_probs, sample
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """K drafts per row, on the draft's device.
+
+    tokens: [B, K] long.
+    q: [B, K, V] float32, the distributions the drafts were drawn from (None when greedy).
+    logits: [B, K, V] float32, the draft's logits each draft was drawn from (kept only when
+        asked for: the SSD speculator reuses them as its predictions).
+    """
+
+    tokens: Tensor
+    q: Tensor | None
+    logits: Tensor | None
+
+
+def align_vocab(logits: Tensor, vocab_size: int) -> Tensor:
+    """Pad (with -inf) or cut the last dim of draft logits [..., V_d] to the target's V."""
+    v_draft = logits.shape[-1]
+    if v_draft == vocab_size:
+        return logits
+    if v_draft > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v_draft), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)  # [..., V]
+
+
+class DraftDecoder:
+    """Draws K tokens per row with a draft Runner in step mode.
+
+    `probs(logits [B, V], j) -> q [B, V]`: the distribution draft j is drawn from (default:
+    the sampling parameters' warp, i.e. what the target's p gets); unused when greedy.
+    """
+
+    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int,
+                 generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None) -> None:  # fmt: skip
+        self.runner = runner
+        self.k = k
+        self.params = params
+        self.target_vocab = target_vocab
+        self.generator = generator
+        self.probs = probs or (lambda logits, j: logits_to_probs(logits, params))
+
+    @torch.inference_mode()
+    def decode(self, first: Tensor, bound: int, keep_logits: bool = False) -> Drafted:
+        """first [B, V_d]: the draft's logits after each row's newest token, which the
+        runner holds, its lengths just past it. Draws d_1 from `first`, then feeds d_j and
+        draws d_{j+1} (K-1 steps, lengths += 1 each). `bound`: a bound on every row's
+        length + K (attention span). Rows nobody needs draw garbage, harmlessly."""
+        tokens, qs, kept = [], [], []
+        logits = align_vocab(first, self.target_vocab)  # [B, V]
+        for j in range(self.k):
+            if j > 0:
+                step = self.runner.step(tokens[-1][:, None], bound)[:, 0]  # [B, V_d] (a static buffer)
+                self.runner.advance(1)
+                logits = align_vocab(step, self.target_vocab)  # [B, V]
+            if keep_logits:
+                kept.append(logits.clone())  # the next step may overwrite the buffer
+            token, q = self._draw(logits, j)
+            tokens.append(token)
+            qs.append(q)
+        q_all = None if self.params.greedy else torch.stack(qs, dim=1)  # [B, K, V]
+        return Drafted(torch.stack(tokens, dim=1), q_all, torch.stack(kept, dim=1) if keep_logits else None)
+
+    def _draw(self, logits: Tensor, j: int) -> tuple[Tensor, Tensor | None]:
+        """logits [B, V] -> (token [B], q [B, V] or None when greedy)."""
+        if self.params.greedy:
+            return torch.argmax(logits, dim=-1), None  # [B]
+        q = self.probs(logits, j)  # [B, V]
+        return sample(q, self.generator), q

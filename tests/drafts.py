@@ -1,0 +1,19 @@
+"""Drafts for tests from the text a user would type (None, "ngram" or a checkpoint path)."""
+
+from __future__ import annotations
+
+from ssdlocal.cli.resolve import parse_draft
+from ssdlocal.core.config import Draft, ModelSpec
+
+
+def draft_of(text: str | None, device: str = "cpu", dtype: str = "float32", **model) -> Draft:
+    """NoDraft / NgramDraft / ModelDraft(ModelSpec(text, device, dtype, **model)); fp32 by
+    default, as the token-for-token tests need."""
+    return parse_draft(text, lambda path: ModelSpec(path, device, dtype, **model))
+
+
+def row_views(*sequences):
+    """Rows as drafters read them (`tokens`, `length`), from token lists."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(tokens=list(s), length=len(s)) for s in sequences]
