@@ -111,6 +111,9 @@ def test_repacking_crash_runs_with_repacking_off(fake_lib, monkeypatch):
     assert lib.extra_bufts is False
     lib.load_model("unused.gguf", 0, 0)
     assert loads()[-1] == "load extra_bufts=False"
+    llm = lib_module.high_level_llama(model_path="m.gguf")  # the benchmark's peers
+    assert llm.extra_bufts is False and llm.kwargs == {"model_path": "m.gguf"}
+    assert lib.ll.llama_model_default_params().use_extra_bufts is True  # restored
 
 
 def test_hanging_library_times_out(fake_lib):

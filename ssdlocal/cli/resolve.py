@@ -201,7 +201,8 @@ def backend_choice(models: ModelOptions, tp_devices=()) -> BackendChoice:
         if draft == "llamacpp" and models.draft_quantization in _TORCH_ONLY:
             draft = "torch"  # the draft's own --draft-quantization int8/int4
     if "llamacpp" in (models.target_backend, models.draft_backend) and probe.installed():
-        verdict = probe.require_llamacpp()
+        with _probing():
+            verdict = probe.require_llamacpp()
         note = note or ("" if verdict.extra_bufts else verdict.reason)
     return BackendChoice(target, draft, note)
 
@@ -222,10 +223,19 @@ def _auto_pick(models: ModelOptions, tp_devices) -> tuple[str, str]:
                          "torch backend (llama.cpp runs a GGUF in its own quantization)")  # fmt: skip
     from ssdlocal.backends.llamacpp.probe import llamacpp_verdict
 
-    verdict = llamacpp_verdict()
+    with _probing():
+        verdict = llamacpp_verdict()
     if not verdict.ok:
         return "torch", f"backend torch: {verdict.reason}"
     return "llamacpp", "" if verdict.extra_bufts else verdict.reason
+
+
+def _probing():
+    """A spinner while llama.cpp's first test run on this machine may be going on (a
+    cached verdict returns at once)."""
+    from ssdlocal.cli.render import err_console
+
+    return err_console.status("testing llama.cpp on this machine (once) ...", spinner="dots")
 
 
 def _pair_has_gguf(name: str) -> bool:

@@ -192,8 +192,9 @@ def run_probe(library: str, path: Path, timeout_s: float) -> Verdict:
 
 def _run_child(model: str, extra_bufts: str, timeout_s: float) -> str | None:
     """None when the child evaluated the model; else what went wrong, in a few words."""
-    root = str(Path(__file__).resolve().parents[3])  # the directory holding `ssdlocal`
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    root = str(Path(__file__).resolve().parents[3])  # the directory holding `ssdlocal`: a
+    # fallback after the caller's own path, so the child imports the same llama_cpp
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)}
     cmd = [sys.executable, "-m", "ssdlocal.backends.llamacpp.probe_child", model, "--extra-bufts", extra_bufts]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,

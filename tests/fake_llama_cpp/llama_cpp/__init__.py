@@ -8,13 +8,15 @@ native-library failure chosen by the environment (FAKE_LLAMA_CPP):
 - repack-hang: never returns from llama_decode when use_extra_bufts is on;
 - no-switch: like segv, and llama_model_params has no use_extra_bufts (old releases).
 
-Each model load appends "load extra_bufts=<bool>" to $FAKE_LLAMA_CPP_LOG when set.
+`Llama(**kwargs)` stands in for the high-level class: it records the default model params
+it was built with (`self.extra_bufts`). Each model load appends "load extra_bufts=<bool>" to $FAKE_LLAMA_CPP_LOG when set.
 Put the folder holding this package first on PYTHONPATH (the probe's child inherits it).
 """
 
 import ctypes
 import os
 import signal
+import sys
 import time
 
 __version__ = "0.0.fake"
@@ -148,3 +150,14 @@ def llama_decode(ctx, batch):
 
 def llama_get_logits(ctx):
     return ctypes.cast(ctx.out, ctypes.POINTER(ctypes.c_float))
+
+
+class Llama:
+    """llama-cpp-python's high-level class reads its defaults from `llama_cpp.llama_cpp`."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.extra_bufts = llama_cpp.llama_model_default_params().use_extra_bufts
+
+
+llama_cpp = sys.modules[__name__]  # the real package's low-level submodule
