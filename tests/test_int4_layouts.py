@@ -99,7 +99,8 @@ def test_each_isa_path_in_a_pinned_process(pin, record_property):
     best logits are refined in float32; nothing is logged (a healthy machine)."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": pin, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     record_property("isa_paths", f"asked {pin}, ran {got['capability']}")

@@ -182,7 +182,7 @@ def run_probe(library: str, path: Path, timeout_s: float) -> Verdict:
             return Verdict(True, True, reason, library, path, fresh=True)
         second = _run_child(model, "off", timeout_s)
     if second is None:
-        reason = (f"{library} crashed on this CPU with its CPU weight repacking (extra buffer "
+        reason = (f"{library} failed on this CPU with its CPU weight repacking (extra buffer "
                   f"types) on ({first}) and runs with it off, so ssdlocal turns it off")  # fmt: skip
         return Verdict(True, False, reason, library, path, fresh=True)
     also = "" if second == "unsupported" else f", and with CPU weight repacking off ({second})"
@@ -192,27 +192,29 @@ def run_probe(library: str, path: Path, timeout_s: float) -> Verdict:
 
 def _run_child(model: str, extra_bufts: str, timeout_s: float) -> str | None:
     """None when the child evaluated the model; else what went wrong, in a few words."""
-    root = str(Path(__file__).resolve().parents[3])  # the directory holding `ssdlocal`: a
-    # fallback after the caller's own path, so the child imports the same llama_cpp
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)}
-    cmd = [sys.executable, "-m", "ssdlocal.backends.llamacpp.probe_child", model, "--extra-bufts", extra_bufts]
+    # the directory holding `ssdlocal`, after the caller's own path (the same llama_cpp)
+    root = str(Path(__file__).resolve().parents[3])
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)
+    cmd = [sys.executable, "-m", "ssdlocal.backends.llamacpp.probe_child", model,
+           "--extra-bufts", extra_bufts]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)  # fmt: skip
     except subprocess.TimeoutExpired:
         return f"no answer within {timeout_s:g} s evaluating a tiny model"
     answer = _last_json(proc.stdout)
     if proc.returncode == 0 and answer.get("ok") is True:
         return None
+    said = (proc.stderr.strip().splitlines() or [""])[-1][:160]  # e.g. a GGML_ASSERT line
     if proc.returncode < 0:
         try:
             name = signal.Signals(-proc.returncode).name
         except ValueError:
             name = f"signal {-proc.returncode}"
-        return f"{name} evaluating a tiny model"
+        return f"{name} evaluating a tiny model" + (f": {said}" if said else "")
     if answer.get("unsupported"):
         return "unsupported"
-    detail = answer.get("error") or (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    detail = answer.get("error") or said or "no output"
     return f"exit code {proc.returncode} evaluating a tiny model: {detail[:200]}"
 
 

@@ -29,7 +29,8 @@ VOCAB = 320
 
 def byte_tokens() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)}  # fmt: skip
     extra = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
