@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,10 +132,19 @@ def test_explicit_target_device_gets_an_auto_draft_device(tiny_dir, monkeypatch)
 
 
 # --------------------------------------------------------------------------- backends
+def _healthy_llamacpp(monkeypatch, extra_bufts=True):
+    """llama-cpp-python 'installed' and its probe passed (probe.py is tested on its own)."""
+    from ssdlocal.backends.llamacpp import probe
+
+    verdict = probe.Verdict(True, extra_bufts, "passed", "llama-cpp-python 0.0", Path("v.json"))
+    monkeypatch.setattr(probe, "installed", lambda: True)
+    monkeypatch.setattr(probe, "llamacpp_verdict", lambda *a, **k: verdict)
+
+
 def test_auto_backend_prefers_llamacpp_for_gguf_on_cpu(monkeypatch, tmp_path):
     gguf = str(tmp_path / "m.gguf")
     monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    _healthy_llamacpp(monkeypatch)
     assert choose_backends(ModelOptions(target=gguf, draft=gguf)) == ("llamacpp", "llamacpp")
     assert choose_backends(ModelOptions()) == ("llamacpp", "llamacpp")  # the built-in GGUF pair
     assert choose_backends(ModelOptions(target=str(tmp_path))) == ("torch", "torch")  # HF dir
@@ -143,6 +152,39 @@ def test_auto_backend_prefers_llamacpp_for_gguf_on_cpu(monkeypatch, tmp_path):
     assert choose_backends(ModelOptions(target=gguf, target_device="cuda:0"))[0] == "torch"
     monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine(24.0))
     assert choose_backends(ModelOptions(target=gguf))[0] == "torch"  # a GPU is in play
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantization_steers_auto_to_torch(monkeypatch, tmp_path, capsys, quantization):
+    """--quantization int8/int4 with backend auto picks torch, the backend that applies it
+    (and says so); with an explicit llama.cpp it stays an error with a hint."""
+    from ssdlocal.cli.resolve import backend_choice
+    from ssdlocal.core.errors import UsageError
+
+    gguf = str(tmp_path / "m.gguf")
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
+    _healthy_llamacpp(monkeypatch)
+    choice = backend_choice(ModelOptions(target=gguf, draft=gguf, quantization=quantization))
+    assert (choice.target, choice.draft) == ("torch", "torch")
+    assert f"--quantization {quantization}" in choice.note and "torch" in choice.note
+    default = backend_choice(ModelOptions(quantization=quantization))  # the default pair
+    assert (default.target, default.draft) == ("torch", "torch")
+    # only the draft's quantization asks for torch: the target stays on llama.cpp
+    split = backend_choice(ModelOptions(target=gguf, draft=gguf, draft_quantization=quantization))
+    assert (split.target, split.draft) == ("llamacpp", "torch")
+    with pytest.raises(UsageError, match="torch backend only") as info:
+        engine_config(ModelOptions(target=gguf, target_backend="llamacpp", quantization=quantization),
+                      SpecOptions(mode="ar"))  # fmt: skip
+    assert "torch" in info.value.hint
+
+
+def test_auto_backend_notes_llamacpp_without_repacking(monkeypatch, tmp_path):
+    from ssdlocal.cli.resolve import backend_choice
+
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
+    _healthy_llamacpp(monkeypatch, extra_bufts=False)
+    choice = backend_choice(ModelOptions(target=str(tmp_path / "m.gguf")))
+    assert (choice.target, choice.note) == ("llamacpp", "passed")
 
 
 def test_auto_backend_without_llamacpp_is_torch(monkeypatch, tmp_path):

@@ -128,3 +128,19 @@ def test_llama_cpp_rejects_garbage_gguf(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\0" * 100)
     with pytest.raises(ModelLoadError):
         Engine(EngineConfig(target=ModelSpec(str(bad), backend="llamacpp", dtype="float32")))
+
+
+def test_probe_verdict_with_the_real_library(tmp_path, record_property):
+    """The probe's own tiny model (written without the network) loads and evaluates in the
+    real llama.cpp; on a healthy machine the verdict trusts it with repacking on, and on
+    one where repacking crashes it must still be usable with repacking off."""
+    from ssdlocal.backends.llamacpp import probe, probe_child
+    from ssdlocal.backends.llamacpp.lib import LlamaLib
+    from ssdlocal.backends.llamacpp.probe_model import write_probe_gguf
+
+    found = probe.llamacpp_verdict()  # child processes: a crash cannot take pytest with it
+    record_property("llamacpp_probe", found.reason)
+    assert found.ok, found.reason
+    path = str(write_probe_gguf(tmp_path / "probe.gguf"))
+    assert len(probe_child.evaluate(LlamaLib(extra_bufts=found.extra_bufts), path, 2)) == 3
+    assert len(probe_child.evaluate(LlamaLib(extra_bufts=False), path, 2)) == 3

@@ -175,6 +175,7 @@ def fake(monkeypatch, tokenizer, vocab, tmp_path):
     """Patch the backend to use FakeLlamaLib; returns (lib, target.gguf, draft.gguf)."""
     lib = FakeLlamaLib(vocab, tokenizer)
     monkeypatch.setattr("ssdlocal.backends.llamacpp.lib.LlamaLib", lambda verbose=False: lib)
+    monkeypatch.setattr("ssdlocal.backends.llamacpp.probe.installed", lambda: False)  # no probe
     monkeypatch.setattr(gguf_loader, "gguf_tokenizer", lambda path: tokenizer)
     monkeypatch.setattr("ssdlocal.backends.llamacpp.gguf_tokenizer", lambda path: tokenizer)
     paths = []

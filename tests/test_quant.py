@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ssdlocal.backends.torch import gguf_quant
+from ssdlocal.backends.torch.int4_cpu import expected_layout
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.quant import (
     QuantEmbedding,
@@ -37,6 +38,10 @@ gguf = pytest.importorskip("gguf")
 import tiny_gguf
 
 IDS = torch.tensor([[5, 17, 200, 3, 99, 12, 40, 41, 42, 43, 100, 7]])
+# torch's CPU int4 kernel (and so its weight layout) follows the instruction set it dispatches
+# to: the int4 test ids name it (ATEN_CPU_CAPABILITY=avx2 pins an AVX-512 machine to AVX2).
+ISA = torch.backends.cpu.get_cpu_capability().lower()
+SCHEMES = ["int8", pytest.param("int4", id=f"int4-{ISA}")]
 
 
 @pytest.fixture(autouse=True)
@@ -82,13 +87,14 @@ def test_round_trip_within_half_a_step(scheme, dtype):
     assert qw.nbytes == (96 * 256 + 96 * size if scheme == "int8" else 96 * 128 + 2 * 96 * 8 * size)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_head_rows_and_fp32_logits(scheme):
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_head_rows_and_fp32_logits(scheme, record_property):
     """A quantized lm_head's rows de-quantize to exactly the weights the kernel uses, and
     fp32_logits recomputes its best candidates from them in float32 (ties in bf16 output
     then do not depend on how many tokens one forward scores)."""
     from ssdlocal.backends.torch.logits import REFINED, fp32_logits
 
+    record_property("cpu_capability", ISA)
     torch.manual_seed(0)
     w = torch.randn(72, 128) * 0.05  # 72 rows: int4 pads them to the kernel's 96
     qw = quantize(w, scheme, torch.bfloat16)
@@ -105,8 +111,8 @@ def test_quantized_head_rows_and_fp32_logits(scheme):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("n", [64, 40])  # 40: int4 pads the rows to the kernel's multiple of 16
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("n", [64, 40, 200])  # int4 pads rows to 32: 64 + a partial block on AVX-512
 def test_kernel_equals_dequantized_matmul(scheme, dtype, n):
     w, bias = torch.randn(n, 128) * 0.05, torch.randn(n)
     qw = quantize(w, scheme, dtype)
@@ -116,6 +122,8 @@ def test_kernel_equals_dequantized_matmul(scheme, dtype, n):
     ref = x.float() @ qw.dequantize().t() + bias.to(dtype).float()
     out = lin(x)
     assert out.shape == (2, 5, n) and out.dtype == dtype
+    if scheme == "int4":  # the layout this CPU's kernel reads, built natively (not by torch)
+        assert lin.layout == expected_layout()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (out.float() - ref).abs().max() <= tol * ref.abs().max()
 
@@ -359,17 +367,6 @@ def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
     settings = _default_gguf_peers(BenchSettings(peers=("llamacpp",)), config)
     assert settings.gguf_target == str(path) and settings.gguf_draft is None
     assert _default_gguf_peers(BenchSettings(), config).gguf_target is None  # no llama.cpp peer
-
-
-def test_cpu_int4_layout_matches_torch_packing():
-    """QuantLinear builds the CPU kernel's layout itself; it must equal torch's converter."""
-    from ssdlocal.backends.torch import quant
-
-    assert quant._cpu_layout_known()
-    for n, k in ((32, 64), (96, 256), (2048 + 64, 96)):
-        q = torch.randint(0, 16, (n, k), dtype=torch.int32)
-        codes = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
-        assert torch.equal(quant._pack_int4_cpu_numpy(codes), torch._convert_weight_to_int4pack_for_cpu(q, 1))
 
 
 def test_quantize_model_equals_quantized_load(tiny_dir):

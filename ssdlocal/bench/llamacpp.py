@@ -137,17 +137,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _run_peers(args, modes, ids, params, eos, threads, results) -> None:
     """llama-cpp-python plain and with LlamaPromptLookupDecoding, same prompts and threads."""
-    from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from ssdlocal.backends.llamacpp.lib import high_level_llama
 
     n_ctx = max(map(len, ids)) + args.max_new_tokens + 64
     for name in ("peer", "peer-lookup"):
         if name not in modes:
             continue
         lookup = LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)
-        llm = Llama(model_path=args.target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                    verbose=False, draft_model=lookup if name == "peer-lookup" else None,
-                    flash_attn=args.peer_flash_attn == "on")
+        llm = high_level_llama(
+            model_path=args.target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+            verbose=False, draft_model=lookup if name == "peer-lookup" else None,
+            flash_attn=args.peer_flash_attn == "on",
+        )  # fmt: skip
         _peer(llm, ids[:1], replace_max(params, 4), eos)  # warm-up
         outs, n, s = _peer(llm, ids, params, eos)
         results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs}

@@ -160,13 +160,13 @@ class LlamaCppPeer:
     is fed K greedy tokens from a second Llama (prefix reuse is llama.cpp's own)."""
 
     def __init__(self, name: str, opts: PeerOptions, eos_ids: frozenset[int]) -> None:
-        from llama_cpp import Llama
+        from ssdlocal.backends.llamacpp.lib import high_level_llama
 
         draft = None
         if name == "llamacpp-assisted":
             draft = _make_gguf_draft(opts.gguf_draft, opts.k, opts.n_ctx)
         self.name = name
-        self.llm = Llama(
+        self.llm = high_level_llama(  # probed first: refused where llama.cpp crashed here
             model_path=opts.gguf_target, n_ctx=opts.n_ctx, verbose=False, draft_model=draft
         )
         self.eos_ids = eos_ids
@@ -204,12 +204,13 @@ class LlamaCppPeer:
 
 def _make_gguf_draft(path: str, k: int, n_ctx: int):
     import numpy as np
-    from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaDraftModel
+
+    from ssdlocal.backends.llamacpp.lib import high_level_llama
 
     class GGUFDraft(LlamaDraftModel):
         def __init__(self) -> None:
-            self.llm = Llama(model_path=path, n_ctx=n_ctx, verbose=False)
+            self.llm = high_level_llama(model_path=path, n_ctx=n_ctx, verbose=False)
 
         def __call__(self, input_ids, /, **kwargs):
             out = []

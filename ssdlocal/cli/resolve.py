@@ -119,7 +119,14 @@ def engine_config(
     }  # fmt: skip
     tp_devices, auto_place = _target_devices(models.target_devices)
     _validate(models, options, wants_draft, tp_devices)  # before any download
-    backends = choose_backends(models, tp_devices)
+    choice = backend_choice(models, tp_devices)
+    if choice.note:
+        from rich.markup import escape
+
+        from ssdlocal.cli.render import err_console
+
+        err_console.print(f"[dim]{escape(choice.note)}[/dim]", soft_wrap=True)
+    backends = (choice.target, choice.draft)
     quants = models.quantizations(backends)
     target, draft = model_paths(models, backends, quants)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
@@ -172,23 +179,73 @@ def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class BackendChoice:
+    """(target, draft) backends, and one line for the user when the choice needs a reason."""
+
+    target: str
+    draft: str
+    note: str = ""
+
+
 def choose_backends(models: ModelOptions, tp_devices=()) -> tuple[str, str]:
-    """(target, draft) backends; "auto" = llama.cpp for GGUF models on a CPU-only run when
-    llama-cpp-python is installed (its quantized CPU kernels beat our dense ones), else
-    torch (GPUs, tensor parallelism, checkpoint directories)."""
-    if "auto" not in (models.target_backend, models.draft_backend):
-        return models.target_backend, models.draft_backend
+    choice = backend_choice(models, tp_devices)
+    return choice.target, choice.draft
+
+
+def backend_choice(models: ModelOptions, tp_devices=()) -> BackendChoice:
+    """(target, draft) backends. "auto" = llama.cpp for GGUF models on a CPU-only run when
+    llama-cpp-python is installed and passed its probe on this machine (its quantized CPU
+    kernels beat our dense ones), else torch: GPUs, tensor parallelism, checkpoint
+    directories, --quantization int8/int4 (which only torch honours), or a llama.cpp that
+    crashed in its probe. An explicitly chosen llama.cpp that crashed there raises
+    ModelLoadError (with a hint) here, before anything is downloaded or loaded."""
+    from ssdlocal.backends.llamacpp import probe
+
+    note = ""
+    target, draft = models.target_backend, models.draft_backend
+    if target == "auto":
+        target, note = _auto_pick(models, tp_devices)
+    if draft == "auto":
+        draft = target if models.draft is None or _is_gguf(models.draft) else "torch"
+        if draft == "llamacpp" and models.draft_quantization in _TORCH_ONLY:
+            draft = "torch"  # the draft's own --draft-quantization int8/int4
+    if "llamacpp" in (models.target_backend, models.draft_backend) and probe.installed():
+        with _probing():
+            verdict = probe.require_llamacpp()
+        note = note or ("" if verdict.extra_bufts else verdict.reason)
+    return BackendChoice(target, draft, note)
+
+
+_TORCH_ONLY = ("int8", "int4")  # quantizations only the torch backend applies
+
+
+def _auto_pick(models: ModelOptions, tp_devices) -> tuple[str, str]:
+    """The backend `auto` picks for the target, and a note when it needs explaining."""
     from ssdlocal.placement.auto import llamacpp_wins
 
     cpu = not tp_devices and models.target_device in ("cpu", "auto")
     gguf = models.target is not None or models.pair is None or _pair_has_gguf(models.pair)
-    wins = cpu and gguf and llamacpp_wins(models.target, models.target_device)
-    pick = "llamacpp" if wins else "torch"
-    target = pick if models.target_backend == "auto" else models.target_backend
-    draft = models.draft_backend
-    if draft == "auto":
-        draft = target if models.draft is None or _is_gguf(models.draft) else "torch"
-    return target, draft
+    if not (cpu and gguf and llamacpp_wins(models.target, models.target_device)):
+        return "torch", ""
+    if models.quantization in _TORCH_ONLY:
+        return "torch", (f"backend torch: --quantization {models.quantization} is applied by the "
+                         "torch backend (llama.cpp runs a GGUF in its own quantization)")  # fmt: skip
+    from ssdlocal.backends.llamacpp.probe import llamacpp_verdict
+
+    with _probing():
+        verdict = llamacpp_verdict()
+    if not verdict.ok:
+        return "torch", f"backend torch: {verdict.reason}"
+    return "llamacpp", "" if verdict.extra_bufts else verdict.reason
+
+
+def _probing():
+    """A spinner while llama.cpp's first test run on this machine may be going on (a
+    cached verdict returns at once)."""
+    from ssdlocal.cli.render import err_console
+
+    return err_console.status("testing llama.cpp on this machine (once) ...", spinner="dots")
 
 
 def _pair_has_gguf(name: str) -> bool:

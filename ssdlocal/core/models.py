@@ -52,7 +52,8 @@ class ModelSpec:
             raise UsageError(
                 f"--quantization {self.quantization} applies to the torch backend only",
                 "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
-                "or use the torch backend",
+                "or use the torch backend (--target-backend torch, or auto, which picks it "
+                "for int8/int4)",
             )
         if self.dtype not in DTYPES:
             raise UsageError(f"unknown dtype {self.dtype!r}", f"choose one of: {', '.join(DTYPES)}")

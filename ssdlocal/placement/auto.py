@@ -6,7 +6,8 @@ dtype or to the quantized layout; a .gguf file loaded as floats counts by its si
 disk. The planner (planner.py) puts the target on the GPUs (tensor parallel across
 several) and the draft on a free GPU; with no GPU left for the draft it shares the
 target's GPU when it fits there (a GPU draft outruns a CPU one). Pure apart from reading
-headers, `detect()` and checking that llama_cpp imports.
+headers, `detect()` and looking for llama_cpp (whether llama.cpp also runs on this
+machine is the probe's question: backends/llamacpp/probe.py).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def auto_draft_device(target_device: str, inventory=None) -> str:
 def llamacpp_wins(target: str | None, target_device: str, inventory=None) -> bool:
     """True when a CPU-only run of this target should use llama.cpp: the target is a GGUF
     file (or the built-in pair, which ships as GGUF), the machine has no GPU in play, and
-    llama-cpp-python is installed."""
+    llama-cpp-python is installed (found, not imported: the probe runs it first)."""
     if target is not None and not target.lower().endswith(".gguf"):
         return False
     if target_device == "auto":
@@ -109,8 +110,6 @@ def llamacpp_wins(target: str | None, target_device: str, inventory=None) -> boo
         inventory = detect() if inventory is None else inventory
         if inventory.gpus:
             return False
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
+    from ssdlocal.backends.llamacpp.probe import installed
+
+    return installed()

@@ -1,6 +1,7 @@
 """llama.cpp backend (llama-cpp-python, GGUF files): loader, runner, thin C-API adapter.
 
-Nothing here imports llama_cpp at import time; `load_gguf` does, with an install hint.
+Nothing here imports llama_cpp at import time; `load_gguf` does, with an install hint,
+after probe.py has seen llama.cpp run on this machine in a child process.
 """
 
 from ssdlocal.backends.llamacpp.loader import (
@@ -19,8 +20,11 @@ __all__ = [
 
 
 def preflight(path: str) -> None:
-    """Cheap checks before a worker loads a GGUF: the file, and that llama_cpp imports."""
+    """Cheap checks before a worker loads a GGUF: the file, that llama_cpp imports, and
+    that llama.cpp passed its probe on this machine (cached after the first time)."""
     from ssdlocal.backends.llamacpp.lib import import_llama_cpp
+    from ssdlocal.backends.llamacpp.probe import require_llamacpp
 
     check_gguf_file(path)
     import_llama_cpp()
+    require_llamacpp()

@@ -4,7 +4,9 @@ LlamaLib exposes what LlamaCppRunner needs (load a GGUF, make a context with a u
 multi-sequence KV cache, decode one llama_batch with per-token logits flags, remove /
 copy sequence ranges). Tests swap in a fake with the same methods, so the runner's
 bookkeeping is tested without the compiled library. Imported lazily, never at import
-time of ssdlocal.
+time of ssdlocal. Before it loads a model it asks probe.py whether llama.cpp ran on this
+machine (a crash there becomes an error with a hint, and CPU weight repacking is turned
+off where only that crashed).
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ssdlocal.backends.llamacpp.probe import INSTALL_HINT, require_llamacpp
 from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = "pip install 'ssdlocal[llamacpp]' (builds llama-cpp-python from source, a few minutes)"
 _BACKEND_READY = False
 
 
@@ -40,12 +41,47 @@ def import_llama_cpp():
     return llama_cpp
 
 
-class LlamaLib:
-    """llama.cpp calls used by the runner; every pointer stays inside this class."""
+def can_disable_extra_bufts(ll) -> bool:
+    """Whether this llama-cpp-python exposes `use_extra_bufts` in llama_model_params."""
+    return hasattr(ll.llama_model_params, "use_extra_bufts")
 
-    def __init__(self, verbose: bool = False) -> None:
+
+def high_level_llama(**kwargs):
+    """llama-cpp-python's own `Llama(**kwargs)` (the benchmark's peers) under the probe's
+    verdict: ModelLoadError where llama.cpp crashed here, repacking off where only that did.
+    `Llama` takes no such option, so its default model params are wrapped while it loads."""
+    ll = import_llama_cpp()
+    if require_llamacpp().extra_bufts:
+        return ll.Llama(**kwargs)
+    module = ll.llama_cpp  # where Llama reads llama_model_default_params from
+    defaults = module.llama_model_default_params
+
+    def without_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_model_default_params = without_repacking
+    try:
+        return ll.Llama(**kwargs)
+    finally:
+        module.llama_model_default_params = defaults
+
+
+class LlamaLib:
+    """llama.cpp calls used by the runner; every pointer stays inside this class.
+
+    `extra_bufts`: whether llama.cpp may use its extra buffer types (CPU weight
+    repacking); None asks the probe (probe.require_llamacpp), which raises
+    ModelLoadError when llama.cpp crashed on this machine.
+    """
+
+    def __init__(self, verbose: bool = False, extra_bufts: bool | None = None) -> None:
         global _BACKEND_READY
         self.ll = import_llama_cpp()
+        if extra_bufts is None:
+            extra_bufts = require_llamacpp().extra_bufts
+        self.extra_bufts = extra_bufts
         try:  # route llama.cpp's stderr chatter through its Python logger (quiet)
             from llama_cpp._logger import set_verbose
 
@@ -72,6 +108,8 @@ class LlamaLib:
         params.main_gpu = main_gpu
         if n_gpu_layers and hasattr(self.ll, "LLAMA_SPLIT_MODE_NONE"):
             params.split_mode = self.ll.LLAMA_SPLIT_MODE_NONE  # one GPU: main_gpu
+        if not self.extra_bufts:
+            params.use_extra_bufts = False  # no CPU weight repacking (it crashed in the probe)
         model = self.ll.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise ModelLoadError(

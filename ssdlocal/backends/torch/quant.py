@@ -9,18 +9,14 @@ them for shards). Knows nothing about files or processes. docs/architecture.md
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssdlocal.backends.torch import int4_cpu
 from ssdlocal.core.quantization import INT4_GROUP
-
-log = logging.getLogger(__name__)
 
 # Linears that get quantized, by the last part of their module name. Embeddings and
 # norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
@@ -182,6 +178,7 @@ class QuantLinear(nn.Module):
         self.kernel = kernel_for(weight.scheme, device, dtype)
         self.reduce, self.group = reduce, group
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        self.layout: int4_cpu.Int4Layout | None = None  # the CPU int4 kernel's weight layout
         self._pack(weight, dtype, device)
 
     def _pack(self, w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
@@ -192,8 +189,15 @@ class QuantLinear(nn.Module):
             # [K/group, N, 2]: (scale, zero) per group and output feature
             sz = torch.stack((w.scales.t(), w.zeros.t()), dim=-1).to(device, dtype).contiguous()
             self.register_buffer("scales_and_zeros", sz)
-            self.register_buffer("packed", _pack_int4_cpu(w.codes) if self.kernel == "int4_cpu"
-                                 else _pack_int4_cuda(w.codes.to(device)))  # fmt: skip
+            if self.kernel == "int4_cpu":
+                self.layout = int4_cpu.cpu_layout()  # None: an unknown layout, torch packs
+                if self.layout is None:
+                    packed = int4_cpu.pack_with_torch(w.codes)
+                else:
+                    packed = int4_cpu.pack(w.codes, self.layout)
+            else:
+                packed = _pack_int4_cuda(w.codes.to(device))
+            self.register_buffer("packed", packed)
         elif self.kernel == "int4_dequant":
             self.register_buffer("codes", w.codes.to(device))
             self.register_buffer("scales", w.scales.to(device, dtype))
@@ -236,27 +240,20 @@ class QuantLinear(nn.Module):
     def dequantize_rows(self, idx: Tensor) -> Tensor | None:
         """Output rows `idx` (any shape) of W as float32 [*idx.shape, in_features], exactly
         the values the kernel multiplies by; None where the packed layout is not ours to
-        read (CUDA tinygemm, or a torch release whose CPU int4 layout changed)."""
+        read (CUDA tinygemm, or a CPU whose int4 layout is none of int4_cpu.LAYOUTS)."""
         flat = idx.reshape(-1)
         if self.kernel in ("int8_cpu", "int8_cuda"):
             rows = self.codes[flat].float() * self.scales[flat].float()[:, None]  # [R, K]
         elif self.kernel == "int4_dequant":
             w = QuantizedWeight("int4", self.codes[flat], self.scales[flat], self.zeros[flat], self.group_size)
             rows = w.dequantize(torch.float32)  # [R, K]
-        elif self.kernel == "int4_cpu" and _cpu_layout_known():
-            rows = self._int4_cpu_rows(flat)
+        elif self.kernel == "int4_cpu" and self.layout is not None:
+            q = int4_cpu.read_rows(self.packed, flat, self.layout)  # [R, K]
+            sz = self.scales_and_zeros[:, flat]  # [K/g, R, 2]
+            rows = dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), self.group_size)  # [R, K]
         else:
             return None
         return rows.view(*idx.shape, self.in_features)
-
-    def _int4_cpu_rows(self, flat: Tensor) -> Tensor:
-        """Unpack rows from the CPU kernel's layout (see _pack_int4_cpu): per block of 32
-        rows, byte (k, j) holds row j's code k (low nibble) and row 16 + j's (high)."""
-        blocks = self.packed.view(-1, self.in_features, 16)  # [N/32, K, 16]
-        byte = blocks[flat // 32, :, flat % 16]  # [R, K]
-        q = torch.where((flat % 32 < 16)[:, None], byte & 15, byte >> 4)  # [R, K]
-        sz = self.scales_and_zeros[:, flat]  # [K/g, R, 2]
-        return dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), self.group_size)  # [R, K]
 
     def _cpu_mm(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_cpu":
@@ -277,50 +274,6 @@ def _pad_rows(w: QuantizedWeight, extra: int) -> QuantizedWeight:
         torch.cat([w.scales, w.scales.new_zeros(extra, groups)]),
         torch.cat([w.zeros, w.zeros.new_zeros(extra, groups)]), w.group_size,
     )  # fmt: skip
-
-
-def _pack_int4_cpu(codes: Tensor) -> Tensor:
-    """uint8 [N, K/2] (high nibble first, N % 32 == 0) -> the CPU kernel's layout.
-
-    That layout (found by probing torch._convert_weight_to_int4pack_for_cpu, and checked
-    against it once per process) stores each block of 32 rows as bytes [K, 16]: byte
-    (k, j) holds row j's value k in its low nibble and row 16 + j's in its high nibble.
-    Built here with a few numpy byte operations per block of rows: no int32 copy of the
-    weights, and no burst of small multithreaded torch ops (they stall on a busy machine).
-    """
-    if not _cpu_layout_known():  # another torch release: let torch pack, 128 rows at a time
-        out = torch.empty_like(codes)
-        for r in range(0, codes.shape[0], 128):
-            block = codes[r : r + 128]
-            q = torch.stack((block >> 4, block & 15), dim=-1).reshape(block.shape[0], -1).to(torch.int32)
-            out[r : r + 128] = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        return out
-    return _pack_int4_cpu_numpy(codes)
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_layout_known() -> bool:
-    q = torch.randint(0, 16, (64, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    codes = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)
-    same = torch.equal(_pack_int4_cpu_numpy(codes), torch._convert_weight_to_int4pack_for_cpu(q, 1))
-    if not same:
-        log.warning("torch's CPU int4 layout changed: packing through torch (slower loads)")
-    return same
-
-
-def _pack_int4_cpu_numpy(codes: Tensor) -> Tensor:
-    n, half = codes.shape
-    src = codes.numpy()
-    out = np.empty((n, half), dtype=np.uint8)
-    step = max(32, _CHUNK_ELEMENTS // (2 * half) // 32 * 32)
-    for r in range(0, n, step):
-        block = src[r : r + step].reshape(-1, 2, 16, half)  # [B, 2, 16, K/2]
-        low_rows, high_rows = block[:, 0], block[:, 1]  # rows j and 16 + j: [B, 16, K/2]
-        even = (low_rows >> 4) | (high_rows & 0xF0)  # values k = 2i
-        odd = (low_rows & 0x0F) | (high_rows << 4)  # values k = 2i + 1
-        pairs = np.stack((even, odd), axis=-1).reshape(block.shape[0], 16, 2 * half)  # [B, 16, K]
-        out[r : r + step] = pairs.transpose(0, 2, 1).reshape(-1, half)  # [B, K, 16] -> rows
-    return torch.from_numpy(out)
 
 
 def _pack_int4_cuda(codes: Tensor) -> Tensor:
