@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "ssdlocal"
 LAYERS = (
     {"core"},
-    {"spec"},
+    {"speculation"},
     {"backends"},
     {"ipc", "placement", "weights"},
     {"draft", "parallel"},

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from ssdlocal.spec.ngram import propose_ngram
+from ssdlocal.speculation.ngram import propose_ngram
 
 
 def test_simple_match_returns_continuation():

@@ -11,9 +11,9 @@ import torch
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.placement.cpus import split_cpus
-from ssdlocal.spec.backup import BackupChooser, expected_rate
-from ssdlocal.spec.fanout import FanOutPlanner, capped_geometric
-from ssdlocal.spec.spec_cache import Branch, SpeculationCache, bonus_candidates
+from ssdlocal.speculation.backup import BackupChooser, expected_rate
+from ssdlocal.speculation.fanout import FanOutPlanner, capped_geometric
+from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0)

@@ -15,7 +15,7 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.models import NgramDraft
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.draft.decode import DraftDecoder
-from ssdlocal.spec.ngram import propose_ngram
+from ssdlocal.speculation.ngram import propose_ngram
 
 
 class NgramDrafter:

@@ -19,7 +19,7 @@ from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.draft.ssd import protocol as pr
 from ssdlocal.ipc.child import ChildProcess
 from ssdlocal.ipc.qchannel import QChannel, choose_q_channel, make_q_channel
-from ssdlocal.spec.backup import BackupChooser
+from ssdlocal.speculation.backup import BackupChooser
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
 from ssdlocal.draft.decode import DraftDecoder, align_vocab
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
-from ssdlocal.spec.fanout import FanOutPlanner
-from ssdlocal.spec.ngram import propose_ngram
-from ssdlocal.spec.spec_cache import Branch, SpeculationCache, bonus_candidates
+from ssdlocal.speculation.fanout import FanOutPlanner
+from ssdlocal.speculation.ngram import propose_ngram
+from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates
 
 
 @dataclass
