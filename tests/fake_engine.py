@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -26,11 +27,12 @@ from ssdlocal.core.events import (
     DoneEvent,
     Event,
     Output,
+    PrefillEvent,
     RoundEvent,
     TokenOrigin,
     TokensEvent,
 )
-from ssdlocal.core.stats import SpecStats
+from ssdlocal.core.stats import RunStats
 from drafts import draft_of
 
 _TEXT = (
@@ -172,18 +174,17 @@ class FakeEngine:
         self.calls.append((ids, params, spec))
         k = spec.k if spec.mode is not Mode.AR else 0
         if token.cancelled:  # as Engine: stopped before it began
-            yield DoneEvent((Output("", (), "cancelled"),), SpecStats(k=k).snapshot())
+            yield DoneEvent((Output("", (), "cancelled"),), RunStats(k=k).snapshot())
             return
-        stats = SpecStats(k=k)
         clock = self.clock
-        t_start = clock()
+        stats = RunStats(k=k, mode=spec.mode.value, started=clock())
         budget = self.answer[: params.max_new_tokens]
         clock.advance(PREFILL_S)
-        stats.tokens = 1
-        ttft = clock() - t_start
-        yield TokensEvent(
-            0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,)
-        )
+        first = TokensEvent(0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,),
+                            at=clock())  # fmt: skip
+        stats.consume(PrefillEvent(PREFILL_S, 1))
+        stats.consume(first)
+        yield first
         pos, rnd = 1, 0
         finish = "length"
         while pos < len(budget):
@@ -205,46 +206,20 @@ class FakeEngine:
             new = budget[pos : pos + n_acc + 1]
             draft_origin = TokenOrigin.DRAFT_HIT if hit else TokenOrigin.DRAFT
             origins = [draft_origin.value] * (len(new) - 1) + [TokenOrigin.TARGET.value]
-            stats.tokens += len(new)
-            stats.record_row(k, min(n_acc, len(new) - 1) if k else 0, len(new))
-            stats.rounds += 1
-            stats.draft_s += 0.02 * bool(k) if not hit else 0.001
-            stats.verify_s += 0.04
-            backup = None
-            if hit is not None:
-                stats.record_ssd_row(hit, len(new))
-                stats.ssd_rounds += 1
-                stats.cache_hits += int(hit)
-                if not hit:
-                    backup = "jit"
-                    stats.backup_used["jit"] = stats.backup_used.get("jit", 0) + 1
-            yield TokensEvent(0, tuple(new), self.tokenizer.decode(new), tuple(origins))
-            yield RoundEvent(
-                rnd,
-                (k,),
-                (n_acc,),
-                (hit,) if hit is not None else None,
-                backup,
-                self._snapshot(stats, ttft, clock() - t_start),
-            )
+            tokens = TokensEvent(0, tuple(new), self.tokenizer.decode(new), tuple(origins), at=clock())
+            round_ = RoundEvent(
+                rnd, (k,), (min(n_acc, len(new) - 1) if k else 0,), (hit,) if hit is not None else None,
+                "jit" if hit is False else None, rows=(0,), n_emitted=(len(new),),
+                draft_s=0.02 * bool(k) if not hit else 0.001, verify_s=0.04,
+            )  # fmt: skip
+            stats.consume(tokens)
+            stats.consume(round_)
+            yield tokens
+            yield replace(round_, snapshot=stats.snapshot())
             pos += len(new)
             rnd += 1
         generated = tuple(budget[:pos])
-        yield DoneEvent(
-            (Output(self.tokenizer.decode(generated), generated, finish),),
-            self._snapshot(stats, ttft, clock() - t_start),
-        )
-
-    @staticmethod
-    def _snapshot(stats: SpecStats, ttft: float, elapsed: float) -> dict:
-        snap = stats.snapshot()
-        decode_s = elapsed - ttft
-        snap.update(
-            ttft_s=ttft,
-            decode_s=decode_s,
-            tokens_per_s=(stats.emitted_in_rounds / decode_s) if decode_s > 0 else None,
-        )
-        return snap
+        yield DoneEvent((Output(self.tokenizer.decode(generated), generated, finish),), stats.snapshot())
 
 
 def chat_settings(

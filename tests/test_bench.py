@@ -270,9 +270,9 @@ def test_projection_math_by_hand():
 
 def test_aggregate_math_by_hand():
     spec = {"k": 2, "rounds": 3, "row_rounds": 3, "drafted": 6, "accepted": 3, "emitted": 6,
-            "accepted_len_hist": [1, 1, 1], "timed_rounds": 2, "draft_ms_timed": 4.0,
-            "verify_ms_timed": 10.0, "rows_hit": 2, "rows_miss": 1, "tokens_on_hit": 5.0,
-            "tokens_on_miss": 1.0, "backup_used": {"jit": 1}}  # fmt: skip
+            "accepted_len_hist": [1, 1, 1], "draft_s": 0.006, "verify_s": 0.015, "ssd_rounds": 3,
+            "rows_hit": 2, "rows_miss": 1, "tokens_on_hit": 5, "tokens_on_miss": 1,
+            "backup_used": {"jit": 1}}  # raw counts of one call (core.stats)  # fmt: skip
     recs = [
         {
             "system": "ssd",

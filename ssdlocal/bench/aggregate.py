@@ -10,20 +10,15 @@ from __future__ import annotations
 from statistics import mean
 
 from ssdlocal.bench.project import ProjectionInputs
-
-_SUMMED = (
-    "rounds", "row_rounds", "drafted", "accepted", "emitted", "timed_rounds", "draft_ms_timed",
-    "verify_ms_timed", "rows_hit", "rows_miss", "tokens_on_hit", "tokens_on_miss",
-    "draft_busy_ms_timed",
-)  # fmt: skip
-
+from ssdlocal.core.stats import add_counts, metrics, new_counts
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
 def aggregate(records: list[dict], system: str) -> dict:
-    """Totals and rates of one system's records."""
+    """Totals and rates of one system's records: speculation counts summed, then the same
+    metrics() as a single call's."""
     recs = [r for r in records if r["system"] == system]
     decode_tokens = sum(r["decode_tokens"] for r in recs)
     decode_s = sum(r["decode_s"] for r in recs)
@@ -41,45 +36,20 @@ def aggregate(records: list[dict], system: str) -> dict:
     specs = [r["spec"] for r in recs if r.get("spec")]
     if not specs:
         return out
-    s = {key: sum(sp.get(key, 0) for sp in specs) for key in _SUMMED}
-    width = max(len(sp.get("accepted_len_hist") or []) for sp in specs)
-    hist = [0] * width
+    total = new_counts(specs[0]["k"])
     for sp in specs:
-        for i, n in enumerate(sp.get("accepted_len_hist") or []):
-            hist[i] += n
-    backups: dict[str, int] = {}
-    for sp in specs:
-        for name, n in (sp.get("backup_used") or {}).items():
-            backups[name] = backups.get(name, 0) + n
-    out.update(
-        {
-            "k": specs[0]["k"],
-            "rounds": s["rounds"],
-            "draft_ms_per_round": _ratio(s["draft_ms_timed"], s["timed_rounds"]),
-            "verify_ms_per_round": _ratio(s["verify_ms_timed"], s["timed_rounds"]),
-        }
-    )
-    if specs[0]["k"] == 0:
+        add_counts(total, sp)
+    m = metrics(total)
+    out.update({"k": total["k"], "rounds": total["rounds"], "draft_ms_per_round": m["draft_ms_per_round"],
+                "verify_ms_per_round": m["verify_ms_per_round"]})  # fmt: skip
+    if total["k"] == 0:
         return out
-    out.update(
-        {
-            "drafted": s["drafted"],
-            "accepted": s["accepted"],
-            "acceptance_rate": _ratio(s["accepted"], s["drafted"]),
-            "mean_accepted_len": _ratio(s["emitted"], s["row_rounds"]),
-            "accepted_len_hist": hist,
-        }
-    )
-    if any("rows_hit" in sp for sp in specs):
-        out.update(
-            {
-                "cache_hit_rate": _ratio(s["rows_hit"], s["rows_hit"] + s["rows_miss"]),
-                "tokens_per_round_hit": _ratio(s["tokens_on_hit"], s["rows_hit"]),
-                "tokens_per_round_miss": _ratio(s["tokens_on_miss"], s["rows_miss"]),
-                "draft_busy_ms_per_round": _ratio(s["draft_busy_ms_timed"], s["timed_rounds"]),
-                "backup_used": backups,
-            }
-        )
+    out.update({name: m[name] for name in ("acceptance_rate", "mean_accepted_len", "accepted_len_hist")})
+    out.update(drafted=total["drafted"], accepted=total["accepted"])
+    if total["ssd_rounds"]:
+        out.update({name: m[name] for name in ("cache_hit_rate", "tokens_per_round_hit", "tokens_per_round_miss",
+                                               "backup_used")})  # fmt: skip
+        out["draft_busy_ms_per_round"] = _ratio(m["draft_busy_ms"], total["rounds"])
     return out
 
 

@@ -5,6 +5,7 @@ Events are plain frozen dataclasses: no UI library is imported here or by the en
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -19,6 +20,14 @@ class TokenOrigin(str, Enum):
 
 
 @dataclass(frozen=True)
+class PrefillEvent:
+    """Every prompt was fed to the target (before the first tokens)."""
+
+    seconds: float  # the prefill's wall time (forward over the prompts + first token)
+    rows: int  # prompts in the call
+
+
+@dataclass(frozen=True)
 class TokensEvent:
     """New committed tokens of one row (`row` indexes the prompts / samples)."""
 
@@ -27,19 +36,25 @@ class TokensEvent:
     text: str  # decoded text delta, safe to print as it arrives
     origins: tuple[str, ...] = ()  # one TokenOrigin value per token
     finish_reason: str | None = None  # set on the row's last event: "eos" | "stop" | "length"
+    at: float = field(default_factory=time.perf_counter)  # when the engine committed them
 
 
 @dataclass(frozen=True)
 class RoundEvent:
-    """One target verification finished; stats consumers update live displays."""
+    """One target verification finished: what each active row drafted, accepted and took,
+    and what the round cost. core.stats.RunStats turns these into every metric."""
 
     round_index: int
     n_drafted: tuple[int, ...]  # per active row
     n_accepted: tuple[int, ...]
     cache_hit: tuple[bool, ...] | None = None  # SSD only
     backup: str | None = None
-    snapshot: dict[str, Any] = field(default_factory=dict)
+    snapshot: dict[str, Any] = field(default_factory=dict)  # the call's metrics so far
     rows: tuple[int, ...] = ()  # the row index of each entry of n_drafted / n_accepted
+    n_emitted: tuple[int, ...] = ()  # tokens each row took (accepted + bonus, after stopping rules)
+    draft_s: float = 0.0  # drafting wall time of this round (proposal)
+    verify_s: float = 0.0  # the target's scoring + verification + read-back
+    draft_busy_s: float | None = None  # SSD: the worker's compute since its previous proposal
 
 
 @dataclass(frozen=True)
@@ -59,4 +74,4 @@ class DoneEvent:
     stats: dict[str, Any]
 
 
-Event = TokensEvent | RoundEvent | DoneEvent
+Event = PrefillEvent | TokensEvent | RoundEvent | DoneEvent

@@ -1,123 +1,181 @@
-"""SpecStats: counters for one generate call, and the metric snapshot with the shared metric names.
+"""Speculation metrics from engine events, computed one way for everyone.
 
-Owned by the engine, one instance per call (no globals). `snapshot()` returns a plain
-dict with the metric names of docs/architecture.md §3 so JSON output, TUI and bench agree.
+`RunStats` consumes the events of one generate call (every row, or a subset: one server
+request's rows) and keeps raw counts only; `metrics(counts)` turns counts (of one call, or
+the sums of many: bench records, a server's lifetime, see `add_counts`) into the metric
+names of docs/architecture.md §3. The engine, the CLI, the TUI, the server and the bench all
+use these; nobody multiplies a ratio back into a count. Prefill and decode times are
+separate from the start: `prefill_s` (the prompt's forward), `draft_s` and `verify_s`
+(decode rounds only).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
+
+ADDITIVE = (
+    "tokens", "decode_tokens", "rounds", "row_rounds", "drafted", "accepted", "emitted",
+    "ssd_rounds", "cache_hit_rounds", "rows_hit", "rows_miss", "tokens_on_hit", "tokens_on_miss",
+    "prefill_s", "draft_s", "verify_s", "draft_busy_s", "decode_s",
+)  # fmt: skip
+PER_POSITION = ("position_tried", "position_accepted", "accepted_len_hist")  # lists: K, K, K+1
+
+
+def new_counts(k: int) -> dict[str, Any]:
+    """Zero counts for lookahead K."""
+    counts: dict[str, Any] = {name: 0 for name in ADDITIVE}
+    counts.update(k=k, position_tried=[0] * k, position_accepted=[0] * k,
+                  accepted_len_hist=[0] * (k + 1), backup_used={})  # fmt: skip
+    return counts
+
+
+def add_counts(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """total + more, in place (lists element-wise, padded to the longer; backups by name)."""
+    for name in ADDITIVE:
+        total[name] = total.get(name, 0) + more.get(name, 0)
+    for name in PER_POSITION:
+        a, b = total.get(name) or [], more.get(name) or []
+        total[name] = [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
+    for backup, n in (more.get("backup_used") or {}).items():
+        total.setdefault("backup_used", {})[backup] = total["backup_used"].get(backup, 0) + n
+    total["k"] = max(total.get("k", 0), more.get("k", 0))
+    return total
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def metrics(c: dict[str, Any]) -> dict[str, Any]:
+    """Raw counts -> the metric names (docs/architecture.md §3). Times in ms where named so."""
+    out: dict[str, Any] = {
+        "tokens": c["tokens"],
+        "decode_tokens": c["decode_tokens"],
+        "tokens_per_s": _ratio(c["decode_tokens"], c["decode_s"]),
+        "decode_s": c["decode_s"],
+        "prefill_ms": c["prefill_s"] * 1e3,
+        "rounds": c["rounds"],
+        "acceptance_rate": _ratio(c["accepted"], c["drafted"]),
+        "mean_accepted_len": _ratio(c["emitted"], c["row_rounds"]),
+        "per_position_acceptance": [_ratio(a, t) for a, t in zip(c["position_accepted"], c["position_tried"])],
+        "accepted_len_hist": list(c["accepted_len_hist"]),
+        "draft_ms": c["draft_s"] * 1e3,
+        "verify_ms": c["verify_s"] * 1e3,
+        "draft_ms_per_round": _ratio(c["draft_s"] * 1e3, c["rounds"]),
+        "verify_ms_per_round": _ratio(c["verify_s"] * 1e3, c["rounds"]),
+    }
+    if c["ssd_rounds"]:
+        out.update({
+            "cache_hit_rate": _ratio(c["rows_hit"], c["rows_hit"] + c["rows_miss"]),
+            "round_hit_rate": _ratio(c["cache_hit_rounds"], c["ssd_rounds"]),
+            "tokens_per_round_hit": _ratio(c["tokens_on_hit"], c["rows_hit"]),
+            "tokens_per_round_miss": _ratio(c["tokens_on_miss"], c["rows_miss"]),
+            "backup_used": dict(c["backup_used"]),
+            "draft_busy_ms": c["draft_busy_s"] * 1e3,
+        })  # fmt: skip
+    return out
 
 
 @dataclass
-class SpecStats:
-    """Accumulates per-round facts. Times are wall-clock seconds."""
+class RunStats:
+    """Counts of one generate call from its events; `rows` limits them to some rows."""
 
     k: int = 0
     mode: str = ""  # the mode that ran
     mode_reason: str = ""  # why (one sentence)
-    tokens: int = 0  # generated tokens, all rows
-    rounds: int = 0  # target verifications after prefill
-    row_rounds: int = 0  # (row, round) pairs: one per active row per round
-    drafted: int = 0
-    accepted: int = 0
-    emitted_in_rounds: int = 0  # tokens committed by decode rounds (accepted + bonus)
-    position_tried: list[int] = field(default_factory=list)  # [K]
-    position_accepted: list[int] = field(default_factory=list)  # [K]
-    accepted_len_hist: list[int] = field(default_factory=list)  # [K+1], per row-round
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    # SSD
-    ssd_rounds: int = 0
-    cache_hits: int = 0
-    tokens_on_hit: int = 0
-    tokens_on_miss: int = 0
-    rows_hit: int = 0
-    rows_miss: int = 0
-    backup_used: dict[str, int] = field(default_factory=dict)
-    draft_busy_s: float = 0.0
-    # captured-step counts per model ("target", "draft"), as of now: set by the engine
-    graphs_now: Callable[[], dict[str, dict]] | None = None
-    start_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    end_time: float | None = None
+    rows: frozenset[int] | None = None  # None: every row
+    started: float = field(default_factory=time.perf_counter)  # ttft is measured from here
+    graphs_now: Callable[[], dict[str, dict]] | None = None  # captured-step counts per model
+    counts: dict[str, Any] = field(init=False)
+    first_token_at: float | None = field(default=None, init=False)
+    last_token_at: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.position_tried = [0] * self.k
-        self.position_accepted = [0] * self.k
-        self.accepted_len_hist = [0] * (self.k + 1)
+        self.counts = new_counts(self.k)
+        self._started_rows: set[int] = set()
 
-    def record_row(self, n_drafted: int, n_accepted: int, emitted: int) -> None:
-        """One row's outcome in one round (emitted = committed tokens, after truncation)."""
-        self.row_rounds += 1
-        self.drafted += n_drafted
-        self.accepted += n_accepted
-        self.emitted_in_rounds += emitted
-        for i in range(min(n_drafted, self.k)):
-            self.position_tried[i] += 1
-            if i < n_accepted:
-                self.position_accepted[i] += 1
+    def _mine(self, row: int) -> bool:
+        return self.rows is None or row in self.rows
+
+    def consume(self, event) -> None:
+        """Count one engine event (others are ignored)."""
+        if isinstance(event, PrefillEvent):
+            self.counts["prefill_s"] += event.seconds
+        elif isinstance(event, TokensEvent) and self._mine(event.row):
+            self._tokens(event)
+        elif isinstance(event, RoundEvent):
+            self._round(event)
+
+    def _tokens(self, event: TokensEvent) -> None:
+        c, n = self.counts, len(event.token_ids)
+        c["tokens"] += n
+        if event.row in self._started_rows:
+            c["decode_tokens"] += n
+        else:  # the row's first token (from the prefill): not decode work
+            self._started_rows.add(event.row)
+            c["decode_tokens"] += n - 1
+            if self.first_token_at is None:
+                self.first_token_at = event.at
+        self.last_token_at = event.at
+        c["decode_s"] = self.last_token_at - self.first_token_at
+
+    def _round(self, event: RoundEvent) -> None:
+        picked = [i for i, b in enumerate(event.rows) if self._mine(b)]
+        if not picked:
+            return
+        c = self.counts
+        c["rounds"] += 1
+        c["draft_s"] += event.draft_s
+        c["verify_s"] += event.verify_s
+        c["draft_busy_s"] += event.draft_busy_s or 0.0
+        for i in picked:
+            self._row(event.n_drafted[i], event.n_accepted[i], event.n_emitted[i])
+        if event.cache_hit is not None:
+            hits = [event.cache_hit[i] for i in picked]
+            c["ssd_rounds"] += 1
+            c["cache_hit_rounds"] += int(all(hits))
+            for i, hit in zip(picked, hits):
+                c["rows_hit" if hit else "rows_miss"] += 1
+                c["tokens_on_hit" if hit else "tokens_on_miss"] += event.n_emitted[i]
+            if event.backup and not all(hits):
+                c["backup_used"][event.backup] = c["backup_used"].get(event.backup, 0) + 1
+
+    def _row(self, n_drafted: int, n_accepted: int, emitted: int) -> None:
+        """One row's outcome in one round (emitted = tokens it took, after stopping rules)."""
+        c = self.counts
+        c["row_rounds"] += 1
+        c["drafted"] += n_drafted
+        c["accepted"] += n_accepted
+        c["emitted"] += emitted
+        for i in range(min(n_drafted, c["k"])):
+            c["position_tried"][i] += 1
+            c["position_accepted"][i] += int(i < n_accepted)
         if n_drafted > 0:
-            self.accepted_len_hist[min(n_accepted, self.k)] += 1
+            c["accepted_len_hist"][min(n_accepted, c["k"])] += 1
 
-    def record_ssd_row(self, hit: bool, emitted: int) -> None:
-        if hit:
-            self.rows_hit += 1
-            self.tokens_on_hit += emitted
-        else:
-            self.rows_miss += 1
-            self.tokens_on_miss += emitted
-
-    def mark_first_token(self) -> None:
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
-
-    def finish(self) -> None:
-        self.end_time = time.perf_counter()
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
 
     def snapshot(self) -> dict[str, Any]:
         """The metric snapshot (docs/architecture.md §3 names); safe to call mid-generation."""
-        now = self.end_time or time.perf_counter()
-        ttft = None if self.first_token_time is None else self.first_token_time - self.start_time
-        decode_s = 0.0 if self.first_token_time is None else now - self.first_token_time
-        row_rounds = self.row_rounds
-        decode_tokens = self.emitted_in_rounds
-        out: dict[str, Any] = {
-            "mode": self.mode,
-            "mode_reason": self.mode_reason,
-            "tokens": self.tokens,
-            "tokens_per_s": (decode_tokens / decode_s) if decode_s > 0 else None,
-            "ttft_s": ttft,
-            "decode_s": decode_s,
-            "rounds": self.rounds,
-            "acceptance_rate": (self.accepted / self.drafted) if self.drafted else None,
-            "mean_accepted_len": (decode_tokens / row_rounds) if row_rounds else None,
-            "per_position_acceptance": [
-                (a / t) if t else None for a, t in zip(self.position_accepted, self.position_tried)
-            ],
-            "accepted_len_hist": list(self.accepted_len_hist),
-            "draft_ms": self.draft_s * 1e3,
-            "verify_ms": self.verify_s * 1e3,
-        }
+        out = {"mode": self.mode, "mode_reason": self.mode_reason, "ttft_s": self.ttft_s,
+               **metrics(self.counts)}  # fmt: skip
         if self.graphs_now is not None:
             out["graphs"] = self.graphs_now()
-        if self.ssd_rounds:
-            rows = self.rows_hit + self.rows_miss
-            out.update(
-                {
-                    "cache_hit_rate": (self.rows_hit / rows) if rows else None,
-                    "round_hit_rate": self.cache_hits / self.ssd_rounds,
-                    "tokens_per_round_hit": (self.tokens_on_hit / self.rows_hit)
-                    if self.rows_hit
-                    else None,
-                    "tokens_per_round_miss": (self.tokens_on_miss / self.rows_miss)
-                    if self.rows_miss
-                    else None,
-                    "backup_used": dict(self.backup_used),
-                    "draft_busy_ms": self.draft_busy_s * 1e3,
-                }
-            )
         return out
+
+
+def consume_all(stats: RunStats, events) -> DoneEvent | None:
+    """Feed every event to `stats`; the DoneEvent, if the stream had one."""
+    done = None
+    for event in events:
+        stats.consume(event)
+        if isinstance(event, DoneEvent):
+            done = event
+    return done

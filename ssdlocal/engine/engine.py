@@ -21,16 +21,11 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.events import (
-    DoneEvent,
-    Event,
-    Output,
-    TokenOrigin,
-)
+from ssdlocal.core.events import DoneEvent, Event, Output, PrefillEvent, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import oom_error
 from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
-from ssdlocal.core.stats import SpecStats
+from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice
 from ssdlocal.draft.factory import DraftResources, make_drafter
 from ssdlocal.engine.prompts import encode_prompt
@@ -289,32 +284,44 @@ class Engine:
             spec = replace(spec, mode=self.choice.mode)
         ids = self._prompt_ids(prompts, chat)
         k = spec.k if spec.mode is not Mode.AR else 0
-        batch = len(ids)
         budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens, spec)
         num_slots = SlotLayout.for_generation(max(len(x) + n for x, n in zip(ids, budgets)), k).main
         self._take_row_cancels()  # cancels meant for an earlier call
         token = self._running = cancel if cancel is not None else CancelToken()
+        stats = RunStats(k=k, mode=spec.mode.value, mode_reason=reason)
         if token.cancelled:  # stopped before it began
-            outputs = tuple(Output("", (), "cancelled") for _ in ids)
-            yield DoneEvent(outputs, SpecStats(k=k, mode=spec.mode.value, mode_reason=reason).snapshot())
+            yield DoneEvent(tuple(Output("", (), "cancelled") for _ in ids), stats.snapshot())
             return
-        self.runner.reset(batch, num_slots)
+        self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
-        stats = SpecStats(k=k, mode=spec.mode.value, mode_reason=reason)
+        drafter = self._make_drafter(spec, params, len(ids), num_slots)
+        yield from self._counted(stats, self._run(rows, params, spec, drafter, stats, token))
+        outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
+        yield DoneEvent(outputs, stats.snapshot())
+
+    @staticmethod
+    def _counted(stats: RunStats, events: Iterator[Event]) -> Iterator[Event]:
+        """Count every event; each RoundEvent leaves with the metrics so far."""
+        for event in events:
+            stats.consume(event)
+            yield replace(event, snapshot=stats.snapshot()) if isinstance(event, RoundEvent) else event
+
+    def _run(self, rows, params, spec, drafter, stats, token) -> Iterator[Event]:
+        """Prefill, then rounds until every row is done or the call is cancelled."""
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        drafter = self._make_drafter(spec, params, batch, num_slots)
         graphs_before = self._graph_reports(drafter)
         stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
         try:
-            first = self._prefill(rows, params, generator, stats)
-            origin = [[TokenOrigin.TARGET]] * len(rows)
-            yield from token_events(rows, [[r.generated[0]] for r in rows], origin)
+            first, prefill = self._prefill(rows, params, generator)
+            yield prefill
+            yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows))
             if drafter is not None:
                 drafter.start(rows)
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, stats, first)
+            k = spec.k if spec.mode is not Mode.AR else 0
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first)
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
                 self._apply_row_cancels(rows)
@@ -322,10 +329,9 @@ class Engine:
                     break
                 yield from rounds.run(round_index)
                 round_index += 1
-            if token.cancelled:
-                for r in rows:
-                    if r.active:
-                        r.finish_reason = "cancelled"
+            for r in rows:
+                if token.cancelled and r.active:
+                    r.finish_reason = "cancelled"
         except KeyboardInterrupt:
             if self._worker is not None:  # Ctrl-C: do not wait for the worker, kill it now
                 self._worker.broken = True
@@ -338,9 +344,6 @@ class Engine:
             stats.graphs_now = lambda: final
             if drafter is not None:
                 drafter.close()
-        stats.finish()
-        outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
-        yield DoneEvent(outputs, stats.snapshot())
 
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""
@@ -368,17 +371,14 @@ class Engine:
             raise UsageError("empty prompt", "pass some text to generate from")
         return ids
 
-    def _prefill(self, rows, params, generator, stats) -> torch.Tensor:
-        """Feed every prompt; the first token of each row, as [B] on the target's device."""
+    def _prefill(self, rows, params, generator) -> tuple[torch.Tensor, PrefillEvent]:
+        """Feed every prompt; the first token of each row ([B] on the target's device)."""
         t0 = time.perf_counter()
         logits = self._guard(self.runner.feed, [r.prompt for r in rows], "last")
         last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
         no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
         first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]
-        stats.verify_s += time.perf_counter() - t0
         for row, token in zip(rows, first.tolist()):
             row.append(token)
-        stats.mark_first_token()
-        stats.tokens += len(rows)
         self.runner.begin_steps()
-        return first
+        return first, PrefillEvent(time.perf_counter() - t0, len(rows))

@@ -1,4 +1,4 @@
-"""One decoding round over a batch: propose -> score -> verify -> commit -> record.
+"""One decoding round over a batch: propose -> score -> verify -> commit -> report.
 
 Device-resident: drafts, the target's logits, p, q and the verdict stay where the target
 runs; per round one small tensor (accepted counts, bonus tokens, and the drafts when the
@@ -17,7 +17,6 @@ import torch
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import Event, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.sequence import Row
-from ssdlocal.core.stats import SpecStats
 from ssdlocal.core.verify import Verdict, verify_logits
 from ssdlocal.draft.base import Proposal, RoundOutcome
 
@@ -46,7 +45,6 @@ class Round:
     k: int  # drafts per round (0 for AR)
     params: SamplingParams
     generator: torch.Generator
-    stats: SpecStats
     last: torch.Tensor  # [B] long on the target's device
 
     def __post_init__(self) -> None:
@@ -70,9 +68,8 @@ class Round:
         outcome = self.read_back(verdict, proposal)
         t2 = time.perf_counter()
         emitted, origins = self.commit(proposal, verdict, outcome, active)
-        self.record(proposal, outcome, emitted, active, t1 - t0, t2 - t1)
         yield from token_events(self.rows, emitted, origins)
-        yield self.round_event(index, proposal, outcome, active)
+        yield self.round_event(index, proposal, outcome, emitted, active, t1 - t0, t2 - t1)
 
     # ------------------------------------------------------------------ steps
     def propose(self, active: list[bool]) -> Proposal:
@@ -130,41 +127,17 @@ class Round:
             ))  # fmt: skip
         return emitted, origins
 
-    def record(self, proposal, outcome, emitted, active, draft_s, verify_s) -> None:
-        stats = self.stats
-        n_draft = [len(t) for t in outcome.drafts] if proposal.tokens is not None else None
-        for b in range(len(self.rows)):
-            if not active[b]:
-                continue
-            drafted = n_draft[b] if n_draft is not None else self.k
-            stats.tokens += len(emitted[b])
-            stats.record_row(drafted, outcome.n_accepted[b], len(emitted[b]))
-            if proposal.cache_hit is not None:
-                stats.record_ssd_row(bool(proposal.cache_hit[b]), len(emitted[b]))
-        if proposal.draft_busy_s is not None:
-            stats.draft_busy_s += proposal.draft_busy_s
-        stats.rounds += 1
-        stats.draft_s += draft_s
-        stats.verify_s += verify_s
-        if proposal.cache_hit is not None:
-            stats.ssd_rounds += 1
-            stats.cache_hits += int(all(h for h, a in zip(proposal.cache_hit, active) if a))
-            if proposal.backup:
-                stats.backup_used[proposal.backup] = stats.backup_used.get(proposal.backup, 0) + 1
-
-    def round_event(self, index, proposal, outcome, active) -> RoundEvent:
+    def round_event(self, index, proposal, outcome, emitted, active, draft_s, verify_s) -> RoundEvent:
+        """What this round did per active row and what it cost (core.stats counts it)."""
         live = [b for b in range(len(self.rows)) if active[b]]
         hits = proposal.cache_hit
         n_draft = [len(outcome.drafts[b]) if proposal.tokens is not None else self.k for b in live]
         return RoundEvent(
-            index,
-            tuple(n_draft),
-            tuple(outcome.n_accepted[b] for b in live),
-            tuple(hits[b] for b in live) if hits is not None else None,
-            proposal.backup,
-            self.stats.snapshot(),
-            rows=tuple(live),
-        )
+            index, tuple(n_draft), tuple(outcome.n_accepted[b] for b in live),
+            tuple(bool(hits[b]) for b in live) if hits is not None else None, proposal.backup,
+            rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live),
+            draft_s=draft_s, verify_s=verify_s, draft_busy_s=proposal.draft_busy_s,
+        )  # fmt: skip
 
 
 def token_events(rows, emitted, origins) -> Iterator[TokensEvent]:

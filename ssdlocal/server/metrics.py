@@ -13,6 +13,8 @@ import math
 import threading
 from collections import defaultdict
 
+from ssdlocal.core.stats import add_counts, metrics, new_counts
+
 PREFIX = "ssdlocal_"
 
 
@@ -25,12 +27,7 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, status)
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.row_rounds = 0
-        self.emitted_in_rounds = 0
-        self.cache_hits = 0
-        self.cache_misses = 0
+        self.counts = new_counts(0)  # core.stats counts of every answered request
         self.batches = 0
         self.draft_s = 0.0
         self.verify_s = 0.0
@@ -55,16 +52,10 @@ class Metrics:
         with self._lock:
             self.generated_tokens += n
 
-    def record_job(self, rows, stats: dict) -> None:
-        """A job's rows finished (RowStats of the scheduler)."""
+    def record_job(self, counts: dict, stats: dict) -> None:
+        """A job finished: its core.stats counts and its stats dict."""
         with self._lock:
-            for r in rows:
-                self.drafted += r.drafted
-                self.accepted += r.accepted
-                self.row_rounds += r.row_rounds
-                self.emitted_in_rounds += r.emitted_in_rounds
-                self.cache_hits += r.hits
-                self.cache_misses += r.misses
+            add_counts(self.counts, counts)
             if stats.get("ttft_s") is not None:
                 self.ttft_sum += stats["ttft_s"]
                 self.ttft_count += 1
@@ -105,20 +96,18 @@ class Metrics:
             one("batches", "counter", "Engine generate calls.", self.batches)
             one("tokens_per_second", "gauge", "Decode tokens/s of the last batch (all its rows).",
                 self.last_tokens_per_s)
-            one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", self.drafted)
-            one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", self.accepted)
-            one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", self.row_rounds)
+            c, m = self.counts, metrics(self.counts)
+            one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", c["drafted"])
+            one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", c["accepted"])
+            one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", c["row_rounds"])
             one("spec_decode_emitted_tokens", "counter",
-                "Tokens committed by decode rounds (accepted drafts + bonus).", self.emitted_in_rounds)
-            one("ssd_cache_hits", "counter", "SSD row-rounds served from the speculation cache.",
-                self.cache_hits)
-            one("ssd_cache_misses", "counter", "SSD row-rounds that missed the cache.", self.cache_misses)
-            one("acceptance_rate", "gauge", "Accepted / drafted tokens since start.",
-                _ratio(self.accepted, self.drafted))
-            one("mean_accepted_len", "gauge", "Tokens per row-round since start.",
-                _ratio(self.emitted_in_rounds, self.row_rounds))
+                "Tokens committed by decode rounds (accepted drafts + bonus).", c["emitted"])
+            one("ssd_cache_hits", "counter", "SSD row-rounds served from the speculation cache.", c["rows_hit"])
+            one("ssd_cache_misses", "counter", "SSD row-rounds that missed the cache.", c["rows_miss"])
+            one("acceptance_rate", "gauge", "Accepted / drafted tokens since start.", _nan(m["acceptance_rate"]))
+            one("mean_accepted_len", "gauge", "Tokens per row-round since start.", _nan(m["mean_accepted_len"]))
             one("cache_hit_rate", "gauge", "SSD cache hits / SSD row-rounds since start.",
-                _ratio(self.cache_hits, self.cache_hits + self.cache_misses))
+                _nan(m.get("cache_hit_rate")))
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
             family("time_to_first_token_seconds", "summary", "From arrival to the first token.",
@@ -128,8 +117,8 @@ class Metrics:
             return "\n".join(lines) + "\n"
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def _number(value: float) -> str:

@@ -24,23 +24,10 @@ from typing import Any
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
+from ssdlocal.core.stats import RunStats, add_counts, metrics, new_counts
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
-
-
-@dataclass
-class RowStats:
-    """One row's speculation counters, from the engine's per-row events."""
-
-    drafted: int = 0
-    accepted: int = 0
-    row_rounds: int = 0
-    emitted_in_rounds: int = 0  # tokens committed by decode rounds (after the first token)
-    hits: int = 0
-    misses: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +90,8 @@ class Job:
         n = len(self.rows)
         self.parts: list[Part] = []  # split by the scheduler
         self.next_part = 0  # parts before it have run or are running
-        self.stats = [RowStats() for _ in range(n)]
+        self.counts: dict[str, Any] = new_counts(0)  # core.stats counts of its parts so far
+        self.first_token_at: float | None = None
         self.text = [""] * n
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
@@ -295,6 +283,10 @@ class _BatchRun:
         self.cancel_sent: set[int] = set()  # job ids
         self.graphs: dict | None = None  # captured-step counts of the call so far
         self.complete: set[int] = set()  # job ids whose part in this call has finished
+        self.stats = {  # per job: core.stats over its rows of this call
+            job.id: RunStats(rows=frozenset(b for b, (owner, _) in enumerate(owners) if owner is job))
+            for job, _ in batch
+        }  # fmt: skip
 
     def cancel_left(self, engine) -> None:
         """Stop the rows of jobs whose client left (called between events)."""
@@ -306,13 +298,7 @@ class _BatchRun:
 
     def tokens(self, event: TokensEvent) -> None:
         job, choice = self.owners[event.row]
-        now = time.perf_counter()
-        stats = job.stats[choice]
-        if stats.first_token_at is None:
-            stats.first_token_at = now
-        else:
-            stats.emitted_in_rounds += len(event.token_ids)
-        stats.last_token_at = now
+        self.stats[job.id].consume(event)
         job.ids[choice].extend(event.token_ids)
         job.text[choice] += event.text
         job.finish[choice] = event.finish_reason
@@ -321,17 +307,8 @@ class _BatchRun:
 
     def round(self, event: RoundEvent) -> None:
         self.graphs = event.snapshot.get("graphs", self.graphs)
-        for i, b in enumerate(event.rows):
-            job, choice = self.owners[b]
-            stats = job.stats[choice]
-            stats.row_rounds += 1
-            stats.drafted += event.n_drafted[i]
-            stats.accepted += event.n_accepted[i]
-            if event.cache_hit is not None:
-                if event.cache_hit[i]:
-                    stats.hits += 1
-                else:
-                    stats.misses += 1
+        for stats in self.stats.values():
+            stats.consume(event)
 
     def answer_finished(self, metrics, everyone: bool = False) -> None:
         """Answer every job whose rows have all finished (all parts run: at the end of
@@ -343,32 +320,28 @@ class _BatchRun:
             if not everyone and any(job.finish[c] is None for c in rows):
                 continue
             self.complete.add(job.id)
+            part_stats = self.stats[job.id]
+            add_counts(job.counts, part_stats.counts)
+            if job.first_token_at is None:
+                job.first_token_at = part_stats.first_token_at
             for c in rows:
                 job.finish[c] = job.finish[c] or "length"
             if part is not job.parts[-1]:
                 continue  # its next part answers it
             job.done = True
             stats = self.job_stats(job)
-            metrics.record_job(job.stats, stats)
+            metrics.record_job(job.counts, stats)
             choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
             job.push(Finished(choices, stats))
 
     def job_stats(self, job: Job) -> dict[str, Any]:
-        """The request's own speculation stats (docs/architecture.md §3 names)."""
-        rs = job.stats
-        drafted, accepted = sum(s.drafted for s in rs), sum(s.accepted for s in rs)
-        row_rounds, emitted = sum(s.row_rounds for s in rs), sum(s.emitted_in_rounds for s in rs)
-        hits, misses = sum(s.hits for s in rs), sum(s.misses for s in rs)
-        firsts = [s.first_token_at for s in rs if s.first_token_at is not None]
-        lasts = [s.last_token_at for s in rs if s.last_token_at is not None]
-        decode_s = (max(lasts) - min(firsts)) if firsts else 0.0
+        """The request's own speculation stats (core.stats over its rows, every part)."""
+        m = metrics(job.counts)
+        ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         return {
             "mode": self.mode,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_len": emitted / row_rounds if row_rounds else None,
-            "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
-            "tokens_per_s": emitted / decode_s if decode_s > 0 else None,
-            "ttft_s": (min(firsts) - job.submitted_at) if firsts else None,
+            **{name: m.get(name) for name in ("acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s")},
+            "ttft_s": ttft,
             "batch_size": job.batch_size,
             "graphs": self.graphs,  # the engine call that finished this request
         }
