@@ -25,7 +25,6 @@ from tiny_models import make_tiny_suite  # noqa: E402
 from ssdlocal.backends.torch import model as model_mod  # noqa: E402
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
 from ssdlocal.engine import Engine  # noqa: E402
-from drafts import draft_of
 from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
@@ -58,7 +57,7 @@ def main() -> None:
     with Engine(cfg) as engine:
         for _ in range(args.repeats + 1):  # the first pass warms up
             for mode in ("ar", "sd"):
-                spec = SpecConfig(mode=Mode(mode), k=4, draft=draft_of(draft))
+                spec = SpecConfig(mode=Mode(mode), k=4, draft=cfg.spec.draft)
                 spent["forward"] = 0.0
                 t0 = time.perf_counter()
                 events = list(engine.generate([PROMPT] * args.batch, params, spec=spec))

@@ -10,7 +10,6 @@ from pathlib import Path
 from ssdlocal.bench.project import sd_speedup
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
-from drafts import draft_of
 from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 
@@ -60,7 +59,7 @@ def end_to_end(names, device, dtype, quick: bool, random_model) -> dict:
 
         with Engine(config) as engine:
             for mode in (Mode.AR, Mode.SD, Mode.SSD):
-                spec = SpecConfig(mode=mode, k=4, draft=draft_of(draft), fan_out=(1, 1, 1, 1, 2),
+                spec = SpecConfig(mode=mode, k=4, draft=config.spec.draft, fan_out=(1, 1, 1, 1, 2),
                                   fan_out_miss=(1, 1, 1, 1, 2), backup="jit")  # fmt: skip
                 for _ in range(2):  # the first run pays captures and allocations
                     done = [e for e in engine.generate([list(range(1, 65))], params, spec=spec)

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
 from ssdlocal.engine import Engine  # noqa: E402
 from ssdlocal.core.events import DoneEvent  # noqa: E402
-from drafts import draft_of
+from drafts import draft_of  # noqa: E402
 from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
@@ -116,8 +116,8 @@ def check_ssd(dirs, target_devices, draft_device, results: dict) -> bool:
                  draft_device=draft_device)
     with Engine(cfg) as eng:
         ar = tokens(eng, SpecConfig(mode=Mode.AR))
-        ssd = tokens(eng, SpecConfig(mode=Mode.SSD, k=K, draft=draft_of(str(dirs["draft_llama"]))))
-        sd = tokens(eng, SpecConfig(mode=Mode.SD, k=K, draft=draft_of(str(dirs["draft_llama"]))))
+        ssd = tokens(eng, SpecConfig(mode=Mode.SSD, k=K, draft=cfg.spec.draft))
+        sd = tokens(eng, SpecConfig(mode=Mode.SD, k=K, draft=cfg.spec.draft))
     ok = ssd == ar and sd == ar
     results["ssd_exact"] = {"target": list(target_devices), "draft": draft_device, "ssd": ssd == ar,
                             "sd": sd == ar}
@@ -220,7 +220,7 @@ def check_graphs_exact(dirs, device: str, results: dict) -> bool:
             spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(draft, device, "float32"))), pin_cpus=False, graphs=graphs,
         )
         with Engine(cfg) as eng:
-            got = [tokens(eng, SpecConfig(mode=m, k=K, draft=draft_of(draft))) for m in (Mode.AR, Mode.SD, Mode.SSD)]
+            got = [tokens(eng, SpecConfig(mode=m, k=K, draft=cfg.spec.draft)) for m in (Mode.AR, Mode.SD, Mode.SSD)]
             stats = eng.runner.graphs.stats if eng.runner.graphs is not None else None
         want = want or got
     same = got == want and got[0] == got[1] == got[2]
