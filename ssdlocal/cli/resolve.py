@@ -18,6 +18,7 @@ from ssdlocal.core.config import (
     NgramDraft,
     NoDraft,
     SamplingParams,
+    SuffixDraft,
     SpecConfig,
     parse_fan_out,
 )
@@ -134,8 +135,9 @@ def engine_config(
     if auto_place or (models.target_device == "auto" and not tp_devices):
         from ssdlocal.placement.auto import auto_devices
 
+        model_draft = None if draft in DRAFT_WORDS else draft  # only a draft model needs a device
         tp_devices, auto_draft = auto_devices(
-            target, draft, models.dtype, backend=backends[0], quantizations=quants
+            target, model_draft, models.dtype, backend=backends[0], quantizations=quants
         )
         draft_device = auto_draft if models.draft_device == "auto" else models.draft_device
     else:
@@ -154,13 +156,16 @@ def engine_config(
     )
 
 
+DRAFT_WORDS = {"ngram": NgramDraft, "suffix": SuffixDraft}  # --draft values that name no file
+
+
 def parse_draft(text: str | None, model) -> Draft:
-    """--draft as typed (None, "ngram", or a checkpoint path) -> the Draft it names;
-    `model(path)` makes a path's ModelSpec (device, dtype, backend, weights)."""
+    """--draft as typed (None, "ngram", "suffix", or a checkpoint path) -> the Draft it
+    names; `model(path)` makes a path's ModelSpec (device, dtype, backend, weights)."""
     if text is None:
         return NoDraft()
-    if text == "ngram":
-        return NgramDraft()
+    if text in DRAFT_WORDS:
+        return DRAFT_WORDS[text]()
     return ModelDraft(model(text))
 
 

@@ -17,6 +17,7 @@ from ssdlocal.core.models import (  # noqa: F401 - re-exported: the config's voc
     ModelSpec,
     NgramDraft,
     NoDraft,
+    SuffixDraft,
     normalize_device,
 )
 
@@ -109,8 +110,9 @@ class SpecConfig:
     """Speculation settings: the mode, K, the draft (core.models.Draft) and SSD's knobs."""
 
     mode: Mode = Mode.AR
-    k: int = 4
+    k: int = 4  # drafts per round; with adaptive_k the most a round may have (SD only)
     draft: Draft = NoDraft()
+    adaptive_k: bool = False  # SD: K (0 included) and the source chosen per round by measured cost
     # SSD / Saguaro (used by --mode ssd)
     fan_out: tuple[int, ...] | None = None  # None = auto
     fan_out_miss: tuple[int, ...] | None = None

@@ -55,6 +55,7 @@ class RoundEvent:
     draft_s: float = 0.0  # drafting wall time of this round (proposal)
     verify_s: float = 0.0  # the target's scoring + verification + read-back
     draft_busy_s: float | None = None  # SSD: the worker's compute since its previous proposal
+    sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive K)
 
 
 @dataclass(frozen=True)

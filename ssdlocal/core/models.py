@@ -3,7 +3,11 @@
 A draft is one of a few typed descriptions, never a magic string:
 - `NoDraft()`: nothing proposes (plain decoding);
 - `NgramDraft(n_max, n_min)`: prompt lookup over the row's own tokens (point-mass proposals);
-- `ModelDraft(model)`: a draft model, run in-process (SD) or in its own process (SSD).
+- `SuffixDraft(...)`: continuations of the longest matching suffix in the row's own tokens
+  and in a bounded memory of the engine's earlier prompts and answers (point masses);
+- `ModelDraft(model, suffix)`: a draft model, run in-process (SD) or in its own process
+  (SSD); with `suffix` (the default) each SD round may take a row's suffix proposal instead
+  when it predicts more accepted tokens (and skip the model's forwards when every row does).
 Every kind answers `model` (its ModelSpec, or None) and `label` (one line for people), so
 callers that only need those never branch on the kind. Invalid values raise UsageError.
 """
@@ -90,10 +94,36 @@ class NgramDraft:
 
 
 @dataclass(frozen=True)
+class SuffixDraft:
+    """Suffix-match proposals over the row's tokens and the engine's memory of earlier
+    prompts and answers: at most `max_sequences` sequences and `max_tokens` tokens, kept for
+    the engine's life; with `persist`, also in a file per target model under the cache
+    directory (off by default). `min_confidence`: a proposal stops where the share of
+    matching history that agrees with it falls below this."""
+
+    max_sequences: int = 256
+    max_tokens: int = 200_000
+    persist: bool = False
+    min_confidence: float = 0.3
+    kind: ClassVar[str] = "suffix"
+    model: ClassVar[None] = None
+    label: ClassVar[str] = "suffix (prompt and memory)"
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1 or self.max_tokens < 1:
+            raise UsageError("the suffix memory needs room for at least one sequence and one token",
+                             "use the defaults (256 sequences, 200000 tokens)")  # fmt: skip
+        if not 0.0 < self.min_confidence <= 1.0:
+            raise UsageError(f"min confidence must be in (0, 1], got {self.min_confidence}", "use 0.3")
+
+
+@dataclass(frozen=True)
 class ModelDraft:
-    """A draft model with the target's tokenizer (checked when the engine loads)."""
+    """A draft model with the target's tokenizer (checked when the engine loads); `suffix`:
+    SD rounds may use suffix proposals instead (None: the model only)."""
 
     model: ModelSpec
+    suffix: SuffixDraft | None = SuffixDraft()
     kind: ClassVar[str] = "model"
 
     @property
@@ -101,4 +131,4 @@ class ModelDraft:
         return self.model.path
 
 
-Draft = NoDraft | NgramDraft | ModelDraft
+Draft = NoDraft | NgramDraft | SuffixDraft | ModelDraft

@@ -24,13 +24,14 @@ ADDITIVE = (
     "prefill_s", "draft_s", "verify_s", "draft_busy_s", "decode_s",
 )  # fmt: skip
 PER_POSITION = ("position_tried", "position_accepted", "accepted_len_hist")  # lists: K, K, K+1
+BY_NAME = ("backup_used", "source_rows", "width_rounds")  # dicts of counts
 
 
 def new_counts(k: int) -> dict[str, Any]:
     """Zero counts for lookahead K."""
     counts: dict[str, Any] = {name: 0 for name in ADDITIVE}
-    counts.update(k=k, position_tried=[0] * k, position_accepted=[0] * k,
-                  accepted_len_hist=[0] * (k + 1), backup_used={})  # fmt: skip
+    counts.update(k=k, position_tried=[0] * k, position_accepted=[0] * k, accepted_len_hist=[0] * (k + 1))
+    counts.update({name: {} for name in BY_NAME})
     return counts
 
 
@@ -41,8 +42,10 @@ def add_counts(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
     for name in PER_POSITION:
         a, b = total.get(name) or [], more.get(name) or []
         total[name] = [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
-    for backup, n in (more.get("backup_used") or {}).items():
-        total.setdefault("backup_used", {})[backup] = total["backup_used"].get(backup, 0) + n
+    for name in BY_NAME:
+        into = total.setdefault(name, {})
+        for key, n in (more.get(name) or {}).items():
+            into[key] = into.get(key, 0) + n
     total["k"] = max(total.get("k", 0), more.get("k", 0))
     return total
 
@@ -69,6 +72,10 @@ def metrics(c: dict[str, Any]) -> dict[str, Any]:
         "draft_ms_per_round": _ratio(c["draft_s"] * 1e3, c["rounds"]),
         "verify_ms_per_round": _ratio(c["verify_s"] * 1e3, c["rounds"]),
     }
+    if c.get("source_rows"):  # an adaptive drafter: K and the source chosen per round
+        out["rounds_by_k"] = {int(k): n for k, n in sorted(c["width_rounds"].items(), key=lambda kv: int(kv[0]))}
+        out["mean_k"] = _ratio(sum(int(k) * n for k, n in c["width_rounds"].items()), c["rounds"])
+        out["rows_by_source"] = dict(c["source_rows"])
     if c["ssd_rounds"]:
         out.update({
             "cache_hit_rate": _ratio(c["rows_hit"], c["rows_hit"] + c["rows_miss"]),
@@ -133,6 +140,11 @@ class RunStats:
         c["draft_s"] += event.draft_s
         c["verify_s"] += event.verify_s
         c["draft_busy_s"] += event.draft_busy_s or 0.0
+        if event.sources is not None:
+            width = str(max(event.n_drafted[i] for i in picked))  # str keys: the counts go through JSON
+            c["width_rounds"][width] = c["width_rounds"].get(width, 0) + 1
+            for i in picked:
+                c["source_rows"][event.sources[i]] = c["source_rows"].get(event.sources[i], 0) + 1
         for i in picked:
             self._row(event.n_drafted[i], event.n_accepted[i], event.n_emitted[i])
         if event.cache_hit is not None:

@@ -32,6 +32,7 @@ class Proposal:
     backup: SSD only, which backup produced the missed rows ("jit", "ngram", "none").
     draft_busy_s: SSD only, the worker's compute time since its previous proposal
        (pre-speculation + serving), to compare with the target's verify time.
+    sources: where each row's drafts came from, when a drafter mixes sources.
     """
 
     drafts: torch.Tensor
@@ -41,6 +42,7 @@ class Proposal:
     cache_hit: list[bool] | None = None
     backup: str | None = None
     draft_busy_s: float | None = None
+    sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive drafter)
 
     @classmethod
     def from_lists(cls, tokens: Sequence[Sequence[int]], k: int, device, **fields) -> Proposal:
@@ -72,6 +74,7 @@ class RoundOutcome:
     n_accepted[b], bonus[b]: the verdict per row, on the host.
     active[b]: whether row b goes on (False once finished: never proposed for again).
     verdict: the same n_accepted and bonus on the target's device (core.verify.Verdict).
+    draft_s, verify_s: what the round cost (for drafters that choose K by cost).
     """
 
     appended: tuple[tuple[int, ...], ...]
@@ -79,6 +82,8 @@ class RoundOutcome:
     bonus: tuple[int, ...]
     active: tuple[bool, ...]
     verdict: object = None
+    draft_s: float = 0.0  # the round's proposal time
+    verify_s: float = 0.0  # the round's scoring + verification + read-back time
 
 
 class Drafter(Protocol):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
-from ssdlocal.core.models import ModelDraft, NgramDraft
+from ssdlocal.core.models import ModelDraft, NgramDraft, SuffixDraft
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class DraftResources:
     num_slots: int  # the target's main slots per row (SlotLayout.for_generation)
     draft_runner: Callable[[], object]  # the draft model in this process (loaded on demand)
     worker: Callable[[], object]  # the SSD draft worker (started on demand)
+    memory: object = None  # speculation.suffix.SuffixMemory: the engine's, across calls
+    costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
 
 
 def _ngram(spec: SpecConfig, params: SamplingParams, res: DraftResources):
@@ -34,20 +36,33 @@ def _ngram(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     return NgramDrafter(spec.k, spec.draft, res.target_device)
 
 
+def _adaptive(spec: SpecConfig, params: SamplingParams, res: DraftResources, model, suffix):
+    from ssdlocal.draft.adaptive import AdaptiveDrafter
+    from ssdlocal.draft.suffix import SuffixSource
+
+    source = None if suffix is None else SuffixSource(res.memory, suffix.min_confidence)
+    return AdaptiveDrafter(model, source, k=spec.k, pinned=not spec.adaptive_k, params=params,
+                           costs=res.costs, target_vocab=res.target_vocab, device=res.target_device)  # fmt: skip
+
+
+def _suffix(spec: SpecConfig, params: SamplingParams, res: DraftResources):
+    return _adaptive(spec, params, res, None, spec.draft)
+
+
 def _model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     if spec.mode is Mode.SD:
         from ssdlocal.draft.sync import ModelDrafter
 
         drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device)
         drafter.reserve(res.batch, res.num_slots)
-        return drafter
+        return _adaptive(spec, params, res, drafter, spec.draft.suffix)
     from ssdlocal.draft.ssd.client import SSDDrafter
 
     return SSDDrafter(res.worker(), spec, params, res.target_vocab, res.num_slots,
                       target_device=res.target_device_name, draft_device=spec.draft.model.device)  # fmt: skip
 
 
-BUILDERS: dict[type, Callable] = {NgramDraft: _ngram, ModelDraft: _model}
+BUILDERS: dict[type, Callable] = {NgramDraft: _ngram, SuffixDraft: _suffix, ModelDraft: _model}
 
 
 def make_drafter(spec: SpecConfig, params: SamplingParams, resources: DraftResources):

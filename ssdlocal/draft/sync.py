@@ -44,77 +44,107 @@ class NgramDrafter:
         return None
 
 
+CATCH_UP = 32  # most committed tokens one catch-up step feeds per row
+
+
 class ModelDrafter:
     """A draft model run just in time: K forwards per round, batched over rows, with the
     draft's tokens, positions and distributions kept on its device (draft/decode.py).
 
-    Cache bookkeeping per row (c = tokens the draft has cached at a round's start, L =
-    committed tokens): the first step feeds the 1 or 2 committed tokens it lacks (the
-    bonus, preceded by the last draft d_K when all K drafts were accepted), so it is a
-    [B, 2] step whose padding writes past L (on a CPU, a [B, 1] step when no row has d_K
-    pending); steps 2..K feed d_1..d_{K-1}. After the
-    verdict (n accepted) the cache keeps L + min(n, K-1) tokens.
+    The drafter keeps, per row, how many of the row's committed tokens the draft holds
+    (`cached`, on the host; the runner's lengths follow it on the device). A round's first
+    step feeds every token the draft lacks (usually the bonus, after an all-accepted round
+    also the last draft; more when earlier rounds did not use the model), as one [B, T]
+    step whose padding writes past each row's length; steps 2..K feed d_1..d_{K-1}. After
+    the verdict (n accepted of the model's drafts) a row keeps L + min(n, K-1) tokens, L
+    being its length before the round; a row whose verified drafts came from elsewhere keeps L.
     """
 
     def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device) -> None:
         self.runner = runner  # backends.base.Runner of the draft model
-        self.k = k
+        self.k = k  # the most tokens a round may ask for
         self.params = params
         self.target_vocab = target_vocab
         self.device = device  # where the target verifies
         self.decoder = DraftDecoder(runner, k, params, target_vocab, self._generator())
         self.rows: Sequence[RowView] = ()
+        self.cached: list[int] = []
+        self._fed: list[int] = []  # per row: tokens the last propose left in the draft's cache
+        self._k = 0  # drafts of the last propose
 
     def _generator(self) -> torch.Generator:
         return torch.Generator(device=self.runner.device).manual_seed(self.params.stream_seed(7919))
 
     def reserve(self, batch_size: int, num_slots: int) -> None:
-        """Allocate the draft's KV cache for a batch (engine calls before start)."""
-        self.runner.reset(batch_size, num_slots)
+        """Allocate the draft's KV cache for a batch (engine calls before start), with room
+        for the padding of one catch-up chunk past any row's end."""
+        self.runner.reset(batch_size, num_slots + CATCH_UP)
         self.decoder.generator = self._generator()
 
     def start(self, rows: Sequence[RowView]) -> None:
-        """Prefill the draft on every row's tokens except its last."""
+        """A new batch; the draft prefills its rows when it is first asked to propose (a
+        drafter that never proposes costs nothing)."""
         self.rows = rows
-        sequences = [row.tokens for row in rows]
+        self.cached, self._fed = [], []
+
+    def _prefill(self) -> None:
+        """Every row's tokens except its last into the draft's cache."""
+        sequences = [row.tokens for row in self.rows]
         self.runner.feed([list(seq[:-1]) for seq in sequences], "none")
         self.runner.begin_steps()
-        dev = self.runner.device
-        self.last = torch.tensor([seq[-1] for seq in sequences], device=dev)  # [B] pending bonus
-        self.last_draft = torch.zeros_like(self.last)  # [B] d_K of the previous round
-        self.two = torch.zeros(len(sequences), dtype=torch.long, device=dev)  # [B] 1 if d_K pending
+        self.cached = [len(seq) - 1 for seq in sequences]
+        self._fed = list(self.cached)
 
     @torch.inference_mode()
-    def propose(self, active: Sequence[bool]) -> Proposal:
-        batch, runner = len(active), self.runner
-        bound = max(row.length for row in self.rows) + self.k  # past every write of this round
-        rows = torch.arange(batch, device=runner.device)  # [B]
-        if runner.device.type == "cpu" and not bool(self.two.any()):
-            # only the bonus is pending: on a CPU a 1-token step costs less than a 2-token one
-            # (no graphs to keep the shape for; reading `two` costs no device sync)
-            first = runner.step(self.last[:, None], bound)[:, 0]  # [B, V_d]
-        else:
-            pair = torch.stack([torch.where(self.two.bool(), self.last_draft, self.last), self.last], 1)
-            first = runner.step(pair, bound)[rows, self.two]  # [B, V_d]: after the last pending token
-        runner.advance(1 + self.two)
+    def propose(self, active: Sequence[bool], k: int | None = None) -> Proposal:
+        """K drafts per row (default: the drafter's K), every row batched."""
+        k = self.k if k is None else k
+        if not self.cached:
+            self._prefill()
+        sequences = [row.tokens for row in self.rows]
+        bound = max(map(len, sequences)) + max(k, CATCH_UP)  # past every write of this round
+        first = self._catch_up([seq[c:] for seq, c in zip(sequences, self.cached)], bound)
+        self.decoder.k = k
         drafted = self.decoder.decode(first, bound)
-        self.last_draft = drafted.tokens[:, -1]
-        n_draft = torch.tensor([self.k if a else 0 for a in active], device=self.device)  # [B]
+        self._fed = [len(seq) + k - 1 for seq in sequences]
+        self._k = k
+        n_draft = torch.tensor([k if a else 0 for a in active], device=self.device)  # [B]
         q = None if drafted.q is None else drafted.q.to(self.device)  # [B, K, V]
         return Proposal(drafted.tokens.to(self.device), n_draft, q)  # [B, K]
 
-    @torch.inference_mode()
-    def observe(self, outcome: RoundOutcome) -> None:
-        """Keep L + min(n, K-1) cached tokens per active row; finished rows rewind to
-        where this round started (so their positions never run past the cache)."""
-        dev = self.runner.device
-        n, bonus = outcome.verdict.n_accepted.to(dev), outcome.verdict.bonus.to(dev)
-        live = torch.tensor(outcome.active, device=dev)  # [B] bool
-        fed = self.two + self.k  # [B] tokens fed this round
-        keep = 1 + self.two + n.clamp(max=self.k - 1)  # [B] of them still valid
-        self.runner.advance(torch.where(live, keep - fed, -fed))
-        self.two = (n == self.k).long() & live.long()  # [B]
-        self.last = bonus
+    def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
+        """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
+        at most CATCH_UP tokens; the draft's logits after each row's newest token [B, V_d]."""
+        dev, batch = self.runner.device, len(pending)
+        rows = torch.arange(batch, device=dev)  # [B]
+        first: torch.Tensor | None = None
+        for start in range(0, max(map(len, pending)), CATCH_UP):
+            part = [p[start : start + CATCH_UP] for p in pending]
+            width = max(map(len, part))
+            ids = torch.tensor([x + [0] * (width - len(x)) for x in part], dtype=torch.long).to(dev)  # [B, T]
+            last = torch.tensor([max(len(x) - 1, 0) for x in part], device=dev)  # [B]
+            logits = self.runner.step(ids, bound)[rows, last]  # [B, V_d]; padding writes past each row
+            ends = torch.tensor([bool(x) and start + len(x) == len(p) for x, p in zip(part, pending)], device=dev)
+            first = logits if first is None else torch.where(ends[:, None], logits, first)
+            self.runner.advance(torch.tensor([len(x) for x in part], device=dev))
+        return first
+
+    def observe(self, outcome: RoundOutcome, adopted: Sequence[bool] | None = None) -> None:
+        """Keep L + min(n, K-1) cached tokens per row whose verified drafts were this
+        drafter's (`adopted`, default all), L for the others; idle rounds keep all."""
+        if not self.cached:
+            return  # never proposed: nothing cached to keep in step
+        before = list(self.cached)
+        for b, row in enumerate(self.rows):
+            length = row.length - len(outcome.appended[b])  # L: the row before this round
+            if self._fed[b] <= self.cached[b]:  # not proposed for this round
+                continue
+            kept = min(outcome.n_accepted[b], self._k - 1) if (adopted is None or adopted[b]) else 0
+            self.cached[b] = max(length + kept, 0) if outcome.active[b] else self.cached[b]
+        delta = [c - f if f > c0 else 0 for c, f, c0 in zip(self.cached, self._fed, before)]
+        if any(delta):
+            self.runner.advance(torch.tensor(delta, dtype=torch.long, device=self.runner.device))
+        self._fed = list(self.cached)
 
     def close(self) -> None:
         return None

@@ -94,8 +94,18 @@ def _time_steps(runner, width: int) -> float:
     return min(times)  # the least disturbed run: the cost without other load
 
 
-def calibrated_choice(cal: Calibration) -> ModeChoice:
-    """AR or SD for a target and draft sharing the CPU, from measured forward costs."""
+def calibrated_choice(cal: Calibration, adaptive_k: bool = False) -> ModeChoice:
+    """AR or SD for a target and draft sharing the CPU, from measured forward costs; with
+    adaptive K, SD, which keeps choosing per round (a plain step when drafting does not pay)."""
+    if adaptive_k:
+        return ModeChoice(
+            Mode.SD,
+            f"target and draft share the CPU (SSD would split its cores); measured target "
+            f"{cal.target_1 * 1e3:.0f} ms/token and {cal.target_k1 * 1e3:.0f} ms per "
+            f"{cal.k + 1}-token verify, draft {cal.draft_1 * 1e3:.0f} ms/token: SD choosing K "
+            "each round from these costs and the acceptance so far (K=0, a plain step, when "
+            "no proposal pays)",
+        )
     ar, sd = cal.predicted()
     mode = Mode.SD if sd > ar else Mode.AR
     return ModeChoice(

@@ -28,6 +28,8 @@ from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice
 from ssdlocal.draft.factory import DraftResources, make_drafter
+from ssdlocal.draft.suffix import open_memory
+from ssdlocal.speculation.adaptive import CostModel
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
 
@@ -83,8 +85,14 @@ class Engine:
                 self._wait_worker()
             elif self.has_draft_model:
                 self._load_draft_here()
+            self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             if self.choice is None:  # target and draft share the CPU: measure them
-                self.choice = calibrated_choice(calibrate(self.runner, self._draft_runner, spec.k))
+                cal = calibrate(self.runner, self._draft_runner, spec.k)
+                self.costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
+                self.choice = calibrated_choice(cal, spec.adaptive_k)
+            self.suffix_memory, self._memory_file = open_memory(
+                _suffix_settings(spec.draft), config.target.path, self.target.args.vocab_size
+            )  # fmt: skip
             log.info("mode %s: %s", self.choice.mode.value, self.choice.reason)
         except BaseException:
             self.close()
@@ -221,14 +229,15 @@ class Engine:
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
-        if spec.draft.model is not None and spec.draft != self.config.spec.draft:
+        if spec.draft.model is not None and spec.draft.model != self.config.spec.draft.model:
             raise UsageError(
                 f"this engine was loaded with draft {self.config.spec.draft.label!r}, not {spec.draft.label!r}",
                 "create a new Engine to change the draft model",
             )
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
-            draft_runner=self._draft_runner_here, worker=self._ready_worker,
+            draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
+            costs=self.costs,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 
@@ -343,7 +352,9 @@ class Engine:
             final = self._graph_reports(drafter, graphs_before)
             stats.graphs_now = lambda: final
             if drafter is not None:
-                drafter.close()
+                drafter.close()  # a suffix source hands its rows to the memory here
+            if self._memory_file is not None:
+                self._memory_file.save(self.suffix_memory)
 
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""
@@ -382,3 +393,8 @@ class Engine:
             row.append(token)
         self.runner.begin_steps()
         return first, PrefillEvent(time.perf_counter() - t0, len(rows))
+
+
+def _suffix_settings(draft):
+    """The suffix memory's settings a draft asks for (None: the defaults)."""
+    return draft if draft.kind == "suffix" else getattr(draft, "suffix", None)

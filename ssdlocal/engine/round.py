@@ -60,14 +60,14 @@ class Round:
         t0 = time.perf_counter()
         proposal = self.propose(active)
         t1 = time.perf_counter()
-        bound = max(r.length for r in self.rows) + self.k  # past every row's last write
+        bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
         logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         verdict = verify_logits(
             logits, proposal.drafts, proposal.q, self.params, self.generator, proposal.n_draft
         )
         outcome = self.read_back(verdict, proposal)
         t2 = time.perf_counter()
-        emitted, origins = self.commit(proposal, verdict, outcome, active)
+        emitted, origins = self.commit(proposal, verdict, outcome, active, t1 - t0, t2 - t1)
         yield from token_events(self.rows, emitted, origins)
         yield self.round_event(index, proposal, outcome, emitted, active, t1 - t0, t2 - t1)
 
@@ -88,13 +88,17 @@ class Round:
         """The one device -> host transfer of the round."""
         parts = [verdict.n_accepted[:, None], verdict.bonus[:, None]]
         if proposal.tokens is None:
-            parts.append(proposal.drafts)
-        host = torch.cat(parts, dim=1).tolist()  # [B, 2 (+K)]
-        drafts = proposal.tokens if proposal.tokens is not None else [h[2:] for h in host]
+            parts += [proposal.n_draft[:, None], proposal.drafts]
+        host = torch.cat(parts, dim=1).tolist()  # [B, 2 (+1+K)]
+        if proposal.tokens is not None:
+            drafts = proposal.tokens
+        else:
+            drafts = [h[3 : 3 + h[2]] for h in host]
         return HostVerdict([h[0] for h in host], [h[1] for h in host], drafts)
 
     def commit(
-        self, proposal: Proposal, verdict: Verdict, outcome: HostVerdict, active: list[bool]
+        self, proposal: Proposal, verdict: Verdict, outcome: HostVerdict, active: list[bool],
+        draft_s: float = 0.0, verify_s: float = 0.0,
     ) -> tuple[list[list[int]], list[list[str]]]:
         """Append accepted drafts + bonus to each row (stopping rules apply), move the
         target's cache lengths past the pending token and the accepted drafts, and tell
@@ -123,20 +127,20 @@ class Round:
         if self.drafter is not None:
             self.drafter.observe(RoundOutcome(
                 tuple(map(tuple, emitted)), tuple(outcome.n_accepted), tuple(outcome.bonus),
-                tuple(still), verdict,
+                tuple(still), verdict, draft_s=draft_s, verify_s=verify_s,
             ))  # fmt: skip
         return emitted, origins
 
     def round_event(self, index, proposal, outcome, emitted, active, draft_s, verify_s) -> RoundEvent:
         """What this round did per active row and what it cost (core.stats counts it)."""
         live = [b for b in range(len(self.rows)) if active[b]]
-        hits = proposal.cache_hit
-        n_draft = [len(outcome.drafts[b]) if proposal.tokens is not None else self.k for b in live]
+        hits, sources = proposal.cache_hit, proposal.sources
         return RoundEvent(
-            index, tuple(n_draft), tuple(outcome.n_accepted[b] for b in live),
+            index, tuple(len(outcome.drafts[b]) for b in live), tuple(outcome.n_accepted[b] for b in live),
             tuple(bool(hits[b]) for b in live) if hits is not None else None, proposal.backup,
             rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live),
             draft_s=draft_s, verify_s=verify_s, draft_busy_s=proposal.draft_busy_s,
+            sources=tuple(sources[b] for b in live) if sources is not None else None,
         )  # fmt: skip
 
 

@@ -1,0 +1,144 @@
+"""The adaptive drafter: per round, K and the source (draft model, suffix memory, none).
+
+Wraps an optional ModelDrafter and an optional SuffixSource. Each round it asks the suffix
+source for its proposals (cheap), lets speculation/adaptive.py pick the draft model's K
+(0: no model forwards this round) and which rows take their suffix proposal instead, and
+builds one Proposal: the drafts per row, and q = the model's distribution for model
+drafts, a point mass for suffix drafts (so verification stays exact at any temperature).
+It learns from each RoundOutcome: acceptance per row and source, and the round's costs.
+With `pinned` K the model always drafts K and a row's suffix proposal replaces it only
+when it predicts more accepted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
+from ssdlocal.speculation.adaptive import PROBE_EVERY, Acceptance, Choice, CostModel, choose
+
+MODEL, SUFFIX, NONE = "model", "suffix", "none"
+
+
+@dataclass
+class _Round:
+    """What the last proposal was, for observe."""
+
+    choice: Choice
+    sources: tuple[str, ...]
+    lengths: tuple[int, ...]
+
+
+class AdaptiveDrafter:
+    """Drafter protocol over a draft model and/or suffix proposals, K chosen per round."""
+
+    def __init__(self, model, suffix, *, k: int, pinned: bool, params: SamplingParams,
+                 costs: CostModel, target_vocab: int, device) -> None:  # fmt: skip
+        self.model = model  # draft.sync.ModelDrafter or None
+        self.suffix = suffix  # draft.suffix.SuffixSource or None
+        self.k = k  # the most drafts a round may have (exactly K when pinned)
+        self.pinned = pinned
+        self.params = params
+        self.costs = costs  # the engine's: kept across calls
+        self.target_vocab = target_vocab
+        self.device = device
+        self.acceptance = Acceptance()
+        self.rows: Sequence[RowView] = ()
+        self.last: _Round | None = None
+        self._since_model = 0  # rounds since the model last proposed
+
+    @property
+    def runner(self):
+        """The draft model's runner when there is one (the engine reports its graphs)."""
+        return None if self.model is None else self.model.runner
+
+    def start(self, rows: Sequence[RowView]) -> None:
+        self.rows = rows
+        for source in (self.model, self.suffix):
+            if source is not None:
+                source.start(rows)
+
+    # ------------------------------------------------------------------ propose
+    def propose(self, active: Sequence[bool]) -> Proposal:
+        suffix = self.suffix.proposals(active, self.k) if self.suffix is not None else None
+        confs = [p.confidence for p in suffix] if suffix else [()] * len(active)
+        choice = self._choose(active, confs)
+        model = self.model.propose(active, choice.model_k) if choice.model_k else None
+        lengths = [n if on else 0 for n, on in zip(choice.suffix_len, active)]
+        sources = tuple(
+            NONE if not on else SUFFIX if n else MODEL if choice.model_k else NONE
+            for n, on in zip(lengths, active)
+        )  # fmt: skip
+        n_draft = [n if s == SUFFIX else choice.model_k if s == MODEL else 0 for n, s in zip(lengths, sources)]
+        self.last = _Round(choice, sources, tuple(n_draft))
+        self._since_model = 0 if choice.model_k else self._since_model + 1
+        return self._proposal(choice.width, model, suffix, sources, n_draft)
+
+    def _choose(self, active: Sequence[bool], confs) -> Choice:
+        rows = range(len(active))
+        rates = [self.acceptance.rate(b, MODEL) for b in rows] if self.model is not None else None
+        suffix_rates = [self.acceptance.rate(b, SUFFIX) for b in rows]
+        if self.pinned:
+            return self._pinned(active, confs, rates, suffix_rates)
+        choice = choose(self.costs, rates, confs, suffix_rates, self.k, active)
+        if self.model is not None and not choice.model_k and self._since_model >= PROBE_EVERY:
+            probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
+            return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)
+        return choice
+
+    def _pinned(self, active, confs, rates, suffix_rates) -> Choice:
+        """K drafts every round: the model's, or a row's suffix proposal where it predicts more."""
+        from ssdlocal.speculation.adaptive import expected_tokens, suffix_expected
+
+        model_k = self.k if self.model is not None else 0
+        lens = []
+        for b, on in enumerate(active):
+            n = min(len(confs[b]), self.k)
+            m = expected_tokens(rates[b], model_k) if rates is not None else 1.0
+            lens.append(n if on and n and suffix_expected(confs[b][:n], suffix_rates[b]) >= m else 0)
+        return Choice(model_k, tuple(lens), self.k, 0.0)
+
+    def _proposal(self, width, model: Proposal | None, suffix, sources, n_draft) -> Proposal:
+        """Drafts [B, width] (model drafts, or suffix tokens), q for the model's rows."""
+        batch = len(sources)
+        host = [list(suffix[b].tokens[: n_draft[b]]) if s == SUFFIX else [] for b, s in enumerate(sources)]
+        if model is None or MODEL not in sources:  # point masses only: the host has every draft
+            return Proposal.from_lists(host, width, self.device, sources=sources)
+        drafts = torch.zeros(batch, width, dtype=torch.long, device=self.device)  # [B, W]
+        drafts[:, : model.drafts.shape[1]] = model.drafts
+        use_suffix = [b for b, s in enumerate(sources) if s == SUFFIX]
+        for b in use_suffix:
+            drafts[b, : n_draft[b]] = torch.tensor(host[b], device=self.device)
+        q = None
+        if model.q is not None:
+            q = torch.zeros(batch, width, self.target_vocab, device=self.device)  # [B, W, V]
+            q[:, : model.q.shape[1]] = model.q
+            for b in use_suffix:
+                q[b] = 0.0
+                q[b, torch.arange(n_draft[b], device=self.device), drafts[b, : n_draft[b]]] = 1.0
+        n = torch.tensor(n_draft, device=self.device)  # [B]
+        return Proposal(drafts, n, q, sources=sources)
+
+    # ------------------------------------------------------------------ observe
+    def observe(self, outcome: RoundOutcome) -> None:
+        last = self.last
+        if last is not None:
+            for b, (source, n) in enumerate(zip(last.sources, last.lengths)):
+                if source != NONE and outcome.appended[b]:
+                    self.acceptance.observe(b, source, n, min(outcome.n_accepted[b], n))
+            self.costs.observe_target(last.choice.width + 1, outcome.verify_s)
+            if last.choice.model_k:
+                self.costs.observe_draft(last.choice.model_k, outcome.draft_s)
+        if self.model is not None and last is not None and last.choice.model_k:
+            self.model.observe(outcome, adopted=[s == MODEL for s in last.sources])
+        if self.suffix is not None:
+            self.suffix.observe(outcome)
+
+    def close(self) -> None:
+        for source in (self.model, self.suffix):
+            if source is not None:
+                source.close()

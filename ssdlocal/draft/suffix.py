@@ -1,0 +1,100 @@
+"""The suffix source: proposals from the row's own tokens and the engine's memory of earlier
+prompts and answers (speculation/suffix.py), and the file that memory may persist in.
+
+`SuffixSource` keeps one index per row, grown from each round's outcome (never a copy of
+the rows to diff), and hands every finished batch to the memory (prompt + answer). The
+memory belongs to the engine: it outlives generate calls (server requests, chat turns)
+and is never shared between engines, so it never crosses models. `MemoryFile` stores it
+under the cache directory, keyed by the target model, written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ssdlocal.draft.base import RoundOutcome, RowView
+from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory, SuffixProposal, propose
+
+log = logging.getLogger(__name__)
+
+
+class SuffixSource:
+    """Per-row suffix indexes over one batch, plus the engine's shared memory."""
+
+    def __init__(self, memory: SuffixMemory, min_confidence: float = 0.3) -> None:
+        self.memory = memory
+        self.min_confidence = min_confidence
+        self.rows: Sequence[RowView] = ()
+        self.own: list[SuffixIndex] = []
+
+    def start(self, rows: Sequence[RowView]) -> None:
+        self.rows = rows
+        self.own = [SuffixIndex(row.tokens) for row in rows]
+
+    def proposals(self, active: Sequence[bool], k: int) -> list[SuffixProposal]:
+        """Up to k tokens per active row (empty proposals for the others)."""
+        memory = self.memory.indexes()
+        return [
+            propose(own.tokens, own, memory, k, self.min_confidence) if on else SuffixProposal((), ())
+            for own, on in zip(self.own, active)
+        ]
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        for own, appended in zip(self.own, outcome.appended):
+            own.extend(appended)
+
+    def close(self) -> None:
+        """The batch is over: remember each row's prompt and answer."""
+        for own in self.own:
+            self.memory.add(own.tokens)
+        self.own = []
+
+
+class MemoryFile:
+    """A SuffixMemory persisted as JSON under `directory`, one file per target model."""
+
+    def __init__(self, directory: Path, model_key: str) -> None:
+        digest = hashlib.sha256(model_key.encode()).hexdigest()[:16]
+        self.path = Path(directory) / f"{digest}.json"
+        self.model_key = model_key
+
+    def load(self, memory: SuffixMemory) -> None:
+        """Fill `memory` from the file; a missing, damaged or foreign file is ignored."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(data, dict) or data.get("model") != self.model_key:
+            log.warning("ignoring suffix memory %s: written for another model or damaged", self.path)
+            return
+        for seq in data.get("sequences", []):
+            if isinstance(seq, list) and all(isinstance(t, int) for t in seq):
+                memory.add(seq)
+
+    def save(self, memory: SuffixMemory) -> None:
+        """Write the memory (bounded by its caps) atomically: never half a file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"model": self.model_key, "sequences": memory.sequences()}))
+        os.replace(tmp, self.path)
+
+
+def open_memory(settings, target_path: str, vocab_size: int) -> tuple[SuffixMemory, MemoryFile | None]:
+    """The engine's memory for `settings` (a SuffixDraft, or None: the defaults), loaded from
+    its file when `settings.persist`; the file (or None) to save it to after each call."""
+    from ssdlocal.core.models import SuffixDraft
+    from ssdlocal.core.paths import cache_dir
+
+    settings = settings or SuffixDraft()
+    memory = SuffixMemory(settings.max_sequences, settings.max_tokens)
+    if not settings.persist:
+        return memory, None
+    key = f"{Path(target_path).expanduser().resolve()}|vocab={vocab_size}"
+    file = MemoryFile(cache_dir() / "suffix", key)
+    file.load(memory)
+    return memory, file
