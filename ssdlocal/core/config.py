@@ -25,6 +25,7 @@ SEED_MAX = 2**64 - 1  # seeds are 64-bit: 0 ..= SEED_MAX in every mode
 MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy)
 MAX_K = 32  # draft tokens per round
 MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
+BACKUPS = ("auto", "jit", "ngram", "suffix", "none")  # what serves an SSD cache miss
 
 
 class Mode(str, Enum):
@@ -136,10 +137,8 @@ class SpecConfig:
             raise UsageError(
                 f"saguaro-c must be in (0, 1], got {self.saguaro_c}", "use 1.0 to disable"
             )
-        if self.backup not in ("auto", "jit", "ngram", "none"):
-            raise UsageError(
-                f"unknown backup {self.backup!r}", "choose one of: auto, jit, ngram, none"
-            )
+        if self.backup not in BACKUPS:
+            raise UsageError(f"unknown backup {self.backup!r}", f"choose one of: {', '.join(BACKUPS)}")
         for name, fan in (("fan-out", self.fan_out), ("fan-out-miss", self.fan_out_miss)):
             if fan is not None:
                 if len(fan) != self.k + 1:

@@ -50,6 +50,7 @@ class AdaptiveDrafter:
         self.rows: Sequence[RowView] = ()
         self.last: _Round | None = None
         self._since_model = 0  # rounds since the model last proposed
+        self._since_spec = 0  # rounds since anything was proposed
 
     @property
     def runner(self):
@@ -76,6 +77,7 @@ class AdaptiveDrafter:
         n_draft = [n if s == SUFFIX else choice.model_k if s == MODEL else 0 for n, s in zip(lengths, sources)]
         self.last = _Round(choice, sources, tuple(n_draft))
         self._since_model = 0 if choice.model_k else self._since_model + 1
+        self._since_spec = 0 if choice.width else self._since_spec + 1
         return self._proposal(choice.width, model, suffix, sources, n_draft)
 
     def _choose(self, active: Sequence[bool], confs) -> Choice:
@@ -88,6 +90,8 @@ class AdaptiveDrafter:
         if self.model is not None and not choice.model_k and self._since_model >= PROBE_EVERY:
             probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
             return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)
+        if not choice.width and self._since_spec >= PROBE_EVERY:  # so do the costs of wider steps
+            return choose(self.costs, rates, confs, suffix_rates, self.k, active, explore=True)
         return choice
 
     def _pinned(self, active, confs, rates, suffix_rates) -> Choice:

@@ -59,7 +59,8 @@ def _model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     from ssdlocal.draft.ssd.client import SSDDrafter
 
     return SSDDrafter(res.worker(), spec, params, res.target_vocab, res.num_slots,
-                      target_device=res.target_device_name, draft_device=spec.draft.model.device)  # fmt: skip
+                      target_device=res.target_device_name, draft_device=spec.draft.model.device,
+                      memory=res.memory)  # fmt: skip
 
 
 BUILDERS: dict[type, Callable] = {NgramDraft: _ngram, SuffixDraft: _suffix, ModelDraft: _model}

@@ -2,9 +2,9 @@
 prompts and answers (speculation/suffix.py), and the file that memory may persist in.
 
 `SuffixSource` keeps one index per row, grown from each round's outcome (never a copy of
-the rows to diff), and hands every finished batch to the memory (prompt + answer). The
-memory belongs to the engine: it outlives generate calls (server requests, chat turns)
-and is never shared between engines, so it never crosses models. `MemoryFile` stores it
+the rows to diff). The memory belongs to the engine, which adds every finished row
+(prompt + answer) to it: it outlives generate calls (server requests, chat turns) and is
+never shared between engines, so it never crosses models. `MemoryFile` stores it
 under the cache directory, keyed by the target model, written atomically.
 """
 
@@ -49,9 +49,7 @@ class SuffixSource:
             own.extend(appended)
 
     def close(self) -> None:
-        """The batch is over: remember each row's prompt and answer."""
-        for own in self.own:
-            self.memory.add(own.tokens)
+        """The batch is over (the engine hands its rows to the memory)."""
         self.own = []
 
 

@@ -352,7 +352,9 @@ class Engine:
             final = self._graph_reports(drafter, graphs_before)
             stats.graphs_now = lambda: final
             if drafter is not None:
-                drafter.close()  # a suffix source hands its rows to the memory here
+                drafter.close()
+            for r in rows:  # prompt + answer: what later calls' suffix proposals may reuse
+                self.suffix_memory.add(r.tokens)
             if self._memory_file is not None:
                 self._memory_file.save(self.suffix_memory)
 

@@ -31,6 +31,7 @@ class CostModel:
 
     target: dict[int, float] = field(default_factory=dict)  # T -> decayed seconds
     draft_token_s: float | None = None
+    samples: dict[int, int] = field(default_factory=dict)  # T -> measurements so far
 
     def seed(self, target_1: float, target_t: float, t: int, draft_1: float | None) -> None:
         """A calibration: the target at 1 and `t` tokens, the draft at 1 token."""
@@ -40,7 +41,11 @@ class CostModel:
             self.draft_token_s = draft_1
 
     def observe_target(self, t: int, seconds: float) -> None:
-        self.target[t] = _ewma(self.target.get(t), seconds)
+        """A measured step; the first of a size is replaced by the second (it pays one-time
+        costs: allocations, a graph capture), later ones are averaged."""
+        seen = self.samples.get(t, 0)
+        self.samples[t] = seen + 1
+        self.target[t] = seconds if seen <= 1 else _ewma(self.target[t], seconds)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
@@ -109,18 +114,20 @@ class Choice:
 
 
 def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: Sequence[Sequence[float]],
-           suffix_rates: Sequence[float], k_max: int, active: Sequence[bool]) -> Choice:  # fmt: skip
+           suffix_rates: Sequence[float], k_max: int, active: Sequence[bool], explore: bool = False) -> Choice:  # fmt: skip
     """The (model K, suffix lengths) maximising expected tokens per second over the active rows.
 
     model_rates: per-row acceptance of the draft model (None: no draft model); suffix_conf:
     per-row confidences of the suffix proposal (empty: none); a row uses whichever of its
-    two proposals yields more, capped by the round's width."""
+    two proposals yields more, capped by the round's width. `explore`: instead, the option
+    whose width was measured least (estimates of widths never tried stay guesses)."""
     rows = [b for b, on in enumerate(active) if on]
     best = Choice(0, (0,) * len(active), 0, 0.0)
     t1 = costs.target_s(1)
     if t1 is None or not rows:
         return best
-    best = Choice(0, (0,) * len(active), 0, len(rows) / t1)
+    if not explore:
+        best = Choice(0, (0,) * len(active), 0, len(rows) / t1)
     lengths = {min(len(suffix_conf[b]), k_max) for b in rows}
     model_options = range(0, k_max + 1) if model_rates is not None else [0]
     for model_k in model_options:
@@ -138,6 +145,8 @@ def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: S
                     lens[b] = n
                 gain += max(m, s)
             rate = gain / (t + draft)
-            if rate > best.tokens_per_s:
+            if explore:  # the least measured width (the widest of those): its cost is the guess
+                rate = -costs.samples.get(width + 1, 0) + width / 1000
+            if rate > best.tokens_per_s or (explore and best.width == 0):
                 best = Choice(model_k, tuple(lens), width, rate)
     return best

@@ -30,6 +30,7 @@ class BackupChooser:
         self.tokens_hit = 1.0 + 0.7 * k  # prior tokens/round on a hit
         self.tokens_jit = 1.0 + 0.7 * k
         self.tokens_ngram = 1.2
+        self.tokens_suffix = 1.2
         self.jit_s: float | None = None
         self.last: str = "jit"
 
@@ -44,7 +45,7 @@ class BackupChooser:
             self.jit_s = busy if self.jit_s is None else 0.8 * self.jit_s + 0.2 * busy
 
     def observe_tokens(self, path: str, tokens: float) -> None:
-        """Exponential averages of tokens per round: path in hit / jit / ngram."""
+        """Exponential averages of tokens per round: path in hit / jit / ngram / suffix."""
         name = f"tokens_{path}"
         setattr(self, name, 0.9 * getattr(self, name) + 0.1 * tokens)
 

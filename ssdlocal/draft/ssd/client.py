@@ -109,6 +109,7 @@ class SSDDrafter:
         *,
         target_device: str = "cpu",
         draft_device: str = "cpu",
+        memory=None,
     ) -> None:
         self.client = client
         self.target_device = target_device  # rank 0 of the target: where the q buffer lives
@@ -125,6 +126,7 @@ class SSDDrafter:
         self.chooser = BackupChooser(spec.backup, spec.k)
         self.last: pr.ProposalMsg | None = None
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
+        self.memory = memory  # speculation.suffix.SuffixMemory, sent when the backup is suffix
         self.graphs_at_start: dict | None = None  # the worker's graph counts at START
 
     def start(self, rows: Sequence[RowView]) -> None:
@@ -146,6 +148,7 @@ class SSDDrafter:
             saguaro_c=self.spec.saguaro_c,
             backup=self.spec.backup,
             q_buffer=None if self._q_channel is None else self._q_channel.buffer,
+            memory=self._memory(),
         )
         self.client.send(pr.Cmd.START, msg)
         # READY comes after the worker has prefilled every prompt: long prompts on a CPU
@@ -153,6 +156,12 @@ class SSDDrafter:
         tokens = sum(len(s) for s in sequences)
         self.graphs_at_start = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
         self._first = True
+
+    def _memory(self) -> tuple[tuple[int, ...], ...]:
+        """The suffix memory for the worker, when the suffix backup may serve a miss."""
+        if self.memory is None or self.spec.backup != "suffix":
+            return ()
+        return tuple(tuple(seq) for seq in self.memory.sequences())
 
     def propose(self, active: Sequence[bool]) -> Proposal:
         if self._first:
@@ -179,7 +188,7 @@ class SSDDrafter:
             for b, appended in enumerate(outcome.appended):
                 if appended and b < len(self.last.cache_hit):
                     path = "hit" if self.last.cache_hit[b] else (self.last.backup or "jit")
-                    if path in ("hit", "jit", "ngram"):
+                    if path in ("hit", "jit", "ngram", "suffix"):
                         self.chooser.observe_tokens(path, len(appended))
         backup = self.chooser.choose(sum(outcome.active), verify_s)
         msg = pr.OutcomeMsg(

@@ -55,8 +55,10 @@ class StartMsg:
     fan_out: tuple[int, ...] | None  # after a hit; None = auto
     fan_out_miss: tuple[int, ...] | None  # after a miss; None = auto
     saguaro_c: float
-    backup: str  # "jit" | "ngram" | "none" (auto is resolved by the engine each round)
+    backup: str  # "jit" | "ngram" | "suffix" | "none" (auto is resolved by the engine each round)
     q_buffer: object | None  # shared tensor [B, K, V] float32 for q, or None when greedy
+    memory: tuple[tuple[int, ...], ...] = ()  # the engine's suffix memory (backup "suffix")
+    min_confidence: float = 0.3  # suffix proposals stop below this share
 
 
 @dataclass(frozen=True)

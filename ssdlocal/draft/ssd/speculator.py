@@ -23,6 +23,7 @@ from ssdlocal.draft.decode import DraftDecoder, align_vocab
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.speculation.fanout import FanOutPlanner
 from ssdlocal.speculation.ngram import propose_ngram
+from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory, propose
 from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates
 
 
@@ -53,6 +54,21 @@ def wait_for_device(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
+class SuffixBackup:
+    """Suffix proposals for missed rows: each row's own tokens and the engine's memory."""
+
+    def __init__(self, start: StartMsg) -> None:
+        self.memory = SuffixMemory(max(len(start.memory), 1), max(sum(map(len, start.memory)), 1))
+        for seq in start.memory:
+            self.memory.add(seq)
+        self.own = [SuffixIndex(s) for s in start.sequences]
+        self.min_confidence = start.min_confidence
+
+    def propose(self, b: int, seq: list[int], k: int) -> list[int]:
+        found = propose(seq, self.own[b], self.memory.indexes(), k, self.min_confidence)
+        return list(found.tokens)
+
+
 class Speculator:
     """Owns a draft Runner's state for one batch of rows."""
 
@@ -74,6 +90,7 @@ class Speculator:
             start.params.stream_seed(104729)
         )
         self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
+        self.suffix = SuffixBackup(start) if start.backup == "suffix" else None
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()
         self.last_depth = 0  # tree depth reached by the last pre-speculation
@@ -254,6 +271,8 @@ class Speculator:
             planner.observe_acceptance(len(r.proposal), n)
             old_len = len(r.seq)
             r.seq = r.seq + list(outcome.appended[b])
+            if self.suffix is not None:
+                self.suffix.own[b].extend(outcome.appended[b])
             branch = self.cache.get(b, n, bonus)
             if branch is not None and list(outcome.appended[b]) == r.proposal[:n] + [bonus]:
                 self._take_branch(b, branch, old_len + n)
@@ -284,7 +303,10 @@ class Speculator:
             return
         for b in missed:
             r = self.rows[b]
-            r.proposal = propose_ngram(r.seq, self.k) if backup == "ngram" else []
+            if backup == "suffix" and self.suffix is not None:
+                r.proposal = self.suffix.propose(b, r.seq, self.k)
+            else:
+                r.proposal = propose_ngram(r.seq, self.k) if backup == "ngram" else []
             r.q = None
             if not self.params.greedy and r.proposal:
                 r.q = torch.nn.functional.one_hot(
