@@ -14,6 +14,11 @@ from pathlib import Path
 from ssdlocal.core.errors import UsageError
 
 DEFAULT_SET = "ssdlocal/data/prompts.jsonl"
+WORKLOADS = {  # packaged prompt sets, by name (--prompts NAME)
+    "chat": "data/prompts.jsonl",  # code, math, instruction and chat requests (the default)
+    "edit": "data/edit.jsonl",  # code edits that re-emit the code they are given, and
+    # multi-turn sessions whose later turns change the code an earlier answer wrote
+}
 
 
 @dataclass(frozen=True)
@@ -21,20 +26,25 @@ class BenchPrompt:
     id: str
     kind: str
     prompt: str
+    session: str | None = None  # turns of one conversation share a session id
+    turn: int = 0  # 1, 2, ... within its session: the prompt follows the earlier turns' answers
 
 
 def load_prompts(path: str | Path | None = None) -> list[BenchPrompt]:
-    """Read a prompt set: None = the packaged default; a `.jsonl` file (or any file whose
-    first non-blank line is a JSON object) of {"id", "kind", "prompt"}; else plain text,
-    one prompt per non-blank line. Raises UsageError on a missing, empty or bad file."""
-    if path is None:
-        text = resources.files("ssdlocal").joinpath("data/prompts.jsonl").read_text("utf-8")
-        return _parse_jsonl(text.splitlines(), DEFAULT_SET)
+    """Read a prompt set: None = the packaged default ("chat"); a workload name (WORKLOADS);
+    a `.jsonl` file (or any file whose first non-blank line is a JSON object) of {"id",
+    "kind", "prompt"} (and "session", "turn" for conversations); else plain text, one prompt
+    per non-blank line. Raises UsageError on a missing, empty or bad file."""
+    if path is None or str(path) in WORKLOADS:
+        name = WORKLOADS[str(path or "chat")]
+        text = resources.files("ssdlocal").joinpath(name).read_text("utf-8")
+        return _parse_jsonl(text.splitlines(), f"ssdlocal/{name}")
     p = Path(path).expanduser()
     if not p.is_file():
         raise UsageError(
             f"prompt file not found: {p}",
-            'pass --prompts FILE with one prompt per line, or JSONL lines of {"id", "kind", "prompt"}',
+            f"pass --prompts {' or '.join(WORKLOADS)} (packaged workloads), or a FILE with one prompt "
+            'per line, or JSONL lines of {"id", "kind", "prompt"}',
         )
     try:
         lines = p.read_text("utf-8").splitlines()
@@ -69,13 +79,11 @@ def _parse_jsonl(lines: list[str], where: str) -> list[BenchPrompt]:
             or not obj["prompt"].strip()
         ):
             raise UsageError(f'{where}:{number}: missing a non-empty "prompt" string', hint)
-        out.append(
-            BenchPrompt(
-                str(obj.get("id", f"p{len(out) + 1:02d}")),
-                str(obj.get("kind", "text")),
-                obj["prompt"],
-            )
-        )
+        session, turn = obj.get("session"), obj.get("turn", 0)
+        if session is not None and (not isinstance(turn, int) or turn < 1):
+            raise UsageError(f'{where}:{number}: a "session" prompt needs a "turn" of 1 or more', hint)
+        out.append(BenchPrompt(str(obj.get("id", f"p{len(out) + 1:02d}")), str(obj.get("kind", "text")),
+                               obj["prompt"], None if session is None else str(session), turn))  # fmt: skip
     if not out:
         raise UsageError(f"{where} has no prompts", hint)
     return out
@@ -83,7 +91,8 @@ def _parse_jsonl(lines: list[str], where: str) -> list[BenchPrompt]:
 
 def select(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
     """The first `limit` prompts taken round-robin over kinds (in order of first
-    appearance); all prompts, round-robin ordered, when limit is None."""
+    appearance); all prompts, round-robin ordered, when limit is None. A session's turns
+    keep their order (a later turn is never taken without the earlier ones)."""
     if limit is not None and limit < 1:
         raise UsageError(
             f"limit must be >= 1, got {limit}", "use --limit 4, or omit it for all prompts"

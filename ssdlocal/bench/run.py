@@ -18,13 +18,16 @@ from ssdlocal.bench.exactness import check_exactness, logit_margin
 from ssdlocal.bench.measure import Measurement, from_engine_events
 from ssdlocal.bench.peers import KNOWN_PEERS, PeerOptions, PeerSkipped, make_peers
 from ssdlocal.bench.prompts import BenchPrompt
-from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig, SuffixDraft
 from ssdlocal.core.errors import UsageError
+from ssdlocal.engine.prompts import encode_messages
+from ssdlocal.speculation.suffix import SuffixMemory
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int, str], None]
-MODES = ("ar", "sd", "ssd")
+MODES = ("ar", "sd", "ssd", "suffix", "auto")  # auto: the engine's own choice, as `generate` runs
+ADAPTIVE_K_MAX = 12  # the most drafts a round of an adaptive system may have
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class BenchSettings:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes or len(set(self.modes)) != len(self.modes):
             raise UsageError(
-                f"bad --modes {','.join(self.modes)!r}", "a comma list of distinct ar, sd, ssd"
+                f"bad --modes {','.join(self.modes)!r}", f"a comma list of distinct {', '.join(MODES)}"
             )
         bad = [p for p in self.peers if p not in KNOWN_PEERS]
         if bad:
@@ -55,13 +58,19 @@ class BenchSettings:
 
     @property
     def needs_draft(self) -> bool:
-        return any(m != "ar" for m in self.modes) or "hf-assisted" in self.peers
+        return any(m in ("sd", "ssd") for m in self.modes) or "hf-assisted" in self.peers
 
 
 def mode_spec(base: SpecConfig, mode: str) -> SpecConfig:
-    """The engine's speculation settings for one of our modes (AR drafts nothing)."""
+    """The engine's speculation settings for one of our systems: AR drafts nothing; "suffix"
+    is SD with the suffix drafter and K chosen per round; "auto" is the configured spec."""
     if mode == "ar":
         return SpecConfig(mode=Mode.AR, k=base.k)
+    if mode == "suffix":
+        return replace(base, mode=Mode.SD, draft=SuffixDraft(), adaptive_k=True, k=max(base.k, ADAPTIVE_K_MAX),
+                       fan_out=None, fan_out_miss=None)  # fmt: skip
+    if mode == "auto":
+        return base
     return replace(base, mode=Mode(mode))
 
 
@@ -115,7 +124,7 @@ def run_bench(
     with Engine(config) as engine:
         run.quantization = getattr(engine.target, "quantization", None)  # torch: the resolved scheme
         try:
-            ids = {p.id: engine.encode(p.prompt, settings.chat) for p in prompts}
+            ids = prompt_ids(engine, prompts, settings.chat, params, note)
             if settings.peers:
                 note("load", 0, 1, "loading peers")
                 opts = PeerOptions(
@@ -129,8 +138,9 @@ def run_bench(
                     engine.eos_ids,
                     min(engine.eos_ids) if pad is None else pad,
                 )
-            systems = _systems(engine, config.spec, settings, peers)
-            _measure_all(run, systems, ids, batches, note)
+            memories = Memories(engine)
+            systems = _systems(engine, config.spec, settings, peers, memories)
+            _measure_all(run, systems, ids, batches, note, memories)
             if params.greedy and "ar" in run.systems:
                 note("exactness", 0, 1, "checking exactness against AR")
                 margin_fn = lambda prompt, prefix, toks: logit_margin(
@@ -144,16 +154,50 @@ def run_bench(
     return run
 
 
+def prompt_ids(engine, prompts: list[BenchPrompt], chat: bool, params: SamplingParams, note) -> dict:
+    """Token ids per prompt id. A session's turn n is the conversation of its earlier turns,
+    answered by AR (greedy: the answer every exact system gives), plus its own message."""
+    ids, said = {}, {}
+    for p in sorted(prompts, key=lambda p: (p.session is None, p.session or "", p.turn)):
+        if p.session is None:
+            ids[p.id] = engine.encode(p.prompt, chat)
+            continue
+        messages = said.setdefault(p.session, []) + [{"role": "user", "content": p.prompt}]
+        ids[p.id] = encode_messages(engine.tokenizer, messages)
+        note("sessions", 0, 1, f"answering {p.id} (AR) for the next turn's conversation")
+        greedy = replace(params, temperature=0.0)
+        done = [e for e in engine.generate([ids[p.id]], greedy, spec=SpecConfig(mode=Mode.AR))][-1]
+        said[p.session] = messages + [{"role": "assistant", "content": done.outputs[0].text}]
+    return ids
+
+
+class Memories:
+    """A suffix memory per system: what that system answered earlier in the run (as in use),
+    never what another system answered to the same prompt. `reset` empties them all."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.caps = (engine.suffix_memory.max_sequences, engine.suffix_memory.max_tokens)
+        self.by_system: dict[str, SuffixMemory] = {}
+
+    def use(self, name: str) -> None:
+        self.engine.suffix_memory = self.by_system.setdefault(name, SuffixMemory(*self.caps))
+
+    def reset(self) -> None:
+        self.by_system.clear()
+
+
 def _systems(
-    engine, base: SpecConfig, settings: BenchSettings, peers: list
+    engine, base: SpecConfig, settings: BenchSettings, peers: list, memories: Memories
 ) -> dict[str, Callable]:
     """name -> run(batch_token_ids, params) -> Measurement, in the order the user gave."""
     systems: dict[str, Callable] = {}
     for mode in settings.modes:
         spec = mode_spec(base, mode)
-        k = 0 if mode == "ar" else base.k
+        k = 0 if mode == "ar" else spec.k
 
         def run_mode(batch, params, _mode=mode, _spec=spec, _k=k) -> Measurement:
+            memories.use(_mode)
             return from_engine_events(_mode, engine.generate(batch, params, spec=_spec), _k)
 
         systems[mode] = run_mode
@@ -162,7 +206,7 @@ def _systems(
     return systems
 
 
-def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: ProgressFn) -> None:
+def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: ProgressFn, memories: Memories) -> None:
     settings, params = run.settings, run.params
     warm = replace(params, max_new_tokens=min(settings.warmup_tokens, params.max_new_tokens))
     first = [ids[p.id] for p in batches[0]]
@@ -177,6 +221,7 @@ def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: P
     total = settings.repeats * len(batches) * len(systems)
     done = 0
     for repeat in range(settings.repeats):
+        memories.reset()  # the warm-up's and the last repeat's answers are not remembered
         for b, batch in enumerate(batches):
             names = list(systems)
             shift = (repeat * len(batches) + b) % len(names)
