@@ -12,9 +12,9 @@ import pytest
 from cli_helpers import assert_clean_error, run_cli
 
 from ssdlocal.bench.check import Divergence, ModeRun, run_check
+from ssdlocal.core.config import ModelDraft
 from ssdlocal.core.errors import IncompatiblePairError
 from ssdlocal.weights.compat import check_pair, check_paths
-from ssdlocal.core.config import ModelDraft
 
 
 def _tok_only(src: Path, dst: Path, vocab_size: int | None = None) -> Path:
@@ -245,8 +245,7 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
 @pytest.mark.parametrize(
     ("args", "code", "needles"),
     [
-        (["--pair", "qwen3-8b", "--target", "x"], 2, ["--pair cannot be combined"]),
-        (["--target", "x"], 2, ["--target and --draft go together"]),
+        (["--target", "x"], 2, ["check compares SD and SSD with AR: it needs a draft", "--draft ngram"]),
         (["--pair", "nope"], 2, ["unknown pair 'nope'"]),
         (["--target", "/nowhere/t", "--draft", "/nowhere/d"], 1, ["does not exist"]),
         (["--max-new-tokens", "0"], 2, ["max-new-tokens must be >= 1"]),
@@ -259,6 +258,35 @@ def test_check_bad_input(monkeypatch, capsys, tmp_path, args, code, needles):
         "ssdlocal.cli.resolve.default_pair_paths", lambda *a, **k: pytest.fail("no download")
     )
     assert_clean_error(*run_cli(monkeypatch, capsys, "check", *args)[::2], code, *needles)
+
+
+@pytest.mark.parametrize("extra", [[], ["--draft", "ngram"]])
+def test_check_takes_pair_and_draft_like_every_command(monkeypatch, capsys, tiny_dir, extra):
+    """--pair names the target and the draft, and --draft replaces the pair's draft, as in
+    generate, chat, race, bench and serve (check once refused --pair with --draft)."""
+    from ssdlocal.bench import check as check_mod
+    from ssdlocal.bench.check import CheckReport
+    from ssdlocal.core.config import NgramDraft
+
+    pair = (str(tiny_dir["llama"]), str(tiny_dir["draft_llama"]))
+    monkeypatch.setattr("ssdlocal.weights.hub.resolve_pair_paths", lambda name, **kw: pair)
+    seen = []
+
+    def fake_run_check(config, params=None, chat=False, on_mode=None):
+        seen.append(config)
+        runs = tuple(ModeRun(m, ((1, 2),), 2, 1.0, 0.5, 0.6) for m in ("ar", "sd", "ssd"))
+        return CheckReport("float32", ("p",), runs, ())
+
+    monkeypatch.setattr(check_mod, "run_check", fake_run_check)
+    code, _, err = run_cli(monkeypatch, capsys, "check", "--pair", "qwen2.5-1.5b", "--target-backend", "torch",
+                           "--target-device", "cpu", "--draft-device", "cpu", *extra)
+    assert code == 0, err
+    (config,) = seen
+    assert config.target.path == pair[0] and config.target.dtype == "float32"
+    if extra:
+        assert config.spec.draft == NgramDraft()
+    else:
+        assert config.spec.draft.model.path == pair[1]
 
 
 def test_check_incompatible_pair(monkeypatch, capsys, tiny_dir, variants):

@@ -15,23 +15,24 @@ from typing import Annotated
 import typer
 
 from ssdlocal.cli import options as o
-from ssdlocal.cli.resolve import (
+from ssdlocal.cli.options import (
     ModelOptions,
     SamplingOptions,
     SpecOptions,
-    engine_config,
-    gather,
+    model_command,
 )
+from ssdlocal.cli.resolve import engine_config
 
 
 def _csv(value: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in value.split(",") if x.strip())
 
 
+@model_command("bench")
 def bench(
-    target: o.Target = None,
-    draft: o.Draft = None,
-    pair: o.PairName = None,
+    models: ModelOptions,
+    spec: SpecOptions,
+    sampling: SamplingOptions,
     modes: Annotated[
         str, typer.Option(help="Our modes to run, comma-separated: ar,sd,ssd.")
     ] = "ar,sd,ssd",
@@ -50,30 +51,8 @@ def bench(
     limit: Annotated[
         int | None, typer.Option(help="Use the first N prompts (round-robin over kinds).")
     ] = None,
-    k: o.K = 4,
-    fan_out: o.FanOut = None,
-    fan_out_miss: o.FanOutMiss = None,
-    backup: o.Backup = "auto",
-    saguaro_c: o.SaguaroC = 1.0,
-    temperature: Annotated[
-        float, typer.Option(help="0 = greedy (exactness is checked against AR).")
-    ] = 0.0,
-    top_k: o.TopK = 0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
     batch_size: Annotated[int, typer.Option(help="Prompts per generate call.")] = 1,
-    max_new_tokens: o.FixedNewTokens = 128,
     repeats: Annotated[int, typer.Option(help="Times to run the whole prompt set.")] = 1,
-    ignore_eos: o.IgnoreEos = False,
-    dtype: o.Dtype = "bfloat16",
-    quantization: o.Quantization = "auto",
-    draft_quantization: o.DraftQuantization = None,
-    target_device: o.TargetDevice = "auto",
-    draft_device: o.DraftDevice = "auto",
-    target_devices: o.TargetDevices = None,
-    target_backend: o.TargetBackend = "auto",
-    draft_backend: o.DraftBackend = "auto",
-    cuda_graphs: o.CudaGraphs = True,
     chat: o.Chat = True,
     out: o.OutDir = None,
     project: Annotated[
@@ -98,20 +77,16 @@ def bench(
     from ssdlocal.bench.prompts import load_prompts, select
     from ssdlocal.bench.run import BenchSettings
 
-    values = locals()
     settings = BenchSettings(
         modes=_csv(modes), peers=_csv(peers), batch_size=batch_size, repeats=repeats, chat=chat,
         gguf_target=gguf_target, gguf_draft=gguf_draft,
     )  # fmt: skip
-    params = gather(SamplingOptions, values).params()
+    params = sampling.params()
     speculative = [m for m in settings.modes if m != "ar"]
-    spec_opts = SpecOptions(
-        mode=speculative[0] if speculative else "ar", k=k, fan_out=fan_out,
-        fan_out_miss=fan_out_miss, saguaro_c=saguaro_c, backup=backup,
-    )  # fmt: skip
+    spec = replace(spec, mode=speculative[0] if speculative else "ar")
     chosen = select(load_prompts(prompts), limit)
     why = "--target needs --draft for SD, SSD and hf-assisted" if settings.needs_draft else None
-    config = engine_config(gather(ModelOptions, values), spec_opts, need_draft=why)
+    config = engine_config(models, spec, need_draft=why)
     settings = _default_gguf_peers(settings, config)
     pin_cpus = pin and os.environ.get("SSDLOCAL_BENCH_NO_PIN") != "1"
     config = replace(config, pin_cpus=pin_cpus)

@@ -1,5 +1,7 @@
 """`ssdlocal check`: run the pair greedily in AR, SD and SSD and report any divergence.
 
+Its model options are every model command's (--pair, --target, --draft alike; the draft is
+required); only the dtype defaults to float32, where the outputs must be identical.
 Wiring and rendering only; the run itself is ssdlocal.bench.check.run_check.
 """
 
@@ -8,42 +10,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ssdlocal.cli import options as o
-from ssdlocal.cli.resolve import ModelOptions, SpecOptions, engine_config, gather
-from ssdlocal.core.config import SamplingParams
-from ssdlocal.core.errors import UsageError
+from ssdlocal.cli.options import (
+    ModelOptions,
+    SamplingOptions,
+    SpecOptions,
+    model_command,
+)
+from ssdlocal.cli.resolve import engine_config
 
 out = Console(soft_wrap=True)
 
 
+@model_command("check")
 def check(
-    pair: Annotated[
-        str | None, typer.Option(help="Registry pair to check (must be pulled).")
-    ] = None,
-    target: Annotated[str | None, typer.Option(help="Target checkpoint dir or .gguf file.")] = None,
-    draft: o.Draft = None,
-    dtype: Annotated[
-        str, typer.Option(help="float32 (must be identical) | bfloat16 | float16")
-    ] = "float32",
-    quantization: o.Quantization = "auto",
-    draft_quantization: o.DraftQuantization = None,
-    max_new_tokens: o.FixedNewTokens = 32,
-    k: o.K = 4,
-    fan_out: o.FanOut = None,
-    fan_out_miss: o.FanOutMiss = None,
-    backup: o.Backup = "auto",
-    target_device: o.TargetDevice = "auto",
-    draft_device: o.DraftDevice = "auto",
-    target_devices: o.TargetDevices = None,
-    target_backend: o.TargetBackend = "auto",
-    draft_backend: o.DraftBackend = "auto",
-    cuda_graphs: o.CudaGraphs = True,
+    models: ModelOptions,
+    spec: SpecOptions,
+    sampling: SamplingOptions,
     chat: o.Chat = False,
     as_json: o.Json = False,
 ) -> None:
@@ -51,17 +39,9 @@ def check(
     from ssdlocal.bench.check import NEAR_TIE, run_check
     from ssdlocal.cli.render import err_console
 
-    if pair is not None and (target is not None or draft is not None):
-        raise UsageError(
-            "--pair cannot be combined with --target/--draft",
-            "pass either --pair NAME or both paths",
-        )
-    if (target is None) != (draft is None) and pair is None:
-        raise UsageError("--target and --draft go together", "pass both, or --pair NAME")
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    values = locals()
-    spec_opts = SpecOptions(mode="ssd", k=k, fan_out=fan_out, fan_out_miss=fan_out_miss, backup=backup)
-    config = engine_config(gather(ModelOptions, values), spec_opts)
+    params = sampling.params()  # greedy, a fixed count
+    why = "check compares SD and SSD with AR: it needs a draft"
+    config = engine_config(models, dataclasses.replace(spec, mode="ssd"), need_draft=why)
     warnings: tuple[str, ...] = ()
     if config.draft_model is not None:
         from ssdlocal.weights.compat import check_paths

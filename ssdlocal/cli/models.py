@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ssdlocal.cli import options as o
+from ssdlocal.core.models import DEFAULT_DTYPE
 from ssdlocal.core.quantization import check_quantization
 
 out = Console(soft_wrap=True)
@@ -65,7 +66,7 @@ def pairs(
     backend: Annotated[
         str, typer.Option(help="Which files count as downloaded: torch | llamacpp")
     ] = "torch",
-    quantization: o.Quantization = "auto",
+    quantization: o.Quantization = o.ModelOptions.quantization,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
@@ -161,7 +162,7 @@ def pull(
     backend: Annotated[str, typer.Option(help="torch (safetensors) | llamacpp (GGUF)")] = "torch",
     dtype: Annotated[
         str, typer.Option(help="dtype of the converted checkpoint (offline pair, torch).")
-    ] = "bfloat16",
+    ] = DEFAULT_DTYPE,
     update: Annotated[
         bool,
         typer.Option(help="Trust the commit the pair's revision resolves to now, replacing the "
@@ -234,7 +235,7 @@ def devices(
         float | None, typer.Option(help="Plan for a target of this many GB instead of a pair.")
     ] = None,
     draft_gb: Annotated[float, typer.Option(help="Draft size in GB with --target-gb.")] = 1.0,
-    quantization: o.Quantization = "auto",
+    quantization: o.Quantization = o.ModelOptions.quantization,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Show GPUs, CPU and RAM, and the placement plan for a pair (refused if it cannot fit)."""

@@ -1,125 +1,288 @@
-"""Every CLI option, declared once as an `Annotated` alias; commands only list them.
+"""The options of every command that runs a model, declared and defaulted once.
 
-Commands that run a model take the same model, device, backend, speculation and
-sampling options with the same help text, so `generate`, `chat`, `race`, `bench` and
-`check` cannot drift apart. Parsing and validation live in resolve.py, not here.
+Three frozen option groups (ModelOptions, SpecOptions, SamplingOptions) whose fields carry
+their flag, help text and default (the core config's own default where it has one). `COMMANDS` says, in one table, which of them each
+command takes and where a command differs (check's float32, a fixed token count, ...);
+`@model_command(name)` builds the command's signature from that for Typer and hands the
+command typed option objects. Parsing and validation of the values live in resolve.py.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
+from ssdlocal.core.config import MAX_FAN_OUT_TOTAL, MAX_K, SamplingParams, SpecConfig
+from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
+
+_OPTION = "typer.Option"  # key of a field's metadata: its flag(s) and help
+
+
+def option(default: Any, help: str, *flags: str) -> Any:
+    """A dataclass field that is also a command-line option: its default and typer.Option."""
+    return field(default=default, metadata={_OPTION: typer.Option(*flags, help=help)})
+
+
 # --------------------------------------------------------------------------- models
-Target = Annotated[
-    str | None,
-    typer.Option(help="Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B."),
-]
-Draft = Annotated[
-    str | None,
-    typer.Option(help="Draft checkpoint dir, .gguf file, or 'ngram'. Default: Qwen2.5-Coder 0.5B."),
-]
-PairName = Annotated[
-    str | None,
-    typer.Option("--pair", help="A registry pair (see `ssdlocal pairs`) instead of --target/--draft."),
-]
-Dtype = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
-TargetDevice = Annotated[
-    str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPUs when present, else the CPU).")
-]
-DraftDevice = Annotated[
-    str,
-    typer.Option(help="auto | cpu | cuda | cuda:N (auto: a free GPU, else the target's, else the CPU)."),
-]
-TargetDevices = Annotated[
-    str | None,
-    typer.Option(
-        help="Tensor-parallel target over these devices, e.g. cuda:0-3 (overrides "
-        "--target-device); auto = the planner's target and draft devices."
-    ),
-]
-Quantization = Annotated[
-    str,
-    typer.Option(
-        help="Weights (torch backend): none | int8 | int4 | auto. auto = a GGUF's own class "
-        "(Q4_*/Q5_* -> int4, Q8_0/Q6_K -> int8, F16/BF16/F32 -> none); safetensors -> none."
-    ),
-]
-DraftQuantization = Annotated[
-    str | None, typer.Option(help="Draft weights when they differ from --quantization.")
-]
-TargetBackend = Annotated[
-    str,
-    typer.Option(
-        help="auto | torch | llamacpp (auto: llama.cpp for a .gguf target on a CPU-only run "
-        "when llama-cpp-python is installed, else torch)."
-    ),
-]
-DraftBackend = Annotated[
-    str, typer.Option(help="auto | torch | llamacpp (auto: the target's, for a .gguf draft).")
-]
-CudaGraphs = Annotated[
-    bool,
-    typer.Option(
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which models, where, on which backend and with which weights."""
+
+    target: str | None = option(
+        None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B."
+    )
+    draft: str | None = option(
+        None, "Draft checkpoint dir, .gguf file, or 'ngram'. Default: Qwen2.5-Coder 0.5B."
+    )
+    pair: str | None = option(
+        None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair"
+    )
+    dtype: str = option(DEFAULT_DTYPE, " | ".join(DTYPES))
+    quantization: str = option(
+        "auto",
+        "Weights (torch backend): none | int8 | int4 | auto. auto = a GGUF's own class "
+        "(Q4_*/Q5_* -> int4, Q8_0/Q6_K -> int8, F16/BF16/F32 -> none); safetensors -> none.",
+    )
+    draft_quantization: str | None = option(  # None: as --quantization
+        None, "Draft weights when they differ from --quantization."
+    )
+    target_device: str = option(
+        "auto", "auto | cpu | cuda | cuda:N (auto: the GPUs when present, else the CPU)."
+    )
+    draft_device: str = option(
+        "auto", "auto | cpu | cuda | cuda:N (auto: a free GPU, else the target's, else the CPU)."
+    )
+    target_devices: str | None = option(
+        None,
+        "Tensor-parallel target over these devices, e.g. cuda:0-3 (overrides --target-device); "
+        "auto = the planner's target and draft devices.",
+    )
+    target_backend: str = option(
+        "auto",
+        "auto | torch | llamacpp (auto: llama.cpp for a .gguf target on a CPU-only run when "
+        "llama-cpp-python is installed, else torch).",
+    )
+    draft_backend: str = option(
+        "auto", "auto | torch | llamacpp (auto: the target's, for a .gguf draft)."
+    )
+    cuda_graphs: bool = option(
+        True,
+        "Capture each decode step shape as a CUDA graph (GPUs only; off: eager kernels).",
         "--cuda-graphs/--no-cuda-graphs",
-        help="Capture each decode step shape as a CUDA graph (GPUs only; off: eager kernels).",
-    ),
-]
+    )
+
+    def quantizations(self, backends: tuple[str, str]) -> tuple[str, str]:
+        """(target, draft) weight quantization; a llama.cpp draft keeps its GGUF's own."""
+        draft = self.draft_quantization
+        if draft is None:
+            draft = "auto" if backends[1] == "llamacpp" else self.quantization
+        return self.quantization, draft
+
 
 # --------------------------------------------------------------------------- speculation
-ModeName = Annotated[
-    str,
-    typer.Option(
-        "--mode",
-        help="auto | ar | sd | ssd (auto: SSD when the draft has hardware of its own, SD when "
-        "it shares the target's GPU, on a CPU-only machine whichever a calibration predicts "
+@dataclass(frozen=True)
+class SpecOptions:
+    """Speculation settings as typed on the command line."""
+
+    mode: str = option(
+        "auto",
+        "auto | ar | sd | ssd (auto: SSD when the draft has hardware of its own, SD when it "
+        "shares the target's GPU, on a CPU-only machine whichever a calibration predicts "
         "fastest, AR without a draft).",
-    ),
-]
-K = Annotated[int, typer.Option("--k", help="Draft tokens per round (lookahead K), 1 to 32.")]
-FanOut = Annotated[
-    str | None,
-    typer.Option(
-        help="SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1 (at most 256 in "
-        "all), or auto."
-    ),
-]
-FanOutMiss = Annotated[str | None, typer.Option(help="SSD fan-out after a miss, or auto.")]
-SaguaroC = Annotated[float, typer.Option(help="Saguaro sampling constant C in (0, 1].")]
-Backup = Annotated[str, typer.Option(help="SSD backup on a miss: auto | jit | ngram | none")]
+        "--mode",
+    )
+    k: int = option(SpecConfig.k, f"Draft tokens per round (lookahead K), 1 to {MAX_K}.", "--k")
+    fan_out: str | None = option(
+        None,
+        "SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1 (at most "
+        f"{MAX_FAN_OUT_TOTAL} in all), or auto.",
+    )
+    fan_out_miss: str | None = option(None, "SSD fan-out after a miss, or auto.")
+    saguaro_c: float = option(SpecConfig.saguaro_c, "Saguaro sampling constant C in (0, 1].")
+    backup: str = option(SpecConfig.backup, "SSD backup on a miss: auto | jit | ngram | none")
+
 
 # --------------------------------------------------------------------------- sampling
-Temperature = Annotated[
-    float,
-    typer.Option(help="0 = greedy; otherwise at least 1e-4 (tinier values are refused: use 0)."),
-]
-TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
-TopP = Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")]
-Seed = Annotated[
-    int,
-    typer.Option(
-        help="Random seed, 0 to 2^64-1. AR/SD samples are reproducible; SSD samples too with a fixed "
-        "--fan-out and --backup other than auto (adaptive schedules follow timing)."
-    ),
-]
 # generate, chat and serve share one default: an answer runs to its end (end-of-sequence or
 # a stop string), bounded by the model's context; bench, check and race measure a fixed count.
 DEFAULT_MAX_NEW_TOKENS: int | None = None
-MaxNewTokens = Annotated[
-    int | None,
-    typer.Option(
-        help="Cap on new tokens per answer. Default: until end-of-sequence, bounded by the "
-        "model's context."
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How tokens are drawn and where an answer ends."""
+
+    temperature: float = option(
+        SamplingParams.temperature, "0 = greedy; otherwise at least 1e-4 (tinier values are refused: use 0)."
+    )
+    top_k: int = option(SamplingParams.top_k, "Keep the k most likely tokens (0 = off).")
+    top_p: float = option(SamplingParams.top_p, "Nucleus sampling mass in (0, 1].")
+    seed: int = option(
+        SamplingParams.seed,
+        "Random seed, 0 to 2^64-1. AR/SD samples are reproducible; SSD samples too with a fixed "
+        "--fan-out and --backup other than auto (adaptive schedules follow timing).",
+    )
+    max_new_tokens: int | None = option(
+        DEFAULT_MAX_NEW_TOKENS,
+        "Cap on new tokens per answer. Default: until end-of-sequence, bounded by the model's context.",
+    )
+    ignore_eos: bool = option(SamplingParams.ignore_eos, "Keep generating past end-of-sequence.")
+    stop: list[str] | None = option(None, "Stop string (repeatable).")  # noqa: RUF009 - a field()
+
+    def params(self) -> SamplingParams:
+        """The validated SamplingParams (UsageError with a hint on a bad value)."""
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos,
+            stop=tuple(self.stop or ()),
+        )  # fmt: skip
+
+
+GROUPS = (ModelOptions, SpecOptions, SamplingOptions)
+
+# --------------------------------------------------------------------------- per command
+_SAME = object()  # Change: keep the shared default
+
+
+@dataclass(frozen=True)
+class Change:
+    """A command's own default and/or help for one shared option (the rest is shared)."""
+
+    default: Any = _SAME
+    help: str | None = None
+
+
+def _fixed_tokens(count: int) -> Change:
+    """bench, check and race measure a fixed number of tokens per prompt."""
+    return Change(count, "Tokens to generate per prompt.")
+
+
+@dataclass(frozen=True)
+class Takes:
+    """The shared options one command takes: every field of the groups it asks for, less
+    `drop`, with `change` giving this command its own default or help for a field."""
+
+    drop: frozenset[str] = frozenset()
+    change: dict[str, Change] = field(default_factory=dict)
+
+    def fields(self, group: type) -> list[Field]:
+        return [f for f in fields(group) if f.name not in self.drop]
+
+
+_DRAWING = frozenset({"temperature", "top_k", "top_p", "seed"})  # how each token is drawn
+_ENDING = frozenset({"ignore_eos", "stop"})  # where an answer ends besides its length
+
+COMMANDS: dict[str, Takes] = {
+    "generate": Takes(),
+    # a chat answer ends at the end of its turn; the mode can change while chatting
+    "chat": Takes(
+        drop=_ENDING, change={"mode": Change(help="Starting mode: auto | ar | sd | ssd (F2 switches).")}
     ),
-]
-FixedNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate per prompt.")]
-IgnoreEos = Annotated[bool, typer.Option(help="Keep generating past end-of-sequence.")]
-Stop = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")]
+    # race runs AR, SD and SSD, bench its --modes: neither has one --mode
+    "race": Takes(drop=_ENDING | {"mode"}, change={"max_new_tokens": _fixed_tokens(128)}),
+    "bench": Takes(
+        drop=frozenset({"mode", "stop"}),
+        change={
+            "temperature": Change(help="0 = greedy (exactness is checked against AR)."),
+            "max_new_tokens": _fixed_tokens(128),
+        },
+    ),
+    # check: greedy AR, SD and SSD on a fixed count, in float32 unless told (exact there)
+    "check": Takes(
+        drop=_DRAWING | _ENDING | {"mode", "saguaro_c"},
+        change={
+            "dtype": Change("float32", "float32 (must be identical) | bfloat16 | float16"),
+            "max_new_tokens": _fixed_tokens(32),
+        },
+    ),
+    # a request carries its own sampling; --max-new-tokens caps every answer
+    "serve": Takes(drop=_DRAWING | _ENDING),
+}
+
+
+def model_command(name: str):
+    """Decorator: give command `name` the shared options COMMANDS[name] lists.
+
+    Each parameter of the command annotated with an option group is replaced, in place,
+    by that group's options (one keyword parameter per field, named like the field); when
+    Typer calls the command, their values become one group object passed under the
+    parameter's name. Fields a command does not take keep the group's default.
+    """
+    takes = COMMANDS[name]
+
+    def decorate(func):
+        hints = get_type_hints(func, include_extras=True)
+        own = inspect.signature(func).parameters.values()
+        groups = {p.name: hints[p.name] for p in own if hints.get(p.name) in GROUPS}
+        _check(name, takes, [p.name for p in own if p.name not in groups], groups.values())
+        params = []
+        for p in own:
+            if p.name in groups:
+                params += _parameters(groups[p.name], takes)
+            else:
+                params.append(p.replace(kind=p.KEYWORD_ONLY, annotation=hints[p.name]))
+
+        @functools.wraps(func)
+        def command(**values):
+            for param, group in groups.items():
+                values[param] = group(**{f.name: values.pop(f.name) for f in takes.fields(group)})
+            return func(**values)
+
+        command.__signature__ = inspect.Signature(params, return_annotation=None)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+def _parameters(group: type, takes: Takes) -> list[inspect.Parameter]:
+    """One keyword parameter per option of `group` the command takes: Annotated[type, Option]."""
+    hints = get_type_hints(group)
+    params = []
+    for f in takes.fields(group):
+        info, default = f.metadata[_OPTION], f.default
+        change = takes.change.get(f.name)
+        if change is not None:
+            info = copy.copy(info)
+            info.help = change.help or info.help
+            default = f.default if change.default is _SAME else change.default
+        annotation = Annotated[hints[f.name], info]
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=annotation))  # fmt: skip
+    return params
+
+
+def _check(name: str, takes: Takes, own: list[str], groups) -> None:
+    """A misspelt or clashing option name fails when the command is defined, not later."""
+    shared = {f.name for group in groups for f in fields(group)}
+    unknown = (takes.drop | set(takes.change)) - shared
+    if unknown:
+        raise TypeError(f"COMMANDS[{name!r}] names no option of its groups: {sorted(unknown)}")
+    if takes.drop & set(takes.change):
+        raise TypeError(f"COMMANDS[{name!r}] changes options it drops: {sorted(takes.drop & set(takes.change))}")
+    if shared & set(own):
+        raise TypeError(f"command {name!r} declares shared options itself: {sorted(shared & set(own))}")
+
+
+def annotated(group: type, name: str):
+    """A shared option as an Annotated type, for a command outside COMMANDS that takes it
+    (its default: the group's class attribute, e.g. ModelOptions.quantization)."""
+    (found,) = [f for f in fields(group) if f.name == name]
+    return Annotated[get_type_hints(group)[name], found.metadata[_OPTION]]
+
+
+Quantization = annotated(ModelOptions, "quantization")  # `devices` plans with it
 
 # --------------------------------------------------------------------------- output
+# Options some commands declare themselves (their defaults differ by command).
 Chat = Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-Backend = Annotated[str, typer.Option(help="torch | llamacpp")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object instead of streamed text or tables.")
+]
 OutDir = Annotated[Path | None, typer.Option(help="Output directory. Default: bench-out/<timestamp>.")]

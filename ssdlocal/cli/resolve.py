@@ -1,14 +1,16 @@
-"""Command-line options -> EngineConfig + SamplingParams, in one place for every command.
+"""Model and speculation options (options.py) -> EngineConfig, in one place for every command.
 
 Order matters: every option is validated before the default pair is fetched (which can
 take minutes on a first run), and model paths come from, in order, --target/--draft,
---pair, or the built-in offline pair. Raises UsageError (with a hint) on bad input.
+--pair, or the built-in offline pair (the same in every command). Raises UsageError (with
+a hint) on bad input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from ssdlocal.cli.options import ModelOptions, SpecOptions
 from ssdlocal.core.config import (
     Draft,
     EngineConfig,
@@ -17,72 +19,11 @@ from ssdlocal.core.config import (
     ModelSpec,
     NgramDraft,
     NoDraft,
-    SamplingParams,
     SuffixDraft,
     SpecConfig,
     parse_fan_out,
 )
 from ssdlocal.core.errors import UsageError
-
-
-def gather(cls, values: dict):
-    """Build dataclass `cls` from a command's locals() (fields picked by name)."""
-    return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
-
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """Which models, where, and on which backend."""
-
-    target: str | None = None
-    draft: str | None = None
-    pair: str | None = None
-    dtype: str = "bfloat16"
-    target_device: str = "auto"
-    draft_device: str = "auto"
-    target_devices: str | None = None
-    target_backend: str = "auto"
-    draft_backend: str = "auto"
-    cuda_graphs: bool = True
-    quantization: str = "auto"
-    draft_quantization: str | None = None  # None: as --quantization
-
-    def quantizations(self, backends: tuple[str, str]) -> tuple[str, str]:
-        """(target, draft) weight quantization; a llama.cpp draft keeps its GGUF's own."""
-        draft = self.draft_quantization
-        if draft is None:
-            draft = "auto" if backends[1] == "llamacpp" else self.quantization
-        return self.quantization, draft
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """Speculation settings as typed on the command line."""
-
-    mode: str = "auto"
-    k: int = 4
-    fan_out: str | None = None
-    fan_out_miss: str | None = None
-    saguaro_c: float = 1.0
-    backup: str = "auto"
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    max_new_tokens: int | None = None  # None: until end-of-sequence, bounded by the context
-    ignore_eos: bool = False
-    stop: list[str] | None = None
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos,
-            stop=tuple(self.stop or ()),
-        )  # fmt: skip
 
 
 def parse_mode(mode: str) -> Mode:

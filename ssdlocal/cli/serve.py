@@ -15,12 +15,17 @@ from typing import Annotated
 
 import typer
 
-from ssdlocal.cli import options as o
-from ssdlocal.cli.resolve import ModelOptions, SpecOptions, engine_config, gather
-from ssdlocal.core.config import SamplingParams
+from ssdlocal.cli.options import (
+    ModelOptions,
+    SamplingOptions,
+    SpecOptions,
+    model_command,
+)
+from ssdlocal.cli.resolve import engine_config
 from ssdlocal.core.errors import UsageError
 
 
+@model_command("serve")
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
@@ -54,25 +59,10 @@ def serve(
     idle_timeout: Annotated[
         float, typer.Option(help="Seconds a kept-alive connection may idle between requests.")
     ] = 5.0,
-    target: o.Target = None,
-    draft: o.Draft = None,
-    pair: o.PairName = None,
-    mode: o.ModeName = "auto",
-    k: o.K = 4,
-    max_new_tokens: o.MaxNewTokens = o.DEFAULT_MAX_NEW_TOKENS,
-    dtype: o.Dtype = "bfloat16",
-    quantization: o.Quantization = "auto",
-    draft_quantization: o.DraftQuantization = None,
-    target_device: o.TargetDevice = "auto",
-    draft_device: o.DraftDevice = "auto",
-    target_backend: o.TargetBackend = "auto",
-    draft_backend: o.DraftBackend = "auto",
-    cuda_graphs: o.CudaGraphs = True,
-    target_devices: o.TargetDevices = None,
-    fan_out: o.FanOut = None,
-    fan_out_miss: o.FanOutMiss = None,
-    saguaro_c: o.SaguaroC = 1.0,
-    backup: o.Backup = "auto",
+    *,  # the shared options come after the server's own
+    models: ModelOptions,
+    spec: SpecOptions,
+    sampling: SamplingOptions,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming)."""
     if not 0 <= port <= 65535:
@@ -81,9 +71,8 @@ def serve(
         raise UsageError(f"max-batch must be >= 1, got {max_batch}", "use e.g. --max-batch 8")
     if api_key is not None and not api_key.strip():
         raise UsageError("the API key is empty", "pass a non-empty --api-key or drop it")
-    SamplingParams(max_new_tokens=max_new_tokens)  # validates --max-new-tokens
+    sampling.params()  # validates --max-new-tokens
     _require_server_libraries()
-    values = locals()
     from ssdlocal.server.limits import MiB, ServerLimits
     from ssdlocal.server.run import bind, sigterm_exits
 
@@ -97,10 +86,10 @@ def serve(
     with sigterm_exits():
         sock = bind(host, port)  # before the models load: a taken port fails at once
         try:
-            config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values))
-            name = served_model_name or _model_name(target, pair, config.target.path)
-            _serve(sock, config, name, api_key=api_key, max_batch=max_batch, max_new_tokens=max_new_tokens,
-                   limits=limits)  # fmt: skip
+            config = engine_config(models, spec)
+            name = served_model_name or _model_name(models.target, models.pair, config.target.path)
+            _serve(sock, config, name, api_key=api_key, max_batch=max_batch,
+                   max_new_tokens=sampling.max_new_tokens, limits=limits)  # fmt: skip
         finally:
             sock.close()
 

@@ -1,8 +1,8 @@
 """Typer commands `chat` and `race`: wiring only.
 
-Options are generate's (the shared aliases of options.py). Textual is imported only when
-a TUI actually starts (with an install hint when missing); `race --no-tui` prints a Rich
-table instead.
+Both take the shared model options of options.py (its COMMANDS table says which). Textual
+is imported only when a TUI actually starts (with an install hint when missing); `race
+--no-tui` prints a Rich table instead.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from typing import Annotated
 
 import typer
 
-from ssdlocal.cli import options as o
-from ssdlocal.cli.resolve import (
+from ssdlocal.cli.options import (
     ModelOptions,
     SamplingOptions,
     SpecOptions,
-    engine_config,
-    gather,
-    parse_mode,
+    model_command,
 )
+from ssdlocal.cli.resolve import engine_config, parse_mode
 from ssdlocal.core.config import EngineConfig, SamplingParams
 from ssdlocal.core.errors import UsageError
 
@@ -59,73 +57,33 @@ def _run_app(app) -> None:
         raise typer.Exit(1)
 
 
+@model_command("chat")
 def chat(
-    target: o.Target = None,
-    draft: o.Draft = None,
-    pair: o.PairName = None,
-    mode: Annotated[
-        str, typer.Option(help="Starting mode: auto | ar | sd | ssd (F2 switches).")
-    ] = "auto",
-    k: o.K = 4,
-    temperature: o.Temperature = 0.0,
-    top_k: o.TopK = 0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
-    max_new_tokens: o.MaxNewTokens = o.DEFAULT_MAX_NEW_TOKENS,
+    models: ModelOptions,
+    spec: SpecOptions,
+    sampling: SamplingOptions,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    dtype: o.Dtype = "bfloat16",
-    quantization: o.Quantization = "auto",
-    draft_quantization: o.DraftQuantization = None,
-    target_device: o.TargetDevice = "auto",
-    draft_device: o.DraftDevice = "auto",
-    target_devices: o.TargetDevices = None,
-    target_backend: o.TargetBackend = "auto",
-    draft_backend: o.DraftBackend = "auto",
-    cuda_graphs: o.CudaGraphs = True,
-    fan_out: o.FanOut = None,
-    fan_out_miss: o.FanOutMiss = None,
-    saguaro_c: o.SaguaroC = 1.0,
-    backup: o.Backup = "auto",
 ) -> None:
     """Interactive chat (Textual) with live speculation stats; F1 for help."""
     from ssdlocal.tui import require_textual
     from ssdlocal.tui.core import ChatSettings
 
-    values = locals()
-    parse_mode(mode)
+    parse_mode(spec.mode)
     require_textual()
-    params = gather(SamplingOptions, values).params()
-    config = engine_config(gather(ModelOptions, values), gather(SpecOptions, values), keep_draft=True)
+    params = sampling.params()
+    config = engine_config(models, spec, keep_draft=True)
     settings = ChatSettings(config.spec, params)
     from ssdlocal.tui.app import ChatApp
 
     _run_app(ChatApp(_engine_factory(config), config, settings, system=system))
 
 
+@model_command("race")
 def race(
     prompt: Annotated[str, typer.Argument(help="The prompt all three modes answer.")],
-    target: o.Target = None,
-    draft: o.Draft = None,
-    pair: o.PairName = None,
-    k: o.K = 4,
-    temperature: o.Temperature = 0.0,
-    top_k: o.TopK = 0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
-    max_new_tokens: o.FixedNewTokens = 128,
-    dtype: o.Dtype = "bfloat16",
-    quantization: o.Quantization = "auto",
-    draft_quantization: o.DraftQuantization = None,
-    target_device: o.TargetDevice = "auto",
-    draft_device: o.DraftDevice = "auto",
-    target_devices: o.TargetDevices = None,
-    target_backend: o.TargetBackend = "auto",
-    draft_backend: o.DraftBackend = "auto",
-    cuda_graphs: o.CudaGraphs = True,
-    fan_out: o.FanOut = None,
-    fan_out_miss: o.FanOutMiss = None,
-    saguaro_c: o.SaguaroC = 1.0,
-    backup: o.Backup = "auto",
+    models: ModelOptions,
+    spec: SpecOptions,
+    sampling: SamplingOptions,
     chat_template: Annotated[
         bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")
     ] = True,
@@ -145,15 +103,14 @@ def race(
         raise UsageError("empty prompt", "pass some text to generate from")
     if not speed > 0:
         raise UsageError(f"speed must be > 0, got {speed}", "use --speed 1 for real time")
-    values = locals()
-    params = gather(SamplingOptions, values).params()
+    params = sampling.params()
     if not no_tui:
         from ssdlocal.tui import require_textual
 
         require_textual()
     config = engine_config(
-        gather(ModelOptions, values),
-        replace(gather(SpecOptions, values), mode="ssd"),  # the worker loads the draft at start
+        models,
+        replace(spec, mode="ssd"),  # the worker loads the draft at start
         need_draft="the race needs a draft for SD and SSD",
     )
     specs = race_specs(config.spec)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
 from ssdlocal.core.files import file_lock
+from ssdlocal.core.models import DEFAULT_DTYPE
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def fetch_gguf(
 
 def ensure_default_pair(
     progress: ProgressCallback | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = DEFAULT_DTYPE,
     backends: tuple[str, str] = ("torch", "torch"),
     quantizations: tuple[str, str] = ("none", "none"),
 ) -> tuple[Path, Path]:

