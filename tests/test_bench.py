@@ -55,7 +55,7 @@ def full_run(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     mp = pytest.MonkeyPatch()
     mp.setattr(sys, "argv", ["ssdlocal", *map(str, tiny_args(
-        tiny_dir, "--limit", 3, "--peers", "hf,hf-assisted,llamacpp", "--project", "--out", out,
+        tiny_dir, "--limit", 3, "--peers", "hf,hf-assisted,llamacpp", "--project", "--out", out, "--k", 4,
     ))])  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         main()

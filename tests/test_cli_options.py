@@ -39,6 +39,9 @@ SHARED = {
     "fan_out_miss": (["--fan-out-miss", "2,1"], "2,1"),
     "saguaro_c": (["--saguaro-c", "0.5"], 0.5),
     "backup": (["--backup", "jit"], "jit"),
+    "suffix": (["--no-suffix"], False),
+    "suffix_memory_tokens": (["--suffix-memory-tokens", "5000"], 5000),
+    "persist_suffix_memory": (["--persist-suffix-memory"], True),
     "temperature": (["--temperature", "0.7"], 0.7),
     "top_k": (["--top-k", "9"], 9),
     "top_p": (["--top-p", "0.9"], 0.9),
@@ -213,6 +216,9 @@ IN_CONFIG = {
     "fan_out_miss": lambda c: c.spec.fan_out_miss,
     "saguaro_c": lambda c: c.spec.saguaro_c,
     "backup": lambda c: c.spec.backup,
+    "suffix": lambda c: c.spec.draft.suffix is not None,
+    "suffix_memory_tokens": lambda c: c.spec.memory.max_tokens,
+    "persist_suffix_memory": lambda c: c.spec.memory.persist,
 }
 
 
@@ -226,7 +232,8 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
     models = ModelOptions(target="t-dir", draft="d.gguf", dtype="float16", quantization="int8",
                           draft_quantization="none", target_device="cuda:3", draft_device="cuda:5",
                           target_backend="torch", draft_backend="llamacpp", cuda_graphs=False)  # fmt: skip
-    spec = SpecOptions(mode="ssd", k=5, fan_out="1,1,1,1,1,2", fan_out_miss="2,1,1,1,1,1", saguaro_c=0.5, backup="jit")
+    spec = SpecOptions(mode="ssd", k=5, fan_out="1,1,1,1,1,2", fan_out_miss="2,1,1,1,1,1", saguaro_c=0.5, backup="jit",
+                       suffix=False, suffix_memory_tokens=5000, persist_suffix_memory=True)  # fmt: skip
     config = engine_config(models, spec)
     expected = {**{f: getattr(models, f) for f in _fields(ModelOptions)}, **{f: getattr(spec, f) for f in _fields(SpecOptions)},
                 "dtype": {"float16"}, "cuda_graphs": "off", "fan_out": (1, 1, 1, 1, 1, 2),

@@ -143,7 +143,7 @@ def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, t
         pytest.skip("SSD samples follow the adaptive backup's timing (README: seeded SSD)")
     prompt = "Once upon a time"
     expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, "--max-new-tokens", "12",
-                             "--temperature", "1", "--seed", "7")
+                             "--temperature", "1", "--seed", "7", "--no-suffix")  # what a seeded request runs
     for _ in range(2):
         got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=1.0, seed=7)
         assert got["ids"] == expected["token_ids"]

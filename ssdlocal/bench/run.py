@@ -18,7 +18,7 @@ from ssdlocal.bench.exactness import check_exactness, logit_margin
 from ssdlocal.bench.measure import Measurement, from_engine_events
 from ssdlocal.bench.peers import KNOWN_PEERS, PeerOptions, PeerSkipped, make_peers
 from ssdlocal.bench.prompts import BenchPrompt
-from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig, SuffixDraft
+from ssdlocal.core.config import ADAPTIVE_K_MAX, EngineConfig, Mode, SamplingParams, SpecConfig, SuffixDraft
 from ssdlocal.core.errors import UsageError
 from ssdlocal.engine.prompts import encode_messages
 from ssdlocal.speculation.suffix import SuffixMemory
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int, str], None]
 MODES = ("ar", "sd", "ssd", "suffix", "auto")  # auto: the engine's own choice, as `generate` runs
-ADAPTIVE_K_MAX = 12  # the most drafts a round of an adaptive system may have
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ class Memories:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.caps = (engine.suffix_memory.max_sequences, engine.suffix_memory.max_tokens)
+        self.caps = (engine.suffix_memory.max_sequences, engine.suffix_memory.max_tokens)  # as configured
         self.by_system: dict[str, SuffixMemory] = {}
 
     def use(self, name: str) -> None:

@@ -18,7 +18,8 @@ from typing import Annotated, Any, get_type_hints
 
 import typer
 
-from ssdlocal.core.config import MAX_FAN_OUT_TOTAL, MAX_K, SamplingParams, SpecConfig
+from ssdlocal.core.config import ADAPTIVE_K_MAX, BACKUPS, MAX_FAN_OUT_TOTAL, MAX_K, SamplingParams, SpecConfig
+from ssdlocal.core.models import MemorySettings
 from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
 
 _OPTION = "typer.Option"  # key of a field's metadata: its flag(s) and help
@@ -38,7 +39,9 @@ class ModelOptions:
         None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B."
     )
     draft: str | None = option(
-        None, "Draft checkpoint dir, .gguf file, or 'ngram'. Default: Qwen2.5-Coder 0.5B."
+        None,
+        "Draft checkpoint dir, .gguf file, 'ngram' (prompt lookup) or 'suffix' (the row's "
+        "tokens and earlier prompts and answers). Default: Qwen2.5-Coder 0.5B.",
     )
     pair: str | None = option(
         None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair"
@@ -97,7 +100,13 @@ class SpecOptions:
         "fastest, AR without a draft).",
         "--mode",
     )
-    k: int = option(SpecConfig.k, f"Draft tokens per round (lookahead K), 1 to {MAX_K}.", "--k")
+    k: int | None = option(
+        None,
+        f"Draft tokens per round (lookahead K), 1 to {MAX_K}. Default: SD chooses K each round "
+        f"(0 to {ADAPTIVE_K_MAX}; 0 = a plain step) from measured costs and acceptance; SSD uses "
+        f"{SpecConfig.k}.",
+        "--k",
+    )
     fan_out: str | None = option(
         None,
         "SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1 (at most "
@@ -105,7 +114,23 @@ class SpecOptions:
     )
     fan_out_miss: str | None = option(None, "SSD fan-out after a miss, or auto.")
     saguaro_c: float = option(SpecConfig.saguaro_c, "Saguaro sampling constant C in (0, 1].")
-    backup: str = option(SpecConfig.backup, "SSD backup on a miss: auto | jit | ngram | none")
+    backup: str = option(SpecConfig.backup, f"SSD backup on a miss: {' | '.join(BACKUPS)}")
+    suffix: bool = option(
+        True,
+        "SD with a draft model: a row takes its suffix proposal (its own tokens and earlier "
+        "prompts and answers) instead when that predicts more accepted tokens.",
+        "--suffix/--no-suffix",
+    )
+    suffix_memory_tokens: int = option(
+        MemorySettings.max_tokens,
+        "Tokens of earlier prompts and answers the suffix proposals remember (0: none).",
+    )
+    persist_suffix_memory: bool = option(
+        False,
+        "Keep the suffix memory under the cache directory (one file per target model) and "
+        "load it next time.",
+        "--persist-suffix-memory/--no-persist-suffix-memory",
+    )
 
 
 # --------------------------------------------------------------------------- sampling

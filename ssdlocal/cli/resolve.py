@@ -14,6 +14,8 @@ from ssdlocal.cli.options import ModelOptions, SpecOptions
 from ssdlocal.core.config import (
     Draft,
     EngineConfig,
+    ADAPTIVE_K_MAX,
+    MemorySettings,
     Mode,
     ModelDraft,
     ModelSpec,
@@ -54,8 +56,11 @@ def engine_config(
             need_draft or f"--mode {mode.value} needs --draft",
             hint if need_draft else f"{hint}, or use --mode ar",
         )
+    pinned = spec_opts.k is not None
+    k = spec_opts.k if pinned else (SpecConfig.k if mode is Mode.SSD else ADAPTIVE_K_MAX)
+    memory = MemorySettings(max_tokens=spec_opts.suffix_memory_tokens, persist=spec_opts.persist_suffix_memory)
     options = {
-        "mode": mode, "k": spec_opts.k, "fan_out": parse_fan_out(spec_opts.fan_out),
+        "mode": mode, "k": k, "adaptive_k": not pinned, "memory": memory, "fan_out": parse_fan_out(spec_opts.fan_out),
         "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss),
         "saguaro_c": spec_opts.saguaro_c, "backup": spec_opts.backup,
     }  # fmt: skip
@@ -91,7 +96,7 @@ def engine_config(
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0]),
-        spec=SpecConfig(**options, draft=parse_draft(draft, model)),
+        spec=SpecConfig(**options, draft=parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None)),
         target_devices=tp_devices if len(tp_devices) > 1 else (),
         graphs="auto" if models.cuda_graphs else "off",
     )
@@ -100,14 +105,15 @@ def engine_config(
 DRAFT_WORDS = {"ngram": NgramDraft, "suffix": SuffixDraft}  # --draft values that name no file
 
 
-def parse_draft(text: str | None, model) -> Draft:
+def parse_draft(text: str | None, model, hybrid: SuffixDraft | None = SuffixDraft()) -> Draft:
     """--draft as typed (None, "ngram", "suffix", or a checkpoint path) -> the Draft it
-    names; `model(path)` makes a path's ModelSpec (device, dtype, backend, weights)."""
+    names; `model(path)` makes a path's ModelSpec (device, dtype, backend, weights);
+    `hybrid`: a model draft's suffix proposals (None: the model's only)."""
     if text is None:
         return NoDraft()
     if text in DRAFT_WORDS:
         return DRAFT_WORDS[text]()
-    return ModelDraft(model(text))
+    return ModelDraft(model(text), hybrid)
 
 
 def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices) -> None:

@@ -6,7 +6,7 @@ result objects elsewhere, never here. Invalid values raise UsageError with a hin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from ssdlocal.core.errors import UsageError
@@ -16,6 +16,7 @@ from ssdlocal.core.models import (  # noqa: F401 - re-exported: the config's voc
     ModelDraft,
     ModelSpec,
     NgramDraft,
+    MemorySettings,
     NoDraft,
     SuffixDraft,
     normalize_device,
@@ -24,6 +25,7 @@ from ssdlocal.core.models import (  # noqa: F401 - re-exported: the config's voc
 SEED_MAX = 2**64 - 1  # seeds are 64-bit: 0 ..= SEED_MAX in every mode
 MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy)
 MAX_K = 32  # draft tokens per round
+ADAPTIVE_K_MAX = 12  # the most drafts an SD round chooses when K is not pinned
 MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
 BACKUPS = ("auto", "jit", "ngram", "suffix", "none")  # what serves an SSD cache miss
 
@@ -114,6 +116,7 @@ class SpecConfig:
     k: int = 4  # drafts per round; with adaptive_k the most a round may have (SD only)
     draft: Draft = NoDraft()
     adaptive_k: bool = False  # SD: K (0 included) and the source chosen per round by measured cost
+    memory: MemorySettings = MemorySettings()  # earlier prompts and answers, for suffix proposals
     # SSD / Saguaro (used by --mode ssd)
     fan_out: tuple[int, ...] | None = None  # None = auto
     fan_out_miss: tuple[int, ...] | None = None
@@ -159,6 +162,21 @@ class SpecConfig:
 
 
 GRAPH_MODES = ("auto", "off", "trace")
+
+
+def repeatable(spec: SpecConfig) -> SpecConfig:
+    """`spec` with proposals that depend only on the prompt and the seed, so a seeded sample
+    repeats: K pinned (the configured K; SpecConfig's default when it was chosen per round),
+    suffix proposals from the row's own tokens only, none for a model draft."""
+    k = min(spec.k, SpecConfig.k) if spec.adaptive_k else spec.k
+    draft = spec.draft
+    if isinstance(draft, SuffixDraft):
+        draft = replace(draft, use_memory=False)
+    elif isinstance(draft, ModelDraft):
+        draft = replace(draft, suffix=None)
+    fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
+    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fits(spec.fan_out),
+                   fan_out_miss=fits(spec.fan_out_miss))  # fmt: skip
 
 
 @dataclass(frozen=True)

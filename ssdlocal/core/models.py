@@ -96,25 +96,35 @@ class NgramDraft:
 @dataclass(frozen=True)
 class SuffixDraft:
     """Suffix-match proposals over the row's tokens and the engine's memory of earlier
-    prompts and answers: at most `max_sequences` sequences and `max_tokens` tokens, kept for
-    the engine's life; with `persist`, also in a file per target model under the cache
-    directory (off by default). `min_confidence`: a proposal stops where the share of
-    matching history that agrees with it falls below this."""
+    prompts and answers (MemorySettings). `min_confidence`: a proposal stops where the share
+    of matching history that agrees with it falls below this."""
 
-    max_sequences: int = 256
-    max_tokens: int = 200_000
-    persist: bool = False
     min_confidence: float = 0.3
+    use_memory: bool = True  # False: the row's own tokens only (proposals repeat for a seed)
     kind: ClassVar[str] = "suffix"
     model: ClassVar[None] = None
     label: ClassVar[str] = "suffix (prompt and memory)"
 
     def __post_init__(self) -> None:
-        if self.max_sequences < 1 or self.max_tokens < 1:
-            raise UsageError("the suffix memory needs room for at least one sequence and one token",
-                             "use the defaults (256 sequences, 200000 tokens)")  # fmt: skip
         if not 0.0 < self.min_confidence <= 1.0:
             raise UsageError(f"min confidence must be in (0, 1], got {self.min_confidence}", "use 0.3")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The engine's memory of earlier prompts and answers (suffix proposals, the SSD suffix
+    backup): at most `max_sequences` sequences and `max_tokens` tokens (0: none), kept for
+    the engine's life; with `persist`, also in a file per target model under the cache
+    directory (off by default)."""
+
+    max_sequences: int = 256
+    max_tokens: int = 200_000
+    persist: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1 or self.max_tokens < 0:
+            raise UsageError(f"the suffix memory needs max_sequences >= 1 and max_tokens >= 0, got "
+                             f"{self.max_sequences}, {self.max_tokens}", "use the defaults (256, 200000)")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ def _adaptive(spec: SpecConfig, params: SamplingParams, res: DraftResources, mod
     from ssdlocal.draft.adaptive import AdaptiveDrafter
     from ssdlocal.draft.suffix import SuffixSource
 
-    source = None if suffix is None else SuffixSource(res.memory, suffix.min_confidence)
+    memory = res.memory if suffix is not None and suffix.use_memory else None
+    source = None if suffix is None else SuffixSource(memory, suffix.min_confidence)
     return AdaptiveDrafter(model, source, k=spec.k, pinned=not spec.adaptive_k, params=params,
                            costs=res.costs, target_vocab=res.target_vocab, device=res.target_device)  # fmt: skip
 

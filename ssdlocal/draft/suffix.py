@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class SuffixSource:
     """Per-row suffix indexes over one batch, plus the engine's shared memory."""
 
-    def __init__(self, memory: SuffixMemory, min_confidence: float = 0.3) -> None:
+    def __init__(self, memory: SuffixMemory | None, min_confidence: float = 0.3) -> None:
         self.memory = memory
         self.min_confidence = min_confidence
         self.rows: Sequence[RowView] = ()
@@ -38,7 +38,7 @@ class SuffixSource:
 
     def proposals(self, active: Sequence[bool], k: int) -> list[SuffixProposal]:
         """Up to k tokens per active row (empty proposals for the others)."""
-        memory = self.memory.indexes()
+        memory = self.memory.indexes() if self.memory is not None else []
         return [
             propose(own.tokens, own, memory, k, self.min_confidence) if on else SuffixProposal((), ())
             for own, on in zip(self.own, active)
@@ -83,12 +83,10 @@ class MemoryFile:
 
 
 def open_memory(settings, target_path: str, vocab_size: int) -> tuple[SuffixMemory, MemoryFile | None]:
-    """The engine's memory for `settings` (a SuffixDraft, or None: the defaults), loaded from
-    its file when `settings.persist`; the file (or None) to save it to after each call."""
-    from ssdlocal.core.models import SuffixDraft
+    """The engine's memory for `settings` (core.models.MemorySettings), loaded from its file
+    when `settings.persist`; the file (or None) to save it to after each call."""
     from ssdlocal.core.paths import cache_dir
 
-    settings = settings or SuffixDraft()
     memory = SuffixMemory(settings.max_sequences, settings.max_tokens)
     if not settings.persist:
         return memory, None

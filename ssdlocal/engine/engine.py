@@ -91,7 +91,7 @@ class Engine:
                 self.costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
                 self.choice = calibrated_choice(cal, spec.adaptive_k)
             self.suffix_memory, self._memory_file = open_memory(
-                _suffix_settings(spec.draft), config.target.path, self.target.args.vocab_size
+                spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
             log.info("mode %s: %s", self.choice.mode.value, self.choice.reason)
         except BaseException:
@@ -185,9 +185,7 @@ class Engine:
 
         The target's context, and the draft model's when `spec` runs it: SSD's draft
         also holds the unverified proposal (K + 2 more positions)."""
-        spec = spec or self.config.spec
-        if spec.mode is Mode.AUTO:
-            spec = replace(spec, mode=self.choice.mode)
+        spec = self._resolved(spec or self.config.spec)
         limit, which = self.target.args.max_position_embeddings, "the target model"
         if spec.mode is not Mode.AR and spec.draft.model is not None and self.draft_context is not None:
             extra = spec.k + 2 if spec.mode is Mode.SSD else 0
@@ -289,8 +287,7 @@ class Engine:
         """
         spec = spec or self.config.spec
         reason = self._reason(spec)
-        if spec.mode is Mode.AUTO:
-            spec = replace(spec, mode=self.choice.mode)
+        spec = self._resolved(spec)
         ids = self._prompt_ids(prompts, chat)
         k = spec.k if spec.mode is not Mode.AR else 0
         budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens, spec)
@@ -369,6 +366,15 @@ class Engine:
             reports["draft"] = drafter.graph_report()  # SSD: counted in the worker
         return reports
 
+    def _resolved(self, spec: SpecConfig) -> SpecConfig:
+        """`spec` as a call runs it: auto resolved to the engine's mode; SSD's K, which its
+        trees are built for, at most SpecConfig's default when K was left to the engine."""
+        if spec.mode is Mode.AUTO:
+            spec = replace(spec, mode=self.choice.mode)
+        if spec.mode is Mode.SSD and spec.adaptive_k and spec.k > SpecConfig.k:
+            spec = replace(spec, k=SpecConfig.k, fan_out=None, fan_out_miss=None)
+        return spec
+
     def _reason(self, spec: SpecConfig) -> str:
         """Why a call with `spec` runs the mode it runs: the engine's choice (auto, or its
         configured mode), or the mode this call asked for."""
@@ -395,8 +401,3 @@ class Engine:
             row.append(token)
         self.runner.begin_steps()
         return first, PrefillEvent(time.perf_counter() - t0, len(rows))
-
-
-def _suffix_settings(draft):
-    """The suffix memory's settings a draft asks for (None: the defaults)."""
-    return draft if draft.kind == "suffix" else getattr(draft, "suffix", None)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.config import SamplingParams, repeatable
 from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
 from ssdlocal.core.stats import RunStats, add_counts, metrics, new_counts
 
@@ -251,7 +251,9 @@ class Scheduler:
         run = _BatchRun(batch, owners, self.mode)
         started = time.perf_counter()
         try:
-            events = self.engine.generate([job.rows[choice] for job, choice in owners], params)
+            # a seeded sample repeats: its proposals may not depend on timing or on earlier requests
+            spec = repeatable(self.engine.config.spec) if first.seeded and not params.greedy else None
+            events = self.engine.generate([job.rows[choice] for job, choice in owners], params, spec=spec)
             for event in events:
                 run.cancel_left(self.engine)
                 if isinstance(event, TokensEvent):
@@ -340,7 +342,8 @@ class _BatchRun:
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
         return {
             "mode": self.mode,
-            **{name: m.get(name) for name in ("acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s")},
+            **{name: m.get(name) for name in ("acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s",
+                                              "mean_k", "rows_by_source")},  # fmt: skip
             "ttft_s": ttft,
             "batch_size": job.batch_size,
             "graphs": self.graphs,  # the engine call that finished this request

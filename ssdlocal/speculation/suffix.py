@@ -97,7 +97,7 @@ class SuffixMemory:
 
     def add(self, tokens: Sequence[int]) -> None:
         """Remember a finished sequence; the oldest ones go when a bound is passed."""
-        if len(tokens) <= KEY:
+        if len(tokens) <= KEY or self.max_tokens <= KEY:
             return
         tokens = list(tokens[-self.max_tokens :])
         self._seqs[self._next] = SuffixIndex(tokens)

@@ -85,9 +85,11 @@ class ChatSettings:
         return self.with_mode(MODES[(now + 1) % len(MODES)])
 
     def with_k(self, k: int) -> ChatSettings:
-        """A new K; fan-out lists that no longer have K+1 entries fall back to auto."""
+        """A new K, pinned (no longer chosen per round); fan-out lists that no longer have K+1
+        entries fall back to auto."""
         fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
-        return self.with_spec(k=k, fan_out=fits(self.spec.fan_out), fan_out_miss=fits(self.spec.fan_out_miss))
+        return self.with_spec(k=k, adaptive_k=False, fan_out=fits(self.spec.fan_out),
+                              fan_out_miss=fits(self.spec.fan_out_miss))  # fmt: skip
 
     def with_temperature(self, temperature: float) -> ChatSettings:
         return self.with_sampling(temperature=round(max(0.0, temperature), 3))
@@ -96,7 +98,7 @@ class ChatSettings:
         fan = "auto" if self.spec.fan_out is None else ",".join(map(str, self.spec.fan_out))
         parts = [self.mode.value.upper()]
         if self.mode is not Mode.AR:
-            parts.append(f"K={self.k}")
+            parts.append(f"K≤{self.k} per round" if self.spec.adaptive_k and self.mode is Mode.SD else f"K={self.k}")
         if self.mode is Mode.SSD:
             parts.append(f"F={fan}")
         parts.append(f"T={self.temperature:g}")

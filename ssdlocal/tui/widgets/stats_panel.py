@@ -102,6 +102,11 @@ class StatsPanel(Static):
             section("Speculation")
             row("acceptance", _pct(s.get("acceptance_rate")))
             row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round"))
+            if s.get("rows_by_source"):  # K and the source chosen per round
+                row("K per round", _num(s.get("mean_k"), "{:.1f} on average"))
+                sources = s["rows_by_source"]
+                total = max(sum(sources.values()), 1)
+                row("source", " ".join(f"{k} {v / total:.0%}" for k, v in sorted(sources.items())))
             if self.mode == "ssd":
                 row("cache hits", _pct(s.get("cache_hit_rate")))
                 used = s.get("backup_used") or {}
