@@ -143,7 +143,7 @@ def metadata_dir(gguf_path: Path) -> Path:
         return out
     header = GGUFHeader.read(gguf_path)
     arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
-    tied = not any(t.name == "output.weight" for t in header.tensors)
+    tied = not any(arch.from_gguf(t.name) == "lm_head.weight" for t in header.tensors)
     chat = "tokenizer.chat_template" in header.metadata
 
     def build(tmp: Path) -> None:
@@ -184,7 +184,7 @@ def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, cha
 
     try:
         config, tokenizer = conv.read_config_and_tokenizer(Path(gguf_path))
-        # tied iff the file has no separate output matrix (llama.cpp then reuses token_embd)
+        # tied iff the file has no separate output matrix (llama.cpp then reuses the embedding)
         config.tie_word_embeddings = tied
         conv.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
         conv.check_chat_template(Path(out), {"has_chat_template": chat})

@@ -193,7 +193,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Module names mirror the HF checkpoints minus the leading "model." prefix."""
+    """Module names are ours (arch.py: GLOBAL_MODULES, BLOCK_MODULES); each architecture's
+    description maps its files' tensor names to them."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
