@@ -143,7 +143,7 @@ def metadata_dir(gguf_path: Path) -> Path:
         return out
     header = GGUFHeader.read(gguf_path)
     arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
-    tied = not any(arch.from_gguf(t.name) == "lm_head.weight" for t in header.tensors)
+    tied = arch.gguf.theirs("lm_head.weight") not in {t.name for t in header.tensors}
     chat = "tokenizer.chat_template" in header.metadata
 
     def build(tmp: Path) -> None:
