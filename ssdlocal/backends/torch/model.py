@@ -11,6 +11,8 @@ loader); this module knows nothing about files.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +194,18 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
 
 
+@contextmanager
+def _allocating(doing: str) -> Iterator[None]:
+    """An allocator failure inside becomes an OutOfMemoryError saying what was `doing`."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        mapped = oom_error(exc, doing)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
 class Transformer(nn.Module):
     """Module names are ours (arch.py: GLOBAL_MODULES, BLOCK_MODULES); each architecture's
     description maps its files' tensor names to them."""
@@ -219,18 +233,13 @@ class Transformer(nn.Module):
         old = sum(layer.self_attn.kv_cache.nbytes for layer in self.layers if layer.self_attn.kv_cache)
         need = KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers)
         check_room(need, device, what, freed=old)
-        try:
+        with _allocating(f"allocating the {what} on {device}"):
             for layer in self.layers:
                 layer.self_attn.kv_cache = None  # free the old cache before allocating
             for layer in self.layers:
                 layer.self_attn.kv_cache = KVCache(
                     batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device
                 )
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            mapped = oom_error(exc, f"allocating the {what} on {device}")
-            if mapped is None:
-                raise
-            raise mapped from exc
         self.num_slots = num_slots
         self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
 
@@ -252,14 +261,9 @@ class Transformer(nn.Module):
         batch, heads, _, dim = first.k.shape
         what = f"KV cache of {batch} x {num_slots} slots"
         check_room(KVCache.bytes_for(batch, heads, num_slots, dim, first.k.dtype), first.k.device, what)
-        try:  # one layer at a time: the old and new cache of only one layer coexist
-            for layer in self.layers:
+        with _allocating(f"growing the {what} on {first.k.device}"):
+            for layer in self.layers:  # one at a time: the old and new cache of only one layer coexist
                 layer.self_attn.kv_cache = layer.self_attn.kv_cache.grown(num_slots)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            mapped = oom_error(exc, f"growing the {what} on {first.k.device}")
-            if mapped is None:
-                raise
-            raise mapped from exc
         self.num_slots = num_slots
         self._cover_positions(num_slots, first.k.device)  # a slot index never exceeds a position's
 
