@@ -35,9 +35,12 @@ import json, sys, time
 import torch
 args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
-if args["float_lm_head"]:
-    from ssdlocal.backends.torch import quant
-    quant.LINEAR_NAMES = tuple(n for n in quant.LINEAR_NAMES if n != "lm_head")
+if args["float_lm_head"]:  # every architecture's lm_head stays in floats
+    from dataclasses import replace
+    from ssdlocal.backends.torch import arch
+    for a in arch.architectures():
+        arch.unregister(a.name)
+        arch.register(replace(a, linears={**a.linears, "lm_head": arch.Linear(quantized=False)}))
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams, SpecConfig, Mode
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ssdlocal.backends.torch import gguf_quant
+from ssdlocal.backends.torch.arch import architecture
 from ssdlocal.backends.torch.int4_cpu import expected_layout
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.quant import (
@@ -211,7 +212,7 @@ def _reference(path: Path, arch: str, model) -> dict[str, tuple[str, np.ndarray]
     cfg = model.config
     out = {}
     for t in gguf.GGUFReader(str(path)).tensors:
-        name = gguf_quant.hf_name(t.name)
+        name = architecture(arch).from_gguf(t.name)
         if name is None or not name.endswith(".weight") or len(t.shape) != 2:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))

@@ -114,13 +114,17 @@ def tensor_type(gguf_name: str, mix: str) -> str:
     return "Q6_K" if any(p in gguf_name for p in ("attn_v", "ffn_down", "output.")) else "Q4_K"
 
 
-def write_gguf(path: Path, model, arch: str, mix: str) -> Path:
-    """Write `model` (a transformers llama/qwen2) as a GGUF with the `mix` of types."""
+def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None = None,
+               tensor_name=None) -> Path:  # fmt: skip
+    """Write `model` (a transformers llama/qwen2) as a GGUF with the `mix` of types.
+
+    file_arch: its general.architecture (default `arch`); tensor_name(hf module name) ->
+    the GGUF's (default: llama.cpp's names for `arch`)."""
     import gguf
 
     cfg = model.config
     tokens, merges = byte_vocab()
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), file_arch or arch)
     w.add_name("tiny")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -145,16 +149,17 @@ def write_gguf(path: Path, model, arch: str, mix: str) -> Path:
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
+    tensor_name = tensor_name or names.get_name
     for hf_name, tensor in model.state_dict().items():
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
         stem, suffix = hf_name.rsplit(".", 1)
-        name = f"{names.get_name(stem)}.{suffix}"
+        name = f"{tensor_name(stem)}.{suffix}"
         data = tensor.float().numpy()
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             n_head = cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
             data = _llama_permute(data, n_head)
-        kind = tensor_type(name, mix) if data.ndim == 2 else "F32"
+        kind = tensor_type(f"{names.get_name(stem)}.{suffix}", mix) if data.ndim == 2 else "F32"
         _add(w, name, data, kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()

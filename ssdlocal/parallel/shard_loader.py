@@ -1,8 +1,10 @@
 """Load one tensor-parallel rank's shard straight from safetensors slices.
 
-Each rank reads only its rows of q/k/v/gate/up and its columns of o_proj/down_proj
-(plus the replicated embeddings, norms and lm_head), so host memory per rank is about
-weights / TP + the replicated part, not the whole model. Quantized weights are read one
+Each rank reads only its slice of each split linear, as the architecture's description
+says (backends/torch/arch.py): rows of the column-split ones (q/k/v, gate/up), columns of
+the row-split ones (o_proj, down_proj), and the replicated embeddings, norms and lm_head
+whole, so host memory per rank is about weights / TP + the replicated part, not the whole
+model. Quantized weights are read one
 tensor at a time, quantized whole and then split (shard_value). The sharded module layout
 comes from tp.apply_tensor_parallel on a meta-device model, so loading and sharding
 cannot disagree. Reuses the loader's checks; knows nothing about processes.
@@ -14,6 +16,7 @@ import logging
 
 import torch
 
+from ssdlocal.backends.torch.arch import Architecture, architecture
 from ssdlocal.backends.torch.loader import (
     LoadedModel,
     assign_weights,
@@ -35,26 +38,12 @@ from ssdlocal.parallel.tp import apply_tensor_parallel, check_divisible
 
 log = logging.getLogger(__name__)
 
-_ROWS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight",
-         "v_proj.bias", "gate_proj.weight", "up_proj.weight")  # output features split
-_COLS = ("o_proj.weight", "down_proj.weight")  # input features split; o_proj.bias replicated
-
-
-def shard_rule(key: str) -> str | None:
-    """'rows', 'cols' or None (replicated) for a checkpoint tensor name (minus "model.")."""
-    if key.endswith(_ROWS):
-        return "rows"
-    if key.endswith(_COLS):
-        return "cols"
-    return None
-
-
-def _read(f, name: str, rule: str | None, rank: int, world: int) -> torch.Tensor:
-    if rule is None:
+def _read(f, name: str, dim: int | None, rank: int, world: int) -> torch.Tensor:
+    """The rank's part of checkpoint tensor `name`, split along `dim` (None: all of it)."""
+    if dim is None:
         return f.get_tensor(name)
     part = f.get_slice(name)
     shape = part.get_shape()
-    dim = 0 if rule == "rows" else 1
     n = shape[dim] // world
     if n * world != shape[dim]:
         raise ModelLoadError(f"{name} has {shape[dim]} features, not divisible by {world} ranks",
@@ -62,19 +51,19 @@ def _read(f, name: str, rule: str | None, rank: int, world: int) -> torch.Tensor
     return part[rank * n : (rank + 1) * n] if dim == 0 else part[:, rank * n : (rank + 1) * n]
 
 
-def shard_value(key: str, value, rank: int, world: int):
-    """The rank's part of a whole tensor or QuantizedWeight `key` (quantized weights are
-    quantized whole, then split: every rank then holds exactly TP=1's codes and scales)."""
-    rule = shard_rule(key)
-    if rule is None:
+def shard_value(arch: Architecture, key: str, value, rank: int, world: int):
+    """The rank's part of a whole tensor or QuantizedWeight `key` (our name; quantized
+    weights are quantized whole, then split: every rank then holds exactly TP=1's codes
+    and scales)."""
+    dim = arch.split_dim(key)
+    if dim is None:
         return value
-    dim = 0 if rule == "rows" else 1
     n = value.shape[dim] // world
     if n * world != value.shape[dim]:
         raise ModelLoadError(f"{key} has {value.shape[dim]} features, not divisible by {world} ranks",
                              "use a number of target devices that divides the model's head counts")
     if isinstance(value, QuantizedWeight):
-        if rule == "cols" and value.scheme == "int4" and n % value.group_size:
+        if dim == 1 and value.scheme == "int4" and n % value.group_size:
             raise ModelLoadError(f"{key}: {n} input features per rank split the int4 groups of "
                                  f"{value.group_size}", "use fewer target devices, or --quantization int8")
         return value.rows(rank * n, (rank + 1) * n) if dim == 0 else value.cols(rank * n, (rank + 1) * n)
@@ -87,6 +76,7 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
     ckpt = resolve_checkpoint(spec.path, scheme, spec.dtype)
     hf_config = load_hf_config(ckpt)
     args = ModelArgs.from_hf_config(hf_config)
+    arch = architecture(args.arch)
     check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, world)
     files = weight_files(ckpt)
     dev, dtype = parse_device(device), parse_dtype(spec.dtype, hf_config)
@@ -97,11 +87,11 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
     try:
         if scheme != "none":
             load_quantized_weights(model, ckpt, files, scheme, dev, dtype,
-                                   shard=lambda key, value: shard_value(key, value, rank, world))  # fmt: skip
+                                   shard=lambda key, value: shard_value(arch, key, value, rank, world))  # fmt: skip
         else:
             state = read_state_dict(
-                files, dev, dtype, tied=args.tie_word_embeddings,
-                read=lambda f, name, key: _read(f, name, shard_rule(key), rank, world),
+                files, dev, dtype, arch, tied=args.tie_word_embeddings,
+                read=lambda f, name, key: _read(f, name, arch.split_dim(key), rank, world),
             )  # fmt: skip
             assign_weights(model, state, ckpt)
             del state

@@ -1,10 +1,11 @@
 """Tensor parallelism applied to a loaded Transformer from outside the model code (gpt-fast tp.py).
 
-Each rank keeps 1/TP of the attention heads and of the MLP's intermediate features:
-q/k/v and gate/up are split column-wise (by heads for attention), o_proj and down_proj
-row-wise and followed by an all_reduce. Embeddings, norms and lm_head stay replicated,
-so every rank ends with the full logits. The KV cache holds only the rank's kv heads
-(the model's args are replaced by per-rank head counts before `setup_cache`).
+Each rank keeps 1/TP of the attention heads and of the MLP's intermediate features. How
+each linear splits comes from the architecture's description (backends/torch/arch.py):
+for the llama family q/k/v and gate/up column-wise (by heads for attention), o_proj and
+down_proj row-wise and followed by an all_reduce. Embeddings, norms and lm_head stay
+replicated, so every rank ends with the full logits. The KV cache holds only the rank's
+kv heads (the model's args are replaced by per-rank head counts before `setup_cache`).
 Knows nothing about processes: it only needs a rank, a world size and a process group.
 """
 
@@ -15,6 +16,8 @@ from dataclasses import replace
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssdlocal.backends.torch.arch import architecture
+from ssdlocal.backends.torch.quant import replace_module
 from ssdlocal.core.errors import UsageError
 
 
@@ -94,16 +97,15 @@ def apply_tensor_parallel(model: nn.Module, rank: int, tp: int, group=None) -> n
     check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, tp)
     if tp == 1:
         return model
+    linears = architecture(args.arch).linears
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _shard_columns(proj, rank, tp)
-        attn.o_proj = _row_parallel(attn.o_proj, rank, tp, group)
-        attn.n_heads //= tp
-        attn.n_kv_heads //= tp
-        for proj in (mlp.gate_proj, mlp.up_proj):
-            _shard_columns(proj, rank, tp)
-        mlp.down_proj = _row_parallel(mlp.down_proj, rank, tp, group)
+        for name, linear in linears.items():
+            if linear.split == "column":
+                _shard_columns(layer.get_submodule(name), rank, tp)
+            elif linear.split == "row":
+                replace_module(layer, name, _row_parallel(layer.get_submodule(name), rank, tp, group))
+        layer.self_attn.n_heads //= tp
+        layer.self_attn.n_kv_heads //= tp
     model.args = replace(
         args,
         num_heads=args.num_heads // tp,

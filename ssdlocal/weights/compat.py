@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ssdlocal.backends.torch.arch import find
 from ssdlocal.core.errors import IncompatiblePairError
 
 _HINT = (
@@ -190,7 +191,8 @@ def check_paths(target: str | Path, draft: str | Path) -> CompatReport:
     t_dir, d_dir = config_dir(target), config_dir(draft)
     t_vocab, family = config_vocab_size(t_dir)
     d_vocab, _ = config_vocab_size(d_dir)
-    family = {"llama": "llama3", "qwen2": "qwen2.5"}.get(family or "", family)
+    described = find(None, family) if family else None
+    family = described.pair_family or family if described else family
     return check_pair(
         load_tokenizer(t_dir),
         load_tokenizer(d_dir),

@@ -1,6 +1,8 @@
 """Convert a GGUF file (Llama / Qwen2 / Qwen3) once into a cached HF-format checkpoint.
 
-transformers dequantizes the GGUF tensors to dense weights (slow: ~50 s for a 1.5B);
+transformers dequantizes the GGUF tensors to dense weights (slow: ~50 s for a 1.5B) and
+names them as its own model class does (which GGUF architectures are accepted, and the
+tensors the result must hold, come from the descriptions in arch.py);
 we save the result as config.json + model.safetensors + tokenizer files +
 generation_config.json so the native torch loader reads it in seconds afterwards.
 The cache key is the GGUF file's content (sha256) plus the dtype; one process converts
@@ -20,19 +22,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ssdlocal.core.errors import (
-    AssetError,
-    ModelLoadError,
-    UnsupportedArchitectureError,
-    UsageError,
-)
+from ssdlocal.backends.torch.arch import find, for_gguf, unsupported
+from ssdlocal.core.errors import AssetError, ModelLoadError, UsageError
 from ssdlocal.core.files import file_lock, remembered_sha256
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _DTYPES = ("bfloat16", "float16", "float32")
 _MARKER = "ssdlocal-convert.json"
 # End-of-turn tokens that chat models emit; added to eos ids when present in the vocab.
@@ -111,12 +108,7 @@ def ensure_converted(
         return out
 
     meta = gguf_metadata(gguf_path)
-    arch = str(meta["architecture"])
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"{gguf_path.name} has architecture {arch!r}, which ssdlocal does not implement",
-            f"supported GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
-        )
+    for_gguf(meta["architecture"], gguf_path.name)  # an architecture ssdlocal implements
     out.parent.mkdir(parents=True, exist_ok=True)
     # One converter per output: a second process waits here, then finds the marker.
     with file_lock(out.with_name(out.name + ".lock")):
@@ -343,9 +335,12 @@ def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
         raise ModelLoadError(f"conversion wrote no {weights.name} in {tmp}", "report a bug")
     with safe_open(str(weights), "pt") as f:
         keys = set(f.keys())
-    needed = {"model.embed_tokens.weight", "model.norm.weight"}
+    arch = find(config.get("architectures"), config.get("model_type"))
+    if arch is None:
+        raise unsupported(f"architecture {', '.join(config.get('architectures') or [])} (from {meta['name']})")
+    needed = {arch.to_checkpoint("embed_tokens.weight"), arch.to_checkpoint("norm.weight")}
     if not config.get("tie_word_embeddings", False):
-        needed.add("lm_head.weight")  # tied checkpoints store only the embedding
+        needed.add(arch.to_checkpoint("lm_head.weight"))  # tied checkpoints store only the embedding
     missing = needed - keys
     if missing:
         raise ModelLoadError(

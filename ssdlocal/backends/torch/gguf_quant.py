@@ -7,7 +7,9 @@ embedding, quantized in the file already, stays quantized too (_embedding_scheme
 directory holds config + tokenizer (from the GGUF metadata, via gguf_convert), one
 model.safetensors of codes, scales and the float tensors, and quantization.json; it is
 keyed by the file's sha256 + scheme + dtype, built under a temporary name and renamed,
-with the marker written last. Knows nothing about where GGUF files come from.
+with the marker written last. Tensor names on both sides, which linears are quantized and
+llama.cpp's q/k row order come from the architecture's description (arch.py). Knows
+nothing about where GGUF files come from.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ssdlocal.backends.torch.arch import Architecture, for_gguf
 from ssdlocal.backends.torch.gguf_read import (
     EXACT_INT4,
     GGUFHeader,
@@ -34,46 +37,22 @@ from ssdlocal.backends.torch.gguf_read import (
 from ssdlocal.backends.torch.quant import (
     QuantizedWeight,
     can_quantize,
-    is_quantized_linear,
     pack_int4,
     quantize,
 )
 from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsWriter
-from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.files import file_lock
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.quantization import scheme_for_gguf_type
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QUANT_FILE = "quantization.json"  # in a quantized checkpoint: scheme, group size, dtype, source
 _MARKER = "ssdlocal-quantize.json"
 _META_MARKER = "ssdlocal-meta.json"
 _FORMAT = 2  # in the cache key: a new layout never reads an old cache
 _ROWS_ELEMENTS = 1 << 20  # weights per block of rows read from the GGUF
-_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}  # fmt: skip
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> our name (HF minus "model."); None for tensors we do not use."""
-    stem, _, leaf = gguf_name.rpartition(".")
-    if stem == "rope_freqs":
-        return None  # llama3 RoPE factors: recomputed from the config
-    if stem in _GLOBAL:
-        return f"{_GLOBAL[stem]}.{leaf}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
-        return f"layers.{parts[1]}.{_BLOCK[parts[2]]}.{leaf}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a llama/qwen2/qwen3 model",
-                         "the file may hold another architecture; try the llama.cpp backend")
 
 
 # --------------------------------------------------------------------------- keys and schemes
@@ -163,13 +142,8 @@ def metadata_dir(gguf_path: Path) -> Path:
     if (out / _META_MARKER).is_file():
         return out
     header = GGUFHeader.read(gguf_path)
-    arch = str(header.metadata.get("general.architecture"))
-    if arch not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"{gguf_path.name} has architecture {arch!r}, which ssdlocal does not implement",
-            f"supported GGUF architectures: {', '.join(ARCHITECTURES)}",
-        )
-    tied = not any(t.name == "output.weight" for t in header.tensors)
+    arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
+    tied = arch.gguf.theirs("lm_head.weight") not in {t.name for t in header.tensors}
     chat = "tokenizer.chat_template" in header.metadata
 
     def build(tmp: Path) -> None:
@@ -182,7 +156,7 @@ def metadata_dir(gguf_path: Path) -> Path:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
         )
-        args = [str(gguf_path), str(tmp), ARCHITECTURES[arch], str(int(tied)), str(int(chat))]
+        args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat))]
         run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
                              capture_output=True, text=True, check=False)  # fmt: skip
         error = tmp / "error.json"
@@ -210,7 +184,7 @@ def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, cha
 
     try:
         config, tokenizer = conv.read_config_and_tokenizer(Path(gguf_path))
-        # tied iff the file has no separate output matrix (llama.cpp then reuses token_embd)
+        # tied iff the file has no separate output matrix (llama.cpp then reuses the embedding)
         config.tie_word_embeddings = tied
         conv.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
         conv.check_chat_template(Path(out), {"has_chat_template": chat})
@@ -257,31 +231,31 @@ def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, config
              progress: ProgressCallback | None) -> dict[str, int]:  # fmt: skip
     """Stream every tensor into `out`; returns how many tensors went to each storage kind."""
     header = GGUFHeader.read(gguf_path)
+    arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
     heads = (config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"])
-    permute = header.metadata.get("general.architecture") == "llama"  # llama.cpp reorders q/k rows
     tied = bool(config.get("tie_word_embeddings"))
     writer = SafetensorsWriter(out)
     counts = {"quantized": 0, "float": 0, "exact_int4": 0}
     releaser = MemoryReleaser()
     try:
         for i, info in enumerate(header.tensors):
-            name = hf_name(info.name)
+            name = arch.from_gguf(info.name)
             if name is None:
                 continue
             module, _, leaf = name.rpartition(".")
-            rows = _row_order(module, info.shape[0], heads) if permute else None
+            rows = _row_order(module, info.shape[0], heads) if arch.gguf_qk_interleaved else None
             # tied: lm_head gets codes of its own, else it must share a float embedding
-            head_from_embedding = is_quantized_linear("lm_head") and can_quantize(info.shape, scheme)
-            if leaf == "weight" and is_quantized_linear(module) and can_quantize(info.shape, scheme):
-                _add_quantized(writer, gguf_path, info, module, scheme, dtype, rows, counts)
+            head_from_embedding = arch.quantized("lm_head") and can_quantize(info.shape, scheme)
+            if leaf == "weight" and arch.quantized(module) and can_quantize(info.shape, scheme):
+                _add_quantized(writer, gguf_path, info, arch, module, scheme, dtype, rows, counts)
             elif name == "embed_tokens.weight" and (not tied or head_from_embedding):
-                _add_quantized(writer, gguf_path, info, module, _embedding_scheme(info, scheme),
+                _add_quantized(writer, gguf_path, info, arch, module, _embedding_scheme(info, scheme),
                                dtype, None, counts)  # fmt: skip
             else:
-                writer.add(_hf(name), _float_tensor(gguf_path, info, dtype, rows))
+                writer.add(arch.to_checkpoint(name), _float_tensor(gguf_path, info, dtype, rows))
                 counts["float"] += 1
             if name == "embed_tokens.weight" and tied and head_from_embedding:
-                _add_quantized(writer, gguf_path, info, "lm_head", scheme, dtype, None, counts)
+                _add_quantized(writer, gguf_path, info, arch, "lm_head", scheme, dtype, None, counts)
             releaser.processed(info.shape[0] * info.row_bytes())
             if progress:
                 progress("quantize", i + 1, len(header.tensors))
@@ -300,13 +274,10 @@ def _embedding_scheme(info: TensorInfo, scheme: str) -> str:
     return "int4" if exact else "int8"
 
 
-def _hf(name: str) -> str:
-    return name if name.startswith("lm_head") else f"model.{name}"
-
-
 def _row_order(module: str, n_rows: int, heads: tuple[int, int]) -> torch.Tensor | None:
-    """llama.cpp stores llama q/k rows of each head as (pairs, 2) instead of (2, half):
-    the index that restores the Hugging Face order, or None for other tensors."""
+    """For an architecture whose q/k rows llama.cpp stores per head as (pairs, 2) instead
+    of (2, half) (Architecture.gguf_qk_interleaved): the index that restores the Hugging
+    Face order, or None for other tensors."""
     n_heads = heads[0] if module.endswith("q_proj") else heads[1] if module.endswith("k_proj") else 0
     if not n_heads:
         return None
@@ -332,7 +303,7 @@ def _float_tensor(path: Path, info: TensorInfo, dtype: torch.dtype, rows) -> tor
     return out if rows is None else out[rows]
 
 
-def _add_quantized(writer, path: Path, info: TensorInfo, module: str, scheme: str,
+def _add_quantized(writer, path: Path, info: TensorInfo, arch: Architecture, module: str, scheme: str,
                    dtype: torch.dtype, rows, counts: dict[str, int]) -> None:  # fmt: skip
     parts = []
     exact = scheme == "int4" and info.ggml_type in EXACT_INT4
@@ -345,7 +316,7 @@ def _add_quantized(writer, path: Path, info: TensorInfo, module: str, scheme: st
     qw = _concat(parts)
     if rows is not None:
         qw = qw.permute_rows(rows)
-    for key, tensor in qw.tensors(_hf(module)).items():
+    for key, tensor in qw.tensors(arch.checkpoint.module(module)).items():
         writer.add(key, tensor)
     counts["exact_int4" if exact else "quantized"] += 1
 

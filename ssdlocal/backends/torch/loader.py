@@ -1,7 +1,8 @@
 """Load a checkpoint (HF directory with safetensors, or a .gguf file) into our Transformer.
 
-Owns path validation, config/tokenizer loading, HF-name -> module mapping and
-dtype/device placement. Knows nothing about decoding or speculation.
+Owns path validation, config/tokenizer loading and dtype/device placement; checkpoint
+names map to modules through the architecture's description (arch.py). Knows nothing
+about decoding or speculation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ssdlocal.backends.torch.model import ModelArgs, Transformer, _unsupported
+from ssdlocal.backends.torch.arch import Architecture, architecture, find, unsupported
+from ssdlocal.backends.torch.model import ModelArgs, Transformer
 from ssdlocal.backends.torch.quant_load import (
     load_quantized_weights,
     quantized_checkpoint,
@@ -134,6 +136,8 @@ def damaged_hint(ckpt: Path) -> str:
 
 
 def load_hf_config(path: Path):
+    """transformers' config of checkpoint `path`. A model_type transformers does not know
+    is read with the config class of its description's `config_type`, if it has one."""
     from transformers import AutoConfig
 
     try:
@@ -144,8 +148,12 @@ def load_hf_config(path: Path):
         except (OSError, ValueError):
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(exc)}",
                                  hint=damaged_hint(path)) from exc
+        described = find(raw.get("architectures"), raw.get("model_type"))
+        if described is not None and described.config_type:
+            fields = {k: v for k, v in raw.items() if k != "model_type"}
+            return AutoConfig.for_model(described.config_type, **fields)
         names = ", ".join(raw.get("architectures") or []) or raw.get("model_type") or "unknown"
-        raise _unsupported(f"architecture {names}") from exc
+        raise unsupported(f"architecture {names}") from exc
 
 
 def load_tokenizer(path: str | Path):
@@ -180,9 +188,10 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def read_state_dict(
-    files: list[Path], device: torch.device, dtype: torch.dtype, *, tied: bool = False, read=None
+    files: list[Path], device: torch.device, dtype: torch.dtype, arch: Architecture, *,
+    tied: bool = False, read=None,
 ) -> dict[str, torch.Tensor]:
-    """HF tensor names (minus "model.") -> tensors already in the target dtype/device.
+    """Our tensor names (arch.from_checkpoint) -> tensors already in the target dtype/device.
 
     `read(f, name, key)` picks what to keep of one tensor (default: all of it; tensor
     parallelism reads a slice). With `tied` embeddings a stored lm_head.weight is skipped.
@@ -192,26 +201,18 @@ def read_state_dict(
         if read is None:  # whole tensors: plain reads, so no memory-mapped page stays resident
             with SafetensorsReader(file) as f:
                 for name in f.keys():
-                    if (key := _state_key(name, tied)) is not None:
+                    if (key := arch.from_checkpoint(name, tied)) is not None:
                         state[key] = f.read(name).to(device=device, dtype=dtype)  # own allocation
             continue
         with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
             for name in f.keys():
-                if (key := _state_key(name, tied)) is not None:
+                if (key := arch.from_checkpoint(name, tied)) is not None:
                     # copy=True: never keep weights backed by the memory-mapped file. Such
                     # pages are clean page cache that the kernel may drop under memory
                     # pressure; every forward then page-faults the weights back in (seen:
                     # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
                     state[key] = read(f, name, key).to(device=device, dtype=dtype, copy=True)
     return state
-
-
-def _state_key(name: str, tied: bool) -> str | None:
-    """Our name for checkpoint tensor `name`, or None for one we do not load."""
-    key = name.removeprefix("model.")
-    if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
-        return None  # some old checkpoints store this non-weight; a tied head is the embedding
-    return key
 
 
 def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Path) -> None:
@@ -274,7 +275,8 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
         if scheme != "none":
             load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype)
         else:
-            state = read_state_dict(files, dev, torch_dtype, tied=args.tie_word_embeddings)
+            state = read_state_dict(files, dev, torch_dtype, architecture(args.arch),
+                                    tied=args.tie_word_embeddings)
             assign_weights(model, state, ckpt)
             del state
     except (torch.OutOfMemoryError, RuntimeError) as exc:

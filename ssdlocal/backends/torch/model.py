@@ -2,44 +2,35 @@
 
 The cache is a fixed array of slots; callers say which slot each new token's k/v
 goes to and which slots each query may see, so linear decoding, batches with
-per-row positions and fan-out trees all use one forward. transformers is used only
-for config parsing (by the loader); this module knows nothing about files.
+per-row positions and fan-out trees all use one forward. What differs between the
+architectures (biases, q/k norms) comes from their description in arch.py, which also
+lists the module names used here. transformers is used only for config parsing (by the
+loader); this module knows nothing about files.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssdlocal.backends.torch.arch import for_hf_config, unsupported
 from ssdlocal.backends.torch.attention import AttentionMask, attend
 from ssdlocal.backends.torch.kvcache import KVCache, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
-from ssdlocal.core.errors import UnsupportedArchitectureError
 from ssdlocal.core.memory import oom_error
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
-
-def _unsupported(what: str) -> UnsupportedArchitectureError:
-    return UnsupportedArchitectureError(
-        f"unsupported model: {what}",
-        hint="ssdlocal's torch backend supports " + ", ".join(SUPPORTED_ARCHITECTURES)
-        + "; GGUF files of other architectures may work with the llama.cpp backend",
-    )
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # the name of its Architecture (arch.py): "llama" | "qwen2" | "qwen3" | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -58,19 +49,14 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
-        names = list(getattr(cfg, "architectures", None) or [])
-        model_type = getattr(cfg, "model_type", None)
-        arch = next((SUPPORTED_ARCHITECTURES[n] for n in names if n in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not names and model_type in SUPPORTED_ARCHITECTURES.values():
-            arch = model_type
-        if arch is None:
-            raise _unsupported(f"architecture {', '.join(names) or model_type or 'unknown'}")
+        described = for_hf_config(cfg)
+        arch = described.name
         if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise _unsupported(f"{arch} with hidden_act={cfg.hidden_act!r}")
+            raise unsupported(f"{arch} with hidden_act={cfg.hidden_act!r}")
         if getattr(cfg, "mlp_bias", False):
-            raise _unsupported(f"{arch} with mlp_bias=True")
+            raise unsupported(f"{arch} with mlp_bias=True")
         if getattr(cfg, "use_sliding_window", False):
-            raise _unsupported(f"{arch} with use_sliding_window=True")
+            raise unsupported(f"{arch} with use_sliding_window=True")
 
         # transformers 5 keeps theta and scaling together in rope_parameters; 4.x split them.
         rope = getattr(cfg, "rope_parameters", None)
@@ -83,10 +69,10 @@ class ModelArgs:
         scaling.pop("rope_theta", None)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in _SUPPORTED_ROPE_TYPES:
-            raise _unsupported(f"{arch} with rope_type={rope_type!r}")
+            raise unsupported(f"{arch} with rope_type={rope_type!r}")
         scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
 
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", False)))
         num_heads = cfg.num_attention_heads
         return cls(
             arch=arch,
@@ -100,11 +86,11 @@ class ModelArgs:
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling=scaling,
-            qkv_bias=True if arch == "qwen2" else attention_bias,
-            qk_norm=arch == "qwen3",
+            qkv_bias=qkv_bias,
+            qk_norm=described.qk_norm,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
-            o_bias=attention_bias and arch != "qwen2",
+            o_bias=o_bias,
         )
 
 
@@ -208,8 +194,21 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
 
 
+@contextmanager
+def _allocating(doing: str) -> Iterator[None]:
+    """An allocator failure inside becomes an OutOfMemoryError saying what was `doing`."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        mapped = oom_error(exc, doing)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
 class Transformer(nn.Module):
-    """Module names mirror the HF checkpoints minus the leading "model." prefix."""
+    """Module names are ours (arch.py: GLOBAL_MODULES, BLOCK_MODULES); each architecture's
+    description maps its files' tensor names to them."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -234,18 +233,13 @@ class Transformer(nn.Module):
         old = sum(layer.self_attn.kv_cache.nbytes for layer in self.layers if layer.self_attn.kv_cache)
         need = KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers)
         check_room(need, device, what, freed=old)
-        try:
+        with _allocating(f"allocating the {what} on {device}"):
             for layer in self.layers:
                 layer.self_attn.kv_cache = None  # free the old cache before allocating
             for layer in self.layers:
                 layer.self_attn.kv_cache = KVCache(
                     batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device
                 )
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            mapped = oom_error(exc, f"allocating the {what} on {device}")
-            if mapped is None:
-                raise
-            raise mapped from exc
         self.num_slots = num_slots
         self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
 
@@ -267,14 +261,9 @@ class Transformer(nn.Module):
         batch, heads, _, dim = first.k.shape
         what = f"KV cache of {batch} x {num_slots} slots"
         check_room(KVCache.bytes_for(batch, heads, num_slots, dim, first.k.dtype), first.k.device, what)
-        try:  # one layer at a time: the old and new cache of only one layer coexist
-            for layer in self.layers:
+        with _allocating(f"growing the {what} on {first.k.device}"):
+            for layer in self.layers:  # one at a time: the old and new cache of only one layer coexist
                 layer.self_attn.kv_cache = layer.self_attn.kv_cache.grown(num_slots)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            mapped = oom_error(exc, f"growing the {what} on {first.k.device}")
-            if mapped is None:
-                raise
-            raise mapped from exc
         self.num_slots = num_slots
         self._cover_positions(num_slots, first.k.device)  # a slot index never exceeds a position's
 

@@ -16,20 +16,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch import int4_cpu
+from ssdlocal.backends.torch.arch import architecture
 from ssdlocal.core.quantization import INT4_GROUP
 
-# Linears that get quantized, by the last part of their module name. Embeddings and
-# norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
+# and norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
 _CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: bounded float32 temporaries
 # torch's CPU int4 / int8 kernels take the rows of x in blocks of 4; a partial block after
 # whole ones costs as much as a whole one more, and a separate call for it costs less
 # (docs/architecture.md, "Quantized weights": M=5 4.3 -> 3.4 ms on one 1536x8960 matrix).
 _CPU_ROW_BLOCK = 4
-
-
-def is_quantized_linear(module_name: str) -> bool:
-    return module_name.rpartition(".")[2] in LINEAR_NAMES
 
 
 def can_quantize(shape: tuple[int, ...], scheme: str) -> bool:
@@ -322,16 +318,17 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
-    """Swap the linears of a loaded model (LINEAR_NAMES) for QuantLinears, in place.
+    """Swap the quantized linears of a loaded model (its architecture's) for QuantLinears, in place.
 
     Row-parallel shards (modules with a `group`, see parallel/tp.py) keep their all_reduce.
     A tied lm_head gets its own codes; the embedding it shared stays as it was.
     """
     if scheme == "none":
         return model
+    arch = architecture(model.args.arch)
     for name, module in list(model.named_modules()):
         weight = getattr(module, "weight", None)
-        if not is_quantized_linear(name) or weight is None or not can_quantize(tuple(weight.shape), scheme):
+        if not arch.quantized(name) or weight is None or not can_quantize(tuple(weight.shape), scheme):
             continue
         qw = quantize(weight.detach().cpu(), scheme, weight.dtype)
         bias = None if module.bias is None else module.bias.detach()
@@ -352,5 +349,5 @@ def model_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["LINEAR_NAMES", "QuantEmbedding", "QuantLinear", "QuantizedWeight", "can_quantize", "is_quantized_linear",
-           "kernel_for", "model_bytes", "pack_int4", "quantize", "quantize_model"]  # fmt: skip
+__all__ = ["QuantEmbedding", "QuantLinear", "QuantizedWeight", "can_quantize", "kernel_for", "model_bytes",
+           "pack_int4", "quantize", "quantize_model"]  # fmt: skip

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ssdlocal.backends.torch.arch import architecture, find, for_gguf, unsupported
 from ssdlocal.backends.torch.gguf_quant import QUANT_FILE, ensure_quantized, gguf_scheme
 from ssdlocal.backends.torch.quant import (
     QuantEmbedding,
     QuantizedWeight,
     QuantLinear,
     can_quantize,
-    is_quantized_linear,
     quantize,
     replace_module,
 )
@@ -74,23 +74,25 @@ def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> 
 
 def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], scheme: str,
                            device: torch.device, dtype: torch.dtype, *, shard: Shard | None = None) -> None:  # fmt: skip
-    """Fill meta-device `model` (possibly already shaped for a TP rank): LINEAR_NAMES
-    modules become QuantLinears, every other tensor is assigned in `dtype` on `device`."""
+    """Fill meta-device `model` (possibly already shaped for a TP rank): the linears its
+    architecture quantizes become QuantLinears, every other tensor is assigned in `dtype`
+    on `device`."""
     if scheme not in SCHEMES[1:]:
         raise ValueError(f"not a quantization scheme: {scheme!r}")
     shard = shard or (lambda key, value: value)
     tied = model.args.tie_word_embeddings
+    arch = architecture(model.args.arch)
     from_float = quant_info(ckpt) is None  # else the checkpoint stores lm_head's codes itself
     expected = set(model.state_dict())  # meta: names only
-    linears = {n for n, _ in model.named_modules() if is_quantized_linear(n)}
+    linears = {n for n, _ in model.named_modules() if arch.quantized(n)}
     loader = _Filler(model, scheme, device, dtype, shard)
     for file in files:
         with SafetensorsReader(file) as f:
             for name in f.keys():  # noqa: SIM118 - a reader, not a dict
-                key = name.removeprefix("model.")
-                module, _, leaf = key.rpartition(".")
-                if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+                key = arch.from_checkpoint(name, tied)
+                if key is None:
                     continue
+                module, _, leaf = key.rpartition(".")
                 if leaf in ("codes", "scales", "zeros"):  # a quantized checkpoint
                     loader.add_part(module, leaf, f.read(name))
                 elif module in linears and leaf == "weight" and can_quantize(f.shape(name), scheme):
@@ -177,8 +179,6 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
     is held in the activation dtype: see core.quantization.bytes_per_param)."""
     from math import prod
 
-    from ssdlocal.backends.torch.gguf_quant import _embedding_scheme, hf_name
-    from ssdlocal.backends.torch.gguf_read import GGUFHeader
     from ssdlocal.core.quantization import bytes_per_param
 
     path = Path(path).expanduser()
@@ -186,24 +186,13 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
         on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         return on_disk * 2 if scheme == "int8" and device_type == "cuda" else on_disk
     size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
-    shapes: dict[str, tuple[int, ...]] = {}
-    embedding = float(size)  # bytes per embedding weight: floats stay floats
-    if path.is_file():
-        for t in GGUFHeader.read(path).tensors:
-            name = hf_name(t.name)
-            if name is not None:
-                shapes[name] = t.shape
-            if name == "embed_tokens.weight":  # a GGUF's embedding stays quantized
-                embedding = bytes_per_param(_embedding_scheme(t, scheme), dtype)
-    else:
-        for file in sorted(path.glob("*.safetensors")):
-            with SafetensorsReader(file) as f:
-                shapes.update({k.removeprefix("model."): f.shape(k) for k in f.keys()})  # noqa: SIM118
+    arch, shapes, embedding = _shapes(path, scheme, dtype)
+    embedding = float(size) if embedding is None else embedding  # bytes per embedding weight
     tied = "lm_head.weight" not in shapes
     total = 0.0
     for name, shape in shapes.items():
         module, _, leaf = name.rpartition(".")
-        quantized = leaf == "weight" and is_quantized_linear(module) and can_quantize(shape, scheme)
+        quantized = leaf == "weight" and arch.quantized(module) and can_quantize(shape, scheme)
         if name == "embed_tokens.weight":
             total += prod(shape) * embedding
             if tied and can_quantize(shape, scheme):
@@ -211,3 +200,37 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
         else:
             total += prod(shape) * (bytes_per_param(scheme, dtype, device_type) if quantized else size)
     return int(total)
+
+
+def _shapes(path: Path, scheme: str, dtype: str):
+    """(architecture, our tensor name -> shape, bytes per embedding weight or None for
+    floats) of a float checkpoint directory or a .gguf file, from headers only."""
+    from ssdlocal.backends.torch.gguf_quant import _embedding_scheme
+    from ssdlocal.backends.torch.gguf_read import GGUFHeader
+    from ssdlocal.core.quantization import bytes_per_param
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    if path.is_file():
+        header = GGUFHeader.read(path)
+        arch = for_gguf(header.metadata.get("general.architecture"), path.name)
+        embedding = None
+        for t in header.tensors:
+            name = arch.from_gguf(t.name)
+            if name is not None:
+                shapes[name] = t.shape
+            if name == "embed_tokens.weight":  # a GGUF's embedding stays quantized
+                embedding = bytes_per_param(_embedding_scheme(t, scheme), dtype)
+        return arch, shapes, embedding
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    arch = find(raw.get("architectures"), raw.get("model_type"))
+    if arch is None:
+        raise unsupported(f"architecture {', '.join(raw.get('architectures') or []) or 'unknown'}")
+    for file in sorted(path.glob("*.safetensors")):
+        with SafetensorsReader(file) as f:
+            for name in f.keys():  # noqa: SIM118 - a reader, not a dict
+                if (ours := arch.from_checkpoint(name)) is not None:
+                    shapes[ours] = f.shape(name)
+    return arch, shapes, None
