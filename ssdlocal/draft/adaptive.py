@@ -19,7 +19,7 @@ import torch
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
-from ssdlocal.speculation.adaptive import PROBE_EVERY, Acceptance, Choice, CostModel, choose
+from ssdlocal.speculation.adaptive import PROBE_EVERY, Acceptance, Choice, CostModel, choose, suffix_key
 
 MODEL, SUFFIX, NONE = "model", "suffix", "none"
 
@@ -31,13 +31,14 @@ class _Round:
     choice: Choice
     sources: tuple[str, ...]
     lengths: tuple[int, ...]
+    keys: tuple[str, ...]  # each row's suffix acceptance class
 
 
 class AdaptiveDrafter:
     """Drafter protocol over a draft model and/or suffix proposals, K chosen per round."""
 
     def __init__(self, model, suffix, *, k: int, pinned: bool, params: SamplingParams,
-                 costs: CostModel, target_vocab: int, device) -> None:  # fmt: skip
+                 costs: CostModel, target_vocab: int, device, shared_rates: dict | None = None) -> None:  # fmt: skip
         self.model = model  # draft.sync.ModelDrafter or None
         self.suffix = suffix  # draft.suffix.SuffixSource or None
         self.k = k  # the most drafts a round may have (exactly K when pinned)
@@ -46,11 +47,12 @@ class AdaptiveDrafter:
         self.costs = costs  # the engine's: kept across calls
         self.target_vocab = target_vocab
         self.device = device
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(shared_rates if shared_rates is not None else {})
         self.rows: Sequence[RowView] = ()
         self.last: _Round | None = None
         self._since_model = 0  # rounds since the model last proposed
         self._since_spec = 0  # rounds since anything was proposed
+        self._probe_every = PROBE_EVERY
 
     @property
     def runner(self):
@@ -67,7 +69,8 @@ class AdaptiveDrafter:
     def propose(self, active: Sequence[bool]) -> Proposal:
         suffix = self.suffix.proposals(active, self.k) if self.suffix is not None else None
         confs = [p.confidence for p in suffix] if suffix else [()] * len(active)
-        choice = self._choose(active, confs)
+        keys = [suffix_key(p.match_len) for p in suffix] if suffix else [SUFFIX] * len(active)
+        choice = self._choose(active, confs, keys)
         model = self.model.propose(active, choice.model_k) if choice.model_k else None
         lengths = [n if on else 0 for n, on in zip(choice.suffix_len, active)]
         sources = tuple(
@@ -75,24 +78,34 @@ class AdaptiveDrafter:
             for n, on in zip(lengths, active)
         )  # fmt: skip
         n_draft = [n if s == SUFFIX else choice.model_k if s == MODEL else 0 for n, s in zip(lengths, sources)]
-        self.last = _Round(choice, sources, tuple(n_draft))
+        self.last = _Round(choice, sources, tuple(n_draft), tuple(keys))
         self._since_model = 0 if choice.model_k else self._since_model + 1
         self._since_spec = 0 if choice.width else self._since_spec + 1
         return self._proposal(choice.width, model, suffix, sources, n_draft)
 
-    def _choose(self, active: Sequence[bool], confs) -> Choice:
+    def _choose(self, active: Sequence[bool], confs, keys) -> Choice:
         rows = range(len(active))
         rates = [self.acceptance.rate(b, MODEL) for b in rows] if self.model is not None else None
-        suffix_rates = [self.acceptance.rate(b, SUFFIX) for b in rows]
+        suffix_rates = [self.acceptance.rate(b, key) for b, key in zip(rows, keys)]
         if self.pinned:
             return self._pinned(active, confs, rates, suffix_rates)
-        choice = choose(self.costs, rates, confs, suffix_rates, self.k, active)
-        if self.model is not None and not choice.model_k and self._since_model >= PROBE_EVERY:
+        choice = choose(self.costs, rates, confs, suffix_rates, self.k, active, catch_up=self._catch_up())
+        if self.model is not None and not choice.width and self._since_model >= self._probe_every:
+            self._probe_every = min(2 * self._probe_every, 256)  # a probe that does not pay: rarer
             probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
             return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)
+        if choice.model_k and self._since_model:  # chosen on its merits: probe at the usual pace
+            self._probe_every = PROBE_EVERY
         if not choice.width and self._since_spec >= PROBE_EVERY:  # so do the costs of wider steps
             return choose(self.costs, rates, confs, suffix_rates, self.k, active, explore=True)
         return choice
+
+    def _catch_up(self) -> int:
+        """Committed tokens the draft model lacks (the most of any row)."""
+        if self.model is None:
+            return 0
+        cached = self.model.cached or [0] * len(self.rows)
+        return max((row.length - c for row, c in zip(self.rows, cached)), default=0)
 
     def _pinned(self, active, confs, rates, suffix_rates) -> Choice:
         """K drafts every round: the model's, or a row's suffix proposal where it predicts more."""
@@ -133,7 +146,8 @@ class AdaptiveDrafter:
         if last is not None:
             for b, (source, n) in enumerate(zip(last.sources, last.lengths)):
                 if source != NONE and outcome.appended[b]:
-                    self.acceptance.observe(b, source, n, min(outcome.n_accepted[b], n))
+                    key = last.keys[b] if source == SUFFIX else source
+                    self.acceptance.observe(b, key, n, min(outcome.n_accepted[b], n))
             self.costs.observe_target(last.choice.width + 1, outcome.verify_s)
             if last.choice.model_k:
                 self.costs.observe_draft(last.choice.model_k, outcome.draft_s)

@@ -28,6 +28,7 @@ class DraftResources:
     worker: Callable[[], object]  # the SSD draft worker (started on demand)
     memory: object = None  # speculation.suffix.SuffixMemory: the engine's, across calls
     costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
+    rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)
 
 
 def _ngram(spec: SpecConfig, params: SamplingParams, res: DraftResources):
@@ -43,7 +44,8 @@ def _adaptive(spec: SpecConfig, params: SamplingParams, res: DraftResources, mod
     memory = res.memory if suffix is not None and suffix.use_memory else None
     source = None if suffix is None else SuffixSource(memory, suffix.min_confidence)
     return AdaptiveDrafter(model, source, k=spec.k, pinned=not spec.adaptive_k, params=params,
-                           costs=res.costs, target_vocab=res.target_vocab, device=res.target_device)  # fmt: skip
+                           costs=res.costs, target_vocab=res.target_vocab, device=res.target_device,
+                           shared_rates=res.rates)  # fmt: skip
 
 
 def _suffix(spec: SpecConfig, params: SamplingParams, res: DraftResources):

@@ -82,10 +82,10 @@ class ModelDrafter:
         self.decoder.generator = self._generator()
 
     def start(self, rows: Sequence[RowView]) -> None:
-        """A new batch; the draft prefills its rows when it is first asked to propose (a
-        drafter that never proposes costs nothing)."""
+        """A new batch: the draft reads every row's tokens except its last (a prefill is
+        cheaper per token than catching up later, when every round already waits on it)."""
         self.rows = rows
-        self.cached, self._fed = [], []
+        self._prefill()
 
     def _prefill(self) -> None:
         """Every row's tokens except its last into the draft's cache."""

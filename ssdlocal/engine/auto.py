@@ -80,14 +80,23 @@ def calibrate(target, draft, k: int) -> Calibration:
     return Calibration(k, _time_steps(target, 1), _time_steps(target, k + 1), _time_steps(draft, 1))
 
 
-def _time_steps(runner, width: int) -> float:
+WIDTHS = (1, 2, 3, 4, 5, 8, 9, 12, 13)  # CPU kernels take rows in blocks (of 4): costs step
+
+
+def step_costs(runner, widths=WIDTHS, repeats: int = 2) -> dict[int, float]:
+    """Seconds of one target step at each width (the adaptive K's cost model starts from
+    these on a CPU, where a step's cost rises in blocks of rows rather than smoothly)."""
+    return {w: _time_steps(runner, w, repeats) for w in widths}
+
+
+def _time_steps(runner, width: int, repeats: int = REPEATS) -> float:
     runner.reset(1, CALIBRATION_PROMPT + width + 2)
     runner.feed([list(range(1, CALIBRATION_PROMPT + 1))], "none")
     runner.begin_steps()
     ids = torch.ones(1, width, dtype=torch.long, device=runner.device)
     runner.step(ids)  # warm-up (first-call allocations)
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         runner.step(ids).sum().item()  # .item(): wait for the device
         times.append(time.perf_counter() - t0)

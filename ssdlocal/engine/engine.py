@@ -26,7 +26,7 @@ from ssdlocal.core.memory import oom_error
 from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice
+from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
 from ssdlocal.draft.factory import DraftResources, make_drafter
 from ssdlocal.draft.suffix import open_memory
 from ssdlocal.speculation.adaptive import CostModel
@@ -86,10 +86,13 @@ class Engine:
             elif self.has_draft_model:
                 self._load_draft_here()
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
+            self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
             if self.choice is None:  # target and draft share the CPU: measure them
                 cal = calibrate(self.runner, self._draft_runner, spec.k)
                 self.costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
                 self.choice = calibrated_choice(cal, spec.adaptive_k)
+            if spec.adaptive_k and self.runner.device.type == "cpu" and self.choice.mode is not Mode.AR:
+                self.costs.seed_widths(step_costs(self.runner))  # steps, not a line, on a CPU
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -235,7 +238,7 @@ class Engine:
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
             draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
-            costs=self.costs,
+            costs=self.costs, rates=self.acceptance_rates,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before a source was seen
 PRIOR_SLOPE = 0.05  # target time per extra scored token, relative to one (memory-bound prior)
 DECAY = 0.8  # weight of the past in every running estimate (per round)
+ROW_DECAY = 0.6  # ... in a row's own acceptance (one answer changes character quickly)
 PROBE_EVERY = 16  # rounds without model proposals before the model is tried again
+PRIOR_DRAFT = 0.3  # a draft-model token's cost, relative to a target step, before it is measured
+CATCH_UP_SHARE = 0.1  # a token the draft reads in bulk costs this share of one it decodes
 
 
 def _ewma(old: float | None, new: float, decay: float = DECAY) -> float:
@@ -39,6 +42,12 @@ class CostModel:
         self.target.setdefault(t, target_t)
         if draft_1 is not None and self.draft_token_s is None:
             self.draft_token_s = draft_1
+
+    def seed_widths(self, seconds: dict[int, float]) -> None:
+        """Measured step times by width (a calibration): each counts as settled."""
+        for t, s in seconds.items():
+            self.target[t] = s
+            self.samples[t] = max(self.samples.get(t, 0), 2)
 
     def observe_target(self, t: int, seconds: float) -> None:
         """A measured step; the first of a size is replaced by the second (it pays one-time
@@ -73,22 +82,36 @@ class CostModel:
         return self.target[ref] * (1 + PRIOR_SLOPE * t) / (1 + PRIOR_SLOPE * ref)
 
 
+PRIORS = {"model": PRIOR_ACCEPTANCE, "suffix:2": 0.4, "suffix:4": 0.6, "suffix:8": 0.8, "suffix:16": 0.9}
+
+
+def suffix_key(match_len: int) -> str:
+    """The acceptance class of a suffix proposal: how long a context its match agreed on."""
+    bucket = 16 if match_len >= 16 else 8 if match_len >= 8 else 4 if match_len >= 4 else 2
+    return f"suffix:{bucket}"
+
+
 @dataclass
 class Acceptance:
-    """Per-row, per-source decayed chance that a proposed token is accepted given the
-    earlier ones were (the rate of a capped geometric accepted length)."""
+    """Decayed chance that a proposed token is accepted given the earlier ones were (the rate
+    of a capped geometric accepted length), by source ("model", or a suffix_key): per row
+    of this call, and `shared` across rows and calls (the engine's; a new row's prior)."""
 
+    shared: dict[str, float] = field(default_factory=dict)
     rows: dict[tuple[int, str], float] = field(default_factory=dict)
 
-    def rate(self, row: int, source: str) -> float:
-        return self.rows.get((row, source), PRIOR_ACCEPTANCE)
+    def rate(self, row: int, key: str) -> float:
+        found = self.rows.get((row, key))
+        return found if found is not None else self.shared.get(key, PRIORS.get(key, PRIOR_ACCEPTANCE))
 
-    def observe(self, row: int, source: str, proposed: int, accepted: int) -> None:
+    def observe(self, row: int, key: str, proposed: int, accepted: int) -> None:
         """A proposal of `proposed` tokens of which the first `accepted` were accepted."""
         if proposed <= 0:
             return
         tried = accepted + (1 if accepted < proposed else 0)  # tokens judged
-        self.rows[(row, source)] = _ewma(self.rows.get((row, source)), accepted / tried)
+        seen = accepted / tried
+        self.rows[(row, key)] = _ewma(self.rate(row, key), seen, ROW_DECAY)
+        self.shared[key] = _ewma(self.shared.get(key, PRIORS.get(key, PRIOR_ACCEPTANCE)), seen)
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -114,39 +137,47 @@ class Choice:
 
 
 def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: Sequence[Sequence[float]],
-           suffix_rates: Sequence[float], k_max: int, active: Sequence[bool], explore: bool = False) -> Choice:  # fmt: skip
-    """The (model K, suffix lengths) maximising expected tokens per second over the active rows.
+           suffix_rates: Sequence[float], k_max: int, active: Sequence[bool], explore: bool = False,
+           catch_up: int = 0) -> Choice:  # fmt: skip
+    """The (model K, round width, suffix lengths) maximising expected tokens per second.
 
     model_rates: per-row acceptance of the draft model (None: no draft model); suffix_conf:
-    per-row confidences of the suffix proposal (empty: none); a row uses whichever of its
-    two proposals yields more, capped by the round's width. `explore`: instead, the option
-    whose width was measured least (estimates of widths never tried stay guesses)."""
+    per-row confidences of the suffix proposal (empty: none); suffix_rates: per-row
+    acceptance of its suffix proposal. A row takes whichever of its two proposals yields
+    more, its suffix proposal cut to the round's width. `catch_up`: committed tokens the
+    draft model must read before it can propose (its cost counts against the model).
+    `explore`: instead, the suffix-only option whose width was measured least (estimates of
+    widths never tried stay guesses; the model is probed separately)."""
     rows = [b for b, on in enumerate(active) if on]
-    best = Choice(0, (0,) * len(active), 0, 0.0)
+    none = (0,) * len(active)
     t1 = costs.target_s(1)
     if t1 is None or not rows:
-        return best
-    if not explore:
-        best = Choice(0, (0,) * len(active), 0, len(rows) / t1)
-    lengths = {min(len(suffix_conf[b]), k_max) for b in rows}
-    model_options = range(0, k_max + 1) if model_rates is not None else [0]
-    for model_k in model_options:
-        for width in sorted({model_k, *[n for n in lengths if n > model_k]}):
-            if width == 0:
-                continue
-            t = costs.target_s(width + 1)
-            draft = model_k * (costs.draft_token_s or 0.0)
+        return Choice(0, none, 0, 0.0)
+    model = {b: [expected_tokens(model_rates[b], k) for k in range(k_max + 1)] for b in rows} if model_rates else None
+    suffix = {b: _cumulative(suffix_conf[b][:k_max], suffix_rates[b]) for b in rows}  # [n] -> tokens
+    best = Choice(0, none, 0, -1.0 if explore else len(rows) / t1)
+    draft_s = costs.draft_token_s if costs.draft_token_s is not None else PRIOR_DRAFT * t1
+    for model_k in range(k_max + 1) if model is not None and not explore else (0,):
+        for width in range(max(model_k, 1), k_max + 1):
+            if model_k == 0 and all(len(suffix[b]) == 1 for b in rows):
+                break  # no proposal at all
+            t = costs.target_s(width + 1) + (model_k * draft_s + catch_up * draft_s * CATCH_UP_SHARE if model_k else 0.0)
             gain, lens = 0.0, [0] * len(active)
             for b in rows:
-                m = expected_tokens(model_rates[b], model_k) if model_k else 1.0
-                n = min(len(suffix_conf[b]), width)
-                s = suffix_expected(suffix_conf[b][:n], suffix_rates[b]) if n else 1.0
-                if s > m:
-                    lens[b] = n
-                gain += max(m, s)
-            rate = gain / (t + draft)
-            if explore:  # the least measured width (the widest of those): its cost is the guess
-                rate = -costs.samples.get(width + 1, 0) + width / 1000
-            if rate > best.tokens_per_s or (explore and best.width == 0):
+                m = model[b][model_k] if model is not None else 1.0
+                n = min(len(suffix[b]) - 1, width)
+                if suffix[b][n] > m:
+                    lens[b], m = n, suffix[b][n]
+                gain += m
+            rate = -costs.samples.get(width + 1, 0) + width / 1000 if explore else gain / t
+            if rate > best.tokens_per_s:
                 best = Choice(model_k, tuple(lens), width, rate)
     return best
+
+
+def _cumulative(confidence: Sequence[float], rate: float) -> list[float]:
+    """Expected tokens of a suffix proposal cut to n tokens, n = 0..len (see suffix_expected)."""
+    out = [1.0]
+    for j, c in enumerate(confidence):
+        out.append(out[-1] + c * rate ** (j + 1))
+    return out
