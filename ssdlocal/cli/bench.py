@@ -34,7 +34,9 @@ def bench(
     spec: SpecOptions,
     sampling: SamplingOptions,
     modes: Annotated[
-        str, typer.Option(help="Our modes to run, comma-separated: ar,sd,ssd.")
+        str,
+        typer.Option(help="Our systems to run, comma-separated: ar, sd, ssd, suffix (SD with the suffix "
+                     "drafter, K per round), auto (what `generate` runs by default)."),  # fmt: skip
     ] = "ar,sd,ssd",
     peers: Annotated[
         str,
@@ -45,7 +47,9 @@ def bench(
     prompts: Annotated[
         Path | None,
         typer.Option(
-            help="JSONL of {id, kind, prompt} or plain text, one prompt per line. Default: the built-in set."
+            help="A packaged workload (chat: the default set; edit: code edits and multi-turn "
+            "sessions that re-emit code), or a JSONL file of {id, kind, prompt} (and session, turn), "
+            "or plain text, one prompt per line."
         ),
     ] = None,
     limit: Annotated[
@@ -73,7 +77,8 @@ def bench(
         bool, typer.Option(hidden=True, help="Pin SSD target/draft to disjoint CPUs.")
     ] = True,
 ) -> None:
-    """Benchmark AR, SD and SSD (and peers) on the same prompts; write JSON, Markdown and a plot."""
+    """Benchmark AR, SD, SSD, the suffix drafter and the default (and peers) on the same prompts;
+    write JSON, Markdown and a plot."""
     from ssdlocal.bench.prompts import load_prompts, select
     from ssdlocal.bench.run import BenchSettings
 
@@ -82,8 +87,11 @@ def bench(
         gguf_target=gguf_target, gguf_draft=gguf_draft,
     )  # fmt: skip
     params = sampling.params()
-    speculative = [m for m in settings.modes if m != "ar"]
-    spec = replace(spec, mode=speculative[0] if speculative else "ar")
+    # the engine's configured mode: --mode itself for the "auto" system (what generate runs),
+    # else the first of sd / ssd, which loads what that mode needs up front
+    speculative = [m for m in settings.modes if m in ("sd", "ssd")]
+    if "auto" not in settings.modes:
+        spec = replace(spec, mode=speculative[0] if speculative else "ar")
     chosen = select(load_prompts(prompts), limit)
     why = "--target needs --draft for SD, SSD and hf-assisted" if settings.needs_draft else None
     config = engine_config(models, spec, need_draft=why)
