@@ -270,3 +270,42 @@ def test_wrong_reference_is_detected(engine, models):
     joint_t = exact_joint(engine, models, replace(T1, temperature=0.9))
     done, _ = sample_outputs(engine, SpecConfig(mode=Mode.AR), replace(T1, seed=41))
     assert chi_square_pvalue(joint_t.categories(done.outputs), joint_t.probs) < 1e-4
+
+
+# ----------------------------------------------------------------- suffix and hybrid
+def _prime_memory(engine: Engine, joint_probs_first: list[int]) -> None:
+    """Earlier 'answers' that continue the prompt: for likely first tokens a continuation,
+    so suffix proposals exist in rounds 0 and 1 (some right, some wrong)."""
+    from ssdlocal.speculation.suffix import SuffixMemory
+
+    prompt_ids = engine.encode(PROMPT, chat=False)
+    engine.suffix_memory = SuffixMemory()
+    for i, t1 in enumerate(joint_probs_first):
+        engine.suffix_memory.add(prompt_ids + [t1, (t1 * 7 + i) % 200 + 5, (t1 * 3) % 200 + 5])
+
+
+def _likely_firsts(engine: Engine, n: int) -> list[int]:
+    done, _ = sample_outputs(engine, SpecConfig(mode=Mode.AR), replace(T1, seed=51))
+    counts: dict[int, int] = {}
+    for o in done.outputs:
+        counts[o.token_ids[0]] = counts.get(o.token_ids[0], 0) + 1
+    return sorted(counts, key=counts.get, reverse=True)[:n]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive"])
+def test_suffix_and_hybrid_match_exact_joint(engine, models, kind):
+    """Point-mass suffix proposals (from a primed memory), alone or mixed per row with the
+    draft model's sampled proposals, K pinned or chosen per round: still the exact joint."""
+    from ssdlocal.core.config import SuffixDraft
+
+    params = replace(T1, seed=60 + ["suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive"].index(kind))
+    joint = exact_joint(engine, models, params)
+    _prime_memory(engine, _likely_firsts(engine, 3))
+    draft = SuffixDraft() if kind.startswith("suffix") else engine.config.spec.draft
+    spec = SpecConfig(mode=Mode.SD, k=K, draft=draft, adaptive_k=kind.endswith("adaptive"))
+    done, rounds = sample_outputs(engine, spec, params)
+    sources = {s for r in rounds for s in (r.sources or ())}
+    assert "suffix" in sources and (kind.startswith("suffix") or "model" in sources or kind.endswith("adaptive"))
+    suffix_rows = [(n, a) for r in rounds for n, a, s in zip(r.n_drafted, r.n_accepted, r.sources) if s == "suffix"]
+    assert any(a == 0 for _, a in suffix_rows) and any(a > 0 for _, a in suffix_rows)  # both outcomes ran
+    assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SD {kind}")

@@ -26,6 +26,7 @@ from ssdlocal.core.config import (
     parse_fan_out,
 )
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.models import DRAFT_KINDS
 
 
 def parse_mode(mode: str) -> Mode:
@@ -56,14 +57,7 @@ def engine_config(
             need_draft or f"--mode {mode.value} needs --draft",
             hint if need_draft else f"{hint}, or use --mode ar",
         )
-    pinned = spec_opts.k is not None
-    k = spec_opts.k if pinned else (SpecConfig.k if mode is Mode.SSD else ADAPTIVE_K_MAX)
-    memory = MemorySettings(max_tokens=spec_opts.suffix_memory_tokens, persist=spec_opts.persist_suffix_memory)
-    options = {
-        "mode": mode, "k": k, "adaptive_k": not pinned, "memory": memory, "fan_out": parse_fan_out(spec_opts.fan_out),
-        "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss),
-        "saguaro_c": spec_opts.saguaro_c, "backup": spec_opts.backup,
-    }  # fmt: skip
+    options = _spec_fields(spec_opts, mode)
     tp_devices, auto_place = _target_devices(models.target_devices)
     _validate(models, options, wants_draft, tp_devices)  # before any download
     choice = backend_choice(models, tp_devices)
@@ -78,21 +72,7 @@ def engine_config(
     target, draft = model_paths(models, backends, quants)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
     draft = draft if loads_draft else None
-    if auto_place or (models.target_device == "auto" and not tp_devices):
-        from ssdlocal.placement.auto import auto_devices
-
-        model_draft = None if draft in DRAFT_WORDS else draft  # only a draft model needs a device
-        tp_devices, auto_draft = auto_devices(
-            target, model_draft, models.dtype, backend=backends[0], quantizations=quants
-        )
-        draft_device = auto_draft if models.draft_device == "auto" else models.draft_device
-    else:
-        tp_devices = tp_devices or (models.target_device,)
-        draft_device = models.draft_device
-        if draft_device == "auto":
-            from ssdlocal.placement.auto import auto_draft_device
-
-            draft_device = auto_draft_device(tp_devices[0])
+    tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0]),
@@ -102,7 +82,38 @@ def engine_config(
     )
 
 
-DRAFT_WORDS = {"ngram": NgramDraft, "suffix": SuffixDraft}  # --draft values that name no file
+def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:
+    """SpecConfig's fields from the options: K pinned by --k, else chosen per round (SSD's
+    trees are built for a fixed K: its default)."""
+    pinned = spec_opts.k is not None
+    k = spec_opts.k if pinned else (SpecConfig.k if mode is Mode.SSD else ADAPTIVE_K_MAX)
+    memory = MemorySettings(max_tokens=spec_opts.suffix_memory_tokens, persist=spec_opts.persist_suffix_memory)
+    return {
+        "mode": mode, "k": k, "adaptive_k": not pinned, "memory": memory, "fan_out": parse_fan_out(spec_opts.fan_out),
+        "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss), "saguaro_c": spec_opts.saguaro_c,
+        "backup": spec_opts.backup,
+    }  # fmt: skip
+
+
+def _devices(models, tp_devices, auto_place, target, draft, backends, quants) -> tuple[tuple[str, ...], str]:
+    """(target devices, draft device): the planner's where asked (auto), else as given."""
+    if auto_place or (models.target_device == "auto" and not tp_devices):
+        from ssdlocal.placement.auto import auto_devices
+
+        model_draft = None if draft in DRAFT_WORDS else draft  # only a draft model needs a device
+        tp_devices, auto_draft = auto_devices(
+            target, model_draft, models.dtype, backend=backends[0], quantizations=quants
+        )
+        return tp_devices, auto_draft if models.draft_device == "auto" else models.draft_device
+    tp_devices = tp_devices or (models.target_device,)
+    if models.draft_device != "auto":
+        return tp_devices, models.draft_device
+    from ssdlocal.placement.auto import auto_draft_device
+
+    return tp_devices, auto_draft_device(tp_devices[0])
+
+
+DRAFT_WORDS = {kind.word: kind for kind in DRAFT_KINDS if kind.word}  # --draft values that name no file
 
 
 def parse_draft(text: str | None, model, hybrid: SuffixDraft | None = SuffixDraft()) -> Draft:

@@ -9,7 +9,10 @@ A draft is one of a few typed descriptions, never a magic string:
   (SSD); with `suffix` (the default) each SD round may take a row's suffix proposal instead
   when it predicts more accepted tokens (and skip the model's forwards when every row does).
 Every kind answers `model` (its ModelSpec, or None) and `label` (one line for people), so
-callers that only need those never branch on the kind. Invalid values raise UsageError.
+callers that only need those never branch on the kind; `word` is what `--draft` calls it
+(None: a path names it) and `builder` the "module:function" that builds its drafter
+(ssdlocal.draft.factory imports it when a call needs one). A new kind of draft is a class
+here, listed in DRAFT_KINDS, and its drafter module. Invalid values raise UsageError.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class NoDraft:
     kind: ClassVar[str] = "none"
     model: ClassVar[None] = None
     label: ClassVar[str] = "none"
+    word: ClassVar[str | None] = None
+    builder: ClassVar[str | None] = None  # nothing proposes
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class NgramDraft:
     kind: ClassVar[str] = "ngram"
     model: ClassVar[None] = None
     label: ClassVar[str] = "n-gram (prompt lookup)"
+    word: ClassVar[str] = "ngram"
+    builder: ClassVar[str] = "ssdlocal.draft.sync:build_ngram"
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -104,6 +111,8 @@ class SuffixDraft:
     kind: ClassVar[str] = "suffix"
     model: ClassVar[None] = None
     label: ClassVar[str] = "suffix (prompt and memory)"
+    word: ClassVar[str] = "suffix"
+    builder: ClassVar[str] = "ssdlocal.draft.adaptive:build_suffix"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_confidence <= 1.0:
@@ -135,6 +144,8 @@ class ModelDraft:
     model: ModelSpec
     suffix: SuffixDraft | None = SuffixDraft()
     kind: ClassVar[str] = "model"
+    word: ClassVar[None] = None
+    builder: ClassVar[str] = "ssdlocal.draft.factory:build_model"
 
     @property
     def label(self) -> str:
@@ -142,3 +153,4 @@ class ModelDraft:
 
 
 Draft = NoDraft | NgramDraft | SuffixDraft | ModelDraft
+DRAFT_KINDS = (NoDraft, NgramDraft, SuffixDraft, ModelDraft)

@@ -160,3 +160,20 @@ class AdaptiveDrafter:
         for source in (self.model, self.suffix):
             if source is not None:
                 source.close()
+
+
+def build_adaptive(spec, params, resources, model, suffix) -> AdaptiveDrafter:
+    """An adaptive drafter over `model` (a ModelDrafter or None) and the suffix proposals
+    `suffix` asks for (a SuffixDraft, or None: none)."""
+    from ssdlocal.draft.suffix import SuffixSource
+
+    memory = resources.memory if suffix is not None and suffix.use_memory else None
+    source = None if suffix is None else SuffixSource(memory, suffix.min_confidence)
+    return AdaptiveDrafter(model, source, k=spec.k, pinned=not spec.adaptive_k, params=params,
+                           costs=resources.costs, target_vocab=resources.target_vocab,
+                           device=resources.target_device, shared_rates=resources.rates)  # fmt: skip
+
+
+def build_suffix(spec, params, resources) -> AdaptiveDrafter:
+    """The drafter of a SuffixDraft (core.models names this builder)."""
+    return build_adaptive(spec, params, resources, None, spec.draft)

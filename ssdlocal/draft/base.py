@@ -10,7 +10,7 @@ of the rows. A drafter must not know about the target model or the stopping rule
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,3 +103,19 @@ class Drafter(Protocol):
 
     def close(self) -> None:
         """Release processes and memory. Idempotent."""
+
+
+@dataclass(frozen=True)
+class DraftResources:
+    """What the engine offers the drafter of one call (a builder takes what it needs)."""
+
+    target_vocab: int
+    target_device: object  # torch.device where the target verifies
+    target_device_name: str  # rank 0 of the target, as configured ("cpu", "cuda:N")
+    batch: int
+    num_slots: int  # the target's main slots per row (SlotLayout.for_generation)
+    draft_runner: Callable[[], object]  # the draft model in this process (loaded on demand)
+    worker: Callable[[], object]  # the SSD draft worker (started on demand)
+    memory: object = None  # speculation.suffix.SuffixMemory: the engine's, across calls
+    costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
+    rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)

@@ -18,6 +18,11 @@ from ssdlocal.draft.decode import DraftDecoder
 from ssdlocal.speculation.ngram import propose_ngram
 
 
+def build_ngram(spec, params, resources) -> NgramDrafter:
+    """The drafter of an NgramDraft (core.models names this builder)."""
+    return NgramDrafter(spec.k, spec.draft, resources.target_device)
+
+
 class NgramDrafter:
     """Prompt-lookup proposals; deterministic, so verified as point masses (q=None)."""
 

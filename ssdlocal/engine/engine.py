@@ -27,7 +27,8 @@ from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
-from ssdlocal.draft.factory import DraftResources, make_drafter
+from ssdlocal.draft.base import DraftResources
+from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
 from ssdlocal.speculation.adaptive import CostModel
 from ssdlocal.engine.prompts import encode_prompt

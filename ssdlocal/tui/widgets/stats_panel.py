@@ -78,71 +78,70 @@ class StatsPanel(Static):
 
     def refresh_panel(self) -> None:
         s = self.snapshot
-        title = self._style("title")
-        bar = self._style("bar")
         out = Text()
-
-        def section(name: str) -> None:
-            out.append(("\n" if out else "") + name + "\n", style=title)
-
-        def row(label: str, value: str) -> None:
-            out.append(f"{label:<13}{value}\n")
-
         state = "live" if self.live else ("last answer" if s else "no answer yet")
-        section(f"Speed · {self.mode.upper()} · {state}")
-        row("tokens/s", _num(s.get("tokens_per_s")))
+        self._section(out, f"Speed · {self.mode.upper()} · {state}")
+        self._row(out, "tokens/s", _num(s.get("tokens_per_s")))
         ttft = s.get("ttft_s")
-        row("TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms")
+        self._row(out, "TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms")
         rounds = s.get("rounds", 0)
-        row("tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–")
+        self._row(out, "tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–")
+        self._section(out, "Speculation")
         if self.mode == "ar":
-            section("Speculation")
             out.append("AR: the target alone,\none token per round\n", style="dim")
         else:
-            section("Speculation")
-            row("acceptance", _pct(s.get("acceptance_rate")))
-            row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round"))
-            if s.get("rows_by_source"):  # K and the source chosen per round
-                row("K per round", _num(s.get("mean_k"), "{:.1f} on average"))
-                sources = s["rows_by_source"]
-                total = max(sum(sources.values()), 1)
-                row("source", " ".join(f"{k} {v / total:.0%}" for k, v in sorted(sources.items())))
-            if self.mode == "ssd":
-                row("cache hits", _pct(s.get("cache_hit_rate")))
-                used = s.get("backup_used") or {}
-                fired = ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none"
-                row("backup fired", fired)
-                if self.last_hit is not None:
-                    last = "hit" if self.last_hit else f"miss → {self.last_backup or 'none'}"
-                    out.append(f"{'last round':<13}")
-                    out.append(last + "\n", style=self._style("hit" if self.last_hit else "miss"))
-            per_pos = s.get("per_position_acceptance") or []
-            section("Acceptance by position")
-            if not per_pos:
-                out.append("–\n", style="dim")
-            for i, frac in enumerate(per_pos):
-                out.append(f"{i + 1:>2} ")
-                out.append_text(hbar(frac, BAR, bar))
-                out.append(f" {_pct(frac):>4}\n")
-            hist = s.get("accepted_len_hist") or []
-            section("Accepted length")
-            total = max(hist, default=0)
-            if not hist or not total:
-                out.append("–\n", style="dim")
-            else:
-                for n, count in enumerate(hist):
-                    out.append(f"{n:>2} ")
-                    out.append_text(hbar(count / total, BAR, bar))
-                    out.append(f" {count:>4}\n")
-        draft_ms, verify_ms = s.get("draft_ms"), s.get("verify_ms")
-        section("Time")
-        if draft_ms is None or verify_ms is None:
-            out.append("–\n", style="dim")
-        else:
-            total_ms = max(draft_ms + verify_ms, 1e-9)
-            for label, ms, style in (("draft", draft_ms, "draft"), ("verify", verify_ms, "verify")):
-                out.append(f"{label:<7}")
-                out.append_text(hbar(ms / total_ms, BAR - 3, self._style(style)))
-                out.append(f" {ms:>6.0f} ms\n")
+            self._speculation(out, s)
+        self._time(out, s)
         out.rstrip()
         self.update(out)
+
+    def _section(self, out: Text, name: str) -> None:
+        out.append(("\n" if out else "") + name + "\n", style=self._style("title"))
+
+    @staticmethod
+    def _row(out: Text, label: str, value: str) -> None:
+        out.append(f"{label:<13}{value}\n")
+
+    def _speculation(self, out: Text, s: dict) -> None:
+        row = lambda label, value: self._row(out, label, value)  # noqa: E731
+        row("acceptance", _pct(s.get("acceptance_rate")))
+        row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round"))
+        if s.get("rows_by_source"):  # K and the source chosen per round
+            row("K per round", _num(s.get("mean_k"), "{:.1f} on average"))
+            sources = s["rows_by_source"]
+            total = max(sum(sources.values()), 1)
+            row("source", " ".join(f"{k} {v / total:.0%}" for k, v in sorted(sources.items())))
+        if self.mode == "ssd":
+            row("cache hits", _pct(s.get("cache_hit_rate")))
+            used = s.get("backup_used") or {}
+            row("backup fired", ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none")
+            if self.last_hit is not None:
+                last = "hit" if self.last_hit else f"miss → {self.last_backup or 'none'}"
+                out.append(f"{'last round':<13}")
+                out.append(last + "\n", style=self._style("hit" if self.last_hit else "miss"))
+        self._bars(out, "Acceptance by position", s.get("per_position_acceptance") or [], 1, _pct)
+        hist = s.get("accepted_len_hist") or []
+        total = max(hist, default=0)
+        self._bars(out, "Accepted length", [c / total for c in hist] if total else [], 0,
+                   lambda frac: f"{round(frac * total):>4}")  # fmt: skip
+
+    def _bars(self, out: Text, title: str, fractions: list, first: int, label) -> None:
+        self._section(out, title)
+        if not fractions:
+            out.append("–\n", style="dim")
+        for i, frac in enumerate(fractions):
+            out.append(f"{i + first:>2} ")
+            out.append_text(hbar(frac, BAR, self._style("bar")))
+            out.append(f" {label(frac):>4}\n")
+
+    def _time(self, out: Text, s: dict) -> None:
+        draft_ms, verify_ms = s.get("draft_ms"), s.get("verify_ms")
+        self._section(out, "Time")
+        if draft_ms is None or verify_ms is None:
+            out.append("–\n", style="dim")
+            return
+        total_ms = max(draft_ms + verify_ms, 1e-9)
+        for label, ms, style in (("draft", draft_ms, "draft"), ("verify", verify_ms, "verify")):
+            out.append(f"{label:<7}")
+            out.append_text(hbar(ms / total_ms, BAR - 3, self._style(style)))
+            out.append(f" {ms:>6.0f} ms\n")
