@@ -22,6 +22,7 @@ from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.speculation.adaptive import PROBE_EVERY, Acceptance, Choice, CostModel, choose, suffix_key
 
 MODEL, SUFFIX, NONE = "model", "suffix", "none"
+PROBE_CATCH_UP = 64  # committed tokens the draft model may lack for a probe to be worth it
 
 
 @dataclass
@@ -90,7 +91,8 @@ class AdaptiveDrafter:
         if self.pinned:
             return self._pinned(active, confs, rates, suffix_rates)
         choice = choose(self.costs, rates, confs, suffix_rates, self.k, active, catch_up=self._catch_up())
-        if self.model is not None and not choice.width and self._since_model >= self._probe_every:
+        if self.model is not None and not choice.width and self._since_model >= self._probe_every \
+                and self._catch_up() <= PROBE_CATCH_UP:  # a probe must not cost a long prefill
             self._probe_every = min(2 * self._probe_every, 256)  # a probe that does not pay: rarer
             probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
             return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)

@@ -87,10 +87,10 @@ class ModelDrafter:
         self.decoder.generator = self._generator()
 
     def start(self, rows: Sequence[RowView]) -> None:
-        """A new batch: the draft reads every row's tokens except its last (a prefill is
-        cheaper per token than catching up later, when every round already waits on it)."""
+        """A new batch; the draft reads its rows when it is first asked to propose (a
+        drafter that never proposes costs nothing: K per round may never ask)."""
         self.rows = rows
-        self._prefill()
+        self.cached, self._fed = [], []
 
     def _prefill(self) -> None:
         """Every row's tokens except its last into the draft's cache."""

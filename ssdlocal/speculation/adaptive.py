@@ -22,6 +22,7 @@ ROW_DECAY = 0.6  # ... in a row's own acceptance (one answer changes character q
 PROBE_EVERY = 16  # rounds without model proposals before the model is tried again
 PRIOR_DRAFT = 0.3  # a draft-model token's cost, relative to a target step, before it is measured
 CATCH_UP_SHARE = 0.1  # a token the draft reads in bulk costs this share of one it decodes
+CATCH_UP_ROUNDS = 8  # rounds a catch-up is charged over (it is paid once, then drafting is cheap)
 
 
 def _ewma(old: float | None, new: float, decay: float = DECAY) -> float:
@@ -157,11 +158,12 @@ def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: S
     suffix = {b: _cumulative(suffix_conf[b][:k_max], suffix_rates[b]) for b in rows}  # [n] -> tokens
     best = Choice(0, none, 0, -1.0 if explore else len(rows) / t1)
     draft_s = costs.draft_token_s if costs.draft_token_s is not None else PRIOR_DRAFT * t1
+    catch_up_s = catch_up * draft_s * CATCH_UP_SHARE / CATCH_UP_ROUNDS  # paid once, shared by the next rounds
     for model_k in range(k_max + 1) if model is not None and not explore else (0,):
         for width in range(max(model_k, 1), k_max + 1):
             if model_k == 0 and all(len(suffix[b]) == 1 for b in rows):
                 break  # no proposal at all
-            t = costs.target_s(width + 1) + (model_k * draft_s + catch_up * draft_s * CATCH_UP_SHARE if model_k else 0.0)
+            t = costs.target_s(width + 1) + (model_k * draft_s + catch_up_s if model_k else 0.0)
             gain, lens = 0.0, [0] * len(active)
             for b in rows:
                 m = model[b][model_k] if model is not None else 1.0
