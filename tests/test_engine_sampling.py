@@ -301,6 +301,10 @@ def test_suffix_and_hybrid_match_exact_joint(engine, models, kind):
     params = replace(T1, seed=60 + ["suffix", "suffix-adaptive", "hybrid", "hybrid-adaptive"].index(kind))
     joint = exact_joint(engine, models, params)
     _prime_memory(engine, _likely_firsts(engine, 3))
+    # what K per round would have learned where suffix proposals pay: flat step costs and
+    # trusted suffix matches (the choices change which drafts are verified, never the output)
+    engine.costs.seed_widths({1: 1.0, 2: 1.0, 3: 1.0})
+    engine.acceptance_rates.update({"model": 0.3, "suffix:2": 0.95, "suffix:4": 0.95, "suffix:8": 0.95})
     draft = SuffixDraft() if kind.startswith("suffix") else engine.config.spec.draft
     spec = SpecConfig(mode=Mode.SD, k=K, draft=draft, adaptive_k=kind.endswith("adaptive"))
     done, rounds = sample_outputs(engine, spec, params)
