@@ -1,8 +1,9 @@
 """Engine overhead per round on tiny checkpoints: round wall time minus model forward time.
 
 Builds the test suite's tiny Llama checkpoints (tests/tiny_models.py) in /tmp once, then
-runs AR and SD (K=4, draft model) `--repeats` times each, interleaved, one torch thread,
-200 new tokens, and prints the median milliseconds of non-model work per round.
+runs AR, SD (K=4, the draft model's drafts), SD with suffix proposals weighed per row, and
+SD with K chosen per round, `--repeats` times each, interleaved, one torch thread, 200 new
+tokens, and prints the median milliseconds of non-model work per round.
 
     python scripts/engine_overhead.py [--repeats 5] [--batch 1]
 """
@@ -53,11 +54,17 @@ def main() -> None:
 
     model_mod.Transformer.forward = timed
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
-    results: dict[str, list[float]] = {"ar": [], "sd": []}
+    model_only = ModelDraft(cfg.spec.draft.model, suffix=None)
+    specs = {  # sd: the draft model's K drafts every round, as before K per round existed
+        "ar": SpecConfig(mode=Mode.AR),
+        "sd": SpecConfig(mode=Mode.SD, k=4, draft=model_only),
+        "sd+suffix": SpecConfig(mode=Mode.SD, k=4, draft=cfg.spec.draft),  # each row's suffix proposal weighed too
+        "sd, K per round": SpecConfig(mode=Mode.SD, k=12, adaptive_k=True, draft=cfg.spec.draft),
+    }
+    results: dict[str, list[float]] = {name: [] for name in specs}
     with Engine(cfg) as engine:
         for _ in range(args.repeats + 1):  # the first pass warms up
-            for mode in ("ar", "sd"):
-                spec = SpecConfig(mode=Mode(mode), k=4, draft=cfg.spec.draft)
+            for mode, spec in specs.items():
                 spent["forward"] = 0.0
                 t0 = time.perf_counter()
                 events = list(engine.generate([PROMPT] * args.batch, params, spec=spec))

@@ -187,6 +187,7 @@ def sd_round_ms(target: LoadedModel, draft: LoadedModel, graph_mode: str, rounds
     drafter = ModelDrafter(d_runner, K, params, target.args.vocab_size, target.device)
     row = SimpleNamespace(tokens=list(range(1, prompt + 2)))  # what a drafter reads of a row
     row.length = len(row.tokens)
+    row.tail = lambda start: row.tokens[start:]
     drafter.reserve(1, prompt + rounds * (K + 1) + 64)  # the target's runner has 256 spare
     drafter.start([row])
     last = torch.tensor([row.tokens[-1]], device=target.device)

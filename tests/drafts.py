@@ -20,4 +20,4 @@ def row_views(*sequences):
     """Rows as drafters read them (`tokens`, `length`), from token lists."""
     from types import SimpleNamespace
 
-    return [SimpleNamespace(tokens=list(s), length=len(s)) for s in sequences]
+    return [SimpleNamespace(tokens=list(s), length=len(s), tail=lambda start, s=list(s): s[start:]) for s in sequences]

@@ -6,6 +6,7 @@ Events are plain frozen dataclasses: no UI library is imported here or by the en
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -17,6 +18,29 @@ class TokenOrigin(str, Enum):
     DRAFT_HIT = "draft_hit"  # accepted draft token served from the speculation cache
     DRAFT = "draft"  # accepted draft token proposed on this round (SD, or SSD miss)
     TARGET = "target"  # bonus token sampled by the target (and every AR token)
+
+
+class LazySnapshot(Mapping):
+    """A metrics snapshot computed when first read (most rounds' snapshots are never read);
+    read it in the thread that consumes the engine's events, or copy it with dict()."""
+
+    def __init__(self, compute: Callable[[], dict[str, Any]]) -> None:
+        self._compute = compute
+        self._data: dict[str, Any] | None = None
+
+    def _get(self) -> dict[str, Any]:
+        if self._data is None:
+            self._data = self._compute()
+        return self._data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 @dataclass(frozen=True)
@@ -49,7 +73,9 @@ class RoundEvent:
     n_accepted: tuple[int, ...]
     cache_hit: tuple[bool, ...] | None = None  # SSD only
     backup: str | None = None
-    snapshot: dict[str, Any] = field(default_factory=dict)  # the call's metrics so far
+    # the call's metrics, computed when first read: read it before pulling the next event
+    # (or copy it with dict()) for the values as of this round
+    snapshot: Mapping[str, Any] = field(default_factory=dict)
     rows: tuple[int, ...] = ()  # the row index of each entry of n_drafted / n_accepted
     n_emitted: tuple[int, ...] = ()  # tokens each row took (accepted + bonus, after stopping rules)
     draft_s: float = 0.0  # drafting wall time of this round (proposal)

@@ -40,6 +40,11 @@ class Row:
         """len(tokens), without building the list."""
         return len(self.prompt) + len(self.generated)
 
+    def tail(self, start: int) -> list[int]:
+        """tokens[start:], building only that part."""
+        cut = start - len(self.prompt)
+        return self.generated[cut:] if cut >= 0 else self.prompt[start:] + self.generated
+
     @property
     def active(self) -> bool:
         return self.finish_reason is None

@@ -64,6 +64,9 @@ class RowView(Protocol):
     def length(self) -> int:
         """len(tokens), without building the list."""
 
+    def tail(self, start: int) -> list[int]:
+        """tokens[start:], building only that part."""
+
 
 @dataclass(frozen=True)
 class RoundOutcome:

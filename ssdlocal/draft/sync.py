@@ -106,12 +106,12 @@ class ModelDrafter:
         k = self.k if k is None else k
         if not self.cached:
             self._prefill()
-        sequences = [row.tokens for row in self.rows]
-        bound = max(map(len, sequences)) + max(k, CATCH_UP)  # past every write of this round
-        first = self._catch_up([seq[c:] for seq, c in zip(sequences, self.cached)], bound)
+        lengths = [row.length for row in self.rows]
+        bound = max(lengths) + max(k, CATCH_UP)  # past every write of this round
+        first = self._catch_up([row.tail(c) for row, c in zip(self.rows, self.cached)], bound)
         self.decoder.k = k
         drafted = self.decoder.decode(first, bound)
-        self._fed = [len(seq) + k - 1 for seq in sequences]
+        self._fed = [n + k - 1 for n in lengths]
         self._k = k
         n_draft = torch.tensor([k if a else 0 for a in active], device=self.device)  # [B]
         q = None if drafted.q is None else drafted.q.to(self.device)  # [B, K, V]

@@ -21,7 +21,7 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.events import DoneEvent, Event, Output, PrefillEvent, RoundEvent, TokenOrigin
+from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillEvent, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import oom_error
 from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
@@ -314,7 +314,9 @@ class Engine:
         """Count every event; each RoundEvent leaves with the metrics so far."""
         for event in events:
             stats.consume(event)
-            yield replace(event, snapshot=stats.snapshot()) if isinstance(event, RoundEvent) else event
+            if isinstance(event, RoundEvent):
+                object.__setattr__(event, "snapshot", LazySnapshot(stats.snapshot))  # set before anyone sees it
+            yield event
 
     def _run(self, rows, params, spec, drafter, stats, token) -> Iterator[Event]:
         """Prefill, then rounds until every row is done or the call is cancelled."""

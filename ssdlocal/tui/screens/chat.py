@@ -222,7 +222,7 @@ class ChatScreen(Screen):
                     self.post_message(TokensArrived(turn, pieces, len(ev.token_ids)))
                 elif isinstance(ev, RoundEvent):
                     hit = None if ev.cache_hit is None else all(ev.cache_hit)
-                    self.post_message(RoundFinished(turn, ev.snapshot, ev.backup, hit))
+                    self.post_message(RoundFinished(turn, dict(ev.snapshot), ev.backup, hit))  # read here
                 elif isinstance(ev, DoneEvent):
                     out = ev.outputs[0]
                     self.post_message(GenerationDone(turn, out.text, out.finish_reason, ev.stats))
