@@ -55,20 +55,7 @@ def _peer(llm, ids, params, eos):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=str(gguf_path(DEFAULT_TARGET)))
-    ap.add_argument("--draft", default=str(gguf_path(DEFAULT_DRAFT)))
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--lookup-tokens", type=int, default=10, help="LlamaPromptLookupDecoding num_pred_tokens")
-    ap.add_argument("--modes", default="ar,sd,sd-ngram,ssd,peer,peer-lookup")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads for AR/SD and the peers (0 = torch's default); SSD splits the cores")
-    ap.add_argument("--peer-flash-attn", choices=("on", "off"), default="on",
-                    help="flash attention for the peers (ours: llama.cpp's auto, on for CPU)")
-    ap.add_argument("--out", default="llamacpp_bench.json")
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import torch
 
@@ -111,20 +98,48 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:12s} {n / s:7.2f} tok/s  ({n} tokens, {s:.1f}s)", flush=True)
         if "peer" in modes or "peer-lookup" in modes:
             _run_peers(args, modes, ids, params, eos, threads, results)
-        ar = results.get("ar", {}).get("outputs")
-        for name, r in results.items():  # where a mode left AR: the target's top-2 logit gap
-            if ar is not None and name != "ar":
-                r["same_as_ar"] = r["outputs"] == ar
-                r["first_divergence"] = _first_divergence(ar, r["outputs"])
-                _add_margin(eng, ids, ar, r["first_divergence"])
-            if "ar" in results:
-                r["speedup_vs_ar"] = r["tokens_per_s"] / results["ar"]["tokens_per_s"]
+        _compare_with_ar(eng, ids, results)
     summary = {
         "target": args.target, "draft": args.draft, "k": args.k, "max_new_tokens": args.max_new_tokens,
         "prompts": len(ids), "threads": threads, "cpus": os.cpu_count(),
         "load_avg_end": os.getloadavg(), "results": results,
     }
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    _print_table(results)
+    return summary
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(gguf_path(DEFAULT_TARGET)))
+    ap.add_argument("--draft", default=str(gguf_path(DEFAULT_DRAFT)))
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="LlamaPromptLookupDecoding num_pred_tokens")
+    ap.add_argument("--modes", default="ar,sd,sd-ngram,ssd,peer,peer-lookup")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads for AR/SD and the peers (0 = torch's default); SSD splits the cores")
+    ap.add_argument("--peer-flash-attn", choices=("on", "off"), default="on",
+                    help="flash attention for the peers (ours: llama.cpp's auto, on for CPU)")
+    ap.add_argument("--out", default="llamacpp_bench.json")
+    return ap
+
+
+def _compare_with_ar(eng, ids, results: dict[str, dict]) -> None:
+    """Each mode's `same_as_ar`, `first_divergence` (with the target's top-2 logit gap
+    there) and `speedup_vs_ar`, where AR ran."""
+    ar = results.get("ar", {}).get("outputs")
+    for name, r in results.items():
+        if ar is not None and name != "ar":
+            r["same_as_ar"] = r["outputs"] == ar
+            r["first_divergence"] = _first_divergence(ar, r["outputs"])
+            _add_margin(eng, ids, ar, r["first_divergence"])
+        if "ar" in results:
+            r["speedup_vs_ar"] = r["tokens_per_s"] / results["ar"]["tokens_per_s"]
+
+
+def _print_table(results: dict[str, dict]) -> None:
     print(f"\n{'mode':12s} {'tok/s':>7s} {'x AR':>6s} {'accept':>7s} {'hit':>5s}  same tokens as our AR")
     for name, r in results.items():
         acc = r.get("acceptance_rate")
@@ -132,7 +147,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:12s} {r['tokens_per_s']:7.2f} {r.get('speedup_vs_ar', 1):6.2f} "
               f"{'' if acc is None else f'{acc:.2f}':>7s} {'' if hit is None else f'{hit:.2f}':>5s}  "
               f"{r.get('same_as_ar', '')} {r.get('first_divergence') or ''}")
-    return summary
 
 
 def _run_peers(args, modes, ids, params, eos, threads, results) -> None:

@@ -71,40 +71,52 @@ def pairs(
 ) -> None:
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
     from ssdlocal.placement.inventory import detect
-    from ssdlocal.weights.hub import check_backend, is_downloaded
-    from ssdlocal.weights.lock import commits
+    from ssdlocal.weights.hub import check_backend
     from ssdlocal.weights.pairs import load_pairs
 
     check_backend(backend)
     check_quantization(quantization)
     inventory = detect()
-    rows = []
-    for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb)):
-        plan, summary = _plan_or_reason(inventory, pair, backend, quantization)
-        t_gb, d_gb = pair.memory_gb(backend, quantization)
-        rows.append(
-            {
-                "name": pair.name,
-                "target": pair.target.label,
-                "draft": pair.draft.label,
-                "target_gb": t_gb,
-                "draft_gb": d_gb,
-                "quantization": pair.schemes(quantization)[0] if backend == "torch" else "gguf",
-                "backends": list(pair.backends),
-                "source": pair.source,
-                "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
-                "locked": commits(pair.name, backend) or None,  # trusted commit per model
-                "fits": plan is not None,
-                "placement": summary,
-                "suggested_k": pair.suggested_k,
-                "short": _plan_short(plan) if plan is not None else "",
-            }
-        )
+    rows = [_pair_row(pair, inventory, backend, quantization)
+            for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb))]
     if as_json:
         sys.stdout.write(
             json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n"
         )
         return
+    out.print(_pairs_table(rows, backend, quantization))
+    out.print(
+        f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]"
+    )
+
+
+def _pair_row(pair, inventory, backend: str, quantization: str) -> dict:
+    """One pair's row of `pairs` (its --json object, plus "short" for the table)."""
+    from ssdlocal.weights.hub import is_downloaded
+    from ssdlocal.weights.lock import commits
+
+    plan, summary = _plan_or_reason(inventory, pair, backend, quantization)
+    t_gb, d_gb = pair.memory_gb(backend, quantization)
+    return {
+        "name": pair.name,
+        "target": pair.target.label,
+        "draft": pair.draft.label,
+        "target_gb": t_gb,
+        "draft_gb": d_gb,
+        "quantization": pair.schemes(quantization)[0] if backend == "torch" else "gguf",
+        "backends": list(pair.backends),
+        "source": pair.source,
+        "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
+        "locked": commits(pair.name, backend) or None,  # trusted commit per model
+        "fits": plan is not None,
+        "placement": summary,
+        "suggested_k": pair.suggested_k,
+        "short": _plan_short(plan) if plan is not None else "",
+    }
+
+
+def _pairs_table(rows: list[dict], backend: str, quantization: str) -> Table:
+    """The `pairs` table: one line per pair on an 80-column terminal."""
     memory = "GGUF" if backend != "torch" else {
         "none": "bf16", "auto": "GGUF pairs quantized, others bf16"
     }.get(quantization, quantization)  # fmt: skip
@@ -129,10 +141,7 @@ def pairs(
             _pulled(r),
             f"[green]{r['short']}[/green]" if r["fits"] else "[red]no[/red]",  # where it fits
         )
-    out.print(table)
-    out.print(
-        f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]"
-    )
+    return table
 
 
 def _pulled(row: dict) -> str:
@@ -241,7 +250,6 @@ def devices(
     """Show GPUs, CPU and RAM, and the placement plan for a pair (refused if it cannot fit)."""
     import dataclasses
 
-    from ssdlocal.placement.devarg import plan_flags
     from ssdlocal.placement.inventory import detect
     from ssdlocal.placement.planner import plan_placement
     from ssdlocal.weights.hub import OFFLINE_PAIR, check_backend
@@ -270,6 +278,16 @@ def devices(
             raise
         sys.stdout.write(json.dumps({**payload, "plan": dataclasses.asdict(plan)}) + "\n")
         return
+    _print_inventory(inventory)
+    out.print(
+        f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):"
+    )
+    plan = plan_placement(inventory, t_gb, d_gb, heads=heads)  # PlacementError -> exit 1
+    _print_plan(plan)
+
+
+def _print_inventory(inventory) -> None:
+    """The devices table, the GPU count and interconnect, and the inventory's notes."""
     table = Table(title="devices")
     for col in ("device", "name", "memory GB", "free GB", "usable GB"):
         table.add_column(col)
@@ -286,10 +304,12 @@ def devices(
     out.print(f"GPUs: {len(inventory.gpus)}; interconnect: {inventory.interconnect}")
     for note in inventory.notes:
         out.print(f"[dim]note: {note}[/dim]")
-    out.print(
-        f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):"
-    )
-    plan = plan_placement(inventory, t_gb, d_gb, heads=heads)  # PlacementError -> exit 1
+
+
+def _print_plan(plan) -> None:
+    """The placement table, its summary, the flags that reproduce it, and its notes."""
+    from ssdlocal.placement.devarg import plan_flags
+
     plan_table = Table()
     for col in ("device", "role", "needs GB", "usable GB", "headroom GB"):
         plan_table.add_column(col)

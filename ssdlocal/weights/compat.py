@@ -116,6 +116,15 @@ def check_pair(
         )
     _check_texts(t_vocab, d_vocab, min(draft_span, target_vocab or tops["target"] + 1), family, warnings)
     _check_special_ids(target_tok, draft_tok, family)
+    warnings += _soft_differences(target_tok, draft_tok)
+    checks = ("tokenizer type", "vocabulary size", "token texts", "special tokens", "chat template")
+    return CompatReport(checks, tuple(warnings))
+
+
+def _soft_differences(target_tok, draft_tok) -> list[str]:
+    """Warnings for differences drafting survives: special token sets (their ids agree,
+    checked before) and chat templates (prompts use the target's)."""
+    warnings = []
     t_special = set(getattr(target_tok, "all_special_tokens", []) or [])
     d_special = set(getattr(draft_tok, "all_special_tokens", []) or [])
     if t_special != d_special:
@@ -123,14 +132,9 @@ def check_pair(
         warnings.append(
             f"special token sets differ ({', '.join(map(repr, diff))}); ids agree, so drafting works"
         )
-    t_tmpl, d_tmpl = (
-        getattr(target_tok, "chat_template", None),
-        getattr(draft_tok, "chat_template", None),
-    )
-    if t_tmpl != d_tmpl:
+    if getattr(target_tok, "chat_template", None) != getattr(draft_tok, "chat_template", None):
         warnings.append("chat templates differ; prompts are formatted with the target's template")
-    checks = ("tokenizer type", "vocabulary size", "token texts", "special tokens", "chat template")
-    return CompatReport(checks, tuple(warnings))
+    return warnings
 
 
 def _check_texts(t_vocab: dict, d_vocab: dict, emit: int, family, warnings: list[str]) -> None:

@@ -232,30 +232,7 @@ class LlamaCppRunner:
         plan: list[tuple[int, int, _Chain, int]] = []  # (b, t, chain, seq)
         for b, t in live:
             self._reconcile(b)
-            own = slot_l[b][t]
-            if (b, own) in self._scratch:
-                raise NotImplementedError("forward_raw: a slot is written twice in one tree")
-            main = [s for s in visible[(b, t)] if (b, s) not in self._scratch and s != own]
-            scratch = [s for s in visible[(b, t)] if (b, s) in self._scratch and s != own]
-            n_main = len(main)
-            if main != list(range(n_main)) or n_main > len(self._kv[b]):
-                raise NotImplementedError(
-                    "forward_raw: a query must see a prefix of its row's cached tokens"
-                )
-            if not scratch:
-                seq = self._alloc()
-                self.lib.seq_cp(self._ctx, b, seq, 0, n_main)
-                chain = _Chain(b, n_main, self._kv[b][:n_main])
-            else:
-                parent = self._scratch[(b, scratch[0])]
-                chain = self._chains[parent]
-                if sorted(scratch) != sorted(chain.slots) or chain.n_main != n_main:
-                    raise NotImplementedError("forward_raw: a query must see one whole branch")
-                if parent in claimed:
-                    raise NotImplementedError("forward_raw: two queries continue one branch")
-                seq = parent
-            if pos_l[b][t] != chain.n_main + len(chain.slots):
-                raise NotImplementedError("forward_raw: branch positions must be consecutive")
+            chain, seq = self._chain_for(b, slot_l[b][t], visible[(b, t)], pos_l[b][t], claimed)
             claimed.add(seq)
             plan.append((b, t, chain, seq))
         out = torch.zeros(batch, width, self.vocab_size)  # [B, T, V]
@@ -273,6 +250,37 @@ class LlamaCppRunner:
             self._chains[seq] = chain
             self._scratch[(b, slot_l[b][t])] = seq
         return out
+
+    def _chain_for(self, b: int, own: int, visible: list[int], position: int,
+                   claimed: set[int]) -> tuple[_Chain, int]:
+        """The branch chain and llama.cpp sequence for row b's query writing slot `own`
+        that sees `visible` slots at `position`: a new chain off the row's cached prefix,
+        or the one earlier branch it continues. NotImplementedError for masks that are not
+        such trees."""
+        if (b, own) in self._scratch:
+            raise NotImplementedError("forward_raw: a slot is written twice in one tree")
+        main = [s for s in visible if (b, s) not in self._scratch and s != own]
+        scratch = [s for s in visible if (b, s) in self._scratch and s != own]
+        n_main = len(main)
+        if main != list(range(n_main)) or n_main > len(self._kv[b]):
+            raise NotImplementedError(
+                "forward_raw: a query must see a prefix of its row's cached tokens"
+            )
+        if not scratch:
+            seq = self._alloc()
+            self.lib.seq_cp(self._ctx, b, seq, 0, n_main)
+            chain = _Chain(b, n_main, self._kv[b][:n_main])
+        else:
+            parent = self._scratch[(b, scratch[0])]
+            chain = self._chains[parent]
+            if sorted(scratch) != sorted(chain.slots) or chain.n_main != n_main:
+                raise NotImplementedError("forward_raw: a query must see one whole branch")
+            if parent in claimed:
+                raise NotImplementedError("forward_raw: two queries continue one branch")
+            seq = parent
+        if position != chain.n_main + len(chain.slots):
+            raise NotImplementedError("forward_raw: branch positions must be consecutive")
+        return chain, seq
 
     def tree_width(self, width: int) -> int:
         """No padding: every branch is its own llama.cpp sequence."""

@@ -235,16 +235,7 @@ def _convert(
         raise _unreadable(gguf_path, exc) from exc
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
     step(2)
-    expected = set(model.state_dict())
-    missing = expected - set(tensors)
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if missing - allowed_missing or set(tensors) - expected:
-        raise ModelLoadError(
-            f"{gguf_path.name}: tensors do not match the {type(model).__name__} layout "
-            f"(missing {sorted(missing - allowed_missing)[:5]}, "
-            f"unexpected {sorted(set(tensors) - expected)[:5]})",
-            "the GGUF file may come from a different architecture variant",
-        )
+    _check_names(gguf_path, model, config, tensors)
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     _check_free_space(tmp.parent, need)
     tmp.mkdir(parents=True)
@@ -262,6 +253,21 @@ def _convert(
     write_config_and_tokenizer(tmp, config, tokenizer, type(model).__name__, torch_dtype)
     _check_saved(tmp, meta)
     step(4)
+
+
+def _check_names(gguf_path: Path, model, config, tensors: dict) -> None:
+    """ModelLoadError unless the GGUF's tensors are exactly the model's parameters (a tied
+    lm_head may be absent: tied checkpoints store only the embedding)."""
+    expected = set(model.state_dict())
+    missing = expected - set(tensors)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if missing - allowed_missing or set(tensors) - expected:
+        raise ModelLoadError(
+            f"{gguf_path.name}: tensors do not match the {type(model).__name__} layout "
+            f"(missing {sorted(missing - allowed_missing)[:5]}, "
+            f"unexpected {sorted(set(tensors) - expected)[:5]})",
+            "the GGUF file may come from a different architecture variant",
+        )
 
 
 def _check_free_space(where: Path, need: int) -> None:
