@@ -88,6 +88,23 @@ def sync_held(held: list[int], committed: Sequence[int]) -> None:
     del held[keep:]
 
 
+class HeldRows:
+    """The Runner methods over `held` (the token ids cached per row), shared by runners."""
+
+    held: list[list[int]]
+
+    def cached(self, row: int) -> int:
+        return len(self.held[row])
+
+    def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
+        """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
+        return list(tokens[len(self.held[row]) :])
+
+    def sync(self, row: int, committed: Sequence[int]) -> None:
+        """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
+        sync_held(self.held[row], committed)
+
+
 @dataclass(frozen=True)
 class SlotLayout:
     """The cache slots of one row, defined once for the engine and the SSD draft.

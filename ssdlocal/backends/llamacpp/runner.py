@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ssdlocal.backends.base import sync_held
+from ssdlocal.backends.base import HeldRows
 from ssdlocal.core.errors import UsageError
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
@@ -38,7 +38,7 @@ class _Chain:
     tokens: list[int] = field(default_factory=list)  # their tokens
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(HeldRows):
     """Feeds variable-length token lists per row through a llama.cpp model.
 
     `tree=True` sizes the context for SSD tree decoding (many sequences).
@@ -105,17 +105,6 @@ class LlamaCppRunner:
         return self.threads or max(1, torch.get_num_threads())
 
     # ------------------------------------------------------------------ rows
-    def cached(self, row: int) -> int:
-        return len(self.held[row])
-
-    def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
-        """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
-        return list(tokens[len(self.held[row]) :])
-
-    def sync(self, row: int, committed: Sequence[int]) -> None:
-        """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
-        sync_held(self.held[row], committed)
-
     def _reconcile(self, row: int) -> None:
         """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]."""
         kv, held = self._kv[row], self.held[row]

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import sync_held
+from ssdlocal.backends.base import HeldRows
 from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
@@ -51,7 +51,7 @@ class DecodeState:
         raise AttributeError(f"DecodeState.{name} is read by captured steps: update it in place")
 
 
-class TorchRunner:
+class TorchRunner(HeldRows):
     """One model, its static KV cache, and which tokens (or how many) each row holds."""
 
     def __init__(self, loaded: LoadedModel, *, graphs: str = "auto") -> None:
@@ -128,17 +128,6 @@ class TorchRunner:
     def _graphs_invalid(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
-
-    def cached(self, row: int) -> int:
-        return len(self.held[row])
-
-    def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
-        """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
-        return list(tokens[len(self.held[row]) :])
-
-    def sync(self, row: int, committed: Sequence[int]) -> None:
-        """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
-        sync_held(self.held[row], committed)
 
     # ------------------------------------------------------------------ host feeds
     @torch.inference_mode()
