@@ -209,6 +209,7 @@ SSD_CASES = {
     "jit": {"backup": "jit"},
     "ngram": {"backup": "ngram"},
     "none": {"backup": "none"},
+    "suffix": {"backup": "suffix"},  # also seeds branches with suffix guesses
     "saguaro-c0.5": {"backup": "jit", "saguaro_c": 0.5},
     "top-p0.9": {"backup": "jit"},
 }

@@ -342,3 +342,54 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
     spec._tree_decode([[(0, 8), (1, 9)]], 2, should_stop)
     assert events == ["step", "wait", "poll", "step", "wait", "poll"]
     assert spec.last_depth == 2
+
+
+def _seeding_speculator(suffix: bool):
+    """A Speculator over a fake runner: row [1, 2, 3, 4, 1, 2, 3] with drafts [5, 6]; the
+    draft's logits favour token 7 everywhere, the row's own history says 4 follows 2, 3."""
+    import torch
+
+    from ssdlocal.core.config import SamplingParams
+    from ssdlocal.draft.ssd import speculator as sp
+    from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def pending(self, b, tokens):
+            return []
+
+        def cached(self, b):
+            return 9
+
+        def feed(self, feeds, logits="all"):
+            return [torch.zeros(0, 10) for _ in feeds]
+
+    spec = object.__new__(sp.Speculator)
+    spec.runner, spec.k, spec.vocab, spec.params = Runner(), 2, 10, SamplingParams()
+    spec.max_branches, spec.fixed_hit, spec.fixed_miss = 32, (1, 1, 1), (1, 1, 1)
+    spec.cache = sp.SpeculationCache()
+    seq = [1, 2, 3, 4, 1, 2, 3]
+    favour_7 = torch.zeros(10)
+    favour_7[7] = 5.0
+    spec.rows = [sp.RowState(seq, [5, 6], None, {len(seq) + j: favour_7 for j in range(3)})]
+    spec.suffix = None
+    if suffix:
+        spec.suffix = object.__new__(sp.SuffixBackup)
+        spec.suffix.memory, spec.suffix.own = SuffixMemory(), [SuffixIndex(seq)]
+        spec.suffix.min_confidence = 0.3
+    seen = []
+    spec._tree_decode = lambda branches, width, should_stop=None: seen.append(branches)
+    return spec, seen
+
+
+def test_the_suffix_backup_seeds_a_branch_the_draft_would_not_cache():
+    spec, seen = _seeding_speculator(suffix=True)
+    spec.prespeculate()
+    # accepted 0: the draft's best (7) and the suffix's guess (4, what followed 2, 3 before);
+    # accepted 1 and 2: contexts ending 3, 5 and 5, 6 match nothing, so the draft's only
+    (branches,) = seen  # one tree; one row
+    assert branches == [[(0, 7), (0, 4), (1, 7), (2, 7)]]
+    spec, seen = _seeding_speculator(suffix=False)
+    spec.prespeculate()
+    assert seen == [[[(0, 7), (1, 7), (2, 7)]]]

@@ -168,7 +168,7 @@ class Speculator:
         # 2. candidates per accepted length
         branches: list[list[tuple[int, int]]] = []
         fans: list[tuple[int, ...]] = []
-        for r in rows:
+        for b, r in enumerate(rows):
             fan = self.fan_for(r.from_hit)
             fans.append(fan)
             todo: list[tuple[int, int]] = []
@@ -177,14 +177,26 @@ class Speculator:
                 for k in range(n_d + 1):
                     f = fan[k] if k < n_d else fan[self.k]
                     drafted = r.proposal[k] if k < n_d else None
-                    for c in bonus_candidates(r.pred[L + k], drafted, f, self.params):
-                        todo.append((k, c))
+                    found = bonus_candidates(r.pred[L + k], drafted, f, self.params)
+                    found += self._seed(b, r.seq + r.proposal[:k], drafted, found)
+                    todo += [(k, c) for c in found]
             branches.append(todo[: self.max_branches])
         self.last_fan = fans[0] if fans else ()
         width = max((len(t) for t in branches), default=0)
         if width:
             self._tree_decode(branches, width, should_stop)
         return time.perf_counter() - t0
+
+    def _seed(self, b: int, context: list[int], drafted: int | None, found: list[int]) -> list[int]:
+        """With the suffix backup: the token earlier text continued `context` with, as one
+        more bonus candidate when the draft's top candidates lack it (a rejected draft
+        token cannot be the bonus). Which branches are cached changes hits, not tokens."""
+        if self.suffix is None:
+            return []
+        guess = self.suffix.propose(b, context, 1)
+        if not guess or guess[0] == drafted or guess[0] in found or guess[0] >= self.vocab:
+            return []
+        return guess
 
     def _tree_decode(self, branches: list[list[tuple[int, int]]], width: int, should_stop=None) -> None:
         """Up to K batched steps decoding every branch; branch i of row b -> scratch run i.
