@@ -53,7 +53,7 @@ class Engines:
         self._engines: dict[tuple[str, str | None], Engine] = {}
 
     def path(self, name: str | None) -> str | None:
-        if name is None or name == "ngram":
+        if name is None or name in ("ngram", "suffix"):
             return name
         return str(self.dirs[name])
 
@@ -216,6 +216,27 @@ def test_ngram_draft_proposes_and_is_verified(engines):
     assert_same(ar, done, "SD ngram repetitive prompt")
     assert sum(sum(r.n_drafted) for r in rounds) > 0
     check_stats(done, rounds, 4, model_draft=False)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "suffix"])
+def test_point_mass_rounds_are_as_wide_as_the_longest_proposal(engines, monkeypatch, draft):
+    """With K pinned, an n-gram or suffix round scores the pending token plus the longest
+    row's proposal, not K+1 tokens: where no row matches it is a plain 1-token step (on a
+    CPU a 9-token step costs several 1-token ones). Output stays equal to AR."""
+    prompts = ["the cat the cat the cat the cat the cat the", "one two three four five six seven"]
+    engine = engines.get("llama", draft)
+    widths: list[int] = []
+    step = engine.runner.step
+
+    def recording(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return step(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "step", recording)
+    done, rounds = run(engine, prompts, GREEDY, spec_for(engines, Mode.SD, draft, 8))
+    assert_same(ar_reference(engines, "llama", prompts, GREEDY), done, f"SD {draft} K=8")
+    assert widths == [1 + max(r.n_drafted) for r in rounds]
+    assert min(widths) == 1 and max(widths) > 1  # plain steps and proposals both happened
 
 
 # ----------------------------------------------------------------- SSD == AR

@@ -42,7 +42,7 @@ class AdaptiveDrafter:
                  costs: CostModel, target_vocab: int, device, shared_rates: dict | None = None) -> None:  # fmt: skip
         self.model = model  # draft.sync.ModelDrafter or None
         self.suffix = suffix  # draft.suffix.SuffixSource or None
-        self.k = k  # the most drafts a round may have (exactly K when pinned)
+        self.k = k  # the most drafts a round may have (pinned: the model's K every round)
         self.pinned = pinned
         self.params = params
         self.costs = costs  # the engine's: kept across calls
@@ -110,7 +110,8 @@ class AdaptiveDrafter:
         return max((row.length - c for row, c in zip(self.rows, cached)), default=0)
 
     def _pinned(self, active, confs, rates, suffix_rates) -> Choice:
-        """K drafts every round: the model's, or a row's suffix proposal where it predicts more."""
+        """K drafts every round: the model's, or a row's suffix proposal where it predicts more.
+        Without a model the round is as wide as the longest suffix proposal (0: a plain step)."""
         from ssdlocal.speculation.adaptive import expected_tokens, suffix_expected
 
         model_k = self.k if self.model is not None else 0
@@ -119,7 +120,7 @@ class AdaptiveDrafter:
             n = min(len(confs[b]), self.k)
             m = expected_tokens(rates[b], model_k) if rates is not None else 1.0
             lens.append(n if on and n and suffix_expected(confs[b][:n], suffix_rates[b]) >= m else 0)
-        return Choice(model_k, tuple(lens), self.k, 0.0)
+        return Choice(model_k, tuple(lens), self.k if model_k else max(lens, default=0), 0.0)
 
     def _proposal(self, width, model: Proposal | None, suffix, sources, n_draft) -> Proposal:
         """Drafts [B, width] (model drafts, or suffix tokens), q for the model's rows."""

@@ -36,11 +36,13 @@ class NgramDrafter:
         self.rows = rows
 
     def propose(self, active: Sequence[bool]) -> Proposal:
+        """Up to K tokens per row, padded to the longest row's proposal (not to K: where no
+        row matches, the round scores one token, a plain step)."""
         tokens = [
             propose_ngram(row.tokens, self.k, self.draft.n_max, self.draft.n_min) if on else []
             for row, on in zip(self.rows, active)
         ]
-        return Proposal.from_lists(tokens, self.k, self.device)
+        return Proposal.from_lists(tokens, max(map(len, tokens), default=0), self.device)
 
     def observe(self, outcome: RoundOutcome) -> None:
         return None
