@@ -48,6 +48,25 @@ def test_disagreeing_history_shortens_the_proposal():
     assert bold.tokens[0] == 50 and bold.confidence[1:] == pytest.approx((1 / 3, 1 / 3))  # one branch, to its end
 
 
+def test_only_the_last_max_match_tokens_of_the_context_are_read():
+    """The SSD worker passes only a row's tail when it seeds branches: same proposal."""
+    import random
+
+    from ssdlocal.speculation.suffix import MAX_MATCH
+
+    rng = random.Random(0)
+    block = [rng.randrange(4) for _ in range(2 * MAX_MATCH)]  # small vocab: many matches
+    seq = [rng.randrange(4) for _ in range(100)] + block + [rng.randrange(4) for _ in range(50)] + block
+    memory = SuffixMemory()
+    memory.add([rng.randrange(4) for _ in range(300)])
+    own = SuffixIndex(seq)
+    for end in (MAX_MATCH + 5, 150, len(seq) - 7, len(seq)):
+        context = seq[:end]
+        full = propose(context, own, memory.indexes(), 6)
+        assert full == propose(context[-MAX_MATCH:], own, memory.indexes(), 6)
+    assert full.match_len == MAX_MATCH and full.tokens  # the longest match: the repeat
+
+
 def test_nothing_matches_nothing_is_proposed():
     assert propose([1, 2, 3], SuffixIndex([1, 2, 3]), [], 4).tokens == ()
     assert propose([5], SuffixIndex([5]), [], 4).tokens == ()  # shorter than a key

@@ -118,7 +118,8 @@ class SuffixMemory:
 def propose(context: Sequence[int], own: SuffixIndex | None, memory: Iterable[SuffixIndex], k: int,
             min_confidence: float = 0.3) -> SuffixProposal:  # fmt: skip
     """Up to `k` tokens continuing `context`, from the row's own index (`own`, which holds
-    `context` itself) and the memory's indexes. EMPTY when nothing matches."""
+    `context` itself) and the memory's indexes. EMPTY when nothing matches. Only the last
+    MAX_MATCH tokens of `context` are read: a longer context gives the same proposal."""
     if k <= 0:
         return EMPTY
     sites: list[tuple[int, int, SuffixIndex]] = []

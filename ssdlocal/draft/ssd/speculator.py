@@ -23,7 +23,7 @@ from ssdlocal.draft.decode import DraftDecoder, align_vocab
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.speculation.fanout import FanOutPlanner
 from ssdlocal.speculation.ngram import propose_ngram
-from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory, propose
+from ssdlocal.speculation.suffix import MAX_MATCH, SuffixIndex, SuffixMemory, propose
 from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates
 
 
@@ -174,11 +174,12 @@ class Speculator:
             todo: list[tuple[int, int]] = []
             if r.active:
                 L, n_d = len(r.seq), len(r.proposal)
+                tail = r.seq[-MAX_MATCH:] if self.suffix is not None else []  # all a suffix match reads
                 for k in range(n_d + 1):
                     f = fan[k] if k < n_d else fan[self.k]
                     drafted = r.proposal[k] if k < n_d else None
                     found = bonus_candidates(r.pred[L + k], drafted, f, self.params)
-                    found += self._seed(b, r.seq + r.proposal[:k], drafted, found)
+                    found += self._seed(b, tail + r.proposal[:k], drafted, found)
                     todo += [(k, c) for c in found]
             branches.append(todo[: self.max_branches])
         self.last_fan = fans[0] if fans else ()
@@ -188,9 +189,10 @@ class Speculator:
         return time.perf_counter() - t0
 
     def _seed(self, b: int, context: list[int], drafted: int | None, found: list[int]) -> list[int]:
-        """With the suffix backup: the token earlier text continued `context` with, as one
-        more bonus candidate when the draft's top candidates lack it (a rejected draft
-        token cannot be the bonus). Which branches are cached changes hits, not tokens."""
+        """With the suffix backup: the token earlier text continued `context` with (the end
+        of the row's sequence, at least its last MAX_MATCH tokens), as one more bonus
+        candidate when the draft's top candidates lack it (a rejected draft token cannot be
+        the bonus). Which branches are cached changes hits, not tokens."""
         if self.suffix is None:
             return []
         guess = self.suffix.propose(b, context, 1)
