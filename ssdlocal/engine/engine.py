@@ -314,9 +314,7 @@ class Engine:
         """Count every event; each RoundEvent leaves with the metrics so far."""
         for event in events:
             stats.consume(event)
-            if isinstance(event, RoundEvent):
-                object.__setattr__(event, "snapshot", LazySnapshot(stats.snapshot))  # set before anyone sees it
-            yield event
+            yield replace(event, snapshot=LazySnapshot(stats.snapshot)) if isinstance(event, RoundEvent) else event
 
     def _run(self, rows, params, spec, drafter, stats, token) -> Iterator[Event]:
         """Prefill, then rounds until every row is done or the call is cancelled."""
