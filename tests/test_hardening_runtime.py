@@ -166,7 +166,7 @@ def test_a_token_cancelled_before_generate_starts_stops_it(tiny_dir):
 # --------------------------------------------------------------------------- SSD deadlines
 @linux_only
 def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
-    """A worker that is slow to prefill (here: stopped for 1.5 s right after START) is
+    """A worker that is slow to prefill (here: stopped for 1.5 s as START is sent) is
     waited for when the prompt is long, but a short prompt's deadline still catches it."""
     import signal
     import threading
@@ -184,12 +184,12 @@ def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
     timers = []
 
     def send_then_stall(self, cmd, payload=None):
-        send(self, cmd, payload)
-        if cmd == Cmd.START:
+        if cmd == Cmd.START:  # stopped before START is sent, so READY cannot slip out first
             os.kill(self.proc.pid, signal.SIGSTOP)
             timer = threading.Timer(1.5, os.kill, (self.proc.pid, signal.SIGCONT))
             timers.append(timer)
             timer.start()
+        send(self, cmd, payload)
 
     with Engine(config) as engine:
         monkeypatch.setattr(ssd_client.DraftWorkerClient, "send", send_then_stall)
