@@ -183,9 +183,9 @@ def embedding_rows(path: str | Path, backend: str = "torch") -> int | None:
     llama.cpp files (known only once llama.cpp has loaded them) or an unreadable config."""
     if backend != "torch":
         return None
-    from ssdlocal.backends.torch.loader import resolve_checkpoint
+    from ssdlocal.backends.torch.loader import config_dir  # a .gguf: its metadata only
 
-    return config_vocab_size(resolve_checkpoint(path))[0]
+    return config_vocab_size(config_dir(path))[0]
 
 
 def check_paths(target: str | Path, draft: str | Path) -> CompatReport:

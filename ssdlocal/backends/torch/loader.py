@@ -118,10 +118,12 @@ def config_dir(path: str | Path) -> Path:
     if path.is_file():
         from ssdlocal.backends.torch.gguf_convert import _MARKER, converted_dir
         from ssdlocal.backends.torch.gguf_quant import metadata_dir
+        from ssdlocal.core.paths import cache_dir
 
-        for dtype in ("bfloat16", "float32", "float16"):  # a float conversion has them too
-            if (converted_dir(path, dtype) / _MARKER).is_file():
-                return converted_dir(path, dtype)
+        if (cache_dir() / "converted").is_dir():  # hashing the file for its key writes there
+            for dtype in ("bfloat16", "float32", "float16"):  # a float conversion has them too
+                if (converted_dir(path, dtype) / _MARKER).is_file():
+                    return converted_dir(path, dtype)
         return metadata_dir(path)
     return path
 
