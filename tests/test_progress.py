@@ -1,5 +1,7 @@
-"""First-run progress: one Rich display, each stage in its own unit (files, bytes,
-tensors, steps), a new bar when a finished stage starts again for the next file."""
+"""Progress on stderr: one Rich display on a terminal, each stage in its own unit (files,
+bytes, tensors, steps) with an estimate, a new bar when a finished stage starts again for
+the next file; plain lines (start, about every 10 s, end) when stderr is not a terminal;
+library code reports through core.progress to whichever display is installed."""
 
 from __future__ import annotations
 
@@ -7,32 +9,86 @@ import io
 
 from rich.console import Console
 
-from ssdlocal.cli.render import progress_callback
+from ssdlocal.cli.progress import _PlainDisplay, preparing, progress_display
+from ssdlocal.core import progress as core_progress
+
+STAGES = [
+    ("download qwen", 6, 6),
+    ("assemble qwen (sha256 checked)", 3_000_000, 3_000_000),
+    ("converting qwen to bf16", 290, 290),
+    ("quantizing qwen to int4", 2_500_000_000, 5_000_000_000),
+    ("calibrating the models", 4, 4),
+]
 
 
-def _draw(updates) -> str:
+def _draw(updates, terminal: bool = True, width: int = 80) -> str:
     buffer = io.StringIO()
-    console = Console(file=buffer, width=120, force_terminal=False)
-    with progress_callback(console) as progress:
+    console = Console(file=buffer, width=width, force_terminal=terminal, color_system=None)
+    with progress_display(console) as progress:
         for update in updates:
             progress(*update)
     return buffer.getvalue()
 
 
-def test_each_stage_counts_in_its_unit():
-    text = _draw([
-        ("download", 6, 6),
-        ("assemble", 3_000_000, 3_000_000),
-        ("dequantize", 290, 290),
-        ("convert", 4, 4),
-    ])
+def test_each_stage_counts_in_its_unit_on_a_terminal():
+    text = _draw(STAGES)
     assert "6/6 files" in text
     assert "3.0/3.0 MB" in text
     assert "290/290 tensors" in text
+    assert "2.5/5.0 GB" in text
     assert "4/4 steps" in text
     assert "bytes" not in text  # no "6/6 bytes", no "0 bytes/s"
+    for stage, *_ in STAGES:
+        assert stage in text  # the stage names what runs, at 80 columns
+
+
+def test_plain_lines_when_stderr_is_not_a_terminal():
+    text = _draw(STAGES, terminal=False)
+    assert "\x1b" not in text and "━" not in text
+    lines = text.splitlines()
+    assert "quantizing qwen to int4: 2.5/5.0 GB" in text
+    assert any(line.startswith("download qwen: 6/6 files") for line in lines), lines
+    assert any(line.startswith("calibrating the models: 4/4 steps") for line in lines), lines
+
+
+def test_plain_lines_give_an_estimate_and_are_not_every_update():
+    buffer = io.StringIO()
+    now = [0.0]
+    plain = _PlainDisplay(Console(file=buffer, width=80), clock=lambda: now[0])
+    for step in range(0, 101):  # one update per second, 100 s in all
+        now[0] = float(step)
+        plain("quantizing m to int4", step * 1e7, 1e9)
+    lines = buffer.getvalue().splitlines()
+    assert 8 <= len(lines) <= 13, lines  # start, about every 10 s, end
+    assert "about 50 s left" in lines[5], lines
+    assert lines[-1].endswith("done in 100 s"), lines
 
 
 def test_a_stage_for_the_next_file_gets_its_own_bar():
     text = _draw([("download", 6, 6), ("download", 0, 3), ("download", 3, 3)])
     assert "6/6 files" in text and "3/3 files" in text
+
+
+def test_library_code_reports_to_the_installed_display():
+    seen = []
+    assert core_progress.reporter() is None  # nothing installed: steps report nothing
+    with core_progress.showing(lambda *a: seen.append(a)):
+        core_progress.report("loading m (int4)", 1, 2)
+        assert core_progress.reporter() is not None
+    core_progress.report("loading m (int4)", 2, 2)  # uninstalled again
+    assert seen == [("loading m (int4)", 1, 2)]
+
+
+def test_nested_preparing_reuses_the_outer_display():
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=80, force_terminal=False)
+    with preparing(console) as outer, preparing(console) as inner:
+        assert inner is outer
+        core_progress.report("calibrating", 1, 1)
+    assert "calibrating: 1/1 steps" in buffer.getvalue()
+
+
+def test_model_labels_drop_the_file_quantization():
+    assert core_progress.model_label("/x/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") == "qwen2.5-coder-1.5b"
+    assert core_progress.model_label("SmolLM2-135M-Instruct-Q4_1.gguf") == "SmolLM2-135M"
+    assert core_progress.model_label("/ckpt/Qwen2.5-0.5B") == "Qwen2.5-0.5B"

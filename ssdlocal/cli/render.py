@@ -12,80 +12,21 @@ from collections.abc import Iterator
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    ProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.text import Text
 
 from ssdlocal.core.config import EngineConfig, SamplingParams
-from ssdlocal.core.events import DoneEvent, TokensEvent
+from ssdlocal.core.events import DoneEvent, ModeEvent, TokensEvent
 
 err_console = Console(stderr=True)
 
 
-# what each stage of a first-run fetch counts (weights/assets.py, backends/torch/gguf_convert.py)
-STAGE_UNITS = {"download": "files", "assemble": "bytes", "dequantize": "tensors", "convert": "steps"}
-
-
-class _AmountColumn(ProgressColumn):
-    """`3/6 files`, `2/4 steps`, or `1.2/3.4 GB` for byte stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._bytes = DownloadColumn()
-
-    def render(self, task) -> Text:
-        unit = task.fields.get("unit", "steps")
-        if unit == "bytes":
-            return self._bytes.render(task)
-        total = "?" if task.total is None else f"{task.total:.0f}"
-        return Text(f"{task.completed:.0f}/{total} {unit}", style="progress.download")
-
-
-class _SpeedColumn(ProgressColumn):
-    """Transfer speed, for byte stages only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._speed = TransferSpeedColumn()
-
-    def render(self, task) -> Text:
-        return self._speed.render(task) if task.fields.get("unit") == "bytes" else Text("")
-
-
 @contextlib.contextmanager
 def progress_callback(console: Console | None = None) -> Iterator:
-    """A `progress(stage, done, total)` callback: one Rich display, a bar per stage (a
-    new one when a finished stage starts again, e.g. for the draft), each in its unit."""
-    bars = Progress(
-        TextColumn("[bold]{task.description:<10}"),
-        BarColumn(),
-        _AmountColumn(),
-        _SpeedColumn(),
-        TimeRemainingColumn(),
-        console=console or err_console,
-        transient=False,
-    )
-    tasks: dict[str, int] = {}
+    """A `progress(stage, done, total)` callback: a bar per stage on stderr (plain lines
+    when stderr is not a terminal), each in its unit; see cli/progress.py."""
+    from ssdlocal.cli.progress import preparing
 
-    def update(stage: str, done: int, total: int | None) -> None:
-        task = tasks.get(stage)
-        if task is not None:
-            old = next(t for t in bars.tasks if t.id == task)
-            if old.finished and done < (old.total or 0):
-                task = None  # the same stage for the next file
-        if task is None:
-            task = tasks[stage] = bars.add_task(stage, total=total, unit=STAGE_UNITS.get(stage, "steps"))
-        bars.update(task, completed=done, total=total)
-
-    with bars:
-        yield update
+    with preparing(console) as progress:
+        yield progress
 
 
 def format_stats(stats: dict) -> str:
@@ -122,18 +63,20 @@ def graph_warning(stats: dict) -> str | None:
 def run_generate(
     config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool
 ) -> None:
-    """Load the engine, generate, and print (streamed text, or one JSON object)."""
-    from ssdlocal.engine import Engine
-
-    with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
-        engine = Engine(config)
+    """Load the engine, say which mode runs and why (stderr, before the first token),
+    generate, and print (streamed text, or one JSON object)."""
+    engine = load_engine(config)
     with engine:
+        print_mode(engine.choice)
         stream = not as_json and len(prompts) == 1
         done: DoneEvent | None = None
+        changes: list[ModeEvent] = []
         for event in engine.generate(prompts, params, chat=chat):
             if isinstance(event, TokensEvent) and stream:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+            elif isinstance(event, ModeEvent):
+                changes.append(event)
             elif isinstance(event, DoneEvent):
                 done = event
     if done is None:  # pragma: no cover - generate always ends with a DoneEvent
@@ -150,6 +93,10 @@ def run_generate(
             ],
             "stats": done.stats,
         }
+        if changes:  # the engine changed its mind mid-answer (engine/auto.ModeCheck)
+            payload["mode_changes"] = [{"after_round": c.round_index, "mode": c.mode, "reason": c.reason}
+                                       for c in changes]  # fmt: skip
+        _print_changes(changes)
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     if stream:
@@ -157,8 +104,30 @@ def run_generate(
     else:
         for i, out in enumerate(done.outputs):
             sys.stdout.write(f"=== [{i}] ===\n{out.text}\n")
+    _print_changes(changes)
     # soft_wrap: one line however narrow the terminal (or 80 columns when not a terminal)
     stats = done.stats
-    reason = escape(stats["mode_reason"])
-    err_console.print(f"[dim]mode {stats['mode']}: {reason}[/dim]", soft_wrap=True)
-    err_console.print(f"[dim]{stats['mode']}: {format_stats(stats)}[/dim]", soft_wrap=True)
+    err_console.print(f"[dim]{stats['mode']}: {escape(format_stats(stats))}[/dim]", soft_wrap=True)
+
+
+def load_engine(config: EngineConfig):
+    """The Engine for `config`, with its loading and calibration shown as progress."""
+    from ssdlocal.cli.progress import preparing
+    from ssdlocal.engine import Engine
+
+    with preparing() as progress:
+        progress("starting the engine", 0, 1)  # a line at once, before the first step reports
+        engine = Engine(config)
+        progress("starting the engine", 1, 1)
+    return engine
+
+
+def print_mode(choice) -> None:
+    """The engine's mode and its short reason: one line on stderr (`mode sd: ...`)."""
+    err_console.print(f"[dim]{escape(choice.line)}[/dim]", soft_wrap=True, highlight=False)
+
+
+def _print_changes(changes) -> None:
+    for change in changes:
+        err_console.print(f"[yellow]mode {change.mode} after round {change.round_index + 1}: "
+                          f"{escape(change.short)}[/yellow]", soft_wrap=True, highlight=False)  # fmt: skip

@@ -69,9 +69,15 @@ def engine_config(
         err_console.print(f"[dim]{escape(choice.note)}[/dim]", soft_wrap=True)
     backends = (choice.target, choice.draft)
     quants = models.quantizations(backends)
-    target, draft = model_paths(models, backends, quants)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
-    draft = draft if loads_draft else None
+    from ssdlocal.cli.progress import preparing
+
+    with preparing():  # downloads and conversions show as bars on stderr
+        target, draft = model_paths(models, backends, quants)
+        draft = draft if loads_draft else None
+        prepare_weights(target, backends[0], quants[0], models.dtype)
+        if draft is not None and draft not in DRAFT_WORDS:
+            prepare_weights(draft, backends[1], quants[1], models.dtype)
     tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
     return EngineConfig(
@@ -80,6 +86,27 @@ def engine_config(
         target_devices=tp_devices if len(tp_devices) > 1 else (),
         graphs="auto" if models.cuda_graphs else "off",
     )
+
+
+def prepare_weights(path: str, backend: str, quantization: str, dtype: str) -> None:
+    """Build what the torch backend will load from a GGUF file, now, with progress: its
+    quantized cache (int8/int4, straight from the file's blocks), or for float weights
+    (`--quantization none`) its converted checkpoint. Nothing for llama.cpp or checkpoint
+    directories; nothing when the cache is there already."""
+    from pathlib import Path
+
+    found = Path(path).expanduser()
+    if backend != "torch" or not (found.is_file() and found.suffix.lower() == ".gguf"):
+        return
+    from ssdlocal.backends.torch.quant_load import quantized_checkpoint, resolve_scheme
+
+    scheme = resolve_scheme(found, quantization)
+    if scheme != "none":
+        quantized_checkpoint(found, scheme, dtype)
+        return
+    from ssdlocal.backends.torch.loader import resolve_checkpoint
+
+    resolve_checkpoint(found, scheme, dtype)
 
 
 def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:

@@ -85,6 +85,17 @@ class RoundEvent:
 
 
 @dataclass(frozen=True)
+class ModeEvent:
+    """The engine changed its mind about the mode mid-call (its rounds measured the chosen
+    mode slower than another): from the next round on the call runs `mode`."""
+
+    round_index: int  # the last round run in the old mode
+    mode: str
+    reason: str  # the whole story
+    short: str  # one line for people
+
+
+@dataclass(frozen=True)
 class Output:
     """Final result for one row."""
 
@@ -101,4 +112,4 @@ class DoneEvent:
     stats: dict[str, Any]
 
 
-Event = PrefillEvent | TokensEvent | RoundEvent | DoneEvent
+Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent

@@ -1,18 +1,15 @@
 """Where ssdlocal keeps files: the cache (models, conversions) and the config directory.
 
-Environment variables are read at call time, never at import time. Also defines the
-progress callback type that long file operations (download, assemble, convert) accept.
+Environment variables are read at call time, never at import time. The progress
+callback type that long file operations accept lives in core/progress.py (re-exported).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
-# progress(stage, done, total): stage names the work ("download", "assemble",
-# "convert"); total is None when unknown.
-ProgressCallback = Callable[[str, int, "int | None"], None]
+from ssdlocal.core.progress import ProgressCallback  # noqa: F401 - re-exported
 
 
 def _user_dir(explicit: str, xdg: str, fallback: str) -> Path:

@@ -1,32 +1,35 @@
-"""`--mode auto`: which exact mode runs fastest on this placement, and why (one sentence).
+"""`--mode auto`: which exact mode runs fastest on this placement, why, and whether the
+rounds themselves still agree.
 
-Placement decides most cases before anything loads: no draft -> AR; an n-gram draft ->
-SD (its proposals cost nothing); a draft on hardware of its own (another GPU, or the
-CPU beside a GPU target) -> SSD, whose drafting then overlaps verification; target and
-draft on one GPU -> SD. Target and draft both on the CPU share one memory system, where
-SSD would split the cores and lose to SD, so a short calibration times the loaded
-models (target forward at 1 and K+1 tokens, draft forward at 1 token) and predicts
-whether SD beats AR.
+The placement decides most cases before anything loads (placement/mode.py, the same
+words `devices` prints). Target and draft both on the CPU share one memory system: with K
+chosen per round the mode is SD, which measures every round; with K pinned a short
+calibration times the loaded models (target forward at 1 and K+1 tokens, draft forward at
+1 token) and predicts whether SD beats AR. Either way the calibration may have run on a
+busy machine, so `ModeCheck` compares the SD rounds' measured speed with what plain steps
+would give at the same load, and switches to AR (saying why) when its own rounds say SD
+is slower. Progress of the calibration goes to core.progress.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
+from ssdlocal.core.progress import reporter
+from ssdlocal.placement.mode import ModeChoice, cpu_shared, placement_mode
+
+__all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated_choice", "placement_choice",
+           "step_costs"]  # fmt: skip
 
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before anything was generated
 CALIBRATION_PROMPT = 16  # tokens of context the timed forwards attend to
 REPEATS = 5
-
-
-@dataclass(frozen=True)
-class ModeChoice:
-    mode: Mode
-    reason: str
+CHECK_ROUNDS = 16  # SD rounds a re-check looks at
+CHECK_MARGIN = 1.15  # plain steps must be predicted this much faster before SD gives way
 
 
 @dataclass(frozen=True)
@@ -45,39 +48,31 @@ class Calibration:
         tokens_per_round = (1 - a ** (k + 1)) / (1 - a)  # E[accepted] + 1 for capped geometric
         return 1.0 / self.target_1, tokens_per_round / (k * self.draft_1 + self.target_k1)
 
-
-def _is_gpu(device: str) -> bool:
-    return device.startswith("cuda")
+    def describe(self) -> str:
+        return (f"measured at load: target {self.target_1 * 1e3:.0f} ms/token and "
+                f"{self.target_k1 * 1e3:.0f} ms per {self.k + 1}-token verify, draft "
+                f"{self.draft_1 * 1e3:.0f} ms/token")  # fmt: skip
 
 
 def placement_choice(config: EngineConfig) -> ModeChoice | None:
-    """The mode the placement alone decides, or None when only a calibration can."""
+    """The mode the placement alone decides, or None when only a calibration can (target
+    and draft model on the CPU: always calibrated, for the costs K per round starts from)."""
     spec = config.spec
-    if spec.draft.model is None:
-        if spec.draft.kind == "none":
-            return ModeChoice(Mode.AR, "no draft model, so plain autoregressive decoding")
-        return ModeChoice(Mode.SD, f"the {spec.draft.label} draft costs nothing to run, so synchronous speculation")
+    draft = spec.draft
+    kind = "none" if draft.kind == "none" else "model" if draft.model is not None else draft.kind
     targets = tuple(map(normalize_device, config.target_devices or (config.target.device,)))
-    draft = normalize_device(config.draft_model.device)
-    where = ",".join(targets)
-    if draft not in targets and (_is_gpu(draft) or any(_is_gpu(t) for t in targets)):
-        return ModeChoice(
-            Mode.SSD,
-            f"the draft has hardware of its own ({draft}, target on {where}), so SSD "
-            "pre-speculates while the target verifies",
-        )
-    if _is_gpu(draft):
-        return ModeChoice(
-            Mode.SD,
-            f"target and draft share {draft}, so drafting cannot overlap verification: "
-            "synchronous speculation",
-        )
-    return None
+    draft_device = normalize_device(config.draft_model.device) if draft.model is not None else None
+    choice = placement_mode(targets, draft_device, kind, draft.label, spec.adaptive_k)
+    if choice is not None and choice.mode is Mode.SD and kind == "model" and draft_device == "cpu":
+        return None  # SD on a shared CPU: calibrated_choice says it, with what was measured
+    return choice
 
 
 def calibrate(target, draft, k: int) -> Calibration:
     """Time the loaded runners (their caches are reset: call between generations)."""
-    return Calibration(k, _time_steps(target, 1), _time_steps(target, k + 1), _time_steps(draft, 1))
+    progress = _Steps("calibrating target and draft", 3 * (REPEATS + 1))
+    return Calibration(k, _time_steps(target, 1, REPEATS, progress), _time_steps(target, k + 1, REPEATS, progress),
+                       _time_steps(draft, 1, REPEATS, progress))  # fmt: skip
 
 
 WIDTHS = (1, 2, 3, 4, 5, 8, 9, 12, 13)  # CPU kernels take rows in blocks (of 4): costs step
@@ -86,10 +81,25 @@ WIDTHS = (1, 2, 3, 4, 5, 8, 9, 12, 13)  # CPU kernels take rows in blocks (of 4)
 def step_costs(runner, widths=WIDTHS, repeats: int = 2) -> dict[int, float]:
     """Seconds of one target step at each width (the adaptive K's cost model starts from
     these on a CPU, where a step's cost rises in blocks of rows rather than smoothly)."""
-    return {w: _time_steps(runner, w, repeats) for w in widths}
+    progress = _Steps("calibrating step widths", len(widths) * (repeats + 1))
+    return {w: _time_steps(runner, w, repeats, progress) for w in widths}
 
 
-def _time_steps(runner, width: int, repeats: int = REPEATS) -> float:
+class _Steps:
+    """Counts timed forwards for the progress display (if one is installed)."""
+
+    def __init__(self, stage: str, total: int) -> None:
+        self.stage, self.total, self.done = stage, total, 0
+        self.progress = reporter()
+        self.tick(0)
+
+    def tick(self, n: int = 1) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.stage, min(self.done, self.total), self.total)
+
+
+def _time_steps(runner, width: int, repeats: int = REPEATS, progress: _Steps | None = None) -> float:
     runner.reset(1, CALIBRATION_PROMPT + width + 2)
     runner.feed([list(range(1, CALIBRATION_PROMPT + 1))], "none")
     runner.begin_steps()
@@ -97,30 +107,83 @@ def _time_steps(runner, width: int, repeats: int = REPEATS) -> float:
     runner.step(ids)  # warm-up (first-call allocations)
     times = []
     for _ in range(repeats):
+        if progress is not None:
+            progress.tick()
         t0 = time.perf_counter()
         runner.step(ids).sum().item()  # .item(): wait for the device
         times.append(time.perf_counter() - t0)
+    if progress is not None:
+        progress.tick()
     return min(times)  # the least disturbed run: the cost without other load
 
 
 def calibrated_choice(cal: Calibration, adaptive_k: bool = False) -> ModeChoice:
     """AR or SD for a target and draft sharing the CPU, from measured forward costs; with
     adaptive K, SD, which keeps choosing per round (a plain step when drafting does not pay)."""
-    if adaptive_k:
-        return ModeChoice(
-            Mode.SD,
-            f"target and draft share the CPU (SSD would split its cores); measured target "
-            f"{cal.target_1 * 1e3:.0f} ms/token and {cal.target_k1 * 1e3:.0f} ms per "
-            f"{cal.k + 1}-token verify, draft {cal.draft_1 * 1e3:.0f} ms/token: SD choosing K "
-            "each round from these costs and the acceptance so far (K=0, a plain step, when "
-            "no proposal pays)",
-        )
+    shared = cpu_shared(adaptive_k)
+    if shared is not None:
+        return shared.measured(cal.describe())
     ar, sd = cal.predicted()
     mode = Mode.SD if sd > ar else Mode.AR
+    predicted = f"predicted AR {ar:.1f} vs SD {sd:.1f} tok/s at {PRIOR_ACCEPTANCE:.0%} acceptance"
     return ModeChoice(
         mode,
-        f"target and draft share the CPU (SSD would split its cores); measured target "
-        f"{cal.target_1 * 1e3:.0f} ms/token and {cal.target_k1 * 1e3:.0f} ms per "
-        f"{cal.k + 1}-token verify, draft {cal.draft_1 * 1e3:.0f} ms/token: predicted "
-        f"AR {ar:.1f} vs SD {sd:.1f} tok/s at {PRIOR_ACCEPTANCE:.0%} acceptance",
+        f"target and draft share the CPU (SSD would split its cores); {cal.describe()}: {predicted}",
+        f"target and draft share the CPU; {predicted}",
     )
+
+
+@dataclass
+class ModeCheck:
+    """Whether SD's own rounds still beat plain steps at the load they ran under.
+
+    Seeded with the calibration's step costs (seconds by scored width). Each SD round
+    tells it the tokens it emitted, its seconds, and its verify seconds at its width: the
+    ratio of those to the calibration's cost at that width is the load now, and plain
+    steps at that load would make `rows / (t1 * load)` tokens per second. After
+    CHECK_ROUNDS rounds, when that beats the rounds' own rate by CHECK_MARGIN, `observe`
+    returns the AR choice that says so (once).
+    """
+
+    widths: dict[int, float]  # calibrated seconds of one target step by scored tokens
+    rounds: int = CHECK_ROUNDS
+    margin: float = CHECK_MARGIN
+    window: list[tuple[int, float, float]] = field(default_factory=list)  # (tokens, s, load)
+    done: bool = False
+
+    def observe(self, rows: int, emitted: int, draft_s: float, verify_s: float, scored: int) -> ModeChoice | None:
+        if self.done or 1 not in self.widths:
+            return None
+        base = self._cost(scored)
+        self.window.append((emitted, draft_s + verify_s, verify_s / base if base > 0 else 1.0))
+        self.window = self.window[-self.rounds :]
+        if len(self.window) < self.rounds:
+            return None
+        tokens = sum(n for n, _, _ in self.window)
+        seconds = sum(s for _, s, _ in self.window)
+        loads = sorted(load for _, _, load in self.window)
+        load = loads[len(loads) // 2]  # the median: one stalled round does not decide
+        sd_rate = tokens / seconds if seconds > 0 else float("inf")
+        ar_rate = rows / (self.widths[1] * load)
+        if ar_rate <= sd_rate * self.margin:
+            return None
+        self.done = True
+        return ModeChoice(
+            Mode.AR,
+            f"switched from SD after {len(self.window)} rounds: they made {sd_rate:.1f} tok/s, "
+            f"and plain steps at the load they ran under would make {ar_rate:.1f} (target "
+            f"{self.widths[1] * load * 1e3:.0f} ms/token, {load:.1f}x the calibration's)",
+            f"switched from SD: its rounds made {sd_rate:.1f} tok/s, plain steps would make {ar_rate:.1f}",
+        )
+
+    def round(self, event) -> ModeChoice | None:
+        """observe() for one RoundEvent (its rows, tokens taken, seconds, widest proposal)."""
+        scored = 1 + max(event.n_drafted, default=0)
+        return self.observe(len(event.rows), sum(event.n_emitted), event.draft_s, event.verify_s, scored)
+
+    def _cost(self, scored: int) -> float:
+        if scored in self.widths:
+            return self.widths[scored]
+        known = sorted(self.widths)
+        above = [w for w in known if w >= scored]
+        return self.widths[above[0] if above else known[-1]]

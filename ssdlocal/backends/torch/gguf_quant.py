@@ -7,7 +7,8 @@ embedding, quantized in the file already, stays quantized too (_embedding_scheme
 directory holds config + tokenizer (from the GGUF metadata, via gguf_convert), one
 model.safetensors of codes, scales and the float tensors, and quantization.json; it is
 keyed by the file's sha256 + scheme + dtype, built under a temporary name and renamed,
-with the marker written last. Tensor names on both sides, which linears are quantized and
+with the marker written last; the metadata (config, tokenizer) is read by a child process
+while the tensors convert, and progress counts the GGUF's bytes. Tensor names on both sides, which linears are quantized and
 llama.cpp's q/k row order come from the architecture's description (arch.py). Knows
 nothing about where GGUF files come from.
 """
@@ -44,6 +45,7 @@ from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsWriter
 from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.files import file_lock
 from ssdlocal.core.paths import ProgressCallback, cache_dir
+from ssdlocal.core.progress import model_label, reporter
 from ssdlocal.core.quantization import scheme_for_gguf_type
 
 log = logging.getLogger(__name__)
@@ -74,9 +76,14 @@ def content_key(gguf_path: Path) -> str:
     with contextlib.suppress(OSError):
         return memo.read_text().strip()
     digest = hashlib.sha256()
+    progress, done = reporter(), 0
+    stage = f"checking {model_label(gguf_path)} (sha256)"
     with open(gguf_path, "rb") as fh:
         while block := fh.read(16 << 20):
             digest.update(block)
+            done += len(block)
+            if progress:
+                progress(stage, done, st.st_size)
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_name(f"{memo.name}.{os.getpid()}")
     tmp.write_text(digest.hexdigest() + "\n")
@@ -133,8 +140,9 @@ def metadata_dir(gguf_path: Path) -> Path:
     of a GGUF file: what needs no weights (tokenizer checks, config, planning) reads it.
 
     transformers builds both from the GGUF metadata, parsing the file with a reader that
-    touches every page of it (about a minute and the file's size in resident memory), so
-    that runs once, in a child process: the caller's memory stays that of its model.
+    touches every page of it (20-40 s and the file's size in resident memory for the offline
+    1.5B on 2 cores), so that runs once, in a child process: the caller's memory stays that
+    of its model (and a quantization runs meanwhile: ensure_quantized).
     """
     gguf_path = Path(gguf_path)
     stem = gguf_path.name.removesuffix(".gguf")
@@ -147,28 +155,39 @@ def metadata_dir(gguf_path: Path) -> Path:
     chat = "tokenizer.chat_template" in header.metadata
 
     def build(tmp: Path) -> None:
-        import subprocess
-        import sys
-
-        import ssdlocal
-
-        env = dict(os.environ)  # the child imports this very package, wherever it lives
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
-        )
-        args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat))]
-        run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
-                             capture_output=True, text=True, check=False)  # fmt: skip
-        error = tmp / "error.json"
-        if error.is_file():
-            raise ModelLoadError(**json.loads(error.read_text()))
-        if run.returncode != 0 or not (tmp / "config.json").is_file():
-            tail = (run.stderr or "").strip().splitlines()[-3:]
-            raise ModelLoadError(f"reading the metadata of {gguf_path.name} failed: {' / '.join(tail)}",
-                                 "run again; if it persists the file may be damaged: fetch it again")
-        (tmp / _META_MARKER).write_text(json.dumps({"source": gguf_path.name}) + "\n")
+        progress = reporter()
+        stage = f"reading tokenizer: {model_label(gguf_path)}"
+        if progress:
+            progress(stage, 0, 1)
+        _run_metadata_child(gguf_path, tmp, arch, tied, chat)
+        if progress:
+            progress(stage, 1, 1)
 
     return _build_atomically(out, _META_MARKER, build)
+
+
+def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool) -> None:
+    """Write the metadata directory's files into `tmp` from a child process."""
+    import subprocess
+    import sys
+
+    import ssdlocal
+
+    env = dict(os.environ)  # the child imports this very package, wherever it lives
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
+    )
+    args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat))]
+    run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    error = tmp / "error.json"
+    if error.is_file():
+        raise ModelLoadError(**json.loads(error.read_text()))
+    if run.returncode != 0 or not (tmp / "config.json").is_file():
+        tail = (run.stderr or "").strip().splitlines()[-3:]
+        raise ModelLoadError(f"reading the metadata of {gguf_path.name} failed: {' / '.join(tail)}",
+                             "run again; if it persists the file may be damaged: fetch it again")
+    (tmp / _META_MARKER).write_text(json.dumps({"source": gguf_path.name}) + "\n")
 
 
 _METADATA_CHILD = (
@@ -182,6 +201,7 @@ def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, cha
     from ssdlocal.backends.torch import gguf_convert as conv
     from ssdlocal.core.errors import SSDLocalError
 
+    _parse_metadata_once()
     try:
         config, tokenizer = conv.read_config_and_tokenizer(Path(gguf_path))
         # tied iff the file has no separate output matrix (llama.cpp then reuses the embedding)
@@ -190,6 +210,28 @@ def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, cha
         conv.check_chat_template(Path(out), {"has_chat_template": chat})
     except SSDLocalError as exc:
         (Path(out) / "error.json").write_text(json.dumps({"message": exc.message, "hint": exc.hint}))
+
+
+def _parse_metadata_once() -> None:
+    """transformers parses the whole GGUF (every vocabulary string through numpy views,
+    ~20 s for the offline 1.5B on 2 cores) once for the config and again for the tokenizer;
+    in the metadata child the second asks for what the first already read."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+
+    @functools.lru_cache(maxsize=2)
+    def metadata_only(path: str):
+        return original(path, return_tensors=False)
+
+    def load(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return original(path, return_tensors, *args, **kwargs)
+        return metadata_only(str(path))
+
+    gguf_utils.load_gguf_checkpoint = load
 
 
 # --------------------------------------------------------------------------- conversion
@@ -204,10 +246,16 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
     out = quantized_dir(gguf_path, scheme, dtype)
     if (out / _MARKER).is_file():
         return out
-    meta = metadata_dir(gguf_path)
+    progress = reporter(progress)
 
     def build(tmp: Path) -> None:
         t0 = time.perf_counter()
+        with _in_background(metadata_dir, gguf_path) as meta_result:  # a child process: no GIL
+            header = GGUFHeader.read(gguf_path)
+            heads, tied = _heads_and_tying(header)
+            info_tensors = _convert(gguf_path, tmp / "model.safetensors", scheme, getattr(torch, dtype),
+                                    heads, tied, progress)  # fmt: skip
+        meta = meta_result()
         for f in meta.iterdir():
             if f.is_file() and f.name != _META_MARKER:
                 shutil.copy(f, tmp / f.name)
@@ -217,8 +265,7 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
         info = {"format": _FORMAT, "scheme": scheme, "group_size": 32 if scheme == "int4" else 0,
                 "dtype": dtype, "source": gguf_path.name, "path": str(gguf_path.resolve()),
                 "sha256": content_key(gguf_path)}  # fmt: skip
-        info["tensors"] = _convert(gguf_path, tmp / "model.safetensors", scheme, getattr(torch, dtype),
-                                   config, progress)  # fmt: skip
+        info["tensors"] = info_tensors
         (tmp / QUANT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")  # last: the directory is whole
@@ -227,16 +274,55 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
     return _build_atomically(out, _MARKER, build)
 
 
-def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, config: dict,
-             progress: ProgressCallback | None) -> dict[str, int]:  # fmt: skip
-    """Stream every tensor into `out`; returns how many tensors went to each storage kind."""
+@contextlib.contextmanager
+def _in_background(fn, *args):
+    """Run fn(*args) in a thread while the block runs; yields a function returning its
+    result (re-raising its error) once the block is done."""
+    import threading
+
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="ssdlocal-gguf-metadata", daemon=True)
+    thread.start()
+    try:
+        yield lambda: box["value"]
+    finally:
+        thread.join()  # (a failure in the block wins over the thread's)
+    if "error" in box:
+        raise box["error"]
+
+
+def _heads_and_tying(header: GGUFHeader) -> tuple[tuple[int, int], bool]:
+    """((attention heads, kv heads), tied embedding) from a GGUF header: the same facts the
+    metadata's config.json records (tied: the file has no separate output matrix)."""
+    file_arch = header.metadata.get("general.architecture")
+    arch = for_gguf(file_arch, header.path.name)
+    n_heads = int(header.metadata[f"{file_arch}.attention.head_count"])
+    kv = header.metadata.get(f"{file_arch}.attention.head_count_kv")
+    tied = arch.gguf.theirs("lm_head.weight") not in {t.name for t in header.tensors}
+    return (n_heads, int(kv) if kv else n_heads), tied
+
+
+def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, heads: tuple[int, int],
+             tied: bool, progress: ProgressCallback | None) -> dict[str, int]:  # fmt: skip
+    """Stream every tensor into `out`; returns how many tensors went to each storage kind.
+    Progress counts the GGUF's tensor bytes read."""
     header = GGUFHeader.read(gguf_path)
     arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
-    heads = (config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"])
-    tied = bool(config.get("tie_word_embeddings"))
     writer = SafetensorsWriter(out)
     counts = {"quantized": 0, "float": 0, "exact_int4": 0}
     releaser = MemoryReleaser()
+    stage = f"quantizing {model_label(gguf_path)} to {scheme}"
+    sizes = [t.shape[0] * t.row_bytes() if len(t.shape) > 1 else t.row_bytes() for t in header.tensors]
+    total, done = sum(sizes), 0
+    if progress:
+        progress(stage, 0, total)
     try:
         for i, info in enumerate(header.tensors):
             name = arch.from_gguf(info.name)
@@ -257,13 +343,16 @@ def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, config
             if name == "embed_tokens.weight" and tied and head_from_embedding:
                 _add_quantized(writer, gguf_path, info, arch, "lm_head", scheme, dtype, None, counts)
             releaser.processed(info.shape[0] * info.row_bytes())
+            done += sizes[i]
             if progress:
-                progress("quantize", i + 1, len(header.tensors))
+                progress(stage, done, total)
     except BaseException:
         writer.abort()
         raise
     writer.close({"format": "pt"})
     releaser.flush()
+    if progress:  # tensors the model does not use (none in supported files) were skipped
+        progress(stage, total, total)
     return counts
 
 

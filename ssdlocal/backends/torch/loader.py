@@ -191,17 +191,18 @@ def weight_files(path: Path) -> list[Path]:
 
 def read_state_dict(
     files: list[Path], device: torch.device, dtype: torch.dtype, arch: Architecture, *,
-    tied: bool = False, read=None,
+    tied: bool = False, read=None, on_read=None,
 ) -> dict[str, torch.Tensor]:
     """Our tensor names (arch.from_checkpoint) -> tensors already in the target dtype/device.
 
     `read(f, name, key)` picks what to keep of one tensor (default: all of it; tensor
     parallelism reads a slice). With `tied` embeddings a stored lm_head.weight is skipped.
+    `on_read(nbytes)`: told the size of each whole tensor read (progress).
     """
     state: dict[str, torch.Tensor] = {}
     for file in files:
         if read is None:  # whole tensors: plain reads, so no memory-mapped page stays resident
-            with SafetensorsReader(file) as f:
+            with SafetensorsReader(file, on_read) as f:
                 for name in f.keys():
                     if (key := arch.from_checkpoint(name, tied)) is not None:
                         state[key] = f.read(name).to(device=device, dtype=dtype)  # own allocation
@@ -271,14 +272,15 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
     files = weight_files(ckpt)
     dev, torch_dtype = parse_device(device), parse_dtype(dtype, hf_config)
     tokenizer = load_tokenizer(ckpt)
+    on_read = _load_progress(path, files, scheme, torch_dtype)
     try:
         with torch.device("meta"):
             model = Transformer(args)
         if scheme != "none":
-            load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype)
+            load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype, on_read=on_read)
         else:
             state = read_state_dict(files, dev, torch_dtype, architecture(args.arch),
-                                    tied=args.tie_word_embeddings)
+                                    tied=args.tie_word_embeddings, on_read=on_read)
             assign_weights(model, state, ckpt)
             del state
     except (torch.OutOfMemoryError, RuntimeError) as exc:
@@ -288,11 +290,33 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
     except (SafetensorError, DamagedFileError, OSError) as exc:  # truncated or garbled weights
         raise ModelLoadError(f"cannot read the weights in {ckpt}: {_first_line(exc)}",
                              hint=damaged_hint(ckpt)) from exc
+    if on_read is not None:
+        on_read(None)  # the headers and skipped tensors count too
     model.requires_grad_(False).eval()
     log.info("loaded %s (%s, %d layers) on %s as %s, weights %s", ckpt, args.arch, args.num_layers,
              dev, torch_dtype, scheme)  # fmt: skip
     return LoadedModel(model, tokenizer, args, hf_config, ckpt, dev, torch_dtype,
                        eos_ids(ckpt, hf_config, tokenizer), scheme)
+
+
+def _load_progress(path, files: list[Path], scheme: str, dtype: torch.dtype):
+    """on_read(nbytes) reporting "loading <model> (<weights>)" in bytes to the installed
+    progress display (core.progress), or None when none is installed."""
+    from ssdlocal.core.progress import model_label, reporter
+
+    progress = reporter()
+    if progress is None:
+        return None
+    weights = scheme if scheme != "none" else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    stage, total, done = f"loading {model_label(path)} ({weights})", sum(f.stat().st_size for f in files), 0
+    progress(stage, 0, total)
+
+    def on_read(nbytes: int | None) -> None:  # None: the load is done
+        nonlocal done
+        done = total if nbytes is None else min(done + nbytes, total)
+        progress(stage, done, total)
+
+    return on_read
 
 
 def _first_line(exc: BaseException) -> str:

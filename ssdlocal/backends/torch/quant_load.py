@@ -73,10 +73,11 @@ def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> 
 
 
 def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], scheme: str,
-                           device: torch.device, dtype: torch.dtype, *, shard: Shard | None = None) -> None:  # fmt: skip
+                           device: torch.device, dtype: torch.dtype, *, shard: Shard | None = None,
+                           on_read=None) -> None:  # fmt: skip
     """Fill meta-device `model` (possibly already shaped for a TP rank): the linears its
     architecture quantizes become QuantLinears, every other tensor is assigned in `dtype`
-    on `device`."""
+    on `device`. `on_read(nbytes)`: told the size of each tensor read (progress)."""
     if scheme not in SCHEMES[1:]:
         raise ValueError(f"not a quantization scheme: {scheme!r}")
     shard = shard or (lambda key, value: value)
@@ -87,7 +88,7 @@ def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], sche
     linears = {n for n, _ in model.named_modules() if arch.quantized(n)}
     loader = _Filler(model, scheme, device, dtype, shard)
     for file in files:
-        with SafetensorsReader(file) as f:
+        with SafetensorsReader(file, on_read) as f:
             for name in f.keys():  # noqa: SIM118 - a reader, not a dict
                 key = arch.from_checkpoint(name, tied)
                 if key is None:

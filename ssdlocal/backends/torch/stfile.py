@@ -34,10 +34,12 @@ class DamagedFileError(ModelLoadError):
 
 
 class SafetensorsReader:
-    """Tensors of one .safetensors file by name; `read` returns a fresh CPU tensor."""
+    """Tensors of one .safetensors file by name; `read` returns a fresh CPU tensor.
+    `on_read(nbytes)`, when given, is told the size of every tensor read (progress)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, on_read=None) -> None:
         self.path = Path(path)
+        self.on_read = on_read
         self._fh = open(self.path, "rb")  # noqa: SIM115 - closed by close()/__exit__
         try:
             (size,) = struct.unpack("<Q", self._fh.read(8))
@@ -72,6 +74,8 @@ class SafetensorsReader:
         if self._fh.readinto(memoryview(out.numpy())) != end - begin:
             raise DamagedFileError(f"{self.path} is truncated at tensor {name}",
                                  "the download or conversion is incomplete; fetch the model again")
+        if self.on_read is not None:
+            self.on_read(end - begin)
         return out.view(dtype).reshape(shape)
 
     def close(self) -> None:

@@ -1,0 +1,85 @@
+"""`--mode auto` as far as the placement decides it: one decision, one reason, the same
+words in `devices`, `generate`, `chat` and `serve`.
+
+No draft -> AR; a draft that costs nothing (n-gram, suffix) -> SD; a draft on hardware of
+its own (another GPU, or the CPU beside a GPU target) -> SSD, whose drafting then overlaps
+verification; target and draft on one GPU -> SD. Target and draft both on the CPU share
+one memory system, where SSD would split the cores and lose to SD: SD choosing K each
+round (K=0 is a plain step, so plain decoding is one of its choices), or, with K pinned,
+AR or SD by a calibration of the loaded models (engine/auto.py). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ssdlocal.core.config import Mode
+
+CPU_SHARED = "target and draft share the CPU"  # the start of every CPU-shared reason
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """A mode and why: `short` is the one line printed before the first token (and by
+    `devices`), `reason` the whole story (`mode_reason` in --json, the chat's `why` key)."""
+
+    mode: Mode
+    reason: str
+    short: str = ""
+
+    @property
+    def line(self) -> str:
+        """`mode sd: <short reason>`: what every command prints."""
+        return f"mode {self.mode.value}: {self.short or self.reason}"
+
+    def measured(self, detail: str) -> ModeChoice:
+        """The same choice, its full reason followed by what a calibration measured."""
+        return replace(self, reason=f"{self.reason}; {detail}")
+
+
+def _is_gpu(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def cpu_shared(adaptive_k: bool) -> ModeChoice | None:
+    """Target and draft model on the CPU: SD choosing K per round, or (K pinned) None: a
+    calibration decides between AR and SD."""
+    if not adaptive_k:
+        return None
+    return ModeChoice(
+        Mode.SD,
+        f"{CPU_SHARED} and one memory system, where SSD would split the cores and lose to SD; "
+        "SD chooses K each round from the measured costs and acceptance (K=0, a plain step, "
+        "when drafting does not pay), and switches to AR if its rounds run slower than plain "
+        "steps would",
+        f"{CPU_SHARED}: K chosen per round (0 = plain step)",
+    )
+
+
+def placement_mode(targets: tuple[str, ...], draft_device: str | None, draft_kind: str,
+                   draft_label: str = "", adaptive_k: bool = True) -> ModeChoice | None:  # fmt: skip
+    """The mode for this placement. `draft_kind`: "none", "model", or a drafter that costs
+    nothing ("ngram", "suffix"); None when a calibration of the loaded models decides."""
+    if draft_kind == "none":
+        return ModeChoice(Mode.AR, "no draft model, so plain autoregressive decoding", "no draft model")
+    if draft_kind != "model":
+        label = draft_label or draft_kind
+        return ModeChoice(Mode.SD, f"the {label} draft costs nothing to run, so synchronous speculation",
+                          f"the {label} draft costs nothing to run")  # fmt: skip
+    where = ",".join(targets)
+    draft = draft_device or "cpu"
+    if draft not in targets and (_is_gpu(draft) or any(_is_gpu(t) for t in targets)):
+        return ModeChoice(
+            Mode.SSD,
+            f"the draft has hardware of its own ({draft}, target on {where}), so SSD "
+            "pre-speculates while the target verifies",
+            f"the draft has hardware of its own ({draft}; target {where})",
+        )
+    if _is_gpu(draft):
+        return ModeChoice(
+            Mode.SD,
+            f"target and draft share {draft}, so drafting cannot overlap verification: "
+            "synchronous speculation",
+            f"target and draft share {draft}",
+        )
+    return cpu_shared(adaptive_k)

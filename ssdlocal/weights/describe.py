@@ -1,0 +1,81 @@
+"""What a model's weights really are, for people: `int4 from x-q4_k_m.gguf (Q4_K_M)`.
+
+Wherever a dtype is shown (the chat header, `devices`, `serve`, `generate`'s first line)
+the weights' format is shown with it: the scheme the torch backend runs (int4, int8, or the
+float dtype), or llama.cpp's own GGUF type, and the file it comes from. Reads file
+headers only (a GGUF's metadata, a quantized checkpoint's quantization.json): no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from ssdlocal.core.quantization import scheme_for_gguf_type
+
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def gguf_file_type(path: Path) -> str | None:
+    """A GGUF's file type as llama.cpp names it ("Q4_K_M"), None if it records none."""
+    from ssdlocal.backends.torch.gguf_read import GGUFHeader  # numpy only
+
+    file_type = GGUFHeader.read(path).metadata.get("general.file_type")
+    if not isinstance(file_type, int):
+        return None
+    from gguf import LlamaFileType
+
+    with contextlib.suppress(ValueError):
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    return None
+
+
+def weights_format(path: str | Path, backend: str, quantization: str, dtype: str) -> tuple[str, str | None]:
+    """(what runs: "int4" | "int8" | "bf16" | ... | "Q4_K_M (llama.cpp)", the GGUF file type or None)."""
+    path = Path(path).expanduser()
+    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    file_type = None
+    if is_gguf:
+        with contextlib.suppress(Exception):  # a label must never fail a run
+            file_type = gguf_file_type(path)
+    if backend == "llamacpp":
+        return f"{file_type or 'GGUF'} (llama.cpp)", file_type
+    scheme = quantization
+    if quantization == "auto":
+        if is_gguf:
+            scheme = scheme_for_gguf_type(file_type) if file_type else _gguf_scheme(path)
+        else:
+            scheme = _checkpoint_scheme(path)
+    return (SHORT_DTYPES.get(dtype, dtype) if scheme == "none" else scheme), file_type
+
+
+def weights_label(path: str | Path, backend: str = "torch", quantization: str = "none",
+                  dtype: str = "bfloat16") -> str:  # fmt: skip
+    """`int4 from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (Q4_K_M)`, `bf16 from Qwen2.5-0.5B`."""
+    fmt, file_type = weights_format(path, backend, quantization, dtype)
+    name = Path(path).name or str(path)
+    if backend != "llamacpp" and file_type:
+        return f"{fmt} from {name} ({file_type})"
+    return f"{fmt} from {name}"
+
+
+def spec_label(spec) -> str:
+    """weights_label of a core.models.ModelSpec."""
+    return weights_label(spec.path, spec.backend, spec.quantization, spec.dtype)
+
+
+def _gguf_scheme(path: Path) -> str:
+    try:
+        from ssdlocal.backends.torch.gguf_quant import gguf_scheme
+    except ImportError:  # torch is not installed: llama.cpp runs it
+        return "none"
+    return gguf_scheme(path)
+
+
+def _checkpoint_scheme(path: Path) -> str:
+    """A quantized checkpoint's scheme (its quantization.json), none for float ones."""
+    try:
+        return str(json.loads((path / "quantization.json").read_text()).get("scheme", "none"))
+    except (OSError, ValueError):
+        return "none"
