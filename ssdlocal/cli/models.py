@@ -269,21 +269,80 @@ def devices(
         t_gb, d_gb = found.memory_gb(backend, quantization)
         label, heads = found.name, _heads(found)
     inventory = detect()
+    weights = _pair_weights(found, backend, quantization) if target_gb is None else ()
     if as_json:
         payload = {"devices": dataclasses.asdict(inventory), "for": label}
         try:
-            plan = plan_placement(inventory, t_gb, d_gb, heads=heads)
+            plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)
         except Exception:
             sys.stdout.write(json.dumps({**payload, "plan": None}) + "\n")
             raise
-        sys.stdout.write(json.dumps({**payload, "plan": dataclasses.asdict(plan)}) + "\n")
+        choice = _mode_of(plan)
+        payload |= {"plan": dataclasses.asdict(plan), "weights": dict(zip(("target", "draft"), weights)),
+                    "mode": {"mode": choice.mode.value, "reason": choice.reason, "line": choice.line}}  # fmt: skip
+        sys.stdout.write(json.dumps(payload) + "\n")
         return
     _print_inventory(inventory)
     out.print(
         f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):"
     )
-    plan = plan_placement(inventory, t_gb, d_gb, heads=heads)  # PlacementError -> exit 1
-    _print_plan(plan)
+    plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)  # PlacementError -> exit 1
+    _print_plan(plan, weights)
+
+
+def _as_run(plan, draft_gb: float):
+    """The plan as `generate --target-device auto --draft-device auto` runs it: a draft
+    with no GPU of its own shares the target's when it fits there (placement.auto)."""
+    import dataclasses
+
+    from ssdlocal.placement.auto import draft_device_of
+    from ssdlocal.placement.planner import DeviceUse
+
+    draft = draft_device_of(plan, draft_gb)
+    if draft == plan.draft_device:
+        return plan
+    old = next(u for u in plan.uses if u.role == "draft")
+    room = next(u for u in plan.uses if u.device == draft)
+    uses = tuple(u for u in plan.uses if u.role != "draft") + (
+        DeviceUse(draft, "draft (shares the target's GPU)", old.need_gb, room.headroom_gb),)
+    notes = tuple(n for n in plan.notes if not n.startswith("no GPU left for the draft"))
+    return dataclasses.replace(plan, draft_device=draft, uses=uses,
+                               notes=("no GPU left for the draft: it shares the target's GPU",) + notes)  # fmt: skip
+
+
+def _mode_of(plan):
+    """The mode `--mode auto` runs on this plan and why (placement/mode.py: the words
+    generate, chat and serve print too)."""
+    from ssdlocal.placement.mode import placement_mode
+
+    kind = "model" if plan.draft_device is not None else "ngram"  # no room: n-gram drafting
+    return placement_mode(plan.target_devices, plan.draft_device, kind, "n-gram", adaptive_k=True)
+
+
+def _pair_weights(pair, backend: str, quantization: str) -> tuple[str, str]:
+    """What the target's and draft's weights run as, and from which files."""
+    from ssdlocal.weights.describe import SHORT_DTYPES
+
+    labels = []
+    schemes = pair.schemes(quantization) if backend == "torch" else ("", "")
+    for ref, gguf, scheme in zip((pair.target, pair.draft), (pair.gguf_target, pair.gguf_draft), schemes):
+        source = _gguf_name(gguf) if pair.source == "pypi" and gguf else ref.label
+        if backend == "llamacpp" and gguf is not None:
+            labels.append(f"{gguf.quant or 'GGUF'} (llama.cpp) from {_gguf_name(gguf)}")
+        elif scheme in ("none", ""):
+            labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}")
+        else:
+            quant = f" ({gguf.quant})" if pair.source == "pypi" and gguf and gguf.quant else ""
+            labels.append(f"{scheme} from {source}{quant}")
+    return labels[0], labels[1]
+
+
+def _gguf_name(gguf) -> str:
+    if gguf.asset:
+        from ssdlocal.weights.assets import get_asset
+
+        return get_asset(gguf.asset).filename
+    return gguf.filename or gguf.path or gguf.repo or "?"
 
 
 def _print_inventory(inventory) -> None:
@@ -306,8 +365,9 @@ def _print_inventory(inventory) -> None:
         out.print(f"[dim]note: {note}[/dim]")
 
 
-def _print_plan(plan) -> None:
-    """The placement table, its summary, the flags that reproduce it, and its notes."""
+def _print_plan(plan, weights: tuple[str, ...] = ()) -> None:
+    """The placement table, its summary, the weights, the mode `--mode auto` runs and why,
+    the flags that reproduce it, and its notes."""
     from ssdlocal.placement.devarg import plan_flags
 
     plan_table = Table()
@@ -319,6 +379,9 @@ def _print_plan(plan) -> None:
         )
     out.print(plan_table)
     out.print(f"{_plan_summary(plan)}; tensor-parallel degree {plan.tensor_parallel}")
+    for role, label in zip(("target", "draft"), weights):
+        out.print(f"{role} weights: {label}", highlight=False)
+    out.print(_mode_of(plan).line, highlight=False)  # what generate, chat and serve print
     out.print(f"flags: {plan_flags(plan)}", soft_wrap=True)  # what generate takes to reproduce it
     for note in plan.notes:
         out.print(f"[dim]note: {note}[/dim]")

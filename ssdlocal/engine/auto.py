@@ -139,40 +139,42 @@ class ModeCheck:
 
     Seeded with the calibration's step costs (seconds by scored width). Each SD round
     tells it the tokens it emitted, its seconds, and its verify seconds at its width: the
-    ratio of those to the calibration's cost at that width is the load now, and plain
-    steps at that load would make `rows / (t1 * load)` tokens per second. After
-    CHECK_ROUNDS rounds, when that beats the rounds' own rate by CHECK_MARGIN, `observe`
-    returns the AR choice that says so (once).
+    ratio of those to the calibration's cost at that width is the load the round ran
+    under, at which plain steps would make `rows / (t1 * load)` tokens per second. The
+    median over CHECK_ROUNDS rounds of (the round's rate / that plain rate) decides (one
+    round stalled by another process scales both, and the median ignores it): below
+    1 / CHECK_MARGIN, `observe` returns the AR choice that says so (once).
     """
 
     widths: dict[int, float]  # calibrated seconds of one target step by scored tokens
     rounds: int = CHECK_ROUNDS
     margin: float = CHECK_MARGIN
-    window: list[tuple[int, float, float]] = field(default_factory=list)  # (tokens, s, load)
+    window: list[tuple[float, float, float]] = field(default_factory=list)  # (tokens, s, ratio)
     done: bool = False
 
-    def observe(self, rows: int, emitted: int, draft_s: float, verify_s: float, scored: int) -> ModeChoice | None:
-        if self.done or 1 not in self.widths:
+    def observe(self, rows: int, emitted: float, draft_s: float, verify_s: float, scored: int) -> ModeChoice | None:
+        seconds = draft_s + verify_s
+        if self.done or 1 not in self.widths or seconds <= 0 or rows <= 0:
             return None
         base = self._cost(scored)
-        self.window.append((emitted, draft_s + verify_s, verify_s / base if base > 0 else 1.0))
+        load = verify_s / base if base > 0 else 1.0
+        plain_rate = rows / (self.widths[1] * load)  # tokens/s of plain steps at this load
+        self.window.append((emitted, seconds, emitted / seconds / plain_rate))
         self.window = self.window[-self.rounds :]
         if len(self.window) < self.rounds:
             return None
-        tokens = sum(n for n, _, _ in self.window)
-        seconds = sum(s for _, s, _ in self.window)
-        loads = sorted(load for _, _, load in self.window)
-        load = loads[len(loads) // 2]  # the median: one stalled round does not decide
-        sd_rate = tokens / seconds if seconds > 0 else float("inf")
-        ar_rate = rows / (self.widths[1] * load)
-        if ar_rate <= sd_rate * self.margin:
+        ratios = sorted(r for _, _, r in self.window)
+        ratio = ratios[len(ratios) // 2]
+        if ratio * self.margin >= 1.0:
             return None
         self.done = True
+        sd_rate = sum(n for n, _, _ in self.window) / sum(s for _, s, _ in self.window)
+        ar_rate = sd_rate / ratio if ratio > 0 else float("inf")
         return ModeChoice(
             Mode.AR,
             f"switched from SD after {len(self.window)} rounds: they made {sd_rate:.1f} tok/s, "
-            f"and plain steps at the load they ran under would make {ar_rate:.1f} (target "
-            f"{self.widths[1] * load * 1e3:.0f} ms/token, {load:.1f}x the calibration's)",
+            f"and plain steps at the load they ran under would make {ar_rate:.1f} ({load:.1f}x "
+            "the calibration's step costs in the last round)",
             f"switched from SD: its rounds made {sd_rate:.1f} tok/s, plain steps would make {ar_rate:.1f}",
         )
 

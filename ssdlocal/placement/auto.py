@@ -65,7 +65,7 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     Raises PlacementError (with a hint) when nothing fits.
     """
     from ssdlocal.placement.inventory import detect
-    from ssdlocal.placement.planner import OVERHEAD, plan_placement
+    from ssdlocal.placement.planner import plan_placement
 
     inventory = detect() if inventory is None else inventory
     if not inventory.gpus:
@@ -74,15 +74,25 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     heads = _heads(target) if backend == "torch" else ()
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
     plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
-    draft_device = plan.draft_device or "cpu"  # no room anywhere: the CPU, where RAM may swap
-    main = plan.target_devices[0]
-    if draft_device == "cpu" and main.startswith("cuda") and draft_gb:
-        room = next((u.headroom_gb for u in plan.uses if u.device == main), 0.0)
-        if room >= draft_gb * OVERHEAD + max(0.25, 0.1 * draft_gb):
-            draft_device = main  # no free GPU: share the target's (SD there beats a CPU draft)
+    draft_device = draft_device_of(plan, draft_gb) or "cpu"  # no room anywhere: the CPU, where RAM may swap
     log.info("auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices),
              plan.tensor_parallel, draft_device)
     return tuple(plan.target_devices), draft_device
+
+
+def draft_device_of(plan, draft_gb: float) -> str | None:
+    """Where `--draft-device auto` puts the draft for a planner's plan (what `devices` shows
+    too): the plan's draft device, except that with no GPU left for it a draft that fits
+    beside a GPU target shares the target's GPU (SD there beats a CPU draft). None: no room
+    for a draft model anywhere."""
+    from ssdlocal.placement.planner import OVERHEAD
+
+    main = plan.target_devices[0]
+    if plan.draft_device in ("cpu", None) and main.startswith("cuda") and draft_gb:
+        room = next((u.headroom_gb for u in plan.uses if u.device == main and u.role.startswith("target")), 0.0)
+        if room >= draft_gb * OVERHEAD + max(0.25, 0.1 * draft_gb):
+            return main
+    return plan.draft_device
 
 
 def auto_draft_device(target_device: str, inventory=None) -> str:

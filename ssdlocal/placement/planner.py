@@ -141,8 +141,6 @@ def _with_draft(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Pl
     else:
         draft = None
         notes.append("no room for the draft model: n-gram (prompt lookup) drafting instead")
-    if target_devices == ("cpu",) and draft == "cpu":
-        notes.append("target and draft run as separate processes on separate cores")
     unused = len(rest) - (1 if draft and draft.startswith("cuda") else 0)
     if unused > 0:
         notes.append(f"{unused} GPU(s) unused")

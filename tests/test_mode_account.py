@@ -1,0 +1,147 @@
+"""One account of what runs where: the placement's mode decision and its words are the
+same in `devices` and the engine; a CPU calibration's SD re-checks itself against plain
+steps at the load its rounds measured and switches (saying so) when SD is slower; the
+switch keeps the output exact."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from cli_helpers import run_cli
+
+from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.events import DoneEvent, ModeEvent
+from ssdlocal.engine import Engine
+from ssdlocal.engine.auto import Calibration, ModeCheck, calibrated_choice
+from ssdlocal.placement.mode import placement_mode
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+WIDTHS = {1: 0.100, 2: 0.100, 5: 0.200, 13: 0.400}  # calibrated seconds per target step
+
+
+def test_sd_that_beats_plain_steps_is_kept():
+    check = ModeCheck(WIDTHS, rounds=4)
+    # 5 tokens wide, 3 tokens per round in 0.25 s (12 tok/s) at the calibrated load (plain: 10)
+    assert all(check.observe(1, 3, 0.05, 0.200, 5) is None for _ in range(10))
+
+
+def test_sd_slower_than_plain_steps_at_the_same_load_gives_way():
+    check = ModeCheck(WIDTHS, rounds=4)
+    # the machine got 3x busier than at calibration (verify 0.6 s where 0.2 was measured):
+    # plain steps would make 1 / 0.3 = 3.3 tok/s; these rounds make 1.2 / 0.9 = 1.3
+    results = [check.observe(1, 1.2, 0.3, 0.600, 5) for _ in range(4)]
+    assert results[:3] == [None, None, None]
+    change = results[3]
+    assert change.mode is Mode.AR
+    assert "switched from SD after 4 rounds" in change.reason and "3.0x the calibration" in change.reason
+    assert "1.3 tok/s" in change.short and "3.3" in change.short
+    assert check.observe(1, 1.2, 0.3, 0.600, 5) is None  # said once
+
+
+def test_a_stalled_round_does_not_decide():
+    check = ModeCheck(WIDTHS, rounds=5)
+    rounds = [(3, 0.05, 0.2)] * 4 + [(3, 0.05, 20.0)]  # one round stalled by another process
+    assert all(check.observe(1, n, d, v, 5) is None for n, d, v in rounds)
+
+
+def test_devices_and_the_engine_give_the_same_reason():
+    """The short line `devices` prints for a CPU-only machine is the one the engine prints
+    after its calibration (plus the measurements, in the full reason only)."""
+    planned = placement_mode(("cpu",), "cpu", "model", "", adaptive_k=True)
+    engine = calibrated_choice(Calibration(12, 0.08, 0.4, 0.05), adaptive_k=True)
+    assert planned.line == engine.line
+    assert len(engine.line) <= 80
+    assert "measured at load: target 80 ms/token" in engine.reason and "80 ms" not in engine.line
+
+
+def test_devices_prints_the_engines_mode_line(monkeypatch, capsys):
+    from ssdlocal.placement.inventory import DeviceInventory
+
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: DeviceInventory((), 2, 16.0))
+    code, out, err = run_cli(monkeypatch, capsys, "devices")
+    assert code == 0, err
+    assert placement_mode(("cpu",), "cpu", "model").line in out
+    assert "separate processes on separate cores" not in out  # the old SSD-sounding note
+    assert "int4" in out  # the weights' format, not only a dtype
+
+
+def test_devices_on_one_gpu_shares_it_like_the_engine(monkeypatch, capsys):
+    """One GPU: the draft shares it (what `--draft-device auto` does), the mode is SD."""
+    from ssdlocal.placement.inventory import GPU, DeviceInventory
+
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect",
+                        lambda: DeviceInventory((GPU(0, "GPU", 80.0, 80.0),), 16, 64.0))  # fmt: skip
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--json")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["plan"]["draft_device"] == "cuda:0" and payload["mode"]["mode"] == "sd"
+    assert "share cuda:0" in payload["mode"]["reason"]
+
+
+def _engine(tiny_dir, monkeypatch, k=3):
+    """An auto engine on the CPU with K pinned whose calibration picked SD (forced: tiny
+    float32 models make plain steps the faster choice here)."""
+    from ssdlocal.engine import engine as engine_module
+    from ssdlocal.placement.mode import ModeChoice
+
+    monkeypatch.setattr(engine_module, "calibrated_choice",
+                        lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated"))  # fmt: skip
+    t, d = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
+    spec = SpecConfig(mode=Mode.AUTO, k=k, adaptive_k=False, draft=ModelDraft(ModelSpec(d, dtype="float32")))
+    return Engine(EngineConfig(ModelSpec(t, dtype="float32"), spec, pin_cpus=False))
+
+
+def test_an_engine_switches_to_plain_steps_mid_answer_and_stays_exact(tiny_dir, monkeypatch):
+    """Widths calibrated as if a 1-token step were nearly free: after the check's rounds
+    SD gives way; the answer equals AR's token for token and the ModeEvent says why."""
+    from ssdlocal.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ModeCheck", functools.partial(ModeCheck, rounds=3))
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    with _engine(tiny_dir, monkeypatch) as engine:
+        assert engine.choice.mode is Mode.SD
+        engine._check_widths = {1: 1e-6, 4: 1.0}  # plain steps predicted a million times cheaper
+        events = list(engine.generate(["the cat sat"], params))
+        changes = [e for e in events if isinstance(e, ModeEvent)]
+        assert len(changes) == 1 and changes[0].mode == "ar" and changes[0].round_index == 2
+        assert engine.choice.mode is Mode.AR and "switched from SD" in engine.choice.reason
+        got = [e for e in events if isinstance(e, DoneEvent)][0].outputs[0].token_ids
+        ar = [e for e in engine.generate(["the cat sat"], params, spec=SpecConfig(mode=Mode.AR))
+              if isinstance(e, DoneEvent)][0].outputs[0].token_ids  # fmt: skip
+    assert got == ar and len(got) == 40
+
+
+def test_a_pinned_k_sample_never_switches(tiny_dir, monkeypatch):
+    """At T > 0 with K pinned a seeded sample must repeat, so timing may not change the mode."""
+    with _engine(tiny_dir, monkeypatch) as engine:
+        engine._check_widths = {1: 1e-6, 4: 1.0}
+        params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30, ignore_eos=True)
+        events = list(engine.generate(["the cat sat"], params))
+    assert not [e for e in events if isinstance(e, ModeEvent)]
+
+
+def test_generate_json_reports_a_change_of_mind(tiny_dir, monkeypatch, capsys):
+    from ssdlocal.engine import engine as engine_module
+    from ssdlocal.placement.mode import ModeChoice
+
+    original = Engine.__init__
+
+    def init(self, config):
+        original(self, config)
+        if self._check_widths is not None:
+            self._check_widths = {1: 1e-6, 4: 1.0}
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    monkeypatch.setattr(engine_module, "ModeCheck", functools.partial(ModeCheck, rounds=2))
+    monkeypatch.setattr(engine_module, "calibrated_choice",
+                        lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated"))  # fmt: skip
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "the cat sat", "--target", tiny_dir["llama"],
+                             "--draft", tiny_dir["draft_llama"], "--dtype", "float32", "--k", "3",
+                             "--max-new-tokens", "30", "--ignore-eos", "--json")  # fmt: skip
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["mode_changes"][0]["mode"] == "ar", payload.get("mode_changes")
+    assert "mode ar after round 2: switched from SD" in err
