@@ -43,12 +43,13 @@ def test_each_stage_counts_in_its_unit_on_a_terminal():
 
 
 def test_plain_lines_when_stderr_is_not_a_terminal():
-    text = _draw(STAGES, terminal=False)
+    text = _draw([*STAGES, ("quantizing qwen to int4", 5e9, 5e9)], terminal=False)
     assert "\x1b" not in text and "━" not in text
     lines = text.splitlines()
-    assert "quantizing qwen to int4: 2.5/5.0 GB" in text
-    assert any(line.startswith("download qwen: 6/6 files") for line in lines), lines
-    assert any(line.startswith("calibrating the models: 4/4 steps") for line in lines), lines
+    assert "quantizing qwen to int4: 5.0/5.0 GB, done" in lines, lines
+    assert "download qwen: 6/6 files, done" in lines, lines
+    assert "calibrating the models: 4/4 steps, done" in lines, lines
+    assert len(lines) == len(STAGES), lines  # steps that end at once: one line each
 
 
 def test_plain_lines_give_an_estimate_and_are_not_every_update():
@@ -58,10 +59,20 @@ def test_plain_lines_give_an_estimate_and_are_not_every_update():
     for step in range(0, 101):  # one update per second, 100 s in all
         now[0] = float(step)
         plain("quantizing m to int4", step * 1e7, 1e9)
+    plain.close()
     lines = buffer.getvalue().splitlines()
-    assert 8 <= len(lines) <= 13, lines  # start, about every 10 s, end
-    assert "about 50 s left" in lines[5], lines
-    assert lines[-1].endswith("done in 100 s"), lines
+    assert 8 <= len(lines) <= 13, lines  # once it has run 1 s, about every 10 s, at the end
+    assert lines[0] == "quantizing m to int4: 0.0/1.0 GB (1%, about 99 s left)", lines
+    assert "(51%, about 49 s left)" in lines[5], lines
+    assert lines[-1] == "quantizing m to int4: 1.0/1.0 GB, done in 100 s", lines
+
+
+def test_plain_lines_stay_silent_for_a_step_cut_short_at_once():
+    """An error right away (a missing model path) must be the only output."""
+    buffer = io.StringIO()
+    with progress_display(Console(file=buffer, width=80, force_terminal=False)) as progress:
+        progress("starting the engine", 0, 1)
+    assert buffer.getvalue() == ""
 
 
 def test_a_stage_for_the_next_file_gets_its_own_bar():

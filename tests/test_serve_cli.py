@@ -133,6 +133,10 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
             if line.startswith("serving "):
                 url = line.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
         assert url and url.startswith("http://127.0.0.1:"), url
+        # the weights' real format and the mode line every command prints (placement/mode.py)
+        weights, mode = proc.stderr.readline().strip(), proc.stderr.readline().strip()
+        assert weights == f"weights: target fp32 from {tiny_dir['llama'].name}", weights
+        assert mode == "mode sd: --mode sd was asked for", mode
         with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as resp:
             assert json.loads(resp.read()) == {"status": "ok"}
         req = urllib.request.Request(

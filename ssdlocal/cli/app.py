@@ -16,12 +16,16 @@ import typer
 from ssdlocal import __version__
 from ssdlocal.core.errors import SSDLocalError
 
+from ssdlocal.cli.help import PlainCommand, PlainGroup  # noqa: E402 - plain 80-column help
+
 app = typer.Typer(
     name="ssdlocal",
     help="Fastest exact local LLM generation with Speculative Speculative Decoding (SSD).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    cls=PlainGroup,
 )
 
 
@@ -53,15 +57,9 @@ def _register() -> None:
     """Attach every command (each module imports only what its command needs)."""
     from ssdlocal.cli import bench, check, generate, models, serve, tui
 
-    app.command()(generate.generate)
-    app.command()(bench.bench)
-    app.command()(tui.chat)
-    app.command()(tui.race)
-    app.command()(serve.serve)
-    app.command()(models.pairs)
-    app.command()(models.pull)
-    app.command()(models.devices)
-    app.command()(check.check)
+    for command in (generate.generate, bench.bench, tui.chat, tui.race, serve.serve, models.pairs,
+                    models.pull, models.devices, check.check):  # fmt: skip
+        app.command(cls=PlainCommand)(command)
 
 
 _register()
@@ -138,7 +136,8 @@ def _fail_unexpected(exc: Exception) -> None:
     if type(exc).__name__ == "Abort":
         _fail("aborted", "", 1)
     if isinstance(exc, _click_error_types()):
-        if type(exc).__name__ == "NoArgsIsHelpError":  # Typer already printed the help
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the message is the (plain) help
+            typer.echo(exc.format_message())
             raise SystemExit(exc.exit_code) from None
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ssdlocal"

@@ -25,9 +25,10 @@ from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
 _OPTION = "typer.Option"  # key of a field's metadata: its flag(s) and help
 
 
-def option(default: Any, help: str, *flags: str) -> Any:
-    """A dataclass field that is also a command-line option: its default and typer.Option."""
-    return field(default=default, metadata={_OPTION: typer.Option(*flags, help=help)})
+def option(default: Any, help: str, *flags: str, metavar: str | None = None) -> Any:
+    """A dataclass field that is also a command-line option: its default and typer.Option
+    (`metavar`: what --help calls its value, e.g. PATH; default: its type, e.g. TEXT)."""
+    return field(default=default, metadata={_OPTION: typer.Option(*flags, help=help, metavar=metavar)})
 
 
 # --------------------------------------------------------------------------- models
@@ -272,7 +273,7 @@ def _parameters(group: type, takes: Takes) -> list[inspect.Parameter]:
     hints = get_type_hints(group)
     params = []
     for f in takes.fields(group):
-        info, default = f.metadata[_OPTION], f.default
+        info, default = _named(f), f.default
         change = takes.change.get(f.name)
         if change is not None:
             info = copy.copy(info)
@@ -300,7 +301,27 @@ def annotated(group: type, name: str):
     """A shared option as an Annotated type, for a command outside COMMANDS that takes it
     (its default: the group's class attribute, e.g. ModelOptions.quantization)."""
     (found,) = [f for f in fields(group) if f.name == name]
-    return Annotated[get_type_hints(group)[name], found.metadata[_OPTION]]
+    return Annotated[get_type_hints(group)[name], _named(found)]
+
+
+# what --help calls the value of each shared option (the rest show their type: TEXT, ...)
+METAVARS = {
+    "target": "PATH", "draft": "PATH", "pair": "NAME", "dtype": "DTYPE", "quantization": "SCHEME",
+    "draft_quantization": "SCHEME", "target_device": "DEVICE", "draft_device": "DEVICE",
+    "target_devices": "DEVICES", "target_backend": "BACKEND", "draft_backend": "BACKEND",
+    "mode": "MODE", "k": "K", "fan_out": "F0,F1,...", "fan_out_miss": "F0,F1,...", "saguaro_c": "C",
+    "backup": "KIND", "suffix_memory_tokens": "N", "temperature": "T", "top_k": "K", "top_p": "P",
+    "seed": "N", "max_new_tokens": "N", "stop": "TEXT",
+}  # fmt: skip
+
+
+def _named(f: Field):
+    """A field's typer.Option with its METAVARS name (a copy: the field's own is shared)."""
+    info = f.metadata[_OPTION]
+    if info.metavar is None and f.name in METAVARS:
+        info = copy.copy(info)
+        info.metavar = METAVARS[f.name]
+    return info
 
 
 Quantization = annotated(ModelOptions, "quantization")  # `devices` plans with it

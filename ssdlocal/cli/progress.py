@@ -25,6 +25,7 @@ from ssdlocal.core import progress as core_progress
 from ssdlocal.core.progress import ProgressCallback, unit_of
 
 PLAIN_EVERY_S = 10.0  # plain mode: a line at most this often while a stage runs
+PLAIN_START_S = 1.0  # plain mode: a stage's first line once it has run this long
 
 
 def amount(done: float, total: float | None, unit: str) -> str:
@@ -91,15 +92,20 @@ def _rich_display(console: Console):
 
 
 class _PlainStage:
-    def __init__(self, stage: str, total: float | None) -> None:
+    def __init__(self, stage: str, total: float | None, now: float) -> None:
         self.stage, self.total, self.unit = stage, total, unit_of(stage)
-        self.start = self.last_line = time.monotonic()
+        self.start = self.last_line = now
         self.done = 0.0
         self.finished = False
+        self.announced = False  # its first line is written once it has run PLAIN_START_S
+        self.timer: threading.Timer | None = None
 
 
 class _PlainDisplay:
-    """Lines instead of bars, for a stderr that is not a terminal."""
+    """Lines instead of bars, for a stderr that is not a terminal: a stage that ends within
+    PLAIN_START_S gets one line; a longer one a line when it has run that long, about every
+    PLAIN_EVERY_S after, and one when it ends. A stage cut short by an error that came
+    quickly leaves no line (the error is then the only output)."""
 
     def __init__(self, console: Console, clock=time.monotonic) -> None:
         self.console, self.clock = console, clock
@@ -113,21 +119,38 @@ class _PlainDisplay:
             if state is not None and state.finished and done < (state.total or 0):
                 state = None
             if state is None:
-                state = self.stages[stage] = _PlainStage(stage, total)
-                state.start = now
-                state.finished = total is not None and done >= total  # said once, below
-                self._line(state, done, now, force=True)
-            state.total = total
-            state.done = done
-            finished = total is not None and done >= total
-            if finished and not state.finished:
-                state.finished = True
-                self._line(state, done, now, force=True)
-            elif now - state.last_line >= PLAIN_EVERY_S:
-                self._line(state, done, now)
+                state = self.stages[stage] = _PlainStage(stage, total, now)
+                state.timer = threading.Timer(PLAIN_START_S, self._announce, (state,))
+                state.timer.daemon = True
+                state.timer.start()
+            state.total, state.done = total, done
+            if total is not None and done >= total:
+                if not state.finished:
+                    state.finished = True
+                    self._cancel(state)
+                    self._line(state, now)
+            elif not state.announced and now - state.start >= PLAIN_START_S:
+                self._announce_locked(state, now)
+            elif state.announced and now - state.last_line >= PLAIN_EVERY_S:
+                self._line(state, now)
 
-    def _line(self, state: _PlainStage, done: float, now: float, force: bool = False) -> None:
+    def _announce(self, state: _PlainStage) -> None:
+        with self.lock:
+            self._announce_locked(state, self.clock())
+
+    def _announce_locked(self, state: _PlainStage, now: float) -> None:
+        if not state.finished and not state.announced:
+            state.announced = True
+            self._line(state, now)
+
+    @staticmethod
+    def _cancel(state: _PlainStage) -> None:
+        if state.timer is not None:
+            state.timer.cancel()
+
+    def _line(self, state: _PlainStage, now: float) -> None:
         state.last_line = now
+        done = state.done
         text = f"{state.stage}: {amount(done, state.total, state.unit)}".rstrip(": ")
         elapsed = now - state.start
         if state.total and done >= state.total:
@@ -140,11 +163,10 @@ class _PlainDisplay:
     def close(self) -> None:
         with self.lock:
             for state in self.stages.values():
-                if not state.finished and state.total is not None and state.done < state.total:
-                    continue  # cut short (an error): no "done" line
-                if not state.finished:  # a stage of unknown length ends with the display
-                    self._line(state, state.done, self.clock(), force=True)
-                    state.finished = True
+                self._cancel(state)
+                if state.total is None and state.announced and not state.finished:
+                    state.finished = True  # a stage of unknown length ends with the display
+                    self._line(state, self.clock())
 
 
 @contextlib.contextmanager

@@ -122,6 +122,16 @@ def load_engine(config: EngineConfig):
     return engine
 
 
+def weights_line(config: EngineConfig) -> str:
+    """`weights: target int4 from x.gguf (Q4_K_M) · draft int4 from y.gguf (Q4_K_M)`."""
+    from ssdlocal.weights.describe import spec_label
+
+    parts = [f"target {spec_label(config.target)}"]
+    if config.draft_model is not None:
+        parts.append(f"draft {spec_label(config.draft_model)}")
+    return "weights: " + " · ".join(parts)
+
+
 def print_mode(choice) -> None:
     """The engine's mode and its short reason: one line on stderr (`mode sd: ...`)."""
     err_console.print(f"[dim]{escape(choice.line)}[/dim]", soft_wrap=True, highlight=False)

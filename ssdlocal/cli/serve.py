@@ -117,8 +117,9 @@ def _model_name(target: str | None, pair: str | None, path: str) -> str:
 
 def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, limits) -> None:
     from ssdlocal import __version__
-    from ssdlocal.cli.render import err_console
-    from ssdlocal.engine import Engine
+    from rich.markup import escape
+
+    from ssdlocal.cli.render import err_console, load_engine, weights_line
     from ssdlocal.server.app import ServerState, create_app
     from ssdlocal.server.connections import fit_connections
     from ssdlocal.server.metrics import Metrics
@@ -130,8 +131,7 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
             f"warning: listening on {url(sock)} without --api-key: anyone who can reach this "
             "machine can use the model", style="yellow", soft_wrap=True,
         )  # fmt: skip
-    with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
-        engine = Engine(config)
+    engine = load_engine(config)  # progress on stderr
     with engine:
         mode = engine.choice.mode.value  # what --mode auto resolved to, as requests report it
         metrics = Metrics(name, mode, __version__)
@@ -146,7 +146,8 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
         scheduler.start()
         err_console.print(
             f"serving [bold]{name}[/bold] at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "
-            f"Ctrl-C stops\nmode {mode}: {engine.choice.reason}", soft_wrap=True, highlight=False,
+            f"Ctrl-C stops\n{escape(weights_line(config))}\n{escape(engine.choice.line)}",
+            soft_wrap=True, highlight=False,
         )  # fmt: skip
         try:
             server.run(sockets=[sock])
