@@ -24,6 +24,8 @@ from rich.text import Text
 from ssdlocal.core import progress as core_progress
 from ssdlocal.core.progress import ProgressCallback, unit_of
 
+err_console = Console(stderr=True)  # every line the CLI writes to stderr (render.py re-exports it)
+
 PLAIN_EVERY_S = 10.0  # plain mode: a line at most this often while a stage runs
 PLAIN_START_S = 1.0  # plain mode: a stage's first line once it has run this long
 
@@ -173,8 +175,6 @@ class _PlainDisplay:
 def progress_display(console: Console | None = None) -> Iterator[ProgressCallback]:
     """A `progress(stage, done, total)` callback drawing on `console` (stderr by default):
     Rich bars on a terminal, plain lines elsewhere."""
-    from ssdlocal.cli.render import err_console
-
     console = console or err_console
     if console.is_terminal:
         bars, stages = _rich_display(console)

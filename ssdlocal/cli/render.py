@@ -16,7 +16,7 @@ from rich.markup import escape
 from ssdlocal.core.config import EngineConfig, SamplingParams
 from ssdlocal.core.events import DoneEvent, ModeEvent, TokensEvent
 
-err_console = Console(stderr=True)
+from ssdlocal.cli.progress import err_console  # noqa: E402 - one stderr console for the CLI
 
 
 @contextlib.contextmanager

@@ -1,0 +1,152 @@
+"""What the cache directory holds, how big each entry is, and removing entries safely.
+
+Entries by kind: downloaded GGUF files (`gguf`), the torch backend's quantized weights
+(`quantized`, what a default run loads), bf16 conversions (`converted`, only for
+`--quantization none`), tokenizer + config extracted from a GGUF (`metadata`), llama.cpp
+test verdicts (`probes`), remembered suffix memory (`suffix`), leftover downloads
+(`wheels`) and small indexes (`index`). Removal never races a build: it takes the lock the
+builder holds (and refuses while someone else holds it), renames the entry out of sight
+first (so nothing half-deleted is ever trusted), then deletes it. Every entry is rebuilt
+or fetched again by the next run that needs it. No UI here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ssdlocal.core.errors import AssetError, UsageError
+from ssdlocal.core.paths import cache_dir
+
+# folder -> (kind, what it is for)
+KINDS = {
+    "gguf": ("gguf", "downloads; llama.cpp runs them, torch caches start from them"),
+    "quantized": ("quantized", "int4/int8 weights torch loads (the default run)"),
+    "converted": ("converted", "bf16 weights, only for --quantization none"),
+    "gguf-meta": ("metadata", "tokenizer and config of a GGUF file"),
+    "probes": ("probes", "llama.cpp test runs on this machine"),
+    "suffix": ("suffix", "suffix memory (--persist-suffix-memory)"),
+    "wheels": ("wheels", "PyPI downloads of an interrupted first run"),
+    "gguf-keys": ("index", "file digests"),
+    "gguf-tokenizers": ("index", "llama.cpp tokenizer files"),
+}
+_SIDE_FILES = (".verified.json", ".lock", ".partial")  # next to a GGUF file
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    kind: str
+    name: str  # unique within the cache: "<folder>/<entry>"
+    path: Path
+    size: int  # bytes on disk
+
+    @property
+    def what(self) -> str:
+        return next(what for kind, what in KINDS.values() if kind == self.kind)
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += (Path(root) / f).stat().st_size
+    return total
+
+
+def entries(root: Path | None = None) -> list[CacheEntry]:
+    """Every entry of the cache, by kind (in KINDS' order) and name; an index folder is
+    one entry."""
+    root = root or cache_dir()
+    found = []
+    for folder, (kind, _) in KINDS.items():
+        base = root / folder
+        if not base.is_dir():
+            continue
+        if kind == "index":
+            found.append(CacheEntry(kind, f"{folder}/", base, _size(base)))
+            continue
+        for item in sorted(base.iterdir()):
+            if not _is_side_file(item):
+                found.append(CacheEntry(kind, f"{folder}/{item.name}", item, _size(item)))
+    return found
+
+
+def _is_side_file(item: Path) -> bool:
+    """Locks, verification markers, digest memos, half-built or half-removed leftovers."""
+    name = item.name
+    return (name.endswith(_SIDE_FILES) or name.startswith("digests.json") or ".tmp-" in name
+            or ".removing-" in name)  # fmt: skip
+
+
+def total_size(found: list[CacheEntry]) -> int:
+    return sum(e.size for e in found)
+
+
+def select(found: list[CacheEntry], words: list[str]) -> list[CacheEntry]:
+    """Entries named by `words`: a kind (`converted`), an entry's name or its last part,
+    or a prefix of one that names a single entry. UsageError for a word naming nothing."""
+    chosen: list[CacheEntry] = []
+    for word in words:
+        word = word.rstrip("/")
+        hits = [e for e in found if e.kind == word]
+        hits = hits or [e for e in found if word in (e.name.rstrip("/"), e.path.name)]
+        if not hits:
+            prefix = [e for e in found if e.path.name.startswith(word) or e.name.startswith(word)]
+            if len(prefix) > 1:
+                raise UsageError(f"{word!r} names {len(prefix)} cache entries",
+                                 "give more of the name (see `ssdlocal cache`)")  # fmt: skip
+            hits = prefix
+        if not hits:
+            kinds = ", ".join(dict.fromkeys(kind for kind, _ in KINDS.values()))
+            raise UsageError(f"nothing in the cache is called {word!r}",
+                             f"`ssdlocal cache` lists the entries; kinds: {kinds}")  # fmt: skip
+        chosen += [e for e in hits if e not in chosen]
+    return chosen
+
+
+def remove(entry: CacheEntry) -> None:
+    """Delete one entry unless a process is building it right now (AssetError then)."""
+    path = entry.path
+    lock = path.with_name(path.name + ".lock")
+    with _try_lock(lock, entry):
+        if not path.exists():
+            return
+        hidden = path.with_name(f"{path.name}.removing-{os.getpid()}")
+        os.replace(path, hidden)  # out of sight at once: no reader trusts a half-deleted entry
+        if hidden.is_dir():
+            shutil.rmtree(hidden, ignore_errors=True)
+        else:
+            hidden.unlink(missing_ok=True)
+        for suffix in _SIDE_FILES:
+            if suffix != ".lock":
+                path.with_name(path.name + suffix).unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _try_lock(lock: Path, entry: CacheEntry):
+    """Hold the entry's build lock if nobody else does (builders hold it while writing)."""
+    if not lock.exists():
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks
+        yield
+        return
+    with open(lock, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AssetError(f"{entry.name} is being built by another ssdlocal process right now",
+                             "wait for it to finish (or stop it), then remove it") from None  # fmt: skip
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
