@@ -26,6 +26,7 @@ from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.core.events import (
     DoneEvent,
     Event,
+    ModeEvent,
     Output,
     PrefillEvent,
     RoundEvent,
@@ -120,6 +121,8 @@ class FakeEngine:
         context: int = 1 << 20,
     ) -> None:
         self.config = config or fake_config()
+        self.mode_event_at: int | None = None  # yield a ModeEvent after this round
+        self.choice = None  # an engine/auto.ModeChoice when a test sets one
         self.tokenizer = FakeTokenizer()
         self.answer = [self.tokenizer._vocab[w] for w in (answer or WORDS)]
         self.delay_s = delay_s
@@ -216,6 +219,8 @@ class FakeEngine:
             stats.consume(round_)
             yield tokens
             yield replace(round_, snapshot=stats.snapshot())
+            if self.mode_event_at == rnd:  # as Engine when its re-check switches mode
+                yield ModeEvent(rnd, "ar", "switched from SD after 16 rounds: (fake)", "switched from SD (fake)")
             pos += len(new)
             rnd += 1
         generated = tuple(budget[:pos])

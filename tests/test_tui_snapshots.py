@@ -50,6 +50,15 @@ def test_chat_screen(snap_compare):
     assert snap_compare(_chat(FakeEngine()), run_before=run_before, terminal_size=SIZE)
 
 
+def test_chat_screen_80x24(snap_compare):
+    """The smallest common terminal: nothing wraps or scrolls (tests/test_tui_fit.py)."""
+
+    async def run_before(pilot):
+        await _ask(pilot, "What is SSD?")
+
+    assert snap_compare(_chat(FakeEngine()), run_before=run_before, terminal_size=(80, 24))
+
+
 def test_chat_error_modal(snap_compare):
     engine = FakeEngine(
         fail_after=1,

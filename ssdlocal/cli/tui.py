@@ -139,38 +139,44 @@ def _race_plain(
     """`race --no-tui`: run the three modes and print the answer and a Rich table."""
     from rich.console import Console
 
-    from ssdlocal.cli.render import err_console
-    from ssdlocal.engine import Engine
+    from ssdlocal.cli.progress import preparing
+    from ssdlocal.cli.render import load_engine
     from ssdlocal.tui.race import (
         identical_verdict,
         record_run,
         summarize,
+        summary_legend,
         summary_table,
     )
 
-    with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
-        engine = Engine(config)
-    with engine:
-        ids = engine.encode(prompt, chat)
-        if warmup:
-            short = SamplingParams(
-                temperature=params.temperature,
-                seed=params.seed,
-                max_new_tokens=min(4, params.max_new_tokens),
-            )
-            with err_console.status("warming up ...", spinner="dots"):
-                for spec in specs:
+    with preparing() as progress:  # every step on stderr: loading, warm-up, each mode's run
+        engine = load_engine(config)
+        with engine:
+            ids = engine.encode(prompt, chat)
+            if warmup:
+                short = SamplingParams(
+                    temperature=params.temperature,
+                    seed=params.seed,
+                    max_new_tokens=min(4, params.max_new_tokens),
+                )
+                for n, spec in enumerate(specs):  # SD's first call loads the draft here (once)
+                    progress("warming up AR, SD, SSD", n, len(specs))
                     for _ in engine.generate([ids], short, spec=spec):
                         pass
-        runs = []
-        for spec in specs:
-            with err_console.status(f"running {spec.mode.value.upper()} ...", spinner="dots"):
-                runs.append(record_run(engine, ids, params, spec))
+                progress("warming up AR, SD, SSD", len(specs), len(specs))
+            runs = []
+            for spec in specs:
+                stage = f"running {spec.mode.value.upper()}"
+                progress(stage, 0, params.max_new_tokens)
+                runs.append(record_run(engine, ids, params, spec,
+                                       on_tokens=lambda n, _new, stage=stage: progress(stage, n, params.max_new_tokens)))
+                progress(stage, params.max_new_tokens, params.max_new_tokens)
     console = Console()
     first = runs[0].output
     console.print(first.text if first else "", markup=False, highlight=False)
     rows = summarize(runs)
     console.print(summary_table(rows, title="AR | SD | SSD, run one after another"))
+    console.print(summary_legend(), style="dim", highlight=False)
     verdict = identical_verdict(rows, params.greedy)
     if verdict:
         console.print(verdict, markup=False, highlight=False)

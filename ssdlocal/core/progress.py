@@ -29,6 +29,8 @@ UNITS = {
     "reading": "files",
     "calibrating": "steps",
     "starting": "",  # a stage of its own only to say what runs: no count
+    "warming": "modes",
+    "running": "tokens",
 }
 
 _displays: list[ProgressCallback] = []

@@ -19,8 +19,8 @@ from textual.screen import Screen
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
-from ssdlocal.tui.core import ChatSettings, EngineLike, describe_pair, error_text
-from ssdlocal.tui.messages import EngineReady, WorkFailed
+from ssdlocal.tui.core import ChatSettings, EngineLike, describe_pair, error_text, progress_line
+from ssdlocal.tui.messages import EngineReady, LoadProgress, WorkFailed
 from ssdlocal.tui.screens.chat import ChatScreen
 from ssdlocal.tui.screens.dialogs import ErrorModal
 from ssdlocal.tui.screens.race import RaceScreen
@@ -47,6 +47,8 @@ class EngineApp(App):
         self._loader: threading.Thread | None = None
         self._load_lock = threading.Lock()
         self._released = False  # the caller took over: a late engine is closed on arrival
+        self._last_progress = 0.0
+        self._stage_starts: dict[str, float] = {}
 
     def make_screen(self) -> Screen:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -63,8 +65,11 @@ class EngineApp(App):
         return self._loader is not None and self._loader.is_alive()
 
     def _load(self) -> None:
+        from ssdlocal.core.progress import showing
+
         try:
-            engine = self.load_engine()
+            with showing(self._loading_progress):  # what the load reports reaches the screen
+                engine = self.load_engine()
         except BaseException as exc:  # noqa: BLE001 - shown in a modal, never a traceback
             self.post_message(WorkFailed("Could not load the models", *error_text(exc)))
             return
@@ -76,6 +81,22 @@ class EngineApp(App):
             engine.close()
             return
         self.post_message(EngineReady(engine))
+
+    def _loading_progress(self, stage: str, done: float, total: float | None) -> None:
+        """From the loading thread: at most a few messages a second reach the screen."""
+        now = time.monotonic()
+        finished = total is not None and done >= total
+        if not finished and now - self._last_progress < 0.25:
+            return
+        self._last_progress = now
+        self.post_message(LoadProgress(stage, done, total, progress_line(stage, done, total, self._stage_start(stage, now))))
+
+    def _stage_start(self, stage: str, now: float) -> float:
+        return self._stage_starts.setdefault(stage, now)
+
+    def on_load_progress(self, msg: LoadProgress) -> None:
+        if self.main is not None and hasattr(self.main, "loading_progress"):
+            self.main.loading_progress(msg.line)
 
     def release_engine(self) -> EngineLike | None:
         """After `run()`: the loaded engine for the caller to close (None if there is none

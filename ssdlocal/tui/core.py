@@ -283,26 +283,56 @@ def _name(path: str | None) -> str:
     return Path(path).name or path if path else "none"
 
 
+def _weights(spec) -> str:
+    """`int4 (Q4_K_M)`: what the weights run as (not only the activation dtype)."""
+    from ssdlocal.weights.describe import weights_format
+
+    fmt, file_type = weights_format(spec.path, spec.backend, spec.quantization, spec.dtype)
+    return f"{fmt} ({file_type})" if file_type and spec.backend != "llamacpp" else fmt
+
+
 def describe_pair(config: EngineConfig) -> tuple[str, str]:
-    """Two header lines: the model pair, and which device/process runs what."""
+    """Two header lines that fit 80 columns: the model pair (short names), and where each
+    runs with what its weights really are (`target cpu int4 (Q4_K_M) · draft ...`)."""
+    from ssdlocal.core.progress import model_label
+
     draft = config.spec.draft
-    pair = f"target {_name(config.target.path)} · draft {_name(draft.model.path) if draft.model else draft.label}"
+    pair = f"{model_label(config.target.path)} + " + (
+        model_label(draft.model.path) if draft.model else f"{draft.label} draft")
     t = config.target
-    where = [f"target → {t.device} ({t.dtype}, this process)"]
-    if draft.kind == "ngram":
-        where.append("draft → n-gram on cpu (this process)")
-    elif config.draft_model is not None:
+    where = [f"target {t.device} {_weights(t)}"]
+    if config.draft_model is not None:
         d = config.draft_model
-        where.append(f"draft → {d.device} ({d.dtype}; own process for SSD, in-process for SD)")
+        where.append(f"draft {d.device} {_weights(d)}, own process in SSD")
+    elif draft.kind != "none":
+        where.append(f"{draft.label} draft on cpu")
+    return pair, " · ".join(where)
+
+
+def describe_details(config: EngineConfig, choice=None) -> list[tuple[str, str]]:
+    """(heading, text) pairs for the chat's "why" view: the mode and its whole reason, each
+    model's weights and file, where it runs, and the CPU split SSD would use."""
+    from ssdlocal.weights.describe import spec_label
+
+    rows = []
+    if choice is not None:
+        rows.append((f"mode {choice.mode.value}", choice.reason))
+    t = config.target
+    rows.append(("target", f"{spec_label(t)}; {t.device}, {t.dtype} activations, this process"))
+    draft = config.spec.draft
+    if config.draft_model is not None:
+        d = config.draft_model
+        rows.append(("draft", f"{spec_label(d)}; {d.device}, {d.dtype} activations; in this process "
+                              "for SD, in a process of its own for SSD"))  # fmt: skip
         if t.device == "cpu" and d.device == "cpu" and config.pin_cpus:
             from ssdlocal.placement.cpus import split_cpus
 
             plan = split_cpus()
             if plan is not None:
-                where.append(
-                    f"SSD cores: target {_cpus(plan.target_cpus)} | draft {_cpus(plan.draft_cpus)}"
-                )
-    return pair, " · ".join(where)
+                rows.append(("SSD cores", f"target {_cpus(plan.target_cpus)} | draft {_cpus(plan.draft_cpus)}"))
+    elif draft.kind != "none":
+        rows.append(("draft", f"{draft.label}: proposals from tokens, no model (costs nothing to run)"))
+    return rows
 
 
 def _cpus(cpus: Sequence[int]) -> str:
@@ -310,6 +340,21 @@ def _cpus(cpus: Sequence[int]) -> str:
     if len(cpus) > 2 and cpus == list(range(cpus[0], cpus[-1] + 1)):
         return f"{cpus[0]}-{cpus[-1]}"
     return ",".join(map(str, cpus))
+
+
+def progress_line(stage: str, done: float, total: float | None, started: float, now: float | None = None) -> str:
+    """`loading qwen2.5-coder-1.5b (int4): 45% · about 12 s left` for a screen's status."""
+    import time
+
+    now = time.monotonic() if now is None else now
+    if not total:
+        return f"{stage}…"
+    fraction = min(done / total, 1.0)
+    text = f"{stage}: {fraction:.0%}"
+    elapsed = now - started
+    if 0 < fraction < 1 and elapsed > 1:
+        text += f" · about {elapsed * (1 - fraction) / fraction:.0f} s left"
+    return text
 
 
 def error_text(exc: BaseException) -> tuple[str, str]:

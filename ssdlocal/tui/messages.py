@@ -82,3 +82,25 @@ class RaceRecorded(Message):
         super().__init__()
         self.index = index
         self.run = run
+
+
+class LoadProgress(Message):
+    """A loading step reported progress (core.progress): `line` says it for people."""
+
+    def __init__(self, stage: str, done: float, total: float | None, line: str) -> None:
+        super().__init__()
+        self.stage = stage
+        self.done = done
+        self.total = total
+        self.line = line
+
+
+class ModeChanged(Message):
+    """The engine changed its mind mid-answer (a core.events.ModeEvent)."""
+
+    def __init__(self, turn: int, mode: str, reason: str, short: str) -> None:
+        super().__init__()
+        self.turn = turn
+        self.mode = mode
+        self.reason = reason
+        self.short = short

@@ -155,8 +155,29 @@ def identical_verdict(rows: Sequence[RaceRow], greedy: bool) -> str:
     return f"outputs differ ({differ}): expected at T>0 — same distribution, different samples"
 
 
+COLUMNS = (  # (header, what it means): short enough for one line of an 80-column table
+    ("mode", ""), ("tokens", ""), ("tok/s", "decode speed"), ("vs AR", "tok/s over AR's"),
+    ("TTFT", "time to the first token"), ("wall", "the whole call"),
+    ("accept", "drafted tokens accepted"), ("tok/rnd", "tokens per target forward"),
+    ("hits", "SSD cache hits"), ("same", "token for token AR's output"),
+)
+
+
+def summary_legend() -> str:
+    """One line saying what the table's short headers mean."""
+    return " · ".join(f"{name}: {what}" for name, what in COLUMNS if what)
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "–"
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
 def summary_table(rows: Sequence[RaceRow], title: str | None = None):
-    """A rich Table of the race (used by the TUI summary and by `race --no-tui`)."""
+    """A rich Table of the race (the TUI summary and `race --no-tui`): every header and
+    cell on one line of an 80-column terminal or pipe."""
+    from rich import box
     from rich.table import Table
 
     def pct(x):
@@ -165,20 +186,10 @@ def summary_table(rows: Sequence[RaceRow], title: str | None = None):
     def num(x, fmt="{:.1f}"):
         return "–" if x is None else fmt.format(x)
 
-    table = Table(title=title, expand=False, pad_edge=False)
-    for name in (
-        "mode",
-        "tokens",
-        "tok/s",
-        "speedup",
-        "TTFT",
-        "wall",
-        "acceptance",
-        "tok/round",
-        "cache hits",
-        "same as AR",
-    ):
-        table.add_column(name, justify="left" if name == "mode" else "right")
+    table = Table(title=title, expand=False, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 1), collapse_padding=True)
+    for name, _ in COLUMNS:
+        table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
     for r in rows:
         same = "–" if r.identical is None else ("yes" if r.identical else "NO")
         table.add_row(
@@ -186,8 +197,8 @@ def summary_table(rows: Sequence[RaceRow], title: str | None = None):
             str(r.tokens),
             num(r.tokens_per_s),
             num(r.speedup, "{:.2f}×"),
-            "–" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f} ms",
-            f"{r.wall_s:.2f} s",
+            _seconds(r.ttft_s),
+            _seconds(r.wall_s),
             pct(r.acceptance_rate),
             num(r.mean_accepted_len, "{:.2f}"),
             pct(r.cache_hit_rate),

@@ -19,7 +19,7 @@ from textual.widgets import Footer, Input, Static
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode
 from ssdlocal.core.errors import SSDLocalError
-from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
+from ssdlocal.core.events import DoneEvent, ModeEvent, RoundEvent, TokensEvent
 from ssdlocal.tui.core import (
     ChatSettings,
     Conversation,
@@ -30,6 +30,7 @@ from ssdlocal.tui.core import (
 )
 from ssdlocal.tui.messages import (
     GenerationDone,
+    ModeChanged,
     RoundFinished,
     TokensArrived,
     WorkFailed,
@@ -46,17 +47,20 @@ class ChatScreen(Screen):
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {"origin--draft_hit", "origin--draft", "origin--target"}
 
+    # the footer shows what fits 80 columns (quitting first); F1 lists the rest
     BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("ctrl+q", "app.quit", "Quit", priority=True),
         Binding("escape", "stop", "Stop", priority=True),
         Binding("f1", "help", "Help"),
         Binding("f2", "cycle_mode", "Mode"),
-        Binding("f3", "k_down", "K−"),
-        Binding("f4", "k_up", "K+"),
-        Binding("f5", "temp_down", "T−"),
-        Binding("f6", "temp_up", "T+"),
-        Binding("f8", "toggle_colors", "Colours"),
-        Binding("ctrl+y", "copy", "Copy answer", priority=True),
-        Binding("ctrl+l", "clear", "Clear", priority=True),
+        Binding("f3", "k_down", "K−", show=False),
+        Binding("f4", "k_up", "K+", show=False),
+        Binding("f5", "temp_down", "T−", show=False),
+        Binding("f6", "temp_up", "T+", show=False),
+        Binding("f7", "why", "Why"),
+        Binding("f8", "toggle_colors", "Colours", show=False),
+        Binding("ctrl+y", "copy", "Copy", priority=True),
+        Binding("ctrl+l", "clear", "Clear", priority=True, show=False),
     ]
 
     def __init__(
@@ -77,6 +81,7 @@ class ChatScreen(Screen):
         self._queued: str | None = None
         self._gen_mode = settings.mode
         self._stop: CancelToken | None = None  # the current answer's
+        self._loading_line = ""
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -85,7 +90,7 @@ class ChatScreen(Screen):
             with Vertical(id="main"):
                 yield Transcript(id="transcript")
                 yield Static(id="status")
-                yield Input(placeholder="Message… (/help for commands, Esc stops)", id="prompt")
+                yield Input(placeholder="Message · Enter sends · Ctrl+Q quits", id="prompt")
             with VerticalScroll(id="side"):
                 yield StatsPanel(id="stats")
         yield Footer()
@@ -95,7 +100,15 @@ class ChatScreen(Screen):
         self.query_one("#prompt", Input).focus()
         self._update_status()
 
+    def loading_progress(self, line: str) -> None:
+        """A loading step's progress (the app forwards core.progress reports)."""
+        self._loading_line = line
+        self._update_status()
+
     def _update_status(self) -> None:
+        if self.engine is None and self._loading_line:  # the step running now, alone: it fits
+            self.query_one("#status", Static).update(Text(self._loading_line, style="italic"))
+            return
         if self.engine is None:
             state = ("loading models…", "italic")
         elif self.stopping:
@@ -120,16 +133,19 @@ class ChatScreen(Screen):
             )
         else:
             legend = Text("  colours off (F8)", style="dim")
-        self.query_one("#status", Static).update(
-            Text.assemble((self.settings.describe(), "bold"), " · ", state, legend)
-        )
+        line = Text.assemble((self.settings.describe(), "bold"), " · ", state)
+        status = self.query_one("#status", Static)
+        room = (status.size.width or 80) - 2  # its padding
+        if self.engine is not None and line.cell_len + legend.cell_len <= room:
+            line.append_text(legend)  # the legend only where it fits (F1 explains the colours)
+        status.update(line)
 
     # ------------------------------------------------------------------ engine
     def engine_ready(self, engine: EngineLike) -> None:
         self.engine = engine
         choice = getattr(engine, "choice", None)
-        if choice is not None:
-            self.query_one(PairHeader).show_mode(f"mode {choice.mode.value}: {choice.reason}")
+        if choice is not None:  # the short line every command prints; F7 shows the whole reason
+            self.query_one(PairHeader).show_mode(choice.line)
             if self.settings.mode is Mode.AUTO:  # the chat starts in the mode auto chose
                 self.settings = self.settings.with_mode(choice.mode)
                 self.query_one(StatsPanel).reset(self.settings.mode.value)
@@ -223,6 +239,8 @@ class ChatScreen(Screen):
                 elif isinstance(ev, RoundEvent):
                     hit = None if ev.cache_hit is None else all(ev.cache_hit)
                     self.post_message(RoundFinished(turn, dict(ev.snapshot), ev.backup, hit))  # read here
+                elif isinstance(ev, ModeEvent):
+                    self.post_message(ModeChanged(turn, ev.mode, ev.reason, ev.short))
                 elif isinstance(ev, DoneEvent):
                     out = ev.outputs[0]
                     self.post_message(GenerationDone(turn, out.text, out.finish_reason, ev.stats))
@@ -244,6 +262,17 @@ class ChatScreen(Screen):
                 cache_hit=msg.cache_hit,
                 live=True,
             )
+
+    def on_mode_changed(self, msg: ModeChanged) -> None:
+        """The engine switched mode mid-answer: say so, and carry on in the new mode."""
+        if msg.turn != self.turn:
+            return
+        self._gen_mode = Mode(msg.mode)
+        if self.settings.spec.mode is not Mode.AUTO and self.settings.mode is not self._gen_mode:
+            self.settings = self.settings.with_mode(self._gen_mode)
+        self.query_one(PairHeader).show_mode(f"mode {msg.mode}: {msg.short}")
+        self.notify(msg.reason, title=f"mode {msg.mode}", timeout=8)
+        self._update_status()
 
     def on_generation_done(self, msg: GenerationDone) -> None:
         if msg.turn != self.turn:
@@ -285,6 +314,14 @@ class ChatScreen(Screen):
         from ssdlocal.tui.screens.dialogs import HelpModal
 
         self.app.push_screen(HelpModal())
+
+    def action_why(self) -> None:
+        """The whole reason for the mode, and what runs where with which weights."""
+        from ssdlocal.tui.core import describe_details
+        from ssdlocal.tui.screens.dialogs import WhyModal
+
+        choice = getattr(self.engine, "choice", None)
+        self.app.push_screen(WhyModal(describe_details(self.app.engine_config, choice)))
 
     def _try(self, change) -> None:
         try:

@@ -67,8 +67,30 @@ class HelpModal(_Dialog):
         text.append(
             "  target           token sampled by the target (bonus token; every AR token)\n"
         )
-        text.append("\nCtrl+P opens the command palette; Ctrl+Q quits.", style="dim")
+        text.append("\nKeys\n", style="bold")
+        text.append("  Ctrl+Q quit · Esc stop · F2 mode · F3/F4 K · F5/F6 temperature\n"
+                    "  F7 why this mode · F8 colours · Ctrl+Y copy · Ctrl+L clear · Ctrl+P palette\n")
         with Vertical(id="dialog", classes="help"):
             yield Static(Text("ssdlocal chat — help", style="bold"), id="dialog-title")
+            yield Static(text, id="dialog-message")
+            yield Button("Close", variant="primary", id="dialog-ok")
+
+
+class WhyModal(_Dialog):
+    """Why this mode, and what runs where with which weights (the chat's F7)."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,enter,f7,q", "dismiss_modal", "Close")]
+
+    def __init__(self, rows: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        for n, (heading, body) in enumerate(self.rows):
+            text.append(("\n" if n else "") + heading + "\n", style="bold")
+            text.append(body + "\n")
+        with Vertical(id="dialog", classes="help"):
+            yield Static(Text("What runs where, and why", style="bold"), id="dialog-title")
             yield Static(text, id="dialog-message")
             yield Button("Close", variant="primary", id="dialog-ok")

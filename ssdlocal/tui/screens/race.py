@@ -30,6 +30,7 @@ from ssdlocal.tui.race import (
     identical_verdict,
     record_run,
     summarize,
+    summary_legend,
     summary_table,
 )
 from ssdlocal.tui.widgets.header import PairHeader
@@ -94,6 +95,11 @@ class RaceScreen(Screen):
         self.query_one("#summary", Static).update(text)
 
     # ------------------------------------------------------------------ recording
+    def loading_progress(self, line: str) -> None:
+        """A loading step's progress (the app forwards core.progress reports)."""
+        if self.engine is None:
+            self._summary(Text(line, style="italic"))
+
     def engine_ready(self, engine: EngineLike) -> None:
         self.engine = engine
         self._summary(Text("warming up…" if self.warmup else "recording…", style="italic"))
@@ -187,5 +193,6 @@ class RaceScreen(Screen):
             self.rows = rows
             self.verdict = verdict = identical_verdict(rows, self.params.greedy)
             self._summary(
-                Group(summary_table(rows), Text(f"{verdict}  ·  r: replay  q: quit", style="bold"))
+                Group(summary_table(rows), Text(summary_legend(), style="dim"),
+                      Text(f"{verdict}  ·  r: replay  q: quit", style="bold"))
             )

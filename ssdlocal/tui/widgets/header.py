@@ -1,5 +1,7 @@
-"""PairHeader: the model pair, the placement (which device / process runs what), and
-once the engine has chosen it, the decoding mode with its reason."""
+"""PairHeader: the model pair, the placement (which device runs what, with what its weights
+really are), and once the engine has chosen it, the mode line every command prints (its
+short reason; the chat's F7 shows the whole one). Three lines, none wider than 80 columns
+for the default pair; a longer one is cut at the edge rather than wrapped."""
 
 from __future__ import annotations
 
@@ -25,4 +27,5 @@ class PairHeader(Static):
         text.append("\n " + self._placement, style="dim")
         if line:
             text.append("\n " + line, style="dim italic")
+        text.no_wrap, text.overflow = True, "ellipsis"
         self.update(text)

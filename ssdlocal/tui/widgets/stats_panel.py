@@ -73,75 +73,114 @@ class StatsPanel(Static):
     def on_mount(self) -> None:
         self.refresh_panel()
 
+    def on_resize(self) -> None:
+        self.refresh_panel()
+
     def _style(self, name: str):
         return self.get_component_rich_style(f"stats--{name}", partial=True)
 
+    def _height(self) -> int:
+        """Rows the panel may fill without scrolling (its container's height)."""
+        parent = self.parent
+        height = getattr(getattr(parent, "size", None), "height", 0) or getattr(self.size, "height", 0)
+        return height if height > 0 else 10_000
+
     def refresh_panel(self) -> None:
+        """Draw the sections that fit: detail goes first (the accepted-length histogram,
+        then per-position acceptance, then the time split, then SSD's last-round detail),
+        so the panel never scrolls, down to an 80x24 terminal."""
         s = self.snapshot
+        sections = [self._speed(s), self._speculation_rows(s)]
+        optional = [  # (drop order: last first) -> kept while they fit
+            self._time(s),
+            self._bars("Acceptance by position", s.get("per_position_acceptance") or [], 1, _pct)
+            if self.mode != "ar" else None,
+            self._histogram(s) if self.mode != "ar" else None,
+        ]
+        budget = self._height()
+        used = sum(len(sec) for sec in sections) + len(sections) - 1  # a blank line between
+        for extra in optional:
+            if extra is None:
+                continue
+            if used + 1 + len(extra) > budget:
+                break
+            sections.append(extra)
+            used += 1 + len(extra)
         out = Text()
-        state = "live" if self.live else ("last answer" if s else "no answer yet")
-        self._section(out, f"Speed · {self.mode.upper()} · {state}")
-        self._row(out, "tokens/s", _num(s.get("tokens_per_s")))
-        ttft = s.get("ttft_s")
-        self._row(out, "TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms")
-        rounds = s.get("rounds", 0)
-        self._row(out, "tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–")
-        self._section(out, "Speculation")
-        if self.mode == "ar":
-            out.append("AR: the target alone,\none token per round\n", style="dim")
-        else:
-            self._speculation(out, s)
-        self._time(out, s)
+        for n, section in enumerate(sections):
+            if n:
+                out.append("\n")
+            for line in section:
+                out.append_text(line)
+                out.append("\n")
         out.rstrip()
         self.update(out)
 
-    def _section(self, out: Text, name: str) -> None:
-        out.append(("\n" if out else "") + name + "\n", style=self._style("title"))
+    def _title(self, name: str) -> Text:
+        return Text(name, style=self._style("title"))
 
     @staticmethod
-    def _row(out: Text, label: str, value: str) -> None:
-        out.append(f"{label:<13}{value}\n")
+    def _row(label: str, value: str, style: str = "") -> Text:
+        return Text.assemble(f"{label:<13}", (value, style))
 
-    def _speculation(self, out: Text, s: dict) -> None:
-        row = lambda label, value: self._row(out, label, value)  # noqa: E731
-        row("acceptance", _pct(s.get("acceptance_rate")))
-        row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round"))
-        if s.get("rows_by_source"):  # K and the source chosen per round
-            row("K per round", _num(s.get("mean_k"), "{:.1f} on average"))
-            sources = s["rows_by_source"]
+    def _speed(self, s: dict) -> list[Text]:
+        state = "live" if self.live else ("last answer" if s else "no answer yet")
+        rows = [self._title(f"Speed · {self.mode.upper()} · {state}"),
+                self._row("tokens/s", _num(s.get("tokens_per_s")))]  # fmt: skip
+        ttft = s.get("ttft_s")
+        rows.append(self._row("TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms"))
+        # the prompt's reading: its speed and what was reused (one row kept for it always)
+        prefill, cached = s.get("prefill_tokens_per_s"), s.get("cached_prompt_tokens")
+        value = "–" if prefill is None else f"{prefill:.0f} tok/s"
+        if cached:
+            value += f" · {cached:,} cached"
+        rows.append(self._row("prompt", value))
+        rounds = s.get("rounds", 0)
+        rows.append(self._row("tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–"))
+        return rows
+
+    def _speculation_rows(self, s: dict) -> list[Text]:
+        rows = [self._title("Speculation")]
+        if self.mode == "ar":
+            return rows + [Text("AR: the target alone,", style="dim"), Text("one token per round", style="dim")]
+        rows.append(self._row("acceptance", _pct(s.get("acceptance_rate"))))
+        rows.append(self._row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round")))
+        sources = s.get("rows_by_source")
+        if sources:  # K and the source chosen per round; "none": a plain step
             total = max(sum(sources.values()), 1)
-            row("source", " ".join(f"{k} {v / total:.0%}" for k, v in sorted(sources.items())))
+            plain = sources.get("none", 0) / total
+            rows.append(self._row("K per round", _num(s.get("mean_k"), "{:.1f}") + f" · plain {plain:.0%}"))
+            shown = [f"{k} {v / total:.0%}" for k, v in sorted(sources.items()) if k != "none"]
+            rows.append(self._row("source", " ".join(shown) or "–"))
         if self.mode == "ssd":
-            row("cache hits", _pct(s.get("cache_hit_rate")))
+            rows.append(self._row("cache hits", _pct(s.get("cache_hit_rate"))))
             used = s.get("backup_used") or {}
-            row("backup fired", ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none")
+            rows.append(self._row("backup fired", ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none"))
             if self.last_hit is not None:
                 last = "hit" if self.last_hit else f"miss → {self.last_backup or 'none'}"
-                out.append(f"{'last round':<13}")
-                out.append(last + "\n", style=self._style("hit" if self.last_hit else "miss"))
-        self._bars(out, "Acceptance by position", s.get("per_position_acceptance") or [], 1, _pct)
+                rows.append(self._row("last round", last, self._style("hit" if self.last_hit else "miss")))
+        return rows
+
+    def _histogram(self, s: dict) -> list[Text]:
         hist = s.get("accepted_len_hist") or []
         total = max(hist, default=0)
-        self._bars(out, "Accepted length", [c / total for c in hist] if total else [], 0,
-                   lambda frac: f"{round(frac * total):>4}")  # fmt: skip
+        return self._bars("Accepted length", [c / total for c in hist] if total else [], 0,
+                          lambda frac: f"{round(frac * total):>4}")  # fmt: skip
 
-    def _bars(self, out: Text, title: str, fractions: list, first: int, label) -> None:
-        self._section(out, title)
+    def _bars(self, title: str, fractions: list, first: int, label) -> list[Text]:
+        rows = [self._title(title)]
         if not fractions:
-            out.append("–\n", style="dim")
+            rows.append(Text("–", style="dim"))
         for i, frac in enumerate(fractions):
-            out.append(f"{i + first:>2} ")
-            out.append_text(hbar(frac, BAR, self._style("bar")))
-            out.append(f" {label(frac):>4}\n")
+            rows.append(Text.assemble(f"{i + first:>2} ", hbar(frac, BAR, self._style("bar")), f" {label(frac):>4}"))
+        return rows
 
-    def _time(self, out: Text, s: dict) -> None:
+    def _time(self, s: dict) -> list[Text]:
         draft_ms, verify_ms = s.get("draft_ms"), s.get("verify_ms")
-        self._section(out, "Time")
+        rows = [self._title("Time")]
         if draft_ms is None or verify_ms is None:
-            out.append("–\n", style="dim")
-            return
+            return rows + [Text("–", style="dim")]
         total_ms = max(draft_ms + verify_ms, 1e-9)
         for label, ms, style in (("draft", draft_ms, "draft"), ("verify", verify_ms, "verify")):
-            out.append(f"{label:<7}")
-            out.append_text(hbar(ms / total_ms, BAR - 3, self._style(style)))
-            out.append(f" {ms:>6.0f} ms\n")
+            rows.append(Text.assemble(f"{label:<7}", hbar(ms / total_ms, BAR - 3, self._style(style)), f" {ms:>6.0f} ms"))
+        return rows

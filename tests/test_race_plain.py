@@ -1,0 +1,39 @@
+"""`race --no-tui` in a pipe: the table's headers whole and every line within 80 columns,
+each step (loading, warm-up, each mode's run) shown on stderr, the answer on stdout."""
+
+from __future__ import annotations
+
+import pytest
+from cli_helpers import run_cli
+
+from ssdlocal.tui.race import COLUMNS, RaceRow, summary_table
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+def test_the_summary_table_fits_80_columns_with_whole_headers():
+    import io
+
+    from rich.console import Console
+
+    rows = [RaceRow("AR", 128, 61.2, 4.6, 2.1, 1.0, None, 1.0, None, None),
+            RaceRow("SSD", 128, 14.1, 0.216, 13.1, 10.08, 0.18, 1.67, 0.22, False)]  # fmt: skip
+    buffer = io.StringIO()
+    Console(file=buffer, width=80, force_terminal=False).print(summary_table(rows))
+    lines = buffer.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in buffer.getvalue()
+    assert lines[0].split() == " ".join(name for name, _ in COLUMNS).split()
+    assert lines[-1].split() == ["SSD", "128", "13.1", "10.08×", "216", "ms", "14.1", "s", "18%", "1.67", "22%", "NO"]
+
+
+def test_race_no_tui_in_a_pipe(tiny_dir, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run_cli(monkeypatch, capsys, "race", "the cat sat", "--no-tui", "--target", tiny_dir["llama"],
+                             "--draft", tiny_dir["draft_llama"], "--dtype", "float32", "--max-new-tokens", "8",
+                             "--k", "3", "--raw")  # fmt: skip
+    assert code == 0, err
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert "mode  tokens  tok/s" in out and "identical output in every mode" in out
+    for step in ("warming up AR, SD, SSD: 3/3 modes", "running AR: 8/8 tokens", "running SD: 8/8 tokens",
+                 "running SSD: 8/8 tokens"):  # fmt: skip
+        assert step in err, (step, err)
