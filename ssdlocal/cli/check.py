@@ -37,7 +37,6 @@ def check(
 ) -> None:
     """Run the pair greedily in AR, SD and SSD and verify the outputs are identical."""
     from ssdlocal.bench.check import NEAR_TIE, run_check
-    from ssdlocal.cli.render import err_console
 
     params = sampling.params()  # greedy, a fixed count
     why = "check compares SD and SSD with AR: it needs a draft"
@@ -47,10 +46,17 @@ def check(
         from ssdlocal.weights.compat import check_paths
 
         warnings = check_paths(config.target.path, config.draft_model.path).warnings  # before weights load
-    with err_console.status("loading ...", spinner="dots") as status:
-        report = run_check(
-            config, params=params, chat=chat, on_mode=lambda m: status.update(f"running {m} ...")
-        )
+    from ssdlocal.cli.progress import preparing
+
+    with preparing() as progress:  # loading shows its bars; then the modes, one after another
+        modes = ["ar", "sd", "ssd"]
+
+        def on_mode(mode: str) -> None:
+            done = modes.index(mode) if mode in modes else 0
+            progress("comparing AR, SD, SSD", done, len(modes))
+
+        report = run_check(config, params=params, chat=chat, on_mode=on_mode)
+        progress("comparing AR, SD, SSD", len(modes), len(modes))
     report = dataclasses.replace(report, warnings=warnings)
     if as_json:
         sys.stdout.write(

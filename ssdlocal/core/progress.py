@@ -31,6 +31,7 @@ UNITS = {
     "starting": "",  # a stage of its own only to say what runs: no count
     "warming": "modes",
     "running": "tokens",
+    "comparing": "modes",
 }
 
 _displays: list[ProgressCallback] = []
