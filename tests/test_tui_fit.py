@@ -58,6 +58,14 @@ async def test_the_chat_fits_80x24_and_says_how_to_quit():
         assert panel.virtual_size.height <= side.size.height, (panel.virtual_size, side.size)
         assert side.max_scroll_y == 0  # nothing below the fold
         assert "Time" in text and "TTFT" in text and "prompt" in text  # kept; a prefill row is reserved
+        assert any(line.rstrip().endswith("max 48 · ready") for line in lines), text  # status: one line
+
+
+def test_the_status_settings_have_a_compact_form():
+    settings = chat_settings(mode=Mode.SD, draft="d", max_new_tokens=None)
+    settings = settings.with_spec(adaptive_k=True, k=12)
+    assert settings.describe() == "SD · K≤12 per round · T=0 · max to EOS"
+    assert settings.describe(compact=True) == "SD K≤12 T=0 to EOS"
 
 
 @asynctest
@@ -118,3 +126,19 @@ async def test_a_change_of_mode_mid_answer_is_said_on_screen():
         header = app.screen.query_one(PairHeader)
         assert "mode ar: switched from SD (fake)" in str(header.render())
         assert app.screen._gen_mode is Mode.AR
+
+
+@asynctest
+async def test_the_why_dialog_starts_at_its_title_on_a_small_terminal():
+    from ssdlocal.engine.auto import Calibration, calibrated_choice
+
+    engine = FakeEngine()
+    engine.choice = calibrated_choice(Calibration(12, 0.335, 1.299, 0.175), adaptive_k=True)
+    app = _app(engine)
+    async with app.run_test(size=(80, 16)) as pilot:  # shorter than the dialog
+        await settle(pilot)
+        await pilot.press("f7")
+        await pilot.pause()
+        await pilot.pause(0.1)
+        text = "\n".join(_screen_text(app))
+        assert "What runs where, and why" in text, text

@@ -94,16 +94,18 @@ class ChatSettings:
     def with_temperature(self, temperature: float) -> ChatSettings:
         return self.with_sampling(temperature=round(max(0.0, temperature), 3))
 
-    def describe(self) -> str:
+    def describe(self, compact: bool = False) -> str:
+        """`SD · K≤12 per round · T=0 · max 40`; compact (a narrow status line): `SD K≤12 T=0 max 40`."""
         fan = "auto" if self.spec.fan_out is None else ",".join(map(str, self.spec.fan_out))
         parts = [self.mode.value.upper()]
+        adaptive = self.spec.adaptive_k and self.mode is Mode.SD
         if self.mode is not Mode.AR:
-            parts.append(f"K≤{self.k} per round" if self.spec.adaptive_k and self.mode is Mode.SD else f"K={self.k}")
+            parts.append(f"K≤{self.k}" + (" per round" if adaptive and not compact else "") if adaptive else f"K={self.k}")
         if self.mode is Mode.SSD:
             parts.append(f"F={fan}")
         parts.append(f"T={self.temperature:g}")
-        parts.append("max to EOS" if self.max_new_tokens is None else f"max {self.max_new_tokens}")
-        return " · ".join(parts)
+        parts.append(("to EOS" if compact else "max to EOS") if self.max_new_tokens is None else f"max {self.max_new_tokens}")
+        return (" " if compact else " · ").join(parts)
 
 
 # --------------------------------------------------------------------------- commands

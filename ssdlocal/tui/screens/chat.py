@@ -106,15 +106,21 @@ class ChatScreen(Screen):
         self._update_status()
 
     def _update_status(self) -> None:
-        if self.engine is None and self._loading_line:  # the step running now, alone: it fits
-            self.query_one("#status", Static).update(Text(self._loading_line, style="italic"))
+        if self.engine is None and self._loading_line:  # the step running now, alone
+            status = self.query_one("#status", Static)
+            room = status.content_size.width or 78
+            line = self._loading_line
+            if len(line) > room:  # the estimate goes first, then the rest is cut
+                line = line.split(" · ")[0]
+            status.update(Text(line[:room], style="italic"))
             return
         if self.engine is None:
             state = ("loading models…", "italic")
         elif self.stopping:
             state = ("stopping…", "bold yellow")
         elif self.generating:
-            state = (f"generating ({self._gen_mode.value.upper()})…", "bold")
+            state = ("generating…" if self._gen_mode is self.settings.mode
+                     else f"generating ({self._gen_mode.value.upper()})…", "bold")  # fmt: skip
         else:
             state = ("ready", "green")
         if self.show_colors:
@@ -133,9 +139,13 @@ class ChatScreen(Screen):
             )
         else:
             legend = Text("  colours off (F8)", style="dim")
-        line = Text.assemble((self.settings.describe(), "bold"), " · ", state)
         status = self.query_one("#status", Static)
-        room = (status.size.width or 80) - 2  # its padding
+        room = status.content_size.width or 78
+        line = Text.assemble((self.settings.describe(), "bold"), " · ", state)
+        if line.cell_len > room:  # one line always: the settings in short, then the state alone
+            line = Text.assemble((self.settings.describe(compact=True), "bold"), " · ", state)
+        if line.cell_len > room:
+            line = Text(*state)
         if self.engine is not None and line.cell_len + legend.cell_len <= room:
             line.append_text(legend)  # the legend only where it fits (F1 explains the colours)
         status.update(line)

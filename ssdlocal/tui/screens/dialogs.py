@@ -18,7 +18,9 @@ class _Dialog(ModalScreen[None]):
     """A modal with one button: focused on open; the button or a binding closes it."""
 
     def on_mount(self) -> None:
-        self.query_one(Button).focus()
+        self.query_one(Button).focus(scroll_visible=False)
+        dialog = self.query_one("#dialog")
+        self.call_after_refresh(dialog.scroll_home, animate=False)  # a tall dialog opens at its title
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
