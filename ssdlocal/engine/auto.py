@@ -28,7 +28,7 @@ __all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated_ch
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before anything was generated
 CALIBRATION_PROMPT = 16  # tokens of context the timed forwards attend to
 REPEATS = 5
-CHECK_ROUNDS = 16  # SD rounds a re-check looks at
+CHECK_ROUNDS = 32  # SD rounds a re-check looks at (probes and catch-ups included)
 CHECK_MARGIN = 1.15  # plain steps must be predicted this much faster before SD gives way
 
 
@@ -139,37 +139,43 @@ class ModeCheck:
 
     Seeded with the calibration's step costs (seconds by scored width). Each SD round
     tells it the tokens it emitted, its seconds, and its verify seconds at its width: the
-    ratio of those to the calibration's cost at that width is the load the round ran
-    under, at which plain steps would make `rows / (t1 * load)` tokens per second. The
-    median over CHECK_ROUNDS rounds of (the round's rate / that plain rate) decides (one
-    round stalled by another process scales both, and the median ignores it): below
-    1 / CHECK_MARGIN, `observe` returns the AR choice that says so (once).
+    ratio of that verify time to the calibration's cost at that width is the load the
+    round ran under, so in the round's time plain steps would have made
+    `rows * seconds / (t1 * load)` tokens. Over the last CHECK_ROUNDS rounds, when the
+    rounds' tokens fall short of that by CHECK_MARGIN, `observe` returns the AR choice that
+    says so (once). A round stalled by another process inflates its seconds and its load
+    alike, so it counts as much as any other; a costly round (a probe that catches the
+    draft up) counts at its cost. The call's first model-drafting round, where the draft
+    reads the prompt once, is left out: a cost already paid says nothing about the rest.
     """
 
     widths: dict[int, float]  # calibrated seconds of one target step by scored tokens
     rounds: int = CHECK_ROUNDS
     margin: float = CHECK_MARGIN
-    window: list[tuple[float, float, float]] = field(default_factory=list)  # (tokens, s, ratio)
+    window: list[tuple[float, float, float]] = field(default_factory=list)  # (tokens, s, plain tokens)
     done: bool = False
+    _drafted: bool = False  # the first model-drafting round was seen (and skipped)
 
-    def observe(self, rows: int, emitted: float, draft_s: float, verify_s: float, scored: int) -> ModeChoice | None:
+    def observe(self, rows: int, emitted: float, draft_s: float, verify_s: float, scored: int,
+                model_drafted: bool = False) -> ModeChoice | None:  # fmt: skip
         seconds = draft_s + verify_s
-        if self.done or 1 not in self.widths or seconds <= 0 or rows <= 0:
+        if self.done or 1 not in self.widths or seconds <= 0 or verify_s <= 0 or rows <= 0:
+            return None
+        if model_drafted and not self._drafted:
+            self._drafted = True
             return None
         base = self._cost(scored)
         load = verify_s / base if base > 0 else 1.0
-        plain_rate = rows / (self.widths[1] * load)  # tokens/s of plain steps at this load
-        self.window.append((emitted, seconds, emitted / seconds / plain_rate))
+        plain = rows * seconds / (self.widths[1] * load)  # tokens plain steps make in that time
+        self.window.append((emitted, seconds, plain))
         self.window = self.window[-self.rounds :]
         if len(self.window) < self.rounds:
             return None
-        ratios = sorted(r for _, _, r in self.window)
-        ratio = ratios[len(ratios) // 2]
-        if ratio * self.margin >= 1.0:
+        tokens, total_s, plain_tokens = (sum(x) for x in zip(*self.window))
+        if tokens * self.margin >= plain_tokens:
             return None
         self.done = True
-        sd_rate = sum(n for n, _, _ in self.window) / sum(s for _, s, _ in self.window)
-        ar_rate = sd_rate / ratio if ratio > 0 else float("inf")
+        sd_rate, ar_rate = tokens / total_s, plain_tokens / total_s
         return ModeChoice(
             Mode.AR,
             f"switched from SD after {len(self.window)} rounds: they made {sd_rate:.1f} tok/s, "
@@ -181,7 +187,10 @@ class ModeCheck:
     def round(self, event) -> ModeChoice | None:
         """observe() for one RoundEvent (its rows, tokens taken, seconds, widest proposal)."""
         scored = 1 + max(event.n_drafted, default=0)
-        return self.observe(len(event.rows), sum(event.n_emitted), event.draft_s, event.verify_s, scored)
+        sources = event.sources
+        drafted = ("model" in sources) if sources is not None else max(event.n_drafted, default=0) > 0
+        return self.observe(len(event.rows), sum(event.n_emitted), event.draft_s, event.verify_s, scored,
+                            model_drafted=drafted)  # fmt: skip
 
     def _cost(self, scored: int) -> float:
         if scored in self.widths:
