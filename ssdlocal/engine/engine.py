@@ -378,9 +378,9 @@ class Engine:
         return ModeCheck(self._check_widths).round if self._check_widths and chosen and timing_free else None
 
     def _switch_to_ar(self, rounds: Round, change: ModeChoice) -> Round:
-        """The rest of this call (and the engine's later auto calls) as plain steps."""
+        """The rest of this call as plain steps (the next call starts from the engine's
+        choice again and re-checks itself: one bad stretch must not rule out SD for good)."""
         log.info("mode %s: %s", change.mode.value, change.reason)
-        self.choice = change
         ar = Round(self.runner, self._guard, None, rounds.rows, 0, rounds.params, rounds.generator, rounds.last)
         ar.live = rounds.live  # rows that finished keep their cache length
         return ar
