@@ -50,8 +50,8 @@ def cpu_shared(adaptive_k: bool) -> ModeChoice | None:
         Mode.SD,
         f"{CPU_SHARED} and one memory system, where SSD would split the cores and lose to SD; "
         "SD chooses K each round from the measured costs and acceptance (K=0, a plain step, "
-        "when drafting does not pay), and switches to AR if its rounds run slower than plain "
-        "steps would",
+        "when drafting does not pay), and switches to AR for the rest of an answer whose rounds "
+        "run slower than plain steps would",
         f"{CPU_SHARED}: K chosen per round (0 = plain step)",
     )
 
