@@ -27,6 +27,7 @@ MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy
 MAX_K = 32  # draft tokens per round
 ADAPTIVE_K_MAX = 12  # the most drafts an SD round chooses when K is not pinned
 MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
+MAX_TOP_LOGPROBS = 20  # alternatives per emitted token (OpenAI's limit)
 BACKUPS = ("auto", "jit", "ngram", "suffix", "none")  # what serves an SSD cache miss
 
 
@@ -55,6 +56,9 @@ class SamplingParams:
     max_new_tokens: int | None = 128
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    # log-probabilities of each emitted token and of its `logprobs` likeliest alternatives
+    # (core.logprobs); None: none computed
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
@@ -83,6 +87,11 @@ class SamplingParams:
             raise UsageError(
                 f"max-new-tokens must be >= 1, got {self.max_new_tokens}",
                 "ask for at least one new token",
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise UsageError(
+                f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives per token, got {self.logprobs}",
+                f"ask for at most {MAX_TOP_LOGPROBS}",
             )
         if any(s == "" for s in self.stop):
             raise UsageError("stop strings must not be empty", "drop the empty --stop value")

@@ -22,6 +22,7 @@ ADDITIVE = (
     "tokens", "decode_tokens", "rounds", "row_rounds", "drafted", "accepted", "emitted",
     "ssd_rounds", "cache_hit_rounds", "rows_hit", "rows_miss", "tokens_on_hit", "tokens_on_miss",
     "prefill_s", "draft_s", "verify_s", "draft_busy_s", "decode_s",
+    "constrained_row_rounds", "constrained_drafted", "constrained_accepted", "constrained_emitted", "mask_s",
 )  # fmt: skip
 PER_POSITION = ("position_tried", "position_accepted", "accepted_len_hist")  # lists: K, K, K+1
 BY_NAME = ("backup_used", "source_rows", "width_rounds")  # dicts of counts
@@ -76,6 +77,12 @@ def metrics(c: dict[str, Any]) -> dict[str, Any]:
         out["rounds_by_k"] = {int(k): n for k, n in sorted(c["width_rounds"].items(), key=lambda kv: int(kv[0]))}
         out["mean_k"] = _ratio(sum(int(k) * n for k, n in c["width_rounds"].items()), c["rounds"])
         out["rows_by_source"] = dict(c["source_rows"])
+    if c.get("constrained_row_rounds"):  # rows under a grammar
+        out.update({
+            "constrained": True,
+            "mask_ms_per_token": _ratio(c["mask_s"] * 1e3, c["constrained_emitted"]),
+            "constrained_acceptance_rate": _ratio(c["constrained_accepted"], c["constrained_drafted"]),
+        })  # fmt: skip
     if c["ssd_rounds"]:
         out.update({
             "cache_hit_rate": _ratio(c["rows_hit"], c["rows_hit"] + c["rows_miss"]),
@@ -147,6 +154,12 @@ class RunStats:
                 c["source_rows"][event.sources[i]] = c["source_rows"].get(event.sources[i], 0) + 1
         for i in picked:
             self._row(event.n_drafted[i], event.n_accepted[i], event.n_emitted[i])
+            if event.constrained is not None and event.constrained[i]:
+                c["constrained_row_rounds"] += 1
+                c["constrained_drafted"] += event.n_drafted[i]
+                c["constrained_accepted"] += event.n_accepted[i]
+                c["constrained_emitted"] += event.n_emitted[i]
+                c["mask_s"] += event.mask_s[i]
         if event.cache_hit is not None:
             hits = [event.cache_hit[i] for i in picked]
             c["ssd_rounds"] += 1

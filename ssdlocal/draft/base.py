@@ -122,3 +122,4 @@ class DraftResources:
     memory: object = None  # speculation.suffix.SuffixMemory: the engine's, across calls
     costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
     rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)
+    guides: object = None  # grammar.guide.Guides of the call's constrained rows (None: no grammar)

@@ -67,8 +67,9 @@ class ModelDrafter:
     being its length before the round; a row whose verified drafts came from elsewhere keeps L.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device) -> None:
+    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None) -> None:
         self.runner = runner  # backends.base.Runner of the draft model
+        self.guides = guides  # grammar.guide.Guides: constrained rows draft what their grammar allows
         self.k = k  # the most tokens a round may ask for
         self.params = params
         self.target_vocab = target_vocab
@@ -112,6 +113,9 @@ class ModelDrafter:
         bound = max(lengths) + max(k, CATCH_UP)  # past every write of this round
         first = self._catch_up([row.tail(c) for row, c in zip(self.rows, self.cached)], bound)
         self.decoder.k = k
+        if self.guides is not None:
+            dev = self.runner.device
+            self.decoder.allowed = lambda j, previous: self.guides.draft_allowed(j, previous, active, dev)
         drafted = self.decoder.decode(first, bound)
         self._fed = [n + k - 1 for n in lengths]
         self._k = k

@@ -23,7 +23,6 @@ from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillEvent, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import oom_error
-from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
@@ -33,6 +32,7 @@ from ssdlocal.draft.suffix import open_memory
 from ssdlocal.speculation.adaptive import CostModel
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
+from ssdlocal.engine.shape import Shaper
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,16 @@ class Engine:
         """Token ids of one prompt, through the chat template when `chat`."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
+    def _shaper(self, grammars, params: SamplingParams) -> Shaper:
+        """The call's grammar masks (a matcher per constrained row) and log-probabilities."""
+        guides = None
+        if grammars is not None and any(g is not None for g in grammars):
+            from ssdlocal.grammar.guide import Guides
+
+            guides = Guides(grammars, self.target.args.vocab_size, sorted(self.eos_ids))
+        return Shaper(guides, params.logprobs)
+
+    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int, guides=None):
         if spec.draft.model is not None and spec.draft.model != self.config.spec.draft.model:
             raise UsageError(
                 f"this engine was loaded with draft {self.config.spec.draft.label!r}, not {spec.draft.label!r}",
@@ -239,7 +248,7 @@ class Engine:
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
             draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
-            costs=self.costs, rates=self.acceptance_rates,
+            costs=self.costs, rates=self.acceptance_rates, guides=guides,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 
@@ -277,8 +286,14 @@ class Engine:
         chat: bool = False,
         spec: SpecConfig | None = None,
         cancel: CancelToken | None = None,
+        grammars: Sequence | None = None,
     ) -> Iterator[Event]:
         """Generate for every prompt (strings, or token-id lists) and yield events.
+
+        `grammars` (one per prompt: a grammar.compiler.Grammar or None) constrains rows:
+        in every mode a constrained row's tokens follow the target's p masked to what its
+        grammar allows, renormalised (grammar/guide.py). `params.logprobs` asks for each
+        emitted token's log-probabilities (TokensEvent.logprobs).
 
         `spec` overrides the engine's speculation settings for this call (mode, K,
         fan-out, backup, C); the draft model itself cannot change. `cancel` stops the
@@ -293,6 +308,8 @@ class Engine:
         reason = self._reason(spec)
         spec = self._resolved(spec)
         ids = self._prompt_ids(prompts, chat)
+        if grammars is not None and len(grammars) != len(ids):
+            raise ValueError(f"{len(grammars)} grammars for {len(ids)} prompts")
         k = spec.k if spec.mode is not Mode.AR else 0
         budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens, spec)
         num_slots = SlotLayout.for_generation(max(len(x) + n for x, n in zip(ids, budgets)), k).main
@@ -304,8 +321,9 @@ class Engine:
             return
         self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
-        drafter = self._make_drafter(spec, params, len(ids), num_slots)
-        yield from self._counted(stats, self._run(rows, params, spec, drafter, stats, token))
+        shaper = self._shaper(grammars, params)
+        drafter = self._make_drafter(spec, params, len(ids), num_slots, shaper.guides)
+        yield from self._counted(stats, self._run(rows, params, spec, drafter, stats, token, shaper))
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
 
@@ -316,7 +334,7 @@ class Engine:
             stats.consume(event)
             yield replace(event, snapshot=LazySnapshot(stats.snapshot)) if isinstance(event, RoundEvent) else event
 
-    def _run(self, rows, params, spec, drafter, stats, token) -> Iterator[Event]:
+    def _run(self, rows, params, spec, drafter, stats, token, shaper: Shaper) -> Iterator[Event]:
         """Prefill, then rounds until every row is done or the call is cancelled."""
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         graphs_before = self._graph_reports(drafter)
@@ -325,13 +343,14 @@ class Engine:
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
         try:
-            first, prefill = self._prefill(rows, params, generator)
+            first, prefill = self._prefill(rows, params, generator, shaper)
             yield prefill
-            yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows))
+            yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows),
+                                    shaper.first_logprobs)  # fmt: skip
             if drafter is not None:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first)
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, shaper)
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
                 self._apply_row_cancels(rows)
@@ -394,13 +413,12 @@ class Engine:
             raise UsageError("empty prompt", "pass some text to generate from")
         return ids
 
-    def _prefill(self, rows, params, generator) -> tuple[torch.Tensor, PrefillEvent]:
+    def _prefill(self, rows, params, generator, shaper: Shaper) -> tuple[torch.Tensor, PrefillEvent]:
         """Feed every prompt; the first token of each row ([B] on the target's device)."""
         t0 = time.perf_counter()
         logits = self._guard(self.runner.feed, [r.prompt for r in rows], "last")
         last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
-        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
-        first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]
+        first = shaper.first_token(last, params, generator)  # [B] (grammar-masked, logprobs kept)
         for row, token in zip(rows, first.tolist()):
             row.append(token)
         self.runner.begin_steps()
