@@ -196,7 +196,7 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(server):
         (json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 0}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "prompt": "Hello", "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"model": MODEL, "prompt": "Hello " * 600, "max_tokens": 4}).encode(), 400, "prompt"),
-        (json.dumps({"model": MODEL, "prompt": "Hello", "logprobs": 3}).encode(), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": "Hello", "logprobs": 21}).encode(), 400, "logprobs"),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": [5, 10**6], "max_tokens": 2}).encode(), 400, "prompt"),
     ]

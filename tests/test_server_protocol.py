@@ -56,7 +56,8 @@ def test_bad_fields_name_themselves(body, param):
 
 
 def test_bad_messages():
-    for messages, param in (([], "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    for messages, param in (([], "messages"), ([{"role": "function", "content": "x"}], "messages[0].role"),
+                            ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
                             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
         with pytest.raises(APIError) as info:
             parse_chat({"model": "m", "messages": messages}, None)
