@@ -45,6 +45,7 @@ class RowGuide:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self.walked: list[int] = []
+        self._after_end = 0  # walked tokens past the grammar's end (EOS only; the matcher ignores them)
         self.seconds = 0.0  # grammar time not yet reported (take_seconds)
         self.masks: list[Tensor] = [self._timed(self._fill)]
 
@@ -57,13 +58,15 @@ class RowGuide:
 
     def _fill(self) -> Tensor:
         words = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)  # [W]
+        if self.matcher.is_stopped():  # the grammar has ended (an answer going on past its EOS)
+            words.zero_()
+            for t in self.eos_ids:
+                word = int(words[t >> 5]) | (1 << (t & 31))
+                words[t >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+            return words
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if self.matcher.is_error():
             raise RuntimeError(f"the grammar engine failed: {self.matcher.get_error()[:300]}")
-        if not bool(words.any()):  # a finished grammar (past its end, e.g. ignore_eos): EOS only
-            for t in self.eos_ids:
-                word = (int(words[t >> 5]) & 0xFFFFFFFF) | (1 << (t & 31))
-                words[t >> 5] = word - (1 << 32) if word >= 1 << 31 else word
         return words
 
     @staticmethod
@@ -80,13 +83,19 @@ class RowGuide:
         while common < min(len(self.walked), len(tokens)) and self.walked[common] == tokens[common]:
             common += 1
         if common < len(self.walked):
-            self.matcher.rollback(len(self.walked) - common)
+            drop = len(self.walked) - common
+            after_end = min(drop, self._after_end)
+            self._after_end -= after_end
+            if drop > after_end:
+                self.matcher.rollback(drop - after_end)
             del self.walked[common:]
             del self.masks[common + 1 :]
         for token in tokens[common:]:
             if not self.allows(self.masks[-1], token):
                 break
-            if not self.matcher.consume_token(token):
+            if self.matcher.is_stopped():
+                self._after_end += 1
+            elif not self.matcher.consume_token(token):
                 raise RuntimeError(f"the grammar engine refused an allowed token: {self.matcher.get_error()[:300]}")
             self.walked.append(token)
             self.masks.append(self._fill())
@@ -98,6 +107,7 @@ class RowGuide:
         if self.walk(taken) < len(taken):  # the target emits only allowed tokens
             raise RuntimeError("a committed token is not allowed by the row's grammar")
         self.walked = []
+        self._after_end = 0
         self.masks = [self.masks[-1]]
 
     def take_seconds(self) -> float:
