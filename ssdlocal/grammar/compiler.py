@@ -22,7 +22,7 @@ from ssdlocal.core.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-WHITESPACE = r"[ \t]{0,8}(\r?\n[ \t]{0,64})?"  # between JSON tokens
+WHITESPACE = r"( ?\r?\n[ \t]{0,32}| )?"  # between JSON tokens: a space, or a line break and its indentation
 INSTALL_HINT = 'install the grammar engine: pip install "ssdlocal[serve]" (or pip install llguidance)'
 
 
@@ -190,8 +190,8 @@ class GrammarCompiler:
 
     @staticmethod
     def _source(llg, kind: str, text: str) -> str:
-        # the model's own JSON layout (compact or indented), bounded so that whitespace
-        # cannot run on: a few spaces, then at most one line break and its indentation
+        # the model's own JSON layout (compact, spaced or indented), bounded so that
+        # whitespace cannot run on
         options = {"whitespace_flexible": True, "whitespace_pattern": WHITESPACE}
         if kind in ("json_schema", "json_object"):
             try:
