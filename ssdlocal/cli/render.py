@@ -101,6 +101,8 @@ def format_stats(stats: dict) -> str:
         parts.append(f"{stats['mean_accepted_len']:.2f} tok/round")
     if stats.get("cache_hit_rate") is not None:
         parts.append(f"cache hits {stats['cache_hit_rate']:.0%}")
+    if stats.get("constrained"):
+        parts.append(f"grammar {stats['mask_ms_per_token']:.2f} ms/token")
     return " | ".join(parts)
 
 
@@ -120,17 +122,25 @@ def graph_warning(stats: dict) -> str | None:
 
 
 def run_generate(
-    config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool
+    config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool,
+    grammar: tuple[str, object] | None = None,
 ) -> None:
-    """Load the engine, generate, and print (streamed text, or one JSON object)."""
+    """Load the engine, generate, and print (streamed text, or one JSON object); `grammar`
+    (kind, source) constrains every answer (grammar.compiler)."""
     from ssdlocal.engine import Engine
 
     with err_console.status(f"loading {config.target.path} ...", spinner="dots"):
         engine = Engine(config)
     with engine:
+        grammars = None
+        if grammar is not None:
+            from ssdlocal.grammar.compiler import GrammarCompiler
+
+            compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
+            grammars = [compiler.compile(*grammar)] * len(prompts)
         stream = not as_json and len(prompts) == 1
         done: DoneEvent | None = None
-        for event in engine.generate(prompts, params, chat=chat):
+        for event in engine.generate(prompts, params, chat=chat, grammars=grammars):
             if isinstance(event, TokensEvent) and stream:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()

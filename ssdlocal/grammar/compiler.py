@@ -23,7 +23,7 @@ from ssdlocal.core.errors import UsageError
 log = logging.getLogger(__name__)
 
 WHITESPACE = r"( ?\r?\n[ \t]{0,32}| )?"  # between JSON tokens: a space, or a line break and its indentation
-INSTALL_HINT = 'install the grammar engine: pip install "ssdlocal[serve]" (or pip install llguidance)'
+INSTALL_HINT = 'pip install llguidance (the "grammar" and "serve" extras include it)'
 
 
 class GrammarError(UsageError):
@@ -116,6 +116,14 @@ class GrammarCompiler:
     def lark(self, text: str) -> Grammar:
         """A grammar written in llguidance's Lark dialect (may embed `%json {schema}`)."""
         return self._get("lark", text)
+
+    def compile(self, kind: str, source) -> Grammar:
+        """`kind` "json_schema" (a dict), "json_object", "regex" or "lark" (text)."""
+        if kind == "json_schema":
+            return self.json_schema(source)
+        if kind == "json_object":
+            return self.json_object()
+        return self._get(kind, source)
 
     def special_token(self, text: str) -> int | None:
         """The id of `text` when the vocabulary has it as one added token (such tokens are
@@ -212,6 +220,20 @@ class GrammarCompiler:
                 )  # fmt: skip
                 log.info("grammar engine ready for %d tokens in %.1f s", self.vocab_size, time.perf_counter() - t0)
             return self._ll_tokenizer
+
+
+def check(kind: str, source) -> None:
+    """Refuse a grammar that cannot compile, before any model is loaded (no vocabulary
+    needed): GrammarError as `compile` would raise it."""
+    llg = require_llguidance()
+    text = json.dumps(source, ensure_ascii=False) if kind == "json_schema" else source
+    if kind == "json_schema" and not isinstance(source, dict):
+        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+        GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
+    )  # fmt: skip
+    if is_error:
+        raise _refusal(kind, messages[0] if messages else "unknown error")
 
 
 def first_mask(matcher, vocab_size: int):
