@@ -18,6 +18,10 @@ cut short still leaves what it found; exit code 1 if any exactness check fails):
      AR, SD and SSD with the draft on the same GPU; every call equals the eager engine's and
      AR's; graphs captured and replayed, none refused or dropped;
   3. the same sequence with SSDLOCAL_GRAPHS=trace (the CPU twin of CUDA graphs) on the GPU;
+  3b. constrained decoding: a batch with a JSON-schema row, an unconstrained row and a regex
+     row in AR, SD and SSD, with graphs on: every mode equals constrained eager AR and every
+     constrained row follows its grammar (needs llguidance: `pip install llguidance`, a
+     wheel with no dependencies; the step is reported as skipped without it);
   4. step times at T=1 and T=K+1 for Qwen2.5-1.5B and 7B shapes in bf16 (eager and graphs)
      against the bandwidth limit (weight bytes / measured bandwidth);
   5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
@@ -89,6 +93,16 @@ def render(data: dict) -> str:
             lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_eager']} | {r['equal_ar']} | "
                       f"{r['captured']} | {r['replays']} | {r['refused']} | {r['dropped']} |" for r in rows]  # fmt: skip
             lines.append("")
+    cons = data["steps"].get("exact_constrained")
+    if isinstance(cons, dict):
+        lines += ["## exact_constrained", "", f"- {cons.get('skipped')}", ""]
+    elif cons:
+        lines += ["## exact_constrained", "", "| arch | mode | graphs | equal constrained AR | follows grammar | "
+                  "grammar ms/token | captured | replays | refused | dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_constrained_ar']} | {r['follows_grammar']} | "
+                  f"{(r['mask_ms_per_token'] or 0):.3f} | {r['captured']} | {r['replays']} | {r['refused']} | "
+                  f"{r['dropped']} |" for r in cons]  # fmt: skip
+        lines.append("")
     timing = data["steps"].get("step_times")
     if timing:
         lines += ["## step times (bf16, ms, median)", "",
@@ -169,6 +183,65 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
         print(f"  {arch}: done", flush=True)
 
 
+CONSTRAINED_SCHEMA = {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3}},
+    "required": ["name", "tags"], "additionalProperties": False,
+}  # fmt: skip
+CONSTRAINED_PROMPTS = ['{"name": "the cat", "tags": ["a"]} {"name": "', "the cat sat on the mat", "fed a bad"]
+
+
+def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+    """Constrained AR / SD / SSD with graphs equal constrained eager AR; rows follow their grammars."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        results.put(step, {"skipped": "llguidance is not installed (pip install llguidance)"})
+        return
+    from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+    from ssdlocal.core.events import DoneEvent
+    from ssdlocal.engine import Engine
+    from ssdlocal.grammar.compiler import GrammarCompiler
+
+    params = SamplingParams(max_new_tokens=24)
+    rows = []
+    for arch in ("llama", "qwen2"):
+        t, d = str(dirs[arch]), str(dirs[PAIRS[arch]])
+        outs: dict[tuple[str, str], tuple] = {}
+        for graphs in ("off", *graph_modes):
+            draft = ModelDraft(ModelSpec(d, device, dtype="float32"))
+            config = EngineConfig(target=ModelSpec(t, device, dtype="float32"),
+                                  spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft, backup="jit"),
+                                  pin_cpus=False, graphs=graphs)  # fmt: skip
+            with Engine(config) as engine:
+                compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
+                grammars = [compiler.json_schema(CONSTRAINED_SCHEMA), None, compiler.regex(r"[a-f]+( [a-f]+)*")]
+                for mode in ("ar", "sd", "ssd"):
+                    spec = SpecConfig(mode=Mode(mode), k=K, draft=draft, backup="jit")
+                    done = [e for e in engine.generate(CONSTRAINED_PROMPTS, params, spec=spec, grammars=grammars)
+                            if isinstance(e, DoneEvent)][0]  # fmt: skip
+                    tokens = [o.token_ids for o in done.outputs]
+                    follows = all(g is None or g.matcher().consume_tokens([x for x in tok if x not in engine.eos_ids])
+                                  for g, tok in zip(grammars, tokens))  # fmt: skip
+                    counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0}
+                    for model in (done.stats.get("graphs") or {}).values():
+                        for key in counts:
+                            counts[key] += model.get(key, 0)
+                    outs[(graphs, mode)] = (tokens, counts, follows, done.stats.get("mask_ms_per_token"))
+        for graphs in graph_modes:
+            for mode in ("ar", "sd", "ssd"):
+                tokens, counts, follows, mask_ms = outs[(graphs, mode)]
+                row = {"arch": arch, "mode": mode, "graphs": graphs, "equal_constrained_ar": tokens == outs[("off", "ar")][0],
+                       "follows_grammar": follows, "mask_ms_per_token": mask_ms, **counts}  # fmt: skip
+                rows.append(row)
+                if not (row["equal_constrained_ar"] and follows):
+                    results.fail(f"{step}: {arch} {mode} with graphs={graphs} differs from constrained AR")
+                if graphs != "off" and (counts["replays"] == 0 or counts["refused"] or counts["dropped"]):
+                    results.fail(f"{step}: {arch} {mode} graphs={graphs}: {counts}")
+                results.put(step, rows)
+        print(f"  {arch}: done", flush=True)
+
+
 def step_times(device: torch.device, bandwidth: float, models: tuple[str, ...], results: Results) -> None:
     from gpu_bench import prefilled, random_model, step_ms, weight_bytes
 
@@ -240,6 +313,8 @@ def main() -> int:
         dirs = make_tiny_suite(Path(tmp))
         graph_modes = ("trace",) if args.cpu else ("auto",)
         steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results, "exact_cuda_graphs")))
+        steps.append(("exact_constrained", lambda: constrained(dirs, str(device), graph_modes, results,
+                                                               "exact_constrained")))  # fmt: skip
         if not args.cpu:
             def traced() -> None:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")

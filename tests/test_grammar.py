@@ -4,6 +4,8 @@ size and time bounds, the bounded cache) and the per-row matchers walked along p
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -49,11 +51,14 @@ def test_size_and_time_limits(tokenizer):
     with pytest.raises(GrammarError) as info:
         small.json_schema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(9)}})
     assert info.value.reason == "too_large"
-    instant = GrammarCompiler(tokenizer, 384, [0], GrammarLimits(compile_timeout_s=1e-9))
-    instant.prepare()  # the vocabulary view is not counted against the limit
+    hasty = GrammarCompiler(tokenizer, 384, [0], GrammarLimits(compile_timeout_s=0.05))
+    compile_now = hasty._compile
+    hasty._compile = lambda *a: (time.sleep(0.5), compile_now(*a))[1]  # a grammar that compiles slowly
     with pytest.raises(GrammarError) as info:
-        instant.json_schema({"type": "object"})
-    assert info.value.reason == "too_slow"
+        hasty.json_schema({"type": "object"})
+    assert info.value.reason == "too_slow" and "0.05 s" in info.value.message
+    hasty._compile = compile_now
+    assert hasty.json_schema({"type": "object"}).kind == "json_schema"  # the next one is fine
 
 
 def test_compiled_grammars_are_cached_and_the_cache_is_bounded(tokenizer):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -120,6 +121,8 @@ def test_required_and_named_tool_choice_return_valid_calls(server):
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
     for call in choice.message.tool_calls:
         assert_valid_call(call)
+    single = ask(server, messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
     named = ask(server, messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     calls = named.choices[0].message.tool_calls
     assert named.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["add"]
@@ -239,15 +242,17 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server):
         assert info.value.body["param"] == param, info.value.body
         if named:
             assert named in info.value.body["message"]
-    limits = server.state.grammars.compiler.limits
+    compiler = server.state.grammars.compiler
+    limits, compile_now = compiler.limits, compiler._compile
     try:  # a grammar over the compile time limit is refused, the server goes on
-        server.state.grammars.compiler.limits = type(limits)(compile_timeout_s=1e-9)
+        compiler.limits = type(limits)(compile_timeout_s=0.05)
+        compiler._compile = lambda *a: (time.sleep(0.5), compile_now(*a))[1]
         fresh = {"type": "object", "properties": {"zz": {"type": "string", "maxLength": 7}}}
         with pytest.raises(openai.BadRequestError) as info:
             ask(server, messages=USER, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": fresh}})
         assert info.value.body["code"] == "grammar_too_complex"
     finally:
-        server.state.grammars.compiler.limits = limits
+        compiler.limits, compiler._compile = limits, compile_now
     assert ask(server, messages=USER, max_tokens=2).choices[0].finish_reason == "length"
 
 

@@ -40,6 +40,9 @@ def test_tools_and_tool_choice_parse():
     assert chat(tools=[WEATHER], tool_choice="required").tool_choice.forced
     assert chat().tool_choice.mode == "none"
     assert req.tools[0].as_template() == WEATHER
+    assert chat(tools=[WEATHER], tool_choice="required").tool_choice.parallel
+    assert not chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False).tool_choice.parallel
+    assert error_param(chat, tools=[WEATHER], parallel_tool_calls="no") == "parallel_tool_calls"
 
 
 def test_bad_tool_fields_name_their_param():
@@ -159,3 +162,23 @@ def test_llama3_json_calls():
         whole, streamed = _pieces(LLAMA3_JSON, text)
         assert _calls(whole) == expected and _calls(streamed) == expected, text
     assert json.loads(_calls(_pieces(LLAMA3_JSON, '{"name": "add", "parameters": {"a": 1}}')[0])[1][0][1]) == {"a": 1}
+
+
+def test_without_llguidance_constrained_requests_get_an_install_hint(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from ssdlocal.core.errors import UsageError
+    from ssdlocal.grammar.compiler import require_llguidance
+    from ssdlocal.server.grammars import RequestGrammars
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails as if not installed
+    with pytest.raises(UsageError) as info:
+        require_llguidance()
+    assert "pip install llguidance" in info.value.hint
+    grammars = RequestGrammars(SimpleNamespace(chat_template=None), 384, [0])
+    assert grammars.for_request(chat()) is None  # nothing to enforce: no engine needed
+    with pytest.raises(APIError) as api:
+        grammars.for_request(chat(response_format={"type": "json_object"}))
+    body = api.value.body()["error"]
+    assert api.value.status == 400 and body["param"] == "response_format" and "llguidance" in body["message"]

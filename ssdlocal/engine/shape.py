@@ -37,7 +37,8 @@ class Shaper:
         no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=logits.device)  # [B, 0]
         active = [True] * batch
         if self.guides is not None:
-            logits = mask_logits(logits, self.guides.allowed([[]] * batch, 0, active, logits.device))
+            with self.guides.timing(active):
+                logits = mask_logits(logits, self.guides.allowed([[]] * batch, 0, active, logits.device))
         first = verify_logits(logits, no_drafts, None, params, generator).bonus  # [B]
         host = [[t] for t in first.tolist()]
         if self.logprobs is not None:
@@ -55,8 +56,9 @@ class Shaper:
             rows = proposal.drafts.tolist()
             proposal = replace(proposal, tokens=[r[:n] for r, n in zip(rows, counts)])
         width = logits.shape[1] - 1
-        allowed = self.guides.allowed(proposal.tokens, width, active, logits.device)  # [B, T, V]
-        return mask_logits(logits, allowed), proposal
+        with self.guides.timing(active):
+            allowed = self.guides.allowed(proposal.tokens, width, active, logits.device)  # [B, T, V]
+            return mask_logits(logits, allowed), proposal
 
     def round_logprobs(self, logits: torch.Tensor, drafts, n_accepted, bonus) -> list | None:
         """Per row, the TokenLogprobs of its accepted drafts and bonus token (host lists in)."""

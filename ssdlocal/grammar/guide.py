@@ -11,12 +11,14 @@ consumes the tokens the row took; the mask after them is the next round's first.
 may walk the same matcher while drafting (`draft_allowed`): its masks are the ones
 verification then reuses, so masking drafts costs no extra grammar work.
 Rows never share a matcher; a row without a grammar gets no mask (every token allowed).
+The time all this takes is charged to the constrained rows (`take_seconds`, for the stats).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -46,15 +48,7 @@ class RowGuide:
         self.eos_ids = tuple(eos_ids)
         self.walked: list[int] = []
         self._after_end = 0  # walked tokens past the grammar's end (EOS only; the matcher ignores them)
-        self.seconds = 0.0  # grammar time not yet reported (take_seconds)
-        self.masks: list[Tensor] = [self._timed(self._fill)]
-
-    def _timed(self, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        self.masks: list[Tensor] = [self._fill()]
 
     def _fill(self) -> Tensor:
         words = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)  # [W]
@@ -76,9 +70,6 @@ class RowGuide:
     def walk(self, tokens: Sequence[int]) -> int:
         """Walk from the committed state along `tokens` (reusing the walk so far where it
         agrees); stops before the first forbidden token. Returns how many were walked."""
-        return self._timed(self._walk, tokens)
-
-    def _walk(self, tokens: Sequence[int]) -> int:
         common = 0
         while common < min(len(self.walked), len(tokens)) and self.walked[common] == tokens[common]:
             common += 1
@@ -110,9 +101,6 @@ class RowGuide:
         self._after_end = 0
         self.masks = [self.masks[-1]]
 
-    def take_seconds(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
 
 
 class Guides:
@@ -123,44 +111,66 @@ class Guides:
 
     def __init__(self, grammars: Sequence, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
-        self.rows = [None if g is None else RowGuide(g.matcher(), vocab_size, eos_ids) for g in grammars]
-        self.constrained = tuple(g is not None for g in self.rows)
+        self.constrained = tuple(g is not None for g in grammars)
+        self._spent = [0.0] * len(grammars)  # seconds per row not yet reported (take_seconds)
+        self._depth = 0
+        with self.timing([True] * len(grammars)):
+            self.rows = [None if g is None else RowGuide(g.matcher(), vocab_size, eos_ids) for g in grammars]
         self._drafted: list[list[int]] = [[] for _ in self.rows]
+
+    @contextmanager
+    def timing(self, active: Sequence[bool]):
+        """Charge the time spent inside to the active constrained rows, split evenly: the
+        grammar's walks and masks and the tensor work that applies them (callers wrap that).
+        Nested uses are charged once, by the outermost."""
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            rows = [b for b, on in enumerate(active) if on and self.constrained[b]]
+            for b in rows if self._depth == 0 else ():
+                self._spent[b] += (time.perf_counter() - t0) / len(rows)
 
     def allowed(self, drafts: Sequence[Sequence[int]], width: int, active: Sequence[bool], device) -> Tensor:
         """bool [B, width+1, V] on `device`: position i of row b allows what the grammar
         allows after row b's committed tokens and drafts[b][:i] (open past the first
         forbidden draft, past the row's drafts, and for rows without a grammar)."""
-        words = torch.full((len(self.rows), width + 1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        for b, guide in enumerate(self.rows):
-            if guide is None or not active[b]:
-                continue
-            n = guide.walk(list(drafts[b])[:width])
-            words[b, : n + 1] = torch.stack(guide.masks[: n + 1])
-        return unpack(words.to(device), self.vocab_size)  # [B, width+1, V]
+        with self.timing(active):
+            words = torch.full((len(self.rows), width + 1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+            for b, guide in enumerate(self.rows):
+                if guide is None or not active[b]:
+                    continue
+                n = guide.walk(list(drafts[b])[:width])
+                words[b, : n + 1] = torch.stack(guide.masks[: n + 1])
+            return unpack(words.to(device), self.vocab_size)  # [B, width+1, V]
 
     def draft_allowed(self, j: int, previous: Tensor | None, active: Sequence[bool], device) -> Tensor:
         """For a drafter that masks its own drafts: bool [B, V], what the grammar allows at
         draft position j (after d_1..d_j-1; `previous` [B] is d_j-1, None at j = 0)."""
-        if j == 0:
-            self._drafted = [[] for _ in self.rows]
-        elif previous is not None:
-            for b, token in enumerate(previous.tolist()):
-                self._drafted[b].append(token)
-        words = torch.full((len(self.rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        for b, guide in enumerate(self.rows):
-            if guide is None or not active[b]:
-                continue
-            n = guide.walk(self._drafted[b])
-            words[b] = guide.masks[n]  # n < j only if a draft was forbidden: later drafts are moot
-        return unpack(words.to(device), self.vocab_size)  # [B, V]
+        with self.timing(active):
+            if j == 0:
+                self._drafted = [[] for _ in self.rows]
+            elif previous is not None:
+                for b, token in enumerate(previous.tolist()):
+                    self._drafted[b].append(token)
+            words = torch.full((len(self.rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+            for b, guide in enumerate(self.rows):
+                if guide is None or not active[b]:
+                    continue
+                n = guide.walk(self._drafted[b])
+                words[b] = guide.masks[n]  # n < j only if a draft was forbidden: later drafts are moot
+            return unpack(words.to(device), self.vocab_size)  # [B, V]
 
     def commit(self, taken: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
         """Each active constrained row took `taken[b]` (accepted drafts, then the bonus)."""
-        for b, guide in enumerate(self.rows):
-            if guide is not None and active[b] and taken[b]:
-                guide.commit(taken[b])
+        with self.timing(active):
+            for b, guide in enumerate(self.rows):
+                if guide is not None and active[b] and taken[b]:
+                    guide.commit(taken[b])
 
     def take_seconds(self) -> list[float]:
-        """Grammar seconds per row since the last call (0 for rows without a grammar)."""
-        return [0.0 if g is None else g.take_seconds() for g in self.rows]
+        """Seconds charged to each row since the last call (0 for rows without a grammar)."""
+        spent, self._spent = self._spent, [0.0] * len(self._spent)
+        return spent

@@ -59,6 +59,7 @@ class ToolChoice:
 
     mode: str
     name: str | None = None
+    parallel: bool = True  # parallel_tool_calls: a forced answer may hold several calls
 
     @property
     def forced(self) -> bool:
@@ -88,7 +89,13 @@ def parse_tools(body: dict) -> tuple[tuple[Tool, ...], ToolChoice]:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise _bad(f"two tools are named {dup!r}; tool names must be unique", param="tools")
-    return tuple(tools), _tool_choice(body.get("tool_choice"), tools)
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise _bad(f"'parallel_tool_calls' must be true or false, got {_show(parallel)}", param="parallel_tool_calls")
+        choice = ToolChoice(choice.mode, choice.name, parallel)
+    return tuple(tools), choice
 
 
 def _tool(item: Any, where: str) -> Tool:

@@ -70,8 +70,9 @@ def require_format(chat_template: str | None) -> ToolFormat:
 def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, compiler: GrammarCompiler,
                         answer: ResponseFormat | None = None) -> str:  # fmt: skip
     """Lark text (llguidance's dialect) for an answer that is a tool call: one of the named
-    function (tool_choice "function"), or one or more of any tool ("required"); with
-    tool_choice "auto" and a JSON response format, either calls or that JSON answer."""
+    function (tool_choice "function"), or one or more of any tool ("required"; one with
+    parallel_tool_calls false); with tool_choice "auto" and a JSON response format, either
+    calls or that JSON answer."""
     chosen = [t for t in tools if choice.mode != "function" or t.name == choice.name]
     lines = []
     bodies = []
@@ -83,7 +84,7 @@ def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoi
         lines.append(f'call: {_literal(fmt.open_tag, compiler)} "\\n" body "\\n" {_literal(fmt.close_tag, compiler)}')
     else:
         lines.append("call: body")
-    many = fmt.multiple and choice.mode != "function"
+    many = fmt.multiple and choice.mode != "function" and choice.parallel
     lines.append('calls: call ("\\n" call)*' if many else "calls: call")
     if answer is not None and choice.mode == "auto":
         schema = answer.schema if answer.kind == "json_schema" else {"type": "object"}
