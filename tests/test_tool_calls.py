@@ -62,6 +62,9 @@ def test_bad_tool_fields_name_their_param():
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}
     assert error_param(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}}) \
         == "response_format.json_schema.schema"
+    with pytest.raises(APIError) as info:
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}})
+    assert info.value.body()["error"]["code"] == "schema_too_large"
     assert error_param(chat, response_format={"type": "xml"}) == "response_format"
     assert error_param(chat, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}) \
         == "response_format"

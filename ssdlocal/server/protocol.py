@@ -124,7 +124,7 @@ def parse_chat(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     try:
         tools, choice = parse_tools(body)
     except FieldError as exc:
-        raise bad(exc.message, param=exc.param) from None
+        raise bad(exc.message, param=exc.param, code=exc.code) from None
     return _parse(body, max_new_tokens, messages=messages, tools=tools, tool_choice=choice)
 
 
@@ -192,7 +192,7 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
         logprobs = parse_logprobs(body, chat=bool(what.get("messages")))
         response_format = parse_response_format(body.get("response_format"))
     except FieldError as exc:
-        raise bad(exc.message, param=exc.param) from None
+        raise bad(exc.message, param=exc.param, code=exc.code) from None
     if response_format is not None and what.get("tool_choice", ToolChoice("none")).forced:
         raise bad("response_format cannot be combined with a forced tool_choice (the answer is a tool call)",
                   param="response_format")  # fmt: skip

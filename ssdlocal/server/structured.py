@@ -26,14 +26,15 @@ _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 class FieldError(Exception):
     """A field of the request is invalid; protocol.py answers it with a 400 naming `param`."""
 
-    def __init__(self, message: str, param: str | None) -> None:
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
-def _bad(message: str, param: str | None = None) -> FieldError:
-    return FieldError(message, param)
+def _bad(message: str, param: str | None = None, code: str | None = None) -> FieldError:
+    return FieldError(message, param, code)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ def check_schema(schema: Any, param: str, root_type: str | None = None) -> None:
         raise _bad(f"{param} must be a JSON schema (an object), got {_show(schema)}", param=param)
     size = len(json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
     if size > MAX_SCHEMA_CHARS:
-        raise _bad(f"{param} has {size:,} characters; at most {MAX_SCHEMA_CHARS:,} are allowed", param=param)
+        raise _bad(f"{param} has {size:,} characters; at most {MAX_SCHEMA_CHARS:,} are allowed", param=param,
+                   code="schema_too_large")  # fmt: skip
     stack = [(schema, param)]
     while stack:
         node, where = stack.pop()
