@@ -4,7 +4,8 @@
 
 Loads the built-in pair from ~/.cache/ssdlocal/gguf (torch backend, the GGUFs' own int4)
 once and runs, interleaved, greedy: AR, SD (the 0.5B draft, K=4 pinned, drafts masked by the
-grammar) and n-gram SD (K=4), each with no grammar, with `anything` (a grammar that allows
+grammar; with --unmasked-drafts also not masked, as SSD's worker drafts) and n-gram SD (K=4),
+each with no grammar, with `anything` (a grammar that allows
 every text: the same tokens as no grammar, so the difference is the machinery: matcher walks,
 masks, applying them) and with a JSON schema (the answer changes: JSON only). Prints, per mode
 and grammar: decode tok/s (wall), process CPU ms per token (all threads; steadier than wall
@@ -44,12 +45,21 @@ def main() -> int:
     ap.add_argument("--draft", default=str(GGUF / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a shared machine)")
+    ap.add_argument("--unmasked-drafts", action="store_true",
+                    help="also SD with the draft model not masked by the grammar (what SSD's worker does)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     draft = ModelDraft(ModelSpec(args.draft, quantization="auto"), suffix=None)
     config = EngineConfig(ModelSpec(args.target, quantization="auto"), SpecConfig(mode=Mode.SD, k=4, draft=draft))
     specs = {"ar": SpecConfig(mode=Mode.AR), "sd": SpecConfig(mode=Mode.SD, k=4, draft=draft),
              "ngram": SpecConfig(mode=Mode.SD, k=4, draft=NgramDraft())}  # fmt: skip
+    if args.unmasked_drafts:
+        specs["sd_unmasked_drafts"] = specs["sd"]
     rows: dict[tuple[str, str], list[dict]] = {}
     with Engine(config) as engine:
         compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
@@ -60,6 +70,7 @@ def main() -> int:
             for mode, spec in specs.items():
                 for name, grammar in grammars.items():
                     cpu0, done = None, None
+                    _mask_drafts(mode != "sd_unmasked_drafts")
                     for ev in engine.generate([prompt], params, spec=spec, grammars=[grammar]):
                         if isinstance(ev, TokensEvent) and cpu0 is None:
                             cpu0 = time.process_time()  # decode starts after the first token
@@ -89,6 +100,20 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def _mask_drafts(on: bool) -> None:
+    """SD's draft model masked by the grammar (the default), or not (as SSD's worker drafts)."""
+    from ssdlocal.draft import sync
+
+    if not hasattr(sync.ModelDrafter, "_original_init"):
+        sync.ModelDrafter._original_init = sync.ModelDrafter.__init__
+    original = sync.ModelDrafter._original_init
+
+    def init(self, *a, guides=None, **kw):
+        original(self, *a, guides=guides if on else None, **kw)
+
+    sync.ModelDrafter.__init__ = init
 
 
 if __name__ == "__main__":

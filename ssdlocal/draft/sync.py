@@ -65,6 +65,9 @@ class ModelDrafter:
     step whose padding writes past each row's length; steps 2..K feed d_1..d_{K-1}. After
     the verdict (n accepted of the model's drafts) a row keeps L + min(n, K-1) tokens, L
     being its length before the round; a row whose verified drafts came from elsewhere keeps L.
+    With `guides` (grammar.guide.Guides) a constrained row's drafts are drawn from the
+    draft's distribution masked by its grammar (q is that masked distribution), walking the
+    matcher verification then reuses.
     """
 
     def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None) -> None:

@@ -1,5 +1,9 @@
 """One decoding round over a batch: propose -> score -> verify -> commit -> report.
 
+Between score and verify the call's Shaper (engine/shape.py) masks each position with what
+a constrained row's grammar allows there, and reads log-probabilities when they were asked
+for; commit moves the rows' grammar matchers along with the rows.
+
 Device-resident: drafts, the target's logits, p, q and the verdict stay where the target
 runs; per round one small tensor (accepted counts, bonus tokens, and the drafts when the
 host does not have them) crosses to the host, which needs the tokens for text, stop
