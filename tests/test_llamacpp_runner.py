@@ -235,6 +235,12 @@ class InProcessSSD:
         self.next = None
         self.hits = 0
 
+    def read_prompts(self, prompts):
+        return None
+
+    def store_prefixes(self):
+        return None
+
     def start(self, rows):
         sequences = [row.tokens for row in rows]
         msg = StartMsg(

@@ -279,11 +279,11 @@ def test_the_engine_survives_a_failed_request(server, monkeypatch):
     feed = server.engine.runner.feed
     calls = []
 
-    def fail_once(rows, logits="all"):
+    def fail_once(rows, logits="all", progress=None):
         if not calls:
             calls.append(1)
             raise RuntimeError("simulated device failure")
-        return feed(rows, logits)
+        return feed(rows, logits, progress)
 
     monkeypatch.setattr(server.engine.runner, "feed", fail_once)
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()

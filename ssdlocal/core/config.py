@@ -162,6 +162,8 @@ class SpecConfig:
 
 
 GRAPH_MODES = ("auto", "off", "trace")
+PREFIX_CACHE_TOKENS = 32768  # the prefix store's default size per model (at most a tenth of free memory)
+PREFIX_CACHE_MAX = 1 << 24  # the most tokens one may ask for
 
 
 def repeatable(spec: SpecConfig) -> SpecConfig:
@@ -194,8 +196,19 @@ class EngineConfig:
     # or "trace" (CUDA-graph semantics on any device: traced op graphs replayed over the
     # tensors they captured). SSDLOCAL_GRAPHS=auto|off|trace overrides it in any process.
     graphs: str = "auto"
+    # Prefix reuse: each model keeps the KV of up to this many tokens of earlier calls'
+    # prompts and answers, and a new call feeds only what follows its longest stored
+    # prefix. None = PREFIX_CACHE_TOKENS, at most a tenth of the memory free after loading;
+    # 0 = off.
+    prefix_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        tokens = self.prefix_cache_tokens
+        if tokens is not None and not (isinstance(tokens, int) and 0 <= tokens <= PREFIX_CACHE_MAX):
+            raise UsageError(
+                f"prefix-cache-tokens must be a whole number from 0 to {PREFIX_CACHE_MAX}, got {tokens}",
+                f"use e.g. --prefix-cache-tokens {PREFIX_CACHE_TOKENS}, or --no-prefix-cache to turn it off",
+            )
         if self.graphs not in GRAPH_MODES:
             raise UsageError(
                 f"unknown graphs setting {self.graphs!r}", f"choose one of: {', '.join(GRAPH_MODES)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -21,9 +21,8 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillEvent, RoundEvent, TokenOrigin
+from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import oom_error
-from ssdlocal.core.verify import verify_logits
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
@@ -31,6 +30,7 @@ from ssdlocal.draft.base import DraftResources
 from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
 from ssdlocal.speculation.adaptive import CostModel
+from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
 
@@ -86,6 +86,8 @@ class Engine:
                 self._wait_worker()
             elif self.has_draft_model:
                 self._load_draft_here()
+            # after the draft: the default size is a share of the memory left
+            self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
             if self.choice is None:  # target and draft share the CPU: measure them
@@ -106,7 +108,9 @@ class Engine:
         """Load the draft model in this process (synchronous SD)."""
         loaded = registry.load(self.config.draft_model)
         self.draft_context = loaded.args.max_position_embeddings
-        self._draft_runner = registry.make_runner(loaded, graphs=self.config.graphs)
+        runner = registry.make_runner(loaded, graphs=self.config.graphs)
+        runner.setup_prefix(self.config.prefix_cache_tokens)
+        self._draft_runner = runner
 
     def _wait_worker(self) -> None:
         self._worker.wait_loaded()
@@ -130,6 +134,7 @@ class Engine:
             threads=plan.draft_threads if plan else None,
             cpus=plan.draft_cpus if plan and self.config.pin_cpus else None,
             graphs=self.config.graphs,
+            prefix_tokens=self.config.prefix_cache_tokens,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -277,13 +282,17 @@ class Engine:
         chat: bool = False,
         spec: SpecConfig | None = None,
         cancel: CancelToken | None = None,
+        progress: Callable[[PrefillProgress], None] | None = None,
     ) -> Iterator[Event]:
         """Generate for every prompt (strings, or token-id lists) and yield events.
 
         `spec` overrides the engine's speculation settings for this call (mode, K,
         fan-out, backup, C); the draft model itself cannot change. `cancel` stops the
-        call after its current round; cancelled before the call starts, it returns at
-        once (every row "cancelled", no tokens).
+        call after its current round, or within one chunk while a long prompt is read;
+        cancelled before the call starts, it returns at once (every row "cancelled", no
+        tokens). `progress` is called (on the engine's thread) as a long prompt is read.
+        Each row starts from the longest prefix of its prompt that the prefix cache holds
+        (earlier calls' prompts and answers) and reads only the rest.
         Yields TokensEvent as tokens are committed, a RoundEvent per verification,
         and finally one DoneEvent with per-row outputs and the stats snapshot.
         While an SSD call runs on a CPU-only placement, this process is pinned to the
@@ -305,7 +314,8 @@ class Engine:
         self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
         drafter = self._make_drafter(spec, params, len(ids), num_slots)
-        yield from self._counted(stats, self._run(rows, params, spec, drafter, stats, token))
+        run = self._run(rows, params, spec, drafter, stats, token, progress)
+        yield from self._counted(stats, run)
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
 
@@ -316,22 +326,33 @@ class Engine:
             stats.consume(event)
             yield replace(event, snapshot=LazySnapshot(stats.snapshot)) if isinstance(event, RoundEvent) else event
 
-    def _run(self, rows, params, spec, drafter, stats, token) -> Iterator[Event]:
+    def _run(self, rows, params, spec, drafter, stats, token, progress) -> Iterator[Event]:
         """Prefill, then rounds until every row is done or the call is cancelled."""
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         graphs_before = self._graph_reports(drafter)
         stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
+        stats.prefix_now = self.prefix_reports
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
+        cached: list[int] = []  # per row: tokens the target's cache holds (prompt, then rounds)
+        completed = False
         try:
-            first, prefill = self._prefill(rows, params, generator)
+            if drafter is not None:
+                drafter.read_prompts([r.prompt for r in rows])  # a draft on hardware of its own starts now
+            try:
+                first, prefill = read_prompts(self.runner, self._guard, rows, params, generator, token, progress)
+            except PrefillStopped:
+                for r in rows:
+                    r.finish_reason = "cancelled"
+                return
+            cached[:] = [len(r.prompt) for r in rows]
             yield prefill
             yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows))
             if drafter is not None:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first)
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached)
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
                 self._apply_row_cancels(rows)
@@ -342,6 +363,7 @@ class Engine:
             for r in rows:
                 if token.cancelled and r.active:
                     r.finish_reason = "cancelled"
+            completed = True
         except KeyboardInterrupt:
             if self._worker is not None:  # Ctrl-C: do not wait for the worker, kill it now
                 self._worker.broken = True
@@ -352,6 +374,8 @@ class Engine:
                 pinned.restore()
             final = self._graph_reports(drafter, graphs_before)
             stats.graphs_now = lambda: final
+            if completed:  # what the caches hold now is what later calls may start from
+                store_prefixes(self.runner, rows, cached, drafter)
             if drafter is not None:
                 drafter.close()
             for r in rows:  # prompt + answer: what later calls' suffix proposals may reuse
@@ -394,14 +418,20 @@ class Engine:
             raise UsageError("empty prompt", "pass some text to generate from")
         return ids
 
-    def _prefill(self, rows, params, generator) -> tuple[torch.Tensor, PrefillEvent]:
-        """Feed every prompt; the first token of each row ([B] on the target's device)."""
-        t0 = time.perf_counter()
-        logits = self._guard(self.runner.feed, [r.prompt for r in rows], "last")
-        last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
-        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
-        first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]
-        for row, token in zip(rows, first.tolist()):
-            row.append(token)
-        self.runner.begin_steps()
-        return first, PrefillEvent(time.perf_counter() - t0, len(rows))
+    def prefix_reports(self) -> dict[str, dict]:
+        """The prefix caches' sizes and counts per model ("target", "draft" when it runs here)."""
+        out = {}
+        for name, runner in (("target", self.runner), ("draft", self._draft_runner)):
+            report = runner.prefix_report() if runner is not None else None
+            if report is not None:
+                out[name] = report
+        return out
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix caches (the next call reads its prompts in full), e.g. to time a
+        cold prompt. The SSD worker's cache empties when its process restarts."""
+        for runner in (self.runner, self._draft_runner):
+            if runner is not None and runner.prefix is not None:
+                runner.prefix.clear()
+        if self._worker is not None:
+            self._worker.forget_prefixes()

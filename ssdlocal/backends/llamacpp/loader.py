@@ -50,6 +50,7 @@ class LoadedGGUF:
     threads: int | None  # llama.cpp CPU threads (None: torch.get_num_threads() at each decode)
     n_gpu_layers: int
     main_gpu: int
+    kv_bytes_per_token: int | None = None  # one token's k and v in every layer (f16), from the metadata
 
     def close(self) -> None:
         """Free the llama.cpp model (runners free their contexts first: they hold us)."""
@@ -211,5 +212,22 @@ def load_gguf(
     log.info("loaded %s (%s) with llama.cpp on %s", path, arch, dev)
     return LoadedGGUF(
         model, lib, tokenizer, args, path, dev, torch.float32, eos_ids_of(tokenizer),
-        threads, n_gpu_layers, main_gpu,
+        threads, n_gpu_layers, main_gpu, kv_bytes_per_token(lib, model, arch),
     )
+
+
+def kv_bytes_per_token(lib, model, arch: str) -> int | None:
+    """Bytes of one token's keys and values in every layer (llama.cpp's default f16 cache),
+    from the model's metadata; None when it does not say."""
+    def number(key: str) -> int | None:
+        value = lib.meta(model, f"{arch}.{key}")
+        try:
+            return int(value) if value is not None else None
+        except ValueError:
+            return None
+
+    layers, heads, kv_heads = number("block_count"), number("attention.head_count"), number("attention.head_count_kv")
+    width = number("attention.key_length") or (number("embedding_length") // heads if heads and number("embedding_length") else None)
+    if not (layers and width):
+        return None
+    return 2 * 2 * layers * (kv_heads or heads) * width

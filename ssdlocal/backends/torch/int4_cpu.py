@@ -119,6 +119,46 @@ def read_rows(packed: Tensor, rows: Tensor, layout: Int4Layout) -> Tensor:
     return torch.where(high[:, None], byte >> 4, byte & 15)  # [R, K]
 
 
+def expand_transposed(packed: Tensor, scales_and_zeros: Tensor, group: int, layout: Int4Layout,
+                      dtype: torch.dtype) -> Tensor:
+    """The weight a packed [N, K/2] matrix stands for, transposed: W^T [K, N] in `dtype`,
+    W = (code - 8) * scale + zero with scale and zero [K/group, N] from `scales_and_zeros`
+    [K/group, N, 2]; computed in float32 and rounded once. A few whole-tensor passes per
+    block size (prefill reads each weight once per layer, so this runs once per layer).
+
+    Blocks are read in the order the kernel stores them: block b holds, per input feature,
+    block/2 bytes whose low nibbles are one half of its rows and high nibbles the other."""
+    n, half = packed.shape
+    k = 2 * half
+    out = torch.empty(k, n, dtype=dtype)  # [K, N]
+    whole = n // layout.block * layout.block
+    if whole:
+        _expand_blocks(packed[:whole], scales_and_zeros[:, :whole], group, layout.block, layout.split,
+                       out[:, :whole])  # fmt: skip
+    if whole < n:  # the last partial block pairs neighbouring rows
+        _expand_blocks(packed[whole:], scales_and_zeros[:, whole:], group, n - whole, False, out[:, whole:])
+    return out
+
+
+def _expand_blocks(packed: Tensor, sz: Tensor, group: int, rows: int, split: bool, out: Tensor) -> None:
+    """packed [B*rows, K/2] (B blocks of `rows`), sz [K/g, B*rows, 2] -> out [K, B*rows].
+
+    Computed block-major (contiguous, the fast passes), then transposed into `out` once;
+    in bfloat16 the offset `zero - 8 * scale` is rounded first (an error of at most a
+    bfloat16 step of it: about 1/30 of a quantization step)."""
+    n, half = packed.shape
+    k, blocks, dtype = 2 * half, n // rows, out.dtype
+    p = packed.reshape(blocks, k, rows // 2)  # [B, K, rows/2]: one run of bytes per feature
+    low, high = p & 15, p >> 4  # [B, K, rows/2] each
+    q = torch.cat((low, high), dim=2) if split else torch.stack((low, high), dim=3)
+    q = q.reshape(blocks, k // group, group, rows).to(dtype)  # [B, K/g, g, rows]
+    s = sz[..., 0].float().reshape(k // group, blocks, rows).permute(1, 0, 2)  # [B, K/g, rows]
+    z = sz[..., 1].float().reshape(k // group, blocks, rows).permute(1, 0, 2)  # [B, K/g, rows]
+    offset = (z - 8 * s).to(dtype).contiguous()[:, :, None]  # [B, K/g, 1, rows]
+    w = torch.addcmul(offset, q, s.to(dtype).contiguous()[:, :, None])  # [B, K/g, g, rows]: W^T by block
+    out.unflatten(1, (blocks, rows)).copy_(w.view(blocks, k, rows).transpose(0, 1))  # [K, B, rows]
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_layout() -> Int4Layout | None:
     """The layout torch's CPU int4 kernel reads in this process, checked once against
@@ -153,4 +193,4 @@ def pack_with_torch(codes: Tensor) -> Tensor:
 
 
 __all__ = ["AVX2", "AVX512", "DEFAULT", "LAYOUTS", "Int4Layout", "capability", "cpu_layout",
-           "expected_layout", "pack", "pack_with_torch", "read_rows"]  # fmt: skip
+           "expand_transposed", "expected_layout", "pack", "pack_with_torch", "read_rows"]  # fmt: skip

@@ -15,6 +15,18 @@ from ssdlocal.core.errors import OutOfMemoryError
 from ssdlocal.core.memory import OOM_HINT, available_ram_bytes, human_bytes
 
 
+def free_bytes(device) -> int | None:
+    """Memory free on `device` for new tensors: available RAM on the CPU, the driver's free
+    memory on a GPU; None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    return available_ram_bytes() if device.type == "cpu" else None
+
+
 def check_room(need: int, device, what: str, freed: int = 0) -> None:
     """Refuse an allocation of `need` bytes on the CPU that cannot fit in the memory
     available (plus `freed`, what the caller releases first): on Linux a too-large
@@ -79,3 +91,34 @@ class KVCache(nn.Module):
         """Copy row `row`'s k/v from slots `src` [n] to slots `dst` [n]."""
         self.k[row, :, dst] = self.k[row, :, src]  # [Hkv, n, D]
         self.v[row, :, dst] = self.v[row, :, src]  # [Hkv, n, D]
+
+
+class KVPool:
+    """Stored prefix tokens of one model's layers (backends/prefix.py says which): per
+    layer, k and v [Hkv, tokens, D] in the cache's dtype, on the cache's device.
+
+    Allocated once with `torch.empty`: on the CPU the pages are only committed as blocks
+    are written, on a GPU the memory is reserved up front. Copies in and out are one
+    indexed copy per layer and tensor, written in place into the KV cache (captured steps
+    keep reading the same cache tensors)."""
+
+    def __init__(self, layers: int, n_kv_heads: int, tokens: int, head_dim: int, dtype, device) -> None:
+        shape = (n_kv_heads, tokens, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+    @staticmethod
+    def bytes_for(layers: int, n_kv_heads: int, tokens: int, head_dim: int, dtype) -> int:
+        return layers * KVCache.bytes_for(1, n_kv_heads, tokens, head_dim, dtype)
+
+    def save(self, caches: list[KVCache], row: int, slots: Tensor, where: Tensor) -> None:
+        """Row `row`'s k/v at cache slots `slots` [n] -> pool tokens `where` [n]."""
+        for cache, k, v in zip(caches, self.k, self.v):
+            k[:, where] = cache.k[row][:, slots]  # [Hkv, n, D]
+            v[:, where] = cache.v[row][:, slots]  # [Hkv, n, D]
+
+    def load(self, caches: list[KVCache], row: int, where: Tensor, slots: Tensor) -> None:
+        """Pool tokens `where` [n] -> row `row`'s cache slots `slots` [n]."""
+        for cache, k, v in zip(caches, self.k, self.v):
+            cache.k[row][:, slots] = k[:, where]  # [Hkv, n, D]
+            cache.v[row][:, slots] = v[:, where]  # [Hkv, n, D]

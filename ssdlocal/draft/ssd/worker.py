@@ -51,9 +51,12 @@ class DraftWorker:
         elif cmd == Cmd.START:
             self._start(payload)
         elif cmd == Cmd.FIRST:
-            self._propose(self.spec.first(), time.perf_counter() - t0)
+            self._propose(self.spec.first(payload), time.perf_counter() - t0)
         elif cmd == Cmd.OUTCOME:
             self._outcome(payload, t0)
+        elif cmd == Cmd.FORGET:
+            if self.runner is not None and self.runner.prefix is not None:
+                self.runner.prefix.clear()
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 
@@ -64,6 +67,7 @@ class DraftWorker:
         loaded = registry.load(msg.model, threads=msg.threads)
         registry.claim_device(msg.model.device)
         self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
+        self.runner.setup_prefix(msg.prefix_tokens)
         reply = LoadedMsg(loaded.args.vocab_size, str(loaded.device), loaded.args.max_position_embeddings)
         self.conn.send((Reply.LOADED, reply))
 
@@ -72,6 +76,9 @@ class DraftWorker:
 
         if self.runner is None:
             raise RuntimeError("START before LOAD")  # the client always loads first
+        if self.spec is not None:  # what the last batch left: later prompts may start from it
+            self.spec.store_prefixes()
+            self.spec = None
         self.spec = Speculator(self.runner, msg)
         self.q_buffer = msg.q_buffer
         self.round_index = 0
