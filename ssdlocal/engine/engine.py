@@ -22,7 +22,7 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
-from ssdlocal.core.memory import oom_error
+from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.auto import ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
@@ -45,6 +45,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        keep_freed_memory()  # forwards reuse their temporaries' memory (core.memory)
         spec = config.spec
         self._draft_runner = None
         self._worker = None

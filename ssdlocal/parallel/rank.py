@@ -85,8 +85,10 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
            rendezvous_timeout_s, collective_timeout_s, threads) -> None:
     import torch.distributed as dist
 
+    from ssdlocal.core.memory import keep_freed_memory
     from ssdlocal.ipc.serve import serve
 
+    keep_freed_memory()
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(devices[rank])

@@ -23,6 +23,7 @@ from ssdlocal.backends.torch.arch import for_hf_config, unsupported
 from ssdlocal.backends.torch.attention import AttentionMask, attend
 from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
+from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import oom_error
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -346,12 +347,13 @@ class Transformer(nn.Module):
         groups = self.args.num_heads // self.args.num_kv_heads
         starts = list(range(0, T, chunk))
         total, done = len(self.layers) * T, 0
+        pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
         for layer in self.layers:
             with ExitStack() as stack:
                 if dense:
                     for module in layer.modules():
                         if hasattr(module, "expanded"):
-                            stack.enter_context(module.expanded())
+                            stack.enter_context(module.expanded(pool))
                 for a in starts:
                     b = min(a + chunk, T)
                     pos = positions[:, a:b]  # [B, C]

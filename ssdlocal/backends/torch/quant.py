@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch import int4_cpu
 from ssdlocal.backends.torch.arch import architecture
+from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.quantization import INT4_GROUP
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
@@ -210,22 +211,32 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", w.scales.to(device, dtype))
 
     @contextmanager
-    def expanded(self) -> Iterator[None]:
+    def expanded(self, pool: ScratchPool | None = None) -> Iterator[None]:
         """Within: the weight held dense in the activation dtype, so inputs of many rows (a
         prompt) run through the dense matmul kernels, not the quantized ones made for a few
         rows. Kernels already dense in that dtype (int8 on CUDA) or with a layout that is
-        not ours to read (CUDA tinygemm int4) stay as they are."""
-        self._dense = self._dense_weight()
+        not ours to read (CUDA tinygemm int4) stay as they are. `pool` lends the memory
+        (a prefill reuses one layer's buffers for the next layer)."""
+        pool = ScratchPool() if pool is None else pool
+        lent: list[Tensor] = []
+        self._dense = self._dense_weight(pool, lent)
         try:
             yield
         finally:
             self._dense = None
+            for t in lent:
+                pool.give(t)
 
-    def _dense_weight(self) -> Tensor | None:
-        """W [out_features, in_features] in the activation dtype (a view), or None."""
+    def _dense_weight(self, pool: ScratchPool, lent: list[Tensor]) -> Tensor | None:
+        """W [out_features, in_features] in the activation dtype (a view), or None; buffers
+        taken from `pool` are added to `lent`."""
         n, k = self.out_features, self.kernel
         if k == "int4_cpu" and self.layout is not None:
-            wt = int4_cpu.expand_transposed(self.packed, self.scales_and_zeros, self.group_size, self.layout, self.dtype)
+            rows, half = self.packed.shape
+            shape, dev = (2 * half, rows), self.packed.device
+            lent += [pool.take(shape, self.dtype, dev), pool.take(shape, torch.uint8, dev)]
+            wt = int4_cpu.expand_transposed(self.packed, self.scales_and_zeros, self.group_size, self.layout,
+                                            self.dtype, out=lent[-2], codes=lent[-1])  # fmt: skip
             return wt[:, :n].t()  # [N, K]: a transposed view, which the matmul reads as is
         if k == "int8_cpu":
             return self.codes.to(self.dtype) * self.scales[:, None]  # [N, K]

@@ -62,7 +62,9 @@ class DraftWorker:
 
     def _load(self, msg: LoadMsg) -> None:
         from ssdlocal.backends import registry
+        from ssdlocal.core.memory import keep_freed_memory
 
+        keep_freed_memory()
         _apply_placement(msg)
         loaded = registry.load(msg.model, threads=msg.threads)
         registry.claim_device(msg.model.device)
