@@ -81,31 +81,44 @@ class LlamaCppRunner(HeldRows):
                 "use fewer prompts per call",
             )
         stored = min(STORE_SEQUENCES, max_seqs - batch_size) if self._store_tokens else 0
-        seqs = max_seqs if self.tree else batch_size + stored
+        seqs = max_seqs if self.tree or stored else batch_size  # all of them: a new batch size keeps the context
         cells = -(-(batch_size * num_slots + (self._store_tokens if stored else 0)) // _PAD) * _PAD
         if self._ctx is None or cells > self._ctx_cells or seqs > self._ctx_seqs:
             self.close()
+            if self._ctx_cells:  # growing: leave room, so the store is not dropped at every step
+                cells = max(cells, min(2 * self._ctx_cells, cells + self._store_tokens))
             self._n_batch = min(N_BATCH, cells)
             self._ctx = self.lib.new_context(self.model, cells, self._n_batch, seqs, self._want_threads())
             self._ctx_cells, self._ctx_seqs = cells, seqs
             self._ctx_threads = self._want_threads()
-            ids = range(seqs - stored, seqs)
-            self.prefix = SeqStore(ids, self._store_tokens) if stored and len(ids) else None
         else:
             self._drop_chains()
             kept = set(self.prefix.ids) if self.prefix is not None else set()
             for seq in range(self._ctx_seqs):
-                if seq not in kept:
+                if seq not in kept or seq < batch_size:  # rows (and branches) start empty
                     self.lib.seq_rm(self._ctx, seq, -1, -1)
+        self._store_ids(tuple(range(seqs - stored, seqs)) if stored else ())
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self._kv = [[] for _ in range(batch_size)]
         self._chains.clear()
         self._scratch.clear()
-        first_store = self.prefix.ids[0] if self.prefix is not None else self._ctx_seqs
+        first_store = self.prefix.ids[0] if self.prefix is not None and self.prefix.ids else self._ctx_seqs
         self._free = list(range(first_store - 1, batch_size - 1, -1))  # pop() gives the lowest
 
     # ------------------------------------------------------------------ prefix store
+    def _store_ids(self, ids: tuple[int, ...]) -> None:
+        """The reserved sequences of this context; entries in sequences no longer reserved
+        (a larger batch takes them as rows) are dropped."""
+        if not ids:
+            self.prefix = None
+            return
+        if self.prefix is None:
+            self.prefix = SeqStore(ids, self._store_tokens)
+        for seq in [s for s in self.prefix.entries if s not in ids]:
+            del self.prefix.entries[seq]
+        self.prefix.ids = ids
+
     def setup_prefix(self, asked: int | None) -> int:
         """A prefix store of `asked` tokens (None: the default size; 0: none): cells of the
         context kept in reserved sequences. Takes effect with the next context."""
