@@ -296,3 +296,42 @@ def test_the_engine_survives_a_failed_request(server, monkeypatch):
     got = ask(server.client, "Hello", chat=False, stream=True, max_tokens=4)
     assert len(got["ids"]) == 4 and got["finish"] == "length"
     assert server.get("/health")[0] == 200
+
+
+# ----------------------------------------------------------------------------- prefix cache
+def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
+    """A chat's next turn re-sends the history: the server reads only what follows the
+    prefix the engine kept, says so in usage.prompt_tokens_details.cached_tokens (streamed
+    in the usage chunk too) and in /metrics, and the answer equals one without the cache."""
+    before = metrics(server)
+    system = {"role": "system", "content": " ".join(PROMPTS)}
+    history = [system, {"role": "user", "content": "Explain the first line."}]
+    prompts, cached = [], []
+    for turn in range(3):
+        reply = server.client.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, usage = "", None
+        for chunk in reply:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+            usage = chunk.usage or usage
+        prompts.append(usage.prompt_tokens)
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And line {turn + 2}?"}]
+    assert cached[0] == 0
+    for turn in (1, 2):  # the earlier turn's prompt, but a partial block and a re-rendered tail
+        assert cached[turn] >= 0.7 * prompts[turn - 1], (cached, prompts)
+    final = [{"role": m["role"], "content": m["content"]} for m in history[:-1]]
+    with_cache = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
+    server.engine.forget_prefixes()
+    fresh = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
+    assert with_cache.usage.prompt_tokens_details.cached_tokens > 0
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert with_cache.choices[0].message.content == fresh.choices[0].message.content
+    assert fresh.model_extra["ssdlocal"]["prefill_tokens_per_s"] > 0
+    after = metrics(server)
+    assert after["ssdlocal_prefix_cache_hit_tokens_total"] - before["ssdlocal_prefix_cache_hit_tokens_total"] >= sum(cached)
+    assert after["ssdlocal_prefill_tokens_total"] > before["ssdlocal_prefill_tokens_total"]
+    assert after["ssdlocal_prefix_cache_used_tokens"] > 0
