@@ -81,14 +81,14 @@ class TPModel:
         self.shard.setup_prefix_pool(tokens, dtype, device)
         self.group.collect_acks()
 
-    def save_prefix(self, row, slots, where) -> None:
+    def save_prefix(self, row, runs) -> None:
         """Every rank copies its shard's k/v (no reply: the pipe keeps the order)."""
-        self.group.command_all(Cmd.PREFIX_SAVE, (row, slots.tolist(), where.tolist()))
-        self.shard.save_prefix(row, slots, where)
+        self.group.command_all(Cmd.PREFIX_SAVE, (row, runs))
+        self.shard.save_prefix(row, runs)
 
-    def load_prefix(self, row, where, slots) -> None:
-        self.group.command_all(Cmd.PREFIX_LOAD, (row, where.tolist(), slots.tolist()))
-        self.shard.load_prefix(row, where, slots)
+    def load_prefix(self, row, runs) -> None:
+        self.group.command_all(Cmd.PREFIX_LOAD, (row, runs))
+        self.shard.load_prefix(row, runs)
 
     def __call__(self, ids, positions, slots, mask, keep=None):
         """ids/positions/slots [B, T] long, mask [B, T, S] bool (on rank 0's device) ->

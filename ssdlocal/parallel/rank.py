@@ -25,8 +25,8 @@ class Cmd(IntEnum):
     CACHE = 1  # (batch_size, num_slots): allocate the rank's KV cache
     FORWARD = 2  # (B, T, S): join the input broadcasts, then run the forward
     PREFIX_POOL = 3  # tokens: allocate the rank's prefix cache (ACK)
-    PREFIX_SAVE = 4  # (row, slots, pool tokens): cache -> prefix cache (no reply)
-    PREFIX_LOAD = 5  # (row, pool tokens, slots): prefix cache -> cache (no reply)
+    PREFIX_SAVE = 4  # (row, runs): cache -> prefix cache (no reply)
+    PREFIX_LOAD = 5  # (row, runs): prefix cache -> cache (no reply)
 
 
 class Reply(IntEnum):
@@ -122,9 +122,8 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
             model.setup_prefix_pool(payload, loaded.dtype, device)
             conn.send((Reply.ACK, None))
         elif cmd in (Cmd.PREFIX_SAVE, Cmd.PREFIX_LOAD):
-            row, src, dst = payload
-            copy = model.save_prefix if cmd == Cmd.PREFIX_SAVE else model.load_prefix
-            copy(row, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+            row, runs = payload
+            (model.save_prefix if cmd == Cmd.PREFIX_SAVE else model.load_prefix)(row, runs)
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 

@@ -284,13 +284,13 @@ class Transformer(nn.Module):
                 a = self.args
                 self.prefix_pool = KVPool(len(self.layers), a.num_kv_heads, tokens, a.head_dim, dtype, device)
 
-    def save_prefix(self, row: int, slots: Tensor, where: Tensor) -> None:
-        """Row `row`'s k/v at slots `slots` [n] -> prefix pool tokens `where` [n], every layer."""
-        self.prefix_pool.save(self.caches(), row, slots, where)
+    def save_prefix(self, row: int, runs: list[tuple[int, int, int]]) -> None:
+        """Row `row`'s k/v -> the prefix pool, every layer; runs (first slot, first pool token, length)."""
+        self.prefix_pool.save(self.caches(), row, runs)
 
-    def load_prefix(self, row: int, where: Tensor, slots: Tensor) -> None:
-        """Prefix pool tokens `where` [n] -> row `row`'s slots `slots` [n], every layer."""
-        self.prefix_pool.load(self.caches(), row, where, slots)
+    def load_prefix(self, row: int, runs: list[tuple[int, int, int]]) -> None:
+        """The prefix pool -> row `row`'s k/v, every layer; runs (first slot, first pool token, length)."""
+        self.prefix_pool.load(self.caches(), row, runs)
 
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s cached k/v from slots `src` [n] to `dst` [n] in every layer."""

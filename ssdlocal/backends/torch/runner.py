@@ -24,7 +24,7 @@ from torch import Tensor
 from ssdlocal.backends.base import HeldRows
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
-from ssdlocal.backends.torch.kvcache import free_bytes
+from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
 
@@ -238,8 +238,7 @@ class TorchRunner(HeldRows):
         n = len(numbers) * BLOCK_TOKENS
         if n:
             self._ensure(n)
-            where = self._pool_tokens(numbers)  # [n]
-            self.model.load_prefix(row, where, torch.arange(n, device=self.device))
+            self.model.load_prefix(row, runs_of(list(enumerate(numbers)), BLOCK_TOKENS))
             self.held[row] = list(tokens[:n])
         return n
 
@@ -251,15 +250,9 @@ class TorchRunner(HeldRows):
             return
 
         def write(placements: list[Placement]) -> None:
-            slots = self._pool_tokens([p.index for p in placements])  # [n] slots of the row
-            self.model.save_prefix(row, slots, self._pool_tokens([p.number for p in placements]))
+            self.model.save_prefix(row, runs_of([(p.index, p.number) for p in placements], BLOCK_TOKENS))
 
         self.prefix.insert(tokens, write)
-
-    def _pool_tokens(self, blocks: Sequence[int]) -> Tensor:
-        """Block numbers -> the token indices they span, [len(blocks) * BLOCK_TOKENS] long."""
-        start = torch.tensor(list(blocks), dtype=torch.long)[:, None] * BLOCK_TOKENS
-        return (start + torch.arange(BLOCK_TOKENS)).reshape(-1).to(self.device)
 
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:
