@@ -20,7 +20,7 @@ import torch
 from ssdlocal.backends.llamacpp.prefix import SeqStore
 from ssdlocal.backends.prefix import BLOCK_TOKENS, PrefixIndex, store_tokens
 from ssdlocal.core.config import PREFIX_CACHE_TOKENS, EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ssdlocal.core.errors import OutOfMemoryError, UsageError
+from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from drafts import draft_of
@@ -283,3 +283,31 @@ def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeyp
     assert_clean_error(code, err, 1, "needs 32.0 MiB", "--prefix-cache-tokens 1024 or less")
     code, out, _ = run_cli(monkeypatch, capsys, *base, "--no-prefix-cache", "--json")
     assert code == 0 and json.loads(out)["stats"]["prefix_cache"] == {}
+
+
+def test_captured_steps_read_reused_prefixes_like_eager(models, reference, monkeypatch):
+    """SSDLOCAL_GRAPHS=trace replays every decode step as the op graph it captured (stale
+    reads give wrong tokens as on a GPU): copies into the KV cache must go in place."""
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")
+    spec = SpecConfig(mode=Mode.SD, k=3, draft=draft_of(models["draft_llama"]), backup="jit")
+    with Engine(EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, graphs="trace")) as engine:
+        cached = _sequence(engine, reference)
+        graphs = engine.runner.graphs.stats.as_dict()
+    assert sum(cached) > 0 and graphs["replays"] > 0 and not graphs["dropped"]
+
+
+def test_a_dead_ssd_worker_takes_its_cache_and_the_target_stays_exact(models, reference):
+    import os
+    import signal
+
+    spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(models["draft_llama"]), backup="jit")
+    config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, pin_cpus=False)
+    prompt = SYSTEM + _ids(9, 20)
+    with Engine(config) as engine:
+        first, _ = _run(engine, [prompt], 10)
+        os.kill(engine._worker.proc.pid, signal.SIGKILL)
+        with pytest.raises(DraftWorkerError, match="died"):  # the call that finds it dead fails clearly
+            _run(engine, [prompt + first[0]], 10)
+        again, stats = _run(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache
+        want, _ = _run(reference, [prompt + first[0]], 10)
+    assert again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
