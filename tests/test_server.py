@@ -324,8 +324,13 @@ def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
     for turn in (1, 2):  # the earlier turn's prompt, but a partial block and a re-rendered tail
         assert cached[turn] >= 0.7 * prompts[turn - 1], (cached, prompts)
     final = [{"role": m["role"], "content": m["content"]} for m in history[:-1]]
+    batches = metrics(server)["ssdlocal_batches_total"]
     with_cache = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
-    server.engine.forget_prefixes()
+    deadline = time.monotonic() + 30  # the answer can leave before its engine call has ended
+    while metrics(server)["ssdlocal_batches_total"] < batches + 1:  # (and stored its prefixes)
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.engine.forget_prefixes()  # the engine thread is idle now
     fresh = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
     assert with_cache.usage.prompt_tokens_details.cached_tokens > 0
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
