@@ -107,7 +107,8 @@ def test_a_body_over_the_limit_is_refused_unread(live, monkeypatch):
     assert "--max-body-mb" in info.value.body["message"]
     assert time.perf_counter() - started < 5
     with connect(live) as sock:  # no declared length: refused once the limit is passed
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" % live.host.encode())
         chunk = b"x" * MiB
         for _ in range(5):
             sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -231,8 +232,8 @@ def test_silent_connections_and_half_sent_heads_are_closed(live):
 
 def test_a_body_that_never_arrives_gets_408(live):
     with connect(live) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": " % live.host.encode())
         answer = read_all(sock)  # the server answers, then closes
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer
