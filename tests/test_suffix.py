@@ -231,6 +231,16 @@ def test_repeatable_pins_k_and_drops_what_depends_on_history():
     assert repeatable(SpecConfig(mode=Mode.SD, draft=SuffixDraft())).draft.use_memory is False
 
 
+def test_repeatable_pins_what_ssd_would_choose_by_timing_or_history():
+    """An automatic fan-out follows measured timing and the automatic backup too, the
+    suffix backup follows earlier requests: a seeded SSD request gets fixed ones."""
+    ssd = repeatable(SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("d")))
+    assert (ssd.fan_out, ssd.fan_out_miss, ssd.backup) == ((1, 1, 1, 1), (1, 1, 1, 1), "jit")
+    mine = repeatable(SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("d"), fan_out=(2, 2, 2, 3), backup="ngram"))
+    assert (mine.fan_out, mine.fan_out_miss, mine.backup) == ((2, 2, 2, 3), (2, 2, 2, 3), "ngram")
+    assert repeatable(SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("d"), backup="suffix")).backup == "jit"
+
+
 # --------------------------------------------------------------------------- the engine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
