@@ -65,12 +65,23 @@ def variant(tiny_dir, tmp_path, name: str, **changes) -> Path:
 
 
 # ----------------------------------------------------------------------------- FIFOs
-def test_a_fifo_as_the_weights_is_refused_without_opening_it(monkeypatch, capsys, tiny_dir, tmp_path):
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_a_fifo_in_a_checkpoint_is_refused_without_opening_it(monkeypatch, capsys, tiny_dir, tmp_path, name):
     ckpt = variant(tiny_dir, tmp_path, "fifo")
-    (ckpt / "model.safetensors").unlink()
-    os.mkfifo(ckpt / "model.safetensors")
+    (ckpt / name).unlink()
+    os.mkfifo(ckpt / name)
     code, _, err = generate(monkeypatch, capsys, ckpt)
-    assert_clean_error(code, err, 1, "model.safetensors is a FIFO", "replace")
+    assert_clean_error(code, err, 1, f"{name} is a FIFO", "replace")
+
+
+def test_weight_files_are_opened_only_when_regular(tmp_path):
+    """The reader itself refuses a FIFO (opened non-blocking, then checked)."""
+    from ssdlocal.backends.torch.stfile import SafetensorsReader
+    from ssdlocal.core.errors import ModelLoadError
+
+    os.mkfifo(tmp_path / "w.safetensors")
+    with deadline(10), pytest.raises(ModelLoadError, match="not a regular file"):
+        SafetensorsReader(tmp_path / "w.safetensors")
 
 
 def test_a_fifo_as_the_config_or_the_gguf_is_refused(monkeypatch, capsys, tiny_dir, tmp_path):

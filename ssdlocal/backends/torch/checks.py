@@ -36,10 +36,10 @@ def check_model_path(path: Path) -> Path:
     if path.is_file() and path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path} is a file but not a .gguf file", hint=PATH_HINT)
     if path.is_dir():
-        config = path / "config.json"
-        if (kind := kind_of(config)) is not None:
-            raise ModelLoadError(f"{config} is {kind}, not a file", hint=f"replace {config} with the model's config")
-        if not config.is_file():
+        for entry in path.iterdir():  # config, tokenizer, weights: whatever a loader may open
+            if (kind := kind_of(entry)) is not None:
+                raise ModelLoadError(f"{entry} is {kind}, not a file", hint=f"replace {entry} with the model's file")
+        if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json", hint=PATH_HINT)
     return path
 
