@@ -145,6 +145,9 @@ def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, t
     pinned = ["--fan-out", "1,1,1,1", "--fan-out-miss", "1,1,1,1", "--backup", "jit"] if server.mode == "ssd" else []
     expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, "--max-new-tokens", "12",
                              "--temperature", "0.9", "--seed", "1234", "--no-suffix", *pinned)  # what it runs
+    calls, real = [], server.engine.generate
+    monkeypatch.setattr(server.engine, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batches = metrics(server)["ssdlocal_batches_total"]
     others = ThreadPoolExecutor(4)
     for i in range(3):  # with other requests (other settings, other seeds) arriving meanwhile
         noise = [others.submit(ask, server.client, p, chat=False, stream=False, max_tokens=8, temperature=t, seed=s)
@@ -154,6 +157,10 @@ def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, t
         for future in noise:
             future.result(timeout=120)
     others.shutdown()
+    deadline = time.monotonic() + 30  # every call counted (after its answers) before the next test
+    while metrics(server)["ssdlocal_batches_total"] < batches + len(calls):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 # ----------------------------------------------------------------------------- cancellation
