@@ -76,7 +76,9 @@ OWN = {
               "max_body_mb": (["--max-body-mb", "2"], 2 * 1024 * 1024),
               "max_prompt_chars": (["--max-prompt-chars", "77"], 77),
               "max_connections": (["--max-connections", "9"], 9), "header_timeout": (["--header-timeout", "1.5"], 1.5),
-              "body_timeout": (["--body-timeout", "2.5"], 2.5), "idle_timeout": (["--idle-timeout", "3.5"], 3.5)},
+              "body_timeout": (["--body-timeout", "2.5"], 2.5), "idle_timeout": (["--idle-timeout", "3.5"], 3.5),
+              "allowed_hosts": (["--allowed-hosts", "a.lan,b.lan:9"], ("a.lan", "b.lan:9")),
+              "allowed_origins": (["--allowed-origins", "http://localhost:3000"], ("http://localhost:3000",))},
 }
 # race's --speed only reaches the TUI: a second race run leaves --no-tui out
 RUNS = {"generate": (), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
@@ -133,7 +135,8 @@ def _fake_run(monkeypatch, rec):
     monkeypatch.setattr("ssdlocal.tui.app.ChatApp", rec("app"))
     monkeypatch.setattr("ssdlocal.tui.app.RaceApp", rec("app"))
     monkeypatch.setattr("ssdlocal.cli.serve._serve", rec("serve"))
-    monkeypatch.setattr("ssdlocal.server.run.bind", rec("bind", type("Sock", (), {"close": lambda self: None})()))
+    sock = type("Sock", (), {"close": lambda self: None, "getsockname": lambda self: ("127.0.0.9", 8123)})()
+    monkeypatch.setattr("ssdlocal.server.run.bind", rec("bind", sock))
 
 
 def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
@@ -162,7 +165,8 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
                   "served_model_name": name, "max_batch": kw["max_batch"], "max_body_mb": limits.max_body_bytes,
                   **{f: getattr(limits, f) for f in ("max_request_rows", "max_prompt_chars", "max_connections")},
                   **{f: getattr(limits, f + "_s") for f in ("header_timeout", "body_timeout", "idle_timeout")},
-                  "max_new_tokens": kw["max_new_tokens"]}  # fmt: skip
+                  "max_new_tokens": kw["max_new_tokens"], "allowed_hosts": kw["access"].extra_hosts,
+                  "allowed_origins": kw["access"].extra_origins}  # fmt: skip
 
 
 @pytest.mark.parametrize("run", list(RUNS))

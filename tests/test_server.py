@@ -139,14 +139,28 @@ def test_concurrent_streams_equal_their_sequential_results(server):
 
 
 def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, tiny_dir):
-    if server.mode == "ssd":
-        pytest.skip("SSD samples follow the adaptive backup's timing (README: seeded SSD)")
+    """In every mode; in SSD the server pins what follows timing or earlier requests (an
+    automatic fan-out: one candidate per accepted length; an automatic backup: jit)."""
     prompt = "Once upon a time"
+    pinned = ["--fan-out", "1,1,1,1", "--fan-out-miss", "1,1,1,1", "--backup", "jit"] if server.mode == "ssd" else []
     expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, "--max-new-tokens", "12",
-                             "--temperature", "1", "--seed", "7", "--no-suffix")  # what a seeded request runs
-    for _ in range(2):
-        got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=1.0, seed=7)
-        assert got["ids"] == expected["token_ids"]
+                             "--temperature", "0.9", "--seed", "1234", "--no-suffix", *pinned)  # what it runs
+    calls, real = [], server.engine.generate
+    monkeypatch.setattr(server.engine, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batches = metrics(server)["ssdlocal_batches_total"]
+    others = ThreadPoolExecutor(4)
+    for i in range(3):  # with other requests (other settings, other seeds) arriving meanwhile
+        noise = [others.submit(ask, server.client, p, chat=False, stream=False, max_tokens=8, temperature=t, seed=s)
+                 for p, t, s in ((PROMPTS[i], 0.9, None), (PROMPTS[i + 3], 0.0, None), (prompt, 0.9, 99))]
+        got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=0.9, seed=1234)
+        assert got["ids"] == expected["token_ids"], i
+        for future in noise:
+            future.result(timeout=120)
+    others.shutdown()
+    deadline = time.monotonic() + 30  # every call counted (after its answers) before the next test
+    while metrics(server)["ssdlocal_batches_total"] < batches + len(calls):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 # ----------------------------------------------------------------------------- cancellation

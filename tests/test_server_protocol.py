@@ -117,3 +117,19 @@ def test_a_job_runs_in_parts_of_at_most_max_batch_rows_with_one_budget_each():
     assert seeds[0] == 5 and len(set(seeds)) == 3  # a seeded job's parts do not repeat each other
     assert {seed for *_, seed in parts(sampled, False, [8] * 6, 2)} == {5}  # unseeded: drawn per call
     loop.close()
+
+
+@pytest.mark.parametrize("field", ["tool_calls", "function_call"])
+def test_an_assistant_message_with_tool_calls_is_refused_not_dropped(field):
+    """`content: null` plus tool calls would otherwise reach the model as an empty turn."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "call f"},
+                {"role": "assistant", "content": None, field: calls if field == "tool_calls" else calls[0]["function"]},
+                {"role": "user", "content": "and now?"}]
+    with pytest.raises(APIError) as info:
+        parse_chat({"model": "m", "messages": messages}, None)
+    error = info.value.body()["error"]
+    assert info.value.status == 400 and error["param"] == f"messages[1].{field}", error
+    assert "tools are not supported" in error["message"]
+    assert parse_chat({"model": "m", "messages": [*messages[:1], {"role": "assistant", "content": None,
+                                                                 "tool_calls": []}]}, None)  # empty: nothing lost

@@ -169,7 +169,10 @@ PREFIX_CACHE_MAX = 1 << 24  # the most tokens one may ask for
 def repeatable(spec: SpecConfig) -> SpecConfig:
     """`spec` with proposals that depend only on the prompt and the seed, so a seeded sample
     repeats: K pinned (the configured K; SpecConfig's default when it was chosen per round),
-    suffix proposals from the row's own tokens only, none for a model draft."""
+    suffix proposals from the row's own tokens only, none for a model draft; in SSD fixed
+    fan-outs (an automatic one follows timing: the automatic planner's first plan, one
+    candidate per accepted length; a miss list defaults to the hit list) and a backup
+    that follows neither timing nor earlier requests (auto and suffix: jit)."""
     k = min(spec.k, SpecConfig.k) if spec.adaptive_k else spec.k
     draft = spec.draft
     if isinstance(draft, SuffixDraft):
@@ -177,8 +180,11 @@ def repeatable(spec: SpecConfig) -> SpecConfig:
     elif isinstance(draft, ModelDraft):
         draft = replace(draft, suffix=None)
     fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
-    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fits(spec.fan_out),
-                   fan_out_miss=fits(spec.fan_out_miss))  # fmt: skip
+    fan_out = fits(spec.fan_out) or (1,) * (k + 1)
+    fan_out_miss = fits(spec.fan_out_miss) or fan_out
+    backup = "jit" if spec.backup in ("auto", "suffix") else spec.backup
+    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fan_out, fan_out_miss=fan_out_miss,
+                   backup=backup)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -272,6 +272,10 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
                 f"messages[{i}].role {_show(role)} is not supported: use system, user or assistant",
                 param=f"messages[{i}].role",
             )
+        for field in ("tool_calls", "function_call"):  # dropping them would change the conversation
+            if message.get(field):
+                raise bad(f"messages[{i}].{field}: tools are not supported by this server, so a message "
+                          "cannot carry tool calls", param=f"messages[{i}].{field}")  # fmt: skip
         out.append({"role": role, "content": _content(message.get("content"), i)})
     if not any(m["content"].strip() for m in out):
         raise bad("the messages have no text", param="messages")

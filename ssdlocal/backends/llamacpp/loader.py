@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,15 +69,23 @@ def check_gguf_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist", GGUF_HINT)
+    from ssdlocal.core.files import kind_of
+
+    if (kind := kind_of(path)) is not None:
+        raise ModelLoadError(f"{path} is {kind}, not a .gguf file", GGUF_HINT)
     if not path.is_file():
         raise ModelLoadError(f"{path} is a directory, not a .gguf file", GGUF_HINT)
     try:
         with path.open("rb") as f:
-            magic = f.read(4)
+            head = f.read(24)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}", "check the file's permissions") from exc
-    if magic != b"GGUF":
+    if head[:4] != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header)", GGUF_HINT)
+    if len(head) == 24 and struct.unpack("<I", head[4:8])[0] in (2, 3):
+        from ssdlocal.backends.torch.gguf_read import GGUFHeader
+
+        GGUFHeader.read(path)  # counts and lengths bounded by the file, before llama.cpp or transformers read it
     return path
 
 
