@@ -311,3 +311,13 @@ def test_a_dead_ssd_worker_takes_its_cache_and_the_target_stays_exact(models, re
         again, stats = _run(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache
         want, _ = _run(reference, [prompt + first[0]], 10)
     assert again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
+
+
+def test_the_ssd_workers_cache_is_reported_as_the_drafts(models):
+    spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(models["draft_llama"]), backup="jit")
+    config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, pin_cpus=False)
+    with Engine(config) as engine:
+        first, _ = _run(engine, [SYSTEM], 8)
+        _, stats = _run(engine, [SYSTEM + first[0] + _ids(10, 5)], 8)
+    draft = stats["prefix_cache"]["draft"]
+    assert draft["reused_tokens"] >= len(SYSTEM) // B * B and draft["stored_tokens"] > 0

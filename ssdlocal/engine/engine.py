@@ -420,12 +420,16 @@ class Engine:
         return ids
 
     def prefix_reports(self) -> dict[str, dict]:
-        """The prefix caches' sizes and counts per model ("target", "draft" when it runs here)."""
+        """The prefix caches' sizes and counts per model ("target"; "draft": the draft model
+        here, or the SSD worker's as of its latest batch start)."""
         out = {}
         for name, runner in (("target", self.runner), ("draft", self._draft_runner)):
             report = runner.prefix_report() if runner is not None else None
             if report is not None:
                 out[name] = report
+        worker = self._worker.prefix_report if self._worker is not None else None
+        if worker is not None and "draft" not in out:
+            out["draft"] = worker  # the SSD worker's, as it reported when the batch started
         return out
 
     def forget_prefixes(self) -> None:

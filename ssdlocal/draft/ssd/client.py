@@ -53,6 +53,7 @@ class DraftWorkerClient:
         self.load_timeout_s = LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self.vocab_size: int | None = None
         self.max_positions: int | None = None  # the draft's context, once loaded
+        self.prefix_report: dict | None = None  # the worker's prefix cache, as of its last READY
         self.child = ChildProcess(
             worker_main, (), name="ssdlocal-draft", role="the draft worker", error=DraftWorkerError,
             dead_hint="the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
@@ -180,7 +181,9 @@ class SSDDrafter:
         can take minutes, which must not pass for a hung worker."""
         owed, self._ready_owed = self._ready_owed, 0
         if owed:
-            self.graphs_at_start = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * owed)
+            ready = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * owed) or {}
+            self.graphs_at_start = ready.get("graphs")
+            self.client.prefix_report = ready.get("prefix")  # the worker's prefix cache, as of READY
 
     def _memory(self) -> tuple[tuple[int, ...], ...]:
         """The suffix memory for the worker, when the suffix backup may serve a miss."""

@@ -27,7 +27,7 @@ class Reply(IntEnum):
     """Worker -> target."""
 
     LOADED = 1  # LoadedMsg
-    READY = 2  # batch prefilled (payload: the draft runner's graph counts so far)
+    READY = 2  # batch prefilled (payload: {"graphs": the runner's graph counts, "prefix": its prefix cache's})
     PROPOSAL = 3  # ProposalMsg
 
 

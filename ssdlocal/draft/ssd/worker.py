@@ -84,7 +84,7 @@ class DraftWorker:
         self.spec = Speculator(self.runner, msg)
         self.q_buffer = msg.q_buffer
         self.round_index = 0
-        self.conn.send((Reply.READY, self._graphs()))
+        self.conn.send((Reply.READY, {"graphs": self._graphs(), "prefix": self.runner.prefix_report()}))
 
     def _outcome(self, msg: OutcomeMsg, t0: float) -> None:
         spec = self.spec
