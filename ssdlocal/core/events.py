@@ -49,6 +49,16 @@ class PrefillEvent:
 
     seconds: float  # the prefill's wall time (forward over the prompts + first token)
     rows: int  # prompts in the call
+    prompt_tokens: tuple[int, ...] = ()  # per row: the prompt's length
+    cached_tokens: tuple[int, ...] = ()  # per row: prompt tokens taken from the prefix cache (not read)
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far the reading of the prompts has come (long prompts are read in chunks)."""
+
+    done: int  # prompt tokens read so far (of the longest row, prefix-cache hits included)
+    total: int  # that row's prompt length
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,13 @@ class NgramDrafter:
         ]
         return Proposal.from_lists(tokens, max(map(len, tokens), default=0), self.device)
 
+    def read_prompts(self, prompts) -> None:
+        return None
+
     def observe(self, outcome: RoundOutcome) -> None:
+        return None
+
+    def store_prefixes(self) -> None:
         return None
 
     def close(self) -> None:
@@ -98,10 +104,16 @@ class ModelDrafter:
         self.rows = rows
         self.cached, self._fed = [], []
 
+    def read_prompts(self, prompts) -> None:
+        return None  # read when first asked to propose (after the target's first token)
+
     def _prefill(self) -> None:
-        """Every row's tokens except its last into the draft's cache."""
+        """Every row's tokens except its last into the draft's cache, from the longest
+        prefix of them its prefix cache holds."""
         sequences = [row.tokens for row in self.rows]
-        self.runner.feed([list(seq[:-1]) for seq in sequences], "none")
+        for b, seq in enumerate(sequences):
+            self.runner.reuse(b, seq[:-1])
+        self.runner.feed([self.runner.pending(b, seq[:-1]) for b, seq in enumerate(sequences)], "none")
         self.runner.begin_steps()
         self.cached = [len(seq) - 1 for seq in sequences]
         self._fed = list(self.cached)
@@ -159,6 +171,11 @@ class ModelDrafter:
         if any(delta):
             self.runner.advance(torch.tensor(delta, dtype=torch.long, device=self.runner.device))
         self._fed = list(self.cached)
+
+    def store_prefixes(self) -> None:
+        """The draft's cache holds each row's first `cached` committed tokens."""
+        for b, (row, n) in enumerate(zip(self.rows, self.cached)):
+            self.runner.store(b, row.tokens[:n])
 
     def close(self) -> None:
         return None

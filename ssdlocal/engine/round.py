@@ -41,6 +41,9 @@ class Round:
 
     `last` [B] holds each row's newest committed token (the prefill's first token, then
     each bonus), which the target has not cached yet: every round feeds it first.
+    `cached[b]` counts row b's tokens in the target's cache (its first ones, in order),
+    on the host; commit moves it with the cache lengths (the engine's prefix cache stores
+    that many tokens when the call ends).
     """
 
     runner: object  # backends.base.Runner of the target, in step mode
@@ -51,6 +54,7 @@ class Round:
     params: SamplingParams
     generator: torch.Generator
     last: torch.Tensor  # [B] long on the target's device
+    cached: list[int]  # per row, on the host: tokens the target's cache holds
     shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
 
     def __post_init__(self) -> None:
@@ -128,6 +132,9 @@ class Round:
             self.runner.advance(self.live.long())
         else:
             self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0))
+        for b in range(len(self.rows)):
+            if active[b]:
+                self.cached[b] += 1 + (outcome.n_accepted[b] if self.k else 0)
         self.last = verdict.bonus
         self.shaper.commit(emitted, active)
         still = [r.active for r in self.rows]

@@ -22,6 +22,19 @@ from ssdlocal.core.logprobs import to_host, token_logprobs
 from ssdlocal.core.verify import mask_logits, verify_logits
 
 
+def make_shaper(grammars, rows: int, params: SamplingParams, vocab_size: int, eos_ids) -> "Shaper":
+    """The Shaper of one call of `rows` rows: a matcher per row with a grammar (grammars[b],
+    or None), and `params.logprobs` alternatives per token (None: no log-probabilities)."""
+    if grammars is not None and len(grammars) != rows:
+        raise ValueError(f"{len(grammars)} grammars for {rows} prompts")
+    guides = None
+    if grammars is not None and any(g is not None for g in grammars):
+        from ssdlocal.grammar.guide import Guides
+
+        guides = Guides(grammars, vocab_size, sorted(eos_ids))
+    return Shaper(guides, params.logprobs)
+
+
 class Shaper:
     """Masks and log-probabilities for one generate call's rounds."""
 

@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.engine.prompts import encode_messages
+from ssdlocal.server.gate import AccessPolicy, guard
 from ssdlocal.server.grammars import RequestGrammars
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
@@ -65,6 +66,7 @@ class ServerState:
     max_new_tokens: int | None = None  # cap on answers; None: until end-of-sequence / the context
     vocab_size: int | None = None  # token-id prompts must stay below it
     limits: ServerLimits = field(default_factory=ServerLimits)
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # Host / Origin allow-lists (gate.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -102,8 +104,9 @@ class ServerState:
 
 
 def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
-    """The ASGI app: Starlette's routes, in a wrapper that keeps cancellations at
-    shutdown (a response that could not end in time) out of the log."""
+    """The ASGI app: Starlette's routes behind the gate (head size, Host, Origin, JSON
+    content type: gate.py), in a wrapper that keeps cancellations at shutdown (a
+    response that could not end in time) out of the log."""
     async def models(request: Request) -> Response:
         _authorize(request, state)
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
@@ -149,7 +152,7 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
             # cancelled by the server's shutdown deadline (a client that stopped reading):
             # the connection is closed either way; no traceback for it
 
-    return guarded
+    return guard(guarded, state.access)
 
 
 # ---------------------------------------------------------------------- errors

@@ -313,6 +313,9 @@ def _messages(value: Any) -> tuple[dict, ...]:
             entry["tool_call_id"] = call_id
             if isinstance(message.get("name"), str):
                 entry["name"] = message["name"]
+        if message.get("function_call"):  # the legacy field: dropping it would change the conversation
+            raise bad(f"messages[{i}].function_call is not supported: send tool_calls",
+                      param=f"messages[{i}].function_call")  # fmt: skip
         out.append(entry)
     if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise bad("the messages have no text", param="messages")

@@ -55,11 +55,16 @@ class Responses:
     def _envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, finished: Finished) -> dict[str, Any]:
+        """OpenAI's usage: prompt tokens counted once per prompt (not per choice), of which
+        `prompt_tokens_details.cached_tokens` came from the prefix cache."""
+        completion_tokens = sum(len(ids) for _, ids, _ in finished.choices)
+        cached = sum(finished.cached[:: max(self.req.n, 1)])  # the first choice of each prompt
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def _parser(self) -> ToolCallParser:
@@ -97,7 +102,7 @@ class Responses:
                 choice["token_ids"] = list(ids)
             choices.append(choice)
         body = self._envelope(self.object, choices)
-        body["usage"] = self.usage(sum(len(ids) for _, ids, _ in finished.choices))
+        body["usage"] = self.usage(finished)
         body["ssdlocal"] = finished.stats
         return body
 
@@ -173,7 +178,7 @@ class Responses:
             if self.req.return_token_ids:
                 choice["token_ids"] = []
             chunks.append(self._chunk(choice))
-        usage = self.usage(sum(len(ids) for _, ids, _ in finished.choices))
+        usage = self.usage(finished)
         chunks[-1]["usage"] = usage
         chunks[-1]["ssdlocal"] = finished.stats
         if self.req.include_usage:

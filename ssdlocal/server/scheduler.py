@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams, repeatable
-from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
+from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
 from ssdlocal.core.stats import RunStats, add_counts, metrics, new_counts
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Finished:
 
     choices: tuple[tuple[str, tuple[int, ...], str], ...]
     stats: dict[str, Any]
+    cached: tuple[int, ...] = ()  # per choice: prompt tokens taken from the prefix cache
     logprobs: tuple[tuple, ...] | None = None  # per choice: its tokens' TokenLogprobs (when asked for)
 
 
@@ -99,6 +101,7 @@ class Job:
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
+        self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
         self.batch_size = 0  # rows of the largest engine call it shared
 
     def split(self, max_batch: int) -> None:
@@ -258,12 +261,16 @@ class Scheduler:
         try:
             # a seeded sample repeats: its proposals may not depend on timing or on earlier requests
             spec = repeatable(self.engine.config.spec) if first.seeded and not params.greedy else None
+            stop = CancelToken()  # the whole call, while its prompts are read, once every job left
             grammars = [job.grammar for job, _ in owners]
             events = self.engine.generate([job.rows[choice] for job, choice in owners], params, spec=spec,
+                                          cancel=stop, progress=lambda _: run.stop_if_all_left(stop),
                                           grammars=grammars if any(g is not None for g in grammars) else None)
             for event in events:
                 run.cancel_left(self.engine)
-                if isinstance(event, TokensEvent):
+                if isinstance(event, PrefillEvent):
+                    run.prefill(event)
+                elif isinstance(event, TokensEvent):
                     self.metrics.record_tokens(len(event.token_ids))
                     run.tokens(event)
                 elif isinstance(event, RoundEvent):
@@ -305,6 +312,18 @@ class _BatchRun:
                 job.done = True
                 engine.cancel_rows([b for b, (owner, _) in enumerate(self.owners) if owner is job])
 
+    def stop_if_all_left(self, token: CancelToken) -> None:
+        """While long prompts are read (the engine's thread): stop the call when no job in
+        it has a client left (a row's own cancel only takes effect between rounds)."""
+        if all(job.cancelled for job, _ in self.batch):
+            token.cancel()
+
+    def prefill(self, event: PrefillEvent) -> None:
+        for b, (job, choice) in enumerate(self.owners):
+            job.cached[choice] = event.cached_tokens[b] if b < len(event.cached_tokens) else 0
+        for stats in self.stats.values():
+            stats.consume(event)
+
     def tokens(self, event: TokensEvent) -> None:
         job, choice = self.owners[event.row]
         self.stats[job.id].consume(event)
@@ -344,7 +363,7 @@ class _BatchRun:
             metrics.record_job(job.counts, stats)
             choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
             logprobs = tuple(map(tuple, job.logprobs)) if job.params.logprobs is not None else None
-            job.push(Finished(choices, stats, logprobs))
+            job.push(Finished(choices, stats, tuple(job.cached), logprobs))
 
     def job_stats(self, job: Job) -> dict[str, Any]:
         """The request's own speculation stats (core.stats over its rows, every part)."""
@@ -353,7 +372,8 @@ class _BatchRun:
         return {
             "mode": self.mode,
             **{name: m.get(name) for name in ("acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s",
-                                              "mean_k", "rows_by_source")},  # fmt: skip
+                                              "mean_k", "rows_by_source", "prompt_tokens", "cached_prompt_tokens",
+                                              "prefill_tokens_per_s")},  # fmt: skip
             "ttft_s": ttft,
             "batch_size": job.batch_size,
             "constrained": job.grammar is not None,

@@ -1,7 +1,7 @@
 """StatsPanel: live speculation metrics of the current (or last) answer.
 
 Reads the engine's metric snapshot (the metric names of docs/architecture.md §3: tokens_per_s, ttft_s,
-acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
+prompt_tokens, cached_prompt_tokens, prefill_tokens_per_s, acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
 accepted_len_hist, draft_ms, verify_ms, backup_used) and draws numbers and bars.
 """
 
@@ -23,6 +23,17 @@ def _pct(x: float | None) -> str:
 
 def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "–" if x is None else fmt.format(x)
+
+
+def _prompt(s: dict) -> str:
+    """"2,162 tok, 2,144 cached · 95 tok/s": the prompt, what the prefix cache held, and how
+    fast the rest was read."""
+    total = s.get("prompt_tokens")
+    if not total:
+        return "–"
+    text = f"{total:,} tok, {s.get('cached_prompt_tokens') or 0:,} cached"
+    rate = s.get("prefill_tokens_per_s")
+    return text + (f" · {rate:.0f} tok/s" if rate and total > (s.get("cached_prompt_tokens") or 0) else "")
 
 
 class StatsPanel(Static):
@@ -84,6 +95,7 @@ class StatsPanel(Static):
         self._row(out, "tokens/s", _num(s.get("tokens_per_s")))
         ttft = s.get("ttft_s")
         self._row(out, "TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms")
+        self._row(out, "prompt", _prompt(s))
         rounds = s.get("rounds", 0)
         self._row(out, "tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–")
         self._section(out, "Speculation")
