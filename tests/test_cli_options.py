@@ -58,7 +58,9 @@ SHARED = {
 # each command's own options -> (command-line words, where the value lands: see _landed)
 OWN = {
     "generate": {"prompts": (["p1"], ["p1"]), "chat": (["--chat"], True),
-                 "num_samples": (["--num-samples", "3"], 3), "as_json": (["--json"], True)},
+                 "num_samples": (["--num-samples", "3"], 3), "as_json": (["--json"], True),
+                 "json_schema": (["--json-schema", "SCHEMA"], {"type": "object"}),
+                 "regex": (["--regex", "[a-z]+"], "[a-z]+")},
     "chat": {"system": (["--system", "be brief"], "be brief")},
     "race": {"prompt": (["p1"], "p1"), "chat_template": (["--raw"], False),
              "warmup": (["--no-warmup"], False), "speed": (["--speed", "2.5"], 2.5),
@@ -81,7 +83,7 @@ OWN = {
               "allowed_origins": (["--allowed-origins", "http://localhost:3000"], ("http://localhost:3000",))},
 }
 # race's --speed only reaches the TUI: a second race run leaves --no-tui out
-RUNS = {"generate": (), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
+RUNS = {"generate": ("regex",), "generate-regex": ("json_schema",), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
         "serve": ()}  # run -> own options it leaves out
 
 
@@ -142,8 +144,10 @@ def _fake_run(monkeypatch, rec):
 def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
     """(the SamplingParams the run got, {own option: the value it got}); `out` is stdout."""
     (args, kw) = calls.get("run_generate") or calls.get("race_plain") or calls.get("run_bench") or ((), {})
-    if command == "generate":
-        return args[2], {"prompts": args[1][:1], "num_samples": len(args[1]), **kw}
+    if command.startswith("generate"):
+        kind, source = kw.pop("grammar", None) or (None, None)
+        grammar = {"json_schema": source if kind == "json_schema" else None, "regex": source if kind == "regex" else None}
+        return args[2], {"prompts": args[1][:1], "num_samples": len(args[1]), **grammar, **kw}
     if command == "chat":
         (_, _, settings), app_kw = calls["app"]
         return settings.sampling, app_kw
@@ -171,18 +175,20 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_every_option_of_every_command_reaches_its_config(monkeypatch, capsys, tmp_path, run):
-    command = run.removesuffix("-tui")
+    command = run.removesuffix("-tui").removesuffix("-regex")
     for var in [v for v in os.environ if v.startswith("SSDLOCAL_")]:
         monkeypatch.delenv(var)  # no SSDLOCAL_<OPTION> defaults ...
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))  # ... and no config file
     (tmp_path / "prompts.txt").write_text("a\nb\nc\n")
+    (tmp_path / "schema.json").write_text('{"type": "object"}')
     rec = _Recorder()
     _fake_run(monkeypatch, rec)
     params = _params(command)
     own = {k: v for k, v in OWN[command].items() if k not in RUNS[run]}
     argv = [command]
     for words, _ in [*own.values(), *(SHARED[name] for name in SHARED if name in params)]:
-        argv += [{"PROMPTS": str(tmp_path / "prompts.txt"), "OUT": str(tmp_path / "OUT")}.get(w, w) for w in words]
+        argv += [{"PROMPTS": str(tmp_path / "prompts.txt"), "OUT": str(tmp_path / "OUT"),
+                  "SCHEMA": str(tmp_path / "schema.json")}.get(w, w) for w in words]
     if command == "serve":
         pytest.importorskip("uvicorn")
     code, out, err = run_cli(monkeypatch, capsys, *argv)
