@@ -13,13 +13,21 @@ checkout, then `pip install --no-index --find-links wheels <package>`.
 Steps (each writes DIR/results.json and DIR/results.md before the next starts, so a run
 cut short still leaves what it found; exit code 1 if any exactness check fails):
   1. environment: torch, GPU, measured device-copy bandwidth;
-  2. graphs == eager == AR, fp32 greedy, llama / qwen2 / qwen3: one engine per graph mode
-     runs a sequence of calls (batch sizes 1, 1, 3, 2; a prompt longer than 64 tokens) in
-     AR, SD and SSD with the draft on the same GPU; every call equals the eager engine's and
-     AR's; graphs captured and replayed, none refused or dropped;
+  2. graphs == eager == AR == fresh, fp32 greedy, llama / qwen2 / qwen3: one engine per
+     graph mode runs a sequence of calls (batch sizes 1, 1, 3, 2; a prompt longer than 64
+     tokens, then turns that re-send it with more: the prefix cache serves them) in AR, SD
+     and SSD with the draft on the same GPU; every call equals the eager engine's, AR's, and
+     an eager engine's without the prefix cache; graphs captured and replayed, none refused
+     or dropped; the calls' cached prompt tokens are reported;
   3. the same sequence with SSDLOCAL_GRAPHS=trace (the CPU twin of CUDA graphs) on the GPU;
+  3b. constrained decoding: a batch with a JSON-schema row, an unconstrained row and a regex
+     row in AR, SD and SSD, with graphs on: every mode equals constrained eager AR and every
+     constrained row follows its grammar (needs llguidance: `pip install llguidance`, a
+     wheel with no dependencies; the step is reported as skipped without it);
   4. step times at T=1 and T=K+1 for Qwen2.5-1.5B and 7B shapes in bf16 (eager and graphs)
-     against the bandwidth limit (weight bytes / measured bandwidth);
+     against the bandwidth limit (weight bytes / measured bandwidth), and the prefill of a
+     2,048-token prompt against the compute limit (2 x parameters x tokens / measured bf16
+     matmul FLOP/s);
   5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
      can-use checks for the shapes the model passes).
 """
@@ -50,6 +58,8 @@ CALLS = [  # (prompts, new tokens): the same batch size twice, then others, a lo
     (["Once upon a time", "a", "def bar(y): return"], 16),
     ([" ".join(f"w{i}" for i in range(70))], 16),
     (["the cat sat", "x = 1"], 20),
+    ([" ".join(f"w{i}" for i in range(70)) + " and then some more words"], 16),  # the prefix cache serves it
+    ([" ".join(f"w{i}" for i in range(70)) + " and then", "the cat sat on"], 12),
 ]
 PAIRS = {"llama": "draft_llama", "qwen2": "draft_qwen2", "qwen3": "qwen3"}
 
@@ -84,11 +94,22 @@ def render(data: dict) -> str:
     for step in ("exact_cuda_graphs", "exact_traced"):
         rows = data["steps"].get(step)
         if rows:
-            lines += [f"## {step}", "", "| arch | mode | graphs | calls equal eager | equal AR | captured | replays | refused | dropped |",
-                      "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"## {step}", "", "| arch | mode | graphs | calls equal eager | equal AR | equal fresh (no prefix cache) | cached prompt tokens | captured | replays | refused | dropped |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
             lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_eager']} | {r['equal_ar']} | "
+                      f"{r.get('equal_fresh')} | {r.get('cached_tokens')} | "
                       f"{r['captured']} | {r['replays']} | {r['refused']} | {r['dropped']} |" for r in rows]  # fmt: skip
             lines.append("")
+    cons = data["steps"].get("exact_constrained")
+    if isinstance(cons, dict):
+        lines += ["## exact_constrained", "", f"- {cons.get('skipped')}", ""]
+    elif cons:
+        lines += ["## exact_constrained", "", "| arch | mode | graphs | equal constrained AR | follows grammar | "
+                  "grammar ms/token | captured | replays | refused | dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_constrained_ar']} | {r['follows_grammar']} | "
+                  f"{(r['mask_ms_per_token'] or 0):.3f} | {r['captured']} | {r['replays']} | {r['refused']} | "
+                  f"{r['dropped']} |" for r in cons]  # fmt: skip
+        lines.append("")
     timing = data["steps"].get("step_times")
     if timing:
         lines += ["## step times (bf16, ms, median)", "",
@@ -100,6 +121,13 @@ def render(data: dict) -> str:
                 f"{r['T1_graphs']:.2f} | {r['TK_eager']:.2f} | {r['TK_graphs']:.2f} | "
                 f"{r['T1_graphs'] / r['limit_ms']:.2f}x | {r['TK_graphs'] / r['T1_graphs']:.2f}x |"
             )
+        lines.append("")
+    prefill = data["steps"].get("prefill")
+    if prefill:
+        lines += ["## prefill (bf16, 2,048-token prompt, one row)", "",
+                  "| model | weights | seconds | tokens/s | TFLOP/s | of measured matmul peak |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['weights']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['tflops']:.1f} | {r['of_peak']:.0%} |" for r in prefill]  # fmt: skip
         lines.append("")
     kernels = data["steps"].get("attention_kernels")
     if kernels:
@@ -117,6 +145,7 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         env["bandwidth_gb_s"] = round(copy_bandwidth(device, 2.0) / 1e9, 1)
+        env["bf16_matmul_tflops"] = round(matmul_flops(device) / 1e12, 1)
     return env
 
 
@@ -127,7 +156,8 @@ def _tokens(engine, mode, prompts, new):
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     spec = SpecConfig(mode=Mode(mode), k=K, draft=engine.config.spec.draft, backup="jit")
     done = [e for e in engine.generate(prompts, params, spec=spec) if isinstance(e, DoneEvent)][0]
-    return [o.token_ids for o in done.outputs], done.stats.get("graphs", {})
+    return [o.token_ids for o in done.outputs], {**done.stats.get("graphs", {}),
+                                                 "_cached": done.stats.get("cached_prompt_tokens", 0)}
 
 
 def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
@@ -139,17 +169,21 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
     for arch, draft in PAIRS.items():
         t, d = str(dirs[arch]), str(dirs[draft])
         outs: dict[tuple[str, str], list] = {}
+        with Engine(EngineConfig(target=ModelSpec(t, device, dtype="float32"), graphs="off",
+                                 prefix_cache_tokens=0)) as fresh:  # fmt: skip
+            cold = [_tokens(fresh, "ar", prompts, new)[0] for prompts, new in CALLS]
         for graphs in ("off", *graph_modes):
             config = EngineConfig(
                 target=ModelSpec(t, device, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(d, device, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
             )  # fmt: skip
             with Engine(config) as engine:
                 for mode in ("ar", "sd", "ssd"):
-                    counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0}
+                    counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0, "cached_tokens": 0}
                     got = []
                     for prompts, new in CALLS:
                         tokens, graph_stats = _tokens(engine, mode, prompts, new)
                         got.append(tokens)
+                        counts["cached_tokens"] += graph_stats.pop("_cached", 0)
                         for model in graph_stats.values():
                             for key in counts:
                                 counts[key] += model.get(key, 0)
@@ -159,10 +193,71 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
                 got, counts = outs[(graphs, mode)]
                 row = {"arch": arch, "mode": mode, "graphs": graphs,
                        "equal_eager": got == outs[("off", mode)][0], "equal_ar": got == outs[("off", "ar")][0],
-                       **counts}  # fmt: skip
+                       "equal_fresh": got == cold, **counts}  # fmt: skip
                 rows.append(row)
-                if not (row["equal_eager"] and row["equal_ar"]):
+                if not (row["equal_eager"] and row["equal_ar"] and row["equal_fresh"]):
                     results.fail(f"{step}: {arch} {mode} with graphs={graphs} differs")
+                if counts["cached_tokens"] == 0:
+                    results.fail(f"{step}: {arch} {mode} graphs={graphs}: no call reused a prefix")
+                if graphs != "off" and (counts["replays"] == 0 or counts["refused"] or counts["dropped"]):
+                    results.fail(f"{step}: {arch} {mode} graphs={graphs}: {counts}")
+                results.put(step, rows)
+        print(f"  {arch}: done", flush=True)
+
+
+CONSTRAINED_SCHEMA = {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3}},
+    "required": ["name", "tags"], "additionalProperties": False,
+}  # fmt: skip
+CONSTRAINED_PROMPTS = ['{"name": "the cat", "tags": ["a"]} {"name": "', "the cat sat on the mat", "fed a bad"]
+
+
+def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+    """Constrained AR / SD / SSD with graphs equal constrained eager AR; rows follow their grammars."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        results.put(step, {"skipped": "llguidance is not installed (pip install llguidance)"})
+        return
+    from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+    from ssdlocal.core.events import DoneEvent
+    from ssdlocal.engine import Engine
+    from ssdlocal.grammar.compiler import GrammarCompiler
+
+    params = SamplingParams(max_new_tokens=24)
+    rows = []
+    for arch in ("llama", "qwen2"):
+        t, d = str(dirs[arch]), str(dirs[PAIRS[arch]])
+        outs: dict[tuple[str, str], tuple] = {}
+        for graphs in ("off", *graph_modes):
+            draft = ModelDraft(ModelSpec(d, device, dtype="float32"))
+            config = EngineConfig(target=ModelSpec(t, device, dtype="float32"),
+                                  spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft, backup="jit"),
+                                  pin_cpus=False, graphs=graphs)  # fmt: skip
+            with Engine(config) as engine:
+                compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
+                grammars = [compiler.json_schema(CONSTRAINED_SCHEMA), None, compiler.regex(r"[a-f]+( [a-f]+)*")]
+                for mode in ("ar", "sd", "ssd"):
+                    spec = SpecConfig(mode=Mode(mode), k=K, draft=draft, backup="jit")
+                    done = [e for e in engine.generate(CONSTRAINED_PROMPTS, params, spec=spec, grammars=grammars)
+                            if isinstance(e, DoneEvent)][0]  # fmt: skip
+                    tokens = [o.token_ids for o in done.outputs]
+                    follows = all(g is None or g.matcher().consume_tokens([x for x in tok if x not in engine.eos_ids])
+                                  for g, tok in zip(grammars, tokens))  # fmt: skip
+                    counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0}
+                    for model in (done.stats.get("graphs") or {}).values():
+                        for key in counts:
+                            counts[key] += model.get(key, 0)
+                    outs[(graphs, mode)] = (tokens, counts, follows, done.stats.get("mask_ms_per_token"))
+        for graphs in graph_modes:
+            for mode in ("ar", "sd", "ssd"):
+                tokens, counts, follows, mask_ms = outs[(graphs, mode)]
+                row = {"arch": arch, "mode": mode, "graphs": graphs, "equal_constrained_ar": tokens == outs[("off", "ar")][0],
+                       "follows_grammar": follows, "mask_ms_per_token": mask_ms, **counts}  # fmt: skip
+                rows.append(row)
+                if not (row["equal_constrained_ar"] and follows):
+                    results.fail(f"{step}: {arch} {mode} with graphs={graphs} differs from constrained AR")
                 if graphs != "off" and (counts["replays"] == 0 or counts["refused"] or counts["dropped"]):
                     results.fail(f"{step}: {arch} {mode} graphs={graphs}: {counts}")
                 results.put(step, rows)
@@ -189,6 +284,47 @@ def step_times(device: torch.device, bandwidth: float, models: tuple[str, ...], 
         del loaded
         torch.cuda.empty_cache() if device.type == "cuda" else None
         print(f"  {name}: {row}", flush=True)
+
+
+def prefill_speed(device: torch.device, peak_flops: float, models: tuple[str, ...], results: Results) -> None:
+    """A 2,048-token prompt read cold (chunks layer by layer), bf16 and int4 weights."""
+    from gpu_bench import random_model, sync
+
+    from ssdlocal.backends.torch.quant import quantize_model
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    rows, tokens = [], 2048
+    for name in models:
+        for weights in ("bf16", "int4"):
+            loaded = random_model(name, device, torch.bfloat16)
+            if weights == "int4":
+                quantize_model(loaded.model, "int4")
+            params = sum(p.numel() for n, p in loaded.model.named_parameters() if "embed" not in n)
+            runner = TorchRunner(loaded, graphs="off")
+            best = float("inf")
+            for _ in range(3):
+                runner.reset(1, tokens + 16)
+                sync(device)
+                t0 = time.perf_counter()
+                runner.feed([[1 + i % (loaded.args.vocab_size - 1) for i in range(tokens)]], "last")
+                sync(device)
+                best = min(best, time.perf_counter() - t0)
+            flops = 2 * params * tokens / best
+            rows.append({"model": name, "weights": weights, "seconds": best, "tokens_per_s": tokens / best,
+                         "tflops": flops / 1e12, "of_peak": flops / peak_flops})  # fmt: skip
+            results.put("prefill", rows)
+            print(f"  {rows[-1]}", flush=True)
+            del runner, loaded
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+
+
+def matmul_flops(device: torch.device) -> float:
+    """Measured bf16 matmul FLOP/s (8192^3, median of 10)."""
+    from gpu_bench import timed
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = timed(lambda: a @ a, device, 10)
+    return 2 * 8192**3 / (ms / 1e3)
 
 
 def attention_kernels(device: torch.device, results: Results) -> None:
@@ -240,12 +376,17 @@ def main() -> int:
         dirs = make_tiny_suite(Path(tmp))
         graph_modes = ("trace",) if args.cpu else ("auto",)
         steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results, "exact_cuda_graphs")))
+        steps.append(("exact_constrained", lambda: constrained(dirs, str(device), graph_modes, results,
+                                                               "exact_constrained")))  # fmt: skip
         if not args.cpu:
             def traced() -> None:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
             steps.append(("exact_traced", traced))
             steps.append(("step_times", lambda: step_times(
                 device, results.data["steps"]["environment"]["bandwidth_gb_s"] * 1e9,
+                tuple(args.models.split(",")), results)))  # fmt: skip
+            steps.append(("prefill", lambda: prefill_speed(
+                device, results.data["steps"]["environment"]["bf16_matmul_tflops"] * 1e12,
                 tuple(args.models.split(",")), results)))  # fmt: skip
             steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
         for name, run in steps:

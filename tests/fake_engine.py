@@ -29,6 +29,7 @@ from ssdlocal.core.events import (
     ModeEvent,
     Output,
     PrefillEvent,
+    PrefillProgress,
     RoundEvent,
     TokenOrigin,
     TokensEvent,
@@ -135,6 +136,7 @@ class FakeEngine:
         self.hold_after = hold_after  # after this many rounds, wait (<= 10 s) for cancel()
         self.context = context  # positions the "models" hold: longer prompts are refused
         self.gate: threading.Event | None = None  # generate waits for it first (a slow start)
+        self.prefill_gate: threading.Event | None = None  # generate waits for it while "reading the prompt"
         self.calls: list[tuple[list[list[int]], SamplingParams, SpecConfig]] = []
         self.cancelled = 0
         self.closed = False
@@ -164,7 +166,7 @@ class FakeEngine:
 
     def generate(
         self, prompts, params: SamplingParams, *, chat: bool = False,
-        spec: SpecConfig | None = None, cancel: CancelToken | None = None,
+        spec: SpecConfig | None = None, cancel: CancelToken | None = None, progress=None,
     ) -> Iterator[Event]:
         if self.gate is not None:
             self.gate.wait(10)
@@ -182,10 +184,14 @@ class FakeEngine:
         clock = self.clock
         stats = RunStats(k=k, mode=spec.mode.value, started=clock())
         budget = self.answer[: params.max_new_tokens]
+        if progress is not None:  # as a long prompt's read is reported
+            progress(PrefillProgress(len(ids[0]) // 2, len(ids[0])))
+            if self.prefill_gate is not None:  # a test looks at the screen while the prompt is read
+                self.prefill_gate.wait(10)
         clock.advance(PREFILL_S)
         first = TokensEvent(0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,),
                             at=clock())  # fmt: skip
-        stats.consume(PrefillEvent(PREFILL_S, 1))
+        stats.consume(PrefillEvent(PREFILL_S, 1, (len(ids[0]),), (0,)))
         stats.consume(first)
         yield first
         pos, rnd = 1, 0

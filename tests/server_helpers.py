@@ -17,6 +17,7 @@ from ssdlocal import __version__
 from ssdlocal.core.config import EngineConfig
 from ssdlocal.engine import Engine
 from ssdlocal.server.app import ServerState, create_app
+from ssdlocal.server.gate import AccessPolicy
 from ssdlocal.server.limits import ServerLimits
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.run import bind, make_server, url
@@ -31,6 +32,7 @@ class LiveServer:
     def __init__(
         self, config: EngineConfig, *, api_key: str | None = None, max_batch: int = 8,
         limits: ServerLimits | None = None, max_new_tokens: int | None = None,
+        allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
     ) -> None:
         import openai
 
@@ -40,12 +42,14 @@ class LiveServer:
         self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch,
                                    batch_wait_s=0.05)
         self.limits = limits or ServerLimits()
-        self.state = ServerState(self.scheduler, self.metrics, MODEL, self.engine.context, self.engine.tokenizer,
-                                 api_key=api_key, vocab_size=self.engine.target.args.vocab_size,
-                                 limits=self.limits, max_new_tokens=max_new_tokens)
         self.sock = bind("127.0.0.1", 0)
         self.url = url(self.sock)
         self.port = self.sock.getsockname()[1]
+        self.host = f"127.0.0.1:{self.port}"  # what a raw request sends as its Host
+        access = AccessPolicy("127.0.0.1", self.port, allowed_hosts, allowed_origins)
+        self.state = ServerState(self.scheduler, self.metrics, MODEL, self.engine.context, self.engine.tokenizer,
+                                 api_key=api_key, vocab_size=self.engine.target.args.vocab_size,
+                                 limits=self.limits, max_new_tokens=max_new_tokens, access=access)
         self.server = make_server(create_app(self.state), limits=self.limits, on_shutdown=self.state.begin_shutdown)
         self.scheduler.start()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

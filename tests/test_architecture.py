@@ -3,7 +3,7 @@ included), small files, and the engine free of UI libraries.
 
 The layers, top to bottom (docs/architecture.md explains each):
     cli  >  server, tui, bench  >  engine  >  draft, parallel
-         >  ipc, placement, weights  >  backends  >  spec  >  core
+         >  ipc, placement, weights  >  backends  >  speculation, grammar  >  core
 A module may import its own package and anything in a lower layer, nothing else.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "ssdlocal"
 LAYERS = (
     {"core"},
-    {"speculation"},
+    {"speculation", "grammar"},
     {"backends"},
     {"ipc", "placement", "weights"},
     {"draft", "parallel"},

@@ -352,3 +352,41 @@ def test_projection_uses_full_depth_hits_only_where_prespeculation_fits():
     assert abs(rows[0.1] - ssd_speedup(0.75, 3.3, 3.0, 4, 0.1, 4)) < 1e-12
     # T_p = 5 * 0.35 = 1.75 > 1: measured (cut-short) E_hit
     assert abs(rows[0.35] - ssd_speedup(0.75, 2.4, 3.0, 4, 0.35, 4)) < 1e-12
+
+
+# ----------------------------------------------------------------------------- sessions
+def test_measuring_units_run_a_session_back_to_back():
+    a = [BenchPrompt(f"a{t}", "session", "q", "a", t) for t in (2, 1, 3)]
+    single = BenchPrompt("x", "chat", "hi")
+    units = bench_run.measuring_units([[a[1]], [single], [a[0]], [a[2]]])
+    assert [[b for b, _ in unit] for unit in units] == [[0, 2, 3], [1]]  # turns in order, then the single
+
+
+def test_session_workload_times_each_turn_with_its_own_prefix_reuse(tiny_dir, tmp_path):
+    """Each system runs a session's turns back to back from a cold cache: turn 1 reuses
+    nothing, later turns reuse their history; the report has the per-turn table."""
+    system = "You review code.\n" + "def f(x):\n    return x + 1\n" * 12
+    prompts = [BenchPrompt(f"s-{t}", "session", q, "s", t, system if t == 1 else None)
+               for t, q in enumerate(["What does f do?", "And twice?", "Why?"], 1)]  # fmt: skip
+    settings = bench_run.BenchSettings(modes=("ar", "sd"), chat=True)
+    config = EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(str(tiny_dir["draft_llama"]), dtype="float32"))),
+        pin_cpus=False,
+    )
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    run = bench_run.run_bench(config, prompts, settings, params)
+    for system in ("ar", "sd"):
+        recs = sorted((r for r in run.records if r["system"] == system), key=lambda r: r["turn"])
+        assert [r["turn"] for r in recs] == [1, 2, 3]
+        assert recs[0]["cached_tokens"] == 0 and recs[0]["prefill_tokens_per_s"] > 0
+        assert all(r["cached_tokens"] >= 0.5 * p["prompt_tokens"] for r, p in zip(recs[1:], recs))
+    assert run.exactness["sd"]["status"] == "exact"
+    doc = build_results(run, with_projection=False, env={"hardware": {"cpu": "x", "usable_cores": 1,
+                        "ram_gib": 1, "gpus": []}, "versions": {"ssdlocal": "0", "torch": "0",
+                        "transformers": "0", "python": "3"}})  # fmt: skip
+    assert [(r["system"], r["turn"]) for r in doc["sessions"]] == [("ar", 1), ("ar", 2), ("ar", 3),
+                                                                   ("sd", 1), ("sd", 2), ("sd", 3)]
+    text = write_all(doc, tmp_path)["md"].read_text()
+    assert "## Sessions" in text and "| ar | 2 |" in text
+    assert load_prompts("session")[0].system.startswith("You are a careful code reviewer")

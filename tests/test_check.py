@@ -157,6 +157,9 @@ class FakeEngine:
     def encode(self, prompt, chat):
         return [1, 2, 3]
 
+    def forget_prefixes(self):
+        pass
+
     def generate(self, prompts, params, chat=False, spec=None):
         from ssdlocal.core.events import DoneEvent, Output
 

@@ -10,6 +10,8 @@ A parameter whose name stops matching its field, or a value a command drops, fai
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import dataclasses
 import os
 
@@ -33,6 +35,8 @@ SHARED = {
     "target_backend": (["--target-backend", "torch"], "torch"),
     "draft_backend": (["--draft-backend", "llamacpp"], "llamacpp"),
     "cuda_graphs": (["--no-cuda-graphs"], False),
+    "prefix_cache": (["--no-prefix-cache"], False),
+    "prefix_cache_tokens": (["--prefix-cache-tokens", "4096"], 4096),
     "mode": (["--mode", "sd"], "sd"),
     "k": (["--k", "7"], 7),
     "fan_out": (["--fan-out", "1,2"], "1,2"),
@@ -54,7 +58,9 @@ SHARED = {
 # each command's own options -> (command-line words, where the value lands: see _landed)
 OWN = {
     "generate": {"prompts": (["p1"], ["p1"]), "chat": (["--chat"], True),
-                 "num_samples": (["--num-samples", "3"], 3), "as_json": (["--json"], True)},
+                 "num_samples": (["--num-samples", "3"], 3), "as_json": (["--json"], True),
+                 "json_schema": (["--json-schema", "SCHEMA"], {"type": "object"}),
+                 "regex": (["--regex", "[a-z]+"], "[a-z]+")},
     "chat": {"system": (["--system", "be brief"], "be brief")},
     "race": {"prompt": (["p1"], "p1"), "chat_template": (["--raw"], False),
              "warmup": (["--no-warmup"], False), "speed": (["--speed", "2.5"], 2.5),
@@ -72,10 +78,12 @@ OWN = {
               "max_body_mb": (["--max-body-mb", "2"], 2 * 1024 * 1024),
               "max_prompt_chars": (["--max-prompt-chars", "77"], 77),
               "max_connections": (["--max-connections", "9"], 9), "header_timeout": (["--header-timeout", "1.5"], 1.5),
-              "body_timeout": (["--body-timeout", "2.5"], 2.5), "idle_timeout": (["--idle-timeout", "3.5"], 3.5)},
+              "body_timeout": (["--body-timeout", "2.5"], 2.5), "idle_timeout": (["--idle-timeout", "3.5"], 3.5),
+              "allowed_hosts": (["--allowed-hosts", "a.lan,b.lan:9"], ("a.lan", "b.lan:9")),
+              "allowed_origins": (["--allowed-origins", "http://localhost:3000"], ("http://localhost:3000",))},
 }
 # race's --speed only reaches the TUI: a second race run leaves --no-tui out
-RUNS = {"generate": (), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
+RUNS = {"generate": ("regex",), "generate-regex": ("json_schema",), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
         "serve": ()}  # run -> own options it leaves out
 
 
@@ -129,14 +137,17 @@ def _fake_run(monkeypatch, rec):
     monkeypatch.setattr("ssdlocal.tui.app.ChatApp", rec("app"))
     monkeypatch.setattr("ssdlocal.tui.app.RaceApp", rec("app"))
     monkeypatch.setattr("ssdlocal.cli.serve._serve", rec("serve"))
-    monkeypatch.setattr("ssdlocal.server.run.bind", rec("bind", type("Sock", (), {"close": lambda self: None})()))
+    sock = type("Sock", (), {"close": lambda self: None, "getsockname": lambda self: ("127.0.0.9", 8123)})()
+    monkeypatch.setattr("ssdlocal.server.run.bind", rec("bind", sock))
 
 
 def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
     """(the SamplingParams the run got, {own option: the value it got}); `out` is stdout."""
     (args, kw) = calls.get("run_generate") or calls.get("race_plain") or calls.get("run_bench") or ((), {})
-    if command == "generate":
-        return args[2], {"prompts": args[1][:1], "num_samples": len(args[1]), **kw}
+    if command.startswith("generate"):
+        kind, source = kw.pop("grammar", None) or (None, None)
+        grammar = {"json_schema": source if kind == "json_schema" else None, "regex": source if kind == "regex" else None}
+        return args[2], {"prompts": args[1][:1], "num_samples": len(args[1]), **grammar, **kw}
     if command == "chat":
         (_, _, settings), app_kw = calls["app"]
         return settings.sampling, app_kw
@@ -158,23 +169,26 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
                   "served_model_name": name, "max_batch": kw["max_batch"], "max_body_mb": limits.max_body_bytes,
                   **{f: getattr(limits, f) for f in ("max_request_rows", "max_prompt_chars", "max_connections")},
                   **{f: getattr(limits, f + "_s") for f in ("header_timeout", "body_timeout", "idle_timeout")},
-                  "max_new_tokens": kw["max_new_tokens"]}  # fmt: skip
+                  "max_new_tokens": kw["max_new_tokens"], "allowed_hosts": kw["access"].extra_hosts,
+                  "allowed_origins": kw["access"].extra_origins}  # fmt: skip
 
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_every_option_of_every_command_reaches_its_config(monkeypatch, capsys, tmp_path, run):
-    command = run.removesuffix("-tui")
+    command = run.removesuffix("-tui").removesuffix("-regex")
     for var in [v for v in os.environ if v.startswith("SSDLOCAL_")]:
         monkeypatch.delenv(var)  # no SSDLOCAL_<OPTION> defaults ...
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))  # ... and no config file
     (tmp_path / "prompts.txt").write_text("a\nb\nc\n")
+    (tmp_path / "schema.json").write_text('{"type": "object"}')
     rec = _Recorder()
     _fake_run(monkeypatch, rec)
     params = _params(command)
     own = {k: v for k, v in OWN[command].items() if k not in RUNS[run]}
     argv = [command]
     for words, _ in [*own.values(), *(SHARED[name] for name in SHARED if name in params)]:
-        argv += [{"PROMPTS": str(tmp_path / "prompts.txt"), "OUT": str(tmp_path / "OUT")}.get(w, w) for w in words]
+        argv += [{"PROMPTS": str(tmp_path / "prompts.txt"), "OUT": str(tmp_path / "OUT"),
+                  "SCHEMA": str(tmp_path / "schema.json")}.get(w, w) for w in words]
     if command == "serve":
         pytest.importorskip("uvicorn")
     code, out, err = run_cli(monkeypatch, capsys, *argv)
@@ -210,6 +224,7 @@ IN_CONFIG = {
     "target_backend": lambda c: c.target.backend,
     "draft_backend": lambda c: c.draft_model.backend,
     "cuda_graphs": lambda c: c.graphs,
+    "prefix_cache": lambda c: c.prefix_cache_tokens != 0,
     "mode": lambda c: c.spec.mode.value,
     "k": lambda c: c.spec.k,
     "fan_out": lambda c: c.spec.fan_out,
@@ -231,19 +246,23 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
     monkeypatch.setattr("ssdlocal.backends.llamacpp.probe.installed", lambda: False)
     models = ModelOptions(target="t-dir", draft="d.gguf", dtype="float16", quantization="int8",
                           draft_quantization="none", target_device="cuda:3", draft_device="cuda:5",
-                          target_backend="torch", draft_backend="llamacpp", cuda_graphs=False)  # fmt: skip
+                          target_backend="torch", draft_backend="llamacpp", cuda_graphs=False,
+                          prefix_cache=False, prefix_cache_tokens=4096)  # fmt: skip
     spec = SpecOptions(mode="ssd", k=5, fan_out="1,1,1,1,1,2", fan_out_miss="2,1,1,1,1,1", saguaro_c=0.5, backup="jit",
                        suffix=False, suffix_memory_tokens=5000, persist_suffix_memory=True)  # fmt: skip
     config = engine_config(models, spec)
     expected = {**{f: getattr(models, f) for f in _fields(ModelOptions)}, **{f: getattr(spec, f) for f in _fields(SpecOptions)},
                 "dtype": {"float16"}, "cuda_graphs": "off", "fan_out": (1, 1, 1, 1, 1, 2),
                 "fan_out_miss": (2, 1, 1, 1, 1, 1)}  # fmt: skip
-    assert set(IN_CONFIG) | {"pair", "target_devices"} == _fields(ModelOptions) | _fields(SpecOptions)
+    # --pair and --target-devices replace others, --no-prefix-cache overrides --prefix-cache-tokens
+    assert set(IN_CONFIG) | {"pair", "target_devices", "prefix_cache_tokens"} == _fields(ModelOptions) | _fields(SpecOptions)
     for name, where in IN_CONFIG.items():
         assert getattr(models, name, getattr(spec, name, None)) != getattr(
             ModelOptions(), name, getattr(SpecOptions(), name, None)), name  # fmt: skip
         assert where(config) == expected[name], name
 
+    sized = engine_config(replace(models, prefix_cache=True), spec)
+    assert sized.prefix_cache_tokens == 4096 and engine_config(replace(models, prefix_cache_tokens=None), spec).prefix_cache_tokens == 0
     monkeypatch.setattr("ssdlocal.weights.hub.resolve_pair_paths", lambda name, **kw: (f"{name}-t", f"{name}-d"))
     paired = engine_config(ModelOptions(pair="p", target_backend="torch", target_device="cpu", draft_device="cpu"),
                            SpecOptions(mode="sd"))  # fmt: skip

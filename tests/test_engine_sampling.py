@@ -314,3 +314,29 @@ def test_suffix_and_hybrid_match_exact_joint(engine, models, kind):
     suffix_rows = [(n, a) for r in rounds for n, a, s in zip(r.n_drafted, r.n_accepted, r.sources) if s == "suffix"]
     assert any(a == 0 for _, a in suffix_rows) and any(a > 0 for _, a in suffix_rows)  # both outcomes ran
     assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SD {kind}")
+
+
+# ----------------------------------------------------------------- the prefix cache
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun. Once upon a time"
+
+
+@pytest.mark.parametrize("mode", [Mode.AR, Mode.SD, Mode.SSD])
+def test_reused_prefixes_keep_the_exact_joint(engine, models, mode):
+    """Rows that start from a prefix an earlier call left in the caches (the target's, the
+    in-process draft's, the SSD worker's) still sample the exact joint."""
+    prompt_ids = engine.encode(LONG_PROMPT, chat=False)
+    assert len(prompt_ids) > 2 * 16  # at least two blocks of the cache
+    params = replace(T1, seed=61 + [Mode.AR, Mode.SD, Mode.SSD].index(mode))
+    key = ("long", params.temperature, params.top_k, params.top_p)
+    if key not in _JOINTS:
+        _JOINTS[key] = ExactJoint(models[0], prompt_ids, params, N)
+    joint = _JOINTS[key]
+    spec = {Mode.AR: SpecConfig(mode=Mode.AR), Mode.SD: SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft),
+            Mode.SSD: ssd_spec(engine, backup="jit")}[mode]  # fmt: skip
+    list(engine.generate([prompt_ids], params, spec=spec))  # leaves the prompt in the caches
+    outputs = None
+    for ev in engine.generate([prompt_ids] * N, params, spec=spec):
+        if isinstance(ev, DoneEvent):
+            outputs, stats = ev.outputs, ev.stats
+    assert stats["cached_prompt_tokens"] == N * ((len(prompt_ids) - 1) // 16 * 16)
+    assert_distribution(joint.categories(outputs), joint.probs, what=f"{mode.value} with reused prefixes")

@@ -101,7 +101,7 @@ def test_the_mode_line_comes_before_the_first_token(monkeypatch):
         def __exit__(self, *exc):
             return None
 
-        def generate(self, prompts, params, chat=False):
+        def generate(self, prompts, params, chat=False, grammars=None):
             yield TokensEvent(0, (1,), "Hello")
             yield DoneEvent((Output("Hello", (1,), "eos"),), {"mode": "sd", "mode_reason": "the long story",
                                                               "tokens": 1})  # fmt: skip

@@ -7,6 +7,7 @@ tokenizer compatibility judged on what the models can emit.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,28 @@ def test_a_moved_revision_is_refused_until_update(monkeypatch, capsys, hub, tmp_
     assert Path(resolve_pair_paths("fake-pair")[0]).name == NEW_COMMIT
 
 
+@pytest.mark.parametrize("entry", ["oops", {"repo": "org/target", "revision": "v1.0", "files": {}},
+                                   {"repo": "org/target", "revision": "v1.0", "commit": "c", "files": {"a": 1}}],
+                         ids=["string", "no-commit", "bad-files"])
+def test_a_malformed_lock_entry_is_a_clean_error_and_pairs_still_lists(monkeypatch, capsys, hub, tmp_path, entry):
+    """A malformed entry is never trusted nor silently dropped (that would trust the next
+    download); plain `ssdlocal pairs` lists the pairs, without that model's commit."""
+    from cli_helpers import assert_clean_error, run_cli
+
+    assert run_cli(monkeypatch, capsys, "pull", "fake-pair")[0] == 0
+    path = tmp_path / "config" / "pairs.lock.json"
+    data = json.loads(path.read_text())
+    data["models"]["fake-pair/torch/target"] = entry
+    path.write_text(json.dumps(data))
+    code, out, err = run_cli(monkeypatch, capsys, "pairs", "--json")
+    assert code == 0, err
+    row = next(r for r in json.loads(out) if r["name"] == "fake-pair")
+    assert row["locked"] == {"draft": COMMIT}
+    assert run_cli(monkeypatch, capsys, "pairs")[0] == 0
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", "fake-pair", "--target-backend", "torch")
+    assert_clean_error(code, err, 1, "malformed entry 'fake-pair/torch/target'", str(path))
+
+
 def test_gguf_pull_is_locked_too(monkeypatch, capsys, hub, tmp_path):
     from cli_helpers import run_cli
 
@@ -274,17 +297,36 @@ def test_a_full_disk_during_conversion_is_a_clean_error(monkeypatch, capsys, tin
     assert not [p for p in converted.iterdir() if p.is_dir()]  # nothing half-written kept
 
 
-def test_a_damaged_cached_conversion_names_the_dir_to_delete(monkeypatch, capsys, tiny_gguf, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_cached_conversion_is_converted_again_saying_so(monkeypatch, capsys, caplog, tiny_gguf,
+                                                                   tmp_path, damage):
+    """Its files are checked against the crc32s recorded when it was written: a damaged
+    one is never used (no silent wrong answer), it is rebuilt with one warning; passed
+    directly as --target (no source to rebuild from) it is an error naming it."""
     from cli_helpers import assert_clean_error, run_cli
 
     from ssdlocal.backends.torch.gguf_convert import ensure_converted
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
+    code, clean, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf), "--json")
+    assert code == 0, err
     out = ensure_converted(tiny_gguf[0])  # the dtype the CLI converts to
     weights = out / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
-    code, _, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf))
-    assert_clean_error(code, err, 1, "cannot read the weights", f"delete {out}", skip=_TQDM)
+    data = bytearray(weights.read_bytes())
+    if damage == "truncated":
+        del data[len(data) // 2 :]
+    else:
+        data[len(data) // 2] ^= 0x01  # one bit, same size
+    weights.write_bytes(bytes(data))
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--target", out, "--mode", "ar",
+                           "--max-new-tokens", "2")  # fmt: skip
+    assert_clean_error(code, err, 1, "damaged ssdlocal cache entry", f"delete {out}", skip=_TQDM)
+    with caplog.at_level("WARNING"):
+        code, again, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf), "--json")
+    assert code == 0, err
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(out) in warnings[0] and "converting it again" in warnings[0], warnings
+    assert json.loads(again)["outputs"] == json.loads(clean)["outputs"]
 
 
 # --------------------------------------------------------------------------- PyPI wheels

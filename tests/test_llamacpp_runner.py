@@ -212,6 +212,35 @@ def test_ar_matches_reference_and_sd_matches_ar(fake, tokenizer, vocab):
         assert one == ar[1:2]
 
 
+def test_later_calls_start_from_stored_sequences_and_match_the_reference(fake, tokenizer, vocab):
+    """The prefix cache on llama.cpp: a call's rows share the cells of the stored sequence
+    with the longest common prefix (seq_cp, no decode), and only the rest is decoded."""
+    lib, target, draft = fake
+    cfg = EngineConfig(
+        target=ModelSpec(target, backend="llamacpp", dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))),
+    )
+    first = list(tokenizer.encode(PROMPTS[2]))
+    with Engine(cfg) as eng:
+        out, stats = run(eng, [first])
+        assert stats["cached_prompt_tokens"] == 0
+        follow = first + out[0] + list(tokenizer.encode(" and then"))
+        ctx = lib.contexts[-1]
+        before = ctx.decoded
+        again, stats = run(eng, [follow])
+        # token for token, no blocks: all of the first call but its last token, which is
+        # cached only when it was a draft the last round verified
+        assert stats["cached_prompt_tokens"] in (len(first) + len(out[0]) - 1, len(first) + len(out[0]))
+        assert again[0] == reference_greedy("target.gguf", follow, GREEDY.max_new_tokens, vocab)
+        assert lib.contexts[-1] is ctx  # the same context: the stored cells survived the reset
+        assert ctx.decoded - before < len(follow)  # the shared part was not decoded again
+        other, stats = run(eng, PROMPTS[:2], SpecConfig(mode=Mode.AR))
+        want = [reference_greedy("target.gguf", list(tokenizer.encode(p)), GREEDY.max_new_tokens, vocab)
+                for p in PROMPTS[:2]]  # fmt: skip
+        assert other == want
+        assert eng.prefix_reports()["target"]["reused_tokens"] >= len(first)
+
+
 def test_mixed_torch_target_gguf_draft(fake, tiny_dir):
     """torch target + GGUF draft (through the fake): SD reproduces the torch AR."""
     _, _, draft = fake
@@ -234,6 +263,12 @@ class InProcessSSD:
         self.k = spec.k
         self.next = None
         self.hits = 0
+
+    def read_prompts(self, prompts):
+        return None
+
+    def store_prefixes(self):
+        return None
 
     def start(self, rows):
         sequences = [row.tokens for row in rows]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import pytest
 from cli_helpers import run_cli
@@ -99,10 +100,10 @@ def test_devices_on_one_gpu_shares_it_like_the_engine(monkeypatch, capsys):
 def _engine(tiny_dir, monkeypatch, k=3):
     """An auto engine on the CPU with K pinned whose calibration picked SD (forced: tiny
     float32 models make plain steps the faster choice here)."""
-    from ssdlocal.engine import engine as engine_module
+    from ssdlocal.engine import auto
     from ssdlocal.placement.mode import ModeChoice
 
-    monkeypatch.setattr(engine_module, "calibrated_choice",
+    monkeypatch.setattr(auto, "calibrated_choice",
                         lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated"))  # fmt: skip
     t, d = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
     spec = SpecConfig(mode=Mode.AUTO, k=k, adaptive_k=False, draft=ModelDraft(ModelSpec(d, dtype="float32")))
@@ -112,13 +113,13 @@ def _engine(tiny_dir, monkeypatch, k=3):
 def test_an_engine_switches_to_plain_steps_mid_answer_and_stays_exact(tiny_dir, monkeypatch):
     """Widths calibrated as if a 1-token step were nearly free: after the check's rounds
     SD gives way; the answer equals AR's token for token and the ModeEvent says why."""
-    from ssdlocal.engine import engine as engine_module
+    from ssdlocal.engine import auto
 
-    monkeypatch.setattr(engine_module, "ModeCheck", functools.partial(ModeCheck, rounds=3))
+    monkeypatch.setattr(auto, "ModeCheck", functools.partial(ModeCheck, rounds=3))
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     with _engine(tiny_dir, monkeypatch) as engine:
         assert engine.choice.mode is Mode.SD
-        engine._check_widths = {1: 1e-6, 4: 1.0}  # plain steps predicted a million times cheaper
+        engine.choice = replace(engine.choice, widths={1: 1e-6, 4: 1.0})  # plain steps a million times cheaper
         events = list(engine.generate(["the cat sat"], params))
         changes = [e for e in events if isinstance(e, ModeEvent)]
         assert len(changes) == 1 and changes[0].mode == "ar" and changes[0].round_index == 3  # round 0 skipped
@@ -135,26 +136,25 @@ def test_an_engine_switches_to_plain_steps_mid_answer_and_stays_exact(tiny_dir, 
 def test_a_pinned_k_sample_never_switches(tiny_dir, monkeypatch):
     """At T > 0 with K pinned a seeded sample must repeat, so timing may not change the mode."""
     with _engine(tiny_dir, monkeypatch) as engine:
-        engine._check_widths = {1: 1e-6, 4: 1.0}
+        engine.choice = replace(engine.choice, widths={1: 1e-6, 4: 1.0})
         params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30, ignore_eos=True)
         events = list(engine.generate(["the cat sat"], params))
     assert not [e for e in events if isinstance(e, ModeEvent)]
 
 
 def test_generate_json_reports_a_change_of_mind(tiny_dir, monkeypatch, capsys):
-    from ssdlocal.engine import engine as engine_module
+    from ssdlocal.engine import auto
     from ssdlocal.placement.mode import ModeChoice
 
-    original = Engine.__init__
+    original = auto.calibrated
 
-    def init(self, config):
-        original(self, config)
-        if self._check_widths is not None:
-            self._check_widths = {1: 1e-6, 4: 1.0}
+    def calibrated(*args):
+        choice = original(*args)
+        return replace(choice, widths={1: 1e-6, 4: 1.0}) if choice.widths else choice
 
-    monkeypatch.setattr(Engine, "__init__", init)
-    monkeypatch.setattr(engine_module, "ModeCheck", functools.partial(ModeCheck, rounds=2))
-    monkeypatch.setattr(engine_module, "calibrated_choice",
+    monkeypatch.setattr("ssdlocal.engine.engine.calibrated", calibrated)
+    monkeypatch.setattr(auto, "ModeCheck", functools.partial(ModeCheck, rounds=2))
+    monkeypatch.setattr(auto, "calibrated_choice",
                         lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated"))  # fmt: skip
     code, out, err = run_cli(monkeypatch, capsys, "generate", "the cat sat", "--target", tiny_dir["llama"],
                              "--draft", tiny_dir["draft_llama"], "--dtype", "float32", "--k", "3",

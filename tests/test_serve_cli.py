@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def test_a_taken_port_is_refused_before_models_load(monkeypatch, capsys, tiny_di
     (["--header-timeout", "0"], "header-timeout must be a positive number of seconds"),
     (["--body-timeout", "inf"], "body-timeout must be a positive number of seconds"),
     (["--idle-timeout", "-1"], "idle-timeout must be a positive number of seconds"),
+    (["--allowed-origins", "localhost:3000"], "is not an origin"),
+    (["--allowed-hosts", "my box"], "is not a host name"),
 ])
 def test_bad_serve_options_are_usage_errors(monkeypatch, capsys, tiny_dir, args, needle):
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar", *args)
@@ -121,7 +124,8 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "ssdlocal", "serve", "--target", str(tiny_dir["llama"]), "--mode", "sd",
-         "--draft", "ngram", "--dtype", "float32", "--port", "0", "--served-model-name", "tiny-llama"],
+         "--draft", "ngram", "--dtype", "float32", "--port", "0", "--served-model-name", "tiny-llama",
+         "--allowed-origins", "http://localhost:3000", "--allowed-hosts", "my-box.lan"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -147,6 +151,18 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
         with urllib.request.urlopen(req, timeout=60) as resp:
             reply = json.loads(resp.read())
         assert reply["usage"]["completion_tokens"] == 5 and reply["ssdlocal"]["mode"] == "sd"
+        for headers, status in [({"Origin": "https://evil.example"}, 403), ({"Host": "attacker.example"}, 403),
+                                ({"Content-Type": "text/plain"}, 415), ({"Host": "my-box.lan"}, 200),
+                                ({"Origin": "http://localhost:3000"}, 200)]:  # fmt: skip
+            req = urllib.request.Request(f"{url}/completions", method="POST", data=req.data,
+                                         headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    got, allow = resp.status, resp.headers.get("Access-Control-Allow-Origin")
+            except urllib.error.HTTPError as exc:
+                got, allow = exc.code, exc.headers.get("Access-Control-Allow-Origin")
+            assert got == status, headers
+            assert allow == headers.get("Origin") if status == 200 else allow is None, headers
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
         assert "Traceback" not in err, err

@@ -139,14 +139,28 @@ def test_concurrent_streams_equal_their_sequential_results(server):
 
 
 def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, tiny_dir):
-    if server.mode == "ssd":
-        pytest.skip("SSD samples follow the adaptive backup's timing (README: seeded SSD)")
+    """In every mode; in SSD the server pins what follows timing or earlier requests (an
+    automatic fan-out: one candidate per accepted length; an automatic backup: jit)."""
     prompt = "Once upon a time"
+    pinned = ["--fan-out", "1,1,1,1", "--fan-out-miss", "1,1,1,1", "--backup", "jit"] if server.mode == "ssd" else []
     expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, "--max-new-tokens", "12",
-                             "--temperature", "1", "--seed", "7", "--no-suffix")  # what a seeded request runs
-    for _ in range(2):
-        got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=1.0, seed=7)
-        assert got["ids"] == expected["token_ids"]
+                             "--temperature", "0.9", "--seed", "1234", "--no-suffix", *pinned)  # what it runs
+    calls, real = [], server.engine.generate
+    monkeypatch.setattr(server.engine, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batches = metrics(server)["ssdlocal_batches_total"]
+    others = ThreadPoolExecutor(4)
+    for i in range(3):  # with other requests (other settings, other seeds) arriving meanwhile
+        noise = [others.submit(ask, server.client, p, chat=False, stream=False, max_tokens=8, temperature=t, seed=s)
+                 for p, t, s in ((PROMPTS[i], 0.9, None), (PROMPTS[i + 3], 0.0, None), (prompt, 0.9, 99))]
+        got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=0.9, seed=1234)
+        assert got["ids"] == expected["token_ids"], i
+        for future in noise:
+            future.result(timeout=120)
+    others.shutdown()
+    deadline = time.monotonic() + 30  # every call counted (after its answers) before the next test
+    while metrics(server)["ssdlocal_batches_total"] < batches + len(calls):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 # ----------------------------------------------------------------------------- cancellation
@@ -196,7 +210,7 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(server):
         (json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 0}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "prompt": "Hello", "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"model": MODEL, "prompt": "Hello " * 600, "max_tokens": 4}).encode(), 400, "prompt"),
-        (json.dumps({"model": MODEL, "prompt": "Hello", "logprobs": 3}).encode(), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": "Hello", "logprobs": 21}).encode(), 400, "logprobs"),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": [5, 10**6], "max_tokens": 2}).encode(), 400, "prompt"),
     ]
@@ -279,11 +293,11 @@ def test_the_engine_survives_a_failed_request(server, monkeypatch):
     feed = server.engine.runner.feed
     calls = []
 
-    def fail_once(rows, logits="all"):
+    def fail_once(rows, logits="all", progress=None):
         if not calls:
             calls.append(1)
             raise RuntimeError("simulated device failure")
-        return feed(rows, logits)
+        return feed(rows, logits, progress)
 
     monkeypatch.setattr(server.engine.runner, "feed", fail_once)
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
@@ -296,3 +310,47 @@ def test_the_engine_survives_a_failed_request(server, monkeypatch):
     got = ask(server.client, "Hello", chat=False, stream=True, max_tokens=4)
     assert len(got["ids"]) == 4 and got["finish"] == "length"
     assert server.get("/health")[0] == 200
+
+
+# ----------------------------------------------------------------------------- prefix cache
+def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
+    """A chat's next turn re-sends the history: the server reads only what follows the
+    prefix the engine kept, says so in usage.prompt_tokens_details.cached_tokens (streamed
+    in the usage chunk too) and in /metrics, and the answer equals one without the cache."""
+    before = metrics(server)
+    system = {"role": "system", "content": " ".join(PROMPTS)}
+    history = [system, {"role": "user", "content": "Explain the first line."}]
+    prompts, cached = [], []
+    for turn in range(3):
+        reply = server.client.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, usage = "", None
+        for chunk in reply:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+            usage = chunk.usage or usage
+        prompts.append(usage.prompt_tokens)
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And line {turn + 2}?"}]
+    assert cached[0] == 0
+    for turn in (1, 2):  # the earlier turn's prompt, but a partial block and a re-rendered tail
+        assert cached[turn] >= 0.7 * prompts[turn - 1], (cached, prompts)
+    final = [{"role": m["role"], "content": m["content"]} for m in history[:-1]]
+    batches = metrics(server)["ssdlocal_batches_total"]
+    with_cache = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
+    deadline = time.monotonic() + 30  # the answer can leave before its engine call has ended
+    while metrics(server)["ssdlocal_batches_total"] < batches + 1:  # (and stored its prefixes)
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.engine.forget_prefixes()  # the engine thread is idle now
+    fresh = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
+    assert with_cache.usage.prompt_tokens_details.cached_tokens > 0
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert with_cache.choices[0].message.content == fresh.choices[0].message.content
+    assert fresh.model_extra["ssdlocal"]["prefill_tokens_per_s"] > 0
+    after = metrics(server)
+    assert after["ssdlocal_prefix_cache_hit_tokens_total"] - before["ssdlocal_prefix_cache_hit_tokens_total"] >= sum(cached)
+    assert after["ssdlocal_prefill_tokens_total"] > before["ssdlocal_prefill_tokens_total"]
+    assert after["ssdlocal_prefix_cache_used_tokens"] > 0

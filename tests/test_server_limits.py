@@ -107,13 +107,52 @@ def test_a_body_over_the_limit_is_refused_unread(live, monkeypatch):
     assert "--max-body-mb" in info.value.body["message"]
     assert time.perf_counter() - started < 5
     with connect(live) as sock:  # no declared length: refused once the limit is passed
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" % live.host.encode())
         chunk = b"x" * MiB
         for _ in range(5):
             sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
     assert not encodes
+    assert_still_serving(live)
+
+
+def test_clients_that_send_the_whole_body_before_reading_get_the_413(live):
+    """urllib and requests send `Connection: close` and the whole body before reading: the
+    server answers at once and then reads and drops the rest (a lingering close), so they
+    read the 413 instead of a connection reset or a broken pipe."""
+    import urllib.error
+    import urllib.request
+
+    def chunks():  # no length: chunked, refused once past the limit
+        for _ in range(50):
+            yield b"x" * MiB
+
+    for data in (b"x" * 50_000_000, chunks()):
+        req = urllib.request.Request(f"{live.url}/v1/completions", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == 413 and json.loads(info.value.read())["error"]["code"] == "request_too_large"
+    requests = pytest.importorskip("requests")
+    reply = requests.post(f"{live.url}/v1/completions", data=b"x" * 50_000_000, timeout=30,
+                          headers={"Content-Type": "application/json", "Connection": "close"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert_still_serving(live)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.3])  # in the head's packet, or once the route waits for the body
+def test_a_malformed_chunk_size_gets_400(live, pause):
+    with connect(live) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" % live.host.encode())
+        time.sleep(pause)
+        sock.sendall(b"zz\r\n{}\r\n0\r\n\r\n")
+        answer = read_all(sock)
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert_error(400, json.loads(payload), 400, None, "invalid_http_request")
     assert_still_serving(live)
 
 
@@ -231,8 +270,8 @@ def test_silent_connections_and_half_sent_heads_are_closed(live):
 
 def test_a_body_that_never_arrives_gets_408(live):
     with connect(live) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": " % live.host.encode())
         answer = read_all(sock)  # the server answers, then closes
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer

@@ -56,7 +56,8 @@ def test_bad_fields_name_themselves(body, param):
 
 
 def test_bad_messages():
-    for messages, param in (([], "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    for messages, param in (([], "messages"), ([{"role": "function", "content": "x"}], "messages[0].role"),
+                            ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
                             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
         with pytest.raises(APIError) as info:
             parse_chat({"model": "m", "messages": messages}, None)
@@ -117,3 +118,21 @@ def test_a_job_runs_in_parts_of_at_most_max_batch_rows_with_one_budget_each():
     assert seeds[0] == 5 and len(set(seeds)) == 3  # a seeded job's parts do not repeat each other
     assert {seed for *_, seed in parts(sampled, False, [8] * 6, 2)} == {5}  # unseeded: drawn per call
     loop.close()
+
+
+def test_an_assistant_message_with_tool_calls_is_kept_and_a_legacy_function_call_refused():
+    """`content: null` plus tool calls must reach the template as the calls, never as an
+    empty turn; the legacy `function_call` field, which is not rendered, is refused."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "call f"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "user", "content": "and now?"}]
+    parsed = parse_chat({"model": "m", "messages": messages}, None).messages
+    assert parsed[1]["tool_calls"] == calls and parsed[1]["content"] == ""
+    legacy = [*messages[:1], {"role": "assistant", "content": None, "function_call": calls[0]["function"]}]
+    with pytest.raises(APIError) as info:
+        parse_chat({"model": "m", "messages": legacy}, None)
+    error = info.value.body()["error"]
+    assert info.value.status == 400 and error["param"] == "messages[1].function_call", error
+    assert parse_chat({"model": "m", "messages": [*messages[:1], {"role": "assistant", "content": None,
+                                                                 "tool_calls": []}]}, None)  # empty: nothing lost

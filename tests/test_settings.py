@@ -98,7 +98,7 @@ def test_env_only(monkeypatch, capsys, cfg, tiny_dir):
 @pytest.mark.parametrize(
     ("content", "needles"),
     [
-        ("[generate\nk = 4\n", ["is not valid TOML", "fix or delete"]),
+        ("[generate\nk = 4\n", ["is not valid TOML", "hint: fix "]),
         ("[generate]\nturbo = true\n", ["unknown option 'turbo'", "max-new-tokens"]),
         ("[frobnicate]\nk = 4\n", ["unknown command(s): frobnicate", "generate"]),
         ("k = 4\n", ["must be a table like [generate]"]),

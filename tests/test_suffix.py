@@ -7,6 +7,7 @@ backup, over several calls on one engine (the memory growing), and what the stat
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -28,6 +29,7 @@ from ssdlocal.speculation.adaptive import Acceptance, CostModel, choose, suffix_
 from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory, propose
 
 CODE = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+VOCAB = 100  # the memory files of these tests are for a model with token ids 0..99
 
 
 # --------------------------------------------------------------------------- the index
@@ -87,14 +89,14 @@ def test_memory_is_bounded_by_sequences_and_tokens():
 def test_the_memory_file_is_per_model_and_damage_is_ignored(tmp_path):
     memory = SuffixMemory()
     memory.add([1, 2, 3] + CODE)
-    MemoryFile(tmp_path, "model-a").save(memory)
+    MemoryFile(tmp_path, "model-a", VOCAB).save(memory)
     again = SuffixMemory()
-    MemoryFile(tmp_path, "model-a").load(again)
+    MemoryFile(tmp_path, "model-a", VOCAB).load(again)
     assert again.sequences() == memory.sequences()
     other = SuffixMemory()
-    MemoryFile(tmp_path, "model-b").load(other)  # another model: another file, nothing
+    MemoryFile(tmp_path, "model-b", VOCAB).load(other)  # another model: another file, nothing
     assert not other.sequences()
-    file = MemoryFile(tmp_path, "model-a")
+    file = MemoryFile(tmp_path, "model-a", VOCAB)
     file.path.write_text("{not json")
     damaged = SuffixMemory()
     file.load(damaged)
@@ -102,6 +104,64 @@ def test_the_memory_file_is_per_model_and_damage_is_ignored(tmp_path):
     file.path.write_text(json.dumps({"model": "model-b", "sequences": [[1, 2, 3, 4]]}))
     file.load(damaged)  # a file whose key is another model's is not trusted
     assert not damaged.sequences() and not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("bad", [[10**9] + CODE, [-7] + CODE, [2**70] + CODE, [True] + CODE, [1.5] + CODE,
+                                 "nested", "string"])
+def test_memory_entries_outside_the_vocabulary_are_dropped_with_one_warning(tmp_path, caplog, bad):
+    """Ids past the embedding, negative, huge, booleans, or nesting 100k deep: the file's
+    good entries load, the bad ones are dropped, one warning names the file."""
+    file = MemoryFile(tmp_path, "model-a", VOCAB)
+    good = [1, 2, 3] + CODE
+    if bad == "nested":
+        file.path.write_text('{"model": "model-a", "sequences": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        entry = "oops" if bad == "string" else bad
+        file.path.write_text(json.dumps({"model": "model-a", "sequences": [good, entry, entry]}))
+    memory = SuffixMemory()
+    with caplog.at_level("WARNING"):
+        file.load(memory)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(file.path) in warnings[0].getMessage(), caplog.text
+    assert memory.sequences() == ([] if bad == "nested" else [good])
+    for seq in memory.sequences():
+        assert all(0 <= t < VOCAB for t in seq)
+
+
+def test_a_memory_file_that_is_a_fifo_is_not_opened(tmp_path, caplog):
+    file = MemoryFile(tmp_path, "model-a", VOCAB)
+    os.mkfifo(file.path)
+    memory = SuffixMemory()
+    with caplog.at_level("WARNING"):
+        file.load(memory)  # would block forever if it opened the FIFO
+    assert not memory.sequences() and "FIFO" in caplog.text and str(file.path) in caplog.text
+
+
+def test_a_failed_save_is_one_warning_and_leaves_no_temporary_file(tmp_path, caplog, monkeypatch):
+    import errno
+
+    memory = SuffixMemory()
+    memory.add([1, 2, 3] + CODE)
+    file = MemoryFile(tmp_path, "model-a", VOCAB)
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        if "w" in mode:
+            handle.write = lambda data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
+        return handle
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with caplog.at_level("WARNING"):
+        file.save(memory)  # no exception: the call it follows has its answer
+        file.save(memory)
+    monkeypatch.undo()
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1, caplog.text
+    assert "No space left" in caplog.text and not list(tmp_path.iterdir())
+    file.save(memory)  # the disk has room again
+    again = SuffixMemory()
+    MemoryFile(tmp_path, "model-a", VOCAB).load(again)
+    assert again.sequences() == memory.sequences()
 
 
 # --------------------------------------------------------------------------- K per round
@@ -169,6 +229,16 @@ def test_repeatable_pins_k_and_drops_what_depends_on_history():
     fixed = repeatable(spec)
     assert fixed.k == SpecConfig.k and not fixed.adaptive_k and fixed.draft.suffix is None
     assert repeatable(SpecConfig(mode=Mode.SD, draft=SuffixDraft())).draft.use_memory is False
+
+
+def test_repeatable_pins_what_ssd_would_choose_by_timing_or_history():
+    """An automatic fan-out follows measured timing and the automatic backup too, the
+    suffix backup follows earlier requests: a seeded SSD request gets fixed ones."""
+    ssd = repeatable(SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("d")))
+    assert (ssd.fan_out, ssd.fan_out_miss, ssd.backup) == ((1, 1, 1, 1), (1, 1, 1, 1), "jit")
+    mine = repeatable(SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("d"), fan_out=(2, 2, 2, 3), backup="ngram"))
+    assert (mine.fan_out, mine.fan_out_miss, mine.backup) == ((2, 2, 2, 3), (2, 2, 2, 3), "ngram")
+    assert repeatable(SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("d"), backup="suffix")).backup == "jit"
 
 
 # --------------------------------------------------------------------------- the engine

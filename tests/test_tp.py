@@ -6,6 +6,8 @@ planner's TP choices. GPU checks are marked `gpu` (deselected by default).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 import signal
 import subprocess
@@ -84,6 +86,32 @@ def test_sd_and_ssd_with_tp2_target_equal_ar(tiny_dir):
         sd = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(tiny_dir["draft_llama"]))))
         ngram = _tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=NgramDraft()))
     assert ssd == ar and sd == ar and ngram == ar
+
+
+def test_tp2_reuses_prefixes_on_every_rank_and_equals_tp1(tiny_dir):
+    """Calls that share a prefix: every rank copies its share of the KV in and out, the
+    answers equal one process without the cache, and long prompts are read in chunks."""
+    from ssdlocal.backends.torch import runner as runner_mod
+
+    base = [(7 * i) % 300 + 5 for i in range(70)]
+    calls = [[base], [base + [9, 8, 7]], [base[:40], base + [3] * 20]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def answers(engine):
+        out = []
+        for prompts in calls:
+            done = [e for e in engine.generate(prompts, params) if isinstance(e, DoneEvent)][0]
+            out.append(([o.token_ids for o in done.outputs], done.stats["cached_prompt_tokens"]))
+        return out
+
+    with Engine(replace(_config(tiny_dir["llama"]), prefix_cache_tokens=0)) as one:
+        want = [tokens for tokens, _ in answers(one)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_mod, "PREFILL_CHUNK", 32)  # the prompts go in chunks through the group
+        with Engine(_config(tiny_dir["llama"], TP2)) as two:
+            got = answers(two)
+    assert [tokens for tokens, _ in got] == want
+    assert [cached for _, cached in got] == [0, 64, 32 + 64]
 
 
 # --------------------------------------------------------------------------- robustness

@@ -108,6 +108,33 @@ async def test_chat_streams_an_answer_and_keeps_the_history():
 
 
 @asynctest
+async def test_the_status_line_shows_the_prompt_being_read():
+    import threading
+
+    engine = FakeEngine()
+    engine.prefill_gate = threading.Event()
+    app = chat_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, "hello there")
+        total = None
+        for _ in range(200):
+            await pilot.pause(0.02)
+            status = str(screen.query_one("#status").render())
+            if "reading the prompt" in status:
+                total = status
+                break
+        assert total is not None
+        ids = engine.calls[0][0][0]
+        assert f"reading the prompt {len(ids) // 2:,} / {len(ids):,}" in total
+        engine.prefill_gate.set()
+        await finish(pilot)
+        assert "reading the prompt" not in str(screen.query_one("#status").render())
+        panel = str(screen.query_one(StatsPanel).render())
+        assert f"{len(ids):,} · 0 cached" in panel
+
+
+@asynctest
 async def test_message_typed_while_loading_is_sent_after_load():
     import threading
 

@@ -3,7 +3,9 @@
 A runner owns one loaded model and its KV cache, and remembers for each row of a batch
 `held[b]`: the tokens whose keys/values sit in that row's cache slots 0..len-1. The
 engine, the drafters and the SSD speculator use only these methods; nobody edits a
-runner's cache or bookkeeping from outside.
+runner's cache or bookkeeping from outside. A runner also keeps a bounded store of
+earlier calls' prefixes (`setup_prefix`, `reuse`, `store`): a new call's row starts from
+the longest stored prefix of its tokens and feeds only the rest.
 """
 
 from __future__ import annotations
@@ -31,10 +33,23 @@ class Runner(Protocol):
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
 
-    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all") -> list[torch.Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
         `logits` "all" [len(rows[b]), V], "last" [1, V] (its last token), "none" [0, V].
-        Only the positions asked for are computed (a long prompt's logits are large)."""
+        Only the positions asked for are computed (a long prompt's logits are large).
+        Long feeds go in chunks; `progress(done, total)` (tokens per row) is called as
+        they finish, and an exception it raises stops the feed with `held` unchanged."""
+
+    def setup_prefix(self, tokens: int) -> None:
+        """Room for `tokens` stored prefix tokens (0: no store); drops what was stored."""
+
+    def reuse(self, row: int, tokens: Sequence[int]) -> int:
+        """Row `row`, empty after `reset`, takes the longest stored prefix of `tokens` (whole
+        blocks); returns how many tokens it now holds."""
+
+    def store(self, row: int, tokens: Sequence[int]) -> None:
+        """Row `row`'s slots 0..len(tokens)-1 hold `tokens` (the caller knows): keep them
+        for later calls' `reuse`. Stored only for this runner's own model."""
 
     def begin_steps(self) -> None:
         """Decode with `step` from here: each row's length is what it has cached."""
@@ -99,6 +114,14 @@ class HeldRows:
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
         return list(tokens[len(self.held[row]) :])
+
+    def holds(self, row: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens`' first tokens row `row`'s cache holds (in order)."""
+        held = self.held[row]
+        n = min(len(held), len(tokens))
+        if held[:n] == list(tokens[:n]):
+            return n
+        return next(i for i in range(n) if held[i] != tokens[i])
 
     def sync(self, row: int, committed: Sequence[int]) -> None:
         """Keep only the cached tokens the next feed can build on (see `sync_held`)."""

@@ -90,3 +90,26 @@ def projection_inputs(aggs: dict[str, dict], k: int) -> ProjectionInputs:
         backup_forwards=backup_forwards,
         measured_ratio=ratio,
     )
+
+
+def session_turns(records: list[dict], systems: list[str]) -> list[dict]:
+    """Per system and turn of the session workload: mean time to first token, end-to-end
+    seconds (first token + decode), prompt and reused tokens, and the speed at which the
+    rest of the prompt was read (turn 1 starts cold, so its rate is the cold prefill's)."""
+    rows = []
+    for system in systems:
+        turns: dict[int, list[dict]] = {}
+        for r in records:
+            if r["system"] == system and r.get("session") is not None and r["ttft_s"] is not None:
+                turns.setdefault(r["turn"], []).append(r)
+        for turn, recs in sorted(turns.items()):
+            rates = [r["prefill_tokens_per_s"] for r in recs if r.get("prefill_tokens_per_s")]
+            rows.append({
+                "system": system, "turn": turn, "records": len(recs),
+                "ttft_s": mean(r["ttft_s"] for r in recs),
+                "e2e_s": mean(r["ttft_s"] + r["decode_s"] for r in recs),
+                "prompt_tokens": mean(r.get("prompt_tokens") or 0 for r in recs),
+                "cached_tokens": mean(r.get("cached_tokens") or 0 for r in recs),
+                "prefill_tokens_per_s": mean(rates) if rates else None,
+            })  # fmt: skip
+    return rows

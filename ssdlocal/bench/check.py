@@ -84,6 +84,7 @@ def _run_mode(engine, mode: Mode, config: EngineConfig, prompts, params, chat) -
     t0 = time.perf_counter()
     for prompt in prompts:  # one at a time: batch size 1, as in interactive use
         done = None
+        engine.forget_prefixes()  # every mode reads each prompt the same way (no other mode's KV)
         for event in engine.generate([prompt], params, chat=chat, spec=spec):
             if isinstance(event, DoneEvent):
                 done = event

@@ -27,6 +27,9 @@ class Measurement:
     decode_tokens: int
     spec: dict[str, Any] | None = None  # speculation counters (our SD/SSD modes)
     snapshot: dict[str, Any] = field(default_factory=dict)  # engine stats, as reported
+    prompt_tokens: int | None = None  # the batch's prompt tokens, when the system says
+    cached_tokens: int | None = None  # of which came from a prefix kept by earlier calls
+    prefill_s: float | None = None  # the time the prompts took to read (else ttft_s is the bound)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -43,7 +46,19 @@ class Measurement:
             "decode_tokens": self.decode_tokens,
             "tokens_per_s": self.tokens_per_s,
             "spec": self.spec,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
         }
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens read (not reused) per second of reading them."""
+        seconds = self.prefill_s if self.prefill_s is not None else self.ttft_s
+        if not self.prompt_tokens or not seconds:
+            return None
+        read = self.prompt_tokens - (self.cached_tokens or 0)
+        return read / seconds if read > 0 else None
 
 
 def from_engine_events(system: str, events: Iterable[Event], k: int) -> Measurement:
@@ -63,4 +78,7 @@ def from_engine_events(system: str, events: Iterable[Event], k: int) -> Measurem
         decode_tokens=counts["decode_tokens"],
         spec=dict(counts) if k > 0 or counts["rounds"] else None,
         snapshot={k_: v for k_, v in done.stats.items() if k_ != "per_position_acceptance"},
+        prompt_tokens=counts["prompt_tokens"],
+        cached_tokens=counts["cached_prompt_tokens"],
+        prefill_s=counts["prefill_s"],
     )

@@ -98,7 +98,8 @@ class HFPeer:
         self.eos_ids = eos_ids
         self.pad_id = pad_id
 
-    def generate(self, batch: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
+    def generate(self, batch: Sequence[Sequence[int]], params: SamplingParams, fresh: bool = True) -> Measurement:
+        """`fresh` is moot: transformers `generate` keeps nothing between calls."""
         torch = self.torch
         if self.assistant is not None and len(batch) > 1:
             raise PeerSkipped("transformers assisted generation supports batch size 1 only")
@@ -171,10 +172,14 @@ class LlamaCppPeer:
         )
         self.eos_ids = eos_ids
 
-    def generate(self, batch: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
+    def generate(self, batch: Sequence[Sequence[int]], params: SamplingParams, fresh: bool = True) -> Measurement:
+        """`fresh`: forget the tokens the last call left in llama.cpp's cache; otherwise
+        llama-cpp-python reuses their longest common prefix with this prompt (its own)."""
         if len(batch) > 1:
             raise PeerSkipped("the llama.cpp peer runs batch size 1 only")
-        self.llm.reset()
+        if fresh:
+            self.llm.reset()
+        cached = _common_prefix(self.llm.eval_tokens, batch[0]) if self.llm.n_tokens else 0
         stream = self.llm.generate(
             list(batch[0]), top_k=params.top_k, top_p=params.top_p, min_p=0.0,
             temp=params.temperature, repeat_penalty=1.0, reset=True,
@@ -195,11 +200,21 @@ class LlamaCppPeer:
         t_end = time.perf_counter()
         t_first = t_first or t_end
         return Measurement(
-            self.name, [tokens], [finish], t_first - t0, t_end - t_first, max(len(tokens) - 1, 0)
+            self.name, [tokens], [finish], t_first - t0, t_end - t_first, max(len(tokens) - 1, 0),
+            prompt_tokens=len(batch[0]), cached_tokens=min(cached, len(batch[0]) - 1),
         )
 
     def close(self) -> None:
         self.llm = None
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _make_gguf_draft(path: str, k: int, n_ctx: int):

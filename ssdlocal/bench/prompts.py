@@ -18,6 +18,8 @@ WORKLOADS = {  # packaged prompt sets, by name (--prompts NAME)
     "chat": "data/prompts.jsonl",  # code, math, instruction and chat requests (the default)
     "edit": "data/edit.jsonl",  # code edits that re-emit the code they are given, and
     # multi-turn sessions whose later turns change the code an earlier answer wrote
+    "session": "data/session.jsonl",  # conversations over a source file in the system
+    # message: each turn re-sends the history (what prefix reuse serves)
 }
 
 
@@ -28,12 +30,13 @@ class BenchPrompt:
     prompt: str
     session: str | None = None  # turns of one conversation share a session id
     turn: int = 0  # 1, 2, ... within its session: the prompt follows the earlier turns' answers
+    system: str | None = None  # a session's system message (on its first turn)
 
 
 def load_prompts(path: str | Path | None = None) -> list[BenchPrompt]:
     """Read a prompt set: None = the packaged default ("chat"); a workload name (WORKLOADS);
     a `.jsonl` file (or any file whose first non-blank line is a JSON object) of {"id",
-    "kind", "prompt"} (and "session", "turn" for conversations); else plain text, one prompt
+    "kind", "prompt"} (and "session", "turn", "system" for conversations); else plain text, one prompt
     per non-blank line. Raises UsageError on a missing, empty or bad file."""
     if path is None or str(path) in WORKLOADS:
         name = WORKLOADS[str(path or "chat")]
@@ -82,8 +85,11 @@ def _parse_jsonl(lines: list[str], where: str) -> list[BenchPrompt]:
         session, turn = obj.get("session"), obj.get("turn", 0)
         if session is not None and (not isinstance(turn, int) or turn < 1):
             raise UsageError(f'{where}:{number}: a "session" prompt needs a "turn" of 1 or more', hint)
+        system = obj.get("system")
+        if system is not None and (session is None or not isinstance(system, str)):
+            raise UsageError(f'{where}:{number}: "system" is a string, on a "session" prompt', hint)
         out.append(BenchPrompt(str(obj.get("id", f"p{len(out) + 1:02d}")), str(obj.get("kind", "text")),
-                               obj["prompt"], None if session is None else str(session), turn))  # fmt: skip
+                               obj["prompt"], None if session is None else str(session), turn, system))  # fmt: skip
     if not out:
         raise UsageError(f"{where} has no prompts", hint)
     return out

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ssdlocal.bench.aggregate import aggregate_all, projection_inputs
+from ssdlocal.bench.aggregate import aggregate_all, projection_inputs, session_turns
 from ssdlocal.bench.project import DEFAULT_RATIOS, project
 from ssdlocal.bench.run import BenchRun
 
@@ -85,6 +85,7 @@ def build_results(
         "exactness": run.exactness
         or {s: {"status": "n/a (temperature > 0 or no AR run)"} for s in run.systems},
         "aggregates": aggs,
+        "sessions": session_turns(run.records, run.systems),
         "records": run.records,
         "wall_s": run.wall_s,
     }
@@ -164,6 +165,24 @@ HEADERS = [
 ]  # fmt: skip
 
 
+SESSION_HEADERS = ["system", "turn", "TTFT s", "vs turn 1", "prompt tok", "cached", "prefill tok/s", "end-to-end s"]
+
+
+def session_rows(doc: dict) -> list[list[str]]:
+    """The session workload's table: one row per system and turn (empty without sessions)."""
+    first = {r["system"]: r["ttft_s"] for r in doc.get("sessions", []) if r["turn"] == 1}
+    rows = []
+    for r in doc.get("sessions", []):
+        base = first.get(r["system"])
+        share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else None
+        rows.append([
+            r["system"], str(r["turn"]), _f(r["ttft_s"]),
+            _f(r["ttft_s"] / base if base else None, "{:.2f}×"), f"{r['prompt_tokens']:.0f}",
+            _f(share, "{:.0%}"), _f(r["prefill_tokens_per_s"], "{:.0f}"), _f(r["e2e_s"]),
+        ])  # fmt: skip
+    return rows
+
+
 def _exact_cell(ex: dict) -> str:
     status = ex.get("status", "n/a")
     if status != "FAIL":
@@ -197,6 +216,11 @@ def markdown(doc: dict) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in summary_rows(doc)]
     for name, why in doc["skipped"].items():
         lines.append(f"\n- {name}: {why}")
+    sessions = session_rows(doc)
+    if sessions:
+        lines += ["", "## Sessions (each turn re-sends the conversation; turn 1 starts cold)", "",
+                  "| " + " | ".join(SESSION_HEADERS) + " |", "|" + "---|" * len(SESSION_HEADERS)]  # fmt: skip
+        lines += ["| " + " | ".join(row) + " |" for row in sessions]
     proj = doc.get("projections")
     if proj:
         lines += [

@@ -161,13 +161,34 @@ def prompt_ids(engine, prompts: list[BenchPrompt], chat: bool, params: SamplingP
         if p.session is None:
             ids[p.id] = engine.encode(p.prompt, chat)
             continue
-        messages = said.setdefault(p.session, []) + [{"role": "user", "content": p.prompt}]
+        system = [{"role": "system", "content": p.system}] if p.system else []
+        messages = said.setdefault(p.session, system) + [{"role": "user", "content": p.prompt}]
         ids[p.id] = encode_messages(engine.tokenizer, messages)
         note("sessions", 0, 1, f"answering {p.id} (AR) for the next turn's conversation")
         greedy = replace(params, temperature=0.0)
         done = [e for e in engine.generate([ids[p.id]], greedy, spec=SpecConfig(mode=Mode.AR))][-1]
         said[p.session] = messages + [{"role": "assistant", "content": done.outputs[0].text}]
     return ids
+
+
+def measuring_units(batches: list[list[BenchPrompt]]) -> list[list[tuple[int, list[BenchPrompt]]]]:
+    """What one system runs back to back: a batch of single prompts, or a whole session (its
+    turns in order, one per batch), so a turn reuses only what its own earlier turns left
+    in the caches. Each unit starts cold. Items are (batch index, batch)."""
+    units: list[list[tuple[int, list[BenchPrompt]]]] = []
+    sessions: dict[str, list[tuple[int, list[BenchPrompt]]]] = {}
+    for b, batch in enumerate(batches):
+        session = batch[0].session if len(batch) == 1 else None
+        if session is None:
+            units.append([(b, batch)])
+        elif session in sessions:
+            sessions[session].append((b, batch))
+        else:
+            sessions[session] = [(b, batch)]
+            units.append(sessions[session])
+    for unit in units:
+        unit.sort(key=lambda item: item[1][0].turn)
+    return units
 
 
 class Memories:
@@ -195,8 +216,10 @@ def _systems(
         spec = mode_spec(base, mode)
         k = 0 if mode == "ar" else spec.k
 
-        def run_mode(batch, params, _mode=mode, _spec=spec, _k=k) -> Measurement:
+        def run_mode(batch, params, fresh=True, _mode=mode, _spec=spec, _k=k) -> Measurement:
             memories.use(_mode)
+            if fresh:  # the prompt is read cold: nothing another call left is reused
+                engine.forget_prefixes()
             return from_engine_events(_mode, engine.generate(batch, params, spec=_spec), _k)
 
         systems[mode] = run_mode
@@ -212,38 +235,31 @@ def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: P
     for i, (name, fn) in enumerate(list(systems.items())):
         note("warmup", i, len(systems), f"warm-up {name}")
         try:
-            fn(first, warm)
+            fn(first, warm, True)
         except PeerSkipped as exc:
             run.skipped[name] = f"skipped: {exc}"
             del systems[name]
     run.systems = list(systems)
+    units = measuring_units(batches)
     total = settings.repeats * len(batches) * len(systems)
     done = 0
     for repeat in range(settings.repeats):
         memories.reset()  # the warm-up's and the last repeat's answers are not remembered
-        for b, batch in enumerate(batches):
+        for u, unit in enumerate(units):
             names = list(systems)
-            shift = (repeat * len(batches) + b) % len(names)
+            shift = (repeat * len(units) + u) % len(names)
             for order, name in enumerate(names[shift:] + names[:shift]):
-                note(
-                    "run",
-                    done,
-                    total,
-                    f"{name} · {', '.join(p.id for p in batch)} · repeat {repeat + 1}",
-                )
-                try:
-                    m = systems[name]([ids[p.id] for p in batch], params)
-                except PeerSkipped as exc:
-                    run.skipped[name] = f"skipped: {exc}"
-                    continue
-                rec = {
-                    "batch": b,
-                    "repeat": repeat,
-                    "order": order,
-                    "prompt_ids": [p.id for p in batch],
-                }
-                rec.update(m.to_json())
-                run.records.append(rec)
-                done += 1
+                for turn, (b, batch) in enumerate(unit):  # a session's turns in order, on one system
+                    note("run", done, total, f"{name} · {', '.join(p.id for p in batch)} · repeat {repeat + 1}")
+                    try:
+                        m = systems[name]([ids[p.id] for p in batch], params, turn == 0)
+                    except PeerSkipped as exc:
+                        run.skipped[name] = f"skipped: {exc}"
+                        break
+                    rec = {"batch": b, "repeat": repeat, "order": order, "prompt_ids": [p.id for p in batch],
+                           "session": batch[0].session, "turn": batch[0].turn}  # fmt: skip
+                    rec.update(m.to_json())
+                    run.records.append(rec)
+                    done += 1
     note("run", total, total, "done")
     run.systems = [s for s in run.systems if any(r["system"] == s for r in run.records)]

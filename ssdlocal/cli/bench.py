@@ -48,8 +48,9 @@ def bench(
         Path | None,
         typer.Option(
             help="A packaged workload (chat: the default set; edit: code edits and multi-turn "
-            "sessions that re-emit code), or a JSONL file of {id, kind, prompt} (and session, turn), "
-            "or plain text, one prompt per line."
+            "sessions that re-emit code; session: conversations over a source file, timed per turn "
+            "with each system's own prefix reuse), or a JSONL file of {id, kind, prompt} (and "
+            "session, turn, system), or plain text, one prompt per line."
         ),
     ] = None,
     limit: Annotated[
@@ -180,6 +181,16 @@ def render_summary(doc: dict, console) -> None:
     console.print(table)
     for name, why in doc["skipped"].items():
         console.print(f"{name}: {why}", markup=False)
+    from ssdlocal.bench.report import SESSION_HEADERS, session_rows
+
+    sessions = session_rows(doc)
+    if sessions:
+        st = Table(title="sessions: each turn re-sends the conversation (turn 1 cold)")
+        for h in SESSION_HEADERS:
+            st.add_column(h, justify="left" if h == "system" else "right")
+        for row in sessions:
+            st.add_row(*row)
+        console.print(st)
     proj = doc.get("projections")
     if proj:
         pt = Table(title="projection (not measured)", caption=proj["label"])

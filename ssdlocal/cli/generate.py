@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,6 +28,9 @@ def generate(
     chat: o.Chat = False,
     num_samples: Annotated[int, typer.Option(help="Independent samples of a single prompt.")] = 1,
     as_json: o.Json = False,
+    json_schema: Annotated[Path | None, typer.Option(
+        help="Answer with JSON that validates against this JSON schema file (constrained decoding).")] = None,
+    regex: Annotated[str | None, typer.Option(help="Answer with text that matches this regular expression.")] = None,
 ) -> None:
     """Generate text, streaming tokens as they are accepted."""
     if num_samples < 1:
@@ -34,8 +39,31 @@ def generate(
         raise UsageError("--num-samples needs exactly one prompt", "pass a single prompt")
     if any(not p.strip() for p in prompts):
         raise UsageError("empty prompt", "pass some text to generate from")
+    grammar = _grammar(json_schema, regex)
     params = sampling.params()
     config = engine_config(models, spec)
     from ssdlocal.cli.render import run_generate
 
-    run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json)
+    run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json, grammar=grammar)
+
+
+def _grammar(schema_file: Path | None, regex: str | None) -> tuple[str, object] | None:
+    """(kind, source) of --json-schema / --regex, checked before any model loads."""
+    if schema_file is not None and regex is not None:
+        raise UsageError("--json-schema and --regex cannot be combined", "pass one of them")
+    if schema_file is None and regex is None:
+        return None
+    from ssdlocal.grammar.compiler import check
+
+    if regex is not None:
+        check("regex", regex)
+        return "regex", regex
+    try:
+        schema = json.loads(Path(schema_file).expanduser().read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read the schema file {schema_file}: {exc.strerror or exc}",
+                         "pass the path of a JSON schema file") from None  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"{schema_file} is not JSON: {exc}", "write the schema as a JSON object") from None
+    check("json_schema", schema)
+    return "json_schema", schema

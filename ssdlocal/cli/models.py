@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ssdlocal.cli import options as o
+from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.models import DEFAULT_DTYPE
 from ssdlocal.core.quantization import check_quantization
 
@@ -270,8 +271,9 @@ def devices(
         label, heads = found.name, _heads(found)
     inventory = detect()
     weights = _pair_weights(found, backend, quantization) if target_gb is None else ()
+    prefix = prefix_cache_plan(None if target_gb is not None else found)
     if as_json:
-        payload = {"devices": dataclasses.asdict(inventory), "for": label}
+        payload = {"devices": dataclasses.asdict(inventory), "for": label, "prefix_cache": prefix}
         try:
             plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)
         except Exception:
@@ -288,6 +290,7 @@ def devices(
     )
     plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)  # PlacementError -> exit 1
     _print_plan(plan, weights)
+    out.print(_prefix_line(prefix), soft_wrap=True)
 
 
 def _as_run(plan, draft_gb: float):
@@ -343,6 +346,36 @@ def _gguf_name(gguf) -> str:
 
         return get_asset(gguf.asset).filename
     return gguf.filename or gguf.path or gguf.repo or "?"
+
+
+def prefix_cache_plan(pair) -> dict:
+    """The prefix cache's default size and what a token of it costs for `pair`'s models
+    (bf16 KV; None where the manifest does not give the shapes)."""
+    from ssdlocal.backends.prefix import AUTO_SHARE
+    from ssdlocal.core.config import PREFIX_CACHE_TOKENS
+
+    per_token = {
+        role: (ref.kv_bytes_per_token() if pair is not None else None)
+        for role, ref in (("target", pair and pair.target), ("draft", pair and pair.draft))
+    }
+    return {
+        "default_tokens": PREFIX_CACHE_TOKENS, "max_share_of_free_memory": AUTO_SHARE,
+        "bytes_per_token": per_token,
+        "default_bytes": {k: v * PREFIX_CACHE_TOKENS if v else None for k, v in per_token.items()},
+    }  # fmt: skip
+
+
+def _prefix_line(prefix: dict) -> str:
+    sizes = ", ".join(
+        f"{role} {human_bytes(size)} ({human_bytes(prefix['bytes_per_token'][role])}/token)"
+        for role, size in prefix["default_bytes"].items() if size
+    )  # fmt: skip
+    return (
+        f"prefix cache: {prefix['default_tokens']:,} tokens per model by default"
+        + (f" ({sizes})" if sizes else "")
+        + f", at most {prefix['max_share_of_free_memory']:.0%} of the memory free after loading; "
+        "--prefix-cache-tokens N sets it, --no-prefix-cache turns it off"
+    )
 
 
 def _print_inventory(inventory) -> None:

@@ -18,7 +18,9 @@ from typing import Annotated, Any, get_type_hints
 
 import typer
 
-from ssdlocal.core.config import ADAPTIVE_K_MAX, BACKUPS, MAX_FAN_OUT_TOTAL, MAX_K, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    ADAPTIVE_K_MAX, BACKUPS, MAX_FAN_OUT_TOTAL, MAX_K, PREFIX_CACHE_TOKENS, SamplingParams, SpecConfig,
+)  # fmt: skip
 from ssdlocal.core.models import MemorySettings
 from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
 
@@ -79,6 +81,17 @@ class ModelOptions:
         True,
         "Capture each decode step shape as a CUDA graph (GPUs only; off: eager kernels).",
         "--cuda-graphs/--no-cuda-graphs",
+    )
+    prefix_cache: bool = option(
+        True,
+        "Reuse the KV of the longest prefix earlier calls left (chat turns, re-sent files): "
+        "a prompt is read from where they diverge.",
+        "--prefix-cache/--no-prefix-cache",
+    )
+    prefix_cache_tokens: int | None = option(
+        None,
+        f"Tokens of earlier prompts and answers each model keeps in the prefix cache "
+        f"(default: {PREFIX_CACHE_TOKENS}, at most a tenth of the memory free after loading).",
     )
 
     def quantizations(self, backends: tuple[str, str]) -> tuple[str, str]:

@@ -42,6 +42,8 @@ def format_stats(stats: dict) -> str:
         parts.append(f"{stats['mean_accepted_len']:.2f} tok/round")
     if stats.get("cache_hit_rate") is not None:
         parts.append(f"cache hits {stats['cache_hit_rate']:.0%}")
+    if stats.get("constrained"):
+        parts.append(f"grammar {stats['mask_ms_per_token']:.2f} ms/token")
     return " | ".join(parts)
 
 
@@ -61,17 +63,25 @@ def graph_warning(stats: dict) -> str | None:
 
 
 def run_generate(
-    config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool
+    config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool,
+    grammar: tuple[str, object] | None = None,
 ) -> None:
     """Load the engine, say which mode runs and why (stderr, before the first token),
-    generate, and print (streamed text, or one JSON object)."""
+    generate, and print (streamed text, or one JSON object); `grammar` (kind, source)
+    constrains every answer (grammar.compiler)."""
     engine = load_engine(config)
     with engine:
+        grammars = None
+        if grammar is not None:
+            from ssdlocal.grammar.compiler import GrammarCompiler
+
+            compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
+            grammars = [compiler.compile(*grammar)] * len(prompts)
         print_mode(engine.choice)
         stream = not as_json and len(prompts) == 1
         done: DoneEvent | None = None
         changes: list[ModeEvent] = []
-        for event in engine.generate(prompts, params, chat=chat):
+        for event in engine.generate(prompts, params, chat=chat, grammars=grammars):
             if isinstance(event, TokensEvent) and stream:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()

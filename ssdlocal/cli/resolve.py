@@ -85,6 +85,7 @@ def engine_config(
         spec=SpecConfig(**options, draft=parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None)),
         target_devices=tp_devices if len(tp_devices) > 1 else (),
         graphs="auto" if models.cuda_graphs else "off",
+        prefix_cache_tokens=models.prefix_cache_tokens if models.prefix_cache else 0,
     )
 
 

@@ -1,7 +1,8 @@
 """`ssdlocal serve`: options -> socket, EngineConfig, Engine -> the OpenAI-compatible server.
 
 The port is bound before the models load, so a taken port fails at once; loopback is
-the default and any other host warns unless --api-key is set. The request and
+the default and any other host warns unless --api-key is set. The Host and Origin
+allow-lists (--allowed-hosts, --allowed-origins) become an AccessPolicy. The request and
 connection limits become a ServerLimits. SIGTERM stops it like Ctrl-C (exit 0 instead
 of 130). Wiring only: the server is ssdlocal.server.
 """
@@ -59,6 +60,16 @@ def serve(
     idle_timeout: Annotated[
         float, typer.Option(help="Seconds a kept-alive connection may idle between requests.")
     ] = 5.0,
+    allowed_hosts: Annotated[
+        list[str] | None, typer.Option(help="Another name the server answers to in the Host header "
+                                       "(repeatable or comma-separated; NAME:PORT for one port; '*' any). "
+                                       "Always: localhost, 127.0.0.1, [::1] and --host.")
+    ] = None,
+    allowed_origins: Annotated[
+        list[str] | None, typer.Option(help="A web page origin (scheme://host[:port]) allowed to call the "
+                                       "server from a browser, with CORS (repeatable or comma-separated; "
+                                       "'*' any page). Default: none.")
+    ] = None,
     *,  # the shared options come after the server's own
     models: ModelOptions,
     spec: SpecOptions,
@@ -73,11 +84,13 @@ def serve(
         raise UsageError("the API key is empty", "pass a non-empty --api-key or drop it")
     sampling.params()  # validates --max-new-tokens
     _require_server_libraries()
+    from ssdlocal.server.gate import AccessPolicy
     from ssdlocal.server.limits import MiB, ServerLimits
     from ssdlocal.server.run import bind, sigterm_exits
 
     if not 0 < max_body_mb < 1 << 20:  # NaN and inf fail too
         raise UsageError(f"max-body-mb must be positive (MiB), got {max_body_mb}", "use e.g. --max-body-mb 8")
+    access = AccessPolicy(host=host, extra_hosts=_entries(allowed_hosts), extra_origins=_entries(allowed_origins))
     limits = ServerLimits(
         max_body_bytes=max(1, round(max_body_mb * MiB)), max_prompt_chars=max_prompt_chars,
         max_request_rows=max_request_rows, max_connections=max_connections, header_timeout_s=header_timeout,
@@ -85,13 +98,19 @@ def serve(
     )  # fmt: skip
     with sigterm_exits():
         sock = bind(host, port)  # before the models load: a taken port fails at once
+        access = replace(access, port=sock.getsockname()[1])
         try:
             config = engine_config(models, spec)
             name = served_model_name or _model_name(models.target, models.pair, config.target.path)
             _serve(sock, config, name, api_key=api_key, max_batch=max_batch,
-                   max_new_tokens=sampling.max_new_tokens, limits=limits)  # fmt: skip
+                   max_new_tokens=sampling.max_new_tokens, limits=limits, access=access)  # fmt: skip
         finally:
             sock.close()
+
+
+def _entries(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated and comma-separated option values, one tuple."""
+    return tuple(part.strip() for value in values or () for part in value.split(",") if part.strip())
 
 
 def _require_server_libraries() -> None:
@@ -115,7 +134,7 @@ def _model_name(target: str | None, pair: str | None, path: str) -> str:
     return Path(path).name.removesuffix(".gguf") or path
 
 
-def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, limits) -> None:
+def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, limits, access) -> None:
     from ssdlocal import __version__
     from rich.markup import escape
 
@@ -140,6 +159,7 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
         state = ServerState(
             scheduler, metrics, name, engine.context, engine.tokenizer, api_key=api_key,
             max_new_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size, limits=limits,
+            access=access,
         )  # fmt: skip
         server = make_server(create_app(state), limits=limits, on_shutdown=state.begin_shutdown,
                              verbose=logging.getLogger().isEnabledFor(logging.DEBUG))  # fmt: skip

@@ -16,9 +16,11 @@ from pathlib import Path
 import tomllib
 
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.files import kind_of
 from ssdlocal.core.paths import config_file
 
 ENV_PREFIX = "SSDLOCAL_"
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few lines
 ENV_COMMANDS = ("generate",)  # commands whose options read SSDLOCAL_<OPTION>
 
 
@@ -27,13 +29,17 @@ def load_config(path: Path | None = None) -> dict:
     path = config_file() if path is None else path
     if not path.exists():
         return {}
+    if (kind := kind_of(path)) is not None:  # a FIFO would block the read forever
+        raise UsageError(f"config file {path} is {kind}, not a file",
+                         f"replace {path} with a TOML file, or set SSDLOCAL_CONFIG_DIR to another folder")  # fmt: skip
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
+            data = tomllib.loads(fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        what = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"not valid TOML: {str(exc)[:200]}"
         raise UsageError(
-            f"config file {path} is not valid TOML: {exc}",
-            f"fix or delete {path} (it holds tables like [generate] with option = value)",
+            f"config file {path} is {what}",
+            f"fix {path} (it holds tables like [generate] with option = value)",
         ) from None
     except OSError as exc:
         raise UsageError(

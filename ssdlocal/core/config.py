@@ -27,6 +27,7 @@ MIN_TEMPERATURE = 1e-4  # below this logits / T overflows float32: use 0 (greedy
 MAX_K = 32  # draft tokens per round
 ADAPTIVE_K_MAX = 12  # the most drafts an SD round chooses when K is not pinned
 MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
+MAX_TOP_LOGPROBS = 20  # alternatives per emitted token (OpenAI's limit)
 BACKUPS = ("auto", "jit", "ngram", "suffix", "none")  # what serves an SSD cache miss
 
 
@@ -55,6 +56,9 @@ class SamplingParams:
     max_new_tokens: int | None = 128
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    # log-probabilities of each emitted token and of its `logprobs` likeliest alternatives
+    # (core.logprobs); None: none computed
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0 or self.temperature == float("inf"):
@@ -83,6 +87,11 @@ class SamplingParams:
             raise UsageError(
                 f"max-new-tokens must be >= 1, got {self.max_new_tokens}",
                 "ask for at least one new token",
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise UsageError(
+                f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives per token, got {self.logprobs}",
+                f"ask for at most {MAX_TOP_LOGPROBS}",
             )
         if any(s == "" for s in self.stop):
             raise UsageError("stop strings must not be empty", "drop the empty --stop value")
@@ -162,12 +171,17 @@ class SpecConfig:
 
 
 GRAPH_MODES = ("auto", "off", "trace")
+PREFIX_CACHE_TOKENS = 32768  # the prefix store's default size per model (at most a tenth of free memory)
+PREFIX_CACHE_MAX = 1 << 24  # the most tokens one may ask for
 
 
 def repeatable(spec: SpecConfig) -> SpecConfig:
     """`spec` with proposals that depend only on the prompt and the seed, so a seeded sample
     repeats: K pinned (the configured K; SpecConfig's default when it was chosen per round),
-    suffix proposals from the row's own tokens only, none for a model draft."""
+    suffix proposals from the row's own tokens only, none for a model draft; in SSD fixed
+    fan-outs (an automatic one follows timing: the automatic planner's first plan, one
+    candidate per accepted length; a miss list defaults to the hit list) and a backup
+    that follows neither timing nor earlier requests (auto and suffix: jit)."""
     k = min(spec.k, SpecConfig.k) if spec.adaptive_k else spec.k
     draft = spec.draft
     if isinstance(draft, SuffixDraft):
@@ -175,8 +189,11 @@ def repeatable(spec: SpecConfig) -> SpecConfig:
     elif isinstance(draft, ModelDraft):
         draft = replace(draft, suffix=None)
     fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
-    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fits(spec.fan_out),
-                   fan_out_miss=fits(spec.fan_out_miss))  # fmt: skip
+    fan_out = fits(spec.fan_out) or (1,) * (k + 1)
+    fan_out_miss = fits(spec.fan_out_miss) or fan_out
+    backup = "jit" if spec.backup in ("auto", "suffix") else spec.backup
+    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fan_out, fan_out_miss=fan_out_miss,
+                   backup=backup)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -194,8 +211,19 @@ class EngineConfig:
     # or "trace" (CUDA-graph semantics on any device: traced op graphs replayed over the
     # tensors they captured). SSDLOCAL_GRAPHS=auto|off|trace overrides it in any process.
     graphs: str = "auto"
+    # Prefix reuse: each model keeps the KV of up to this many tokens of earlier calls'
+    # prompts and answers, and a new call feeds only what follows its longest stored
+    # prefix. None = PREFIX_CACHE_TOKENS, at most a tenth of the memory free after loading;
+    # 0 = off.
+    prefix_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        tokens = self.prefix_cache_tokens
+        if tokens is not None and not (isinstance(tokens, int) and 0 <= tokens <= PREFIX_CACHE_MAX):
+            raise UsageError(
+                f"prefix-cache-tokens must be a whole number from 0 to {PREFIX_CACHE_MAX}, got {tokens}",
+                f"use e.g. --prefix-cache-tokens {PREFIX_CACHE_TOKENS}, or --no-prefix-cache to turn it off",
+            )
         if self.graphs not in GRAPH_MODES:
             raise UsageError(
                 f"unknown graphs setting {self.graphs!r}", f"choose one of: {', '.join(GRAPH_MODES)}"

@@ -49,6 +49,26 @@ class PrefillEvent:
 
     seconds: float  # the prefill's wall time (forward over the prompts + first token)
     rows: int  # prompts in the call
+    prompt_tokens: tuple[int, ...] = ()  # per row: the prompt's length
+    cached_tokens: tuple[int, ...] = ()  # per row: prompt tokens taken from the prefix cache (not read)
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far the reading of the prompts has come (long prompts are read in chunks)."""
+
+    done: int  # prompt tokens read so far (of the longest row, prefix-cache hits included)
+    total: int  # that row's prompt length
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token and of its most likely
+    alternatives (core.logprobs says from which distribution)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,7 @@ class TokensEvent:
     origins: tuple[str, ...] = ()  # one TokenOrigin value per token
     finish_reason: str | None = None  # set on the row's last event: "eos" | "stop" | "length"
     at: float = field(default_factory=time.perf_counter)  # when the engine committed them
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the call asked for them
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,8 @@ class RoundEvent:
     verify_s: float = 0.0  # the target's scoring + verification + read-back
     draft_busy_s: float | None = None  # SSD: the worker's compute since its previous proposal
     sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive K)
+    constrained: tuple[bool, ...] | None = None  # per row: under a grammar (None: no row is)
+    mask_s: tuple[float, ...] | None = None  # per row: grammar time this round (masks, walks)
 
 
 @dataclass(frozen=True)

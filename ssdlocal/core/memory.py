@@ -7,7 +7,11 @@ OutOfMemoryError naming the size asked for and what to shrink. No torch import h
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import re
+import sys
 
 from ssdlocal.core.errors import OutOfMemoryError
 
@@ -67,3 +71,25 @@ def available_ram_bytes(path: str = "/proc/meminfo") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts: allocations below it come from the heap
+
+
+@functools.lru_cache(maxsize=1)
+def keep_freed_memory() -> bool:
+    """Let this process reuse the memory it frees instead of returning it to the system
+    (glibc only; once per process). A forward allocates and frees the same large
+    temporaries layer after layer; by default glibc maps each anew and the kernel zeroes
+    every page on first touch, which on a 2-core CPU costs about as much time in a long
+    prefill as the matrix products. The price: the process keeps its peak heap. Returns
+    whether the setting took."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

@@ -21,7 +21,8 @@ from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEven
 ADDITIVE = (
     "tokens", "decode_tokens", "rounds", "row_rounds", "drafted", "accepted", "emitted",
     "ssd_rounds", "cache_hit_rounds", "rows_hit", "rows_miss", "tokens_on_hit", "tokens_on_miss",
-    "prefill_s", "draft_s", "verify_s", "draft_busy_s", "decode_s",
+    "prefill_s", "draft_s", "verify_s", "draft_busy_s", "decode_s", "prompt_tokens", "cached_prompt_tokens",
+    "constrained_row_rounds", "constrained_drafted", "constrained_accepted", "constrained_emitted", "mask_s",
 )  # fmt: skip
 PER_POSITION = ("position_tried", "position_accepted", "accepted_len_hist")  # lists: K, K, K+1
 BY_NAME = ("backup_used", "source_rows", "width_rounds")  # dicts of counts
@@ -62,6 +63,10 @@ def metrics(c: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": _ratio(c["decode_tokens"], c["decode_s"]),
         "decode_s": c["decode_s"],
         "prefill_ms": c["prefill_s"] * 1e3,
+        "prompt_tokens": c["prompt_tokens"],
+        "cached_prompt_tokens": c["cached_prompt_tokens"],
+        # prompt tokens read (not taken from the prefix cache) per second of prefill
+        "prefill_tokens_per_s": _ratio(c["prompt_tokens"] - c["cached_prompt_tokens"], c["prefill_s"]),
         "rounds": c["rounds"],
         "acceptance_rate": _ratio(c["accepted"], c["drafted"]),
         "mean_accepted_len": _ratio(c["emitted"], c["row_rounds"]),
@@ -76,6 +81,12 @@ def metrics(c: dict[str, Any]) -> dict[str, Any]:
         out["rounds_by_k"] = {int(k): n for k, n in sorted(c["width_rounds"].items(), key=lambda kv: int(kv[0]))}
         out["mean_k"] = _ratio(sum(int(k) * n for k, n in c["width_rounds"].items()), c["rounds"])
         out["rows_by_source"] = dict(c["source_rows"])
+    if c.get("constrained_row_rounds"):  # rows under a grammar
+        out.update({
+            "constrained": True,
+            "mask_ms_per_token": _ratio(c["mask_s"] * 1e3, c["constrained_emitted"]),
+            "constrained_acceptance_rate": _ratio(c["constrained_accepted"], c["constrained_drafted"]),
+        })  # fmt: skip
     if c["ssd_rounds"]:
         out.update({
             "cache_hit_rate": _ratio(c["rows_hit"], c["rows_hit"] + c["rows_miss"]),
@@ -98,6 +109,7 @@ class RunStats:
     rows: frozenset[int] | None = None  # None: every row
     started: float = field(default_factory=time.perf_counter)  # ttft is measured from here
     graphs_now: Callable[[], dict[str, dict]] | None = None  # captured-step counts per model
+    prefix_now: Callable[[], dict[str, dict]] | None = None  # the prefix caches' counts per model
     counts: dict[str, Any] = field(init=False)
     first_token_at: float | None = field(default=None, init=False)
     last_token_at: float | None = field(default=None, init=False)
@@ -112,11 +124,18 @@ class RunStats:
     def consume(self, event) -> None:
         """Count one engine event (others are ignored)."""
         if isinstance(event, PrefillEvent):
-            self.counts["prefill_s"] += event.seconds
+            self._prefill(event)
         elif isinstance(event, TokensEvent) and self._mine(event.row):
             self._tokens(event)
         elif isinstance(event, RoundEvent):
             self._round(event)
+
+    def _prefill(self, event: PrefillEvent) -> None:
+        c = self.counts
+        c["prefill_s"] += event.seconds
+        mine = [b for b in range(len(event.prompt_tokens)) if self._mine(b)]
+        c["prompt_tokens"] += sum(event.prompt_tokens[b] for b in mine)
+        c["cached_prompt_tokens"] += sum(event.cached_tokens[b] for b in mine if b < len(event.cached_tokens))
 
     def _tokens(self, event: TokensEvent) -> None:
         c, n = self.counts, len(event.token_ids)
@@ -147,6 +166,12 @@ class RunStats:
                 c["source_rows"][event.sources[i]] = c["source_rows"].get(event.sources[i], 0) + 1
         for i in picked:
             self._row(event.n_drafted[i], event.n_accepted[i], event.n_emitted[i])
+            if event.constrained is not None and event.constrained[i]:
+                c["constrained_row_rounds"] += 1
+                c["constrained_drafted"] += event.n_drafted[i]
+                c["constrained_accepted"] += event.n_accepted[i]
+                c["constrained_emitted"] += event.n_emitted[i]
+                c["mask_s"] += event.mask_s[i]
         if event.cache_hit is not None:
             hits = [event.cache_hit[i] for i in picked]
             c["ssd_rounds"] += 1
@@ -180,6 +205,8 @@ class RunStats:
                **metrics(self.counts)}  # fmt: skip
         if self.graphs_now is not None:
             out["graphs"] = self.graphs_now()
+        if self.prefix_now is not None:
+            out["prefix_cache"] = self.prefix_now()
         return out
 
 

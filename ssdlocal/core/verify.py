@@ -31,6 +31,15 @@ class Verdict:
     bonus: Tensor  # [B] long: the token the target emits after the accepted prefix
 
 
+def mask_logits(logits: Tensor, allowed: Tensor) -> Tensor:
+    """logits [..., V] with every token `allowed` [..., V] (bool) forbids at -inf: a copy.
+
+    Under a grammar the target's p at a position is softmax over the allowed tokens only
+    (then temperature, top-k and top-p, as everywhere); `verify_logits` of masked logits
+    is therefore verification against the constrained distribution."""
+    return logits.masked_fill(~allowed, float("-inf"))  # [..., V]
+
+
 def point_mass(tokens: Tensor, vocab_size: int) -> Tensor:
     """tokens [B, K] long -> one-hot proposals q [B, K, V] float32."""
     return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)  # [B, K, V]

@@ -60,6 +60,14 @@ class AdaptiveDrafter:
         """The draft model's runner when there is one (the engine reports its graphs)."""
         return None if self.model is None else self.model.runner
 
+    def read_prompts(self, prompts) -> None:
+        if self.model is not None:
+            self.model.read_prompts(prompts)
+
+    def store_prefixes(self) -> None:
+        if self.model is not None:
+            self.model.store_prefixes()
+
     def start(self, rows: Sequence[RowView]) -> None:
         self.rows = rows
         for source in (self.model, self.suffix):

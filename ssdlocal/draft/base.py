@@ -90,9 +90,14 @@ class RoundOutcome:
 
 
 class Drafter(Protocol):
-    """What the engine calls, in this order: start, then (propose, observe) per round."""
+    """What the engine calls, in this order: read_prompts, start, then (propose, observe)
+    per round, store_prefixes when the call ended normally, and close."""
 
     k: int
+
+    def read_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """The call's prompts, before the target reads them: a drafter on hardware of its
+        own may start reading them now (the first token never waits for the draft)."""
 
     def start(self, rows: Sequence[RowView]) -> None:
         """A new batch: `rows` are the engine's rows (prompt + first token so far); the
@@ -103,6 +108,10 @@ class Drafter(Protocol):
 
     def observe(self, outcome: RoundOutcome) -> None:
         """What the round decided (the rows already hold the appended tokens)."""
+
+    def store_prefixes(self) -> None:
+        """The call ended normally: keep what the draft model's cache holds of the rows in
+        its prefix cache, for later calls (a drafter without a model: nothing)."""
 
     def close(self) -> None:
         """Release processes and memory. Idempotent."""
@@ -122,3 +131,4 @@ class DraftResources:
     memory: object = None  # speculation.suffix.SuffixMemory: the engine's, across calls
     costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
     rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)
+    guides: object = None  # grammar.guide.Guides of the call's constrained rows (None: no grammar)

@@ -50,6 +50,9 @@ class DraftDecoder:
 
     `probs(logits [B, V], j) -> q [B, V]`: the distribution draft j is drawn from (default:
     the sampling parameters' warp, i.e. what the target's p gets); unused when greedy.
+    `allowed(j, previous) -> bool [B, V]` (optional): the tokens draft j may be, given the
+    previous draft [B] (None at j = 0); the draft's logits are masked to them before q, so
+    drafts follow a grammar and q is what they were drawn from.
     """
 
     def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int,
@@ -60,6 +63,7 @@ class DraftDecoder:
         self.target_vocab = target_vocab
         self.generator = generator
         self.probs = probs or (lambda logits, j: logits_to_probs(logits, params))
+        self.allowed: Callable[[int, Tensor | None], Tensor] | None = None
 
     @torch.inference_mode()
     def decode(self, first: Tensor, bound: int, keep_logits: bool = False) -> Drafted:
@@ -74,6 +78,9 @@ class DraftDecoder:
                 step = self.runner.step(tokens[-1][:, None], bound)[:, 0]  # [B, V_d] (a static buffer)
                 self.runner.advance(1)
                 logits = align_vocab(step, self.target_vocab)  # [B, V]
+            if self.allowed is not None:
+                mask = self.allowed(j, tokens[-1] if j else None)  # [B, V] bool
+                logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))  # [B, V]
             if keep_logits:
                 kept.append(logits.clone())  # the next step may overwrite the buffer
             token, q = self._draw(logits, j)

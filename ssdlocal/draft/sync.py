@@ -44,7 +44,13 @@ class NgramDrafter:
         ]
         return Proposal.from_lists(tokens, max(map(len, tokens), default=0), self.device)
 
+    def read_prompts(self, prompts) -> None:
+        return None
+
     def observe(self, outcome: RoundOutcome) -> None:
+        return None
+
+    def store_prefixes(self) -> None:
         return None
 
     def close(self) -> None:
@@ -65,10 +71,14 @@ class ModelDrafter:
     step whose padding writes past each row's length; steps 2..K feed d_1..d_{K-1}. After
     the verdict (n accepted of the model's drafts) a row keeps L + min(n, K-1) tokens, L
     being its length before the round; a row whose verified drafts came from elsewhere keeps L.
+    With `guides` (grammar.guide.Guides) a constrained row's drafts are drawn from the
+    draft's distribution masked by its grammar (q is that masked distribution), walking the
+    matcher verification then reuses.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device) -> None:
+    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None) -> None:
         self.runner = runner  # backends.base.Runner of the draft model
+        self.guides = guides  # grammar.guide.Guides: constrained rows draft what their grammar allows
         self.k = k  # the most tokens a round may ask for
         self.params = params
         self.target_vocab = target_vocab
@@ -94,10 +104,16 @@ class ModelDrafter:
         self.rows = rows
         self.cached, self._fed = [], []
 
+    def read_prompts(self, prompts) -> None:
+        return None  # read when first asked to propose (after the target's first token)
+
     def _prefill(self) -> None:
-        """Every row's tokens except its last into the draft's cache."""
+        """Every row's tokens except its last into the draft's cache, from the longest
+        prefix of them its prefix cache holds."""
         sequences = [row.tokens for row in self.rows]
-        self.runner.feed([list(seq[:-1]) for seq in sequences], "none")
+        for b, seq in enumerate(sequences):
+            self.runner.reuse(b, seq[:-1])
+        self.runner.feed([self.runner.pending(b, seq[:-1]) for b, seq in enumerate(sequences)], "none")
         self.runner.begin_steps()
         self.cached = [len(seq) - 1 for seq in sequences]
         self._fed = list(self.cached)
@@ -112,6 +128,9 @@ class ModelDrafter:
         bound = max(lengths) + max(k, CATCH_UP)  # past every write of this round
         first = self._catch_up([row.tail(c) for row, c in zip(self.rows, self.cached)], bound)
         self.decoder.k = k
+        if self.guides is not None:
+            dev = self.runner.device
+            self.decoder.allowed = lambda j, previous: self.guides.draft_allowed(j, previous, active, dev)
         drafted = self.decoder.decode(first, bound)
         self._fed = [n + k - 1 for n in lengths]
         self._k = k
@@ -152,6 +171,11 @@ class ModelDrafter:
         if any(delta):
             self.runner.advance(torch.tensor(delta, dtype=torch.long, device=self.runner.device))
         self._fed = list(self.cached)
+
+    def store_prefixes(self) -> None:
+        """The draft's cache holds each row's first `cached` committed tokens."""
+        for b, (row, n) in enumerate(zip(self.rows, self.cached)):
+            self.runner.store(b, row.tokens[:n])
 
     def close(self) -> None:
         return None

@@ -13,17 +13,21 @@ is slower. Progress of the calibration goes to core.progress.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
+from ssdlocal.core.events import ModeEvent, RoundEvent
 from ssdlocal.core.progress import reporter
 from ssdlocal.placement.mode import ModeChoice, cpu_shared, placement_mode
 
-__all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated_choice", "placement_choice",
-           "step_costs"]  # fmt: skip
+__all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated", "calibrated_choice",
+           "placement_choice", "rechecked", "step_costs"]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before anything was generated
 CALIBRATION_PROMPT = 16  # tokens of context the timed forwards attend to
@@ -198,3 +202,51 @@ class ModeCheck:
         known = sorted(self.widths)
         above = [w for w in known if w >= scored]
         return self.widths[above[0] if above else known[-1]]
+
+
+def calibrated(choice: ModeChoice | None, target, draft, spec, costs) -> ModeChoice:
+    """The engine's choice once its models are loaded: `choice` itself when the placement
+    decided it; for target and draft sharing the CPU (None) a calibration's, seeding the
+    K-per-round cost model (`costs`) and carrying the step costs its re-check reads
+    (ModeChoice.widths). An SD on the CPU with K per round also times each step width."""
+    if choice is None:  # target and draft share the CPU: measure them
+        cal = calibrate(target, draft, spec.k)
+        costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
+        choice = replace(calibrated_choice(cal, spec.adaptive_k), widths={1: cal.target_1, spec.k + 1: cal.target_k1})
+    if spec.adaptive_k and target.device.type == "cpu" and choice.mode is not Mode.AR:
+        widths = step_costs(target)  # steps, not a line, on a CPU
+        costs.seed_widths(widths)
+        if choice.widths is not None:
+            choice = replace(choice, widths=widths)
+    return choice
+
+
+def rechecked(rounds, choice: ModeChoice, spec, params, reason: str):
+    """`rounds` (an engine.round.Round), watched by a ModeCheck when this is an SD call
+    whose mode a CPU calibration chose (the call's `reason` is the choice's, which carries
+    the calibration's step costs), else as is. Not for a pinned K at T > 0: a seeded sample
+    there must not depend on timing."""
+    timing_free = spec.adaptive_k or params.greedy  # K per round follows timing already
+    if not choice.widths or reason != choice.reason or spec.mode is not Mode.SD or not timing_free:
+        return rounds
+    return _Rechecked(rounds, ModeCheck(choice.widths))
+
+
+class _Rechecked:
+    """Rounds that switch to plain steps for the rest of the call once their ModeCheck
+    says so, yielding a ModeEvent (the next call starts from the engine's choice again:
+    one bad stretch must not rule out SD for good)."""
+
+    def __init__(self, rounds, check: ModeCheck) -> None:
+        self.rounds, self.check = rounds, check
+
+    def run(self, index: int):
+        for event in self.rounds.run(index):
+            yield event
+            change = self.check.round(event) if self.check is not None and isinstance(event, RoundEvent) else None
+            if change is not None:
+                log.info("mode %s: %s", change.mode.value, change.reason)
+                plain = replace(self.rounds, drafter=None, k=0)  # the same rows, caches, last tokens
+                plain.live = self.rounds.live  # rows that finished keep their cache length
+                self.rounds, self.check = plain, None
+                yield ModeEvent(index, change.mode.value, change.reason, change.short)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -21,18 +21,19 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, ModeEvent, Output, PrefillEvent, RoundEvent, TokenOrigin
-from ssdlocal.core.memory import oom_error
-from ssdlocal.core.verify import verify_logits
+from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
+from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.auto import ModeCheck, ModeChoice, calibrate, calibrated_choice, placement_choice, step_costs
+from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice, rechecked
 from ssdlocal.draft.base import DraftResources
 from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
 from ssdlocal.speculation.adaptive import CostModel
+from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.round import Round, token_events
+from ssdlocal.engine.shape import Shaper, make_shaper
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        keep_freed_memory()  # forwards reuse their temporaries' memory (core.memory)
         spec = config.spec
         self._draft_runner = None
         self._worker = None
@@ -86,19 +88,11 @@ class Engine:
                 self._wait_worker()
             elif self.has_draft_model:
                 self._load_draft_here()
+            # after the draft: the default size is a share of the memory left
+            self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
-            self._check_widths: dict[int, float] | None = None  # calibrated: SD re-checks itself
-            if self.choice is None:  # target and draft share the CPU: measure them
-                cal = calibrate(self.runner, self._draft_runner, spec.k)
-                self.costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
-                self.choice = calibrated_choice(cal, spec.adaptive_k)
-                self._check_widths = {1: cal.target_1, spec.k + 1: cal.target_k1}
-            if spec.adaptive_k and self.runner.device.type == "cpu" and self.choice.mode is not Mode.AR:
-                widths = step_costs(self.runner)  # steps, not a line, on a CPU
-                self.costs.seed_widths(widths)
-                if self._check_widths is not None:
-                    self._check_widths = widths
+            self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs)  # (a CPU)
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -111,7 +105,9 @@ class Engine:
         """Load the draft model in this process (synchronous SD)."""
         loaded = registry.load(self.config.draft_model)
         self.draft_context = loaded.args.max_position_embeddings
-        self._draft_runner = registry.make_runner(loaded, graphs=self.config.graphs)
+        runner = registry.make_runner(loaded, graphs=self.config.graphs)
+        runner.setup_prefix(self.config.prefix_cache_tokens)
+        self._draft_runner = runner
 
     def _wait_worker(self) -> None:
         self._worker.wait_loaded()
@@ -135,6 +131,7 @@ class Engine:
             threads=plan.draft_threads if plan else None,
             cpus=plan.draft_cpus if plan and self.config.pin_cpus else None,
             graphs=self.config.graphs,
+            prefix_tokens=self.config.prefix_cache_tokens,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -235,7 +232,7 @@ class Engine:
         """Token ids of one prompt, through the chat template when `chat`."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int):
+    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int, guides=None):
         if spec.draft.model is not None and spec.draft.model != self.config.spec.draft.model:
             raise UsageError(
                 f"this engine was loaded with draft {self.config.spec.draft.label!r}, not {spec.draft.label!r}",
@@ -244,7 +241,7 @@ class Engine:
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
             draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
-            costs=self.costs, rates=self.acceptance_rates,
+            costs=self.costs, rates=self.acceptance_rates, guides=guides,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 
@@ -282,13 +279,21 @@ class Engine:
         chat: bool = False,
         spec: SpecConfig | None = None,
         cancel: CancelToken | None = None,
+        grammars: Sequence | None = None,
+        progress: Callable[[PrefillProgress], None] | None = None,
     ) -> Iterator[Event]:
         """Generate for every prompt (strings, or token-id lists) and yield events.
 
+        `grammars` (a grammar.compiler.Grammar or None per prompt) holds rows to a grammar
+        in every mode (engine/shape.py); `params.logprobs` adds TokensEvent.logprobs.
+
         `spec` overrides the engine's speculation settings for this call (mode, K,
         fan-out, backup, C); the draft model itself cannot change. `cancel` stops the
-        call after its current round; cancelled before the call starts, it returns at
-        once (every row "cancelled", no tokens).
+        call after its current round, or within one chunk while a long prompt is read;
+        cancelled before the call starts, it returns at once (every row "cancelled", no
+        tokens). `progress` is called (on the engine's thread) as a long prompt is read.
+        Each row starts from the longest prefix of its prompt that the prefix cache holds
+        (earlier calls' prompts and answers) and reads only the rest.
         Yields TokensEvent as tokens are committed, a RoundEvent per verification,
         and finally one DoneEvent with per-row outputs and the stats snapshot.
         While an SSD call runs on a CPU-only placement, this process is pinned to the
@@ -309,8 +314,10 @@ class Engine:
             return
         self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
-        drafter = self._make_drafter(spec, params, len(ids), num_slots)
-        yield from self._counted(stats, self._run(rows, params, spec, drafter, stats, token))
+        shaper = make_shaper(grammars, len(ids), params, self.target.args.vocab_size, self.eos_ids)
+        drafter = self._make_drafter(spec, params, len(ids), num_slots, shaper.guides)
+        run = self._run(rows, params, spec, drafter, stats, token, progress, shaper)
+        yield from self._counted(stats, run)
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
 
@@ -321,38 +328,47 @@ class Engine:
             stats.consume(event)
             yield replace(event, snapshot=LazySnapshot(stats.snapshot)) if isinstance(event, RoundEvent) else event
 
-    def _run(self, rows, params, spec, drafter, stats, token) -> Iterator[Event]:
+    def _run(self, rows, params, spec, drafter, stats, token, progress, shaper: Shaper) -> Iterator[Event]:
         """Prefill, then rounds until every row is done or the call is cancelled."""
         generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         graphs_before = self._graph_reports(drafter)
         stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
+        stats.prefix_now = self.prefix_reports
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
+        cached: list[int] = []  # per row: tokens the target's cache holds (prompt, then rounds)
+        completed = False
         try:
-            first, prefill = self._prefill(rows, params, generator)
+            if drafter is not None:
+                drafter.read_prompts([r.prompt for r in rows])  # a draft on hardware of its own starts now
+            try:
+                first, prefill = read_prompts(self.runner, self._guard, rows, params, generator, token, progress,
+                                              shaper)  # fmt: skip
+            except PrefillStopped:
+                for r in rows:
+                    r.finish_reason = "cancelled"
+                return
+            cached[:] = [len(r.prompt) for r in rows]
             yield prefill
-            yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows))
+            yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows),
+                                    shaper.first_logprobs)  # fmt: skip
             if drafter is not None:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first)
-            check = self._mode_check(spec, stats, params)
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper)
+            rounds = rechecked(rounds, self.choice, spec, params, stats.mode_reason)  # SD watches itself
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
                 self._apply_row_cancels(rows)
                 if not any(r.active for r in rows):
                     break
-                for event in rounds.run(round_index):
-                    yield event
-                    change = check(event) if check is not None and isinstance(event, RoundEvent) else None
-                    if change is not None:  # its own rounds say SD is slower here: plain steps
-                        rounds, check = self._switch_to_ar(rounds, change), None
-                        yield ModeEvent(round_index, change.mode.value, change.reason, change.short)
+                yield from rounds.run(round_index)
                 round_index += 1
             for r in rows:
                 if token.cancelled and r.active:
                     r.finish_reason = "cancelled"
+            completed = True
         except KeyboardInterrupt:
             if self._worker is not None:  # Ctrl-C: do not wait for the worker, kill it now
                 self._worker.broken = True
@@ -363,27 +379,14 @@ class Engine:
                 pinned.restore()
             final = self._graph_reports(drafter, graphs_before)
             stats.graphs_now = lambda: final
+            if completed:  # what the caches hold now is what later calls may start from
+                store_prefixes(self.runner, rows, cached, drafter)
             if drafter is not None:
                 drafter.close()
             for r in rows:  # prompt + answer: what later calls' suffix proposals may reuse
                 self.suffix_memory.add(r.tokens)
             if self._memory_file is not None:
                 self._memory_file.save(self.suffix_memory)
-
-    def _mode_check(self, spec: SpecConfig, stats: RunStats, params: SamplingParams):
-        """A ModeCheck's round check for an SD call whose mode a CPU calibration chose (not
-        for a pinned K at T > 0: a seeded sample there must not depend on timing)."""
-        chosen = spec.mode is Mode.SD and stats.mode_reason == self.choice.reason
-        timing_free = spec.adaptive_k or params.greedy  # K per round follows timing already
-        return ModeCheck(self._check_widths).round if self._check_widths and chosen and timing_free else None
-
-    def _switch_to_ar(self, rounds: Round, change: ModeChoice) -> Round:
-        """The rest of this call as plain steps (the next call starts from the engine's
-        choice again and re-checks itself: one bad stretch must not rule out SD for good)."""
-        log.info("mode %s: %s", change.mode.value, change.reason)
-        ar = Round(self.runner, self._guard, None, rounds.rows, 0, rounds.params, rounds.generator, rounds.last)
-        ar.live = rounds.live  # rows that finished keep their cache length
-        return ar
 
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""
@@ -420,14 +423,24 @@ class Engine:
             raise UsageError("empty prompt", "pass some text to generate from")
         return ids
 
-    def _prefill(self, rows, params, generator) -> tuple[torch.Tensor, PrefillEvent]:
-        """Feed every prompt; the first token of each row ([B] on the target's device)."""
-        t0 = time.perf_counter()
-        logits = self._guard(self.runner.feed, [r.prompt for r in rows], "last")
-        last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
-        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
-        first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]
-        for row, token in zip(rows, first.tolist()):
-            row.append(token)
-        self.runner.begin_steps()
-        return first, PrefillEvent(time.perf_counter() - t0, len(rows))
+    def prefix_reports(self) -> dict[str, dict]:
+        """The prefix caches' sizes and counts per model ("target"; "draft": the draft model
+        here, or the SSD worker's as of its latest batch start)."""
+        out = {}
+        for name, runner in (("target", self.runner), ("draft", self._draft_runner)):
+            report = runner.prefix_report() if runner is not None else None
+            if report is not None:
+                out[name] = report
+        worker = self._worker.prefix_report if self._worker is not None else None
+        if worker is not None and "draft" not in out:
+            out["draft"] = worker  # the SSD worker's, as it reported when the batch started
+        return out
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix caches (the next call reads its prompts in full), e.g. to time a
+        cold prompt. The SSD worker's cache empties when its process restarts."""
+        for runner in (self.runner, self._draft_runner):
+            if runner is not None and runner.prefix is not None:
+                runner.prefix.clear()
+        if self._worker is not None:
+            self._worker.forget_prefixes()

@@ -21,11 +21,14 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of a conversation ({"role", "content"} dicts) with the assistant's turn opened."""
+def encode_messages(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    """Token ids of a conversation ({"role", "content"} dicts, assistant `tool_calls` and
+    `tool` results as chat templates take them) with the assistant's turn opened; `tools`
+    (OpenAI function dicts) are rendered by the template itself."""
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(
             "this model's tokenizer has no chat template", "drop --chat to use a raw prompt"
         )
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    extra = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,5 +1,9 @@
 """One decoding round over a batch: propose -> score -> verify -> commit -> report.
 
+Between score and verify the call's Shaper (engine/shape.py) masks each position with what
+a constrained row's grammar allows there, and reads log-probabilities when they were asked
+for; commit moves the rows' grammar matchers along with the rows.
+
 Device-resident: drafts, the target's logits, p, q and the verdict stay where the target
 runs; per round one small tensor (accepted counts, bonus tokens, and the drafts when the
 host does not have them) crosses to the host, which needs the tokens for text, stop
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +23,7 @@ from ssdlocal.core.events import Event, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.verify import Verdict, verify_logits
 from ssdlocal.draft.base import Proposal, RoundOutcome
+from ssdlocal.engine.shape import Shaper
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class Round:
 
     `last` [B] holds each row's newest committed token (the prefill's first token, then
     each bonus), which the target has not cached yet: every round feeds it first.
+    `cached[b]` counts row b's tokens in the target's cache (its first ones, in order),
+    on the host; commit moves it with the cache lengths (the engine's prefix cache stores
+    that many tokens when the call ends).
     """
 
     runner: object  # backends.base.Runner of the target, in step mode
@@ -46,6 +54,8 @@ class Round:
     params: SamplingParams
     generator: torch.Generator
     last: torch.Tensor  # [B] long on the target's device
+    cached: list[int]  # per row, on the host: tokens the target's cache holds
+    shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
 
     def __post_init__(self) -> None:
         self.device = self.last.device
@@ -62,13 +72,15 @@ class Round:
         t1 = time.perf_counter()
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
         logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
+        logits, proposal = self.shaper.mask(logits, proposal, active)  # each position: its grammar's mask
         verdict = verify_logits(
             logits, proposal.drafts, proposal.q, self.params, self.generator, proposal.n_draft
         )
         outcome = self.read_back(verdict, proposal)
+        logprobs = self.shaper.round_logprobs(logits, outcome.drafts, outcome.n_accepted, outcome.bonus)
         t2 = time.perf_counter()
         emitted, origins = self.commit(proposal, verdict, outcome, active, t1 - t0, t2 - t1)
-        yield from token_events(self.rows, emitted, origins)
+        yield from token_events(self.rows, emitted, origins, logprobs)
         yield self.round_event(index, proposal, outcome, emitted, active, t1 - t0, t2 - t1)
 
     # ------------------------------------------------------------------ steps
@@ -120,7 +132,11 @@ class Round:
             self.runner.advance(self.live.long())
         else:
             self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0))
+        for b in range(len(self.rows)):
+            if active[b]:
+                self.cached[b] += 1 + (outcome.n_accepted[b] if self.k else 0)
         self.last = verdict.bonus
+        self.shaper.commit(emitted, active)
         still = [r.active for r in self.rows]
         if still != active:  # a row finished: its cache length stays where it is
             self.live = torch.tensor(still, device=self.device)
@@ -135,18 +151,22 @@ class Round:
         """What this round did per active row and what it cost (core.stats counts it)."""
         live = [b for b in range(len(self.rows)) if active[b]]
         hits, sources = proposal.cache_hit, proposal.sources
+        constrained, mask_s = self.shaper.seconds(live)
         return RoundEvent(
             index, tuple(len(outcome.drafts[b]) for b in live), tuple(outcome.n_accepted[b] for b in live),
             tuple(bool(hits[b]) for b in live) if hits is not None else None, proposal.backup,
             rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live),
             draft_s=draft_s, verify_s=verify_s, draft_busy_s=proposal.draft_busy_s,
             sources=tuple(sources[b] for b in live) if sources is not None else None,
+            constrained=constrained, mask_s=mask_s,
         )  # fmt: skip
 
 
-def token_events(rows, emitted, origins) -> Iterator[TokensEvent]:
-    """One TokensEvent per row that took tokens, with the text now safe to show."""
+def token_events(rows, emitted, origins, logprobs=None) -> Iterator[TokensEvent]:
+    """One TokensEvent per row that took tokens, with the text now safe to show (and the
+    tokens' log-probabilities when the call asked for them)."""
     for b, row in enumerate(rows):
         if emitted[b]:
             text = row.take_text_delta()
-            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason)
+            lps = None if logprobs is None else logprobs[b][: len(emitted[b])]
+            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps)

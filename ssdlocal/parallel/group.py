@@ -72,6 +72,24 @@ class TPModel:
         self.shard.setup_cache(batch_size, num_slots, dtype, device)
         self.group.collect_acks()
 
+    def prefix_pool_bytes(self, tokens: int, dtype) -> int:
+        """Bytes on each rank (the shards' kv heads)."""
+        return self.shard.prefix_pool_bytes(tokens, dtype)
+
+    def setup_prefix_pool(self, tokens: int, dtype, device) -> None:
+        self.group.command_all(Cmd.PREFIX_POOL, tokens)
+        self.shard.setup_prefix_pool(tokens, dtype, device)
+        self.group.collect_acks()
+
+    def save_prefix(self, row, runs) -> None:
+        """Every rank copies its shard's k/v (no reply: the pipe keeps the order)."""
+        self.group.command_all(Cmd.PREFIX_SAVE, (row, runs))
+        self.shard.save_prefix(row, runs)
+
+    def load_prefix(self, row, runs) -> None:
+        self.group.command_all(Cmd.PREFIX_LOAD, (row, runs))
+        self.shard.load_prefix(row, runs)
+
     def __call__(self, ids, positions, slots, mask, keep=None):
         """ids/positions/slots [B, T] long, mask [B, T, S] bool (on rank 0's device) ->
         logits [B, T, V], or [B, n, V] at the query indices `keep` [B, n] (rank 0's lm_head

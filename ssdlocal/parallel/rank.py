@@ -3,7 +3,8 @@ mirrors rank 0's forwards, and the pipe protocol both sides speak (Cmd / Reply).
 
 A rank loads its shard, then answers rank 0 through ssdlocal.ipc's serve loop (which
 also notices a dead parent): CACHE allocates its KV cache; FORWARD joins rank 0's input
-broadcasts and runs the same forward, so every all_reduce meets its partners. Any
+broadcasts and runs the same forward, so every all_reduce meets its partners; PREFIX_*
+keep the rank's share of the prefix cache in step with rank 0's. Any
 failure reaches rank 0 as an error reply before the process exits non-zero.
 """
 
@@ -23,6 +24,9 @@ class Cmd(IntEnum):
 
     CACHE = 1  # (batch_size, num_slots): allocate the rank's KV cache
     FORWARD = 2  # (B, T, S): join the input broadcasts, then run the forward
+    PREFIX_POOL = 3  # tokens: allocate the rank's prefix cache (ACK)
+    PREFIX_SAVE = 4  # (row, runs): cache -> prefix cache (no reply)
+    PREFIX_LOAD = 5  # (row, runs): prefix cache -> cache (no reply)
 
 
 class Reply(IntEnum):
@@ -81,8 +85,10 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
            rendezvous_timeout_s, collective_timeout_s, threads) -> None:
     import torch.distributed as dist
 
+    from ssdlocal.core.memory import keep_freed_memory
     from ssdlocal.ipc.serve import serve
 
+    keep_freed_memory()
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(devices[rank])
@@ -112,6 +118,12 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
             batch_size, num_slots = payload
             model.setup_cache(batch_size, num_slots, loaded.dtype, device)
             conn.send((Reply.ACK, None))
+        elif cmd == Cmd.PREFIX_POOL:
+            model.setup_prefix_pool(payload, loaded.dtype, device)
+            conn.send((Reply.ACK, None))
+        elif cmd in (Cmd.PREFIX_SAVE, Cmd.PREFIX_LOAD):
+            row, runs = payload
+            (model.save_prefix if cmd == Cmd.PREFIX_SAVE else model.load_prefix)(row, runs)
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 

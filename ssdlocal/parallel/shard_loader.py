@@ -25,6 +25,7 @@ from ssdlocal.backends.torch.loader import (
     load_tokenizer,
     parse_device,
     parse_dtype,
+    preflight,
     read_state_dict,
     resolve_checkpoint,
     weight_files,
@@ -81,6 +82,7 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
     files = weight_files(ckpt)
     dev, dtype = parse_device(device), parse_dtype(spec.dtype, hf_config)
     tok = load_tokenizer(ckpt) if tokenizer else None
+    preflight(ckpt, args, files, scheme, dev, dtype)
     with torch.device("meta"):
         model = Transformer(args)
     apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors

@@ -11,7 +11,7 @@ AR or SD by a calibration of the loaded models (engine/auto.py). Pure: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ssdlocal.core.config import Mode
 
@@ -26,6 +26,9 @@ class ModeChoice:
     mode: Mode
     reason: str
     short: str = ""
+    # a calibration's step costs (seconds of one target step by scored tokens) the choice
+    # was made from, which its SD re-checks itself against; None when the placement decided
+    widths: dict[int, float] | None = field(default=None, compare=False)
 
     @property
     def line(self) -> str:

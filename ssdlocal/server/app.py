@@ -35,6 +35,8 @@ from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.engine.prompts import encode_messages
+from ssdlocal.server.gate import AccessPolicy, guard
+from ssdlocal.server.grammars import RequestGrammars
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.protocol import (
@@ -46,6 +48,7 @@ from ssdlocal.server.protocol import (
 )
 from ssdlocal.server.responses import Responses
 from ssdlocal.server.scheduler import Chunk, Failed, Finished, Job, Scheduler, ServerShuttingDown
+from ssdlocal.server.tools import template_messages
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class ServerState:
     max_new_tokens: int | None = None  # cap on answers; None: until end-of-sequence / the context
     vocab_size: int | None = None  # token-id prompts must stay below it
     limits: ServerLimits = field(default_factory=ServerLimits)
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # Host / Origin allow-lists (gate.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -72,6 +76,9 @@ class ServerState:
             log.debug("tokenizer not copyable; sharing the engine's")
         self._tokenizer_lock = threading.Lock()
         self.closing = asyncio.Event()  # set when the server starts stopping (begin_shutdown)
+        eos = getattr(self.scheduler.engine, "eos_ids", None) or ()
+        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
+        self.grammars.warm_up()
 
     def begin_shutdown(self) -> None:
         """The server is stopping: refuse new work, end answers in flight with an error."""
@@ -81,8 +88,11 @@ class ServerState:
         """Token ids per prompt (chat: one, the conversation through the template). The lock
         is held for one prompt at a time, and prompts are bounded (limits.check_request)."""
         if req.chat:
+            fmt = self.grammars.tools_format(req)
+            tools = [t.as_template() for t in req.tools] if fmt is not None else None
+            messages = template_messages(req.messages)
             with self._tokenizer_lock:
-                return [tuple(encode_messages(self.tokenizer, req.messages))]
+                return [tuple(encode_messages(self.tokenizer, messages, tools))]
         out = []
         for p in req.prompts:
             if isinstance(p, tuple):
@@ -94,8 +104,9 @@ class ServerState:
 
 
 def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
-    """The ASGI app: Starlette's routes, in a wrapper that keeps cancellations at
-    shutdown (a response that could not end in time) out of the log."""
+    """The ASGI app: Starlette's routes behind the gate (head size, Host, Origin, JSON
+    content type: gate.py), in a wrapper that keeps cancellations at shutdown (a
+    response that could not end in time) out of the log."""
     async def models(request: Request) -> Response:
         _authorize(request, state)
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
@@ -141,7 +152,7 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
             # cancelled by the server's shutdown deadline (a client that stopped reading):
             # the connection is closed either way; no traceback for it
 
-    return guarded
+    return guard(guarded, state.access)
 
 
 # ---------------------------------------------------------------------- errors
@@ -212,6 +223,7 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         if req.model != state.model:
             raise _unknown_model(req.model)
         check_request(req, state.limits, state.context)  # before the tokenizer: cheap bounds
+        grammar = await run_in_threadpool(state.grammars.for_request, req)  # cached; bounded in time
         prompts = await run_in_threadpool(_encode, state, req)
         budgets = _budgets(prompts, req, state.context)
         _check_token_ids(prompts, state.vocab_size)
@@ -223,8 +235,10 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         raise
     rows = [ids for ids in prompts for _ in range(req.n)]
     row_budgets = [b for b in budgets for _ in range(req.n)]
-    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream, budgets=row_budgets)
-    answer = Responses(req, state.model, sum(map(len, prompts)))
+    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream, budgets=row_budgets,
+                                 grammar=grammar)  # fmt: skip
+    answer = Responses(req, state.model, sum(map(len, prompts)), tool_format=state.grammars.tools_format(req),
+                       tokenizer=state.tokenizer)  # fmt: skip
     outcome = _Outcome(state.metrics, endpoint, sum(map(len, prompts)), started)
     if req.stream:
         return StreamingResponse(
@@ -374,8 +388,8 @@ async def _sse(
         try:
             async for item in _items(request, job, closing):
                 if isinstance(item, Chunk):
-                    if item.text or answer.req.return_token_ids:
-                        yield _event(answer.text_chunk(item.choice, item.text, item.token_ids))
+                    for chunk in answer.stream_chunks(item):
+                        yield _event(chunk)
                 elif isinstance(item, Finished):
                     for chunk in answer.finish_chunks(item):
                         yield _event(chunk)

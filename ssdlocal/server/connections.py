@@ -3,7 +3,10 @@
 At most `max_connections` open at once (one more is answered 503 and closed before its
 request is read); a deadline for each request's head, counted from the connection's
 start or the previous answer (silent connections and half-sent headers are closed);
-OpenAI-shaped bodies for malformed requests. `quiet_accept_errors` reports the event
+OpenAI-shaped 400s for malformed heads and body framing (a chunk size that is not hex);
+a lingering close when the client is still sending a body that was answered unread
+(413, 403), so that clients which send the whole body before reading (urllib, requests,
+httpx) read the answer instead of a connection reset. `quiet_accept_errors` reports the event
 loop's accept failures (EMFILE: out of file descriptors) in one log line, not one
 traceback per attempt; `fit_connections` makes room for the connections in the process's
 open-file limit. Knows nothing of routes or the engine.
@@ -20,6 +23,7 @@ from ssdlocal.server.limits import ServerLimits
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors besides connections: model files, pipes, the listener, logs
+LINGER_IDLE_S = 2.0  # a lingering close ends once the client sends nothing for this long
 ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -60,12 +64,21 @@ def protocol_class(limits: ServerLimits):
         400, "Bad Request", "the request's head cannot be parsed as HTTP/1.1 (malformed, or over 16 KiB)",
         "invalid_request_error", "invalid_http_request",
     )  # fmt: skip
+    bad_body = _error_response(
+        400, "Bad Request", "the request's body framing cannot be parsed as HTTP/1.1 (e.g. a chunk size "
+        "that is not hexadecimal)", "invalid_request_error", "invalid_http_request",
+    )  # fmt: skip
 
     class LimitedH11Protocol(H11Protocol):
         _head_timer = None
+        _linger_timer = None
+        _linger_until = 0.0
+        _lingering = False
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._raw = transport
+            self.transport = _LingeringTransport(transport, self)  # what uvicorn's cycles close
             if len(self.connections) > limits.max_connections:
                 refused.warning("%d connections open: refusing new ones (--max-connections)", len(self.connections) - 1)
                 transport.write(busy)
@@ -73,16 +86,29 @@ def protocol_class(limits: ServerLimits):
                 return
             self._arm_head_deadline()
 
+        def data_received(self, data: bytes) -> None:
+            if self._lingering:  # answered and closing: what the client still sends is dropped
+                self._arm_linger()
+                return
+            super().data_received(data)
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm_head_deadline()
 
         def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            for timer in (self._head_timer, self._linger_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._head_timer = self._linger_timer = None
             super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            if self._lingering:
+                self._raw.close()
+                return
+            super().shutdown()
 
         def _arm_head_deadline(self) -> None:
             if self._head_timer is not None:
@@ -96,16 +122,64 @@ def protocol_class(limits: ServerLimits):
             if self.transport.is_closing() or not (self.cycle is None or self.cycle.response_complete):
                 return  # a request head arrived: its body and answer have deadlines of their own
             log.debug("closing a connection: no request head within %g s", limits.header_timeout_s)
-            self.transport.close()
+            self._raw.close()
+
+        def close(self, *, linger: bool = False) -> None:
+            """Close the connection; lingering (answer sent, our side shut, the client's
+            data read and dropped until it closes, is silent for LINGER_IDLE_S, or
+            --body-timeout passed) when asked or while a request body is still coming."""
+            if self._raw.is_closing() or self._lingering:
+                return
+            if not (linger or self.conn.their_state is h11.SEND_BODY):
+                self._raw.close()
+                return
+            self._lingering = True
+            self._linger_until = self.loop.time() + limits.body_timeout_s
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            if self._raw.can_write_eof():
+                self._raw.write_eof()  # after the answer still buffered
+            self._raw.resume_reading()
+            self._arm_linger()
+
+        def _arm_linger(self) -> None:
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+            wait = min(LINGER_IDLE_S, self._linger_until - self.loop.time())
+            self._linger_timer = self.loop.call_later(max(0.0, wait), self._raw.close)
 
         def send_400_response(self, msg: str) -> None:
-            """A request h11 cannot parse (a malformed head, or one over h11's 16 KiB):
-            OpenAI's body, unless an answer is already under way (then only close)."""
+            """A request h11 cannot parse: a malformed head (or one over h11's 16 KiB) or
+            body framing. OpenAI's body, unless an answer is already under way (then only
+            close); the route waiting for that body sees the client gone."""
             if self.conn.our_state is h11.IDLE:
-                self.transport.write(bad_request)
-            self.transport.close()
+                self._raw.write(bad_request)
+            elif self.cycle is not None and not self.cycle.response_started:
+                self._raw.write(bad_body)
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.close(linger=True)
 
     return LimitedH11Protocol
+
+
+class _LingeringTransport:
+    """A connection's transport as uvicorn sees it: `close()` goes through the protocol
+    (which may linger), and a lingering connection counts as closing."""
+
+    def __init__(self, transport, protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing() or self._protocol._lingering
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 def quiet_accept_errors(loop) -> None:

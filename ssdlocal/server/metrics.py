@@ -36,6 +36,10 @@ class Metrics:
         self.ttft_count = 0
         self.duration_sum = 0.0
         self.duration_count = 0
+        self.prefill_s = 0.0  # engine calls' prompt reading
+        self.read_prompt_tokens = 0  # prompt tokens read (not taken from the prefix cache)
+        self.cached_prompt_tokens = 0  # prompt tokens taken from the prefix cache
+        self.prefix_cache: dict = {}  # the target's prefix cache counts, as of the last call
 
     # ------------------------------------------------------------------ recording
     def record_request(self, endpoint: str, status: str, prompt_tokens: int = 0, duration_s: float | None = None) -> None:
@@ -68,6 +72,11 @@ class Metrics:
             self.verify_s += stats.get("verify_ms", 0.0) / 1e3
             if stats.get("tokens_per_s") is not None:
                 self.last_tokens_per_s = stats["tokens_per_s"]
+            self.prefill_s += stats.get("prefill_ms", 0.0) / 1e3
+            cached = stats.get("cached_prompt_tokens") or 0
+            self.cached_prompt_tokens += cached
+            self.read_prompt_tokens += (stats.get("prompt_tokens") or 0) - cached
+            self.prefix_cache = (stats.get("prefix_cache") or {}).get("target", self.prefix_cache)
 
     # ------------------------------------------------------------------ exposition
     def render(self, running: int, waiting: int) -> str:
@@ -108,6 +117,15 @@ class Metrics:
             one("mean_accepted_len", "gauge", "Tokens per row-round since start.", _nan(m["mean_accepted_len"]))
             one("cache_hit_rate", "gauge", "SSD cache hits / SSD row-rounds since start.",
                 _nan(m.get("cache_hit_rate")))
+            one("prefill_seconds", "counter", "Time spent reading prompts (engine calls).", self.prefill_s)
+            one("prefill_tokens", "counter", "Prompt tokens read by the target (not from the prefix cache).",
+                self.read_prompt_tokens)
+            one("prefix_cache_hit_tokens", "counter", "Prompt tokens taken from the prefix cache.",
+                self.cached_prompt_tokens)
+            pc = self.prefix_cache
+            one("prefix_cache_used_tokens", "gauge", "Tokens the target's prefix cache holds.", pc.get("used_tokens", 0))
+            one("prefix_cache_capacity_tokens", "gauge", "The target's prefix cache size in tokens.",
+                pc.get("capacity_tokens", 0))
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
             family("time_to_first_token_seconds", "summary", "From arrival to the first token.",

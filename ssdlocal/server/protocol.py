@@ -1,7 +1,8 @@
 """OpenAI request bodies -> validated requests, and OpenAI's error body.
 
 Parses the JSON of /v1/completions and /v1/chat/completions into a `ParsedRequest`
-(prompts or messages, SamplingParams, n, stream options) and raises `APIError` with
+(prompts or messages, SamplingParams, n, stream options; tools, tool_choice,
+response_format and logprobs through structured.py) and raises `APIError` with
 OpenAI's `{"error": {"message", "type", "param", "code"}}` for anything invalid or
 unsupported, naming the offending field in `param`. Text must be valid Unicode (no
 lone surrogates); error messages quote client values only shortened. Knows nothing of
@@ -16,6 +17,15 @@ from typing import Any
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.errors import UsageError
+from ssdlocal.server.structured import (
+    FieldError,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+    parse_logprobs,
+    parse_response_format,
+    parse_tools,
+)
 
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; some editor plug-ins send more
@@ -66,7 +76,15 @@ class ParsedRequest:
     return_token_ids: bool  # vLLM's extra field: token ids in each choice
     max_tokens: int | None = None  # as the request gave it (None: absent; params hold the cap)
     prompts: tuple[str | tuple[int, ...], ...] = ()
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict, ...] = ()  # role, content (text); tool_calls / tool_call_id where given
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    response_format: ResponseFormat | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer is held to a grammar (a JSON format, or a forced tool call)."""
+        return self.response_format is not None or self.tool_choice.forced
 
     @property
     def chat(self) -> bool:
@@ -75,17 +93,14 @@ class ParsedRequest:
 
 # fields accepted only at their default value: name -> (default test, what to say)
 _UNSUPPORTED = {
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
     "logit_bias": lambda v: not v,
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "function_call": lambda v: v is None,
 }
 
 
@@ -93,6 +108,8 @@ def parse_completion(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     """A /v1/completions body: prompt is a string, a list of strings, a list of token
     ids, or a list of token-id lists."""
     body = _object(body)
+    if body.get("tools"):
+        raise bad("'tools' is a chat completions field: use /v1/chat/completions", param="tools", code="unsupported")
     prompts = _prompts(body.get("prompt"))
     return _parse(body, max_new_tokens, prompts=prompts)
 
@@ -104,7 +121,11 @@ def parse_chat(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     messages = _messages(body.get("messages"))
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, max_new_tokens, messages=messages)
+    try:
+        tools, choice = parse_tools(body)
+    except FieldError as exc:
+        raise bad(exc.message, param=exc.param, code=exc.code) from None
+    return _parse(body, max_new_tokens, messages=messages, tools=tools, tool_choice=choice)
 
 
 def _object(body: Any) -> dict:
@@ -167,6 +188,14 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
     if n > MAX_N:
         raise bad(f"n must be at most {MAX_N}, got {n}", param="n")
     stop = _stop(body.get("stop"))
+    try:
+        logprobs = parse_logprobs(body, chat=bool(what.get("messages")))
+        response_format = parse_response_format(body.get("response_format"))
+    except FieldError as exc:
+        raise bad(exc.message, param=exc.param, code=exc.code) from None
+    if response_format is not None and what.get("tool_choice", ToolChoice("none")).forced:
+        raise bad("response_format cannot be combined with a forced tool_choice (the answer is a tool call)",
+                  param="response_format")  # fmt: skip
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -182,11 +211,12 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
         except UsageError as exc:
             raise bad(exc.message, param=param) from None
     values = {name: value for name, (value, _) in fields.items()}
-    params = SamplingParams(**values, ignore_eos=_bool(body, "ignore_eos"))
+    params = SamplingParams(**values, ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs)
     return ParsedRequest(
         model=model, params=params, seeded=seed is not None, n=n, stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
-        return_token_ids=_bool(body, "return_token_ids"), max_tokens=max_tokens, **what,
+        return_token_ids=_bool(body, "return_token_ids"), max_tokens=max_tokens,
+        response_format=response_format, **what,
     )  # fmt: skip
 
 
@@ -257,7 +287,7 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     return tuple(prompts)
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def _messages(value: Any) -> tuple[dict, ...]:
     if not isinstance(value, list) or not value:
         raise bad("'messages' must be a non-empty list", param="messages")
     out = []
@@ -267,15 +297,49 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         role = message.get("role")
         if role == "developer":
             role = "system"
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise bad(
-                f"messages[{i}].role {_show(role)} is not supported: use system, user or assistant",
+                f"messages[{i}].role {_show(role)} is not supported: use system, user, assistant or tool",
                 param=f"messages[{i}].role",
             )
-        out.append({"role": role, "content": _content(message.get("content"), i)})
-    if not any(m["content"].strip() for m in out):
+        entry: dict = {"role": role, "content": _content(message.get("content"), i)}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"messages[{i}].tool_call_id must be the id of the call it answers",
+                          param=f"messages[{i}].tool_call_id")  # fmt: skip
+            entry["tool_call_id"] = call_id
+            if isinstance(message.get("name"), str):
+                entry["name"] = message["name"]
+        if message.get("function_call"):  # the legacy field: dropping it would change the conversation
+            raise bad(f"messages[{i}].function_call is not supported: send tool_calls",
+                      param=f"messages[{i}].function_call")  # fmt: skip
+        out.append(entry)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise bad("the messages have no text", param="messages")
     return tuple(out)
+
+
+def _tool_calls(value: Any, i: int) -> list[dict]:
+    """An assistant message's earlier calls: [{"id", "type": "function", "function":
+    {"name", "arguments" (a JSON string)}}]."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a list of calls", param=where)
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise bad(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                      f"{{\"name\", \"arguments\": a JSON string}}}}", param=f"{where}[{j}]")  # fmt: skip
+        call_id = call.get("id")
+        calls.append({"id": call_id if isinstance(call_id, str) else f"call_{i}_{j}", "type": "function",
+                      "function": {"name": name, "arguments": arguments}})  # fmt: skip
+    return calls
 
 
 def _content(value: Any, i: int) -> str:

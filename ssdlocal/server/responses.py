@@ -2,7 +2,10 @@
 
 Every answer carries `usage` and, under `ssdlocal`, the request's own speculation stats
 (acceptance_rate, mean_accepted_len, cache_hit_rate, tokens_per_s, mode, ...); a stream
-sends them with its final chunk. Pure dict building: no HTTP, no engine.
+sends them with its final chunk. A chat answer to a request with tools is read by
+tool_parse.py: calls become `message.tool_calls` (streamed as `delta.tool_calls` with their
+index, the arguments in pieces) and the finish reason `tool_calls`. Log-probabilities go
+with the tokens they belong to (logprob_format.py). Pure dict building: no HTTP, no engine.
 """
 
 from __future__ import annotations
@@ -11,25 +14,39 @@ import time
 import uuid
 from typing import Any
 
+from ssdlocal.server.logprob_format import TokenText, chat_entries, completion_block
 from ssdlocal.server.protocol import ParsedRequest
-from ssdlocal.server.scheduler import Finished
+from ssdlocal.server.scheduler import Chunk, Finished
+from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def finish_reason(reason: str | None) -> str | None:
+def finish_reason(reason: str | None, called: bool = False) -> str | None:
+    """OpenAI's finish reason; an answer that ended by itself after tool calls: tool_calls."""
+    if called and reason in ("eos", "stop"):
+        return "tool_calls"
     return None if reason is None else FINISH_REASONS.get(reason, reason)
 
 
 class Responses:
-    """Builds the bodies of one request's answer (one id and timestamp for all chunks)."""
+    """Builds the bodies of one request's answer (one id and timestamp for all chunks).
 
-    def __init__(self, req: ParsedRequest, model: str, prompt_tokens: int) -> None:
+    `tool_format`: the format the request's tools were offered in (None: no tools, the
+    answer is text); `tokenizer`: for log-probabilities' token texts."""
+
+    def __init__(self, req: ParsedRequest, model: str, prompt_tokens: int, *, tool_format=None,
+                 tokenizer=None) -> None:  # fmt: skip
         self.req = req
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.tool_format = tool_format if req.chat else None
+        self.text_of = TokenText(tokenizer) if tokenizer is not None else None
+        self._parsers: dict[int, ToolCallParser] = {}  # per choice, while streaming
+        self._pending: dict[int, list] = {}  # per choice: logprobs not yet sent
+        self._offsets: dict[int, int] = {}  # per choice: completion characters so far (text_offset)
 
     @property
     def object(self) -> str:
@@ -38,27 +55,54 @@ class Responses:
     def _envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, finished: Finished) -> dict[str, Any]:
+        """OpenAI's usage: prompt tokens counted once per prompt (not per choice), of which
+        `prompt_tokens_details.cached_tokens` came from the prefix cache."""
+        completion_tokens = sum(len(ids) for _, ids, _ in finished.choices)
+        cached = sum(finished.cached[:: max(self.req.n, 1)])  # the first choice of each prompt
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
+
+    def _parser(self) -> ToolCallParser:
+        return ToolCallParser(self.tool_format, [t.name for t in self.req.tools])
+
+    def _logprobs(self, index: int, logprobs) -> dict[str, Any] | None:
+        if logprobs is None or self.text_of is None:
+            return None
+        if self.req.chat:
+            return {"content": chat_entries(logprobs, self.text_of), "refusal": None}
+        block = completion_block(logprobs, self.text_of, self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in block["tokens"])
+        return block
 
     # ------------------------------------------------------------------ whole answer
     def complete(self, finished: Finished) -> dict[str, Any]:
         choices = []
         for index, (text, ids, reason) in enumerate(finished.choices):
+            lps = finished.logprobs[index] if finished.logprobs is not None else None
+            called = False
             if self.req.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tool_format is not None:
+                    parser = self._parser()
+                    content, calls = collect(parser.feed(text) + parser.finish())
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = calls
+                        called = True
+                choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
-            choice.update({"logprobs": None, "finish_reason": finish_reason(reason)})
+            choice.update({"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, called)})
             if self.req.return_token_ids:
                 choice["token_ids"] = list(ids)
             choices.append(choice)
         body = self._envelope(self.object, choices)
-        body["usage"] = self.usage(sum(len(ids) for _, ids, _ in finished.choices))
+        body["usage"] = self.usage(finished)
         body["ssdlocal"] = finished.stats
         return body
 
@@ -73,31 +117,68 @@ class Responses:
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         )
 
-    def text_chunk(self, index: int, text: str, token_ids: tuple[int, ...]) -> dict[str, Any]:
+    def text_chunk(self, index: int, text: str, token_ids: tuple[int, ...], logprobs=None) -> dict[str, Any]:
         if self.req.chat:
             choice: dict[str, Any] = {"index": index, "delta": {"content": text}}
         else:
             choice = {"index": index, "text": text}
-        choice.update({"logprobs": None, "finish_reason": None})
+        choice.update({"logprobs": self._logprobs(index, logprobs), "finish_reason": None})
         if self.req.return_token_ids:
             choice["token_ids"] = list(token_ids)
         return self._chunk(choice)
 
+    def stream_chunks(self, item: Chunk) -> list[dict[str, Any]]:
+        """The chunks for one engine Chunk: its text (or tool-call pieces) and logprobs.
+        Logprobs of tokens whose text is still held back go with the next chunk sent."""
+        pending = self._pending.setdefault(item.choice, [])
+        if item.logprobs:
+            pending.extend(item.logprobs)
+        if self.tool_format is None:
+            if not (item.text or self.req.return_token_ids):
+                return []  # text held back (a partial character, a stop string's start)
+            lps, self._pending[item.choice] = pending or None, []
+            return [self.text_chunk(item.choice, item.text, item.token_ids, lps)]
+        parser = self._parsers.setdefault(item.choice, self._parser())
+        return self._delta_chunks(item.choice, parser.feed(item.text))
+
+    def _delta_chunks(self, index: int, deltas) -> list[dict[str, Any]]:
+        chunks = []
+        for d in deltas:
+            if isinstance(d, Content):
+                delta: dict[str, Any] = {"content": d.text}
+            elif isinstance(d, CallStart):
+                delta = {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                         "function": {"name": d.name, "arguments": ""}}]}  # fmt: skip
+            else:
+                delta = {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
+            chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
+        if chunks and self._pending.get(index):
+            chunks[0]["choices"][0]["logprobs"] = self._logprobs(index, self._pending[index])
+            self._pending[index] = []
+        return chunks
+
     def finish_chunks(self, finished: Finished) -> list[dict[str, Any]]:
-        """One closing chunk per choice; the last carries usage and the stats. With
-        stream_options.include_usage, OpenAI's extra usage chunk (no choices) follows."""
+        """Held-back pieces, then one closing chunk per choice; the last carries usage and
+        the stats. With stream_options.include_usage, OpenAI's extra usage chunk follows."""
         chunks = []
         for index, (_, _, reason) in enumerate(finished.choices):
+            called = False
+            if self.tool_format is not None:
+                parser = self._parsers.setdefault(index, self._parser())
+                chunks += self._delta_chunks(index, parser.finish())
+                called = parser.calls > 0
             choice: dict[str, Any] = {"index": index}
             if self.req.chat:
                 choice["delta"] = {}
             else:
                 choice["text"] = ""
-            choice.update({"logprobs": None, "finish_reason": finish_reason(reason)})
+            rest = self._pending.pop(index, None)
+            choice.update({"logprobs": self._logprobs(index, rest) if rest else None,
+                           "finish_reason": finish_reason(reason, called)})  # fmt: skip
             if self.req.return_token_ids:
                 choice["token_ids"] = []
             chunks.append(self._chunk(choice))
-        usage = self.usage(sum(len(ids) for _, ids, _ in finished.choices))
+        usage = self.usage(finished)
         chunks[-1]["usage"] = usage
         chunks[-1]["ssdlocal"] = finished.stats
         if self.req.include_usage:

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams, repeatable
-from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
+from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
 from ssdlocal.core.stats import RunStats, add_counts, metrics, new_counts
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Chunk:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None
+    logprobs: tuple | None = None  # core.events.TokenLogprob per token, when asked for
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Finished:
 
     choices: tuple[tuple[str, tuple[int, ...], str], ...]
     stats: dict[str, Any]
+    cached: tuple[int, ...] = ()  # per choice: prompt tokens taken from the prefix cache
+    logprobs: tuple[tuple, ...] | None = None  # per choice: its tokens' TokenLogprobs (when asked for)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     stream: bool = True  # push each Chunk (else only the answer: fewer wake-ups of the loop)
     budgets: tuple[int | None, ...] | None = None  # per-row max_new_tokens (default: params')
+    grammar: object = None  # grammar.compiler.Grammar every row follows (each with a matcher of its own)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = field(default_factory=lambda: next(_ids))
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -94,7 +99,9 @@ class Job:
         self.first_token_at: float | None = None
         self.text = [""] * n
         self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
+        self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
         self.batch_size = 0  # rows of the largest engine call it shared
 
     def split(self, max_batch: int) -> None:
@@ -165,12 +172,13 @@ class Scheduler:
 
     def submit(
         self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True,
-        budgets: Sequence[int | None] | None = None,
+        budgets: Sequence[int | None] | None = None, grammar=None,
     ) -> Job:
         """A job for these rows; `budgets`: each row's max_new_tokens (None: the room left
-        in the context), instead of params.max_new_tokens for all."""
+        in the context), instead of params.max_new_tokens for all; `grammar`: what every
+        row's answer must follow (rows of other jobs in the same call are not affected)."""
         job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop(), stream,
-                  tuple(budgets) if budgets is not None else None)  # fmt: skip
+                  tuple(budgets) if budgets is not None else None, grammar)  # fmt: skip
         job.split(self.max_batch)
         with self._cond:
             if self._stopping:
@@ -253,10 +261,16 @@ class Scheduler:
         try:
             # a seeded sample repeats: its proposals may not depend on timing or on earlier requests
             spec = repeatable(self.engine.config.spec) if first.seeded and not params.greedy else None
-            events = self.engine.generate([job.rows[choice] for job, choice in owners], params, spec=spec)
+            stop = CancelToken()  # the whole call, while its prompts are read, once every job left
+            grammars = [job.grammar for job, _ in owners]
+            events = self.engine.generate([job.rows[choice] for job, choice in owners], params, spec=spec,
+                                          cancel=stop, progress=lambda _: run.stop_if_all_left(stop),
+                                          grammars=grammars if any(g is not None for g in grammars) else None)
             for event in events:
                 run.cancel_left(self.engine)
-                if isinstance(event, TokensEvent):
+                if isinstance(event, PrefillEvent):
+                    run.prefill(event)
+                elif isinstance(event, TokensEvent):
                     self.metrics.record_tokens(len(event.token_ids))
                     run.tokens(event)
                 elif isinstance(event, RoundEvent):
@@ -298,14 +312,28 @@ class _BatchRun:
                 job.done = True
                 engine.cancel_rows([b for b, (owner, _) in enumerate(self.owners) if owner is job])
 
+    def stop_if_all_left(self, token: CancelToken) -> None:
+        """While long prompts are read (the engine's thread): stop the call when no job in
+        it has a client left (a row's own cancel only takes effect between rounds)."""
+        if all(job.cancelled for job, _ in self.batch):
+            token.cancel()
+
+    def prefill(self, event: PrefillEvent) -> None:
+        for b, (job, choice) in enumerate(self.owners):
+            job.cached[choice] = event.cached_tokens[b] if b < len(event.cached_tokens) else 0
+        for stats in self.stats.values():
+            stats.consume(event)
+
     def tokens(self, event: TokensEvent) -> None:
         job, choice = self.owners[event.row]
         self.stats[job.id].consume(event)
         job.ids[choice].extend(event.token_ids)
         job.text[choice] += event.text
         job.finish[choice] = event.finish_reason
+        if event.logprobs is not None:
+            job.logprobs[choice].extend(event.logprobs)
         if job.stream and not job.done:
-            job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason))
+            job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason, event.logprobs))
 
     def round(self, event: RoundEvent) -> None:
         self.graphs = event.snapshot.get("graphs", self.graphs)
@@ -334,7 +362,8 @@ class _BatchRun:
             stats = self.job_stats(job)
             metrics.record_job(job.counts, stats)
             choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
-            job.push(Finished(choices, stats))
+            logprobs = tuple(map(tuple, job.logprobs)) if job.params.logprobs is not None else None
+            job.push(Finished(choices, stats, tuple(job.cached), logprobs))
 
     def job_stats(self, job: Job) -> dict[str, Any]:
         """The request's own speculation stats (core.stats over its rows, every part)."""
@@ -343,8 +372,12 @@ class _BatchRun:
         return {
             "mode": self.mode,
             **{name: m.get(name) for name in ("acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s",
-                                              "mean_k", "rows_by_source")},  # fmt: skip
+                                              "mean_k", "rows_by_source", "prompt_tokens", "cached_prompt_tokens",
+                                              "prefill_tokens_per_s")},  # fmt: skip
             "ttft_s": ttft,
             "batch_size": job.batch_size,
+            "constrained": job.grammar is not None,
+            **({name: m.get(name) for name in ("mask_ms_per_token", "constrained_acceptance_rate")}
+               if job.grammar is not None else {}),  # fmt: skip
             "graphs": self.graphs,  # the engine call that finished this request
         }

@@ -41,6 +41,16 @@ class TokensArrived(Message):
         self.n_tokens = n_tokens
 
 
+class PromptProgress(Message):
+    """The prompt is being read: `done` of `total` tokens (prefix-cache hits included)."""
+
+    def __init__(self, turn: int, done: int, total: int) -> None:
+        super().__init__()
+        self.turn = turn
+        self.done = done
+        self.total = total
+
+
 class RoundFinished(Message):
     """One verification round finished: fresh metric snapshot for the stats panel."""
 

@@ -57,11 +57,33 @@ def _read() -> dict:
     return data
 
 
+def _valid(entry: object) -> bool:
+    """An entry as `record` writes it: repo, revision and commit strings, and files with
+    an integer size and mtime and a sha256 string each."""
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry[k]
+                                              for k in ("repo", "revision", "commit")):  # fmt: skip
+        return False
+    files = entry.get("files")
+    return isinstance(files, dict) and all(
+        isinstance(f, dict) and type(f.get("size")) is int and type(f.get("mtime_ns")) is int
+        and isinstance(f.get("sha256"), str) for f in files.values()
+    )  # fmt: skip
+
+
 def get(pair: str, backend: str, role: str, repo: str, revision: str) -> Locked | None:
-    """The trusted state for this model, if the same repo and revision were pulled before."""
-    entry = _read()["models"].get(_key(pair, backend, role))
-    if not entry or entry.get("repo") != repo or entry.get("revision") != revision:
-        return None  # never pulled, or the pair file now names another ref
+    """The trusted state for this model, if the same repo and revision were pulled before.
+    A malformed entry is an error (dropping it would trust whatever comes next)."""
+    key = _key(pair, backend, role)
+    entry = _read()["models"].get(key)
+    if entry is None:
+        return None
+    if not _valid(entry):
+        path = lock_path()
+        raise AssetError(f"the lock file {path} has a malformed entry {key!r} (not what `ssdlocal pull` writes)",
+                         f"delete the entry {key!r} from {path} (or the whole file, which ssdlocal wrote): "
+                         "the next pull trusts what it downloads again")  # fmt: skip
+    if entry["repo"] != repo or entry["revision"] != revision:
+        return None  # the pair file now names another ref
     return Locked(entry["repo"], entry["revision"], entry["commit"], entry["files"])
 
 
@@ -118,8 +140,8 @@ def commits(pair: str, backend: str) -> dict[str, str]:
         models = _read()["models"]
     except AssetError:
         return {}
-    return {role: models[_key(pair, backend, role)]["commit"]
-            for role in ("target", "draft") if _key(pair, backend, role) in models}
+    entries = {role: models.get(_key(pair, backend, role)) for role in ("target", "draft")}
+    return {role: entry["commit"] for role, entry in entries.items() if _valid(entry)}
 
 
 def snapshot_files(root: Path, allow: tuple[str, ...], ignore: tuple[str, ...] = ()) -> list[str]:

@@ -58,7 +58,7 @@ _TOP_KEYS = {
 }
 _MODEL_KEYS = {
     "repo": _REPO, "revision": _STR, "asset": _STR, "path": _STR, "params_b": _GB,
-    "bf16_gb": _GB, "embed_b": _GB, "heads": _COUNT, "kv_heads": _COUNT,
+    "bf16_gb": _GB, "embed_b": _GB, "heads": _COUNT, "kv_heads": _COUNT, "layers": _COUNT, "head_dim": _COUNT,
 }
 _FILE_KEYS = {
     "repo": _REPO, "revision": _STR, "filename": _STR, "asset": _STR, "path": _STR,
@@ -81,10 +81,19 @@ class ModelRef:
     embed_b: float | None = None  # token-embedding parameters in billions (vocab x hidden)
     heads: int | None = None
     kv_heads: int | None = None
+    layers: int | None = None
+    head_dim: int | None = None
 
     @property
     def label(self) -> str:
         return self.repo or self.asset or self.path or "?"
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int | None:
+        """One token's keys and values in every layer (what the KV and prefix caches hold)."""
+        kv = self.kv_heads or self.heads
+        if not (self.layers and self.head_dim and kv):
+            return None
+        return 2 * self.layers * kv * self.head_dim * dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class LoadedGGUF:
     threads: int | None  # llama.cpp CPU threads (None: torch.get_num_threads() at each decode)
     n_gpu_layers: int
     main_gpu: int
+    kv_bytes_per_token: int | None = None  # one token's k and v in every layer (f16), from the metadata
 
     def close(self) -> None:
         """Free the llama.cpp model (runners free their contexts first: they hold us)."""
@@ -67,15 +69,23 @@ def check_gguf_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist", GGUF_HINT)
+    from ssdlocal.core.files import kind_of
+
+    if (kind := kind_of(path)) is not None:
+        raise ModelLoadError(f"{path} is {kind}, not a .gguf file", GGUF_HINT)
     if not path.is_file():
         raise ModelLoadError(f"{path} is a directory, not a .gguf file", GGUF_HINT)
     try:
         with path.open("rb") as f:
-            magic = f.read(4)
+            head = f.read(24)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}", "check the file's permissions") from exc
-    if magic != b"GGUF":
+    if head[:4] != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header)", GGUF_HINT)
+    if len(head) == 24 and struct.unpack("<I", head[4:8])[0] in (2, 3):
+        from ssdlocal.backends.torch.gguf_read import GGUFHeader
+
+        GGUFHeader.read(path)  # counts and lengths bounded by the file, before llama.cpp or transformers read it
     return path
 
 
@@ -211,5 +221,22 @@ def load_gguf(
     log.info("loaded %s (%s) with llama.cpp on %s", path, arch, dev)
     return LoadedGGUF(
         model, lib, tokenizer, args, path, dev, torch.float32, eos_ids_of(tokenizer),
-        threads, n_gpu_layers, main_gpu,
+        threads, n_gpu_layers, main_gpu, kv_bytes_per_token(lib, model, arch),
     )
+
+
+def kv_bytes_per_token(lib, model, arch: str) -> int | None:
+    """Bytes of one token's keys and values in every layer (llama.cpp's default f16 cache),
+    from the model's metadata; None when it does not say."""
+    def number(key: str) -> int | None:
+        value = lib.meta(model, f"{arch}.{key}")
+        try:
+            return int(value) if value is not None else None
+        except ValueError:
+            return None
+
+    layers, heads, kv_heads = number("block_count"), number("attention.head_count"), number("attention.head_count_kv")
+    width = number("attention.key_length") or (number("embedding_length") // heads if heads and number("embedding_length") else None)
+    if not (layers and width):
+        return None
+    return 2 * 2 * layers * (kv_heads or heads) * width

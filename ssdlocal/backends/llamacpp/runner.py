@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from ssdlocal.backends.base import HeldRows
+from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
+from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
@@ -65,36 +67,101 @@ class LlamaCppRunner(HeldRows):
         self._chains: dict[int, _Chain] = {}  # branch sequence id -> chain
         self._scratch: dict[tuple[int, int], int] = {}  # (row, slot) -> branch sequence id
         self._free: list[int] = []
+        self._store_tokens = 0  # the prefix store's cells (setup_prefix)
+        self.prefix: SeqStore | None = None  # earlier calls' prefixes, in reserved sequences
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, batch_size: int, num_slots: int) -> None:
-        """Forget all rows; (re)create the context when it is too small."""
-        cells = -(-batch_size * num_slots // _PAD) * _PAD
-        seqs = self.lib.max_sequences() if self.tree else batch_size
-        if seqs < batch_size:
+        """Forget all rows (the prefix store's sequences stay); (re)create the context when
+        it is too small, which empties the store."""
+        max_seqs = self.lib.max_sequences()
+        if (max_seqs if self.tree else batch_size) < batch_size or batch_size > max_seqs:
             raise UsageError(
-                f"llama.cpp supports at most {seqs} parallel sequences, asked for {batch_size} rows",
+                f"llama.cpp supports at most {max_seqs} parallel sequences, asked for {batch_size} rows",
                 "use fewer prompts per call",
             )
+        stored = min(STORE_SEQUENCES, max_seqs - batch_size) if self._store_tokens else 0
+        seqs = max_seqs if self.tree or stored else batch_size  # all of them: a new batch size keeps the context
+        cells = -(-(batch_size * num_slots + (self._store_tokens if stored else 0)) // _PAD) * _PAD
         if self._ctx is None or cells > self._ctx_cells or seqs > self._ctx_seqs:
             self.close()
+            if self._ctx_cells:  # growing: leave room, so the store is not dropped at every step
+                cells = max(cells, min(2 * self._ctx_cells, cells + self._store_tokens))
             self._n_batch = min(N_BATCH, cells)
             self._ctx = self.lib.new_context(self.model, cells, self._n_batch, seqs, self._want_threads())
             self._ctx_cells, self._ctx_seqs = cells, seqs
             self._ctx_threads = self._want_threads()
         else:
-            self.lib.clear(self._ctx)
+            self._drop_chains()
+            kept = set(self.prefix.ids) if self.prefix is not None else set()
+            for seq in range(self._ctx_seqs):
+                if seq not in kept or seq < batch_size:  # rows (and branches) start empty
+                    self.lib.seq_rm(self._ctx, seq, -1, -1)
+        self._store_ids(tuple(range(seqs - stored, seqs)) if stored else ())
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self._kv = [[] for _ in range(batch_size)]
         self._chains.clear()
         self._scratch.clear()
-        self._free = list(range(self._ctx_seqs - 1, batch_size - 1, -1))  # pop() gives the lowest
+        first_store = self.prefix.ids[0] if self.prefix is not None and self.prefix.ids else self._ctx_seqs
+        self._free = list(range(first_store - 1, batch_size - 1, -1))  # pop() gives the lowest
+
+    # ------------------------------------------------------------------ prefix store
+    def _store_ids(self, ids: tuple[int, ...]) -> None:
+        """The reserved sequences of this context; entries in sequences no longer reserved
+        (a larger batch takes them as rows) are dropped."""
+        if not ids:
+            self.prefix = None
+            return
+        if self.prefix is None:
+            self.prefix = SeqStore(ids, self._store_tokens)
+        for seq in [s for s in self.prefix.entries if s not in ids]:
+            del self.prefix.entries[seq]
+        self.prefix.ids = ids
+
+    def setup_prefix(self, asked: int | None) -> int:
+        """A prefix store of `asked` tokens (None: the default size; 0: none): cells of the
+        context kept in reserved sequences. Takes effect with the next context."""
+        per_token = self.loaded.kv_bytes_per_token or 1
+        free = None  # llama.cpp allocates the context itself: only an explicit size is taken as is
+        self._store_tokens = store_tokens(asked, per_token, free, "llama.cpp")
+        self.close()  # the next reset sizes a context with room for the store
+        self.prefix = None
+        return self._store_tokens
+
+    def prefix_report(self) -> dict | None:
+        return None if self.prefix is None else self.prefix.report()
+
+    def reuse(self, row: int, tokens) -> int:
+        """Row `row` (empty after reset) starts from the stored sequence sharing the longest
+        prefix with `tokens`: its cells gain the row's sequence id (no data copied)."""
+        if self.prefix is None or self.held[row] or self._kv[row]:
+            return 0
+        seq, n = self.prefix.best(tokens)
+        if seq is None or n == 0:
+            return 0
+        self.lib.seq_cp(self._ctx, seq, row, 0, n)
+        self._kv[row] = [int(t) for t in tokens[:n]]
+        self.held[row] = list(self._kv[row])
+        return n
+
+    def store(self, row: int, tokens) -> None:
+        """Keep the part of `tokens` that row `row`'s sequence really holds in a reserved one."""
+        if self.prefix is None or self._ctx is None:
+            return
+        n = common_prefix(self._kv[row], tokens)
+        seq, drop = self.prefix.place(tokens[:n])
+        for old in drop:
+            self.lib.seq_rm(self._ctx, old, -1, -1)
+        if seq is not None:
+            self.lib.seq_cp(self._ctx, row, seq, 0, n)
 
     def close(self) -> None:
         if self._ctx is not None:
             self.lib.free_context(self._ctx)
             self._ctx = None
+        if self.prefix is not None:
+            self.prefix.clear()  # its cells went with the context
 
     def __del__(self) -> None:  # the model outlives contexts; free ours first
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -117,9 +184,10 @@ class LlamaCppRunner(HeldRows):
         if len(held) > n:
             raise RuntimeError(f"row {row}: held tokens that were never fed to llama.cpp")  # a bug
 
-    def _decode(self, tokens, positions, seqs, want=None) -> np.ndarray:
+    def _decode(self, tokens, positions, seqs, want=None, progress=None) -> np.ndarray:
         """Decode in chunks of n_batch; float32 logits [N wanted, V] for the tokens whose
-        `want` flag is set (default: every token)."""
+        `want` flag is set (default: every token). `progress(done, total)` after each chunk
+        (tokens of the whole batch); an exception it raises stops the decode."""
         threads = self._want_threads()
         if threads != self._ctx_threads:
             self.lib.set_threads(self._ctx, threads)
@@ -130,9 +198,11 @@ class LlamaCppRunner(HeldRows):
         for i in range(0, len(tokens), step):
             sl = slice(i, i + step)
             out.append(self.lib.decode(self._ctx, tokens[sl], positions[sl], seqs[sl], want[sl], self.vocab_size))
+            if progress is not None:
+                progress(min(i + step, len(tokens)), len(tokens))
         return out[0] if len(out) == 1 else np.concatenate(out)
 
-    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all") -> list[torch.Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache and return their logits.
 
         Returns per row a float32 tensor: `logits` "all" [len(rows[b]), V], "last" [1, V]
@@ -158,7 +228,15 @@ class LlamaCppRunner(HeldRows):
             want.extend([logits == "all"] * (len(r) - 1) + [logits != "none"])
         if not tokens:
             return [torch.empty(0, self.vocab_size) for _ in rows]
-        out = torch.from_numpy(self._decode(tokens, positions, seqs, want))  # [N wanted, V]
+        t_max = max(map(len, rows))
+        report = None if progress is None else (lambda done, total: progress(done * t_max // total, t_max))
+        try:
+            out = torch.from_numpy(self._decode(tokens, positions, seqs, want, report))  # [N wanted, V]
+        except BaseException:  # stopped or failed part-way: drop the cells it wrote
+            for b, r in enumerate(rows):
+                if r:
+                    self.lib.seq_rm(self._ctx, b, len(self._kv[b]), -1)
+            raise
         per_row = {"all": None, "last": 1, "none": 0}[logits]
         result = []
         offset = 0

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from ssdlocal.backends.torch.arch import find, for_gguf, unsupported
 from ssdlocal.core.errors import AssetError, ModelLoadError, UsageError
-from ssdlocal.core.files import file_lock, remembered_sha256
+from ssdlocal.core.files import file_lock, record_digests, remembered_sha256
 from ssdlocal.core.memory import human_bytes
-from ssdlocal.core.paths import ProgressCallback, cache_dir
+from ssdlocal.core.paths import ProgressCallback, cache_dir, replace_hint
 from ssdlocal.core.progress import model_label, reporter
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,7 @@ def gguf_metadata(gguf_path: Path) -> dict[str, object]:
         ) from exc
     except Exception as exc:  # readers raise ValueError/struct errors on junk files
         raise ModelLoadError(
-            f"{gguf_path} is not a readable GGUF file: {exc}",
-            "delete it and fetch it again, or pass another model path",
+            f"{gguf_path} is not a readable GGUF file: {str(exc)[:200]}", replace_hint(gguf_path),
         ) from exc
     return {
         "architecture": fields.get("general.architecture"),
@@ -139,6 +138,7 @@ def _convert_into(gguf_path: Path, out: Path, dtype: str, meta: dict, progress) 
         info = {"source": gguf_path.name, "sha256": out.name.rsplit("-", 1)[-1],
                 "architecture": meta["architecture"], "dtype": dtype,
                 "seconds": round(time.perf_counter() - t0, 1)}
+        record_digests(tmp)  # checked before every load (loader.resolve_checkpoint)
         (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")
         os.replace(tmp, out)  # atomic: `out` does not exist (removed under the lock)
     except OSError as exc:
@@ -287,7 +287,7 @@ def _check_free_space(where: Path, need: int) -> None:
 def _unreadable(gguf_path: Path, exc: Exception) -> ModelLoadError:
     return ModelLoadError(
         f"transformers could not load {gguf_path.name}: {exc}",
-        "the file may be damaged (delete and fetch again) or use an unsupported quantization",
+        f"the file may use an unsupported quantization, or be damaged: {replace_hint(gguf_path)}",
     )
 
 

@@ -43,7 +43,7 @@ from ssdlocal.backends.torch.quant import (
 )
 from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsWriter
 from ssdlocal.core.errors import ModelLoadError
-from ssdlocal.core.files import file_lock
+from ssdlocal.core.files import file_lock, record_digests
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
 from ssdlocal.core.quantization import scheme_for_gguf_type
@@ -106,6 +106,11 @@ def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
         if len(t.shape) == 2:
             sizes[t.type_name] = sizes.get(t.type_name, 0) + t.shape[0] * t.shape[1]
     return scheme_for_gguf_type(max(sizes, key=sizes.get)) if sizes else "none"
+
+
+def is_quantized_cache(path: Path) -> bool:
+    """Whether `path` is a quantized checkpoint this module wrote (a cache entry)."""
+    return (Path(path) / _MARKER).is_file()
 
 
 def quantized_dir(gguf_path: Path, scheme: str, dtype: str) -> Path:
@@ -267,6 +272,7 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
                 "sha256": content_key(gguf_path)}  # fmt: skip
         info["tensors"] = info_tensors
         (tmp / QUANT_FILE).write_text(json.dumps(info, indent=1) + "\n")
+        record_digests(tmp)  # checked before every load (loader.resolve_checkpoint)
         info["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")  # last: the directory is whole
         log.info("quantized %s to %s (%s) in %.1fs", gguf_path.name, scheme, dtype, info["seconds"])

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.core.paths import replace_hint
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _FLOATS = {0: np.float32, 1: np.float16}  # F32, F16 (BF16 = 30 is decoded by the gguf package)
 EXACT_INT4 = {2: "Q4_0", 3: "Q4_1", 12: "Q4_K"}  # ggml type ids whose values are int4 + (scale, min)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,8 @@ class GGUFHeader:
         path = Path(path)
         try:
             return _parse(path)
-        except (struct.error, UnicodeDecodeError, ValueError, OSError) as exc:
-            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}",
-                                 "delete it and fetch it again, or pass another model path") from exc
+        except (struct.error, UnicodeDecodeError, ValueError, OSError, MemoryError, OverflowError) as exc:
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {str(exc)[:200]}", replace_hint(path)) from exc
 
 
 class _Buffer:
@@ -68,8 +69,11 @@ class _Buffer:
 
     def __init__(self, path: Path) -> None:
         self.path, self.data, self.pos = path, b"", 0
+        self.size = path.stat().st_size
 
     def take(self, n: int) -> bytes:
+        if self.pos + n > self.size:  # a length or count no file of this size can hold
+            raise ValueError(f"the header claims {n:,} more bytes than the file has")
         while self.pos + n > len(self.data):
             with open(self.path, "rb") as fh:
                 self.data = fh.read(max(2 * len(self.data), self.pos + n, 1 << 20))
@@ -95,6 +99,8 @@ def _value(buf: _Buffer, kind: int):
     if kind != 9:
         raise ValueError(f"unknown metadata value type {kind}")
     item, count = buf.unpack("<IQ")
+    if count > buf.size - buf.pos:  # every item takes at least one byte
+        raise ValueError(f"an array of {count:,} items in a file of {buf.size:,} bytes")
     if item in _SCALARS:
         return list(buf.unpack(f"<{count}{_SCALARS[item][1]}"))
     for _ in range(count):  # arrays of strings (vocabulary, merges): skip, keep the length
@@ -112,6 +118,8 @@ def _parse(path: Path) -> GGUFHeader:
     version, n_tensors, n_kv = buf.unpack("<IQQ")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported")
+    if n_tensors > buf.size // 24 or n_kv > buf.size // 12:  # a tensor entry is >= 24 bytes, a key >= 12
+        raise ValueError(f"the header claims {n_tensors:,} tensors and {n_kv:,} keys in {buf.size:,} bytes")
     metadata = {}
     for _ in range(n_kv):
         key = buf.string()
@@ -120,6 +128,8 @@ def _parse(path: Path) -> GGUFHeader:
     for _ in range(n_tensors):
         name = buf.string()
         (n_dims,) = buf.unpack("<I")
+        if n_dims > _MAX_DIMS:
+            raise ValueError(f"tensor {name[:80]!r} has {n_dims:,} dimensions")
         dims = buf.unpack(f"<{n_dims}Q")
         kind, offset = buf.unpack("<IQ")
         table.append((name, tuple(reversed(dims)), kind, offset))

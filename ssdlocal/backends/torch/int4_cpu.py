@@ -119,6 +119,47 @@ def read_rows(packed: Tensor, rows: Tensor, layout: Int4Layout) -> Tensor:
     return torch.where(high[:, None], byte >> 4, byte & 15)  # [R, K]
 
 
+def expand_transposed(packed: Tensor, scales_and_zeros: Tensor, group: int, layout: Int4Layout,
+                      dtype: torch.dtype, out: Tensor | None = None, codes: Tensor | None = None) -> Tensor:
+    """The weight a packed [N, K/2] matrix stands for, transposed: W^T [K, N] in `dtype`,
+    W = (code - 8) * scale + zero with scale and zero [K/group, N] from `scales_and_zeros`
+    [K/group, N, 2]. `out` [K, N] `dtype` and `codes` [K, N] uint8 (scratch) may be given
+    to reuse memory. In bfloat16 the offset `zero - 8 * scale` is rounded first (an error of
+    at most a bfloat16 step of it: about 1/30 of a quantization step).
+
+    Two cheap passes over the codes (nibbles out, transposed to feature-major) and one over
+    the result (scale and offset, broadcast along each group): prefill expands each weight
+    once per layer, so this runs once per layer and prompt."""
+    n, half = packed.shape
+    k = 2 * half
+    out = torch.empty(k, n, dtype=dtype) if out is None else out
+    codes = torch.empty(k, n, dtype=torch.uint8) if codes is None else codes
+    whole = n // layout.block * layout.block
+    if whole:
+        _unpack_blocks(packed[:whole], layout.block, layout.split, codes[:, :whole])
+    if whole < n:  # the last partial block pairs neighbouring rows
+        _unpack_blocks(packed[whole:], n - whole, False, codes[:, whole:])
+    scales = scales_and_zeros[..., 0].float()  # [K/g, N]
+    offset = (scales_and_zeros[..., 1].float() - 8 * scales).to(dtype)[:, None]  # [K/g, 1, N]
+    torch.addcmul(offset, codes.view(k // group, group, n), scales.to(dtype)[:, None],
+                  out=out.view(k // group, group, n))  # fmt: skip
+    return out
+
+
+def _unpack_blocks(packed: Tensor, rows: int, split: bool, out: Tensor) -> None:
+    """packed [B*rows, K/2] (B blocks of `rows`) -> codes out [K, B*rows] uint8 (0..15)."""
+    n, half = packed.shape
+    k, blocks = 2 * half, n // rows
+    p = packed.reshape(blocks, k, rows // 2)  # [B, K, rows/2]: one run of bytes per feature
+    low, high = (p & 15).transpose(0, 1), (p >> 4).transpose(0, 1)  # [K, B, rows/2] each
+    o = out.unflatten(1, (blocks, rows))  # [K, B, rows]
+    if split:  # low nibbles: the block's first half of rows, high nibbles: the second
+        o[..., : rows // 2].copy_(low)
+        o[..., rows // 2 :].copy_(high)
+    else:  # rows 2j (low) and 2j + 1 (high)
+        o.unflatten(2, (rows // 2, 2)).copy_(torch.stack((low, high), dim=-1))
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_layout() -> Int4Layout | None:
     """The layout torch's CPU int4 kernel reads in this process, checked once against
@@ -153,4 +194,4 @@ def pack_with_torch(codes: Tensor) -> Tensor:
 
 
 __all__ = ["AVX2", "AVX512", "DEFAULT", "LAYOUTS", "Int4Layout", "capability", "cpu_layout",
-           "expected_layout", "pack", "pack_with_torch", "read_rows"]  # fmt: skip
+           "expand_transposed", "expected_layout", "pack", "pack_with_torch", "read_rows"]  # fmt: skip

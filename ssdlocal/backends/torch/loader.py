@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ssdlocal.backends.torch.arch import Architecture, architecture, find, unsupported
+from ssdlocal.backends.torch.checks import (
+    PATH_HINT,
+    check_against_weights,
+    check_config,
+    check_model_path,
+    read_config_json,
+    require_regular,
+)
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
 from ssdlocal.backends.torch.quant_load import (
     load_quantized_weights,
@@ -28,14 +37,12 @@ from ssdlocal.core.errors import (
     OutOfMemoryError,
     UnsupportedArchitectureError,
 )
+from ssdlocal.core.files import check_digests, file_lock
 from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_HINT = (
-    "point --target (or --draft) at a Hugging Face checkpoint directory (config.json + *.safetensors)"
-    " or a .gguf file"
-)
+CHECKPOINT_HINT = PATH_HINT
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -88,27 +95,46 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 def _checked(path: str | Path) -> Path:
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist", hint=CHECKPOINT_HINT)
-    if path.is_file() and path.suffix.lower() != ".gguf":
-        raise ModelLoadError(f"{path} is a file but not a .gguf file", hint=CHECKPOINT_HINT)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json", hint=CHECKPOINT_HINT)
-    return path
+    return check_model_path(Path(path).expanduser())
 
 
 def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfloat16") -> Path:
     """Return an HF checkpoint directory for `path`, converting a .gguf file if needed:
-    to a float checkpoint (scheme none) or straight to a quantized one (int8 | int4)."""
+    to a float checkpoint (scheme none) or straight to a quantized one (int8 | int4).
+    A cached conversion is used only once its files match the digests recorded when it
+    was written; one that does not is rebuilt (with a warning saying why)."""
     path = _checked(path)
-    if path.is_file() and scheme != "none":
-        return quantized_checkpoint(path, resolve_scheme(path, scheme), dtype)
-    if path.is_file():
+    if not path.is_file():
+        if _is_cache_entry(path) and (problem := check_digests(path)) is not None:
+            raise ModelLoadError(f"{path} is a damaged ssdlocal cache entry: {problem}",
+                                 hint=f"delete {path} and pass the .gguf file it was made from; "
+                                 "ssdlocal converts it again")  # fmt: skip
+        return path
+
+    def build() -> Path:
+        if scheme != "none":
+            return quantized_checkpoint(path, resolve_scheme(path, scheme), dtype)
         from ssdlocal.backends.torch.gguf_convert import ensure_converted
 
         return ensure_converted(path)
-    return path
+
+    ckpt = build()
+    problem = check_digests(ckpt)
+    if problem is None:
+        return ckpt
+    log.warning("the cached conversion of %s in %s cannot be trusted: %s; converting it again",
+                path.name, ckpt, problem)  # fmt: skip
+    with file_lock(ckpt.with_name(ckpt.name + ".lock")):  # the builders' own lock
+        if check_digests(ckpt) is not None:  # not rebuilt by another process meanwhile
+            shutil.rmtree(ckpt, ignore_errors=True)
+    return build()
+
+
+def _is_cache_entry(path: Path) -> bool:
+    from ssdlocal.backends.torch.gguf_convert import is_conversion
+    from ssdlocal.backends.torch.gguf_quant import is_quantized_cache
+
+    return is_conversion(path) or is_quantized_cache(path)
 
 
 def config_dir(path: str | Path) -> Path:
@@ -129,12 +155,12 @@ def config_dir(path: str | Path) -> Path:
 
 
 def damaged_hint(ckpt: Path) -> str:
-    """What to do about an unreadable file in checkpoint `ckpt`: always delete and refetch."""
-    from ssdlocal.backends.torch.gguf_convert import is_conversion
-
-    if is_conversion(ckpt):
+    """What to do about an unreadable file in checkpoint `ckpt`: a cache entry ssdlocal
+    wrote is deleted and built again; anything else is the user's, and is never deleted."""
+    if _is_cache_entry(ckpt):
         return f"the cached conversion is damaged: delete {ckpt} and rerun (it is converted again)"
-    return f"the file is damaged or incomplete: delete {ckpt} and download the model again"
+    return (f"the file is damaged or incomplete: replace the model at {ckpt} with a good copy "
+            "(a pulled pair: `ssdlocal pull PAIR` fetches it again)")
 
 
 def load_hf_config(path: Path):
@@ -142,20 +168,28 @@ def load_hf_config(path: Path):
     is read with the config class of its description's `config_type`, if it has one."""
     from transformers import AutoConfig
 
+    raw = read_config_json(path / "config.json", damaged_hint(path))  # bounded, no FIFO, no deep nesting
+    check_config(raw, path / "config.json", _config_hint(path))
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:  # unknown model_type: name it from the raw json
-        try:
-            raw = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(exc)}",
-                                 hint=damaged_hint(path)) from exc
         described = find(raw.get("architectures"), raw.get("model_type"))
         if described is not None and described.config_type:
             fields = {k: v for k, v in raw.items() if k != "model_type"}
             return AutoConfig.for_model(described.config_type, **fields)
-        names = ", ".join(raw.get("architectures") or []) or raw.get("model_type") or "unknown"
-        raise unsupported(f"architecture {names}") from exc
+        if described is not None:
+            raise ModelLoadError(f"{path / 'config.json'} is not a valid {described.name} config: "
+                                 f"{_first_line(exc)}", hint=_config_hint(path)) from exc  # fmt: skip
+        archs = raw.get("architectures")
+        names = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else str(raw.get("model_type"))
+        raise unsupported(f"architecture {names[:200] if names != 'None' else 'unknown'}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise TypeError, ZeroDivisionError, ...
+        raise ModelLoadError(f"{path / 'config.json'} is not a valid model config: {_first_line(exc)}",
+                             hint=_config_hint(path)) from exc  # fmt: skip
+
+
+def _config_hint(path: Path) -> str:
+    return f"fix {path / 'config.json'}, or use the model's original config.json"
 
 
 def load_tokenizer(path: str | Path):
@@ -175,18 +209,44 @@ def load_tokenizer(path: str | Path):
 
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+    if index.is_file() or index.is_symlink():
+        weight_map = read_config_json(index, damaged_hint(path)).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index} has no weight_map of tensor names to files", hint=damaged_hint(path))
         files = [path / name for name in dict.fromkeys(weight_map.values())]
-        missing = [f.name for f in files if not f.is_file()]
+        if any(Path(name).name != name for name in dict.fromkeys(weight_map.values())):
+            raise ModelLoadError(f"{index} names files outside {path}", hint=damaged_hint(path))
+        missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise ModelLoadError(f"{path} is missing shards: {', '.join(missing)}",
+            raise ModelLoadError(f"{path} is missing shards: {', '.join(missing[:5])}",
                                  hint="the download is incomplete; pull the model again")
-        return files
-    files = sorted(path.glob("*.safetensors"))
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights", hint=CHECKPOINT_HINT)
+    for file in files:
+        require_regular(file, f"replace {file} with the model's weight file")
     return files
+
+
+def preflight(ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device,
+              dtype: torch.dtype) -> None:  # fmt: skip
+    """Before the model is built: the config's sizes against the weight files' headers,
+    and the weights against the memory available (checks.py, quant_load.weight_bytes)."""
+    headers = {}
+    try:
+        for file in files:
+            with SafetensorsReader(file) as f:
+                headers[file.name] = {name: (f.dtype(name), f.shape(name)) for name in f.keys()}  # noqa: SIM118
+    except (DamagedFileError, OSError) as exc:
+        message = exc.message if isinstance(exc, DamagedFileError) else _first_line(exc)
+        raise ModelLoadError(f"cannot read the weights in {ckpt}: {message}", hint=damaged_hint(ckpt)) from exc
+    check_against_weights(args, architecture(args.arch), headers, ckpt)
+    from ssdlocal.backends.torch.kvcache import check_room
+    from ssdlocal.backends.torch.quant_load import weight_bytes
+
+    need = weight_bytes(ckpt, scheme, str(dtype).removeprefix("torch."), device.type)
+    check_room(need, device, f"weights of {ckpt.name} ({str(dtype).removeprefix('torch.')}, {scheme})")
 
 
 def read_state_dict(
@@ -234,7 +294,13 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Pat
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
             hint="the weights may be from another model or an incomplete download",
         )
-    model.load_state_dict(state, strict=False, assign=True)
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:  # a tensor whose shape the config does not give it
+        sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+        raise ModelLoadError(f"checkpoint {ckpt} does not match its config.json: "
+                             f"{(sizes or [_first_line(exc)])[0][:300]}",
+                             hint="the config.json may belong to another model; use the model's own") from exc
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
 
@@ -272,6 +338,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
     files = weight_files(ckpt)
     dev, torch_dtype = parse_device(device), parse_dtype(dtype, hf_config)
     tokenizer = load_tokenizer(ckpt)
+    preflight(ckpt, args, files, scheme, dev, torch_dtype)
     on_read = _load_progress(path, files, scheme, torch_dtype)
     try:
         with torch.device("meta"):

@@ -11,8 +11,8 @@ loader); this module knows nothing about files.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.arch import for_hf_config, unsupported
 from ssdlocal.backends.torch.attention import AttentionMask, attend
-from ssdlocal.backends.torch.kvcache import KVCache, check_room
+from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
+from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import oom_error
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -225,6 +226,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         self.num_slots = 0
+        self.prefix_pool: KVPool | None = None  # stored prefixes (setup_prefix_pool); steps never read it
 
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
         """Allocate one KVCache per layer (`args` head counts: per rank under TP)."""
@@ -267,6 +269,29 @@ class Transformer(nn.Module):
         self.num_slots = num_slots
         self._cover_positions(num_slots, first.k.device)  # a slot index never exceeds a position's
 
+    def caches(self) -> list[KVCache]:
+        return [layer.self_attn.kv_cache for layer in self.layers]
+
+    def prefix_pool_bytes(self, tokens: int, dtype) -> int:
+        a = self.args
+        return KVPool.bytes_for(len(self.layers), a.num_kv_heads, tokens, a.head_dim, dtype)
+
+    def setup_prefix_pool(self, tokens: int, dtype, device) -> None:
+        """Room for `tokens` stored prefix tokens of every layer (0: none)."""
+        self.prefix_pool = None
+        if tokens:
+            with _allocating(f"allocating the prefix cache of {tokens} tokens on {device}"):
+                a = self.args
+                self.prefix_pool = KVPool(len(self.layers), a.num_kv_heads, tokens, a.head_dim, dtype, device)
+
+    def save_prefix(self, row: int, runs: list[tuple[int, int, int]]) -> None:
+        """Row `row`'s k/v -> the prefix pool, every layer; runs (first slot, first pool token, length)."""
+        self.prefix_pool.save(self.caches(), row, runs)
+
+    def load_prefix(self, row: int, runs: list[tuple[int, int, int]]) -> None:
+        """The prefix pool -> row `row`'s k/v, every layer; runs (first slot, first pool token, length)."""
+        self.prefix_pool.load(self.caches(), row, runs)
+
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s cached k/v from slots `src` [n] to `dst` [n] in every layer."""
         for layer in self.layers:
@@ -292,6 +317,54 @@ class Transformer(nn.Module):
         mask = None if attn_mask is None else AttentionMask.build(attn_mask, groups, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, slots, mask)  # [B, T, hidden]
+        if keep is not None:
+            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, hidden]
+        return fp32_logits(self.lm_head, self.norm(x))  # [B, T or n, V]
+
+    def prefill(
+        self, input_ids: Tensor, positions: Tensor, keep: Tensor | None, chunk: int,
+        fresh: bool = False, dense: bool = False, progress: Callable[[int, int], None] | None = None,
+    ) -> Tensor:
+        """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
+        k/v goes to the slot of its position) -> logits [B, n, V] at `keep` [B, n] (None:
+        every position).
+
+        Each layer reads the T tokens in chunks of `chunk`, so the attention mask and the
+        MLP's activations are bounded by the chunk, not the prompt; a chunk attends to the
+        cache's slots up to its positions (earlier calls' tokens and earlier chunks).
+        `fresh`: rows start at slot 0 with equal lengths, so the first chunk needs no mask.
+        `dense`: modules that offer `expanded()` (quantized linears) hold their weights
+        dense for the layer's chunks, computed once per layer. `progress(done, total)` is
+        called after every (layer, chunk) in units of chunk tokens; if it raises, the feed
+        stops there (what was written past the callers' held tokens is never read).
+        """
+        if self.rope_cos is None:
+            raise RuntimeError("call setup_cache() before prefill()")
+        B, T = input_ids.shape
+        x = self.embed_tokens(input_ids)  # [B, T, hidden]
+        cos = self.rope_cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
+        sin = self.rope_sin[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
+        groups = self.args.num_heads // self.args.num_kv_heads
+        starts = list(range(0, T, chunk))
+        total, done = len(self.layers) * T, 0
+        pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
+        for layer in self.layers:
+            with ExitStack() as stack:
+                if dense:
+                    for module in layer.modules():
+                        if hasattr(module, "expanded"):
+                            stack.enter_context(module.expanded(pool))
+                for a in starts:
+                    b = min(a + chunk, T)
+                    pos = positions[:, a:b]  # [B, C]
+                    mask = None
+                    if not (fresh and a == 0):
+                        span = int(pos.max()) + 1
+                        mask = AttentionMask.build(causal_mask(pos, span), groups, x.dtype)  # [B, 1, C, S]
+                    x[:, a:b] = layer(x[:, a:b], cos[:, :, a:b], sin[:, :, a:b], pos, mask)  # [B, C, hidden]
+                    done += b - a
+                    if progress is not None:
+                        progress(done, total)
         if keep is not None:
             x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, hidden]
         return fp32_logits(self.lm_head, self.norm(x))  # [B, T or n, V]

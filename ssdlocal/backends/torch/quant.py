@@ -9,6 +9,8 @@ them for shards). Knows nothing about files or processes. docs/architecture.md
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch import int4_cpu
 from ssdlocal.backends.torch.arch import architecture
+from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.quantization import INT4_GROUP
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
@@ -175,6 +178,8 @@ class QuantLinear(nn.Module):
         self.reduce, self.group = reduce, group
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         self.layout: int4_cpu.Int4Layout | None = None  # the CPU int4 kernel's weight layout
+        self.dtype = dtype
+        self._dense: Tensor | None = None  # W [N, K] in `dtype` while `expanded()`
         self._pack(weight, dtype, device)
 
     def _pack(self, w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
@@ -205,11 +210,47 @@ class QuantLinear(nn.Module):
             self.register_buffer("codes", w.codes.to(device))
             self.register_buffer("scales", w.scales.to(device, dtype))
 
+    @contextmanager
+    def expanded(self, pool: ScratchPool | None = None) -> Iterator[None]:
+        """Within: the weight held dense in the activation dtype, so inputs of many rows (a
+        prompt) run through the dense matmul kernels, not the quantized ones made for a few
+        rows. Kernels already dense in that dtype (int8 on CUDA) or with a layout that is
+        not ours to read (CUDA tinygemm int4) stay as they are. `pool` lends the memory
+        (a prefill reuses one layer's buffers for the next layer)."""
+        pool = ScratchPool() if pool is None else pool
+        lent: list[Tensor] = []
+        self._dense = self._dense_weight(pool, lent)
+        try:
+            yield
+        finally:
+            self._dense = None
+            for t in lent:
+                pool.give(t)
+
+    def _dense_weight(self, pool: ScratchPool, lent: list[Tensor]) -> Tensor | None:
+        """W [out_features, in_features] in the activation dtype (a view), or None; buffers
+        taken from `pool` are added to `lent`."""
+        n, k = self.out_features, self.kernel
+        if k == "int4_cpu" and self.layout is not None:
+            rows, half = self.packed.shape
+            shape, dev = (2 * half, rows), self.packed.device
+            lent += [pool.take(shape, self.dtype, dev), pool.take(shape, torch.uint8, dev)]
+            wt = int4_cpu.expand_transposed(self.packed, self.scales_and_zeros, self.group_size, self.layout,
+                                            self.dtype, out=lent[-2], codes=lent[-1])  # fmt: skip
+            return wt[:, :n].t()  # [N, K]: a transposed view, which the matmul reads as is
+        if k == "int8_cpu":
+            return self.codes.to(self.dtype) * self.scales[:, None]  # [N, K]
+        if k == "int4_dequant":
+            return QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size).dequantize(self.dtype)
+        return None
+
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         k = self.kernel
-        if k in ("int4_cpu", "int8_cpu"):
+        if self._dense is not None:
+            out = F.linear(x2, self._dense)  # [M, N]
+        elif k in ("int4_cpu", "int8_cpu"):
             m = x2.shape[0]
             whole = m // _CPU_ROW_BLOCK * _CPU_ROW_BLOCK
             if 0 < whole < m:  # e.g. a K=4 verify (M=5): 4 rows + 1 row beat 5 rows at once

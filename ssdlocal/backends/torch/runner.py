@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.base import HeldRows
+from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
+from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
 
@@ -30,6 +32,10 @@ SLOT_ROUNDING = 256  # cache capacity grows in these steps
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
 STEP_OFFSETS = 64  # widest `step` served by the static offsets (wider ones grow them)
 LOGITS_KINDS = ("all", "last", "none")
+PREFILL_CHUNK = 512  # a long feed reads this many tokens per row at a time, layer by layer
+# Feeds of at least this many tokens expand quantized weights to dense ones once per layer
+# (docs/architecture.md, "Reading prompts"): below it the quantized kernels are faster.
+DENSE_MIN_TOKENS = 128
 
 
 class DecodeState:
@@ -65,6 +71,8 @@ class TorchRunner(HeldRows):
         self.state = DecodeState(0, STEP_OFFSETS, self.device)
         self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
         self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else None
+        self.prefix: PrefixIndex | None = None  # earlier calls' prefixes (setup_prefix)
+        self.prefix_token_bytes = 0
 
     @property
     def lengths(self) -> Tensor:
@@ -131,10 +139,15 @@ class TorchRunner(HeldRows):
 
     # ------------------------------------------------------------------ host feeds
     @torch.inference_mode()
-    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all") -> list[Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[Tensor]:
         """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
         `logits` "all" [len(rows[b]), V], "last" [1, V] (the row's last token), "none"
-        [0, V]. Empty rows give [0, V]. Only the positions asked for reach the lm_head."""
+        [0, V]. Empty rows give [0, V]. Only the positions asked for reach the lm_head.
+
+        Long feeds (a prompt) are read in chunks of PREFILL_CHUNK tokens, layer by layer,
+        with quantized weights expanded to dense ones once per layer; `progress(done,
+        total)` (tokens) is called as chunks finish, and if it raises the feed stops
+        there with no row's held tokens changed."""
         if logits not in LOGITS_KINDS:
             raise ValueError(f"logits must be one of {LOGITS_KINDS}, got {logits!r}")  # a caller bug
         lengths = [len(r) for r in rows]
@@ -146,15 +159,45 @@ class TorchRunner(HeldRows):
         ids = torch.tensor([list(r) + [0] * (t_max - len(r)) for r in rows], dtype=torch.long)
         ids = ids.to(self.device)  # [B, T]; pads write past held, harmless
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t_max, device=self.device)  # [B, T]
-        fresh = self.plain and not any(starts) and len(set(lengths)) == 1
-        mask = None if fresh else causal_mask(positions, max(starts) + t_max)  # [B, T, S]
+        fresh = not any(starts) and len(set(lengths)) == 1
         keep = self._kept_positions(lengths, logits)  # [B, n] or None (all)
-        out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
+        rows_in = len(rows) * t_max  # rows every linear multiplies
+        if self.plain and (t_max > PREFILL_CHUNK or rows_in >= DENSE_MIN_TOKENS):
+            layers = len(self.model.layers)
+            report = None if progress is None else (lambda done, total: progress(done // layers, total // layers))
+            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh,
+                                     dense=rows_in >= DENSE_MIN_TOKENS, progress=report)  # fmt: skip
+        elif not self.plain and t_max > PREFILL_CHUNK:
+            out = self._chunked_forward(ids, positions, keep, progress)
+        else:
+            mask = None if self.plain and fresh else causal_mask(positions, max(starts) + t_max)  # [B, T, S]
+            out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
         for b, r in enumerate(rows):
             self.held[b].extend(r)
         if logits == "all":
             return [out[b, : lengths[b]] for b in range(len(rows))]
         return [out[b, :1] if lengths[b] and logits == "last" else out[b, :0] for b in range(len(rows))]
+
+    def _chunked_forward(self, ids: Tensor, positions: Tensor, keep: Tensor | None, progress) -> Tensor:
+        """A long feed through a model that only runs whole forwards (a tensor-parallel
+        group): chunk after chunk of PREFILL_CHUNK tokens, the logits of `keep` [B, n]
+        (query indices of the whole feed; None: all) gathered from the chunks they fall in."""
+        T = ids.shape[1]
+        parts = []
+        for a in range(0, T, PREFILL_CHUNK):
+            b = min(a + PREFILL_CHUNK, T)
+            pos = positions[:, a:b]  # [B, C]
+            inside = None if keep is None else keep.clamp(a, b - 1) - a  # [B, n] indices into the chunk
+            parts.append((a, b, self.model(ids[:, a:b], pos, pos, causal_mask(pos, int(pos.max()) + 1), inside)))
+            if progress is not None:
+                progress(b, T)
+        if keep is None:
+            return torch.cat([out for _, _, out in parts], dim=1)  # [B, T, V]
+        result = parts[0][2].clone()  # [B, n, V]
+        for a, b, out in parts[1:]:
+            here = (keep >= a) & (keep < b)  # [B, n]
+            result = torch.where(here[..., None], out, result)
+        return result
 
     def _kept_positions(self, lengths: list[int], logits: str) -> Tensor | None:
         if logits == "all":
@@ -163,6 +206,53 @@ class TorchRunner(HeldRows):
             return torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)  # [B, 0]
         last = [max(n - 1, 0) for n in lengths]
         return torch.tensor(last, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+
+    # ------------------------------------------------------------------ prefix store
+    def setup_prefix(self, asked: int | None) -> int:
+        """A prefix store of `asked` tokens (None: the default size, see
+        backends.prefix.store_tokens; 0: none), replacing any earlier one; returns its size."""
+        self.prefix = None
+        self.model.setup_prefix_pool(0, self.loaded.dtype, self.device)  # free the old pool first
+        per_token = self.model.prefix_pool_bytes(1, self.loaded.dtype)
+        tokens = store_tokens(asked, per_token, free_bytes(self.device), f"{self.loaded.args.arch} on {self.device}")
+        self.model.setup_prefix_pool(tokens, self.loaded.dtype, self.device)
+        self.prefix = PrefixIndex(tokens // BLOCK_TOKENS) if tokens else None
+        self.prefix_token_bytes = per_token
+        return tokens
+
+    def prefix_report(self) -> dict | None:
+        """The store's counts (backends.prefix.PrefixIndex.report) and its bytes, or None."""
+        if self.prefix is None:
+            return None
+        report = self.prefix.report()
+        return {**report, "capacity_bytes": report["capacity_tokens"] * self.prefix_token_bytes,
+                "used_bytes": report["used_tokens"] * self.prefix_token_bytes}  # fmt: skip
+
+    @torch.inference_mode()
+    def reuse(self, row: int, tokens: Sequence[int]) -> int:
+        """Row `row` (holding nothing yet, after `reset`) takes the longest stored prefix of
+        `tokens` (whole blocks) into its first slots; returns how many tokens it holds now."""
+        if self.prefix is None or self.held[row]:
+            return 0
+        numbers = self.prefix.match(tokens)
+        n = len(numbers) * BLOCK_TOKENS
+        if n:
+            self._ensure(n)
+            self.model.load_prefix(row, runs_of(list(enumerate(numbers)), BLOCK_TOKENS))
+            self.held[row] = list(tokens[:n])
+        return n
+
+    @torch.inference_mode()
+    def store(self, row: int, tokens: Sequence[int]) -> None:
+        """Slots 0..len(tokens)-1 of row `row` hold `tokens` (the caller knows: after steps,
+        `held` is not kept): keep their whole blocks for later calls' `reuse`."""
+        if self.prefix is None:
+            return
+
+        def write(placements: list[Placement]) -> None:
+            self.model.save_prefix(row, runs_of([(p.index, p.number) for p in placements], BLOCK_TOKENS))
+
+        self.prefix.insert(tokens, write)
 
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 from pathlib import Path
 
@@ -40,17 +41,26 @@ class SafetensorsReader:
     def __init__(self, path: str | Path, on_read=None) -> None:
         self.path = Path(path)
         self.on_read = on_read
-        self._fh = open(self.path, "rb")  # noqa: SIM115 - closed by close()/__exit__
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ModelLoadError(f"{self.path} is not a regular file (a FIFO or a device?)",
+                                 "replace it with the model's weight file")  # fmt: skip
+        os.set_blocking(fd, True)
+        self._fh = os.fdopen(fd, "rb")  # noqa: SIM115 - closed by close()/__exit__
         try:
             (size,) = struct.unpack("<Q", self._fh.read(8))
             if size > _MAX_HEADER:
                 raise ValueError(f"header of {size} bytes")
             header = json.loads(self._fh.read(size))
-        except (struct.error, ValueError) as exc:
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            _check_entries(header, os.fstat(fd).st_size - 8 - size)
+        except (struct.error, ValueError, RecursionError) as exc:
             self._fh.close()
-            raise DamagedFileError(f"{self.path} is not a readable safetensors file: {exc}",
+            raise DamagedFileError(f"{self.path} is not a readable safetensors file: {str(exc)[:200]}",
                                  "the download or conversion is incomplete; fetch the model again") from exc
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, dict] = header
         self._data_start = 8 + size
 
@@ -59,6 +69,10 @@ class SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name ("BF16", "U8", ...)."""
+        return self._entries[name]["dtype"]
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> Tensor:
         """The tensor `name` (or only its rows [start, stop) along dim 0)."""
@@ -86,6 +100,26 @@ class SafetensorsReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_entries(header: dict, data_bytes: int) -> None:
+    """Every tensor entry names a known dtype, a shape of sizes and a byte range inside
+    the file that holds exactly that many elements (ValueError otherwise)."""
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+            raise ValueError(f"tensor {str(name)[:80]!r} has no known dtype")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"tensor {name[:80]!r} has a malformed shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise ValueError(f"tensor {name[:80]!r} has malformed data offsets")
+        begin, end = offsets
+        size = _DTYPES[entry["dtype"]].itemsize
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= begin <= end <= data_bytes or end - begin != count * size:
+            raise ValueError(f"tensor {name[:80]!r} does not fit the file (truncated?)")
 
 
 class MemoryReleaser:

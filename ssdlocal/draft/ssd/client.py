@@ -45,6 +45,7 @@ class DraftWorkerClient:
         graphs: str = "auto",
         timeout_s: float | None = None,
         load_timeout_s: float | None = None,
+        prefix_tokens: int | None = None,
     ) -> None:
         from ssdlocal.draft.ssd.worker import worker_main
 
@@ -52,13 +53,14 @@ class DraftWorkerClient:
         self.load_timeout_s = LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self.vocab_size: int | None = None
         self.max_positions: int | None = None  # the draft's context, once loaded
+        self.prefix_report: dict | None = None  # the worker's prefix cache, as of its last READY
         self.child = ChildProcess(
             worker_main, (), name="ssdlocal-draft", role="the draft worker", error=DraftWorkerError,
             dead_hint="the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
             hung_hint="the draft device may be overloaded; try --mode sd, or a smaller draft",
         )  # fmt: skip
         try:
-            self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus, graphs))
+            self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus, graphs, prefix_tokens))
         except BaseException:
             self.close()  # the caller never gets a handle to close
             raise
@@ -90,6 +92,11 @@ class DraftWorkerClient:
         msg = self.recv(pr.Reply.LOADED, self.load_timeout_s)
         self.vocab_size, self.max_positions = msg.vocab_size, msg.max_positions
         return msg.vocab_size
+
+    def forget_prefixes(self) -> None:
+        """Empty the worker's prefix cache (when it runs)."""
+        if self.usable:
+            self.send(pr.Cmd.FORGET)
 
     def close(self) -> None:
         """Stop the worker; never hangs, never leaves a process. Idempotent."""
@@ -128,9 +135,14 @@ class SSDDrafter:
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
         self.memory = memory  # speculation.suffix.SuffixMemory, sent when the backup is suffix
         self.graphs_at_start: dict | None = None  # the worker's graph counts at START
+        self._ready_owed = 0  # prompt tokens of a START whose READY is not read yet
+        self._started = False  # START sent for this call
+        self._firsts: tuple[int, ...] | None = None  # each row's first token, sent with FIRST
 
-    def start(self, rows: Sequence[RowView]) -> None:
-        sequences = [row.tokens for row in rows]
+    def read_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """START the batch from its prompts, so the worker reads them while the target reads
+        its own (the first tokens follow with FIRST)."""
+        sequences = [list(p) for p in prompts]
         batch = len(sequences)
         self._q_channel = None
         if not self.params.greedy:
@@ -151,11 +163,27 @@ class SSDDrafter:
             memory=self._memory(),
         )
         self.client.send(pr.Cmd.START, msg)
-        # READY comes after the worker has prefilled every prompt: long prompts on a CPU
-        # can take minutes, which must not pass for a hung worker.
-        tokens = sum(len(s) for s in sequences)
-        self.graphs_at_start = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * tokens)
-        self._first = True
+        self._ready_owed = sum(len(s) + 1 for s in sequences)  # the prompts, then each row's first token
+        self._started, self._first = True, True
+
+    def start(self, rows: Sequence[RowView]) -> None:
+        """The rows as the target's prefill left them (prompt + first token); START them
+        now unless `read_prompts` did."""
+        if self._started:
+            self._firsts = tuple(row.tokens[-1] for row in rows)
+        else:
+            self.read_prompts([row.tokens for row in rows])
+            self._firsts = None
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """READY comes after the worker has prefilled every prompt: long prompts on a CPU
+        can take minutes, which must not pass for a hung worker."""
+        owed, self._ready_owed = self._ready_owed, 0
+        if owed:
+            ready = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * owed) or {}
+            self.graphs_at_start = ready.get("graphs")
+            self.client.prefix_report = ready.get("prefix")  # the worker's prefix cache, as of READY
 
     def _memory(self) -> tuple[tuple[int, ...], ...]:
         """The suffix memory for the worker, when the suffix backup may serve a miss."""
@@ -165,7 +193,7 @@ class SSDDrafter:
 
     def propose(self, active: Sequence[bool]) -> Proposal:
         if self._first:
-            self.client.send(pr.Cmd.FIRST)
+            self.client.send(pr.Cmd.FIRST, self._firsts)
             self._first = False
         self._awaiting = False  # on failure the pipe is unusable anyway
         msg: pr.ProposalMsg = self.client.recv(pr.Reply.PROPOSAL)
@@ -213,7 +241,13 @@ class SSDDrafter:
         """End of one generate call: collect a reply still owed (after a cancel) so the
         pipe is clean for the next batch. The worker itself lives on. After a failure
         the client is broken and there is nothing to collect (close kills the worker)."""
+        if self._ready_owed and self.client.usable:  # the call ended before its first round
+            self._wait_ready()
+        self._ready_owed = 0
         if self._awaiting and self.client.usable:
             self._awaiting = False
             self.client.recv(pr.Reply.PROPOSAL)
         self._awaiting = False
+
+    def store_prefixes(self) -> None:
+        return None  # the worker stores its rows when the next batch starts

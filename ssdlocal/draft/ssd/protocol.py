@@ -17,16 +17,17 @@ class Cmd(IntEnum):
     """Target -> worker."""
 
     LOAD = 1  # load the draft model (payload LoadMsg)
-    START = 2  # new batch (StartMsg)
-    FIRST = 3  # draft the first round just-in-time (no payload)
+    START = 2  # new batch (StartMsg); the previous batch's rows go to the prefix cache
+    FIRST = 3  # draft the first round just-in-time (payload: each row's first token, or None)
     OUTCOME = 4  # verification result of the last round (OutcomeMsg)
+    FORGET = 5  # empty the prefix cache (no payload, no reply)
 
 
 class Reply(IntEnum):
     """Worker -> target."""
 
     LOADED = 1  # LoadedMsg
-    READY = 2  # batch prefilled (payload: the draft runner's graph counts so far)
+    READY = 2  # batch prefilled (payload: {"graphs": the runner's graph counts, "prefix": its prefix cache's})
     PROPOSAL = 3  # ProposalMsg
 
 
@@ -36,6 +37,7 @@ class LoadMsg:
     threads: int | None  # torch threads for the worker (None = leave default)
     cpus: tuple[int, ...] | None  # CPU affinity for the worker process
     graphs: str = "auto"  # captured forwards (EngineConfig.graphs)
+    prefix_tokens: int | None = None  # the prefix cache's size (EngineConfig.prefix_cache_tokens)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class LoadedMsg:
 
 @dataclass(frozen=True)
 class StartMsg:
-    sequences: tuple[tuple[int, ...], ...]  # each row: prompt + first token
+    sequences: tuple[tuple[int, ...], ...]  # each row's tokens so far: its prompt (FIRST brings the first token)
     params: SamplingParams
     k: int
     num_slots: int  # main-region slots per row (the target's size)

@@ -94,7 +94,14 @@ class Speculator:
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()
         self.last_depth = 0  # tree depth reached by the last pre-speculation
-        runner.feed([list(s[:-1]) for s in start.sequences], "none")
+        for b, seq in enumerate(start.sequences):  # from the longest prefix the prefix cache holds
+            runner.reuse(b, seq[:-1])
+        runner.feed([runner.pending(b, seq[:-1]) for b, seq in enumerate(start.sequences)], "none")
+
+    def store_prefixes(self) -> None:
+        """Each row's committed tokens that the draft's cache holds go to its prefix cache."""
+        for b, row in enumerate(self.rows):
+            self.runner.store(b, row.seq[: self.runner.holds(b, row.seq)])
 
     # ------------------------------------------------------------- fan-out
     def early_stop(self, poll):
@@ -338,7 +345,13 @@ class Speculator:
                     q[b, : len(r.proposal)] = r.q
         return Served(tokens, q, hits, backup)
 
-    def first(self) -> Served:
-        """Round 0: every row drafts just-in-time (nothing was pre-speculated yet)."""
+    def first(self, firsts: tuple[int, ...] | None = None) -> Served:
+        """Round 0: every row drafts just-in-time (nothing was pre-speculated yet).
+        `firsts`: each row's first token, when the batch started from its prompts alone."""
+        if firsts is not None:
+            for b, (row, token) in enumerate(zip(self.rows, firsts)):
+                row.seq.append(token)
+                if self.suffix is not None:
+                    self.suffix.own[b].extend([token])
         self.draft_jit([b for b, r in enumerate(self.rows) if r.active])
         return self._served([False] * len(self.rows), None)

@@ -51,19 +51,25 @@ class DraftWorker:
         elif cmd == Cmd.START:
             self._start(payload)
         elif cmd == Cmd.FIRST:
-            self._propose(self.spec.first(), time.perf_counter() - t0)
+            self._propose(self.spec.first(payload), time.perf_counter() - t0)
         elif cmd == Cmd.OUTCOME:
             self._outcome(payload, t0)
+        elif cmd == Cmd.FORGET:
+            if self.runner is not None and self.runner.prefix is not None:
+                self.runner.prefix.clear()
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 
     def _load(self, msg: LoadMsg) -> None:
         from ssdlocal.backends import registry
+        from ssdlocal.core.memory import keep_freed_memory
 
+        keep_freed_memory()
         _apply_placement(msg)
         loaded = registry.load(msg.model, threads=msg.threads)
         registry.claim_device(msg.model.device)
         self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
+        self.runner.setup_prefix(msg.prefix_tokens)
         reply = LoadedMsg(loaded.args.vocab_size, str(loaded.device), loaded.args.max_position_embeddings)
         self.conn.send((Reply.LOADED, reply))
 
@@ -72,10 +78,13 @@ class DraftWorker:
 
         if self.runner is None:
             raise RuntimeError("START before LOAD")  # the client always loads first
+        if self.spec is not None:  # what the last batch left: later prompts may start from it
+            self.spec.store_prefixes()
+            self.spec = None
         self.spec = Speculator(self.runner, msg)
         self.q_buffer = msg.q_buffer
         self.round_index = 0
-        self.conn.send((Reply.READY, self._graphs()))
+        self.conn.send((Reply.READY, {"graphs": self._graphs(), "prefix": self.runner.prefix_report()}))
 
     def _outcome(self, msg: OutcomeMsg, t0: float) -> None:
         spec = self.spec

@@ -31,6 +31,7 @@ from ssdlocal.tui.core import (
 from ssdlocal.tui.messages import (
     GenerationDone,
     ModeChanged,
+    PromptProgress,
     RoundFinished,
     TokensArrived,
     WorkFailed,
@@ -82,6 +83,7 @@ class ChatScreen(Screen):
         self._gen_mode = settings.mode
         self._stop: CancelToken | None = None  # the current answer's
         self._loading_line = ""
+        self._reading: tuple[int, int] | None = None  # (done, total) while a long prompt is read
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -118,6 +120,8 @@ class ChatScreen(Screen):
             state = ("loading models…", "italic")
         elif self.stopping:
             state = ("stopping…", "bold yellow")
+        elif self.generating and self._reading is not None:
+            state = (f"reading the prompt {self._reading[0]:,} / {self._reading[1]:,}…", "bold")
         elif self.generating:
             state = ("generating…" if self._gen_mode is self.settings.mode
                      else f"generating ({self._gen_mode.value.upper()})…", "bold")  # fmt: skip
@@ -230,6 +234,7 @@ class ChatScreen(Screen):
         self.turn += 1
         self._user_text = text
         self.generating, self.stopping = True, False
+        self._reading = None
         self._gen_mode = self.settings.mode
         self.query_one(StatsPanel).reset(self._gen_mode.value)
         self._update_status()
@@ -242,7 +247,8 @@ class ChatScreen(Screen):
         engine = self.engine
         splitter = OriginSplitter(engine.tokenizer)
         try:
-            for ev in engine.generate([ids], settings.sampling, spec=settings.spec, cancel=stop):
+            reading = lambda p: self.post_message(PromptProgress(turn, p.done, p.total))  # noqa: E731
+            for ev in engine.generate([ids], settings.sampling, spec=settings.spec, cancel=stop, progress=reading):
                 if isinstance(ev, TokensEvent):
                     pieces = splitter.split(ev.token_ids, ev.origins, ev.text)
                     self.post_message(TokensArrived(turn, pieces, len(ev.token_ids)))
@@ -259,9 +265,17 @@ class ChatScreen(Screen):
 
     # ------------------------------------------------------------------ messages
     def on_tokens_arrived(self, msg: TokensArrived) -> None:
+        if msg.turn == self.turn and self._reading is not None:
+            self._reading = None  # the first token: the prompt is read
+            self._update_status()
         if msg.turn == self.turn and self._answer is not None:
             self._answer.append(msg.pieces)
             self.query_one(Transcript).scroll_end(animate=False)
+
+    def on_prompt_progress(self, msg: PromptProgress) -> None:
+        if msg.turn == self.turn and self.generating:
+            self._reading = (msg.done, msg.total)
+            self._update_status()
 
     def on_round_finished(self, msg: RoundFinished) -> None:
         if msg.turn == self.turn:

@@ -1,7 +1,7 @@
 """StatsPanel: live speculation metrics of the current (or last) answer.
 
 Reads the engine's metric snapshot (the metric names of docs/architecture.md §3: tokens_per_s, ttft_s,
-acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
+prompt_tokens, cached_prompt_tokens, prefill_tokens_per_s, acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
 accepted_len_hist, draft_ms, verify_ms, backup_used) and draws numbers and bars.
 """
 
@@ -23,6 +23,21 @@ def _pct(x: float | None) -> str:
 
 def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "–" if x is None else fmt.format(x)
+
+
+def _prompt(s: dict) -> str:
+    """"2,162 · 2,144 cached": the prompt's tokens and what the prefix cache held (one line
+    of the panel, whose value column is 20 characters)."""
+    total = s.get("prompt_tokens")
+    if not total:
+        return "–"
+    return f"{total:,} · {s.get('cached_prompt_tokens') or 0:,} cached"
+
+
+def _prefill(s: dict) -> str:
+    """"95 tok/s": how fast the part of the prompt the cache did not hold was read."""
+    rate, total = s.get("prefill_tokens_per_s"), s.get("prompt_tokens") or 0
+    return f"{rate:.0f} tok/s" if rate and total > (s.get("cached_prompt_tokens") or 0) else "–"
 
 
 class StatsPanel(Static):
@@ -129,12 +144,8 @@ class StatsPanel(Static):
                 self._row("tokens/s", _num(s.get("tokens_per_s")))]  # fmt: skip
         ttft = s.get("ttft_s")
         rows.append(self._row("TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms"))
-        # the prompt's reading: its speed and what was reused (one row kept for it always)
-        prefill, cached = s.get("prefill_tokens_per_s"), s.get("cached_prompt_tokens")
-        value = "–" if prefill is None else f"{prefill:.0f} tok/s"
-        if cached:
-            value += f" · {cached:,} cached"
-        rows.append(self._row("prompt", value))
+        rows.append(self._row("prompt", _prompt(s)))  # its tokens and what the prefix cache held
+        rows.append(self._row("prefill", _prefill(s)))  # how fast the rest was read
         rounds = s.get("rounds", 0)
         rows.append(self._row("tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–"))
         return rows

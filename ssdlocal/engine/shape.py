@@ -1,0 +1,98 @@
+"""What a generate call asks beyond sampling: grammar masks and log-probabilities.
+
+`Shaper` sits between the target's logits and verification in every mode. With grammars
+(grammar.guide.Guides) it masks each verified position with what the row's grammar allows
+after the prefix up to it, so verification — unchanged — accepts and samples from the
+constrained, renormalised p; after commit the rows' matchers follow the tokens taken. With
+`logprobs` it reads the log-probabilities of the emitted tokens (and top alternatives) from
+the same logits, at the positions verification already scored: no extra target forward.
+A call with neither costs nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.events import TokenLogprob
+from ssdlocal.core.logprobs import to_host, token_logprobs
+from ssdlocal.core.verify import mask_logits, verify_logits
+
+
+def make_shaper(grammars, rows: int, params: SamplingParams, vocab_size: int, eos_ids) -> "Shaper":
+    """The Shaper of one call of `rows` rows: a matcher per row with a grammar (grammars[b],
+    or None), and `params.logprobs` alternatives per token (None: no log-probabilities)."""
+    if grammars is not None and len(grammars) != rows:
+        raise ValueError(f"{len(grammars)} grammars for {rows} prompts")
+    guides = None
+    if grammars is not None and any(g is not None for g in grammars):
+        from ssdlocal.grammar.guide import Guides
+
+        guides = Guides(grammars, vocab_size, sorted(eos_ids))
+    return Shaper(guides, params.logprobs)
+
+
+class Shaper:
+    """Masks and log-probabilities for one generate call's rounds."""
+
+    def __init__(self, guides=None, logprobs: int | None = None) -> None:
+        self.guides = guides  # grammar.guide.Guides, or None when no row has a grammar
+        self.logprobs = logprobs  # alternatives per token, or None: no log-probabilities
+        self.first_logprobs: list[tuple[TokenLogprob, ...]] | None = None
+
+    def first_token(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+        """The prefill's last logits [B, 1, V] -> each row's first token [B] (masked by its
+        grammar, which then consumes it); keeps its log-probabilities in `first_logprobs`."""
+        batch = logits.shape[0]
+        no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=logits.device)  # [B, 0]
+        active = [True] * batch
+        if self.guides is not None:
+            with self.guides.timing(active):
+                logits = mask_logits(logits, self.guides.allowed([[]] * batch, 0, active, logits.device))
+        first = verify_logits(logits, no_drafts, None, params, generator).bonus  # [B]
+        host = [[t] for t in first.tolist()]
+        if self.logprobs is not None:
+            self.first_logprobs = self._read(logits, first[:, None], host)
+        if self.guides is not None:
+            self.guides.commit(host, active)
+        return first
+
+    def mask(self, logits: torch.Tensor, proposal, active: Sequence[bool]):
+        """(logits [B, T, V] masked per position, the proposal with its drafts on the host)."""
+        if self.guides is None:
+            return logits, proposal
+        if proposal.tokens is None:  # a model's drafts: read them once (read_back reuses them)
+            counts = proposal.n_draft.tolist()
+            rows = proposal.drafts.tolist()
+            proposal = replace(proposal, tokens=[r[:n] for r, n in zip(rows, counts)])
+        width = logits.shape[1] - 1
+        with self.guides.timing(active):
+            allowed = self.guides.allowed(proposal.tokens, width, active, logits.device)  # [B, T, V]
+            return mask_logits(logits, allowed), proposal
+
+    def round_logprobs(self, logits: torch.Tensor, drafts, n_accepted, bonus) -> list | None:
+        """Per row, the TokenLogprobs of its accepted drafts and bonus token (host lists in)."""
+        if self.logprobs is None:
+            return None
+        width = logits.shape[1]
+        host = [list(d[:n]) + [b] for d, n, b in zip(drafts, n_accepted, bonus)]
+        chosen = torch.tensor([h + [0] * (width - len(h)) for h in host], dtype=torch.long)  # [B, T]
+        return self._read(logits, chosen.to(logits.device), host)
+
+    def _read(self, logits, chosen, host) -> list[tuple[TokenLogprob, ...]]:
+        picked, ids, values = token_logprobs(logits, chosen, self.logprobs)
+        return to_host(picked, ids, values, host)
+
+    def commit(self, emitted: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
+        if self.guides is not None:
+            self.guides.commit(emitted, active)
+
+    def seconds(self, live: Sequence[int]) -> tuple[tuple[bool, ...] | None, tuple[float, ...] | None]:
+        """(constrained, grammar seconds since the last call) of the rows `live`."""
+        if self.guides is None:
+            return None, None
+        spent = self.guides.take_seconds()
+        return tuple(self.guides.constrained[b] for b in live), tuple(spent[b] for b in live)

@@ -1,0 +1,264 @@
+"""Grammars for constrained decoding, compiled with llguidance against one vocabulary.
+
+`GrammarCompiler` turns a JSON schema, "any JSON object", a regular expression or Lark text
+into a `Grammar`: validated (a schema using keywords llguidance cannot enforce is refused,
+naming them), compiled within a time limit, and cached (least recently used, bounded). A
+Grammar is compiled once and copied per row (`Grammar.matcher()`). llguidance is imported
+when the first grammar is asked for (pip extra `serve`), with an install hint when missing.
+Knows nothing of models, rounds or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ssdlocal.core.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+WHITESPACE = r"( ?\r?\n[ \t]{0,32}| )?"  # between JSON tokens: a space, or a line break and its indentation
+INSTALL_HINT = 'pip install llguidance (the "grammar" and "serve" extras include it)'
+
+
+class GrammarError(UsageError):
+    """A grammar that cannot be enforced. `reason`: "invalid" (not a valid schema / regex /
+    grammar), "unsupported" (valid, but uses features the engine cannot enforce), "too_slow"
+    (over the compile time limit) or "too_large" (over a size bound)."""
+
+    def __init__(self, message: str, hint: str = "", reason: str = "invalid") -> None:
+        super().__init__(message, hint)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on what one grammar may cost (the server's README limits table)."""
+
+    max_chars: int = 65_536  # the grammar's text (a schema's JSON, a regex, Lark)
+    compile_timeout_s: float = 5.0  # compile + the first mask
+    cache_entries: int = 64  # compiled grammars kept
+
+
+def require_llguidance():
+    """The llguidance module, or UsageError with the install hint."""
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401 - the tokenizer adapter
+    except ImportError:
+        raise UsageError("constrained decoding needs llguidance, which is not installed", INSTALL_HINT) from None
+    return llguidance
+
+
+class Grammar:
+    """One compiled grammar: a template matcher in its start state, copied per row."""
+
+    def __init__(self, key: str, kind: str, template, compile_s: float) -> None:
+        self.key = key  # what it was compiled from (kind and text)
+        self.kind = kind  # "json_schema" | "json_object" | "regex" | "lark"
+        self._template = template  # llguidance.LLMatcher, never advanced
+        self.compile_s = compile_s
+
+    def matcher(self):
+        """A fresh llguidance.LLMatcher in the start state (a copy: rows never share one)."""
+        return self._template.deep_copy()
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind}, {self.key[:60]!r})"
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer (the target's) and caches them.
+
+    `tokenizer`: a Hugging Face fast tokenizer; `vocab_size`: the model's vocabulary (may
+    exceed the tokenizer's: padding rows are never allowed); `eos_ids`: the tokens that end
+    a row, allowed once the grammar is complete. Building llguidance's view of the vocabulary
+    takes a second or more, so it is built once, on the first grammar (or by `prepare`).
+    Thread-safe.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self.limits = limits or GrammarLimits()
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()  # the tokenizer view and the cache
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self.hits = 0
+        self.compiled = 0
+
+    # ------------------------------------------------------------------ public
+    def prepare(self) -> None:
+        """Build llguidance's view of the vocabulary now (else on the first grammar)."""
+        self._tokenizer()
+
+    def json_schema(self, schema: Any) -> Grammar:
+        """A grammar for JSON documents that validate against `schema` (a dict)."""
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        return self._get("json_schema", text)
+
+    def json_object(self) -> Grammar:
+        """A grammar for any JSON object."""
+        return self._get("json_object", '{"type":"object"}')
+
+    def regex(self, pattern: str) -> Grammar:
+        """A grammar for the strings that match `pattern` whole."""
+        return self._get("regex", pattern)
+
+    def lark(self, text: str) -> Grammar:
+        """A grammar written in llguidance's Lark dialect (may embed `%json {schema}`)."""
+        return self._get("lark", text)
+
+    def compile(self, kind: str, source) -> Grammar:
+        """`kind` "json_schema" (a dict), "json_object", "regex" or "lark" (text)."""
+        if kind == "json_schema":
+            return self.json_schema(source)
+        if kind == "json_object":
+            return self.json_object()
+        return self._get(kind, source)
+
+    def special_token(self, text: str) -> int | None:
+        """The id of `text` when the vocabulary has it as one added token (such tokens are
+        written `<[id]>` in Lark: llguidance does not match them as text), else None."""
+        added = getattr(self.tokenizer, "get_added_vocab", lambda: {})()
+        return added.get(text)
+
+    # ------------------------------------------------------------------ compile
+    def _get(self, kind: str, text: str) -> Grammar:
+        if len(text) > self.limits.max_chars:
+            raise GrammarError(
+                f"the {kind.replace('_', ' ')} has {len(text)} characters; at most {self.limits.max_chars} are allowed",
+                "send a smaller schema", reason="too_large",
+            )  # fmt: skip
+        key = f"{kind}:{text}"
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return found
+        grammar = self._compile_bounded(kind, text, key)
+        with self._lock:
+            self._cache[key] = grammar
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.limits.cache_entries:
+                self._cache.popitem(last=False)
+            self.compiled += 1
+        return grammar
+
+    def _compile_bounded(self, kind: str, text: str, key: str) -> Grammar:
+        """Compile in a thread of its own; past the time limit, GrammarError (the thread
+        finishes on its own: llguidance bounds its work by fuel, and drops the GIL)."""
+        ll_tokenizer = self._tokenizer()  # not counted against the limit: built once
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                result["grammar"] = self._compile(kind, text, key, ll_tokenizer)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=work, name="ssdlocal-grammar", daemon=True)
+        thread.start()
+        thread.join(self.limits.compile_timeout_s)
+        if thread.is_alive():
+            raise GrammarError(
+                f"the {kind.replace('_', ' ')} did not compile within {self.limits.compile_timeout_s:g} s",
+                "simplify it (fewer alternatives, smaller repetition counts)", reason="too_slow",
+            )  # fmt: skip
+        if "error" in result:
+            raise result["error"]
+        return result["grammar"]
+
+    def _compile(self, kind: str, text: str, key: str, ll_tokenizer) -> Grammar:
+        llg = require_llguidance()
+        t0 = time.perf_counter()
+        source = self._source(llg, kind, text)
+        limits = llg.LLParserLimits(verbose_errors=False)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, ll_tokenizer, limits=limits)
+        if is_error:
+            raise _refusal(kind, messages[0] if messages else "unknown error")
+        if messages:
+            log.debug("grammar warnings for %s: %s", kind, messages)
+        template = llg.LLMatcher(ll_tokenizer, source, log_level=0, limits=limits)
+        if template.is_error():
+            raise _refusal(kind, template.get_error())
+        first_mask(template, self.vocab_size)  # builds the lexer: the rest of the compile work
+        if template.is_error():
+            raise _refusal(kind, template.get_error())
+        return Grammar(key, kind, template, time.perf_counter() - t0)
+
+    @staticmethod
+    def _source(llg, kind: str, text: str) -> str:
+        # the model's own JSON layout (compact, spaced or indented), bounded so that
+        # whitespace cannot run on
+        options = {"whitespace_flexible": True, "whitespace_pattern": WHITESPACE}
+        if kind in ("json_schema", "json_object"):
+            try:
+                return llg.LLMatcher.grammar_from_json_schema(text, defaults=options)
+            except ValueError as exc:
+                raise GrammarError(f"not a valid JSON schema: {_short(str(exc))}") from None
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(text)
+        return llg.LLMatcher.grammar_from_lark(text)
+
+    def _tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                llg = require_llguidance()
+                t0 = time.perf_counter()
+                self._ll_tokenizer = llg.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
+                )  # fmt: skip
+                log.info("grammar engine ready for %d tokens in %.1f s", self.vocab_size, time.perf_counter() - t0)
+            return self._ll_tokenizer
+
+
+def check(kind: str, source) -> None:
+    """Refuse a grammar that cannot compile, before any model is loaded (no vocabulary
+    needed): GrammarError as `compile` would raise it."""
+    llg = require_llguidance()
+    text = json.dumps(source, ensure_ascii=False) if kind == "json_schema" else source
+    if kind == "json_schema" and not isinstance(source, dict):
+        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+        GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
+    )  # fmt: skip
+    if is_error:
+        raise _refusal(kind, messages[0] if messages else "unknown error")
+
+
+def first_mask(matcher, vocab_size: int):
+    """The allowed-token bitmask of `matcher`'s current state: int32 words [ceil(V/32)]."""
+    import torch
+
+    words = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+    return words
+
+
+def _refusal(kind: str, message: str) -> GrammarError:
+    """llguidance's message as a GrammarError: unsupported features named as such."""
+    message = _short(message)
+    what = kind.replace("_", " ")
+    if "Unimplemented" in message or "not supported" in message.lower() or "unsupported" in message.lower():
+        return GrammarError(
+            f"the {what} uses features ssdlocal's grammar engine cannot enforce: {message}",
+            "drop those keywords (or enforce them after the answer arrives)", reason="unsupported",
+        )  # fmt: skip
+    if "limit" in message.lower() or "too complex" in message.lower() or "fuel" in message.lower():
+        return GrammarError(f"the {what} is too complex to enforce: {message}", "simplify it", reason="too_slow")
+    return GrammarError(f"invalid {what}: {message}", "check it against its specification")
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,80 @@
+"""A request's grammar: its JSON response format or forced tool call, compiled for the
+served model.
+
+One `RequestGrammars` per server holds one grammar.compiler.GrammarCompiler (llguidance's
+view of the vocabulary is built once, in the background from start-up; compiled grammars
+are cached and bounded) and the tool-call format of the model's chat template. `for_request`
+returns the Grammar that enforces what a request asks for, or None, and turns every refusal
+into OpenAI's error body naming the field: an invalid schema, features the grammar engine
+cannot enforce (named), a schema over the size bound, a grammar over the compile time limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ssdlocal.core.errors import UsageError
+from ssdlocal.grammar.compiler import GrammarCompiler, GrammarError, GrammarLimits
+from ssdlocal.server.protocol import APIError, ParsedRequest, bad
+from ssdlocal.server.structured import FieldError
+from ssdlocal.server.tools import ToolFormat, compile_forced, detect_format, require_format
+
+log = logging.getLogger(__name__)
+
+CODES = {"unsupported": "unsupported_schema", "too_slow": "grammar_too_complex", "too_large": "schema_too_large"}
+
+
+class RequestGrammars:
+    """Grammars for the requests of one server (thread-safe)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, limits)
+        self.tool_format: ToolFormat | None = detect_format(getattr(tokenizer, "chat_template", None))
+
+    def warm_up(self) -> None:
+        """Build the vocabulary view in a background thread (skipped without llguidance)."""
+        def work() -> None:
+            try:
+                self.compiler.prepare()
+            except UsageError:
+                log.debug("llguidance is not installed: structured output is unavailable")
+            except Exception:  # noqa: BLE001 - the first request will report it
+                log.warning("the grammar engine could not be prepared", exc_info=True)
+
+        threading.Thread(target=work, name="ssdlocal-grammar-prepare", daemon=True).start()
+
+    def tools_format(self, req: ParsedRequest) -> ToolFormat | None:
+        """The format the request's tools are offered in (None: no tools offered)."""
+        if not req.tools or req.tool_choice.mode == "none":
+            return None
+        try:
+            return require_format(getattr(self.compiler.tokenizer, "chat_template", None))
+        except FieldError as exc:
+            raise bad(exc.message, param=exc.param, code="unsupported") from None
+
+    def for_request(self, req: ParsedRequest):
+        """The Grammar enforcing `req`'s response_format / forced tool call, or None."""
+        fmt = self.tools_format(req)
+        answer = req.response_format
+        if not req.constrained:
+            return None
+        try:
+            if fmt is not None and (req.tool_choice.forced or answer is not None):
+                return compile_forced(fmt, req.tools, req.tool_choice, self.compiler, answer)
+            if answer.kind == "json_object":
+                return self.compiler.json_object()
+            return self.compiler.json_schema(answer.schema)
+        except FieldError as exc:
+            raise bad(exc.message, param=exc.param, code="invalid_schema") from None
+        except GrammarError as exc:
+            param = "response_format.json_schema.schema" if answer is not None and not req.tool_choice.forced else "tools"
+            raise APIError(400, f"{exc.message} ({exc.hint})" if exc.hint else exc.message, param=param,
+                           code=CODES.get(exc.reason, "invalid_schema")) from None  # fmt: skip
+        except UsageError as exc:  # llguidance is not installed
+            raise APIError(400, f"{exc.message} ({exc.hint})", param=_param(req), code="unsupported") from None
+
+
+def _param(req: ParsedRequest) -> str:
+    return "tool_choice" if req.tool_choice.forced else "response_format"
+

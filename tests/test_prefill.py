@@ -1,0 +1,129 @@
+"""Reading long prompts: chunks layer by layer, quantized weights expanded to dense ones.
+
+The expansion must give exactly the weights the quantized kernels multiply by (float32;
+bfloat16 within its rounding) for every CPU int4 layout torch may use, and a long feed
+(chunked, expanded) must give the logits of one plain forward over the same tokens; a
+progress callback that raises stops the feed with nothing held.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ssdlocal.backends.torch import int4_cpu
+from ssdlocal.backends.torch import runner as runner_mod
+from ssdlocal.backends.torch.quant import QuantLinear, quantize
+from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams
+from ssdlocal.core.events import DoneEvent
+from ssdlocal.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+@pytest.mark.parametrize("layout", int4_cpu.LAYOUTS, ids=lambda lay: lay.name)
+@pytest.mark.parametrize("rows", [128, 176])  # whole blocks only, and a partial last block
+def test_expansion_equals_the_int4_values_in_every_layout(layout, rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, 96, generator=gen)
+    qw = quantize(w, "int4", torch.float32)
+    packed = int4_cpu.pack(qw.codes, layout)
+    sz = torch.stack((qw.scales.t(), qw.zeros.t()), dim=-1).contiguous()  # [K/g, N, 2] as QuantLinear packs
+    exact = qw.dequantize(torch.float32)  # [N, K]
+    got = int4_cpu.expand_transposed(packed, sz, qw.group_size, layout, torch.float32)  # [K, N]
+    assert torch.allclose(got.t(), exact, atol=1e-6, rtol=0)
+    half = int4_cpu.expand_transposed(packed, sz.bfloat16(), qw.group_size, layout, torch.bfloat16)
+    step = exact.abs().amax() / 64  # a few bfloat16 steps of the largest weights
+    assert (half.t().float() - exact).abs().max() < step
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_expanded_linear_equals_its_kernel(scheme, dtype):
+    gen = torch.Generator().manual_seed(3)
+    linear = QuantLinear(quantize(torch.randn(200, 128, generator=gen), scheme, dtype), None, dtype=dtype, device="cpu")
+    x = torch.randn(300, 128, generator=gen).to(dtype)
+    kernel = linear(x).float()
+    with linear.expanded():
+        assert linear._dense is not None
+        dense = linear(x).float()
+    assert linear._dense is None  # released on exit
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (dense - kernel).abs().max() <= tol * kernel.abs().max()
+
+
+@pytest.fixture(scope="module")
+def long_context(tiny_dir, tmp_path_factory):
+    """The tiny llama with a 4096-token context."""
+    dst = tmp_path_factory.mktemp("long") / "llama"
+    shutil.copytree(tiny_dir["llama"], dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def _last_logits(engine: Engine, ids: list[list[int]]) -> torch.Tensor:
+    runner = engine.runner
+    runner.reset(len(ids), max(map(len, ids)) + 8)
+    return torch.stack([lg[-1] for lg in runner.feed(ids, "last")])  # [B, V]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_a_chunked_expanded_feed_equals_one_plain_forward(long_context, quantization, monkeypatch):
+    spec = ModelSpec(long_context, dtype="float32", quantization=quantization)
+    prompts = [[(7 * i) % 300 + 5 for i in range(1300)], [(11 * i) % 300 + 5 for i in range(777)]]
+    with Engine(EngineConfig(target=spec, prefix_cache_tokens=0)) as engine:
+        chunked = _last_logits(engine, prompts)  # 1300 tokens: 3 chunks of 512, expanded weights
+        monkeypatch.setattr(runner_mod, "PREFILL_CHUNK", 1 << 20)
+        monkeypatch.setattr(runner_mod, "DENSE_MIN_TOKENS", 1 << 30)
+        plain = _last_logits(engine, prompts)  # one forward through the quantized kernels
+    assert torch.allclose(chunked, plain, atol=1e-4, rtol=1e-4)
+    assert torch.equal(chunked.argmax(-1), plain.argmax(-1))
+
+
+def test_a_raising_progress_stops_the_feed_and_holds_nothing(long_context):
+    seen = []
+
+    def stop_after_first(done, total):
+        seen.append((done, total))
+        raise KeyboardInterrupt
+
+    prompt = [(3 * i) % 300 + 5 for i in range(1500)]
+    with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"), prefix_cache_tokens=0)) as engine:
+        runner = engine.runner
+        runner.reset(1, 1600)
+        with pytest.raises(KeyboardInterrupt):
+            runner.feed([prompt], "last", stop_after_first)
+        layers = len(runner.model.layers)  # read layer by layer: a chunk of one layer is 1/layers of its tokens
+        assert seen == [(512 // layers, 1500)] and runner.cached(0) == 0
+        again = runner.feed([prompt], "last")[0][-1]  # the next feed starts from scratch
+        runner.reset(1, 1600)
+        fresh = runner.feed([prompt], "last")[0][-1]
+    assert torch.equal(again, fresh)
+
+
+def test_cancel_while_a_long_prompt_is_read_stops_within_a_chunk(long_context):
+    from ssdlocal.core.cancel import CancelToken
+
+    token = CancelToken()
+    progress = []
+
+    def on_progress(p):
+        progress.append((p.done, p.total))
+        token.cancel()  # as a client disconnect or Esc would, from another thread
+
+    prompt = [(5 * i) % 300 + 5 for i in range(1500)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"))) as engine:
+        events = list(engine.generate([prompt], params, cancel=token, progress=on_progress))
+        assert progress == [(512 // len(engine.runner.model.layers), 1500)]  # the next report saw the cancel
+        done = events[-1]
+        assert isinstance(done, DoneEvent) and done.outputs[0].finish_reason == "cancelled"
+        assert done.outputs[0].token_ids == ()
+        assert engine.prefix_reports()["target"]["used_tokens"] == 0  # nothing half-read was kept
+        full = [e for e in engine.generate([prompt], params) if isinstance(e, DoneEvent)][0]
+        assert len(full.outputs[0].token_ids) == 4

@@ -1,0 +1,187 @@
+"""Tool calls without a model: the request fields (tools, tool_choice, response_format,
+logprobs) and their errors, the formats chosen from chat templates, and the parser that
+reads calls out of an answer — the same pieces whether it streams or arrives whole."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ssdlocal.server.protocol import APIError, parse_chat, parse_completion
+from ssdlocal.server.structured import MAX_TOOLS
+from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
+from ssdlocal.server.tools import HERMES, LLAMA3_JSON, detect_format, template_messages
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def chat(**fields):
+    return parse_chat({"model": "m", "messages": USER, **fields}, None)
+
+
+def error_param(fn, **fields) -> str:
+    with pytest.raises(APIError) as info:
+        fn(**fields)
+    assert info.value.status == 400
+    return info.value.body()["error"]["param"]
+
+
+def test_tools_and_tool_choice_parse():
+    req = chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
+    assert [t.name for t in req.tools] == ["get_weather", "add"]
+    assert req.tool_choice.mode == "function" and req.tool_choice.name == "add" and req.constrained
+    assert chat(tools=[WEATHER]).tool_choice.mode == "auto" and not chat(tools=[WEATHER]).constrained
+    assert chat(tools=[WEATHER], tool_choice="required").tool_choice.forced
+    assert chat().tool_choice.mode == "none"
+    assert req.tools[0].as_template() == WEATHER
+    assert chat(tools=[WEATHER], tool_choice="required").tool_choice.parallel
+    assert not chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False).tool_choice.parallel
+    assert error_param(chat, tools=[WEATHER], parallel_tool_calls="no") == "parallel_tool_calls"
+
+
+def test_bad_tool_fields_name_their_param():
+    assert error_param(chat, tools=[WEATHER] * 2) == "tools"  # duplicate names
+    assert error_param(chat, tools=[{**WEATHER, "function": {**WEATHER["function"], "name": f"f{i}"}}
+                                    for i in range(MAX_TOOLS + 1)]) == "tools"
+    not_schema = {"type": "function", "function": {"name": "f", "parameters": ["x"]}}
+    assert error_param(chat, tools=[not_schema]) == "tools[0].function.parameters"
+    bad_type = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "strng"}}}}}
+    assert error_param(chat, tools=[bad_type]) == "tools[0].function.parameters"
+    assert error_param(chat, tools=[{"type": "function", "function": {"name": "bad name"}}]) == "tools[0].function.name"
+    assert error_param(chat, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "add"}}) \
+        == "tool_choice"
+    assert error_param(chat, tool_choice="required") == "tool_choice"
+    assert error_param(chat, tools=[WEATHER], tool_choice="sometimes") == "tool_choice"
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}
+    assert error_param(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}}) \
+        == "response_format.json_schema.schema"
+    with pytest.raises(APIError) as info:
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}})
+    assert info.value.body()["error"]["code"] == "schema_too_large"
+    assert error_param(chat, response_format={"type": "xml"}) == "response_format"
+    assert error_param(chat, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}) \
+        == "response_format"
+    assert error_param(chat, logprobs=True, top_logprobs=21) == "top_logprobs"
+    assert error_param(chat, top_logprobs=2) == "top_logprobs"  # without logprobs: true
+    assert error_param(lambda **kw: parse_completion({"model": "m", "prompt": "x", **kw}, None), logprobs=21) \
+        == "logprobs"
+    with pytest.raises(APIError):
+        parse_completion({"model": "m", "prompt": "x", "tools": [WEATHER]}, None)
+
+
+def test_logprobs_and_response_formats_parse():
+    assert chat(logprobs=True, top_logprobs=5).params.logprobs == 5
+    assert chat(logprobs=True).params.logprobs == 0 and chat().params.logprobs is None
+    assert parse_completion({"model": "m", "prompt": "x", "logprobs": 3}, None).params.logprobs == 3
+    fmt = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                         "schema": {"type": "object"}}})
+    assert fmt.response_format.kind == "json_schema" and fmt.constrained
+    assert chat(response_format={"type": "json_object"}).response_format.kind == "json_object"
+    assert chat(response_format={"type": "text"}).response_format is None
+
+
+def test_history_with_calls_and_results_reaches_the_template_as_objects():
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    req = parse_chat({"model": "m", "messages": messages, "tools": [WEATHER]}, None)
+    rendered = template_messages(req.messages)
+    assert rendered[1]["content"] == "" and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert rendered[2] == {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}
+    bad = [*USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    assert error_param(lambda: parse_chat({"model": "m", "messages": bad}, None)) == "messages[1].tool_calls[0]"
+
+
+def test_formats_come_from_the_template():
+    assert detect_format("... {{ '<tool_call>\\n' }} ...") is HERMES
+    assert detect_format('{"name": function name, "parameters": ...} <|start_header_id|>ipython') is LLAMA3_JSON
+    assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert detect_format(None) is None
+
+
+def _pieces(fmt, text, names=("get_weather", "add"), seed=0):
+    """(whole answer's deltas, deltas streamed in random pieces)."""
+    whole = ToolCallParser(fmt, names)
+    all_at_once = whole.feed(text) + whole.finish()
+    rnd, parser, streamed, i = random.Random(seed), ToolCallParser(fmt, names), [], 0
+    while i < len(text):
+        j = i + rnd.randint(1, 5)
+        streamed += parser.feed(text[i:j])
+        i = j
+    return all_at_once, streamed + parser.finish()
+
+
+def _calls(deltas):
+    content, calls = collect(deltas)
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+HERMES_CASES = {
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "q": "}{\\""}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>':
+        ("Checking.", [("get_weather", '{"city": "Paris", "q": "}{\\""}'), ("add", '{"a": 1, "b": 2}')]),
+    '<tool_call>\n{"arguments": {"a": 1}, "name": "add"}\n</tool_call>': (None, [("add", '{"a": 1}')]),
+    # looks like a call, but is not one in the format: text
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}': ('{"name": "get_weather", "arguments": {"city": "Paris"}}', []),
+    '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>': ('<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>', []),
+    "Use the <tool_ tag, or <tool_call> alone": ("Use the <tool_ tag, or <tool_call> alone", []),
+}
+
+
+@pytest.mark.parametrize("text", list(HERMES_CASES))
+def test_hermes_calls_stream_as_they_read_whole(text):
+    whole, streamed = _pieces(HERMES, text)
+    assert _calls(whole) == HERMES_CASES[text]
+    for seed in range(10):
+        assert _calls(_pieces(HERMES, text, seed=seed)[1]) == HERMES_CASES[text]
+
+
+def test_arguments_stream_in_pieces_with_the_call_first():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France"}}\n</tool_call>'
+    _, streamed = _pieces(HERMES, text, seed=3)
+    starts = [d for d in streamed if isinstance(d, CallStart)]
+    args = [d for d in streamed if isinstance(d, CallArgs)]
+    assert len(starts) == 1 and starts[0].id.startswith("call_") and starts[0].index == 0
+    assert streamed.index(starts[0]) < streamed.index(args[0]) and len(args) > 3
+    assert "".join(a.text for a in args) == '{"city": "Paris, France"}'
+    assert not [d for d in streamed if isinstance(d, Content)]
+
+
+def test_llama3_json_calls():
+    cases = {
+        '{"name": "add", "parameters": {"a": 1, "b": 2}}': (None, [("add", '{"a": 1, "b": 2}')]),
+        ' {"name": "other", "parameters": {}}': (' {"name": "other", "parameters": {}}', []),
+        'Here: {"name": "add", "parameters": {"a": 1}}': ('Here: {"name": "add", "parameters": {"a": 1}}', []),
+        "Plain text.": ("Plain text.", []),
+    }
+    for text, expected in cases.items():
+        whole, streamed = _pieces(LLAMA3_JSON, text)
+        assert _calls(whole) == expected and _calls(streamed) == expected, text
+    assert json.loads(_calls(_pieces(LLAMA3_JSON, '{"name": "add", "parameters": {"a": 1}}')[0])[1][0][1]) == {"a": 1}
+
+
+def test_without_llguidance_constrained_requests_get_an_install_hint(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from ssdlocal.core.errors import UsageError
+    from ssdlocal.grammar.compiler import require_llguidance
+    from ssdlocal.server.grammars import RequestGrammars
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails as if not installed
+    with pytest.raises(UsageError) as info:
+        require_llguidance()
+    assert "pip install llguidance" in info.value.hint
+    grammars = RequestGrammars(SimpleNamespace(chat_template=None), 384, [0])
+    assert grammars.for_request(chat()) is None  # nothing to enforce: no engine needed
+    with pytest.raises(APIError) as api:
+        grammars.for_request(chat(response_format={"type": "json_object"}))
+    body = api.value.body()["error"]
+    assert api.value.status == 400 and body["param"] == "response_format" and "llguidance" in body["message"]
