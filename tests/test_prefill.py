@@ -76,13 +76,49 @@ def _last_logits(engine: Engine, ids: list[list[int]]) -> torch.Tensor:
 def test_a_chunked_expanded_feed_equals_one_plain_forward(long_context, quantization, monkeypatch):
     spec = ModelSpec(long_context, dtype="float32", quantization=quantization)
     prompts = [[(7 * i) % 300 + 5 for i in range(1300)], [(11 * i) % 300 + 5 for i in range(777)]]
+    expanded = []
+    real = runner_mod.dense_dtype
+
+    def always_dense(model, rows):  # whatever the timings say for tiny matrices
+        expanded.append(real(model, rows))
+        return torch.float32 if quantization != "none" else None
+
+    monkeypatch.setattr(runner_mod, "dense_dtype", always_dense)
     with Engine(EngineConfig(target=spec, prefix_cache_tokens=0)) as engine:
         chunked = _last_logits(engine, prompts)  # 1300 tokens: 3 chunks of 512, expanded weights
+        assert expanded and (expanded[0] is None) == (quantization == "none")  # nothing to expand
         monkeypatch.setattr(runner_mod, "PREFILL_CHUNK", 1 << 20)
         monkeypatch.setattr(runner_mod, "DENSE_MIN_TOKENS", 1 << 30)
         plain = _last_logits(engine, prompts)  # one forward through the quantized kernels
     assert torch.allclose(chunked, plain, atol=1e-4, rtol=1e-4)
     assert torch.equal(chunked.argmax(-1), plain.argmax(-1))
+
+
+def test_the_path_for_long_feeds_is_chosen_by_measured_cost():
+    from ssdlocal.backends.torch.prefill_path import PathCosts
+
+    costs = PathCosts(kernel_per_row=3e-4, dense={torch.bfloat16: (1e-4, 0.02), torch.float32: (2e-4, 0.001)})
+    assert costs.best(5) is None  # a few rows: the kernel (expanding costs more than it saves)
+    assert costs.best(50) == torch.float32  # cheap expansion wins first
+    assert costs.best(1000) == torch.bfloat16  # many rows: the fastest matmul
+    slow = PathCosts(kernel_per_row=1e-4, dense={torch.bfloat16: (2.3e-4, 0.02)})  # an AVX2-only CPU's bf16
+    assert slow.best(10_000) is None
+
+
+def test_the_measured_choice_is_taken_once_per_process_and_shape(tiny_dir):
+    from ssdlocal.backends.torch import prefill_path
+
+    spec = ModelSpec(str(tiny_dir["llama"]), dtype="bfloat16", quantization="int4")
+    with Engine(EngineConfig(target=spec, prefix_cache_tokens=0)) as engine:
+        prefill_path._MEASURED.clear()
+        first = prefill_path.dense_dtype(engine.runner.model, 512)
+        assert len(prefill_path._MEASURED) == 1
+        (costs,) = prefill_path._MEASURED.values()
+        assert costs.kernel_per_row > 0 and set(costs.dense) == {torch.bfloat16, torch.float32}
+        assert prefill_path.dense_dtype(engine.runner.model, 512) == first and len(prefill_path._MEASURED) == 1
+        assert first in (None, torch.bfloat16, torch.float32)
+    with Engine(EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"))) as engine:
+        assert prefill_path.dense_dtype(engine.runner.model, 512) is None  # nothing quantized
 
 
 def test_a_raising_progress_stops_the_feed_and_holds_nothing(long_context):

@@ -323,7 +323,7 @@ class Transformer(nn.Module):
 
     def prefill(
         self, input_ids: Tensor, positions: Tensor, keep: Tensor | None, chunk: int,
-        fresh: bool = False, dense: bool = False, progress: Callable[[int, int], None] | None = None,
+        fresh: bool = False, dense: torch.dtype | None = None, progress: Callable[[int, int], None] | None = None,
     ) -> Tensor:
         """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
         k/v goes to the slot of its position) -> logits [B, n, V] at `keep` [B, n] (None:
@@ -334,7 +334,7 @@ class Transformer(nn.Module):
         cache's slots up to its positions (earlier calls' tokens and earlier chunks).
         `fresh`: rows start at slot 0 with equal lengths, so the first chunk needs no mask.
         `dense`: modules that offer `expanded()` (quantized linears) hold their weights
-        dense for the layer's chunks, computed once per layer. `progress(done, total)` is
+        dense in this dtype for the layer's chunks, computed once per layer (None: not). `progress(done, total)` is
         called after every (layer, chunk) in units of chunk tokens; if it raises, the feed
         stops there (what was written past the callers' held tokens is never read).
         """
@@ -350,10 +350,10 @@ class Transformer(nn.Module):
         pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
         for layer in self.layers:
             with ExitStack() as stack:
-                if dense:
+                if dense is not None:
                     for module in layer.modules():
                         if hasattr(module, "expanded"):
-                            stack.enter_context(module.expanded(pool))
+                            stack.enter_context(module.expanded(pool, dense))
                 for a in starts:
                     b = min(a + chunk, T)
                     pos = positions[:, a:b]  # [B, C]

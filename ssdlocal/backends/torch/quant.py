@@ -211,15 +211,16 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", w.scales.to(device, dtype))
 
     @contextmanager
-    def expanded(self, pool: ScratchPool | None = None) -> Iterator[None]:
-        """Within: the weight held dense in the activation dtype, so inputs of many rows (a
-        prompt) run through the dense matmul kernels, not the quantized ones made for a few
-        rows. Kernels already dense in that dtype (int8 on CUDA) or with a layout that is
-        not ours to read (CUDA tinygemm int4) stay as they are. `pool` lends the memory
-        (a prefill reuses one layer's buffers for the next layer)."""
+    def expanded(self, pool: ScratchPool | None = None, dtype: torch.dtype | None = None) -> Iterator[None]:
+        """Within: the weight held dense in `dtype` (default: the activation dtype), so inputs
+        of many rows (a prompt) run through the dense matmul kernels, not the quantized ones
+        made for a few rows (inputs are cast to `dtype` and back). Kernels already dense in
+        the activation dtype (int8 on CUDA) or with a layout that is not ours to read (CUDA
+        tinygemm int4) stay as they are. `pool` lends the memory (a prefill reuses one
+        layer's buffers for the next layer)."""
         pool = ScratchPool() if pool is None else pool
         lent: list[Tensor] = []
-        self._dense = self._dense_weight(pool, lent)
+        self._dense = self._dense_weight(pool, lent, dtype or self.dtype)
         try:
             yield
         finally:
@@ -227,29 +228,34 @@ class QuantLinear(nn.Module):
             for t in lent:
                 pool.give(t)
 
-    def _dense_weight(self, pool: ScratchPool, lent: list[Tensor]) -> Tensor | None:
-        """W [out_features, in_features] in the activation dtype (a view), or None; buffers
-        taken from `pool` are added to `lent`."""
+    @property
+    def expandable(self) -> bool:
+        """Whether `expanded` gives this kernel's weight a dense form."""
+        return self.kernel in ("int8_cpu", "int4_dequant") or (self.kernel == "int4_cpu" and self.layout is not None)
+
+    def _dense_weight(self, pool: ScratchPool, lent: list[Tensor], dtype: torch.dtype) -> Tensor | None:
+        """W [out_features, in_features] in `dtype` (a view), or None; buffers taken from
+        `pool` are added to `lent`."""
         n, k = self.out_features, self.kernel
-        if k == "int4_cpu" and self.layout is not None:
+        if not self.expandable:
+            return None
+        if k == "int4_cpu":
             rows, half = self.packed.shape
             shape, dev = (2 * half, rows), self.packed.device
-            lent += [pool.take(shape, self.dtype, dev), pool.take(shape, torch.uint8, dev)]
+            lent += [pool.take(shape, dtype, dev), pool.take(shape, torch.uint8, dev)]
             wt = int4_cpu.expand_transposed(self.packed, self.scales_and_zeros, self.group_size, self.layout,
-                                            self.dtype, out=lent[-2], codes=lent[-1])  # fmt: skip
+                                            dtype, out=lent[-2], codes=lent[-1])  # fmt: skip
             return wt[:, :n].t()  # [N, K]: a transposed view, which the matmul reads as is
         if k == "int8_cpu":
-            return self.codes.to(self.dtype) * self.scales[:, None]  # [N, K]
-        if k == "int4_dequant":
-            return QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size).dequantize(self.dtype)
-        return None
+            return self.codes.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
+        return QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size).dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         k = self.kernel
         if self._dense is not None:
-            out = F.linear(x2, self._dense)  # [M, N]
+            out = F.linear(x2.to(self._dense.dtype), self._dense).to(x2.dtype)  # [M, N]
         elif k in ("int4_cpu", "int8_cpu"):
             m = x2.shape[0]
             whole = m // _CPU_ROW_BLOCK * _CPU_ROW_BLOCK

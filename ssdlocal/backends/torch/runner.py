@@ -25,6 +25,7 @@ from ssdlocal.backends.base import HeldRows
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
 from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
+from ssdlocal.backends.torch.prefill_path import dense_dtype
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
 
@@ -33,8 +34,8 @@ FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
 STEP_OFFSETS = 64  # widest `step` served by the static offsets (wider ones grow them)
 LOGITS_KINDS = ("all", "last", "none")
 PREFILL_CHUNK = 512  # a long feed reads this many tokens per row at a time, layer by layer
-# Feeds of at least this many tokens expand quantized weights to dense ones once per layer
-# (docs/architecture.md, "Reading prompts"): below it the quantized kernels are faster.
+# Feeds of at least this many rows may expand quantized weights to dense ones once per layer,
+# when this machine's timings say it pays (backends/torch/prefill_path.py).
 DENSE_MIN_TOKENS = 128
 
 
@@ -165,8 +166,8 @@ class TorchRunner(HeldRows):
         if self.plain and (t_max > PREFILL_CHUNK or rows_in >= DENSE_MIN_TOKENS):
             layers = len(self.model.layers)
             report = None if progress is None else (lambda done, total: progress(done // layers, total // layers))
-            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh,
-                                     dense=rows_in >= DENSE_MIN_TOKENS, progress=report)  # fmt: skip
+            dense = dense_dtype(self.model, rows_in) if rows_in >= DENSE_MIN_TOKENS else None
+            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report)
         elif not self.plain and t_max > PREFILL_CHUNK:
             out = self._chunked_forward(ids, positions, keep, progress)
         else:
