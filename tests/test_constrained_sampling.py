@@ -16,7 +16,6 @@ as draft, so drafts are often rejected and the residual path carries mass.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -41,27 +40,11 @@ T1 = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
 WORDS = r"[a-z]{1,3}(,[a-z]{1,3})*"  # what a token may be depends on the run of letters before it
 
 
-def _scale_lm_head(directory, factor: float) -> None:
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(directory.glob("*.safetensors")):
-        state = load_file(f)
-        if "lm_head.weight" in state:
-            state["lm_head.weight"] = state["lm_head.weight"] * factor
-            save_file(state, f, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def models(tiny_dir, tmp_path_factory):
-    from tiny_models import make_draft_like
+    from tiny_models import make_low_entropy_pair
 
-    root = tmp_path_factory.mktemp("constrained_lowent")
-    target = root / "target"
-    shutil.copytree(tiny_dir["llama"], target)
-    _scale_lm_head(target, 3.0)
-    draft = make_draft_like(target, root / "draft", noise=0.008, seed=21)
-    _scale_lm_head(draft, 0.8)
-    return target, draft
+    return make_low_entropy_pair(tiny_dir["llama"], tmp_path_factory.mktemp("constrained_lowent"))
 
 
 @pytest.fixture(scope="module")

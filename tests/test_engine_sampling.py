@@ -30,7 +30,6 @@ moves ~5% of probability between likely outcomes is caught.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -63,28 +62,12 @@ T1 = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
 FAN = (5, 2, 1)  # F_0..F_K: many candidates after a first-draft rejection
 
 
-def _scale_lm_head(directory, factor: float) -> None:
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(directory.glob("*.safetensors")):
-        state = load_file(f)
-        if "lm_head.weight" in state:
-            state["lm_head.weight"] = state["lm_head.weight"] * factor
-            save_file(state, f, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def models(tiny_dir, tmp_path_factory):
     """(target, draft) directories: a low-entropy target and a deliberately different draft."""
-    from tiny_models import make_draft_like
+    from tiny_models import make_low_entropy_pair
 
-    root = tmp_path_factory.mktemp("lowent")
-    target = root / "target"
-    shutil.copytree(tiny_dir["llama"], target)
-    _scale_lm_head(target, 3.0)
-    draft = make_draft_like(target, root / "draft", noise=0.008, seed=21)
-    _scale_lm_head(draft, 0.8)
-    return target, draft
+    return make_low_entropy_pair(tiny_dir["llama"], tmp_path_factory.mktemp("lowent"))
 
 
 @pytest.fixture(scope="module")

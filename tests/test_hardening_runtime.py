@@ -81,15 +81,9 @@ def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypat
 @pytest.fixture(scope="module")
 def short_draft(tiny_dir, tmp_path_factory):
     """The tiny draft with a 64-position context (the target keeps 512)."""
-    import json
-    import shutil
+    from tiny_models import copy_with_context
 
-    path = tmp_path_factory.mktemp("short") / "draft"
-    shutil.copytree(tiny_dir["draft_llama"], path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 64
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return copy_with_context(tiny_dir["draft_llama"], tmp_path_factory.mktemp("short") / "draft", 64)
 
 
 @pytest.mark.parametrize("mode", [Mode.SD, Mode.SSD])

@@ -8,8 +8,6 @@ progress callback that raises stops the feed with nothing held.
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -58,12 +56,9 @@ def test_an_expanded_linear_equals_its_kernel(scheme, dtype):
 @pytest.fixture(scope="module")
 def long_context(tiny_dir, tmp_path_factory):
     """The tiny llama with a 4096-token context."""
-    dst = tmp_path_factory.mktemp("long") / "llama"
-    shutil.copytree(tiny_dir["llama"], dst)
-    config = json.loads((dst / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
-    (dst / "config.json").write_text(json.dumps(config))
-    return str(dst)
+    from tiny_models import copy_with_context
+
+    return str(copy_with_context(tiny_dir["llama"], tmp_path_factory.mktemp("long") / "llama", 4096))
 
 
 def _last_logits(engine: Engine, ids: list[list[int]]) -> torch.Tensor:

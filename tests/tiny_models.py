@@ -153,6 +153,37 @@ def make_draft_like(target_dir: Path, out_dir: Path, noise: float = 0.004, seed:
     return out_dir
 
 
+def scale_lm_head(directory: Path, factor: float) -> None:
+    """Multiply the checkpoint's lm_head by `factor` in place (sharper or flatter logits)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        state = load_file(f)
+        if "lm_head.weight" in state:
+            state["lm_head.weight"] = state["lm_head.weight"] * factor
+            save_file(state, f, metadata={"format": "pt"})
+
+
+def make_low_entropy_pair(source: Path, root: Path) -> tuple[Path, Path]:
+    """(target, draft) under `root`: a low-entropy copy of `source` and a deliberately
+    different, flatter draft (chi-square tests see every kind of rejection)."""
+    target = Path(root) / "target"
+    shutil.copytree(source, target)
+    scale_lm_head(target, 3.0)
+    draft = make_draft_like(target, Path(root) / "draft", noise=0.008, seed=21)
+    scale_lm_head(draft, 0.8)
+    return target, draft
+
+
+def copy_with_context(source: Path, dest: Path, positions: int) -> Path:
+    """A copy of the checkpoint `source` at `dest` whose config allows `positions` positions."""
+    shutil.copytree(source, dest)
+    config = json.loads((Path(dest) / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (Path(dest) / "config.json").write_text(json.dumps(config))
+    return Path(dest)
+
+
 def make_tiny_suite(root: Path) -> dict[str, Path]:
     """All checkpoints the suite uses, sharing one tokenizer: name -> directory."""
     root = Path(root)
