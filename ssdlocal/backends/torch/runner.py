@@ -146,7 +146,8 @@ class TorchRunner(HeldRows):
         [0, V]. Empty rows give [0, V]. Only the positions asked for reach the lm_head.
 
         Long feeds (a prompt) are read in chunks of PREFILL_CHUNK tokens, layer by layer,
-        with quantized weights expanded to dense ones once per layer; `progress(done,
+        with quantized weights expanded to dense ones once per layer where that measures
+        faster (backends.torch.prefill_path); `progress(done,
         total)` (tokens) is called as chunks finish, and if it raises the feed stops
         there with no row's held tokens changed."""
         if logits not in LOGITS_KINDS:
