@@ -107,22 +107,14 @@ def test_tp2_quantized_equals_tp1(tiny_dir, tmp_path, monkeypatch, scheme):
 
 @pytest.fixture(scope="module")
 def quantized_models(tiny_dir, tmp_path_factory):
-    """(target dir, draft dir, reference dir): the low-entropy pair of
-    test_engine_sampling, and a float copy holding the int4 target's dequantized weights."""
-    import shutil
-
-    import test_engine_sampling as ts
+    """(target dir, draft dir, reference dir): the low-entropy pair (tiny_models), and a
+    float copy holding the int4 target's dequantized weights."""
     from test_quant import _dequantized_copy
-    from tiny_models import make_draft_like
+    from tiny_models import make_low_entropy_pair
 
     from ssdlocal.backends.torch.loader import load_model
 
-    root = tmp_path_factory.mktemp("quant-lowent")
-    target = root / "target"
-    shutil.copytree(tiny_dir["llama"], target)
-    ts._scale_lm_head(target, 3.0)
-    draft = make_draft_like(target, root / "draft", noise=0.008, seed=21)
-    ts._scale_lm_head(draft, 0.8)
+    target, draft = make_low_entropy_pair(tiny_dir["llama"], tmp_path_factory.mktemp("quant-lowent"))
     quant = load_model(target, "cpu", "float32", "int4")
     reference = _dequantized_copy(target, tmp_path_factory.mktemp("deq") / "ref", quant)
     return target, draft, reference
