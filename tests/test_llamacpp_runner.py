@@ -241,6 +241,26 @@ def test_later_calls_start_from_stored_sequences_and_match_the_reference(fake, t
         assert eng.prefix_reports()["target"]["reused_tokens"] >= len(first)
 
 
+def test_the_store_is_sized_by_the_ram_available(fake, monkeypatch):
+    """llama.cpp commits a context's cells when it makes it: the default store takes at
+    most a tenth of the RAM available, and an explicit size that does not fit is refused
+    with the size asked and what fits."""
+    from ssdlocal.backends.llamacpp import runner as runner_mod
+    from ssdlocal.backends.prefix import BLOCK_TOKENS
+    from ssdlocal.core.errors import OutOfMemoryError
+
+    _lib, target, _ = fake
+    runner = LlamaCppRunner(load_gguf(target))
+    per_token = runner.loaded.kv_bytes_per_token or 1  # as the runner counts it
+    monkeypatch.setattr(runner_mod, "available_ram_bytes", lambda: 10_000 * per_token)
+    assert runner.setup_prefix(None) == 1_000 // BLOCK_TOKENS * BLOCK_TOKENS
+    assert runner.setup_prefix(4_096) == 4_096
+    with pytest.raises(OutOfMemoryError) as err:
+        runner.setup_prefix(20_000)
+    assert "20,000 tokens" in str(err.value) and "--prefix-cache-tokens" in err.value.hint
+    runner.close()
+
+
 def test_mixed_torch_target_gguf_draft(fake, tiny_dir):
     """torch target + GGUF draft (through the fake): SD reproduces the torch AR."""
     _, _, draft = fake

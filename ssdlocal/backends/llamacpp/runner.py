@@ -24,6 +24,7 @@ from ssdlocal.backends.base import HeldRows
 from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
 from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.memory import available_ram_bytes
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
 _PAD = 256  # llama.cpp rounds the context size up to this
@@ -120,10 +121,13 @@ class LlamaCppRunner(HeldRows):
         self.prefix.ids = ids
 
     def setup_prefix(self, asked: int | None) -> int:
-        """A prefix store of `asked` tokens (None: the default size; 0: none): cells of the
-        context kept in reserved sequences. Takes effect with the next context."""
+        """A prefix store of `asked` tokens (None: the default size, at most a tenth of the
+        RAM available; 0: none): cells of the context kept in reserved sequences. llama.cpp
+        allocates a context's cells when it creates it, so on a CPU the store's memory is
+        committed then; a size that does not fit in the RAM available is refused
+        (OutOfMemoryError). Takes effect with the next context."""
         per_token = self.loaded.kv_bytes_per_token or 1
-        free = None  # llama.cpp allocates the context itself: only an explicit size is taken as is
+        free = available_ram_bytes() if self.device.type == "cpu" else None  # a GPU's: llama.cpp's to refuse
         self._store_tokens = store_tokens(asked, per_token, free, "llama.cpp")
         self.close()  # the next reset sizes a context with room for the store
         self.prefix = None
