@@ -18,18 +18,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from stats_helpers import assert_distribution, assert_not_distribution
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent, RoundEvent
-from ssdlocal.core.sampling import logits_to_probs
 from ssdlocal.engine import Engine
 from ssdlocal.grammar.compiler import GrammarCompiler
 from ssdlocal.grammar.guide import Guides, unpack
 from drafts import draft_of
+from test_engine_sampling import ExactJoint
 
 pytest.importorskip("llguidance")
 
@@ -69,69 +68,27 @@ def grammar(engine):
     return GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids).regex(WORDS)
 
 
-class MaskedJoint:
-    """Exact distribution of (t1, t2, t3) under the grammar, as categories."""
-
-    def __init__(self, target_dir, prompt_ids, grammar, params: SamplingParams, n: int) -> None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-        @torch.no_grad()
-        def next_probs(generated: list[list[int]]) -> torch.Tensor:  # -> [P, V]
-            ids = torch.tensor([prompt_ids + g for g in generated], dtype=torch.long)  # [P, L]
-            logits = model(input_ids=ids).logits[:, -1].float()  # [P, V]
-            vocab = logits.shape[-1]
-            words = torch.stack([self._mask(grammar, g, vocab) for g in generated])  # [P, W]
-            logits = logits.masked_fill(~unpack(words, vocab), float("-inf"))
-            return logits_to_probs(logits, params).double()
-
-        threshold = 1.0 / n
-        p1 = next_probs([[]])[0]  # [V]
-        firsts = [t for t in range(p1.numel()) if p1[t] >= threshold]
-        p2 = next_probs([[t] for t in firsts])  # [F, V]
-        pairs, pair_probs = [], []
-        for i, t1 in enumerate(firsts):
-            for t2 in range(p2.shape[1]):
-                joint = float(p1[t1] * p2[i, t2])
-                if joint >= threshold:
-                    pairs.append((t1, t2))
-                    pair_probs.append(joint)
-        p3 = next_probs([list(pair) for pair in pairs])  # [P, V]
-        self.vocab = p3.shape[1]
-        self.pair_index = {pair: i for i, pair in enumerate(pairs)}
-        flat = (torch.tensor(pair_probs, dtype=torch.float64).unsqueeze(1) * p3).reshape(-1).numpy()
-        self.probs = np.append(flat, max(0.0, 1.0 - float(flat.sum())))
-        self.other = len(pairs) * self.vocab
-
-    @staticmethod
-    def _mask(grammar, generated: list[int], vocab: int) -> torch.Tensor:
-        """What the grammar allows after `generated`; after an EOS (the answer goes on:
-        ignore_eos) only EOS again."""
-        words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
-        if 0 in generated:  # token 0 is the tiny models' EOS
-            words[0] = 1
-            return words
-        matcher = grammar.matcher()
-        assert matcher.consume_tokens(generated) if generated else True
-        matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-        return words
-
-    def categories(self, outputs) -> np.ndarray:
-        out = np.empty(len(outputs), dtype=np.int64)
-        for j, o in enumerate(outputs):
-            t1, t2, t3 = o.token_ids
-            i = self.pair_index.get((t1, t2))
-            out[j] = self.other if i is None else i * self.vocab + t3
-        return out
+def grammar_mask(grammar, generated: list[int], vocab: int) -> torch.Tensor:
+    """What the grammar allows after `generated` (bool [V]); after an EOS (the answer goes
+    on: ignore_eos) only EOS again."""
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    if 0 in generated:  # token 0 is the tiny models' EOS
+        words[0] = 1
+        return unpack(words, vocab)
+    matcher = grammar.matcher()
+    assert matcher.consume_tokens(generated) if generated else True
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+    return unpack(words, vocab)
 
 
 _JOINT: dict = {}
 
 
-def joint_for(engine, models, grammar) -> MaskedJoint:
+def joint_for(engine, models, grammar) -> ExactJoint:
+    """The exact distribution of (t1, t2, t3) under the grammar, as categories."""
     if "joint" not in _JOINT:
-        _JOINT["joint"] = MaskedJoint(models[0], engine.encode(PROMPT, chat=False), grammar, T1, N)
+        allowed = lambda generated, vocab: grammar_mask(grammar, generated, vocab)  # noqa: E731
+        _JOINT["joint"] = ExactJoint(models[0], engine.encode(PROMPT, chat=False), T1, N, allowed)
     return _JOINT["joint"]
 
 

@@ -88,23 +88,30 @@ def engine(models):
 
 
 class ExactJoint:
-    """Exact distribution of (t1, t2, t3) for one set of sampling params, as categories."""
+    """Exact distribution of (t1, t2, t3) for one set of sampling params, as categories.
 
-    def __init__(self, target_dir, prompt_ids: list[int], params: SamplingParams, n: int):
+    `allowed(generated, vocab)` (optional): a bool [V] mask of the tokens allowed after the
+    generated tokens `generated` (a grammar); the target's logits outside it are -inf
+    before the params warp them, as the engine's constrained rows do."""
+
+    def __init__(self, target_dir, prompt_ids: list[int], params: SamplingParams, n: int, allowed=None):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
         @torch.no_grad()
-        def next_probs(prefixes: list[list[int]]) -> torch.Tensor:  # -> [P, V]
-            ids = torch.tensor(prefixes, dtype=torch.long)  # [P, L] (all the same length)
+        def next_probs(generated: list[list[int]]) -> torch.Tensor:  # -> [P, V]
+            ids = torch.tensor([prompt_ids + g for g in generated], dtype=torch.long)  # [P, L] (all the same length)
             logits = model(input_ids=ids).logits[:, -1].float()  # [P, V]
+            if allowed is not None:
+                masks = torch.stack([allowed(g, logits.shape[-1]) for g in generated])  # [P, V]
+                logits = logits.masked_fill(~masks, float("-inf"))
             return logits_to_probs(logits, params).double()
 
         threshold = 1.0 / n
-        p1 = next_probs([prompt_ids])[0]  # [V]
+        p1 = next_probs([[]])[0]  # [V]
         firsts = [t for t in range(p1.numel()) if p1[t] >= threshold]
-        p2 = next_probs([prompt_ids + [t] for t in firsts])  # [F, V]
+        p2 = next_probs([[t] for t in firsts])  # [F, V]
         pairs: list[tuple[int, int]] = []
         pair_probs: list[float] = []
         for i, t1 in enumerate(firsts):
@@ -113,7 +120,7 @@ class ExactJoint:
                 if joint >= threshold:
                     pairs.append((t1, t2))
                     pair_probs.append(joint)
-        p3 = next_probs([prompt_ids + list(pair) for pair in pairs])  # [P, V]
+        p3 = next_probs([list(pair) for pair in pairs])  # [P, V]
         self.vocab = p3.shape[1]
         self.pair_index = {pair: i for i, pair in enumerate(pairs)}
         triple = torch.tensor(pair_probs, dtype=torch.float64).unsqueeze(1) * p3  # [P, V]
