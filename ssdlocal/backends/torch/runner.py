@@ -168,7 +168,8 @@ class TorchRunner(HeldRows):
             layers = len(self.model.layers)
             report = None if progress is None else (lambda done, total: progress(done // layers, total // layers))
             dense = dense_dtype(self.model, rows_in) if rows_in >= DENSE_MIN_TOKENS else None
-            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report)
+            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report,
+                                     starts=starts)
         elif not self.plain and t_max > PREFILL_CHUNK:
             out = self._chunked_forward(ids, positions, keep, progress)
         else:
