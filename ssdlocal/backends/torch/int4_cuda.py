@@ -40,21 +40,24 @@ def _block_order(tiles: int) -> tuple[int, ...]:
     return tuple(order)
 
 
-@functools.lru_cache(maxsize=None)
-def _order(tiles: int, device: torch.device) -> Tensor:
-    """_block_order on `device` [128 * tiles] long, sent once per device."""
+def block_order(tiles: int, device: torch.device) -> Tensor:
+    """[128 * tiles] long on `device`: for each nibble of a block in storage order, its
+    place in the block's rows x features. A module that unpacks inside captured steps
+    makes it once and holds it as a buffer (a static tensor, sent before any capture)."""
     return torch.tensor(_block_order(tiles), dtype=torch.long).to(device)
 
 
-def unpack(packed: Tensor) -> Tensor:
+def unpack(packed: Tensor, order: Tensor | None = None) -> Tensor:
     """tinygemm's int32 [N/8, K/(16*tiles), 32, tiles/2] -> codes q [N, K] uint8 (0..15),
-    on `packed`'s device (any subset of its row blocks unpacks the same way)."""
+    on `packed`'s device (any subset of its row blocks unpacks the same way); `order`:
+    block_order(tiles, device), looked up when None."""
     n_tiles, k_tiles, lanes, words = packed.shape
     tiles = 2 * words
+    order = block_order(tiles, packed.device) if order is None else order
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # [8]
     nibbles = (packed[..., None] >> shifts) & 15  # [N/8, KT, 32, t/2, 8]
     blocks = torch.empty(n_tiles, k_tiles, ROWS * 16 * tiles, dtype=torch.uint8, device=packed.device)
-    blocks[..., _order(tiles, packed.device)] = nibbles.reshape(n_tiles, k_tiles, -1).to(torch.uint8)
+    blocks[..., order] = nibbles.reshape(n_tiles, k_tiles, -1).to(torch.uint8)
     blocks = blocks.view(n_tiles, k_tiles, ROWS, 16 * tiles).permute(0, 2, 1, 3)  # [N/8, 8, KT, 16t]
     return blocks.reshape(n_tiles * ROWS, k_tiles * 16 * tiles)  # [N, K]
 
@@ -66,7 +69,7 @@ def pack(codes: Tensor, tiles: int) -> Tensor:
     n, k = codes.shape[0], codes.shape[1] * 2
     q = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(n, k).to(torch.int64)  # [N, K]
     blocks = q.view(n // ROWS, ROWS, k // (16 * tiles), 16 * tiles).permute(0, 2, 1, 3)  # [N/8, KT, 8, 16t]
-    flat = blocks.reshape(n // ROWS, k // (16 * tiles), -1)[..., _order(tiles, codes.device)]  # storage order
+    flat = blocks.reshape(n // ROWS, k // (16 * tiles), -1)[..., block_order(tiles, codes.device)]  # storage order
     nibbles = flat.view(n // ROWS, k // (16 * tiles), 32, tiles // 2, 8)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)  # [8]
     words = (nibbles << shifts).sum(-1)  # [N/8, KT, 32, t/2] in 0 .. 2^32 - 1

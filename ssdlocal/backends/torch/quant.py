@@ -222,7 +222,10 @@ class QuantLinear(nn.Module):
                     packed = int4_cpu.pack(w.codes, self.layout)
             else:
                 packed = _pack_int4_cuda(w.codes.to(device))
-                self.tinygemm_readable = int4_cuda.layout_known(device, packed.shape[-1] * 2)
+                tiles = packed.shape[-1] * 2
+                self.tinygemm_readable = int4_cuda.layout_known(device, tiles)
+                if self.tinygemm_readable:  # read by dequantize_rows inside captured steps
+                    self.register_buffer("tinygemm_order", int4_cuda.block_order(tiles, device), persistent=False)
             self.register_buffer("packed", packed)
         elif self.kernel == "int4_dequant":
             self.register_buffer("codes", w.codes.to(device))
@@ -332,10 +335,10 @@ class QuantLinear(nn.Module):
         """float32 W rows `rows` [R] (None: all N rows) read from tinygemm's packed layout:
         only the blocks of 8 rows that hold them are unpacked."""
         if rows is None:
-            q = int4_cuda.unpack(self.packed)[: self.out_features]  # [N, K]
+            q = int4_cuda.unpack(self.packed, self.tinygemm_order)[: self.out_features]  # [N, K]
             sz = self.scales_and_zeros[:, : self.out_features]  # [K/g, N, 2]
         else:
-            blocks = int4_cuda.unpack(self.packed[rows // int4_cuda.ROWS])  # [8R, K]
+            blocks = int4_cuda.unpack(self.packed[rows // int4_cuda.ROWS], self.tinygemm_order)  # [8R, K]
             q = blocks.view(rows.numel(), int4_cuda.ROWS, -1)[torch.arange(rows.numel(), device=rows.device),
                                                                rows % int4_cuda.ROWS]  # [R, K]
             sz = self.scales_and_zeros[:, rows]  # [K/g, R, 2]
