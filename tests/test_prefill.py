@@ -210,3 +210,20 @@ def test_a_chunked_feed_reads_nothing_back_and_the_lower_right_kernel_agrees(lon
         assert reads.count == 0
     assert torch.allclose(causal, masked, atol=1e-5, rtol=1e-5)
     assert torch.equal(causal.argmax(-1), masked.argmax(-1))
+
+
+def test_a_chunks_mask_is_built_once_for_every_layer(long_context, monkeypatch):
+    from ssdlocal.backends.torch import model as model_mod
+
+    built = []
+    real = model_mod.causal_mask
+    monkeypatch.setattr(model_mod, "causal_mask", lambda pos, span: built.append(span) or real(pos, span))
+    with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"), prefix_cache_tokens=0)) as engine:
+        layers = len(engine.runner.model.layers)
+        kept = _two_feeds(engine)
+        assert len(built) == 1 + 3  # the first feed's one chunk, then the second feed's three
+        built.clear()
+        monkeypatch.setattr(model_mod, "MASK_CACHE_BYTES", 0)  # too long a prompt to keep them
+        rebuilt = _two_feeds(engine)
+        assert len(built) == layers * (1 + 3)
+    assert torch.equal(kept, rebuilt)

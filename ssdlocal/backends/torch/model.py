@@ -27,6 +27,9 @@ from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import oom_error
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# A chunked prefill keeps every chunk's boolean mask for all layers while they fit in this
+# (B x sum of chunk x span bytes: a 20k-token prompt); past it each layer builds its own.
+MASK_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,9 @@ class Transformer(nn.Module):
         `starts`: each row's first position (host ints; None: read from `positions` once),
         so no (layer, chunk) waits on the device for its span. On CUDA a chunk runs a
         causal kernel aligned to the lower right (attention.py), with no mask at all; on
-        the CPU a boolean mask [B, 1, C, S] per (layer, chunk), built from host spans.
+        the CPU a boolean mask [B, 1, C, S] per chunk, built from host spans by the first
+        layer and kept for the others while all chunks' masks fit in MASK_CACHE_BYTES
+        (else built per layer and chunk).
         `dense`: modules that offer `expanded()` (quantized linears) hold their weights
         dense in this dtype for the layer's chunks, computed once per layer (None: not). `progress(done, total)` is
         called after every (layer, chunk) in units of chunk tokens; if it raises, the feed
@@ -354,6 +359,9 @@ class Transformer(nn.Module):
             starts = positions[:, 0].tolist()  # the call's one read-back (callers pass them)
         first = list(starts)
         lower_right = chunk_kernel(x.device.type) == "lower-right"
+        chunks = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
+        mask_bytes = B * sum((b - a) * (max(first) + b) for a, b in chunks)  # every chunk's bool mask
+        masks: dict[int, AttentionMask] | None = {} if mask_bytes <= MASK_CACHE_BYTES else None
         total, done = len(self.layers) * T, 0
         pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
         for layer in self.layers:
@@ -362,15 +370,17 @@ class Transformer(nn.Module):
                     for module in layer.modules():
                         if hasattr(module, "expanded"):
                             stack.enter_context(module.expanded(pool, dense))
-                for a in range(0, T, chunk):
-                    b = min(a + chunk, T)
+                for a, b in chunks:
                     pos = positions[:, a:b]  # [B, C]
                     mask = None
                     if lower_right and not (fresh and a == 0):
                         mask = AttentionMask.lower_right(tuple(s + b for s in first))  # no tensor
                     elif not (fresh and a == 0):
-                        span = max(first) + b  # slots up to the newest token of the chunk
-                        mask = AttentionMask.build(causal_mask(pos, span), groups, x.dtype)  # [B, 1, C, S]
+                        mask = masks.get(a) if masks is not None else None
+                        if mask is None:  # slots up to the chunk's newest token
+                            mask = AttentionMask.build(causal_mask(pos, max(first) + b), groups, x.dtype)  # [B, 1, C, S]
+                            if masks is not None:
+                                masks[a] = mask  # the next layers' chunk a sees the same slots
                     x[:, a:b] = layer(x[:, a:b], cos[:, :, a:b], sin[:, :, a:b], pos, mask)  # [B, C, hidden]
                     done += b - a
                     if progress is not None:
