@@ -118,27 +118,58 @@ def test_runner_feed_and_steps_on_cuda():
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 @pytest.mark.parametrize("shape", [(96, 64), (40, 256), (512, 128)])
-def test_quantized_linears_on_cuda(scheme, shape):
+def test_quantized_linears_on_cuda(scheme, shape, monkeypatch):
+    from ssdlocal.backends.torch import int4_cuda, quant
     from ssdlocal.backends.torch.quant import QuantLinear, quantize
 
+    monkeypatch.setattr(quant, "int8_cuda_kernel", lambda: True)  # a CUDA build has it
+    monkeypatch.setattr(int4_cuda, "layout_known", lambda device, tiles: True)  # checked on a GPU
     n, k = shape
     qw = quantize(torch.randn(n, k), scheme, BF16)
     with fake_cuda():
         layer = QuantLinear(qw, None, dtype=BF16, device=CUDA)
         out = layer(torch.zeros(3, 5, k, dtype=BF16, device=CUDA))
         rows = layer.dequantize_rows(torch.zeros(3, 2, dtype=torch.long, device=CUDA))
+        with layer.expanded():  # a long prompt's dense weight, once per layer
+            dense = layer._dense
+            long = layer(torch.zeros(600, k, dtype=BF16, device=CUDA))
     assert layer.kernel == f"{scheme}_cuda"
     assert out.shape == (3, 5, n) and out.dtype == BF16
-    if scheme == "int8":  # its codes are read back for the float32 refinement
-        assert rows.shape == (3, 2, k) and rows.dtype == torch.float32
-        assert layer.codes.dtype == BF16  # held in the activation dtype: bf16 speed on CUDA
+    assert rows.shape == (3, 2, k) and rows.dtype == torch.float32  # for the float32 refinement
+    assert (dense.shape, dense.dtype) == ((n, k), BF16) and long.shape == (600, n)
+    if scheme == "int8":
+        assert layer.codes.dtype == torch.int8  # one byte per weight on CUDA too
     else:
-        assert rows is None  # tinygemm's layout is not read back
+        assert layer.packed.dtype == torch.int32 and not hasattr(layer, "codes")  # tinygemm's layout only
 
 
-def test_float32_logits_on_cuda():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_int4_on_cuda_takes_bfloat16_only(dtype):
+    from ssdlocal.backends.torch.quant import QuantLinear, quantize
+    from ssdlocal.core.errors import UsageError
+
+    qw = quantize(torch.randn(64, 128), "int4", dtype)
+    with fake_cuda(), pytest.raises(UsageError) as err:
+        QuantLinear(qw, None, dtype=dtype, device=CUDA)  # never a float W per forward
+    assert "bfloat16" in err.value.message and "--dtype bfloat16" in err.value.hint
+
+
+def test_int8_on_cuda_without_torchs_kernel_is_refused(monkeypatch):
+    from ssdlocal.backends.torch import quant
+    from ssdlocal.core.errors import UsageError
+
+    monkeypatch.setattr(quant, "int8_cuda_kernel", lambda: False)
+    with fake_cuda(), pytest.raises(UsageError) as err:
+        quant.QuantLinear(quant.quantize(torch.randn(64, 128), "int8", BF16), None, dtype=BF16, device=CUDA)
+    assert "_weight_int8pack_mm" in err.value.message and "int4" in err.value.hint
+
+
+def test_float32_logits_on_cuda(monkeypatch):
+    from ssdlocal.backends.torch import quant
     from ssdlocal.backends.torch.logits import fp32_logits
     from ssdlocal.backends.torch.quant import QuantLinear, quantize
+
+    monkeypatch.setattr(quant, "int8_cuda_kernel", lambda: True)  # a CUDA build has it
 
     head = torch.nn.Linear(64, 300, bias=False)
     qhead = QuantLinear(quantize(torch.randn(300, 64), "int8", BF16), None, dtype=BF16, device="cpu")

@@ -158,3 +158,72 @@ def test_cancel_while_a_long_prompt_is_read_stops_within_a_chunk(long_context):
         assert engine.prefix_reports()["target"]["used_tokens"] == 0  # nothing half-read was kept
         full = [e for e in engine.generate([prompt], params) if isinstance(e, DoneEvent)][0]
         assert len(full.outputs[0].token_ids) == 4
+
+
+class _HostReads:
+    """Counts tensor -> Python reads (item, tolist, int/float/bool/index of a tensor) while active."""
+
+    NAMES = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        self.active = False
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, **k):
+                if self.active:
+                    self.count += 1
+                return _real(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def _two_feeds(engine: Engine) -> torch.Tensor:
+    """Rows of 300 and 500 tokens, then 1300 more tokens each (3 chunks from unequal starts)."""
+    runner = engine.runner
+    runner.reset(2, 2200)
+    runner.feed([[(3 * i) % 300 + 5 for i in range(300)], [(5 * i) % 300 + 5 for i in range(500)]], "none")
+    more = [[(7 * i) % 300 + 5 for i in range(1300)], [(11 * i) % 300 + 5 for i in range(1300)]]
+    return torch.stack([lg[-1] for lg in runner.feed(more, "last")])  # [B, V]
+
+
+def test_a_chunked_feed_reads_nothing_back_and_the_lower_right_kernel_agrees(long_context, monkeypatch):
+    from ssdlocal.backends.torch import model as model_mod
+
+    reads = _HostReads(monkeypatch)
+    with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"), prefix_cache_tokens=0)) as engine:
+        real = engine.runner.model.prefill
+
+        def watched(*a, **k):
+            reads.active = True
+            try:
+                return real(*a, **k)
+            finally:
+                reads.active = False
+
+        monkeypatch.setattr(engine.runner.model, "prefill", watched)
+        masked = _two_feeds(engine)
+        assert reads.count == 0  # no host wait per (layer, chunk): spans come from host starts
+        monkeypatch.setattr(model_mod, "chunk_kernel", lambda device_type: "lower-right")  # CUDA's choice
+        causal = _two_feeds(engine)
+        assert reads.count == 0
+    assert torch.allclose(causal, masked, atol=1e-5, rtol=1e-5)
+    assert torch.equal(causal.argmax(-1), masked.argmax(-1))
+
+
+def test_a_chunks_mask_is_built_once_for_every_layer(long_context, monkeypatch):
+    from ssdlocal.backends.torch import model as model_mod
+
+    built = []
+    real = model_mod.causal_mask
+    monkeypatch.setattr(model_mod, "causal_mask", lambda pos, span: built.append(span) or real(pos, span))
+    with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"), prefix_cache_tokens=0)) as engine:
+        layers = len(engine.runner.model.layers)
+        kept = _two_feeds(engine)
+        assert len(built) == 1 + 3  # the first feed's one chunk, then the second feed's three
+        built.clear()
+        monkeypatch.setattr(model_mod, "MASK_CACHE_BYTES", 0)  # too long a prompt to keep them
+        rebuilt = _two_feeds(engine)
+        assert len(built) == layers * (1 + 3)
+    assert torch.equal(kept, rebuilt)

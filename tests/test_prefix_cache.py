@@ -78,6 +78,65 @@ def test_blocks_are_visible_only_after_their_copy_finished():
     assert len(_insert(index, [5] * (2 * B))) == 2  # its pool blocks are free again
 
 
+def _churned_pool(monkeypatch, slice_runs: int):
+    """A full prefix store of 16-token sequences whose every other block was used again,
+    so a long sequence stored next takes every other pool block (the worst scatter), plus
+    the cache rows and pool it copies between (2 layers, random k/v)."""
+    from ssdlocal.backends.torch import kvcache
+
+    monkeypatch.setattr(kvcache, "SLICE_RUNS_CPU", slice_runs)
+    blocks, layers = 64, 2
+    index = PrefixIndex(blocks)
+    pool = kvcache.KVPool(layers, 2, blocks * B, 4, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    caches = [kvcache.KVCache(1, 2, 48 * B, 4, torch.float32, "cpu") for _ in range(layers)]
+    for cache in caches:
+        cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+
+    def store(tokens):
+        index.insert(tokens, lambda placed: pool.save(
+            caches, 0, kvcache.runs_of([(p.index, p.number) for p in placed], B)))
+
+    singles = [[1000 + i] * B for i in range(blocks)]
+    for seq in singles:
+        store(seq)
+    for seq in singles[::2]:
+        index.match(seq)  # the odd ones are now the least recently used
+    return index, pool, caches, store
+
+
+@pytest.mark.parametrize("slice_runs", [4, 0], ids=["cpu-slices", "indexed"])
+def test_copies_per_store_and_reuse_do_not_grow_with_fragmentation(monkeypatch, slice_runs):
+    from ssdlocal.backends.torch.kvcache import runs_of
+
+    index, pool, caches, store = _churned_pool(monkeypatch, slice_runs)
+    seq = list(range(32 * B))  # 32 blocks into 32 scattered pool blocks: 32 runs
+    before = [(c.k[0, :, : len(seq)].clone(), c.v[0, :, : len(seq)].clone()) for c in caches]
+    pool.copies = 0
+    store(seq)
+    numbers = index.match(seq)
+    assert len(numbers) == 32 and len(runs_of(list(enumerate(numbers)), B)) == 32  # fully scattered
+    per_call = 2 * len(caches)  # one copy per layer for k and for v
+    assert pool.copies == per_call  # one indexed copy each, not one per run
+    for c in caches:
+        c.k.zero_(), c.v.zero_()
+    pool.copies = 0
+    pool.load(caches, 0, runs_of(list(enumerate(numbers)), B))
+    assert pool.copies == per_call
+    for c, (k, v) in zip(caches, before):
+        assert torch.equal(c.k[0, :, : len(seq)], k) and torch.equal(c.v[0, :, : len(seq)], v)
+    assert not c.k[0, :, len(seq) :].any()  # nothing written past the prefix
+
+
+def test_a_chain_evicted_leaf_first_is_stored_again_as_one_run():
+    index = PrefixIndex(8)
+    old, new = [1] * (8 * B), [2] * (8 * B)
+    _insert(index, old)
+    placed = _insert(index, new)  # evicts old's blocks 7, 6, .., 0 (leaves first)
+    assert [p.number for p in placed] == list(range(8))  # handed out ascending: one copy run
+
+
 def test_the_size_rules():
     per_token = 1000
     assert store_tokens(None, per_token, None, "x") == PREFIX_CACHE_TOKENS

@@ -323,6 +323,9 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
         def tree_width(self, width):
             return width
 
+        def tree_span(self, needed):
+            return None
+
         def forward_raw(self, ids, positions, slots, mask):
             events.append("step")
             return torch.zeros(*ids.shape, 10)
@@ -330,7 +333,7 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
     spec = object.__new__(sp.Speculator)
     spec.runner, spec.k, spec.vocab = Runner(), 4, 10
     spec.params = SamplingParams()
-    spec.layout = SlotLayout(16).with_tree(4, 4)
+    spec.layout = spec.full_layout = SlotLayout(16).with_tree(4, 4)
     spec.rows = [sp.RowState([1, 2, 3], [4, 5, 6, 7], None, {})]
     spec.cache = sp.SpeculationCache()
     spec.fixed_hit = spec.fixed_miss = (1, 1, 1, 1, 1)

@@ -80,6 +80,11 @@ class Runner(Protocol):
         """How many queries a tree step of `width` branches should have (padding with
         queries that see only the trash slot; e.g. to reuse captured graphs)."""
 
+    def tree_span(self, needed: int) -> int | None:
+        """The slots a tree step should attend over when its layout needs `needed` (rows,
+        scratch runs and trash placed right after the longest row: SlotLayout.placed), or
+        None to keep the scratch runs after every row's whole budget (fixed slots)."""
+
     def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         """Adopt a tree branch: the k/v at scratch slots `src` become the row's slots
         start..start+len(src)-1, which now hold `tokens` (one per slot)."""
@@ -127,6 +132,10 @@ class HeldRows:
         """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
         sync_held(self.held[row], committed)
 
+    def tree_span(self, needed: int) -> int | None:
+        """Runner.tree_span: by default the fixed layout (None)."""
+        return None
+
 
 @dataclass(frozen=True)
 class SlotLayout:
@@ -163,3 +172,8 @@ class SlotLayout:
 
     def scratch(self, branch: int, step: int = 0) -> int:
         return self.main + branch * self.depth + step
+
+    def placed(self, total: int) -> SlotLayout:
+        """The same scratch runs and trash moved to end at slot `total` (>= this layout's
+        needs): a tree step then attends over `total` slots, not the rows' whole budget."""
+        return SlotLayout(total - self.branches * self.depth - (1 if self.branches else 0), self.branches, self.depth)

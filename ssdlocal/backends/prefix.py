@@ -1,7 +1,7 @@
 """The prefix store's index: which token prefixes earlier calls left behind, in whole blocks.
 
 A runner keeps the keys/values of earlier calls' tokens in a pool of fixed-size blocks
-(backends/torch/kvpool.py); this index says which pool block holds which tokens. A block
+(backends/torch/kvcache.py, KVPool); this index says which pool block holds which tokens. A block
 is known by its own tokens and its parent block, so by every token from the start of the
 sequence to its end (what vLLM's block hashes cover), and blocks form a tree: a lookup
 walks it from the root along the prompt. Blocks are evicted least recently used, leaves
@@ -111,20 +111,24 @@ class PrefixIndex:
         """Store the whole blocks of `tokens` not stored yet; returns how many were added.
 
         Each new block gets a free pool block, or the least recently used leaf that is not
-        on this sequence's own path; when none is left the rest is not stored. `write` copies
+        on this sequence's own path; when none is left the rest is not stored. The pool
+        blocks taken go to the new blocks in ascending order (fewer, longer copy runs). `write` copies
         the new blocks' keys/values into their pool blocks; only when it returns do the
         blocks join the index (if it raises, their pool blocks are free again)."""
         chain = self._chain(tokens)
         self._touch(chain)
         size = self.block_tokens
         protected = {block.number for block in chain}
-        placements: list[Placement] = []
-        for index in range(len(chain), len(tokens) // size):
+        numbers: list[int] = []
+        for _ in range(len(chain), len(tokens) // size):
             number = self._take_block(protected)
             if number is None:
                 break
             protected.add(number)
-            placements.append(Placement(index, number))
+            numbers.append(number)
+        # In ascending order: eviction frees a chain leaf first (descending numbers), and
+        # blocks consecutive in both the sequence and the pool are copied as one run.
+        placements = [Placement(len(chain) + i, n) for i, n in enumerate(sorted(numbers))]
         if not placements:
             return 0
         try:

@@ -39,15 +39,14 @@ def bytes_per_param(scheme: str, dtype: str = "bfloat16", device_type: str = "cp
     """Average bytes per weight of a linear layer under `scheme` (codes plus scales).
 
     int4: half a byte + a (scale, zero) pair in `dtype` per INT4_GROUP weights;
-    int8: one byte (its per-output-channel scale is negligible), but on CUDA the dtype's
-    size (torch has no fast weight-only int8 matmul there, so the codes are held in the
-    activation dtype: bf16 speed, bf16 memory); none: the dtype's size.
+    int8: one byte, on every device (its per-output-channel scale is negligible);
+    none: the dtype's size. `device_type` is kept for callers that size per device.
     """
     size = _DTYPE_BYTES.get(dtype, 2)
     if scheme == "int4":
         return 0.5 + 2 * size / INT4_GROUP
     if scheme == "int8":
-        return float(size) if device_type == "cuda" else 1.0
+        return 1.0
     return float(size)
 
 

@@ -8,8 +8,12 @@ step (decode, verify, SSD tree) folds the G = H / Hkv query heads that share one
 into the query length — q [B, H, T, D] -> [B, Hkv, G*T, D], mask row g*T + t = mask row t —
 and runs the memory-efficient kernel with an additive mask built once per forward: no
 K/V copy, and G*T query rows per kv head fill the kernel's tiles better than T.
-The fresh causal prefill (no mask) keeps flash with native GQA. On the CPU, torch's
-flash kernel takes boolean masks and GQA as they are. Knows nothing about models.
+The fresh causal prefill (no mask) keeps flash with native GQA. A later chunk of a
+prompt on CUDA ("lower-right") needs no mask either: its C queries sit at the end of the
+S slots they attend, so it is causal aligned to the lower right (torch's `causal_lower_right`
+bias, which runs flash with native GQA, or the memory-efficient kernel's own causal mode),
+one call per group of rows that start at the same position. On the CPU, torch's flash
+kernel takes boolean masks and GQA as they are. Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KERNELS = ("flash-causal", "efficient-folded", "cpu-flash")
+KERNELS = ("flash-causal", "efficient-folded", "cpu-flash", "lower-right")
 
 
 def attention_kernel(device_type: str, masked: bool) -> str:
@@ -32,19 +36,34 @@ def attention_kernel(device_type: str, masked: bool) -> str:
     return "efficient-folded" if masked else "flash-causal"
 
 
+def chunk_kernel(device_type: str) -> str:
+    """The kernel a later chunk of a long prompt uses: "lower-right" on CUDA (no mask),
+    "cpu-flash" elsewhere (a boolean mask)."""
+    return "lower-right" if device_type == "cuda" else "cpu-flash"
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """Which cache slots each query sees, prepared once per forward for every layer.
 
     kernel: one of KERNELS ("flash-causal" never has a mask object: it is None).
     tensor: "cpu-flash": bool [B, 1, T, S]; "efficient-folded": additive [B, 1, G*T, S]
-        in the activation dtype (0 where visible, -inf elsewhere).
+        in the activation dtype (0 where visible, -inf elsewhere); "lower-right": None.
     span: S, the slots attended.
+    spans: "lower-right" only: per row, the slots its queries end at (query t of row b
+        sees slots [0, spans[b] - T + t]); rows are attended in runs of equal spans.
     """
 
     kernel: str
-    tensor: Tensor
+    tensor: Tensor | None
     span: int
+    spans: tuple[int, ...] = ()
+
+    @classmethod
+    def lower_right(cls, spans: tuple[int, ...]) -> AttentionMask:
+        """A prompt chunk whose T queries of row b are the newest tokens of slots
+        [0, spans[b]) (host ints: nothing is read back from the device)."""
+        return cls("lower-right", None, max(spans), tuple(spans))
 
     @classmethod
     def build(cls, mask: Tensor, groups: int, dtype: torch.dtype) -> AttentionMask:
@@ -67,7 +86,29 @@ def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, mask: 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
     if mask.kernel == "cpu-flash":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.tensor, enable_gqa=gqa)
+    if mask.kernel == "lower-right":
+        return lower_right_attention(q, keys, values, mask.spans)
     return folded_attention(q, keys, values, mask.tensor)
+
+
+def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[int, ...]) -> Tensor:
+    """q [B, H, T, D]; keys/values [B, Hkv, S, D]; query t of row b sees slots
+    [0, spans[b] - T + t] -> [B, H, T, D]. One kernel call per run of rows with equal spans."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    B, _, T, _ = q.shape
+    gqa = q.shape[1] != keys.shape[1]
+    outs, a = [], 0
+    while a < B:
+        b = a + 1
+        while b < B and spans[b] == spans[a]:
+            b += 1
+        S = spans[a]
+        outs.append(F.scaled_dot_product_attention(
+            q[a:b], keys[a:b, :, :S], values[a:b, :, :S], attn_mask=causal_lower_right(T, S), enable_gqa=gqa,
+        ))  # fmt: skip  [b - a, H, T, D]
+        a = b
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ loader); this module knows nothing about files.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -20,13 +20,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.arch import for_hf_config, unsupported
-from ssdlocal.backends.torch.attention import AttentionMask, attend
+from ssdlocal.backends.torch.attention import AttentionMask, attend, chunk_kernel
 from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import oom_error
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# A chunked prefill keeps every chunk's boolean mask for all layers while they fit in this
+# (B x sum of chunk x span bytes: a 20k-token prompt); past it each layer builds its own.
+MASK_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,7 @@ class Transformer(nn.Module):
     def prefill(
         self, input_ids: Tensor, positions: Tensor, keep: Tensor | None, chunk: int,
         fresh: bool = False, dense: torch.dtype | None = None, progress: Callable[[int, int], None] | None = None,
+        starts: Sequence[int] | None = None,
     ) -> Tensor:
         """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
         k/v goes to the slot of its position) -> logits [B, n, V] at `keep` [B, n] (None:
@@ -333,6 +337,12 @@ class Transformer(nn.Module):
         MLP's activations are bounded by the chunk, not the prompt; a chunk attends to the
         cache's slots up to its positions (earlier calls' tokens and earlier chunks).
         `fresh`: rows start at slot 0 with equal lengths, so the first chunk needs no mask.
+        `starts`: each row's first position (host ints; None: read from `positions` once),
+        so no (layer, chunk) waits on the device for its span. On CUDA a chunk runs a
+        causal kernel aligned to the lower right (attention.py), with no mask at all; on
+        the CPU a boolean mask [B, 1, C, S] per chunk, built from host spans by the first
+        layer and kept for the others while all chunks' masks fit in MASK_CACHE_BYTES
+        (else built per layer and chunk).
         `dense`: modules that offer `expanded()` (quantized linears) hold their weights
         dense in this dtype for the layer's chunks, computed once per layer (None: not). `progress(done, total)` is
         called after every (layer, chunk) in units of chunk tokens; if it raises, the feed
@@ -345,7 +355,13 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
         sin = self.rope_sin[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
         groups = self.args.num_heads // self.args.num_kv_heads
-        starts = list(range(0, T, chunk))
+        if starts is None:
+            starts = positions[:, 0].tolist()  # the call's one read-back (callers pass them)
+        first = list(starts)
+        lower_right = chunk_kernel(x.device.type) == "lower-right"
+        chunks = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
+        mask_bytes = B * sum((b - a) * (max(first) + b) for a, b in chunks)  # every chunk's bool mask
+        masks: dict[int, AttentionMask] | None = {} if mask_bytes <= MASK_CACHE_BYTES else None
         total, done = len(self.layers) * T, 0
         pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
         for layer in self.layers:
@@ -354,13 +370,17 @@ class Transformer(nn.Module):
                     for module in layer.modules():
                         if hasattr(module, "expanded"):
                             stack.enter_context(module.expanded(pool, dense))
-                for a in starts:
-                    b = min(a + chunk, T)
+                for a, b in chunks:
                     pos = positions[:, a:b]  # [B, C]
                     mask = None
-                    if not (fresh and a == 0):
-                        span = int(pos.max()) + 1
-                        mask = AttentionMask.build(causal_mask(pos, span), groups, x.dtype)  # [B, 1, C, S]
+                    if lower_right and not (fresh and a == 0):
+                        mask = AttentionMask.lower_right(tuple(s + b for s in first))  # no tensor
+                    elif not (fresh and a == 0):
+                        mask = masks.get(a) if masks is not None else None
+                        if mask is None:  # slots up to the chunk's newest token
+                            mask = AttentionMask.build(causal_mask(pos, max(first) + b), groups, x.dtype)  # [B, 1, C, S]
+                            if masks is not None:
+                                masks[a] = mask  # the next layers' chunk a sees the same slots
                     x[:, a:b] = layer(x[:, a:b], cos[:, :, a:b], sin[:, :, a:b], pos, mask)  # [B, C, hidden]
                     done += b - a
                     if progress is not None:

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch import int4_cpu
+from ssdlocal.backends.torch import int4_cpu, int4_cuda
 from ssdlocal.backends.torch.arch import architecture
 from ssdlocal.backends.torch.scratch import ScratchPool
+from ssdlocal.core.errors import UsageError
 from ssdlocal.core.quantization import INT4_GROUP
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
@@ -150,14 +151,36 @@ def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -
 # --------------------------------------------------------------------------- kernels
 
 
+def int8_cuda_kernel() -> bool:
+    """Whether this torch has a CUDA kernel for `torch._weight_int8pack_mm`."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
+
+
 def kernel_for(scheme: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Which matmul runs a QuantLinear: see docs/architecture.md, "Quantized weights"."""
+    """Which matmul runs a QuantLinear: see docs/architecture.md, "Quantized weights".
+
+    On CUDA the weights stay in their quantized bytes (a decode step reads half or a
+    quarter of the bfloat16 bytes): int4 through tinygemm, which takes bfloat16
+    activations only, and int8 through torch's int8 kernel. What those cannot run is
+    refused (UsageError) rather than expanded to float on every forward."""
     if device.type == "cpu":
         if scheme == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return "int4_dequant"  # torch < 2.6: no CPU int4 kernel
         return f"{scheme}_cpu"
     if scheme == "int4":
-        return "int4_cuda" if dtype == torch.bfloat16 else "int4_dequant"  # tinygemm is bf16-only
+        if dtype != torch.bfloat16:
+            raise UsageError(
+                f"int4 weights on {device.type} run tinygemm, which takes bfloat16 activations, not "
+                f"{str(dtype).removeprefix('torch.')}",
+                "use --dtype bfloat16 with int4 there, or --quantization int8 / none for this dtype",
+            )
+        return "int4_cuda"
+    if not int8_cuda_kernel():
+        raise UsageError(
+            f"int8 weights on {device.type} need torch's int8 matmul kernel (_weight_int8pack_mm), "
+            f"which torch {torch.__version__} lacks there",
+            "use --quantization int4 with --dtype bfloat16, or --quantization none, or a newer torch",
+        )
     return "int8_cuda"
 
 
@@ -180,6 +203,7 @@ class QuantLinear(nn.Module):
         self.layout: int4_cpu.Int4Layout | None = None  # the CPU int4 kernel's weight layout
         self.dtype = dtype
         self._dense: Tensor | None = None  # W [N, K] in `dtype` while `expanded()`
+        self.tinygemm_readable = False  # int4_cuda: whether int4_cuda.unpack reads `packed`
         self._pack(weight, dtype, device)
 
     def _pack(self, w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
@@ -198,15 +222,16 @@ class QuantLinear(nn.Module):
                     packed = int4_cpu.pack(w.codes, self.layout)
             else:
                 packed = _pack_int4_cuda(w.codes.to(device))
+                tiles = packed.shape[-1] * 2
+                self.tinygemm_readable = int4_cuda.layout_known(device, tiles)
+                if self.tinygemm_readable:  # read by dequantize_rows inside captured steps
+                    self.register_buffer("tinygemm_order", int4_cuda.block_order(tiles, device), persistent=False)
             self.register_buffer("packed", packed)
         elif self.kernel == "int4_dequant":
             self.register_buffer("codes", w.codes.to(device))
             self.register_buffer("scales", w.scales.to(device, dtype))
             self.register_buffer("zeros", w.zeros.to(device, dtype))
-        elif self.kernel == "int8_cuda":  # the codes in the activation dtype (exact: |code| <= 128)
-            self.register_buffer("codes", w.codes.to(device, dtype))
-            self.register_buffer("scales", w.scales.to(device, dtype))
-        else:  # int8 on the CPU: codes [N, K] int8, scales [N]
+        else:  # int8: codes [N, K] int8 (one byte per weight, also on CUDA), scales [N]
             self.register_buffer("codes", w.codes.to(device))
             self.register_buffer("scales", w.scales.to(device, dtype))
 
@@ -214,10 +239,10 @@ class QuantLinear(nn.Module):
     def expanded(self, pool: ScratchPool | None = None, dtype: torch.dtype | None = None) -> Iterator[None]:
         """Within: the weight held dense in `dtype` (default: the activation dtype), so inputs
         of many rows (a prompt) run through the dense matmul kernels, not the quantized ones
-        made for a few rows (inputs are cast to `dtype` and back). Kernels already dense in
-        the activation dtype (int8 on CUDA) or with a layout that is not ours to read (CUDA
-        tinygemm int4) stay as they are. `pool` lends the memory (a prefill reuses one
-        layer's buffers for the next layer)."""
+        made for a few rows (inputs are cast to `dtype` and back). A layout that is not ours
+        to read (a CPU int4 layout torch packed itself, a tinygemm layout that failed its
+        check) stays as it is. `pool` lends the memory (a prefill reuses one layer's buffers
+        for the next layer)."""
         pool = ScratchPool() if pool is None else pool
         lent: list[Tensor] = []
         self._dense = self._dense_weight(pool, lent, dtype or self.dtype)
@@ -231,7 +256,9 @@ class QuantLinear(nn.Module):
     @property
     def expandable(self) -> bool:
         """Whether `expanded` gives this kernel's weight a dense form."""
-        return self.kernel in ("int8_cpu", "int4_dequant") or (self.kernel == "int4_cpu" and self.layout is not None)
+        return (self.kernel in ("int8_cpu", "int8_cuda", "int4_dequant")
+                or (self.kernel == "int4_cpu" and self.layout is not None)
+                or (self.kernel == "int4_cuda" and self.tinygemm_readable))  # fmt: skip
 
     def _dense_weight(self, pool: ScratchPool, lent: list[Tensor], dtype: torch.dtype) -> Tensor | None:
         """W [out_features, in_features] in `dtype` (a view), or None; buffers taken from
@@ -246,8 +273,10 @@ class QuantLinear(nn.Module):
             wt = int4_cpu.expand_transposed(self.packed, self.scales_and_zeros, self.group_size, self.layout,
                                             dtype, out=lent[-2], codes=lent[-1])  # fmt: skip
             return wt[:, :n].t()  # [N, K]: a transposed view, which the matmul reads as is
-        if k == "int8_cpu":
+        if k in ("int8_cpu", "int8_cuda"):
             return self.codes.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
+        if k == "int4_cuda":  # tinygemm's layout read back once, on the device
+            return self._tinygemm_rows(None).to(dtype)  # [N, K]
         return QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size).dequantize(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -265,8 +294,8 @@ class QuantLinear(nn.Module):
                 out = self._cpu_mm(x2)  # [M, N]
         elif k == "int4_cuda":  # tinygemm: bf16 x, groups of 32..256, scales_and_zeros [K/g, N, 2]
             out = torch._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        elif k == "int8_cuda":  # torch's CUDA int8pack kernel is a naive fp32 loop: codes held in
-            out = F.linear(x2, self.codes) * self.scales  # [M, N]; the activation dtype at load
+        elif k == "int8_cuda":  # int8 codes, per-channel scales; float32 accumulation
+            out = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [M, N]
         else:
             w = QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size)
             out = F.linear(x2, w.dequantize(x2.dtype))  # [M, N]
@@ -283,13 +312,17 @@ class QuantLinear(nn.Module):
     def dequantize_rows(self, idx: Tensor) -> Tensor | None:
         """Output rows `idx` (any shape) of W as float32 [*idx.shape, in_features], exactly
         the values the kernel multiplies by; None where the packed layout is not ours to
-        read (CUDA tinygemm, or a CPU whose int4 layout is none of int4_cpu.LAYOUTS)."""
+        read (a tinygemm layout that failed its check, or a CPU whose int4 layout is none of
+        int4_cpu.LAYOUTS). For tinygemm, the values in float32 ((q - 8) * s + z, as for
+        every int4 kernel here; tinygemm rounds its own to bfloat16)."""
         flat = idx.reshape(-1)
         if self.kernel in ("int8_cpu", "int8_cuda"):
             rows = self.codes[flat].float() * self.scales[flat].float()[:, None]  # [R, K]
         elif self.kernel == "int4_dequant":
             w = QuantizedWeight("int4", self.codes[flat], self.scales[flat], self.zeros[flat], self.group_size)
             rows = w.dequantize(torch.float32)  # [R, K]
+        elif self.kernel == "int4_cuda" and self.tinygemm_readable:
+            rows = self._tinygemm_rows(flat)  # [R, K]
         elif self.kernel == "int4_cpu" and self.layout is not None:
             q = int4_cpu.read_rows(self.packed, flat, self.layout)  # [R, K]
             sz = self.scales_and_zeros[:, flat]  # [K/g, R, 2]
@@ -297,6 +330,19 @@ class QuantLinear(nn.Module):
         else:
             return None
         return rows.view(*idx.shape, self.in_features)
+
+    def _tinygemm_rows(self, rows: Tensor | None) -> Tensor:
+        """float32 W rows `rows` [R] (None: all N rows) read from tinygemm's packed layout:
+        only the blocks of 8 rows that hold them are unpacked."""
+        if rows is None:
+            q = int4_cuda.unpack(self.packed, self.tinygemm_order)[: self.out_features]  # [N, K]
+            sz = self.scales_and_zeros[:, : self.out_features]  # [K/g, N, 2]
+        else:
+            blocks = int4_cuda.unpack(self.packed[rows // int4_cuda.ROWS], self.tinygemm_order)  # [8R, K]
+            q = blocks.view(rows.numel(), int4_cuda.ROWS, -1)[torch.arange(rows.numel(), device=rows.device),
+                                                               rows % int4_cuda.ROWS]  # [R, K]
+            sz = self.scales_and_zeros[:, rows]  # [K/g, R, 2]
+        return dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), self.group_size)  # [R, K]
 
     def _cpu_mm(self, x2: Tensor) -> Tensor:
         if self.kernel == "int4_cpu":

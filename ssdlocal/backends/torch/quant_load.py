@@ -176,8 +176,8 @@ class _Filler:
 
 def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "cpu") -> int:
     """Bytes the weights of `path` (HF dir, quantized dir or .gguf) take once loaded with
-    `scheme` in `dtype` on a `device_type` device, from file headers only (int8 on CUDA
-    is held in the activation dtype: see core.quantization.bytes_per_param)."""
+    `scheme` in `dtype` on a `device_type` device, from file headers only (quantized
+    codes take their own bytes on every device: core.quantization.bytes_per_param)."""
     from math import prod
 
     from ssdlocal.core.quantization import bytes_per_param
@@ -185,7 +185,7 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
     path = Path(path).expanduser()
     if path.is_dir() and quant_info(path):
         on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return on_disk * 2 if scheme == "int8" and device_type == "cuda" else on_disk
+        return on_disk
     size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
     arch, shapes, embedding = _shapes(path, scheme, dtype)
     embedding = float(size) if embedding is None else embedding  # bytes per embedding weight

@@ -4,7 +4,8 @@ Two ways to feed a row's tokens. `feed` takes host token lists of any length (pr
 the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
 the decode path: ids already on the device, positions from the per-row `lengths` kept
 on the device and moved only by `advance` (in place, on the device), causal masks built
-on the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape.
+on the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape
+(`_bucket_span`: eighths of a doubling, so a step reads at most 1/8 more slots than it needs).
 
 Every tensor a captured step reads besides its inputs is static: the model's parameters
 and buffers (KV cache, RoPE tables) and this runner's `DecodeState`, which is updated only
@@ -168,7 +169,8 @@ class TorchRunner(HeldRows):
             layers = len(self.model.layers)
             report = None if progress is None else (lambda done, total: progress(done // layers, total // layers))
             dense = dense_dtype(self.model, rows_in) if rows_in >= DENSE_MIN_TOKENS else None
-            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report)
+            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report,
+                                     starts=starts)
         elif not self.plain and t_max > PREFILL_CHUNK:
             out = self._chunked_forward(ids, positions, keep, progress)
         else:
@@ -313,6 +315,12 @@ class TorchRunner(HeldRows):
             ).clone()  # fmt: skip
         return self.model(ids, positions, slots, mask)  # [B, T, V]
 
+    def tree_span(self, needed: int) -> int | None:
+        """Runner.tree_span: `needed` in the decode steps' span buckets, within the rows'
+        slots (None where that is every slot anyway)."""
+        span = _bucket_span(needed) if self.graphs is not None or self.device.type == "cuda" else needed
+        return span if span < self.num_slots else None
+
     def tree_width(self, width: int) -> int:
         """Tree steps of `width` branches are padded to this many (graph buckets)."""
         return bucket(width) if self.graphs is not None else width
@@ -333,9 +341,18 @@ def _rounded(slots: int) -> int:
     return -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING
 
 
+SPAN_STEPS = 8  # span buckets per doubling of the span
+
+
 def _bucket_span(span: int) -> int:
-    """Captured steps attend over a power-of-two number of slots (at least 256)."""
-    bucket = SLOT_ROUNDING
-    while bucket < span:
-        bucket *= 2
-    return bucket
+    """The slots a captured step attends over: `span` rounded up to a multiple of an
+    eighth of the largest power of two below it, at least 256 (multiples of 256 up to
+    4,096 slots, of 512 up to 8,192, of 1,024 up to 16,384, ...). A step reads at most
+    1/8 more slots than it needs (or 255), where powers of two read up to 2x; spans up to
+    N slots give 16 shapes up to 4,096 and 8 per doubling past it (40 up to 32,768), per
+    (batch, tokens) of a step, and one generation only meets the few its lengths cross."""
+    if span <= SLOT_ROUNDING:
+        return SLOT_ROUNDING
+    octave = 1 << (span - 1).bit_length() - 1  # the largest power of two below span
+    step = max(SLOT_ROUNDING, octave // SPAN_STEPS)
+    return -(-span // step) * step

@@ -84,8 +84,9 @@ class Speculator:
         self.plan_miss = FanOutPlanner(self.k, max_budget=max_budget)
         widest = max(max_budget, sum(start.fan_out or ()), sum(start.fan_out_miss or ()))
         self.max_branches = widest
-        self.layout = SlotLayout(start.num_slots).with_tree(widest, self.k)
-        runner.reset(len(start.sequences), self.layout.total)
+        self.full_layout = SlotLayout(start.num_slots).with_tree(widest, self.k)  # slots allocated
+        self.layout = self.full_layout  # this round's placement of the tree (_tree_decode)
+        runner.reset(len(start.sequences), self.full_layout.total)
         self.generator = torch.Generator(device=runner.device).manual_seed(
             start.params.stream_seed(104729)
         )
@@ -217,6 +218,7 @@ class Speculator:
         the runner prefers (its graph buckets) with queries that see only the trash slot.
         """
         width = self.runner.tree_width(width)
+        self.layout = self._tree_layout()
         ids, positions, slots, prefix = self._tree_inputs(branches, width)  # [B, W] each
         own = slots.clone()  # [B, W] first scratch slot of each branch (trash for padding)
         real = slots != self.layout.trash  # [B, W]
@@ -248,6 +250,17 @@ class Speculator:
             slots = torch.where(real, slots + 1, slots)
         self.last_depth = len(step_logits)
         self._cache_branches(branches, step_tokens, step_logits, step_q)
+
+    def _tree_layout(self) -> SlotLayout:
+        """Where this round's scratch runs and trash go: right after the longest row's
+        sequence and proposal (K + 2 slots), so a tree step attends over the slots the rows
+        hold, not their whole budget, when the runner says a span (Runner.tree_span);
+        else after the budget. A branch's slots are recorded with it (Branch.slot_start)."""
+        full = self.full_layout
+        longest = max((len(r.seq) for r in self.rows), default=0) + self.k + 2
+        needed = SlotLayout(longest, full.branches, full.depth).total
+        span = self.runner.tree_span(needed) if needed < full.total else None
+        return full if span is None else full.placed(min(span, full.total))
 
     def _tree_inputs(self, branches, width: int):
         """ids, positions, slots and prefix lengths [B, W] of every branch's first query."""

@@ -1,0 +1,67 @@
+"""How many KV slots a step reads: decode spans in eighths of a doubling, SSD tree steps
+bounded by the longest row (not by every slot the call may use), with the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssdlocal.backends.torch import runner as runner_mod
+from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams
+from ssdlocal.draft.ssd.protocol import StartMsg
+from ssdlocal.draft.ssd.speculator import Speculator
+from ssdlocal.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+
+@pytest.mark.parametrize("needed", [1, 255, 300, 1100, 2049, 5000, 16000, 16385, 30000])
+def test_a_decode_span_reads_at_most_an_eighth_more_than_it_needs(needed):
+    span = runner_mod._bucket_span(needed)
+    assert needed <= span <= needed + max(255, needed // 8)
+    assert span % runner_mod.SLOT_ROUNDING == 0
+
+
+def test_span_buckets_stay_few():
+    shapes = {runner_mod._bucket_span(n) for n in range(1, 32769)}
+    assert len(shapes) == 40  # 16 up to 4,096 slots, then 8 per doubling
+    assert {runner_mod._bucket_span(n) for n in range(4000, 4600)} == {4096, 4608}
+
+
+def _speculator(runner, prompt, num_slots) -> Speculator:
+    msg = StartMsg((tuple(prompt),), SamplingParams(), 3, num_slots, runner.vocab_size,
+                   (2, 2, 1, 1), (2, 2, 1, 1), 1.0, "jit", None)  # fmt: skip
+    return Speculator(runner, msg)
+
+
+def test_tree_steps_attend_over_the_longest_row_with_the_same_branches(tiny_dir, monkeypatch):
+    prompt = [(7 * i) % 300 + 5 for i in range(40)]
+    with Engine(EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+                             prefix_cache_tokens=0)) as engine:  # fmt: skip
+        runner = engine.runner
+        spans: list[int] = []
+        real = runner.forward_raw
+
+        def watched(ids, positions, slots, mask):
+            spans.append(mask.shape[-1])
+            return real(ids, positions, slots, mask)
+
+        monkeypatch.setattr(runner, "forward_raw", watched)
+        runs = {}
+        for name in ("bounded", "fixed"):
+            if name == "fixed":
+                monkeypatch.setattr(runner, "tree_span", lambda needed: None)  # the old layout
+            spans.clear()
+            sp = _speculator(runner, prompt, num_slots=900)
+            sp.first()
+            sp.prespeculate()
+            runs[name] = (list(spans), sp, {key: sp.cache.get(*key) for key in sp.cache.keys()})
+    (bounded, sp_b, got_b), (fixed, sp_f, got_f) = runs["bounded"], runs["fixed"]
+    full = sp_f.full_layout.total
+    needed = len(sp_b.rows[0].seq) + 3 + 2 + sp_b.full_layout.branches * 3 + 1  # rows, proposal, tree, trash
+    assert fixed and set(fixed) == {full}  # every slot of the call
+    assert bounded and set(bounded) == {needed} and needed < full / 4
+    assert got_b.keys() == got_f.keys() and got_b
+    for key, branch in got_b.items():  # the same branches wherever their scratch slots are
+        assert branch.tokens == got_f[key].tokens
+        assert torch.allclose(branch.logits, got_f[key].logits, atol=1e-5, rtol=1e-5)
