@@ -65,7 +65,7 @@ def test_bad_serve_options_are_usage_errors(monkeypatch, capsys, tiny_dir, args,
 
 def test_every_server_limit_is_an_option_documented_in_help_and_readme(monkeypatch, capsys):
     """Each limit has a `serve` option with a default and help text shown by --help, and
-    a row in the README's Serving section."""
+    a row in the limits table of docs/hardening.md (where the README's Serving section sends it)."""
     import typer
 
     from ssdlocal.cli.app import app
@@ -74,8 +74,8 @@ def test_every_server_limit_is_an_option_documented_in_help_and_readme(monkeypat
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = run_cli(monkeypatch, capsys, "serve", "--help")
     assert code == 0
-    readme = (ROOT / "README.md").read_text()
-    serving = readme[readme.index("## Serving"):readme.index("## Generating")]
+    hardening = (ROOT / "docs" / "hardening.md").read_text()
+    serving = hardening[hardening.index("## Limits"):hardening.index("## Malformed requests")]
     for option, default in [("--max-body-mb", 8.0), ("--max-prompt-chars", None), ("--max-request-rows", 64),
                             ("--max-batch", 8), ("--max-connections", 128), ("--header-timeout", 10.0),
                             ("--body-timeout", 30.0), ("--idle-timeout", 5.0)]:
