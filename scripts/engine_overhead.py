@@ -5,21 +5,17 @@ runs AR, SD (K=4, the draft model's drafts), SD with suffix proposals weighed pe
 SD with K chosen per round, `--repeats` times each, interleaved, one torch thread, 200 new
 tokens, and prints the median milliseconds of non-model work per round.
 
-    python scripts/engine_overhead.py [--repeats 5] [--batch 1]
+    PYTHONPATH=tests python scripts/engine_overhead.py [--repeats 5] [--batch 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 from tiny_models import make_tiny_suite  # noqa: E402
 
@@ -30,7 +26,6 @@ from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,7 +70,6 @@ def main() -> None:
         values = values[1:]
         print(f"{mode}: engine overhead {statistics.median(values):.3f} ms/round "
               f"(median of {len(values)}, min {min(values):.3f}, max {max(values):.3f})")
-
 
 if __name__ == "__main__":
     main()

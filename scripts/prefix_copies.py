@@ -15,13 +15,10 @@ tensor of one layer) and milliseconds, best of `--repeats` (noisy on a shared ma
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ssdlocal.backends.prefix import BLOCK_TOKENS, PrefixIndex
 from ssdlocal.backends.torch.kvcache import KVCache, KVPool, runs_of

@@ -9,7 +9,7 @@ ignore_eos) and prints medians: wall milliseconds per request and decode tokens/
 (the engine's own figure for direct calls, the response's `ssdlocal.tokens_per_s` for
 the server). Also 8 concurrent streamed requests: total wall time vs 8 sequential.
 
-    python scripts/serve_overhead.py [--repeats 5] [--tokens 128] [--modes ar,sd,ssd]
+    PYTHONPATH=tests python scripts/serve_overhead.py [--repeats 5] [--tokens 128] [--modes ar,sd,ssd]
 """
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 from server_helpers import MODEL, LiveServer
 from tiny_models import make_tiny_suite
@@ -44,13 +40,11 @@ from drafts import draft_of  # noqa: E402
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"
 
-
 def direct(live: LiveServer, tokens: int) -> tuple[float, float]:
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
     done = next(ev for ev in live.engine.generate([PROMPT], params) if isinstance(ev, DoneEvent))
     return (time.perf_counter() - t0) * 1e3, done.stats["tokens_per_s"]
-
 
 def http(live: LiveServer, tokens: int, stream: bool) -> tuple[float, float]:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
@@ -65,7 +59,6 @@ def http(live: LiveServer, tokens: int, stream: bool) -> tuple[float, float]:
         return wall, json.loads(raw)["ssdlocal"]["tokens_per_s"]
     chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     return wall, next(c["ssdlocal"] for c in chunks if "ssdlocal" in c)["tokens_per_s"]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -108,7 +101,6 @@ def main() -> None:
                   f"({sequential / together:.2f}x)")
         finally:
             live.close()
-
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ files for comparison, a plain read of them (the page-cache floor), and with `--l
 `load_model` of the directory with the check and one without, interleaved. Medians of
 `--repeats` runs; the files are read once first, so all runs read from the page cache.
 
-    python scripts/cache_digest_cost.py --repeats 5 --load
+    python scripts/archive/cache_digest_cost.py --repeats 5 --load
 """
 
 from __future__ import annotations

@@ -8,21 +8,18 @@ QuantLinear, for M = 1..16 rows. Variants run interleaved, `--repeats` rounds of
 call torch's op directly, "QuantLinear" rows the module (which splits M = 4q + r rows
 into two calls); `--ideas` adds the variants that were tried and rejected.
 
-    python scripts/quant_kernels.py [--threads 2] [--ms 1,2,3,4,5,6,8,16]
+    python scripts/archive/quant_kernels.py [--threads 2] [--ms 1,2,3,4,5,6,8,16]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ssdlocal.backends.torch.quant import QuantLinear, quantize
 

@@ -1,6 +1,6 @@
 """What a grammar costs the engine, per mode, on the same prompt and (for `anything`) the same tokens.
 
-    python scripts/constrained_overhead.py --tokens 48 --repeats 3
+    python scripts/archive/constrained_overhead.py --tokens 48 --repeats 3
 
 Loads the built-in pair from ~/.cache/ssdlocal/gguf (torch backend, the GGUFs' own int4)
 once and runs, interleaved, greedy: AR, SD (the 0.5B draft, K=4 pinned, drafts masked by the
@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 GGUF = Path("~/.cache/ssdlocal/gguf").expanduser()
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "birth_year": {"type": "integer"},

@@ -1,7 +1,7 @@
 """llguidance vs xgrammar on the built-in pair's vocabulary: what the choice of grammar engine rests on.
 
     pip install llguidance xgrammar      # xgrammar: `--no-deps` plus apache-tvm-ffi avoids its triton
-    python scripts/grammar_engines.py [--tokenizer GGUF] [--out results.json]
+    python scripts/archive/grammar_engines.py [--tokenizer GGUF] [--out results.json]
 
 The Qwen2.5-Coder tokenizer (151,936 tokens, read from the GGUF; nothing is changed there).
 For each grammar (any JSON object, a nested schema, a forced tool call in the Hermes format):
@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 GGUF = Path("~/.cache/ssdlocal/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf").expanduser()
 V = 151936
