@@ -16,6 +16,9 @@ TOP_DIRS = {"ssdlocal", "scripts", "tests", "docs", "models", ".ci"}
 # a run of path characters with a slash, not part of a URL, a home path or a longer word
 PATH = re.compile(r"(?<![\w./~:-])((?:\.ci|[A-Za-z_][\w-]*)/[\w.*/-]*[\w*/])")
 SYMBOL_IN_FILE = re.compile(r"`([A-Za-z_]\w*)` in `([\w/]+\.py)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
 def doc_files() -> list[Path]:
@@ -60,6 +63,32 @@ def defines(path: Path, symbol: str) -> bool:
     return re.search(rf"^\s*(?:def|class|async def)\s+{symbol}\b|^\s*{symbol}\s*[:=]", text, re.M) is not None
 
 
+def anchors(doc: Path) -> set[str]:
+    """The anchors GitHub makes for a Markdown file's headings (code blocks skipped):
+    lower case, punctuation other than `-` and `_` dropped, spaces to hyphens."""
+    text = FENCE.sub("", doc.read_text())
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in HEADING.findall(text)}
+
+
+def test_every_link_between_the_docs_lands():
+    """Relative links in README.md and docs/*.md point at files that exist, and a
+    `#section` at a heading of that file (what moving text between docs breaks)."""
+    broken, checked = [], 0
+    for doc in doc_files():
+        for target in LINK.findall(doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            checked += 1
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+    assert checked > 10, checked
+    assert not broken, broken
+
+
 def test_every_path_the_docs_name_exists():
     checked, missing = 0, []
     for doc in doc_files():
@@ -93,5 +122,7 @@ def test_the_scan_catches_stale_paths_and_symbols():
     assert resolve("backends/torch/kvpool.py") == ([], None)
     hits, symbol = resolve("cli/resolve.parse_draft")
     assert hits == [PACKAGE / "cli" / "resolve.py"] and symbol == "parse_draft" and defines(hits[0], symbol)
+    assert "serving-openai-compatible" in anchors(ROOT / "docs" / "serving.md")
+    assert "serving" not in anchors(ROOT / "README.md")  # the README keeps no server section
     factory = PACKAGE / "draft" / "factory.py"
     assert not defines(factory, "DRAFT_WORDS") and defines(PACKAGE / "cli" / "resolve.py", "DRAFT_WORDS")

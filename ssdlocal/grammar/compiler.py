@@ -38,7 +38,7 @@ class GrammarError(UsageError):
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """Bounds on what one grammar may cost (the server's README limits table)."""
+    """Bounds on what one grammar may cost (the limits table in docs/hardening.md)."""
 
     max_chars: int = 65_536  # the grammar's text (a schema's JSON, a regex, Lark)
     compile_timeout_s: float = 5.0  # compile + the first mask

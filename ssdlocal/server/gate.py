@@ -66,7 +66,7 @@ def _is_ip(name: str) -> bool:
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """Which Host and Origin headers the server accepts (README, "What a browser can do").
+    """Which Host and Origin headers the server accepts (docs/hardening.md, "What a web page can and cannot do").
 
     Hosts: localhost, 127.0.0.1, [::1] and the listening host, each alone or with the
     listening port; any IP address when listening on all interfaces (a rebinding attack

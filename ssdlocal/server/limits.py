@@ -28,7 +28,7 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on requests and connections (README, "Serving": limits)."""
+    """Bounds on requests and connections (docs/hardening.md, "Limits")."""
 
     max_body_bytes: int = 8 * MiB  # larger bodies: 413, unread
     max_prompt_chars: int | None = None  # per request; None: CHARS_PER_TOKEN x context (capped)
