@@ -2,7 +2,8 @@
 (`ssdlocal/...`, `scripts/...`, `tests/...`, `docs/...`, `models/...`, or a module written
 relative to the package such as `backends/torch/runner.py` or `cli/resolve.parse_draft`)
 is a file or folder of this checkout, and a symbol named with its module (`module.name`,
-or "`NAME` in `file.py`") is defined in that module.
+or "`NAME` in `file.py`") is defined in that module; and every relative link lands on a file
+and, with a `#section`, on one of its headings.
 """
 
 from __future__ import annotations
