@@ -3,7 +3,8 @@ call) and the FIM prompt of a completion that carries `suffix`.
 
 `parse_infill` reads llama.cpp's body (`input_prefix`, `input_suffix`, `input_extra` =
 [{filename, text}], `prompt`, `n_predict`, its sampling fields) into a `ParsedRequest`
-with llama.cpp's defaults; fields that tune llama.cpp's own slots and timers are accepted
+with llama.cpp's defaults (temperature 0.8, top_k 40, top_p 0.95; at temperature 0 the
+last two are left off: they cannot change an argmax, and equal settings share batches); fields that tune llama.cpp's own slots and timers are accepted
 and ignored, as llama.cpp ignores fields it does not know. `InfillAnswer` builds
 llama.cpp's answer: `content`, `stop`, `stop_type`, `tokens_predicted`,
 `tokens_evaluated`, `tokens_cached` (prompt tokens the prefix cache held) and `timings`,
@@ -43,8 +44,9 @@ def parse_infill(body: Any, max_new_tokens: int | None, model: str) -> ParsedReq
         texts[name] = value or ""
     extra = _extra(body.get("input_extra"))
     openai: dict[str, Any] = {"model": model, "prompt": texts["input_prefix"] + texts["prompt"]}
+    greedy = body.get("temperature") == 0  # top-k / top-p cannot change an argmax: left off
     for field, name in _FIELDS.items():
-        value = body.get(field, DEFAULTS.get(field))
+        value = body.get(field, None if greedy else DEFAULTS.get(field))
         if field == "n_predict" and isinstance(value, int) and not isinstance(value, bool) and value < 0:
             value = None  # -1: until end-of-sequence (within the server's cap)
         if field == "seed" and value == -1:
