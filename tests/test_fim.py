@@ -110,7 +110,8 @@ def test_generate_fim_suffix_needs_a_fim_model_and_no_chat(tiny_dir, monkeypatch
     from cli_helpers import assert_clean_error, run_cli
 
     code, out, err = run_cli(monkeypatch, capsys, "generate", "def f():", "--fim-suffix", "\n", "--target",
-                             tiny_dir["llama"], "--dtype", "float32", "--mode", "ar", "--max-new-tokens", "2")  # fmt: skip
+                             tiny_dir["llama"], "--dtype", "float32", "--mode", "ar",
+                             "--max-new-tokens", "2")  # fmt: skip
     assert_clean_error(code, err, 2, "no fill-in-the-middle tokens", "--fim-suffix")
     code, out, err = run_cli(monkeypatch, capsys, "generate", "def f():", "--fim-suffix", "\n", "--chat",
                              "--target", tiny_dir["llama"])  # fmt: skip

@@ -131,7 +131,8 @@ def test_the_store_keeps_at_most_its_bound(tmp_path, monkeypatch):
     for i in range(5):
         store.put("pair", {"i": i}, [0.1])
     assert len(list(tmp_path.glob("*.json"))) == 3
-    assert store.get("pair", {"i": 4}, positive_seconds) == [0.1] and store.get("pair", {"i": 0}, positive_seconds) is None
+    assert store.get("pair", {"i": 4}, positive_seconds) == [0.1]
+    assert store.get("pair", {"i": 0}, positive_seconds) is None
 
 
 def test_prefill_path_timings_are_kept_across_processes(cache, tiny_dir, monkeypatch):

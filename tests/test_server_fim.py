@@ -189,3 +189,14 @@ def test_streamed_usage_is_counted_once_as_openai_sends_it(server, chat):
     assert chunks[-2].model_extra.get("ssdlocal") is not None  # the stats stay on the finish chunk
     plain = list(create(stream=True, **common))
     assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_the_suffix_and_context_files_count_against_the_prompt_limit(server, monkeypatch):
+    from ssdlocal.server.limits import ServerLimits
+
+    monkeypatch.setattr(server.state, "limits", ServerLimits(max_prompt_chars=len(BEFORE) + 10))
+    with pytest.raises(openai.BadRequestError) as err:
+        _completion(server)  # the prompt fits, with the suffix it does not
+    assert err.value.body["param"] == "suffix" and err.value.body["code"] == "context_length_exceeded"
+    status, body = _post(server, "/infill", {"input_prefix": BEFORE, "input_extra": [{"text": "x" * 20}]})
+    assert status == 400 and body["error"]["param"] == "input_suffix", body

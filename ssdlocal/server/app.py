@@ -39,7 +39,7 @@ from ssdlocal.engine.fim import fim_tokens
 from ssdlocal.engine.prompts import encode_messages
 from ssdlocal.server.gate import AccessPolicy, guard
 from ssdlocal.server.grammars import RequestGrammars
-from ssdlocal.server.infill import InfillAnswer, fim_chars, fim_ids, parse_infill
+from ssdlocal.server.infill import InfillAnswer, check_fim_chars, fim_ids, parse_infill
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.protocol import (
@@ -235,10 +235,7 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         if req.model != state.model:
             raise _unknown_model(req.model)
         check_request(req, state.limits, state.context)  # before the tokenizer: cheap bounds
-        if fim_chars(req) and sum(map(len, req.prompts)) + fim_chars(req) > state.limits.prompt_chars(state.context):
-            raise bad(f"the prompt and suffix have more characters than this server's limit of "
-                      f"{state.limits.prompt_chars(state.context):,} (--max-prompt-chars)",
-                      param="suffix", code="context_length_exceeded")  # fmt: skip
+        check_fim_chars(req, state.limits.prompt_chars(state.context))  # the suffix and context files too
         grammar = await run_in_threadpool(state.grammars.for_request, req)  # cached; bounded in time
         prompts = await run_in_threadpool(_encode, state, req)
         budgets = _budgets(prompts, req, state.context)

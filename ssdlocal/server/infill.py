@@ -4,13 +4,15 @@ call) and the FIM prompt of a completion that carries `suffix`.
 `parse_infill` reads llama.cpp's body (`input_prefix`, `input_suffix`, `input_extra` =
 [{filename, text}], `prompt`, `n_predict`, its sampling fields) into a `ParsedRequest`
 with llama.cpp's defaults (temperature 0.8, top_k 40, top_p 0.95; at temperature 0 the
-last two are left off: they cannot change an argmax, and equal settings share batches); fields that tune llama.cpp's own slots and timers are accepted
-and ignored, as llama.cpp ignores fields it does not know. `InfillAnswer` builds
+last two are left off: they cannot change an argmax, and equal settings share batches);
+fields that tune llama.cpp's own slots and timers are accepted and ignored, as llama.cpp
+ignores fields it does not know. `InfillAnswer` builds
 llama.cpp's answer: `content`, `stop`, `stop_type`, `tokens_predicted`,
 `tokens_evaluated`, `tokens_cached` (prompt tokens the prefix cache held) and `timings`,
 whole or as a stream of `{"content", "stop": false}` events ending with the full record.
 `fim_ids` lays out the prompt (engine/fim.py) or refuses a model with no FIM tokens with
-a 400 naming the field. Knows nothing of HTTP frameworks or the engine.
+a 400 naming the field; `check_fim_chars` bounds the text a FIM request adds (suffix and
+context files) like the prompt's. Knows nothing of HTTP frameworks or the engine.
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ def _extra(value: Any) -> tuple[ContextFile, ...]:
     return tuple(out)
 
 
-def fim_chars(req: ParsedRequest) -> int:
-    """Characters a FIM request adds to its prompts (suffix and context files per prompt)."""
+def check_fim_chars(req: ParsedRequest, limit: int) -> None:
+    """A 400 when the prompts with the suffix and context files (each prompt's, for a FIM
+    request) have more than `limit` characters (the server's --max-prompt-chars)."""
     if req.suffix is None:
-        return 0
+        return
     each = len(req.suffix) + sum(len(c.filename) + len(c.text) for c in req.context_files)
-    return each * len(req.prompts)
+    if sum(len(p) for p in req.prompts) + each * len(req.prompts) > limit:
+        param = "input_suffix" if req.repo_level else "suffix"
+        raise bad(f"the prompt, suffix and context files have more characters than this server's limit of "
+                  f"{limit:,} (--max-prompt-chars)", param=param, code="context_length_exceeded")  # fmt: skip
 
 
 def fim_ids(tokenizer, tokens: FimTokens | None, req: ParsedRequest, before: str, param: str) -> list[int]:
