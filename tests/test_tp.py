@@ -272,7 +272,7 @@ def test_bench_target_devices(tiny_dir, monkeypatch, capsys, tmp_path):
 
 
 def test_ctrl_c_during_tp_generate(tiny_dir):
-    from test_worker_reliability import _read_until_output, children_of, wait_gone
+    from processes import interrupt_while_streaming, wait_gone
 
     cmd = [sys.executable, "-m", "ssdlocal", "generate", "Hello world", "--target", str(tiny_dir["llama"]),
            "--mode", "ar", "--dtype", "float32", "--max-new-tokens", "490", "--ignore-eos",
@@ -280,10 +280,8 @@ def test_ctrl_c_during_tp_generate(tiny_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
-        _read_until_output(proc, 90)  # streaming has started
-        children = children_of(proc.pid)
+        children = interrupt_while_streaming(proc)
         assert children, "rank 1 should be a child of the CLI"
-        proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=15)
         err = err.decode()
         assert proc.returncode == 130, err

@@ -7,7 +7,6 @@ fp32 with pin_cpus=False (CPU affinity is not the subject here).
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.draft.ssd import client as ssd
 from ssdlocal.engine import Engine
 from ssdlocal.core.config import ModelDraft
+from processes import children_of, interrupt_while_streaming, process_gone, read_until_output, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and signals")
 
@@ -42,44 +42,6 @@ def ssd_config(tiny: dict[str, Path], k: int = 3, **spec) -> EngineConfig:
         spec=SpecConfig(mode=Mode.SSD, k=k, draft=ModelDraft(ModelSpec(str(tiny["draft_llama"]), "cpu", "float32")), **spec),
         pin_cpus=False,
     )
-
-
-def process_gone(pid: int) -> bool:
-    """True when `pid` no longer runs: absent, or a zombie waiting for its reaper."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
-def wait_gone(pids, timeout_s: float) -> list[int]:
-    """Wait until every pid is gone; return the ones still running at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = [p for p in pids if not process_gone(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of `pid`, read from /proc (no psutil)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("PPid:"):
-                        if int(line.split()[1]) == pid:
-                            found.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return found
 
 
 def assert_reaped(proc) -> None:
@@ -243,28 +205,15 @@ def test_bad_draft_is_refused_before_spawning(tiny_dir, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- real processes
-def _read_until_output(proc: subprocess.Popen, timeout_s: float) -> bytes:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            return os.read(proc.stdout.fileno(), 4096)
-        if proc.poll() is not None:
-            break
-    pytest.fail(f"no output (rc={proc.poll()}): {proc.stderr.read().decode() if proc.poll() is not None else ''}")
-
-
 def test_ctrl_c_during_ssd_generate(tiny_dir):
     cmd = [sys.executable, "-m", "ssdlocal", "generate", "Hello world", "--target", str(tiny_dir["llama"]),
            "--draft", str(tiny_dir["draft_llama"]), "--mode", "ssd", "--dtype", "float32",
            "--max-new-tokens", "490", "--ignore-eos", "--k", "3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _read_until_output(proc, 90)  # streaming has started
-        children = children_of(proc.pid)
-        assert children, "the SSD worker should be a child of the CLI"
-        proc.send_signal(signal.SIGINT)
+        children = interrupt_while_streaming(proc)
         t0 = time.monotonic()
+        assert children, "the SSD worker should be a child of the CLI"
         _, err = proc.communicate(timeout=10)
         assert time.monotonic() - t0 < 6
         err = err.decode()
@@ -303,7 +252,7 @@ def test_worker_exits_when_parent_is_killed(tiny_dir, tmp_path):
     )
     worker_pid = None
     try:
-        line = _read_until_output(proc, 90).decode().strip()
+        line = read_until_output(proc, 90).decode().strip()
         worker_pid = int(line.split()[0])
         children = children_of(proc.pid)
         assert worker_pid in children
@@ -346,7 +295,7 @@ def test_interpreter_exit_without_close_kills_a_stopped_worker(tiny_dir, tmp_pat
     )
     worker_pid = None
     try:
-        worker_pid = int(_read_until_output(proc, 90).decode().split()[0])
+        worker_pid = int(read_until_output(proc, 90).decode().split()[0])
         proc.wait(timeout=10)
         assert proc.returncode == 0, proc.stderr.read().decode()
         assert not wait_gone([worker_pid], 5.0)

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -87,16 +86,9 @@ def library_identity() -> dict | None:
 
 def cpu_flags() -> str:
     """This CPU's model-independent identity: architecture and instruction-set flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    flags = " ".join(sorted(set(line.partition(":")[2].split())))
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()} {flags or platform.processor()}".strip()
+    from ssdlocal.core.cpu import flags_summary
+
+    return flags_summary()
 
 
 def probe_key(identity: dict) -> str:
