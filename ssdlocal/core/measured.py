@@ -36,23 +36,17 @@ MAX_BYTES = 64 * 1024  # a measurement is a few hundred bytes; anything larger i
 MAX_FILES = 64  # the oldest go first (models replaced, machines changed)
 
 
-def _cpu() -> tuple[str, str]:
-    """(CPU model name, sorted instruction-set flags) from /proc/cpuinfo where there is one."""
-    model, flags = "", ""
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo where there is one."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
                 name, _, value = line.partition(":")
-                name = name.strip()
-                if not model and name in ("model name", "Hardware", "cpu model"):
-                    model = value.strip()
-                elif not flags and name in ("flags", "Features"):
-                    flags = " ".join(sorted(set(value.split())))
-                if model and flags:
-                    break
+                if name.strip() in ("model name", "Hardware", "cpu model"):
+                    return value.strip()
     except OSError:
         pass
-    return model or platform.processor(), flags
+    return platform.processor()
 
 
 def machine() -> dict[str, Any]:
@@ -60,7 +54,9 @@ def machine() -> dict[str, Any]:
     architecture), the cores it may use, torch's version and intra-op threads."""
     import torch
 
-    model, flags = _cpu()
+    from ssdlocal.core.cpu import cpu_flags
+
+    model, flags = _cpu_model(), " ".join(sorted(cpu_flags()))
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
