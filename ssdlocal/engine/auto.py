@@ -50,6 +50,7 @@ class Calibration:
     target_1: float
     target_k1: float
     draft_1: float
+    when: str = "at load"  # or at an earlier start, read from the cache (core/measured.py)
 
     def predicted(self, acceptance: float = PRIOR_ACCEPTANCE) -> tuple[float, float]:
         """(AR, SD) tokens per second: AR makes one token per target forward; an SD round
@@ -59,7 +60,7 @@ class Calibration:
         return 1.0 / self.target_1, tokens_per_round / (k * self.draft_1 + self.target_k1)
 
     def describe(self) -> str:
-        return (f"measured at load: target {self.target_1 * 1e3:.0f} ms/token and "
+        return (f"measured {self.when}: target {self.target_1 * 1e3:.0f} ms/token and "
                 f"{self.target_k1 * 1e3:.0f} ms per {self.k + 1}-token verify, draft "
                 f"{self.draft_1 * 1e3:.0f} ms/token")  # fmt: skip
 
@@ -229,7 +230,8 @@ def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: En
     if choice is None:  # target and draft share the CPU: measure them
         key = {"models": models + [model_key(config.draft_model)], "k": spec.k} if store is not None else None
         found = store.get("pair", key, lambda v: positive_seconds(v, 3)) if store is not None else None
-        cal = Calibration(spec.k, *found) if found is not None else calibrate(target, draft, spec.k)
+        cal = (Calibration(spec.k, *found, when="at an earlier start (kept in the cache)") if found is not None
+               else calibrate(target, draft, spec.k))  # fmt: skip
         if store is not None and found is None:
             store.put("pair", key, [cal.target_1, cal.target_k1, cal.draft_1])
         costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
