@@ -114,8 +114,8 @@ class InfillAnswer:
         self.context = context
 
     def stream_chunks(self, item: Chunk) -> list[dict[str, Any]]:
-        if item.choice != 0 or not item.text:
-            return []
+        if item.choice != 0 or not (item.text or (self.req.return_token_ids and item.token_ids)):
+            return []  # text held back (a partial character, a stop string's start)
         chunk: dict[str, Any] = {"index": 0, "content": item.text, "stop": False, "id_slot": 0,
                                  "tokens_evaluated": self.prompt_tokens}  # fmt: skip
         if self.req.return_token_ids:
