@@ -92,7 +92,8 @@ class Engine:
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
-            self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs)  # (a CPU)
+            self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs,
+                                     config)  # (a CPU; timings kept per machine and models)
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip

@@ -1,8 +1,10 @@
 """OpenAI response bodies: completions and chat completions, whole or as stream chunks.
 
-Every answer carries `usage` and, under `ssdlocal`, the request's own speculation stats
-(acceptance_rate, mean_accepted_len, cache_hit_rate, tokens_per_s, mode, ...); a stream
-sends them with its final chunk. A chat answer to a request with tools is read by
+Every whole answer carries `usage` and, under `ssdlocal`, the request's own speculation
+stats (acceptance_rate, mean_accepted_len, cache_hit_rate, tokens_per_s, mode, ...). A
+stream sends the stats with its last finish chunk and `usage` as OpenAI does: only when
+`stream_options.include_usage` asks for it, and only on one final chunk with no choices
+(clients that add up usage across chunks count it once). A chat answer to a request with tools is read by
 tool_parse.py: calls become `message.tool_calls` (streamed as `delta.tool_calls` with their
 index, the arguments in pieces) and the finish reason `tool_calls`. Log-probabilities go
 with the tokens they belong to (logprob_format.py). Pure dict building: no HTTP, no engine.
@@ -158,8 +160,9 @@ class Responses:
         return chunks
 
     def finish_chunks(self, finished: Finished) -> list[dict[str, Any]]:
-        """Held-back pieces, then one closing chunk per choice; the last carries usage and
-        the stats. With stream_options.include_usage, OpenAI's extra usage chunk follows."""
+        """Held-back pieces, then one closing chunk per choice; the last carries the stats
+        (never usage). With stream_options.include_usage, OpenAI's usage chunk follows:
+        `choices: []` and the request's usage, the only chunk that carries it."""
         chunks = []
         for index, (_, _, reason) in enumerate(finished.choices):
             called = False
@@ -178,11 +181,9 @@ class Responses:
             if self.req.return_token_ids:
                 choice["token_ids"] = []
             chunks.append(self._chunk(choice))
-        usage = self.usage(finished)
-        chunks[-1]["usage"] = usage
         chunks[-1]["ssdlocal"] = finished.stats
         if self.req.include_usage:
             last = self._envelope(chunks[-1]["object"], [])
-            last["usage"] = usage
+            last["usage"] = self.usage(finished)
             chunks.append(last)
         return chunks
