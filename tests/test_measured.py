@@ -26,6 +26,22 @@ from drafts import draft_of
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
+@pytest.fixture(autouse=True)
+def keeping(monkeypatch):
+    """This module tests the kept measurements, which the rest of the suite turns off."""
+    monkeypatch.setenv("SSDLOCAL_KEEP_MEASUREMENTS", "1")
+
+
+def test_measurements_can_be_turned_off(tmp_path, monkeypatch):
+    store = MeasuredStore(tmp_path)
+    store.put("pair", {"i": 1}, [0.1])
+    assert store.get("pair", {"i": 1}, positive_seconds) == [0.1]
+    monkeypatch.setenv("SSDLOCAL_KEEP_MEASUREMENTS", "0")
+    assert store.get("pair", {"i": 1}, positive_seconds) is None
+    store.put("pair", {"i": 2}, [0.2])
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))

@@ -13,6 +13,8 @@ passes the caller's check (e.g. finite positive seconds): anything else - damage
 edited, from another machine or version - is ignored, measured again and overwritten.
 The numbers only steer speed decisions (mode, K, prefill path), never what is generated.
 Writes are atomic and never fail the caller. Knows nothing of models or engines.
+`SSDLOCAL_KEEP_MEASUREMENTS=0` measures at every start and keeps nothing (benchmarks on a
+machine whose load changes; the test suite).
 """
 
 from __future__ import annotations
@@ -88,8 +90,14 @@ def positive_seconds(value: Any, count: int | None = None) -> bool:
     return all(type(v) in (int, float) and math.isfinite(v) and 0 < v <= 600 for v in value)
 
 
+def keeping() -> bool:
+    """False when `SSDLOCAL_KEEP_MEASUREMENTS` is 0/false/no/off: nothing read or kept."""
+    return os.environ.get("SSDLOCAL_KEEP_MEASUREMENTS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class MeasuredStore:
-    """Measurements by key under `directory` (default: the cache's calibration folder)."""
+    """Measurements by key under `directory` (default: the cache's calibration folder);
+    with `keeping()` false, `get` finds nothing and `put` keeps nothing."""
 
     def __init__(self, directory: Path | None = None) -> None:
         if directory is None:
@@ -108,6 +116,8 @@ class MeasuredStore:
 
     def get(self, kind: str, key: dict, check: Callable[[Any], bool]) -> Any | None:
         """The value stored for this key on this machine, or None (missing or not trusted)."""
+        if not keeping():
+            return None
         full = self.full_key(kind, key)
         path = self.path(full)
         try:
@@ -132,6 +142,8 @@ class MeasuredStore:
 
     def put(self, kind: str, key: dict, value: Any) -> None:
         """Keep `value` for this key (atomically; a failure to write is only logged)."""
+        if not keeping():
+            return
         full = self.full_key(kind, key)
         path = self.path(full)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
