@@ -50,8 +50,9 @@ class PathCosts:
 def dense_dtype(model, rows: int) -> torch.dtype | None:
     """The dtype a feed of `rows` rows (batch x tokens) should expand `model`'s quantized
     weights to, or None to keep the quantized kernels (also when nothing in the first layer
-    can expand: not quantized, CUDA tinygemm int4, CUDA int8). On a GPU, expandable weights
-    go to the activation dtype unmeasured: its dense matmul is the fast path for many rows."""
+    can expand: not quantized, or a CUDA int4 layout whose read-back failed its check). On a
+    GPU, expandable weights (int8, tinygemm int4) go to the activation dtype unmeasured: its
+    dense matmul is the fast path for many rows."""
     linear = _probe_linear(model)
     if linear is None:
         return None
