@@ -21,6 +21,7 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
@@ -90,6 +91,7 @@ class Engine:
                 self._load_draft_here()
             # after the draft: the default size is a share of the memory left
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
+            self.audit = Audit()  # host waits per model, through core.hostsync
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
             self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs)  # (a CPU)
@@ -241,7 +243,7 @@ class Engine:
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
             draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
-            costs=self.costs, rates=self.acceptance_rates, guides=guides,
+            costs=self.costs, rates=self.acceptance_rates, guides=guides, audit=self.audit,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 
@@ -314,7 +316,7 @@ class Engine:
             return
         self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
-        shaper = make_shaper(grammars, len(ids), params, self.target.args.vocab_size, self.eos_ids)
+        shaper = make_shaper(grammars, len(ids), params, self.target.args.vocab_size, self.eos_ids, self.audit)
         drafter = self._make_drafter(spec, params, len(ids), num_slots, shaper.guides)
         run = self._run(rows, params, spec, drafter, stats, token, progress, shaper)
         yield from self._counted(stats, run)
@@ -334,6 +336,8 @@ class Engine:
         graphs_before = self._graph_reports(drafter)
         stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
         stats.prefix_now = self.prefix_reports
+        waits_before = self.audit.snapshot()
+        stats.host_waits_now = lambda: self._host_waits(drafter, waits_before)
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
@@ -356,7 +360,8 @@ class Engine:
             if drafter is not None:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper)
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper,
+                           self.audit)  # fmt: skip
             rounds = rechecked(rounds, self.choice, spec, params, stats.mode_reason)  # SD watches itself
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
@@ -379,6 +384,8 @@ class Engine:
                 pinned.restore()
             final = self._graph_reports(drafter, graphs_before)
             stats.graphs_now = lambda: final
+            waits = self._host_waits(drafter, waits_before)
+            stats.host_waits_now = lambda: waits
             if completed:  # what the caches hold now is what later calls may start from
                 store_prefixes(self.runner, rows, cached, drafter)
             if drafter is not None:
@@ -398,6 +405,15 @@ class Engine:
         elif hasattr(drafter, "graph_report") and drafter.graph_report() is not None:
             reports["draft"] = drafter.graph_report()  # SSD: counted in the worker
         return reports
+
+    def _host_waits(self, drafter, since: dict) -> dict:
+        """Host waits per model during this call (core.hostsync): this process's, since the
+        snapshot `since`, and the SSD worker's ("worker", as of its latest proposal)."""
+        waits = self.audit.since(since)
+        worker = drafter.host_waits() if hasattr(drafter, "host_waits") else None
+        if worker is not None:
+            waits["worker"] = worker
+        return waits
 
     def _resolved(self, spec: SpecConfig) -> SpecConfig:
         """`spec` as a call runs it: auto resolved to the engine's mode; SSD's K, which its
