@@ -30,7 +30,7 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
 
     return SSDDrafter(res.worker(), spec, params, res.target_vocab, res.num_slots,
                       target_device=res.target_device_name, draft_device=spec.draft.model.device,
-                      memory=res.memory)  # fmt: skip
+                      memory=res.memory, audit=res.audit)  # fmt: skip
 
 
 def make_drafter(spec: SpecConfig, params: SamplingParams, resources: DraftResources):

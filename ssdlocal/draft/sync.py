@@ -144,11 +144,11 @@ class ModelDrafter:
         self._fed = [n + k - 1 for n in lengths]
         self._k = k
         n_draft = self.target_site.upload([k if a else 0 for a in active], self.device)  # [B]
-        q = None if drafted.q is None else drafted.q.to(self.device)  # [B, K, V] (device to device)
+        q = None if drafted.q is None else drafted.q.to(self.device, non_blocking=True)  # [B, K, V] (device to device)
         tokens = None
         if self.guides is not None and k:  # the matcher walked d_1..d_K-1: read d_K too, before the target runs
             tokens = self.guides.drafted_tokens(drafted.tokens[:, -1], active, self.site)
-        return Proposal(drafted.tokens.to(self.device), n_draft, q, tokens=tokens)  # [B, K]
+        return Proposal(drafted.tokens.to(self.device, non_blocking=True), n_draft, q, tokens=tokens)  # [B, K]
 
     def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
         """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
@@ -162,7 +162,7 @@ class ModelDrafter:
             host = [[max(len(x) - 1, 0), int(bool(x) and start + len(x) == len(p)), len(x)] + x + [0] * (width - len(x))
                     for x, p in zip(part, pending)]  # fmt: skip
             staged = self.site.upload(host, dev)  # [B, 3+T]: last, ends, fed, ids (one staged upload)
-            ids = staged[:, 3:]  # [B, T]
+            ids = staged[:, 3:].contiguous()  # [B, T]
             logits = self.runner.step(ids, bound)[rows, staged[:, 0]]  # [B, V_d]; padding writes past each row
             first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
             self.runner.advance(staged[:, 2])

@@ -50,6 +50,7 @@ class Engine:
         keep_freed_memory()  # forwards reuse their temporaries' memory (core.memory)
         spec = config.spec
         self._draft_runner = None
+        self.audit = Audit()  # host waits per model, through core.hostsync
         self._worker = None
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
@@ -85,13 +86,14 @@ class Engine:
             registry.claim_device(config.target.device)  # rank 0 of a TP target too
             self.tokenizer = self.target.tokenizer
             self.runner = registry.make_runner(self.target, graphs=config.graphs)
+            if hasattr(self.runner, "count_host_waits"):  # the torch runner (llama.cpp's has no device inputs)
+                self.runner.count_host_waits(self.audit.site("target"))
             if self._worker is not None:
                 self._wait_worker()
             elif self.has_draft_model:
                 self._load_draft_here()
             # after the draft: the default size is a share of the memory left
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
-            self.audit = Audit()  # host waits per model, through core.hostsync
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
             self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs)  # (a CPU)
@@ -110,6 +112,8 @@ class Engine:
         runner = registry.make_runner(loaded, graphs=self.config.graphs)
         runner.setup_prefix(self.config.prefix_cache_tokens)
         self._draft_runner = runner
+        if hasattr(runner, "count_host_waits"):
+            runner.count_host_waits(self.audit.site("draft"))
 
     def _wait_worker(self) -> None:
         self._worker.wait_loaded()
