@@ -64,6 +64,13 @@ class Audit:
     def site(self, model: str) -> Site:
         return Site(self, model)
 
+    def watch(self, runner, model: str):
+        """Count a runner's own host -> device inputs as `model`'s (runners that make none,
+        such as llama.cpp's, have no `count_host_waits`); returns the runner."""
+        if hasattr(runner, "count_host_waits"):
+            runner.count_host_waits(self.site(model))
+        return runner
+
     def add(self, model: str, reads: int = 0, blocking: int = 0, staged: int = 0) -> None:
         with self._lock:
             self._counts[model] = self._counts.get(model, HostWaits()) + HostWaits(reads, blocking, staged)
@@ -80,6 +87,26 @@ class Audit:
         """Counts made after `before` (a snapshot), per model that made any."""
         now = self.snapshot()
         return {m: w - before.get(m, HostWaits()) for m, w in now.items() if w != before.get(m, HostWaits())}
+
+
+class WaitsSince:
+    """Calling it: the counts per model made in `audit` since it was built, plus `worker()`'s
+    (a HostWaits counted in another process, or None) as "worker"; `freeze` keeps them."""
+
+    def __init__(self, audit: Audit, worker=None) -> None:
+        self.audit, self.worker = audit, worker
+        self.before = audit.snapshot()
+        self.frozen: dict[str, HostWaits] | None = None
+
+    def __call__(self) -> dict[str, HostWaits]:
+        if self.frozen is not None:
+            return self.frozen
+        waits = self.audit.since(self.before)
+        more = self.worker() if self.worker is not None else None
+        return waits if more is None else {**waits, "worker": more}
+
+    def freeze(self) -> None:
+        self.frozen = self()
 
 
 class Site:

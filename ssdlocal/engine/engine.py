@@ -21,7 +21,7 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.hostsync import Audit
+from ssdlocal.core.hostsync import Audit, WaitsSince
 from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
@@ -85,9 +85,7 @@ class Engine:
                 self.target = registry.load(config.target)
             registry.claim_device(config.target.device)  # rank 0 of a TP target too
             self.tokenizer = self.target.tokenizer
-            self.runner = registry.make_runner(self.target, graphs=config.graphs)
-            if hasattr(self.runner, "count_host_waits"):  # the torch runner (llama.cpp's has no device inputs)
-                self.runner.count_host_waits(self.audit.site("target"))
+            self.runner = self.audit.watch(registry.make_runner(self.target, graphs=config.graphs), "target")
             if self._worker is not None:
                 self._wait_worker()
             elif self.has_draft_model:
@@ -109,11 +107,9 @@ class Engine:
         """Load the draft model in this process (synchronous SD)."""
         loaded = registry.load(self.config.draft_model)
         self.draft_context = loaded.args.max_position_embeddings
-        runner = registry.make_runner(loaded, graphs=self.config.graphs)
+        runner = self.audit.watch(registry.make_runner(loaded, graphs=self.config.graphs), "draft")
         runner.setup_prefix(self.config.prefix_cache_tokens)
         self._draft_runner = runner
-        if hasattr(runner, "count_host_waits"):
-            runner.count_host_waits(self.audit.site("draft"))
 
     def _wait_worker(self) -> None:
         self._worker.wait_loaded()
@@ -340,8 +336,7 @@ class Engine:
         graphs_before = self._graph_reports(drafter)
         stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
         stats.prefix_now = self.prefix_reports
-        waits_before = self.audit.snapshot()
-        stats.host_waits_now = lambda: self._host_waits(drafter, waits_before)
+        stats.host_waits_now = WaitsSince(self.audit, getattr(drafter, "host_waits", None))  # SSD: + the worker's
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
@@ -364,8 +359,7 @@ class Engine:
             if drafter is not None:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper,
-                           self.audit)  # fmt: skip
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper, self.audit)
             rounds = rechecked(rounds, self.choice, spec, params, stats.mode_reason)  # SD watches itself
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
@@ -388,8 +382,7 @@ class Engine:
                 pinned.restore()
             final = self._graph_reports(drafter, graphs_before)
             stats.graphs_now = lambda: final
-            waits = self._host_waits(drafter, waits_before)
-            stats.host_waits_now = lambda: waits
+            stats.host_waits_now.freeze()
             if completed:  # what the caches hold now is what later calls may start from
                 store_prefixes(self.runner, rows, cached, drafter)
             if drafter is not None:
@@ -409,15 +402,6 @@ class Engine:
         elif hasattr(drafter, "graph_report") and drafter.graph_report() is not None:
             reports["draft"] = drafter.graph_report()  # SSD: counted in the worker
         return reports
-
-    def _host_waits(self, drafter, since: dict) -> dict:
-        """Host waits per model during this call (core.hostsync): this process's, since the
-        snapshot `since`, and the SSD worker's ("worker", as of its latest proposal)."""
-        waits = self.audit.since(since)
-        worker = drafter.host_waits() if hasattr(drafter, "host_waits") else None
-        if worker is not None:
-            waits["worker"] = worker
-        return waits
 
     def _resolved(self, spec: SpecConfig) -> SpecConfig:
         """`spec` as a call runs it: auto resolved to the engine's mode; SSD's K, which its

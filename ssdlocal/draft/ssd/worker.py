@@ -72,8 +72,7 @@ class DraftWorker:
         registry.claim_device(msg.model.device)
         self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
         self.runner.setup_prefix(msg.prefix_tokens)
-        if hasattr(self.runner, "count_host_waits"):  # the torch runner (llama.cpp's has no device inputs)
-            self.runner.count_host_waits(self.audit.site("worker"))
+        self.audit.watch(self.runner, "worker")
         reply = LoadedMsg(loaded.args.vocab_size, str(loaded.device), loaded.args.max_position_embeddings)
         self.conn.send((Reply.LOADED, reply))
 
