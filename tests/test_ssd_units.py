@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import detached_site
 from ssdlocal.placement.cpus import split_cpus
 from ssdlocal.speculation.backup import BackupChooser, expected_rate
 from ssdlocal.speculation.fanout import FanOutPlanner, capped_geometric
@@ -328,6 +329,7 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
             return torch.zeros(*ids.shape, 10)
 
     spec = object.__new__(sp.Speculator)
+    spec.site = detached_site("worker")  # core.hostsync: counts nobody reads
     spec.runner, spec.k, spec.vocab = Runner(), 4, 10
     spec.params = SamplingParams()
     spec.layout = SlotLayout(16).with_tree(4, 4)
@@ -366,6 +368,7 @@ def _seeding_speculator(suffix: bool):
             return [torch.zeros(0, 10) for _ in feeds]
 
     spec = object.__new__(sp.Speculator)
+    spec.site = detached_site("worker")  # core.hostsync: counts nobody reads
     spec.runner, spec.k, spec.vocab, spec.params = Runner(), 2, 10, SamplingParams()
     spec.max_branches, spec.fixed_hit, spec.fixed_miss = 32, (1, 1, 1), (1, 1, 1)
     spec.cache = sp.SpeculationCache()
