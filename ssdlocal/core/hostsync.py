@@ -126,6 +126,11 @@ class Site:
         values = [t.tolist() for t in tensors]
         return values[0] if len(values) == 1 else values
 
+    def waited(self) -> None:
+        """Count a synchronisation made on purpose elsewhere (a stream drained before a
+        message that is the only synchronisation, a poll that must see finished work)."""
+        self.audit.add(self.model, reads=1)
+
     def upload(self, data: Sequence | Any, device, dtype=None) -> Any:
         """Host data (nested lists of numbers, or a host tensor) as a tensor on `device`,
         without a host wait where the device allows it (see the module docstring)."""

@@ -206,7 +206,9 @@ class SSDDrafter:
         self._proposed_at = time.perf_counter()
         q = None
         if msg.q_written and self._q_channel is not None:
-            q = self._q_channel.read(self.target_device)  # [B, K, V] where the target verifies
+            q = self._q_channel.read()  # [B, K, V]: a private copy (host shared memory, or the target's GPU)
+            if q.device.type == "cpu":
+                q = self.site.to_device(q, self.target_device)  # where the target verifies: staged, no wait
         self.chooser.observe_proposal(msg)
         return Proposal.from_lists(
             msg.tokens, self.k, self.target_device, self.site, q=q, cache_hit=list(msg.cache_hit),

@@ -75,7 +75,8 @@ class Speculator:
 
     Host waits (counted in `audit`, model "worker"): per pre-speculation one read of every
     row's bonus candidates (one batched top-k) and one of the tree's drafts; a miss served
-    just in time reads its drafts once; polls for an early outcome wait by design."""
+    just in time reads its drafts once; with automatic fan-out each poll for an early
+    outcome waits for the previous tree step (by design: counted too)."""
 
     def __init__(self, runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
         self.runner = runner
@@ -242,6 +243,7 @@ class Speculator:
         for j in range(self.k):
             if j > 0 and should_stop is not None:
                 wait_for_device(ids)  # step j-1 done: the poll sees real progress, not a queue
+                self.site.waited()
                 if should_stop():
                     break  # the outcome is here: serve branches of depth j rather than wait
             sees_prefix = span[None, None, :] < prefix[..., None]  # [B, W, S] seq + d_1..d_k

@@ -105,6 +105,7 @@ class DraftWorker:
         q_written = served.q is not None and self.q_buffer is not None
         if q_written:
             write_q(self.q_buffer, served.q)  # [n, K, V]; synchronizes a CUDA buffer first
+            self.audit.site("worker").waited()  # the target reads q once it has the message
         msg = ProposalMsg(
             self.round_index, tuple(tuple(t) for t in served.tokens), tuple(served.cache_hit),
             served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan, self._graphs(), self._host_waits(),
