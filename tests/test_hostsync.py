@@ -154,3 +154,18 @@ def test_audit_counts_reads_once_and_staged_uploads_as_no_wait():
     assert HostWaits(2, 1, 5).as_dict(rounds=2) == {"waits": 3, "reads": 2, "blocking": 1, "staged": 5,
                                                     "waits_per_round": 1.5}  # fmt: skip
     assert HostWaits(1).as_dict(rounds=0)["waits_per_round"] is None
+
+
+def test_uploads_to_cuda_are_staged_and_non_blocking(monkeypatch):
+    """The CUDA branch (on CUDA-shaped fakes): pinned when CUDA is there, non_blocking, no wait."""
+    from fake_cuda import CUDA, fake_cuda
+
+    seen = []
+    original = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: seen.append(k.get("non_blocking")) or original(self, *a, **k))
+    audit = Audit()
+    with fake_cuda():
+        out = audit.site("target").upload([[1, 2], [3, 4]], CUDA)
+    assert out.device.type == "cuda" and tuple(out.shape) == (2, 2)
+    assert seen and all(seen)  # every copy on the way is non-blocking
+    assert audit.snapshot() == {"target": HostWaits(staged=1)}

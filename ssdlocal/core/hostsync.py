@@ -151,7 +151,8 @@ class Site:
             return host
         if device.type == "cuda":
             self.audit.add(self.model, staged=1)
-            return host.pin_memory().to(device, non_blocking=True)
+            pinned = host.pin_memory() if torch.cuda.is_available() else host  # (CUDA-shaped fakes cannot pin)
+            return pinned.to(device, non_blocking=True)
         self.audit.add(self.model, blocking=1)
         return host.to(device)
 
