@@ -267,6 +267,9 @@ def test_metrics_parse_as_prometheus_text_and_move(server):
     assert after["ssdlocal_verify_seconds_total"] > before["ssdlocal_verify_seconds_total"]
     assert after["ssdlocal_request_duration_seconds_count"] == before["ssdlocal_request_duration_seconds_count"] + 2
     assert after[f"ssdlocal_info{{mode={server.mode},model={MODEL},version={__import__('ssdlocal').__version__}}}"] == 1
+    waits = "ssdlocal_host_waits_total{model=target}"
+    assert after[waits] > before.get(waits, 0)  # the round's read-back, at least
+    assert 0 < after["ssdlocal_host_waits_per_round{model=target}"] <= 1.5  # one per round (+ the first token's)
     if server.mode != "ar":
         assert after["ssdlocal_spec_decode_draft_tokens_total"] > before["ssdlocal_spec_decode_draft_tokens_total"]
         assert 0 <= after["ssdlocal_acceptance_rate"] <= 1

@@ -12,6 +12,9 @@ may walk the same matcher while drafting (`draft_allowed`): its masks are the on
 verification then reuses, so masking drafts costs no extra grammar work.
 Rows never share a matcher; a row without a grammar gets no mask (every token allowed).
 The time all this takes is charged to the constrained rows (`take_seconds`, for the stats).
+Host waits (core.hostsync): one read per draft a drafter hands the matcher (it needs the
+token on the host to walk); masks are built on the host and go to the device through
+staged uploads (pinned, non-blocking on CUDA), so none of them waits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+
+from ssdlocal.core.hostsync import Audit
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -65,7 +70,8 @@ class RowGuide:
 
     @staticmethod
     def allows(words: Tensor, token: int) -> bool:
-        return 0 <= token and (int(words[token >> 5]) >> (token & 31)) & 1 == 1
+        """Whether the host bitmask `words` [W] allows `token` (read through numpy: host memory)."""
+        return 0 <= token and (int(words.numpy()[token >> 5]) >> (token & 31)) & 1 == 1
 
     def walk(self, tokens: Sequence[int]) -> int:
         """Walk from the committed state along `tokens` (reusing the walk so far where it
@@ -109,8 +115,11 @@ class Guides:
     `grammars[b]`: a grammar.compiler.Grammar for row b, or None (unconstrained).
     """
 
-    def __init__(self, grammars: Sequence, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, grammars: Sequence, vocab_size: int, eos_ids: Sequence[int], audit: Audit | None = None) -> None:
         self.vocab_size = vocab_size
+        audit = audit or Audit()
+        self.target_site = audit.site("target")  # verification's masks go up to the target
+        self.draft_site = audit.site("draft")  # drafting's masks go up to the draft
         self.constrained = tuple(g is not None for g in grammars)
         self._spent = [0.0] * len(grammars)  # seconds per row not yet reported (take_seconds)
         self._depth = 0
@@ -144,7 +153,7 @@ class Guides:
                     continue
                 n = guide.walk(list(drafts[b])[:width])
                 words[b, : n + 1] = torch.stack(guide.masks[: n + 1])
-            return unpack(words.to(device), self.vocab_size)  # [B, width+1, V]
+            return unpack(self.target_site.to_device(words, device), self.vocab_size)  # [B, width+1, V]
 
     def draft_allowed(self, j: int, previous: Tensor | None, active: Sequence[bool], device) -> Tensor:
         """For a drafter that masks its own drafts: bool [B, V], what the grammar allows at
@@ -153,7 +162,7 @@ class Guides:
             if j == 0:
                 self._drafted = [[] for _ in self.rows]
             elif previous is not None:
-                for b, token in enumerate(previous.tolist()):
+                for b, token in enumerate(self.draft_site.read(previous)):  # the walk needs it on the host
                     self._drafted[b].append(token)
             words = torch.full((len(self.rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
             for b, guide in enumerate(self.rows):
@@ -161,7 +170,15 @@ class Guides:
                     continue
                 n = guide.walk(self._drafted[b])
                 words[b] = guide.masks[n]  # n < j only if a draft was forbidden: later drafts are moot
-            return unpack(words.to(device), self.vocab_size)  # [B, V]
+            return unpack(self.draft_site.to_device(words, device), self.vocab_size)  # [B, V]
+
+    def drafted_tokens(self, last: Tensor, active: Sequence[bool], site=None) -> list[list[int]]:
+        """After a drafter's K `draft_allowed` steps: every row's drafts d_1..d_K as host
+        lists ([] for idle rows), reading only d_K (`last` [B], through `site`, default the
+        draft's) — the others were read for the walk. Verification reuses them."""
+        site = site or self.draft_site
+        final = site.read(last)
+        return [self._drafted[b] + [final[b]] if active[b] else [] for b in range(len(self.rows))]
 
     def commit(self, taken: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
         """Each active constrained row took `taken[b]` (accepted drafts, then the bonus)."""
