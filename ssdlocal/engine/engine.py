@@ -381,8 +381,7 @@ class Engine:
         finally:
             if pinned is not None:
                 pinned.restore()
-            final = self._graph_reports(drafter, graphs_before)
-            stats.graphs_now = lambda: final
+            stats.graphs_now = lambda final=self._graph_reports(drafter, graphs_before): final  # frozen
             stats.host_waits_now.freeze()
             if completed:  # what the caches hold now is what later calls may start from
                 store_prefixes(self.runner, rows, cached, drafter)
