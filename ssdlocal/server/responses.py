@@ -22,8 +22,14 @@ from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallPar
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def finish_reason(reason: str | None, called: bool = False) -> str | None:
-    """OpenAI's finish reason; an answer that ended by itself after tool calls: tool_calls."""
+def finish_reason(reason: str | None, called: bool = False, parser: ToolCallParser | None = None) -> str | None:
+    """OpenAI's finish reason; an answer that ended by itself after tool calls, or whose
+    list of calls ended with a repeated call: tool_calls. An answer that ended inside a
+    call (a stop string, max_tokens) keeps its own reason: the cut call is text."""
+    if parser is not None:
+        if parser.repeated and parser.calls and reason != "error":
+            return "tool_calls"
+        called = parser.calls > 0 and not parser.cut
     if called and reason in ("eos", "stop"):
         return "tool_calls"
     return None if reason is None else FINISH_REASONS.get(reason, reason)
@@ -68,7 +74,8 @@ class Responses:
         }
 
     def _parser(self) -> ToolCallParser:
-        return ToolCallParser(self.tool_format, [t.name for t in self.req.tools])
+        return ToolCallParser(self.tool_format, [t.name for t in self.req.tools],
+                              {t.name: t.parameters for t in self.req.tools})
 
     def _logprobs(self, index: int, logprobs) -> dict[str, Any] | None:
         if logprobs is None or self.text_of is None:
@@ -84,7 +91,7 @@ class Responses:
         choices = []
         for index, (text, ids, reason) in enumerate(finished.choices):
             lps = finished.logprobs[index] if finished.logprobs is not None else None
-            called = False
+            parser = None
             if self.req.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.tool_format is not None:
@@ -93,11 +100,10 @@ class Responses:
                     message["content"] = content
                     if calls:
                         message["tool_calls"] = calls
-                        called = True
                 choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
-            choice.update({"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, called)})
+            choice.update({"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, parser=parser)})
             if self.req.return_token_ids:
                 choice["token_ids"] = list(ids)
             choices.append(choice)
@@ -162,11 +168,10 @@ class Responses:
         the stats. With stream_options.include_usage, OpenAI's extra usage chunk follows."""
         chunks = []
         for index, (_, _, reason) in enumerate(finished.choices):
-            called = False
+            parser = None
             if self.tool_format is not None:
                 parser = self._parsers.setdefault(index, self._parser())
                 chunks += self._delta_chunks(index, parser.finish())
-                called = parser.calls > 0
             choice: dict[str, Any] = {"index": index}
             if self.req.chat:
                 choice["delta"] = {}
@@ -174,7 +179,7 @@ class Responses:
                 choice["text"] = ""
             rest = self._pending.pop(index, None)
             choice.update({"logprobs": self._logprobs(index, rest) if rest else None,
-                           "finish_reason": finish_reason(reason, called)})  # fmt: skip
+                           "finish_reason": finish_reason(reason, parser=parser)})  # fmt: skip
             if self.req.return_token_ids:
                 choice["token_ids"] = []
             chunks.append(self._chunk(choice))
