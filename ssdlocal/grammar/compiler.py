@@ -100,8 +100,7 @@ class GrammarCompiler:
 
     def json_schema(self, schema: Any) -> Grammar:
         """A grammar for JSON documents that validate against `schema` (a dict)."""
-        if not isinstance(schema, dict):
-            raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+        check_schema_shape(schema)
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
         return self._get("json_schema", text)
 
@@ -215,6 +214,15 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 llg = require_llguidance()
                 t0 = time.perf_counter()
+                tokens = len(self.tokenizer)
+                if tokens > self.vocab_size:  # llguidance: "vocab size too small"
+                    where = getattr(self.tokenizer, "name_or_path", "") or "the model's directory"
+                    raise UsageError(
+                        f"the model's tokenizer has {tokens} tokens but its config's vocab_size is {self.vocab_size}, "
+                        "so grammars cannot be enforced for it",
+                        f"the model files disagree: check vocab_size in config.json against tokenizer.json "
+                        f"(and added_tokens) in {where}",
+                    )  # fmt: skip
                 self._ll_tokenizer = llg.hf.from_tokenizer(
                     self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
                 )  # fmt: skip
@@ -227,13 +235,78 @@ def check(kind: str, source) -> None:
     needed): GrammarError as `compile` would raise it."""
     llg = require_llguidance()
     text = json.dumps(source, ensure_ascii=False) if kind == "json_schema" else source
-    if kind == "json_schema" and not isinstance(source, dict):
-        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+    if kind == "json_schema":
+        check_schema_shape(source)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
         GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
     )  # fmt: skip
     if is_error:
         raise _refusal(kind, messages[0] if messages else "unknown error")
+
+
+MAX_SCHEMA_DEPTH = 100  # nested objects and lists in a schema's JSON (the engine's parser stops near 128)
+
+
+def check_schema_shape(schema: Any) -> None:
+    """GrammarError for a schema the engine would refuse with a vague message: not an
+    object, nested deeper than MAX_SCHEMA_DEPTH, or whose `$ref`s form a cycle that never
+    reaches a value (e.g. a -> b -> a)."""
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+    depth, stack = 0, [(schema, 1)]
+    while stack:
+        node, level = stack.pop()
+        depth = max(depth, level)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and lists)",
+                               "flatten it, or describe the deep part with a $ref to a definition", reason="too_large")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
+    cycle = _ref_cycle(schema)
+    if cycle:
+        raise GrammarError(f"the JSON schema's references form a cycle that never reaches a value: {' -> '.join(cycle)}",
+                           "let one of them define a value (a type, properties, ...) besides its $ref")  # fmt: skip
+
+
+def _ref_cycle(schema: dict) -> list[str]:
+    """A chain of local `$ref`s (JSON pointers "#/...") that comes back to where it started
+    without passing a schema of its own (only a $ref), else []."""
+    def resolve(ref: str):
+        if not ref.startswith("#"):
+            return None
+        node: Any = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    refs, stack = [], [schema]
+    while stack:  # every $ref in the schema
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append(node["$ref"])
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    for start in dict.fromkeys(refs):
+        chain, ref = [start], start
+        while True:
+            target = resolve(ref)
+            only_ref = isinstance(target, dict) and isinstance(target.get("$ref"), str) and not (
+                set(target) - {"$ref", "$defs", "definitions", "description", "title", "$comment"})
+            if not only_ref:
+                break
+            ref = target["$ref"]
+            if ref in chain:
+                return chain[chain.index(ref):] + [ref]
+            chain.append(ref)
+    return []
 
 
 def first_mask(matcher, vocab_size: int):

@@ -37,8 +37,8 @@ class RequestGrammars:
         def work() -> None:
             try:
                 self.compiler.prepare()
-            except UsageError:
-                log.debug("llguidance is not installed: structured output is unavailable")
+            except UsageError as exc:  # llguidance missing, or a model it cannot serve
+                log.debug("structured output is unavailable: %s", exc.message)
             except Exception:  # noqa: BLE001 - the first request will report it
                 log.warning("the grammar engine could not be prepared", exc_info=True)
 

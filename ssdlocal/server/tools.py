@@ -20,6 +20,9 @@ from ssdlocal.grammar.compiler import WHITESPACE, GrammarCompiler, GrammarError
 from ssdlocal.server.structured import FieldError, ResponseFormat, Tool, ToolChoice
 
 
+MAX_FORCED_CALLS = 8  # calls in one forced answer (parallel_tool_calls); a repeated call ends it sooner
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How one family writes a tool call."""
@@ -70,9 +73,10 @@ def require_format(chat_template: str | None) -> ToolFormat:
 def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, compiler: GrammarCompiler,
                         answer: ResponseFormat | None = None) -> str:  # fmt: skip
     """Lark text (llguidance's dialect) for an answer that is a tool call: one of the named
-    function (tool_choice "function"), or one or more of any tool ("required"; one with
-    parallel_tool_calls false); with tool_choice "auto" and a JSON response format, either
-    calls or that JSON answer."""
+    function (tool_choice "function"), or one to MAX_FORCED_CALLS of any tool ("required";
+    one with parallel_tool_calls false); with tool_choice "auto" and a JSON response
+    format, either calls or that JSON answer. End-of-sequence may follow any complete
+    call, and must follow the last one allowed: a forced answer always ends in calls."""
     chosen = [t for t in tools if choice.mode != "function" or t.name == choice.name]
     lines = []
     bodies = []
@@ -85,7 +89,7 @@ def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoi
     else:
         lines.append("call: body")
     many = fmt.multiple and choice.mode != "function" and choice.parallel
-    lines.append('calls: call ("\\n" call)*' if many else "calls: call")
+    lines.append(f'calls: call ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if many else "calls: call")
     if answer is not None and choice.mode == "auto":
         schema = answer.schema if answer.kind == "json_schema" else {"type": "object"}
         lines.append(f"answer: %json {_embedded(schema)}")
