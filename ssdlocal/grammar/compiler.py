@@ -63,6 +63,7 @@ class Grammar:
         self.kind = kind  # "json_schema" | "json_object" | "regex" | "lark"
         self._template = template  # llguidance.LLMatcher, never advanced
         self.compile_s = compile_s
+        self.failed: str | None = None  # the engine could not continue an answer under it (its message)
 
     def matcher(self):
         """A fresh llguidance.LLMatcher in the start state (a copy: rows never share one)."""
@@ -140,6 +141,9 @@ class GrammarCompiler:
         key = f"{kind}:{text}"
         with self._lock:
             found = self._cache.get(key)
+            if found is not None and found.failed is not None:  # its lexer gave up on an earlier answer
+                raise GrammarError(f"the {kind.replace('_', ' ')} is too complex to enforce: an earlier answer "
+                                   f"under it stopped with: {found.failed}", "simplify it", reason="too_slow")
             if found is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1

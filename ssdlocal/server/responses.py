@@ -15,11 +15,19 @@ import uuid
 from typing import Any
 
 from ssdlocal.server.logprob_format import TokenText, chat_entries, completion_block
-from ssdlocal.server.protocol import ParsedRequest
+from ssdlocal.server.protocol import APIError, ParsedRequest
 from ssdlocal.server.scheduler import Chunk, Finished
 from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
+
+
+def grammar_failure(req: ParsedRequest, message: str, choice: int | None = None) -> APIError:
+    """A choice whose grammar the engine could not continue (finish_reason "error"), as
+    OpenAI's error body naming the field that asked for the grammar."""
+    param = "tool_choice" if req.tool_choice.forced else "response_format" if req.response_format else "tools"
+    where = f"choice {choice}: " if choice is not None and req.n > 1 else ""
+    return APIError(400, f"{where}{message} (simplify the schema or pattern)", param=param, code="grammar_failed")
 
 
 def finish_reason(reason: str | None, called: bool = False, parser: ToolCallParser | None = None) -> str | None:
@@ -104,6 +112,9 @@ class Responses:
             else:
                 choice = {"index": index, "text": text}
             choice.update({"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, parser=parser)})
+            error = finished.errors[index] if index < len(finished.errors) else None
+            if error is not None:
+                choice["error"] = grammar_failure(self.req, error).body()["error"]
             if self.req.return_token_ids:
                 choice["token_ids"] = list(ids)
             choices.append(choice)
@@ -162,6 +173,11 @@ class Responses:
             chunks[0]["choices"][0]["logprobs"] = self._logprobs(index, self._pending[index])
             self._pending[index] = []
         return chunks
+
+    def failures(self, finished: Finished) -> list[APIError]:
+        """The choices that ended with finish_reason "error", as errors (a stream sends
+        each as an error event after the closing chunks)."""
+        return [grammar_failure(self.req, e, i) for i, e in enumerate(finished.errors) if e is not None]
 
     def finish_chunks(self, finished: Finished) -> list[dict[str, Any]]:
         """Held-back pieces, then one closing chunk per choice; the last carries usage and
