@@ -2,7 +2,10 @@
 
 `GrammarCompiler` turns a JSON schema, "any JSON object", a regular expression or Lark text
 into a `Grammar`: validated (a schema using keywords llguidance cannot enforce is refused,
-naming them), compiled within a time limit, and cached (least recently used, bounded). A
+naming them; one nested too deeply or whose $refs loop, saying so), compiled within a
+time limit (with a grammar.pool.CompilePool: first in a child process that is killed
+past it), and cached (least recently used, bounded; a grammar the engine failed on while
+answering stays cached as refused). A
 Grammar is compiled once and copied per row (`Grammar.matcher()`). llguidance is imported
 when the first grammar is asked for (pip extra `serve`), with an install hint when missing.
 Knows nothing of models, rounds or HTTP.
@@ -29,7 +32,8 @@ INSTALL_HINT = 'pip install llguidance (the "grammar" and "serve" extras include
 class GrammarError(UsageError):
     """A grammar that cannot be enforced. `reason`: "invalid" (not a valid schema / regex /
     grammar), "unsupported" (valid, but uses features the engine cannot enforce), "too_slow"
-    (over the compile time limit) or "too_large" (over a size bound)."""
+    (over the compile time limit, or too complex for the engine), "too_large" (over a size
+    bound) or "busy" (too many compiles already running and waiting: try again)."""
 
     def __init__(self, message: str, hint: str = "", reason: str = "invalid") -> None:
         super().__init__(message, hint)
@@ -43,6 +47,8 @@ class GrammarLimits:
     max_chars: int = 65_536  # the grammar's text (a schema's JSON, a regex, Lark)
     compile_timeout_s: float = 5.0  # compile + the first mask
     cache_entries: int = 64  # compiled grammars kept
+    compile_workers: int = 1  # compiles at a time (a server checks each in a child process: grammar/pool.py)
+    compile_queue: int = 8  # compiles waiting for one; more are refused as busy
 
 
 def require_llguidance():
@@ -83,8 +89,10 @@ class GrammarCompiler:
     Thread-safe.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
+                 pool=None) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.pool = pool  # grammar.pool.CompilePool: compiles checked in killable children (None: a thread)
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.limits = limits or GrammarLimits()
@@ -148,7 +156,16 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return found
-        grammar = self._compile_bounded(kind, text, key)
+        if self.pool is None:
+            grammar = self._compile_bounded(kind, text, key)
+        else:
+            with self.pool.slot(self.limits.compile_timeout_s):
+                with self._lock:
+                    found = self._cache.get(key)  # compiled while this one waited
+                if found is not None:
+                    return found
+                self.pool.check(kind, text, self.limits.compile_timeout_s)  # killed past the limit
+                grammar = self._compile(kind, text, key, self._tokenizer())  # the same work: it fits too
         with self._lock:
             self._cache[key] = grammar
             self._cache.move_to_end(key)

@@ -83,6 +83,8 @@ class ServerState:
     def begin_shutdown(self) -> None:
         """The server is stopping: refuse new work, end answers in flight with an error."""
         self.closing.set()
+        if self.grammars.pool is not None:
+            self.grammars.pool.close()
 
     def encode(self, req: ParsedRequest) -> list[tuple[int, ...]]:
         """Token ids per prompt (chat: one, the conversation through the template). The lock

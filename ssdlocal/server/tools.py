@@ -119,6 +119,8 @@ def compile_forced(fmt, tools, choice, compiler, answer=None):
         try:
             compiler.json_schema(tool.parameters)
         except GrammarError as exc:
+            if exc.reason == "busy":
+                raise
             raise FieldError(f"tools[{i}].function.parameters: {exc.message}", f"tools[{i}].function.parameters") from None
     return compiler.lark(forced_grammar_text(fmt, tools, choice, compiler, answer))
 
