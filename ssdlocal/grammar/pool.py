@@ -28,8 +28,10 @@ START_TIMEOUT_S = 300.0  # a child's start-up (imports and the vocabulary view):
 class CompilePool:
     """Child processes that check that grammars compile in time (thread-safe)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, *, workers: int = 1, queue: int = 8) -> None:
-        self._args = (tokenizer, vocab_size, sorted(eos_ids))
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, *, workers: int = 1, queue: int = 8, serve=None) -> None:
+        """`serve`: the children's main function (default: compile with llguidance), a
+        module-level function taking (connection, tokenizer, vocab_size, eos_ids)."""
+        self._args = (serve or _serve, tokenizer, vocab_size, sorted(eos_ids))
         self.workers = workers
         self.queue = queue
         self._ctx = multiprocessing.get_context("spawn")  # no copy of the server's threads or model
@@ -126,8 +128,9 @@ class _Child:
     """One child process with a GrammarCompiler of its own, answering over a pipe."""
 
     def __init__(self, ctx, args) -> None:
+        serve, *rest = args
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child_conn, *args), name="ssdlocal-grammar-check",
+        self.process = ctx.Process(target=serve, args=(child_conn, *rest), name="ssdlocal-grammar-check",
                                    daemon=True)  # fmt: skip
         self.process.start()
         child_conn.close()
