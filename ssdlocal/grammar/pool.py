@@ -175,6 +175,7 @@ def _serve(conn, tokenizer, vocab_size: int, eos_ids) -> None:
     compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids)
     try:
         ll_tokenizer = compiler._tokenizer()
+        compiler._compile("regex", "a", "regex:a", ll_tokenizer)  # imports and first use: not a grammar's time
     except UsageError as exc:
         conn.send(("error", exc.message, exc.hint, "invalid"))
         return
