@@ -302,7 +302,7 @@ def test_forced_calls_are_whole_valid_calls(server):
         content, calls, finish = _stream(server, messages=USER, tools=weather, tool_choice="required", stop=stop)
         assert finish == cut.finish_reason and content == (cut.message.content or "")
         assert [a for _, a in calls.values()] == [c.function.arguments for c in cut.message.tool_calls or ()]
-    many = ask(server, messages=USER, tools=weather, tool_choice="required", max_tokens=2000).choices[0]
+    many = ask(server, messages=USER, tools=weather, tool_choice="required", max_tokens=1500).choices[0]
     arguments = [c.function.arguments for c in many.message.tool_calls]
     assert many.finish_reason == "tool_calls" and 1 <= len(arguments) <= MAX_FORCED_CALLS, many
     assert len({json.dumps(json.loads(a), sort_keys=True) for a in arguments}) == len(arguments)  # no repeats

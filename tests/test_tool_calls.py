@@ -76,6 +76,13 @@ def test_bad_tool_fields_name_their_param():
         parse_completion({"model": "m", "prompt": "x", "tools": [WEATHER]}, None)
 
 
+def test_a_tool_name_with_a_trailing_newline_is_refused():
+    """Issue 33 item 8: the name must match whole ($ would match before a final newline)."""
+    for name in ("get_weather\n", "get_weather\r\n", "\nget_weather"):
+        tool = {"type": "function", "function": {"name": name}}
+        assert error_param(chat, tools=[tool]) == "tools[0].function.name", name
+
+
 def test_logprobs_and_response_formats_parse():
     assert chat(logprobs=True, top_logprobs=5).params.logprobs == 5
     assert chat(logprobs=True).params.logprobs == 0 and chat().params.logprobs is None

@@ -159,13 +159,14 @@ class GrammarCompiler:
         if self.pool is None:
             grammar = self._compile_bounded(kind, text, key)
         else:
+            ll_tokenizer = self._tokenizer()  # llguidance and the vocabulary: their errors are ours, not a child's
             with self.pool.slot(self.limits.compile_timeout_s):
                 with self._lock:
                     found = self._cache.get(key)  # compiled while this one waited
                 if found is not None:
                     return found
                 self.pool.check(kind, text, self.limits.compile_timeout_s)  # killed past the limit
-                grammar = self._compile(kind, text, key, self._tokenizer())  # the same work: it fits too
+                grammar = self._compile(kind, text, key, ll_tokenizer)  # the same work: it fits too
         with self._lock:
             self._cache[key] = grammar
             self._cache.move_to_end(key)
