@@ -235,3 +235,16 @@ def test_deep_schemas_ref_cycles_and_a_vocabulary_smaller_than_the_tokenizer_say
     with pytest.raises(UsageError) as usage:
         small.regex("a")
     assert "vocab_size" in usage.value.message and "config.json" in usage.value.hint
+
+
+def test_patterns_whose_counted_repetitions_explode_are_refused_at_compile_time(compiler):
+    """Issue 33 item 3, where it can be known before any token: nested counted repetitions
+    (the engine's lexer gives up on them mid-answer) are refused when compiled."""
+    nested = "^(((a{1,100}){1,100}){1,100}){1,100}$"
+    for compile_it in (lambda: compiler.regex(nested),
+                       lambda: compiler.json_schema({"type": "object", "properties": {
+                           "s": {"type": "string", "pattern": nested}}})):
+        with pytest.raises(GrammarError) as info:
+            compile_it()
+        assert info.value.reason == "too_slow" and "repetitions" in info.value.message
+    assert compiler.regex(r"^[a-z0-9]{1,64}(\.[a-z0-9]{1,64}){0,10}$").kind == "regex"  # ordinary counts pass

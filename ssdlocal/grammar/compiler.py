@@ -119,6 +119,7 @@ class GrammarCompiler:
 
     def regex(self, pattern: str) -> Grammar:
         """A grammar for the strings that match `pattern` whole."""
+        check_regex(pattern)
         return self._get("regex", pattern)
 
     def lark(self, text: str) -> Grammar:
@@ -259,11 +260,67 @@ def check(kind: str, source) -> None:
     text = json.dumps(source, ensure_ascii=False) if kind == "json_schema" else source
     if kind == "json_schema":
         check_schema_shape(source)
+    elif kind == "regex":
+        check_regex(source)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
         GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
     )  # fmt: skip
     if is_error:
         raise _refusal(kind, messages[0] if messages else "unknown error")
+
+
+MAX_REGEX_EXPANSION = 100_000  # a regex's size with counted repetitions written out (the lexer builds them)
+
+
+def regex_expansion(pattern: str) -> int | None:
+    """The size of `pattern` with its counted repetitions written out: a{1,100} counts 100,
+    (a{1,100}){1,100} 10,000 (unbounded loops count once). The engine's lexer builds such
+    expressions as the answer goes, and gives up mid-answer past its own bound, so a
+    pattern far beyond it is refused at compile time. None: Python cannot read the
+    pattern (the engine decides)."""
+    try:
+        from re import _parser as sre_parse  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        parsed = sre_parse.parse(pattern)
+    except Exception:  # noqa: BLE001 - ECMA syntax Python lacks: not ours to judge
+        return None
+    unbounded = sre_parse.MAXREPEAT
+
+    def size(items) -> int:
+        total = 0
+        for op, arg in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                low, high, sub = arg
+                total += (high if high != unbounded else max(low, 1)) * size(sub)
+            elif name == "SUBPATTERN":
+                total += size(arg[-1])
+            elif name in ("ATOMIC_GROUP",):
+                total += size(arg)
+            elif name == "BRANCH":
+                total += sum(size(b) for b in arg[1])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                total += size(arg[1])
+            else:
+                total += 1
+            if total > 10 * MAX_REGEX_EXPANSION:
+                return total  # far enough: stop counting
+        return total
+
+    return size(parsed)
+
+
+def check_regex(pattern: str, what: str = "regex") -> None:
+    """GrammarError for a pattern whose written-out size passes MAX_REGEX_EXPANSION."""
+    size = regex_expansion(pattern)
+    if size is not None and size > MAX_REGEX_EXPANSION:
+        raise GrammarError(
+            f"the {what} {pattern[:60]!r}{'...' if len(pattern) > 60 else ''} is too complex to enforce: its "
+            f"counted repetitions expand to more than {MAX_REGEX_EXPANSION:,} parts",
+            "use smaller repetition counts, or fewer nested ones", reason="too_slow",
+        )  # fmt: skip
 
 
 MAX_SCHEMA_DEPTH = 100  # nested objects and lists in a schema's JSON (the engine's parser stops near 128)
@@ -284,6 +341,15 @@ def check_schema_shape(schema: Any) -> None:
                                "flatten it, or describe the deep part with a $ref to a definition", reason="too_large")
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
+    stack = [schema]
+    while stack:  # every string pattern
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                check_regex(node["pattern"], "pattern")
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
     cycle = _ref_cycle(schema)
     if cycle:
         raise GrammarError(f"the JSON schema's references form a cycle that never reaches a value: {' -> '.join(cycle)}",
