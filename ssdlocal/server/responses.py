@@ -4,7 +4,8 @@ Every answer carries `usage` and, under `ssdlocal`, the request's own speculatio
 (acceptance_rate, mean_accepted_len, cache_hit_rate, tokens_per_s, mode, ...); a stream
 sends them with its final chunk. A chat answer to a request with tools is read by
 tool_parse.py: calls become `message.tool_calls` (streamed as `delta.tool_calls` with their
-index, the arguments in pieces) and the finish reason `tool_calls`. Log-probabilities go
+index, each call once complete) and the finish reason `tool_calls`. A choice whose grammar
+the engine could not continue ends with finish_reason "error" and an `error` (`failures`). Log-probabilities go
 with the tokens they belong to (logprob_format.py). Pure dict building: no HTTP, no engine.
 """
 

@@ -3,7 +3,7 @@ model call a tool in it, and the conversation rendered the way the template expe
 
 | format | families | what the model writes |
 |---|---|---|
-| `hermes` | Qwen2.5, Qwen3, Hermes and other templates with `<tool_call>` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more |
+| `hermes` | Qwen2.5, Qwen3, Hermes and other templates with `<tool_call>` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more (forced: at most MAX_FORCED_CALLS) |
 | `llama3_json` | Llama 3.1 - 3.3 | `{"name": ..., "parameters": {...}}` (one call) |
 
 The format is chosen from the template's own text; a template with neither has no tool
