@@ -2,7 +2,7 @@
 (burning CPU, as an uninterruptible compile would) and accepts everything else."""
 
 
-def hanging_serve(conn, tokenizer, vocab_size, eos_ids) -> None:
+def hanging_serve(conn, vocabulary, vocab_size, eos_ids) -> None:
     conn.send(("ready",))
     while True:
         try:

@@ -13,6 +13,7 @@ Knows nothing of models, rounds or HTTP.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -51,11 +52,14 @@ class GrammarLimits:
     compile_queue: int = 8  # compiles waiting for one; more are refused as busy
 
 
-def require_llguidance():
-    """The llguidance module, or UsageError with the install hint."""
+def require_llguidance(hf: bool = True):
+    """The llguidance module, or UsageError with the install hint; `hf`: with its Hugging
+    Face tokenizer adapter (which imports transformers)."""
     try:
         import llguidance
-        import llguidance.hf  # noqa: F401 - the tokenizer adapter
+
+        if hf:
+            import llguidance.hf  # noqa: F401 - the tokenizer adapter
     except ImportError:
         raise UsageError("constrained decoding needs llguidance, which is not installed", INSTALL_HINT) from None
     return llguidance
@@ -201,7 +205,7 @@ class GrammarCompiler:
         return result["grammar"]
 
     def _compile(self, kind: str, text: str, key: str, ll_tokenizer) -> Grammar:
-        llg = require_llguidance()
+        llg = require_llguidance(hf=False)
         t0 = time.perf_counter()
         source = self._source(llg, kind, text)
         limits = llg.LLParserLimits(verbose_errors=False)
@@ -246,11 +250,23 @@ class GrammarCompiler:
                         f"the model files disagree: check vocab_size in config.json against tokenizer.json "
                         f"(and added_tokens) in {where}",
                     )  # fmt: skip
-                self._ll_tokenizer = llg.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
-                )  # fmt: skip
+                self._ll_tokenizer = llg.LLTokenizer(vocabulary_json(self.tokenizer), n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_ids)  # fmt: skip
                 log.info("grammar engine ready for %d tokens in %.1f s", self.vocab_size, time.perf_counter() - t0)
             return self._ll_tokenizer
+
+
+def vocabulary_json(tokenizer) -> str:
+    """A Hugging Face fast tokenizer's own JSON (added tokens included; no padding or
+    truncation), as llguidance builds its vocabulary view from it (llguidance.hf does the
+    same; this lets a child process build the view without transformers)."""
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise UsageError("constrained decoding needs a fast (Rust) Hugging Face tokenizer",
+                         "use a model directory with tokenizer.json")  # fmt: skip
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def check(kind: str, source) -> None:
@@ -398,11 +414,12 @@ def _ref_cycle(schema: dict) -> list[str]:
 
 
 def first_mask(matcher, vocab_size: int):
-    """The allowed-token bitmask of `matcher`'s current state: int32 words [ceil(V/32)]."""
-    import torch
+    """The allowed-token bitmask of `matcher`'s current state: int32 words [ceil(V/32)]
+    (a ctypes array: compiling needs no torch, so a compile's child process stays small)."""
+    import ctypes
 
-    words = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
-    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+    words = (ctypes.c_int32 * ((vocab_size + 31) // 32))()
+    matcher.unsafe_compute_mask_ptr(ctypes.addressof(words), ctypes.sizeof(words))
     return words
 
 

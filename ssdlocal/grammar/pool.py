@@ -2,7 +2,8 @@
 
 llguidance cannot be interrupted once a compile runs, and a thread left running past the
 time limit keeps its CPU and memory. `CompilePool` first compiles each new grammar in a
-child process (`workers` of them, kept warm with the vocabulary view built): one that
+child process (`workers` of them, kept warm with the vocabulary view built; plain `python -m` processes
+that import llguidance and nothing of the server): one that
 does not finish within the limit is killed, so a refused compile stops using CPU and
 memory at once, and a fresh child replaces it. Only a grammar that compiled there in time
 is compiled again in the server's process (the same work, so bounded by the same limit).
@@ -13,11 +14,16 @@ HTTP.
 
 from __future__ import annotations
 
+import importlib
 import logging
-import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 
 from ssdlocal.grammar.compiler import GrammarError
 
@@ -29,12 +35,17 @@ class CompilePool:
     """Child processes that check that grammars compile in time (thread-safe)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids, *, workers: int = 1, queue: int = 8, serve=None) -> None:
-        """`serve`: the children's main function (default: compile with llguidance), a
-        module-level function taking (connection, tokenizer, vocab_size, eos_ids)."""
-        self._args = (serve or _serve, tokenizer, vocab_size, sorted(eos_ids))
+        """`tokenizer`: the served model's fast tokenizer (its JSON goes to the children,
+        which need neither transformers nor torch); `serve`: the children's main function
+        (default: compile with llguidance), a module-level function taking (connection,
+        vocabulary JSON, vocab_size, eos_ids)."""
+        self.tokenizer = tokenizer
+        self._serve = serve or _serve
+        self._vocab_size = vocab_size
+        self._eos_ids = sorted(eos_ids)
+        self._args = None  # built on the first child (the tokenizer's JSON)
         self.workers = workers
         self.queue = queue
-        self._ctx = multiprocessing.get_context("spawn")  # no copy of the server's threads or model
         self._slots = threading.Semaphore(workers)
         self._lock = threading.Lock()
         self._idle: list[_Child] = []
@@ -46,7 +57,14 @@ class CompilePool:
         """Start the children now (else on the first compile)."""
         with self._lock:
             while len(self._idle) < self.workers:
-                self._idle.append(_Child(self._ctx, self._args))
+                self._idle.append(_Child(self._child_args()))
+
+    def _child_args(self):
+        if self._args is None:
+            from ssdlocal.grammar.compiler import vocabulary_json
+
+            self._args = (self._serve, vocabulary_json(self.tokenizer), self._vocab_size, self._eos_ids)
+        return self._args
 
     @contextmanager
     def slot(self, timeout_s: float):
@@ -74,7 +92,9 @@ class CompilePool:
         with self._lock:
             child = self._idle.pop() if self._idle else None
         if child is None or not child.alive():
-            child = _Child(self._ctx, self._args)
+            with self._lock:
+                args = self._child_args()
+            child = _Child(args)
         try:
             child.wait_ready(START_TIMEOUT_S)
         except Exception:
@@ -105,7 +125,7 @@ class CompilePool:
         """A fresh child for the one killed, started now (in the background)."""
         with self._lock:
             if not self._closed and len(self._idle) < self.workers:
-                self._idle.append(_Child(self._ctx, self._args))
+                self._idle.append(_Child(self._child_args()))
 
     def pids(self) -> list[int]:
         with self._lock:
@@ -125,19 +145,25 @@ def _busy(why: str) -> GrammarError:
 
 
 class _Child:
-    """One child process with a GrammarCompiler of its own, answering over a pipe."""
+    """One child process (`python -m ssdlocal.grammar.pool`: it imports llguidance and
+    nothing of the server, not torch) answering over a socket."""
 
-    def __init__(self, ctx, args) -> None:
+    def __init__(self, args) -> None:
         serve, *rest = args
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child_conn, *rest), name="ssdlocal-grammar-check",
-                                   daemon=True)  # fmt: skip
-        self.process.start()
-        child_conn.close()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        target = f"{serve.__module__}:{serve.__qualname__}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ssdlocal.grammar.pool", str(theirs.fileno()), target],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(tuple(rest))
         self.ready = False
 
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.poll() is None
 
     def wait_ready(self, timeout_s: float) -> None:
         if self.ready:
@@ -161,23 +187,30 @@ class _Child:
                     "simplify it", "too_slow")  # fmt: skip
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(5)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a kill is not refused
+            log.warning("a grammar checking process did not exit")
         self.conn.close()
 
 
-def _serve(conn, tokenizer, vocab_size: int, eos_ids) -> None:
+def _serve(conn, vocabulary: str, vocab_size: int, eos_ids) -> None:
     """The child: build the vocabulary view, then compile what it is sent, forever."""
     from ssdlocal.core.errors import UsageError
-    from ssdlocal.grammar.compiler import GrammarCompiler
+    from ssdlocal.grammar.compiler import GrammarCompiler, require_llguidance
 
-    compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids)
+    compiler = GrammarCompiler(None, vocab_size, eos_ids)
     try:
-        ll_tokenizer = compiler._tokenizer()
-        compiler._compile("regex", "a", "regex:a", ll_tokenizer)  # imports and first use: not a grammar's time
+        llg = require_llguidance(hf=False)
+        ll_tokenizer = llg.LLTokenizer(vocabulary, n_vocab=vocab_size, eos_token=list(eos_ids))
+        compiler._compile("regex", "a", "regex:a", ll_tokenizer)  # first use: not a grammar's time
     except UsageError as exc:
         conn.send(("error", exc.message, exc.hint, "invalid"))
+        return
+    except Exception as exc:  # noqa: BLE001 - the parent reports it
+        conn.send(("error", f"the grammar engine could not start: {str(exc)[:200]}", "", "invalid"))
         return
     conn.send(("ready",))
     while True:
@@ -193,3 +226,20 @@ def _serve(conn, tokenizer, vocab_size: int, eos_ids) -> None:
         except Exception as exc:  # noqa: BLE001 - reported as the grammar's refusal
             conn.send(("error", f"the grammar could not be compiled: {type(exc).__name__}: {str(exc)[:200]}",
                        "check it against its specification", "invalid"))  # fmt: skip
+
+
+def _main(argv: list[str]) -> None:
+    """`python -m ssdlocal.grammar.pool FD MODULE:FUNCTION`: run FUNCTION(connection, *the
+    first message) on the socket FD."""
+    conn = Connection(int(argv[0]))
+    module, _, name = argv[1].partition(":")
+    serve = getattr(importlib.import_module(module), name)
+    try:
+        args = conn.recv()
+    except (EOFError, OSError):
+        return
+    serve(conn, *args)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
