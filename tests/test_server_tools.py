@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 import torch

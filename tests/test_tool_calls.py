@@ -11,7 +11,7 @@ import pytest
 
 from ssdlocal.server.protocol import APIError, parse_chat, parse_completion
 from ssdlocal.server.structured import MAX_TOOLS
-from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
+from ssdlocal.server.tool_parse import CallArgs, CallStart, ToolCallParser, collect
 from ssdlocal.server.tools import HERMES, LLAMA3_JSON, detect_format, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

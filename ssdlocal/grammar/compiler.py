@@ -353,8 +353,10 @@ def check_schema_shape(schema: Any) -> None:
         node, level = stack.pop()
         depth = max(depth, level)
         if depth > MAX_SCHEMA_DEPTH:
-            raise GrammarError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and lists)",
-                               "flatten it, or describe the deep part with a $ref to a definition", reason="too_large")
+            raise GrammarError(
+                f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and lists)",
+                "flatten it, or describe the deep part with a $ref to a definition", reason="too_large",
+            )  # fmt: skip
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
     stack = [schema]
@@ -368,8 +370,10 @@ def check_schema_shape(schema: Any) -> None:
             stack.extend(v for v in node if isinstance(v, (dict, list)))
     cycle = _ref_cycle(schema)
     if cycle:
-        raise GrammarError(f"the JSON schema's references form a cycle that never reaches a value: {' -> '.join(cycle)}",
-                           "let one of them define a value (a type, properties, ...) besides its $ref")  # fmt: skip
+        raise GrammarError(
+            f"the JSON schema's references form a cycle that never reaches a value: {' -> '.join(cycle)}",
+            "let one of them define a value (a type, properties, ...) besides its $ref",
+        )  # fmt: skip
 
 
 def _ref_cycle(schema: dict) -> list[str]:

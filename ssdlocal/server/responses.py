@@ -112,7 +112,8 @@ class Responses:
                 choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
-            choice.update({"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, parser=parser)})
+            choice.update({"logprobs": self._logprobs(index, lps),
+                           "finish_reason": finish_reason(reason, parser=parser)})  # fmt: skip
             error = finished.errors[index] if index < len(finished.errors) else None
             if error is not None:
                 choice["error"] = grammar_failure(self.req, error).body()["error"]
