@@ -354,6 +354,7 @@ class Engine:
                     r.finish_reason = "cancelled"
                 return
             cached[:] = [len(r.prompt) for r in rows]
+            shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
             yield prefill
             yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows),
                                     shaper.first_logprobs)  # fmt: skip

@@ -142,6 +142,7 @@ class Round:
                 self.cached[b] += 1 + (outcome.n_accepted[b] if self.k else 0)
         self.last = verdict.bonus
         self.shaper.commit(emitted, active)
+        self.shaper.end_failed(self.rows)
         still = [r.active for r in self.rows]
         if still != active:  # a row finished: its cache length stays where it is
             self.live = self.site.upload(still, self.device, torch.bool)
@@ -174,4 +175,5 @@ def token_events(rows, emitted, origins, logprobs=None) -> Iterator[TokensEvent]
         if emitted[b]:
             text = row.take_text_delta()
             lps = None if logprobs is None else logprobs[b][: len(emitted[b])]
-            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps)
+            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps,
+                              error=row.error)

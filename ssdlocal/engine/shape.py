@@ -105,6 +105,18 @@ class Shaper:
         if self.guides is not None:
             self.guides.commit(emitted, active)
 
+    def end_failed(self, rows) -> None:
+        """Rows whose grammar the engine failed on (grammar.guide.RowGuide.error) end with
+        finish_reason "error" and its message. Such a row's masks allow only EOS from the
+        failure on, so it ends with its next token (the same tokens in every mode); this
+        names why once it has."""
+        if self.guides is None:
+            return
+        for b, message in self.guides.errors().items():
+            row = rows[b]
+            if row.finish_reason is not None and row.finish_reason != "cancelled":
+                row.finish_reason, row.error = "error", message
+
     def seconds(self, live: Sequence[int]) -> tuple[tuple[bool, ...] | None, tuple[float, ...] | None]:
         """(constrained, grammar seconds since the last call) of the rows `live`."""
         if self.guides is None:

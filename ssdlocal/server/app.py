@@ -87,6 +87,8 @@ class ServerState:
     def begin_shutdown(self) -> None:
         """The server is stopping: refuse new work, end answers in flight with an error."""
         self.closing.set()
+        if self.grammars.pool is not None:
+            self.grammars.pool.close()
 
     def encode(self, req: ParsedRequest) -> list[tuple[int, ...]]:
         """Token ids per prompt (chat: one, the conversation through the template). The lock
@@ -267,6 +269,10 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
                 outcome.status = "error"
                 raise _failure(item.error)
             if isinstance(item, Finished):
+                failures = answer.failures(item)
+                if failures and len(failures) == len(item.choices):  # nothing to answer but the failure
+                    outcome.status = "invalid"
+                    raise failures[0]
                 outcome.status = "ok"
                 return JSONResponse(answer.complete(item))
     except ClientGone:
@@ -410,7 +416,10 @@ async def _sse(
                 elif isinstance(item, Finished):
                     for chunk in answer.finish_chunks(item):
                         yield _event(chunk)
-                    outcome.status = "ok"
+                    failures = answer.failures(item)
+                    for failure in failures:  # after every choice's closing chunk: the others are whole
+                        yield _event(failure.body())
+                    outcome.status = "invalid" if failures and len(failures) == len(item.choices) else "ok"
                 else:
                     outcome.status = "error"
                     yield _event(_failure(item.error).body())
