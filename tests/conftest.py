@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # rebound after capture, fail loudly in tests (in use they only warn and run eagerly).
 # Set before anything starts a draft worker or rank, which inherit it.
 os.environ.setdefault("SSDLOCAL_GRAPHS_STRICT", "1")
+# Every test measures at its own start: no test reads timings an earlier test (or an earlier
+# run) kept, and nothing is written to the user's cache. test_measured.py turns it back on.
+os.environ.setdefault("SSDLOCAL_KEEP_MEASUREMENTS", "0")
 
 
 @pytest.fixture(scope="session")

@@ -83,5 +83,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(15)
         self.scheduler.stop()
+        if self.state.grammars.pool is not None:  # the grammar compile children (grammar/pool.py)
+            self.state.grammars.pool.close()
         self.engine.close()
         self.sock.close()

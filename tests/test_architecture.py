@@ -174,3 +174,30 @@ def test_docs_and_docstrings_point_inside_the_repository():
         if "DESIGN.md" in p.read_text() or "../shared" in p.read_text()
     ]
     assert not offenders, offenders
+
+
+HOT_PATHS = ("engine", "draft", "grammar", "speculation", "backends/torch/runner.py", "core/verify.py",
+             "core/sampling.py", "core/logprobs.py")  # fmt: skip
+HOST_READS = {"item", "tolist", "cpu"}
+HOST_READ_EXCEPTIONS = {
+    "engine/auto.py": "the calibration times a step and must wait for the device, once per engine",
+    "speculation/ngram.py": "numpy arrays of host tokens",
+    "grammar/compiler.py": "compiles grammars on the host, before any round",
+}
+
+
+def test_hot_paths_read_the_device_only_through_the_audit():
+    """Every device -> host read of the rounds goes through core/hostsync.py, which counts it:
+    no raw `.item()`, `.tolist()` or `.cpu()` in the engine, drafters, grammar guides,
+    speculation code, the torch runner's decode path and verification."""
+    offenders = []
+    for hot in HOT_PATHS:
+        base = PACKAGE / hot
+        for path in sorted(base.rglob("*.py")) if base.is_dir() else [base]:
+            rel = path.relative_to(PACKAGE).as_posix()
+            if rel in HOST_READ_EXCEPTIONS:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOST_READS:
+                    offenders.append(f"{rel}:{node.lineno} .{node.func.attr}()")
+    assert not offenders, "raw host reads outside core.hostsync: " + ", ".join(offenders)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ssdlocal.core.events import DoneEvent, RoundEvent
+from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
 from ssdlocal.engine import Engine
 from ssdlocal.grammar.compiler import GrammarCompiler
 from ssdlocal.grammar.guide import Guides, unpack
@@ -161,3 +161,43 @@ def test_masking_every_position_like_the_first_is_caught(engine, grammars, tiny_
             continue
         broken += [b for b in (0, 2) if out.outputs[b].token_ids != ar.outputs[b].token_ids]
     assert broken, "masking only the first position went unnoticed"
+
+
+NESTED = "(((a{1,100}){1,100}){1,100}){1,100}"  # compiles, then the engine's lexer gives up on it
+
+
+def fresh(compiler, kind: str, text: str):
+    """A grammar compiled anew (no cache, no compile-time screening): its lexer starts empty."""
+    return compiler._compile(kind, text, f"{kind}:{text}", compiler._tokenizer())
+
+
+@pytest.mark.parametrize("case", ["ar", "sd-k2", "ngram", "ssd-none"])
+def test_a_grammar_the_engine_cannot_continue_ends_its_row_only(engine, grammars, compiler, tiny_dir, case):
+    """Issue 33 items 3-4: a row whose grammar fails mid-answer ends with finish_reason
+    "error", an EOS and the engine's message (where it fails may depend on the drafts: the
+    engine's lexer is shared by the grammar's matchers); the other rows of its batch
+    (constrained or not) equal their answers alone, and AR's."""
+    optional = "a?" * 2000 + "a" * 2000  # this one fails as the string begins
+    schema = '{"type":"object","properties":{"s":{"type":"string","pattern":"^' + optional + '$"}},"required":["s"]}'
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    prompts = ["a a a", PROMPTS[1], PROMPTS[2], '{"s": "']
+
+    def rows():
+        return [fresh(compiler, "regex", NESTED), None, grammars[2], fresh(compiler, "json_schema", schema)]
+
+    spec = SpecConfig(mode=Mode.AR) if case == "ar" else make_spec(engine, tiny_dir, case)
+    errors, out = {}, None
+    for ev in engine.generate(prompts, params, spec=spec, grammars=rows()):
+        if isinstance(ev, TokensEvent) and ev.finish_reason is not None:
+            errors[ev.row] = ev.error
+        elif isinstance(ev, DoneEvent):
+            out = ev
+    ar, _ = run(engine, prompts, SpecConfig(mode=Mode.AR), rows(), params)
+    for b in (0, 3):
+        o = out.outputs[b]
+        assert o.finish_reason == "error" and ar.outputs[b].finish_reason == "error", (b, o)
+        assert o.token_ids[-1] in engine.eos_ids and "too many expressions" in errors[b]
+    for b in (1, 2):
+        alone, _ = run(engine, [prompts[b]], spec, [rows()[b]], params)
+        assert out.outputs[b].token_ids == alone.outputs[0].token_ids == ar.outputs[b].token_ids
+        assert errors[b] is None

@@ -142,3 +142,109 @@ def test_the_model_drafter_drafts_what_the_grammar_allows(tiny_dir, compiler, to
             allowed = unpack(torch.stack(guides.rows[0].masks[:4]), 384)  # [4, V]
             assert float(proposal.q[0][~allowed].sum()) == 0.0
             assert torch.allclose(proposal.q[0].sum(-1), torch.ones(4))
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_compile_past_the_limit_is_killed_and_the_queue_is_bounded(tokenizer):
+    """Issue 33 item 6: a refused compile stops using CPU and memory (its child process is
+    killed), a fresh child serves the next one, and compiles past the pool's queue are
+    refused at once as busy."""
+    import threading
+
+    from grammar_children import hanging_serve
+
+    from ssdlocal.grammar.pool import CompilePool
+
+    pool = CompilePool(tokenizer, 384, [0], workers=1, queue=1, serve=hanging_serve)
+    try:
+        pool.start()
+        first = pool.pids()
+        with pool.slot(1.0):
+            pool.check("regex", "fine", 60)  # waits for the child to start
+        started = time.perf_counter()
+        with pytest.raises(GrammarError) as info, pool.slot(1.0):
+            pool.check("regex", "HANG forever", 0.5)
+        assert info.value.reason == "too_slow" and time.perf_counter() - started < 10
+        assert pool.killed == 1 and not _alive(first[0]) and pool.pids() != first
+        outcomes, holding = [], threading.Event()
+
+        def hold():
+            with pool.slot(1.0):
+                holding.set()
+                try:
+                    pool.check("regex", "HANG again", 3.0)
+                except GrammarError as exc:
+                    outcomes.append(exc.reason)
+
+        def wait():
+            try:
+                with pool.slot(10.0):
+                    outcomes.append("ran")
+            except GrammarError as exc:
+                outcomes.append(exc.reason)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert holding.wait(30)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        deadline = time.perf_counter() + 5
+        while pool._waiting == 0 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(GrammarError) as busy, pool.slot(10.0):
+            pass  # one waits already: the queue (1) is full
+        assert busy.value.reason == "busy"
+        holder.join(30)
+        waiter.join(30)
+        assert sorted(outcomes) == ["ran", "too_slow"] and pool.killed == 2
+    finally:
+        pool.close()
+    assert not any(_alive(pid) for pid in first + pool.pids())
+
+
+def test_deep_schemas_ref_cycles_and_a_vocabulary_smaller_than_the_tokenizer_say_what_is_wrong(tokenizer, compiler):
+    """Issue 33 item 8."""
+    from ssdlocal.core.errors import UsageError
+
+    deep = {"type": "string"}
+    for _ in range(70):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError) as info:
+        compiler.json_schema(deep)
+    assert "nested more than" in info.value.message and info.value.reason == "too_large"
+    cycle = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+    with pytest.raises(GrammarError) as info:
+        compiler.json_schema(cycle)
+    assert "cycle" in info.value.message and "#/$defs/a -> #/$defs/b -> #/$defs/a" in info.value.message
+    recursive = {"type": "object", "properties": {"next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}}
+    assert compiler.json_schema(recursive).kind == "json_schema"  # recursion that reaches a value is fine
+    small = GrammarCompiler(tokenizer, len(tokenizer) - 1, [0])
+    with pytest.raises(UsageError) as usage:
+        small.regex("a")
+    assert "vocab_size" in usage.value.message and "config.json" in usage.value.hint
+
+
+def test_patterns_whose_counted_repetitions_explode_are_refused_at_compile_time(compiler):
+    """Issue 33 item 3, where it can be known before any token: nested counted repetitions
+    (the engine's lexer gives up on them mid-answer) are refused when compiled."""
+    nested = "^(((a{1,100}){1,100}){1,100}){1,100}$"
+    for compile_it in (lambda: compiler.regex(nested),
+                       lambda: compiler.json_schema({"type": "object", "properties": {
+                           "s": {"type": "string", "pattern": nested}}})):
+        with pytest.raises(GrammarError) as info:
+            compile_it()
+        assert info.value.reason == "too_slow" and "repetitions" in info.value.message
+    assert compiler.regex(r"^[a-z0-9]{1,64}(\.[a-z0-9]{1,64}){0,10}$").kind == "regex"  # ordinary counts pass

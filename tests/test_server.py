@@ -63,6 +63,8 @@ def ask(client, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 16, 
     """One request; returns text, token ids, finish reason, usage and the ssdlocal stats."""
     body = {"return_token_ids": True, **extra}
     common = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "extra_body": body}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
     if chat:
         reply = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
     else:
@@ -79,7 +81,10 @@ def ask(client, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 16, 
             out["ids"] += choice.model_extra.get("token_ids") or []
             out["finish"] = choice.finish_reason or out["finish"]
         if chunk.model_extra.get("ssdlocal") is not None:
-            out["stats"], out["usage"] = chunk.model_extra["ssdlocal"], chunk.usage
+            out["stats"] = chunk.model_extra["ssdlocal"]
+        if chunk.usage is not None:  # OpenAI's way: one final chunk, no choices
+            assert out["usage"] is None and not chunk.choices, chunk
+            out["usage"] = chunk.usage
     return out
 
 
@@ -262,6 +267,9 @@ def test_metrics_parse_as_prometheus_text_and_move(server):
     assert after["ssdlocal_verify_seconds_total"] > before["ssdlocal_verify_seconds_total"]
     assert after["ssdlocal_request_duration_seconds_count"] == before["ssdlocal_request_duration_seconds_count"] + 2
     assert after[f"ssdlocal_info{{mode={server.mode},model={MODEL},version={__import__('ssdlocal').__version__}}}"] == 1
+    waits = "ssdlocal_host_waits_total{model=target}"
+    assert after[waits] > before.get(waits, 0)  # the round's read-back, at least
+    assert 0 < after["ssdlocal_host_waits_per_round{model=target}"] <= 1.5  # one per round (+ the first token's)
     if server.mode != "ar":
         assert after["ssdlocal_spec_decode_draft_tokens_total"] > before["ssdlocal_spec_decode_draft_tokens_total"]
         assert 0 <= after["ssdlocal_acceptance_rate"] <= 1

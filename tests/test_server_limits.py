@@ -169,6 +169,27 @@ def test_prompt_characters_are_bounded_before_tokenizing(live, monkeypatch):
     assert not encodes
 
 
+def test_the_prompt_limit_counts_tools_calls_and_schemas_before_rendering(live, monkeypatch):
+    """Issue 33 item 5: a huge tool description, tool-call arguments, tool result id or
+    schema is refused like an oversized message: before the template renders it."""
+    limit = LIMITS.prompt_chars(live.engine.context)
+    encodes = count_calls(monkeypatch, live.state, "encode")
+    user = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * limit}}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "x" * limit}}]}
+    result = {"role": "tool", "tool_call_id": "i" * limit, "content": "ok"}
+    for extra in ({"messages": [user], "tools": [tool], "tool_choice": "none"},
+                  {"messages": [user, call, {"role": "user", "content": "and?"}]},
+                  {"messages": [user, {**call, "tool_calls": [{**call["tool_calls"][0], "id": "c1",
+                                "function": {"name": "f", "arguments": "{}"}}]}, result]}):
+        request = json.dumps({"model": MODEL, "max_tokens": 2, **extra}).encode()
+        started = time.perf_counter()
+        error = assert_error(*live.post("/v1/chat/completions", request), 400, "messages", "context_length_exceeded")
+        assert "--max-prompt-chars" in error["message"] and time.perf_counter() - started < 5
+    assert not encodes
+
+
 def test_a_token_id_request_is_not_held_up_by_another_requests_tokenizing(live, monkeypatch):
     inside, release = threading.Event(), threading.Event()
     real = live.state.tokenizer.encode

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 from drafts import draft_of
+from grammar_children import hanging_serve
 from server_helpers import MODEL, LiveServer
+
+from ssdlocal.grammar.pool import CompilePool
+from ssdlocal.server.tools import MAX_FORCED_CALLS
 
 pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
@@ -147,7 +150,7 @@ def test_streamed_calls_add_up_to_the_whole_answer(server):
                 if delta.function and delta.function.arguments:
                     entry["arguments"] += delta.function.arguments
                     pieces += 1
-    assert finish == "tool_calls" and pieces > len(calls) >= 1
+    assert finish == "tool_calls" and pieces == len(calls) >= 1  # each call is sent once complete and valid
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
         [(c.function.name, c.function.arguments) for c in whole]  # fmt: skip
 
@@ -243,16 +246,101 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server):
         if named:
             assert named in info.value.body["message"]
     compiler = server.state.grammars.compiler
-    limits, compile_now = compiler.limits, compiler._compile
-    try:  # a grammar over the compile time limit is refused, the server goes on
-        compiler.limits = type(limits)(compile_timeout_s=0.05)
-        compiler._compile = lambda *a: (time.sleep(0.5), compile_now(*a))[1]
-        fresh = {"type": "object", "properties": {"zz": {"type": "string", "maxLength": 7}}}
+    limits, pool = compiler.limits, compiler.pool
+    hanging = CompilePool(compiler.tokenizer, compiler.vocab_size, compiler.eos_ids, serve=hanging_serve)
+    try:  # a grammar over the compile time limit is refused (its compile killed), the server goes on
+        hanging.start()
+        with hanging.slot(1.0):
+            hanging.check("regex", "ready?", 120)
+        compiler.limits, compiler.pool = type(limits)(compile_timeout_s=0.5), hanging
+        fresh = {"type": "object", "properties": {"zz": {"type": "string", "maxLength": 7}}, "title": "HANG"}
         with pytest.raises(openai.BadRequestError) as info:
             ask(server, messages=USER, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": fresh}})
-        assert info.value.body["code"] == "grammar_too_complex"
+        assert info.value.body["code"] == "grammar_too_complex" and hanging.killed == 1
     finally:
-        compiler.limits, compiler._compile = limits, compile_now
+        compiler.limits, compiler.pool = limits, pool
+        hanging.close()
+    assert ask(server, messages=USER, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def _stream(server, **kw):
+    """(content, {index: (name, arguments)}, finish_reason) of a streamed answer."""
+    content, calls, finish = "", {}, None
+    for chunk in ask(server, stream=True, **kw):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for call in delta.tool_calls or ():
+                name, args = calls.get(call.index, ("", ""))
+                calls[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_forced_calls_are_whole_valid_calls(server):
+    """Issue 33 items 1, 2 and 7: a closing tag inside an argument string, a stop string
+    inside a forced call, and required calls with parallel calls allowed."""
+    note = {"type": "object", "properties": {"text": {"const": "see </tool_call> here"}}, "required": ["text"]}
+    tools = [{"type": "function", "function": {"name": "note", "parameters": note}}]
+    named = {"type": "function", "function": {"name": "note"}}
+    whole = ask(server, messages=USER, tools=tools, tool_choice=named).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
+    assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"text": "see </tool_call> here"}]
+    content, calls, finish = _stream(server, messages=USER, tools=tools, tool_choice=named)
+    assert finish == "tool_calls" and not content and [json.loads(a) for _, a in calls.values()] == [
+        {"text": "see </tool_call> here"}]
+    weather = TOOLS[:1]
+    for stop in (["city"], ["elsius"], ["unit"]):
+        cut = ask(server, messages=USER, tools=weather, tool_choice="required", stop=stop).choices[0]
+        for call in cut.message.tool_calls or ():
+            assert_valid_call(call)
+        if cut.finish_reason == "tool_calls":
+            assert cut.message.tool_calls, cut
+        else:  # cut inside a call: text, and the reason it ended
+            assert cut.finish_reason == "stop" and "<tool_call>" in cut.message.content, cut
+        content, calls, finish = _stream(server, messages=USER, tools=weather, tool_choice="required", stop=stop)
+        assert finish == cut.finish_reason and content == (cut.message.content or "")
+        assert [a for _, a in calls.values()] == [c.function.arguments for c in cut.message.tool_calls or ()]
+    many = ask(server, messages=USER, tools=weather, tool_choice="required", max_tokens=1500).choices[0]
+    arguments = [c.function.arguments for c in many.message.tool_calls]
+    assert many.finish_reason == "tool_calls" and 1 <= len(arguments) <= MAX_FORCED_CALLS, many
+    assert len({json.dumps(json.loads(a), sort_keys=True) for a in arguments}) == len(arguments)  # no repeats
+
+
+def test_a_grammar_that_fails_mid_answer_fails_only_its_own_choice(server):
+    """Issue 33 items 3 and 4: the request whose pattern the grammar engine gives up on gets
+    an error (400 grammar_failed; in a stream, an error event), the plain chats beside it
+    their answers; the same grammar is then refused before any token."""
+    import threading
+
+    def hostile(letter):
+        pattern = "^" + f"{letter}?" * 2000 + letter * 2000 + "$"
+        schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+    plain, failures = [], []
+
+    def chat(i):
+        plain.append(ask(server, messages=[{"role": "user", "content": f"Say {i}"}], max_tokens=8).choices[0])
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        ask(server, messages=USER, response_format=hostile("a"))
+    except openai.BadRequestError as exc:
+        failures.append(exc.body)
+    for t in threads:
+        t.join(120)
+    assert len(plain) == 3 and all(c.finish_reason in ("stop", "length") for c in plain), plain
+    assert failures and failures[0]["code"] == "grammar_failed" and "too many expressions" in failures[0]["message"]
+    assert failures[0]["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as again:
+        ask(server, messages=USER, response_format=hostile("a"))
+    assert again.value.body["code"] == "grammar_too_complex"
+    with pytest.raises(openai.APIError) as streamed:
+        _stream(server, messages=USER, response_format=hostile("b"))
+    assert "too many expressions" in str(streamed.value)
     assert ask(server, messages=USER, max_tokens=2).choices[0].finish_reason == "length"
 
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import detached_site
 from ssdlocal.placement.cpus import split_cpus
 from ssdlocal.speculation.backup import BackupChooser, expected_rate
 from ssdlocal.speculation.fanout import FanOutPlanner, capped_geometric
-from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates
+from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates, bonus_candidates_batch
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0)
@@ -180,6 +181,26 @@ def test_bonus_candidates_excludes_drafted_token():
         assert drafted not in got and len(got) == 4 and len(set(got)) == 4
 
 
+def test_bonus_candidates_of_a_whole_round_in_one_read_equal_one_position_at_a_time():
+    """The worker's batched top-k (every row and accepted length at once, one host read)
+    picks exactly what each position alone would, whatever each position's fan-out."""
+    from ssdlocal.core.hostsync import Audit
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 40, generator=gen)  # [N, V]
+    drafted = [None, 3, 0, 39, None, 5, 5]
+    fans = [3, 1, 0, 5, 2, 4, 1]
+    for params in (GREEDY, SAMPLED):
+        audit = Audit()
+        got = bonus_candidates_batch(logits, drafted, fans, params, audit.site("worker"))
+        assert audit.snapshot()["worker"].reads == 1
+        for i in range(7):
+            score = logits[i] if params.greedy else torch.softmax(logits[i] / params.temperature, -1)
+            order = [t for t in torch.argsort(score, descending=True).tolist() if t != drafted[i]]
+            assert got[i] == order[: fans[i]], i
+    assert bonus_candidates_batch(logits[:0], [], [], GREEDY) == []
+
+
 def test_bonus_candidates_ordering_and_sizes():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(50, generator=gen)
@@ -331,6 +352,7 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
             return torch.zeros(*ids.shape, 10)
 
     spec = object.__new__(sp.Speculator)
+    spec.site = detached_site("worker")  # core.hostsync: counts nobody reads
     spec.runner, spec.k, spec.vocab = Runner(), 4, 10
     spec.params = SamplingParams()
     spec.layout = spec.full_layout = SlotLayout(16).with_tree(4, 4)
@@ -369,6 +391,7 @@ def _seeding_speculator(suffix: bool):
             return [torch.zeros(0, 10) for _ in feeds]
 
     spec = object.__new__(sp.Speculator)
+    spec.site = detached_site("worker")  # core.hostsync: counts nobody reads
     spec.runner, spec.k, spec.vocab, spec.params = Runner(), 2, 10, SamplingParams()
     spec.max_branches, spec.fixed_hit, spec.fixed_miss = 32, (1, 1, 1), (1, 1, 1)
     spec.cache = sp.SpeculationCache()

@@ -11,7 +11,7 @@ import pytest
 
 from ssdlocal.server.protocol import APIError, parse_chat, parse_completion
 from ssdlocal.server.structured import MAX_TOOLS
-from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
+from ssdlocal.server.tool_parse import CallArgs, CallStart, ToolCallParser, collect
 from ssdlocal.server.tools import HERMES, LLAMA3_JSON, detect_format, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -74,6 +74,13 @@ def test_bad_tool_fields_name_their_param():
         == "logprobs"
     with pytest.raises(APIError):
         parse_completion({"model": "m", "prompt": "x", "tools": [WEATHER]}, None)
+
+
+def test_a_tool_name_with_a_trailing_newline_is_refused():
+    """Issue 33 item 8: the name must match whole ($ would match before a final newline)."""
+    for name in ("get_weather\n", "get_weather\r\n", "\nget_weather"):
+        tool = {"type": "function", "function": {"name": name}}
+        assert error_param(chat, tools=[tool]) == "tools[0].function.name", name
 
 
 def test_logprobs_and_response_formats_parse():
@@ -143,15 +150,76 @@ def test_hermes_calls_stream_as_they_read_whole(text):
         assert _calls(_pieces(HERMES, text, seed=seed)[1]) == HERMES_CASES[text]
 
 
-def test_arguments_stream_in_pieces_with_the_call_first():
+def test_a_call_is_sent_whole_once_complete_with_its_start_first():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, France"}}\n</tool_call>'
-    _, streamed = _pieces(HERMES, text, seed=3)
-    starts = [d for d in streamed if isinstance(d, CallStart)]
-    args = [d for d in streamed if isinstance(d, CallArgs)]
-    assert len(starts) == 1 and starts[0].id.startswith("call_") and starts[0].index == 0
-    assert streamed.index(starts[0]) < streamed.index(args[0]) and len(args) > 3
-    assert "".join(a.text for a in args) == '{"city": "Paris, France"}'
-    assert not [d for d in streamed if isinstance(d, Content)]
+    parser = ToolCallParser(HERMES, ["get_weather"])
+    assert parser.feed(text[:-3]) == []  # the object is complete, its closing tag is not: not yet a call
+    streamed = parser.feed(text[-3:]) + parser.finish()
+    assert [type(d) for d in streamed] == [CallStart, CallArgs]
+    assert streamed[0].id.startswith("call_") and streamed[0].index == 0 and streamed[0].name == "get_weather"
+    assert json.loads(streamed[1].text) == {"city": "Paris, France"}
+
+
+SCHEMAS = {"note": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+           "get_weather": {"type": "object", "properties": {"city": {"type": "string"},
+                                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+                           "required": ["city"], "additionalProperties": False}}
+
+
+def _both(text, names=("note", "get_weather"), fmt=HERMES):
+    """(content, calls, parser) of the whole answer, after checking that every streamed
+    split of it gives the same deltas' content and calls."""
+    whole = ToolCallParser(fmt, names, SCHEMAS)
+    expected = _calls(whole.feed(text) + whole.finish())
+    for seed in range(8):
+        rnd, parser, streamed, i = random.Random(seed), ToolCallParser(fmt, names, SCHEMAS), [], 0
+        while i < len(text):
+            j = i + rnd.randint(1, 7)
+            streamed += parser.feed(text[i:j])
+            i = j
+        assert _calls(streamed + parser.finish()) == expected, seed
+        assert (parser.cut, parser.repeated, parser.calls) == (whole.cut, whole.repeated, whole.calls)
+    return (*expected, whole)
+
+
+def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call():
+    """Issue 33 item 1: the call ends where its JSON object does."""
+    text = ('<tool_call>\n{"name": "note", "arguments": {"text": "see </tool_call> here"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "note", "arguments": {"text": "<tool_call>{\\"x</tool_call>"}}</tool_call>')
+    content, calls, _ = _both(text)
+    assert content is None and [json.loads(a)["text"] for _, a in calls] == ["see </tool_call> here",
+                                                                              '<tool_call>{"x</tool_call>']
+
+
+def test_a_cut_or_invalid_call_is_text_not_a_call():
+    """Issue 33 item 2: only complete calls whose arguments fit the tool's schema are calls;
+    an answer that ends inside a call (a stop string) is cut, and its finish is not tool_calls."""
+    from ssdlocal.server.responses import finish_reason
+
+    for cut in ('<tool_call>\n{"', '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "c',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n</tool'):
+        content, calls, parser = _both(cut)
+        assert calls == [] and content == cut and parser.cut, cut
+        assert finish_reason("stop", parser=parser) == "stop"
+    complete = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n</tool_call>'
+    content, calls, parser = _both(complete + "\n" + cut)
+    assert len(calls) == 1 and content == cut and finish_reason("stop", parser=parser) == "stop"
+    invalid = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 7}}\n</tool_call>'
+    assert _both(invalid)[:2] == (invalid, [])
+    extra = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon", "x": 1}}\n</tool_call>'
+    assert _both(extra)[:2] == (extra, [])
+
+
+def test_a_repeated_call_ends_the_list():
+    """Issue 33 item 7: a model that repeats an identical call has said all it had to say."""
+    from ssdlocal.server.responses import finish_reason
+
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "celsius"}}\n</tool_call>'
+    two = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "fahrenheit", "city": "Lisbon"}}\n</tool_call>'
+    again = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius",  "city": "Lisbon"}}\n</tool_call>'
+    content, calls, parser = _both("\n".join([one, two, again, two, one, '<tool_call>\n{"name']))
+    assert content is None and len(calls) == 2 and parser.repeated and not parser.cut
+    assert finish_reason("length", parser=parser) == "tool_calls"
 
 
 def test_llama3_json_calls():

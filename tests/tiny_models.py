@@ -13,6 +13,12 @@ from pathlib import Path
 import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# fill-in-the-middle tokens as each family's tokenizer names them (a variant's extra specials)
+FIM_SPECIALS = {
+    "qwen": ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"],
+    "starcoder": ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<reponame>", "<file_sep>"],
+    "codellama": ["▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"],
+}
 TOKENIZER_VOCAB = 384
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -37,8 +43,9 @@ _CORPUS = [
 ] * 4
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train a byte-level BPE tokenizer (TOKENIZER_VOCAB tokens) and save it HF-style."""
+def build_tokenizer(out_dir: Path, extra_specials: tuple[str, ...] = ()) -> None:
+    """Train a byte-level BPE tokenizer (TOKENIZER_VOCAB tokens) and save it HF-style;
+    `extra_specials` (e.g. FIM_SPECIALS["qwen"]) follow SPECIAL_TOKENS as special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,7 +54,7 @@ def build_tokenizer(out_dir: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -56,7 +63,7 @@ def build_tokenizer(out_dir: Path) -> None:
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *extra_specials],
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(out_dir)
@@ -202,3 +209,12 @@ def make_tiny_suite(root: Path) -> dict[str, Path]:
                                                num_layers=1, num_heads=2, num_kv_heads=1,
                                                intermediate_size=64, tokenizer_dir=tok)
     return dirs
+
+
+def make_fim_checkpoint(root: Path, style: str = "qwen", seed: int = 5) -> Path:
+    """A tiny qwen2 checkpoint whose tokenizer has `style`'s FIM tokens (FIM_SPECIALS), in
+    `root/fim_<style>`; the default tokenizer (no FIM tokens) is left as it is."""
+    root = Path(root)
+    tok = root / f"fim_{style}_tokenizer"
+    build_tokenizer(tok, tuple(FIM_SPECIALS[style]))
+    return make_tiny_checkpoint(root / f"fim_{style}", "qwen2", seed=seed, tokenizer_dir=tok)

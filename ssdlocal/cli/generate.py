@@ -31,20 +31,27 @@ def generate(
     json_schema: Annotated[Path | None, typer.Option(
         help="Answer with JSON that validates against this JSON schema file (constrained decoding).")] = None,
     regex: Annotated[str | None, typer.Option(help="Answer with text that matches this regular expression.")] = None,
+    fim_suffix: Annotated[str | None, typer.Option(
+        help="Fill in the middle: each prompt is the text before the insertion point and this the text "
+             "after it (the model's own FIM tokens; a code model trained for it).")] = None,
 ) -> None:
     """Generate text, streaming tokens as they are accepted."""
     if num_samples < 1:
         raise UsageError(f"num-samples must be >= 1, got {num_samples}", "use --num-samples 1")
     if num_samples > 1 and len(prompts) != 1:
         raise UsageError("--num-samples needs exactly one prompt", "pass a single prompt")
-    if any(not p.strip() for p in prompts):
+    if fim_suffix is not None and chat:
+        raise UsageError("--fim-suffix cannot be combined with --chat",
+                         "drop --chat: a fill-in-the-middle prompt is raw text before and after the cursor")  # fmt: skip
+    if fim_suffix is None and any(not p.strip() for p in prompts):
         raise UsageError("empty prompt", "pass some text to generate from")
     grammar = _grammar(json_schema, regex)
     params = sampling.params()
     config = engine_config(models, spec)
     from ssdlocal.cli.render import run_generate
 
-    run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json, grammar=grammar)
+    run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json, grammar=grammar,
+                 fim_suffix=fim_suffix)  # fmt: skip
 
 
 def _grammar(schema_file: Path | None, regex: str | None) -> tuple[str, object] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -273,7 +274,10 @@ def devices(
     weights = _pair_weights(found, backend, quantization) if target_gb is None else ()
     prefix = prefix_cache_plan(None if target_gb is not None else found)
     if as_json:
-        payload = {"devices": dataclasses.asdict(inventory), "for": label, "prefix_cache": prefix}
+        from ssdlocal.core.measured import kept
+
+        payload = {"devices": dataclasses.asdict(inventory), "for": label, "prefix_cache": prefix,
+                   "calibration": kept()}  # fmt: skip
         try:
             plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)
         except Exception:
@@ -291,6 +295,24 @@ def devices(
     plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)  # PlacementError -> exit 1
     _print_plan(plan, weights)
     out.print(_prefix_line(prefix), soft_wrap=True)
+    out.print(_calibration_line(), soft_wrap=True, highlight=False)
+
+
+def _calibration_line() -> str:
+    """What this machine's kept timings are (core/measured.py): later starts read them."""
+    import time
+
+    from ssdlocal.core.measured import kept
+
+    found = kept()
+    if not found:
+        return ("calibration: none kept for this machine yet; the first start that needs one times the models "
+                "once, later starts with the same model files, threads and torch read it")  # fmt: skip
+    newest = found[0]
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest["measured_at"])) if newest["measured_at"] else "?"
+    models = ", ".join(Path(m).name for m in dict.fromkeys(m for e in found for m in e["models"])) or "no model files"
+    return (f"calibration: {len(found)} timing(s) kept for this machine (newest {when}; models: {models}); "
+            "starts with these models skip measuring; `ssdlocal cache remove calibration` measures again")
 
 
 def _as_run(plan, draft_gb: float):

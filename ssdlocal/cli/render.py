@@ -64,13 +64,21 @@ def graph_warning(stats: dict) -> str | None:
 
 def run_generate(
     config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool,
-    grammar: tuple[str, object] | None = None,
+    grammar: tuple[str, object] | None = None, fim_suffix: str | None = None,
 ) -> None:
     """Load the engine, say which mode runs and why (stderr, before the first token),
     generate, and print (streamed text, or one JSON object); `grammar` (kind, source)
-    constrains every answer (grammar.compiler)."""
+    constrains every answer (grammar.compiler); `fim_suffix`: each prompt is the text
+    before the insertion point and this the text after it (engine/fim.py)."""
     engine = load_engine(config)
     with engine:
+        if fim_suffix is not None:
+            from ssdlocal.engine.fim import fim_prompt, fim_tokens, no_fim_error
+
+            tokens = fim_tokens(engine.tokenizer)
+            if tokens is None:
+                raise no_fim_error("--fim-suffix")
+            prompts = [fim_prompt(engine.tokenizer, tokens, p, fim_suffix) for p in prompts]
         grammars = None
         if grammar is not None:
             from ssdlocal.grammar.compiler import GrammarCompiler

@@ -79,9 +79,10 @@ class TokensEvent:
     token_ids: tuple[int, ...]
     text: str  # decoded text delta, safe to print as it arrives
     origins: tuple[str, ...] = ()  # one TokenOrigin value per token
-    finish_reason: str | None = None  # set on the row's last event: "eos" | "stop" | "length"
+    finish_reason: str | None = None  # set on the row's last event: "eos" | "stop" | "length" | "error"
     at: float = field(default_factory=time.perf_counter)  # when the engine committed them
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the call asked for them
+    error: str | None = None  # with finish_reason "error": why the row could not go on
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ def token_logprobs(logits: Tensor, chosen: Tensor, top: int) -> tuple[Tensor, Te
     return picked, ids, values
 
 
-def to_host(picked: Tensor, ids: Tensor, values: Tensor, chosen: list[list[int]]) -> list[tuple[TokenLogprob, ...]]:
-    """Per row, one TokenLogprob for each of `chosen[b]` (its first len(chosen[b]) positions);
-    alternatives a grammar forbids (log-probability -inf) are left out."""
-    p, i, v = picked.tolist(), ids.tolist(), values.tolist()
+def to_host(p: list, i: list, v: list, chosen: list[list[int]]) -> list[tuple[TokenLogprob, ...]]:
+    """`token_logprobs`' three tensors read to host lists (p, i, v) -> per row, one
+    TokenLogprob for each of `chosen[b]` (its first len(chosen[b]) positions); alternatives
+    a grammar forbids (log-probability -inf) are left out."""
     out = []
     for b, tokens in enumerate(chosen):
         out.append(tuple(

@@ -57,7 +57,7 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     flat = probs.reshape(-1, probs.shape[-1]).to(torch.float32)  # [N, V]
     n_rows, vocab_size = flat.shape
     rand_device = generator.device if generator is not None else flat.device
-    u = torch.rand(n_rows, generator=generator, device=rand_device).to(flat.device)  # [N]
+    u = torch.rand(n_rows, generator=generator, device=rand_device).to(flat.device, non_blocking=True)  # [N]
     cdf = torch.cumsum(flat, dim=-1)  # [N, V]
     target = u * cdf[:, -1]  # [N] scaled so rows need not sum exactly to 1
     tokens = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)  # [N]

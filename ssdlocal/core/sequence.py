@@ -25,6 +25,7 @@ class Row:
     budget: int | None = None  # new tokens allowed when params.max_new_tokens is None
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why the row ended with finish_reason "error" (its grammar could not continue)
     _emitted_chars: int = 0
     _text: str = ""  # text of generated[:_read], grown incrementally while running
     _prefix: int = 0  # start of the decode window

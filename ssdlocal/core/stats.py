@@ -110,6 +110,7 @@ class RunStats:
     started: float = field(default_factory=time.perf_counter)  # ttft is measured from here
     graphs_now: Callable[[], dict[str, dict]] | None = None  # captured-step counts per model
     prefix_now: Callable[[], dict[str, dict]] | None = None  # the prefix caches' counts per model
+    host_waits_now: Callable[[], dict] | None = None  # core.hostsync.HostWaits per model, this call
     counts: dict[str, Any] = field(init=False)
     first_token_at: float | None = field(default=None, init=False)
     last_token_at: float | None = field(default=None, init=False)
@@ -207,6 +208,9 @@ class RunStats:
             out["graphs"] = self.graphs_now()
         if self.prefix_now is not None:
             out["prefix_cache"] = self.prefix_now()
+        if self.host_waits_now is not None:  # stream synchronisations per model, per round
+            rounds = self.counts["rounds"]
+            out["host_waits"] = {model: w.as_dict(rounds) for model, w in sorted(self.host_waits_now().items())}
         return out
 
 

@@ -5,7 +5,8 @@ min(1, p(x)/q(x)), bonus from norm(max(p - q, 0)) at the first rejection, or fro
 after the last draft). `verify_logits` is the one entry every mode uses: at temperature 0
 it takes the target's argmax path (what `verify` does with one-hot p, without building
 p or drawing random numbers), otherwise p from `logits_to_probs` and `verify`. Runs on
-whatever device the tensors live on. No state, no I/O, inputs are never mutated.
+whatever device the tensors live on (moves between devices never make the host wait:
+non_blocking). No state, no I/O, inputs are never mutated.
 """
 
 from __future__ import annotations
@@ -72,20 +73,20 @@ def verify(
     rows = torch.arange(batch, device=device)  # [B]
     if n_draft is None:
         n_draft = torch.full((batch,), k, dtype=torch.long, device=device)  # [B]
-    n_draft = n_draft.to(device=device, dtype=torch.long).clamp(0, k)  # [B]
+    n_draft = n_draft.to(device=device, dtype=torch.long, non_blocking=True).clamp(0, k)  # [B]
 
     # --- accept / reject each draft position -------------------------------------
     positions = torch.arange(k, device=device)  # [K]
     real = positions.unsqueeze(0) < n_draft.unsqueeze(1)  # [B, K]
-    tokens = torch.where(real, draft_tokens.to(device), 0)  # [B, K] padding -> token 0
+    tokens = torch.where(real, draft_tokens.to(device, non_blocking=True), 0)  # [B, K] padding -> token 0
     p_draft = p[:, :k].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, K] p(x_i)
     if q is None:
         q_draft = torch.ones_like(p_draft)  # [B, K] point mass: q(x_i) = 1
     else:
-        q = q.to(device=device, dtype=torch.float32)  # [B, K, V]
+        q = q.to(device=device, dtype=torch.float32, non_blocking=True)  # [B, K, V]
         q_draft = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, K] q(x_i)
     rand_device = generator.device if generator is not None else device
-    u = torch.rand((batch, k), generator=generator, device=rand_device).to(device)  # [B, K]
+    u = torch.rand((batch, k), generator=generator, device=rand_device).to(device, non_blocking=True)  # [B, K]
     # u < p/q written without division: q(x) == 0 with p(x) > 0 accepts, 0/0 rejects.
     accept = (u * q_draft < p_draft) & real  # [B, K]
     n_accepted = torch.cumprod(accept.to(torch.long), dim=-1).sum(-1)  # [B]

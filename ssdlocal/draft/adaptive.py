@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.speculation.adaptive import PROBE_EVERY, Acceptance, Choice, CostModel, choose, suffix_key
 
@@ -39,7 +40,8 @@ class AdaptiveDrafter:
     """Drafter protocol over a draft model and/or suffix proposals, K chosen per round."""
 
     def __init__(self, model, suffix, *, k: int, pinned: bool, params: SamplingParams,
-                 costs: CostModel, target_vocab: int, device, shared_rates: dict | None = None) -> None:  # fmt: skip
+                 costs: CostModel, target_vocab: int, device, shared_rates: dict | None = None,
+                 audit: Audit | None = None) -> None:  # fmt: skip
         self.model = model  # draft.sync.ModelDrafter or None
         self.suffix = suffix  # draft.suffix.SuffixSource or None
         self.k = k  # the most drafts a round may have (pinned: the model's K every round)
@@ -48,6 +50,7 @@ class AdaptiveDrafter:
         self.costs = costs  # the engine's: kept across calls
         self.target_vocab = target_vocab
         self.device = device
+        self.site = (audit or Audit()).site("target")  # the proposal's one staged upload
         self.acceptance = Acceptance(shared_rates if shared_rates is not None else {})
         self.rows: Sequence[RowView] = ()
         self.last: _Round | None = None
@@ -131,25 +134,29 @@ class AdaptiveDrafter:
         return Choice(model_k, tuple(lens), self.k if model_k else max(lens, default=0), 0.0)
 
     def _proposal(self, width, model: Proposal | None, suffix, sources, n_draft) -> Proposal:
-        """Drafts [B, width] (model drafts, or suffix tokens), q for the model's rows."""
-        batch = len(sources)
+        """Drafts [B, width] (model drafts, or suffix tokens), q for the model's rows; the host
+        data (n_draft, suffix tokens, which rows took them) goes up in one staged upload."""
         host = [list(suffix[b].tokens[: n_draft[b]]) if s == SUFFIX else [] for b, s in enumerate(sources)]
         if model is None or MODEL not in sources:  # point masses only: the host has every draft
-            return Proposal.from_lists(host, width, self.device, sources=sources)
-        drafts = torch.zeros(batch, width, dtype=torch.long, device=self.device)  # [B, W]
-        drafts[:, : model.drafts.shape[1]] = model.drafts
-        use_suffix = [b for b, s in enumerate(sources) if s == SUFFIX]
-        for b in use_suffix:
-            drafts[b, : n_draft[b]] = torch.tensor(host[b], device=self.device)
+            return Proposal.from_lists(host, width, self.device, self.site, sources=sources)
+        staged = self.site.upload([[n_draft[b], int(s == SUFFIX)] + host[b] + [0] * (width - len(host[b]))
+                                   for b, s in enumerate(sources)], self.device)  # fmt: skip  # [B, 2+W]
+        n, use_suffix, suffix_drafts = staged[:, 0], staged[:, 1].bool(), staged[:, 2:]  # [B], [B], [B, W]
+        model_drafts = torch.zeros_like(suffix_drafts)  # [B, W]
+        model_drafts[:, : model.drafts.shape[1]] = model.drafts
+        drafts = torch.where(use_suffix[:, None], suffix_drafts, model_drafts)  # [B, W]
         q = None
         if model.q is not None:
-            q = torch.zeros(batch, width, self.target_vocab, device=self.device)  # [B, W, V]
+            q = torch.zeros(len(sources), width, self.target_vocab, device=self.device)  # [B, W, V]
             q[:, : model.q.shape[1]] = model.q
-            for b in use_suffix:
-                q[b] = 0.0
-                q[b, torch.arange(n_draft[b], device=self.device), drafts[b, : n_draft[b]]] = 1.0
-        n = torch.tensor(n_draft, device=self.device)  # [B]
-        return Proposal(drafts, n, q, sources=sources)
+            real = torch.arange(width, device=self.device)[None, :] < n[:, None]  # [B, W]
+            point = torch.nn.functional.one_hot(suffix_drafts, self.target_vocab).float() * real[..., None]  # [B, W, V]
+            q = torch.where(use_suffix[:, None, None], point, q)  # [B, W, V]: point masses for suffix rows
+        tokens = None
+        if model.tokens is not None:  # the model's drafts are on the host already (a grammar walked them)
+            tokens = [host[b] if s == SUFFIX else list(model.tokens[b]) if s == MODEL else []
+                      for b, s in enumerate(sources)]  # fmt: skip
+        return Proposal(drafts, n, q, tokens=tokens, sources=sources)
 
     # ------------------------------------------------------------------ observe
     def observe(self, outcome: RoundOutcome) -> None:
@@ -182,7 +189,8 @@ def build_adaptive(spec, params, resources, model, suffix) -> AdaptiveDrafter:
     source = None if suffix is None else SuffixSource(memory, suffix.min_confidence)
     return AdaptiveDrafter(model, source, k=spec.k, pinned=not spec.adaptive_k, params=params,
                            costs=resources.costs, target_vocab=resources.target_vocab,
-                           device=resources.target_device, shared_rates=resources.rates)  # fmt: skip
+                           device=resources.target_device, shared_rates=resources.rates,
+                           audit=resources.audit)  # fmt: skip
 
 
 def build_suffix(spec, params, resources) -> AdaptiveDrafter:

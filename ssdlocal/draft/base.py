@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ssdlocal.core.hostsync import detached_site
 
 @dataclass(frozen=True)
 class Proposal:
@@ -45,12 +46,13 @@ class Proposal:
     sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive drafter)
 
     @classmethod
-    def from_lists(cls, tokens: Sequence[Sequence[int]], k: int, device, **fields) -> Proposal:
-        """Host token lists (0..K per row) -> drafts and n_draft on `device`."""
-        padded = [list(t) + [0] * (k - len(t)) for t in tokens]
-        drafts = torch.tensor(padded, dtype=torch.long).reshape(len(padded), k)  # [B, K]
-        n_draft = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # [B]
-        return cls(drafts.to(device), n_draft.to(device), tokens=[list(t) for t in tokens], **fields)
+    def from_lists(cls, tokens: Sequence[Sequence[int]], k: int, device, site=None, **fields) -> Proposal:
+        """Host token lists (0..K per row) -> drafts and n_draft on `device`, in one staged
+        upload through `site` (a core.hostsync.Site; default: one nobody reads)."""
+        site = site or detached_site("target")
+        host = torch.tensor([[len(t)] + list(t) + [0] * (k - len(t)) for t in tokens], dtype=torch.long)
+        both = site.upload(host.reshape(len(tokens), k + 1), device)  # [B, 1+K]: n_draft, drafts
+        return cls(both[:, 1:], both[:, 0], tokens=[list(t) for t in tokens], **fields)
 
 
 class RowView(Protocol):
@@ -132,3 +134,4 @@ class DraftResources:
     costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
     rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)
     guides: object = None  # grammar.guide.Guides of the call's constrained rows (None: no grammar)
+    audit: object = None  # core.hostsync.Audit: the engine's, counting host waits per model

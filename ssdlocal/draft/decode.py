@@ -80,7 +80,8 @@ class DraftDecoder:
                 logits = align_vocab(step, self.target_vocab)  # [B, V]
             if self.allowed is not None:
                 mask = self.allowed(j, tokens[-1] if j else None)  # [B, V] bool
-                logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))  # [B, V]
+                mask = mask if mask.device == logits.device else mask.to(logits.device)  # [B, V] bool
+                logits = logits.masked_fill(~mask, float("-inf"))  # [B, V]
             if keep_logits:
                 kept.append(logits.clone())  # the next step may overwrite the buffer
             token, q = self._draw(logits, j)

@@ -23,14 +23,14 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
         from ssdlocal.draft.sync import ModelDrafter
 
         drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device,
-                               guides=res.guides)  # fmt: skip
+                               guides=res.guides, audit=res.audit)  # fmt: skip
         drafter.reserve(res.batch, res.num_slots)
         return build_adaptive(spec, params, res, drafter, spec.draft.suffix)
     from ssdlocal.draft.ssd.client import SSDDrafter
 
     return SSDDrafter(res.worker(), spec, params, res.target_vocab, res.num_slots,
                       target_device=res.target_device_name, draft_device=spec.draft.model.device,
-                      memory=res.memory)  # fmt: skip
+                      memory=res.memory, audit=res.audit)  # fmt: skip
 
 
 def make_drafter(spec: SpecConfig, params: SamplingParams, resources: DraftResources):

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.draft.decode import DraftDecoder
@@ -20,16 +21,17 @@ from ssdlocal.speculation.ngram import propose_ngram
 
 def build_ngram(spec, params, resources) -> NgramDrafter:
     """The drafter of an NgramDraft (core.models names this builder)."""
-    return NgramDrafter(spec.k, spec.draft, resources.target_device)
+    return NgramDrafter(spec.k, spec.draft, resources.target_device, resources.audit)
 
 
 class NgramDrafter:
     """Prompt-lookup proposals; deterministic, so verified as point masses (q=None)."""
 
-    def __init__(self, k: int, draft: NgramDraft = NgramDraft(), device="cpu") -> None:
+    def __init__(self, k: int, draft: NgramDraft = NgramDraft(), device="cpu", audit: Audit | None = None) -> None:
         self.k = k
         self.draft = draft
         self.device = device  # where the target verifies
+        self.site = (audit or Audit()).site("target")  # the proposals' one staged upload
         self.rows: Sequence[RowView] = ()
 
     def start(self, rows: Sequence[RowView]) -> None:
@@ -42,7 +44,7 @@ class NgramDrafter:
             propose_ngram(row.tokens, self.k, self.draft.n_max, self.draft.n_min) if on else []
             for row, on in zip(self.rows, active)
         ]
-        return Proposal.from_lists(tokens, max(map(len, tokens), default=0), self.device)
+        return Proposal.from_lists(tokens, max(map(len, tokens), default=0), self.device, self.site)
 
     def read_prompts(self, prompts) -> None:
         return None
@@ -73,11 +75,18 @@ class ModelDrafter:
     being its length before the round; a row whose verified drafts came from elsewhere keeps L.
     With `guides` (grammar.guide.Guides) a constrained row's drafts are drawn from the
     draft's distribution masked by its grammar (q is that masked distribution), walking the
-    matcher verification then reuses.
+    matcher verification then reuses; the proposal then carries the drafts as host lists
+    (the matcher needed them), so verification reads nothing more.
+    Host waits: none of its own (inputs go up through staged uploads, core.hostsync); under a
+    grammar, one read of each draft the matcher walks.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None) -> None:
+    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
+                 audit: Audit | None = None) -> None:  # fmt: skip
         self.runner = runner  # backends.base.Runner of the draft model
+        audit = audit or Audit()
+        self.site = audit.site("draft")  # inputs of the draft model
+        self.target_site = audit.site("target")  # n_draft where the target verifies
         self.guides = guides  # grammar.guide.Guides: constrained rows draft what their grammar allows
         self.k = k  # the most tokens a round may ask for
         self.params = params
@@ -134,9 +143,12 @@ class ModelDrafter:
         drafted = self.decoder.decode(first, bound)
         self._fed = [n + k - 1 for n in lengths]
         self._k = k
-        n_draft = torch.tensor([k if a else 0 for a in active], device=self.device)  # [B]
-        q = None if drafted.q is None else drafted.q.to(self.device)  # [B, K, V]
-        return Proposal(drafted.tokens.to(self.device), n_draft, q)  # [B, K]
+        n_draft = self.target_site.upload([k if a else 0 for a in active], self.device)  # [B]
+        q = None if drafted.q is None else drafted.q.to(self.device, non_blocking=True)  # [B, K, V] (device to device)
+        tokens = None
+        if self.guides is not None and k:  # the matcher walked d_1..d_K-1: read d_K too, before the target runs
+            tokens = self.guides.drafted_tokens(drafted.tokens[:, -1], active, self.site)
+        return Proposal(drafted.tokens.to(self.device, non_blocking=True), n_draft, q, tokens=tokens)  # [B, K]
 
     def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
         """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
@@ -147,12 +159,13 @@ class ModelDrafter:
         for start in range(0, max(map(len, pending)), CATCH_UP):
             part = [p[start : start + CATCH_UP] for p in pending]
             width = max(map(len, part))
-            ids = torch.tensor([x + [0] * (width - len(x)) for x in part], dtype=torch.long).to(dev)  # [B, T]
-            last = torch.tensor([max(len(x) - 1, 0) for x in part], device=dev)  # [B]
-            logits = self.runner.step(ids, bound)[rows, last]  # [B, V_d]; padding writes past each row
-            ends = torch.tensor([bool(x) and start + len(x) == len(p) for x, p in zip(part, pending)], device=dev)
-            first = logits if first is None else torch.where(ends[:, None], logits, first)
-            self.runner.advance(torch.tensor([len(x) for x in part], device=dev))
+            host = [[max(len(x) - 1, 0), int(bool(x) and start + len(x) == len(p)), len(x)] + x + [0] * (width - len(x))
+                    for x, p in zip(part, pending)]  # fmt: skip
+            staged = self.site.upload(host, dev)  # [B, 3+T]: last, ends, fed, ids (one staged upload)
+            ids = staged[:, 3:].contiguous()  # [B, T]
+            logits = self.runner.step(ids, bound)[rows, staged[:, 0]]  # [B, V_d]; padding writes past each row
+            first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
+            self.runner.advance(staged[:, 2])
         return first
 
     def observe(self, outcome: RoundOutcome, adopted: Sequence[bool] | None = None) -> None:
@@ -169,7 +182,7 @@ class ModelDrafter:
             self.cached[b] = max(length + kept, 0) if outcome.active[b] else self.cached[b]
         delta = [c - f if f > c0 else 0 for c, f, c0 in zip(self.cached, self._fed, before)]
         if any(delta):
-            self.runner.advance(torch.tensor(delta, dtype=torch.long, device=self.runner.device))
+            self.runner.advance(self.site.upload(delta, self.runner.device))
         self._fed = list(self.cached)
 
     def store_prefixes(self) -> None:

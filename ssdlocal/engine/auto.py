@@ -9,6 +9,11 @@ calibration times the loaded models (target forward at 1 and K+1 tokens, draft f
 busy machine, so `ModeCheck` compares the SD rounds' measured speed with what plain steps
 would give at the same load, and switches to AR (saying why) when its own rounds say SD
 is slower. Progress of the calibration goes to core.progress.
+
+The calibration's timings are kept (core/measured.py) by machine, model files, backend,
+dtype/quantization and threads: a later start with the same models on the same machine
+reads them and starts in the time it takes to load the weights; the re-check above still
+watches every SD call, so a machine busier than at calibration is still caught.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 from ssdlocal.core.events import ModeEvent, RoundEvent
+from ssdlocal.core.measured import MeasuredStore, file_stamps, positive_seconds
 from ssdlocal.core.progress import reporter
 from ssdlocal.placement.mode import ModeChoice, cpu_shared, placement_mode
 
@@ -44,6 +50,7 @@ class Calibration:
     target_1: float
     target_k1: float
     draft_1: float
+    when: str = "at load"  # or at an earlier start, read from the cache (core/measured.py)
 
     def predicted(self, acceptance: float = PRIOR_ACCEPTANCE) -> tuple[float, float]:
         """(AR, SD) tokens per second: AR makes one token per target forward; an SD round
@@ -53,7 +60,7 @@ class Calibration:
         return 1.0 / self.target_1, tokens_per_round / (k * self.draft_1 + self.target_k1)
 
     def describe(self) -> str:
-        return (f"measured at load: target {self.target_1 * 1e3:.0f} ms/token and "
+        return (f"measured {self.when}: target {self.target_1 * 1e3:.0f} ms/token and "
                 f"{self.target_k1 * 1e3:.0f} ms per {self.k + 1}-token verify, draft "
                 f"{self.draft_1 * 1e3:.0f} ms/token")  # fmt: skip
 
@@ -204,17 +211,37 @@ class ModeCheck:
         return self.widths[above[0] if above else known[-1]]
 
 
-def calibrated(choice: ModeChoice | None, target, draft, spec, costs) -> ModeChoice:
+def model_key(model) -> list:
+    """What a model's timings depend on (a core.models.ModelSpec): its files (path, sizes,
+    mtimes), backend, device, dtype and quantization."""
+    return [*file_stamps(model.path), model.backend, model.device, model.dtype, model.quantization]
+
+
+def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: EngineConfig | None = None
+               ) -> ModeChoice:  # fmt: skip
     """The engine's choice once its models are loaded: `choice` itself when the placement
     decided it; for target and draft sharing the CPU (None) a calibration's, seeding the
     K-per-round cost model (`costs`) and carrying the step costs its re-check reads
-    (ModeChoice.widths). An SD on the CPU with K per round also times each step width."""
+    (ModeChoice.widths). An SD on the CPU with K per round also times each step width.
+    With `config` (the engine's), timings are read from and kept in the cache's
+    measurements (core/measured.py) instead of timed at every start."""
+    store = MeasuredStore() if config is not None else None
+    models = [model_key(config.target)] if config is not None else []
     if choice is None:  # target and draft share the CPU: measure them
-        cal = calibrate(target, draft, spec.k)
+        key = {"models": models + [model_key(config.draft_model)], "k": spec.k} if store is not None else None
+        found = store.get("pair", key, lambda v: positive_seconds(v, 3)) if store is not None else None
+        cal = (Calibration(spec.k, *found, when="at an earlier start (kept in the cache)") if found is not None
+               else calibrate(target, draft, spec.k))  # fmt: skip
+        if store is not None and found is None:
+            store.put("pair", key, [cal.target_1, cal.target_k1, cal.draft_1])
         costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
         choice = replace(calibrated_choice(cal, spec.adaptive_k), widths={1: cal.target_1, spec.k + 1: cal.target_k1})
     if spec.adaptive_k and target.device.type == "cpu" and choice.mode is not Mode.AR:
-        widths = step_costs(target)  # steps, not a line, on a CPU
+        key = {"models": models, "widths": list(WIDTHS)}
+        found = store.get("widths", key, lambda v: positive_seconds(v, len(WIDTHS))) if store is not None else None
+        widths = dict(zip(WIDTHS, found)) if found is not None else step_costs(target)  # steps, not a line
+        if store is not None and found is None:
+            store.put("widths", key, [widths[w] for w in WIDTHS])
         costs.seed_widths(widths)
         if choice.widths is not None:
             choice = replace(choice, widths=widths)

@@ -21,6 +21,7 @@ from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.hostsync import Audit, WaitsSince
 from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
 from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
@@ -49,6 +50,7 @@ class Engine:
         keep_freed_memory()  # forwards reuse their temporaries' memory (core.memory)
         spec = config.spec
         self._draft_runner = None
+        self.audit = Audit()  # host waits per model, through core.hostsync
         self._worker = None
         self._cpu_plan = None
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
@@ -83,7 +85,7 @@ class Engine:
                 self.target = registry.load(config.target)
             registry.claim_device(config.target.device)  # rank 0 of a TP target too
             self.tokenizer = self.target.tokenizer
-            self.runner = registry.make_runner(self.target, graphs=config.graphs)
+            self.runner = self.audit.watch(registry.make_runner(self.target, graphs=config.graphs), "target")
             if self._worker is not None:
                 self._wait_worker()
             elif self.has_draft_model:
@@ -92,7 +94,8 @@ class Engine:
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
-            self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs)  # (a CPU)
+            self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs,
+                                     config)  # (a CPU; timings kept per machine and models)
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -105,7 +108,7 @@ class Engine:
         """Load the draft model in this process (synchronous SD)."""
         loaded = registry.load(self.config.draft_model)
         self.draft_context = loaded.args.max_position_embeddings
-        runner = registry.make_runner(loaded, graphs=self.config.graphs)
+        runner = self.audit.watch(registry.make_runner(loaded, graphs=self.config.graphs), "draft")
         runner.setup_prefix(self.config.prefix_cache_tokens)
         self._draft_runner = runner
 
@@ -241,7 +244,7 @@ class Engine:
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
             draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
-            costs=self.costs, rates=self.acceptance_rates, guides=guides,
+            costs=self.costs, rates=self.acceptance_rates, guides=guides, audit=self.audit,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 
@@ -314,7 +317,7 @@ class Engine:
             return
         self.runner.reset(len(ids), num_slots)
         rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
-        shaper = make_shaper(grammars, len(ids), params, self.target.args.vocab_size, self.eos_ids)
+        shaper = make_shaper(grammars, len(ids), params, self.target.args.vocab_size, self.eos_ids, self.audit)
         drafter = self._make_drafter(spec, params, len(ids), num_slots, shaper.guides)
         run = self._run(rows, params, spec, drafter, stats, token, progress, shaper)
         yield from self._counted(stats, run)
@@ -334,6 +337,7 @@ class Engine:
         graphs_before = self._graph_reports(drafter)
         stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
         stats.prefix_now = self.prefix_reports
+        stats.host_waits_now = WaitsSince(self.audit, getattr(drafter, "host_waits", None))  # SSD: + the worker's
         pinned = None
         if spec.mode is Mode.SSD and self._cpu_plan is not None:
             pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
@@ -350,13 +354,14 @@ class Engine:
                     r.finish_reason = "cancelled"
                 return
             cached[:] = [len(r.prompt) for r in rows]
+            shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
             yield prefill
             yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows),
                                     shaper.first_logprobs)  # fmt: skip
             if drafter is not None:
                 drafter.start(rows)
             k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper)
+            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper, self.audit)
             rounds = rechecked(rounds, self.choice, spec, params, stats.mode_reason)  # SD watches itself
             round_index = 0
             while any(r.active for r in rows) and not token.cancelled:
@@ -377,8 +382,8 @@ class Engine:
         finally:
             if pinned is not None:
                 pinned.restore()
-            final = self._graph_reports(drafter, graphs_before)
-            stats.graphs_now = lambda: final
+            stats.graphs_now = lambda final=self._graph_reports(drafter, graphs_before): final  # frozen
+            stats.host_waits_now.freeze()
             if completed:  # what the caches hold now is what later calls may start from
                 store_prefixes(self.runner, rows, cached, drafter)
             if drafter is not None:

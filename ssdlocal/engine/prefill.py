@@ -16,7 +16,7 @@ import torch
 
 from ssdlocal.core.events import PrefillEvent, PrefillProgress
 from ssdlocal.core.memory import oom_error
-from ssdlocal.core.verify import verify_logits
+from ssdlocal.engine.shape import Shaper
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,9 @@ def read_prompts(runner, guard, rows, params, generator, token, progress,
 
     logits = guard(runner.feed, pending, "last", report)
     last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
-    if shaper is not None:
-        first = shaper.first_token(last, params, generator)  # [B] (grammar-masked, logprobs kept)
-    else:
-        no_drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=last.device)  # [B, 0]
-        first = verify_logits(last, no_drafts, None, params, generator).bonus  # [B]
-    for row, token_id in zip(rows, first.tolist()):
+    shaper = shaper if shaper is not None else Shaper()
+    first, host = shaper.first_token(last, params, generator)  # [B] (grammar-masked, logprobs kept), read once
+    for row, token_id in zip(rows, host):
         row.append(token_id)
     runner.begin_steps()
     prompts = tuple(len(r.prompt) for r in rows)

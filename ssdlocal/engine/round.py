@@ -7,7 +7,9 @@ for; commit moves the rows' grammar matchers along with the rows.
 Device-resident: drafts, the target's logits, p, q and the verdict stay where the target
 runs; per round one small tensor (accepted counts, bonus tokens, and the drafts when the
 host does not have them) crosses to the host, which needs the tokens for text, stop
-strings and events. `commit` is the only step that changes rows and cache lengths.
+strings and events: the round's one host wait (core.hostsync counts it; under a grammar
+the drafts' reads for the matcher come on top). Host -> device inputs go up through staged
+uploads. `commit` is the only step that changes rows and cache lengths.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import Event, RoundEvent, TokenOrigin, TokensEvent
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.verify import Verdict, verify_logits
 from ssdlocal.draft.base import Proposal, RoundOutcome
@@ -56,8 +59,10 @@ class Round:
     last: torch.Tensor  # [B] long on the target's device
     cached: list[int]  # per row, on the host: tokens the target's cache holds
     shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
+    audit: Audit = field(default_factory=Audit)  # host waits per model (core.hostsync)
 
     def __post_init__(self) -> None:
+        self.site = self.audit.site("target")
         self.device = self.last.device
         batch = len(self.rows)
         self.live = torch.ones(batch, dtype=torch.bool, device=self.device)  # [B]
@@ -68,7 +73,7 @@ class Round:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
         active = [r.active for r in self.rows]
         t0 = time.perf_counter()
-        proposal = self.propose(active)
+        proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
         t1 = time.perf_counter()
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
         logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
@@ -101,7 +106,7 @@ class Round:
         parts = [verdict.n_accepted[:, None], verdict.bonus[:, None]]
         if proposal.tokens is None:
             parts += [proposal.n_draft[:, None], proposal.drafts]
-        host = torch.cat(parts, dim=1).tolist()  # [B, 2 (+1+K)]
+        host = self.site.read(torch.cat(parts, dim=1))  # [B, 2 (+1+K)]
         if proposal.tokens is not None:
             drafts = proposal.tokens
         else:
@@ -137,9 +142,10 @@ class Round:
                 self.cached[b] += 1 + (outcome.n_accepted[b] if self.k else 0)
         self.last = verdict.bonus
         self.shaper.commit(emitted, active)
+        self.shaper.end_failed(self.rows)
         still = [r.active for r in self.rows]
         if still != active:  # a row finished: its cache length stays where it is
-            self.live = torch.tensor(still, device=self.device)
+            self.live = self.site.upload(still, self.device, torch.bool)
         if self.drafter is not None:
             self.drafter.observe(RoundOutcome(
                 tuple(map(tuple, emitted)), tuple(outcome.n_accepted), tuple(outcome.bonus),
@@ -169,4 +175,5 @@ def token_events(rows, emitted, origins, logprobs=None) -> Iterator[TokensEvent]
         if emitted[b]:
             text = row.take_text_delta()
             lps = None if logprobs is None else logprobs[b][: len(emitted[b])]
-            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps)
+            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps,
+                              error=row.error)

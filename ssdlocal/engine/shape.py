@@ -7,6 +7,10 @@ constrained, renormalised p; after commit the rows' matchers follow the tokens t
 `logprobs` it reads the log-probabilities of the emitted tokens (and top alternatives) from
 the same logits, at the positions verification already scored: no extra target forward.
 A call with neither costs nothing here.
+
+Host waits (core.hostsync): a drafter that walked the grammar hands over its drafts as
+host lists; otherwise `prepare` reads them once, before the target's forward is launched,
+so that the last mask walk runs on the host while the device runs the forward.
 """
 
 from __future__ import annotations
@@ -17,35 +21,41 @@ from dataclasses import replace
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.events import TokenLogprob
 from ssdlocal.core.logprobs import to_host, token_logprobs
 from ssdlocal.core.verify import mask_logits, verify_logits
 
 
-def make_shaper(grammars, rows: int, params: SamplingParams, vocab_size: int, eos_ids) -> "Shaper":
+def make_shaper(grammars, rows: int, params: SamplingParams, vocab_size: int, eos_ids,
+                audit: Audit | None = None) -> "Shaper":  # fmt: skip
     """The Shaper of one call of `rows` rows: a matcher per row with a grammar (grammars[b],
-    or None), and `params.logprobs` alternatives per token (None: no log-probabilities)."""
+    or None), and `params.logprobs` alternatives per token (None: no log-probabilities);
+    host waits counted in `audit` (core.hostsync; default: one nobody reads)."""
+    audit = audit or Audit()
     if grammars is not None and len(grammars) != rows:
         raise ValueError(f"{len(grammars)} grammars for {rows} prompts")
     guides = None
     if grammars is not None and any(g is not None for g in grammars):
         from ssdlocal.grammar.guide import Guides
 
-        guides = Guides(grammars, vocab_size, sorted(eos_ids))
-    return Shaper(guides, params.logprobs)
+        guides = Guides(grammars, vocab_size, sorted(eos_ids), audit)
+    return Shaper(guides, params.logprobs, audit)
 
 
 class Shaper:
     """Masks and log-probabilities for one generate call's rounds."""
 
-    def __init__(self, guides=None, logprobs: int | None = None) -> None:
+    def __init__(self, guides=None, logprobs: int | None = None, audit: Audit | None = None) -> None:
         self.guides = guides  # grammar.guide.Guides, or None when no row has a grammar
         self.logprobs = logprobs  # alternatives per token, or None: no log-probabilities
+        self.site = (audit or Audit()).site("target")  # the target's host waits
         self.first_logprobs: list[tuple[TokenLogprob, ...]] | None = None
 
-    def first_token(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
-        """The prefill's last logits [B, 1, V] -> each row's first token [B] (masked by its
-        grammar, which then consumes it); keeps its log-probabilities in `first_logprobs`."""
+    def first_token(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, list[int]]:
+        """The prefill's last logits [B, 1, V] -> each row's first token ([B] on the device,
+        and as a host list: one read), masked by its grammar, which then consumes it; keeps
+        its log-probabilities in `first_logprobs`."""
         batch = logits.shape[0]
         no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=logits.device)  # [B, 0]
         active = [True] * batch
@@ -53,21 +63,26 @@ class Shaper:
             with self.guides.timing(active):
                 logits = mask_logits(logits, self.guides.allowed([[]] * batch, 0, active, logits.device))
         first = verify_logits(logits, no_drafts, None, params, generator).bonus  # [B]
-        host = [[t] for t in first.tolist()]
+        host = [[t] for t in self.site.read(first)]
         if self.logprobs is not None:
             self.first_logprobs = self._read(logits, first[:, None], host)
         if self.guides is not None:
             self.guides.commit(host, active)
-        return first
+        return first, [h[0] for h in host]
+
+    def prepare(self, proposal):
+        """Before the target's forward: the proposal with its drafts on the host when a
+        grammar will walk them (one read, unless the drafter handed them over)."""
+        if self.guides is None or proposal.tokens is not None:
+            return proposal
+        counts, rows = self.site.read(proposal.n_draft, proposal.drafts)
+        return replace(proposal, tokens=[r[:n] for r, n in zip(rows, counts)])
 
     def mask(self, logits: torch.Tensor, proposal, active: Sequence[bool]):
         """(logits [B, T, V] masked per position, the proposal with its drafts on the host)."""
         if self.guides is None:
             return logits, proposal
-        if proposal.tokens is None:  # a model's drafts: read them once (read_back reuses them)
-            counts = proposal.n_draft.tolist()
-            rows = proposal.drafts.tolist()
-            proposal = replace(proposal, tokens=[r[:n] for r, n in zip(rows, counts)])
+        proposal = self.prepare(proposal)  # a no-op when the round prepared it (read_back reuses them)
         width = logits.shape[1] - 1
         with self.guides.timing(active):
             allowed = self.guides.allowed(proposal.tokens, width, active, logits.device)  # [B, T, V]
@@ -79,16 +94,28 @@ class Shaper:
             return None
         width = logits.shape[1]
         host = [list(d[:n]) + [b] for d, n, b in zip(drafts, n_accepted, bonus)]
-        chosen = torch.tensor([h + [0] * (width - len(h)) for h in host], dtype=torch.long)  # [B, T]
-        return self._read(logits, chosen.to(logits.device), host)
+        chosen = self.site.upload([h + [0] * (width - len(h)) for h in host], logits.device)  # [B, T]
+        return self._read(logits, chosen, host)
 
     def _read(self, logits, chosen, host) -> list[tuple[TokenLogprob, ...]]:
         picked, ids, values = token_logprobs(logits, chosen, self.logprobs)
-        return to_host(picked, ids, values, host)
+        return to_host(*self.site.read(picked, ids, values), host)
 
     def commit(self, emitted: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
         if self.guides is not None:
             self.guides.commit(emitted, active)
+
+    def end_failed(self, rows) -> None:
+        """Rows whose grammar the engine failed on (grammar.guide.RowGuide.error) end with
+        finish_reason "error" and its message. Such a row's masks allow only EOS from the
+        failure on, so it ends with its next token (the same tokens in every mode); this
+        names why once it has."""
+        if self.guides is None:
+            return
+        for b, message in self.guides.errors().items():
+            row = rows[b]
+            if row.finish_reason is not None and row.finish_reason != "cancelled":
+                row.finish_reason, row.error = "error", message
 
     def seconds(self, live: Sequence[int]) -> tuple[tuple[bool, ...] | None, tuple[float, ...] | None]:
         """(constrained, grammar seconds since the last call) of the rows `live`."""

@@ -2,7 +2,10 @@
 
 `GrammarCompiler` turns a JSON schema, "any JSON object", a regular expression or Lark text
 into a `Grammar`: validated (a schema using keywords llguidance cannot enforce is refused,
-naming them), compiled within a time limit, and cached (least recently used, bounded). A
+naming them; one nested too deeply or whose $refs loop, saying so), compiled within a
+time limit (with a grammar.pool.CompilePool: first in a child process that is killed
+past it), and cached (least recently used, bounded; a grammar the engine failed on while
+answering stays cached as refused). A
 Grammar is compiled once and copied per row (`Grammar.matcher()`). llguidance is imported
 when the first grammar is asked for (pip extra `serve`), with an install hint when missing.
 Knows nothing of models, rounds or HTTP.
@@ -10,6 +13,7 @@ Knows nothing of models, rounds or HTTP.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -29,7 +33,8 @@ INSTALL_HINT = 'pip install llguidance (the "grammar" and "serve" extras include
 class GrammarError(UsageError):
     """A grammar that cannot be enforced. `reason`: "invalid" (not a valid schema / regex /
     grammar), "unsupported" (valid, but uses features the engine cannot enforce), "too_slow"
-    (over the compile time limit) or "too_large" (over a size bound)."""
+    (over the compile time limit, or too complex for the engine), "too_large" (over a size
+    bound) or "busy" (too many compiles already running and waiting: try again)."""
 
     def __init__(self, message: str, hint: str = "", reason: str = "invalid") -> None:
         super().__init__(message, hint)
@@ -43,13 +48,18 @@ class GrammarLimits:
     max_chars: int = 65_536  # the grammar's text (a schema's JSON, a regex, Lark)
     compile_timeout_s: float = 5.0  # compile + the first mask
     cache_entries: int = 64  # compiled grammars kept
+    compile_workers: int = 1  # compiles at a time (a server checks each in a child process: grammar/pool.py)
+    compile_queue: int = 8  # compiles waiting for one; more are refused as busy
 
 
-def require_llguidance():
-    """The llguidance module, or UsageError with the install hint."""
+def require_llguidance(hf: bool = True):
+    """The llguidance module, or UsageError with the install hint; `hf`: with its Hugging
+    Face tokenizer adapter (which imports transformers)."""
     try:
         import llguidance
-        import llguidance.hf  # noqa: F401 - the tokenizer adapter
+
+        if hf:
+            import llguidance.hf  # noqa: F401 - the tokenizer adapter
     except ImportError:
         raise UsageError("constrained decoding needs llguidance, which is not installed", INSTALL_HINT) from None
     return llguidance
@@ -63,6 +73,7 @@ class Grammar:
         self.kind = kind  # "json_schema" | "json_object" | "regex" | "lark"
         self._template = template  # llguidance.LLMatcher, never advanced
         self.compile_s = compile_s
+        self.failed: str | None = None  # the engine could not continue an answer under it (its message)
 
     def matcher(self):
         """A fresh llguidance.LLMatcher in the start state (a copy: rows never share one)."""
@@ -82,8 +93,10 @@ class GrammarCompiler:
     Thread-safe.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
+                 pool=None) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.pool = pool  # grammar.pool.CompilePool: compiles checked in killable children (None: a thread)
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.limits = limits or GrammarLimits()
@@ -100,8 +113,7 @@ class GrammarCompiler:
 
     def json_schema(self, schema: Any) -> Grammar:
         """A grammar for JSON documents that validate against `schema` (a dict)."""
-        if not isinstance(schema, dict):
-            raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+        check_schema_shape(schema)
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
         return self._get("json_schema", text)
 
@@ -111,6 +123,7 @@ class GrammarCompiler:
 
     def regex(self, pattern: str) -> Grammar:
         """A grammar for the strings that match `pattern` whole."""
+        check_regex(pattern)
         return self._get("regex", pattern)
 
     def lark(self, text: str) -> Grammar:
@@ -141,11 +154,24 @@ class GrammarCompiler:
         key = f"{kind}:{text}"
         with self._lock:
             found = self._cache.get(key)
+            if found is not None and found.failed is not None:  # its lexer gave up on an earlier answer
+                raise GrammarError(f"the {kind.replace('_', ' ')} is too complex to enforce: an earlier answer "
+                                   f"under it stopped with: {found.failed}", "simplify it", reason="too_slow")
             if found is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return found
-        grammar = self._compile_bounded(kind, text, key)
+        if self.pool is None:
+            grammar = self._compile_bounded(kind, text, key)
+        else:
+            ll_tokenizer = self._tokenizer()  # llguidance and the vocabulary: their errors are ours, not a child's
+            with self.pool.slot(self.limits.compile_timeout_s):
+                with self._lock:
+                    found = self._cache.get(key)  # compiled while this one waited
+                if found is not None:
+                    return found
+                self.pool.check(kind, text, self.limits.compile_timeout_s)  # killed past the limit
+                grammar = self._compile(kind, text, key, ll_tokenizer)  # the same work: it fits too
         with self._lock:
             self._cache[key] = grammar
             self._cache.move_to_end(key)
@@ -179,7 +205,7 @@ class GrammarCompiler:
         return result["grammar"]
 
     def _compile(self, kind: str, text: str, key: str, ll_tokenizer) -> Grammar:
-        llg = require_llguidance()
+        llg = require_llguidance(hf=False)
         t0 = time.perf_counter()
         source = self._source(llg, kind, text)
         limits = llg.LLParserLimits(verbose_errors=False)
@@ -215,11 +241,32 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 llg = require_llguidance()
                 t0 = time.perf_counter()
-                self._ll_tokenizer = llg.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids
-                )  # fmt: skip
+                tokens = len(self.tokenizer)
+                if tokens > self.vocab_size:  # llguidance: "vocab size too small"
+                    where = getattr(self.tokenizer, "name_or_path", "") or "the model's directory"
+                    raise UsageError(
+                        f"the model's tokenizer has {tokens} tokens but its config's vocab_size is {self.vocab_size}, "
+                        "so grammars cannot be enforced for it",
+                        f"the model files disagree: check vocab_size in config.json against tokenizer.json "
+                        f"(and added_tokens) in {where}",
+                    )  # fmt: skip
+                self._ll_tokenizer = llg.LLTokenizer(vocabulary_json(self.tokenizer), n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_ids)  # fmt: skip
                 log.info("grammar engine ready for %d tokens in %.1f s", self.vocab_size, time.perf_counter() - t0)
             return self._ll_tokenizer
+
+
+def vocabulary_json(tokenizer) -> str:
+    """A Hugging Face fast tokenizer's own JSON (added tokens included; no padding or
+    truncation), as llguidance builds its vocabulary view from it (llguidance.hf does the
+    same; this lets a child process build the view without transformers)."""
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise UsageError("constrained decoding needs a fast (Rust) Hugging Face tokenizer",
+                         "use a model directory with tokenizer.json")  # fmt: skip
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def check(kind: str, source) -> None:
@@ -227,8 +274,10 @@ def check(kind: str, source) -> None:
     needed): GrammarError as `compile` would raise it."""
     llg = require_llguidance()
     text = json.dumps(source, ensure_ascii=False) if kind == "json_schema" else source
-    if kind == "json_schema" and not isinstance(source, dict):
-        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+    if kind == "json_schema":
+        check_schema_shape(source)
+    elif kind == "regex":
+        check_regex(source)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
         GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
     )  # fmt: skip
@@ -236,12 +285,145 @@ def check(kind: str, source) -> None:
         raise _refusal(kind, messages[0] if messages else "unknown error")
 
 
-def first_mask(matcher, vocab_size: int):
-    """The allowed-token bitmask of `matcher`'s current state: int32 words [ceil(V/32)]."""
-    import torch
+MAX_REGEX_EXPANSION = 100_000  # a regex's size with counted repetitions written out (the lexer builds them)
 
-    words = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
-    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+
+def regex_expansion(pattern: str) -> int | None:
+    """The size of `pattern` with its counted repetitions written out: a{1,100} counts 100,
+    (a{1,100}){1,100} 10,000 (unbounded loops count once). The engine's lexer builds such
+    expressions as the answer goes, and gives up mid-answer past its own bound, so a
+    pattern far beyond it is refused at compile time. None: Python cannot read the
+    pattern (the engine decides)."""
+    try:
+        from re import _parser as sre_parse  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        parsed = sre_parse.parse(pattern)
+    except Exception:  # noqa: BLE001 - ECMA syntax Python lacks: not ours to judge
+        return None
+    unbounded = sre_parse.MAXREPEAT
+
+    def size(items) -> int:
+        total = 0
+        for op, arg in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                low, high, sub = arg
+                total += (high if high != unbounded else max(low, 1)) * size(sub)
+            elif name == "SUBPATTERN":
+                total += size(arg[-1])
+            elif name in ("ATOMIC_GROUP",):
+                total += size(arg)
+            elif name == "BRANCH":
+                total += sum(size(b) for b in arg[1])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                total += size(arg[1])
+            else:
+                total += 1
+            if total > 10 * MAX_REGEX_EXPANSION:
+                return total  # far enough: stop counting
+        return total
+
+    return size(parsed)
+
+
+def check_regex(pattern: str, what: str = "regex") -> None:
+    """GrammarError for a pattern whose written-out size passes MAX_REGEX_EXPANSION."""
+    size = regex_expansion(pattern)
+    if size is not None and size > MAX_REGEX_EXPANSION:
+        raise GrammarError(
+            f"the {what} {pattern[:60]!r}{'...' if len(pattern) > 60 else ''} is too complex to enforce: its "
+            f"counted repetitions expand to more than {MAX_REGEX_EXPANSION:,} parts",
+            "use smaller repetition counts, or fewer nested ones", reason="too_slow",
+        )  # fmt: skip
+
+
+MAX_SCHEMA_DEPTH = 100  # nested objects and lists in a schema's JSON (the engine's parser stops near 128)
+
+
+def check_schema_shape(schema: Any) -> None:
+    """GrammarError for a schema the engine would refuse with a vague message: not an
+    object, nested deeper than MAX_SCHEMA_DEPTH, or whose `$ref`s form a cycle that never
+    reaches a value (e.g. a -> b -> a)."""
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+    depth, stack = 0, [(schema, 1)]
+    while stack:
+        node, level = stack.pop()
+        depth = max(depth, level)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(
+                f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and lists)",
+                "flatten it, or describe the deep part with a $ref to a definition", reason="too_large",
+            )  # fmt: skip
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
+    stack = [schema]
+    while stack:  # every string pattern
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                check_regex(node["pattern"], "pattern")
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    cycle = _ref_cycle(schema)
+    if cycle:
+        raise GrammarError(
+            f"the JSON schema's references form a cycle that never reaches a value: {' -> '.join(cycle)}",
+            "let one of them define a value (a type, properties, ...) besides its $ref",
+        )  # fmt: skip
+
+
+def _ref_cycle(schema: dict) -> list[str]:
+    """A chain of local `$ref`s (JSON pointers "#/...") that comes back to where it started
+    without passing a schema of its own (only a $ref), else []."""
+    def resolve(ref: str):
+        if not ref.startswith("#"):
+            return None
+        node: Any = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    refs, stack = [], [schema]
+    while stack:  # every $ref in the schema
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append(node["$ref"])
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    for start in dict.fromkeys(refs):
+        chain, ref = [start], start
+        while True:
+            target = resolve(ref)
+            only_ref = isinstance(target, dict) and isinstance(target.get("$ref"), str) and not (
+                set(target) - {"$ref", "$defs", "definitions", "description", "title", "$comment"})
+            if not only_ref:
+                break
+            ref = target["$ref"]
+            if ref in chain:
+                return chain[chain.index(ref):] + [ref]
+            chain.append(ref)
+    return []
+
+
+def first_mask(matcher, vocab_size: int):
+    """The allowed-token bitmask of `matcher`'s current state: int32 words [ceil(V/32)]
+    (a ctypes array: compiling needs no torch, so a compile's child process stays small)."""
+    import ctypes
+
+    words = (ctypes.c_int32 * ((vocab_size + 31) // 32))()
+    matcher.unsafe_compute_mask_ptr(ctypes.addressof(words), ctypes.sizeof(words))
     return words
 
 

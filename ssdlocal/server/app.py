@@ -1,7 +1,8 @@
 """The HTTP surface (Starlette): OpenAI routes, server-sent events, errors, metrics.
 
 GET /v1/models, POST /v1/completions and /v1/chat/completions (whole or streamed as
-OpenAI chunks ending with `data: [DONE]`), GET /metrics (Prometheus text), GET /health.
+OpenAI chunks ending with `data: [DONE]`), POST /infill (llama.cpp's fill-in-the-middle,
+infill.py; a completion with `suffix` is one too), GET /metrics (Prometheus text), GET /health.
 Requests are read and bounded by limits.py, parsed by protocol.py, tokenized here (a
 tokenizer copy of our own, one prompt at a time under its lock: the engine thread
 decodes with its own), and run by the Scheduler; a client that disconnects cancels its
@@ -34,9 +35,11 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
+from ssdlocal.engine.fim import fim_tokens
 from ssdlocal.engine.prompts import encode_messages
 from ssdlocal.server.gate import AccessPolicy, guard
 from ssdlocal.server.grammars import RequestGrammars
+from ssdlocal.server.infill import InfillAnswer, check_fim_chars, fim_ids, parse_infill
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.protocol import (
@@ -79,10 +82,13 @@ class ServerState:
         eos = getattr(self.scheduler.engine, "eos_ids", None) or ()
         self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
         self.grammars.warm_up()
+        self.fim = fim_tokens(self.tokenizer)  # the model's fill-in-the-middle tokens, or None
 
     def begin_shutdown(self) -> None:
         """The server is stopping: refuse new work, end answers in flight with an error."""
         self.closing.set()
+        if self.grammars.pool is not None:
+            self.grammars.pool.close()
 
     def encode(self, req: ParsedRequest) -> list[tuple[int, ...]]:
         """Token ids per prompt (chat: one, the conversation through the template). The lock
@@ -99,7 +105,11 @@ class ServerState:
                 out.append(p)
                 continue
             with self._tokenizer_lock:
-                out.append(tuple(self.tokenizer.encode(p)))
+                if req.suffix is not None:  # fill-in-the-middle: the model's own FIM prompt
+                    param = "input_suffix" if req.repo_level else "suffix"
+                    out.append(tuple(fim_ids(self.tokenizer, self.fim, req, p, param)))
+                else:
+                    out.append(tuple(self.tokenizer.encode(p)))
         return out
 
 
@@ -123,6 +133,9 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
     async def chat(request: Request) -> Response:
         return await _generate(request, state, "chat", parse_chat)
 
+    async def infill(request: Request) -> Response:
+        return await _generate(request, state, "infill", lambda body, cap: parse_infill(body, cap, state.model))
+
     async def metrics(request: Request) -> Response:
         text = state.metrics.render(state.scheduler.running, state.scheduler.waiting)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -137,6 +150,7 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/infill", infill, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
@@ -223,6 +237,7 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         if req.model != state.model:
             raise _unknown_model(req.model)
         check_request(req, state.limits, state.context)  # before the tokenizer: cheap bounds
+        check_fim_chars(req, state.limits.prompt_chars(state.context))  # the suffix and context files too
         grammar = await run_in_threadpool(state.grammars.for_request, req)  # cached; bounded in time
         prompts = await run_in_threadpool(_encode, state, req)
         budgets = _budgets(prompts, req, state.context)
@@ -237,8 +252,11 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
     row_budgets = [b for b in budgets for _ in range(req.n)]
     job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream, budgets=row_budgets,
                                  grammar=grammar)  # fmt: skip
-    answer = Responses(req, state.model, sum(map(len, prompts)), tool_format=state.grammars.tools_format(req),
-                       tokenizer=state.tokenizer)  # fmt: skip
+    if endpoint == "infill":  # llama.cpp's answer shape
+        answer = InfillAnswer(req, state.model, len(prompts[0]), context=state.context)
+    else:
+        answer = Responses(req, state.model, sum(map(len, prompts)), tool_format=state.grammars.tools_format(req),
+                           tokenizer=state.tokenizer)  # fmt: skip
     outcome = _Outcome(state.metrics, endpoint, sum(map(len, prompts)), started)
     if req.stream:
         return StreamingResponse(
@@ -251,6 +269,10 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
                 outcome.status = "error"
                 raise _failure(item.error)
             if isinstance(item, Finished):
+                failures = answer.failures(item)
+                if failures and len(failures) == len(item.choices):  # nothing to answer but the failure
+                    outcome.status = "invalid"
+                    raise failures[0]
                 outcome.status = "ok"
                 return JSONResponse(answer.complete(item))
     except ClientGone:
@@ -379,8 +401,9 @@ async def _disconnected(request: Request) -> None:
 async def _sse(
     request: Request, job: Job, answer: Responses, outcome: _Outcome, closing: asyncio.Event
 ) -> AsyncIterator[str]:
-    """Server-sent events: OpenAI chunks, then `data: [DONE]`. A failure, or the server
-    stopping, sends an error event before `[DONE]` (the official client raises it)."""
+    """Server-sent events: OpenAI chunks, then `data: [DONE]` (llama.cpp's /infill events
+    end with the one marked `"stop": true`, no `[DONE]`). A failure, or the server
+    stopping, sends an error event before the end (the official client raises it)."""
     try:
         if answer.req.chat:
             for index in range(len(job.rows)):
@@ -393,14 +416,18 @@ async def _sse(
                 elif isinstance(item, Finished):
                     for chunk in answer.finish_chunks(item):
                         yield _event(chunk)
-                    outcome.status = "ok"
+                    failures = answer.failures(item)
+                    for failure in failures:  # after every choice's closing chunk: the others are whole
+                        yield _event(failure.body())
+                    outcome.status = "invalid" if failures and len(failures) == len(item.choices) else "ok"
                 else:
                     outcome.status = "error"
                     yield _event(_failure(item.error).body())
         except _Stopping:
             outcome.status = "error"
             yield _event(shutting_down().body())
-        yield "data: [DONE]\n\n"
+        if not isinstance(answer, InfillAnswer):
+            yield "data: [DONE]\n\n"
     except ClientGone:
         outcome.status = "cancelled"
     finally:

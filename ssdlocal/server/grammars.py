@@ -16,20 +16,26 @@ import threading
 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.grammar.compiler import GrammarCompiler, GrammarError, GrammarLimits
+from ssdlocal.grammar.pool import CompilePool
 from ssdlocal.server.protocol import APIError, ParsedRequest, bad
 from ssdlocal.server.structured import FieldError
 from ssdlocal.server.tools import ToolFormat, compile_forced, detect_format, require_format
 
 log = logging.getLogger(__name__)
 
-CODES = {"unsupported": "unsupported_schema", "too_slow": "grammar_too_complex", "too_large": "schema_too_large"}
+CODES = {"unsupported": "unsupported_schema", "too_slow": "grammar_too_complex", "too_large": "schema_too_large",
+         "busy": "grammar_compiles_busy"}
 
 
 class RequestGrammars:
     """Grammars for the requests of one server (thread-safe)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
-        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, limits)
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
+                 isolate: bool = True) -> None:  # fmt: skip
+        limits = limits or GrammarLimits()
+        self.pool = CompilePool(tokenizer, vocab_size, eos_ids, workers=limits.compile_workers,
+                                queue=limits.compile_queue) if isolate else None  # fmt: skip
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, limits, self.pool)
         self.tool_format: ToolFormat | None = detect_format(getattr(tokenizer, "chat_template", None))
 
     def warm_up(self) -> None:
@@ -37,8 +43,10 @@ class RequestGrammars:
         def work() -> None:
             try:
                 self.compiler.prepare()
-            except UsageError:
-                log.debug("llguidance is not installed: structured output is unavailable")
+                if self.pool is not None:
+                    self.pool.start()
+            except UsageError as exc:  # llguidance missing, or a model it cannot serve
+                log.debug("structured output is unavailable: %s", exc.message)
             except Exception:  # noqa: BLE001 - the first request will report it
                 log.warning("the grammar engine could not be prepared", exc_info=True)
 
@@ -69,6 +77,9 @@ class RequestGrammars:
             raise bad(exc.message, param=exc.param, code="invalid_schema") from None
         except GrammarError as exc:
             param = "response_format.json_schema.schema" if answer is not None and not req.tool_choice.forced else "tools"
+            if exc.reason == "busy":
+                raise APIError(503, f"{exc.message} ({exc.hint})", type="server_error", param=param,
+                               code=CODES["busy"], headers={"Retry-After": "2"}) from None  # fmt: skip
             raise APIError(400, f"{exc.message} ({exc.hint})" if exc.hint else exc.message, param=param,
                            code=CODES.get(exc.reason, "invalid_schema")) from None  # fmt: skip
         except UsageError as exc:  # llguidance is not installed

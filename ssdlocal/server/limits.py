@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 from dataclasses import dataclass
 
@@ -118,8 +119,10 @@ def _too_large(size: int | None, limits: ServerLimits) -> APIError:
 
 # ---------------------------------------------------------------------- request bounds
 def check_request(req: ParsedRequest, limits: ServerLimits, context: int) -> None:
-    """Bounds that need no tokenizer: rows (prompts x n), prompt characters, and for
-    chat the number of messages (each costs at least one token of the context)."""
+    """Bounds that need no tokenizer: rows (prompts x n), the characters of everything the
+    request renders (`rendered_chars`: messages, earlier calls, tool results, tools,
+    schemas), and for chat the number of messages (each costs at least one token of the
+    context)."""
     rows = len(req.prompts or (req.messages,)) * req.n
     if rows > limits.max_request_rows:
         what = f"{len(req.prompts)} prompts x n={req.n}" if req.prompts else f"n={req.n}"
@@ -132,11 +135,36 @@ def check_request(req: ParsedRequest, limits: ServerLimits, context: int) -> Non
     if req.chat and len(req.messages) > context:
         raise bad(f"{len(req.messages)} messages cannot fit this model's context of {context} tokens",
                   param=param, code="context_length_exceeded")  # fmt: skip
-    texts = [m["content"] for m in req.messages] if req.chat else [p for p in req.prompts if isinstance(p, str)]
-    chars, limit = sum(map(len, texts)), limits.prompt_chars(context)
+    chars, limit = rendered_chars(req), limits.prompt_chars(context)
     if chars > limit:
+        what = "prompt" if not req.chat else "messages, tools and schemas" if req.tools else "messages"
         raise bad(
-            f"the {param} has {chars:,} characters, over this server's limit of {limit:,} "
+            f"this request has {chars:,} characters to render ({what}), over this server's limit of {limit:,} "
             f"(--max-prompt-chars; the model's context is {context} tokens)",
             param=param, code="context_length_exceeded",
         )  # fmt: skip
+
+
+def rendered_chars(req: ParsedRequest) -> int:
+    """Characters of everything the request makes the server render, tokenize or compile:
+    prompts; for chat every message's text, its earlier calls (names, arguments, ids) and
+    a tool result's id and name, the tools (names, descriptions, parameter schemas) and
+    the response format's schema. Counted on the parsed request, before any of it is
+    rendered (JSON values by their compact text)."""
+    if not req.chat:
+        return sum(len(p) for p in req.prompts if isinstance(p, str))
+    total = 0
+    for m in req.messages:
+        total += len(m["content"]) + len(m.get("tool_call_id", "")) + len(m.get("name", ""))
+        for call in m.get("tool_calls") or ():
+            function = call["function"]
+            total += len(call["id"]) + len(function["name"]) + len(function["arguments"])
+    for tool in req.tools:
+        total += len(tool.name) + len(tool.description or "") + _json_chars(tool.parameters)
+    if req.response_format is not None and req.response_format.schema is not None:
+        total += _json_chars(req.response_format.schema)
+    return total
+
+
+def _json_chars(value) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))

@@ -40,6 +40,8 @@ class Metrics:
         self.read_prompt_tokens = 0  # prompt tokens read (not taken from the prefix cache)
         self.cached_prompt_tokens = 0  # prompt tokens taken from the prefix cache
         self.prefix_cache: dict = {}  # the target's prefix cache counts, as of the last call
+        self.host_waits: dict[str, int] = defaultdict(int)  # per model: stream synchronisations (core.hostsync)
+        self.batch_rounds = 0  # verification rounds of every engine call
 
     # ------------------------------------------------------------------ recording
     def record_request(self, endpoint: str, status: str, prompt_tokens: int = 0, duration_s: float | None = None) -> None:
@@ -77,6 +79,9 @@ class Metrics:
             self.cached_prompt_tokens += cached
             self.read_prompt_tokens += (stats.get("prompt_tokens") or 0) - cached
             self.prefix_cache = (stats.get("prefix_cache") or {}).get("target", self.prefix_cache)
+            self.batch_rounds += stats.get("rounds") or 0
+            for model, waits in (stats.get("host_waits") or {}).items():
+                self.host_waits[model] += waits.get("waits", 0)
 
     # ------------------------------------------------------------------ exposition
     def render(self, running: int, waiting: int) -> str:
@@ -126,6 +131,12 @@ class Metrics:
             one("prefix_cache_used_tokens", "gauge", "Tokens the target's prefix cache holds.", pc.get("used_tokens", 0))
             one("prefix_cache_capacity_tokens", "gauge", "The target's prefix cache size in tokens.",
                 pc.get("capacity_tokens", 0))
+            family("host_waits", "counter", "Device -> host reads and blocking host -> device copies "
+                   "(stream synchronisations on a GPU), by model.",
+                   [("_total", {"model": k}, n) for k, n in sorted(self.host_waits.items())])
+            family("host_waits_per_round", "gauge", "Host waits per verification round since start, by model.",
+                   [("", {"model": k}, n / self.batch_rounds if self.batch_rounds else math.nan)
+                    for k, n in sorted(self.host_waits.items())])  # fmt: skip
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
             family("time_to_first_token_seconds", "summary", "From arrival to the first token.",

@@ -1,8 +1,9 @@
 """OpenAI request bodies -> validated requests, and OpenAI's error body.
 
 Parses the JSON of /v1/completions and /v1/chat/completions into a `ParsedRequest`
-(prompts or messages, SamplingParams, n, stream options; tools, tool_choice,
-response_format and logprobs through structured.py) and raises `APIError` with
+(prompts or messages, SamplingParams, n, stream options; a completion's `suffix`, which
+makes it fill-in-the-middle; tools, tool_choice, response_format and logprobs through
+structured.py) and raises `APIError` with
 OpenAI's `{"error": {"message", "type", "param", "code"}}` for anything invalid or
 unsupported, naming the offending field in `param`. Text must be valid Unicode (no
 lone surrogates); error messages quote client values only shortened. Knows nothing of
@@ -80,6 +81,12 @@ class ParsedRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice("none")
     response_format: ResponseFormat | None = None
+    # fill-in-the-middle (completions): the text after the cursor (None: a plain completion;
+    # the prompt is the text before it), other files as context (engine.fim.ContextFile),
+    # and whether the prompt names the repository and file even without them (/infill)
+    suffix: str | None = None
+    context_files: tuple = ()
+    repo_level: bool = False
 
     @property
     def constrained(self) -> bool:
@@ -95,7 +102,6 @@ class ParsedRequest:
 _UNSUPPORTED = {
     "echo": lambda v: v in (None, False),
     "best_of": lambda v: v in (None, 1),
-    "suffix": lambda v: v in (None, ""),
     "logit_bias": lambda v: not v,
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
@@ -110,8 +116,15 @@ def parse_completion(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     body = _object(body)
     if body.get("tools"):
         raise bad("'tools' is a chat completions field: use /v1/chat/completions", param="tools", code="unsupported")
-    prompts = _prompts(body.get("prompt"))
-    return _parse(body, max_new_tokens, prompts=prompts)
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad("'suffix' must be a string: the text after the insertion point", param="suffix")
+    suffix = suffix or None  # "": a plain completion, as before
+    prompts = _prompts(body.get("prompt"), allow_empty=suffix is not None)
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise bad("'suffix' needs the prompt as text (the text before the insertion point), not token ids",
+                  param="suffix")  # fmt: skip
+    return _parse(body, max_new_tokens, prompts=prompts, suffix=suffix)
 
 
 def parse_chat(body: Any, max_new_tokens: int | None) -> ParsedRequest:
@@ -270,7 +283,8 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+def _prompts(value: Any, allow_empty: bool = False) -> tuple[str | tuple[int, ...], ...]:
+    """`allow_empty`: an empty text prompt is fine (fill-in-the-middle at a file's start)."""
     def token_list(x) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -282,7 +296,7 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
         prompts = [p if isinstance(p, str) else tuple(p) for p in value]
     else:
         raise bad("'prompt' must be a string, a list of strings or a list of token ids", param="prompt")
-    if any(isinstance(p, str) and not p.strip() for p in prompts):
+    if not allow_empty and any(isinstance(p, str) and not p.strip() for p in prompts):
         raise bad("'prompt' must not be empty", param="prompt")
     return tuple(prompts)
 

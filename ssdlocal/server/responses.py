@@ -1,10 +1,13 @@
 """OpenAI response bodies: completions and chat completions, whole or as stream chunks.
 
-Every answer carries `usage` and, under `ssdlocal`, the request's own speculation stats
-(acceptance_rate, mean_accepted_len, cache_hit_rate, tokens_per_s, mode, ...); a stream
-sends them with its final chunk. A chat answer to a request with tools is read by
+Every whole answer carries `usage` and, under `ssdlocal`, the request's own speculation
+stats (acceptance_rate, mean_accepted_len, cache_hit_rate, tokens_per_s, mode, ...). A
+stream sends the stats with its last finish chunk and `usage` as OpenAI does: only when
+`stream_options.include_usage` asks for it, and only on one final chunk with no choices
+(clients that add up usage across chunks count it once). A chat answer to a request with tools is read by
 tool_parse.py: calls become `message.tool_calls` (streamed as `delta.tool_calls` with their
-index, the arguments in pieces) and the finish reason `tool_calls`. Log-probabilities go
+index, each call once complete) and the finish reason `tool_calls`. A choice whose grammar
+the engine could not continue ends with finish_reason "error" and an `error` (`failures`). Log-probabilities go
 with the tokens they belong to (logprob_format.py). Pure dict building: no HTTP, no engine.
 """
 
@@ -15,15 +18,29 @@ import uuid
 from typing import Any
 
 from ssdlocal.server.logprob_format import TokenText, chat_entries, completion_block
-from ssdlocal.server.protocol import ParsedRequest
+from ssdlocal.server.protocol import APIError, ParsedRequest
 from ssdlocal.server.scheduler import Chunk, Finished
 from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
 
 
-def finish_reason(reason: str | None, called: bool = False) -> str | None:
-    """OpenAI's finish reason; an answer that ended by itself after tool calls: tool_calls."""
+def grammar_failure(req: ParsedRequest, message: str, choice: int | None = None) -> APIError:
+    """A choice whose grammar the engine could not continue (finish_reason "error"), as
+    OpenAI's error body naming the field that asked for the grammar."""
+    param = "tool_choice" if req.tool_choice.forced else "response_format" if req.response_format else "tools"
+    where = f"choice {choice}: " if choice is not None and req.n > 1 else ""
+    return APIError(400, f"{where}{message} (simplify the schema or pattern)", param=param, code="grammar_failed")
+
+
+def finish_reason(reason: str | None, called: bool = False, parser: ToolCallParser | None = None) -> str | None:
+    """OpenAI's finish reason; an answer that ended by itself after tool calls, or whose
+    list of calls ended with a repeated call: tool_calls. An answer that ended inside a
+    call (a stop string, max_tokens) keeps its own reason: the cut call is text."""
+    if parser is not None:
+        if parser.repeated and parser.calls and reason != "error":
+            return "tool_calls"
+        called = parser.calls > 0 and not parser.cut
     if called and reason in ("eos", "stop"):
         return "tool_calls"
     return None if reason is None else FINISH_REASONS.get(reason, reason)
@@ -68,7 +85,8 @@ class Responses:
         }
 
     def _parser(self) -> ToolCallParser:
-        return ToolCallParser(self.tool_format, [t.name for t in self.req.tools])
+        return ToolCallParser(self.tool_format, [t.name for t in self.req.tools],
+                              {t.name: t.parameters for t in self.req.tools})
 
     def _logprobs(self, index: int, logprobs) -> dict[str, Any] | None:
         if logprobs is None or self.text_of is None:
@@ -84,7 +102,7 @@ class Responses:
         choices = []
         for index, (text, ids, reason) in enumerate(finished.choices):
             lps = finished.logprobs[index] if finished.logprobs is not None else None
-            called = False
+            parser = None
             if self.req.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.tool_format is not None:
@@ -93,11 +111,14 @@ class Responses:
                     message["content"] = content
                     if calls:
                         message["tool_calls"] = calls
-                        called = True
                 choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
-            choice.update({"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, called)})
+            choice.update({"logprobs": self._logprobs(index, lps),
+                           "finish_reason": finish_reason(reason, parser=parser)})  # fmt: skip
+            error = finished.errors[index] if index < len(finished.errors) else None
+            if error is not None:
+                choice["error"] = grammar_failure(self.req, error).body()["error"]
             if self.req.return_token_ids:
                 choice["token_ids"] = list(ids)
             choices.append(choice)
@@ -157,16 +178,21 @@ class Responses:
             self._pending[index] = []
         return chunks
 
+    def failures(self, finished: Finished) -> list[APIError]:
+        """The choices that ended with finish_reason "error", as errors (a stream sends
+        each as an error event after the closing chunks)."""
+        return [grammar_failure(self.req, e, i) for i, e in enumerate(finished.errors) if e is not None]
+
     def finish_chunks(self, finished: Finished) -> list[dict[str, Any]]:
-        """Held-back pieces, then one closing chunk per choice; the last carries usage and
-        the stats. With stream_options.include_usage, OpenAI's extra usage chunk follows."""
+        """Held-back pieces, then one closing chunk per choice; the last carries the stats
+        (never usage). With stream_options.include_usage, OpenAI's usage chunk follows:
+        `choices: []` and the request's usage, the only chunk that carries it."""
         chunks = []
         for index, (_, _, reason) in enumerate(finished.choices):
-            called = False
+            parser = None
             if self.tool_format is not None:
                 parser = self._parsers.setdefault(index, self._parser())
                 chunks += self._delta_chunks(index, parser.finish())
-                called = parser.calls > 0
             choice: dict[str, Any] = {"index": index}
             if self.req.chat:
                 choice["delta"] = {}
@@ -174,15 +200,13 @@ class Responses:
                 choice["text"] = ""
             rest = self._pending.pop(index, None)
             choice.update({"logprobs": self._logprobs(index, rest) if rest else None,
-                           "finish_reason": finish_reason(reason, called)})  # fmt: skip
+                           "finish_reason": finish_reason(reason, parser=parser)})  # fmt: skip
             if self.req.return_token_ids:
                 choice["token_ids"] = []
             chunks.append(self._chunk(choice))
-        usage = self.usage(finished)
-        chunks[-1]["usage"] = usage
         chunks[-1]["ssdlocal"] = finished.stats
         if self.req.include_usage:
             last = self._envelope(chunks[-1]["object"], [])
-            last["usage"] = usage
+            last["usage"] = self.usage(finished)
             chunks.append(last)
         return chunks

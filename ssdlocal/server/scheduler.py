@@ -40,6 +40,7 @@ class Chunk:
     text: str
     finish_reason: str | None
     logprobs: tuple | None = None  # core.events.TokenLogprob per token, when asked for
+    error: str | None = None  # with finish_reason "error": why the choice could not go on
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Finished:
     stats: dict[str, Any]
     cached: tuple[int, ...] = ()  # per choice: prompt tokens taken from the prefix cache
     logprobs: tuple[tuple, ...] | None = None  # per choice: its tokens' TokenLogprobs (when asked for)
+    errors: tuple[str | None, ...] = ()  # per choice: why it ended with finish_reason "error"
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Job:
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
+        self.errors: list[str | None] = [None] * n  # per choice: its grammar's failure
         self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
         self.batch_size = 0  # rows of the largest engine call it shared
 
@@ -330,10 +333,11 @@ class _BatchRun:
         job.ids[choice].extend(event.token_ids)
         job.text[choice] += event.text
         job.finish[choice] = event.finish_reason
+        job.errors[choice] = event.error
         if event.logprobs is not None:
             job.logprobs[choice].extend(event.logprobs)
         if job.stream and not job.done:
-            job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason, event.logprobs))
+            job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason, event.logprobs, event.error))
 
     def round(self, event: RoundEvent) -> None:
         self.graphs = event.snapshot.get("graphs", self.graphs)
@@ -363,7 +367,7 @@ class _BatchRun:
             metrics.record_job(job.counts, stats)
             choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
             logprobs = tuple(map(tuple, job.logprobs)) if job.params.logprobs is not None else None
-            job.push(Finished(choices, stats, tuple(job.cached), logprobs))
+            job.push(Finished(choices, stats, tuple(job.cached), logprobs, tuple(job.errors)))
 
     def job_stats(self, job: Job) -> dict[str, Any]:
         """The request's own speculation stats (core.stats over its rows, every part)."""

@@ -19,7 +19,7 @@ from ssdlocal.grammar.compiler import GrammarLimits
 
 MAX_TOOLS = 64  # tools per request
 MAX_SCHEMA_CHARS = GrammarLimits.max_chars  # one schema's JSON (a tool's parameters, a response format)
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the whole name (fullmatch: no trailing newline)
 _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 
@@ -104,7 +104,7 @@ def _tool(item: Any, where: str) -> Tool:
         raise _bad(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., ...}}}}", param=where)
     function = item["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _bad(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {_show(name)}",
                    param=f"{where}.function.name")  # fmt: skip
     description = function.get("description")

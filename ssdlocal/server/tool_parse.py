@@ -1,20 +1,23 @@
 """Tool calls read out of a model's answer, as it streams or whole: one parser for both.
 
-`ToolCallParser(fmt, names)` takes the answer's text in pieces (`feed`) and at its end
-(`finish`) and returns what to send: content text, the start of a call (id and name, once
-the name is written and is one of the tools) and the call's arguments in pieces, as they
-arrive. A whole answer is the same pieces joined, so a stream and a whole answer always
-agree. Text that looks like a call but is not one in the format (no tags for a Hermes
-model, a name that is not a tool, JSON that does not parse before the name is known) stays
-content. Knows nothing of HTTP or the engine.
+`ToolCallParser(fmt, names, schemas)` takes the answer's text in pieces (`feed`) and at its
+end (`finish`) and returns what to send: content text, and each call (its start: id and
+name; then its arguments) once the call is complete. A call's end is found by the JSON
+structure of its object (brackets outside strings), never by searching for the closing
+tag, so a `</tool_call>` inside an argument string is just text. A call is reported only
+when its object is complete, names one of the tools and its arguments validate against
+that tool's schema; anything else that looks like a call stays content, and an answer
+that ends inside a call (a stop string, max_tokens) is `cut`, not a call. A call identical
+to an earlier one of the same answer ends the list (a model repeating itself): it and
+everything after it are dropped (`repeated`). A whole answer is the same deltas as a
+stream, joined, so the two always agree. Knows nothing of HTTP or the engine.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ssdlocal.server.tools import ToolFormat
 
@@ -34,22 +37,10 @@ class CallStart:
 @dataclass(frozen=True)
 class CallArgs:
     index: int
-    text: str  # the next piece of the arguments' JSON text
+    text: str  # the call's arguments as JSON text
 
 
 Delta = Content | CallStart | CallArgs
-
-
-@dataclass
-class _Call:
-    """The call being read: its text after the opening tag (or from its '{')."""
-
-    text: str = ""
-    started: bool = False  # CallStart sent
-    args_from: int = -1  # where the arguments' value starts in `text` (once started)
-    args_sent: int = 0  # characters of the arguments sent
-    args_done: bool = False
-    scan: "_Scanner" = field(default_factory=lambda: _Scanner())
 
 
 class _Scanner:
@@ -60,12 +51,13 @@ class _Scanner:
         self.in_string = False
         self.escape = False
         self.seen = False  # the value has begun
+        self.first = ""  # its first character
         self.done = False
         self.pos = 0  # characters consumed
 
-    def feed(self, text: str, start: int = 0) -> None:
-        """Scan text[start:] (continuing from self.pos) until the value ends."""
-        i = max(start, self.pos)
+    def feed(self, text: str) -> None:
+        """Scan text[self.pos:] until the value ends (text grows between calls)."""
+        i = self.pos
         while i < len(text) and not self.done:
             ch = text[i]
             i += 1
@@ -80,7 +72,8 @@ class _Scanner:
             elif ch in " \t\r\n" and not self.seen:
                 continue
             else:
-                self.seen = True
+                if not self.seen:
+                    self.seen, self.first = True, ch
                 if ch == '"':
                     self.in_string = True
                 elif ch in "{[":
@@ -88,36 +81,44 @@ class _Scanner:
                 elif ch in "}]":
                     self.depth -= 1
                     self.done = self.depth <= 0
-                elif self.depth == 0 and ch in ",":
+                elif self.depth == 0 and ch == ",":
                     self.done = True
                     i -= 1
         self.pos = i
 
 
-_HEADER = r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(%s)"\s*:\s*'
-
-
 class ToolCallParser:
-    """Incremental reader of one answer in format `fmt`, for the tools named `names`."""
+    """Incremental reader of one answer in format `fmt`, for the tools named `names`;
+    `schemas` (name -> the tool's parameters schema) are checked when jsonschema is
+    installed (a pip dependency of the "serve" extra)."""
 
-    def __init__(self, fmt: ToolFormat, names) -> None:
+    def __init__(self, fmt: ToolFormat, names, schemas: dict | None = None) -> None:
         self.fmt = fmt
         self.names = frozenset(names)
-        self.calls = 0  # calls started
+        self.schemas = schemas or {}
+        self.calls = 0  # calls reported
+        self.cut = False  # the answer ended inside a call
+        self.repeated = False  # a call repeated an earlier one: the rest was dropped
+        self._seen: set[tuple[str, str]] = set()
         self._pending = ""  # text not yet classified
-        self._call: _Call | None = None
+        self._call: _Scanner | None = None  # the call being read (its text is self._body)
+        self._body = ""
         self._decided = fmt.open_tag is not None  # untagged formats: is the answer a call at all?
-        keys = "|".join(sorted({fmt.args_key, "arguments", "parameters"}))
-        self._header = re.compile(_HEADER % keys, re.DOTALL)
 
     def feed(self, text: str) -> list[Delta]:
+        if self.repeated:
+            return []
         self._pending += text
         return self._advance(final=False)
 
     def finish(self) -> list[Delta]:
+        if self.repeated:
+            return []
         out = self._advance(final=True)
-        if self._call is not None:
-            out += self._close(final=True)
+        if self._call is not None:  # the answer ended inside a call: it is text, and cut
+            self.cut = True
+            out.append(Content((self.fmt.open_tag or "") + self._body))
+            self._call = None
         if self._pending:
             out.append(Content(self._pending))
             self._pending = ""
@@ -126,12 +127,13 @@ class ToolCallParser:
     # ------------------------------------------------------------------ states
     def _advance(self, final: bool) -> list[Delta]:
         out: list[Delta] = []
-        while True:
+        while not self.repeated:
             if self._call is not None:
                 if not self._in_call(out, final):
-                    return out
+                    break
             elif not self._in_text(out, final):
-                return out
+                break
+        return out
 
     def _in_text(self, out: list[Delta], final: bool) -> bool:
         """Text outside calls; True when a call began (the loop goes on)."""
@@ -143,7 +145,7 @@ class ToolCallParser:
                     return False
                 self._decided = True
                 if stripped.startswith("{"):
-                    self._call = _Call()
+                    self._begin()
                     return True
             if self._pending:
                 out.append(Content(self._pending))
@@ -156,7 +158,7 @@ class ToolCallParser:
                 if before:
                     out.append(Content(before))
             self._pending = self._pending[at + len(tag):]
-            self._call = _Call()
+            self._begin()
             return True
         keep = 0 if final else _partial_suffix(self._pending, tag)
         text = self._pending[: len(self._pending) - keep]
@@ -165,79 +167,86 @@ class ToolCallParser:
         self._pending = self._pending[len(text):]
         return False
 
+    def _begin(self) -> None:
+        self._call, self._body = _Scanner(), ""
+
     def _in_call(self, out: list[Delta], final: bool) -> bool:
         """Inside a call; True when it ended (the loop goes on with the rest)."""
-        call, close = self._call, self.fmt.close_tag
-        call.text += self._pending
+        scan, close = self._call, self.fmt.close_tag
+        self._body += self._pending
         self._pending = ""
-        end = call.text.find(close) if close is not None else -1
-        body = call.text if end < 0 else call.text[:end]
-        self._start(call, body, out)
-        if close is None:  # untagged: the call ends where its object does
-            whole = _Scanner()
-            whole.feed(body)
-            if whole.done:
-                self._pending = body[whole.pos:]
-                call.text = body[: whole.pos]
-                out += self._close(final=False)
-                return True
+        scan.feed(self._body)
+        if scan.seen and scan.first != "{":  # not a call object: text up to the closing tag
+            return self._not_a_call(out, final)
+        if not scan.done:
             return False
-        if end < 0:
-            keep = _partial_suffix(call.text, close)
-            self._send_args(call, call.text[: len(call.text) - keep], out)
-            return False
-        self._pending = call.text[end + len(close):]
-        call.text = body
-        out += self._close(final=False)
+        end = scan.pos  # the object is self._body[:end]
+        rest = self._body[end:]
+        if close is not None:
+            after = rest.lstrip()
+            if not after.startswith(close):
+                if close.startswith(after):
+                    return False  # the closing tag may still come (at the end: the call is cut)
+                return self._not_a_call(out, final)
+            rest = after[len(close):]
+        text, raw = self._body[:end], (self.fmt.open_tag or "") + self._body[: len(self._body) - len(rest)]
+        self._call, self._body, self._pending = None, "", rest
+        self._report(text, raw, out)
         return True
 
-    def _start(self, call: _Call, body: str, out: list[Delta]) -> None:
-        if call.started:
+    def _not_a_call(self, out: list[Delta], final: bool) -> bool:
+        """What followed the tag is not a call in the format: content, through the closing
+        tag (searched as text) when there is one."""
+        close = self.fmt.close_tag
+        at = self._body.find(close) if close is not None else -1
+        if at < 0 and not final:
+            return False
+        upto = len(self._body) if at < 0 else at + len(close)
+        out.append(Content((self.fmt.open_tag or "") + self._body[:upto]))
+        self._call, self._pending, self._body = None, self._body[upto:], ""
+        return True
+
+    def _report(self, text: str, raw: str, out: list[Delta]) -> None:
+        """A complete call object: a call when it names a tool and its arguments are
+        valid; a repeat of an earlier call ends the list; otherwise content."""
+        parsed = _call_object(text)
+        if parsed is None or parsed[0] not in self.names or not self._valid(*parsed):
+            out.append(Content(raw))
             return
-        match = self._header.match(body)
-        if match is None:
+        key = (parsed[0], json.dumps(json.loads(parsed[1]), sort_keys=True))
+        if key in self._seen:
+            self.repeated = True
+            self._pending = ""
             return
-        try:
-            name = json.loads(f'"{match.group(1)}"')
-        except ValueError:
-            return
-        if name not in self.names:
-            return
-        call.started = True
-        call.args_from = match.end()
-        out.append(CallStart(self.calls, "call_" + uuid.uuid4().hex[:24], name))
+        self._seen.add(key)
+        index = self.calls
         self.calls += 1
+        out += [CallStart(index, "call_" + uuid.uuid4().hex[:24], parsed[0]), CallArgs(index, parsed[1])]
 
-    def _send_args(self, call: _Call, body: str, out: list[Delta]) -> None:
-        """Send the arguments' characters that have arrived, up to where their value ends."""
-        if not call.started or call.args_done:
-            return
-        call.scan.feed(body, call.args_from)
-        end = call.scan.pos
-        piece = body[call.args_from + call.args_sent : end]
-        if call.args_sent == 0:
-            piece = piece.lstrip()
-            call.args_from += len(body[call.args_from : end]) - len(piece) - call.args_sent
-        if piece:
-            out.append(CallArgs(self.calls - 1, piece))
-            call.args_sent += len(piece)
-        call.args_done = call.scan.done
+    def _valid(self, name: str, arguments: str) -> bool:
+        schema = self.schemas.get(name)
+        if schema is None:
+            return True
+        try:
+            import jsonschema
+        except ImportError:  # pragma: no cover - the serve extra installs it
+            return True
+        try:  # patterns are left to the grammar: Python's re backtracks without bound
+            jsonschema.validate(json.loads(arguments), _without_patterns(schema))
+        except jsonschema.ValidationError:
+            return False
+        except jsonschema.SchemaError:
+            return True  # the grammar engine accepted the schema; not ours to judge here
+        return True
 
-    def _close(self, final: bool) -> list[Delta]:
-        """The call's text is complete (or the answer ended inside it)."""
-        call, self._call = self._call, None
-        out: list[Delta] = []
-        if call.started:
-            self._send_args(call, call.text, out)
-            return out
-        parsed = _call_object(call.text)  # the name may have come after the arguments
-        if parsed is not None and parsed[0] in self.names:
-            index = self.calls
-            self.calls += 1
-            return [CallStart(index, "call_" + uuid.uuid4().hex[:24], parsed[0]), CallArgs(index, parsed[1])]
-        tag_open = self.fmt.open_tag or ""
-        tag_close = self.fmt.close_tag if (self.fmt.close_tag and not final) else ""
-        return [Content(tag_open + call.text + tag_close)]
+
+def _without_patterns(schema):
+    """`schema` without the keywords that run regular expressions (pattern, patternProperties)."""
+    if isinstance(schema, dict):
+        return {k: _without_patterns(v) for k, v in schema.items() if k not in ("pattern", "patternProperties")}
+    if isinstance(schema, list):
+        return [_without_patterns(v) for v in schema]
+    return schema
 
 
 def _call_object(text: str) -> tuple[str, str] | None:

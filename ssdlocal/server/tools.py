@@ -3,7 +3,7 @@ model call a tool in it, and the conversation rendered the way the template expe
 
 | format | families | what the model writes |
 |---|---|---|
-| `hermes` | Qwen2.5, Qwen3, Hermes and other templates with `<tool_call>` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more |
+| `hermes` | Qwen2.5, Qwen3, Hermes and other templates with `<tool_call>` | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more (forced: at most MAX_FORCED_CALLS) |
 | `llama3_json` | Llama 3.1 - 3.3 | `{"name": ..., "parameters": {...}}` (one call) |
 
 The format is chosen from the template's own text; a template with neither has no tool
@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 from ssdlocal.grammar.compiler import WHITESPACE, GrammarCompiler, GrammarError
 from ssdlocal.server.structured import FieldError, ResponseFormat, Tool, ToolChoice
+
+
+MAX_FORCED_CALLS = 8  # calls in one forced answer (parallel_tool_calls); a repeated call ends it sooner
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,10 @@ def require_format(chat_template: str | None) -> ToolFormat:
 def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, compiler: GrammarCompiler,
                         answer: ResponseFormat | None = None) -> str:  # fmt: skip
     """Lark text (llguidance's dialect) for an answer that is a tool call: one of the named
-    function (tool_choice "function"), or one or more of any tool ("required"; one with
-    parallel_tool_calls false); with tool_choice "auto" and a JSON response format, either
-    calls or that JSON answer."""
+    function (tool_choice "function"), or one to MAX_FORCED_CALLS of any tool ("required";
+    one with parallel_tool_calls false); with tool_choice "auto" and a JSON response
+    format, either calls or that JSON answer. End-of-sequence may follow any complete
+    call, and must follow the last one allowed: a forced answer always ends in calls."""
     chosen = [t for t in tools if choice.mode != "function" or t.name == choice.name]
     lines = []
     bodies = []
@@ -85,7 +89,7 @@ def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoi
     else:
         lines.append("call: body")
     many = fmt.multiple and choice.mode != "function" and choice.parallel
-    lines.append('calls: call ("\\n" call)*' if many else "calls: call")
+    lines.append(f'calls: call ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if many else "calls: call")
     if answer is not None and choice.mode == "auto":
         schema = answer.schema if answer.kind == "json_schema" else {"type": "object"}
         lines.append(f"answer: %json {_embedded(schema)}")
@@ -115,6 +119,8 @@ def compile_forced(fmt, tools, choice, compiler, answer=None):
         try:
             compiler.json_schema(tool.parameters)
         except GrammarError as exc:
+            if exc.reason == "busy":
+                raise
             raise FieldError(f"tools[{i}].function.parameters: {exc.message}", f"tools[{i}].function.parameters") from None
     return compiler.lark(forced_grammar_text(fmt, tools, choice, compiler, answer))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import detached_site
 from ssdlocal.core.sampling import logits_to_probs
 
 
@@ -64,10 +65,18 @@ def bonus_candidates(
     mass, so it can never be the bonus), or None at the all-accepted position.
     Ranking uses the warped draft distribution for sampling and raw logits for greedy.
     """
-    if fan_out <= 0:
-        return []
-    score = logits.float() if params.greedy else logits_to_probs(logits.float(), params)  # [V]
-    take = min(fan_out + (1 if drafted is not None else 0), score.shape[-1])
-    top = torch.topk(score, take).indices.tolist()
-    picked = [t for t in top if t != drafted]
-    return picked[:fan_out]
+    return bonus_candidates_batch(logits[None], [drafted], [fan_out], params)[0]
+
+
+def bonus_candidates_batch(
+    logits: torch.Tensor, drafted: list[int | None], fan_outs: list[int], params: SamplingParams, site=None
+) -> list[list[int]]:
+    """`bonus_candidates` for N positions at once: one top-k and one host read (through
+    `site`, a core.hostsync.Site; default: one nobody reads) for every row and accepted
+    length of a round. logits [N, V]; drafted[i] and fan_outs[i] as in `bonus_candidates`."""
+    if not fan_outs or max(fan_outs) <= 0:
+        return [[] for _ in fan_outs]
+    score = logits.float() if params.greedy else logits_to_probs(logits.float(), params)  # [N, V]
+    take = min(max(fan_outs) + 1, score.shape[-1])
+    top = (site or detached_site("worker")).read(torch.topk(score, take, dim=-1).indices)  # [N, take]
+    return [[t for t in row if t != d][:f] if f > 0 else [] for row, d, f in zip(top, drafted, fan_outs)]

@@ -4,7 +4,8 @@ Entries by kind: downloaded GGUF files (`gguf`), the torch backend's quantized w
 (`quantized`, what a default run loads), bf16 conversions (`converted`, only for
 `--quantization none`), tokenizer + config extracted from a GGUF (`metadata`), llama.cpp
 test verdicts (`probes`), remembered suffix memory (`suffix`), leftover downloads
-(`wheels`) and small indexes (`index`). Removal never races a build: it takes the lock the
+(`wheels`), timings of this machine (`calibration`, core/measured.py) and small indexes
+(`index`). Removal never races a build: it takes the lock the
 builder holds (and refuses while someone else holds it), renames the entry out of sight
 first (so nothing half-deleted is ever trusted), then deletes it. Every entry is rebuilt
 or fetched again by the next run that needs it. No UI here.
@@ -30,6 +31,7 @@ KINDS = {
     "probes": ("probes", "llama.cpp test runs on this machine"),
     "suffix": ("suffix", "suffix memory (--persist-suffix-memory)"),
     "wheels": ("wheels", "PyPI downloads of an interrupted first run"),
+    "calibration": ("calibration", "timings of this machine (start-up calibration, prefill)"),
     "gguf-keys": ("index", "file digests"),
     "gguf-tokenizers": ("index", "llama.cpp tokenizer files"),
 }

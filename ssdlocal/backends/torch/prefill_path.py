@@ -10,8 +10,10 @@ float32 matmul 1.6x faster. So the first long feed times one of the model's quan
 linears (its largest in the first layer) three ways - the kernel; expanded to the
 activation dtype; expanded to float32 - at up to 256 rows, with the expansion's own time,
 and each feed then takes the cheapest for its row count: expansion once per layer plus
-rows x the dense time per row, against rows x the kernel's time per row. Knows nothing
-about prompts or rows beyond counts.
+rows x the dense time per row, against rows x the kernel's time per row. The timings are
+kept in the cache's measurements (core/measured.py) by machine, threads and linear shape,
+so only the first process on a machine pays for them. Knows nothing about prompts or rows
+beyond counts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from ssdlocal.backends.torch.int4_cpu import capability
 from ssdlocal.backends.torch.quant import QuantLinear
+from ssdlocal.core.measured import MeasuredStore, positive_seconds
 
 PROBE_ROWS = 256
 
@@ -47,8 +50,9 @@ class PathCosts:
 def dense_dtype(model, rows: int) -> torch.dtype | None:
     """The dtype a feed of `rows` rows (batch x tokens) should expand `model`'s quantized
     weights to, or None to keep the quantized kernels (also when nothing in the first layer
-    can expand: not quantized, CUDA tinygemm int4, CUDA int8). On a GPU, expandable weights
-    go to the activation dtype unmeasured: its dense matmul is the fast path for many rows."""
+    can expand: not quantized, or a CUDA int4 layout whose read-back failed its check). On a
+    GPU, expandable weights (int8, tinygemm int4) go to the activation dtype unmeasured: its
+    dense matmul is the fast path for many rows."""
     linear = _probe_linear(model)
     if linear is None:
         return None
@@ -56,7 +60,7 @@ def dense_dtype(model, rows: int) -> torch.dtype | None:
         return linear.dtype  # a GPU's dense matmul (cuBLAS) is its fast path for many rows
     key = (linear.kernel, linear.in_features, linear.out_features, linear.dtype, capability(), torch.get_num_threads())
     if key not in _MEASURED:
-        _MEASURED[key] = _measure(linear)
+        _MEASURED[key] = _kept(linear, key)
     return _MEASURED[key].best(rows)
 
 
@@ -69,6 +73,23 @@ def _probe_linear(model) -> QuantLinear | None:
 
 
 _MEASURED: dict[tuple, PathCosts] = {}  # by (kernel, in, out, dtype, ISA, threads): once per process
+
+
+def _kept(linear: QuantLinear, key: tuple) -> PathCosts:
+    """The timings kept for this machine and linear, else measured now and kept."""
+    try:
+        store = MeasuredStore()
+    except Exception:  # noqa: BLE001 - an unusable cache folder only costs measuring
+        store = None
+    dtypes = list(dict.fromkeys((linear.dtype, torch.float32)))
+    shape = {"linear": [str(k) for k in key[:4]], "isa": key[4], "dense": [str(d) for d in dtypes]}
+    found = store.get("prefill-path", shape, lambda v: positive_seconds(v, 1 + 2 * len(dtypes))) if store else None
+    if found is not None:
+        return PathCosts(found[0], {d: (found[1 + 2 * i], found[2 + 2 * i]) for i, d in enumerate(dtypes)})
+    costs = _measure(linear)
+    if store is not None:
+        store.put("prefill-path", shape, [costs.kernel_per_row, *(x for d in dtypes for x in costs.dense[d])])
+    return costs
 
 
 def _measure(linear: QuantLinear) -> PathCosts:

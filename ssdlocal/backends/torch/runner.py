@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.base import HeldRows
+from ssdlocal.core.hostsync import Site, detached_site
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
 from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
@@ -64,6 +65,7 @@ class TorchRunner(HeldRows):
 
     def __init__(self, loaded: LoadedModel, *, graphs: str = "auto") -> None:
         self.loaded = loaded
+        self.site = detached_site("runner")  # host -> device inputs: staged (count_host_waits)
         self.model = loaded.model
         self.device = loaded.device
         self.vocab_size = loaded.args.vocab_size
@@ -105,6 +107,10 @@ class TorchRunner(HeldRows):
         return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor made at capture"
 
     # ------------------------------------------------------------------ rows
+    def count_host_waits(self, site: Site) -> None:
+        """Count this runner's host -> device inputs in `site` (core.hostsync) from now on."""
+        self.site = site
+
     def reset(self, batch_size: int, num_slots: int) -> None:
         """Forget all rows. A cache of another batch size is allocated anew, small (a
         tensor-parallel model allocates `num_slots` at once: its ranks cannot grow)."""
@@ -159,9 +165,9 @@ class TorchRunner(HeldRows):
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in rows]
         starts = [len(h) for h in self.held]
         self._ensure(max(starts) + t_max)
-        ids = torch.tensor([list(r) + [0] * (t_max - len(r)) for r in rows], dtype=torch.long)
-        ids = ids.to(self.device)  # [B, T]; pads write past held, harmless
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t_max, device=self.device)  # [B, T]
+        staged = self.site.upload([[s] + list(r) + [0] * (t_max - len(r)) for s, r in zip(starts, rows)], self.device)
+        ids = staged[:, 1:].contiguous()  # [B, T]; pads write past held, harmless
+        positions = staged[:, :1] + torch.arange(t_max, device=self.device)  # [B, T]
         fresh = not any(starts) and len(set(lengths)) == 1
         keep = self._kept_positions(lengths, logits)  # [B, n] or None (all)
         rows_in = len(rows) * t_max  # rows every linear multiplies
@@ -209,7 +215,7 @@ class TorchRunner(HeldRows):
         if logits == "none":
             return torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)  # [B, 0]
         last = [max(n - 1, 0) for n in lengths]
-        return torch.tensor(last, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        return self.site.upload(last, self.device)[:, None]  # [B, 1]
 
     # ------------------------------------------------------------------ prefix store
     def setup_prefix(self, asked: int | None) -> int:
@@ -331,7 +337,7 @@ class TorchRunner(HeldRows):
         if len(src) != len(tokens):
             raise ValueError(f"{len(src)} slots for {len(tokens)} tokens")  # a caller bug
         dst = torch.arange(start, start + len(src), device=self.device)  # [n]
-        self.model.copy_slots(row, torch.tensor(list(src), device=self.device), dst)
+        self.model.copy_slots(row, self.site.upload(list(src), self.device), dst)
         held = self.held[row]
         del held[start:]
         held.extend(tokens)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from ssdlocal.core.config import ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import DraftWorkerError
+from ssdlocal.core.hostsync import Audit, HostWaits
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.draft.ssd import protocol as pr
 from ssdlocal.ipc.child import ChildProcess
@@ -117,8 +118,10 @@ class SSDDrafter:
         target_device: str = "cpu",
         draft_device: str = "cpu",
         memory=None,
+        audit: Audit | None = None,
     ) -> None:
         self.client = client
+        self.site = (audit or Audit()).site("target")  # proposals go up to the target staged
         self.target_device = target_device  # rank 0 of the target: where the q buffer lives
         self.draft_device = draft_device
         self.k = spec.k
@@ -135,6 +138,7 @@ class SSDDrafter:
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
         self.memory = memory  # speculation.suffix.SuffixMemory, sent when the backup is suffix
         self.graphs_at_start: dict | None = None  # the worker's graph counts at START
+        self.waits_at_start = HostWaits()  # the worker's host waits at START
         self._ready_owed = 0  # prompt tokens of a START whose READY is not read yet
         self._started = False  # START sent for this call
         self._firsts: tuple[int, ...] | None = None  # each row's first token, sent with FIRST
@@ -183,6 +187,7 @@ class SSDDrafter:
         if owed:
             ready = self.client.recv(pr.Reply.READY, self.client.timeout_s + PREFILL_S_PER_TOKEN * owed) or {}
             self.graphs_at_start = ready.get("graphs")
+            self.waits_at_start = HostWaits.from_dict(ready.get("host_waits") or {})
             self.client.prefix_report = ready.get("prefix")  # the worker's prefix cache, as of READY
 
     def _memory(self) -> tuple[tuple[int, ...], ...]:
@@ -201,10 +206,12 @@ class SSDDrafter:
         self._proposed_at = time.perf_counter()
         q = None
         if msg.q_written and self._q_channel is not None:
-            q = self._q_channel.read(self.target_device)  # [B, K, V] where the target verifies
+            q = self._q_channel.read()  # [B, K, V]: a private copy (host shared memory, or the target's GPU)
+            if q.device.type == "cpu":
+                q = self.site.to_device(q, self.target_device)  # where the target verifies: staged, no wait
         self.chooser.observe_proposal(msg)
         return Proposal.from_lists(
-            msg.tokens, self.k, self.target_device, q=q, cache_hit=list(msg.cache_hit),
+            msg.tokens, self.k, self.target_device, self.site, q=q, cache_hit=list(msg.cache_hit),
             backup=msg.backup, draft_busy_s=msg.busy_s,
         )  # fmt: skip
 
@@ -226,6 +233,12 @@ class SSDDrafter:
         self._round += 1
         self.client.send(pr.Cmd.OUTCOME, msg)
         self._awaiting = True
+
+    def host_waits(self) -> HostWaits | None:
+        """The worker's host waits during this batch (as of its last proposal)."""
+        if self.last is None or self.last.host_waits is None:
+            return None
+        return HostWaits.from_dict(self.last.host_waits) - self.waits_at_start
 
     def graph_report(self) -> dict | None:
         """The draft runner's graph counts during this batch (as of its last proposal)."""

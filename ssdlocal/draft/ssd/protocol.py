@@ -85,3 +85,4 @@ class ProposalMsg:
     prespec_s: float  # time of the pre-speculation that preceded this proposal
     fan_out: tuple[int, ...]  # fan-out used for the pre-speculation
     graphs: dict | None = None  # the draft runner's graph counts so far (graphs.graph_report)
+    host_waits: dict | None = None  # the worker's host waits so far (core.hostsync.HostWaits.as_dict)

@@ -18,13 +18,14 @@ import torch
 
 from ssdlocal.backends.base import SlotLayout
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
 from ssdlocal.draft.decode import DraftDecoder, align_vocab
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.speculation.fanout import FanOutPlanner
 from ssdlocal.speculation.ngram import propose_ngram
 from ssdlocal.speculation.suffix import MAX_MATCH, SuffixIndex, SuffixMemory, propose
-from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates
+from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates_batch
 
 
 @dataclass
@@ -70,10 +71,16 @@ class SuffixBackup:
 
 
 class Speculator:
-    """Owns a draft Runner's state for one batch of rows."""
+    """Owns a draft Runner's state for one batch of rows.
 
-    def __init__(self, runner, start: StartMsg, max_budget: int = 32) -> None:
+    Host waits (counted in `audit`, model "worker"): per pre-speculation one read of every
+    row's bonus candidates (one batched top-k) and one of the tree's drafts; a miss served
+    just in time reads its drafts once; with automatic fan-out each poll for an early
+    outcome waits for the previous tree step (by design: counted too)."""
+
+    def __init__(self, runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
         self.runner = runner
+        self.site = (audit or Audit()).site("worker")
         self.k = start.k
         self.params: SamplingParams = start.params
         self.vocab = start.target_vocab
@@ -144,7 +151,7 @@ class Speculator:
                                probs=lambda logits, j: self._probs(logits, fan[j]))  # fmt: skip
         bound = max(self.runner.cached(b) for b in range(len(self.rows))) + self.k
         drafted = decoder.decode(first, bound, keep_logits=True)
-        tokens = drafted.tokens.tolist()  # [B, K]: the one host transfer
+        tokens = self.site.read(drafted.tokens)  # [B, K]: the one host transfer
         self.runner.end_steps({b: tokens[b][: self.k - 1] for b in which})  # d_1..d_{K-1} cached
         for b in which:
             row = self.rows[b]
@@ -173,28 +180,36 @@ class Speculator:
         for b, r in enumerate(rows):
             for j in range(len(feeds[b])):
                 r.pred[starts[b] + j + 1] = align_vocab(out[b][j], self.vocab)  # [V]
-        # 2. candidates per accepted length
-        branches: list[list[tuple[int, int]]] = []
-        fans: list[tuple[int, ...]] = []
-        for b, r in enumerate(rows):
-            fan = self.fan_for(r.from_hit)
-            fans.append(fan)
-            todo: list[tuple[int, int]] = []
-            if r.active:
-                L, n_d = len(r.seq), len(r.proposal)
-                tail = r.seq[-MAX_MATCH:] if self.suffix is not None else []  # all a suffix match reads
-                for k in range(n_d + 1):
-                    f = fan[k] if k < n_d else fan[self.k]
-                    drafted = r.proposal[k] if k < n_d else None
-                    found = bonus_candidates(r.pred[L + k], drafted, f, self.params)
-                    found += self._seed(b, tail + r.proposal[:k], drafted, found)
-                    todo += [(k, c) for c in found]
-            branches.append(todo[: self.max_branches])
+        # 2. candidates per accepted length: one batched top-k, one host read for every row
+        fans = [self.fan_for(r.from_hit) for r in rows]
+        places = [(b, k) for b, r in enumerate(rows) if r.active for k in range(len(r.proposal) + 1)]
+        found_all = self._candidates(places, fans)
+        branches: list[list[tuple[int, int]]] = [[] for _ in rows]
+        for (b, k), found in zip(places, found_all):
+            r = rows[b]
+            if self.suffix is not None:
+                drafted = r.proposal[k] if k < len(r.proposal) else None
+                found = found + self._seed(b, r.seq[-MAX_MATCH:] + r.proposal[:k], drafted, found)
+            branches[b] += [(k, c) for c in found]
+        branches = [todo[: self.max_branches] for todo in branches]
         self.last_fan = fans[0] if fans else ()
         width = max((len(t) for t in branches), default=0)
         if width:
             self._tree_decode(branches, width, should_stop)
         return time.perf_counter() - t0
+
+    def _candidates(self, places: list[tuple[int, int]], fans) -> list[list[int]]:
+        """Bonus candidates at each (row, accepted length) of `places`: the top fan-out
+        tokens of the draft's prediction there, the drafted token excluded."""
+        if not places:
+            return []
+        logits, drafted, counts = [], [], []
+        for b, k in places:
+            r, n_d = self.rows[b], len(self.rows[b].proposal)
+            logits.append(r.pred[len(r.seq) + k])  # [V]
+            drafted.append(r.proposal[k] if k < n_d else None)
+            counts.append(fans[b][k] if k < n_d else fans[b][self.k])
+        return bonus_candidates_batch(torch.stack(logits), drafted, counts, self.params, self.site)
 
     def _seed(self, b: int, context: list[int], drafted: int | None, found: list[int]) -> list[int]:
         """With the suffix backup: the token earlier text continued `context` with (the end
@@ -230,6 +245,7 @@ class Speculator:
         for j in range(self.k):
             if j > 0 and should_stop is not None:
                 wait_for_device(ids)  # step j-1 done: the poll sees real progress, not a queue
+                self.site.waited()
                 if should_stop():
                     break  # the outcome is here: serve branches of depth j rather than wait
             sees_prefix = span[None, None, :] < prefix[..., None]  # [B, W, S] seq + d_1..d_k
@@ -271,13 +287,13 @@ class Speculator:
             L = len(self.rows[b].seq)
             for i, (k, c) in enumerate(todo):
                 host[:, b, i] = torch.tensor([c, L + k, layout.scratch(i), L + k])
-        return host.to(self.runner.device).unbind(0)
+        return self.site.to_device(host, self.runner.device).unbind(0)
 
     def _cache_branches(self, branches, step_tokens, step_logits, step_q) -> None:
         """Store every branch's drafted tokens, logits and q in the speculation cache."""
         if not step_tokens:
             return
-        tokens = torch.stack(step_tokens, dim=-1).tolist()  # [B, W, depth]: one host transfer
+        tokens = self.site.read(torch.stack(step_tokens, dim=-1))  # [B, W, depth]: one host transfer
         logits = torch.stack(step_logits, dim=2)  # [B, W, depth, V]
         qs = torch.stack(step_q, dim=2) if step_q else None  # [B, W, depth, V]
         for b, todo in enumerate(branches):
@@ -344,7 +360,7 @@ class Speculator:
             r.q = None
             if not self.params.greedy and r.proposal:
                 r.q = torch.nn.functional.one_hot(
-                    torch.tensor(r.proposal, device=self.runner.device), self.vocab
+                    self.site.upload(r.proposal, self.runner.device), self.vocab
                 ).float()  # [n, V] point mass, on the draft's device
             r.from_hit = False
 

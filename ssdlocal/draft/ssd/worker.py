@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from ssdlocal.core.hostsync import Audit, HostWaits
 from ssdlocal.draft.ssd.protocol import (
     Cmd,
     LoadedMsg,
@@ -43,6 +44,7 @@ class DraftWorker:
         self.q_buffer = None
         self.prespec_s = 0.0  # the pre-speculation that preceded the next proposal
         self.round_index = 0
+        self.audit = Audit()  # this process's host waits (core.hostsync), reported with each proposal
 
     def handle(self, cmd, payload) -> None:
         t0 = time.perf_counter()
@@ -70,6 +72,7 @@ class DraftWorker:
         registry.claim_device(msg.model.device)
         self.runner = registry.make_runner(loaded, tree=True, graphs=msg.graphs)
         self.runner.setup_prefix(msg.prefix_tokens)
+        self.audit.watch(self.runner, "worker")
         reply = LoadedMsg(loaded.args.vocab_size, str(loaded.device), loaded.args.max_position_embeddings)
         self.conn.send((Reply.LOADED, reply))
 
@@ -81,10 +84,11 @@ class DraftWorker:
         if self.spec is not None:  # what the last batch left: later prompts may start from it
             self.spec.store_prefixes()
             self.spec = None
-        self.spec = Speculator(self.runner, msg)
+        self.spec = Speculator(self.runner, msg, audit=self.audit)
         self.q_buffer = msg.q_buffer
         self.round_index = 0
-        self.conn.send((Reply.READY, {"graphs": self._graphs(), "prefix": self.runner.prefix_report()}))
+        self.conn.send((Reply.READY, {"graphs": self._graphs(), "prefix": self.runner.prefix_report(),
+                                      "host_waits": self._host_waits()}))  # fmt: skip
 
     def _outcome(self, msg: OutcomeMsg, t0: float) -> None:
         spec = self.spec
@@ -101,13 +105,17 @@ class DraftWorker:
         q_written = served.q is not None and self.q_buffer is not None
         if q_written:
             write_q(self.q_buffer, served.q)  # [n, K, V]; synchronizes a CUDA buffer first
+            self.audit.site("worker").waited()  # the target reads q once it has the message
         msg = ProposalMsg(
             self.round_index, tuple(tuple(t) for t in served.tokens), tuple(served.cache_hit),
-            served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan, self._graphs(),
+            served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan, self._graphs(), self._host_waits(),
         )  # fmt: skip
         self.conn.send((Reply.PROPOSAL, msg))
         self.prespec_s = self.spec.prespeculate(self.spec.early_stop(self.conn.poll))
 
+
+    def _host_waits(self) -> dict:
+        return self.audit.snapshot().get("worker", HostWaits()).as_dict()
 
     def _graphs(self) -> dict:
         from ssdlocal.backends.torch.graphs import graph_report
