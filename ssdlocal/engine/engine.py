@@ -122,8 +122,7 @@ class Engine:
         from ssdlocal.placement.cpus import split_cpus
 
         draft_spec = self.config.draft_model
-        # bad paths / architectures fail here, not in the worker
-        registry.preflight(draft_spec.path, draft_spec.backend)
+        registry.preflight(draft_spec.path, draft_spec.backend)  # bad paths fail here, not in the worker
         both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
         # both on CPU: split the cores (thread counts always; affinity when pin_cpus),
         # otherwise two full thread pools oversubscribe the cores and both crawl
