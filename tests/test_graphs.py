@@ -164,6 +164,41 @@ def test_traced_replay_reads_a_rebound_tensor_stale_like_a_cuda_graph():
     assert cache.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [2.0]
 
 
+def test_the_traced_twin_catches_an_output_held_across_another_call():
+    """The graph-pool rule (capture.py): a step's output is valid until the next capture or
+    replay of its cache, whatever the shape. The traced twin fills the last output with NaN
+    before the next call, so a caller that holds one reads garbage on the CPU too."""
+    cache = GraphCache(TracedGraphs())
+    double = lambda x: x * 2  # noqa: E731
+    a = cache.run("a", double, x=torch.ones(2))  # captured (the capture computed it)
+    kept = a.clone()
+    b = cache.run("b", double, x=torch.ones(3))  # another shape
+    assert torch.isnan(a).all() and torch.equal(kept, torch.full((2,), 2.0))
+    again = cache.run("a", double, x=torch.full((2,), 3.0))  # a replay writes its buffer again
+    assert again is a and torch.equal(a, torch.full((2,), 6.0)) and torch.isnan(b).all()
+    cache.run("a", double, x=torch.ones(2))  # the same shape: the held values are gone too
+    assert torch.equal(again, torch.full((2,), 2.0))
+
+
+def test_the_runner_keeps_the_graph_pool_rule(tiny_dir):
+    """A decode step's logits are the graph's buffer (the caller reads them before the next
+    step); a tree step's are the caller's (forward_raw clones them)."""
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch.runner import TorchRunner
+    from ssdlocal.backends.torch.model import causal_mask
+
+    runner = TorchRunner(registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32")), graphs="trace")
+    runner.reset(1, 64)
+    runner.feed([[5, 6, 7, 8]], "none")
+    runner.begin_steps()
+    step = runner.step(torch.tensor([[9]]))  # [1, 1, V], captured
+    positions = torch.tensor([[4, 5]])
+    tree = runner.forward_raw(torch.tensor([[9, 10]]), positions, positions, causal_mask(positions, 64))
+    assert torch.isnan(step).all()  # held across the tree step: caught
+    runner.step(torch.tensor([[9, 10, 11]]))  # another shape
+    assert not torch.isnan(tree).any()  # forward_raw handed out its own copy
+
+
 def test_the_guard_catches_a_rebound_static_tensor():
     owner = Owner()
     strict = GraphCache(TracedGraphs(), owner, strict=True)
