@@ -29,7 +29,21 @@ cut short still leaves what it found; exit code 1 if any exactness check fails):
      2,048-token prompt against the compute limit (2 x parameters x tokens / measured bf16
      matmul FLOP/s);
   5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
-     can-use checks for the shapes the model passes).
+     can-use checks for the shapes the model passes);
+  6. (scripts/accept_steps.py) host waits per decode round under
+     torch.cuda.set_sync_debug_mode, by mode, against HOST_WAIT_BUDGET (AR, SD, adaptive
+     SD <= 1.5, SD under a JSON-schema grammar <= K + 2; SSD's target reported); a
+     1,100-token prompt (KV past 1,024 slots, spans past 256) in AR/SD/SSD; a 16-block
+     prefix store filled and churned by 12 calls; seeded sampling at T = 0.8 repeating;
+     int8 and int4 weights inside graphs; a TP=2 target and SSD with the draft on a second
+     GPU when two or more are present (a clear "skipped" line otherwise); the
+     bandwidth-limit table per forward (target, draft, TP rank; 70B-class at TP=4).
+Every bf16 timing model whose graphs were refused or dropped is a failure. A run past
+--budget-s (default 480 s) marks the steps it did not reach as failures, never as passes.
+What a GPU run needs beyond torch, triton and transformers: nothing for steps 1-6 except
+the grammar rows (llguidance, one wheel with no dependencies: they are reported as skipped
+without it). `--cpu` runs the same steps on the CPU with traced graphs (the TP step over
+two CPU ranks) to check the script; the host-wait and timing steps need a GPU.
 """
 
 from __future__ import annotations
@@ -129,11 +143,35 @@ def render(data: dict) -> str:
         lines += [f"| {r['model']} | {r['weights']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
                   f"{r['tflops']:.1f} | {r['of_peak']:.0%} |" for r in prefill]  # fmt: skip
         lines.append("")
+    for step in MORE_STEPS:
+        lines += _table(step, data["steps"].get(step))
     kernels = data["steps"].get("attention_kernels")
     if kernels:
         lines += ["## attention kernels", ""] + [f"- {k}: {v}" for k, v in kernels.items()] + [""]
     lines += ["## failures", ""] + ([f"- {f}" for f in data["failures"]] or ["none"])
     return "\n".join(lines) + "\n"
+
+
+MORE_STEPS = ("host_waits", "long_context", "churned_prefix_store", "seeded_sampling", "quantized_graphs",
+              "two_devices", "bandwidth_limits")  # fmt: skip
+
+
+def _table(step: str, value) -> list[str]:
+    """Markdown for a step of accept_steps.py: a skipped line, a dict, or rows of dicts."""
+    if not value:
+        return []
+    if isinstance(value, dict) and "rows" in value:
+        head = {k: v for k, v in value.items() if k != "rows"}
+        return [f"## {step}", "", f"- {head}", ""] + _rows(value["rows"])
+    if isinstance(value, dict):
+        return [f"## {step}", ""] + [f"- {k}: {v}" for k, v in value.items()] + [""]
+    return [f"## {step}", ""] + _rows(value)
+
+
+def _rows(rows: list[dict]) -> list[str]:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows] + [""])  # fmt: skip
 
 
 # --------------------------------------------------------------------------- steps
@@ -276,8 +314,11 @@ def step_times(device: torch.device, bandwidth: float, models: tuple[str, ...], 
             runner = prefilled(loaded, mode, 512)
             row[f"T1_{label}"] = step_ms(runner, 1, 20)
             row[f"TK_{label}"] = step_ms(runner, K + 1, 20)
-            if label == "graphs" and runner.graphs is not None:
-                row["graphs"] = runner.graphs.stats.as_dict()
+            if label == "graphs":
+                stats = runner.graphs.stats if runner.graphs is not None else None
+                row["graphs"] = stats.as_dict() if stats is not None else "none"
+                if stats is None or stats.refused or stats.dropped or not stats.replays:
+                    results.fail(f"step_times: {name} bf16 graphs refused, dropped or never replayed: {row['graphs']}")
             del runner
         rows.append(row)
         results.put("step_times", rows)
@@ -355,11 +396,37 @@ def attention_kernels(device: torch.device, results: Results) -> None:
     results.put("attention_kernels", found)
 
 
+def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Results, tmp: Path) -> list:
+    """The steps of accept_steps.py, as (name, run) pairs."""
+    import accept_steps as more
+
+    where = str(device)
+
+    def limits() -> None:
+        from gpu_bench import copy_bandwidth
+
+        env = results.data["steps"].get("environment", {})
+        bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
+        measured = {r["model"]: r["T1_graphs"] for r in results.data["steps"].get("step_times") or []}
+        more.bandwidth_table(bandwidth, results, measured)
+
+    return [
+        ("host_waits", lambda: more.host_waits(dirs, where, results)),
+        ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp)),
+        ("churned_prefix_store", lambda: more.churned_store(dirs, where, graph_mode, results)),
+        ("seeded_sampling", lambda: more.seeded_sampling(dirs, where, graph_mode, results)),
+        ("quantized_graphs", lambda: more.quantized_graphs(dirs, where, graph_mode, results)),
+        ("two_devices", lambda: more.two_devices(dirs, where, graph_mode, results)),
+        ("bandwidth_limits", limits),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu-accept-out")
     ap.add_argument("--cpu", action="store_true", help="run the steps on the CPU (checks the script)")
     ap.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b", help="timing shapes (gpu_bench.py SHAPES)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="steps not started by then are failures")
     args = ap.parse_args()
     results = Results(Path(args.out))
     device = torch.device("cpu" if args.cpu else "cuda:0")
@@ -389,7 +456,11 @@ def main() -> int:
                 device, results.data["steps"]["environment"]["bf16_matmul_tflops"] * 1e12,
                 tuple(args.models.split(",")), results)))  # fmt: skip
             steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
+        steps += more_steps(dirs, device, graph_modes[0], results, Path(tmp))
         for name, run in steps:
+            if time.perf_counter() - t0 > args.budget_s:
+                results.fail(f"{name}: not run, past the {args.budget_s:.0f} s budget")
+                continue
             print(f"[{time.perf_counter() - t0:5.0f} s] {name}", flush=True)
             try:
                 run()
