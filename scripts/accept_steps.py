@@ -136,7 +136,8 @@ def _grammar(engine: Engine):
 
 
 # --------------------------------------------------------------------------- long contexts, prefix store
-def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, step: str = "long_context") -> None:
+def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, step: str = "long_context",
+                 modes: tuple[str, ...] = ("ar", "sd", "ssd")) -> None:  # fmt: skip
     """A 1,000-token prompt and 60 new tokens: the KV cache grows past 1,024 slots in the
     middle of the answer (graphs recaptured on the grown cache) and decode spans pass 256;
     AR, SD and SSD with graphs equal the eager engine."""
@@ -147,12 +148,13 @@ def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, s
     prompt = [[5 + (i * 7) % 300 for i in range(LONG_PROMPT)]]
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     outs, rows = {}, []
+    engine_mode = Mode.SSD if "ssd" in modes else Mode.SD  # an SSD engine starts its worker
     for graphs in ("off", graph_mode):
-        with Engine(_config(str(target), device, draft=str(draft), graphs=graphs, mode=Mode.SSD)) as engine:
-            for mode in ("ar", "sd", "ssd"):
+        with Engine(_config(str(target), device, draft=str(draft), graphs=graphs, mode=engine_mode)) as engine:
+            for mode in modes:
                 tokens, stats = _call(engine, mode, prompt, params)
                 outs[(graphs, mode)] = (tokens, _graph_counts(stats), engine.runner.capacity)
-    for mode in ("ar", "sd", "ssd"):
+    for mode in modes:
         tokens, counts, capacity = outs[(graph_mode, mode)]
         row = {"mode": mode, "graphs": graph_mode, "prompt_tokens": LONG_PROMPT, "kv_slots": capacity,
                "equal_eager": tokens == outs[("off", mode)][0], "equal_ar": tokens == outs[("off", "ar")][0], **counts}  # fmt: skip
@@ -235,7 +237,8 @@ def quantized_graphs(dirs: dict, device: str, graph_mode: str, results, step: st
 
 
 # --------------------------------------------------------------------------- two GPUs
-def two_devices(dirs: dict, device: str, graph_mode: str, results, step: str = "two_devices") -> None:
+def two_devices(dirs: dict, device: str, graph_mode: str, results, step: str = "two_devices",
+                modes: tuple[str, ...] = ("ar", "sd", "ssd")) -> None:  # fmt: skip
     """A tensor-parallel target over two devices (every rank captures its steps) in AR, SD
     and SSD, and SSD with the draft on the second GPU: each equals one eager device. On
     the CPU (--cpu) the TP part runs over two CPU ranks with traced graphs."""
@@ -247,17 +250,18 @@ def two_devices(dirs: dict, device: str, graph_mode: str, results, step: str = "
     target, draft = str(dirs["llama"]), str(dirs["draft_llama"])
     prompts = ["The quick brown fox", "hello world, def foo(x):"]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    with Engine(_config(target, device, draft=draft, graphs="off", mode=Mode.SSD)) as one:
-        want = {mode: _call(one, mode, prompts, params)[0] for mode in ("ar", "sd", "ssd")}
+    engine_mode = Mode.SSD if "ssd" in modes else Mode.SD
+    with Engine(_config(target, device, draft=draft, graphs="off", mode=engine_mode)) as one:
+        want = {mode: _call(one, mode, prompts, params)[0] for mode in modes}
     rows = []
-    tp = _config(target, device, draft=draft, graphs=graph_mode, mode=Mode.SSD, target_devices=(device, second))
+    tp = _config(target, device, draft=draft, graphs=graph_mode, mode=engine_mode, target_devices=(device, second))
     with Engine(tp) as engine:
-        for mode in ("ar", "sd", "ssd"):
+        for mode in modes:
             tokens, stats = _call(engine, mode, prompts, params)
             target_counts = (stats.get("graphs") or {}).get("target", {})
             rows.append({"what": f"TP=2 target, {mode}", "graphs": graph_mode, "equal_one_device": tokens == want[mode],
                          "target_replays": target_counts.get("replays", 0)})  # fmt: skip
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and "ssd" in modes:
         split = _config(target, device, draft=draft, graphs=graph_mode, mode=Mode.SSD)
         split = replace(split, spec=replace(split.spec, draft=ModelDraft(ModelSpec(draft, second, dtype="float32"))))
         with Engine(split) as engine:

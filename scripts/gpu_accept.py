@@ -1,7 +1,7 @@
 """GPU acceptance: one command that says whether this GPU runs ssdlocal correctly, and how fast.
 
     python scripts/gpu_accept.py --out DIR            # one NVIDIA GPU, no network, < 8 minutes
-    python scripts/gpu_accept.py --out DIR --cpu      # the same steps on the CPU (checks the script)
+    python scripts/gpu_accept.py --out DIR --cpu      # a smoke run on the CPU (checks the script)
 
 Needs only torch and transformers (which brings tokenizers, safetensors, numpy and
 huggingface-hub): the engine imports nothing else. Tiny checkpoints are written to a temp
@@ -39,11 +39,13 @@ cut short still leaves what it found; exit code 1 if any exactness check fails):
      GPU when two or more are present (a clear "skipped" line otherwise); the
      bandwidth-limit table per forward (target, draft, TP rank; 70B-class at TP=4).
 Every bf16 timing model whose graphs were refused or dropped is a failure. A run past
---budget-s (default 480 s) marks the steps it did not reach as failures, never as passes.
+--budget-s (default 480 s on a GPU) marks the steps it did not reach as failures, never
+as passes.
 What a GPU run needs beyond torch, triton and transformers: nothing for steps 1-6 except
 the grammar rows (llguidance, one wheel with no dependencies: they are reported as skipped
-without it). `--cpu` runs the same steps on the CPU with traced graphs (the TP step over
-two CPU ranks) to check the script; the host-wait and timing steps need a GPU.
+without it). `--cpu` is a smoke run of the same code on the CPU with traced graphs (one
+architecture, fewer calls, no SSD worker in the long-context and two-device steps, the
+TP step over two CPU ranks) to check the script; the host-wait and timing steps need a GPU.
 """
 
 from __future__ import annotations
@@ -198,18 +200,20 @@ def _tokens(engine, mode, prompts, new):
                                                  "_cached": done.stats.get("cached_prompt_tokens", 0)}
 
 
-def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
+              smoke: bool = False) -> None:  # fmt: skip
     """Each arch: a sequence of calls per mode, per graph mode, against eager and AR."""
     from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
     from ssdlocal.engine import Engine
 
     rows = []
-    for arch, draft in PAIRS.items():
+    calls = CALLS[3:] if smoke else CALLS  # --cpu: the long prompt and the prefix-cache calls
+    for arch, draft in list(PAIRS.items())[: 1 if smoke else None]:
         t, d = str(dirs[arch]), str(dirs[draft])
         outs: dict[tuple[str, str], list] = {}
         with Engine(EngineConfig(target=ModelSpec(t, device, dtype="float32"), graphs="off",
                                  prefix_cache_tokens=0)) as fresh:  # fmt: skip
-            cold = [_tokens(fresh, "ar", prompts, new)[0] for prompts, new in CALLS]
+            cold = [_tokens(fresh, "ar", prompts, new)[0] for prompts, new in calls]
         for graphs in ("off", *graph_modes):
             config = EngineConfig(
                 target=ModelSpec(t, device, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(d, device, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
@@ -218,7 +222,7 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
                 for mode in ("ar", "sd", "ssd"):
                     counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0, "cached_tokens": 0}
                     got = []
-                    for prompts, new in CALLS:
+                    for prompts, new in calls:
                         tokens, graph_stats = _tokens(engine, mode, prompts, new)
                         got.append(tokens)
                         counts["cached_tokens"] += graph_stats.pop("_cached", 0)
@@ -251,7 +255,8 @@ CONSTRAINED_SCHEMA = {
 CONSTRAINED_PROMPTS = ['{"name": "the cat", "tags": ["a"]} {"name": "', "the cat sat on the mat", "fed a bad"]
 
 
-def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
+                smoke: bool = False) -> None:  # fmt: skip
     """Constrained AR / SD / SSD with graphs equal constrained eager AR; rows follow their grammars."""
     try:
         import llguidance  # noqa: F401
@@ -265,7 +270,7 @@ def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: 
 
     params = SamplingParams(max_new_tokens=24)
     rows = []
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama",) if smoke else ("llama", "qwen2"):
         t, d = str(dirs[arch]), str(dirs[PAIRS[arch]])
         outs: dict[tuple[str, str], tuple] = {}
         for graphs in ("off", *graph_modes):
@@ -401,6 +406,7 @@ def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Resul
     import accept_steps as more
 
     where = str(device)
+    smoke = ("ar", "sd") if device.type == "cpu" else ("ar", "sd", "ssd")  # --cpu: no SSD worker to start
 
     def limits() -> None:
         from gpu_bench import copy_bandwidth
@@ -412,11 +418,11 @@ def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Resul
 
     return [
         ("host_waits", lambda: more.host_waits(dirs, where, results)),
-        ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp)),
+        ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp, modes=smoke)),
         ("churned_prefix_store", lambda: more.churned_store(dirs, where, graph_mode, results)),
         ("seeded_sampling", lambda: more.seeded_sampling(dirs, where, graph_mode, results)),
         ("quantized_graphs", lambda: more.quantized_graphs(dirs, where, graph_mode, results)),
-        ("two_devices", lambda: more.two_devices(dirs, where, graph_mode, results)),
+        ("two_devices", lambda: more.two_devices(dirs, where, graph_mode, results, modes=smoke)),
         ("bandwidth_limits", limits),
     ]
 
@@ -426,9 +432,11 @@ def main() -> int:
     ap.add_argument("--out", default="gpu-accept-out")
     ap.add_argument("--cpu", action="store_true", help="run the steps on the CPU (checks the script)")
     ap.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b", help="timing shapes (gpu_bench.py SHAPES)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="steps not started by then are failures")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="steps not started by then are failures (default: 480 on a GPU, none with --cpu)")
     args = ap.parse_args()
     results = Results(Path(args.out))
+    budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.cpu else 480.0)
     device = torch.device("cpu" if args.cpu else "cuda:0")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --cpu to check the script)")
@@ -442,9 +450,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = make_tiny_suite(Path(tmp))
         graph_modes = ("trace",) if args.cpu else ("auto",)
-        steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results, "exact_cuda_graphs")))
+        steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results,
+                                                             "exact_cuda_graphs", smoke=args.cpu)))  # fmt: skip
         steps.append(("exact_constrained", lambda: constrained(dirs, str(device), graph_modes, results,
-                                                               "exact_constrained")))  # fmt: skip
+                                                               "exact_constrained", smoke=args.cpu)))  # fmt: skip
         if not args.cpu:
             def traced() -> None:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
@@ -458,8 +467,8 @@ def main() -> int:
             steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
         steps += more_steps(dirs, device, graph_modes[0], results, Path(tmp))
         for name, run in steps:
-            if time.perf_counter() - t0 > args.budget_s:
-                results.fail(f"{name}: not run, past the {args.budget_s:.0f} s budget")
+            if time.perf_counter() - t0 > budget_s:
+                results.fail(f"{name}: not run, past the {budget_s:.0f} s budget")
                 continue
             print(f"[{time.perf_counter() - t0:5.0f} s] {name}", flush=True)
             try:

@@ -44,6 +44,7 @@ class Captured:
     computed: bool = False  # `output` already holds the capturing call's result
     reads: tuple[Tensor, ...] = ()  # tensors read besides the inputs (traced graphs only)
     device: torch.device | None = None  # a CUDA graph's device: replays run inside it
+    traced: object | None = None  # the op graph (TracedGraphs only): one node per recorded op
 
     def replay(self, inputs: dict[str, Tensor]) -> Tensor:
         """Copy `inputs` into the static buffers, replay, return the static output."""
@@ -159,7 +160,7 @@ class TracedGraphs:
             self._last = output
 
         self._last = output
-        return Captured(static, output, run, output.nbytes, computed=True, reads=reads)
+        return Captured(static, output, run, output.nbytes, computed=True, reads=reads, traced=graph)
 
 
 def storage_key(t: Tensor) -> tuple[str, int]:
