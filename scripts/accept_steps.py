@@ -69,6 +69,14 @@ def _graph_counts(stats: dict) -> dict[str, int]:
     return counts
 
 
+def _summed_counts(all_stats) -> dict[str, int]:
+    total = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0}
+    for stats in all_stats:
+        for key, value in _graph_counts(stats).items():
+            total[key] += value
+    return total
+
+
 def _graphs_failed(counts: dict) -> bool:
     return counts["replays"] == 0 or counts["refused"] > 0 or counts["dropped"] > 0
 
@@ -183,10 +191,12 @@ def churned_store(dirs: dict, device: str, graph_mode: str, results, step: str =
     row = {"calls": len(calls), "equal_without_store": [t for t, _ in got[STORE_TOKENS]] == [t for t, _ in got[0]],
            "cached_tokens": cached, "evicted_tokens": report.get("evicted_tokens"),
            "reused_tokens": report.get("reused_tokens"), "copy_operations": copies,
-           **_graph_counts(got[STORE_TOKENS][-1][1])}  # fmt: skip
+           **_summed_counts(stats for _, stats in got[STORE_TOKENS])}  # fmt: skip
     results.put(step, row)
     if not row["equal_without_store"]:
         results.fail(f"{step}: answers differ with a churned prefix store")
+    if graph_mode != "off" and _graphs_failed(row):
+        results.fail(f"{step}: graphs {row}")
     if not report.get("evicted_tokens") or not sum(cached):
         results.fail(f"{step}: the store was not churned (evicted {report.get('evicted_tokens')}, reused {sum(cached)})")
 
