@@ -165,7 +165,8 @@ def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, s
     for mode in modes:
         tokens, counts, capacity = outs[(graph_mode, mode)]
         row = {"mode": mode, "graphs": graph_mode, "prompt_tokens": LONG_PROMPT, "kv_slots": capacity,
-               "equal_eager": tokens == outs[("off", mode)][0], "equal_ar": tokens == outs[("off", "ar")][0], **counts}  # fmt: skip
+               "equal_eager": tokens == outs[("off", mode)][0], "equal_ar": tokens == outs[("off", "ar")][0],
+               **counts}  # fmt: skip
         rows.append(row)
         if not (row["equal_eager"] and row["equal_ar"]) or _graphs_failed(counts) or capacity <= 1024:
             results.fail(f"{step}: {mode} graphs={graph_mode}: {row}")
