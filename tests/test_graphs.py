@@ -5,6 +5,8 @@ each architecture), float32 logits from bf16 weights, and real CUDA graphs (`gpu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,6 +77,35 @@ def test_capture_once_then_replay_with_new_inputs():
     assert len(cache) == 0
     cache.run(("step", 1, 2), _double, x=torch.tensor([1.0, 2.0]))
     assert backend.captures == 3
+
+
+def test_a_mirror_hears_every_primitive_in_the_order_it_runs():
+    """What the ranks of a tensor-parallel group repeat (parallel/group.py): a capture
+    that computes (traced) or does not (CUDA: a replay follows), the self-check's eager
+    run, a refused capture's eager run, and eager only after a failed self-check."""
+    heard = []
+    mirror = lambda action, key: heard.append((action, key))  # noqa: E731
+    cache = GraphCache(CountingBackend())
+    cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # captured, computed
+    cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # first replay + self-check
+    cache.run("a", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "a"), ("replay", "a"), ("eager", "a"), ("replay", "a")]
+    heard.clear()
+    later = CountingBackend()
+    uncomputed = later.capture
+    later.capture = lambda fn, inputs: replace(uncomputed(fn, inputs), computed=False)  # as CUDA graphs
+    cache = GraphCache(later, self_check=False)
+    cache.run("b", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "b"), ("replay", "b")]
+    heard.clear()
+    cache = GraphCache(CountingBackend(fail=True))
+    cache.run("c", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "c"), ("eager", "c")]
+    heard.clear()
+    cache = GraphCache(CountingBackend(wrong=True))
+    for _ in range(3):
+        cache.run("d", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "d"), ("replay", "d"), ("eager", "d"), ("eager", "d")]  # then eager for good
 
 
 def test_memory_budget_refuses_capture_and_runs_eagerly():
