@@ -1,7 +1,7 @@
 """GPU acceptance: one command that says whether this GPU runs ssdlocal correctly, and how fast.
 
     python scripts/gpu_accept.py --out DIR            # one NVIDIA GPU, no network, < 8 minutes
-    python scripts/gpu_accept.py --out DIR --cpu      # the same steps on the CPU (checks the script)
+    python scripts/gpu_accept.py --out DIR --cpu      # a smoke run on the CPU (checks the script)
 
 Needs only torch and transformers (which brings tokenizers, safetensors, numpy and
 huggingface-hub): the engine imports nothing else. Tiny checkpoints are written to a temp
@@ -29,7 +29,23 @@ cut short still leaves what it found; exit code 1 if any exactness check fails):
      2,048-token prompt against the compute limit (2 x parameters x tokens / measured bf16
      matmul FLOP/s);
   5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
-     can-use checks for the shapes the model passes).
+     can-use checks for the shapes the model passes);
+  6. (scripts/accept_steps.py) host waits per decode round under
+     torch.cuda.set_sync_debug_mode, by mode, against HOST_WAIT_BUDGET (AR, SD, adaptive
+     SD <= 1.5, SD under a JSON-schema grammar <= K + 2; SSD's target reported); a
+     1,100-token prompt (KV past 1,024 slots, spans past 256) in AR/SD/SSD; a 16-block
+     prefix store filled and churned by 12 calls; seeded sampling at T = 0.8 repeating;
+     int8 and int4 weights inside graphs; a TP=2 target and SSD with the draft on a second
+     GPU when two or more are present (a clear "skipped" line otherwise); the
+     bandwidth-limit table per forward (target, draft, TP rank; 70B-class at TP=4).
+Every bf16 timing model whose graphs were refused or dropped is a failure. A run past
+--budget-s (default 480 s on a GPU) marks the steps it did not reach as failures, never
+as passes.
+What a GPU run needs beyond torch, triton and transformers: nothing for steps 1-6 except
+the grammar rows (llguidance, one wheel with no dependencies: they are reported as skipped
+without it). `--cpu` is a smoke run of the same code on the CPU with traced graphs (one
+architecture, fewer calls, no SSD worker in the long-context and two-device steps, the
+TP step over two CPU ranks) to check the script; the host-wait and timing steps need a GPU.
 """
 
 from __future__ import annotations
@@ -129,11 +145,35 @@ def render(data: dict) -> str:
         lines += [f"| {r['model']} | {r['weights']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
                   f"{r['tflops']:.1f} | {r['of_peak']:.0%} |" for r in prefill]  # fmt: skip
         lines.append("")
+    for step in MORE_STEPS:
+        lines += _table(step, data["steps"].get(step))
     kernels = data["steps"].get("attention_kernels")
     if kernels:
         lines += ["## attention kernels", ""] + [f"- {k}: {v}" for k, v in kernels.items()] + [""]
     lines += ["## failures", ""] + ([f"- {f}" for f in data["failures"]] or ["none"])
     return "\n".join(lines) + "\n"
+
+
+MORE_STEPS = ("host_waits", "long_context", "churned_prefix_store", "seeded_sampling", "quantized_graphs",
+              "two_devices", "bandwidth_limits")  # fmt: skip
+
+
+def _table(step: str, value) -> list[str]:
+    """Markdown for a step of accept_steps.py: a skipped line, a dict, or rows of dicts."""
+    if not value:
+        return []
+    if isinstance(value, dict) and "rows" in value:
+        head = {k: v for k, v in value.items() if k != "rows"}
+        return [f"## {step}", "", f"- {head}", ""] + _rows(value["rows"])
+    if isinstance(value, dict):
+        return [f"## {step}", ""] + [f"- {k}: {v}" for k, v in value.items()] + [""]
+    return [f"## {step}", ""] + _rows(value)
+
+
+def _rows(rows: list[dict]) -> list[str]:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows] + [""])  # fmt: skip
 
 
 # --------------------------------------------------------------------------- steps
@@ -160,18 +200,20 @@ def _tokens(engine, mode, prompts, new):
                                                  "_cached": done.stats.get("cached_prompt_tokens", 0)}
 
 
-def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
+              smoke: bool = False) -> None:  # fmt: skip
     """Each arch: a sequence of calls per mode, per graph mode, against eager and AR."""
     from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
     from ssdlocal.engine import Engine
 
     rows = []
-    for arch, draft in PAIRS.items():
+    calls = CALLS[3:] if smoke else CALLS  # --cpu: the long prompt and the prefix-cache calls
+    for arch, draft in list(PAIRS.items())[: 1 if smoke else None]:
         t, d = str(dirs[arch]), str(dirs[draft])
         outs: dict[tuple[str, str], list] = {}
         with Engine(EngineConfig(target=ModelSpec(t, device, dtype="float32"), graphs="off",
                                  prefix_cache_tokens=0)) as fresh:  # fmt: skip
-            cold = [_tokens(fresh, "ar", prompts, new)[0] for prompts, new in CALLS]
+            cold = [_tokens(fresh, "ar", prompts, new)[0] for prompts, new in calls]
         for graphs in ("off", *graph_modes):
             config = EngineConfig(
                 target=ModelSpec(t, device, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(d, device, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
@@ -180,7 +222,7 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
                 for mode in ("ar", "sd", "ssd"):
                     counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0, "cached_tokens": 0}
                     got = []
-                    for prompts, new in CALLS:
+                    for prompts, new in calls:
                         tokens, graph_stats = _tokens(engine, mode, prompts, new)
                         got.append(tokens)
                         counts["cached_tokens"] += graph_stats.pop("_cached", 0)
@@ -213,7 +255,8 @@ CONSTRAINED_SCHEMA = {
 CONSTRAINED_PROMPTS = ['{"name": "the cat", "tags": ["a"]} {"name": "', "the cat sat on the mat", "fed a bad"]
 
 
-def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str) -> None:
+def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
+                smoke: bool = False) -> None:  # fmt: skip
     """Constrained AR / SD / SSD with graphs equal constrained eager AR; rows follow their grammars."""
     try:
         import llguidance  # noqa: F401
@@ -227,7 +270,7 @@ def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: 
 
     params = SamplingParams(max_new_tokens=24)
     rows = []
-    for arch in ("llama", "qwen2"):
+    for arch in ("llama",) if smoke else ("llama", "qwen2"):
         t, d = str(dirs[arch]), str(dirs[PAIRS[arch]])
         outs: dict[tuple[str, str], tuple] = {}
         for graphs in ("off", *graph_modes):
@@ -276,8 +319,11 @@ def step_times(device: torch.device, bandwidth: float, models: tuple[str, ...], 
             runner = prefilled(loaded, mode, 512)
             row[f"T1_{label}"] = step_ms(runner, 1, 20)
             row[f"TK_{label}"] = step_ms(runner, K + 1, 20)
-            if label == "graphs" and runner.graphs is not None:
-                row["graphs"] = runner.graphs.stats.as_dict()
+            if label == "graphs":
+                stats = runner.graphs.stats if runner.graphs is not None else None
+                row["graphs"] = stats.as_dict() if stats is not None else "none"
+                if stats is None or stats.refused or stats.dropped or not stats.replays:
+                    results.fail(f"step_times: {name} bf16 graphs refused, dropped or never replayed: {row['graphs']}")
             del runner
         rows.append(row)
         results.put("step_times", rows)
@@ -355,13 +401,42 @@ def attention_kernels(device: torch.device, results: Results) -> None:
     results.put("attention_kernels", found)
 
 
+def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Results, tmp: Path) -> list:
+    """The steps of accept_steps.py, as (name, run) pairs."""
+    import accept_steps as more
+
+    where = str(device)
+    smoke = ("ar", "sd") if device.type == "cpu" else ("ar", "sd", "ssd")  # --cpu: no SSD worker to start
+
+    def limits() -> None:
+        from gpu_bench import copy_bandwidth
+
+        env = results.data["steps"].get("environment", {})
+        bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
+        measured = {r["model"]: r["T1_graphs"] for r in results.data["steps"].get("step_times") or []}
+        more.bandwidth_table(bandwidth, results, measured)
+
+    return [
+        ("host_waits", lambda: more.host_waits(dirs, where, results)),
+        ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp, modes=smoke)),
+        ("churned_prefix_store", lambda: more.churned_store(dirs, where, graph_mode, results)),
+        ("seeded_sampling", lambda: more.seeded_sampling(dirs, where, graph_mode, results)),
+        ("quantized_graphs", lambda: more.quantized_graphs(dirs, where, graph_mode, results)),
+        ("two_devices", lambda: more.two_devices(dirs, where, graph_mode, results, modes=smoke)),
+        ("bandwidth_limits", limits),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu-accept-out")
     ap.add_argument("--cpu", action="store_true", help="run the steps on the CPU (checks the script)")
     ap.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b", help="timing shapes (gpu_bench.py SHAPES)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="steps not started by then are failures (default: 480 on a GPU, none with --cpu)")
     args = ap.parse_args()
     results = Results(Path(args.out))
+    budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.cpu else 480.0)
     device = torch.device("cpu" if args.cpu else "cuda:0")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --cpu to check the script)")
@@ -375,9 +450,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = make_tiny_suite(Path(tmp))
         graph_modes = ("trace",) if args.cpu else ("auto",)
-        steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results, "exact_cuda_graphs")))
+        steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results,
+                                                             "exact_cuda_graphs", smoke=args.cpu)))  # fmt: skip
         steps.append(("exact_constrained", lambda: constrained(dirs, str(device), graph_modes, results,
-                                                               "exact_constrained")))  # fmt: skip
+                                                               "exact_constrained", smoke=args.cpu)))  # fmt: skip
         if not args.cpu:
             def traced() -> None:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
@@ -389,7 +465,11 @@ def main() -> int:
                 device, results.data["steps"]["environment"]["bf16_matmul_tflops"] * 1e12,
                 tuple(args.models.split(",")), results)))  # fmt: skip
             steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
+        steps += more_steps(dirs, device, graph_modes[0], results, Path(tmp))
         for name, run in steps:
+            if time.perf_counter() - t0 > budget_s:
+                results.fail(f"{name}: not run, past the {budget_s:.0f} s budget")
+                continue
             print(f"[{time.perf_counter() - t0:5.0f} s] {name}", flush=True)
             try:
                 run()

@@ -187,3 +187,71 @@ def test_the_engine_claims_its_targets_device(tiny_dir, monkeypatch):
     with Engine(config):
         pass
     assert claimed == ["cpu"]  # a no-op there; on "cuda:1" it makes cuda:1 current
+
+
+class _PerThreadDevice:
+    """torch.cuda.set_device as CUDA keeps it: one current device per host thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._local = threading.local()
+        self.claims: list[tuple[str, torch.device]] = []  # (thread name, device)
+
+    def set_device(self, device) -> None:
+        import threading
+
+        self._local.device = torch.device(device)
+        self.claims.append((threading.current_thread().name, torch.device(device)))
+
+    def current(self) -> torch.device:
+        return getattr(self._local, "device", torch.device("cuda:0"))  # a new thread: cuda:0
+
+
+def test_the_servers_engine_thread_claims_the_targets_device(monkeypatch):
+    """`serve` makes the engine in the main thread; the engine runs in `ssdlocal-engine`,
+    whose current device would otherwise be cuda:0."""
+    from types import SimpleNamespace
+
+    from ssdlocal.server.scheduler import Scheduler
+
+    cuda = _PerThreadDevice()
+    monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
+    engine = SimpleNamespace(config=SimpleNamespace(target=SimpleNamespace(device="cuda:1")), cancel=lambda: None)
+    scheduler = Scheduler(engine, metrics=None, mode="ar")
+    scheduler.start()
+    scheduler.stop()
+    assert cuda.claims == [("ssdlocal-engine", torch.device("cuda:1"))]
+
+
+def test_the_chat_worker_claims_the_targets_device_before_generating(monkeypatch):
+    """The TUI loads the engine in one thread and generates in a Textual worker thread:
+    the worker makes the target's GPU current before its first engine call."""
+    pytest.importorskip("textual")
+    import asyncio
+    from dataclasses import replace
+
+    from fake_engine import FakeEngine, chat_settings, fake_config
+
+    from ssdlocal.tui.app import ChatApp
+
+    cuda = _PerThreadDevice()
+    monkeypatch.setattr(torch.cuda, "set_device", cuda.set_device)
+    config = fake_config()
+    engine = FakeEngine(replace(config, target=replace(config.target, device="cuda:1")))
+    seen = []  # the current device of the thread that runs each generate call
+    generate = engine.generate
+    engine.generate = lambda *a, **kw: (seen.append(cuda.current()), generate(*a, **kw))[1]
+
+    async def chat() -> None:
+        app = ChatApp(lambda: engine, engine.config, chat_settings(draft=engine.config.spec.draft, max_new_tokens=4))
+        async with app.run_test(size=(120, 36)) as pilot:
+            while app.loading:
+                await pilot.pause(0.01)
+            await pilot.pause()
+            await pilot.press(*"hi", "enter")
+            await pilot.pause()
+            await app.workers.wait_for_complete()
+
+    asyncio.run(chat())
+    assert seen == [torch.device("cuda:1")]

@@ -5,6 +5,8 @@ each architecture), float32 logits from bf16 weights, and real CUDA graphs (`gpu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,6 +77,35 @@ def test_capture_once_then_replay_with_new_inputs():
     assert len(cache) == 0
     cache.run(("step", 1, 2), _double, x=torch.tensor([1.0, 2.0]))
     assert backend.captures == 3
+
+
+def test_a_mirror_hears_every_primitive_in_the_order_it_runs():
+    """What the ranks of a tensor-parallel group repeat (parallel/group.py): a capture
+    that computes (traced) or does not (CUDA: a replay follows), the self-check's eager
+    run, a refused capture's eager run, and eager only after a failed self-check."""
+    heard = []
+    mirror = lambda action, key: heard.append((action, key))  # noqa: E731
+    cache = GraphCache(CountingBackend())
+    cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # captured, computed
+    cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # first replay + self-check
+    cache.run("a", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "a"), ("replay", "a"), ("eager", "a"), ("replay", "a")]
+    heard.clear()
+    later = CountingBackend()
+    uncomputed = later.capture
+    later.capture = lambda fn, inputs: replace(uncomputed(fn, inputs), computed=False)  # as CUDA graphs
+    cache = GraphCache(later, self_check=False)
+    cache.run("b", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "b"), ("replay", "b")]
+    heard.clear()
+    cache = GraphCache(CountingBackend(fail=True))
+    cache.run("c", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "c"), ("eager", "c")]
+    heard.clear()
+    cache = GraphCache(CountingBackend(wrong=True))
+    for _ in range(3):
+        cache.run("d", _double, mirror=mirror, x=torch.ones(2))
+    assert heard == [("capture", "d"), ("replay", "d"), ("eager", "d"), ("eager", "d")]  # then eager for good
 
 
 def test_memory_budget_refuses_capture_and_runs_eagerly():
@@ -162,6 +193,41 @@ def test_traced_replay_reads_a_rebound_tensor_stale_like_a_cuda_graph():
     assert cache.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [2.0]  # stale
     owner.scale.fill_(5.0)  # the new tensor: invisible to the graph
     assert cache.run("k", owner.step, x=torch.tensor([1.0])).tolist() == [2.0]
+
+
+def test_the_traced_twin_catches_an_output_held_across_another_call():
+    """The graph-pool rule (capture.py): a step's output is valid until the next capture or
+    replay of its cache, whatever the shape. The traced twin fills the last output with NaN
+    before the next call, so a caller that holds one reads garbage on the CPU too."""
+    cache = GraphCache(TracedGraphs())
+    double = lambda x: x * 2  # noqa: E731
+    a = cache.run("a", double, x=torch.ones(2))  # captured (the capture computed it)
+    kept = a.clone()
+    b = cache.run("b", double, x=torch.ones(3))  # another shape
+    assert torch.isnan(a).all() and torch.equal(kept, torch.full((2,), 2.0))
+    again = cache.run("a", double, x=torch.full((2,), 3.0))  # a replay writes its buffer again
+    assert again is a and torch.equal(a, torch.full((2,), 6.0)) and torch.isnan(b).all()
+    cache.run("a", double, x=torch.ones(2))  # the same shape: the held values are gone too
+    assert torch.equal(again, torch.full((2,), 2.0))
+
+
+def test_the_runner_keeps_the_graph_pool_rule(tiny_dir):
+    """A decode step's logits are the graph's buffer (the caller reads them before the next
+    step); a tree step's are the caller's (forward_raw clones them)."""
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch.runner import TorchRunner
+    from ssdlocal.backends.torch.model import causal_mask
+
+    runner = TorchRunner(registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32")), graphs="trace")
+    runner.reset(1, 64)
+    runner.feed([[5, 6, 7, 8]], "none")
+    runner.begin_steps()
+    step = runner.step(torch.tensor([[9]]))  # [1, 1, V], captured
+    positions = torch.tensor([[4, 5]])
+    tree = runner.forward_raw(torch.tensor([[9, 10]]), positions, positions, causal_mask(positions, 64))
+    assert torch.isnan(step).all()  # held across the tree step: caught
+    runner.step(torch.tensor([[9, 10, 11]]))  # another shape
+    assert not torch.isnan(tree).any()  # forward_raw handed out its own copy
 
 
 def test_the_guard_catches_a_rebound_static_tensor():

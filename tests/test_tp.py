@@ -114,6 +114,27 @@ def test_tp2_reuses_prefixes_on_every_rank_and_equals_tp1(tiny_dir):
     assert [cached for _, cached in got] == [0, 64, 32 + 64]
 
 
+def test_tp2_steps_replay_traced_graphs_and_equal_one_device(tiny_dir, monkeypatch):
+    """SSDLOCAL_GRAPHS=trace: every rank captures its decode/tree steps (all_reduces inside
+    the traced op graph) and replays them; AR, SD and SSD equal an eager single device."""
+    draft = str(tiny_dir["draft_llama"])
+    modes = [SpecConfig(mode=Mode.AR), SpecConfig(mode=Mode.SD, k=3, draft=draft_of(draft)),
+             SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(draft))]  # fmt: skip
+    with Engine(replace(_config(tiny_dir["llama"], (), Mode.SSD, draft), graphs="off")) as one:
+        want = [_tokens(one, spec) for spec in modes]
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")
+    captured = 0
+    with Engine(_config(tiny_dir["llama"], TP2, Mode.SSD, draft)) as two:
+        for spec, expected in zip(modes, want):
+            done = [e for e in two.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+            assert [o.token_ids for o in done.outputs] == expected, spec.mode
+            target = done.stats["graphs"]["target"]  # this call's counts
+            assert target["mode"] == "trace" and target["dropped"] == target["refused"] == 0, target
+            assert target["replays"] > 0, (spec.mode, target)
+            captured += target["captured"]
+    assert captured > 0
+
+
 # --------------------------------------------------------------------------- robustness
 
 

@@ -4,7 +4,13 @@ process per other rank, each holding a shard (tp.py) on its own device.
 Rank 0 wraps its shard in `TPModel`, which TorchRunner uses like a plain Transformer:
 before each forward it sends a small header (op, shapes) down a pipe to every rank,
 broadcasts ids/positions/slots/mask with torch.distributed, and runs its shard; the
-ranks run the same forward, so every all_reduce meets its partners. Idle ranks wait on
+ranks run the same forward, so every all_reduce meets its partners.
+Decode and tree steps are captured on every rank (graphs.py, when the runner's graph mode
+gives a backend): each rank holds one graph per shape with its all_reduces inside, and
+the inputs are broadcast outside the graph, then copied into its static buffers. Rank 0's
+GraphCache decides; each primitive it runs (eager, capture, replay) is sent to the ranks
+with the graph key first (the forward's header carries the first), so all ranks capture,
+replay and fall back together and every collective meets its partners. Idle ranks wait on
 the pipe (with a parent-death check), never inside a collective, so an idle engine
 cannot time out, while every collective has the process group's timeout.
 Each rank is an ipc.ChildProcess (deadline receives, SHUTDOWN then SIGKILL on close,
@@ -66,6 +72,7 @@ class TPModel:
         self.group = group
         self.args = shard.args  # per-rank head counts
         self.layers = shard.layers
+        self.graphs = None  # rank 0's GraphCache (use_graphs)
 
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
         self.group.command_all(Cmd.CACHE, (batch_size, num_slots))
@@ -90,11 +97,40 @@ class TPModel:
         self.group.command_all(Cmd.PREFIX_LOAD, (row, runs))
         self.shard.load_prefix(row, runs)
 
-    def __call__(self, ids, positions, slots, mask, keep=None):
+    def use_graphs(self, mode: str):
+        """Captured steps on every rank in graph mode `mode` (graphs.resolve_mode); returns
+        rank 0's GraphCache (the runner's `graphs`: its counts, its `clear`), or None."""
+        from ssdlocal.backends.torch.graphs import GraphCache, capture_backend, resolve_mode
+
+        backend = capture_backend(self.group.device, mode)
+        self.graphs = None if backend is None else GraphCache(backend, self)
+        self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else "off")
+        self.group.collect_acks()
+        return self.graphs
+
+    # graphs.StaticTensors, for rank 0's shard (the other ranks run the same code)
+    def registered(self):
+        yield from self.shard.parameters()
+        yield from self.shard.buffers()
+
+    def state_tensors(self) -> tuple:
+        caches = (t for layer in self.shard.layers for t in layer.self_attn.kv_cache.tensors())
+        return (*self.shard.rope_tables(), *caches)
+
+    def describe(self, tensor) -> str:
+        for name, value in (*self.shard.named_parameters(), *self.shard.named_buffers()):
+            if value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                return f"shard.{name}"
+        return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor made at capture"
+
+    def __call__(self, ids, positions, slots, mask, keep=None, *, capture: bool = False):
         """ids/positions/slots [B, T] long, mask [B, T, S] bool (on rank 0's device) ->
         logits [B, T, V], or [B, n, V] at the query indices `keep` [B, n] (rank 0's lm_head
-        only: the other ranks compute no logits)."""
-        return self.group.forward(self.shard, ids, positions, slots, mask, keep)
+        only: the other ranks compute no logits). `capture`: a decode or tree step whose
+        shape recurs, replayed from a graph on every rank when graphs are on (then the
+        logits are a static buffer: read them before the next forward)."""
+        graphs = self.graphs if capture and keep is None else None
+        return self.group.forward(self.shard, ids, positions, slots, mask, keep, graphs=graphs)
 
 
 class RankGroup:
@@ -223,15 +259,31 @@ class RankGroup:
             raise self.failure("a tensor-parallel rank died")
 
     # ---- the mirrored forward
-    def forward(self, shard, ids, positions, slots, mask, keep=None):
+    def forward(self, shard, ids, positions, slots, mask, keep=None, graphs=None):
+        """One forward on every rank: eager, or through rank 0's GraphCache `graphs`, whose
+        primitives are mirrored on the ranks (FORWARD carries the first, STEP the others)."""
         import torch.distributed as dist
 
         B, T = ids.shape
         S = mask.shape[-1]
-        self.command_all(Cmd.FORWARD, (B, T, S))
-        try:
+        key = ("forward", B, T, S)
+        sent = False
+
+        def mirror(action: str, _key) -> None:
+            nonlocal sent
+            if sent:
+                self.command_all(Cmd.STEP, (action, key))
+                return
+            self.command_all(Cmd.FORWARD, (B, T, S, key, action))
             dist.broadcast(pack_inputs(ids, positions, slots, mask).to(self.device), 0)  # one collective
-            return shard(ids, positions, slots, mask, keep)  # [B, T or n, V]; all_reduce inside
+            sent = True
+
+        try:
+            if graphs is None:
+                mirror("eager", key)
+                return shard(ids, positions, slots, mask, keep)  # [B, T or n, V]; all_reduce inside
+            return graphs.run(key, shard, mirror=mirror, input_ids=ids, positions=positions,
+                              slots=slots, attn_mask=mask)  # fmt: skip
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent
             mapped = oom_error(exc, f"on {self.device} in the tensor-parallel forward")

@@ -3,7 +3,8 @@ mirrors rank 0's forwards, and the pipe protocol both sides speak (Cmd / Reply).
 
 A rank loads its shard, then answers rank 0 through ssdlocal.ipc's serve loop (which
 also notices a dead parent): CACHE allocates its KV cache; FORWARD joins rank 0's input
-broadcasts and runs the same forward, so every all_reduce meets its partners; PREFIX_*
+broadcast and runs the same forward (eagerly, or capturing or replaying the graph of
+the key rank 0 names, see RankGraphs), so every all_reduce meets its partners; PREFIX_*
 keep the rank's share of the prefix cache in step with rank 0's. Any
 failure reaches rank 0 as an error reply before the process exits non-zero.
 """
@@ -23,10 +24,12 @@ class Cmd(IntEnum):
     """Rank 0 -> other ranks (pipe)."""
 
     CACHE = 1  # (batch_size, num_slots): allocate the rank's KV cache
-    FORWARD = 2  # (B, T, S): join the input broadcasts, then run the forward
+    FORWARD = 2  # (B, T, S, key, action): join the input broadcast, then run `action` on it
     PREFIX_POOL = 3  # tokens: allocate the rank's prefix cache (ACK)
     PREFIX_SAVE = 4  # (row, runs): cache -> prefix cache (no reply)
     PREFIX_LOAD = 5  # (row, runs): prefix cache -> cache (no reply)
+    GRAPHS = 6  # graph mode ("off", "auto", "trace"): how this rank captures steps (ACK)
+    STEP = 7  # (action, key): one more primitive on the last FORWARD's inputs (no reply)
 
 
 class Reply(IntEnum):
@@ -59,6 +62,46 @@ def unpack_inputs(packed, B: int, T: int, S: int):
     head = packed[: 3 * B * T].view(3, B, T)  # [3, B, T]
     mask = packed[3 * B * T :].view(torch.uint8)[: B * T * S].view(B, T, S).bool()  # [B, T, S]
     return head[0], head[1], head[2], mask
+
+
+class RankGraphs:
+    """A rank's captured forwards, one per key, driven by rank 0's GraphCache: this side
+    never decides, it runs the primitive rank 0 announces (graphs.GraphCache's `mirror`),
+    so both sides capture, replay and fall back to eager together."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.backend = None  # capture.CudaGraphs / TracedGraphs (use)
+        self.captured: dict = {}
+
+    def use(self, mode: str) -> None:
+        from ssdlocal.backends.torch.graphs import capture_backend
+
+        self.clear()
+        self.backend = capture_backend(self.device, mode)
+
+    def clear(self) -> None:
+        self.captured.clear()
+
+    def run(self, action: str, key, inputs: dict) -> None:
+        """`action` ("eager", "capture", "replay") on `inputs` (input_ids, positions,
+        slots, attn_mask); a capture that fails here leaves no graph, and a later replay
+        of its key raises (rank 0 gets the error)."""
+        if action == "eager":
+            self.model(**inputs)
+        elif action == "capture":
+            self.captured.pop(key, None)
+            if self.backend is None:
+                raise RuntimeError("rank 0 captures a step but this rank has no graph mode")
+            self.captured[key] = self.backend.capture(self.model, inputs)
+        elif action == "replay":
+            found = self.captured.get(key)
+            if found is None:
+                raise RuntimeError(f"rank 0 replays step {key}, which this rank did not capture")
+            found.replay(inputs)
+        else:
+            raise RuntimeError(f"unknown step action {action!r}")
 
 
 def pin_to_loopback(backend: str) -> None:
@@ -108,15 +151,26 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
     model.lm_head = torch.nn.Identity()  # only rank 0 needs logits: skip the [hidden, V] matmul
     conn.send((Reply.LOADED, shard_bytes(model)))
 
+    graphs = RankGraphs(model, device)
+    inputs: dict = {}  # the last FORWARD's inputs, which STEP commands run again
+
     def handle(cmd, payload) -> None:
         if cmd == Cmd.FORWARD:
-            B, T, S = payload
+            B, T, S, key, action = payload
             packed = torch.empty(packed_size(B, T, S), dtype=torch.long, device=device)
             dist.broadcast(packed, 0)
-            model(*unpack_inputs(packed, B, T, S))  # output unused: rank 0 has the logits
+            inputs.clear()
+            inputs.update(zip(("input_ids", "positions", "slots", "attn_mask"), unpack_inputs(packed, B, T, S)))
+            graphs.run(action, key, inputs)  # output unused: rank 0 has the logits
+        elif cmd == Cmd.STEP:
+            graphs.run(*payload, inputs)
+        elif cmd == Cmd.GRAPHS:
+            graphs.use(payload)
+            conn.send((Reply.ACK, None))
         elif cmd == Cmd.CACHE:
             batch_size, num_slots = payload
             model.setup_cache(batch_size, num_slots, loaded.dtype, device)
+            graphs.clear()  # they read the old cache
             conn.send((Reply.ACK, None))
         elif cmd == Cmd.PREFIX_POOL:
             model.setup_prefix_pool(payload, loaded.dtype, device)

@@ -6,6 +6,9 @@ for the llama family q/k/v and gate/up column-wise (by heads for attention), o_p
 down_proj row-wise and followed by an all_reduce. Embeddings, norms and lm_head stay
 replicated, so every rank ends with the full logits. The KV cache holds only the rank's
 kv heads (the model's args are replaced by per-rank head counts before `setup_cache`).
+The all_reduce is torch's functional collective (as in gpt-fast): an op with an output,
+so a traced step (SSDLOCAL_GRAPHS=trace, over gloo) records it in its op graph and a CUDA
+graph records it as an NCCL kernel; every replay then reduces again with the other ranks.
 Knows nothing about processes: it only needs a rank, a world size and a process group.
 """
 
@@ -35,9 +38,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
 
         out = F.linear(x, self.weight)  # [..., out] partial sum of this rank's features
-        dist.all_reduce(out, group=self.group)  # [..., out] full sum
+        out = funcol.all_reduce(out, "sum", self.group or dist.group.WORLD)  # [..., out] full sum
         return out if self.bias is None else out + self.bias
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams, repeatable
 from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
@@ -206,6 +207,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
+        # CUDA's current device is per thread: the engine runs here, not where it was made
+        registry.claim_device(self.engine.config.target.device)
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -35,6 +35,15 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
+def claim_engine_device(engine: EngineLike) -> None:
+    """Make the engine's target device current in the calling thread (CUDA's current
+    device is per thread: every worker thread that runs the engine calls this first, or
+    implicit work lands on cuda:0); a no-op on the CPU."""
+    from ssdlocal.backends.registry import claim_device
+
+    claim_device(engine.config.target.device)
+
+
 # --------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
 class ChatSettings:

@@ -7,6 +7,15 @@ captured; rebinding the attribute that held it later changes nothing for the rep
 `TracedGraphs` gets this by tracing the step with `make_fx` (every tensor read that is not
 an input becomes a constant of the op graph, held by reference, as a CUDA graph holds an
 address), so tests on the CPU see the wrong tokens a stale read gives on a GPU.
+
+The graph-pool rule: all graphs of one cache are captured into one memory pool, and a
+step's output is a static buffer of that pool. It is valid until the next capture or
+replay of the same cache, whatever the shape: the same shape writes the buffer again,
+and memory freed when graphs are dropped goes back to the pool that the next capture
+allocates from. A caller that keeps an output longer clones it (TorchRunner.forward_raw
+does, for the SSD speculator). `TracedGraphs` enforces the rule on the CPU: before each
+capture or replay it fills the output it handed out last with NaN (or -1), so an output
+held across another call reads as garbage and the exactness tests fail.
 Knows nothing about runners or models.
 """
 
@@ -35,6 +44,7 @@ class Captured:
     computed: bool = False  # `output` already holds the capturing call's result
     reads: tuple[Tensor, ...] = ()  # tensors read besides the inputs (traced graphs only)
     device: torch.device | None = None  # a CUDA graph's device: replays run inside it
+    traced: object | None = None  # the op graph (TracedGraphs only): one node per recorded op
 
     def replay(self, inputs: dict[str, Tensor]) -> Tensor:
         """Copy `inputs` into the static buffers, replay, return the static output."""
@@ -108,14 +118,23 @@ class TracedGraphs:
 
     def __init__(self, free: Callable[[], int | None] = lambda: None) -> None:
         self._free = free
+        self._last: Tensor | None = None  # the output handed out by the last capture or replay
 
     def free_bytes(self) -> int | None:
         return self._free()
+
+    def _poison_last(self) -> None:
+        """The graph-pool rule (module docstring): the previous output is no longer valid."""
+        if self._last is not None:
+            with torch.inference_mode():
+                self._last.fill_(float("nan") if self._last.is_floating_point() else -1)
+            self._last = None
 
     def capture(self, fn: Callable[..., Tensor], inputs: dict[str, Tensor]) -> Captured:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         static = {name: t.clone() for name, t in inputs.items()}
+        self._poison_last()  # after the clones: an input may be computed from it
         names = list(static)
         results: list[Tensor] = []
 
@@ -136,9 +155,12 @@ class TracedGraphs:
         values = tuple(static.values())
 
         def run() -> None:
+            self._poison_last()
             output.copy_(graph(*values))
+            self._last = output
 
-        return Captured(static, output, run, output.nbytes, computed=True, reads=reads)
+        self._last = output
+        return Captured(static, output, run, output.nbytes, computed=True, reads=reads, traced=graph)
 
 
 def storage_key(t: Tensor) -> tuple[str, int]:

@@ -16,6 +16,9 @@ change the output:
 Refusals and drops are counted in `GraphStats` and never only logged at DEBUG.
 Modes: "auto" (CUDA graphs on CUDA devices, none elsewhere), "off", "trace" (the CPU
 twin of CUDA graphs, capture.TracedGraphs); SSDLOCAL_GRAPHS overrides the configured mode.
+A cache can be mirrored (`run(..., mirror=)`): every primitive it runs (an eager call, a
+capture, a replay) is announced first, so the other ranks of a tensor-parallel group run
+the same primitive on the same inputs and their collectives meet (parallel/group.py).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class GraphCache:
         self._refused: set[Hashable] = set()
         self._checked: set[Hashable] = set()
         self._state: tuple[Tensor, ...] | None = None  # the owner's state at the first capture
+        self._mirror: Callable[[str, Hashable], None] | None = None  # set during `run`
 
     @property
     def kind(self) -> str:
@@ -115,13 +119,24 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: Hashable, fn: Callable[..., Tensor], **inputs: Tensor) -> Tensor:
+    def run(self, key: Hashable, fn: Callable[..., Tensor], *,
+            mirror: Callable[[str, Hashable], None] | None = None, **inputs: Tensor) -> Tensor:  # fmt: skip
         """fn(**inputs), replayed from a capture when one exists or can be made.
 
-        The returned tensor is a static buffer: read it before the next call with `key`.
+        The returned tensor is a static buffer (the graph-pool rule, capture.py): read or
+        clone it before the next call into this cache, whatever its key.
+        `mirror(action, key)`, when given, is called before each primitive this call runs,
+        in order: "eager" (fn runs as is), "capture" (the backend captures fn), "replay".
         """
+        self._mirror = mirror
+        try:
+            return self._run(key, fn, inputs)
+        finally:
+            self._mirror = None
+
+    def _run(self, key, fn, inputs) -> Tensor:
         if self.disabled:
-            return self._eager(fn, inputs)
+            return self._eager(fn, inputs, key)
         self._guard_state()
         captured = self._graphs.get(key)
         if captured is None and key not in self._refused:
@@ -129,15 +144,21 @@ class GraphCache:
             if captured is not None and captured.computed:
                 return captured.output  # the capture ran this very step (same inputs)
         if captured is None:
-            return self._eager(fn, inputs)
+            return self._eager(fn, inputs, key)
+        self._announce("replay", key)
         out = captured.replay(inputs)
         self.stats.replays += 1
         if self.self_check and key not in self._checked:
             return self._first_replay_check(key, fn, inputs, out)
         return out
 
-    def _eager(self, fn, inputs) -> Tensor:
+    def _announce(self, action: str, key) -> None:
+        if self._mirror is not None:
+            self._mirror(action, key)
+
+    def _eager(self, fn, inputs, key=None) -> Tensor:
         self.stats.eager += 1
+        self._announce("eager", key)
         return fn(**inputs)
 
     # ------------------------------------------------------------------ capture
@@ -146,6 +167,7 @@ class GraphCache:
         if len(self._graphs) >= self.max_graphs or (free is not None and free < self.reserve_bytes):
             return self._refuse(key, "memory budget")
         try:
+            self._announce("capture", key)
             captured = self.backend.capture(fn, inputs)
         except (RuntimeError, CaptureError) as exc:  # an op that cannot be captured: eager
             return self._refuse(key, f"capture failed ({str(exc).splitlines()[0][:100]})")
@@ -193,6 +215,7 @@ class GraphCache:
         """Compare the first replay of `key` with an eager run of the same inputs."""
         self._checked.add(key)
         replayed = out.clone()
+        self._announce("eager", key)
         want = fn(**inputs)  # writes the same cache slots with the same values
         if _same(replayed, want):
             return out
@@ -257,11 +280,15 @@ def resolve_mode(configured: str) -> str:
     return env if env and env != "auto" else configured
 
 
-def make_graph_cache(device: torch.device, mode: str, statics: StaticTensors | None = None) -> GraphCache | None:
-    """The graph cache for a model on `device` in graph mode `mode` (see resolve_mode)."""
+def capture_backend(device: torch.device, mode: str) -> CudaGraphs | TracedGraphs | None:
+    """What captures steps on `device` in graph mode `mode` (see resolve_mode): None for none."""
     mode = resolve_mode(mode)
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return None
-    if mode == "trace":
-        return GraphCache(TracedGraphs(), statics)
-    return GraphCache(CudaGraphs(device), statics)
+    return TracedGraphs() if mode == "trace" else CudaGraphs(device)
+
+
+def make_graph_cache(device: torch.device, mode: str, statics: StaticTensors | None = None) -> GraphCache | None:
+    """The graph cache for a model on `device` in graph mode `mode` (see resolve_mode)."""
+    backend = capture_backend(device, mode)
+    return None if backend is None else GraphCache(backend, statics)

@@ -74,7 +74,9 @@ class TorchRunner(HeldRows):
         self.capacity = 0  # slots per row allocated now (grows up to num_slots)
         self.state = DecodeState(0, STEP_OFFSETS, self.device)
         self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
-        self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else None
+        # A tensor-parallel model captures on every rank itself (parallel/group.py); its
+        # rank 0 cache is this runner's `graphs` all the same (counts, clear, span buckets).
+        self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else self.model.use_graphs(graphs)
         self.prefix: PrefixIndex | None = None  # earlier calls' prefixes (setup_prefix)
         self.prefix_token_bytes = 0
 
@@ -285,7 +287,7 @@ class TorchRunner(HeldRows):
             self.state = DecodeState(old.numel(), ids.shape[1], self.device)
             self.state.lengths.copy_(old)
             self._graphs_invalid()
-        if self.graphs is not None:
+        if self.graphs is not None and self.plain:
             step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
             return self.graphs.run(("step", *ids.shape, span), step, ids=ids)
         return self._step(ids, span)
@@ -305,6 +307,8 @@ class TorchRunner(HeldRows):
         """Attention over slots [0, span), masked causally on the device (capturable)."""
         positions = self.state.lengths[:, None] + self.state.offsets[: ids.shape[1]]  # [B, T]
         mask = causal_mask(positions, span)  # [B, T, S]
+        if not self.plain:  # a tensor-parallel group captures the forward on every rank
+            return self.model(ids, positions, positions, mask, capture=True)  # [B, T, V]
         return self.model(ids, positions, positions, mask)  # [B, T, V]
 
     # ------------------------------------------------------------------ trees (SSD)
@@ -314,6 +318,9 @@ class TorchRunner(HeldRows):
         device); does not touch `held`. Returns logits [B, T, V] float32 on the device,
         which the caller owns."""
         self._ensure(mask.shape[-1])
+        if not self.plain:
+            out = self.model(ids, positions, slots, mask, capture=True)  # [B, T, V]
+            return out if self.graphs is None else out.clone()  # a static buffer (capture.py)
         if self.graphs is not None:
             return self.graphs.run(
                 ("tree", *mask.shape), self.model, input_ids=ids, positions=positions,

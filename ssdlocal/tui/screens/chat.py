@@ -25,6 +25,7 @@ from ssdlocal.tui.core import (
     Conversation,
     EngineLike,
     OriginSplitter,
+    claim_engine_device,
     error_text,
     run_command,
 )
@@ -247,6 +248,7 @@ class ChatScreen(Screen):
         engine = self.engine
         splitter = OriginSplitter(engine.tokenizer)
         try:
+            claim_engine_device(engine)  # this worker thread runs the engine
             reading = lambda p: self.post_message(PromptProgress(turn, p.done, p.total))  # noqa: E731
             for ev in engine.generate([ids], settings.sampling, spec=settings.spec, cancel=stop, progress=reading):
                 if isinstance(ev, TokensEvent):

@@ -23,7 +23,7 @@ from textual.widgets import Footer, Static
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams, SpecConfig
-from ssdlocal.tui.core import EngineLike, error_text
+from ssdlocal.tui.core import EngineLike, claim_engine_device, error_text
 from ssdlocal.tui.messages import RaceProgress, RaceRecorded, WorkFailed
 from ssdlocal.tui.race import (
     RaceRun,
@@ -113,6 +113,7 @@ class RaceScreen(Screen):
         engine = self.engine
         stop = CancelToken(parent=self.app.quitting)  # quitting stops this run and the rest
         try:
+            claim_engine_device(engine)  # this worker thread runs the engine
             ids = engine.encode(self.prompt, self.chat)
             if self.warmup:  # first calls pay one-time costs (allocation, lazy draft load)
                 short = SamplingParams(
