@@ -22,6 +22,7 @@ from typing import Any
 
 from ssdlocal.engine.fim import ContextFile, FimTokens, fim_prompt, no_fim_error
 from ssdlocal.server.protocol import APIError, ParsedRequest, bad, parse_completion
+from ssdlocal.server.responses import grammar_failure
 from ssdlocal.server.scheduler import Chunk, Finished
 
 # llama.cpp's defaults for the fields a client leaves out
@@ -121,6 +122,11 @@ class InfillAnswer:
         if self.req.return_token_ids:
             chunk["tokens"] = list(item.token_ids)
         return [chunk]
+
+    def failures(self, finished: Finished) -> list[APIError]:
+        """The answered choice's grammar failure (finish_reason "error"), as an error: the
+        whole answer is then that error, and a stream sends it after its last record."""
+        return [grammar_failure(self.req, e) for e in finished.errors[:1] if e is not None]
 
     def finish_chunks(self, finished: Finished) -> list[dict[str, Any]]:
         """The stream's last event: the full record with empty content (llama.cpp's)."""
