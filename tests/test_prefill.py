@@ -18,6 +18,7 @@ from ssdlocal.backends.torch.quant import QuantLinear, quantize
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
+from host_reads import HostReads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -160,25 +161,6 @@ def test_cancel_while_a_long_prompt_is_read_stops_within_a_chunk(long_context):
         assert len(full.outputs[0].token_ids) == 4
 
 
-class _HostReads:
-    """Counts tensor -> Python reads (item, tolist, int/float/bool/index of a tensor) while active."""
-
-    NAMES = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        self.active = False
-        for name in self.NAMES:
-            real = getattr(torch.Tensor, name)
-
-            def counted(t, *a, _real=real, **k):
-                if self.active:
-                    self.count += 1
-                return _real(t, *a, **k)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
-
-
 def _two_feeds(engine: Engine) -> torch.Tensor:
     """Rows of 300 and 500 tokens, then 1300 more tokens each (3 chunks from unequal starts)."""
     runner = engine.runner
@@ -191,7 +173,7 @@ def _two_feeds(engine: Engine) -> torch.Tensor:
 def test_a_chunked_feed_reads_nothing_back_and_the_lower_right_kernel_agrees(long_context, monkeypatch):
     from ssdlocal.backends.torch import model as model_mod
 
-    reads = _HostReads(monkeypatch)
+    reads = HostReads(monkeypatch)
     with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"), prefix_cache_tokens=0)) as engine:
         real = engine.runner.model.prefill
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_helpers import run_cli
+from host_reads import HostReads
 
 from ssdlocal.core.config import (
     EngineConfig,
@@ -108,9 +109,23 @@ def test_tp2_reuses_prefixes_on_every_rank_and_equals_tp1(tiny_dir):
         want = [tokens for tokens, _ in answers(one)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner_mod, "PREFILL_CHUNK", 32)  # the prompts go in chunks through the group
+        reads = HostReads(mp)
+        chunked = runner_mod.TorchRunner._chunked_forward
+        chunks = []
+
+        def watched(self, *a, **k):  # no host wait per chunk: its span comes from host starts
+            reads.active = True
+            chunks.append(1)
+            try:
+                return chunked(self, *a, **k)
+            finally:
+                reads.active = False
+
+        mp.setattr(runner_mod.TorchRunner, "_chunked_forward", watched)
         with Engine(_config(tiny_dir["llama"], TP2)) as two:
             got = answers(two)
     assert [tokens for tokens, _ in got] == want
+    assert chunks and reads.count == 0
     assert [cached for _, cached in got] == [0, 64, 32 + 64]
 
 

@@ -180,7 +180,7 @@ class TorchRunner(HeldRows):
             out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report,
                                      starts=starts)
         elif not self.plain and t_max > PREFILL_CHUNK:
-            out = self._chunked_forward(ids, positions, keep, progress)
+            out = self._chunked_forward(ids, positions, keep, progress, max(starts))
         else:
             mask = None if self.plain and fresh else causal_mask(positions, max(starts) + t_max)  # [B, T, S]
             out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
@@ -190,17 +190,20 @@ class TorchRunner(HeldRows):
             return [out[b, : lengths[b]] for b in range(len(rows))]
         return [out[b, :1] if lengths[b] and logits == "last" else out[b, :0] for b in range(len(rows))]
 
-    def _chunked_forward(self, ids: Tensor, positions: Tensor, keep: Tensor | None, progress) -> Tensor:
+    def _chunked_forward(self, ids: Tensor, positions: Tensor, keep: Tensor | None, progress,
+                         start: int) -> Tensor:
         """A long feed through a model that only runs whole forwards (a tensor-parallel
         group): chunk after chunk of PREFILL_CHUNK tokens, the logits of `keep` [B, n]
-        (query indices of the whole feed; None: all) gathered from the chunks they fall in."""
+        (query indices of the whole feed; None: all) gathered from the chunks they fall in.
+        `start`: the longest row's held tokens, so chunk [a, b) attends over slots
+        [0, start + b) without reading a position back from the device."""
         T = ids.shape[1]
         parts = []
         for a in range(0, T, PREFILL_CHUNK):
             b = min(a + PREFILL_CHUNK, T)
             pos = positions[:, a:b]  # [B, C]
             inside = None if keep is None else keep.clamp(a, b - 1) - a  # [B, n] indices into the chunk
-            parts.append((a, b, self.model(ids[:, a:b], pos, pos, causal_mask(pos, int(pos.max()) + 1), inside)))
+            parts.append((a, b, self.model(ids[:, a:b], pos, pos, causal_mask(pos, start + b), inside)))
             if progress is not None:
                 progress(b, T)
         if keep is None:
