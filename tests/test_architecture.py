@@ -176,8 +176,9 @@ def test_docs_and_docstrings_point_inside_the_repository():
     assert not offenders, offenders
 
 
-HOT_PATHS = ("engine", "draft", "grammar", "speculation", "backends/torch/runner.py", "core/verify.py",
-             "core/sampling.py", "core/logprobs.py")  # fmt: skip
+HOT_PATHS = ("engine", "draft", "grammar", "speculation", "parallel", "backends/torch/runner.py",
+             "backends/torch/graphs.py", "backends/torch/capture.py", "core/verify.py", "core/sampling.py",
+             "core/logprobs.py")  # fmt: skip
 HOST_READS = {"item", "tolist", "cpu"}
 HOST_READ_EXCEPTIONS = {
     "engine/auto.py": "the calibration times a step and must wait for the device, once per engine",
@@ -189,7 +190,8 @@ HOST_READ_EXCEPTIONS = {
 def test_hot_paths_read_the_device_only_through_the_audit():
     """Every device -> host read of the rounds goes through core/hostsync.py, which counts it:
     no raw `.item()`, `.tolist()` or `.cpu()` in the engine, drafters, grammar guides,
-    speculation code, the torch runner's decode path and verification."""
+    speculation code, the tensor-parallel ranks, the torch runner's decode path, captured
+    graphs and verification."""
     offenders = []
     for hot in HOT_PATHS:
         base = PACKAGE / hot
