@@ -60,7 +60,7 @@ OWN = {
     "generate": {"prompts": (["p1"], ["p1"]), "chat": (["--chat"], True),
                  "num_samples": (["--num-samples", "3"], 3), "as_json": (["--json"], True),
                  "json_schema": (["--json-schema", "SCHEMA"], {"type": "object"}),
-                 "regex": (["--regex", "[a-z]+"], "[a-z]+")},
+                 "regex": (["--regex", "[a-z]+"], "[a-z]+"), "fim_suffix": (["--fim-suffix", "AFTER"], "AFTER")},
     "chat": {"system": (["--system", "be brief"], "be brief")},
     "race": {"prompt": (["p1"], "p1"), "chat_template": (["--raw"], False),
              "warmup": (["--no-warmup"], False), "speed": (["--speed", "2.5"], 2.5),
@@ -82,8 +82,9 @@ OWN = {
               "allowed_hosts": (["--allowed-hosts", "a.lan,b.lan:9"], ("a.lan", "b.lan:9")),
               "allowed_origins": (["--allowed-origins", "http://localhost:3000"], ("http://localhost:3000",))},
 }
-# race's --speed only reaches the TUI: a second race run leaves --no-tui out
-RUNS = {"generate": ("regex",), "generate-regex": ("json_schema",), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
+# race's --speed only reaches the TUI: a second race run leaves --no-tui out; --fim-suffix
+# excludes --chat: the regex run takes it instead
+RUNS = {"generate": ("regex", "fim_suffix"), "generate-regex": ("json_schema", "chat"), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
         "serve": ()}  # run -> own options it leaves out
 
 

@@ -160,7 +160,8 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
             packed = torch.empty(packed_size(B, T, S), dtype=torch.long, device=device)
             dist.broadcast(packed, 0)
             inputs.clear()
-            inputs.update(zip(("input_ids", "positions", "slots", "attn_mask"), unpack_inputs(packed, B, T, S)))
+            ids, positions, slots, mask = unpack_inputs(packed, B, T, S)
+            inputs.update(input_ids=ids, positions=positions, slots=slots, attn_mask=mask)  # the forward's keywords
             graphs.run(action, key, inputs)  # output unused: rank 0 has the logits
         elif cmd == Cmd.STEP:
             graphs.run(*payload, inputs)
