@@ -177,6 +177,29 @@ def test_exactness_failure_is_flagged_with_margin(tiny_dir, monkeypatch, tmp_pat
     assert "FAIL 2/2 (first at 3, margin" in paths["md"].read_text()
 
 
+def test_results_are_written_without_matplotlib(tmp_path, monkeypatch):
+    """matplotlib is the optional `bench` extra: without it the JSON and Markdown are
+    still written (a run is never lost to the plot) and no results.png is claimed."""
+    import builtins
+
+    from ssdlocal.bench import report
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(report, "plotting_available", lambda: False)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    doc = {"aggregates": {}, "environment": {}, "settings": {}, "records": []}
+    monkeypatch.setattr(report, "markdown", lambda d: "table\n")
+    paths = write_all(doc, tmp_path)
+    assert set(paths) == {"json", "md"} and not (tmp_path / "results.png").exists()
+    assert paths["json"].is_file() and paths["md"].read_text() == "table\n"
+
+
 def test_check_exactness_pure():
     records = [
         {"system": "ar", "prompt_ids": ["a"], "token_ids": [[1, 2, 3]]},

@@ -1,5 +1,6 @@
 """Benchmark outputs: results.json (environment, settings, records, aggregates,
-projections), results.md (Markdown table) and results.png (matplotlib, Agg backend).
+projections), results.md (Markdown table) and results.png (matplotlib, Agg backend; skipped
+without it).
 
 `build_results` is the one place the JSON document is assembled; the writers only
 render it. Nothing here prints.
@@ -115,17 +116,23 @@ def settings_record(run: BenchRun) -> dict:
     }  # fmt: skip
 
 
+def plotting_available() -> bool:
+    """Whether matplotlib (the `bench` extra) can draw results.png."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_all(doc: dict, out_dir: Path) -> dict[str, Path]:
-    """Write results.json, results.md and results.png into out_dir; return their paths."""
+    """Write results.json, results.md and (with matplotlib installed) results.png into
+    out_dir; return the paths written ("png" absent without matplotlib)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out_dir / "results.json",
-        "md": out_dir / "results.md",
-        "png": out_dir / "results.png",
-    }
+    paths = {"json": out_dir / "results.json", "md": out_dir / "results.md"}
     paths["json"].write_text(json.dumps(doc, indent=2) + "\n")
     paths["md"].write_text(markdown(doc))
-    write_png(doc, paths["png"])
+    if plotting_available():
+        paths["png"] = out_dir / "results.png"
+        write_png(doc, paths["png"])
     return paths
 
 

@@ -156,9 +156,9 @@ def _run_and_report(config, prompts, settings, params, out_dir: Path, with_proje
     if not console.is_terminal:
         console = Console(width=180)  # a file or pipe: keep one row per line
     render_summary(doc, console)
-    err.print(
-        f"[dim]wrote {paths['json']}, {paths['md'].name}, {paths['png'].name} in {run.wall_s:.0f} s[/dim]"
-    )
+    plot = f", {paths['png'].name}" if "png" in paths else " (no plot: pip install -e \".[bench]\" adds results.png)"
+    err.print(f"wrote {paths['json']}, {paths['md'].name}{plot} in {run.wall_s:.0f} s", style="dim", markup=False,
+              highlight=False)  # fmt: skip
 
 
 def render_summary(doc: dict, console) -> None:
