@@ -364,7 +364,7 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
         events.append("poll")
         return events.count("step") >= 2
 
-    spec._tree_decode([[(0, 8), (1, 9)]], 2, should_stop)
+    spec._tree_decode([[(0, None, 8), (1, None, 9)]], torch.zeros(0, 0, dtype=torch.long), 2, should_stop)
     assert events == ["step", "wait", "poll", "step", "wait", "poll"]
     assert spec.last_depth == 2
 
@@ -405,7 +405,12 @@ def _seeding_speculator(suffix: bool):
         spec.suffix.memory, spec.suffix.own = SuffixMemory(), [SuffixIndex(seq)]
         spec.suffix.min_confidence = 0.3
     seen = []
-    spec._tree_decode = lambda branches, width, should_stop=None: seen.append(branches)
+
+    def tree(branches, cands, width, should_stop=None):  # each branch as (k, bonus), bonus from the device
+        flat = cands.reshape(-1).tolist()
+        seen.append([[(k, token if pick is None else flat[pick]) for k, pick, token in todo] for todo in branches])
+
+    spec._tree_decode = tree
     return spec, seen
 
 

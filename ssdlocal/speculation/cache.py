@@ -76,7 +76,33 @@ def bonus_candidates_batch(
     length of a round. logits [N, V]; drafted[i] and fan_outs[i] as in `bonus_candidates`."""
     if not fan_outs or max(fan_outs) <= 0:
         return [[] for _ in fan_outs]
+    site = site or detached_site("worker")
+    marks = site.upload([-1 if d is None else d for d in drafted], logits.device)  # [N]
+    top = site.read(bonus_candidates_device(logits, marks, max(fan_outs), params))  # [N, C]
+    return [row[: candidate_count(f, d, logits.shape[-1])] for row, d, f in zip(top, drafted, fan_outs)]
+
+
+def bonus_candidates_device(
+    logits: torch.Tensor, drafted: torch.Tensor, width: int, params: SamplingParams
+) -> torch.Tensor:
+    """Every position's bonus candidates, kept on the logits' device (no host read).
+
+    logits [N, V]; drafted [N] long on the same device, the token drafted at each position
+    or -1 at an all-accepted one. Returns [N, min(width, V)]: row i holds the top tokens of
+    position i, best first, with drafted[i] moved out (kept entries first, order kept);
+    its first `candidate_count(f, drafted, V)` entries equal `bonus_candidates(logits[i],
+    drafted[i], f, params)` for every f <= width. Ranking as in `bonus_candidates`."""
+    if width <= 0:
+        return torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
     score = logits.float() if params.greedy else logits_to_probs(logits.float(), params)  # [N, V]
-    take = min(max(fan_outs) + 1, score.shape[-1])
-    top = (site or detached_site("worker")).read(torch.topk(score, take, dim=-1).indices)  # [N, take]
-    return [[t for t in row if t != d][:f] if f > 0 else [] for row, d, f in zip(top, drafted, fan_outs)]
+    take = min(width + 1, score.shape[-1])
+    top = torch.topk(score, take, dim=-1).indices  # [N, take]
+    dropped = (top == drafted[:, None]).to(torch.uint8)  # [N, take] 1 where the drafted token is
+    order = torch.argsort(dropped, dim=-1, stable=True)  # kept entries first, in rank order
+    return top.gather(-1, order)[:, : min(width, score.shape[-1])]
+
+
+def candidate_count(fan_out: int, drafted: int | None, vocab: int) -> int:
+    """How many bonus candidates a position with `fan_out` has (host-known: no read):
+    the fan-out, capped by the vocabulary less the drafted token."""
+    return max(0, min(fan_out, vocab - (drafted is not None)))

@@ -25,7 +25,7 @@ from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.speculation.fanout import FanOutPlanner
 from ssdlocal.speculation.ngram import propose_ngram
 from ssdlocal.speculation.suffix import MAX_MATCH, SuffixIndex, SuffixMemory, propose
-from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates_batch
+from ssdlocal.speculation.cache import Branch, SpeculationCache, bonus_candidates_device, candidate_count
 
 
 @dataclass
@@ -73,10 +73,12 @@ class SuffixBackup:
 class Speculator:
     """Owns a draft Runner's state for one batch of rows.
 
-    Host waits (counted in `audit`, model "worker"): per pre-speculation one read of every
-    row's bonus candidates (one batched top-k) and one of the tree's drafts; a miss served
-    just in time reads its drafts once; with automatic fan-out each poll for an early
-    outcome waits for the previous tree step (by design: counted too)."""
+    Host waits (counted in `audit`, model "worker"): per pre-speculation one read, of the
+    tree's bonuses and drafts together (the bonus candidates of every row and accepted
+    length come from one batched top-k and stay on the device: the tree's first tokens are
+    gathered from them there); a miss served just in time reads its drafts once; with
+    automatic fan-out each poll for an early outcome waits for the previous tree step (by
+    design: counted too)."""
 
     def __init__(self, runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
         self.runner = runner
@@ -180,51 +182,64 @@ class Speculator:
         for b, r in enumerate(rows):
             for j in range(len(feeds[b])):
                 r.pred[starts[b] + j + 1] = align_vocab(out[b][j], self.vocab)  # [V]
-        # 2. candidates per accepted length: one batched top-k, one host read for every row
+        # 2. candidates per accepted length: one batched top-k, kept on the device; how many
+        # each place has is host-known, so the branch list needs no read
         fans = [self.fan_for(r.from_hit) for r in rows]
         places = [(b, k) for b, r in enumerate(rows) if r.active for k in range(len(r.proposal) + 1)]
-        found_all = self._candidates(places, fans)
-        branches: list[list[tuple[int, int]]] = [[] for _ in rows]
-        for (b, k), found in zip(places, found_all):
+        cands, counts = self._candidates(places, fans)  # [N, C] on the device, [N] host
+        branches: list[list[tuple[int, int | None, int | None]]] = [[] for _ in rows]
+        for p, (b, k) in enumerate(places):
             r = rows[b]
+            branches[b] += [(k, p * cands.shape[1] + i, None) for i in range(counts[p])]
             if self.suffix is not None:
                 drafted = r.proposal[k] if k < len(r.proposal) else None
-                found = found + self._seed(b, r.seq[-MAX_MATCH:] + r.proposal[:k], drafted, found)
-            branches[b] += [(k, c) for c in found]
+                branches[b] += [(k, None, c) for c in self._seed(b, r.seq[-MAX_MATCH:] + r.proposal[:k], drafted)]
         branches = [todo[: self.max_branches] for todo in branches]
         self.last_fan = fans[0] if fans else ()
         width = max((len(t) for t in branches), default=0)
         if width:
-            self._tree_decode(branches, width, should_stop)
+            self._tree_decode(branches, cands, width, should_stop)
         return time.perf_counter() - t0
 
-    def _candidates(self, places: list[tuple[int, int]], fans) -> list[list[int]]:
-        """Bonus candidates at each (row, accepted length) of `places`: the top fan-out
-        tokens of the draft's prediction there, the drafted token excluded."""
+    def _candidates(self, places: list[tuple[int, int]], fans) -> tuple[torch.Tensor, list[int]]:
+        """Bonus candidates at each (row, accepted length) of `places`, without a host read:
+        [N, C] on the draft's device (row p: the top tokens of the draft's prediction at
+        place p, the drafted token excluded, best first) and each place's count (its
+        fan-out, capped by the vocabulary); place p's candidates are its row's first
+        counts[p] entries."""
         if not places:
-            return []
+            return torch.zeros(0, 0, dtype=torch.long, device=self.runner.device), []
         logits, drafted, counts = [], [], []
         for b, k in places:
             r, n_d = self.rows[b], len(self.rows[b].proposal)
             logits.append(r.pred[len(r.seq) + k])  # [V]
             drafted.append(r.proposal[k] if k < n_d else None)
-            counts.append(fans[b][k] if k < n_d else fans[b][self.k])
-        return bonus_candidates_batch(torch.stack(logits), drafted, counts, self.params, self.site)
+            counts.append(candidate_count(fans[b][k] if k < n_d else fans[b][self.k], drafted[-1], self.vocab))
+        stacked = torch.stack(logits)  # [N, V]
+        marks = self.site.upload([-1 if d is None else d for d in drafted], stacked.device)  # [N]
+        cands = bonus_candidates_device(stacked, marks, max(counts), self.params)  # [N, C]
+        return cands, counts
 
-    def _seed(self, b: int, context: list[int], drafted: int | None, found: list[int]) -> list[int]:
+    def _seed(self, b: int, context: list[int], drafted: int | None) -> list[int]:
         """With the suffix backup: the token earlier text continued `context` with (the end
         of the row's sequence, at least its last MAX_MATCH tokens), as one more bonus
-        candidate when the draft's top candidates lack it (a rejected draft token cannot be
-        the bonus). Which branches are cached changes hits, not tokens."""
+        candidate (a rejected draft token cannot be the bonus). The draft's candidates stay
+        on the device, so a guess already among them is decoded too and dropped when the
+        tree is cached (the draft's branch wins): it costs compute, never a host read.
+        Which branches are cached changes hits, not tokens."""
         if self.suffix is None:
             return []
         guess = self.suffix.propose(b, context, 1)
-        if not guess or guess[0] == drafted or guess[0] in found or guess[0] >= self.vocab:
+        if not guess or guess[0] == drafted or guess[0] >= self.vocab:
             return []
         return guess
 
-    def _tree_decode(self, branches: list[list[tuple[int, int]]], width: int, should_stop=None) -> None:
+    def _tree_decode(self, branches, cands: torch.Tensor, width: int, should_stop=None) -> None:
         """Up to K batched steps decoding every branch; branch i of row b -> scratch run i.
+
+        branches[b]: (accepted length k, candidate, token) per branch: its bonus is entry
+        `candidate` of the flattened `cands` ([N, C] on the device, see `_candidates`) or,
+        when candidate is None, the host-known `token` (a suffix seed).
 
         `should_stop()` is polled between steps (never before the first), after the device
         has finished the previous step: when it turns True the branches keep the depth
@@ -234,7 +249,8 @@ class Speculator:
         """
         width = self.runner.tree_width(width)
         self.layout = self._tree_layout()
-        ids, positions, slots, prefix = self._tree_inputs(branches, width)  # [B, W] each
+        ids, positions, slots, prefix = self._tree_inputs(branches, cands, width)  # [B, W] each
+        bonuses = ids  # [B, W] each branch's bonus (its first query)
         own = slots.clone()  # [B, W] first scratch slot of each branch (trash for padding)
         real = slots != self.layout.trash  # [B, W]
         span = torch.arange(self.layout.total, device=ids.device)  # [S]
@@ -265,7 +281,7 @@ class Speculator:
             positions = positions + 1
             slots = torch.where(real, slots + 1, slots)
         self.last_depth = len(step_logits)
-        self._cache_branches(branches, step_tokens, step_logits, step_q)
+        self._cache_branches(branches, bonuses, step_tokens, step_logits, step_q)
 
     def _tree_layout(self) -> SlotLayout:
         """Where this round's scratch runs and trash go: right after the longest row's
@@ -278,29 +294,40 @@ class Speculator:
         span = self.runner.tree_span(needed) if needed < full.total else None
         return full if span is None else full.placed(min(span, full.total))
 
-    def _tree_inputs(self, branches, width: int):
-        """ids, positions, slots and prefix lengths [B, W] of every branch's first query."""
+    def _tree_inputs(self, branches, cands: torch.Tensor, width: int):
+        """ids, positions, slots and prefix lengths [B, W] of every branch's first query; ids
+        gathered on the device from `cands` (no read), padding and seeds from the host."""
         layout, batch = self.layout, len(self.rows)
-        host = torch.zeros(4, batch, width, dtype=torch.long)  # ids, positions, slots, prefix
+        host = torch.zeros(5, batch, width, dtype=torch.long)  # token, positions, slots, prefix, pick
         host[2] = layout.trash  # padded queries write the trash slot
+        host[4] = -1  # -1: the id is the host token (a seed, or 0 for padding)
         for b, todo in enumerate(branches):
             L = len(self.rows[b].seq)
-            for i, (k, c) in enumerate(todo):
-                host[:, b, i] = torch.tensor([c, L + k, layout.scratch(i), L + k])
-        return self.site.to_device(host, self.runner.device).unbind(0)
+            for i, (k, pick, token) in enumerate(todo):
+                host[:, b, i] = torch.tensor([token or 0, L + k, layout.scratch(i), L + k, -1 if pick is None else pick])
+        token, positions, slots, prefix, pick = self.site.to_device(host, self.runner.device).unbind(0)
+        flat = cands.reshape(-1)  # [N * C]
+        ids = token if flat.numel() == 0 else torch.where(pick >= 0, flat[pick.clamp(min=0)], token)
+        return ids, positions, slots, prefix
 
-    def _cache_branches(self, branches, step_tokens, step_logits, step_q) -> None:
-        """Store every branch's drafted tokens, logits and q in the speculation cache."""
+    def _cache_branches(self, branches, bonuses, step_tokens, step_logits, step_q) -> None:
+        """Store every branch's bonus, drafted tokens, logits and q in the speculation cache,
+        read in one host transfer. A branch whose key (row, k, bonus) an earlier branch of
+        the round holds (a suffix seed among the draft's candidates) is dropped: the first
+        wins."""
         if not step_tokens:
             return
-        tokens = self.site.read(torch.stack(step_tokens, dim=-1))  # [B, W, depth]: one host transfer
+        read = self.site.read(torch.stack([bonuses, *step_tokens], dim=-1))  # [B, W, 1 + depth]: one host transfer
         logits = torch.stack(step_logits, dim=2)  # [B, W, depth, V]
         qs = torch.stack(step_q, dim=2) if step_q else None  # [B, W, depth, V]
         for b, todo in enumerate(branches):
-            for i, (k, c) in enumerate(todo):
+            for i, (k, _, _) in enumerate(todo):
+                c, *tokens = read[b][i]
+                if self.cache.get(b, k, c) is not None:
+                    continue
                 self.cache.put(
                     Branch(
-                        row=b, n_accepted=k, bonus=c, tokens=tuple(tokens[b][i]),
+                        row=b, n_accepted=k, bonus=c, tokens=tuple(tokens),
                         logits=logits[b, i], q=None if qs is None else qs[b, i],
                         slot_start=self.layout.scratch(i),
                     )
