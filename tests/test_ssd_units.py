@@ -424,3 +424,43 @@ def test_the_suffix_backup_seeds_a_branch_the_draft_would_not_cache():
     spec, seen = _seeding_speculator(suffix=False)
     spec.prespeculate()
     assert seen == [[[(0, 7), (1, 7), (2, 7)]]]
+
+
+def test_one_read_per_prespeculation_and_a_seed_among_the_candidates_is_dropped():
+    """The candidates stay on the device: a whole pre-speculation (top-k, tree, cache) reads
+    the host once, the tree's bonuses with its drafts. A suffix seed the draft also ranks
+    first (4 at accepted length 0) is decoded once more and dropped when cached: the draft's
+    branch (scratch run 0) wins, and every cached branch's bonus is what the draft ranked."""
+    import torch
+
+    from ssdlocal.backends.base import SlotLayout
+    from ssdlocal.core.hostsync import Audit
+
+    spec, _ = _seeding_speculator(suffix=True)
+    del spec._tree_decode  # the real tree, over a fake forward
+    audit = Audit()
+    spec.site = audit.site("worker")
+    spec.layout = spec.full_layout = SlotLayout(16).with_tree(8, spec.k)
+    for j, token in enumerate((4, 7, 7)):  # accepted 0: the draft ranks 4 first (the suffix guess too)
+        spec.rows[0].pred[7 + j] = torch.nn.functional.one_hot(torch.tensor(token), 10).float() * 5
+    steps = []
+
+    class Runner(type(spec.runner)):
+        def tree_width(self, width):
+            return width
+
+        def tree_span(self, needed):
+            return None
+
+        def forward_raw(self, ids, positions, slots, mask):  # next token: id + 1 (mod 10)
+            steps.append(ids.clone())
+            return torch.nn.functional.one_hot((ids + 1) % 10, 10).float()  # [B, W, V]
+
+    spec.runner = Runner()
+    spec.prespeculate()
+    assert steps[0].tolist() == [[4, 4, 7, 7]]  # draft's 4, the seed 4, then accepted 1 and 2
+    assert audit.snapshot()["worker"].reads == 1
+    assert sorted(spec.cache.keys()) == [(0, 0, 4), (0, 1, 7), (0, 2, 7)]
+    kept = spec.cache.get(0, 0, 4)
+    assert kept.slot_start == spec.layout.scratch(0) and kept.tokens == (5, 6)
+    assert spec.cache.get(0, 2, 7).slot_start == spec.layout.scratch(3)
