@@ -304,7 +304,8 @@ class Speculator:
         for b, todo in enumerate(branches):
             L = len(self.rows[b].seq)
             for i, (k, pick, token) in enumerate(todo):
-                host[:, b, i] = torch.tensor([token or 0, L + k, layout.scratch(i), L + k, -1 if pick is None else pick])
+                chosen = -1 if pick is None else pick
+                host[:, b, i] = torch.tensor([token or 0, L + k, layout.scratch(i), L + k, chosen])
         token, positions, slots, prefix, pick = self.site.to_device(host, self.runner.device).unbind(0)
         flat = cands.reshape(-1)  # [N * C]
         ids = token if flat.numel() == 0 else torch.where(pick >= 0, flat[pick.clamp(min=0)], token)
@@ -317,7 +318,7 @@ class Speculator:
         wins."""
         if not step_tokens:
             return
-        read = self.site.read(torch.stack([bonuses, *step_tokens], dim=-1))  # [B, W, 1 + depth]: one host transfer
+        read = self.site.read(torch.stack([bonuses, *step_tokens], dim=-1))  # [B, W, 1 + depth]: one transfer
         logits = torch.stack(step_logits, dim=2)  # [B, W, depth, V]
         qs = torch.stack(step_q, dim=2) if step_q else None  # [B, W, depth, V]
         for b, todo in enumerate(branches):
