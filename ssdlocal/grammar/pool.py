@@ -213,13 +213,19 @@ def _serve(conn, vocabulary: str, vocab_size: int, eos_ids) -> None:
         conn.send(("error", f"the grammar engine could not start: {str(exc)[:200]}", "", "invalid"))
         return
     conn.send(("ready",))
+    answer_forever(conn, lambda kind, text: compiler._compile(kind, text, f"{kind}:{text}", ll_tokenizer))
+
+
+def answer_forever(conn, compile_one) -> None:
+    """The child's loop: receive (kind, text), run `compile_one(kind, text)`, answer ("ok",)
+    or ("error", message, hint, reason); return when the parent's end closes."""
     while True:
         try:
             kind, text = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            compiler._compile(kind, text, f"{kind}:{text}", ll_tokenizer)
+            compile_one(kind, text)
             conn.send(("ok",))
         except GrammarError as exc:
             conn.send(("error", exc.message, exc.hint, exc.reason))
