@@ -29,15 +29,10 @@ def environment() -> dict:
 
     from ssdlocal import __version__
 
-    info: dict[str, str] = {}  # the first CPU's "model name" and "flags" lines
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    cpu = info.get("model name") or platform.processor() or platform.machine()
-    flags = set(info.get("flags", "").split())
+    from ssdlocal.core.cpu import cpu_flags, cpu_model
+
+    cpu = cpu_model() or platform.machine()
+    flags = cpu_flags()
     ram = None
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

@@ -1,4 +1,4 @@
-"""This CPU's instruction-set flags, read from the operating system (no torch, no
+"""This CPU's model name and instruction-set flags, read from the operating system (no torch, no
 native library), and which of torch's CPU kernel levels they can run.
 
 torch takes `ATEN_CPU_CAPABILITY=avx512` at its word: on a CPU without AVX-512 the
@@ -32,6 +32,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The first CPU's model name from /proc/cpuinfo (`model name` on x86, `Hardware` or
+    `cpu model` elsewhere); the platform's processor string where the OS does not say."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "Hardware", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def runs_torch_level(level: str) -> bool | None:
     """Whether this CPU can run torch's kernels of `level` ("avx512", "avx2", "default"):
     True or False from the flags, None when the flags are unknown or the level is not one
@@ -52,4 +67,4 @@ def flags_summary() -> str:
     return f"{platform.machine()} {flags or platform.processor()}".strip()
 
 
-__all__ = ["cpu_flags", "flags_summary", "runs_torch_level"]
+__all__ = ["cpu_flags", "cpu_model", "flags_summary", "runs_torch_level"]

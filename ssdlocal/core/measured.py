@@ -38,27 +38,14 @@ MAX_BYTES = 64 * 1024  # a measurement is a few hundred bytes; anything larger i
 MAX_FILES = 64  # the oldest go first (models replaced, machines changed)
 
 
-def _cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo where there is one."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                name, _, value = line.partition(":")
-                if name.strip() in ("model name", "Hardware", "cpu model"):
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def machine() -> dict[str, Any]:
     """What this process's timings depend on besides the models: the CPU (model, flags,
     architecture), the cores it may use, torch's version and intra-op threads."""
     import torch
 
-    from ssdlocal.core.cpu import cpu_flags
+    from ssdlocal.core.cpu import cpu_flags, cpu_model
 
-    model, flags = _cpu_model(), " ".join(sorted(cpu_flags()))
+    model, flags = cpu_model(), " ".join(sorted(cpu_flags()))
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
