@@ -37,7 +37,7 @@ args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 if args["float_lm_head"]:  # every architecture's lm_head stays in floats
     from dataclasses import replace
-    from ssdlocal.backends.torch import arch
+    from ssdlocal.weights.formats import arch
     for a in arch.architectures():
         arch.unregister(a.name)
         arch.register(replace(a, linears={**a.linears, "lm_head": arch.Linear(quantized=False)}))

@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ssdlocal.backends.torch.arch import Architecture, TensorNames, register
+from ssdlocal.weights.formats.arch import Architecture, TensorNames, register
 
 RENAMED = Architecture(
     "renamed-llama", ("RenamedLlamaForCausalLM",), "renamed_llama", config_type="llama",

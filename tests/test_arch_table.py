@@ -1,4 +1,4 @@
-"""One architecture table (ssdlocal/backends/torch/arch.py).
+"""One architecture table (ssdlocal/weights/formats/arch.py).
 
 The built-in descriptions name every tensor of the model both ways; no other module
 names an architecture, a checkpoint's or a GGUF's tensors; and a llama-family
@@ -19,13 +19,14 @@ import pytest
 import torch
 from renamed_arch import RENAMED, gguf_name, write_checkpoint
 
-from ssdlocal.backends.torch import arch
-from ssdlocal.backends.torch.loader import load_hf_config, load_model
+from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
 from ssdlocal.backends.torch.quant_load import weight_bytes
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import UnsupportedArchitectureError
 from ssdlocal.parallel.shard_loader import load_shard
+from ssdlocal.weights.formats import arch
+from ssdlocal.weights.formats.checkpoint import load_hf_config
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ssdlocal"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py

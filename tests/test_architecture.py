@@ -3,7 +3,7 @@ included), small files, and the engine free of UI libraries.
 
 The layers, top to bottom (docs/architecture.md explains each):
     cli  >  server, tui, bench  >  engine  >  draft, parallel
-         >  ipc, placement, weights  >  backends  >  speculation, grammar  >  core
+         >  ipc, placement  >  backends  >  weights  >  speculation, grammar  >  core
 A module may import its own package and anything in a lower layer, nothing else.
 """
 
@@ -18,8 +18,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ssdlocal"
 LAYERS = (
     {"core"},
     {"speculation", "grammar"},
+    {"weights"},
     {"backends"},
-    {"ipc", "placement", "weights"},
+    {"ipc", "placement"},
     {"draft", "parallel"},
     {"engine"},
     {"server", "tui", "bench"},

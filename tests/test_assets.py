@@ -260,7 +260,7 @@ def tiny_gguf(tmp_path_factory):
 def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ssdlocal.backends.torch import gguf_convert
+    from ssdlocal.weights.formats import convert as gguf_convert
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
     src, reference = tiny_gguf
@@ -299,7 +299,7 @@ def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch, capfd):
 def test_convert_bf16_into_explicit_dir(tiny_gguf, tmp_path):
     from safetensors import safe_open
 
-    from ssdlocal.backends.torch.gguf_convert import ensure_converted
+    from ssdlocal.weights.formats.convert import ensure_converted
 
     out = ensure_converted(tiny_gguf[0], out_dir=tmp_path / "ckpt")
     assert out == tmp_path / "ckpt"
@@ -310,7 +310,7 @@ def test_convert_bf16_into_explicit_dir(tiny_gguf, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from ssdlocal.backends.torch.gguf_convert import ensure_converted
+    from ssdlocal.weights.formats.convert import ensure_converted
 
     path = tmp_path / "g.gguf"
     w = gguf.GGUFWriter(str(path), "gemma3")
@@ -325,7 +325,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_converted_dir_key_follows_the_content(tiny_gguf, tmp_path):
-    from ssdlocal.backends.torch.gguf_convert import converted_dir
+    from ssdlocal.weights.formats.convert import converted_dir
 
     copy = tmp_path / tiny_gguf[0].name
     copy.write_bytes(tiny_gguf[0].read_bytes())

@@ -39,7 +39,7 @@ def _dirs(root):
 def test_first_run_keeps_no_bf16_copy(offline_pair, monkeypatch, capsys):
     """The default run loads int4 weights: no `converted` (bf16) directory is ever written,
     and the quantized caches of both models are there afterwards."""
-    from ssdlocal.backends.torch import gguf_convert
+    from ssdlocal.weights.formats import convert as gguf_convert
 
     monkeypatch.setattr(gguf_convert, "_convert", lambda *a, **k: pytest.fail("bf16 conversion"))
     cache, _ = offline_pair

@@ -76,7 +76,7 @@ def test_a_fifo_in_a_checkpoint_is_refused_without_opening_it(monkeypatch, capsy
 
 def test_weight_files_are_opened_only_when_regular(tmp_path):
     """The reader itself refuses a FIFO (opened non-blocking, then checked)."""
-    from ssdlocal.backends.torch.stfile import SafetensorsReader
+    from ssdlocal.weights.formats.safetensors import SafetensorsReader
     from ssdlocal.core.errors import ModelLoadError
 
     os.mkfifo(tmp_path / "w.safetensors")
@@ -148,7 +148,7 @@ def _gguf(*parts: bytes) -> bytes:
     _gguf(struct.pack("<IQQ", 3, 1, 0), struct.pack("<Q", 1), b"t", struct.pack("<I", 2**31)),  # dimensions
 ], ids=["tensors", "keys", "string", "array", "dims"])  # fmt: skip
 def test_gguf_counts_no_file_of_its_size_can_hold_are_refused(tmp_path, header):
-    from ssdlocal.backends.torch.gguf_read import GGUFHeader
+    from ssdlocal.weights.formats.gguf import GGUFHeader
     from ssdlocal.core.errors import ModelLoadError
 
     path = tmp_path / "x.gguf"

@@ -41,7 +41,7 @@ def test_a_checkpoint_asking_for_remote_code_is_refused_without_asking(tiny_dir,
     import json
     import shutil
 
-    from ssdlocal.backends.torch.loader import load_hf_config
+    from ssdlocal.weights.formats.checkpoint import load_hf_config
     from ssdlocal.core.errors import ModelLoadError
 
     ckpt = tmp_path / "custom"
@@ -233,7 +233,7 @@ def test_two_converters_of_one_file_convert_it_once(tiny_gguf, tmp_path, monkeyp
     import threading
     import time
 
-    from ssdlocal.backends.torch import gguf_convert
+    from ssdlocal.weights.formats import convert as gguf_convert
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
     calls = []
@@ -257,7 +257,7 @@ def test_two_converters_of_one_file_convert_it_once(tiny_gguf, tmp_path, monkeyp
 
 
 def test_leftovers_of_a_killed_conversion_are_removed(tiny_gguf, tmp_path, monkeypatch):
-    from ssdlocal.backends.torch.gguf_convert import converted_dir, ensure_converted
+    from ssdlocal.weights.formats.convert import converted_dir, ensure_converted
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
     out = converted_dir(tiny_gguf[0], "float32")
@@ -305,7 +305,7 @@ def test_a_damaged_cached_conversion_is_converted_again_saying_so(monkeypatch, c
     directly as --target (no source to rebuild from) it is an error naming it."""
     from cli_helpers import assert_clean_error, run_cli
 
-    from ssdlocal.backends.torch.gguf_convert import ensure_converted
+    from ssdlocal.weights.formats.convert import ensure_converted
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
     code, clean, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf), "--json")

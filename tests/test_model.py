@@ -8,9 +8,10 @@ import shutil
 import pytest
 import torch
 
-from ssdlocal.backends.torch.loader import load_model, load_tokenizer
+from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.model import ModelArgs, causal_mask
 from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.weights.formats.checkpoint import load_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "llama3_rope"]
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]

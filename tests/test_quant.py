@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from ssdlocal.backends.torch import gguf_quant
-from ssdlocal.backends.torch.arch import architecture
 from ssdlocal.backends.torch.int4_cpu import expected_layout
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.quant import (
@@ -34,6 +33,8 @@ from ssdlocal.backends.torch.quant import (
     quantize,
 )
 from ssdlocal.core.errors import UsageError
+from ssdlocal.weights.formats.arch import architecture
+from ssdlocal.weights.formats.gguf import gguf_scheme
 
 gguf = pytest.importorskip("gguf")
 import tiny_gguf
@@ -184,7 +185,7 @@ def test_quantized_tiny_model(tiny_dir, tmp_path, arch, scheme):
 
 
 def test_auto_and_mismatch(tiny_dir):
-    from ssdlocal.backends.torch.quant_load import resolve_scheme
+    from ssdlocal.weights.formats.quantized import resolve_scheme
 
     assert resolve_scheme(tiny_dir["llama"], "auto") == "none"  # safetensors: float
     assert resolve_scheme(tiny_dir["llama"], "int8") == "int8"
@@ -262,8 +263,8 @@ def test_gguf_loads_into_quantized_layout(gguf_files, arch, mix):
 
 def test_gguf_scheme_and_cache_key(gguf_files, tmp_path, monkeypatch):
     path, _ = gguf_files["qwen2", "q4_k_m"]
-    assert gguf_quant.gguf_scheme(path) == "int4"
-    assert gguf_quant.gguf_scheme(gguf_files["qwen2", "q8_0"][0]) == "int8"
+    assert gguf_scheme(path) == "int4"
+    assert gguf_scheme(gguf_files["qwen2", "q8_0"][0]) == "int8"
     first = gguf_quant.ensure_quantized(path, "int4", "float32")
     info = json.loads((first / "quantization.json").read_text())
     assert info["scheme"] == "int4" and info["tensors"]["exact_int4"] > 0
@@ -287,7 +288,7 @@ def test_gguf_scheme_and_cache_key(gguf_files, tmp_path, monkeypatch):
 
 
 def test_quantized_dir_refuses_other_scheme(gguf_files):
-    from ssdlocal.backends.torch.quant_load import resolve_scheme
+    from ssdlocal.weights.formats.quantized import resolve_scheme
 
     ckpt = gguf_quant.ensure_quantized(gguf_files["qwen2", "q4_k_m"][0], "int4", "float32")
     assert resolve_scheme(ckpt, "auto") == "int4"
@@ -309,9 +310,10 @@ def test_weight_bytes_estimate(gguf_files, tiny_dir):
 _PEAK_SCRIPT = """
 import json, sys
 import torch
-from ssdlocal.backends.torch.loader import config_dir, load_hf_config, load_tokenizer, load_model
+from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
 from ssdlocal.backends.torch.quant import model_bytes
+from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config, load_tokenizer
 
 path = sys.argv[1]
 # outside the measured window: imports, the tokenizer, meta-device modules (~80 MB of code)
@@ -350,7 +352,7 @@ def test_gguf_load_peak_memory(tmp_path):
 def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
     """bench's llama.cpp peers default to the GGUF a (converted) target came from."""
     from ssdlocal.backends.registry import gguf_source
-    from ssdlocal.backends.torch.gguf_convert import ensure_converted
+    from ssdlocal.weights.formats.convert import ensure_converted
     from ssdlocal.bench.run import BenchSettings
     from ssdlocal.cli.bench import _default_gguf_peers
     from ssdlocal.core.config import EngineConfig, ModelSpec, SpecConfig

@@ -1,5 +1,7 @@
 """One entry point per job for every backend: load a model, make its runner, read its
-tokenizer, and check a path cheaply before anything heavy happens.
+tokenizer, check a path cheaply before anything heavy happens, build what a backend will
+read ahead of the load (`prepare_weights`), size its quantized weights, and report a
+runner's captured graphs.
 
 Callers (engine, SSD worker, compatibility checks) never branch on the backend name
 themselves. Backends are imported lazily: llama_cpp only when a GGUF runs through it.
@@ -55,9 +57,11 @@ def load_tokenizer(path: str, backend: str = "torch"):
         from ssdlocal.backends.llamacpp import gguf_tokenizer
 
         return gguf_tokenizer(path)
-    from ssdlocal.backends.torch.loader import load_tokenizer as torch_tokenizer
+    from ssdlocal.weights.formats.checkpoint import (
+        load_tokenizer as checkpoint_tokenizer,
+    )
 
-    return torch_tokenizer(path)
+    return checkpoint_tokenizer(path)
 
 
 def preflight(path: str, backend: str = "torch") -> None:
@@ -67,13 +71,63 @@ def preflight(path: str, backend: str = "torch") -> None:
 
         gguf_preflight(path)
         return
-    from ssdlocal.backends.torch.loader import config_dir, load_hf_config, weight_files
     from ssdlocal.backends.torch.model import ModelArgs
+    from ssdlocal.weights.formats.checkpoint import (
+        config_dir,
+        load_hf_config,
+        weight_files,
+    )
 
     ckpt = config_dir(path)  # a .gguf: its metadata only; weights are converted when loaded
     ModelArgs.from_hf_config(load_hf_config(ckpt))
     if ckpt.resolve() == Path(path).expanduser().resolve():
         weight_files(ckpt)
+
+
+def prepare_weights(path: str | Path, backend: str = "torch", quantization: str = "none",
+                    dtype: str = "bfloat16", progress=None, *, floats: bool = True) -> Path:  # fmt: skip
+    """What `backend` will read for `path`, built now if it is not cached (with progress):
+    for torch, a .gguf file's quantized cache (int8/int4 as `quantization` resolves for the
+    file) or else its float conversion (`floats=False`: the file itself, nothing converted),
+    and a checkpoint directory itself; llama.cpp reads the path as it is."""
+    if backend == "llamacpp":
+        return Path(path).expanduser()
+    from ssdlocal.backends.torch.loader import prepare_weights as torch_prepare
+
+    return torch_prepare(path, quantization, dtype, progress, floats=floats)
+
+
+def attention_heads(path: str | Path) -> tuple[int, int]:
+    """(attention heads, key/value heads) of the torch model of `path`, from its config
+    (a .gguf file's metadata directory): what tensor parallelism divides."""
+    from ssdlocal.backends.torch.model import ModelArgs
+    from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config
+
+    args = ModelArgs.from_hf_config(load_hf_config(config_dir(path)))
+    return (args.num_heads, args.num_kv_heads)
+
+
+def quantized_bytes(path: str | Path, quantization: str, dtype: str, device_type: str = "cpu") -> int | None:
+    """Bytes the torch backend's weights of `path` take once loaded with `quantization`
+    (int8 | int4 | auto) in `dtype` on a `device_type` device, from file headers only;
+    None when the weights resolve to floats (no quantization to size)."""
+    from ssdlocal.weights.formats.quantized import resolve_scheme
+
+    scheme = resolve_scheme(path, quantization)
+    if scheme == "none":
+        return None
+    from ssdlocal.backends.torch.quant_load import weight_bytes
+
+    return weight_bytes(path, scheme, dtype, device_type)
+
+
+def graph_report(runner, since: dict | None = None) -> dict:
+    """A runner's captured-graph counts as plain data ({"mode", "captured", "replays",
+    "eager", "refused", "dropped"}, + "notes"), minus `since` (an earlier report of the
+    same runner); mode "off" for a runner without graphs (llama.cpp's)."""
+    from ssdlocal.backends.torch.graphs import graph_report as torch_report
+
+    return torch_report(runner, since)
 
 
 def gguf_source(path: str | None) -> str | None:

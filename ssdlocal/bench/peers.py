@@ -74,14 +74,14 @@ class HFPeer:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ssdlocal.backends.torch.loader import resolve_checkpoint
+        from ssdlocal.backends.registry import prepare_weights
 
         dtype = getattr(torch, opts.dtype)
         self.name = name
         self.torch = torch
         self.device = torch.device(opts.device)
         # a .gguf target (run quantized by us) is the float model of its cached conversion here
-        target, draft = resolve_checkpoint(opts.target), opts.draft and resolve_checkpoint(opts.draft)
+        target, draft = prepare_weights(opts.target), opts.draft and prepare_weights(opts.draft)
         self.model = (
             AutoModelForCausalLM.from_pretrained(target, dtype=dtype, trust_remote_code=False)
             .to(self.device).eval()

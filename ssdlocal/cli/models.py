@@ -222,13 +222,10 @@ def _prepare_quantized(result, quantization: str, dtype: str, progress):
     """Build the quantized caches of a pulled pair's GGUF files now, not at the first run."""
     import dataclasses
 
-    from ssdlocal.backends.torch.quant_load import quantized_checkpoint, resolve_scheme
+    from ssdlocal.backends.registry import prepare_weights
 
-    paths = []
-    for path in (result.target, result.draft):
-        scheme = resolve_scheme(path, quantization)
-        is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
-        paths.append(quantized_checkpoint(path, scheme, dtype, progress) if is_gguf and scheme != "none" else path)
+    paths = [prepare_weights(path, "torch", quantization, dtype, progress, floats=False)
+             for path in (result.target, result.draft)]  # fmt: skip
     return dataclasses.replace(result, target=paths[0], draft=paths[1])
 
 

@@ -99,15 +99,9 @@ def prepare_weights(path: str, backend: str, quantization: str, dtype: str) -> N
     found = Path(path).expanduser()
     if backend != "torch" or not (found.is_file() and found.suffix.lower() == ".gguf"):
         return
-    from ssdlocal.backends.torch.quant_load import quantized_checkpoint, resolve_scheme
+    from ssdlocal.backends.registry import prepare_weights as backend_prepare
 
-    scheme = resolve_scheme(found, quantization)
-    if scheme != "none":
-        quantized_checkpoint(found, scheme, dtype)
-        return
-    from ssdlocal.backends.torch.loader import resolve_checkpoint
-
-    resolve_checkpoint(found, scheme, dtype)
+    backend_prepare(found, backend, quantization, dtype)
 
 
 def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:

@@ -1,8 +1,9 @@
 """Weight quantization names and sizes, free of torch: what `--quantization` accepts, which
 scheme a GGUF type name maps to, and how many bytes a parameter takes under each scheme.
 
-The quantized kernels and file formats live in ssdlocal.backends.torch (quant.py,
-gguf_quant.py); this module only knows names and arithmetic.
+The quantized kernels and the quantizer live in the torch backend, what a quantized
+checkpoint is as files in ssdlocal.weights.formats; this module only knows names and
+arithmetic.
 """
 
 from __future__ import annotations

@@ -381,9 +381,10 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
 
     The LoadedModel's `model` is a TPModel, so TorchRunner drives the whole group.
     """
-    from ssdlocal.backends.torch.loader import load_hf_config, resolve_checkpoint
+    from ssdlocal.backends.torch.loader import resolve_checkpoint
     from ssdlocal.backends.torch.model import ModelArgs
     from ssdlocal.parallel.tp import check_divisible
+    from ssdlocal.weights.formats.checkpoint import load_hf_config
 
     if getattr(spec, "backend", "torch") != "torch":
         raise UsageError(

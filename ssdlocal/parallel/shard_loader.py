@@ -1,7 +1,7 @@
 """Load one tensor-parallel rank's shard straight from safetensors slices.
 
 Each rank reads only its slice of each split linear, as the architecture's description
-says (backends/torch/arch.py): rows of the column-split ones (q/k/v, gate/up), columns of
+says (weights/formats/arch.py): rows of the column-split ones (q/k/v, gate/up), columns of
 the row-split ones (o_proj, down_proj), and the replicated embeddings, norms and lm_head
 whole, so host memory per rank is about weights / TP + the replicated part, not the whole
 model. Quantized weights are read one
@@ -16,26 +16,29 @@ import logging
 
 import torch
 
-from ssdlocal.backends.torch.arch import Architecture, architecture
 from ssdlocal.backends.torch.loader import (
     LoadedModel,
     assign_weights,
     eos_ids,
-    load_hf_config,
-    load_tokenizer,
     parse_device,
     parse_dtype,
     preflight,
     read_state_dict,
     resolve_checkpoint,
-    weight_files,
 )
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
 from ssdlocal.backends.torch.quant import QuantizedWeight
-from ssdlocal.backends.torch.quant_load import load_quantized_weights, resolve_scheme
+from ssdlocal.backends.torch.quant_load import load_quantized_weights
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
 from ssdlocal.parallel.tp import apply_tensor_parallel, check_divisible
+from ssdlocal.weights.formats.arch import Architecture, architecture
+from ssdlocal.weights.formats.checkpoint import (
+    load_hf_config,
+    load_tokenizer,
+    weight_files,
+)
+from ssdlocal.weights.formats.quantized import resolve_scheme
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Tensor parallelism applied to a loaded Transformer from outside the model code (gpt-fast tp.py).
 
 Each rank keeps 1/TP of the attention heads and of the MLP's intermediate features. How
-each linear splits comes from the architecture's description (backends/torch/arch.py):
+each linear splits comes from the architecture's description (weights/formats/arch.py):
 for the llama family q/k/v and gate/up column-wise (by heads for attention), o_proj and
 down_proj row-wise and followed by an all_reduce. Embeddings, norms and lm_head stay
 replicated, so every rank ends with the full logits. The KV cache holds only the rank's
@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.arch import architecture
 from ssdlocal.backends.torch.quant import replace_module
 from ssdlocal.core.errors import UsageError
+from ssdlocal.weights.formats.arch import architecture
 
 
 class RowParallelLinear(nn.Module):

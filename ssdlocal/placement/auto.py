@@ -28,11 +28,11 @@ def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", devi
     core/quantization.py)."""
     path = Path(path).expanduser()
     if quantization != "none":
-        from ssdlocal.backends.torch.quant_load import resolve_scheme, weight_bytes
+        from ssdlocal.backends.registry import quantized_bytes
 
-        scheme = resolve_scheme(path, quantization)
-        if scheme != "none":
-            return weight_bytes(path, scheme, dtype, device_type) / 1e9
+        held = quantized_bytes(path, quantization, dtype, device_type)
+        if held is not None:
+            return held / 1e9
     if path.is_file():  # .gguf: quantized on disk; the torch backend dequantizes to dtype
         return path.stat().st_size / 1e9
     numel = 0
@@ -49,14 +49,6 @@ def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", devi
     return numel * _BYTES.get(dtype, 2) / 1e9
 
 
-def _heads(path: str | Path) -> tuple[int, ...]:
-    from ssdlocal.backends.torch.loader import config_dir, load_hf_config
-    from ssdlocal.backends.torch.model import ModelArgs
-
-    args = ModelArgs.from_hf_config(load_hf_config(config_dir(path)))
-    return (args.num_heads, args.num_kv_heads)
-
-
 def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
                  backend: str = "torch", quantizations: tuple[str, str] = ("none", "none")):  # fmt: skip
     """(target devices, draft device) from the planner; `draft` None (no draft model) needs
@@ -64,6 +56,7 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
 
     Raises PlacementError (with a hint) when nothing fits.
     """
+    from ssdlocal.backends.registry import attention_heads
     from ssdlocal.placement.inventory import detect
     from ssdlocal.placement.planner import plan_placement
 
@@ -71,7 +64,7 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     if not inventory.gpus:
         return ("cpu",), "cpu"
     draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft else 0.0
-    heads = _heads(target) if backend == "torch" else ()
+    heads = attention_heads(target) if backend == "torch" else ()
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
     plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
     draft_device = draft_device_of(plan, draft_gb) or "cpu"  # no room anywhere: the CPU, where RAM may swap

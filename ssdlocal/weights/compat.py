@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ssdlocal.backends.torch.arch import find
 from ssdlocal.core.errors import IncompatiblePairError
+from ssdlocal.weights.formats.arch import find
 
 _HINT = (
     "use a draft from the same model family that shares the target's tokenizer "
@@ -183,14 +183,16 @@ def embedding_rows(path: str | Path, backend: str = "torch") -> int | None:
     llama.cpp files (known only once llama.cpp has loaded them) or an unreadable config."""
     if backend != "torch":
         return None
-    from ssdlocal.backends.torch.loader import config_dir  # a .gguf: its metadata only
+    from ssdlocal.weights.formats.checkpoint import (
+        config_dir,  # a .gguf: its metadata only
+    )
 
     return config_vocab_size(config_dir(path))[0]
 
 
 def check_paths(target: str | Path, draft: str | Path) -> CompatReport:
     """check_pair on two checkpoints (dirs or .gguf files), reading no weights."""
-    from ssdlocal.backends.torch.loader import config_dir, load_tokenizer
+    from ssdlocal.weights.formats.checkpoint import config_dir, load_tokenizer
 
     t_dir, d_dir = config_dir(target), config_dir(draft)
     t_vocab, family = config_vocab_size(t_dir)

@@ -9,7 +9,6 @@ headers only (a GGUF's metadata, a quantized checkpoint's quantization.json): no
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 from ssdlocal.core.quantization import scheme_for_gguf_type
@@ -19,7 +18,7 @@ SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def gguf_file_type(path: Path) -> str | None:
     """A GGUF's file type as llama.cpp names it ("Q4_K_M"), None if it records none."""
-    from ssdlocal.backends.torch.gguf_read import GGUFHeader  # numpy only
+    from ssdlocal.weights.formats.gguf import GGUFHeader  # numpy only
 
     file_type = GGUFHeader.read(path).metadata.get("general.file_type")
     if not isinstance(file_type, int):
@@ -66,16 +65,17 @@ def spec_label(spec) -> str:
 
 
 def _gguf_scheme(path: Path) -> str:
+    from ssdlocal.weights.formats.gguf import gguf_scheme
+
     try:
-        from ssdlocal.backends.torch.gguf_quant import gguf_scheme
-    except ImportError:  # torch is not installed: llama.cpp runs it
+        return gguf_scheme(path)
+    except ImportError:  # the gguf package is not installed: llama.cpp runs the file
         return "none"
-    return gguf_scheme(path)
 
 
 def _checkpoint_scheme(path: Path) -> str:
     """A quantized checkpoint's scheme (its quantization.json), none for float ones."""
-    try:
-        return str(json.loads((path / "quantization.json").read_text()).get("scheme", "none"))
-    except (OSError, ValueError):
-        return "none"
+    from ssdlocal.weights.formats.quantized import quant_info
+
+    info = quant_info(path)
+    return str(info.get("scheme", "none")) if info else "none"

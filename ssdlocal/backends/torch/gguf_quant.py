@@ -4,22 +4,21 @@ Nothing ever holds a full-precision copy of the model: each GGUF tensor is read 
 of rows at a time, turned into the quantized layout (Q4_0/Q4_1/Q4_K change layout
 exactly, other types are de-quantized and re-quantized) and streamed to disk. The token
 embedding, quantized in the file already, stays quantized too (_embedding_scheme). The cache
-directory holds config + tokenizer (from the GGUF metadata, via gguf_convert), one
-model.safetensors of codes, scales and the float tensors, and quantization.json; it is
-keyed by the file's sha256 + scheme + dtype, built under a temporary name and renamed,
-with the marker written last; the metadata (config, tokenizer) is read by a child process
-while the tensors convert, and progress counts the GGUF's bytes. Tensor names on both sides, which linears are quantized and
-llama.cpp's q/k row order come from the architecture's description (arch.py). Knows
-nothing about where GGUF files come from.
+directory holds config + tokenizer (the GGUF's metadata directory: weights/formats/metadata.py),
+one model.safetensors of codes, scales and the float tensors, and quantization.json
+(weights/formats/quantized.py); it is keyed by the file's sha256 + scheme + dtype, built
+under a temporary name and renamed, with the marker written last; the metadata is read by
+a child process while the tensors convert, and progress counts the GGUF's bytes. Tensor
+names on both sides, which linears are quantized and llama.cpp's q/k row order come from
+the architecture's description (weights/formats/arch.py). Knows nothing about where GGUF
+files come from.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -27,216 +26,46 @@ from pathlib import Path
 
 import torch
 
-from ssdlocal.backends.torch.arch import Architecture, for_gguf
-from ssdlocal.backends.torch.gguf_read import (
-    EXACT_INT4,
-    GGUFHeader,
-    TensorInfo,
-    dequantize_rows,
-    int4_rows,
-)
 from ssdlocal.backends.torch.quant import (
     QuantizedWeight,
     can_quantize,
     pack_int4,
     quantize,
 )
-from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsWriter
 from ssdlocal.core.errors import ModelLoadError
-from ssdlocal.core.files import file_lock, record_digests
+from ssdlocal.core.files import record_digests
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.core.quantization import scheme_for_gguf_type
+from ssdlocal.weights.formats.arch import Architecture, for_gguf
+from ssdlocal.weights.formats.gguf import (
+    EXACT_INT4,
+    GGUFHeader,
+    TensorInfo,
+    dequantize_rows,
+    int4_rows,
+)
+from ssdlocal.weights.formats.metadata import (
+    META_MARKER,
+    build_atomically,
+    content_key,
+    metadata_dir,
+)
+from ssdlocal.weights.formats.quantized import QUANT_FILE, QUANTIZED_MARKER
+from ssdlocal.weights.formats.safetensors import MemoryReleaser, SafetensorsWriter
 
 log = logging.getLogger(__name__)
 
-QUANT_FILE = "quantization.json"  # in a quantized checkpoint: scheme, group size, dtype, source
-_MARKER = "ssdlocal-quantize.json"
-_META_MARKER = "ssdlocal-meta.json"
 _FORMAT = 2  # in the cache key: a new layout never reads an old cache
 _ROWS_ELEMENTS = 1 << 20  # weights per block of rows read from the GGUF
 
 
-# --------------------------------------------------------------------------- keys and schemes
-
-
-def content_key(gguf_path: Path) -> str:
-    """sha256 of the file, computed once per (path, size, mtime, inode) and remembered.
-
-    A download verified by ssdlocal.weights.assets already records it next to the file.
-    """
-    st = gguf_path.stat()
-    verified = gguf_path.with_name(gguf_path.name + ".verified.json")
-    with contextlib.suppress(OSError, ValueError):
-        info = json.loads(verified.read_text())
-        if info.get("size") == st.st_size and isinstance(info.get("sha256"), str):
-            return info["sha256"]
-    stat_key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    memo = cache_dir() / "gguf-keys" / (hashlib.sha256(stat_key.encode()).hexdigest()[:32] + ".txt")
-    with contextlib.suppress(OSError):
-        return memo.read_text().strip()
-    digest = hashlib.sha256()
-    progress, done = reporter(), 0
-    stage = f"checking {model_label(gguf_path)} (sha256)"
-    with open(gguf_path, "rb") as fh:
-        while block := fh.read(16 << 20):
-            digest.update(block)
-            done += len(block)
-            if progress:
-                progress(stage, done, st.st_size)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.{os.getpid()}")
-    tmp.write_text(digest.hexdigest() + "\n")
-    os.replace(tmp, memo)
-    return digest.hexdigest()
-
-
-def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
-    """What `--quantization auto` means for this file: its file type's class
-    (Q4_* / Q5_* -> int4, Q8_0 / Q6_K -> int8, floats -> none)."""
-    header = header or GGUFHeader.read(gguf_path)
-    file_type = header.metadata.get("general.file_type")
-    if isinstance(file_type, int):
-        from gguf import LlamaFileType
-
-        with contextlib.suppress(ValueError):
-            return scheme_for_gguf_type(LlamaFileType(file_type).name)
-    sizes: dict[str, int] = {}  # no file type: the type holding most matrix weights
-    for t in header.tensors:
-        if len(t.shape) == 2:
-            sizes[t.type_name] = sizes.get(t.type_name, 0) + t.shape[0] * t.shape[1]
-    return scheme_for_gguf_type(max(sizes, key=sizes.get)) if sizes else "none"
-
-
-def is_quantized_cache(path: Path) -> bool:
-    """Whether `path` is a quantized checkpoint this module wrote (a cache entry)."""
-    return (Path(path) / _MARKER).is_file()
+# --------------------------------------------------------------------------- the cache
 
 
 def quantized_dir(gguf_path: Path, scheme: str, dtype: str) -> Path:
+    """Where the `scheme` / `dtype` checkpoint of `gguf_path` is cached (may not exist yet)."""
     stem = gguf_path.name.removesuffix(".gguf")
     return cache_dir() / "quantized" / f"{stem}-{scheme}-{dtype}-v{_FORMAT}-{content_key(gguf_path)[:16]}"
-
-
-def _build_atomically(out: Path, marker: str, build) -> Path:
-    """Run build(tmp) into a temporary sibling of `out`, write nothing half-done, rename."""
-    if (out / marker).is_file():
-        return out
-    with file_lock(out.with_name(out.name + ".lock")):  # one converter per file; others wait
-        if (out / marker).is_file():
-            return out
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-            build(tmp)
-            shutil.rmtree(out, ignore_errors=True)  # a stale directory without its marker
-            os.replace(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-# --------------------------------------------------------------------------- metadata
-
-
-def metadata_dir(gguf_path: Path) -> Path:
-    """A cached directory with only config.json, generation_config.json and the tokenizer
-    of a GGUF file: what needs no weights (tokenizer checks, config, planning) reads it.
-
-    transformers builds both from the GGUF metadata, parsing the file with a reader that
-    touches every page of it (20-40 s and the file's size in resident memory for the offline
-    1.5B on 2 cores), so that runs once, in a child process: the caller's memory stays that
-    of its model (and a quantization runs meanwhile: ensure_quantized).
-    """
-    gguf_path = Path(gguf_path)
-    stem = gguf_path.name.removesuffix(".gguf")
-    out = cache_dir() / "gguf-meta" / f"{stem}-{content_key(gguf_path)[:16]}"
-    if (out / _META_MARKER).is_file():
-        return out
-    header = GGUFHeader.read(gguf_path)
-    arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
-    tied = arch.gguf.theirs("lm_head.weight") not in {t.name for t in header.tensors}
-    chat = "tokenizer.chat_template" in header.metadata
-
-    def build(tmp: Path) -> None:
-        progress = reporter()
-        stage = f"reading tokenizer: {model_label(gguf_path)}"
-        if progress:
-            progress(stage, 0, 1)
-        _run_metadata_child(gguf_path, tmp, arch, tied, chat)
-        if progress:
-            progress(stage, 1, 1)
-
-    return _build_atomically(out, _META_MARKER, build)
-
-
-def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool) -> None:
-    """Write the metadata directory's files into `tmp` from a child process."""
-    import subprocess
-    import sys
-
-    import ssdlocal
-
-    env = dict(os.environ)  # the child imports this very package, wherever it lives
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
-    )
-    args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat))]
-    run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
-                         capture_output=True, text=True, check=False)  # fmt: skip
-    error = tmp / "error.json"
-    if error.is_file():
-        raise ModelLoadError(**json.loads(error.read_text()))
-    if run.returncode != 0 or not (tmp / "config.json").is_file():
-        tail = (run.stderr or "").strip().splitlines()[-3:]
-        raise ModelLoadError(f"reading the metadata of {gguf_path.name} failed: {' / '.join(tail)}",
-                             "run again; if it persists the file may be damaged: fetch it again")
-    (tmp / _META_MARKER).write_text(json.dumps({"source": gguf_path.name}) + "\n")
-
-
-_METADATA_CHILD = (
-    "import sys; from ssdlocal.backends.torch.gguf_quant import _write_metadata; "
-    "_write_metadata(*sys.argv[1:4], sys.argv[4] == '1', sys.argv[5] == '1')"
-)
-
-
-def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, chat: bool) -> None:
-    """Child process: transformers' config + tokenizer of the GGUF, saved into `out`."""
-    from ssdlocal.backends.torch import gguf_convert as conv
-    from ssdlocal.core.errors import SSDLocalError
-
-    _parse_metadata_once()
-    try:
-        config, tokenizer = conv.read_config_and_tokenizer(Path(gguf_path))
-        # tied iff the file has no separate output matrix (llama.cpp then reuses the embedding)
-        config.tie_word_embeddings = tied
-        conv.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
-        conv.check_chat_template(Path(out), {"has_chat_template": chat})
-    except SSDLocalError as exc:
-        (Path(out) / "error.json").write_text(json.dumps({"message": exc.message, "hint": exc.hint}))
-
-
-def _parse_metadata_once() -> None:
-    """transformers parses the whole GGUF (every vocabulary string through numpy views,
-    ~20 s for the offline 1.5B on 2 cores) once for the config and again for the tokenizer;
-    in the metadata child the second asks for what the first already read."""
-    import functools
-
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    original = gguf_utils.load_gguf_checkpoint
-
-    @functools.lru_cache(maxsize=2)
-    def metadata_only(path: str):
-        return original(path, return_tensors=False)
-
-    def load(path, return_tensors=False, *args, **kwargs):
-        if return_tensors or args or kwargs:
-            return original(path, return_tensors, *args, **kwargs)
-        return metadata_only(str(path))
-
-    gguf_utils.load_gguf_checkpoint = load
 
 
 # --------------------------------------------------------------------------- conversion
@@ -249,7 +78,7 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}", "check the path")
     out = quantized_dir(gguf_path, scheme, dtype)
-    if (out / _MARKER).is_file():
+    if (out / QUANTIZED_MARKER).is_file():
         return out
     progress = reporter(progress)
 
@@ -262,7 +91,7 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
                                     heads, tied, progress)  # fmt: skip
         meta = meta_result()
         for f in meta.iterdir():
-            if f.is_file() and f.name != _META_MARKER:
+            if f.is_file() and f.name != META_MARKER:
                 shutil.copy(f, tmp / f.name)
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = dtype
@@ -274,10 +103,10 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
         (tmp / QUANT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         record_digests(tmp)  # checked before every load (loader.resolve_checkpoint)
         info["seconds"] = round(time.perf_counter() - t0, 1)
-        (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")  # last: the directory is whole
+        (tmp / QUANTIZED_MARKER).write_text(json.dumps(info, indent=1) + "\n")  # last: the directory is whole
         log.info("quantized %s to %s (%s) in %.1fs", gguf_path.name, scheme, dtype, info["seconds"])
 
-    return _build_atomically(out, _MARKER, build)
+    return build_atomically(out, QUANTIZED_MARKER, build)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,11 @@
 """Load a checkpoint (HF directory with safetensors, or a .gguf file) into our Transformer.
 
-Owns path validation, config/tokenizer loading and dtype/device placement; checkpoint
-names map to modules through the architecture's description (arch.py). Knows nothing
-about decoding or speculation.
+Owns what this backend reads for a path (a GGUF's float conversion or quantized cache,
+built on first use and checked against its digests: `resolve_checkpoint`, and ahead of a
+load `prepare_weights`), the preflight against the weight files' headers and the memory,
+and dtype/device placement. The files themselves (config, tokenizer, weight files,
+checks, tensor names) are read through ssdlocal.weights.formats. Knows nothing about
+decoding or speculation.
 """
 
 from __future__ import annotations
@@ -16,22 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ssdlocal.backends.torch.arch import Architecture, architecture, find, unsupported
-from ssdlocal.backends.torch.checks import (
-    PATH_HINT,
-    check_against_weights,
-    check_config,
-    check_model_path,
-    read_config_json,
-    require_regular,
-)
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
 from ssdlocal.backends.torch.quant_load import (
     load_quantized_weights,
     quantized_checkpoint,
-    resolve_scheme,
 )
-from ssdlocal.backends.torch.stfile import DamagedFileError, SafetensorsReader
 from ssdlocal.core.errors import (
     ModelLoadError,
     OutOfMemoryError,
@@ -39,10 +31,22 @@ from ssdlocal.core.errors import (
 )
 from ssdlocal.core.files import check_digests, file_lock
 from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
+from ssdlocal.weights.formats.arch import Architecture, architecture
+from ssdlocal.weights.formats.checkpoint import (
+    checked,
+    damaged_hint,
+    first_line,
+    is_cache_entry,
+    load_hf_config,
+    load_tokenizer,
+    weight_files,
+)
+from ssdlocal.weights.formats.checks import check_against_weights
+from ssdlocal.weights.formats.quantized import resolve_scheme
+from ssdlocal.weights.formats.safetensors import DamagedFileError, SafetensorsReader
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_HINT = PATH_HINT
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -94,18 +98,14 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _checked(path: str | Path) -> Path:
-    return check_model_path(Path(path).expanduser())
-
-
 def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfloat16") -> Path:
     """Return an HF checkpoint directory for `path`, converting a .gguf file if needed:
     to a float checkpoint (scheme none) or straight to a quantized one (int8 | int4).
     A cached conversion is used only once its files match the digests recorded when it
     was written; one that does not is rebuilt (with a warning saying why)."""
-    path = _checked(path)
+    path = checked(path)
     if not path.is_file():
-        if _is_cache_entry(path) and (problem := check_digests(path)) is not None:
+        if is_cache_entry(path) and (problem := check_digests(path)) is not None:
             raise ModelLoadError(f"{path} is a damaged ssdlocal cache entry: {problem}",
                                  hint=f"delete {path} and pass the .gguf file it was made from; "
                                  "ssdlocal converts it again")  # fmt: skip
@@ -114,7 +114,7 @@ def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfl
     def build() -> Path:
         if scheme != "none":
             return quantized_checkpoint(path, resolve_scheme(path, scheme), dtype)
-        from ssdlocal.backends.torch.gguf_convert import ensure_converted
+        from ssdlocal.weights.formats.convert import ensure_converted
 
         return ensure_converted(path)
 
@@ -130,103 +130,19 @@ def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfl
     return build()
 
 
-def _is_cache_entry(path: Path) -> bool:
-    from ssdlocal.backends.torch.gguf_convert import is_conversion
-    from ssdlocal.backends.torch.gguf_quant import is_quantized_cache
-
-    return is_conversion(path) or is_quantized_cache(path)
-
-
-def config_dir(path: str | Path) -> Path:
-    """A directory with the config and tokenizer of `path`, converting no weights
-    (a .gguf file's metadata is extracted once into a small cached directory)."""
-    path = _checked(path)
-    if path.is_file():
-        from ssdlocal.backends.torch.gguf_convert import _MARKER, converted_dir
-        from ssdlocal.backends.torch.gguf_quant import metadata_dir
-        from ssdlocal.core.paths import cache_dir
-
-        if (cache_dir() / "converted").is_dir():  # hashing the file for its key writes there
-            for dtype in ("bfloat16", "float32", "float16"):  # a float conversion has them too
-                if (converted_dir(path, dtype) / _MARKER).is_file():
-                    return converted_dir(path, dtype)
-        return metadata_dir(path)
-    return path
-
-
-def damaged_hint(ckpt: Path) -> str:
-    """What to do about an unreadable file in checkpoint `ckpt`: a cache entry ssdlocal
-    wrote is deleted and built again; anything else is the user's, and is never deleted."""
-    if _is_cache_entry(ckpt):
-        return f"the cached conversion is damaged: delete {ckpt} and rerun (it is converted again)"
-    return (f"the file is damaged or incomplete: replace the model at {ckpt} with a good copy "
-            "(a pulled pair: `ssdlocal pull PAIR` fetches it again)")
-
-
-def load_hf_config(path: Path):
-    """transformers' config of checkpoint `path`. A model_type transformers does not know
-    is read with the config class of its description's `config_type`, if it has one."""
-    from transformers import AutoConfig
-
-    raw = read_config_json(path / "config.json", damaged_hint(path))  # bounded, no FIFO, no deep nesting
-    check_config(raw, path / "config.json", _config_hint(path))
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, KeyError, OSError) as exc:  # unknown model_type: name it from the raw json
-        described = find(raw.get("architectures"), raw.get("model_type"))
-        if described is not None and described.config_type:
-            fields = {k: v for k, v in raw.items() if k != "model_type"}
-            return AutoConfig.for_model(described.config_type, **fields)
-        if described is not None:
-            raise ModelLoadError(f"{path / 'config.json'} is not a valid {described.name} config: "
-                                 f"{_first_line(exc)}", hint=_config_hint(path)) from exc  # fmt: skip
-        archs = raw.get("architectures")
-        names = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else str(raw.get("model_type"))
-        raise unsupported(f"architecture {names[:200] if names != 'None' else 'unknown'}") from exc
-    except Exception as exc:  # noqa: BLE001 - transformers' validators raise TypeError, ZeroDivisionError, ...
-        raise ModelLoadError(f"{path / 'config.json'} is not a valid model config: {_first_line(exc)}",
-                             hint=_config_hint(path)) from exc  # fmt: skip
-
-
-def _config_hint(path: Path) -> str:
-    return f"fix {path / 'config.json'}, or use the model's original config.json"
-
-
-def load_tokenizer(path: str | Path):
-    """The checkpoint's tokenizer (no weights are read)."""
-    from transformers import AutoTokenizer
-
-    path = config_dir(path)
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as exc:
-        hint = "the directory needs tokenizer.json / tokenizer_config.json"
-        if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-            hint = damaged_hint(path)
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {_first_line(exc)}",
-                             hint=hint) from exc
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file() or index.is_symlink():
-        weight_map = read_config_json(index, damaged_hint(path)).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ModelLoadError(f"{index} has no weight_map of tensor names to files", hint=damaged_hint(path))
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
-        if any(Path(name).name != name for name in dict.fromkeys(weight_map.values())):
-            raise ModelLoadError(f"{index} names files outside {path}", hint=damaged_hint(path))
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ModelLoadError(f"{path} is missing shards: {', '.join(missing[:5])}",
-                                 hint="the download is incomplete; pull the model again")
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors weights", hint=CHECKPOINT_HINT)
-    for file in files:
-        require_regular(file, f"replace {file} with the model's weight file")
-    return files
+def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=None, *,
+                    floats: bool = True) -> Path:  # fmt: skip
+    """The checkpoint directory `load_model(path, ..., dtype, quantization)` will read,
+    built now if it is not cached (reporting to `progress`, else to the installed display):
+    a .gguf file's quantized cache when `quantization` resolves to int8/int4 for it, else
+    its float conversion (`floats=False`: the file itself, nothing converted). A directory
+    is itself once checked (`floats=False`: as given). Raises what `resolve_checkpoint` and
+    `resolve_scheme` raise (ModelLoadError, UsageError)."""
+    found = Path(path).expanduser()
+    scheme = "none" if quantization == "none" else resolve_scheme(found, quantization)
+    if scheme != "none" and found.is_file() and found.suffix.lower() == ".gguf":
+        return quantized_checkpoint(found, scheme, dtype, progress)
+    return resolve_checkpoint(found, "none", dtype) if floats else found
 
 
 def preflight(ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device,
@@ -239,7 +155,7 @@ def preflight(ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, devic
             with SafetensorsReader(file) as f:
                 headers[file.name] = {name: (f.dtype(name), f.shape(name)) for name in f.keys()}  # noqa: SIM118
     except (DamagedFileError, OSError) as exc:
-        message = exc.message if isinstance(exc, DamagedFileError) else _first_line(exc)
+        message = exc.message if isinstance(exc, DamagedFileError) else first_line(exc)
         raise ModelLoadError(f"cannot read the weights in {ckpt}: {message}", hint=damaged_hint(ckpt)) from exc
     check_against_weights(args, architecture(args.arch), headers, ckpt)
     from ssdlocal.backends.torch.kvcache import check_room
@@ -299,7 +215,7 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Pat
     except RuntimeError as exc:  # a tensor whose shape the config does not give it
         sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
         raise ModelLoadError(f"checkpoint {ckpt} does not match its config.json: "
-                             f"{(sizes or [_first_line(exc)])[0][:300]}",
+                             f"{(sizes or [first_line(exc)])[0][:300]}",
                              hint="the config.json may belong to another model; use the model's own") from exc
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -355,7 +271,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
             raise _oom(ckpt, dev, torch_dtype, exc) from exc
         raise
     except (SafetensorError, DamagedFileError, OSError) as exc:  # truncated or garbled weights
-        raise ModelLoadError(f"cannot read the weights in {ckpt}: {_first_line(exc)}",
+        raise ModelLoadError(f"cannot read the weights in {ckpt}: {first_line(exc)}",
                              hint=damaged_hint(ckpt)) from exc
     if on_read is not None:
         on_read(None)  # the headers and skipped tensors count too
@@ -384,11 +300,6 @@ def _load_progress(path, files: list[Path], scheme: str, dtype: torch.dtype):
         progress(stage, done, total)
 
     return on_read
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def _oom(path: Path, device: torch.device, dtype: torch.dtype, exc: BaseException) -> OutOfMemoryError:

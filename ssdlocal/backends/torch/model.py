@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.arch import for_hf_config, unsupported
 from ssdlocal.backends.torch.attention import AttentionMask, attend, chunk_kernel
 from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import oom_error
+from ssdlocal.weights.formats.arch import for_hf_config, unsupported
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # A chunked prefill keeps every chunk's boolean mask for all layers while they fit in this

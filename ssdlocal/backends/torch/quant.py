@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch import int4_cpu, int4_cuda
-from ssdlocal.backends.torch.arch import architecture
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.quantization import INT4_GROUP
+from ssdlocal.weights.formats.arch import architecture
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
 # and norms stay in the activation dtype; a tied lm_head gets its own quantized copy.

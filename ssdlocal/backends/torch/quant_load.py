@@ -3,8 +3,10 @@
 Sources: a float checkpoint (each linear weight is read, quantized, and dropped) or a
 quantized one (gguf_quant.py's cache: codes + scales, packed for the device as read).
 Peak memory stays near the final model size: no float copy of the whole model and no
-memory map whose touched pages would count twice. Also decides what `--quantization
-auto` means for a path. Knows nothing about tensor parallelism beyond a `shard` hook.
+memory map whose touched pages would count twice. Also sizes the weights as loaded
+(`weight_bytes`, for the planner). What `--quantization auto` means for a path is a
+question about files (weights/formats/quantized.py). Knows nothing about tensor
+parallelism beyond a `shard` hook.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.arch import architecture, find, for_gguf, unsupported
-from ssdlocal.backends.torch.gguf_quant import QUANT_FILE, ensure_quantized, gguf_scheme
+from ssdlocal.backends.torch.gguf_quant import ensure_quantized
 from ssdlocal.backends.torch.quant import (
     QuantEmbedding,
     QuantizedWeight,
@@ -27,41 +28,16 @@ from ssdlocal.backends.torch.quant import (
     quantize,
     replace_module,
 )
-from ssdlocal.backends.torch.stfile import MemoryReleaser, SafetensorsReader
-from ssdlocal.core.errors import ModelLoadError, UsageError
-from ssdlocal.core.quantization import SCHEMES, check_quantization
+from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.core.quantization import SCHEMES
+from ssdlocal.weights.formats.arch import architecture, find, for_gguf, unsupported
+from ssdlocal.weights.formats.quantized import quant_info
+from ssdlocal.weights.formats.safetensors import MemoryReleaser, SafetensorsReader
 
 log = logging.getLogger(__name__)
 
 # shard(key, value) -> the rank's part of a tensor or QuantizedWeight (key: "...q_proj.weight")
 Shard = Callable[[str, "Tensor | QuantizedWeight"], "Tensor | QuantizedWeight"]
-
-
-def quant_info(path: Path) -> dict | None:
-    """quantization.json of a quantized checkpoint directory, None for anything else."""
-    try:
-        return json.loads((Path(path) / QUANT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def resolve_scheme(path: str | Path, quantization: str) -> str:
-    """none | int8 | int4 for `path`: `auto` is a GGUF's own class, a quantized
-    checkpoint's scheme, and none for float checkpoints. Validates the combination."""
-    check_quantization(quantization)
-    path = Path(path).expanduser()
-    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
-    info = None if is_gguf or not path.is_dir() else quant_info(path)
-    if quantization == "auto":
-        if is_gguf:
-            return gguf_scheme(path)
-        return info["scheme"] if info else "none"
-    if info and info.get("scheme") != quantization:
-        raise UsageError(
-            f"{path} holds {info.get('scheme')} weights, not {quantization}",
-            f"use --quantization auto (or {info.get('scheme')}), or point at the float checkpoint",
-        )
-    return quantization
 
 
 def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> Path:
@@ -207,8 +183,8 @@ def _shapes(path: Path, scheme: str, dtype: str):
     """(architecture, our tensor name -> shape, bytes per embedding weight or None for
     floats) of a float checkpoint directory or a .gguf file, from headers only."""
     from ssdlocal.backends.torch.gguf_quant import _embedding_scheme
-    from ssdlocal.backends.torch.gguf_read import GGUFHeader
     from ssdlocal.core.quantization import bytes_per_param
+    from ssdlocal.weights.formats.gguf import GGUFHeader
 
     shapes: dict[str, tuple[int, ...]] = {}
     if path.is_file():

@@ -118,7 +118,7 @@ class DraftWorker:
         return self.audit.snapshot().get("worker", HostWaits()).as_dict()
 
     def _graphs(self) -> dict:
-        from ssdlocal.backends.torch.graphs import graph_report
+        from ssdlocal.backends.registry import graph_report
 
         return graph_report(self.runner)
 

@@ -5,11 +5,13 @@ them, so it takes milliseconds. Rows come out either de-quantized (float32, thro
 `gguf` package's numpy decoders) or, for Q4_0 / Q4_1 / Q4_K, as their exact 4-bit values
 with one (scale, zero) pair per 32 weights: W = (q - 8) * scale + zero, which is the
 int4 kernels' own convention, so those tensors change layout without losing anything.
-Knows nothing about models or caches.
+Also says what `--quantization auto` means for a file (`gguf_scheme`). Knows nothing about
+models or caches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ import numpy as np
 
 from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.paths import replace_hint
+from ssdlocal.core.quantization import scheme_for_gguf_type
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _FLOATS = {0: np.float32, 1: np.float16}  # F32, F16 (BF16 = 30 is decoded by the gguf package)
@@ -137,6 +140,23 @@ def _parse(path: Path) -> GGUFHeader:
     start = (buf.pos + align - 1) // align * align
     tensors = tuple(TensorInfo(n, s, k, start + o) for n, s, k, o in table)
     return GGUFHeader(path, metadata, tensors)
+
+
+def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
+    """What `--quantization auto` means for this file: its file type's class
+    (Q4_* / Q5_* -> int4, Q8_0 / Q6_K -> int8, floats -> none)."""
+    header = header or GGUFHeader.read(gguf_path)
+    file_type = header.metadata.get("general.file_type")
+    if isinstance(file_type, int):
+        from gguf import LlamaFileType
+
+        with contextlib.suppress(ValueError):
+            return scheme_for_gguf_type(LlamaFileType(file_type).name)
+    sizes: dict[str, int] = {}  # no file type: the type holding most matrix weights
+    for t in header.tensors:
+        if len(t.shape) == 2:
+            sizes[t.type_name] = sizes.get(t.type_name, 0) + t.shape[0] * t.shape[1]
+    return scheme_for_gguf_type(max(sizes, key=sizes.get)) if sizes else "none"
 
 
 # --------------------------------------------------------------------------- rows

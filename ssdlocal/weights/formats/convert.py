@@ -22,20 +22,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ssdlocal.backends.torch.arch import find, for_gguf, unsupported
 from ssdlocal.core.errors import AssetError, ModelLoadError, UsageError
 from ssdlocal.core.files import file_lock, record_digests, remembered_sha256
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir, replace_hint
 from ssdlocal.core.progress import model_label, reporter
+from ssdlocal.weights.formats.arch import find, for_gguf, unsupported
 
 log = logging.getLogger(__name__)
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-_MARKER = "ssdlocal-convert.json"
+CONVERTED_MARKER = "ssdlocal-convert.json"
 # End-of-turn tokens that chat models emit; added to eos ids when present in the vocab.
-_EXTRA_EOS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+EXTRA_EOS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 
 
 def gguf_metadata(gguf_path: Path) -> dict[str, object]:
@@ -74,8 +74,7 @@ def _read_with_gguf(path: str) -> dict[str, object]:
 
 def is_conversion(path: Path) -> bool:
     """Whether `path` is a checkpoint directory this module wrote (a cache entry)."""
-    return (Path(path) / _MARKER).is_file()
-
+    return (Path(path) / CONVERTED_MARKER).is_file()
 
 
 def converted_dir(gguf_path: Path, dtype: str = "bfloat16", root: Path | None = None) -> Path:
@@ -104,7 +103,7 @@ def ensure_converted(
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}", "check the path")
     out = Path(out_dir) if out_dir is not None else converted_dir(gguf_path, dtype)
-    if (out / _MARKER).is_file():
+    if (out / CONVERTED_MARKER).is_file():
         return out
 
     meta = gguf_metadata(gguf_path)
@@ -112,7 +111,7 @@ def ensure_converted(
     out.parent.mkdir(parents=True, exist_ok=True)
     # One converter per output: a second process waits here, then finds the marker.
     with file_lock(out.with_name(out.name + ".lock")):
-        if (out / _MARKER).is_file():
+        if (out / CONVERTED_MARKER).is_file():
             return out
         _remove_leftovers(out)
         _convert_into(gguf_path, out, dtype, meta, reporter(progress))
@@ -138,8 +137,8 @@ def _convert_into(gguf_path: Path, out: Path, dtype: str, meta: dict, progress) 
         info = {"source": gguf_path.name, "sha256": out.name.rsplit("-", 1)[-1],
                 "architecture": meta["architecture"], "dtype": dtype,
                 "seconds": round(time.perf_counter() - t0, 1)}
-        record_digests(tmp)  # checked before every load (loader.resolve_checkpoint)
-        (tmp / _MARKER).write_text(json.dumps(info, indent=1) + "\n")
+        record_digests(tmp)  # checked before every load (the torch loader's resolve_checkpoint)
+        (tmp / CONVERTED_MARKER).write_text(json.dumps(info, indent=1) + "\n")
         os.replace(tmp, out)  # atomic: `out` does not exist (removed under the lock)
     except OSError as exc:
         raise _disk_error(exc, out) or exc
@@ -325,7 +324,7 @@ def _set_generation_config(gen: object, tokenizer: object) -> None:
     """eos ids = the tokenizer's eos plus known end-of-turn tokens found in the vocab."""
     vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
     eos: list[int] = []
-    for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in _EXTRA_EOS)):  # type: ignore[attr-defined]
+    for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in EXTRA_EOS)):  # type: ignore[attr-defined]
         if tid is not None and tid not in eos:
             eos.append(int(tid))
     gen.eos_token_id = eos[0] if len(eos) == 1 else eos
