@@ -158,6 +158,26 @@ def test_files_are_small_and_the_top_level_is_short():
     assert len(top) <= MAX_TOP_MODULES, top
 
 
+TORCH_BACKEND_IMPORTERS = {  # outside backends/, with why
+    "parallel": "the torch backend's own tensor-parallel ranks: its loader, model, quantizer and graphs",
+    "engine/engine": "the target runner's graph report (graph_report)",
+}
+
+
+def test_upper_layers_ask_the_registry_not_backends_torch():
+    """What a model file is lives in weights/formats (below backends); what only a backend
+    knows (what it will load for a path, its quantized sizes, its heads, its graphs) is
+    asked through backends/registry.py. No module outside backends/ imports backends/torch,
+    except the torch backend's own tensor-parallel ranks and the engine's graph report."""
+    offenders = []
+    for module, imports in _graph().items():
+        rel = module.removeprefix("ssdlocal.").replace(".", "/")
+        if _top(module) == "backends" or any(rel == e or rel.startswith(e + "/") for e in TORCH_BACKEND_IMPORTERS):
+            continue
+        offenders += [f"{module} -> {t}" for t in sorted(imports) if t.startswith("ssdlocal.backends.torch")]
+    assert not offenders, "imports of backends/torch from above it:\n" + "\n".join(offenders)
+
+
 def test_engine_imports_no_ui_library():
     code = (
         "import sys, ssdlocal.engine, ssdlocal.bench.run, ssdlocal.draft.ssd.worker; "

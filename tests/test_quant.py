@@ -349,14 +349,38 @@ def test_gguf_load_peak_memory(tmp_path):
     assert growth < 0.6 * bf16_mb, m
 
 
+def test_the_backend_prepares_and_sizes_what_it_will_load(gguf_files, tiny_dir, monkeypatch):
+    """The CLI, `pull`, bench and the planner ask backends.registry, not the quantizer: the
+    torch backend's cache of a GGUF as `auto` resolves for it (the cache a load reads), the
+    file itself where no floats are wanted or llama.cpp reads it (nothing converted), a
+    checkpoint directory itself; quantized bytes are weight_bytes's, None for floats."""
+    from ssdlocal.backends.registry import prepare_weights, quantized_bytes
+    from ssdlocal.backends.torch.quant_load import weight_bytes
+    from ssdlocal.weights.formats import convert
+
+    path = gguf_files["qwen2", "q4_k_m"][0]
+    ckpt = prepare_weights(path, "torch", "auto", "float32")
+    assert ckpt == gguf_quant.ensure_quantized(path, "int4", "float32")
+    assert load_model(path, "cpu", "float32", "auto").path == ckpt
+    assert prepare_weights(path, "torch", "int8", "float32", floats=False) == gguf_quant.quantized_dir(path, "int8", "float32")
+    monkeypatch.setattr(convert, "_convert", lambda *a, **k: pytest.fail("converted to floats"))
+    assert prepare_weights(path, "torch", "none", "float32", floats=False) == path
+    assert prepare_weights(path, "llamacpp", "auto", "float32") == path
+    assert prepare_weights(tiny_dir["llama"], "torch", "none", "float32") == tiny_dir["llama"]
+    with pytest.raises(UsageError, match="quantization"):
+        prepare_weights(path, "torch", "int3", "float32")
+    assert quantized_bytes(path, "auto", "float32") == weight_bytes(path, "int4", "float32") > 0
+    assert quantized_bytes(tiny_dir["llama"], "auto", "float32") is None
+
+
 def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
     """bench's llama.cpp peers default to the GGUF a (converted) target came from."""
     from ssdlocal.backends.registry import gguf_source
-    from ssdlocal.weights.formats.convert import ensure_converted
     from ssdlocal.bench.run import BenchSettings
     from ssdlocal.cli.bench import _default_gguf_peers
     from ssdlocal.core.config import EngineConfig, ModelSpec, SpecConfig
     from ssdlocal.core.paths import cache_dir
+    from ssdlocal.weights.formats.convert import ensure_converted
 
     path = gguf_files["qwen2", "q8_0"][0]
     assert gguf_source(str(path)) == str(path)

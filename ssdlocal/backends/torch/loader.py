@@ -148,7 +148,7 @@ def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=No
 def preflight(ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device,
               dtype: torch.dtype) -> None:  # fmt: skip
     """Before the model is built: the config's sizes against the weight files' headers,
-    and the weights against the memory available (checks.py, quant_load.weight_bytes)."""
+    and the weights against the memory available (weights/formats/checks.py, quant_load.weight_bytes)."""
     headers = {}
     try:
         for file in files:
@@ -244,7 +244,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
                quantization: str = "none") -> LoadedModel:  # fmt: skip
     """Load config, tokenizer and weights; the KV cache is left to the caller (setup_cache).
 
-    quantization: none | int8 | int4 | auto (quant_load.resolve_scheme); quantized linears
+    quantization: none | int8 | int4 | auto (weights/formats/quantized.resolve_scheme); quantized linears
     are QuantLinears (quant.py), filled tensor by tensor.
     """
     scheme = resolve_scheme(path, quantization)

@@ -3,9 +3,9 @@
 The cache is a fixed array of slots; callers say which slot each new token's k/v
 goes to and which slots each query may see, so linear decoding, batches with
 per-row positions and fan-out trees all use one forward. What differs between the
-architectures (biases, q/k norms) comes from their description in arch.py, which also
-lists the module names used here. transformers is used only for config parsing (by the
-loader); this module knows nothing about files.
+architectures (biases, q/k norms) comes from their description (weights/formats/arch.py),
+which also lists the module names used here. transformers is used only for config parsing
+(by the loader); this module knows nothing about files.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ Everything that differs between them lives here and only here: how a checkpoint 
 which it is (config.json `architectures` / `model_type`, GGUF `general.architecture`), how
 its files name each tensor (Hugging Face safetensors, GGUF), biases and norms, how
 llama.cpp orders q/k rows, and per linear its tensor-parallel split and whether it is
-quantized. The model, the loaders, the GGUF converters, quantization and tensor
-parallelism read these descriptions; a llama-family architecture whose files use other
-names is one more entry in the table at the end. Imports no torch.
+quantized. It lives with the file formats because most of it is about files (the model
+files' names for everything); the torch backend's model, loaders, quantizer and tensor
+parallelism read the rest. A llama-family architecture whose files use other names is
+one more entry in the table at the end, and no other module writes a file's tensor name
+(tests/test_arch_table.py). Imports no torch.
 """
 
 from __future__ import annotations
