@@ -183,11 +183,9 @@ def embedding_rows(path: str | Path, backend: str = "torch") -> int | None:
     llama.cpp files (known only once llama.cpp has loaded them) or an unreadable config."""
     if backend != "torch":
         return None
-    from ssdlocal.weights.formats.checkpoint import (
-        config_dir,  # a .gguf: its metadata only
-    )
+    from ssdlocal.weights.formats.checkpoint import config_dir
 
-    return config_vocab_size(config_dir(path))[0]
+    return config_vocab_size(config_dir(path))[0]  # a .gguf: its metadata directory only
 
 
 def check_paths(target: str | Path, draft: str | Path) -> CompatReport:
