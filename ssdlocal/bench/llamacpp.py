@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, NgramDraft, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.weights.assets import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_path
@@ -180,7 +181,7 @@ def _add_margin(engine, ids, ar, div) -> None:
         return
     prefix = ids[div["prompt"]] + ar[div["prompt"]][: div["index"]]
     engine.runner.reset(1, len(prefix) + 2)
-    logits = engine.runner.feed([prefix], "last")[0][-1]  # [V]
+    logits = engine.runner.feed([prefix], Logits.LAST)[0][-1]  # [V]
     top = torch.topk(logits, 2)
     div["top2"] = top.indices.tolist()
     div["top2_margin"] = float(top.values[0] - top.values[1])

@@ -128,7 +128,7 @@ class SpecOptions:
     )
     fan_out_miss: str | None = option(None, "SSD fan-out after a miss, or auto.")
     saguaro_c: float = option(SpecConfig.saguaro_c, "Saguaro sampling constant C in (0, 1].")
-    backup: str = option(SpecConfig.backup, f"SSD backup on a miss: {' | '.join(BACKUPS)} "
+    backup: str = option(SpecConfig.backup.value, f"SSD backup on a miss: {' | '.join(BACKUPS)} "
                          "(suffix also caches a branch for its own guess of the bonus)")
     suffix: bool = option(
         True,

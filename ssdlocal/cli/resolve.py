@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ssdlocal.cli.options import ModelOptions, SpecOptions
 from ssdlocal.core.config import (
+    Backup,
     Draft,
     EngineConfig,
     ADAPTIVE_K_MAX,
@@ -119,7 +120,7 @@ def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:
     return {
         "mode": mode, "k": k, "adaptive_k": not pinned, "memory": memory, "fan_out": parse_fan_out(spec_opts.fan_out),
         "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss), "saguaro_c": spec_opts.saguaro_c,
-        "backup": spec_opts.backup,
+        "backup": Backup.parse(spec_opts.backup, "--backup"),
     }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
@@ -122,7 +123,7 @@ class ModelDrafter:
         sequences = [row.tokens for row in self.rows]
         for b, seq in enumerate(sequences):
             self.runner.reuse(b, seq[:-1])
-        self.runner.feed([self.runner.pending(b, seq[:-1]) for b, seq in enumerate(sequences)], "none")
+        self.runner.feed([self.runner.pending(b, seq[:-1]) for b, seq in enumerate(sequences)], Logits.NONE)
         self.runner.begin_steps()
         self.cached = [len(seq) - 1 for seq in sequences]
         self._fed = list(self.cached)
