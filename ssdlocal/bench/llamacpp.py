@@ -21,6 +21,7 @@ from pathlib import Path
 from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, NgramDraft, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
+from ssdlocal.core.models import BackendName
 from ssdlocal.weights.assets import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_path
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     modes = args.modes.split(",")
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    target = ModelSpec(args.target, backend="llamacpp")
-    draft = ModelDraft(ModelSpec(args.draft, backend="llamacpp"))
+    target = ModelSpec(args.target, backend=BackendName.LLAMACPP)
+    draft = ModelDraft(ModelSpec(args.draft, backend=BackendName.LLAMACPP))
     cfg = EngineConfig(target=target, spec=SpecConfig(mode=Mode.SSD, k=args.k, draft=draft))
     prompts = [p.prompt for p in select(load_prompts(), args.prompts)]
     results: dict[str, dict] = {}

@@ -20,12 +20,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.quantization import check_quantization
 
 DEFAULT_DTYPE = "bfloat16"  # the activation dtype models run in unless told otherwise
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("torch", "llamacpp")
+
+
+class BackendName(Choice):
+    """Which backend runs a model, and the facts about it that layers below the backends
+    need (what `ssdlocal.backends.registry.Backend` does with it lives there).
+
+    TORCH: our native models; reads checkpoint directories, converts or quantizes a GGUF
+    itself, applies --quantization int8/int4, runs tensor parallel. LLAMACPP:
+    llama-cpp-python running a .gguf file as it is, in the file's own quantization.
+    """
+
+    TORCH = "torch"
+    LLAMACPP = "llamacpp"
+
+    @property
+    def runs_gguf(self) -> bool:
+        """Runs a GGUF file as it is (no checkpoint directory, no conversion)."""
+        return self in _RUNS_GGUF
+
+    @property
+    def quantizes(self) -> bool:
+        """Applies --quantization int8/int4 to the weights it loads."""
+        return self not in _RUNS_GGUF
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Can shard a target over several devices (ssdlocal.parallel)."""
+        return self not in _RUNS_GGUF
+
+
+_RUNS_GGUF = frozenset({BackendName.LLAMACPP})
+BACKENDS = BackendName.choices()
 
 
 def normalize_device(device: str) -> str:
@@ -46,16 +78,15 @@ class ModelSpec:
     path: str
     device: str = "cpu"
     dtype: str = DEFAULT_DTYPE
-    backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
+    backend: BackendName = BackendName.TORCH  # a string is parsed (unknown: UsageError)
     # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
     # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
     quantization: str = "none"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}", f"choose one of: {', '.join(BACKENDS)}")
+        object.__setattr__(self, "backend", BackendName.parse(self.backend, "backend"))
         check_quantization(self.quantization)
-        if self.backend == "llamacpp" and self.quantization in ("int8", "int4"):
+        if not self.backend.quantizes and self.quantization in ("int8", "int4"):
             raise UsageError(
                 f"--quantization {self.quantization} applies to the torch backend only",
                 "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
