@@ -10,9 +10,10 @@ A draft is one of a few typed descriptions, never a magic string:
   when it predicts more accepted tokens (and skip the model's forwards when every row does).
 Every kind answers `model` (its ModelSpec, or None) and `label` (one line for people), so
 callers that only need those never branch on the kind; `word` is what `--draft` calls it
-(None: a path names it) and `builder` the "module:function" that builds its drafter
-(ssdlocal.draft.factory imports it when a call needs one). A new kind of draft is a class
-here, listed in DRAFT_KINDS, and its drafter module. Invalid values raise UsageError.
+(None: a path names it). What builds a kind's drafter is ssdlocal.draft.factory's table
+(BUILDERS, keyed by these types): this module knows no drafter. A new kind of draft is a
+class here, listed in DRAFT_KINDS, its drafter module, and its row in BUILDERS. Invalid
+values raise UsageError.
 """
 
 from __future__ import annotations
@@ -109,7 +110,6 @@ class NoDraft:
     model: ClassVar[None] = None
     label: ClassVar[str] = "none"
     word: ClassVar[str | None] = None
-    builder: ClassVar[str | None] = None  # nothing proposes
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,6 @@ class NgramDraft:
     model: ClassVar[None] = None
     label: ClassVar[str] = "n-gram (prompt lookup)"
     word: ClassVar[str] = "ngram"
-    builder: ClassVar[str] = "ssdlocal.draft.sync:build_ngram"
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -143,7 +142,6 @@ class SuffixDraft:
     model: ClassVar[None] = None
     label: ClassVar[str] = "suffix (prompt and memory)"
     word: ClassVar[str] = "suffix"
-    builder: ClassVar[str] = "ssdlocal.draft.adaptive:build_suffix"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_confidence <= 1.0:
@@ -176,7 +174,6 @@ class ModelDraft:
     suffix: SuffixDraft | None = SuffixDraft()
     kind: ClassVar[str] = "model"
     word: ClassVar[None] = None
-    builder: ClassVar[str] = "ssdlocal.draft.factory:build_model"
 
     @property
     def label(self) -> str:

@@ -21,7 +21,7 @@ from ssdlocal.speculation.ngram import propose_ngram
 
 
 def build_ngram(spec, params, resources) -> NgramDrafter:
-    """The drafter of an NgramDraft (core.models names this builder)."""
+    """The drafter of an NgramDraft (its row in draft.factory.BUILDERS)."""
     return NgramDrafter(spec.k, spec.draft, resources.target_device, resources.audit)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ssdlocal.core.config import MAX_TOP_LOGPROBS
 from ssdlocal.grammar.compiler import GrammarLimits
+from ssdlocal.grammar.kinds import GrammarKind
 
 MAX_TOOLS = 64  # tools per request
 MAX_SCHEMA_CHARS = GrammarLimits.max_chars  # one schema's JSON (a tool's parameters, a response format)
@@ -71,7 +72,7 @@ class ToolChoice:
 class ResponseFormat:
     """{"type": "json_object"} or {"type": "json_schema", ...} (its `schema`)."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: GrammarKind  # JSON_OBJECT or JSON_SCHEMA
     schema: dict | None = None
     name: str | None = None
 
@@ -177,7 +178,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat("json_object")
+        return ResponseFormat(GrammarKind.JSON_OBJECT)
     if kind != "json_schema":
         raise _bad("response_format.type must be text, json_object or json_schema", param="response_format")
     spec = value.get("json_schema")
@@ -194,7 +195,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if schema is None:
         schema = {"type": "object"}
     check_schema(schema, "response_format.json_schema.schema")
-    return ResponseFormat("json_schema", schema, name)
+    return ResponseFormat(GrammarKind.JSON_SCHEMA, schema, name)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
