@@ -177,10 +177,10 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return ResponseFormat(GrammarKind.JSON_OBJECT)
-    if kind != "json_schema":
+    if kind not in (GrammarKind.JSON_OBJECT, GrammarKind.JSON_SCHEMA):  # the wire's word -> the member
         raise _bad("response_format.type must be text, json_object or json_schema", param="response_format")
+    if GrammarKind(kind) is GrammarKind.JSON_OBJECT:
+        return ResponseFormat(GrammarKind.JSON_OBJECT)
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise _bad("response_format.json_schema must be an object with a 'schema'", param="response_format.json_schema")
