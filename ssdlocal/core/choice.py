@@ -32,7 +32,7 @@ class Choice(str, Enum):
         return tuple(member.value for member in cls)
 
     @classmethod
-    def parse(cls: type[C], value: str | C, what: str) -> C:
+    def parse(cls: type[C], value: str | C, what: str) -> C:  # noqa: PYI019 - typing.Self needs Python 3.11
         """`value` (a member, or the text the user typed; case-insensitive) -> its member.
         `what` names the setting in the error, e.g. "backend" or "--backup". Raises
         UsageError listing the choices when `value` names none."""
