@@ -146,7 +146,8 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
     """(the SamplingParams the run got, {own option: the value it got}); `out` is stdout."""
     (args, kw) = calls.get("run_generate") or calls.get("race_plain") or calls.get("run_bench") or ((), {})
     if command.startswith("generate"):
-        kind, source = kw.pop("grammar", None) or (None, None)
+        spec = kw.pop("grammar", None)  # a grammar.kinds.GrammarSpec
+        kind, source = (spec.kind, spec.source) if spec is not None else (None, None)
         grammar = {"json_schema": source if kind == "json_schema" else None, "regex": source if kind == "regex" else None}
         return args[2], {"prompts": args[1][:1], "num_samples": len(args[1]), **grammar, **kw}
     if command == "chat":

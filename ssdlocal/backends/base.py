@@ -16,6 +16,26 @@ from typing import Protocol
 
 import torch
 
+from ssdlocal.core.choice import Choice
+
+
+class Logits(Choice):
+    """Which positions of a feed come back as logits (`Runner.feed`): every fed token's
+    [len(row), V], the row's last token's [1, V], or none [0, V] (the cache is filled
+    and nothing reaches the lm_head)."""
+
+    ALL = "all"
+    LAST = "last"
+    NONE = "none"
+
+    @classmethod
+    def of(cls, value: Logits | str) -> Logits:
+        """`value` as a member; ValueError (a caller's bug, not the user's) when it names none."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"logits must be one of {cls.choices()}, got {value!r}") from None
+
 
 class Runner(Protocol):
     """One loaded model, its KV cache, and which tokens each row holds."""
@@ -33,9 +53,9 @@ class Runner(Protocol):
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
 
-    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[torch.Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
-        `logits` "all" [len(rows[b]), V], "last" [1, V] (its last token), "none" [0, V].
+        `logits` ALL [len(rows[b]), V], LAST [1, V] (its last token), NONE [0, V].
         Only the positions asked for are computed (a long prompt's logits are large).
         Long feeds go in chunks; `progress(done, total)` (tokens per row) is called as
         they finish, and an exception it raises stops the feed with `held` unchanged."""

@@ -1,17 +1,129 @@
-"""One entry point per job for every backend: load a model, make its runner, read its
-tokenizer, check a path cheaply before anything heavy happens, build what a backend will
-read ahead of the load (`prepare_weights`), size its quantized weights, and report a
-runner's captured graphs.
+"""The backends, one `Backend` object each, in one table (`BACKENDS`): load a model, make
+its runner, read its tokenizer, check a path cheaply before anything heavy happens, build
+what a backend will read ahead of the load (`prepare_weights`), make a device this
+process's own; and what only the torch backend knows about weights and runners
+(`quantized_bytes`, `attention_heads`, `graph_report`).
 
-Callers (engine, SSD worker, compatibility checks) never branch on the backend name
-themselves. Backends are imported lazily: llama_cpp only when a GGUF runs through it.
+A backend is named by core.models.BackendName (parsed once from the user's text at the
+CLI / config edge); `backend_for(name)` is the lookup. Callers (engine, SSD worker,
+compatibility checks, placement, weights) never branch on the name themselves. The
+backends' code is imported lazily: llama_cpp only when a GGUF runs through it. A new
+backend is a BackendName member (core/models.py), its package here, and its row in
+BACKENDS.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ssdlocal.core.config import ModelSpec
+from ssdlocal.core.models import BackendName, ModelSpec
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend does. `load(spec, threads)` -> its loaded model (`threads`: CPU
+    threads where the backend takes them, None: its default); `make_runner(loaded, tree,
+    graphs)` -> a backends.base.Runner; `load_tokenizer(path)` -> a transformers tokenizer,
+    reading no weights; `preflight(path)`: cheap checks of the files (raises
+    ModelLoadError/UsageError with a hint); `prepare(path, quantization, dtype, progress,
+    floats)` -> the path `load` will read, built now if not cached; `owns(loaded)`: whether
+    `loaded` came from this backend's `load`. Facts about the backend are its `name`'s
+    (BackendName)."""
+
+    name: BackendName
+    load: Callable[[ModelSpec, int | None], Any]
+    make_runner: Callable[[Any, bool, str], Any]
+    load_tokenizer: Callable[[str], Any]
+    preflight: Callable[[str], None]
+    prepare: Callable[[str | Path, str, str, Any, bool], Path]
+    owns: Callable[[Any], bool]
+
+
+# ------------------------------------------------------------------ torch
+def _torch_load(spec: ModelSpec, threads: int | None):
+    from ssdlocal.backends.torch.loader import load_model
+
+    return load_model(spec.path, spec.device, spec.dtype, spec.quantization)  # torch's own thread setting
+
+
+def _torch_runner(loaded, tree: bool, graphs: str):
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    return TorchRunner(loaded, graphs=graphs)  # static slots: a tree needs no other sizing
+
+
+def _torch_tokenizer(path: str):
+    from ssdlocal.weights.formats.checkpoint import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _torch_preflight(path: str) -> None:
+    from ssdlocal.backends.torch.model import ModelArgs
+    from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config, weight_files
+
+    ckpt = config_dir(path)  # a .gguf: its metadata only; weights are converted when loaded
+    ModelArgs.from_hf_config(load_hf_config(ckpt))
+    if ckpt.resolve() == Path(path).expanduser().resolve():
+        weight_files(ckpt)
+
+
+def _torch_prepare(path: str | Path, quantization: str, dtype: str, progress, floats: bool) -> Path:
+    from ssdlocal.backends.torch.loader import prepare_weights
+
+    return prepare_weights(path, quantization, dtype, progress, floats=floats)
+
+
+# ------------------------------------------------------------------ llama.cpp
+def _llamacpp_load(spec: ModelSpec, threads: int | None):
+    from ssdlocal.backends.llamacpp import load_gguf
+
+    return load_gguf(spec.path, spec.device, threads)
+
+
+def _llamacpp_runner(loaded, tree: bool, graphs: str):
+    from ssdlocal.backends.llamacpp import LlamaCppRunner
+
+    return LlamaCppRunner(loaded, tree=tree)  # llama.cpp has its own graphs
+
+
+def _llamacpp_tokenizer(path: str):
+    from ssdlocal.backends.llamacpp import gguf_tokenizer
+
+    return gguf_tokenizer(path)
+
+
+def _llamacpp_preflight(path: str) -> None:
+    from ssdlocal.backends.llamacpp import preflight
+
+    preflight(path)
+
+
+def _llamacpp_prepare(path: str | Path, quantization: str, dtype: str, progress, floats: bool) -> Path:
+    return Path(path).expanduser()  # llama.cpp reads the file as it is
+
+
+def _llamacpp_owns(loaded) -> bool:
+    from ssdlocal.backends.llamacpp.loader import LoadedGGUF
+
+    return isinstance(loaded, LoadedGGUF)
+
+
+BACKENDS: dict[BackendName, Backend] = {
+    BackendName.LLAMACPP: Backend(BackendName.LLAMACPP, _llamacpp_load, _llamacpp_runner, _llamacpp_tokenizer,
+                                  _llamacpp_preflight, _llamacpp_prepare, _llamacpp_owns),
+    # last: what no other backend owns is a torch model (a tensor-parallel group included)
+    BackendName.TORCH: Backend(BackendName.TORCH, _torch_load, _torch_runner, _torch_tokenizer, _torch_preflight,
+                               _torch_prepare, lambda loaded: True),
+}  # fmt: skip
+
+
+def backend_for(name: BackendName | str) -> Backend:
+    """The Backend named `name` (a member, or text: UsageError with the choices when unknown)."""
+    return BACKENDS[BackendName.parse(name, "backend")]
 
 
 def load(spec: ModelSpec, *, threads: int | None = None):
@@ -20,13 +132,7 @@ def load(spec: ModelSpec, *, threads: int | None = None):
     `threads` is llama.cpp's CPU thread count (None: torch's count at each decode);
     the torch backend uses torch's own thread setting.
     """
-    if spec.backend == "llamacpp":
-        from ssdlocal.backends.llamacpp import load_gguf
-
-        return load_gguf(spec.path, spec.device, threads)
-    from ssdlocal.backends.torch.loader import load_model
-
-    return load_model(spec.path, spec.device, spec.dtype, spec.quantization)
+    return BACKENDS[spec.backend].load(spec, threads)
 
 
 def claim_device(device: str) -> None:
@@ -39,62 +145,30 @@ def claim_device(device: str) -> None:
 
 
 def make_runner(loaded, *, tree: bool = False, graphs: str = "auto"):
-    """The Runner for a loaded model. `tree`: it will decode SSD fan-out trees (llama.cpp
-    sizes its context for many sequences). `graphs`: captured forwards for the torch
-    runner ("auto" = CUDA graphs on CUDA, "off", "trace"); llama.cpp has its own."""
-    from ssdlocal.backends.llamacpp import LlamaCppRunner, LoadedGGUF
-
-    if isinstance(loaded, LoadedGGUF):
-        return LlamaCppRunner(loaded, tree=tree)
-    from ssdlocal.backends.torch.runner import TorchRunner
-
-    return TorchRunner(loaded, graphs=graphs)
+    """The Runner for a loaded model, by the backend that loaded it. `tree`: it will decode
+    SSD fan-out trees (llama.cpp sizes its context for many sequences). `graphs`: captured
+    forwards for the torch runner ("auto" = CUDA graphs on CUDA, "off", "trace")."""
+    owner = next(b for b in BACKENDS.values() if b.owns(loaded))
+    return owner.make_runner(loaded, tree, graphs)
 
 
-def load_tokenizer(path: str, backend: str = "torch"):
+def load_tokenizer(path: str, name: BackendName = BackendName.TORCH):
     """The model's tokenizer (transformers), reading no weights."""
-    if backend == "llamacpp":
-        from ssdlocal.backends.llamacpp import gguf_tokenizer
-
-        return gguf_tokenizer(path)
-    from ssdlocal.weights.formats.checkpoint import (
-        load_tokenizer as checkpoint_tokenizer,
-    )
-
-    return checkpoint_tokenizer(path)
+    return BACKENDS[name].load_tokenizer(path)
 
 
-def preflight(path: str, backend: str = "torch") -> None:
+def preflight(path: str, name: BackendName = BackendName.TORCH) -> None:
     """Cheap checks of a checkpoint (files, config, architecture) without reading weights."""
-    if backend == "llamacpp":
-        from ssdlocal.backends.llamacpp import preflight as gguf_preflight
-
-        gguf_preflight(path)
-        return
-    from ssdlocal.backends.torch.model import ModelArgs
-    from ssdlocal.weights.formats.checkpoint import (
-        config_dir,
-        load_hf_config,
-        weight_files,
-    )
-
-    ckpt = config_dir(path)  # a .gguf: its metadata only; weights are converted when loaded
-    ModelArgs.from_hf_config(load_hf_config(ckpt))
-    if ckpt.resolve() == Path(path).expanduser().resolve():
-        weight_files(ckpt)
+    BACKENDS[name].preflight(path)
 
 
-def prepare_weights(path: str | Path, backend: str = "torch", quantization: str = "none",
+def prepare_weights(path: str | Path, name: BackendName = BackendName.TORCH, quantization: str = "none",
                     dtype: str = "bfloat16", progress=None, *, floats: bool = True) -> Path:  # fmt: skip
-    """What `backend` will read for `path`, built now if it is not cached (with progress):
-    for torch, a .gguf file's quantized cache (int8/int4 as `quantization` resolves for the
-    file) or else its float conversion (`floats=False`: the file itself, nothing converted),
-    and a checkpoint directory itself; llama.cpp reads the path as it is."""
-    if backend == "llamacpp":
-        return Path(path).expanduser()
-    from ssdlocal.backends.torch.loader import prepare_weights as torch_prepare
-
-    return torch_prepare(path, quantization, dtype, progress, floats=floats)
+    """What backend `name` will read for `path`, built now if it is not cached (with
+    progress): for torch, a .gguf file's quantized cache (int8/int4 as `quantization`
+    resolves for the file) or else its float conversion (`floats=False`: the file itself,
+    nothing converted), and a checkpoint directory itself; llama.cpp reads the path as it is."""
+    return BACKENDS[BackendName.parse(name, "backend")].prepare(path, quantization, dtype, progress, floats)
 
 
 def attention_heads(path: str | Path) -> tuple[int, int]:

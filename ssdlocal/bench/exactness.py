@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ssdlocal.backends.base import Logits
+
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 MarginFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], dict]
 
@@ -33,7 +35,7 @@ def logit_margin(
     the top logit's magnitude (kernel-shape rounding can swap such a pair)."""
     ids = list(prompt) + list(prefix)
     runner.reset(1, len(ids) + 2)
-    logits = runner.feed([ids], "last")[0][-1].float()  # [V]
+    logits = runner.feed([ids], Logits.LAST)[0][-1].float()  # [V]
     top = torch.topk(logits, 2)
     margin = float(top.values[0] - top.values[1])
     top1 = abs(float(top.values[0])) or 1.0

@@ -18,8 +18,10 @@ import os
 import time
 from pathlib import Path
 
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, NgramDraft, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
+from ssdlocal.core.models import BackendName
 from ssdlocal.weights.assets import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_path
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     modes = args.modes.split(",")
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    target = ModelSpec(args.target, backend="llamacpp")
-    draft = ModelDraft(ModelSpec(args.draft, backend="llamacpp"))
+    target = ModelSpec(args.target, backend=BackendName.LLAMACPP)
+    draft = ModelDraft(ModelSpec(args.draft, backend=BackendName.LLAMACPP))
     cfg = EngineConfig(target=target, spec=SpecConfig(mode=Mode.SSD, k=args.k, draft=draft))
     prompts = [p.prompt for p in select(load_prompts(), args.prompts)]
     results: dict[str, dict] = {}
@@ -180,7 +182,7 @@ def _add_margin(engine, ids, ar, div) -> None:
         return
     prefix = ids[div["prompt"]] + ar[div["prompt"]][: div["index"]]
     engine.runner.reset(1, len(prefix) + 2)
-    logits = engine.runner.feed([prefix], "last")[0][-1]  # [V]
+    logits = engine.runner.feed([prefix], Logits.LAST)[0][-1]  # [V]
     top = torch.topk(logits, 2)
     div["top2"] = top.indices.tolist()
     div["top2_margin"] = float(top.values[0] - top.values[1])

@@ -17,6 +17,7 @@ from ssdlocal.cli.options import (
 )
 from ssdlocal.cli.resolve import engine_config
 from ssdlocal.core.errors import UsageError
+from ssdlocal.grammar.kinds import GrammarKind, GrammarSpec
 
 
 @model_command("generate")
@@ -54,8 +55,8 @@ def generate(
                  fim_suffix=fim_suffix)  # fmt: skip
 
 
-def _grammar(schema_file: Path | None, regex: str | None) -> tuple[str, object] | None:
-    """(kind, source) of --json-schema / --regex, checked before any model loads."""
+def _grammar(schema_file: Path | None, regex: str | None) -> GrammarSpec | None:
+    """The grammar of --json-schema / --regex, checked before any model loads."""
     if schema_file is not None and regex is not None:
         raise UsageError("--json-schema and --regex cannot be combined", "pass one of them")
     if schema_file is None and regex is None:
@@ -63,8 +64,9 @@ def _grammar(schema_file: Path | None, regex: str | None) -> tuple[str, object] 
     from ssdlocal.grammar.compiler import check
 
     if regex is not None:
-        check("regex", regex)
-        return "regex", regex
+        grammar = GrammarSpec(GrammarKind.REGEX, regex)
+        check(grammar)
+        return grammar
     try:
         schema = json.loads(Path(schema_file).expanduser().read_text())
     except OSError as exc:
@@ -72,5 +74,6 @@ def _grammar(schema_file: Path | None, regex: str | None) -> tuple[str, object] 
                          "pass the path of a JSON schema file") from None  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"{schema_file} is not JSON: {exc}", "write the schema as a JSON object") from None
-    check("json_schema", schema)
-    return "json_schema", schema
+    grammar = GrammarSpec(GrammarKind.JSON_SCHEMA, schema)
+    check(grammar)
+    return grammar

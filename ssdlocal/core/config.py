@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import (  # noqa: F401 - re-exported: the config's vocabulary
     DEFAULT_DTYPE,
@@ -28,7 +29,6 @@ MAX_K = 32  # draft tokens per round
 ADAPTIVE_K_MAX = 12  # the most drafts an SD round chooses when K is not pinned
 MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
 MAX_TOP_LOGPROBS = 20  # alternatives per emitted token (OpenAI's limit)
-BACKUPS = ("auto", "jit", "ngram", "suffix", "none")  # what serves an SSD cache miss
 
 
 class Mode(str, Enum):
@@ -39,6 +39,21 @@ class Mode(str, Enum):
     SD = "sd"
     SSD = "ssd"
     AUTO = "auto"
+
+
+class Backup(Choice):
+    """What serves an SSD cache miss (`--backup`): the draft just in time, prompt lookup,
+    a suffix match over the row and the engine's memory, nothing, or AUTO (jit or n-gram,
+    chosen each round by speculation.backup.BackupChooser). Rounds report the one used."""
+
+    AUTO = "auto"
+    JIT = "jit"
+    NGRAM = "ngram"
+    SUFFIX = "suffix"
+    NONE = "none"
+
+
+BACKUPS = Backup.choices()  # what --backup accepts
 
 
 @dataclass(frozen=True)
@@ -130,7 +145,7 @@ class SpecConfig:
     fan_out: tuple[int, ...] | None = None  # None = auto
     fan_out_miss: tuple[int, ...] | None = None
     saguaro_c: float = 1.0
-    backup: str = "auto"
+    backup: Backup = Backup.AUTO  # a string is parsed (unknown: UsageError)
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -149,8 +164,7 @@ class SpecConfig:
             raise UsageError(
                 f"saguaro-c must be in (0, 1], got {self.saguaro_c}", "use 1.0 to disable"
             )
-        if self.backup not in BACKUPS:
-            raise UsageError(f"unknown backup {self.backup!r}", f"choose one of: {', '.join(BACKUPS)}")
+        object.__setattr__(self, "backup", Backup.parse(self.backup, "backup"))
         for name, fan in (("fan-out", self.fan_out), ("fan-out-miss", self.fan_out_miss)):
             if fan is not None:
                 if len(fan) != self.k + 1:
@@ -191,7 +205,7 @@ def repeatable(spec: SpecConfig) -> SpecConfig:
     fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
     fan_out = fits(spec.fan_out) or (1,) * (k + 1)
     fan_out_miss = fits(spec.fan_out_miss) or fan_out
-    backup = "jit" if spec.backup in ("auto", "suffix") else spec.backup
+    backup = Backup.JIT if spec.backup in (Backup.AUTO, Backup.SUFFIX) else spec.backup
     return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fan_out, fan_out_miss=fan_out_miss,
                    backup=backup)  # fmt: skip
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ssdlocal.core.config import Backup
+
 
 class TokenOrigin(str, Enum):
     """Where an emitted token came from (for colouring in the TUI)."""
@@ -94,7 +96,7 @@ class RoundEvent:
     n_drafted: tuple[int, ...]  # per active row
     n_accepted: tuple[int, ...]
     cache_hit: tuple[bool, ...] | None = None  # SSD only
-    backup: str | None = None
+    backup: Backup | None = None  # SSD: what served the missed rows (None: all hit)
     # the call's metrics, computed when first read: read it before pulling the next event
     # (or copy it with dict()) for the values as of this round
     snapshot: Mapping[str, Any] = field(default_factory=dict)

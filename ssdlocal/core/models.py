@@ -10,9 +10,10 @@ A draft is one of a few typed descriptions, never a magic string:
   when it predicts more accepted tokens (and skip the model's forwards when every row does).
 Every kind answers `model` (its ModelSpec, or None) and `label` (one line for people), so
 callers that only need those never branch on the kind; `word` is what `--draft` calls it
-(None: a path names it) and `builder` the "module:function" that builds its drafter
-(ssdlocal.draft.factory imports it when a call needs one). A new kind of draft is a class
-here, listed in DRAFT_KINDS, and its drafter module. Invalid values raise UsageError.
+(None: a path names it). What builds a kind's drafter is ssdlocal.draft.factory's table
+(BUILDERS, keyed by these types): this module knows no drafter. A new kind of draft is a
+class here, listed in DRAFT_KINDS, its drafter module, and its row in BUILDERS. Invalid
+values raise UsageError.
 """
 
 from __future__ import annotations
@@ -20,12 +21,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.quantization import check_quantization
 
 DEFAULT_DTYPE = "bfloat16"  # the activation dtype models run in unless told otherwise
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("torch", "llamacpp")
+
+
+class BackendName(Choice):
+    """Which backend runs a model, and the facts about it that layers below the backends
+    need (what `ssdlocal.backends.registry.Backend` does with it lives there).
+
+    TORCH: our native models; reads checkpoint directories, converts or quantizes a GGUF
+    itself, applies --quantization int8/int4, runs tensor parallel. LLAMACPP:
+    llama-cpp-python running a .gguf file as it is, in the file's own quantization.
+    """
+
+    TORCH = "torch"
+    LLAMACPP = "llamacpp"
+
+    @property
+    def runs_gguf(self) -> bool:
+        """Runs a GGUF file as it is (no checkpoint directory, no conversion)."""
+        return self in _RUNS_GGUF
+
+    @property
+    def quantizes(self) -> bool:
+        """Applies --quantization int8/int4 to the weights it loads."""
+        return self not in _RUNS_GGUF
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Can shard a target over several devices (ssdlocal.parallel)."""
+        return self not in _RUNS_GGUF
+
+
+_RUNS_GGUF = frozenset({BackendName.LLAMACPP})
+BACKENDS = BackendName.choices()
 
 
 def normalize_device(device: str) -> str:
@@ -46,16 +79,15 @@ class ModelSpec:
     path: str
     device: str = "cpu"
     dtype: str = DEFAULT_DTYPE
-    backend: str = "torch"  # "torch" (HF dirs; .gguf converted) or "llamacpp" (.gguf files)
+    backend: BackendName = BackendName.TORCH  # a string is parsed (unknown: UsageError)
     # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
     # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
     quantization: str = "none"
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}", f"choose one of: {', '.join(BACKENDS)}")
+        object.__setattr__(self, "backend", BackendName.parse(self.backend, "backend"))
         check_quantization(self.quantization)
-        if self.backend == "llamacpp" and self.quantization in ("int8", "int4"):
+        if not self.backend.quantizes and self.quantization in ("int8", "int4"):
             raise UsageError(
                 f"--quantization {self.quantization} applies to the torch backend only",
                 "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
@@ -78,7 +110,6 @@ class NoDraft:
     model: ClassVar[None] = None
     label: ClassVar[str] = "none"
     word: ClassVar[str | None] = None
-    builder: ClassVar[str | None] = None  # nothing proposes
 
 
 @dataclass(frozen=True)
@@ -92,7 +123,6 @@ class NgramDraft:
     model: ClassVar[None] = None
     label: ClassVar[str] = "n-gram (prompt lookup)"
     word: ClassVar[str] = "ngram"
-    builder: ClassVar[str] = "ssdlocal.draft.sync:build_ngram"
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -112,7 +142,6 @@ class SuffixDraft:
     model: ClassVar[None] = None
     label: ClassVar[str] = "suffix (prompt and memory)"
     word: ClassVar[str] = "suffix"
-    builder: ClassVar[str] = "ssdlocal.draft.adaptive:build_suffix"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_confidence <= 1.0:
@@ -145,7 +174,6 @@ class ModelDraft:
     suffix: SuffixDraft | None = SuffixDraft()
     kind: ClassVar[str] = "model"
     word: ClassVar[None] = None
-    builder: ClassVar[str] = "ssdlocal.draft.factory:build_model"
 
     @property
     def label(self) -> str:

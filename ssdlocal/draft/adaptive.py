@@ -194,5 +194,5 @@ def build_adaptive(spec, params, resources, model, suffix) -> AdaptiveDrafter:
 
 
 def build_suffix(spec, params, resources) -> AdaptiveDrafter:
-    """The drafter of a SuffixDraft (core.models names this builder)."""
+    """The drafter of a SuffixDraft (its row in draft.factory.BUILDERS)."""
     return build_adaptive(spec, params, resources, None, spec.draft)

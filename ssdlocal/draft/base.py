@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ssdlocal.core.config import Backup
 from ssdlocal.core.hostsync import detached_site
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class Proposal:
     tokens: the same drafts as host lists when the drafter has them (else the engine
        reads them back with the verdict).
     cache_hit[b]: SSD only, whether row b was served from the speculation cache.
-    backup: SSD only, which backup produced the missed rows ("jit", "ngram", "none").
+    backup: SSD only, which backup produced the missed rows (core.config.Backup: JIT,
+       NGRAM, SUFFIX or NONE).
     draft_busy_s: SSD only, the worker's compute time since its previous proposal
        (pre-speculation + serving), to compare with the target's verify time.
     sources: where each row's drafts came from, when a drafter mixes sources.
@@ -41,7 +43,7 @@ class Proposal:
     q: torch.Tensor | None = None
     tokens: list[list[int]] | None = None
     cache_hit: list[bool] | None = None
-    backup: str | None = None
+    backup: Backup | None = None
     draft_busy_s: float | None = None
     sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive drafter)
 

@@ -1,18 +1,21 @@
-"""The drafter for one generate call, built by the function its draft's type names.
+"""The drafter for one generate call, built by its draft type's row in BUILDERS.
 
-Each Draft type (core.models) says which "module:function" builds its drafter; this module
-imports it when a call needs it and holds the builder of model drafts (SD in this process,
-SSD in the worker). What a drafter may need from the engine (the draft model loaded here,
-the SSD worker, the suffix memory, the cost model) comes through draft.base.DraftResources,
-so no drafter owns processes or engine state itself.
+BUILDERS maps each Draft type (core.models) to the function that builds its drafter; the
+draft types themselves know no drafter. This module holds the builder of model drafts (SD
+in this process, SSD in the worker). What a drafter may need from the engine (the draft
+model loaded here, the SSD worker, the suffix memory, the cost model) comes through
+draft.base.DraftResources, so no drafter owns processes or engine state itself.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
+from ssdlocal.core.models import ModelDraft, NgramDraft, SuffixDraft
+from ssdlocal.draft.adaptive import build_suffix
 from ssdlocal.draft.base import DraftResources
+from ssdlocal.draft.sync import build_ngram
 
 
 def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
@@ -33,12 +36,23 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
                       memory=res.memory, audit=res.audit)  # fmt: skip
 
 
+Builder = Callable[[SpecConfig, SamplingParams, DraftResources], object]
+
+# Draft type -> the builder of its drafter. NoDraft has none: nothing proposes (AR only).
+BUILDERS: dict[type, Builder] = {
+    NgramDraft: build_ngram,
+    SuffixDraft: build_suffix,
+    ModelDraft: build_model,
+}
+
+
 def make_drafter(spec: SpecConfig, params: SamplingParams, resources: DraftResources):
-    """The drafter of a speculative call (`spec.mode` SD or SSD); None for AR. The draft's
-    type names its builder (core.models: `builder`, "module:function")."""
+    """The drafter of a speculative call (`spec.mode` SD or SSD); None for AR. Its draft
+    type's row in BUILDERS builds it; ValueError for a type with none (NoDraft, which
+    config validation already refuses outside AR)."""
     if spec.mode is Mode.AR:
         return None
-    if not spec.draft.builder:
-        raise ValueError(f"no drafter for {type(spec.draft).__name__}")  # NoDraft: config validation refuses it
-    module, _, name = spec.draft.builder.partition(":")
-    return getattr(importlib.import_module(module), name)(spec, params, resources)
+    builder = BUILDERS.get(type(spec.draft))
+    if builder is None:
+        raise ValueError(f"no drafter for {type(spec.draft).__name__}")
+    return builder(spec, params, resources)

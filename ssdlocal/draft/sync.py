@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
@@ -20,7 +21,7 @@ from ssdlocal.speculation.ngram import propose_ngram
 
 
 def build_ngram(spec, params, resources) -> NgramDrafter:
-    """The drafter of an NgramDraft (core.models names this builder)."""
+    """The drafter of an NgramDraft (its row in draft.factory.BUILDERS)."""
     return NgramDrafter(spec.k, spec.draft, resources.target_device, resources.audit)
 
 
@@ -122,7 +123,7 @@ class ModelDrafter:
         sequences = [row.tokens for row in self.rows]
         for b, seq in enumerate(sequences):
             self.runner.reuse(b, seq[:-1])
-        self.runner.feed([self.runner.pending(b, seq[:-1]) for b, seq in enumerate(sequences)], "none")
+        self.runner.feed([self.runner.pending(b, seq[:-1]) for b, seq in enumerate(sequences)], Logits.NONE)
         self.runner.begin_steps()
         self.cached = [len(seq) - 1 for seq in sequences]
         self._fed = list(self.cached)

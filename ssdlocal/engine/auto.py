@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 from ssdlocal.core.events import ModeEvent, RoundEvent
 from ssdlocal.core.measured import MeasuredStore, file_stamps, positive_seconds
@@ -112,7 +113,7 @@ class _Steps:
 
 def _time_steps(runner, width: int, repeats: int = REPEATS, progress: _Steps | None = None) -> float:
     runner.reset(1, CALIBRATION_PROMPT + width + 2)
-    runner.feed([list(range(1, CALIBRATION_PROMPT + 1))], "none")
+    runner.feed([list(range(1, CALIBRATION_PROMPT + 1))], Logits.NONE)
     runner.begin_steps()
     ids = torch.ones(1, width, dtype=torch.long, device=runner.device)
     runner.step(ids)  # warm-up (first-call allocations)

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.events import PrefillEvent, PrefillProgress
 from ssdlocal.core.memory import oom_error
 from ssdlocal.engine.shape import Shaper
@@ -42,7 +43,7 @@ def read_prompts(runner, guard, rows, params, generator, token, progress,
         if progress is not None:
             progress(PrefillProgress(reused[longest] + done, len(rows[longest].prompt)))
 
-    logits = guard(runner.feed, pending, "last", report)
+    logits = guard(runner.feed, pending, Logits.LAST, report)
     last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
     shaper = shaper if shaper is not None else Shaper()
     first, host = shaper.first_token(last, params, generator)  # [B] (grammar-masked, logprobs kept), read once

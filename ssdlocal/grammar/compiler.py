@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ssdlocal.core.errors import UsageError
+from ssdlocal.grammar.kinds import GrammarKind, GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ def require_llguidance(hf: bool = True):
 class Grammar:
     """One compiled grammar: a template matcher in its start state, copied per row."""
 
-    def __init__(self, key: str, kind: str, template, compile_s: float) -> None:
+    def __init__(self, key: str, kind: GrammarKind, template, compile_s: float) -> None:
         self.key = key  # what it was compiled from (kind and text)
-        self.kind = kind  # "json_schema" | "json_object" | "regex" | "lark"
+        self.kind = kind
         self._template = template  # llguidance.LLMatcher, never advanced
         self.compile_s = compile_s
         self.failed: str | None = None  # the engine could not continue an answer under it (its message)
@@ -115,28 +116,25 @@ class GrammarCompiler:
         """A grammar for JSON documents that validate against `schema` (a dict)."""
         check_schema_shape(schema)
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-        return self._get("json_schema", text)
+        return self._get(GrammarKind.JSON_SCHEMA, text)
 
     def json_object(self) -> Grammar:
         """A grammar for any JSON object."""
-        return self._get("json_object", '{"type":"object"}')
+        return self._get(GrammarKind.JSON_OBJECT, '{"type":"object"}')
 
     def regex(self, pattern: str) -> Grammar:
         """A grammar for the strings that match `pattern` whole."""
         check_regex(pattern)
-        return self._get("regex", pattern)
+        return self._get(GrammarKind.REGEX, pattern)
 
     def lark(self, text: str) -> Grammar:
         """A grammar written in llguidance's Lark dialect (may embed `%json {schema}`)."""
-        return self._get("lark", text)
+        return self._get(GrammarKind.LARK, text)
 
-    def compile(self, kind: str, source) -> Grammar:
-        """`kind` "json_schema" (a dict), "json_object", "regex" or "lark" (text)."""
-        if kind == "json_schema":
-            return self.json_schema(source)
-        if kind == "json_object":
-            return self.json_object()
-        return self._get(kind, source)
+    def compile(self, grammar: GrammarSpec) -> Grammar:
+        """The Grammar of `grammar`, by the method of its kind (json_schema, json_object, ...)."""
+        build = {GrammarKind.JSON_SCHEMA: self.json_schema, GrammarKind.REGEX: self.regex, GrammarKind.LARK: self.lark}
+        return self.json_object() if grammar.kind is GrammarKind.JSON_OBJECT else build[grammar.kind](grammar.source)
 
     def special_token(self, text: str) -> int | None:
         """The id of `text` when the vocabulary has it as one added token (such tokens are
@@ -145,17 +143,17 @@ class GrammarCompiler:
         return added.get(text)
 
     # ------------------------------------------------------------------ compile
-    def _get(self, kind: str, text: str) -> Grammar:
+    def _get(self, kind: GrammarKind, text: str) -> Grammar:
         if len(text) > self.limits.max_chars:
             raise GrammarError(
-                f"the {kind.replace('_', ' ')} has {len(text)} characters; at most {self.limits.max_chars} are allowed",
+                f"the {kind.words} has {len(text)} characters; at most {self.limits.max_chars} are allowed",
                 "send a smaller schema", reason="too_large",
             )  # fmt: skip
         key = f"{kind}:{text}"
         with self._lock:
             found = self._cache.get(key)
             if found is not None and found.failed is not None:  # its lexer gave up on an earlier answer
-                raise GrammarError(f"the {kind.replace('_', ' ')} is too complex to enforce: an earlier answer "
+                raise GrammarError(f"the {kind.words} is too complex to enforce: an earlier answer "
                                    f"under it stopped with: {found.failed}", "simplify it", reason="too_slow")
             if found is not None:
                 self._cache.move_to_end(key)
@@ -180,7 +178,7 @@ class GrammarCompiler:
             self.compiled += 1
         return grammar
 
-    def _compile_bounded(self, kind: str, text: str, key: str) -> Grammar:
+    def _compile_bounded(self, kind: GrammarKind, text: str, key: str) -> Grammar:
         """Compile in a thread of its own; past the time limit, GrammarError (the thread
         finishes on its own: llguidance bounds its work by fuel, and drops the GIL)."""
         ll_tokenizer = self._tokenizer()  # not counted against the limit: built once
@@ -197,14 +195,15 @@ class GrammarCompiler:
         thread.join(self.limits.compile_timeout_s)
         if thread.is_alive():
             raise GrammarError(
-                f"the {kind.replace('_', ' ')} did not compile within {self.limits.compile_timeout_s:g} s",
+                f"the {kind.words} did not compile within {self.limits.compile_timeout_s:g} s",
                 "simplify it (fewer alternatives, smaller repetition counts)", reason="too_slow",
             )  # fmt: skip
         if "error" in result:
             raise result["error"]
         return result["grammar"]
 
-    def _compile(self, kind: str, text: str, key: str, ll_tokenizer) -> Grammar:
+    def _compile(self, kind: GrammarKind, text: str, key: str, ll_tokenizer) -> Grammar:
+        kind = GrammarKind.parse(kind, "grammar kind")  # a compile child receives it over a pipe
         llg = require_llguidance(hf=False)
         t0 = time.perf_counter()
         source = self._source(llg, kind, text)
@@ -223,16 +222,16 @@ class GrammarCompiler:
         return Grammar(key, kind, template, time.perf_counter() - t0)
 
     @staticmethod
-    def _source(llg, kind: str, text: str) -> str:
+    def _source(llg, kind: GrammarKind, text: str) -> str:
         # the model's own JSON layout (compact, spaced or indented), bounded so that
         # whitespace cannot run on
         options = {"whitespace_flexible": True, "whitespace_pattern": WHITESPACE}
-        if kind in ("json_schema", "json_object"):
+        if kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT):
             try:
                 return llg.LLMatcher.grammar_from_json_schema(text, defaults=options)
             except ValueError as exc:
                 raise GrammarError(f"not a valid JSON schema: {_short(str(exc))}") from None
-        if kind == "regex":
+        if kind is GrammarKind.REGEX:
             return llg.LLMatcher.grammar_from_regex(text)
         return llg.LLMatcher.grammar_from_lark(text)
 
@@ -269,14 +268,15 @@ def vocabulary_json(tokenizer) -> str:
     return backend.to_str()
 
 
-def check(kind: str, source) -> None:
+def check(grammar: GrammarSpec) -> None:
     """Refuse a grammar that cannot compile, before any model is loaded (no vocabulary
     needed): GrammarError as `compile` would raise it."""
     llg = require_llguidance()
-    text = json.dumps(source, ensure_ascii=False) if kind == "json_schema" else source
-    if kind == "json_schema":
+    kind, source = grammar.kind, {"type": "object"} if grammar.kind is GrammarKind.JSON_OBJECT else grammar.source
+    text = source if kind in (GrammarKind.REGEX, GrammarKind.LARK) else json.dumps(source, ensure_ascii=False)
+    if kind is GrammarKind.JSON_SCHEMA:
         check_schema_shape(source)
-    elif kind == "regex":
+    elif kind is GrammarKind.REGEX:
         check_regex(source)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
         GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
@@ -427,10 +427,10 @@ def first_mask(matcher, vocab_size: int):
     return words
 
 
-def _refusal(kind: str, message: str) -> GrammarError:
+def _refusal(kind: GrammarKind, message: str) -> GrammarError:
     """llguidance's message as a GrammarError: unsupported features named as such."""
     message = _short(message)
-    what = kind.replace("_", " ")
+    what = kind.words
     if "Unimplemented" in message or "not supported" in message.lower() or "unsupported" in message.lower():
         return GrammarError(
             f"the {what} uses features ssdlocal's grammar engine cannot enforce: {message}",

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
 from ssdlocal.grammar.compiler import GrammarError
+from ssdlocal.grammar.kinds import GrammarKind
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a child's start-up (imports and the vocabulary view): not a grammar's fault
@@ -86,9 +87,11 @@ class CompilePool:
         finally:
             self._slots.release()
 
-    def check(self, kind: str, text: str, timeout_s: float) -> None:
-        """Compile in a child within `timeout_s` (call under `slot`): GrammarError as the
-        compile raised it, or "too_slow" after the child was killed."""
+    def check(self, kind: GrammarKind, text: str, timeout_s: float) -> None:
+        """Compile `text` as a `kind` grammar in a child within `timeout_s` (call under
+        `slot`): GrammarError as the compile raised it, or "too_slow" after the child was
+        killed."""
+        kind = GrammarKind.parse(kind, "grammar kind")
         with self._lock:
             child = self._idle.pop() if self._idle else None
         if child is None or not child.alive():
@@ -108,7 +111,7 @@ class CompilePool:
                 self.killed += 1
             self._replace()
             raise GrammarError(
-                f"the {kind.replace('_', ' ')} did not compile within {timeout_s:g} s",
+                f"the {kind.words} did not compile within {timeout_s:g} s",
                 "simplify it (fewer alternatives, smaller repetition counts)", reason="too_slow",
             )  # fmt: skip
         with self._lock:
@@ -175,7 +178,7 @@ class _Child:
             raise GrammarError(*message[1:]) if message[0] == "error" else RuntimeError(str(message))
         self.ready = True
 
-    def compile(self, kind: str, text: str, timeout_s: float):
+    def compile(self, kind: GrammarKind, text: str, timeout_s: float):
         """("ok",) or ("error", message, hint, reason); None past the limit."""
         try:
             self.conn.send((kind, text))
@@ -183,7 +186,7 @@ class _Child:
                 return None
             return self.conn.recv()
         except (EOFError, OSError):  # the child died (out of memory, say)
-            return ("error", f"the {kind.replace('_', ' ')} could not be compiled (its compile crashed)",
+            return ("error", f"the {kind.words} could not be compiled (its compile crashed)",
                     "simplify it", "too_slow")  # fmt: skip
 
     def kill(self) -> None:
@@ -205,7 +208,7 @@ def _serve(conn, vocabulary: str, vocab_size: int, eos_ids) -> None:
     try:
         llg = require_llguidance(hf=False)
         ll_tokenizer = llg.LLTokenizer(vocabulary, n_vocab=vocab_size, eos_token=list(eos_ids))
-        compiler._compile("regex", "a", "regex:a", ll_tokenizer)  # first use: not a grammar's time
+        compiler._compile(GrammarKind.REGEX, "a", "regex:a", ll_tokenizer)  # first use: not a grammar's time
     except UsageError as exc:
         conn.send(("error", exc.message, exc.hint, "invalid"))
         return

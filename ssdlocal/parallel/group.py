@@ -386,7 +386,7 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
     from ssdlocal.parallel.tp import check_divisible
     from ssdlocal.weights.formats.checkpoint import load_hf_config
 
-    if getattr(spec, "backend", "torch") != "torch":
+    if not spec.backend.tensor_parallel:
         raise UsageError(
             f"tensor parallelism needs the torch backend, not {spec.backend}",
             "drop --target-devices, or load the checkpoint with the torch backend",

@@ -17,6 +17,8 @@ import logging
 import struct
 from pathlib import Path
 
+from ssdlocal.core.models import BackendName
+
 log = logging.getLogger(__name__)
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,7 +52,8 @@ def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", devi
 
 
 def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
-                 backend: str = "torch", quantizations: tuple[str, str] = ("none", "none")):  # fmt: skip
+                 backend: BackendName = BackendName.TORCH,
+                 quantizations: tuple[str, str] = ("none", "none")):  # fmt: skip
     """(target devices, draft device) from the planner; `draft` None (no draft model) needs
     no device.
 
@@ -64,7 +67,7 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     if not inventory.gpus:
         return ("cpu",), "cpu"
     draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft else 0.0
-    heads = attention_heads(target) if backend == "torch" else ()
+    heads = attention_heads(target) if backend.tensor_parallel else ()
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
     plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
     draft_device = draft_device_of(plan, draft_gb) or "cpu"  # no room anywhere: the CPU, where RAM may swap

@@ -16,6 +16,7 @@ import threading
 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.grammar.compiler import GrammarCompiler, GrammarError, GrammarLimits
+from ssdlocal.grammar.kinds import GrammarSpec
 from ssdlocal.grammar.pool import CompilePool
 from ssdlocal.server.protocol import APIError, ParsedRequest, bad
 from ssdlocal.server.structured import FieldError
@@ -70,9 +71,7 @@ class RequestGrammars:
         try:
             if fmt is not None and (req.tool_choice.forced or answer is not None):
                 return compile_forced(fmt, req.tools, req.tool_choice, self.compiler, answer)
-            if answer.kind == "json_object":
-                return self.compiler.json_object()
-            return self.compiler.json_schema(answer.schema)
+            return self.compiler.compile(GrammarSpec(answer.kind, answer.schema))
         except FieldError as exc:
             raise bad(exc.message, param=exc.param, code="invalid_schema") from None
         except GrammarError as exc:

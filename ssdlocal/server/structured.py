@@ -16,6 +16,7 @@ from typing import Any
 
 from ssdlocal.core.config import MAX_TOP_LOGPROBS
 from ssdlocal.grammar.compiler import GrammarLimits
+from ssdlocal.grammar.kinds import GrammarKind
 
 MAX_TOOLS = 64  # tools per request
 MAX_SCHEMA_CHARS = GrammarLimits.max_chars  # one schema's JSON (a tool's parameters, a response format)
@@ -71,7 +72,7 @@ class ToolChoice:
 class ResponseFormat:
     """{"type": "json_object"} or {"type": "json_schema", ...} (its `schema`)."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: GrammarKind  # JSON_OBJECT or JSON_SCHEMA
     schema: dict | None = None
     name: str | None = None
 
@@ -176,10 +177,10 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return ResponseFormat("json_object")
-    if kind != "json_schema":
+    if kind not in (GrammarKind.JSON_OBJECT, GrammarKind.JSON_SCHEMA):  # the wire's word -> the member
         raise _bad("response_format.type must be text, json_object or json_schema", param="response_format")
+    if GrammarKind(kind) is GrammarKind.JSON_OBJECT:
+        return ResponseFormat(GrammarKind.JSON_OBJECT)
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise _bad("response_format.json_schema must be an object with a 'schema'", param="response_format.json_schema")
@@ -194,7 +195,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if schema is None:
         schema = {"type": "object"}
     check_schema(schema, "response_format.json_schema.schema")
-    return ResponseFormat("json_schema", schema, name)
+    return ResponseFormat(GrammarKind.JSON_SCHEMA, schema, name)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:

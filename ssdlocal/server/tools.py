@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ssdlocal.grammar.compiler import WHITESPACE, GrammarCompiler, GrammarError
+from ssdlocal.grammar.kinds import GrammarKind
 from ssdlocal.server.structured import FieldError, ResponseFormat, Tool, ToolChoice
 
 
@@ -91,7 +92,7 @@ def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoi
     many = fmt.multiple and choice.mode != "function" and choice.parallel
     lines.append(f'calls: call ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if many else "calls: call")
     if answer is not None and choice.mode == "auto":
-        schema = answer.schema if answer.kind == "json_schema" else {"type": "object"}
+        schema = answer.schema if answer.kind is GrammarKind.JSON_SCHEMA else {"type": "object"}
         lines.append(f"answer: %json {_embedded(schema)}")
         lines.insert(0, "start: calls | answer")
     else:

@@ -8,6 +8,8 @@ tokens per round of each path online and picks the higher expected throughput.
 
 from __future__ import annotations
 
+from ssdlocal.core.config import Backup
+
 
 def expected_rate(
     batch: int, hit_rate: float, tokens_hit: float, tokens_miss: float, verify_s: float, backup_s: float
@@ -20,10 +22,11 @@ def expected_rate(
 
 
 class BackupChooser:
-    """Online choice between 'jit' and 'ngram' when the user asked for 'auto'."""
+    """Online choice between Backup.JIT and Backup.NGRAM when the user asked for AUTO; any
+    other policy is returned as it is."""
 
-    def __init__(self, policy: str, k: int) -> None:
-        self.policy = policy
+    def __init__(self, policy: Backup, k: int) -> None:
+        self.policy = Backup(policy)
         self.k = k
         self.hits = 1.0  # pseudo-counts, prior hit rate 0.5
         self.rows = 2.0
@@ -32,7 +35,7 @@ class BackupChooser:
         self.tokens_ngram = 1.2
         self.tokens_suffix = 1.2
         self.jit_s: float | None = None
-        self.last: str = "jit"
+        self.last = Backup.JIT
 
     def observe_proposal(self, msg) -> None:
         """Learn from a ProposalMsg: hit flags and how long a jit backup took."""
@@ -40,27 +43,33 @@ class BackupChooser:
         if n:
             self.hits += sum(msg.cache_hit)
             self.rows += n
-        if msg.backup == "jit":
+        if msg.backup == Backup.JIT:
             busy = max(0.0, msg.busy_s - msg.prespec_s)
             self.jit_s = busy if self.jit_s is None else 0.8 * self.jit_s + 0.2 * busy
 
-    def observe_tokens(self, path: str, tokens: float) -> None:
-        """Exponential averages of tokens per round: path in hit / jit / ngram / suffix."""
-        name = f"tokens_{path}"
-        setattr(self, name, 0.9 * getattr(self, name) + 0.1 * tokens)
+    def observe_tokens(self, served_by: Backup | None, tokens: float) -> None:
+        """Exponential averages of tokens per round of a row whose drafts came from the
+        cache (`served_by` None) or from that backup (JIT, NGRAM, SUFFIX; others: ignored)."""
+        name = _TOKENS_OF.get(served_by)
+        if name is not None:
+            setattr(self, name, 0.9 * getattr(self, name) + 0.1 * tokens)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.rows
 
-    def choose(self, batch: int, verify_s: float) -> str:
-        if self.policy != "auto":
+    def choose(self, batch: int, verify_s: float) -> Backup:
+        if self.policy is not Backup.AUTO:
             return self.policy
         if batch <= 0 or self.jit_s is None:
-            self.last = "jit"
-            return "jit"
+            self.last = Backup.JIT
+            return Backup.JIT
         h = self.hit_rate
         jit = expected_rate(batch, h, self.tokens_hit, self.tokens_jit, verify_s, self.jit_s)
         fast = expected_rate(batch, h, self.tokens_hit, self.tokens_ngram, verify_s, 0.0)
-        self.last = "jit" if jit >= fast else "ngram"
+        self.last = Backup.JIT if jit >= fast else Backup.NGRAM
         return self.last
+
+
+_TOKENS_OF = {None: "tokens_hit", Backup.JIT: "tokens_jit", Backup.NGRAM: "tokens_ngram",
+              Backup.SUFFIX: "tokens_suffix"}  # fmt: skip

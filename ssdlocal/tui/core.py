@@ -299,7 +299,7 @@ def _weights(spec) -> str:
     from ssdlocal.weights.describe import weights_format
 
     fmt, file_type = weights_format(spec.path, spec.backend, spec.quantization, spec.dtype)
-    return f"{fmt} ({file_type})" if file_type and spec.backend != "llamacpp" else fmt
+    return f"{fmt} ({file_type})" if file_type and not spec.backend.runs_gguf else fmt
 
 
 def describe_pair(config: EngineConfig) -> tuple[str, str]:

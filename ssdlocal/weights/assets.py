@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
 from ssdlocal.core.files import file_lock
-from ssdlocal.core.models import DEFAULT_DTYPE
+from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
 
@@ -169,7 +169,7 @@ def fetch_gguf(
 def ensure_default_pair(
     progress: ProgressCallback | None = None,
     dtype: str = DEFAULT_DTYPE,
-    backends: tuple[str, str] = ("torch", "torch"),
+    backends: tuple[BackendName, BackendName] = (BackendName.TORCH, BackendName.TORCH),
     quantizations: tuple[str, str] = ("none", "none"),
 ) -> tuple[Path, Path]:
     """Fetch the default Qwen2.5-Coder pair; return (target, draft) paths.
@@ -183,7 +183,7 @@ def ensure_default_pair(
     paths = []
     for name, backend, quant in zip((DEFAULT_TARGET, DEFAULT_DRAFT), backends, quantizations):
         path = fetch_gguf(name, progress=progress)
-        if backend == "torch" and quant == "none":
+        if not BackendName(backend).runs_gguf and quant == "none":
             path = ensure_converted(path, progress=progress, dtype=dtype)
         paths.append(path)
     return paths[0], paths[1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssdlocal.core.errors import IncompatiblePairError
+from ssdlocal.core.models import BackendName
 from ssdlocal.weights.formats.arch import find
 
 _HINT = (
@@ -178,10 +179,11 @@ def config_vocab_size(checkpoint: Path) -> tuple[int | None, str | None]:
     return (vocab if isinstance(vocab, int) else None), raw.get("model_type")
 
 
-def embedding_rows(path: str | Path, backend: str = "torch") -> int | None:
+def embedding_rows(path: str | Path, backend: BackendName = BackendName.TORCH) -> int | None:
     """A checkpoint's embedding rows (config vocab_size) without reading weights; None for
-    llama.cpp files (known only once llama.cpp has loaded them) or an unreadable config."""
-    if backend != "torch":
+    a backend that runs GGUF files as they are (known only once it has loaded them) or an
+    unreadable config."""
+    if BackendName(backend).runs_gguf:
         return None
     from ssdlocal.weights.formats.checkpoint import config_dir
 

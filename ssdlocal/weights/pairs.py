@@ -18,9 +18,9 @@ from pathlib import Path
 import tomllib
 
 from ssdlocal.core.errors import UsageError
+from ssdlocal.core.models import BackendName
 from ssdlocal.core.quantization import quantized_gb, scheme_for_gguf_type
 
-BACKENDS = ("torch", "llamacpp")
 SOURCES = ("hf", "pypi", "local")
 MAX_SUGGESTED_K = 32
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -127,11 +127,11 @@ class Pair:
     file: Path | None = field(default=None, compare=False)
 
     @property
-    def backends(self) -> tuple[str, ...]:
-        found = ["torch"]
-        if self.gguf_target is not None and self.gguf_draft is not None:
-            found.append("llamacpp")
-        return tuple(found)
+    def backends(self) -> tuple[BackendName, ...]:
+        """Backends the pair can run on: every backend reading checkpoints; those that run
+        GGUF files as they are when the pair names GGUF files for both models."""
+        has_gguf = self.gguf_target is not None and self.gguf_draft is not None
+        return tuple(b for b in BackendName if has_gguf or not b.runs_gguf)
 
     def schemes(self, quantization: str = "none") -> tuple[str, str]:
         """(target, draft) torch weight schemes for `--quantization`: auto is the GGUF
@@ -143,10 +143,11 @@ class Pair:
         refs = (self.gguf_target, self.gguf_draft)
         return tuple(scheme_for_gguf_type(r.quant) if r and r.quant else "none" for r in refs)  # type: ignore[return-value]
 
-    def memory_gb(self, backend: str = "torch", quantization: str = "none") -> tuple[float, float]:
-        """(target, draft) weight memory in GB for `backend` (torch: bf16, or the
-        quantized size of codes + scales with the embedding kept in bf16)."""
-        if backend == "llamacpp" and self.gguf_target and self.gguf_draft:
+    def memory_gb(self, backend: BackendName = BackendName.TORCH, quantization: str = "none") -> tuple[float, float]:
+        """(target, draft) weight memory in GB for `backend` (one running GGUF files: their
+        sizes; torch: bf16, or the quantized size of codes + scales with the embedding kept
+        in bf16)."""
+        if BackendName(backend).runs_gguf and self.gguf_target and self.gguf_draft:
             return self.gguf_target.size_gb, self.gguf_draft.size_gb
         out = []
         for ref, scheme in zip((self.target, self.draft), self.schemes(quantization)):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ssdlocal.backends.base import HeldRows
+from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
 from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
@@ -206,15 +206,14 @@ class LlamaCppRunner(HeldRows):
                 progress(min(i + step, len(tokens)), len(tokens))
         return out[0] if len(out) == 1 else np.concatenate(out)
 
-    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[torch.Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache and return their logits.
 
-        Returns per row a float32 tensor: `logits` "all" [len(rows[b]), V], "last" [1, V]
-        (the row's last token), "none" [0, V]; empty rows give [0, V]. llama.cpp computes
-        logits only for the tokens asked for.
+        Returns per row a float32 tensor: `logits` ALL [len(rows[b]), V], LAST [1, V]
+        (the row's last token), NONE [0, V]; empty rows give [0, V]. llama.cpp computes
+        logits only for the tokens asked for. ValueError when `logits` is no Logits.
         """
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f"logits must be all, last or none, got {logits!r}")  # a caller bug
+        logits = Logits.of(logits)
         tokens: list[int] = []
         positions: list[int] = []
         seqs: list[int] = []
@@ -229,7 +228,7 @@ class LlamaCppRunner(HeldRows):
             tokens.extend(int(t) for t in r)
             positions.extend(range(start, start + len(r)))
             seqs.extend([b] * len(r))
-            want.extend([logits == "all"] * (len(r) - 1) + [logits != "none"])
+            want.extend([logits is Logits.ALL] * (len(r) - 1) + [logits is not Logits.NONE])
         if not tokens:
             return [torch.empty(0, self.vocab_size) for _ in rows]
         t_max = max(map(len, rows))
@@ -241,7 +240,7 @@ class LlamaCppRunner(HeldRows):
                 if r:
                     self.lib.seq_rm(self._ctx, b, len(self._kv[b]), -1)
             raise
-        per_row = {"all": None, "last": 1, "none": 0}[logits]
+        per_row = {Logits.ALL: None, Logits.LAST: 1, Logits.NONE: 0}[logits]
         result = []
         offset = 0
         for b, r in enumerate(rows):

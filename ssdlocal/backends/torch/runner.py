@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import HeldRows
+from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.core.hostsync import Site, detached_site
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
@@ -34,7 +34,6 @@ from ssdlocal.backends.torch.model import Transformer, causal_mask
 SLOT_ROUNDING = 256  # cache capacity grows in these steps
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
 STEP_OFFSETS = 64  # widest `step` served by the static offsets (wider ones grow them)
-LOGITS_KINDS = ("all", "last", "none")
 PREFILL_CHUNK = 512  # a long feed reads this many tokens per row at a time, layer by layer
 # Feeds of at least this many rows may expand quantized weights to dense ones once per layer,
 # when this machine's timings say it pays (backends/torch/prefill_path.py).
@@ -149,18 +148,18 @@ class TorchRunner(HeldRows):
 
     # ------------------------------------------------------------------ host feeds
     @torch.inference_mode()
-    def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[Tensor]:
+    def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[Tensor]:
         """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
-        `logits` "all" [len(rows[b]), V], "last" [1, V] (the row's last token), "none"
-        [0, V]. Empty rows give [0, V]. Only the positions asked for reach the lm_head.
+        `logits` ALL [len(rows[b]), V], LAST [1, V] (the row's last token), NONE [0, V]
+        (ValueError for anything else). Empty rows give [0, V]. Only the positions asked
+        for reach the lm_head.
 
         Long feeds (a prompt) are read in chunks of PREFILL_CHUNK tokens, layer by layer,
         with quantized weights expanded to dense ones once per layer where that measures
         faster (backends.torch.prefill_path); `progress(done,
         total)` (tokens) is called as chunks finish, and if it raises the feed stops
         there with no row's held tokens changed."""
-        if logits not in LOGITS_KINDS:
-            raise ValueError(f"logits must be one of {LOGITS_KINDS}, got {logits!r}")  # a caller bug
+        logits = Logits.of(logits)
         lengths = [len(r) for r in rows]
         t_max = max(lengths)
         if t_max == 0:
@@ -186,9 +185,9 @@ class TorchRunner(HeldRows):
             out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
         for b, r in enumerate(rows):
             self.held[b].extend(r)
-        if logits == "all":
+        if logits is Logits.ALL:
             return [out[b, : lengths[b]] for b in range(len(rows))]
-        return [out[b, :1] if lengths[b] and logits == "last" else out[b, :0] for b in range(len(rows))]
+        return [out[b, :1] if lengths[b] and logits is Logits.LAST else out[b, :0] for b in range(len(rows))]
 
     def _chunked_forward(self, ids: Tensor, positions: Tensor, keep: Tensor | None, progress,
                          start: int) -> Tensor:
@@ -214,10 +213,10 @@ class TorchRunner(HeldRows):
             result = torch.where(here[..., None], out, result)
         return result
 
-    def _kept_positions(self, lengths: list[int], logits: str) -> Tensor | None:
-        if logits == "all":
+    def _kept_positions(self, lengths: list[int], logits: Logits) -> Tensor | None:
+        if logits is Logits.ALL:
             return None
-        if logits == "none":
+        if logits is Logits.NONE:
             return torch.zeros(len(lengths), 0, dtype=torch.long, device=self.device)  # [B, 0]
         last = [max(n - 1, 0) for n in lengths]
         return self.site.upload(last, self.device)[:, None]  # [B, 1]

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ssdlocal.core.config import ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import Backup, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import DraftWorkerError
 from ssdlocal.core.hostsync import Audit, HostWaits
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
@@ -192,7 +192,7 @@ class SSDDrafter:
 
     def _memory(self) -> tuple[tuple[int, ...], ...]:
         """The suffix memory for the worker, when the suffix backup may serve a miss."""
-        if self.memory is None or self.spec.backup != "suffix":
+        if self.memory is None or self.spec.backup is not Backup.SUFFIX:
             return ()
         return tuple(tuple(seq) for seq in self.memory.sequences())
 
@@ -222,9 +222,8 @@ class SSDDrafter:
         if self.last is not None:
             for b, appended in enumerate(outcome.appended):
                 if appended and b < len(self.last.cache_hit):
-                    path = "hit" if self.last.cache_hit[b] else (self.last.backup or "jit")
-                    if path in ("hit", "jit", "ngram", "suffix"):
-                        self.chooser.observe_tokens(path, len(appended))
+                    served_by = None if self.last.cache_hit[b] else (self.last.backup or Backup.JIT)
+                    self.chooser.observe_tokens(served_by, len(appended))
         backup = self.chooser.choose(sum(outcome.active), verify_s)
         msg = pr.OutcomeMsg(
             round_index=self._round, appended=outcome.appended, n_accepted=outcome.n_accepted,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ssdlocal.core.config import ModelSpec, SamplingParams
+from ssdlocal.core.config import Backup, ModelSpec, SamplingParams
 
 
 class Cmd(IntEnum):
@@ -57,7 +57,7 @@ class StartMsg:
     fan_out: tuple[int, ...] | None  # after a hit; None = auto
     fan_out_miss: tuple[int, ...] | None  # after a miss; None = auto
     saguaro_c: float
-    backup: str  # "jit" | "ngram" | "suffix" | "none" (auto is resolved by the engine each round)
+    backup: Backup  # the configured one (AUTO is resolved by the engine each round)
     q_buffer: object | None  # shared tensor [B, K, V] float32 for q, or None when greedy
     memory: tuple[tuple[int, ...], ...] = ()  # the engine's suffix memory (backup "suffix")
     min_confidence: float = 0.3  # suffix proposals stop below this share
@@ -71,7 +71,7 @@ class OutcomeMsg:
     bonus: tuple[int, ...]
     active: tuple[bool, ...]
     verify_s: float  # the target's verification time (for fan-out budget sizing)
-    backup: str  # backup to use for missed rows this round
+    backup: Backup  # backup to use for missed rows this round (never AUTO)
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class ProposalMsg:
     round_index: int
     tokens: tuple[tuple[int, ...], ...]
     cache_hit: tuple[bool, ...]
-    backup: str | None  # which backup served the missed rows (None if all hit)
+    backup: Backup | None  # which backup served the missed rows (None if all hit)
     q_written: bool  # q for these tokens is in the shared buffer
     busy_s: float  # worker compute time since the previous proposal (pre-spec + resolve)
     prespec_s: float  # time of the pre-speculation that preceded this proposal

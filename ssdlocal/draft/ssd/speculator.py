@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlocal.backends.base import SlotLayout
-from ssdlocal.core.config import SamplingParams
+from ssdlocal.backends.base import Logits, SlotLayout
+from ssdlocal.core.config import Backup, SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
 from ssdlocal.draft.decode import DraftDecoder, align_vocab
@@ -45,7 +45,7 @@ class Served:
     tokens: list[list[int]]
     q: torch.Tensor | None  # [B, K, V]
     cache_hit: list[bool]
-    backup: str | None
+    backup: Backup | None
 
 
 def wait_for_device(t: torch.Tensor) -> None:
@@ -100,13 +100,13 @@ class Speculator:
             start.params.stream_seed(104729)
         )
         self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
-        self.suffix = SuffixBackup(start) if start.backup == "suffix" else None
+        self.suffix = SuffixBackup(start) if start.backup is Backup.SUFFIX else None
         self.cache = SpeculationCache()
         self.last_fan: tuple[int, ...] = ()
         self.last_depth = 0  # tree depth reached by the last pre-speculation
         for b, seq in enumerate(start.sequences):  # from the longest prefix the prefix cache holds
             runner.reuse(b, seq[:-1])
-        runner.feed([runner.pending(b, seq[:-1]) for b, seq in enumerate(start.sequences)], "none")
+        runner.feed([runner.pending(b, seq[:-1]) for b, seq in enumerate(start.sequences)], Logits.NONE)
 
     def store_prefixes(self) -> None:
         """Each row's committed tokens that the draft's cache holds go to its prefix cache."""
@@ -145,7 +145,7 @@ class Speculator:
         cached tokens and are forgotten by `end_steps`)."""
         fan = self.fan_for(False)
         feeds = [self.runner.pending(b, r.seq) if b in which else [] for b, r in enumerate(self.rows)]
-        out = self.runner.feed(feeds, "last")  # per row [1, V_d] (or [0, V_d])
+        out = self.runner.feed(feeds, Logits.LAST)  # per row [1, V_d] (or [0, V_d])
         width = max(o.shape[-1] for o in out)
         first = torch.stack([o[-1] if len(o) else o.new_zeros(width) for o in out])  # [B, V_d]
         self.runner.begin_steps()
@@ -375,16 +375,16 @@ class Speculator:
         r.pred = {len(r.seq) + j: branch.logits[j] for j in range(depth)}
         r.from_hit = True
 
-    def _backup(self, missed: list[int], backup: str) -> None:
-        if backup == "jit":
+    def _backup(self, missed: list[int], backup: Backup) -> None:
+        if backup is Backup.JIT:
             self.draft_jit(missed)
             return
         for b in missed:
             r = self.rows[b]
-            if backup == "suffix" and self.suffix is not None:
+            if backup is Backup.SUFFIX and self.suffix is not None:
                 r.proposal = self.suffix.propose(b, r.seq, self.k)
             else:
-                r.proposal = propose_ngram(r.seq, self.k) if backup == "ngram" else []
+                r.proposal = propose_ngram(r.seq, self.k) if backup is Backup.NGRAM else []
             r.q = None
             if not self.params.greedy and r.proposal:
                 r.q = torch.nn.functional.one_hot(
@@ -392,7 +392,7 @@ class Speculator:
                 ).float()  # [n, V] point mass, on the draft's device
             r.from_hit = False
 
-    def _served(self, hits: list[bool], backup: str | None) -> Served:
+    def _served(self, hits: list[bool], backup: Backup | None) -> Served:
         tokens = [list(r.proposal) if r.active else [] for r in self.rows]
         q = None
         if not self.params.greedy:
