@@ -226,7 +226,8 @@ class FakeEngine:
             stats.consume(tokens)
             stats.consume(round_)
             yield tokens
-            yield replace(round_, snapshot=LazySnapshot(lambda m=stats.snapshot(): m))
+            now = stats.snapshot()  # as of this round, whenever it is read
+            yield replace(round_, snapshot=LazySnapshot(lambda now=now: now))
             if self.mode_event_at == rnd:  # as Engine when its re-check switches mode
                 yield ModeEvent(rnd, "ar", "switched from SD after 16 rounds: (fake)", "switched from SD (fake)")
             pos += len(new)

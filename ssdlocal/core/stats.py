@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
-from ssdlocal.core.metrics import AdaptiveCounts, Counts, GrammarCounts, Metrics, SsdCounts
+from ssdlocal.core.metrics import (
+    AdaptiveCounts,
+    Counts,
+    GrammarCounts,
+    Metrics,
+    SsdCounts,
+)
 
 
 @dataclass

@@ -13,7 +13,8 @@ import math
 import threading
 from collections import defaultdict
 
-from ssdlocal.core.metrics import Counts, Metrics
+from ssdlocal.core.metrics import Counts
+from ssdlocal.core.metrics import Metrics as CallMetrics
 
 PREFIX = "ssdlocal_"
 
@@ -68,7 +69,7 @@ class Metrics:
                 self.ttft_sum += ttft
                 self.ttft_count += 1
 
-    def record_batch(self, stats: Metrics, wall_s: float) -> None:
+    def record_batch(self, stats: CallMetrics, wall_s: float) -> None:
         """One generate call ended: its metrics."""
         with self._lock:
             self.batches += 1
@@ -111,7 +112,7 @@ class Metrics:
             one("batches", "counter", "Engine generate calls.", self.batches)
             one("tokens_per_second", "gauge", "Decode tokens/s of the last batch (all its rows).",
                 self.last_tokens_per_s)
-            c, m = self.counts, Metrics.of(self.counts)
+            c, m = self.counts, CallMetrics.of(self.counts)
             one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", c.drafted)
             one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", c.accepted)
             one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", c.row_rounds)
