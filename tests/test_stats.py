@@ -75,6 +75,7 @@ def test_feature_parts_are_absent_when_the_call_had_none():
     assert m.ssd is None and m.grammar is None and m.adaptive is None and m.cache_hit_rate is None
     assert not {"cache_hit_rate", "constrained", "mean_k", "graphs", "host_waits"} & set(m.to_dict())
     assert Metrics().to_dict()["acceptance_rate"] is None  # nothing drafted: no rate, not 0
+    assert "cache_hit_rate" not in m and "acceptance_rate" in m and m["rounds"] == 1 == m.get("rounds")
 
 
 def test_counts_add_field_by_field():

@@ -325,3 +325,6 @@ class Metrics:
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.to_dict().get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.to_dict()
