@@ -13,8 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from ssdlocal.core.events import GrammarRound, PrefillEvent, RoundEvent, SsdRound, TokensEvent
-from ssdlocal.core.metrics import AdaptiveCounts, Counts, GrammarCounts, Metrics, SsdCounts, add_counts
+from ssdlocal.core.events import (
+    GrammarRound,
+    PrefillEvent,
+    RoundEvent,
+    SsdRound,
+    TokensEvent,
+)
+from ssdlocal.core.metrics import (
+    AdaptiveCounts,
+    Counts,
+    GrammarCounts,
+    Metrics,
+    SsdCounts,
+    add_counts,
+)
 from ssdlocal.core.stats import RunStats
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ssdlocal"
