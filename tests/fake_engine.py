@@ -26,11 +26,13 @@ from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.core.events import (
     DoneEvent,
     Event,
+    LazySnapshot,
     ModeEvent,
     Output,
     PrefillEvent,
     PrefillProgress,
     RoundEvent,
+    SsdRound,
     TokenOrigin,
     TokensEvent,
 )
@@ -217,14 +219,15 @@ class FakeEngine:
             origins = [draft_origin.value] * (len(new) - 1) + [TokenOrigin.TARGET.value]
             tokens = TokensEvent(0, tuple(new), self.tokenizer.decode(new), tuple(origins), at=clock())
             round_ = RoundEvent(
-                rnd, (k,), (min(n_acc, len(new) - 1) if k else 0,), (hit,) if hit is not None else None,
-                "jit" if hit is False else None, rows=(0,), n_emitted=(len(new),),
+                rnd, (k,), (min(n_acc, len(new) - 1) if k else 0,), rows=(0,), n_emitted=(len(new),),
                 draft_s=0.02 * bool(k) if not hit else 0.001, verify_s=0.04,
+                ssd=SsdRound((hit,), "jit" if hit is False else None) if hit is not None else None,
             )  # fmt: skip
             stats.consume(tokens)
             stats.consume(round_)
             yield tokens
-            yield replace(round_, snapshot=stats.snapshot())
+            now = stats.snapshot()  # as of this round, whenever it is read
+            yield replace(round_, snapshot=LazySnapshot(lambda now=now: now))
             if self.mode_event_at == rnd:  # as Engine when its re-check switches mode
                 yield ModeEvent(rnd, "ar", "switched from SD after 16 rounds: (fake)", "switched from SD (fake)")
             pos += len(new)

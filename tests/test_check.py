@@ -162,19 +162,15 @@ class FakeEngine:
 
     def generate(self, prompts, params, chat=False, spec=None):
         from ssdlocal.core.events import DoneEvent, Output
+        from ssdlocal.core.metrics import Metrics
 
         ids = [5, 6, 7, 8]
         if spec.mode.value == "sd" and prompts[0] == "p1":
             ids = [5, 6, 9, 8]
         yield DoneEvent(
             (Output("x", tuple(ids), "length"),),
-            {
-                "tokens": 4,
-                "tokens_per_s": 30.0,
-                "decode_s": 0.1,
-                "rounds": 2,
-                "acceptance_rate": 0.5 if spec.mode.value != "ar" else None,
-            },
+            Metrics(tokens=4, decode_tokens=3, tokens_per_s=30.0, decode_s=0.1, rounds=2,
+                    acceptance_rate=0.5 if spec.mode.value != "ar" else None),
         )
 
     # runner API used by the logit margin

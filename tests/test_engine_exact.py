@@ -162,9 +162,9 @@ def check_stats(
         assert ppa[0] is not None
     if "cache_hit_rate" in s:
         assert 0.0 <= s["cache_hit_rate"] <= 1.0
-        hits = sum(sum(r.cache_hit) for r in rounds)
+        hits = sum(sum(r.ssd.cache_hit) for r in rounds)
         assert s["cache_hit_rate"] == pytest.approx(hits / row_rounds)
-        all_hit_rounds = sum(all(r.cache_hit) for r in rounds)
+        all_hit_rounds = sum(all(r.ssd.cache_hit) for r in rounds)
         assert s["round_hit_rate"] == pytest.approx(all_hit_rounds / len(rounds))
 
 
@@ -263,7 +263,7 @@ def test_ssd_equals_ar(engines, backup, fan_kind, k, prompts):
     done, rounds = run(engines.get("llama", "draft_llama"), prompts, GREEDY, spec)
     assert_same(ar, done, f"SSD k={k} fan={fan_kind} backup={backup}")
     check_stats(done, rounds, k, model_draft=backup == "jit", full_depth=f is not None)
-    assert not any(rounds[0].cache_hit)  # nothing was pre-speculated before round 0
+    assert not any(rounds[0].ssd.cache_hit)  # nothing was pre-speculated before round 0
     assert set(rounds[0].n_drafted) == {k}  # round 0 is drafted just-in-time, full depth
     used = done.stats["backup_used"]
     if backup != "auto":
@@ -273,7 +273,7 @@ def test_ssd_equals_ar(engines, backup, fan_kind, k, prompts):
     if backup == "none":
         # a miss proposes nothing: those rows emit exactly the target's bonus token
         for r in rounds[1:]:
-            for hit, n in zip(r.cache_hit, r.n_drafted):
+            for hit, n in zip(r.ssd.cache_hit, r.n_drafted):
                 assert hit or n == 0
 
 
@@ -314,9 +314,9 @@ def test_ssd_forced_all_hit(engines, k, prompts, only_last):
     s = done.stats
     assert s["acceptance_rate"] == 1.0
     assert s["accepted_len_hist"][:k] == [0] * k
-    assert not any(rounds[0].cache_hit)
+    assert not any(rounds[0].ssd.cache_hit)
     assert len(rounds) > 2
-    assert all(all(r.cache_hit) for r in rounds[1:])
+    assert all(all(r.ssd.cache_hit) for r in rounds[1:])
     # the stats say the same: every row-round but the first round's is a hit
     batch = len(prompts)
     row_rounds = sum(len(r.n_drafted) for r in rounds)
@@ -341,7 +341,7 @@ def test_ssd_forced_all_miss(engines, backup, prompts):
         check_stats(done, rounds, k, model_draft=backup == "jit")
         assert done.stats["cache_hit_rate"] == 0.0
         assert done.stats["round_hit_rate"] == 0.0
-        assert not any(any(r.cache_hit) for r in rounds)
+        assert not any(any(r.ssd.cache_hit) for r in rounds)
         missed_rounds = len(rounds) - 1  # round 0 is drafted just-in-time, not a backup
         assert sum(done.stats["backup_used"].values()) == missed_rounds
 

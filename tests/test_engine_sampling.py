@@ -217,7 +217,7 @@ def test_ssd_matches_exact_joint(engine, models, case):
     # both SSD paths ran in round 1: some rows were served from the cache, some missed
     round1 = rounds[1] if len(rounds) > 1 else None
     assert round1 is not None
-    assert 0 < sum(round1.cache_hit) < len(round1.cache_hit)
+    assert 0 < sum(round1.ssd.cache_hit) < len(round1.ssd.cache_hit)
     assert s["backup_used"].get(spec.backup, 0) >= 1
     assert 0 < s["cache_hit_rate"] < 1
     assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SSD {case}")

@@ -88,6 +88,7 @@ def test_the_mode_line_comes_before_the_first_token(monkeypatch):
     from ssdlocal.cli import render
     from ssdlocal.core.config import Mode, SamplingParams
     from ssdlocal.core.events import DoneEvent, Output, TokensEvent
+    from ssdlocal.core.metrics import Metrics
     from ssdlocal.placement.mode import ModeChoice
 
     order = []
@@ -103,8 +104,7 @@ def test_the_mode_line_comes_before_the_first_token(monkeypatch):
 
         def generate(self, prompts, params, chat=False, grammars=None):
             yield TokensEvent(0, (1,), "Hello")
-            yield DoneEvent((Output("Hello", (1,), "eos"),), {"mode": "sd", "mode_reason": "the long story",
-                                                              "tokens": 1})  # fmt: skip
+            yield DoneEvent((Output("Hello", (1,), "eos"),), Metrics(mode="sd", mode_reason="the long story", tokens=1))
 
     class Out:
         def write(self, text):

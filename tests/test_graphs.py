@@ -416,12 +416,13 @@ def test_the_lm_head_runs_only_on_the_positions_asked_for(tiny_dir):
 
 def test_the_cli_says_in_one_line_when_graphs_were_refused_or_dropped():
     from ssdlocal.cli.render import graph_warning
+    from ssdlocal.core.metrics import Metrics
 
-    quiet = {"graphs": {"target": {"mode": "cuda", "captured": 3, "replays": 90, "eager": 0, "refused": 0,
-                                   "dropped": 0}}}  # fmt: skip
-    assert graph_warning(quiet) is None and graph_warning({}) is None
-    loud = {"graphs": {"target": {"mode": "cuda", "refused": 2, "dropped": 0, "notes": ["shape ('step', 1, 5, 512): memory budget"]},
-                       "draft": {"mode": "cuda", "refused": 0, "dropped": 1, "notes": ["replay differs from eager"]}}}  # fmt: skip
+    quiet = Metrics(graphs={"target": {"mode": "cuda", "captured": 3, "replays": 90, "eager": 0, "refused": 0,
+                                       "dropped": 0}})  # fmt: skip
+    assert graph_warning(quiet) is None and graph_warning(Metrics()) is None
+    loud = Metrics(graphs={"target": {"mode": "cuda", "refused": 2, "dropped": 0, "notes": ["shape ('step', 1, 5, 512): memory budget"]},
+                           "draft": {"mode": "cuda", "refused": 0, "dropped": 1, "notes": ["replay differs from eager"]}})  # fmt: skip
     line = graph_warning(loud)
     assert "\n" not in line and "target 2 shape(s) refused" in line and "memory budget" in line
     assert "draft dropped 1 time(s)" in line and "same output" in line

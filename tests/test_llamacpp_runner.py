@@ -28,7 +28,7 @@ from ssdlocal.core.config import (
     SpecConfig,
 )
 from ssdlocal.core.errors import ModelLoadError, SSDLocalError, UsageError
-from ssdlocal.core.events import DoneEvent
+from ssdlocal.core.events import DoneEvent, SsdRound
 from ssdlocal.draft.base import Proposal
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
@@ -305,7 +305,7 @@ class InProcessSSD:
             self.sp.prespeculate()
         self.hits += sum(served.cache_hit)
         return Proposal.from_lists(
-            served.tokens, self.k, "cpu", q=served.q, cache_hit=served.cache_hit, backup=served.backup
+            served.tokens, self.k, "cpu", q=served.q, ssd=SsdRound(tuple(served.cache_hit), served.backup)
         )
 
     def observe(self, outcome):

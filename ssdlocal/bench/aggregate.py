@@ -10,7 +10,8 @@ from __future__ import annotations
 from statistics import mean
 
 from ssdlocal.bench.project import ProjectionInputs
-from ssdlocal.core.stats import add_counts, metrics, new_counts
+from ssdlocal.core.metrics import Counts, Metrics
+
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
@@ -18,7 +19,7 @@ def _ratio(num: float, den: float) -> float | None:
 
 def aggregate(records: list[dict], system: str) -> dict:
     """Totals and rates of one system's records: speculation counts summed, then the same
-    metrics() as a single call's."""
+    Metrics as a single call's."""
     recs = [r for r in records if r["system"] == system]
     decode_tokens = sum(r["decode_tokens"] for r in recs)
     decode_s = sum(r["decode_s"] for r in recs)
@@ -36,20 +37,18 @@ def aggregate(records: list[dict], system: str) -> dict:
     specs = [r["spec"] for r in recs if r.get("spec")]
     if not specs:
         return out
-    total = new_counts(specs[0]["k"])
-    for sp in specs:
-        add_counts(total, sp)
-    m = metrics(total)
-    out.update({"k": total["k"], "rounds": total["rounds"], "draft_ms_per_round": m["draft_ms_per_round"],
-                "verify_ms_per_round": m["verify_ms_per_round"]})  # fmt: skip
-    if total["k"] == 0:
+    total = sum((Counts.from_dict(sp) for sp in specs), Counts(k=specs[0]["k"]))
+    m = Metrics.of(total)
+    out.update(k=total.k, rounds=total.rounds, draft_ms_per_round=m.draft_ms_per_round,
+               verify_ms_per_round=m.verify_ms_per_round)  # fmt: skip
+    if total.k == 0:
         return out
-    out.update({name: m[name] for name in ("acceptance_rate", "mean_accepted_len", "accepted_len_hist")})
-    out.update(drafted=total["drafted"], accepted=total["accepted"])
-    if total["ssd_rounds"]:
-        out.update({name: m[name] for name in ("cache_hit_rate", "tokens_per_round_hit", "tokens_per_round_miss",
-                                               "backup_used")})  # fmt: skip
-        out["draft_busy_ms_per_round"] = _ratio(m["draft_busy_ms"], total["rounds"])
+    out.update(acceptance_rate=m.acceptance_rate, mean_accepted_len=m.mean_accepted_len,
+               accepted_len_hist=list(m.accepted_len_hist), drafted=total.drafted, accepted=total.accepted)  # fmt: skip
+    if m.ssd is not None:
+        out.update(cache_hit_rate=m.ssd.cache_hit_rate, tokens_per_round_hit=m.ssd.tokens_per_round_hit,
+                   tokens_per_round_miss=m.ssd.tokens_per_round_miss, backup_used=dict(m.ssd.backup_used),
+                   draft_busy_ms_per_round=_ratio(m.ssd.draft_busy_ms, total.rounds))  # fmt: skip
     return out
 
 

@@ -91,12 +91,11 @@ def _run_mode(engine, mode: Mode, config: EngineConfig, prompts, params, chat) -
         out, stats = done.outputs[0], done.stats
         ids.append(tuple(out.token_ids))
         tokens += len(out.token_ids)
-        seconds = stats.get("decode_s") or 0.0
-        decode_s += seconds
-        decode_tokens += (stats.get("tokens_per_s") or 0.0) * seconds  # prefill excluded
-        if stats.get("acceptance_rate") is not None:
-            weight = max(1, stats.get("rounds") or 1)
-            accepted += stats["acceptance_rate"] * weight
+        decode_s += stats.decode_s
+        decode_tokens += stats.decode_tokens if stats.tokens_per_s else 0  # prefill excluded; none without decode time
+        if stats.acceptance_rate is not None:
+            weight = max(1, stats.rounds)
+            accepted += stats.acceptance_rate * weight
             drafted += weight
     wall = time.perf_counter() - t0
     return ModeRun(

@@ -35,7 +35,7 @@ def _ours(engine, ids, params, spec):
         stats = done.stats
         outs.append(list(done.outputs[0].token_ids))
         tokens += max(len(outs[-1]) - 1, 0)  # the first token belongs to prefill
-        seconds += stats["decode_s"]
+        seconds += stats.decode_s
     return outs, tokens, seconds, stats
 
 
@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             outs, n, s, stats = _ours(eng, ids, params, spec)
             results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs,
-                             "acceptance_rate": stats.get("acceptance_rate"),
-                             "mean_accepted_len": stats.get("mean_accepted_len"),
-                             "cache_hit_rate": stats.get("cache_hit_rate"),
-                             "last_prompt_draft_ms": stats.get("draft_ms"),
-                             "last_prompt_verify_ms": stats.get("verify_ms"),
-                             "last_prompt_rounds": stats.get("rounds")}
+                             "acceptance_rate": stats.acceptance_rate,
+                             "mean_accepted_len": stats.mean_accepted_len,
+                             "cache_hit_rate": stats.cache_hit_rate,
+                             "last_prompt_draft_ms": stats.draft_ms,
+                             "last_prompt_verify_ms": stats.verify_ms,
+                             "last_prompt_rounds": stats.rounds}
             print(f"{name:12s} {n / s:7.2f} tok/s  ({n} tokens, {s:.1f}s)", flush=True)
         if "peer" in modes or "peer-lookup" in modes:
             _run_peers(args, modes, ids, params, eos, threads, results)

@@ -10,10 +10,11 @@ after each row's first one, so tokens_per_s = decode_tokens / decode_s excludes 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ssdlocal.core.events import Event
+from ssdlocal.core.metrics import Metrics
 from ssdlocal.core.stats import RunStats, consume_all
 
 
@@ -26,7 +27,7 @@ class Measurement:
     decode_s: float
     decode_tokens: int
     spec: dict[str, Any] | None = None  # speculation counters (our SD/SSD modes)
-    snapshot: dict[str, Any] = field(default_factory=dict)  # engine stats, as reported
+    snapshot: Metrics | None = None  # the engine's own metrics of the call, as reported
     prompt_tokens: int | None = None  # the batch's prompt tokens, when the system says
     cached_tokens: int | None = None  # of which came from a prefix kept by earlier calls
     prefill_s: float | None = None  # the time the prompts took to read (else ttft_s is the bound)
@@ -73,12 +74,12 @@ def from_engine_events(system: str, events: Iterable[Event], k: int) -> Measurem
         system=system,
         token_ids=[list(o.token_ids) for o in done.outputs],
         finish=[o.finish_reason for o in done.outputs],
-        ttft_s=done.stats.get("ttft_s"),
-        decode_s=counts["decode_s"],
-        decode_tokens=counts["decode_tokens"],
-        spec=dict(counts) if k > 0 or counts["rounds"] else None,
-        snapshot={k_: v for k_, v in done.stats.items() if k_ != "per_position_acceptance"},
-        prompt_tokens=counts["prompt_tokens"],
-        cached_tokens=counts["cached_prompt_tokens"],
-        prefill_s=counts["prefill_s"],
+        ttft_s=done.stats.ttft_s,
+        decode_s=counts.decode_s,
+        decode_tokens=counts.decode_tokens,
+        spec=counts.as_dict() if k > 0 or counts.rounds else None,
+        snapshot=done.stats,
+        prompt_tokens=counts.prompt_tokens,
+        cached_tokens=counts.cached_prompt_tokens,
+        prefill_s=counts.prefill_s,
     )

@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from ssdlocal.core.config import EngineConfig, SamplingParams
 from ssdlocal.core.events import DoneEvent, ModeEvent, TokensEvent
+from ssdlocal.core.metrics import Metrics
 from ssdlocal.grammar.kinds import GrammarSpec
 
 from ssdlocal.cli.progress import err_console  # noqa: E402 - one stderr console for the CLI
@@ -30,28 +31,28 @@ def progress_callback(console: Console | None = None) -> Iterator:
         yield progress
 
 
-def format_stats(stats: dict) -> str:
-    """One human line: tokens, speed, TTFT, acceptance, cache hits."""
-    parts = [f"{stats['tokens']} tokens"]
-    if stats.get("tokens_per_s"):
-        parts.append(f"{stats['tokens_per_s']:.2f} tok/s")
-    if stats.get("ttft_s") is not None:
-        parts.append(f"TTFT {stats['ttft_s'] * 1e3:.0f} ms")
-    if stats.get("acceptance_rate") is not None:
-        parts.append(f"acceptance {stats['acceptance_rate']:.0%}")
-    if stats.get("mean_accepted_len") is not None:
-        parts.append(f"{stats['mean_accepted_len']:.2f} tok/round")
-    if stats.get("cache_hit_rate") is not None:
-        parts.append(f"cache hits {stats['cache_hit_rate']:.0%}")
-    if stats.get("constrained"):
-        parts.append(f"grammar {stats['mask_ms_per_token']:.2f} ms/token")
+def format_stats(stats: Metrics) -> str:
+    """One human line: tokens, speed, TTFT, acceptance, cache hits, grammar time."""
+    parts = [f"{stats.tokens} tokens"]
+    if stats.tokens_per_s:
+        parts.append(f"{stats.tokens_per_s:.2f} tok/s")
+    if stats.ttft_s is not None:
+        parts.append(f"TTFT {stats.ttft_s * 1e3:.0f} ms")
+    if stats.acceptance_rate is not None:
+        parts.append(f"acceptance {stats.acceptance_rate:.0%}")
+    if stats.mean_accepted_len is not None:
+        parts.append(f"{stats.mean_accepted_len:.2f} tok/round")
+    if stats.cache_hit_rate is not None:
+        parts.append(f"cache hits {stats.cache_hit_rate:.0%}")
+    if stats.grammar is not None:
+        parts.append(f"grammar {stats.grammar.mask_ms_per_token:.2f} ms/token")
     return " | ".join(parts)
 
 
-def graph_warning(stats: dict) -> str | None:
+def graph_warning(stats: Metrics) -> str | None:
     """One line when captured steps were refused or dropped for any model, else None."""
     parts = []
-    for model, report in (stats.get("graphs") or {}).items():
+    for model, report in (stats.graphs or {}).items():
         refused, dropped = report.get("refused", 0), report.get("dropped", 0)
         if refused or dropped:
             what = [f"{refused} shape(s) refused"] if refused else []
@@ -105,12 +106,12 @@ def run_generate(
         err_console.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
     if as_json:
         payload = {
-            "mode": done.stats["mode"],
+            "mode": done.stats.mode,
             "outputs": [
                 {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
                 for o in done.outputs
             ],
-            "stats": done.stats,
+            "stats": done.stats.to_dict(),
         }
         if changes:  # the engine changed its mind mid-answer (engine/auto.ModeCheck)
             payload["mode_changes"] = [{"after_round": c.round_index, "mode": c.mode, "reason": c.reason}
@@ -126,7 +127,7 @@ def run_generate(
     _print_changes(changes)
     # soft_wrap: one line however narrow the terminal (or 80 columns when not a terminal)
     stats = done.stats
-    err_console.print(f"[dim]{stats['mode']}: {escape(format_stats(stats))}[/dim]", soft_wrap=True)
+    err_console.print(f"[dim]{stats.mode}: {escape(format_stats(stats))}[/dim]", soft_wrap=True)
 
 
 def load_engine(config: EngineConfig):

@@ -6,10 +6,13 @@ Events are plain frozen dataclasses: no UI library is imported here or by the en
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ssdlocal.core.metrics import Metrics
 
 from ssdlocal.core.config import Backup
 
@@ -22,27 +25,24 @@ class TokenOrigin(str, Enum):
     TARGET = "target"  # bonus token sampled by the target (and every AR token)
 
 
-class LazySnapshot(Mapping):
-    """A metrics snapshot computed when first read (most rounds' snapshots are never read);
-    read it in the thread that consumes the engine's events, or copy it with dict()."""
+class LazySnapshot:
+    """A call's metrics (core.metrics.Metrics) computed when first read (most rounds' are
+    never read): read `metrics` in the thread that consumes the engine's events, before
+    pulling the next event, for the values as of that round."""
 
-    def __init__(self, compute: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, compute: Callable[[], Metrics]) -> None:
         self._compute = compute
-        self._data: dict[str, Any] | None = None
+        self._metrics: Metrics | None = None
 
-    def _get(self) -> dict[str, Any]:
-        if self._data is None:
-            self._data = self._compute()
-        return self._data
+    @property
+    def metrics(self) -> Metrics:
+        if self._metrics is None:
+            self._metrics = self._compute()
+        return self._metrics
 
-    def __getitem__(self, key: str) -> Any:
-        return self._get()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
+    def get(self, name: str, default: Any = None) -> Any:
+        """One metric by its JSON name (Metrics.get), for callers that hold names."""
+        return self.metrics.get(name, default)
 
 
 @dataclass(frozen=True)
@@ -88,26 +88,46 @@ class TokensEvent:
 
 
 @dataclass(frozen=True)
+class SsdRound:
+    """The SSD part of a proposal or a round, per row: whether the speculation cache
+    served it; the backup that drafted the rows it missed (core.config.Backup); the worker's compute since its previous proposal (pre-speculation + serving),
+    to compare with the target's verify time."""
+
+    cache_hit: tuple[bool, ...]
+    backup: Backup | None = None
+    busy_s: float | None = None
+
+    def pick(self, rows: Sequence[int]) -> SsdRound:
+        """The same for the rows `rows` only (in that order)."""
+        return SsdRound(tuple(bool(self.cache_hit[b]) for b in rows), self.backup, self.busy_s)
+
+
+@dataclass(frozen=True)
+class GrammarRound:
+    """The grammar part of a round, per row: whether a grammar constrains it, and the
+    grammar time it cost this round (masks, walks along the proposal)."""
+
+    constrained: tuple[bool, ...]
+    mask_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class RoundEvent:
     """One target verification finished: what each active row drafted, accepted and took,
-    and what the round cost. core.stats.RunStats turns these into every metric."""
+    and what the round cost. core.stats.RunStats turns these into every metric.
+    Feature parts are None when the round had none of that feature."""
 
     round_index: int
     n_drafted: tuple[int, ...]  # per active row
     n_accepted: tuple[int, ...]
-    cache_hit: tuple[bool, ...] | None = None  # SSD only
-    backup: Backup | None = None  # SSD: what served the missed rows (None: all hit)
-    # the call's metrics, computed when first read: read it before pulling the next event
-    # (or copy it with dict()) for the values as of this round
-    snapshot: Mapping[str, Any] = field(default_factory=dict)
+    snapshot: LazySnapshot | None = None  # the call's metrics as of this round (engine-filled)
     rows: tuple[int, ...] = ()  # the row index of each entry of n_drafted / n_accepted
     n_emitted: tuple[int, ...] = ()  # tokens each row took (accepted + bonus, after stopping rules)
     draft_s: float = 0.0  # drafting wall time of this round (proposal)
     verify_s: float = 0.0  # the target's scoring + verification + read-back
-    draft_busy_s: float | None = None  # SSD: the worker's compute since its previous proposal
     sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive K)
-    constrained: tuple[bool, ...] | None = None  # per row: under a grammar (None: no row is)
-    mask_s: tuple[float, ...] | None = None  # per row: grammar time this round (masks, walks)
+    ssd: SsdRound | None = None  # per row, like n_drafted
+    grammar: GrammarRound | None = None  # per row; None: no row is under a grammar
 
 
 @dataclass(frozen=True)
@@ -135,7 +155,7 @@ class DoneEvent:
     """Generation finished for every row."""
 
     outputs: tuple[Output, ...]
-    stats: dict[str, Any]
+    stats: Metrics  # the call's (core.metrics)
 
 
 Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from ssdlocal.core.config import Backup
+from ssdlocal.core.events import SsdRound
 from ssdlocal.core.hostsync import detached_site
 
 @dataclass(frozen=True)
@@ -30,22 +30,22 @@ class Proposal:
        n-gram).
     tokens: the same drafts as host lists when the drafter has them (else the engine
        reads them back with the verdict).
-    cache_hit[b]: SSD only, whether row b was served from the speculation cache.
-    backup: SSD only, which backup produced the missed rows (core.config.Backup: JIT,
-       NGRAM, SUFFIX or NONE).
-    draft_busy_s: SSD only, the worker's compute time since its previous proposal
-       (pre-speculation + serving), to compare with the target's verify time.
     sources: where each row's drafts came from, when a drafter mixes sources.
+    ssd: SSD only (core.events.SsdRound, per row b of the batch): cache hits, the backup
+       that drafted the missed rows, the worker's compute.
     """
 
     drafts: torch.Tensor
     n_draft: torch.Tensor
     q: torch.Tensor | None = None
     tokens: list[list[int]] | None = None
-    cache_hit: list[bool] | None = None
-    backup: Backup | None = None
-    draft_busy_s: float | None = None
     sources: tuple[str, ...] | None = None  # per row: "model" | "suffix" | "none" (adaptive drafter)
+    ssd: SsdRound | None = None
+
+    @property
+    def cache_hit(self) -> tuple[bool, ...] | None:
+        """Per row: served from the speculation cache (None: not SSD)."""
+        return self.ssd.cache_hit if self.ssd is not None else None
 
     @classmethod
     def from_lists(cls, tokens: Sequence[Sequence[int]], k: int, device, site=None, **fields) -> Proposal:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssdlocal.core.config import SamplingParams
-from ssdlocal.core.events import Event, RoundEvent, TokenOrigin, TokensEvent
+from ssdlocal.core.events import Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.verify import Verdict, verify_logits
@@ -156,15 +156,14 @@ class Round:
     def round_event(self, index, proposal, outcome, emitted, active, draft_s, verify_s) -> RoundEvent:
         """What this round did per active row and what it cost (core.stats counts it)."""
         live = [b for b in range(len(self.rows)) if active[b]]
-        hits, sources = proposal.cache_hit, proposal.sources
+        sources = proposal.sources
         constrained, mask_s = self.shaper.seconds(live)
         return RoundEvent(
             index, tuple(len(outcome.drafts[b]) for b in live), tuple(outcome.n_accepted[b] for b in live),
-            tuple(bool(hits[b]) for b in live) if hits is not None else None, proposal.backup,
-            rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live),
-            draft_s=draft_s, verify_s=verify_s, draft_busy_s=proposal.draft_busy_s,
+            rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live), draft_s=draft_s, verify_s=verify_s,
             sources=tuple(sources[b] for b in live) if sources is not None else None,
-            constrained=constrained, mask_s=mask_s,
+            ssd=proposal.ssd.pick(live) if proposal.ssd is not None else None,
+            grammar=GrammarRound(constrained, mask_s) if constrained is not None else None,
         )  # fmt: skip
 
 

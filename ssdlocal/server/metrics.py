@@ -13,7 +13,8 @@ import math
 import threading
 from collections import defaultdict
 
-from ssdlocal.core.stats import add_counts, metrics, new_counts
+from ssdlocal.core.metrics import Counts
+from ssdlocal.core.metrics import Metrics as CallMetrics
 
 PREFIX = "ssdlocal_"
 
@@ -27,7 +28,7 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, status)
         self.prompt_tokens = 0
         self.generated_tokens = 0
-        self.counts = new_counts(0)  # core.stats counts of every answered request
+        self.counts = Counts()  # core.stats counts of every answered request
         self.batches = 0
         self.draft_s = 0.0
         self.verify_s = 0.0
@@ -58,29 +59,30 @@ class Metrics:
         with self._lock:
             self.generated_tokens += n
 
-    def record_job(self, counts: dict, stats: dict) -> None:
-        """A job finished: its core.stats counts and its stats dict."""
+    def record_job(self, counts: Counts, stats: dict) -> None:
+        """A job finished: its core.stats counts and its answer's stats
+        (Metrics.request_stats: the JSON the client gets, whose ttft is the request's own)."""
         with self._lock:
-            add_counts(self.counts, counts)
-            if stats.get("ttft_s") is not None:
-                self.ttft_sum += stats["ttft_s"]
+            self.counts = self.counts + counts
+            ttft = stats.get("ttft_s")
+            if ttft is not None:
+                self.ttft_sum += ttft
                 self.ttft_count += 1
 
-    def record_batch(self, stats: dict, wall_s: float) -> None:
-        """One generate call ended: its engine stats snapshot."""
+    def record_batch(self, stats: CallMetrics, wall_s: float) -> None:
+        """One generate call ended: its metrics."""
         with self._lock:
             self.batches += 1
-            self.draft_s += stats.get("draft_ms", 0.0) / 1e3
-            self.verify_s += stats.get("verify_ms", 0.0) / 1e3
-            if stats.get("tokens_per_s") is not None:
-                self.last_tokens_per_s = stats["tokens_per_s"]
-            self.prefill_s += stats.get("prefill_ms", 0.0) / 1e3
-            cached = stats.get("cached_prompt_tokens") or 0
-            self.cached_prompt_tokens += cached
-            self.read_prompt_tokens += (stats.get("prompt_tokens") or 0) - cached
-            self.prefix_cache = (stats.get("prefix_cache") or {}).get("target", self.prefix_cache)
-            self.batch_rounds += stats.get("rounds") or 0
-            for model, waits in (stats.get("host_waits") or {}).items():
+            self.draft_s += stats.draft_ms / 1e3
+            self.verify_s += stats.verify_ms / 1e3
+            if stats.tokens_per_s is not None:
+                self.last_tokens_per_s = stats.tokens_per_s
+            self.prefill_s += stats.prefill_ms / 1e3
+            self.cached_prompt_tokens += stats.cached_prompt_tokens
+            self.read_prompt_tokens += stats.prompt_tokens - stats.cached_prompt_tokens
+            self.prefix_cache = (stats.prefix_cache or {}).get("target", self.prefix_cache)
+            self.batch_rounds += stats.rounds
+            for model, waits in (stats.host_waits or {}).items():
                 self.host_waits[model] += waits.get("waits", 0)
 
     # ------------------------------------------------------------------ exposition
@@ -110,18 +112,18 @@ class Metrics:
             one("batches", "counter", "Engine generate calls.", self.batches)
             one("tokens_per_second", "gauge", "Decode tokens/s of the last batch (all its rows).",
                 self.last_tokens_per_s)
-            c, m = self.counts, metrics(self.counts)
-            one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", c["drafted"])
-            one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", c["accepted"])
-            one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", c["row_rounds"])
+            c, m = self.counts, CallMetrics.of(self.counts)
+            one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", c.drafted)
+            one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", c.accepted)
+            one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", c.row_rounds)
             one("spec_decode_emitted_tokens", "counter",
-                "Tokens committed by decode rounds (accepted drafts + bonus).", c["emitted"])
-            one("ssd_cache_hits", "counter", "SSD row-rounds served from the speculation cache.", c["rows_hit"])
-            one("ssd_cache_misses", "counter", "SSD row-rounds that missed the cache.", c["rows_miss"])
-            one("acceptance_rate", "gauge", "Accepted / drafted tokens since start.", _nan(m["acceptance_rate"]))
-            one("mean_accepted_len", "gauge", "Tokens per row-round since start.", _nan(m["mean_accepted_len"]))
-            one("cache_hit_rate", "gauge", "SSD cache hits / SSD row-rounds since start.",
-                _nan(m.get("cache_hit_rate")))
+                "Tokens committed by decode rounds (accepted drafts + bonus).", c.emitted)
+            one("ssd_cache_hits", "counter", "SSD row-rounds served from the speculation cache.",
+                c.ssd.rows_hit if c.ssd else 0)
+            one("ssd_cache_misses", "counter", "SSD row-rounds that missed the cache.", c.ssd.rows_miss if c.ssd else 0)
+            one("acceptance_rate", "gauge", "Accepted / drafted tokens since start.", _nan(m.acceptance_rate))
+            one("mean_accepted_len", "gauge", "Tokens per row-round since start.", _nan(m.mean_accepted_len))
+            one("cache_hit_rate", "gauge", "SSD cache hits / SSD row-rounds since start.", _nan(m.cache_hit_rate))
             one("prefill_seconds", "counter", "Time spent reading prompts (engine calls).", self.prefill_s)
             one("prefill_tokens", "counter", "Prompt tokens read by the target (not from the prefix cache).",
                 self.read_prompt_tokens)

@@ -26,7 +26,8 @@ from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams, repeatable
 from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
-from ssdlocal.core.stats import RunStats, add_counts, metrics, new_counts
+from ssdlocal.core.metrics import Metrics, add_counts, new_counts
+from ssdlocal.core.stats import RunStats
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -374,17 +375,6 @@ class _BatchRun:
 
     def job_stats(self, job: Job) -> dict[str, Any]:
         """The request's own speculation stats (core.stats over its rows, every part)."""
-        m = metrics(job.counts)
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
-        return {
-            "mode": self.mode,
-            **{name: m.get(name) for name in ("acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s",
-                                              "mean_k", "rows_by_source", "prompt_tokens", "cached_prompt_tokens",
-                                              "prefill_tokens_per_s")},  # fmt: skip
-            "ttft_s": ttft,
-            "batch_size": job.batch_size,
-            "constrained": job.grammar is not None,
-            **({name: m.get(name) for name in ("mask_ms_per_token", "constrained_acceptance_rate")}
-               if job.grammar is not None else {}),  # fmt: skip
-            "graphs": self.graphs,  # the engine call that finished this request
-        }
+        m = Metrics.of(job.counts, mode=self.mode, ttft_s=ttft, graphs=self.graphs)  # graphs: the finishing call's
+        return m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None)

@@ -10,6 +10,7 @@ from typing import Any
 
 from textual.message import Message
 
+from ssdlocal.core.metrics import Metrics
 from ssdlocal.tui.core import Piece
 
 
@@ -55,7 +56,7 @@ class RoundFinished(Message):
     """One verification round finished: fresh metric snapshot for the stats panel."""
 
     def __init__(
-        self, turn: int, snapshot: dict[str, Any], backup: str | None, cache_hit: bool | None
+        self, turn: int, snapshot: Metrics, backup: str | None, cache_hit: bool | None
     ) -> None:
         super().__init__()
         self.turn = turn
@@ -67,7 +68,7 @@ class RoundFinished(Message):
 class GenerationDone(Message):
     """The answer is complete (finish_reason "cancelled" after a stop)."""
 
-    def __init__(self, turn: int, text: str, finish_reason: str, stats: dict[str, Any]) -> None:
+    def __init__(self, turn: int, text: str, finish_reason: str, stats: Metrics) -> None:
         super().__init__()
         self.turn = turn
         self.text = text

@@ -11,11 +11,11 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent, Output, TokensEvent
+from ssdlocal.core.metrics import Metrics
 from ssdlocal.tui.core import EngineLike, OriginSplitter, Piece
 
 RACE_MODES = (Mode.AR, Mode.SD, Mode.SSD)
@@ -30,7 +30,7 @@ class RaceRun:
     pieces: list[list[Piece]] = field(default_factory=list)  # per event
     counts: list[int] = field(default_factory=list)  # tokens per event
     output: Output | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: Metrics | None = None  # the DoneEvent's (None: the call never ended)
     wall_s: float = 0.0  # generate call start -> DoneEvent
 
     @property
@@ -94,7 +94,7 @@ def record_run(
                 on_tokens(run.tokens, run.pieces[-1])
         elif isinstance(event, DoneEvent):
             run.output = event.outputs[0]
-            run.stats = dict(event.stats)
+            run.stats = event.stats
     run.wall_s = clock() - start
     return run
 
@@ -115,10 +115,11 @@ class RaceRow:
 
 def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
     ar = next((r for r in runs if r.mode is Mode.AR), None)
-    ar_rate = ar.stats.get("tokens_per_s") if ar else None
+    ar_rate = ar.stats.tokens_per_s if ar and ar.stats else None
     rows = []
     for r in runs:
-        rate = r.stats.get("tokens_per_s")
+        s = r.stats or Metrics()
+        rate = s.tokens_per_s
         same = None
         if ar is not None and r is not ar and r.output and ar.output:
             same = r.output.token_ids == ar.output.token_ids
@@ -127,12 +128,12 @@ def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
                 mode=r.mode.value.upper(),
                 tokens=r.tokens,
                 wall_s=r.wall_s,
-                ttft_s=r.stats.get("ttft_s", r.ttft_s),
+                ttft_s=r.stats.ttft_s if r.stats else r.ttft_s,
                 tokens_per_s=rate,
                 speedup=(rate / ar_rate) if rate and ar_rate else None,
-                acceptance_rate=r.stats.get("acceptance_rate"),
-                mean_accepted_len=r.stats.get("mean_accepted_len"),
-                cache_hit_rate=r.stats.get("cache_hit_rate"),
+                acceptance_rate=s.acceptance_rate,
+                mean_accepted_len=s.mean_accepted_len,
+                cache_hit_rate=s.cache_hit_rate,
                 identical=same,
             )
         )

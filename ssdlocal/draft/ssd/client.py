@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from ssdlocal.core.config import Backup, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import DraftWorkerError
+from ssdlocal.core.events import SsdRound
 from ssdlocal.core.hostsync import Audit, HostWaits
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.draft.ssd import protocol as pr
@@ -211,8 +212,8 @@ class SSDDrafter:
                 q = self.site.to_device(q, self.target_device)  # where the target verifies: staged, no wait
         self.chooser.observe_proposal(msg)
         return Proposal.from_lists(
-            msg.tokens, self.k, self.target_device, self.site, q=q, cache_hit=list(msg.cache_hit),
-            backup=msg.backup, draft_busy_s=msg.busy_s,
+            msg.tokens, self.k, self.target_device, self.site, q=q,
+            ssd=SsdRound(tuple(msg.cache_hit), msg.backup, msg.busy_s),
         )  # fmt: skip
 
     def observe(self, outcome: RoundOutcome) -> None:

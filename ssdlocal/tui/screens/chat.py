@@ -255,8 +255,9 @@ class ChatScreen(Screen):
                     pieces = splitter.split(ev.token_ids, ev.origins, ev.text)
                     self.post_message(TokensArrived(turn, pieces, len(ev.token_ids)))
                 elif isinstance(ev, RoundEvent):
-                    hit = None if ev.cache_hit is None else all(ev.cache_hit)
-                    self.post_message(RoundFinished(turn, dict(ev.snapshot), ev.backup, hit))  # read here
+                    ssd = ev.ssd
+                    hit = None if ssd is None else all(ssd.cache_hit)
+                    self.post_message(RoundFinished(turn, ev.snapshot.metrics, ssd.backup if ssd else None, hit))  # read here
                 elif isinstance(ev, ModeEvent):
                     self.post_message(ModeChanged(turn, ev.mode, ev.reason, ev.short))
                 elif isinstance(ev, DoneEvent):
@@ -307,8 +308,8 @@ class ChatScreen(Screen):
         self.conversation.add_turn(self._user_text, msg.text)
         self.last_answer = msg.text
         s = msg.stats
-        rate = s.get("tokens_per_s")
-        note = f"{self._gen_mode.value.upper()} · {s.get('tokens', 0)} tokens"
+        rate = s.tokens_per_s
+        note = f"{self._gen_mode.value.upper()} · {s.tokens} tokens"
         if rate:
             note += f" · {rate:.1f} tok/s"
         if msg.finish_reason == "cancelled":

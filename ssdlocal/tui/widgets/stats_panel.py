@@ -1,17 +1,18 @@
 """StatsPanel: live speculation metrics of the current (or last) answer.
 
-Reads the engine's metric snapshot (the metric names of docs/architecture.md §3: tokens_per_s, ttft_s,
-prompt_tokens, cached_prompt_tokens, prefill_tokens_per_s, acceptance_rate, mean_accepted_len, cache_hit_rate, per_position_acceptance,
-accepted_len_hist, draft_ms, verify_ms, backup_used) and draws numbers and bars.
+Reads the engine's metrics (core.metrics.Metrics: speed, ttft, the prompt and its prefill,
+acceptance, accepted length, per-position acceptance and the accepted-length histogram,
+draft / verify time, and the adaptive and SSD parts) and draws numbers and bars.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rich.text import Text
 from textual.widgets import Static
 
+from ssdlocal.core.metrics import Metrics
 from ssdlocal.tui.widgets.bars import hbar
 
 BAR = 12
@@ -25,19 +26,18 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
-def _prompt(s: dict) -> str:
+def _prompt(s: Metrics) -> str:
     """"2,162 · 2,144 cached": the prompt's tokens and what the prefix cache held (one line
     of the panel, whose value column is 20 characters)."""
-    total = s.get("prompt_tokens")
-    if not total:
+    if not s.prompt_tokens:
         return "–"
-    return f"{total:,} · {s.get('cached_prompt_tokens') or 0:,} cached"
+    return f"{s.prompt_tokens:,} · {s.cached_prompt_tokens:,} cached"
 
 
-def _prefill(s: dict) -> str:
+def _prefill(s: Metrics) -> str:
     """"95 tok/s": how fast the part of the prompt the cache did not hold was read."""
-    rate, total = s.get("prefill_tokens_per_s"), s.get("prompt_tokens") or 0
-    return f"{rate:.0f} tok/s" if rate and total > (s.get("cached_prompt_tokens") or 0) else "–"
+    rate = s.prefill_tokens_per_s
+    return f"{rate:.0f} tok/s" if rate and s.prompt_tokens > s.cached_prompt_tokens else "–"
 
 
 class StatsPanel(Static):
@@ -55,7 +55,7 @@ class StatsPanel(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.mode = "ssd"
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: Metrics | None = None  # None: no answer yet
         self.last_backup: str | None = None
         self.last_hit: bool | None = None
         self.live = False
@@ -63,7 +63,7 @@ class StatsPanel(Static):
     def show_stats(
         self,
         mode: str,
-        snapshot: dict[str, Any],
+        snapshot: Metrics,
         *,
         backup: str | None = None,
         cache_hit: bool | None = None,
@@ -81,7 +81,7 @@ class StatsPanel(Static):
         self.refresh_panel()
 
     def reset(self, mode: str) -> None:
-        self.mode, self.snapshot = mode, {}
+        self.mode, self.snapshot = mode, None
         self.last_backup = self.last_hit = None
         self.refresh_panel()
 
@@ -104,11 +104,11 @@ class StatsPanel(Static):
         """Draw the sections that fit: detail goes first (the accepted-length histogram,
         then per-position acceptance, then the time split, then SSD's last-round detail),
         so the panel never scrolls, down to an 80x24 terminal."""
-        s = self.snapshot
+        s = self.snapshot or Metrics()  # no answer yet: every number unknown
         sections = [self._speed(s), self._speculation_rows(s)]
         optional = [  # (drop order: last first) -> kept while they fit
             self._time(s),
-            self._bars("Acceptance by position", s.get("per_position_acceptance") or [], 1, _pct)
+            self._bars("Acceptance by position", list(s.per_position_acceptance), 1, _pct)
             if self.mode != "ar" else None,
             self._histogram(s) if self.mode != "ar" else None,
         ]
@@ -138,42 +138,41 @@ class StatsPanel(Static):
     def _row(label: str, value: str, style: str = "") -> Text:
         return Text.assemble(f"{label:<13}", (value, style))
 
-    def _speed(self, s: dict) -> list[Text]:
-        state = "live" if self.live else ("last answer" if s else "no answer yet")
-        rows = [self._title(f"Speed · {self.mode.upper()} · {state}"),
-                self._row("tokens/s", _num(s.get("tokens_per_s")))]  # fmt: skip
-        ttft = s.get("ttft_s")
-        rows.append(self._row("TTFT", "–" if ttft is None else f"{ttft * 1e3:.0f} ms"))
+    def _speed(self, s: Metrics) -> list[Text]:
+        answered = self.snapshot is not None
+        state = "live" if self.live else ("last answer" if answered else "no answer yet")
+        rows = [self._title(f"Speed · {self.mode.upper()} · {state}"), self._row("tokens/s", _num(s.tokens_per_s))]
+        rows.append(self._row("TTFT", "–" if s.ttft_s is None else f"{s.ttft_s * 1e3:.0f} ms"))
         rows.append(self._row("prompt", _prompt(s)))  # its tokens and what the prefix cache held
         rows.append(self._row("prefill", _prefill(s)))  # how fast the rest was read
-        rounds = s.get("rounds", 0)
-        rows.append(self._row("tokens", f"{s.get('tokens', 0)} in {rounds} round{'s' * (rounds != 1)}" if s else "–"))
+        rounds = s.rounds
+        rows.append(self._row("tokens", f"{s.tokens} in {rounds} round{'s' * (rounds != 1)}" if answered else "–"))
         return rows
 
-    def _speculation_rows(self, s: dict) -> list[Text]:
+    def _speculation_rows(self, s: Metrics) -> list[Text]:
         rows = [self._title("Speculation")]
         if self.mode == "ar":
             return rows + [Text("AR: the target alone,", style="dim"), Text("one token per round", style="dim")]
-        rows.append(self._row("acceptance", _pct(s.get("acceptance_rate"))))
-        rows.append(self._row("accepted len", _num(s.get("mean_accepted_len"), "{:.2f} tok/round")))
-        sources = s.get("rows_by_source")
+        rows.append(self._row("acceptance", _pct(s.acceptance_rate)))
+        rows.append(self._row("accepted len", _num(s.mean_accepted_len, "{:.2f} tok/round")))
+        sources = s.adaptive.rows_by_source if s.adaptive else None
         if sources:  # K and the source chosen per round; "none": a plain step
             total = max(sum(sources.values()), 1)
             plain = sources.get("none", 0) / total
-            rows.append(self._row("K per round", _num(s.get("mean_k"), "{:.1f}") + f" · plain {plain:.0%}"))
+            rows.append(self._row("K per round", _num(s.mean_k, "{:.1f}") + f" · plain {plain:.0%}"))
             shown = [f"{k} {v / total:.0%}" for k, v in sorted(sources.items()) if k != "none"]
             rows.append(self._row("source", " ".join(shown) or "–"))
         if self.mode == "ssd":
-            rows.append(self._row("cache hits", _pct(s.get("cache_hit_rate"))))
-            used = s.get("backup_used") or {}
+            rows.append(self._row("cache hits", _pct(s.cache_hit_rate)))
+            used = s.ssd.backup_used if s.ssd else {}
             rows.append(self._row("backup fired", ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none"))
             if self.last_hit is not None:
                 last = "hit" if self.last_hit else f"miss → {self.last_backup or 'none'}"
                 rows.append(self._row("last round", last, self._style("hit" if self.last_hit else "miss")))
         return rows
 
-    def _histogram(self, s: dict) -> list[Text]:
-        hist = s.get("accepted_len_hist") or []
+    def _histogram(self, s: Metrics) -> list[Text]:
+        hist = list(s.accepted_len_hist)
         total = max(hist, default=0)
         return self._bars("Accepted length", [c / total for c in hist] if total else [], 0,
                           lambda frac: f"{round(frac * total):>4}")  # fmt: skip
@@ -186,10 +185,10 @@ class StatsPanel(Static):
             rows.append(Text.assemble(f"{i + first:>2} ", hbar(frac, BAR, self._style("bar")), f" {label(frac):>4}"))
         return rows
 
-    def _time(self, s: dict) -> list[Text]:
-        draft_ms, verify_ms = s.get("draft_ms"), s.get("verify_ms")
+    def _time(self, s: Metrics) -> list[Text]:
+        draft_ms, verify_ms = s.draft_ms, s.verify_ms
         rows = [self._title("Time")]
-        if draft_ms is None or verify_ms is None:
+        if self.snapshot is None:
             return rows + [Text("–", style="dim")]
         total_ms = max(draft_ms + verify_ms, 1e-9)
         for label, ms, style in (("draft", draft_ms, "draft"), ("verify", verify_ms, "verify")):
