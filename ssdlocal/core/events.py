@@ -120,6 +120,25 @@ class ModeEvent:
 
 
 @dataclass(frozen=True)
+class SeatedEvent:
+    """Serving (Engine.serve): a batch of rows starts, before its new rows' prompts are
+    read. Row b serves request `requests[b]` (engine.request.Request.id) until the next
+    SeatedEvent: the row indices of later events refer to this seating. `joined`: the
+    requests new in it (the others carry on from the previous seating)."""
+
+    requests: tuple[int, ...]
+    joined: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SeatingDoneEvent:
+    """Serving: the seating of the latest SeatedEvent ended (its rows re-seat or leave);
+    `stats`: its core.stats snapshot, as a generate call's DoneEvent carries."""
+
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Output:
     """Final result for one row."""
 
@@ -136,4 +155,4 @@ class DoneEvent:
     stats: dict[str, Any]
 
 
-Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent
+Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent | SeatedEvent | SeatingDoneEvent
