@@ -164,6 +164,9 @@ class Loop:
         """Seat `carried` + `joining`, read what they lack, run rounds until every row is
         done, the loop is cancelled, or (serving) a re-seat is due."""
         eng = self.engine
+        if self.inbox is not None:  # first: whatever fails next fails these requests' callers
+            yield SeatedEvent(tuple(s.request.id for s in carried) + tuple(r.id for r in joining),
+                              tuple(r.id for r in joining))  # fmt: skip
         spec = self._spec([s.request for s in carried] + joining)
         k = self.k(spec)
         budgets = [eng.token_budgets([len(r.prompt)], r.params.max_new_tokens, spec)[0] for r in joining]
@@ -171,8 +174,6 @@ class Loop:
         seats = self.seats = carried + new
         rows = [s.row for s in seats]
         fresh = [False] * len(carried) + [True] * len(new)
-        if self.inbox is not None:
-            yield SeatedEvent(tuple(s.request.id for s in seats), tuple(r.id for r in joining))
         num_slots = SlotLayout.for_generation(max(len(r.prompt) + r.max_new_tokens for r in rows), k).main
         eng.runner.reset(len(rows), num_slots)
         grammars = [s.request.grammar for s in seats]

@@ -90,16 +90,19 @@ class Inbox:
     request may join a batch whose rows serve `seated` (requests); requests join in
     arrival order (the first that may not join holds the ones behind it)."""
 
-    def __init__(self, admits: Callable[[Request, Sequence[Request]], bool] | None = None) -> None:
+    def __init__(self, admits: Callable[[Request, Sequence[Request]], bool] | None = None,
+                 gather_s: float = 0.0) -> None:  # fmt: skip
         self.admits = admits or (lambda request, seated: True)
+        self.gather_s = gather_s  # an idle loop waits this long after a first arrival: requests sent together
         self._cond = threading.Condition()
         self._waiting: list[Request] = []
         self._cancelled: set[int] = set()
         self._closed = False
 
-    def add(self, request: Request) -> None:
+    def add(self, *requests: Request) -> None:
+        """Requests in line, after every request added before (together: one after another)."""
         with self._cond:
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self._cond.notify_all()
 
     def cancel(self, request_id: int) -> None:
@@ -149,10 +152,13 @@ class Inbox:
             return out
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until a request arrives, a cancel, or close (or `timeout` seconds)."""
+        """Block until a request arrives, a cancel, or close (or `timeout` seconds); after
+        an arrival, `gather_s` more (requests sent together arrive a few ms apart)."""
         with self._cond:
             if not self._waiting and not self._closed:
                 self._cond.wait(timeout)
+                if self._waiting and self.gather_s > 0:
+                    self._cond.wait(self.gather_s)
 
 
 def _may_share(request: Request, seated: Sequence[Request]) -> bool:
