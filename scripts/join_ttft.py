@@ -104,7 +104,8 @@ def main() -> int:
     for mode in args.modes.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "ssdlocal", "serve", "--pair", args.pair, "--mode", mode, "--port", str(port)]
+        cmd = [sys.executable, "-m", "ssdlocal", "serve", "--pair", args.pair, "--mode", mode, "--port", str(port),
+               "--served-model-name", "m"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
         try:
             wait_healthy(url, proc, 1800)
