@@ -226,6 +226,9 @@ class Loop:
                 if self.token.cancelled and r.active:
                     r.finish_reason = "cancelled"
             completed = True
+        except KeyboardInterrupt:
+            eng.interrupted()  # before the drafter's close below, which would wait for the worker
+            raise
         finally:
             stats.graphs_now = lambda final=eng._graph_reports(drafter, graphs_before): final  # frozen
             stats.host_waits_now.freeze()

@@ -315,7 +315,7 @@ class Engine:
             yield DoneEvent(tuple(Output("", (), "cancelled") for _ in ids), stats.snapshot())
             return
         loop = Loop(self, spec, reason, token, progress=progress)
-        yield from self._interruptible(loop.run(requests, stats))
+        yield from loop.run(requests, stats)
         rows = [seat.row for seat in loop.seats]
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
@@ -336,17 +336,14 @@ class Engine:
         spec = spec or self.config.spec
         token = self._running = cancel if cancel is not None else CancelToken()
         loop = Loop(self, spec, self._reason(spec), token, inbox=inbox, max_batch=max_batch)
-        yield from self._interruptible(loop.run([]))
+        yield from loop.run([])
 
-    def _interruptible(self, events: Iterator[Event]) -> Iterator[Event]:
-        """`events`; on Ctrl-C the SSD worker is killed at once (not waited for)."""
-        try:
-            yield from events
-        except KeyboardInterrupt:
-            if self._worker is not None:
-                self._worker.broken = True
-                self._stop_worker()
-            raise
+    def interrupted(self) -> None:
+        """Ctrl-C while a batch runs (engine/batch.py calls it before cleaning up): the SSD
+        worker is killed now, not waited for."""
+        if self._worker is not None:
+            self._worker.broken = True
+            self._stop_worker()
 
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""
