@@ -3,7 +3,8 @@
     SSDLOCAL_KEEP_MEASUREMENTS=1 python scripts/join_ttft.py [--modes ar,sd,ssd] [--pair NAME]
 
 For each mode: starts `ssdlocal serve --pair PAIR --mode MODE` on a free port (the
-`ssdlocal` on PYTHONPATH: point it at another checkout to compare code), waits for
+`ssdlocal` PYTHONPATH names, else the installed one: point it at another checkout to
+compare code; the server runs in "/" so the working directory does not count), waits for
 /health, streams a long completion (`--long-tokens`, temperature 0, ignore_eos), and once
 it has streamed `--after` chunks sends a short one (`--short-tokens`, streamed too).
 Prints per mode: the short request's time to its first token and to its end (client side),
@@ -106,7 +107,8 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "ssdlocal", "serve", "--pair", args.pair, "--mode", mode, "--port", str(port),
                "--served-model-name", "m"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+        # cwd "/": `python -m` puts the working directory first on the path; PYTHONPATH decides
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ), cwd="/")
         try:
             wait_healthy(url, proc, 1800)
             runs = [one_pair(url, args) for _ in range(args.repeats)]

@@ -15,7 +15,6 @@ from dataclasses import replace
 import torch
 
 from ssdlocal.backends import registry
-from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
@@ -348,10 +347,10 @@ class Engine:
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""
         since = since or {}
-        reports = {"target": graph_report(self.runner, since.get("target"))}
+        reports = {"target": self.runner.graph_report(since.get("target"))}
         draft_runner = getattr(drafter, "runner", None)
         if draft_runner is not None:  # SD: the draft model runs here
-            reports["draft"] = graph_report(draft_runner, since.get("draft"))
+            reports["draft"] = draft_runner.graph_report(since.get("draft"))
         elif hasattr(drafter, "graph_report") and drafter.graph_report() is not None:
             reports["draft"] = drafter.graph_report()  # SSD: counted in the worker
         return reports
@@ -397,7 +396,7 @@ class Engine:
         """Empty the prefix caches (the next call reads its prompts in full), e.g. to time a
         cold prompt. The SSD worker's cache empties when its process restarts."""
         for runner in (self.runner, self._draft_runner):
-            if runner is not None and runner.prefix is not None:
-                runner.prefix.clear()
+            if runner is not None:
+                runner.forget_prefixes()
         if self._worker is not None:
             self._worker.forget_prefixes()
