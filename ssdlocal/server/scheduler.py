@@ -177,7 +177,7 @@ class Scheduler:
     def waiting(self) -> int:
         """Jobs none of whose rows has joined yet."""
         with self._lock:
-            return sum(1 for job in self._jobs.values() if job.joined_at is None and not job.done)
+            return sum(1 for job in self._jobs.values() if job.joined_at is None and not (job.done or job.cancelled))
 
     def submit(
         self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True,
