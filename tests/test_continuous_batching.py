@@ -14,14 +14,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from drafts import draft_of
 
 from ssdlocal.backends.prefix import BLOCK_TOKENS
-from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
 from ssdlocal.core.events import DoneEvent, PrefillEvent, SeatedEvent, TokensEvent
 from ssdlocal.core.verify import verify_groups, verify_logits
 from ssdlocal.engine import Engine
 from ssdlocal.engine.request import Inbox, Request, RowSampling
-from drafts import draft_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

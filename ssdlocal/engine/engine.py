@@ -18,19 +18,19 @@ from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.events import DoneEvent, Event, Output, PrefillProgress
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice
 from ssdlocal.draft.base import DraftResources
 from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
-from ssdlocal.speculation.adaptive import CostModel
+from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice
 from ssdlocal.engine.batch import Loop
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.request import Inbox, Request
+from ssdlocal.speculation.adaptive import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import torch
 
-from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.events import TokenLogprob
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.logprobs import to_host, token_logprobs
 from ssdlocal.core.verify import mask_logits
 

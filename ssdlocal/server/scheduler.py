@@ -30,7 +30,13 @@ from typing import Any
 from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode, SamplingParams
-from ssdlocal.core.events import PrefillEvent, RoundEvent, SeatedEvent, SeatingDoneEvent, TokensEvent
+from ssdlocal.core.events import (
+    PrefillEvent,
+    RoundEvent,
+    SeatedEvent,
+    SeatingDoneEvent,
+    TokensEvent,
+)
 from ssdlocal.core.stats import RunStats, metrics
 from ssdlocal.engine.request import Inbox, Request
 

@@ -23,13 +23,13 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.base import HeldRows
-from ssdlocal.core.hostsync import Site, detached_site
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
 from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
-from ssdlocal.backends.torch.prefill_path import dense_dtype
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
+from ssdlocal.backends.torch.prefill_path import dense_dtype
+from ssdlocal.core.hostsync import Site, detached_site
 
 SLOT_ROUNDING = 256  # cache capacity grows in these steps
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
