@@ -160,15 +160,14 @@ def test_files_are_small_and_the_top_level_is_short():
 
 TORCH_BACKEND_IMPORTERS = {  # outside backends/, with why
     "parallel": "the torch backend's own tensor-parallel ranks: its loader, model, quantizer and graphs",
-    "engine/engine": "the target runner's graph report (graph_report)",
 }
 
 
 def test_upper_layers_ask_the_registry_not_backends_torch():
     """What a model file is lives in weights/formats (below backends); what only a backend
-    knows (what it will load for a path, its quantized sizes, its heads, its graphs) is
+    knows (what it will load for a path, its quantized sizes, its heads) is
     asked through backends/registry.py. No module outside backends/ imports backends/torch,
-    except the torch backend's own tensor-parallel ranks and the engine's graph report."""
+    except the torch backend's own tensor-parallel ranks."""
     offenders = []
     for module, imports in _graph().items():
         rel = module.removeprefix("ssdlocal.").replace(".", "/")

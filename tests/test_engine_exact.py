@@ -524,10 +524,10 @@ def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypa
     """When the bonus equals the rejected draft token, target and draft caches already
     hold that token; its logits are still needed for the next round, so it must be
     fed again. Output must stay exactly AR's."""
-    import ssdlocal.engine.round as engine_mod
+    import ssdlocal.core.verify as verify_mod  # every verification goes through verify_groups -> verify_logits
 
     ar = ar_reference(engines, "llama", PROMPTS_3, GREEDY)
-    monkeypatch.setattr(engine_mod, "verify_logits", _reject_all)
+    monkeypatch.setattr(verify_mod, "verify_logits", _reject_all)
     spec = spec_for(engines, Mode(mode), draft, 3, backup=backup)
     done, rounds = run(engines.get("llama", draft), PROMPTS_3, GREEDY, spec)
     assert_same(ar, done, f"{mode} {draft} {backup} reject-all")

@@ -97,7 +97,7 @@ def test_lone_surrogates_are_invalid_requests(body, param):
     err["message"].encode("utf-8")  # the error itself is valid text
 
 
-def test_a_job_runs_in_parts_of_at_most_max_batch_rows_with_one_budget_each():
+def test_a_job_becomes_one_request_per_row_with_its_own_budget():
     import asyncio
 
     from ssdlocal.core.config import SamplingParams
@@ -105,18 +105,22 @@ def test_a_job_runs_in_parts_of_at_most_max_batch_rows_with_one_budget_each():
 
     loop = asyncio.new_event_loop()
 
-    def parts(params, seeded, budgets, max_batch):
-        job = Job(((1,),) * len(budgets), params, seeded, loop, budgets=tuple(budgets))
-        job.split(max_batch)
-        return [(p.start, p.stop, p.params.max_new_tokens, p.params.seed) for p in job.parts]
+    def requests(params, seeded, budgets):
+        return Job(((1,),) * len(budgets), params, seeded, loop, budgets=tuple(budgets)).requests
 
     greedy = SamplingParams(temperature=0, seed=5, max_new_tokens=64)
-    assert parts(greedy, False, [64] * 9, 4) == [(0, 4, 64, 5), (4, 8, 64, 5), (8, 9, 64, 5)]
-    assert parts(greedy, False, [None, None, 64, 64, 64], 8) == [(0, 2, None, 5), (2, 5, 64, 5)]
+    got = requests(greedy, False, [None, None, 64])
+    assert [r.params.max_new_tokens for r in got] == [None, None, 64]
+    assert all(r.exclusive is None and r.settings == ("greedy",) for r in got)  # greedy rows join anything
     sampled = SamplingParams(temperature=1, seed=5, max_new_tokens=8)
-    seeds = [seed for *_, seed in parts(sampled, True, [8] * 6, 2)]
-    assert seeds[0] == 5 and len(set(seeds)) == 3  # a seeded job's parts do not repeat each other
-    assert {seed for *_, seed in parts(sampled, False, [8] * 6, 2)} == {5}  # unseeded: drawn per call
+    seeded = requests(sampled, True, [8] * 3)
+    assert seeded[0].params.seed == 5 and len({r.params.seed for r in seeded}) == 3  # rows do not repeat each other
+    assert len({r.exclusive for r in seeded}) == 1 and seeded[0].exclusive is not None  # together, and alone
+    assert len({r.settings for r in seeded}) == 1  # one random stream of their own
+    other = requests(sampled, True, [8])
+    assert other[0].exclusive != seeded[0].exclusive and other[0].settings != seeded[0].settings
+    unseeded = requests(sampled, False, [8] * 2)
+    assert all(r.exclusive is None for r in unseeded) and unseeded[0].settings == (1, 0, 1.0)
     loop.close()
 
 

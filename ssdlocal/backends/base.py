@@ -109,6 +109,14 @@ class Runner(Protocol):
         """Adopt a tree branch: the k/v at scratch slots `src` become the row's slots
         start..start+len(src)-1, which now hold `tokens` (one per slot)."""
 
+    def forget_prefixes(self) -> None:
+        """Empty the prefix store (its size stays): later `reuse` finds nothing stored."""
+
+    def graph_report(self, since: dict | None = None) -> dict:
+        """Captured-step counts as plain data ({"mode", "captured", "replays", "eager",
+        "refused", "dropped"}, + "notes"), minus `since` (an earlier report of this runner);
+        mode "off" for a runner that captures nothing."""
+
 
 def sync_held(held: list[int], committed: Sequence[int]) -> None:
     """Shorten `held` in place to what may stay cached before the next feed.

@@ -1,8 +1,8 @@
 """The backends, one `Backend` object each, in one table (`BACKENDS`): load a model, make
 its runner, read its tokenizer, check a path cheaply before anything heavy happens, build
 what a backend will read ahead of the load (`prepare_weights`), make a device this
-process's own; and what only the torch backend knows about weights and runners
-(`quantized_bytes`, `attention_heads`, `graph_report`).
+process's own; and what only the torch backend knows about weights (`quantized_bytes`,
+`attention_heads`).
 
 A backend is named by core.models.BackendName (parsed once from the user's text at the
 CLI / config edge); `backend_for(name)` is the lookup. Callers (engine, SSD worker,
@@ -193,15 +193,6 @@ def quantized_bytes(path: str | Path, quantization: str, dtype: str, device_type
     from ssdlocal.backends.torch.quant_load import weight_bytes
 
     return weight_bytes(path, scheme, dtype, device_type)
-
-
-def graph_report(runner, since: dict | None = None) -> dict:
-    """A runner's captured-graph counts as plain data ({"mode", "captured", "replays",
-    "eager", "refused", "dropped"}, + "notes"), minus `since` (an earlier report of the
-    same runner); mode "off" for a runner without graphs (llama.cpp's)."""
-    from ssdlocal.backends.torch.graphs import graph_report as torch_report
-
-    return torch_report(runner, since)
 
 
 def gguf_source(path: str | None) -> str | None:

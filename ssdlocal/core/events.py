@@ -142,6 +142,25 @@ class ModeEvent:
 
 
 @dataclass(frozen=True)
+class SeatedEvent:
+    """Serving (Engine.serve): a batch of rows starts, before its new rows' prompts are
+    read. Row b serves request `requests[b]` (engine.request.Request.id) until the next
+    SeatedEvent: the row indices of later events refer to this seating. `joined`: the
+    requests new in it (the others carry on from the previous seating)."""
+
+    requests: tuple[int, ...]
+    joined: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SeatingDoneEvent:
+    """Serving: the seating of the latest SeatedEvent ended (its rows re-seat or leave);
+    `stats`: its metrics (core.stats snapshot), as a generate call's DoneEvent carries."""
+
+    stats: Metrics
+
+
+@dataclass(frozen=True)
 class Output:
     """Final result for one row."""
 
@@ -158,4 +177,4 @@ class DoneEvent:
     stats: Metrics  # the call's (core.metrics)
 
 
-Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent
+Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent | SeatedEvent | SeatingDoneEvent

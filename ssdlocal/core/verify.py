@@ -142,3 +142,34 @@ def verify_logits(
     n_accepted = torch.cumprod(match.to(torch.long), dim=-1).sum(-1)  # [B]
     bonus = best.gather(1, n_accepted[:, None]).squeeze(1)  # [B]
     return Verdict(n_accepted=n_accepted, bonus=bonus)
+
+
+def verify_groups(
+    logits: Tensor,
+    draft_tokens: Tensor,
+    q: Tensor | None,
+    groups,
+    n_draft: Tensor | None = None,
+) -> Verdict:
+    """`verify_logits` for a batch whose rows sample differently.
+
+    `groups`: (rows, params, generator) per group of rows with equal sampling settings;
+    `rows` a [G] long index tensor on the logits' device, or None for "every row" (then
+    it must be the only group). Each group is verified on its own rows with its own
+    params and generator, and the verdicts are scattered back: row b's verdict is
+    exactly what verify_logits gives its group's rows, whatever the other groups are.
+    """
+    if len(groups) == 1 and groups[0][0] is None:
+        _, params, generator = groups[0]
+        return verify_logits(logits, draft_tokens, q, params, generator, n_draft)
+    batch = logits.shape[0]
+    n_accepted = torch.zeros(batch, dtype=torch.long, device=logits.device)  # [B]
+    bonus = torch.zeros(batch, dtype=torch.long, device=logits.device)  # [B]
+    for rows, params, generator in groups:
+        part = verify_logits(
+            logits[rows], draft_tokens[rows], None if q is None else q[rows], params, generator,
+            None if n_draft is None else n_draft[rows],
+        )  # fmt: skip
+        n_accepted[rows] = part.n_accepted
+        bonus[rows] = part.bonus
+    return Verdict(n_accepted=n_accepted, bonus=bonus)

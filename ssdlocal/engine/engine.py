@@ -9,32 +9,28 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
 
 from ssdlocal.backends import registry
-from ssdlocal.backends.base import SlotLayout
-from ssdlocal.backends.torch.graphs import graph_report
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.hostsync import Audit, WaitsSince
-from ssdlocal.core.events import DoneEvent, Event, LazySnapshot, Output, PrefillProgress, RoundEvent, TokenOrigin
+from ssdlocal.core.events import DoneEvent, Event, Output, PrefillProgress
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.memory import keep_freed_memory, oom_error
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice, rechecked
 from ssdlocal.draft.base import DraftResources
 from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
-from ssdlocal.speculation.adaptive import CostModel
-from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
+from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice
+from ssdlocal.engine.batch import Loop
 from ssdlocal.engine.prompts import encode_prompt
-from ssdlocal.engine.round import Round, token_events
-from ssdlocal.engine.shape import Shaper, make_shaper
+from ssdlocal.engine.request import Inbox, Request
+from ssdlocal.speculation.adaptive import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -303,102 +299,58 @@ class Engine:
         """
         spec = spec or self.config.spec
         reason = self._reason(spec)
-        spec = self._resolved(spec)
+        resolved = self._resolved(spec)
         ids = self._prompt_ids(prompts, chat)
-        k = spec.k if spec.mode is not Mode.AR else 0
-        budgets = self.token_budgets([len(x) for x in ids], params.max_new_tokens, spec)
-        num_slots = SlotLayout.for_generation(max(len(x) + n for x, n in zip(ids, budgets)), k).main
+        self.token_budgets([len(x) for x in ids], params.max_new_tokens, resolved)  # too long: refused here
+        grammars = list(grammars) if grammars is not None else [None] * len(ids)
+        if len(grammars) != len(ids):
+            raise ValueError(f"{len(grammars)} grammars for {len(ids)} prompts")
+        requests = [Request(tuple(x), params, g) for x, g in zip(ids, grammars)]
         self._take_row_cancels()  # cancels meant for an earlier call
         token = self._running = cancel if cancel is not None else CancelToken()
-        stats = RunStats(k=k, mode=spec.mode.value, mode_reason=reason)
+        stats = RunStats(k=resolved.k if resolved.mode is not Mode.AR else 0, mode=resolved.mode.value,
+                         mode_reason=reason)  # fmt: skip
         if token.cancelled:  # stopped before it began
             yield DoneEvent(tuple(Output("", (), "cancelled") for _ in ids), stats.snapshot())
             return
-        self.runner.reset(len(ids), num_slots)
-        rows = [Row(x, params, self.eos_ids, self.tokenizer, n) for x, n in zip(ids, budgets)]
-        shaper = make_shaper(grammars, len(ids), params, self.target.args.vocab_size, self.eos_ids, self.audit)
-        drafter = self._make_drafter(spec, params, len(ids), num_slots, shaper.guides)
-        run = self._run(rows, params, spec, drafter, stats, token, progress, shaper)
-        yield from self._counted(stats, run)
+        loop = Loop(self, spec, reason, token, progress=progress)
+        yield from loop.run(requests, stats)
+        rows = [seat.row for seat in loop.seats]
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
 
-    @staticmethod
-    def _counted(stats: RunStats, events: Iterator[Event]) -> Iterator[Event]:
-        """Count every event; each RoundEvent leaves with the metrics so far."""
-        for event in events:
-            stats.consume(event)
-            yield replace(event, snapshot=LazySnapshot(stats.snapshot)) if isinstance(event, RoundEvent) else event
+    def serve(self, inbox: Inbox, *, max_batch: int, spec: SpecConfig | None = None,
+              cancel: CancelToken | None = None) -> Iterator[Event]:
+        """Continuous batching: run the requests `inbox` brings (engine.request.Inbox, fed
+        from any thread) until it is closed and every row is done, or `cancel` (or
+        `Engine.cancel`) stops it (rows then finish "cancelled").
 
-    def _run(self, rows, params, spec, drafter, stats, token, progress, shaper: Shaper) -> Iterator[Event]:
-        """Prefill, then rounds until every row is done or the call is cancelled."""
-        generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        graphs_before = self._graph_reports(drafter)
-        stats.graphs_now = lambda: self._graph_reports(drafter, graphs_before)
-        stats.prefix_now = self.prefix_reports
-        stats.host_waits_now = WaitsSince(self.audit, getattr(drafter, "host_waits", None))  # SSD: + the worker's
-        pinned = None
-        if spec.mode is Mode.SSD and self._cpu_plan is not None:
-            pinned = self._cpu_plan.apply_to_this_process(pin_affinity=self.config.pin_cpus)
-        cached: list[int] = []  # per row: tokens the target's cache holds (prompt, then rounds)
-        completed = False
-        try:
-            if drafter is not None:
-                drafter.read_prompts([r.prompt for r in rows])  # a draft on hardware of its own starts now
-            try:
-                first, prefill = read_prompts(self.runner, self._guard, rows, params, generator, token, progress,
-                                              shaper)  # fmt: skip
-            except PrefillStopped:
-                for r in rows:
-                    r.finish_reason = "cancelled"
-                return
-            cached[:] = [len(r.prompt) for r in rows]
-            shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
-            yield prefill
-            yield from token_events(rows, [[r.generated[0]] for r in rows], [[TokenOrigin.TARGET]] * len(rows),
-                                    shaper.first_logprobs)  # fmt: skip
-            if drafter is not None:
-                drafter.start(rows)
-            k = spec.k if spec.mode is not Mode.AR else 0
-            rounds = Round(self.runner, self._guard, drafter, rows, k, params, generator, first, cached, shaper, self.audit)
-            rounds = rechecked(rounds, self.choice, spec, params, stats.mode_reason)  # SD watches itself
-            round_index = 0
-            while any(r.active for r in rows) and not token.cancelled:
-                self._apply_row_cancels(rows)
-                if not any(r.active for r in rows):
-                    break
-                yield from rounds.run(round_index)
-                round_index += 1
-            for r in rows:
-                if token.cancelled and r.active:
-                    r.finish_reason = "cancelled"
-            completed = True
-        except KeyboardInterrupt:
-            if self._worker is not None:  # Ctrl-C: do not wait for the worker, kill it now
-                self._worker.broken = True
-                self._stop_worker()
-            raise
-        finally:
-            if pinned is not None:
-                pinned.restore()
-            stats.graphs_now = lambda final=self._graph_reports(drafter, graphs_before): final  # frozen
-            stats.host_waits_now.freeze()
-            if completed:  # what the caches hold now is what later calls may start from
-                store_prefixes(self.runner, rows, cached, drafter)
-            if drafter is not None:
-                drafter.close()
-            for r in rows:  # prompt + answer: what later calls' suffix proposals may reuse
-                self.suffix_memory.add(r.tokens)
-            if self._memory_file is not None:
-                self._memory_file.save(self.suffix_memory)
+        Requests join the running batch at a round boundary, at most `max_batch` rows, and
+        leave when done (engine/batch.py: re-seating). Each seating starts with a
+        SeatedEvent (row index -> request id, for every later event until the next one)
+        and ends with a SeatingDoneEvent (its stats). A seated request cancelled through the
+        inbox finishes "cancelled" at the next boundary; a row's tokens end with the
+        TokensEvent whose finish_reason is set. At T = 0 every request gets the tokens it
+        gets alone."""
+        spec = spec or self.config.spec
+        token = self._running = cancel if cancel is not None else CancelToken()
+        loop = Loop(self, spec, self._reason(spec), token, inbox=inbox, max_batch=max_batch)
+        yield from loop.run([])
+
+    def interrupted(self) -> None:
+        """Ctrl-C while a batch runs (engine/batch.py calls it before cleaning up): the SSD
+        worker is killed now, not waited for."""
+        if self._worker is not None:
+            self._worker.broken = True
+            self._stop_worker()
 
     def _graph_reports(self, drafter, since: dict | None = None) -> dict[str, dict]:
         """Captured-step counts per model, minus `since` (the reports at the call's start)."""
         since = since or {}
-        reports = {"target": graph_report(self.runner, since.get("target"))}
+        reports = {"target": self.runner.graph_report(since.get("target"))}
         draft_runner = getattr(drafter, "runner", None)
         if draft_runner is not None:  # SD: the draft model runs here
-            reports["draft"] = graph_report(draft_runner, since.get("draft"))
+            reports["draft"] = draft_runner.graph_report(since.get("draft"))
         elif hasattr(drafter, "graph_report") and drafter.graph_report() is not None:
             reports["draft"] = drafter.graph_report()  # SSD: counted in the worker
         return reports
@@ -444,7 +396,7 @@ class Engine:
         """Empty the prefix caches (the next call reads its prompts in full), e.g. to time a
         cold prompt. The SSD worker's cache empties when its process restarts."""
         for runner in (self.runner, self._draft_runner):
-            if runner is not None and runner.prefix is not None:
-                runner.prefix.clear()
+            if runner is not None:
+                runner.forget_prefixes()
         if self._worker is not None:
             self._worker.forget_prefixes()

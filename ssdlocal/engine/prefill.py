@@ -26,32 +26,46 @@ class PrefillStopped(Exception):
     """The call was cancelled while its prompts were being read."""
 
 
-def read_prompts(runner, guard, rows, params, generator, token, progress,
-                 shaper=None) -> tuple[torch.Tensor, PrefillEvent]:  # fmt: skip
+def read_prompts(runner, guard, rows, sampling, token, progress, shaper=None,
+                 fresh=None) -> tuple[torch.Tensor, PrefillEvent]:  # fmt: skip
     """Feed every row's prompt; the first token of each row ([B] on the target's device),
     appended to the rows. PrefillStopped when `token` is cancelled while a long prompt is
-    read (within one chunk); `progress(PrefillProgress)` as chunks finish. `shaper`
-    (engine.shape.Shaper): the call's grammar masks and log-probabilities for that token."""
+    read (within one chunk); `progress(PrefillProgress)` as chunks finish. `sampling`
+    (engine.request.RowSampling) draws the first tokens; `shaper` (engine.shape.Shaper):
+    the batch's grammar masks and log-probabilities for them.
+
+    `fresh[b]` False (default: every row is fresh): row b carries on from an earlier batch
+    (a re-seat). It takes the longest prefix of its tokens the prefix cache holds and feeds
+    the rest but its newest token, which stays pending (the first thing the next round
+    feeds): nothing is drawn for it. Its PrefillEvent entries are 0 (no prompt was read)."""
     t0 = time.perf_counter()
-    reused = [runner.reuse(b, r.prompt[:-1]) for b, r in enumerate(rows)]  # the last is fed: its logits
-    pending = [runner.pending(b, r.prompt) for b, r in enumerate(rows)]
+    fresh = list(fresh) if fresh is not None else [True] * len(rows)
+    # what each row must hold before its pending token: a fresh row's prompt but the last
+    # (fed: its logits), a carried row's tokens but the newest, at least one of them fed
+    reads = [r.prompt if new else r.tokens[:-1] for r, new in zip(rows, fresh)]
+    reused = [runner.reuse(b, seq[:-1]) for b, seq in enumerate(reads)]
+    pending = [runner.pending(b, seq) for b, seq in enumerate(reads)]
     longest = max(range(len(rows)), key=lambda b: len(pending[b]))
 
     def report(done: int, total: int) -> None:
         if token.cancelled:
             raise PrefillStopped
         if progress is not None:
-            progress(PrefillProgress(reused[longest] + done, len(rows[longest].prompt)))
+            progress(PrefillProgress(reused[longest] + done, len(reads[longest])))
 
     logits = guard(runner.feed, pending, Logits.LAST, report)
     last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
     shaper = shaper if shaper is not None else Shaper()
-    first, host = shaper.first_token(last, params, generator)  # [B] (grammar-masked, logprobs kept), read once
-    for row, token_id in zip(rows, host):
-        row.append(token_id)
+    first, host = shaper.first_token(last, sampling, fresh)  # [B] (grammar-masked, logprobs kept), read once
+    for row, token_id, new in zip(rows, host, fresh):
+        if new:
+            row.append(token_id)
+    if not all(fresh):  # carried rows' pending token is their newest, not a new draw
+        first = shaper.site.upload([r.tokens[-1] for r in rows], first.device)  # [B]
     runner.begin_steps()
-    prompts = tuple(len(r.prompt) for r in rows)
-    return first, PrefillEvent(time.perf_counter() - t0, len(rows), prompts, tuple(reused))
+    prompts = tuple(len(r.prompt) if new else 0 for r, new in zip(rows, fresh))
+    cached = tuple(n if new else 0 for n, new in zip(reused, fresh))
+    return first, PrefillEvent(time.perf_counter() - t0, len(rows), prompts, cached)
 
 
 def store_prefixes(runner, rows, cached: list[int], drafter) -> None:

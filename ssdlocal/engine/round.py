@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sequence import Row
-from ssdlocal.core.verify import Verdict, verify_logits
+from ssdlocal.core.verify import Verdict
 from ssdlocal.draft.base import Proposal, RoundOutcome
+from ssdlocal.engine.request import RowSampling
 from ssdlocal.engine.shape import Shaper
 
 
@@ -54,8 +54,7 @@ class Round:
     drafter: object | None  # draft.base.Drafter, None for AR
     rows: list[Row]
     k: int  # drafts per round (0 for AR)
-    params: SamplingParams
-    generator: torch.Generator
+    sampling: RowSampling  # per-row sampling settings, a generator per group (engine.request)
     last: torch.Tensor  # [B] long on the target's device
     cached: list[int]  # per row, on the host: tokens the target's cache holds
     shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
@@ -78,9 +77,7 @@ class Round:
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
         logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         logits, proposal = self.shaper.mask(logits, proposal, active)  # each position: its grammar's mask
-        verdict = verify_logits(
-            logits, proposal.drafts, proposal.q, self.params, self.generator, proposal.n_draft
-        )
+        verdict = self.sampling.verify(logits, proposal.drafts, proposal.q, proposal.n_draft)
         outcome = self.read_back(verdict, proposal)
         logprobs = self.shaper.round_logprobs(logits, outcome.drafts, outcome.n_accepted, outcome.bonus)
         t2 = time.perf_counter()
@@ -169,10 +166,13 @@ class Round:
 
 def token_events(rows, emitted, origins, logprobs=None) -> Iterator[TokensEvent]:
     """One TokensEvent per row that took tokens, with the text now safe to show (and the
-    tokens' log-probabilities when the call asked for them)."""
+    tokens' log-probabilities when its params asked for them: `logprobs` holds the most
+    alternatives any row asked for, each row gets its own number)."""
     for b, row in enumerate(rows):
         if emitted[b]:
             text = row.take_text_delta()
-            lps = None if logprobs is None else logprobs[b][: len(emitted[b])]
+            lps = None
+            if logprobs is not None and row.params.logprobs is not None:
+                lps = tuple(replace(lp, top=lp.top[: row.params.logprobs]) for lp in logprobs[b][: len(emitted[b])])
             yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps,
                               error=row.error)

@@ -20,18 +20,18 @@ from dataclasses import replace
 
 import torch
 
-from ssdlocal.core.config import SamplingParams
-from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.events import TokenLogprob
+from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.logprobs import to_host, token_logprobs
-from ssdlocal.core.verify import mask_logits, verify_logits
+from ssdlocal.core.verify import mask_logits
 
 
-def make_shaper(grammars, rows: int, params: SamplingParams, vocab_size: int, eos_ids,
-                audit: Audit | None = None) -> "Shaper":  # fmt: skip
-    """The Shaper of one call of `rows` rows: a matcher per row with a grammar (grammars[b],
-    or None), and `params.logprobs` alternatives per token (None: no log-probabilities);
-    host waits counted in `audit` (core.hostsync; default: one nobody reads)."""
+def make_shaper(grammars, rows: int, logprobs: int | None, vocab_size: int, eos_ids,
+                audit: Audit | None = None, carried=None) -> "Shaper":  # fmt: skip
+    """The Shaper of one batch of `rows` rows: a matcher per row with a grammar (grammars[b],
+    or None; `carried[b]`: a row's grammar.guide.RowGuide from an earlier batch, going on),
+    and `logprobs` alternatives per token (None: no log-probabilities); host waits counted
+    in `audit` (core.hostsync; default: one nobody reads)."""
     audit = audit or Audit()
     if grammars is not None and len(grammars) != rows:
         raise ValueError(f"{len(grammars)} grammars for {rows} prompts")
@@ -39,8 +39,8 @@ def make_shaper(grammars, rows: int, params: SamplingParams, vocab_size: int, eo
     if grammars is not None and any(g is not None for g in grammars):
         from ssdlocal.grammar.guide import Guides
 
-        guides = Guides(grammars, vocab_size, sorted(eos_ids), audit)
-    return Shaper(guides, params.logprobs, audit)
+        guides = Guides(grammars, vocab_size, sorted(eos_ids), audit, carried)
+    return Shaper(guides, logprobs, audit)
 
 
 class Shaper:
@@ -52,17 +52,20 @@ class Shaper:
         self.site = (audit or Audit()).site("target")  # the target's host waits
         self.first_logprobs: list[tuple[TokenLogprob, ...]] | None = None
 
-    def first_token(self, logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, list[int]]:
+    def first_token(self, logits: torch.Tensor, sampling, fresh: Sequence[bool] | None = None
+                    ) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
         """The prefill's last logits [B, 1, V] -> each row's first token ([B] on the device,
         and as a host list: one read), masked by its grammar, which then consumes it; keeps
-        its log-probabilities in `first_logprobs`."""
+        its log-probabilities in `first_logprobs`. `sampling`: engine.request.RowSampling.
+        `fresh[b]` False: row b carries on from an earlier batch (its token is not drawn
+        from these logits: nothing is masked, consumed or kept for it)."""
         batch = logits.shape[0]
         no_drafts = torch.zeros(batch, 0, dtype=torch.long, device=logits.device)  # [B, 0]
-        active = [True] * batch
+        active = list(fresh) if fresh is not None else [True] * batch
         if self.guides is not None:
             with self.guides.timing(active):
                 logits = mask_logits(logits, self.guides.allowed([[]] * batch, 0, active, logits.device))
-        first = verify_logits(logits, no_drafts, None, params, generator).bonus  # [B]
+        first = sampling.verify(logits, no_drafts, None).bonus  # [B]
         host = [[t] for t in self.site.read(first)]
         if self.logprobs is not None:
             self.first_logprobs = self._read(logits, first[:, None], host)

@@ -160,9 +160,12 @@ class Guides:
     """The grammar state of one generate call: a RowGuide per row that has a grammar.
 
     `grammars[b]`: a grammar.compiler.Grammar for row b, or None (unconstrained).
+    `carried[b]` (optional): row b's RowGuide from an earlier batch, whose matcher state
+    goes on (a row that carries on after its batch re-seated); None: a fresh one.
     """
 
-    def __init__(self, grammars: Sequence, vocab_size: int, eos_ids: Sequence[int], audit: Audit | None = None) -> None:
+    def __init__(self, grammars: Sequence, vocab_size: int, eos_ids: Sequence[int], audit: Audit | None = None,
+                 carried: Sequence[RowGuide | None] | None = None) -> None:  # fmt: skip
         self.vocab_size = vocab_size
         audit = audit or Audit()
         self.target_site = audit.site("target")  # verification's masks go up to the target
@@ -172,7 +175,11 @@ class Guides:
         self._spent = [0.0] * len(grammars)  # seconds per row not yet reported (take_seconds)
         self._depth = 0
         with self.timing([True] * len(grammars)):
-            self.rows = [None if g is None else RowGuide(g.matcher(), vocab_size, eos_ids, g.matcher) for g in grammars]
+            carried = carried or [None] * len(grammars)
+            self.rows = [
+                None if g is None else kept if kept is not None else RowGuide(g.matcher(), vocab_size, eos_ids, g.matcher)
+                for g, kept in zip(grammars, carried)
+            ]  # fmt: skip
         self._drafted: list[list[int]] = [[] for _ in self.rows]
 
     @contextmanager

@@ -43,6 +43,10 @@ class Metrics:
         self.prefix_cache: dict = {}  # the target's prefix cache counts, as of the last call
         self.host_waits: dict[str, int] = defaultdict(int)  # per model: stream synchronisations (core.hostsync)
         self.batch_rounds = 0  # verification rounds of every engine call
+        self.rows_running = 0  # rows of the running batch not finished yet
+        self.rows_waiting = 0  # rows waiting to join it
+        self.queue_sum = 0.0  # seconds from arrival to joining the running batch, summed over requests
+        self.queue_count = 0
 
     # ------------------------------------------------------------------ recording
     def record_request(self, endpoint: str, status: str, prompt_tokens: int = 0, duration_s: float | None = None) -> None:
@@ -69,8 +73,20 @@ class Metrics:
                 self.ttft_sum += ttft
                 self.ttft_count += 1
 
+    def set_rows(self, running: int, waiting: int) -> None:
+        """Rows in the running batch (not finished) and rows waiting to join it."""
+        with self._lock:
+            self.rows_running, self.rows_waiting = running, waiting
+
+    def record_queue(self, seconds: float) -> None:
+        """A request's first row joined the running batch `seconds` after it arrived."""
+        with self._lock:
+            self.queue_sum += seconds
+            self.queue_count += 1
+
     def record_batch(self, stats: CallMetrics, wall_s: float) -> None:
-        """One generate call ended: its metrics."""
+        """One batch (a seating of the serving loop: its rows between two re-seats) ended:
+        its metrics."""
         with self._lock:
             self.batches += 1
             self.draft_s += stats.draft_ms / 1e3
@@ -107,9 +123,14 @@ class Metrics:
                    [("_total", {"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
             one("requests_running", "gauge", "Requests in the running batch.", running)
             one("requests_waiting", "gauge", "Requests waiting for the engine.", waiting)
+            one("rows_running", "gauge", "Rows (choices) of the running batch not finished yet.", self.rows_running)
+            one("rows_waiting", "gauge", "Rows (choices) waiting to join the running batch.", self.rows_waiting)
+            family("queue_time_seconds", "summary", "From arrival to the request's first row joining the batch.",
+                   [("_sum", {}, self.queue_sum), ("_count", {}, self.queue_count)])
             one("prompt_tokens", "counter", "Prompt tokens of answered requests.", self.prompt_tokens)
             one("generation_tokens", "counter", "Tokens the engine generated (rows cancelled mid-way included).", self.generated_tokens)
-            one("batches", "counter", "Engine generate calls.", self.batches)
+            one("batches", "counter", "Batches run: seatings of the serving loop (rows between two re-seats).",
+                self.batches)
             one("tokens_per_second", "gauge", "Decode tokens/s of the last batch (all its rows).",
                 self.last_tokens_per_s)
             c, m = self.counts, CallMetrics.of(self.counts)

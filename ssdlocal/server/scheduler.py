@@ -1,13 +1,18 @@
-"""One thread owns the Engine; requests become Jobs that it batches, runs and answers.
+"""One thread owns the Engine and serves jobs through continuous batching.
 
-A job's rows (one per choice) run in parts: consecutive rows with the same token budget,
-at most `max_batch` of them, so no engine call ever has more than `max_batch` rows.
-Parts whose settings allow it (same SamplingParams; sampled requests with a seed of
-their own run alone, so a seeded sample repeats) share one `Engine.generate` call;
-others wait in arrival order. The thread routes each row's tokens to its job's asyncio
-queue, answers a job as soon as all its rows finish, cancels the rows of a job whose
-client left (`Engine.cancel_rows`), and survives a failed call: that batch's jobs get
-the error, the next batch runs. Knows nothing of HTTP.
+A request becomes a Job with a row per choice; each row is an engine.request.Request
+that joins the engine's running batch at a round boundary (`Engine.serve`: at most
+`max_batch` rows; a row waits in arrival order while the batch is full) and leaves when
+done, so a short request no longer waits for a long answer to end. Rows of one batch may
+sample differently (the engine verifies per group of equal settings); with a draft
+*model*, a row joins only rows with its sampling settings (temperature, top-k, top-p: the
+draft draws one way per batch). A sampled request with a seed of its own runs alone
+(joins nothing, nobody joins it) with repeatable speculation settings, so a seeded sample
+repeats. The thread routes each row's tokens to its job's asyncio queue (the engine's
+SeatedEvent says which request each row serves), answers a job as soon as all its rows
+finish, cancels the rows of a job whose client left (they finish "cancelled" at the next
+round boundary), and survives a failed engine call: the jobs seated in it get the error,
+the others go on in a new serving loop. Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -18,16 +23,24 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
-from ssdlocal.core.config import SamplingParams, repeatable
-from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
-from ssdlocal.core.metrics import Metrics, add_counts, new_counts
+from ssdlocal.core.config import Mode, SamplingParams
+from ssdlocal.core.events import (
+    LazySnapshot,
+    PrefillEvent,
+    RoundEvent,
+    SeatedEvent,
+    SeatingDoneEvent,
+    TokensEvent,
+)
+from ssdlocal.core.metrics import Metrics
 from ssdlocal.core.stats import RunStats
+from ssdlocal.engine.request import Inbox, Request
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -68,19 +81,10 @@ class ServerShuttingDown(Exception):
         super().__init__("the server is shutting down")
 
 
-@dataclass(frozen=True)
-class Part:
-    """Rows [start, stop) of a job that run in one engine call, with these params."""
-
-    start: int
-    stop: int
-    params: SamplingParams
-
-
 @dataclass(eq=False)
 class Job:
     """One request: a row per choice (prompt token ids), its params, its answer queue.
-    The engine thread keeps each choice's tokens, text and stats here across parts."""
+    The engine thread keeps each choice's tokens, text and stats here while its rows run."""
 
     rows: tuple[tuple[int, ...], ...]
     params: SamplingParams
@@ -97,44 +101,40 @@ class Job:
 
     def __post_init__(self) -> None:
         n = len(self.rows)
-        self.parts: list[Part] = []  # split by the scheduler
-        self.next_part = 0  # parts before it have run or are running
-        self.counts: dict[str, Any] = new_counts(0)  # core.stats counts of its parts so far
-        self.first_token_at: float | None = None
+        self.stats = RunStats(rows=frozenset(range(n)))  # core.stats over its rows, keyed by choice
         self.text = [""] * n
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.errors: list[str | None] = [None] * n  # per choice: its grammar's failure
         self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
-        self.batch_size = 0  # rows of the largest engine call it shared
+        self.batch_size = 0  # rows of the largest batch it shared
+        self.joined_at: float | None = None  # when its first row joined the running batch
+        self.inbox: Inbox | None = None  # where its requests wait (set by Scheduler.submit)
+        self.requests: list[Request] = self.make_requests()
 
-    def split(self, max_batch: int) -> None:
-        """Parts of at most max_batch consecutive rows with one budget each. A seeded
-        sampled job's later parts draw from seeds of their own (rows must not repeat)."""
+    def make_requests(self) -> list[Request]:
+        """A Request per choice. Each row keeps its own budget. A seeded sampled job runs
+        alone, its rows on one random stream of their own (row i > 0 seeded apart from row
+        0, so rows do not repeat each other); an unseeded sample gets a fresh seed."""
         budgets = self.budgets or (self.params.max_new_tokens,) * len(self.rows)
-        start = 0
-        while start < len(self.rows):
-            stop = start + 1
-            while stop < len(self.rows) and stop - start < max_batch and budgets[stop] == budgets[start]:
-                stop += 1
-            params = replace(self.params, max_new_tokens=budgets[start])
-            if start and self.seeded and not params.greedy:
-                params = replace(params, seed=params.stream_seed(start * _PART_SEED_STRIDE))
-            self.parts.append(Part(start, stop, params))
-            start = stop
-
-    def batch_key(self, part: Part) -> tuple:
-        """Parts with equal keys may share one generate call."""
-        if part.params.greedy:
-            return ("greedy", replace(part.params, seed=0))
-        if self.seeded:
-            return ("seeded", self.id, part.start)  # its own random stream: a seeded sample repeats
-        return ("sampled", part.params)
+        sampled, out = not self.params.greedy, []
+        base = self.params if self.seeded or not sampled else replace(self.params, seed=random.randrange(2**31))
+        for c, (prompt, budget) in enumerate(zip(self.rows, budgets)):
+            params = replace(base, max_new_tokens=budget)
+            if self.seeded and sampled and c:
+                params = replace(params, seed=params.stream_seed(c * _ROW_SEED_STRIDE))
+            alone = self.seeded and sampled
+            out.append(Request(tuple(prompt), params, self.grammar, exclusive=("seeded", self.id) if alone else None,
+                               random_key=self.id if alone else None))  # fmt: skip
+        return out
 
     def cancel(self) -> None:
-        """The client left: drop the job if it waits, stop its rows if they run."""
+        """The client left: its rows leave at the next round boundary (waiting ones at once)."""
         self.cancelled = True
+        if not self.done and self.inbox is not None:
+            for request in self.requests:
+                self.inbox.cancel(request.id)
 
     def push(self, item: Chunk | Finished | Failed) -> None:
         """Hand an item to the job's event loop (from the engine thread)."""
@@ -144,22 +144,28 @@ class Job:
             self.cancelled = True
 
 
-_PART_SEED_STRIDE = 0x9E3779B1  # seeds of a job's later parts: far from the drafter's offsets
+_ROW_SEED_STRIDE = 0x9E3779B1  # seeds of a seeded job's later rows: far from the drafter's offsets
 
 
 class Scheduler:
-    """Runs jobs on one engine in a thread of its own; `submit` from any thread."""
+    """Serves jobs on one engine in a thread of its own; `submit` from any thread."""
 
     def __init__(self, engine, metrics, *, mode: str, max_batch: int = 8, batch_wait_s: float = 0.005) -> None:
         self.engine = engine
         self.metrics = metrics
         self.mode = mode
         self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s
-        self._pending: list[Job] = []
-        self._cond = threading.Condition()
+        self.batch_wait_s = batch_wait_s  # an idle engine waits this long for requests sent together
+        self.inbox = Inbox(self._admits, gather_s=batch_wait_s)
+        self._lock = threading.Lock()
+        self._owners: dict[int, tuple[Job, int]] = {}  # request id -> (job, choice), until the job ends
+        self._jobs: dict[int, Job] = {}  # job id -> job, until it ends
+        self._seated: list[tuple[Job, int] | None] = []  # row b of the running batch -> (job, choice)
         self._stopping = False
-        self.running = 0  # jobs in the running batch
+        self._token = CancelToken()
+        self._graphs: Mapping | None = None  # captured-step counts of the latest seating
+        self._snapshot: LazySnapshot | None = None  # the metrics as of the round being handled
+        self._seating_started = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="ssdlocal-engine", daemon=True)
 
     # ------------------------------------------------------------------ client side
@@ -171,9 +177,16 @@ class Scheduler:
         return self._thread.is_alive() and not self._stopping
 
     @property
+    def running(self) -> int:
+        """Jobs with rows in the running batch."""
+        with self._lock:
+            return len({id(o[0]) for o in self._seated if o is not None and not o[0].done})
+
+    @property
     def waiting(self) -> int:
-        with self._cond:
-            return len(self._pending)
+        """Jobs none of whose rows has joined yet."""
+        with self._lock:
+            return sum(1 for job in self._jobs.values() if job.joined_at is None and not (job.done or job.cancelled))
 
     def submit(
         self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True,
@@ -181,159 +194,118 @@ class Scheduler:
     ) -> Job:
         """A job for these rows; `budgets`: each row's max_new_tokens (None: the room left
         in the context), instead of params.max_new_tokens for all; `grammar`: what every
-        row's answer must follow (rows of other jobs in the same call are not affected)."""
+        row's answer must follow (rows of other jobs in the same batch are not affected)."""
         job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop(), stream,
                   tuple(budgets) if budgets is not None else None, grammar)  # fmt: skip
-        job.split(self.max_batch)
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 job.push(Failed(ServerShuttingDown()))
                 return job
-            self._pending.append(job)
-            self._cond.notify()
+            self._jobs[job.id] = job
+            for choice, request in enumerate(job.requests):
+                self._owners[request.id] = (job, choice)
+            job.inbox = self.inbox
+        self.inbox.add(*job.requests)
+        self._gauges()
         return job
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Fail waiting jobs, cancel the running batch, and join the thread."""
-        with self._cond:
+        """Fail every job not answered yet, stop the serving loop, and join the thread."""
+        with self._lock:
             self._stopping = True
-            waiting, self._pending = self._pending, []
-            self._cond.notify_all()
-        for job in waiting:
-            if not job.done:
-                job.push(Failed(ServerShuttingDown()))
+        self.inbox.close()
+        self._token.cancel()
         self.engine.cancel()
+        self._fail_all(ServerShuttingDown())
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ admission
+    def _admits(self, request: Request, seated: Sequence[Request]) -> bool:
+        """With a draft model, rows share a batch only with rows of their sampling
+        settings (the draft draws one way per batch); n-gram and suffix drafts take any mix."""
+        spec = self.engine.config.spec
+        choice = getattr(self.engine, "choice", None)
+        mode = spec.mode if choice is None or spec.mode is not Mode.AUTO else choice.mode
+        if mode is Mode.AR or getattr(spec.draft, "model", None) is None or not seated:
+            return True
+        mine = _sampling(request.params)
+        return all(_sampling(r.params) == mine for r in seated)
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         # CUDA's current device is per thread: the engine runs here, not where it was made
         registry.claim_device(self.engine.config.target.device)
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            self.running = len(batch)
+        while not self._stopping:
             try:
-                self._run(batch)
-            finally:
-                self.running = 0
+                for event in self.engine.serve(self.inbox, max_batch=self.max_batch, cancel=self._token):
+                    self._event(event)
+            except Exception as exc:  # one failed batch must not stop the server
+                log.warning("generate failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                self._fail_seated(exc)
+                continue
+            break
+        self._fail_all(ServerShuttingDown())
 
-    def _next_batch(self) -> list[tuple[Job, Part]] | None:
-        """Wait for jobs; take the first live job's next part and the next part of every
-        waiting job that can share its generate call (up to max_batch rows), in arrival
-        order. A job stays in line until all its parts are taken."""
-        with self._cond:
-            while not self._stopping:
-                self._pending = [j for j in self._pending if not (j.cancelled or j.done)]
-                if self._pending:
-                    break
-                self._cond.wait()
-            if self._stopping:
-                return None
-            # requests sent together arrive a few milliseconds apart: let them gather
-            deadline = time.monotonic() + self.batch_wait_s
-            while (left := deadline - time.monotonic()) > 0 and not self._stopping:
-                self._cond.wait(left)
-            live = [j for j in self._pending if not (j.cancelled or j.done)]
-            if not live:
-                self._pending = []
-                return []
-            first = live[0]
-            part = first.parts[first.next_part]
-            key, batch, rows = first.batch_key(part), [(first, part)], part.stop - part.start
-            for job in live[1:]:
-                other = job.parts[job.next_part]
-                if job.batch_key(other) == key and rows + other.stop - other.start <= self.max_batch:
-                    batch.append((job, other))
-                    rows += other.stop - other.start
-            for job, _ in batch:
-                job.next_part += 1
-            self._pending = [j for j in live if j.next_part < len(j.parts)]
-            return batch
+    def _event(self, event) -> None:
+        self._drop_cancelled()
+        if isinstance(event, SeatedEvent):
+            self._seat(event)
+        elif isinstance(event, PrefillEvent):
+            self._prefill(event)
+        elif isinstance(event, TokensEvent):
+            self.metrics.record_tokens(len(event.token_ids))
+            self._tokens(event)
+        elif isinstance(event, RoundEvent):
+            self._snapshot = event.snapshot  # read (lazily) only if a request finishes now
+            for job, rows in self._jobs_seated():
+                job.stats.consume(replace(event, rows=tuple(rows.get(b, -1) for b in event.rows)))
+            self._answer_finished()
+        elif isinstance(event, SeatingDoneEvent):
+            self._graphs, self._snapshot = event.stats.graphs or self._graphs, None
+            self._answer_finished()
+            self._snapshot = None
+            self.metrics.record_batch(event.stats, time.perf_counter() - self._seating_started)
 
-    def _run(self, batch: list[tuple[Job, Part]]) -> None:
-        if not batch:
+    def _seat(self, event: SeatedEvent) -> None:
+        now = time.perf_counter()
+        self._seating_started = now
+        with self._lock:
+            self._seated = [self._owners.get(rid) for rid in event.requests]
+        for job, _ in self._jobs_seated():
+            job.batch_size = max(job.batch_size, len(event.requests))
+            if job.joined_at is None:
+                job.joined_at = now
+                self.metrics.record_queue(now - job.submitted_at)
+        self._gauges()
+
+    def _jobs_seated(self) -> list[tuple[Job, dict[int, int]]]:
+        """Each job of the running batch with its rows: row -> choice."""
+        out: dict[int, tuple[Job, dict[int, int]]] = {}
+        for b, owner in enumerate(self._seated):
+            if owner is not None:
+                out.setdefault(owner[0].id, (owner[0], {}))[1][b] = owner[1]
+        return list(out.values())
+
+    def _prefill(self, event: PrefillEvent) -> None:
+        """The rows that joined: their prompt counts and prefix-cache hits (per choice)."""
+        for job, rows in self._jobs_seated():
+            joined = {c: b for b, c in rows.items() if b < len(event.prompt_tokens) and event.prompt_tokens[b]}
+            if not joined:
+                continue
+            for c, b in joined.items():
+                job.cached[c] = event.cached_tokens[b] if b < len(event.cached_tokens) else 0
+            n = len(job.rows)
+            prompts = tuple(event.prompt_tokens[joined[c]] if c in joined else 0 for c in range(n))
+            cached = tuple(event.cached_tokens[joined[c]] if c in joined else 0 for c in range(n))
+            job.stats.consume(replace(event, prompt_tokens=prompts, cached_tokens=cached))
+
+    def _tokens(self, event: TokensEvent) -> None:
+        owner = self._seated[event.row] if event.row < len(self._seated) else None
+        if owner is None:
             return
-        first, part = batch[0]
-        params = part.params
-        if not params.greedy and not first.seeded:
-            params = replace(params, seed=random.randrange(2**31))  # a fresh sample each call
-        owners = [(job, choice) for job, p in batch for choice in range(p.start, p.stop)]
-        for job, _ in batch:
-            job.batch_size = max(job.batch_size, len(owners))
-        run = _BatchRun(batch, owners, self.mode)
-        started = time.perf_counter()
-        try:
-            # a seeded sample repeats: its proposals may not depend on timing or on earlier requests
-            spec = repeatable(self.engine.config.spec) if first.seeded and not params.greedy else None
-            stop = CancelToken()  # the whole call, while its prompts are read, once every job left
-            grammars = [job.grammar for job, _ in owners]
-            events = self.engine.generate([job.rows[choice] for job, choice in owners], params, spec=spec,
-                                          cancel=stop, progress=lambda _: run.stop_if_all_left(stop),
-                                          grammars=grammars if any(g is not None for g in grammars) else None)
-            for event in events:
-                run.cancel_left(self.engine)
-                if isinstance(event, PrefillEvent):
-                    run.prefill(event)
-                elif isinstance(event, TokensEvent):
-                    self.metrics.record_tokens(len(event.token_ids))
-                    run.tokens(event)
-                elif isinstance(event, RoundEvent):
-                    run.round(event)
-                    run.answer_finished(self.metrics)
-                elif isinstance(event, DoneEvent):
-                    run.graphs = event.stats.get("graphs", run.graphs)
-                    run.answer_finished(self.metrics, everyone=True)
-                    self.metrics.record_batch(event.stats, time.perf_counter() - started)
-        except Exception as exc:  # one failed call must not stop the server
-            log.warning("generate failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
-            for job, _ in batch:
-                if not job.done:
-                    job.done = True
-                    job.push(Failed(exc))
-
-
-class _BatchRun:
-    """One generate call: which job and choice each row serves (`owners`), which parts
-    it runs, and which of their jobs are answered. Rows' tokens and stats go to the job."""
-
-    def __init__(self, batch: list[tuple[Job, Part]], owners: list[tuple[Job, int]], mode: str) -> None:
-        self.batch = batch
-        self.owners = owners
-        self.mode = mode
-        self.cancel_sent: set[int] = set()  # job ids
-        self.graphs: dict | None = None  # captured-step counts of the call so far
-        self.complete: set[int] = set()  # job ids whose part in this call has finished
-        self.stats = {  # per job: core.stats over its rows of this call
-            job.id: RunStats(rows=frozenset(b for b, (owner, _) in enumerate(owners) if owner is job))
-            for job, _ in batch
-        }  # fmt: skip
-
-    def cancel_left(self, engine) -> None:
-        """Stop the rows of jobs whose client left (called between events)."""
-        for job, _ in self.batch:
-            if job.cancelled and not job.done and job.id not in self.cancel_sent:
-                self.cancel_sent.add(job.id)
-                job.done = True
-                engine.cancel_rows([b for b, (owner, _) in enumerate(self.owners) if owner is job])
-
-    def stop_if_all_left(self, token: CancelToken) -> None:
-        """While long prompts are read (the engine's thread): stop the call when no job in
-        it has a client left (a row's own cancel only takes effect between rounds)."""
-        if all(job.cancelled for job, _ in self.batch):
-            token.cancel()
-
-    def prefill(self, event: PrefillEvent) -> None:
-        for b, (job, choice) in enumerate(self.owners):
-            job.cached[choice] = event.cached_tokens[b] if b < len(event.cached_tokens) else 0
-        for stats in self.stats.values():
-            stats.consume(event)
-
-    def tokens(self, event: TokensEvent) -> None:
-        job, choice = self.owners[event.row]
-        self.stats[job.id].consume(event)
+        job, choice = owner
+        job.stats.consume(replace(event, row=choice))
         job.ids[choice].extend(event.token_ids)
         job.text[choice] += event.text
         job.finish[choice] = event.finish_reason
@@ -343,38 +315,77 @@ class _BatchRun:
         if job.stream and not job.done:
             job.push(Chunk(choice, event.token_ids, event.text, event.finish_reason, event.logprobs, event.error))
 
-    def round(self, event: RoundEvent) -> None:
-        self.graphs = event.snapshot.get("graphs", self.graphs)
-        for stats in self.stats.values():
-            stats.consume(event)
+    def _drop_cancelled(self) -> None:
+        """Jobs whose client left: no more items for them (the engine stops their rows)."""
+        with self._lock:
+            left = [job for job in self._jobs.values() if job.cancelled and not job.done]
+        for job in left:
+            job.done = True
+            self._forget(job)
 
-    def answer_finished(self, metrics, everyone: bool = False) -> None:
-        """Answer every job whose rows have all finished (all parts run: at the end of
-        the call, every part of it has)."""
-        for job, part in self.batch:
-            if job.done or job.id in self.complete:
+    def _answer_finished(self) -> None:
+        """Answer every seated job whose rows have all finished."""
+        for job, _ in self._jobs_seated():
+            if job.done or any(f is None for f in job.finish):
                 continue
-            rows = range(part.start, part.stop)
-            if not everyone and any(job.finish[c] is None for c in rows):
-                continue
-            self.complete.add(job.id)
-            part_stats = self.stats[job.id]
-            add_counts(job.counts, part_stats.counts)
-            if job.first_token_at is None:
-                job.first_token_at = part_stats.first_token_at
-            for c in rows:
-                job.finish[c] = job.finish[c] or "length"
-            if part is not job.parts[-1]:
-                continue  # its next part answers it
             job.done = True
             stats = self.job_stats(job)
-            metrics.record_job(job.counts, stats)
+            self.metrics.record_job(job.stats.counts, stats)
             choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
             logprobs = tuple(map(tuple, job.logprobs)) if job.params.logprobs is not None else None
             job.push(Finished(choices, stats, tuple(job.cached), logprobs, tuple(job.errors)))
+            self._forget(job)
+        self._gauges()
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.id, None)
+            for request in job.requests:
+                self._owners.pop(request.id, None)
+
+    def _fail_seated(self, exc: BaseException) -> None:
+        """The engine failed: the jobs of its running batch get the error (their rows still
+        waiting are dropped); the others wait on."""
+        for job, _ in self._jobs_seated():
+            self._fail(job, exc)
+        with self._lock:
+            self._seated = []
+        self._gauges()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            self._fail(job, exc)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if job.done:
+            return
+        job.done = True
+        for request in job.requests:
+            self.inbox.cancel(request.id)
+        job.push(Failed(exc))
+        self._forget(job)
+
+    def _gauges(self) -> None:
+        if self.metrics is None:
+            return
+        with self._lock:
+            running = sum(1 for o in self._seated if o is not None and not o[0].done and o[0].finish[o[1]] is None)
+            waiting = self.inbox.waiting()
+        self.metrics.set_rows(running, waiting)
 
     def job_stats(self, job: Job) -> dict[str, Any]:
-        """The request's own speculation stats (core.stats over its rows, every part)."""
-        ttft = None if job.first_token_at is None else job.first_token_at - job.submitted_at
-        m = Metrics.of(job.counts, mode=self.mode, ttft_s=ttft, graphs=self.graphs)  # graphs: the finishing call's
-        return m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None)
+        """The request's own speculation stats (core.stats over its rows, every part), and
+        how long it waited to join the running batch."""
+        first = job.stats.first_token_at
+        ttft = None if first is None else first - job.submitted_at
+        graphs = self._snapshot.metrics.graphs if self._snapshot is not None else self._graphs
+        m = Metrics.of(job.stats.counts, mode=self.mode, ttft_s=ttft, graphs=graphs)  # graphs: this seating's
+        queue = None if job.joined_at is None else job.joined_at - job.submitted_at
+        return {**m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None), "queue_s": queue}
+
+
+def _sampling(params: SamplingParams) -> tuple:
+    """The settings a draft model draws with."""
+    return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)

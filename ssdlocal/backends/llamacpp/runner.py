@@ -136,6 +136,18 @@ class LlamaCppRunner(HeldRows):
     def prefix_report(self) -> dict | None:
         return None if self.prefix is None else self.prefix.report()
 
+    def forget_prefixes(self) -> None:
+        """Runner.forget_prefixes: the stored sequences' cells go too."""
+        if self.prefix is None:
+            return
+        for seq in self.prefix.clear():
+            if self._ctx is not None:
+                self.lib.seq_rm(self._ctx, seq, -1, -1)
+
+    def graph_report(self, since: dict | None = None) -> dict:
+        """Runner.graph_report: llama.cpp captures nothing of ours."""
+        return {"mode": "off", **dict.fromkeys(("captured", "replays", "eager", "refused", "dropped"), 0)}
+
     def reuse(self, row: int, tokens) -> int:
         """Row `row` (empty after reset) starts from the stored sequence sharing the longest
         prefix with `tokens`: its cells gain the row's sequence id (no data copied)."""

@@ -23,13 +23,13 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.base import HeldRows, Logits
-from ssdlocal.core.hostsync import Site, detached_site
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
-from ssdlocal.backends.torch.graphs import bucket, make_graph_cache
+from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
 from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
-from ssdlocal.backends.torch.prefill_path import dense_dtype
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
+from ssdlocal.backends.torch.prefill_path import dense_dtype
+from ssdlocal.core.hostsync import Site, detached_site
 
 SLOT_ROUNDING = 256  # cache capacity grows in these steps
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
@@ -233,6 +233,15 @@ class TorchRunner(HeldRows):
         self.prefix = PrefixIndex(tokens // BLOCK_TOKENS) if tokens else None
         self.prefix_token_bytes = per_token
         return tokens
+
+    def forget_prefixes(self) -> None:
+        """Runner.forget_prefixes."""
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def graph_report(self, since: dict | None = None) -> dict:
+        """Runner.graph_report (backends.torch.graphs.graph_report)."""
+        return graph_report(self, since)
 
     def prefix_report(self) -> dict | None:
         """The store's counts (backends.prefix.PrefixIndex.report) and its bytes, or None."""

@@ -57,8 +57,8 @@ class DraftWorker:
         elif cmd == Cmd.OUTCOME:
             self._outcome(payload, t0)
         elif cmd == Cmd.FORGET:
-            if self.runner is not None and self.runner.prefix is not None:
-                self.runner.prefix.clear()
+            if self.runner is not None:
+                self.runner.forget_prefixes()
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 
@@ -118,9 +118,7 @@ class DraftWorker:
         return self.audit.snapshot().get("worker", HostWaits()).as_dict()
 
     def _graphs(self) -> dict:
-        from ssdlocal.backends.registry import graph_report
-
-        return graph_report(self.runner)
+        return self.runner.graph_report()
 
 
 def _apply_placement(msg: LoadMsg) -> None:

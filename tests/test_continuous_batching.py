@@ -1,0 +1,300 @@
+"""Continuous batching: requests join a running batch at a round boundary and leave when
+done (Engine.serve, engine/batch.py), exactly: at T = 0 a request that joins mid-answer gets
+the tokens it gets alone, and the running rows' tokens do not change, in AR, SD (n-gram,
+suffix, a draft model) and SSD. Rows with different params share a batch; a cancelled row
+leaves while the others go on; a re-seat re-reads only the uncached tail of a carried row;
+and through the server a short request's answer no longer waits for a long one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from drafts import draft_of
+
+from ssdlocal.backends.prefix import BLOCK_TOKENS
+from ssdlocal.core.config import (
+    EngineConfig,
+    Mode,
+    ModelSpec,
+    SamplingParams,
+    SpecConfig,
+)
+from ssdlocal.core.events import DoneEvent, PrefillEvent, SeatedEvent, TokensEvent
+from ssdlocal.core.verify import verify_groups, verify_logits
+from ssdlocal.engine import Engine
+from ssdlocal.engine.request import Inbox, Request, RowSampling
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "def foo(x):", "the cat sat on the mat, the cat"]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    config = EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(tiny_dir["draft_llama"]))),
+        pin_cpus=False,
+    )
+    with Engine(config) as eng:
+        yield eng
+
+
+SPECS = {
+    "ar": lambda d: SpecConfig(mode=Mode.AR),
+    "sd-ngram": lambda d: SpecConfig(mode=Mode.SD, k=3, draft=draft_of("ngram")),
+    "sd-suffix": lambda d: SpecConfig(mode=Mode.SD, k=3, draft=draft_of("suffix")),
+    "sd-model": lambda d: SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(d["draft_llama"]))),
+    "ssd": lambda d: SpecConfig(mode=Mode.SSD, k=2, draft=draft_of(str(d["draft_llama"])), backup="jit"),
+}
+
+
+def ids_of(engine, prompt: str) -> tuple[int, ...]:
+    return tuple(engine.encode(prompt, chat=False))
+
+
+def alone(engine, request: Request, spec: SpecConfig):
+    """What `request` gets from a generate call of its own."""
+    grammars = [request.grammar] if request.grammar is not None else None
+    done = [e for e in engine.generate([list(request.prompt)], request.params, spec=spec, grammars=grammars)][-1]
+    assert isinstance(done, DoneEvent)
+    return done.outputs[0]
+
+
+class Served:
+    """Per request: tokens, finish reason, log-probabilities; the seatings in order."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = defaultdict(list)
+        self.finish: dict[int, str] = {}
+        self.logprobs: dict[int, list] = defaultdict(list)
+        self.seatings: list[SeatedEvent] = []
+        self.prefills: list[PrefillEvent] = []
+        self.first_at: dict[int, float] = {}
+        self.order: list[int] = []  # requests in the order they finished
+
+
+def serve(engine, spec, start, joins=(), cancels=(), max_batch: int = 8) -> Served:
+    """Run Engine.serve: `start` requests at once; each (request, after, n) of `joins` joins
+    once request `after` has n tokens; each (request, n) of `cancels` is cancelled once it
+    has n tokens. Ends when every request has finished."""
+    inbox, out = Inbox(), Served()
+    inbox.add(*start)
+    joins, cancels = list(joins), list(cancels)
+    everyone = {r.id for r in start} | {r.id for r, *_ in joins}
+    seated: list[int] = []
+    for event in engine.serve(inbox, max_batch=max_batch, spec=spec):
+        if isinstance(event, SeatedEvent):
+            seated = list(event.requests)
+            out.seatings.append(event)
+        elif isinstance(event, PrefillEvent):
+            out.prefills.append(event)
+        elif isinstance(event, TokensEvent):
+            rid = seated[event.row]
+            assert rid not in out.finish, "tokens after the row finished"
+            out.first_at.setdefault(rid, event.at)
+            out.tokens[rid] += event.token_ids
+            out.logprobs[rid] += event.logprobs or ()
+            if event.finish_reason is not None:
+                out.finish[rid] = event.finish_reason
+                out.order.append(rid)
+        for item in [j for j in joins if len(out.tokens[j[1].id]) >= j[2]]:
+            joins.remove(item)
+            inbox.add(item[0])
+        for item in [c for c in cancels if len(out.tokens[c[0].id]) >= c[1]]:
+            cancels.remove(item)
+            inbox.cancel(item[0].id)
+            out.finish[item[0].id] = "cancelled"
+        if not joins and everyone <= set(out.finish):
+            inbox.close()
+    return out
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("case", list(SPECS))
+def test_a_request_that_joins_mid_answer_gets_its_alone_tokens(engine, tiny_dir, case):
+    spec = SPECS[case](tiny_dir)
+    long = Request(ids_of(engine, PROMPTS[0]), greedy(40))
+    short = Request(ids_of(engine, PROMPTS[1]), greedy(10))
+    later = Request(ids_of(engine, PROMPTS[2]), greedy(12))
+    served = serve(engine, spec, [long], joins=[(short, long, 6), (later, long, 20)])
+    for request in (long, short, later):
+        expected = alone(engine, request, spec)
+        assert tuple(served.tokens[request.id]) == expected.token_ids, (case, request.id)
+        assert served.finish[request.id] == "length"
+    # the short request really joined a batch in which the long one was running
+    joined = [s for s in served.seatings if short.id in s.joined]
+    assert joined and long.id in joined[0].requests and long.id not in joined[0].joined
+    assert served.order.index(short.id) < served.order.index(long.id)  # and it ended first
+
+
+def test_rows_with_different_params_share_a_batch_and_a_cancelled_row_leaves(engine, tiny_dir):
+    pytest.importorskip("llguidance")
+    from ssdlocal.grammar.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
+    words = compiler.regex(r"[a-f]+( [a-f]+)*|[g-z]+( [g-z]+)*")
+    spec = SPECS["sd-ngram"](tiny_dir)
+    plain = Request(ids_of(engine, PROMPTS[0]), greedy(30))
+    sampled = Request(ids_of(engine, PROMPTS[1]), SamplingParams(temperature=0.8, top_k=20, max_new_tokens=30,
+                                                                 ignore_eos=True, seed=3))  # fmt: skip
+    short = Request(ids_of(engine, PROMPTS[2]), greedy(5))
+    with_logprobs = Request(ids_of(engine, PROMPTS[3]), greedy(12, logprobs=2))
+    constrained = Request(ids_of(engine, "fed a bad"), SamplingParams(max_new_tokens=16), words)
+    cancelled = Request(ids_of(engine, PROMPTS[1]), greedy(60))
+    served = serve(engine, spec, [plain, sampled, short, with_logprobs, cancelled],
+                   joins=[(constrained, plain, 4)], cancels=[(cancelled, 8)])  # fmt: skip
+    for request in (plain, short, with_logprobs, constrained):
+        expected = alone(engine, request, spec)
+        assert tuple(served.tokens[request.id]) == expected.token_ids, request.id
+    assert len(served.tokens[sampled.id]) == 30 and served.finish[sampled.id] == "length"
+    # log-probabilities: only the row that asked, with its own number of alternatives
+    lps = served.logprobs[with_logprobs.id]
+    assert [lp.token for lp in lps] == served.tokens[with_logprobs.id]
+    assert all(len(lp.top) == 2 for lp in lps)
+    ref = [e for e in engine.generate([list(with_logprobs.prompt)], with_logprobs.params, spec=spec)
+           if isinstance(e, TokensEvent)]  # fmt: skip
+    expected = [lp for e in ref for lp in e.logprobs]
+    assert [round(a.logprob, 3) for a in lps] == [round(b.logprob, 3) for b in expected]
+    assert not served.logprobs[plain.id]
+    # the cancelled row took no tokens after its next boundary, and left at a re-seat
+    assert len(served.tokens[cancelled.id]) < 60
+    last = served.seatings[-1]
+    assert cancelled.id not in last.requests
+    # rows with different settings were verified side by side
+    shared = [s for s in served.seatings if {plain.id, sampled.id, constrained.id} <= set(s.requests)]
+    assert shared
+
+
+def test_a_reseat_reads_only_the_uncached_tail_of_a_carried_row(engine, tiny_dir, monkeypatch):
+    spec = SPECS["ar"](tiny_dir)
+    long = Request(ids_of(engine, PROMPTS[3]), greedy(45))
+    short = Request(ids_of(engine, PROMPTS[2]), greedy(6))
+    fed: list[list[int]] = []
+    feed = engine.runner.feed
+
+    def counting(rows, logits="all", progress=None):
+        fed.append([len(r) for r in rows])
+        return feed(rows, logits, progress)
+
+    monkeypatch.setattr(engine.runner, "feed", counting)
+    served = serve(engine, spec, [long], joins=[(short, long, 30)])
+    monkeypatch.undo()
+    assert tuple(served.tokens[long.id]) == alone(engine, long, spec).token_ids
+    second = next(i for i, s in enumerate(served.seatings) if short.id in s.joined)
+    assert served.seatings[second].requests[0] == long.id  # carried first
+    carried_read = fed[second][0]
+    held = len(long.prompt) + 30 - 1  # at least: its tokens but the pending newest
+    assert 1 <= carried_read <= BLOCK_TOKENS, (carried_read, held)  # the rest came from the prefix cache
+    assert fed[second][1] == len(short.prompt)  # the new row reads its whole prompt (nothing cached)
+    prefill = served.prefills[second]
+    assert prefill.prompt_tokens[0] == 0 and prefill.prompt_tokens[1] == len(short.prompt)
+
+
+def test_finished_rows_leave_and_max_batch_holds(engine, tiny_dir):
+    spec = SPECS["sd-ngram"](tiny_dir)
+    rows = [Request(ids_of(engine, p), greedy(n)) for p, n in zip(PROMPTS, (4, 30, 6, 30))]
+    late = Request(ids_of(engine, PROMPTS[0]), greedy(8))
+    served = serve(engine, spec, rows, joins=[(late, rows[1], 2)], max_batch=3)
+    assert all(len(s.requests) <= 3 for s in served.seatings)
+    for request in [*rows, late]:
+        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids
+    # the short rows left: a later seating serves neither
+    assert not {rows[0].id, rows[2].id} & set(served.seatings[-1].requests)
+
+
+# ----------------------------------------------------------------------------- units
+def test_an_exclusive_request_waits_for_an_empty_batch_and_nobody_joins_it():
+    inbox = Inbox()
+    common = Request((1, 2), greedy(4))
+    seeded = Request((1, 2), SamplingParams(temperature=1.0, seed=7), exclusive=("seeded", 1), random_key=1)
+    behind = Request((3,), greedy(4))
+    inbox.add(seeded, behind)
+    assert inbox.take(8, [common]) == []  # the seeded one may not share: it holds the line
+    assert inbox.take(8, []) == [seeded]
+    assert inbox.take(8, [seeded]) == []  # nobody joins it
+    assert inbox.take(8, []) == [behind]
+
+
+def test_verify_groups_equals_each_group_on_its_own():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 11)
+    drafts = torch.randint(0, 11, (5, 2))
+    n_draft = torch.tensor([2, 1, 2, 0, 2])
+    hot = SamplingParams(temperature=0.9, top_k=5)
+    requests = [Request((1,), p) for p in (greedy(4), hot, greedy(4), hot, hot)]
+    sampling = RowSampling(requests, "cpu", {})
+    got = sampling.verify(logits, drafts, None, n_draft)
+    rows_hot, rows_greedy = [1, 3, 4], [0, 2]
+    ref_hot = verify_logits(logits[rows_hot], drafts[rows_hot], None, hot, torch.Generator().manual_seed(hot.seed),
+                            n_draft[rows_hot])  # fmt: skip
+    ref_greedy = verify_logits(logits[rows_greedy], drafts[rows_greedy], None, greedy(4), None, n_draft[rows_greedy])
+    assert got.n_accepted[rows_hot].tolist() == ref_hot.n_accepted.tolist()
+    assert got.bonus[rows_hot].tolist() == ref_hot.bonus.tolist()
+    assert got.bonus[rows_greedy].tolist() == ref_greedy.bonus.tolist()
+    one = verify_groups(logits, drafts, None, [(None, greedy(4), None)], n_draft)
+    assert one.bonus.tolist() == verify_logits(logits, drafts, None, greedy(4), None, n_draft).bonus.tolist()
+
+
+# ----------------------------------------------------------------------------- server
+def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypatch):
+    from server_helpers import MODEL, LiveServer
+
+    live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]), dtype="float32"), pin_cpus=False))
+    try:
+        step = live.engine.runner.step
+
+        def slow(*args, **kwargs):  # the long answer surely still streams when the short one comes
+            time.sleep(0.01)
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(live.engine.runner, "step", slow)
+        alone = live.client.completions.create(model=MODEL, prompt="Hi there", max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        stream = live.client.completions.create(model=MODEL, prompt="Hello", max_tokens=300, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)  # the long answer is under way
+        events: list[tuple[str, float]] = []
+        with ThreadPoolExecutor(1) as pool:
+            short = pool.submit(live.client.completions.create, model=MODEL, prompt="Hi there", max_tokens=8,
+                                temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            short.add_done_callback(lambda _: events.append(("short answered", time.perf_counter())))
+            for _ in chunks:
+                events.append(("long chunk", time.perf_counter()))
+            reply = short.result(timeout=60)
+        order = [name for name, _ in sorted(events, key=lambda e: e[1])]
+        assert "short answered" in order and order.index("short answered") < len(order) - 1  # long chunks after it
+        assert reply.choices[0].model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
+        assert reply.model_extra["ssdlocal"]["batch_size"] == 2  # it joined the running batch
+        assert reply.model_extra["ssdlocal"]["queue_s"] is not None
+        status, text = live.get("/metrics")
+        assert status == 200 and "ssdlocal_queue_time_seconds_count" in text and "ssdlocal_rows_running" in text
+    finally:
+        live.close()
+
+
+def test_with_a_draft_model_rows_join_only_rows_that_sample_like_them(tiny_dir):
+    from types import SimpleNamespace
+
+    from ssdlocal.server.scheduler import Scheduler
+
+    cold = Request((1,), greedy(4))
+    hot = Request((1,), SamplingParams(temperature=0.7))
+    hotter = Request((1,), SamplingParams(temperature=0.9))
+    for draft, mixes in ((str(tiny_dir["draft_llama"]), False), ("ngram", True), ("suffix", True)):
+        spec = SpecConfig(mode=Mode.SSD if draft != "ngram" else Mode.SD, k=3, draft=draft_of(draft))
+        scheduler = Scheduler(SimpleNamespace(config=SimpleNamespace(spec=spec), choice=None), None, mode="sd")
+        assert scheduler._admits(hot, []) and scheduler._admits(cold, [Request((2,), greedy(9))])
+        assert scheduler._admits(hot, [cold]) is mixes and scheduler._admits(hotter, [hot]) is mixes
+    ar = Scheduler(SimpleNamespace(config=SimpleNamespace(spec=SpecConfig(mode=Mode.AR)), choice=None), None, mode="ar")
+    assert ar._admits(hot, [cold, hotter])
