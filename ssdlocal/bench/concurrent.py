@@ -159,7 +159,8 @@ def run_clients(host: str, port: int, settings: ConcurrentSettings, params: Samp
     t0_box.append(time.perf_counter())
     start.wait()
     for t in threads:
-        t.join()
+        while t.is_alive():  # short waits: Ctrl-C reaches this (main) thread at once
+            t.join(0.2)
     return timings
 
 

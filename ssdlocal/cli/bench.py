@@ -119,7 +119,7 @@ def bench(
                     "--no-chat": not chat}  # fmt: skip
         _refuse([name for name, given in not_here.items() if given], "the concurrent workload",
                 "its clients send their own conversations; drop them or leave out --workload concurrent")
-        concurrent = {"clients": clients or 3, "requests": requests or 3, "duration_s": duration,
+        concurrent = {"clients": 3 if clients is None else clients, "requests": 3 if requests is None else requests, "duration_s": duration,
                       "peer_python": peer_python or sys.executable}  # fmt: skip
         _bench_concurrent(models, spec, sampling, _csv(modes or "auto"), _csv(peers), gguf_target, concurrent, out)
         return
@@ -163,7 +163,8 @@ def serve_flags(models: ModelOptions, spec: SpecOptions) -> tuple[str, ...]:
             value = getattr(group, f.name)
             if f.name == "mode" or value == f.default:
                 continue
-            decls = f.metadata["typer.Option"].param_decls
+            info = f.metadata["typer.Option"]  # under Annotated, its first flag sits in `default`
+            decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--")]
             if isinstance(value, bool):  # declared as "--name/--no-name"
                 on, off = decls[0].split("/")
                 flags.append(on if value else off)
