@@ -29,7 +29,7 @@ from processes import process_gone
 from ssdlocal.bench import servers
 from ssdlocal.bench.concurrent import ConcurrentSettings, percentile, run_concurrent, summarize
 from ssdlocal.bench.report_concurrent import build_concurrent_results, concurrent_markdown
-from ssdlocal.bench.stream import RequestTiming
+from ssdlocal.bench.stream import RequestTiming, timed_request
 from ssdlocal.core.config import SamplingParams
 
 pytest.importorskip("starlette")
@@ -63,6 +63,10 @@ async def answer(request):
     calls = chat and body.get("tools") and body["messages"][-1]["role"] != "tool"
 
     async def stream():
+        if body.get("cut"):  # what llama-cpp-python does to a request another one interrupts
+            yield event({{"choices": [{{"index": 0, "text": "t0 "}}]}})
+            yield "data: [DONE]\\n\\n"
+            return
         if chat:  # an opening chunk with the role only: not a token
             yield event({{"choices": [{{"index": 0, "delta": {{"role": "assistant"}}}}]}})
         await asyncio.sleep({FIRST_S})
@@ -91,12 +95,15 @@ app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", an
                        Route("/v1/chat/completions", answer, methods=["POST"])])
 '''
 FAKE_MAIN = '''
-import argparse, sys, uvicorn
+import argparse, json, os, sys, uvicorn
 from llama_cpp.server.app import app
 p = argparse.ArgumentParser()
-for flag in ("--model", "--model_alias", "--n_threads", "--n_threads_batch", "--n_ctx", "--host", "--port"):
+for flag in ("--model", "--model_alias", "--n_threads", "--n_threads_batch", "--n_ctx", "--interrupt_requests",
+             "--host", "--port"):
     p.add_argument(flag)
 args = p.parse_args()
+with open(os.environ["FAKE_PEER_LOG"], "a") as f:
+    f.write(json.dumps({"args": vars(args)}) + "\\n")
 if "crash" in args.model:
     print("fake peer: cannot load " + args.model, flush=True)
     sys.exit(3)
@@ -188,7 +195,9 @@ def test_timings_come_from_the_servers_real_delays(fake_peer, started, tmp_path)
     assert set(doc["by_kind"]["llamacpp-server"]) == {"agent", "fim", "chat"}
     assert [r["system"] for r in doc["requests"]] == ["llamacpp-server"] * 6
 
-    sent = [json.loads(line) for line in log.read_text().splitlines()][1:]  # after the warm-up
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[0]["args"]["interrupt_requests"] == "False"  # requests wait their turn, none is cut off
+    sent = [line for line in lines if "path" in line][1:]  # after the warm-up
     agents = [s["body"] for s in sent if s["body"].get("tools")]
     last = agents[1]["messages"][-1]  # the harness's answer to the first step's call
     assert (last["role"], last["tool_call_id"]) == ("tool", "call_7") and last["content"].startswith("FAILED")
@@ -245,6 +254,20 @@ def _tool_template(model: Path) -> None:
     cfg = json.loads((model / "config.json").read_text())
     cfg["max_position_embeddings"] = 4096  # the tools' JSON takes many of the tiny tokenizer's tokens
     (model / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_stream_cut_off_before_its_finish_reason_is_a_failed_request(fake_peer, started, tmp_path):
+    python, _, gguf = fake_peer
+    spec = servers.llamacpp_server("peer", python, str(gguf), "bench", 1, 512)
+    with servers.ServerProcess(spec, tmp_path / "peer.log") as server:
+        body = {"model": "bench", "prompt": "x", "stream": True}
+        whole, _ = timed_request(server.host, server.port, "/v1/completions", body, client=0, kind="fim", t0=0.0)
+        cut, reply = timed_request(server.host, server.port, "/v1/completions", {**body, "cut": True}, client=0,
+                                   kind="fim", t0=0.0)  # fmt: skip
+    assert whole.error is None and whole.finish_reason == "length"
+    assert cut.error == "the stream ended without a finish reason (cut off)" and reply.text == "t0 "
+    assert summarize([whole, cut])["errors"] == 1
+    assert process_gone(started[0].pid)
 
 
 def test_a_peer_that_cannot_be_imported_is_skipped_with_a_note(tmp_path, started):

@@ -57,9 +57,12 @@ def ssdlocal_server(name: str, model_args: tuple[str, ...], served_name: str) ->
 
 
 def llamacpp_server(name: str, python: str, gguf: str, served_name: str, threads: int, n_ctx: int) -> ServerSpec:
-    """llama-cpp-python's OpenAI-compatible server on `gguf` with `threads` threads."""
+    """llama-cpp-python's OpenAI-compatible server on `gguf` with `threads` threads. It runs
+    one request at a time; by default a new request ends the streaming one early
+    (`interrupt_requests`), which would cut answers short: here they wait their turn."""
     argv = (python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", served_name,
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx))  # fmt: skip
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+            "--interrupt_requests", "False")  # fmt: skip
     return ServerSpec(name, argv)
 
 

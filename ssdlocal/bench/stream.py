@@ -1,5 +1,6 @@
 """One streamed OpenAI request, timed on the client: POST, read the server-sent events,
-note when the first token arrives and when the answer ends.
+note when the first token arrives and when the answer ends. A stream that ends without
+a finish reason (an answer cut off) counts as a failed request.
 
 `timed_request` returns a RequestTiming (the client's clock) and the Reply (text, tool
 calls) the client continues from. The first token is the first chunk carrying text or a
@@ -60,6 +61,9 @@ def timed_request(host: str, port: int, path: str, body: dict, *, client: int, k
     finally:
         conn.close()
     end = time.perf_counter()
+    if reply.finish_reason is None:  # e.g. a server that cut this answer off for another request
+        return RequestTiming(client, kind, start - t0, total_s=end - start,
+                             error="the stream ended without a finish reason (cut off)"), reply  # fmt: skip
     usage, stats = seen["usage"], seen["stats"] or {}
     queue = next((stats[f] for f in QUEUE_FIELDS if stats.get(f) is not None), None)
     timing = RequestTiming(
