@@ -93,10 +93,10 @@ class AgentClient:
         self.step += 1
         if reply.tool_calls:
             self.messages.append({"role": "assistant", "content": reply.text or None, "tool_calls": reply.tool_calls})
-            for i, call in enumerate(reply.tool_calls):
+            for call in reply.tool_calls:
                 name = call["function"]["name"]
                 answer = TOOL_ANSWERS.get(name, f"error: no tool named {name!r}")
-                self.messages.append({"role": "tool", "tool_call_id": call.get("id") or f"call_{i}", "content": answer})
+                self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": answer})
         else:
             self.messages.append({"role": "assistant", "content": reply.text})
             self.messages.append({"role": "user", "content": "Output of run_tests:\n" + TOOL_ANSWERS["run_tests"]})

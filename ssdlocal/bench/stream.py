@@ -114,4 +114,6 @@ def _read_events(resp, reply: Reply) -> dict:
             if seen["first"] is None:
                 seen["first"] = time.perf_counter()
     reply.tool_calls = [calls[i] for i in sorted(calls)]
+    for n, call in enumerate(reply.tool_calls):  # the tool answers name the call they answer
+        call["id"] = call["id"] or f"call_{n}"
     return seen

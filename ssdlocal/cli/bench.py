@@ -116,7 +116,7 @@ def bench(
     if workload == "concurrent":
         not_here = {"--prompts": prompts is not None, "--limit": limit is not None, "--batch-size": batch_size != 1,
                     "--repeats": repeats != 1, "--project": project, "--gguf-draft": gguf_draft is not None,
-                    "--no-chat": not chat}  # fmt: skip
+                    "--no-chat": not chat, "--no-pin": not pin}  # fmt: skip
         _refuse([name for name, given in not_here.items() if given], "the concurrent workload",
                 "its clients send their own conversations; drop them or leave out --workload concurrent")
         concurrent = {"clients": 3 if clients is None else clients, "requests": 3 if requests is None else requests, "duration_s": duration,
@@ -174,22 +174,27 @@ def serve_flags(models: ModelOptions, spec: SpecOptions) -> tuple[str, ...]:
 
 
 def _bench_concurrent(models, spec, sampling, modes, peers, gguf_target, concurrent: dict, out) -> None:
-    """The concurrent workload: settings from the options, run, write, print the table."""
-    from ssdlocal.bench.concurrent import ConcurrentSettings, run_concurrent
-    from ssdlocal.bench.report_concurrent import build_concurrent_results, write_concurrent
-    from ssdlocal.cli.render import err_console
-    from ssdlocal.server.run import sigterm_exits
+    """The concurrent workload's settings from the options, checked before any server starts."""
+    from ssdlocal.bench.concurrent import ConcurrentSettings
 
     params = sampling.params()
     settings = ConcurrentSettings(modes=modes, peers=peers, serve_args=serve_flags(models, spec), **concurrent)
-    # the options are checked here, before any server starts (serve checks them again)
-    config = engine_config(models, replace(spec, mode=modes[0] if modes else "auto"))
+    # the model options are resolved here, so a bad one fails before a server starts
+    config = engine_config(models, replace(spec, mode=modes[0]))
     if peers and not gguf_target:
         from ssdlocal.backends.registry import gguf_source
 
         gguf_target = gguf_source(config.target.path)
     settings = replace(settings, gguf_target=gguf_target)
     out_dir = out or Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
+    _run_concurrent_and_report(settings, params, out_dir)
+
+
+def _run_concurrent_and_report(settings, params, out_dir: Path) -> None:
+    from ssdlocal.bench.concurrent import run_concurrent
+    from ssdlocal.bench.report_concurrent import build_concurrent_results, write_concurrent
+    from ssdlocal.cli.render import err_console
+    from ssdlocal.server.run import sigterm_exits
 
     def progress(stage: str, done: int, total: int, label: str) -> None:
         step = f"[{done}/{total}] " if total else ""
