@@ -107,7 +107,7 @@ def bench(
     ] = True,
 ) -> None:
     """Benchmark AR, SD, SSD, the suffix drafter and the default (and peers) on the same prompts;
-    write JSON, Markdown and a plot."""
+    write JSON, Markdown and a plot. --workload concurrent: clients at once against servers."""
     from ssdlocal.bench.prompts import load_prompts, select
     from ssdlocal.bench.run import BenchSettings
 
@@ -119,8 +119,8 @@ def bench(
                     "--no-chat": not chat, "--no-pin": not pin}  # fmt: skip
         _refuse([name for name, given in not_here.items() if given], "the concurrent workload",
                 "its clients send their own conversations; drop them or leave out --workload concurrent")
-        concurrent = {"clients": 3 if clients is None else clients, "requests": 3 if requests is None else requests, "duration_s": duration,
-                      "peer_python": peer_python or sys.executable}  # fmt: skip
+        concurrent = {"clients": 3 if clients is None else clients, "duration_s": duration,
+                      "requests": 3 if requests is None else requests, "peer_python": peer_python or sys.executable}
         _bench_concurrent(models, spec, sampling, _csv(modes or "auto"), _csv(peers), gguf_target, concurrent, out)
         return
     only = {"--clients": clients, "--requests": requests, "--duration": duration, "--peer-python": peer_python}
@@ -180,7 +180,7 @@ def _bench_concurrent(models, spec, sampling, modes, peers, gguf_target, concurr
     params = sampling.params()
     settings = ConcurrentSettings(modes=modes, peers=peers, serve_args=serve_flags(models, spec), **concurrent)
     # the model options are resolved here, so a bad one fails before a server starts
-    config = engine_config(models, replace(spec, mode=modes[0]))
+    config = engine_config(models, replace(spec, mode=modes[0] if modes else "auto"))
     if peers and not gguf_target:
         from ssdlocal.backends.registry import gguf_source
 
