@@ -256,6 +256,16 @@ def _tool_template(model: Path) -> None:
     (model / "config.json").write_text(json.dumps(cfg))
 
 
+def test_no_request_starts_after_the_duration(fake_peer, started, tmp_path):
+    python, _, gguf = fake_peer
+    settings = _peer_only(python, gguf, clients=2, requests=5, duration_s=FIRST_S / 2)
+    run = run_concurrent(settings, SamplingParams(max_new_tokens=2), tmp_path / "out")
+    (timings,) = run.timings.values()
+    # each answer takes longer than the duration: one request per client, all started at once
+    assert sorted(t.kind for t in timings) == ["agent", "fim"] and max(t.start_s for t in timings) < FIRST_S / 2
+    assert all(process_gone(p.pid) for p in started)
+
+
 def test_a_stream_cut_off_before_its_finish_reason_is_a_failed_request(fake_peer, started, tmp_path):
     python, _, gguf = fake_peer
     spec = servers.llamacpp_server("peer", python, str(gguf), "bench", 1, 512)
