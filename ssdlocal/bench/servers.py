@@ -139,17 +139,18 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self) -> None:
-        """Stop the server's process group: SIGTERM, SIGKILL after STOP_GRACE_S; wait for it."""
+        """Stop the server's process group: SIGTERM, SIGKILL after STOP_GRACE_S; wait for it.
+        A server that already exited may have left children in its group: they are killed."""
         proc = self.proc
-        if proc is None or proc.returncode is not None:
+        if proc is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if proc.poll() is not None:
                 break
             try:
-                proc.wait(wait_s)
+                os.killpg(proc.pid, sig)
+                proc.wait(STOP_GRACE_S)
+            except ProcessLookupError:
                 break
             except subprocess.TimeoutExpired:
                 continue
