@@ -70,7 +70,10 @@ OWN = {
               "batch_size": (["--batch-size", "2"], 2), "repeats": (["--repeats", "3"], 3),
               "chat": (["--no-chat"], False), "out": (["--out", "OUT"], "OUT"),
               "project": (["--project"], True), "gguf_target": (["--gguf-target", "gt.gguf"], "gt.gguf"),
-              "gguf_draft": (["--gguf-draft", "gd.gguf"], "gd.gguf"), "pin": (["--no-pin"], False)},
+              "gguf_draft": (["--gguf-draft", "gd.gguf"], "gd.gguf"), "pin": (["--no-pin"], False),
+              "workload": (["--workload", "concurrent"], "concurrent"), "clients": (["--clients", "5"], 5),
+              "requests": (["--requests", "4"], 4), "duration": (["--duration", "30"], 30.0),
+              "peer_python": (["--peer-python", "/x/python"], "/x/python")},
     "check": {"chat": (["--chat"], True), "as_json": (["--json"], True)},
     "serve": {"host": (["--host", "127.0.0.9"], "127.0.0.9"), "port": (["--port", "8123"], 8123),
               "api_key": (["--api-key", "k3y"], "k3y"), "served_model_name": (["--served-model-name", "nm"], "nm"),
@@ -84,7 +87,9 @@ OWN = {
 }
 # race's --speed only reaches the TUI: a second race run leaves --no-tui out; --fim-suffix
 # excludes --chat: the regex run takes it instead
-RUNS = {"generate": ("regex", "fim_suffix"), "generate-regex": ("json_schema", "chat"), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "bench": (), "check": (),
+RUNS = {"generate": ("regex", "fim_suffix"), "generate-regex": ("json_schema", "chat"), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "check": (),
+        "bench": ("workload", "clients", "requests", "duration", "peer_python"),  # the sequential workload
+        "bench-concurrent": ("prompts", "limit", "batch_size", "repeats", "chat", "project", "gguf_draft", "pin"),
         "serve": ()}  # run -> own options it leaves out
 
 
@@ -133,6 +138,7 @@ def _fake_run(monkeypatch, rec):
     monkeypatch.setattr("ssdlocal.bench.check.run_check", rec("run_check", CheckReport("float16", ("p",), runs, ())))
     monkeypatch.setattr("ssdlocal.cli.render.run_generate", rec("run_generate"))
     monkeypatch.setattr("ssdlocal.cli.bench._run_and_report", rec("run_bench"))
+    monkeypatch.setattr("ssdlocal.cli.bench._run_concurrent_and_report", rec("run_concurrent"))
     monkeypatch.setattr("ssdlocal.cli.tui._run_app", rec("run_app"))
     monkeypatch.setattr("ssdlocal.cli.tui._race_plain", rec("race_plain"))
     monkeypatch.setattr("ssdlocal.tui.app.ChatApp", rec("app"))
@@ -157,6 +163,12 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
         if command == "race-tui":
             args, kw = calls["app"][0][1:5], calls["app"][1]
         return args[3], {"prompt": args[1], "chat_template": kw["chat"], "no_tui": "race_plain" in calls, **kw}
+    if command == "bench-concurrent":
+        settings, params, out_dir = calls["run_concurrent"][0]
+        own = {"modes": settings.modes, "peers": settings.peers, "clients": settings.clients,
+               "requests": settings.requests, "duration": settings.duration_s, "peer_python": settings.peer_python,
+               "gguf_target": settings.gguf_target}  # fmt: skip
+        return params, {**own, "workload": "concurrent", "out": out_dir.name}
     if command == "bench":
         config, chosen, settings, params, out_dir, project = args
         own = {f: getattr(settings, f) for f in ("modes", "peers", "batch_size", "repeats", "chat", "gguf_target",
@@ -177,7 +189,7 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_every_option_of_every_command_reaches_its_config(monkeypatch, capsys, tmp_path, run):
-    command = run.removesuffix("-tui").removesuffix("-regex")
+    command = run.removesuffix("-tui").removesuffix("-regex").removesuffix("-concurrent")
     for var in [v for v in os.environ if v.startswith("SSDLOCAL_")]:
         monkeypatch.delenv(var)  # no SSDLOCAL_<OPTION> defaults ...
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))  # ... and no config file

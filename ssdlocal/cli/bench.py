@@ -1,4 +1,6 @@
-"""`ssdlocal bench`: options -> EngineConfig + BenchSettings -> run_bench -> results + summary.
+"""`ssdlocal bench`: options -> EngineConfig + BenchSettings -> run_bench -> results + summary;
+with `--workload concurrent`: options -> ConcurrentSettings (the model options become
+`ssdlocal serve` flags) -> run_concurrent -> results + summary.
 
 Wiring and terminal rendering only (Rich progress on stderr, summary table on stdout);
 the measuring lives in ssdlocal/bench/.
@@ -7,8 +9,9 @@ the measuring lives in ssdlocal/bench/.
 from __future__ import annotations
 
 import os
+import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +25,7 @@ from ssdlocal.cli.options import (
     model_command,
 )
 from ssdlocal.cli.resolve import engine_config
+from ssdlocal.core.errors import UsageError
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -34,16 +38,40 @@ def bench(
     spec: SpecOptions,
     sampling: SamplingOptions,
     modes: Annotated[
-        str,
+        str | None,
         typer.Option(help="Our systems to run, comma-separated: ar, sd, ssd, suffix (SD with the suffix "
-                     "drafter, K per round), auto (what `generate` runs by default)."),  # fmt: skip
-    ] = "ar,sd,ssd",
+                     "drafter, K per round), auto (what `generate` runs by default). Default: ar,sd,ssd; "
+                     "concurrent: auto (one `ssdlocal serve --mode M` per mode; suffix is not one)."),  # fmt: skip
+    ] = None,
     peers: Annotated[
         str,
         typer.Option(
-            help="Peers on the same weights: hf,hf-assisted,llamacpp,llamacpp-assisted (empty = none)."
+            help="Peers on the same weights: hf,hf-assisted,llamacpp,llamacpp-assisted (empty = none); "
+            "concurrent: llamacpp (llama-cpp-python's own server on the GGUF target)."
         ),
     ] = "",
+    workload: Annotated[
+        str,
+        typer.Option(help="sequential: one prompt set, one request at a time (the default); concurrent: "
+                     "--clients agents, editors (FIM) and chats at once against each server."),  # fmt: skip
+    ] = "sequential",
+    clients: Annotated[
+        int | None,
+        typer.Option(help="Concurrent clients, kinds round-robin: agent (tool calls), fim, chat. Default: 3."),
+    ] = None,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests each concurrent client sends (an agent step, a chat turn, "
+                                 "a FIM completion). Default: 3.")  # fmt: skip
+    ] = None,
+    duration: Annotated[
+        float | None,
+        typer.Option(help="Concurrent clients start no request after this many seconds (default: no limit)."),
+    ] = None,
+    peer_python: Annotated[
+        str | None,
+        typer.Option(help="Python with llama-cpp-python[server] for the concurrent llamacpp peer. "
+                     "Default: this interpreter."),  # fmt: skip
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
@@ -79,12 +107,27 @@ def bench(
     ] = True,
 ) -> None:
     """Benchmark AR, SD, SSD, the suffix drafter and the default (and peers) on the same prompts;
-    write JSON, Markdown and a plot."""
+    write JSON, Markdown and a plot. --workload concurrent: clients at once against servers."""
     from ssdlocal.bench.prompts import load_prompts, select
     from ssdlocal.bench.run import BenchSettings
 
+    if workload not in WORKLOADS:
+        raise UsageError(f"unknown --workload {workload!r}", f"choose from: {', '.join(WORKLOADS)}")
+    if workload == "concurrent":
+        not_here = {"--prompts": prompts is not None, "--limit": limit is not None, "--batch-size": batch_size != 1,
+                    "--repeats": repeats != 1, "--project": project, "--gguf-draft": gguf_draft is not None,
+                    "--no-chat": not chat, "--no-pin": not pin}  # fmt: skip
+        _refuse([name for name, given in not_here.items() if given], "the concurrent workload",
+                "its clients send their own conversations; drop them or leave out --workload concurrent")
+        concurrent = {"clients": 3 if clients is None else clients, "duration_s": duration,
+                      "requests": 3 if requests is None else requests, "peer_python": peer_python or sys.executable}
+        _bench_concurrent(models, spec, sampling, _csv(modes or "auto"), _csv(peers), gguf_target, concurrent, out)
+        return
+    only = {"--clients": clients, "--requests": requests, "--duration": duration, "--peer-python": peer_python}
+    _refuse([name for name, value in only.items() if value is not None], "the sequential workload",
+            "add --workload concurrent")
     settings = BenchSettings(
-        modes=_csv(modes), peers=_csv(peers), batch_size=batch_size, repeats=repeats, chat=chat,
+        modes=_csv(modes or "ar,sd,ssd"), peers=_csv(peers), batch_size=batch_size, repeats=repeats, chat=chat,
         gguf_target=gguf_target, gguf_draft=gguf_draft,
     )  # fmt: skip
     params = sampling.params()
@@ -101,6 +144,96 @@ def bench(
     config = replace(config, pin_cpus=pin_cpus)
     out_dir = out or Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
     _run_and_report(config, chosen, settings, params, out_dir, project)
+
+
+WORKLOADS = ("sequential", "concurrent")
+
+
+def _refuse(names: list[str], where: str, hint: str) -> None:
+    if names:
+        raise UsageError(f"{', '.join(names)} {'does' if len(names) == 1 else 'do'} not apply to {where}", hint)
+
+
+def serve_flags(models: ModelOptions, spec: SpecOptions) -> tuple[str, ...]:
+    """The `ssdlocal serve` flags that reproduce these model and speculation options (those
+    left at their defaults are left out; --mode is set per server)."""
+    flags: list[str] = []
+    for group in (models, spec):
+        for f in fields(group):
+            value = getattr(group, f.name)
+            if f.name == "mode" or value == f.default:
+                continue
+            info = f.metadata["typer.Option"]  # under Annotated, its first flag sits in `default`
+            decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--")]
+            if isinstance(value, bool):  # declared as "--name/--no-name"
+                on, off = decls[0].split("/")
+                flags.append(on if value else off)
+            else:
+                flags += [decls[0] if decls else "--" + f.name.replace("_", "-"), str(value)]
+    return tuple(flags)
+
+
+def _bench_concurrent(models, spec, sampling, modes, peers, gguf_target, concurrent: dict, out) -> None:
+    """The concurrent workload's settings from the options, checked before any server starts."""
+    from ssdlocal.bench.concurrent import ConcurrentSettings
+
+    params = sampling.params()
+    settings = ConcurrentSettings(modes=modes, peers=peers, serve_args=serve_flags(models, spec), **concurrent)
+    # the model options are resolved here, so a bad one fails before a server starts
+    config = engine_config(models, replace(spec, mode=modes[0] if modes else "auto"))
+    if peers and not gguf_target:
+        from ssdlocal.backends.registry import gguf_source
+
+        gguf_target = gguf_source(config.target.path)
+    settings = replace(settings, gguf_target=gguf_target)
+    out_dir = out or Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
+    _run_concurrent_and_report(settings, params, out_dir)
+
+
+def _run_concurrent_and_report(settings, params, out_dir: Path) -> None:
+    from ssdlocal.bench.concurrent import run_concurrent
+    from ssdlocal.bench.report_concurrent import build_concurrent_results, write_concurrent
+    from ssdlocal.cli.render import err_console
+    from ssdlocal.server.run import sigterm_exits
+
+    def progress(stage: str, done: int, total: int, label: str) -> None:
+        step = f"[{done}/{total}] " if total else ""
+        err_console.print(f"{step}{stage}: {label}", markup=False, highlight=False)
+
+    with sigterm_exits():  # SIGTERM too leaves through the servers' `with`: none is left running
+        run = run_concurrent(settings, params, out_dir, progress)
+    doc = build_concurrent_results(run)
+    paths = write_concurrent(doc, out_dir)
+    render_concurrent(doc)
+    err_console.print(f"wrote {paths['json']}, {paths['md'].name} in {run.wall_s:.0f} s", style="dim",
+                      markup=False, highlight=False)  # fmt: skip
+
+
+def render_concurrent(doc: dict) -> None:
+    """Rich tables of the concurrent workload: per server, then per server and client kind."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ssdlocal.bench.report_concurrent import HEADERS, KIND_HEADERS, concurrent_rows, counting_note, kind_rows
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=180)
+    s = doc["settings"]
+    for title, headers, rows in (
+        (f"ssdlocal bench · {s['clients']} concurrent clients · {s['requests_per_client']} requests each · "
+         f"{s['max_new_tokens']} new tokens", HEADERS, concurrent_rows(doc)),
+        ("by client", KIND_HEADERS, kind_rows(doc)),
+    ):  # fmt: skip
+        table = Table(title=title)
+        for h in headers:
+            table.add_column(h, justify="left" if h in ("server", "client") else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print(counting_note(doc), markup=False, highlight=False)
+    for name, why in doc["skipped"].items():
+        console.print(f"{name}: {why}", markup=False, highlight=False)
 
 
 def _default_gguf_peers(settings, config):
