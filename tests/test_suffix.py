@@ -213,6 +213,35 @@ def test_a_model_proposal_must_win_by_a_margin():
     assert code.model_k >= 2 and code.tokens_per_s * MODEL_MARGIN > 1.5 / 0.040
 
 
+def test_probes_that_do_not_pay_get_rarer_across_calls():
+    """A draft model that never pays on these costs is probed at round 16 and then 33 rounds
+    later in a first call (the interval doubles); the engine keeps the interval with its
+    costs, so the next call of 64 rounds pays no probe at all."""
+    from types import SimpleNamespace
+
+    from ssdlocal.draft.adaptive import AdaptiveDrafter
+
+    costs = CostModel()
+    costs.seed_widths({1: 0.1, 2: 0.18, 3: 0.26})
+    costs.draft_token_s = 0.09  # a draft token costs most of a target step: never worth it
+    model = SimpleNamespace(cached=[100])
+
+    def call() -> list[int]:
+        drafter = AdaptiveDrafter(model, None, k=2, pinned=False, params=SamplingParams(), costs=costs,
+                                  target_vocab=10, device="cpu")  # fmt: skip
+        drafter.rows = [SimpleNamespace(length=100)]  # the draft is caught up: a probe is cheap to try
+        probes = []
+        for index in range(64):
+            choice = drafter._choose([True], [()], ["suffix:2"])
+            if choice.model_k:
+                probes.append(index)
+            drafter._since_model = 0 if choice.model_k else drafter._since_model + 1
+        return probes
+
+    assert call() == [16, 49]
+    assert call() == [] and costs.probe_every == 64
+
+
 def test_flat_gpu_costs_propose_long():
     costs = CostModel()
     costs.seed(0.005, 0.0055, 13, 0.001)  # a memory-bound step: 13 tokens cost 1.1x one

@@ -37,11 +37,16 @@ def _ewma(old: float | None, new: float, decay: float = DECAY) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per target step by scored tokens T, and per draft-model token."""
+    """Seconds per target step by scored tokens T, and per draft-model token; and
+    `probe_every`, the rounds without model proposals before the model is tried again
+    (the drafter doubles it while probes do not pay and resets it when the model wins on
+    its merits). All of it is the engine's, kept across calls: a conversation whose draft
+    does not pay stops paying a probe's catch-up at the start of every answer."""
 
     target: dict[int, float] = field(default_factory=dict)  # T -> decayed seconds
     draft_token_s: float | None = None
     samples: dict[int, int] = field(default_factory=dict)  # T -> measurements so far
+    probe_every: int = PROBE_EVERY
 
     def seed(self, target_1: float, target_t: float, t: int, draft_1: float | None) -> None:
         """A calibration: the target at 1 and `t` tokens, the draft at 1 token."""
