@@ -59,6 +59,11 @@ class FakePip:
         return Proc()
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))  # the build's lock file
+
+
 def _run(pip=None, *, installed=False, toolchain=FULL, env=None, want=True):
     seen, said = [], []
     built = ensure_llamacpp(want, lambda *a: seen.append(a), said.append, installed=lambda: installed,
@@ -131,6 +136,42 @@ def test_a_failed_build_says_what_pip_said():
         _run(FakePip(output, code=1))
     assert "failed (pip exit code 1" in info.value.message and "ninja: build stopped" in info.value.message
     assert "--verbose" in info.value.hint and "SSDLOCAL_BUILD_LLAMACPP=0" in info.value.hint
+
+
+def test_an_interrupted_build_stops_pip_and_its_compilers(monkeypatch):
+    """Ctrl-C while the build runs: the whole process group pip started is killed, then the
+    interrupt goes on."""
+    killed = []
+
+    class Lines:
+        def __iter__(self):
+            yield "[1/4] Building C object ggml.c.o\n"
+            raise KeyboardInterrupt
+
+    class Proc:
+        pid = 4242
+        stdout = Lines()
+
+        def wait(self):
+            return -9
+
+        def kill(self):
+            killed.append("pip")
+
+    monkeypatch.setattr(kernels.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    calls = []
+    with pytest.raises(KeyboardInterrupt):
+        _run(lambda cmd, **kwargs: calls.append(kwargs) or Proc())
+    assert killed == [(4242, kernels.signal.SIGKILL)] and calls[0]["start_new_session"]
+
+
+def test_a_run_that_waited_for_another_runs_build_builds_nothing():
+    """Two first runs at once: the second takes the lock after the first built it."""
+    answers = iter([False, True])  # before the lock, after it
+    pip = FakePip()
+    built = ensure_llamacpp(True, lambda *a: None, lambda line: None, installed=lambda: next(answers),
+                            toolchain=FULL, popen=pip, env={})  # fmt: skip
+    assert not built and pip.calls == []
 
 
 @pytest.mark.parametrize("case", ["opted out", "installed", "not wanted"])

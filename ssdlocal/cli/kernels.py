@@ -18,6 +18,7 @@ import importlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -136,9 +137,16 @@ def ensure_llamacpp(
             "Fedora: sudo dnf install gcc-c++ cmake; macOS: xcode-select --install), "
             + _TORCH_HINT,
         )
-    say(announcement(build_cores(), toolchain))
-    _pip_install(progress, popen or subprocess.Popen, env)
-    importlib.invalidate_caches()
+    from ssdlocal.core.files import file_lock
+    from ssdlocal.core.paths import cache_dir
+
+    with file_lock(cache_dir() / "llamacpp-build.lock"):  # two first runs at once build once
+        importlib.invalidate_caches()
+        if installed():
+            return False
+        say(announcement(build_cores(), toolchain))
+        _pip_install(progress, popen or subprocess.Popen, env)
+        importlib.invalidate_caches()
     return True
 
 
@@ -151,7 +159,7 @@ def _pip_install(progress: ProgressCallback, popen, env: Mapping[str, str]) -> N
     progress(STAGE, 0, None)
     try:
         proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                     text=True, errors="replace", env=child_env)  # fmt: skip
+                     text=True, errors="replace", env=child_env, start_new_session=True)  # fmt: skip
     except OSError as exc:
         raise ModelLoadError(f"could not run pip to build llama-cpp-python: {exc}",
                              f"pip install {REQUIREMENT}, " + _TORCH_HINT) from exc  # fmt: skip
@@ -163,9 +171,8 @@ def _pip_install(progress: ProgressCallback, popen, env: Mapping[str, str]) -> N
                 last = step
                 progress(STAGE, *step)
         code = proc.wait()
-    except BaseException:  # Ctrl-C: stop the build, leave nothing running
-        proc.kill()
-        proc.wait()
+    except BaseException:  # Ctrl-C: stop pip and the compilers it started, leave nothing running
+        _stop(proc)
         raise
     if code != 0:
         said = " | ".join(line.strip() for line in tail if line.strip())[-600:]
@@ -179,3 +186,12 @@ def _pip_install(progress: ProgressCallback, popen, env: Mapping[str, str]) -> N
         progress(STAGE, last[1], last[1])
     else:  # installed from pip's wheel cache: no build lines
         progress(STAGE, 1, 1)
+
+
+def _stop(proc) -> None:
+    """Kill the build's whole process group (pip, cmake, ninja, the compilers), then reap pip."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (AttributeError, OSError):  # no group of its own (or gone already): pip alone
+        proc.kill()
+    proc.wait()
