@@ -16,6 +16,8 @@ os.environ.setdefault("SSDLOCAL_GRAPHS_STRICT", "1")
 # Every test measures at its own start: no test reads timings an earlier test (or an earlier
 # run) kept, and nothing is written to the user's cache. test_measured.py turns it back on.
 os.environ.setdefault("SSDLOCAL_KEEP_MEASUREMENTS", "0")
+# No test builds llama-cpp-python (a first CPU run's step); test_kernels.py fakes the build.
+os.environ.setdefault("SSDLOCAL_BUILD_LLAMACPP", "0")
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from ssdlocal.core.config import (
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.draft.suffix import MemoryFile
 from ssdlocal.engine import Engine
-from ssdlocal.speculation.adaptive import Acceptance, CostModel, choose, suffix_key
+from ssdlocal.speculation.adaptive import Acceptance, CostModel, choose, expected_tokens, suffix_key
 from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory, propose
 
 CODE = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
@@ -194,6 +194,52 @@ def test_a_good_draft_model_is_used_and_loses_to_a_sure_suffix():
     assert model.model_k >= 1 and model.suffix_len == (0,)
     sure = choose(costs, [0.8], [[1.0] * 12], [0.95], 12, [True])
     assert sure.model_k == 0 and sure.suffix_len[0] > 0  # free drafting beats the model's forwards
+
+
+def test_a_model_proposal_must_win_by_a_margin():
+    """llama.cpp-like CPU costs (4 scored rows for about one, a draft token a third of a
+    step): a chat-like acceptance predicts K=1 about 5% above a plain step, which its
+    untimed upkeep eats, so the round is a plain step; a code-like acceptance still drafts."""
+    from ssdlocal.speculation.adaptive import MODEL_MARGIN
+
+    costs = CostModel()
+    costs.seed_widths({1: 0.040, 2: 0.041, 3: 0.042, 4: 0.044, 5: 0.060})
+    costs.draft_token_s = 0.014
+    gain = expected_tokens(0.45, 1) / (0.041 + 0.014) * 0.040  # K=1 against a plain step
+    assert 1.0 < gain < MODEL_MARGIN
+    chat = choose(costs, [0.45], [[]], [0.5], 12, [True])
+    assert (chat.model_k, chat.width) == (0, 0)
+    code = choose(costs, [0.9], [[]], [0.5], 12, [True])
+    assert code.model_k >= 2 and code.tokens_per_s * MODEL_MARGIN > 1.5 / 0.040
+
+
+def test_probes_that_do_not_pay_get_rarer_across_calls():
+    """A draft model that never pays on these costs is probed at round 16 and then 33 rounds
+    later in a first call (the interval doubles); the engine keeps the interval with its
+    costs, so the next call of 64 rounds pays no probe at all."""
+    from types import SimpleNamespace
+
+    from ssdlocal.draft.adaptive import AdaptiveDrafter
+
+    costs = CostModel()
+    costs.seed_widths({1: 0.1, 2: 0.18, 3: 0.26})
+    costs.draft_token_s = 0.09  # a draft token costs most of a target step: never worth it
+    model = SimpleNamespace(cached=[100])
+
+    def call() -> list[int]:
+        drafter = AdaptiveDrafter(model, None, k=2, pinned=False, params=SamplingParams(), costs=costs,
+                                  target_vocab=10, device="cpu")  # fmt: skip
+        drafter.rows = [SimpleNamespace(length=100)]  # the draft is caught up: a probe is cheap to try
+        probes = []
+        for index in range(64):
+            choice = drafter._choose([True], [()], ["suffix:2"])
+            if choice.model_k:
+                probes.append(index)
+            drafter._since_model = 0 if choice.model_k else drafter._since_model + 1
+        return probes
+
+    assert call() == [16, 49]
+    assert call() == [] and costs.probe_every == 64
 
 
 def test_flat_gpu_costs_propose_long():

@@ -61,6 +61,7 @@ def engine_config(
     options = _spec_fields(spec_opts, mode)
     tp_devices, auto_place = _target_devices(models.target_devices)
     _validate(models, options, wants_draft, tp_devices)  # before any download
+    _build_kernels(models, tp_devices)  # llama-cpp-python, once, where `auto` would use it
     choice = backend_choice(models, tp_devices)
     if choice.note:
         from rich.markup import escape
@@ -234,6 +235,27 @@ def _auto_pick(models: ModelOptions, tp_devices) -> tuple[BackendName, str]:
     if not verdict.ok:
         return BackendName.TORCH, f"backend torch: {verdict.reason}"
     return BackendName.LLAMACPP, "" if verdict.extra_bufts else verdict.reason
+
+
+def _build_kernels(models: ModelOptions, tp_devices) -> None:
+    """Build llama-cpp-python now (cli/kernels.py) when `auto` would run this target on
+    llama.cpp were it installed: a GGUF target, a CPU-only run, no torch-only quantization."""
+    from ssdlocal.cli.kernels import ensure_llamacpp, opted_out
+
+    if models.target_backend != "auto" or models.quantization in _TORCH_ONLY or opted_out():
+        return
+    cpu = not tp_devices and models.target_device in ("cpu", "auto")
+    gguf = models.target is not None or models.pair is None or _pair_has_gguf(models.pair)
+    if not (cpu and gguf):
+        return
+    from ssdlocal.cli.progress import preparing
+    from ssdlocal.cli.render import err_console
+    from ssdlocal.core import progress as core_progress
+    from ssdlocal.placement.auto import llamacpp_wins
+
+    want = llamacpp_wins(models.target, models.target_device, installed=lambda: True)
+    with preparing():
+        ensure_llamacpp(want, core_progress.report, lambda line: err_console.print(line, soft_wrap=True, markup=False))
 
 
 def _probing():

@@ -56,7 +56,6 @@ class AdaptiveDrafter:
         self.last: _Round | None = None
         self._since_model = 0  # rounds since the model last proposed
         self._since_spec = 0  # rounds since anything was proposed
-        self._probe_every = PROBE_EVERY
 
     @property
     def runner(self):
@@ -102,13 +101,13 @@ class AdaptiveDrafter:
         if self.pinned:
             return self._pinned(active, confs, rates, suffix_rates)
         choice = choose(self.costs, rates, confs, suffix_rates, self.k, active, catch_up=self._catch_up())
-        if self.model is not None and not choice.width and self._since_model >= self._probe_every \
+        if self.model is not None and not choice.width and self._since_model >= self.costs.probe_every \
                 and self._catch_up() <= PROBE_CATCH_UP:  # a probe must not cost a long prefill
-            self._probe_every = min(2 * self._probe_every, 256)  # a probe that does not pay: rarer
+            self.costs.probe_every = min(2 * self.costs.probe_every, 256)  # a probe that does not pay: rarer (engine-wide)
             probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
             return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)
         if choice.model_k and self._since_model:  # chosen on its merits: probe at the usual pace
-            self._probe_every = PROBE_EVERY
+            self.costs.probe_every = PROBE_EVERY
         if not choice.width and self._since_spec >= PROBE_EVERY:  # so do the costs of wider steps
             return choose(self.costs, rates, confs, suffix_rates, self.k, active, explore=True)
         return choice

@@ -104,10 +104,11 @@ def auto_draft_device(target_device: str, inventory=None) -> str:
     return free[0] if free else taken
 
 
-def llamacpp_wins(target: str | None, target_device: str, inventory=None) -> bool:
+def llamacpp_wins(target: str | None, target_device: str, inventory=None, installed=None) -> bool:
     """True when a CPU-only run of this target should use llama.cpp: the target is a GGUF
     file (or the built-in pair, which ships as GGUF), the machine has no GPU in play, and
-    llama-cpp-python is installed (found, not imported: the probe runs it first)."""
+    llama-cpp-python is installed (found, not imported: the probe runs it first;
+    `installed()` overrides that check, e.g. to ask whether a build would be used)."""
     if target is not None and not target.lower().endswith(".gguf"):
         return False
     if target_device == "auto":
@@ -116,6 +117,7 @@ def llamacpp_wins(target: str | None, target_device: str, inventory=None) -> boo
         inventory = detect() if inventory is None else inventory
         if inventory.gpus:
             return False
-    from ssdlocal.backends.llamacpp.probe import installed
+    if installed is None:
+        from ssdlocal.backends.llamacpp.probe import installed
 
     return installed()
