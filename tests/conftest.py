@@ -1,4 +1,5 @@
-"""Shared pytest setup: makes tests/ importable and builds the tiny checkpoints once."""
+"""Shared pytest setup: makes tests/ importable (helpers live in the `support` package), builds
+the tiny checkpoints once, and shares the fixtures of support/fixtures.py with every module."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ os.environ.setdefault("SSDLOCAL_GRAPHS_STRICT", "1")
 # run) kept, and nothing is written to the user's cache. test_measured.py turns it back on.
 os.environ.setdefault("SSDLOCAL_KEEP_MEASUREMENTS", "0")
 
+from support.fixtures import fake_asset, hub, pip_calls, tiny_gguf  # noqa: E402,F401 - shared fixtures
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
     """Tiny random checkpoints sharing one tokenizer: llama, qwen2, qwen3, llama3_rope,
     draft_llama / draft_qwen2 (noisy copies of the targets), small_llama (1 layer)."""
-    from tiny_models import make_tiny_suite
+    from support.tiny_models import make_tiny_suite
 
     return make_tiny_suite(tmp_path_factory.mktemp("tiny_models"))
 
