@@ -2,7 +2,7 @@
 per round, long contexts, a churned prefix store, seeded sampling, quantized weights in
 graphs, two GPUs, and the bandwidth limit of each forward.
 
-Each step takes the tiny checkpoints (tests/tiny_models.py), a device and the script's
+Each step takes the tiny checkpoints (tests/support/tiny_models.py), a device and the script's
 `Results`, records its rows with `results.put` and its failures with `results.fail`.
 Nothing here is imported by the product.
 """
@@ -149,7 +149,7 @@ def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, s
     """A 1,000-token prompt and 60 new tokens: the KV cache grows past 1,024 slots in the
     middle of the answer (graphs recaptured on the grown cache) and decode spans pass 256;
     AR, SD and SSD with graphs equal the eager engine."""
-    from tiny_models import copy_with_context
+    from support.tiny_models import copy_with_context
 
     target = copy_with_context(dirs["llama"], tmp / "long_llama", LONG_CONTEXT)
     draft = copy_with_context(dirs["draft_llama"], tmp / "long_draft_llama", LONG_CONTEXT)

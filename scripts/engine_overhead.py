@@ -1,6 +1,6 @@
 """Engine overhead per round on tiny checkpoints: round wall time minus model forward time.
 
-Builds the test suite's tiny Llama checkpoints (tests/tiny_models.py) in /tmp once, then
+Builds the test suite's tiny Llama checkpoints (tests/support/tiny_models.py) in /tmp once, then
 runs AR, SD (K=4, the draft model's drafts), SD with suffix proposals weighed per row, and
 SD with K chosen per round, `--repeats` times each, interleaved, one torch thread, 200 new
 tokens, and prints the median milliseconds of non-model work per round.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_models import make_tiny_suite  # noqa: E402
+from support.tiny_models import make_tiny_suite  # noqa: E402
 
 from ssdlocal.backends.torch import model as model_mod  # noqa: E402
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402

@@ -5,7 +5,7 @@
 
 Needs only torch and transformers (which brings tokenizers, safetensors, numpy and
 huggingface-hub): the engine imports nothing else. Tiny checkpoints are written to a temp
-dir (tests/tiny_models.py); the timing models are random bf16 weights in Qwen2.5 shapes.
+dir (tests/support/tiny_models.py); the timing models are random bf16 weights in Qwen2.5 shapes.
 If an import fails on a machine that has no network, carry the wheel: on a machine with
 network `pip download <package> --no-deps -d wheels/`, copy `wheels/` beside this
 checkout, then `pip install --no-index --find-links wheels <package>`.
@@ -445,7 +445,7 @@ def main() -> int:
     steps = [
         ("environment", lambda: results.put("environment", environment(device))),
     ]
-    from tiny_models import make_tiny_suite
+    from support.tiny_models import make_tiny_suite
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = make_tiny_suite(Path(tmp))

@@ -16,7 +16,7 @@ from ssdlocal.core.config import ModelDraft  # noqa: E402
 def save_checkpoint(loaded, out: Path) -> Path:
     """A random in-memory model as an HF-style checkpoint (Qwen2 config, a small tokenizer)."""
     from safetensors.torch import save_file
-    from tiny_models import build_tokenizer
+    from support.tiny_models import build_tokenizer
     from transformers import Qwen2Config
 
     a = loaded.args

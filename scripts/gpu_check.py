@@ -1,7 +1,7 @@
 """GPU checks and timings for the tensor-parallel target, SSD across GPUs and the q channel.
 
 Run on a machine with CUDA (no network needed; tiny checkpoints are written to a temp
-dir with tests/tiny_models.py):
+dir with tests/support/tiny_models.py):
 
     python scripts/gpu_check.py              # everything this machine allows
     python scripts/gpu_check.py --quick      # one architecture, fewer timing repeats
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
 from ssdlocal.engine import Engine  # noqa: E402
 from ssdlocal.core.events import DoneEvent  # noqa: E402
-from drafts import draft_of  # noqa: E402
+from support.drafts import draft_of  # noqa: E402
 from ssdlocal.core.config import ModelDraft  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
@@ -242,7 +242,7 @@ def check_timings(path, devices, dtype, label, results: dict, repeats: int) -> N
 
 
 def synthetic(root: Path, size: str) -> Path:
-    from tiny_models import make_tiny_checkpoint
+    from support.tiny_models import make_tiny_checkpoint
 
     shapes = {"medium": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8,
                              intermediate_size=4096),
@@ -273,7 +273,7 @@ def main() -> int:
     ok = True
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ssdlocal_gpu_check_") as tmp:
-        from tiny_models import make_tiny_suite
+        from support.tiny_models import make_tiny_suite
 
         log("building tiny checkpoints ...")
         dirs = make_tiny_suite(Path(tmp))

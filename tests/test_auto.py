@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.cli.resolve import ModelOptions, SpecOptions, choose_backends, engine_config
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from ssdlocal.engine.auto import Calibration, calibrated_choice, placement_choice
-from ssdlocal.placement.inventory import GPU, DeviceInventory
-from drafts import draft_of
+from support.devices import machine
+from support.drafts import draft_of
 from ssdlocal.core.config import ModelDraft
 
 
@@ -107,16 +107,12 @@ def test_generate_prints_the_mode_and_json_carries_it(tiny_dir, monkeypatch, cap
 
 
 # --------------------------------------------------------------------------- devices
-def _machine(*gpus_gb: float) -> DeviceInventory:
-    return DeviceInventory(tuple(GPU(i, "GPU", gb, gb) for i, gb in enumerate(gpus_gb)), 16, 64.0)
-
-
 @pytest.mark.parametrize(
     ("gpus", "target", "draft"),
     [((), "cpu", "cpu"), ((80.0,), "cuda:0", "cuda:0"), ((80.0, 80.0), "cuda:0", "cuda:1")],
 )
 def test_auto_devices_follow_the_planner(tiny_dir, monkeypatch, gpus, target, draft):
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine(*gpus))
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(*gpus))
     models = ModelOptions(target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]),
                           target_backend="torch", draft_backend="torch")  # fmt: skip
     config = engine_config(models, SpecOptions())
@@ -125,7 +121,7 @@ def test_auto_devices_follow_the_planner(tiny_dir, monkeypatch, gpus, target, dr
 
 
 def test_explicit_target_device_gets_an_auto_draft_device(tiny_dir, monkeypatch):
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine(24.0, 24.0, 24.0))
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(24.0, 24.0, 24.0))
     models = ModelOptions(target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]),
                           target_device="cuda:2", target_backend="torch", draft_backend="torch")  # fmt: skip
     assert engine_config(models, SpecOptions()).draft_model.device == "cuda:0"
@@ -143,14 +139,14 @@ def _healthy_llamacpp(monkeypatch, extra_bufts=True):
 
 def test_auto_backend_prefers_llamacpp_for_gguf_on_cpu(monkeypatch, tmp_path):
     gguf = str(tmp_path / "m.gguf")
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine())
     _healthy_llamacpp(monkeypatch)
     assert choose_backends(ModelOptions(target=gguf, draft=gguf)) == ("llamacpp", "llamacpp")
     assert choose_backends(ModelOptions()) == ("llamacpp", "llamacpp")  # the built-in GGUF pair
     assert choose_backends(ModelOptions(target=str(tmp_path))) == ("torch", "torch")  # HF dir
     assert choose_backends(ModelOptions(target=gguf, draft=str(tmp_path))) == ("llamacpp", "torch")
     assert choose_backends(ModelOptions(target=gguf, target_device="cuda:0"))[0] == "torch"
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine(24.0))
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(24.0))
     assert choose_backends(ModelOptions(target=gguf))[0] == "torch"  # a GPU is in play
 
 
@@ -162,7 +158,7 @@ def test_quantization_steers_auto_to_torch(monkeypatch, tmp_path, capsys, quanti
     from ssdlocal.core.errors import UsageError
 
     gguf = str(tmp_path / "m.gguf")
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine())
     _healthy_llamacpp(monkeypatch)
     choice = backend_choice(ModelOptions(target=gguf, draft=gguf, quantization=quantization))
     assert (choice.target, choice.draft) == ("torch", "torch")
@@ -181,7 +177,7 @@ def test_quantization_steers_auto_to_torch(monkeypatch, tmp_path, capsys, quanti
 def test_auto_backend_notes_llamacpp_without_repacking(monkeypatch, tmp_path):
     from ssdlocal.cli.resolve import backend_choice
 
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine())
     _healthy_llamacpp(monkeypatch, extra_bufts=False)
     choice = backend_choice(ModelOptions(target=str(tmp_path / "m.gguf")))
     assert (choice.target, choice.note) == ("llamacpp", "passed")

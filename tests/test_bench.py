@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.bench import run as bench_run
 from ssdlocal.bench.aggregate import aggregate, aggregate_all

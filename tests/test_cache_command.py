@@ -8,7 +8,7 @@ import fcntl
 import json
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 
 @pytest.fixture

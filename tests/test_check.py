@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 from ssdlocal.bench.check import Divergence, ModeRun, run_check
 from ssdlocal.core.config import ModelDraft
@@ -35,7 +35,7 @@ def _tok_only(src: Path, dst: Path, vocab_size: int | None = None) -> Path:
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     """Tokenizer variants of the tiny suite's tokenizer (384 tokens)."""
-    import tiny_models as tm
+    from support import tiny_models as tm
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 STATS_KEYS = {
     "tokens", "tokens_per_s", "ttft_s", "rounds", "acceptance_rate", "mean_accepted_len",
@@ -33,7 +33,7 @@ def gen(tiny: dict[str, Path], *extra: str) -> list[str]:
 @pytest.fixture(scope="session")
 def odd_checkpoints(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     """Checkpoints that must be refused: other vocabularies, an unsupported architecture."""
-    import tiny_models as tm
+    from support import tiny_models as tm
 
     root = tmp_path_factory.mktemp("odd_models")
     small = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,

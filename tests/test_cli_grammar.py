@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

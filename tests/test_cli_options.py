@@ -16,7 +16,7 @@ import dataclasses
 import os
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.cli import options
 from ssdlocal.core.config import EngineConfig, ModelSpec, NgramDraft, SpecConfig

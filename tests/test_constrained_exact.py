@@ -19,7 +19,7 @@ from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
 from ssdlocal.engine import Engine
 from ssdlocal.grammar.compiler import GrammarCompiler
 from ssdlocal.grammar.guide import Guides, unpack
-from drafts import draft_of
+from support.drafts import draft_of
 
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py

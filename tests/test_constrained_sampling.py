@@ -20,15 +20,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from stats_helpers import assert_distribution, assert_not_distribution
+from support.stats import assert_distribution, assert_not_distribution
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.engine import Engine
 from ssdlocal.grammar.compiler import GrammarCompiler
 from ssdlocal.grammar.guide import Guides, unpack
-from drafts import draft_of
-from test_engine_sampling import ExactJoint
+from support.drafts import draft_of
+from support.exact import ExactJoint
 
 pytest.importorskip("llguidance")
 
@@ -41,7 +41,7 @@ WORDS = r"[a-z]{1,3}(,[a-z]{1,3})*"  # what a token may be depends on the run of
 
 @pytest.fixture(scope="module")
 def models(tiny_dir, tmp_path_factory):
-    from tiny_models import make_low_entropy_pair
+    from support.tiny_models import make_low_entropy_pair
 
     return make_low_entropy_pair(tiny_dir["llama"], tmp_path_factory.mktemp("constrained_lowent"))
 

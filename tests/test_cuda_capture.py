@@ -231,7 +231,7 @@ def test_the_chat_worker_claims_the_targets_device_before_generating(monkeypatch
     import asyncio
     from dataclasses import replace
 
-    from fake_engine import FakeEngine, chat_settings, fake_config
+    from support.fake_engine import FakeEngine, chat_settings, fake_config
 
     from ssdlocal.tui.app import ChatApp
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.core.errors import PlacementError
 from ssdlocal.placement.inventory import GPU, DeviceInventory, detect, read_meminfo

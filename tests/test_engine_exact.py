@@ -29,7 +29,7 @@ from ssdlocal.core.config import (
 )
 from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 from ssdlocal.core.config import ModelDraft
 
 PROMPTS_1 = ["The quick brown fox"]

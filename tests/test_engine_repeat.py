@@ -17,7 +17,7 @@ from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

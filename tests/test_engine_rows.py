@@ -20,7 +20,7 @@ from ssdlocal.core.config import (
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent, RoundEvent, TokensEvent
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def foo(x):"]
 

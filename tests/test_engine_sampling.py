@@ -7,7 +7,7 @@ the same checkpoint), each conditional warped by `logits_to_probs` exactly as th
 engine warps p (temperature, top-p). Every pair (t1, t2) with probability >= 1/N is
 enumerated with all V choices of t3; all other triples form one "other" category whose
 probability is exactly 1 minus the rest (a triple is never likelier than its pair, so
-no category with >= 1 expected count hides in "other"). stats_helpers pools categories
+no category with >= 1 expected count hides in "other"). support/stats.py pools categories
 below 5 expected counts, and ALPHA = 1e-4 (a correct implementation fails < 1 in 10^4).
 
 Why three tokens: the first token comes from the prefill and the second from round 0,
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
-from stats_helpers import (
+from support.stats import (
     assert_distribution,
     assert_not_distribution,
     chi_square_pvalue,
@@ -49,23 +48,19 @@ from ssdlocal.core.config import (
     SamplingParams,
     SpecConfig,
 )
-from ssdlocal.core.events import DoneEvent, RoundEvent
-from ssdlocal.core.sampling import logits_to_probs, sample
+from ssdlocal.core.events import DoneEvent
+from ssdlocal.core.sampling import sample
 from ssdlocal.core.verify import Verdict, verify
 from ssdlocal.engine import Engine
 from ssdlocal.core.config import ModelDraft
+from support.exact import FAN, K, N, PROMPT, T1, ExactJoint, sample_outputs
 
-N = 2500
-K = 2
-PROMPT = "The quick brown fox"
-T1 = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
-FAN = (5, 2, 1)  # F_0..F_K: many candidates after a first-draft rejection
 
 
 @pytest.fixture(scope="module")
 def models(tiny_dir, tmp_path_factory):
     """(target, draft) directories: a low-entropy target and a deliberately different draft."""
-    from tiny_models import make_low_entropy_pair
+    from support.tiny_models import make_low_entropy_pair
 
     return make_low_entropy_pair(tiny_dir["llama"], tmp_path_factory.mktemp("lowent"))
 
@@ -87,57 +82,6 @@ def engine(models):
     torch.set_num_threads(old)
 
 
-class ExactJoint:
-    """Exact distribution of (t1, t2, t3) for one set of sampling params, as categories.
-
-    `allowed(generated, vocab)` (optional): a bool [V] mask of the tokens allowed after the
-    generated tokens `generated` (a grammar); the target's logits outside it are -inf
-    before the params warp them, as the engine's constrained rows do."""
-
-    def __init__(self, target_dir, prompt_ids: list[int], params: SamplingParams, n: int, allowed=None):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-        @torch.no_grad()
-        def next_probs(generated: list[list[int]]) -> torch.Tensor:  # -> [P, V]
-            ids = torch.tensor([prompt_ids + g for g in generated], dtype=torch.long)  # [P, L] (all the same length)
-            logits = model(input_ids=ids).logits[:, -1].float()  # [P, V]
-            if allowed is not None:
-                masks = torch.stack([allowed(g, logits.shape[-1]) for g in generated])  # [P, V]
-                logits = logits.masked_fill(~masks, float("-inf"))
-            return logits_to_probs(logits, params).double()
-
-        threshold = 1.0 / n
-        p1 = next_probs([[]])[0]  # [V]
-        firsts = [t for t in range(p1.numel()) if p1[t] >= threshold]
-        p2 = next_probs([[t] for t in firsts])  # [F, V]
-        pairs: list[tuple[int, int]] = []
-        pair_probs: list[float] = []
-        for i, t1 in enumerate(firsts):
-            for t2 in range(p2.shape[1]):
-                joint = float(p1[t1] * p2[i, t2])
-                if joint >= threshold:
-                    pairs.append((t1, t2))
-                    pair_probs.append(joint)
-        p3 = next_probs([list(pair) for pair in pairs])  # [P, V]
-        self.vocab = p3.shape[1]
-        self.pair_index = {pair: i for i, pair in enumerate(pairs)}
-        triple = torch.tensor(pair_probs, dtype=torch.float64).unsqueeze(1) * p3  # [P, V]
-        flat = triple.reshape(-1).numpy()
-        other = max(0.0, 1.0 - float(flat.sum()))
-        self.probs = np.append(flat, other)  # categories: pair_i * V + t3, then "other"
-        self.other = len(pairs) * self.vocab
-
-    def categories(self, outputs) -> np.ndarray:
-        out = np.empty(len(outputs), dtype=np.int64)
-        for j, o in enumerate(outputs):
-            t1, t2, t3 = o.token_ids
-            i = self.pair_index.get((t1, t2))
-            out[j] = self.other if i is None else i * self.vocab + t3
-        return out
-
-
 _JOINTS: dict = {}
 
 
@@ -147,19 +91,6 @@ def exact_joint(engine: Engine, models, params: SamplingParams) -> ExactJoint:
         prompt_ids = engine.encode(PROMPT, chat=False)
         _JOINTS[key] = ExactJoint(models[0], prompt_ids, params, N)
     return _JOINTS[key]
-
-
-def sample_outputs(engine: Engine, spec: SpecConfig, params: SamplingParams):
-    """N independent samples: one batch of the prompt repeated N times."""
-    rounds, done = [], None
-    for ev in engine.generate([PROMPT] * N, params, spec=spec):
-        if isinstance(ev, RoundEvent):
-            rounds.append(ev)
-        elif isinstance(ev, DoneEvent):
-            done = ev
-    assert done is not None and len(done.outputs) == N
-    assert all(len(o.token_ids) == 3 for o in done.outputs)
-    return done, rounds
 
 
 def ssd_spec(engine: Engine, **kw) -> SpecConfig:

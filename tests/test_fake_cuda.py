@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fake_cuda import CUDA, fake_cuda, to_fake_cuda
+from support.fake_cuda import CUDA, fake_cuda, to_fake_cuda
 from ssdlocal.backends.torch import attention
 from ssdlocal.backends.torch.model import ModelArgs, Transformer, causal_mask
 

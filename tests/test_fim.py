@@ -7,7 +7,7 @@ the text after the cursor.
 from __future__ import annotations
 
 import pytest
-from tiny_models import FIM_SPECIALS, build_tokenizer
+from support.tiny_models import FIM_SPECIALS, build_tokenizer
 
 from ssdlocal.draft.suffix import SuffixSource
 from ssdlocal.engine.fim import ContextFile, fim_prompt, fim_tokens
@@ -107,7 +107,7 @@ def test_suffix_drafting_proposes_from_the_text_after_the_cursor(tokenizers):
 
 
 def test_generate_fim_suffix_needs_a_fim_model_and_no_chat(tiny_dir, monkeypatch, capsys):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     code, out, err = run_cli(monkeypatch, capsys, "generate", "def f():", "--fim-suffix", "\n", "--target",
                              tiny_dir["llama"], "--dtype", "float32", "--mode", "ar",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 def offline_pair(tmp_path, monkeypatch):
     """The built-in pair's two GGUF files, replaced by tiny Q4_K_M qwen2 ones, in a fresh
     cache; `fetch_gguf` hands them out as the download would."""
-    import tiny_gguf
+    from support import tiny_gguf
 
     from ssdlocal.weights import assets
 

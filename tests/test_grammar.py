@@ -125,7 +125,7 @@ def test_the_model_drafter_drafts_what_the_grammar_allows(tiny_dir, compiler, to
     from ssdlocal.backends import registry
     from ssdlocal.core.config import ModelSpec, SamplingParams
     from ssdlocal.draft.sync import ModelDrafter
-    from drafts import row_views
+    from support.drafts import row_views
 
     runner = registry.make_runner(registry.load(ModelSpec(str(tiny_dir["draft_llama"]), dtype="float32")))
     grammar = compiler.regex("[0-9]{1,9}")
@@ -164,7 +164,7 @@ def test_a_compile_past_the_limit_is_killed_and_the_queue_is_bounded(tokenizer):
     refused at once as busy."""
     import threading
 
-    from grammar_children import hanging_serve
+    from support.grammar_children import hanging_serve
 
     from ssdlocal.grammar.pool import CompilePool
 

@@ -24,7 +24,7 @@ from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 from ssdlocal.core.config import ModelDraft
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -117,7 +117,7 @@ def test_kv_cache_growth_in_the_middle_of_an_answer(tiny_dir, monkeypatch):
 
 
 def test_five_sequential_and_four_concurrent_server_requests(tiny_dir, monkeypatch):
-    from server_helpers import LiveServer
+    from support.server import LiveServer
 
     def ask(server, prompt):
         done = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)

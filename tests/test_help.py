@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 COMMANDS = ["generate", "bench", "chat", "race", "serve", "pairs", "pull", "devices", "check"]
 

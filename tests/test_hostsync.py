@@ -19,7 +19,7 @@ from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, 
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.core.hostsync import Audit, HostWaits
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -159,7 +159,7 @@ def test_audit_counts_reads_once_and_staged_uploads_as_no_wait():
 
 def test_uploads_to_cuda_are_staged_and_non_blocking(monkeypatch):
     """The CUDA branch (on CUDA-shaped fakes): pinned when CUDA is there, non_blocking, no wait."""
-    from fake_cuda import CUDA, fake_cuda
+    from support.fake_cuda import CUDA, fake_cuda
 
     seen = []
     original = torch.Tensor.to

@@ -1,6 +1,6 @@
 """llama.cpp is probed in a child process before it is trusted (backends/llamacpp/probe.py).
 
-A fake llama-cpp-python (tests/fake_llama_cpp) stands in for the native library: one that
+A fake llama-cpp-python (tests/support/fake_llama_cpp) stands in for the native library: one that
 works, one whose first evaluation dies of SIGSEGV or SIGABRT, one that crashes or hangs
 only with CPU weight repacking on. Checked: the verdicts and their one-line reasons, the
 retry with repacking off (and that LlamaLib then loads models with it off), the cache
@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 from ssdlocal.backends.llamacpp import probe
 from ssdlocal.cli.resolve import ModelOptions, backend_choice
 from ssdlocal.core.errors import ModelLoadError
 
-FAKE = Path(__file__).resolve().parent / "fake_llama_cpp"
+FAKE = Path(__file__).resolve().parent / "support" / "fake_llama_cpp"
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_damaged_or_foreign_cache_is_not_trusted(fake_lib, monkeypatch):
 
 # --------------------------------------------------------------------------- choosing
 def _cpu_only(monkeypatch):
-    from test_auto import _machine
+    from support.devices import machine as _machine
 
     monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: _machine())
 
@@ -191,12 +191,12 @@ def test_cli_auto_runs_on_torch_when_llamacpp_crashes(fake_lib, monkeypatch, cap
     """A GGUF with every choice left to `auto` on a CPU-only machine whose llama.cpp dies:
     the command runs to its end on the torch backend and says why in one line."""
     pytest.importorskip("gguf")
-    from test_assets import _write_tiny_gguf
+    from support.tiny_gguf import write_tiny_gguf
 
     _cpu_only(monkeypatch)
     fake_lib("segv")
     target = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(target)
+    write_tiny_gguf(target)
     args = ["generate", "the cat", "--target", target, "--max-new-tokens", "4", "--json"]
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err

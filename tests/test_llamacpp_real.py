@@ -40,10 +40,10 @@ def private_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    from test_assets import _write_tiny_gguf
+    from support.tiny_gguf import write_tiny_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2-f32.gguf"
-    _write_tiny_gguf(path)
+    write_tiny_gguf(path)
     return path
 
 

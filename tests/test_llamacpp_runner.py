@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
 from ssdlocal.backends.llamacpp import loader as gguf_loader
@@ -485,13 +485,13 @@ def test_package_does_not_import_llama_cpp():
 
 def test_unknown_architecture_named(tmp_path, monkeypatch):
     """A GGUF transformers cannot build a tokenizer for: the error names its architecture."""
-    from test_assets import _write_tiny_gguf
+    from support.tiny_gguf import write_tiny_gguf
 
     from ssdlocal.core.errors import UnsupportedArchitectureError
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "odd.gguf"
-    _write_tiny_gguf(path, arch="mamba9")
+    write_tiny_gguf(path, arch="mamba9")
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
         gguf_loader.gguf_tokenizer(path)
 

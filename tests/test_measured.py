@@ -15,13 +15,13 @@ import os
 import shutil
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.core import measured
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 from ssdlocal.core.measured import MeasuredStore, positive_seconds
 from ssdlocal.engine import Engine, auto
-from drafts import draft_of
+from support.drafts import draft_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

@@ -141,7 +141,7 @@ def test_model_args_from_configs(tiny_dir):
 
 
 def test_sharded_checkpoint_and_bf16(tiny_dir, tmp_path):
-    from tiny_models import make_tiny_checkpoint
+    from support.tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "sharded", "qwen2", seed=1, max_shard_size="50KB",
                                 tokenizer_dir=tiny_dir["qwen2"])

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.weights.hub import resolve_pair_paths

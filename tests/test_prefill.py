@@ -18,7 +18,7 @@ from ssdlocal.backends.torch.quant import QuantLinear, quantize
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from host_reads import HostReads
+from support.host_reads import HostReads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -57,7 +57,7 @@ def test_an_expanded_linear_equals_its_kernel(scheme, dtype):
 @pytest.fixture(scope="module")
 def long_context(tiny_dir, tmp_path_factory):
     """The tiny llama with a 4096-token context."""
-    from tiny_models import copy_with_context
+    from support.tiny_models import copy_with_context
 
     return str(copy_with_context(tiny_dir["llama"], tmp_path_factory.mktemp("long") / "llama", 4096))
 

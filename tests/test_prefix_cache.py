@@ -23,7 +23,7 @@ from ssdlocal.core.config import PREFIX_CACHE_TOKENS, EngineConfig, Mode, ModelS
 from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 B = BLOCK_TOKENS
@@ -330,7 +330,7 @@ def test_forget_prefixes_empties_the_cache(models):
 
 
 def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeypatch, capsys):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     from ssdlocal.backends.torch import runner as runner_mod
 

@@ -37,7 +37,8 @@ from ssdlocal.weights.formats.arch import architecture
 from ssdlocal.weights.formats.gguf import gguf_scheme
 
 gguf = pytest.importorskip("gguf")
-import tiny_gguf
+from support import tiny_gguf
+from support.quant import dequantized_copy, effective_weight
 
 IDS = torch.tensor([[5, 17, 200, 3, 99, 12, 40, 41, 42, 43, 100, 7]])
 # torch's CPU int4 kernel (and so its weight layout) follows the instruction set it dispatches
@@ -57,13 +58,6 @@ def logits(loaded, dtype=torch.float32) -> torch.Tensor:
     loaded.model.setup_cache(1, t, dtype, "cpu")
     mask = torch.ones(1, t, t, dtype=torch.bool).tril()
     return loaded.model(IDS, pos, pos, mask).float()  # [1, T, V]
-
-
-def effective_weight(lin: QuantLinear) -> torch.Tensor:
-    """W [N, K] as the kernel applies it (fp32 modules): the outputs for the unit inputs."""
-    eye = torch.eye(lin.in_features)
-    bias = 0 if lin.bias is None else lin.bias
-    return (lin(eye) - bias).t()
 
 
 # --------------------------------------------------------------------------- units
@@ -145,26 +139,6 @@ def test_tensor_parallel_slices_compose():
 # --------------------------------------------------------------------------- tiny models
 
 
-def _dequantized_copy(src: Path, dst: Path, loaded) -> Path:
-    """A float checkpoint whose linears hold `loaded`'s quantized weights, de-quantized."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    state = {}
-    for f in sorted(dst.glob("*.safetensors")):
-        state.update(load_file(f))
-        f.unlink()
-    for name, module in loaded.model.named_modules():
-        if isinstance(module, QuantLinear):
-            key = name if name == "lm_head" else f"model.{name}"
-            state[f"{key}.weight"] = effective_weight(module).contiguous()
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["tie_word_embeddings"] = False  # the quantized lm_head is its own matrix
-    (dst / "config.json").write_text(json.dumps(cfg))
-    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_tiny_model(tiny_dir, tmp_path, arch, scheme):
@@ -176,7 +150,7 @@ def test_quantized_tiny_model(tiny_dir, tmp_path, arch, scheme):
     assert len(names) == 7 * quant.args.num_layers + 1  # all projections and lm_head
     assert isinstance(quant.model.embed_tokens.weight, torch.nn.Parameter)  # stays float
     q_logits = logits(quant)
-    same = load_model(_dequantized_copy(tiny_dir[arch], tmp_path / "deq", quant), "cpu", "float32")
+    same = load_model(dequantized_copy(tiny_dir[arch], tmp_path / "deq", quant), "cpu", "float32")
     assert (logits(same) - q_logits).abs().max() < 1e-4
     # random tiny models spread weights evenly, the worst case for 4 bits
     rel = float(((q_logits - float_logits).pow(2).mean() / float_logits.pow(2).mean()).sqrt())

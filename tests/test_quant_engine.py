@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 from ssdlocal.core.config import (
     EngineConfig,
@@ -21,7 +21,7 @@ from ssdlocal.core.config import (
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 from ssdlocal.core.config import ModelDraft, NgramDraft
 
 PROMPTS = ["hello world, def foo(x):", "Once upon a time there was a little model that"]
@@ -82,7 +82,7 @@ def test_tp2_quantized_equals_tp1(tiny_dir, tmp_path, monkeypatch, scheme):
     (quantized embedding, int4 column slices of o_proj/down_proj read from the cache)."""
     path, quantization = str(tiny_dir["qwen2"]), scheme
     if scheme == "gguf":
-        import tiny_gguf
+        from support import tiny_gguf
 
         monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))  # read by the ranks too
         model = tiny_gguf.make_hf_model("qwen2", seed=4, tie=True)
@@ -109,14 +109,14 @@ def test_tp2_quantized_equals_tp1(tiny_dir, tmp_path, monkeypatch, scheme):
 def quantized_models(tiny_dir, tmp_path_factory):
     """(target dir, draft dir, reference dir): the low-entropy pair (tiny_models), and a
     float copy holding the int4 target's dequantized weights."""
-    from test_quant import _dequantized_copy
-    from tiny_models import make_low_entropy_pair
+    from support.quant import dequantized_copy
+    from support.tiny_models import make_low_entropy_pair
 
     from ssdlocal.backends.torch.loader import load_model
 
     target, draft = make_low_entropy_pair(tiny_dir["llama"], tmp_path_factory.mktemp("quant-lowent"))
     quant = load_model(target, "cpu", "float32", "int4")
-    reference = _dequantized_copy(target, tmp_path_factory.mktemp("deq") / "ref", quant)
+    reference = dequantized_copy(target, tmp_path_factory.mktemp("deq") / "ref", quant)
     return target, draft, reference
 
 
@@ -131,8 +131,8 @@ def sampling_engine(quantized_models):
 
 @pytest.mark.parametrize("mode", ["ssd"])  # SSD: cache hits, and SD (jit backup) on misses
 def test_sampling_matches_quantized_target_distribution(sampling_engine, quantized_models, mode):
-    import test_engine_sampling as ts
-    from stats_helpers import assert_distribution
+    from support import exact as ts
+    from support.stats import assert_distribution
 
     _, draft, reference = quantized_models
     params = replace(ts.T1, seed=7 if mode == "sd" else 8)
@@ -229,7 +229,7 @@ def test_check_and_bench_on_quantized_target(monkeypatch, capsys, tiny_dir, tmp_
 
 def test_pull_prepares_the_quantized_cache(monkeypatch, capsys, tmp_path):
     """`pull` of the offline (GGUF) pair builds what `generate --quantization auto` loads."""
-    import tiny_gguf
+    from support import tiny_gguf
 
     from ssdlocal.weights import assets
 

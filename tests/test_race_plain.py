@@ -4,7 +4,7 @@ each step (loading, warm-up, each mode's run) shown on stderr, the answer on std
 from __future__ import annotations
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.tui.race import COLUMNS, RaceRow, summary_table
 

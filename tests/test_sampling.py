@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats_helpers import assert_distribution, assert_not_distribution
+from support.stats import assert_distribution, assert_not_distribution
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 pytest.importorskip("uvicorn")
 
@@ -102,7 +102,7 @@ def test_a_non_loopback_host_warns_without_an_api_key(monkeypatch, capsys, tmp_p
 
 
 def test_api_key_is_required_when_set(tiny_dir):
-    from server_helpers import MODEL, LiveServer
+    from support.server import MODEL, LiveServer
 
     from ssdlocal.core.config import EngineConfig, ModelSpec
 

@@ -7,7 +7,7 @@
 - bad requests get OpenAI's error body and the next request still succeeds;
 - /metrics parses as Prometheus text and its counters move.
 
-Servers run in this process on 127.0.0.1 and a free port (tests/server_helpers.py),
+Servers run in this process on 127.0.0.1 and a free port (tests/support/server.py),
 one per mode for the module, and are stopped at its end.
 """
 
@@ -18,14 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cli_helpers import run_cli
-from server_helpers import MODEL, LiveServer
+from support.cli import run_cli
+from support.server import MODEL, LiveServer
 
 openai = pytest.importorskip("openai")
 parser = pytest.importorskip("prometheus_client.parser")
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
-from drafts import draft_of
+from support.drafts import draft_of
 
 PROMPTS = [
     "The quick brown fox",

@@ -18,10 +18,10 @@ import json
 import urllib.request
 
 import pytest
-from cli_helpers import run_cli
-from drafts import draft_of
-from server_helpers import MODEL, LiveServer
-from tiny_models import make_fim_checkpoint
+from support.cli import run_cli
+from support.drafts import draft_of
+from support.server import MODEL, LiveServer
+from support.tiny_models import make_fim_checkpoint
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
 

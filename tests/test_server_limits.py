@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from server_helpers import MODEL, LiveServer
+from support.server import MODEL, LiveServer
 
 openai = pytest.importorskip("openai")
 

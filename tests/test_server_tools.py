@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
-from drafts import draft_of
-from grammar_children import hanging_serve
-from server_helpers import MODEL, LiveServer
+from support.drafts import draft_of
+from support.grammar_children import hanging_serve
+from support.server import MODEL, LiveServer
 
 from ssdlocal.grammar.pool import CompilePool
 from ssdlocal.server.tools import MAX_FORCED_CALLS

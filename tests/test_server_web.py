@@ -18,7 +18,7 @@ import socket
 import time
 
 import pytest
-from server_helpers import MODEL, LiveServer
+from support.server import MODEL, LiveServer
 
 pytest.importorskip("uvicorn")
 

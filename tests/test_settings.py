@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 from ssdlocal.cli.settings import load_config
 from ssdlocal.core.errors import UsageError

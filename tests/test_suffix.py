@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from drafts import draft_of
+from support.drafts import draft_of
 from ssdlocal.core.config import (
     EngineConfig,
     MemorySettings,

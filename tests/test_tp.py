@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import run_cli
-from host_reads import HostReads
+from support.cli import run_cli
+from support.host_reads import HostReads
 
 from ssdlocal.core.config import (
     EngineConfig,
@@ -35,7 +35,7 @@ from ssdlocal.ipc.qchannel import choose_q_channel, make_q_channel, write_q
 from ssdlocal.parallel.group import backend_for
 from ssdlocal.placement.devarg import format_devices, parse_devices, plan_flags
 from ssdlocal.placement.inventory import GPU, DeviceInventory
-from drafts import draft_of, row_views
+from support.drafts import draft_of, row_views
 from ssdlocal.core.config import NgramDraft
 
 PROMPTS = ["The quick brown fox", "hello world, def foo(x):"]
@@ -308,7 +308,7 @@ def test_bench_target_devices(tiny_dir, monkeypatch, capsys, tmp_path):
 
 
 def test_ctrl_c_during_tp_generate(tiny_dir):
-    from processes import interrupt_while_streaming, wait_gone
+    from support.processes import interrupt_while_streaming, wait_gone
 
     cmd = [sys.executable, "-m", "ssdlocal", "generate", "Hello world", "--target", str(tiny_dir["llama"]),
            "--mode", "ar", "--dtype", "float32", "--max-new-tokens", "490", "--ignore-eos",

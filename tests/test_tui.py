@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("textual")
 
-from fake_engine import WORDS, FakeEngine, chat_settings, fake_config
+from support.tui import asynctest, settle
+from support.fake_engine import WORDS, FakeEngine, chat_settings, fake_config
 
 from ssdlocal.core.config import Mode, SamplingParams
 from ssdlocal.core.errors import DraftWorkerError, ModelLoadError, UsageError
@@ -27,33 +28,10 @@ from ssdlocal.tui.widgets.transcript import AnswerText
 SIZE = (120, 36)
 
 
-def asynctest(fn):
-    """Run an async test with asyncio.run (no pytest async plugin needed)."""
-    import asyncio
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
-
-
 def chat_app(engine: FakeEngine, **settings) -> ChatApp:
     settings.setdefault("max_new_tokens", 40)
     chat = chat_settings(draft=engine.config.spec.draft, **settings)
     return ChatApp(lambda: engine, engine.config, chat)
-
-
-async def settle(pilot) -> None:
-    """Wait for the loading thread (not a Textual worker), then for the workers."""
-    for _ in range(500):
-        if not getattr(pilot.app, "loading", False):
-            break
-        await pilot.pause(0.01)
-    await pilot.pause()
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause()
 
 
 async def ready(pilot) -> ChatScreen:

@@ -18,7 +18,7 @@ from ssdlocal.core.config import (
     SamplingParams,
     SpecConfig,
 )
-from drafts import draft_of
+from support.drafts import draft_of
 from ssdlocal.core.config import ModelDraft
 
 

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("textual")
 
-from fake_engine import FakeEngine, chat_settings
-from test_tui import asynctest, settle
+from support.fake_engine import FakeEngine, chat_settings
+from support.tui import asynctest, settle
 
 from ssdlocal.core.config import Mode
 from ssdlocal.placement.mode import placement_mode

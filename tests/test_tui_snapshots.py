@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
 
-from fake_engine import FakeEngine, chat_settings
+from support.fake_engine import FakeEngine, chat_settings
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.errors import OutOfMemoryError

@@ -1,6 +1,6 @@
 """Losslessness of verify(): chi-square tests on tiny vocabularies, greedy exactness.
 
-Every statistical assertion fails only when its p-value is < 1e-4 (see stats_helpers),
+Every statistical assertion fails only when its p-value is < 1e-4 (see support/stats.py),
 so a correct verify fails fewer than 1 in 10^4 runs per assertion; seeds are fixed so
 CI is deterministic. Large batches B replace Python loops over trials.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from stats_helpers import (
+from support.stats import (
     ALPHA,
     assert_distribution,
     assert_not_distribution,

@@ -29,7 +29,7 @@ from ssdlocal.core.events import DoneEvent, RoundEvent
 from ssdlocal.draft.ssd import client as ssd
 from ssdlocal.engine import Engine
 from ssdlocal.core.config import ModelDraft
-from processes import children_of, interrupt_while_streaming, process_gone, read_until_output, wait_gone
+from support.processes import children_of, interrupt_while_streaming, process_gone, read_until_output, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and signals")
 

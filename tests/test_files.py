@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
-from test_assets import tiny_gguf  # noqa: F401 - a tiny Qwen2 GGUF fixture
+from support.cli import assert_clean_error, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 _TQDM = ("Quantizing", "Converting", "quantize", "convert", "\r")  # progress bars on stderr

@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent, ModeEvent

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
 from ssdlocal.core.errors import OutOfMemoryError, UsageError

@@ -9,7 +9,7 @@ from there); llama.cpp interleaves its q/k rows as it does llama's.
 Checkpoints are written from a llama checkpoint with the hand-written renames below, not
 with the description, so loading them tests the description.
 
-As a script it checks tensor parallelism: `python tests/renamed_arch.py RENAMED LLAMA`
+As a script it checks tensor parallelism: `python tests/support/renamed_arch.py RENAMED LLAMA`
 prints the greedy tokens of TP=2 and TP=1 runs as JSON. Tensor-parallel ranks are spawned
 processes that run this file again as their main module, so the description is
 registered in every rank too, as it would be were it in ssdlocal's table.

@@ -14,7 +14,7 @@ import pytest
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.engine import Engine
-from drafts import draft_of
+from support.drafts import draft_of
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -81,7 +81,7 @@ def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypat
 @pytest.fixture(scope="module")
 def short_draft(tiny_dir, tmp_path_factory):
     """The tiny draft with a 64-position context (the target keeps 512)."""
-    from tiny_models import copy_with_context
+    from support.tiny_models import copy_with_context
 
     return copy_with_context(tiny_dir["draft_llama"], tmp_path_factory.mktemp("short") / "draft", 64)
 

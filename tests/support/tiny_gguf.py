@@ -223,3 +223,55 @@ def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: 
     w.write_tensors_to_file()
     w.close()
     return path, params
+
+
+def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
+    """A random 2-layer Qwen2 as an F32 GGUF; returns the HF model it was made from."""
+    import gguf
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokens, merges = byte_vocab()
+    cfg = Qwen2Config(
+        vocab_size=len(tokens),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(128)
+    w.add_embedding_length(32)
+    w.add_block_count(2)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    for hf_name, tensor in model.state_dict().items():
+        stem, suffix = hf_name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(stem)}.{suffix}", tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model

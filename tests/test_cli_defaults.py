@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from cli_helpers import run_cli
+from support.cli import run_cli
 
 from ssdlocal.cli import bench, check, generate, options, serve, tui
 

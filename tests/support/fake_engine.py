@@ -37,7 +37,7 @@ from ssdlocal.core.events import (
     TokensEvent,
 )
 from ssdlocal.core.stats import RunStats
-from drafts import draft_of
+from support.drafts import draft_of
 
 _TEXT = (
     "Speculative decoding lets a small draft model propose several tokens that the large "

@@ -73,7 +73,7 @@ _GOOD = '[target]\nrepo = "org/t"\n[draft]\nrepo = "org/d"\n'
      "`llamacpp.target.filename` must be a non-empty string"),
 ])
 def test_pair_files_are_checked_against_a_schema(monkeypatch, capsys, tmp_path, content, needle):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     pair = tmp_path / "mine.toml"
     pair.write_text(content)
@@ -82,7 +82,7 @@ def test_pair_files_are_checked_against_a_schema(monkeypatch, capsys, tmp_path, 
 
 
 def test_a_user_pair_cannot_shadow_a_built_in_one(monkeypatch, capsys, tmp_path):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.delenv("SSDLOCAL_PAIRS_PATH", raising=False)
@@ -96,7 +96,7 @@ def test_a_user_pair_cannot_shadow_a_built_in_one(monkeypatch, capsys, tmp_path)
 
 
 # --------------------------------------------------------------------------- hub and lock
-from test_hub import COMMIT, hub  # noqa: E402,F401 - the fake hub fixture
+from support.hub import COMMIT  # noqa: E402
 
 NEW_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
@@ -111,7 +111,7 @@ def test_pull_locks_the_commit_and_every_file(monkeypatch, capsys, hub, tmp_path
     import hashlib
     import json
 
-    from cli_helpers import run_cli
+    from support.cli import run_cli
 
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
     assert code == 0, err
@@ -129,7 +129,7 @@ def test_pull_locks_the_commit_and_every_file(monkeypatch, capsys, hub, tmp_path
 
 
 def test_a_changed_file_is_refused_on_load(monkeypatch, capsys, hub, tmp_path):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     from ssdlocal.core.errors import AssetError
     from ssdlocal.weights.hub import resolve_pair_paths
@@ -153,7 +153,7 @@ def test_a_changed_file_is_refused_on_load(monkeypatch, capsys, hub, tmp_path):
 
 
 def test_a_moved_revision_is_refused_until_update(monkeypatch, capsys, hub, tmp_path):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     from ssdlocal.weights.hub import resolve_pair_paths
 
@@ -176,7 +176,7 @@ def test_a_moved_revision_is_refused_until_update(monkeypatch, capsys, hub, tmp_
 def test_a_malformed_lock_entry_is_a_clean_error_and_pairs_still_lists(monkeypatch, capsys, hub, tmp_path, entry):
     """A malformed entry is never trusted nor silently dropped (that would trust the next
     download); plain `ssdlocal pairs` lists the pairs, without that model's commit."""
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     assert run_cli(monkeypatch, capsys, "pull", "fake-pair")[0] == 0
     path = tmp_path / "config" / "pairs.lock.json"
@@ -193,7 +193,7 @@ def test_a_malformed_lock_entry_is_a_clean_error_and_pairs_still_lists(monkeypat
 
 
 def test_gguf_pull_is_locked_too(monkeypatch, capsys, hub, tmp_path):
-    from cli_helpers import run_cli
+    from support.cli import run_cli
 
     assert run_cli(monkeypatch, capsys, "pull", "fake-pair", "--backend", "llamacpp")[0] == 0
     entry = _lock(tmp_path)["fake-pair/llamacpp/draft"]
@@ -201,7 +201,7 @@ def test_gguf_pull_is_locked_too(monkeypatch, capsys, hub, tmp_path):
 
 
 def test_a_missing_gguf_file_on_the_hub_names_the_key_to_fix(monkeypatch, capsys, hub, tmp_path):
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     (hub.remote / "org/draft-gguf/draft-Q8_0.gguf").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair", "--backend", "llamacpp")
@@ -226,7 +226,6 @@ def test_an_invalid_repo_id_reaching_the_hub_client_is_a_usage_error(monkeypatch
 
 
 # --------------------------------------------------------------------------- GGUF conversion
-from test_assets import tiny_gguf  # noqa: E402,F401 - a tiny Qwen2 GGUF fixture
 
 
 def test_two_converters_of_one_file_convert_it_once(tiny_gguf, tmp_path, monkeypatch):
@@ -283,7 +282,7 @@ def test_a_full_disk_during_conversion_is_a_clean_error(monkeypatch, capsys, tin
     import errno
 
     import safetensors.torch
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
 
@@ -303,7 +302,7 @@ def test_a_damaged_cached_conversion_is_converted_again_saying_so(monkeypatch, c
     """Its files are checked against the crc32s recorded when it was written: a damaged
     one is never used (no silent wrong answer), it is rebuilt with one warning; passed
     directly as --target (no source to rebuild from) it is an error naming it."""
-    from cli_helpers import assert_clean_error, run_cli
+    from support.cli import assert_clean_error, run_cli
 
     from ssdlocal.weights.formats.convert import ensure_converted
 
@@ -330,7 +329,6 @@ def test_a_damaged_cached_conversion_is_converted_again_saying_so(monkeypatch, c
 
 
 # --------------------------------------------------------------------------- PyPI wheels
-from test_assets import fake_asset, pip_calls  # noqa: E402,F401 - fake wheels and pip
 
 
 def _seed_wheels(src: Path, cache: Path, damage) -> Path:
@@ -400,7 +398,7 @@ def _with_added_token(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize("side", ["draft", "target"])
 def test_an_added_token_past_the_embedding_rows_is_only_a_warning(monkeypatch, capsys, tiny_dir,
                                                                   tmp_path, side):
-    from cli_helpers import run_cli
+    from support.cli import run_cli
 
     from ssdlocal.weights.compat import check_paths
 
