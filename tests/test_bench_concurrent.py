@@ -23,8 +23,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
-from processes import process_gone
+from support.cli import assert_clean_error, run_cli
+from support.processes import process_gone
 
 from ssdlocal.bench import servers
 from ssdlocal.bench.concurrent import ConcurrentSettings, percentile, run_concurrent, summarize
@@ -211,7 +211,7 @@ def test_timings_come_from_the_servers_real_delays(fake_peer, started, tmp_path)
 
 
 def test_ssdlocal_serve_and_the_peer_through_the_cli(fake_peer, started, tmp_path, monkeypatch, capsys):
-    from tiny_models import make_fim_checkpoint
+    from support.tiny_models import make_fim_checkpoint
 
     model = make_fim_checkpoint(tmp_path / "m", "qwen")
     _tool_template(model)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 
 from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import Backup, Mode, ModelSpec, SpecConfig

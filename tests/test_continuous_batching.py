@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from drafts import draft_of
+from support.drafts import draft_of
 
 from ssdlocal.backends.prefix import BLOCK_TOKENS
 from ssdlocal.core.config import (
@@ -247,7 +247,7 @@ def test_verify_groups_equals_each_group_on_its_own():
 
 # ----------------------------------------------------------------------------- server
 def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypatch):
-    from server_helpers import MODEL, LiveServer
+    from support.server import MODEL, LiveServer
 
     live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]), dtype="float32"), pin_cpus=False))
     try:

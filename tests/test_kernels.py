@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import assert_clean_error, run_cli
+from support.cli import assert_clean_error, run_cli
 from ssdlocal.cli import kernels
 from ssdlocal.cli.kernels import Toolchain, build_progress, ensure_llamacpp
 from ssdlocal.core.errors import ModelLoadError
