@@ -166,6 +166,8 @@ class ModelDrafter:
             logits = self.runner.step(ids, bound)[rows, staged[:, 0]]  # [B, V_d]; padding writes past each row
             first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
             self.runner.advance(staged[:, 2])
+        if first is None:  # every row lacks at least its bonus token
+            raise ValueError("nothing to catch up on")
         return first
 
     def observe(self, outcome: RoundOutcome, adopted: Sequence[bool] | None = None) -> None:

@@ -153,13 +153,16 @@ class Speculator:
                                probs=lambda logits, j: self._probs(logits, fan[j]))  # fmt: skip
         bound = max(self.runner.cached(b) for b in range(len(self.rows))) + self.k
         drafted = decoder.decode(first, bound, keep_logits=True)
+        predicted = drafted.logits  # [B, K, V]
+        if predicted is None:  # keep_logits=True keeps them
+            raise ValueError("the draft decoder dropped its logits")
         tokens = self.site.read(drafted.tokens)  # [B, K]: the one host transfer
         self.runner.end_steps({b: tokens[b][: self.k - 1] for b in which})  # d_1..d_{K-1} cached
         for b in which:
             row = self.rows[b]
             row.proposal = tokens[b]
             row.q = None if drafted.q is None else drafted.q[b]  # [K, V]
-            row.pred.update({len(row.seq) + j: drafted.logits[b, j] for j in range(self.k)})
+            row.pred.update({len(row.seq) + j: predicted[b, j] for j in range(self.k)})
             row.from_hit = False
 
     # ------------------------------------------------------------- pre-speculation
