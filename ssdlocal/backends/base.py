@@ -33,6 +33,9 @@ class Runner(Protocol):
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
 
+    def holds(self, row: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens`' first tokens row `row`'s cache holds (in order)."""
+
     def feed(self, rows: Sequence[Sequence[int]], logits: str = "all", progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
         `logits` "all" [len(rows[b]), V], "last" [1, V] (its last token), "none" [0, V].

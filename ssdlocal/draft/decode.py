@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ssdlocal.backends.base import Runner
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sampling import logits_to_probs, sample
 
@@ -55,7 +56,7 @@ class DraftDecoder:
     drafts follow a grammar and q is what they were drawn from.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int,
+    def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int,
                  generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.k = k

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ssdlocal.backends.base import Runner
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
@@ -81,7 +82,7 @@ class ModelDrafter:
     grammar, one read of each draft the matcher walks.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
+    def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
                  audit: Audit | None = None) -> None:  # fmt: skip
         self.runner = runner  # backends.base.Runner of the draft model
         audit = audit or Audit()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlocal.backends.base import SlotLayout
+from ssdlocal.backends.base import Runner, SlotLayout
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
@@ -80,7 +80,7 @@ class Speculator:
     automatic fan-out each poll for an early outcome waits for the previous tree step (by
     design: counted too)."""
 
-    def __init__(self, runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
+    def __init__(self, runner: Runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
         self.runner = runner
         self.site = (audit or Audit()).site("worker")
         self.k = start.k
