@@ -72,7 +72,8 @@ def sample(pid):
     return cpu, rss, threads, len(pids)
 for _ in range(120):
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2); break
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        break
     except Exception:
         time.sleep(1)
 print("ready", post({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -89,7 +90,10 @@ for rnd in range(3):
                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
         results.append((status, body.get("error", {}).get("code"), round(time.time() - t, 1)))
     ts = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-    [t.start() for t in ts]; [t.join() for t in ts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
     print("round", rnd, sorted(results))
 t0 = time.time()
 c0, r0, th0, p0 = sample(server.pid)
@@ -98,4 +102,5 @@ c1, r1, th1, p1 = sample(server.pid)
 print(f"idle 30 s after the rounds: CPU {c1 - c0:.1f} s, rss {r0:.0f} -> {r1:.0f} MB, threads {th0} -> {th1}, processes {p1}")
 s, _ = post({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 print("plain request after:", s)
-server.terminate(); server.wait(30)
+server.terminate()
+server.wait(30)

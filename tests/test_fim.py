@@ -71,8 +71,8 @@ def test_repository_level_prompt_names_repo_and_files_like_llama_cpp(tokenizers)
     t = fim_tokens(tok)
     extra = [ContextFile("util.py", "def helper():\n    return 1\n")]
     ids = fim_prompt(tok, t, "a = ", "\n", prompt="hel", extra=extra)
-    expected = (f"<|repo_name|>myproject\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
-                f"<|file_sep|>filename\n<|fim_prefix|>a = hel<|fim_suffix|>\n<|fim_middle|>")  # fmt: skip
+    expected = ("<|repo_name|>myproject\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
+                "<|file_sep|>filename\n<|fim_prefix|>a = hel<|fim_suffix|>\n<|fim_middle|>")  # fmt: skip
     assert tok.decode(ids) == expected
     bare = fim_prompt(tok, t, "a = ", "\n", repo_level=True)  # /infill names them even with no files
     assert tok.decode(bare).startswith("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>")

@@ -18,7 +18,7 @@ from ssdlocal.core.sequence import Row
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
 from ssdlocal.engine.shape import Shaper, make_shaper
-from support.scripted import Names, ScriptedRunner, TableDrafter, follow
+from support.scripted import Names, ScriptedRunner, TableDrafter
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None)

@@ -53,6 +53,9 @@ class Runner(Protocol):
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
 
+    def holds(self, row: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens`' first tokens row `row`'s cache holds (in order)."""
+
     def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache; per row float32 logits on the runner's device:
         `logits` ALL [len(rows[b]), V], LAST [1, V] (its last token), NONE [0, V].

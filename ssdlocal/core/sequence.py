@@ -9,9 +9,18 @@ is one full decode.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ssdlocal.core.config import SamplingParams
+
+
+class Decoder(Protocol):
+    """What a row needs of a tokenizer: token ids -> text (a transformers tokenizer, or
+    the llama.cpp backend's, has it)."""
+
+    def decode(self, ids: Sequence[int], /, *, skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass
@@ -21,7 +30,7 @@ class Row:
     prompt: list[int]
     params: SamplingParams
     eos_ids: frozenset[int]
-    tokenizer: object
+    tokenizer: Decoder
     budget: int | None = None  # new tokens allowed when params.max_new_tokens is None
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -12,12 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ssdlocal.backends.base import Runner
 from ssdlocal.core.events import SsdRound
 from ssdlocal.core.hostsync import detached_site
+
+if TYPE_CHECKING:  # annotations only: no import of these at run time
+    from ssdlocal.core.hostsync import Audit
+    from ssdlocal.core.verify import Verdict
+    from ssdlocal.grammar.guide import Guides
+    from ssdlocal.speculation.adaptive import CostModel
+    from ssdlocal.speculation.suffix import SuffixMemory
 
 @dataclass(frozen=True)
 class Proposal:
@@ -88,7 +96,7 @@ class RoundOutcome:
     n_accepted: tuple[int, ...]
     bonus: tuple[int, ...]
     active: tuple[bool, ...]
-    verdict: object = None
+    verdict: Verdict | None = None
     draft_s: float = 0.0  # the round's proposal time
     verify_s: float = 0.0  # the round's scoring + verification + read-back time
 
@@ -126,14 +134,16 @@ class DraftResources:
     """What the engine offers the drafter of one call (a builder takes what it needs)."""
 
     target_vocab: int
-    target_device: object  # torch.device where the target verifies
+    target_device: torch.device  # where the target verifies
     target_device_name: str  # rank 0 of the target, as configured ("cpu", "cuda:N")
     batch: int
     num_slots: int  # the target's main slots per row (SlotLayout.for_generation)
-    draft_runner: Callable[[], object]  # the draft model in this process (loaded on demand)
-    worker: Callable[[], object]  # the SSD draft worker (started on demand)
-    memory: object = None  # speculation.suffix.SuffixMemory: the engine's, across calls
-    costs: object = None  # speculation.adaptive.CostModel: the engine's, across calls
+    draft_runner: Callable[[], Runner]  # the draft model in this process (loaded on demand)
+    # the SSD draft worker, a draft.ssd.client.DraftWorkerClient (started on demand); Any because
+    # naming the class here would make draft.base and draft.ssd.client import each other
+    worker: Callable[[], Any]
+    memory: SuffixMemory | None = None  # the engine's, across calls
+    costs: CostModel | None = None  # the engine's, across calls
     rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)
-    guides: object = None  # grammar.guide.Guides of the call's constrained rows (None: no grammar)
-    audit: object = None  # core.hostsync.Audit: the engine's, counting host waits per model
+    guides: Guides | None = None  # the call's constrained rows (None: no grammar)
+    audit: Audit | None = None  # the engine's, counting host waits per model

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ssdlocal.backends.base import Runner
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sampling import logits_to_probs, sample
 
@@ -55,7 +56,7 @@ class DraftDecoder:
     drafts follow a grammar and q is what they were drawn from.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int,
+    def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int,
                  generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.k = k
@@ -71,7 +72,9 @@ class DraftDecoder:
         runner holds, its lengths just past it. Draws d_1 from `first`, then feeds d_j and
         draws d_{j+1} (K-1 steps, lengths += 1 each). `bound`: a bound on every row's
         length + K (attention span). Rows nobody needs draw garbage, harmlessly."""
-        tokens, qs, kept = [], [], []
+        tokens: list[Tensor] = []  # [B] per step
+        qs: list[Tensor] = []  # [B, V] per step, none when greedy
+        kept: list[Tensor] = []  # [B, V] per step, with keep_logits
         logits = align_vocab(first, self.target_vocab)  # [B, V]
         for j in range(self.k):
             if j > 0:
@@ -86,7 +89,8 @@ class DraftDecoder:
                 kept.append(logits.clone())  # the next step may overwrite the buffer
             token, q = self._draw(logits, j)
             tokens.append(token)
-            qs.append(q)
+            if q is not None:
+                qs.append(q)
         q_all = None if self.params.greedy else torch.stack(qs, dim=1)  # [B, K, V]
         return Drafted(torch.stack(tokens, dim=1), q_all, torch.stack(kept, dim=1) if keep_logits else None)
 

@@ -21,6 +21,9 @@ from ssdlocal.draft.sync import build_ngram
 def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     """A draft model: in this process for SD (adaptive: with the suffix proposals the draft
     asks for), the worker process for SSD."""
+    draft = spec.draft
+    if not isinstance(draft, ModelDraft):  # ModelDraft names this builder; no other type does
+        raise TypeError(f"build_model builds model drafts, not {type(draft).__name__}")
     if spec.mode is Mode.SD:
         from ssdlocal.draft.adaptive import build_adaptive
         from ssdlocal.draft.sync import ModelDrafter
@@ -28,11 +31,11 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
         drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device,
                                guides=res.guides, audit=res.audit)  # fmt: skip
         drafter.reserve(res.batch, res.num_slots)
-        return build_adaptive(spec, params, res, drafter, spec.draft.suffix)
+        return build_adaptive(spec, params, res, drafter, draft.suffix)
     from ssdlocal.draft.ssd.client import SSDDrafter
 
     return SSDDrafter(res.worker(), spec, params, res.target_vocab, res.num_slots,
-                      target_device=res.target_device_name, draft_device=spec.draft.model.device,
+                      target_device=res.target_device_name, draft_device=draft.model.device,
                       memory=res.memory, audit=res.audit)  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ssdlocal.backends.base import Logits
+from ssdlocal.backends.base import Logits, Runner
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
@@ -82,7 +82,7 @@ class ModelDrafter:
     grammar, one read of each draft the matcher walks.
     """
 
-    def __init__(self, runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
+    def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
                  audit: Audit | None = None) -> None:  # fmt: skip
         self.runner = runner  # backends.base.Runner of the draft model
         audit = audit or Audit()
@@ -167,6 +167,8 @@ class ModelDrafter:
             logits = self.runner.step(ids, bound)[rows, staged[:, 0]]  # [B, V_d]; padding writes past each row
             first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
             self.runner.advance(staged[:, 2])
+        if first is None:  # every row lacks at least its bonus token
+            raise ValueError("nothing to catch up on")
         return first
 
     def observe(self, outcome: RoundOutcome, adopted: Sequence[bool] | None = None) -> None:

@@ -133,7 +133,7 @@ class Engine:
         )
 
     # ----------------------------------------------------------------- lifecycle
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

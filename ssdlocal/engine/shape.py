@@ -27,7 +27,7 @@ from ssdlocal.core.verify import mask_logits
 
 
 def make_shaper(grammars, rows: int, logprobs: int | None, vocab_size: int, eos_ids,
-                audit: Audit | None = None, carried=None) -> "Shaper":  # fmt: skip
+                audit: Audit | None = None, carried=None) -> Shaper:  # fmt: skip
     """The Shaper of one batch of `rows` rows: a matcher per row with a grammar (grammars[b],
     or None; `carried[b]`: a row's grammar.guide.RowGuide from an earlier batch, going on),
     and `logprobs` alternatives per token (None: no log-probabilities); host waits counted

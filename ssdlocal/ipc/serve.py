@@ -19,7 +19,7 @@ from ssdlocal.ipc.lifetime import start_child
 
 
 def run_child(
-    conn, parent_pid: int, pdeathsig: bool, body: Callable[[], None], *, role: str,
+    conn, parent_pid: int, pdeathsig: bool, body: Callable[[], object], *, role: str,
     default_kind: str, prefix_errors: bool = False,
 ) -> None:  # fmt: skip
     """Run `body()` as a child process; never returns normally.

@@ -26,7 +26,7 @@ class CpuPlan:
     def draft_threads(self) -> int:
         return len(self.draft_cpus)
 
-    def apply_to_this_process(self, pin_affinity: bool = True) -> "_Restore":
+    def apply_to_this_process(self, pin_affinity: bool = True) -> _Restore:
         """Use the target's thread count here (and its cores when `pin_affinity`)."""
         import torch
 

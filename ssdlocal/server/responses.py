@@ -20,7 +20,7 @@ from typing import Any
 from ssdlocal.server.logprob_format import TokenText, chat_entries, completion_block
 from ssdlocal.server.protocol import APIError, ParsedRequest
 from ssdlocal.server.scheduler import Chunk, Finished
-from ssdlocal.server.tool_parse import CallArgs, CallStart, Content, ToolCallParser, collect
+from ssdlocal.server.tool_parse import CallStart, Content, ToolCallParser, collect
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 ROWS = 8  # output rows per block (the layout's n-tile)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _block_order(tiles: int) -> tuple[int, ...]:
     """For each nibble of a block, in storage order (lane, word, nibble): its place in
     the block's [8 rows, 16 * tiles features] row-major."""

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from ssdlocal.core.config import Backup, ModelSpec, SamplingParams
+
+if TYPE_CHECKING:  # messages carry tensors but need no torch to be defined
+    import torch
 
 
 class Cmd(IntEnum):
@@ -58,7 +62,7 @@ class StartMsg:
     fan_out_miss: tuple[int, ...] | None  # after a miss; None = auto
     saguaro_c: float
     backup: Backup  # the configured one (AUTO is resolved by the engine each round)
-    q_buffer: object | None  # shared tensor [B, K, V] float32 for q, or None when greedy
+    q_buffer: torch.Tensor | None  # shared tensor [B, K, V] float32 for q, or None when greedy
     memory: tuple[tuple[int, ...], ...] = ()  # the engine's suffix memory (backup "suffix")
     min_confidence: float = 0.3  # suffix proposals stop below this share
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlocal.backends.base import Logits, SlotLayout
+from ssdlocal.backends.base import Logits, Runner, SlotLayout
 from ssdlocal.core.config import Backup, SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
@@ -80,7 +80,7 @@ class Speculator:
     automatic fan-out each poll for an early outcome waits for the previous tree step (by
     design: counted too)."""
 
-    def __init__(self, runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
+    def __init__(self, runner: Runner, start: StartMsg, max_budget: int = 32, audit: Audit | None = None) -> None:
         self.runner = runner
         self.site = (audit or Audit()).site("worker")
         self.k = start.k
@@ -153,13 +153,16 @@ class Speculator:
                                probs=lambda logits, j: self._probs(logits, fan[j]))  # fmt: skip
         bound = max(self.runner.cached(b) for b in range(len(self.rows))) + self.k
         drafted = decoder.decode(first, bound, keep_logits=True)
+        predicted = drafted.logits  # [B, K, V]
+        if predicted is None:  # keep_logits=True keeps them
+            raise ValueError("the draft decoder dropped its logits")
         tokens = self.site.read(drafted.tokens)  # [B, K]: the one host transfer
         self.runner.end_steps({b: tokens[b][: self.k - 1] for b in which})  # d_1..d_{K-1} cached
         for b in which:
             row = self.rows[b]
             row.proposal = tokens[b]
             row.q = None if drafted.q is None else drafted.q[b]  # [K, V]
-            row.pred.update({len(row.seq) + j: drafted.logits[b, j] for j in range(self.k)})
+            row.pred.update({len(row.seq) + j: predicted[b, j] for j in range(self.k)})
             row.from_hit = False
 
     # ------------------------------------------------------------- pre-speculation

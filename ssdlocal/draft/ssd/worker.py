@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from ssdlocal.core.hostsync import Audit, HostWaits
 from ssdlocal.draft.ssd.protocol import (
@@ -21,6 +22,11 @@ from ssdlocal.draft.ssd.protocol import (
     Reply,
     StartMsg,
 )
+
+if TYPE_CHECKING:  # the worker imports torch and the speculator once it runs
+    import torch
+
+    from ssdlocal.draft.ssd.speculator import Speculator
 
 
 def worker_main(conn, parent_pid: int, pdeathsig: bool = True) -> None:
@@ -39,9 +45,11 @@ class DraftWorker:
 
     def __init__(self, conn) -> None:
         self.conn = conn
-        self.runner = None
-        self.spec = None  # Speculator of the current batch
-        self.q_buffer = None
+        # the draft model's runner: a backend's own class, whose prefix store (`prefix`,
+        # `prefix_report`) the worker reaches past the Runner protocol
+        self.runner: Any = None
+        self.spec: Speculator | None = None  # of the current batch
+        self.q_buffer: torch.Tensor | None = None
         self.prespec_s = 0.0  # the pre-speculation that preceded the next proposal
         self.round_index = 0
         self.audit = Audit()  # this process's host waits (core.hostsync), reported with each proposal
@@ -53,7 +61,7 @@ class DraftWorker:
         elif cmd == Cmd.START:
             self._start(payload)
         elif cmd == Cmd.FIRST:
-            self._propose(self.spec.first(payload), time.perf_counter() - t0)
+            self._propose(self._speculator().first(payload), time.perf_counter() - t0)
         elif cmd == Cmd.OUTCOME:
             self._outcome(payload, t0)
         elif cmd == Cmd.FORGET:
@@ -90,8 +98,13 @@ class DraftWorker:
         self.conn.send((Reply.READY, {"graphs": self._graphs(), "prefix": self.runner.prefix_report(),
                                       "host_waits": self._host_waits()}))  # fmt: skip
 
+    def _speculator(self) -> Speculator:
+        if self.spec is None:
+            raise RuntimeError("a round before START")  # the client always starts a batch first
+        return self.spec
+
     def _outcome(self, msg: OutcomeMsg, t0: float) -> None:
-        spec = self.spec
+        spec = self._speculator()
         self.round_index = msg.round_index + 1
         for planner in (spec.plan_hit, spec.plan_miss):
             planner.observe_timing(self.prespec_s, msg.verify_s, spec.last_depth >= spec.k)
@@ -102,16 +115,18 @@ class DraftWorker:
         """Send the proposal, then pre-speculate its outcomes while the target verifies."""
         from ssdlocal.ipc.qchannel import write_q
 
-        q_written = served.q is not None and self.q_buffer is not None
-        if q_written:
+        spec = self._speculator()
+        q_written = False
+        if served.q is not None and self.q_buffer is not None:
             write_q(self.q_buffer, served.q)  # [n, K, V]; synchronizes a CUDA buffer first
             self.audit.site("worker").waited()  # the target reads q once it has the message
+            q_written = True
         msg = ProposalMsg(
             self.round_index, tuple(tuple(t) for t in served.tokens), tuple(served.cache_hit),
-            served.backup, q_written, busy_s, self.prespec_s, self.spec.last_fan, self._graphs(), self._host_waits(),
+            served.backup, q_written, busy_s, self.prespec_s, spec.last_fan, self._graphs(), self._host_waits(),
         )  # fmt: skip
         self.conn.send((Reply.PROPOSAL, msg))
-        self.prespec_s = self.spec.prespeculate(self.spec.early_stop(self.conn.poll))
+        self.prespec_s = spec.prespeculate(spec.early_stop(self.conn.poll))
 
 
     def _host_waits(self) -> dict:
