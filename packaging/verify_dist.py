@@ -36,9 +36,7 @@ def source_files() -> list[str]:
         ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         out = [str(p.relative_to(ROOT)) for p in (ROOT / "ssdlocal").rglob("*") if p.is_file()]
-    return sorted(
-        f for f in out if "__pycache__" not in f and not f.endswith(".pyc") and (ROOT / f).is_file()
-    )
+    return sorted(f for f in out if "__pycache__" not in f and not f.endswith(".pyc") and (ROOT / f).is_file())
 
 
 def check_wheel(wheel: Path) -> list[str]:

@@ -199,7 +199,9 @@ def churned_store(dirs: dict, device: str, graph_mode: str, results, step: str =
     if graph_mode != "off" and _graphs_failed(row):
         results.fail(f"{step}: graphs {row}")
     if not report.get("evicted_tokens") or not sum(cached):
-        results.fail(f"{step}: the store was not churned (evicted {report.get('evicted_tokens')}, reused {sum(cached)})")
+        results.fail(
+            f"{step}: the store was not churned (evicted {report.get('evicted_tokens')}, reused {sum(cached)})"
+        )
 
 
 # --------------------------------------------------------------------------- sampling, quantized weights

@@ -62,13 +62,18 @@ def main() -> int:
     # ---- checks
     res, _ = ask(messages=TOOL_ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     calls = res.choices[0].message.tool_calls or []
-    call_ok = bool(calls) and res.choices[0].finish_reason == "tool_calls" and all(
-        c.function.name == "get_weather" and _valid(jsonschema, c.function.arguments, WEATHER) for c in calls)
+    call_ok = (
+        bool(calls)
+        and res.choices[0].finish_reason == "tool_calls"
+        and all(c.function.name == "get_weather" and _valid(jsonschema, c.function.arguments, WEATHER) for c in calls)
+    )
     if not call_ok:
         failures.append(f"tool_choice required: {res.choices[0].model_dump()}")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
     res_json, _ = ask(messages=JSON_ASK, response_format=fmt)
-    json_ok = res_json.choices[0].finish_reason == "stop" and _valid(jsonschema, res_json.choices[0].message.content, PERSON)
+    json_ok = res_json.choices[0].finish_reason == "stop" and _valid(
+        jsonschema, res_json.choices[0].message.content, PERSON
+    )
     if not json_ok:
         failures.append(f"json_schema: {res_json.choices[0].model_dump()}")
     trip_ok, final_text = False, None
@@ -81,14 +86,18 @@ def main() -> int:
         ]  # fmt: skip
         final, _ = ask(messages=history, tools=TOOLS)
         final_text = final.choices[0].message.content
-        trip_ok = final.choices[0].finish_reason == "stop" and bool(final_text) and not final.choices[0].message.tool_calls
+        trip_ok = (
+            final.choices[0].finish_reason == "stop" and bool(final_text) and not final.choices[0].message.tool_calls
+        )
         if not trip_ok:
             failures.append(f"round trip: {final.choices[0].model_dump()}")
 
     # ---- timings: constrained vs not, interleaved
     pairs = {
-        "tool_call": (dict(messages=TOOL_ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
-                      dict(messages=TOOL_ASK, tools=TOOLS, tool_choice="auto")),
+        "tool_call": (
+            dict(messages=TOOL_ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+            dict(messages=TOOL_ASK, tools=TOOLS, tool_choice="auto"),
+        ),
         "json": (dict(messages=JSON_ASK, response_format=fmt), dict(messages=JSON_ASK)),
     }
     timings: dict[str, dict] = {}

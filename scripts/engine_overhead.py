@@ -27,6 +27,7 @@ from ssdlocal.core.config import ModelDraft  # noqa: E402
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -36,7 +37,8 @@ def main() -> None:
     torch.set_num_threads(1)
     draft = str(dirs["draft_llama"])
     cfg = EngineConfig(
-        target=ModelSpec(str(dirs["llama"]), dtype="float32"), spec=SpecConfig(mode=Mode.SD, k=4, draft=ModelDraft(ModelSpec(draft, dtype="float32"))),
+        target=ModelSpec(str(dirs["llama"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=4, draft=ModelDraft(ModelSpec(draft, dtype="float32"))),
     )
     spent = {"forward": 0.0}
     forward = model_mod.Transformer.forward
@@ -68,8 +70,11 @@ def main() -> None:
                 results[mode].append((wall - spent["forward"]) / rounds * 1e3)
     for mode, values in results.items():
         values = values[1:]
-        print(f"{mode}: engine overhead {statistics.median(values):.3f} ms/round "
-              f"(median of {len(values)}, min {min(values):.3f}, max {max(values):.3f})")
+        print(
+            f"{mode}: engine overhead {statistics.median(values):.3f} ms/round "
+            f"(median of {len(values)}, min {min(values):.3f}, max {max(values):.3f})"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -120,8 +120,13 @@ def render(data: dict) -> str:
     if isinstance(cons, dict):
         lines += ["## exact_constrained", "", f"- {cons.get('skipped')}", ""]
     elif cons:
-        lines += ["## exact_constrained", "", "| arch | mode | graphs | equal constrained AR | follows grammar | "
-                  "grammar ms/token | captured | replays | refused | dropped |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## exact_constrained",
+            "",
+            "| arch | mode | graphs | equal constrained AR | follows grammar | "
+            "grammar ms/token | captured | replays | refused | dropped |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_constrained_ar']} | {r['follows_grammar']} | "
                   f"{(r['mask_ms_per_token'] or 0):.3f} | {r['captured']} | {r['replays']} | {r['refused']} | "
                   f"{r['dropped']} |" for r in cons]  # fmt: skip
@@ -140,8 +145,12 @@ def render(data: dict) -> str:
         lines.append("")
     prefill = data["steps"].get("prefill")
     if prefill:
-        lines += ["## prefill (bf16, 2,048-token prompt, one row)", "",
-                  "| model | weights | seconds | tokens/s | TFLOP/s | of measured matmul peak |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## prefill (bf16, 2,048-token prompt, one row)",
+            "",
+            "| model | weights | seconds | tokens/s | TFLOP/s | of measured matmul peak |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += [f"| {r['model']} | {r['weights']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
                   f"{r['tflops']:.1f} | {r['of_peak']:.0%} |" for r in prefill]  # fmt: skip
         lines.append("")
@@ -196,8 +205,10 @@ def _tokens(engine, mode, prompts, new):
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     spec = SpecConfig(mode=Mode(mode), k=K, draft=engine.config.spec.draft, backup="jit")
     done = [e for e in engine.generate(prompts, params, spec=spec) if isinstance(e, DoneEvent)][0]
-    return [o.token_ids for o in done.outputs], {**done.stats.get("graphs", {}),
-                                                 "_cached": done.stats.get("cached_prompt_tokens", 0)}
+    return [o.token_ids for o in done.outputs], {
+        **done.stats.get("graphs", {}),
+        "_cached": done.stats.get("cached_prompt_tokens", 0),
+    }
 
 
 def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
@@ -388,10 +399,16 @@ def attention_kernels(device: torch.device, results: Results) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize(device)
-        names = {e.name for e in prof.events() if any(w in e.name.lower() for w in ("fmha", "flash", "attention", "attn", "softmax"))}
+        names = {
+            e.name
+            for e in prof.events()
+            if any(w in e.name.lower() for w in ("fmha", "flash", "attention", "attn", "softmax"))
+        }
         found[label] = sorted(names)[:6] or ["no attention-like kernel seen"]
     a = loaded.args
-    q = torch.zeros(1, a.num_kv_heads, (a.num_heads // a.num_kv_heads) * (K + 1), a.head_dim, dtype=torch.bfloat16, device=device)
+    q = torch.zeros(
+        1, a.num_kv_heads, (a.num_heads // a.num_kv_heads) * (K + 1), a.head_dim, dtype=torch.bfloat16, device=device
+    )
     keys = torch.zeros(1, a.num_kv_heads, 1024, a.head_dim, dtype=torch.bfloat16, device=device)
     mask = AttentionMask.build(torch.ones(1, K + 1, 1024, dtype=torch.bool, device=device),
                                a.num_heads // a.num_kv_heads, torch.bfloat16)  # fmt: skip
@@ -432,8 +449,12 @@ def main() -> int:
     ap.add_argument("--out", default="gpu-accept-out")
     ap.add_argument("--cpu", action="store_true", help="run the steps on the CPU (checks the script)")
     ap.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b", help="timing shapes (gpu_bench.py SHAPES)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="steps not started by then are failures (default: 480 on a GPU, none with --cpu)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="steps not started by then are failures (default: 480 on a GPU, none with --cpu)",
+    )
     args = ap.parse_args()
     results = Results(Path(args.out))
     budget_s = args.budget_s if args.budget_s is not None else (float("inf") if args.cpu else 480.0)
@@ -455,8 +476,10 @@ def main() -> int:
         steps.append(("exact_constrained", lambda: constrained(dirs, str(device), graph_modes, results,
                                                                "exact_constrained", smoke=args.cpu)))  # fmt: skip
         if not args.cpu:
+
             def traced() -> None:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
+
             steps.append(("exact_traced", traced))
             steps.append(("step_times", lambda: step_times(
                 device, results.data["steps"]["environment"]["bandwidth_gb_s"] * 1e9,

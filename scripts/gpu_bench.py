@@ -212,8 +212,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (use with --quick)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (checks the script)")
-    ap.add_argument("--rates", default=str(ROOT / "scripts" / "cpu_pair_rates.json"),
-                    help="acceptance / hit rates measured on the CPU for the real pair")
+    ap.add_argument(
+        "--rates",
+        default=str(ROOT / "scripts" / "cpu_pair_rates.json"),
+        help="acceptance / hit rates measured on the CPU for the real pair",
+    )
     ap.add_argument("--out", default="gpu-bench-out")
     args = ap.parse_args()
     if not args.cpu and not torch.cuda.is_available():
@@ -224,12 +227,19 @@ def main() -> int:
     graph_mode = "trace" if args.cpu else "auto"
     repeats = 3 if args.quick else 20
     prompt = 32 if args.quick else PROMPT
-    names = ("tiny-draft", "tiny-target") if args.quick else ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")
+    names = (
+        ("tiny-draft", "tiny-target") if args.quick else ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b")
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    results: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                     "torch": torch.__version__, "k": K, "dtype": str(dtype), "quick": args.quick}
+    results: dict = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "k": K,
+        "dtype": str(dtype),
+        "quick": args.quick,
+    }
     bandwidth = copy_bandwidth(device, 0.05 if args.quick else 2.0)
     results["copy_bandwidth_gb_s"] = bandwidth / 1e9
     log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")

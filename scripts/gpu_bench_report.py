@@ -103,8 +103,10 @@ def projections(results: dict, rates_path: Path, k: int) -> dict:
             "sd_vs_ar": sd, "sd_vs_ar_measured_round": e_sd * t1 / sd_ms,
             "ssd_vs_ar_draft_own_gpu": ssd_tokens * t1 / ssd_time, "prespec_ms": t_prespec,
         })  # fmt: skip
-    label = (f"projection (not measured): rates from {rates.get('source', rates_path.name)}; "
-             "GPU costs measured above; SSD assumes the draft on a GPU of its own")
+    label = (
+        f"projection (not measured): rates from {rates.get('source', rates_path.name)}; "
+        "GPU costs measured above; SSD assumes the draft on a GPU of its own"
+    )
     return {"label": label, "rates": rates, "rows": rows}
 
 
@@ -133,29 +135,44 @@ def write_markdown(results: dict, path: Path) -> None:
         )
     draft = results["models"][0]
     widths = [w for w in (1, 2, 4, 8, 16, 32) if f"tree{w}_graphs_ms" in draft]
-    lines += ["", f"Draft ({draft['model']}) tree step by branch width (ms):", "",
-              "| width | " + " | ".join(map(str, widths)) + " |", "|---" * (len(widths) + 1) + "|"]
+    lines += [
+        "",
+        f"Draft ({draft['model']}) tree step by branch width (ms):",
+        "",
+        "| width | " + " | ".join(map(str, widths)) + " |",
+        "|---" * (len(widths) + 1) + "|",
+    ]
     for label in ("eager", "graphs"):
         lines.append(f"| {label} | " + " | ".join(f"{draft[f'tree{w}_{label}_ms']:.2f}" for w in widths) + " |")
     lines += ["", "SD round (K draft steps + K+1 verify + on-device verify + one host read), ms:", ""]
     lines += [f"- {name} + {draft['model']}: {ms:.2f}" for name, ms in results["sd_rounds"].items()]
     e2e = results["end_to_end"]
-    lines += ["", f"End to end through the Engine ({e2e['target']} + {e2e['draft']}, random weights: "
-              "acceptance near zero, so SD/SSD emit about one token per round; SSD shows the "
-              "overlap machinery, its draft in a second process on the same GPU):", "",
-              "| mode | tok/s | verify ms/round | draft ms/round | draft busy ms/round | accept | cache hit |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"End to end through the Engine ({e2e['target']} + {e2e['draft']}, random weights: "
+        "acceptance near zero, so SD/SSD emit about one token per round; SSD shows the "
+        "overlap machinery, its draft in a second process on the same GPU):",
+        "",
+        "| mode | tok/s | verify ms/round | draft ms/round | draft busy ms/round | accept | cache hit |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for mode, r in e2e["modes"].items():
-        lines.append(f"| {mode} | {_f(r['tokens_per_s'])} | {_f(r['verify_ms_per_round'])} | "
-                     f"{_f(r['draft_ms_per_round'])} | {_f(r['draft_busy_ms_per_round'])} | "
-                     f"{_f(r['acceptance_rate'], '{:.0%}')} | {_f(r['cache_hit_rate'], '{:.0%}')} |")
+        lines.append(
+            f"| {mode} | {_f(r['tokens_per_s'])} | {_f(r['verify_ms_per_round'])} | "
+            f"{_f(r['draft_ms_per_round'])} | {_f(r['draft_busy_ms_per_round'])} | "
+            f"{_f(r['acceptance_rate'], '{:.0%}')} | {_f(r['cache_hit_rate'], '{:.0%}')} |"
+        )
     proj = results["projections"]
     lines += ["", f"**{proj['label']}**", ""]
     if proj["rows"]:
-        lines += ["| target | draft/target | SD vs AR | SD vs AR (measured round) | SSD vs AR (draft on own GPU) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "| target | draft/target | SD vs AR | SD vs AR (measured round) | SSD vs AR (draft on own GPU) |",
+            "|---|---|---|---|---|",
+        ]
         for r in proj["rows"]:
-            lines.append(f"| {r['target']} | {r['draft_target_ratio']:.3f} | {r['sd_vs_ar']:.2f}x | "
-                         f"{r['sd_vs_ar_measured_round']:.2f}x | {r['ssd_vs_ar_draft_own_gpu']:.2f}x |")
+            lines.append(
+                f"| {r['target']} | {r['draft_target_ratio']:.3f} | {r['sd_vs_ar']:.2f}x | "
+                f"{r['sd_vs_ar_measured_round']:.2f}x | {r['ssd_vs_ar_draft_own_gpu']:.2f}x |"
+            )
     lines += ["", f"Wall time {results.get('wall_s', 0):.0f} s.", ""]
     path.write_text("\n".join(lines))

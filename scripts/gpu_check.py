@@ -57,8 +57,9 @@ def tokens(engine: Engine, spec: SpecConfig | None = None, prompts=PROMPTS) -> l
     return [o.token_ids for o in done[0].outputs]
 
 
-def config(path, devices: tuple[str, ...], dtype="float32", mode=Mode.AR, draft=None,
-           draft_device="cpu") -> EngineConfig:
+def config(
+    path, devices: tuple[str, ...], dtype="float32", mode=Mode.AR, draft=None, draft_device="cpu"
+) -> EngineConfig:
     return EngineConfig(
         target=ModelSpec(str(path), devices[0], dtype),
         spec=SpecConfig(mode=mode, k=K, draft=draft_of(None if draft is None else str(draft), draft_device, dtype)),
@@ -83,11 +84,16 @@ def check_inventory(results: dict) -> None:
     from ssdlocal.placement.devarg import plan_flags
 
     inv = detect()
-    log(f"GPUs: {[(g.index, g.name, round(g.total_gb, 1)) for g in inv.gpus]}; "
-        f"interconnect {inv.interconnect}; {inv.cpu_cores} cores")
+    log(
+        f"GPUs: {[(g.index, g.name, round(g.total_gb, 1)) for g in inv.gpus]}; "
+        f"interconnect {inv.interconnect}; {inv.cpu_cores} cores"
+    )
     entry = {"gpus": [g.name for g in inv.gpus], "interconnect": inv.interconnect}
-    for label, t_gb, d_gb, heads in (("7B+0.5B", 15.2, 1.0, (28, 4)), ("32B+1.5B", 65.5, 3.1, (40, 8)),
-                                     ("70B+1B", 141.0, 2.5, (64, 8))):
+    for label, t_gb, d_gb, heads in (
+        ("7B+0.5B", 15.2, 1.0, (28, 4)),
+        ("32B+1.5B", 65.5, 3.1, (40, 8)),
+        ("70B+1B", 141.0, 2.5, (64, 8)),
+    ):
         try:
             plan = plan_placement(inv, t_gb, d_gb, heads=heads)
             entry[label] = plan_flags(plan)
@@ -112,17 +118,17 @@ def check_tp_exact(dirs, devices, archs, results: dict) -> bool:
 
 
 def check_ssd(dirs, target_devices, draft_device, results: dict) -> bool:
-    cfg = config(dirs["llama"], target_devices, mode=Mode.SSD, draft=dirs["draft_llama"],
-                 draft_device=draft_device)
+    cfg = config(dirs["llama"], target_devices, mode=Mode.SSD, draft=dirs["draft_llama"], draft_device=draft_device)
     with Engine(cfg) as eng:
         ar = tokens(eng, SpecConfig(mode=Mode.AR))
         ssd = tokens(eng, SpecConfig(mode=Mode.SSD, k=K, draft=cfg.spec.draft))
         sd = tokens(eng, SpecConfig(mode=Mode.SD, k=K, draft=cfg.spec.draft))
     ok = ssd == ar and sd == ar
-    results["ssd_exact"] = {"target": list(target_devices), "draft": draft_device, "ssd": ssd == ar,
-                            "sd": sd == ar}
-    log(f"  target {','.join(target_devices)} draft {draft_device}: SSD {'==' if ssd == ar else '!='} AR, "
-        f"SD {'==' if sd == ar else '!='} AR")
+    results["ssd_exact"] = {"target": list(target_devices), "draft": draft_device, "ssd": ssd == ar, "sd": sd == ar}
+    log(
+        f"  target {','.join(target_devices)} draft {draft_device}: SSD {'==' if ssd == ar else '!='} AR, "
+        f"SD {'==' if sd == ar else '!='} AR"
+    )
     return ok
 
 
@@ -133,8 +139,9 @@ def _ipc_child(conn, draft_device: str, vocab: int) -> None:
     torch.cuda.set_device(torch.device(draft_device))
     for _ in range(conn.recv()):
         seed = conn.recv()
-        q = torch.softmax(torch.randn(1, K, vocab, device=draft_device,
-                                      generator=torch.Generator(draft_device).manual_seed(seed)), -1)
+        q = torch.softmax(
+            torch.randn(1, K, vocab, device=draft_device, generator=torch.Generator(draft_device).manual_seed(seed)), -1
+        )
         write_q(buffer, q)
         conn.send(seed)
     del buffer
@@ -177,8 +184,12 @@ def check_channel(target_device: str, draft_device: str, results: dict, repeats:
             parent.recv()
             got = channel.read()
             t.append(time.perf_counter() - t0)
-            want = torch.softmax(torch.randn(1, K, vocab, device=draft_device,
-                                             generator=torch.Generator(draft_device).manual_seed(seed)), -1)
+            want = torch.softmax(
+                torch.randn(
+                    1, K, vocab, device=draft_device, generator=torch.Generator(draft_device).manual_seed(seed)
+                ),
+                -1,
+            )
             ok &= torch.equal(got, want.to(got.device))
         parent.recv()
         proc.join(10)
@@ -186,8 +197,10 @@ def check_channel(target_device: str, draft_device: str, results: dict, repeats:
             proc.kill()
         entry["cuda_ipc_roundtrip_ms"] = 1e3 * statistics.median(t)
         entry["cuda_ipc_correct"] = bool(ok)
-        log(f"  cuda-ipc round trip {entry['cuda_ipc_roundtrip_ms']:.3f} ms (correct: {ok}); "
-            f"shm write+read {entry['shm_ms']:.3f} ms")
+        log(
+            f"  cuda-ipc round trip {entry['cuda_ipc_roundtrip_ms']:.3f} ms (correct: {ok}); "
+            f"shm write+read {entry['shm_ms']:.3f} ms"
+        )
     else:
         log(f"  shm write+read {entry['shm_ms']:.3f} ms")
     results["channel"] = entry
@@ -217,17 +230,24 @@ def check_graphs_exact(dirs, device: str, results: dict) -> bool:
     for graphs in ("off", "trace" if device == "cpu" else "auto"):
         cfg = EngineConfig(
             target=ModelSpec(str(dirs["llama"]), device, "float32"),
-            spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(draft, device, "float32"))), pin_cpus=False, graphs=graphs,
+            spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(draft, device, "float32"))),
+            pin_cpus=False,
+            graphs=graphs,
         )
         with Engine(cfg) as eng:
             got = [tokens(eng, SpecConfig(mode=m, k=K, draft=cfg.spec.draft)) for m in (Mode.AR, Mode.SD, Mode.SSD)]
             stats = eng.runner.graphs.stats if eng.runner.graphs is not None else None
         want = want or got
     same = got == want and got[0] == got[1] == got[2]
-    results["graphs_exact"] = {"identical": same, "captured": stats.captured if stats else 0,
-                               "replays": stats.replays if stats else 0}
-    log(f"  graphs vs eager on {device}: {'identical' if same else 'DIFFERENT'} "
-        f"({results['graphs_exact']['captured']} shapes captured, {results['graphs_exact']['replays']} replays)")
+    results["graphs_exact"] = {
+        "identical": same,
+        "captured": stats.captured if stats else 0,
+        "replays": stats.replays if stats else 0,
+    }
+    log(
+        f"  graphs vs eager on {device}: {'identical' if same else 'DIFFERENT'} "
+        f"({results['graphs_exact']['captured']} shapes captured, {results['graphs_exact']['replays']} replays)"
+    )
     return same
 
 
@@ -244,12 +264,11 @@ def check_timings(path, devices, dtype, label, results: dict, repeats: int) -> N
 def synthetic(root: Path, size: str) -> Path:
     from support.tiny_models import make_tiny_checkpoint
 
-    shapes = {"medium": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8,
-                             intermediate_size=4096),
-              "large": dict(hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8,
-                            intermediate_size=8192)}[size]
-    return make_tiny_checkpoint(root / f"synthetic_{size}", "llama", seed=5, initializer_range=0.02,
-                                **shapes)
+    shapes = {
+        "medium": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=4096),
+        "large": dict(hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=8192),
+    }[size]
+    return make_tiny_checkpoint(root / f"synthetic_{size}", "llama", seed=5, initializer_range=0.02, **shapes)
 
 
 def main() -> int:

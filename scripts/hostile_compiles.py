@@ -26,8 +26,11 @@ import time
 import urllib.request
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    help="the checkout whose server to measure (default: this one)")
+parser.add_argument(
+    "--repo",
+    default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    help="the checkout whose server to measure (default: this one)",
+)
 parser.add_argument("--target", required=True, help="a small checkpoint directory")
 parser.add_argument("--port", type=int, default=18733)
 args = parser.parse_args()
@@ -36,17 +39,41 @@ site_dir = tempfile.mkdtemp(prefix="hostile_site_")
 with open(os.path.join(site_dir, "sitecustomize.py"), "w") as f:
     f.write(SITECUSTOMIZE)
 env = dict(os.environ, PYTHONPATH=f"{site_dir}:{repo}", SSDLOCAL_HOSTILE_COMPILE="1", OMP_NUM_THREADS="1")
-server = subprocess.Popen([sys.executable, "-m", "ssdlocal", "serve", "--target", args.target, "--dtype", "float32",
-                           "--port", str(port), "--mode", "ar", "--served-model-name", "m"], cwd=repo, env=env,
-                          stdout=open(os.path.join(site_dir, "serve.log"), "w"), stderr=subprocess.STDOUT)
+server = subprocess.Popen(
+    [
+        sys.executable,
+        "-m",
+        "ssdlocal",
+        "serve",
+        "--target",
+        args.target,
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--mode",
+        "ar",
+        "--served-model-name",
+        "m",
+    ],
+    cwd=repo,
+    env=env,
+    stdout=open(os.path.join(site_dir, "serve.log"), "w"),
+    stderr=subprocess.STDOUT,
+)
+
+
 def post(body, timeout=120):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
 def tree(pid):
     pids = [pid]
     for p in os.listdir("/proc"):
@@ -57,6 +84,8 @@ def tree(pid):
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
     return pids
+
+
 def sample(pid):
     cpu = rss = threads = 0
     pids = tree(pid)
@@ -70,25 +99,44 @@ def sample(pid):
         except (FileNotFoundError, IndexError):
             pass
     return cpu, rss, threads, len(pids)
+
+
 for _ in range(120):
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
         break
     except Exception:
         time.sleep(1)
-print("ready", post({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                     "response_format": {"type": "json_object"}})[0])
+print(
+    "ready",
+    post(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "response_format": {"type": "json_object"},
+        }
+    )[0],
+)
 time.sleep(10)  # warm-up settles
 cpu, rss, threads, procs = sample(server.pid)
 print(f"before: rss {rss:.0f} MB, threads {threads}, processes {procs}")
 for rnd in range(3):
     results = []
+
     def one(i):
         schema = {"type": "object", "title": f"SLOWCOMPILE {rnd} {i}", "properties": {"a": {"type": "string"}}}
         t = time.time()
-        status, body = post({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        status, body = post(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            }
+        )
         results.append((status, body.get("error", {}).get("code"), round(time.time() - t, 1)))
+
     ts = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in ts:
         t.start()
@@ -99,7 +147,9 @@ t0 = time.time()
 c0, r0, th0, p0 = sample(server.pid)
 time.sleep(30)
 c1, r1, th1, p1 = sample(server.pid)
-print(f"idle 30 s after the rounds: CPU {c1 - c0:.1f} s, rss {r0:.0f} -> {r1:.0f} MB, threads {th0} -> {th1}, processes {p1}")
+print(
+    f"idle 30 s after the rounds: CPU {c1 - c0:.1f} s, rss {r0:.0f} -> {r1:.0f} MB, threads {th0} -> {th1}, processes {p1}"
+)
 s, _ = post({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 print("plain request after:", s)
 server.terminate()

@@ -105,10 +105,24 @@ def main() -> int:
     for mode in args.modes.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "ssdlocal", "serve", "--pair", args.pair, "--mode", mode, "--port", str(port),
-               "--served-model-name", "m"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ssdlocal",
+            "serve",
+            "--pair",
+            args.pair,
+            "--mode",
+            mode,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "m",
+        ]
         # cwd "/": `python -m` puts the working directory first on the path; PYTHONPATH decides
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ), cwd="/")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ), cwd="/"
+        )
         try:
             wait_healthy(url, proc, 1800)
             runs = [one_pair(url, args) for _ in range(args.repeats)]

@@ -56,7 +56,10 @@ def main() -> int:
         if "ours" in systems:
             done = next(e for e in engine.generate([ids], SamplingParams(max_new_tokens=1)) if isinstance(e, DoneEvent))
             st = done.stats
-            print(f"repeat {repeat} ours: {st['prefill_ms'] / 1e3:.2f} s = {st['prefill_tokens_per_s']:.1f} tok/s", flush=True)
+            print(
+                f"repeat {repeat} ours: {st['prefill_ms'] / 1e3:.2f} s = {st['prefill_tokens_per_s']:.1f} tok/s",
+                flush=True,
+            )
         if llm is not None:
             llm.reset()
             t0 = time.perf_counter()
@@ -76,8 +79,10 @@ def _print_path_costs(rows: int) -> None:
         dense = ", ".join(f"{str(d).removeprefix('torch.')} {a * 1e3:.3f} ms/row + {b * 1e3:.1f} ms expansion"
                           for d, (a, b) in costs.dense.items())  # fmt: skip
         choice = costs.best(rows)
-        print(f"prefill path ({kernel} {inp}x{out}, {isa}): kernel {costs.kernel_per_row * 1e3:.3f} ms/row; {dense}; "
-              f"for {rows} rows: {'the kernel' if choice is None else 'dense ' + str(choice).removeprefix('torch.')}")
+        print(
+            f"prefill path ({kernel} {inp}x{out}, {isa}): kernel {costs.kernel_per_row * 1e3:.3f} ms/row; {dense}; "
+            f"for {rows} rows: {'the kernel' if choice is None else 'dense ' + str(choice).removeprefix('torch.')}"
+        )
 
 
 if __name__ == "__main__":

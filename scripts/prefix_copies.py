@@ -57,8 +57,12 @@ def _timed(fn, pool: KVPool) -> tuple[int, float]:
 
 def _call(index, pool, caches, seq) -> tuple[int, float, int, float, int]:
     """Store `seq` from row 0, then load it back; (store ops, ms, reuse ops, ms, runs)."""
-    s_ops, s_ms = _timed(lambda: index.insert(seq, lambda placed: pool.save(
-        caches, 0, runs_of([(p.index, p.number) for p in placed], BLOCK_TOKENS))), pool)
+    s_ops, s_ms = _timed(
+        lambda: index.insert(
+            seq, lambda placed: pool.save(caches, 0, runs_of([(p.index, p.number) for p in placed], BLOCK_TOKENS))
+        ),
+        pool,
+    )
     numbers = index.match(seq)
     runs = runs_of(list(enumerate(numbers)), BLOCK_TOKENS)
     r_ops, r_ms = _timed(lambda: pool.load(caches, 0, runs), pool)
@@ -100,8 +104,10 @@ def main() -> None:
                 continue
             best["store_ms"] = min(best.get("store_ms", 1e9), s_ms)
             best["reuse_ms"] = min(best.get("reuse_ms", 1e9), r_ms)
-        print(f"{kind:10s} {CALL} tokens: {runs} runs; store {ops[0]} copy ops {best['store_ms']:.1f} ms; "
-              f"reuse {ops[1]} copy ops {best['reuse_ms']:.1f} ms")
+        print(
+            f"{kind:10s} {CALL} tokens: {runs} runs; store {ops[0]} copy ops {best['store_ms']:.1f} ms; "
+            f"reuse {ops[1]} copy ops {best['reuse_ms']:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def main() -> None:
         turn = 0
         for _ in range(args.repeats):
             for prompt in prompts:
-                order = formats[turn % len(formats):] + formats[: turn % len(formats)]
+                order = formats[turn % len(formats) :] + formats[: turn % len(formats)]
                 turn += 1
                 for fmt in order:
                     rates[fmt].append(decode_rate(loaded[fmt], prompt, args.tokens))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+    'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n'
     "    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n"
     "            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n"
     "            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n\n"
@@ -83,7 +83,9 @@ def run_variant(name: str, path: str, quantization: str, opts, float_lm_head: bo
     env = {**os.environ, **env}
     if float_lm_head:  # its own cache: the cache key does not know about this experiment
         env["SSDLOCAL_CACHE"] = f"{opts.out}/cache-float-lm-head"
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(args)], env=env, capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -130,8 +132,10 @@ def main() -> None:
             kl = float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
         first = results.get(name + " (first load)", {}).get("load_s")
         first_s = f" ({first:.1f})" if first else ""
-        print(f"| {name} | {r['weights_mb']:.0f} | {r['load_s']:.1f}{first_s} | {r['load_peak_mb']:.0f} / "
-              f"{r['run_peak_mb']:.0f} | {max(r['tok_s']):.2f} | {agree:.3f} | {kl:.4f} |")
+        print(
+            f"| {name} | {r['weights_mb']:.0f} | {r['load_s']:.1f}{first_s} | {r['load_peak_mb']:.0f} / "
+            f"{r['run_peak_mb']:.0f} | {max(r['tok_s']):.2f} | {agree:.3f} | {kl:.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -40,17 +40,29 @@ from support.drafts import draft_of  # noqa: E402
 SUITE = Path("/tmp/ssdlocal-tiny-suite")
 PROMPT = "hello world, def foo(x):"
 
+
 def direct(live: LiveServer, tokens: int) -> tuple[float, float]:
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
     done = next(ev for ev in live.engine.generate([PROMPT], params) if isinstance(ev, DoneEvent))
     return (time.perf_counter() - t0) * 1e3, done.stats["tokens_per_s"]
 
+
 def http(live: LiveServer, tokens: int, stream: bool) -> tuple[float, float]:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
-    req = urllib.request.Request(f"{live.url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    req = urllib.request.Request(
+        f"{live.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=300) as resp:
         raw = resp.read().decode()
@@ -59,6 +71,7 @@ def http(live: LiveServer, tokens: int, stream: bool) -> tuple[float, float]:
         return wall, json.loads(raw)["ssdlocal"]["tokens_per_s"]
     chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     return wall, next(c["ssdlocal"] for c in chunks if "ssdlocal" in c)["tokens_per_s"]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,10 +110,13 @@ def main() -> None:
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(lambda _, live=live: http(live, args.tokens, True), range(8)))
             together = time.perf_counter() - t0
-            print(f"{mode:5} 8 streams: sequential {sequential:.2f} s, concurrent {together:.2f} s "
-                  f"({sequential / together:.2f}x)")
+            print(
+                f"{mode:5} 8 streams: sequential {sequential:.2f} s, concurrent {together:.2f} s "
+                f"({sequential / together:.2f}x)"
+            )
         finally:
             live.close()
+
 
 if __name__ == "__main__":
     main()

@@ -70,8 +70,10 @@ def main() -> int:
     for r in rows:
         cover = "–" if r["covers_previous"] is None else f"{r['covers_previous']:.0%}"
         rate = "–" if not r["prefill_tokens_per_s"] else f"{r['prefill_tokens_per_s']:.0f}"
-        print(f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | {cover} | {r['ttft_s']:.2f} | "
-              f"{r['ttft_s'] / base:.2f}x | {r['turn_s']:.2f} | {rate} |")
+        print(
+            f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | {cover} | {r['ttft_s']:.2f} | "
+            f"{r['ttft_s'] / base:.2f}x | {r['turn_s']:.2f} | {rate} |"
+        )
     return 0
 
 

@@ -120,7 +120,9 @@ def test_new_architecture_loads_and_runs_like_llama(registered, renamed_dirs, ti
     assert _same(_state(ours.model), _state(reference.model))
     assert torch.equal(_logits(ours), _logits(reference))
     if scheme != "none":
-        assert weight_bytes(renamed_dirs["llama"], scheme, "float32") == weight_bytes(tiny_dir["llama"], scheme, "float32")
+        assert weight_bytes(renamed_dirs["llama"], scheme, "float32") == weight_bytes(
+            tiny_dir["llama"], scheme, "float32"
+        )
 
 
 @pytest.mark.parametrize("scheme", ["none", "int8"])

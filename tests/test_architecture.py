@@ -142,9 +142,7 @@ def test_no_import_cycles_lazy_imports_included():
 
 def _only_reexport(component: list[str], graph: dict[str, set[str]]) -> bool:
     packages = [m for m in component if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").is_file()]
-    return len(component) == 2 and len(packages) == 1 and all(
-        m.startswith(packages[0]) for m in component
-    )
+    return len(component) == 2 and len(packages) == 1 and all(m.startswith(packages[0]) for m in component)
 
 
 def test_files_are_small_and_the_top_level_is_short():
@@ -189,8 +187,12 @@ def test_engine_imports_no_ui_library():
 def test_docs_and_docstrings_point_inside_the_repository():
     offenders = [
         str(p.relative_to(PACKAGE.parent))
-        for p in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "docs").rglob("*.md"),
-                  *(PACKAGE.parent / "models").rglob("*.toml"), PACKAGE.parent / "README.md"]
+        for p in [
+            *PACKAGE.rglob("*.py"),
+            *(PACKAGE.parent / "docs").rglob("*.md"),
+            *(PACKAGE.parent / "models").rglob("*.toml"),
+            PACKAGE.parent / "README.md",
+        ]
         if "DESIGN.md" in p.read_text() or "../shared" in p.read_text()
     ]
     assert not offenders, offenders

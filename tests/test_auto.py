@@ -50,10 +50,17 @@ def test_device_names_are_normalised():
     from ssdlocal.core.config import normalize_device
 
     assert [normalize_device(d) for d in ("cuda", "cuda:0", "cuda:01", "cuda:3", "cpu")] == [
-        "cuda:0", "cuda:0", "cuda:1", "cuda:3", "cpu"]
+        "cuda:0",
+        "cuda:0",
+        "cuda:1",
+        "cuda:3",
+        "cpu",
+    ]
     assert ModelSpec("t", "cuda", dtype="float32").device == "cuda:0"
     assert EngineConfig(ModelSpec("t", "cuda", dtype="float32"), target_devices=("cuda", "cuda:1")).target_devices == (
-        "cuda:0", "cuda:1")
+        "cuda:0",
+        "cuda:1",
+    )
 
 
 def test_cpu_only_needs_a_calibration():
@@ -83,7 +90,9 @@ def one_thread():
 def test_engine_auto_on_cpu_reports_mode_and_reason(tiny_dir, one_thread):
     t, d = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    config = EngineConfig(ModelSpec(t, dtype="float32"), SpecConfig(mode=Mode.AUTO, k=3, draft=ModelDraft(ModelSpec(d, dtype="float32"))))
+    config = EngineConfig(
+        ModelSpec(t, dtype="float32"), SpecConfig(mode=Mode.AUTO, k=3, draft=ModelDraft(ModelSpec(d, dtype="float32")))
+    )
     with Engine(config) as engine:
         assert engine.choice.mode in (Mode.AR, Mode.SD) and "share the CPU" in engine.choice.reason
         done = [e for e in engine.generate(["the cat"], params) if isinstance(e, DoneEvent)][0]

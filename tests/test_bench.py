@@ -105,15 +105,11 @@ def test_aggregates_follow_the_records(full_run):
         tokens = sum(r["decode_tokens"] for r in recs)
         seconds = sum(r["decode_s"] for r in recs)
         assert agg["tokens_per_s"] == pytest.approx(tokens / seconds)
-        assert agg["tokens_per_s_mean"] == pytest.approx(
-            sum(r["tokens_per_s"] for r in recs) / len(recs)
-        )
+        assert agg["tokens_per_s_mean"] == pytest.approx(sum(r["tokens_per_s"] for r in recs) / len(recs))
         assert agg["exactness"] in ("reference", "exact")  # fp32, temperature 0
     aggs = doc["aggregates"]
     assert aggs["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
-    assert aggs["ssd"]["speedup_vs_sd"] == pytest.approx(
-        aggs["ssd"]["tokens_per_s"] / aggs["sd"]["tokens_per_s"]
-    )
+    assert aggs["ssd"]["speedup_vs_sd"] == pytest.approx(aggs["ssd"]["tokens_per_s"] / aggs["sd"]["tokens_per_s"])
     for mode in ("sd", "ssd"):
         a = aggs[mode]
         assert 0.0 <= a["acceptance_rate"] <= 1.0
@@ -124,21 +120,14 @@ def test_aggregates_follow_the_records(full_run):
     assert aggs["ssd"]["draft_busy_ms_per_round"] > 0.0  # the worker reports its compute
     assert "cache_hit_rate" not in aggs["sd"]
     rows = doc["projections"]["rows"]
-    assert [r["ratio"] for r in rows][:5] == [0.02, 0.05, 0.1, 0.2, 0.35] or any(
-        r["measured"] for r in rows
-    )
+    assert [r["ratio"] for r in rows][:5] == [0.02, 0.05, 0.1, 0.2, 0.35] or any(r["measured"] for r in rows)
     assert "projection" in doc["projections"]["label"]
 
 
 def test_markdown_png_and_summary(full_run):
     out, _ = full_run
     md = (out / "results.md").read_text()
-    assert (
-        "| system | tok/s" in md
-        and "| ssd |" in md
-        and "| hf-assisted |" in md
-        and "Projection" in md
-    )
+    assert "| system | tok/s" in md and "| ssd |" in md and "| hf-assisted |" in md and "Projection" in md
     png = (out / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
@@ -207,9 +196,7 @@ def test_check_exactness_pure():
         {"system": "ssd", "prompt_ids": ["a"], "token_ids": [[1, 9, 3]]},
     ]
     calls = []
-    result = check_exactness(
-        records, {"a": [7]}, lambda p, pre, toks: calls.append((p, pre, toks)) or {"margin": 0.5}
-    )
+    result = check_exactness(records, {"a": [7]}, lambda p, pre, toks: calls.append((p, pre, toks)) or {"margin": 0.5})
     assert result["sd"]["status"] == "exact" and result["ssd"]["status"] == "FAIL"
     assert result["ssd"]["divergences"][0] == {
         "prompt_id": "a",
@@ -326,24 +313,14 @@ def test_aggregate_math_by_hand():
         },
     ]
     a = aggregate(recs, "ssd")
-    assert a["tokens_per_s"] == pytest.approx(12 / 4.0) and a["tokens_per_s_mean"] == pytest.approx(
-        4.0
-    )
+    assert a["tokens_per_s"] == pytest.approx(12 / 4.0) and a["tokens_per_s_mean"] == pytest.approx(4.0)
     assert a["ttft_s"] == pytest.approx(0.2)
-    assert a["acceptance_rate"] == pytest.approx(0.5) and a["mean_accepted_len"] == pytest.approx(
-        2.0
-    )
+    assert a["acceptance_rate"] == pytest.approx(0.5) and a["mean_accepted_len"] == pytest.approx(2.0)
     assert a["accepted_len_hist"] == [2, 2, 2] and a["cache_hit_rate"] == pytest.approx(2 / 3)
-    assert a["tokens_per_round_hit"] == pytest.approx(2.5) and a[
-        "tokens_per_round_miss"
-    ] == pytest.approx(1.0)
-    assert a["draft_ms_per_round"] == pytest.approx(2.0) and a[
-        "verify_ms_per_round"
-    ] == pytest.approx(5.0)
+    assert a["tokens_per_round_hit"] == pytest.approx(2.5) and a["tokens_per_round_miss"] == pytest.approx(1.0)
+    assert a["draft_ms_per_round"] == pytest.approx(2.0) and a["verify_ms_per_round"] == pytest.approx(5.0)
     aggs = aggregate_all(recs, ["ar", "ssd"], {"ssd": {"status": "exact"}})
-    assert (
-        aggs["ssd"]["speedup_vs_ar"] == pytest.approx(3.0) and aggs["ssd"]["speedup_vs_sd"] is None
-    )
+    assert aggs["ssd"]["speedup_vs_ar"] == pytest.approx(3.0) and aggs["ssd"]["speedup_vs_sd"] is None
 
 
 def test_logit_margin_near_tie_in_bf16_ulps():
@@ -408,8 +385,14 @@ def test_session_workload_times_each_turn_with_its_own_prefix_reuse(tiny_dir, tm
     doc = build_results(run, with_projection=False, env={"hardware": {"cpu": "x", "usable_cores": 1,
                         "ram_gib": 1, "gpus": []}, "versions": {"ssdlocal": "0", "torch": "0",
                         "transformers": "0", "python": "3"}})  # fmt: skip
-    assert [(r["system"], r["turn"]) for r in doc["sessions"]] == [("ar", 1), ("ar", 2), ("ar", 3),
-                                                                   ("sd", 1), ("sd", 2), ("sd", 3)]
+    assert [(r["system"], r["turn"]) for r in doc["sessions"]] == [
+        ("ar", 1),
+        ("ar", 2),
+        ("ar", 3),
+        ("sd", 1),
+        ("sd", 2),
+        ("sd", 3),
+    ]
     text = write_all(doc, tmp_path)["md"].read_text()
     assert "## Sessions" in text and "| ar | 2 |" in text
     assert load_prompts("session")[0].system.startswith("You are a careful code reviewer")

@@ -41,7 +41,7 @@ GAP_S = 0.05  # and between tokens
 TOKENS = 6
 QUEUE_S = 0.125
 
-FAKE_APP = f'''
+FAKE_APP = f"""
 import asyncio, json, os
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
@@ -93,8 +93,8 @@ async def answer(request):
 
 app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", answer, methods=["POST"]),
                        Route("/v1/chat/completions", answer, methods=["POST"])])
-'''
-FAKE_MAIN = '''
+"""
+FAKE_MAIN = """
 import argparse, json, os, sys, uvicorn
 from llama_cpp.server.app import app
 p = argparse.ArgumentParser()
@@ -108,7 +108,7 @@ if "crash" in args.model:
     print("fake peer: cannot load " + args.model, flush=True)
     sys.exit(3)
 uvicorn.run(app, host=args.host, port=int(args.port), log_level="warning")
-'''
+"""
 
 
 def _python_with(root: Path, files: dict[str, str]) -> str:
@@ -244,10 +244,10 @@ def _tool_template(model: Path) -> None:
     """Give the tiny checkpoint a Hermes-style tool template (<tool_call> JSON </tool_call>)."""
     (model / "chat_template.jinja").write_text(
         "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t | tojson }}{% endfor %}\n"
-        "Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+        'Call one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n{% endif %}'
         "{%- for m in messages %}{%- if m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}\n"
-        "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
-        "</tool_call>{%- endfor %}<|im_end|>\n{% elif m.role == \"tool\" %}<|im_start|>user\n<tool_response>\n"
+        '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n'
+        '</tool_call>{%- endfor %}<|im_end|>\n{% elif m.role == "tool" %}<|im_start|>user\n<tool_response>\n'
         "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
         "<|im_end|>\n{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )  # the template file transformers reads beside tokenizer_config.json

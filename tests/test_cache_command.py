@@ -42,7 +42,11 @@ def test_cache_lists_every_entry_with_its_size(cache, monkeypatch, capsys):
     code, out, _ = run_cli(monkeypatch, capsys, "cache", "--json")
     payload = json.loads(out)
     assert payload["total_bytes"] == 10010 and {e["kind"] for e in payload["entries"]} == {
-        "gguf", "quantized", "converted", "metadata"}
+        "gguf",
+        "quantized",
+        "converted",
+        "metadata",
+    }
 
 
 def test_remove_a_kind_and_a_name(cache, monkeypatch, capsys):

@@ -69,9 +69,7 @@ def variants(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     base_vocab = json.loads((base / "tokenizer.json").read_text())["model"]["vocab"]
     word = Tokenizer(models.WordLevel(vocab=base_vocab, unk_token="<|endoftext|>"))
     word.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=word, eos_token="<|endoftext|>").save_pretrained(
-        root / "wl_tok"
-    )
+    PreTrainedTokenizerFast(tokenizer_object=word, eos_token="<|endoftext|>").save_pretrained(root / "wl_tok")
     out["other_type"] = _tok_only(root / "wl_tok", root / "other_type")
     return out
 
@@ -169,8 +167,14 @@ class FakeEngine:
             ids = [5, 6, 9, 8]
         yield DoneEvent(
             (Output("x", tuple(ids), "length"),),
-            Metrics(tokens=4, decode_tokens=3, tokens_per_s=30.0, decode_s=0.1, rounds=2,
-                    acceptance_rate=0.5 if spec.mode.value != "ar" else None),
+            Metrics(
+                tokens=4,
+                decode_tokens=3,
+                tokens_per_s=30.0,
+                decode_s=0.1,
+                rounds=2,
+                acceptance_rate=0.5 if spec.mode.value != "ar" else None,
+            ),
         )
 
     # runner API used by the logit margin
@@ -253,9 +257,7 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
 )
 def test_check_bad_input(monkeypatch, capsys, tmp_path, args, code, needles):
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setattr(
-        "ssdlocal.cli.resolve.default_pair_paths", lambda *a, **k: pytest.fail("no download")
-    )
+    monkeypatch.setattr("ssdlocal.cli.resolve.default_pair_paths", lambda *a, **k: pytest.fail("no download"))
     assert_clean_error(*run_cli(monkeypatch, capsys, "check", *args)[::2], code, *needles)
 
 
@@ -277,8 +279,20 @@ def test_check_takes_pair_and_draft_like_every_command(monkeypatch, capsys, tiny
         return CheckReport("float32", ("p",), runs, ())
 
     monkeypatch.setattr(check_mod, "run_check", fake_run_check)
-    code, _, err = run_cli(monkeypatch, capsys, "check", "--pair", "qwen2.5-1.5b", "--target-backend", "torch",
-                           "--target-device", "cpu", "--draft-device", "cpu", *extra)
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "check",
+        "--pair",
+        "qwen2.5-1.5b",
+        "--target-backend",
+        "torch",
+        "--target-device",
+        "cpu",
+        "--draft-device",
+        "cpu",
+        *extra,
+    )
     assert code == 0, err
     (config,) = seen
     assert config.target.path == pair[0] and config.target.dtype == "float32"
@@ -289,9 +303,7 @@ def test_check_takes_pair_and_draft_like_every_command(monkeypatch, capsys, tiny
 
 
 def test_check_incompatible_pair(monkeypatch, capsys, tiny_dir, variants):
-    code, _, err = run_cli(
-        monkeypatch, capsys, "check", "--target", tiny_dir["llama"], "--draft", variants["swapped"]
-    )
+    code, _, err = run_cli(monkeypatch, capsys, "check", "--target", tiny_dir["llama"], "--draft", variants["swapped"])
     assert_clean_error(code, err, 1, "token text check failed", "known-good pairs:")
 
 
@@ -299,6 +311,4 @@ def test_check_pair_not_pulled(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))
     code, _, err = run_cli(monkeypatch, capsys, "check", "--pair", "qwen2.5-1.5b")
-    assert_clean_error(
-        code, err, 1, "pair 'qwen2.5-1.5b' is not downloaded", "ssdlocal pull qwen2.5-1.5b"
-    )
+    assert_clean_error(code, err, 1, "pair 'qwen2.5-1.5b' is not downloaded", "ssdlocal pull qwen2.5-1.5b")

@@ -74,8 +74,11 @@ def test_make_runner_goes_to_the_backend_that_owns_the_loaded_model(monkeypatch)
     made = []
     for name in BackendName:
         entry = registry.BACKENDS[name]
-        fake = dataclasses.replace(entry, make_runner=lambda loaded, tree, graphs, name=name: made.append((name, tree, graphs)),
-                                   owns=lambda loaded, name=name: loaded == name)
+        fake = dataclasses.replace(
+            entry,
+            make_runner=lambda loaded, tree, graphs, name=name: made.append((name, tree, graphs)),
+            owns=lambda loaded, name=name: loaded == name,
+        )
         monkeypatch.setitem(registry.BACKENDS, name, fake)
     registry.make_runner(BackendName.LLAMACPP, tree=True)
     registry.make_runner(BackendName.TORCH, graphs="off")

@@ -18,15 +18,33 @@ import torch
 from support.cli import assert_clean_error, run_cli
 
 STATS_KEYS = {
-    "tokens", "tokens_per_s", "ttft_s", "rounds", "acceptance_rate", "mean_accepted_len",
-    "per_position_acceptance", "draft_ms", "verify_ms",
+    "tokens",
+    "tokens_per_s",
+    "ttft_s",
+    "rounds",
+    "acceptance_rate",
+    "mean_accepted_len",
+    "per_position_acceptance",
+    "draft_ms",
+    "verify_ms",
 }
 
 
 def gen(tiny: dict[str, Path], *extra: str) -> list[str]:
     """`generate` args on the tiny llama pair, fp32, short, AR unless `extra` says --mode."""
-    return ["generate", "Hello world", "--target", tiny["llama"], "--dtype", "float32",
-            "--max-new-tokens", "6", "--mode", "ar", *extra]
+    return [
+        "generate",
+        "Hello world",
+        "--target",
+        tiny["llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--mode",
+        "ar",
+        *extra,
+    ]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -36,8 +54,7 @@ def odd_checkpoints(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     from support import tiny_models as tm
 
     root = tmp_path_factory.mktemp("odd_models")
-    small = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-             "intermediate_size": 64}
+    small = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
     saved = tm.TOKENIZER_VOCAB
     try:  # a tokenizer of another size (vocabulary size check) ...
         tm.TOKENIZER_VOCAB = 320
@@ -45,8 +62,11 @@ def odd_checkpoints(tmp_path_factory, tiny_dir) -> dict[str, Path]:
     finally:
         tm.TOKENIZER_VOCAB = saved
     # ... and one of the same size with two token ids swapped (token text check)
-    shutil.copytree(tiny_dir["llama"], root / "tok_other",
-                    ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json"))
+    shutil.copytree(
+        tiny_dir["llama"],
+        root / "tok_other",
+        ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json"),
+    )
     tok_json = root / "tok_other" / "tokenizer.json"
     data = json.loads(tok_json.read_text())
     vocab = data["model"]["vocab"]
@@ -125,7 +145,10 @@ def test_click_usage_errors_are_clean(monkeypatch, capsys, args, needle):
 def test_version_and_bare_command(monkeypatch, capsys):
     code, out, _ = run_cli(monkeypatch, capsys, "--version")
     assert code == 0 and out.startswith("ssdlocal ")
-    code, out, err = run_cli(monkeypatch, capsys, )
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+    )
     assert code == 2 and "generate" in out and "Traceback" not in err
 
 
@@ -136,8 +159,7 @@ def test_version_and_bare_command(monkeypatch, capsys):
         ("missing", ["does not exist", "checkpoint directory"]),
         ("not_a_checkpoint", ["has no config.json"]),
         ("plain_file", ["not a .gguf file"]),
-        ("gpt2", ["unsupported model", "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                  "Qwen3ForCausalLM"]),
+        ("gpt2", ["unsupported model", "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]),
     ],
 )
 def test_bad_target_path(monkeypatch, capsys, tmp_path, odd_checkpoints, which, needles):
@@ -155,9 +177,7 @@ def test_bad_target_path(monkeypatch, capsys, tmp_path, odd_checkpoints, which, 
 )
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_incompatible_draft(monkeypatch, capsys, tiny_dir, odd_checkpoints, which, needles, mode):
-    code, _, err = run_cli(
-        monkeypatch, capsys, *gen(tiny_dir, "--mode", mode, "--draft", odd_checkpoints[which])
-    )
+    code, _, err = run_cli(monkeypatch, capsys, *gen(tiny_dir, "--mode", mode, "--draft", odd_checkpoints[which]))
     assert_clean_error(code, err, 1, *needles)
 
 
@@ -238,8 +258,21 @@ def test_json_output_every_mode(monkeypatch, capsys, tiny_dir):
 
 def test_num_samples_seeded(monkeypatch, capsys, tiny_dir):
     def sample(seed: int) -> list[list[int]]:
-        args = gen(tiny_dir, "--mode", "sd", "--draft", "ngram", "--temperature", "1",
-                   "--num-samples", "3", "--seed", str(seed), "--max-new-tokens", "8")
+        args = gen(
+            tiny_dir,
+            "--mode",
+            "sd",
+            "--draft",
+            "ngram",
+            "--temperature",
+            "1",
+            "--num-samples",
+            "3",
+            "--seed",
+            str(seed),
+            "--max-new-tokens",
+            "8",
+        )
         payload = _json(monkeypatch, capsys, args)
         assert len(payload["outputs"]) == 3
         return [o["token_ids"] for o in payload["outputs"]]
@@ -261,8 +294,19 @@ def test_streaming_prints_text_and_stats_line(monkeypatch, capsys, tiny_dir):
 
 
 def test_several_prompts_print_each_output(monkeypatch, capsys, tiny_dir):
-    args = ["generate", "Hello world", "The cat", "--target", tiny_dir["llama"], "--dtype",
-            "float32", "--max-new-tokens", "4", "--mode", "ar"]
+    args = [
+        "generate",
+        "Hello world",
+        "The cat",
+        "--target",
+        tiny_dir["llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+        "--mode",
+        "ar",
+    ]
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     assert "=== [0] ===" in out and "=== [1] ===" in out
@@ -274,16 +318,24 @@ def test_python_dash_m_usage_errors():
         (["generate", "hi", "--nope"], "No such option: --nope"),
         (["generate", "hi", "--target", "/nonexistent/ckpt", "--temperature", "-1"], "temperature"),
     ):
-        proc = subprocess.run([sys.executable, "-m", "ssdlocal", *args], check=False,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ssdlocal", *args], check=False, capture_output=True, text=True, timeout=60
+        )
         assert_clean_error(proc.returncode, proc.stderr, 2, needle)
 
 
 def test_python_dash_m_runtime_error(tiny_dir, odd_checkpoints):
     proc = subprocess.run(
-        [sys.executable, "-m", "ssdlocal", *map(str, gen(tiny_dir, "--mode", "ssd", "--draft",
-                                                       odd_checkpoints["draft_other_text"]))],
-        check=False, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ssdlocal",
+            *map(str, gen(tiny_dir, "--mode", "ssd", "--draft", odd_checkpoints["draft_other_text"])),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert_clean_error(proc.returncode, proc.stderr, 1, "token text check failed")
 

@@ -25,8 +25,17 @@ def test_generate_chat_and_serve_share_one_default():
 
 
 def test_generate_runs_to_the_end_of_the_context_by_default(monkeypatch, capsys, tiny_dir):
-    args = ["generate", "Hello world", "--target", tiny_dir["small_llama"], "--dtype", "float32",
-            "--mode", "ar", "--json"]
+    args = [
+        "generate",
+        "Hello world",
+        "--target",
+        tiny_dir["small_llama"],
+        "--dtype",
+        "float32",
+        "--mode",
+        "ar",
+        "--json",
+    ]
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     answer = json.loads(out)["outputs"][0]

@@ -42,9 +42,12 @@ def test_bad_grammars_are_usage_errors(monkeypatch, capsys, tiny_dir, tmp_path):
     unsupported.write_text(json.dumps({"type": "object", "not": {"required": ["a"]}}))
     broken = tmp_path / "broken.json"
     broken.write_text("{nope")
-    for extra, needle in ((("--json-schema", unsupported), "not"), (("--json-schema", broken), "not JSON"),
-                          (("--json-schema", tmp_path / "missing.json"), "cannot read"),
-                          (("--regex", "(unclosed"), "regex"),
-                          (("--regex", "a", "--json-schema", unsupported), "cannot be combined")):
+    for extra, needle in (
+        (("--json-schema", unsupported), "not"),
+        (("--json-schema", broken), "not JSON"),
+        (("--json-schema", tmp_path / "missing.json"), "cannot read"),
+        (("--regex", "(unclosed"), "regex"),
+        (("--regex", "a", "--json-schema", unsupported), "cannot be combined"),
+    ):
         code, _, err = run_cli(monkeypatch, capsys, *gen(tiny_dir, *extra))
         assert_clean_error(code, err, 2, needle)

@@ -57,40 +57,73 @@ SHARED = {
 
 # each command's own options -> (command-line words, where the value lands: see _landed)
 OWN = {
-    "generate": {"prompts": (["p1"], ["p1"]), "chat": (["--chat"], True),
-                 "num_samples": (["--num-samples", "3"], 3), "as_json": (["--json"], True),
-                 "json_schema": (["--json-schema", "SCHEMA"], {"type": "object"}),
-                 "regex": (["--regex", "[a-z]+"], "[a-z]+"), "fim_suffix": (["--fim-suffix", "AFTER"], "AFTER")},
+    "generate": {
+        "prompts": (["p1"], ["p1"]),
+        "chat": (["--chat"], True),
+        "num_samples": (["--num-samples", "3"], 3),
+        "as_json": (["--json"], True),
+        "json_schema": (["--json-schema", "SCHEMA"], {"type": "object"}),
+        "regex": (["--regex", "[a-z]+"], "[a-z]+"),
+        "fim_suffix": (["--fim-suffix", "AFTER"], "AFTER"),
+    },
     "chat": {"system": (["--system", "be brief"], "be brief")},
-    "race": {"prompt": (["p1"], "p1"), "chat_template": (["--raw"], False),
-             "warmup": (["--no-warmup"], False), "speed": (["--speed", "2.5"], 2.5),
-             "no_tui": (["--no-tui"], True)},
-    "bench": {"modes": (["--modes", "sd,ar"], ("sd", "ar")), "peers": (["--peers", "llamacpp"], ("llamacpp",)),
-              "prompts": (["--prompts", "PROMPTS"], ["a", "b"]), "limit": (["--limit", "2"], 2),
-              "batch_size": (["--batch-size", "2"], 2), "repeats": (["--repeats", "3"], 3),
-              "chat": (["--no-chat"], False), "out": (["--out", "OUT"], "OUT"),
-              "project": (["--project"], True), "gguf_target": (["--gguf-target", "gt.gguf"], "gt.gguf"),
-              "gguf_draft": (["--gguf-draft", "gd.gguf"], "gd.gguf"), "pin": (["--no-pin"], False),
-              "workload": (["--workload", "concurrent"], "concurrent"), "clients": (["--clients", "5"], 5),
-              "requests": (["--requests", "4"], 4), "duration": (["--duration", "30"], 30.0),
-              "peer_python": (["--peer-python", "/x/python"], "/x/python")},
+    "race": {
+        "prompt": (["p1"], "p1"),
+        "chat_template": (["--raw"], False),
+        "warmup": (["--no-warmup"], False),
+        "speed": (["--speed", "2.5"], 2.5),
+        "no_tui": (["--no-tui"], True),
+    },
+    "bench": {
+        "modes": (["--modes", "sd,ar"], ("sd", "ar")),
+        "peers": (["--peers", "llamacpp"], ("llamacpp",)),
+        "prompts": (["--prompts", "PROMPTS"], ["a", "b"]),
+        "limit": (["--limit", "2"], 2),
+        "batch_size": (["--batch-size", "2"], 2),
+        "repeats": (["--repeats", "3"], 3),
+        "chat": (["--no-chat"], False),
+        "out": (["--out", "OUT"], "OUT"),
+        "project": (["--project"], True),
+        "gguf_target": (["--gguf-target", "gt.gguf"], "gt.gguf"),
+        "gguf_draft": (["--gguf-draft", "gd.gguf"], "gd.gguf"),
+        "pin": (["--no-pin"], False),
+        "workload": (["--workload", "concurrent"], "concurrent"),
+        "clients": (["--clients", "5"], 5),
+        "requests": (["--requests", "4"], 4),
+        "duration": (["--duration", "30"], 30.0),
+        "peer_python": (["--peer-python", "/x/python"], "/x/python"),
+    },
     "check": {"chat": (["--chat"], True), "as_json": (["--json"], True)},
-    "serve": {"host": (["--host", "127.0.0.9"], "127.0.0.9"), "port": (["--port", "8123"], 8123),
-              "api_key": (["--api-key", "k3y"], "k3y"), "served_model_name": (["--served-model-name", "nm"], "nm"),
-              "max_batch": (["--max-batch", "3"], 3), "max_request_rows": (["--max-request-rows", "5"], 5),
-              "max_body_mb": (["--max-body-mb", "2"], 2 * 1024 * 1024),
-              "max_prompt_chars": (["--max-prompt-chars", "77"], 77),
-              "max_connections": (["--max-connections", "9"], 9), "header_timeout": (["--header-timeout", "1.5"], 1.5),
-              "body_timeout": (["--body-timeout", "2.5"], 2.5), "idle_timeout": (["--idle-timeout", "3.5"], 3.5),
-              "allowed_hosts": (["--allowed-hosts", "a.lan,b.lan:9"], ("a.lan", "b.lan:9")),
-              "allowed_origins": (["--allowed-origins", "http://localhost:3000"], ("http://localhost:3000",))},
+    "serve": {
+        "host": (["--host", "127.0.0.9"], "127.0.0.9"),
+        "port": (["--port", "8123"], 8123),
+        "api_key": (["--api-key", "k3y"], "k3y"),
+        "served_model_name": (["--served-model-name", "nm"], "nm"),
+        "max_batch": (["--max-batch", "3"], 3),
+        "max_request_rows": (["--max-request-rows", "5"], 5),
+        "max_body_mb": (["--max-body-mb", "2"], 2 * 1024 * 1024),
+        "max_prompt_chars": (["--max-prompt-chars", "77"], 77),
+        "max_connections": (["--max-connections", "9"], 9),
+        "header_timeout": (["--header-timeout", "1.5"], 1.5),
+        "body_timeout": (["--body-timeout", "2.5"], 2.5),
+        "idle_timeout": (["--idle-timeout", "3.5"], 3.5),
+        "allowed_hosts": (["--allowed-hosts", "a.lan,b.lan:9"], ("a.lan", "b.lan:9")),
+        "allowed_origins": (["--allowed-origins", "http://localhost:3000"], ("http://localhost:3000",)),
+    },
 }
 # race's --speed only reaches the TUI: a second race run leaves --no-tui out; --fim-suffix
 # excludes --chat: the regex run takes it instead
-RUNS = {"generate": ("regex", "fim_suffix"), "generate-regex": ("json_schema", "chat"), "chat": (), "race": ("speed",), "race-tui": ("no_tui",), "check": (),
-        "bench": ("workload", "clients", "requests", "duration", "peer_python"),  # the sequential workload
-        "bench-concurrent": ("prompts", "limit", "batch_size", "repeats", "chat", "project", "gguf_draft", "pin"),
-        "serve": ()}  # run -> own options it leaves out
+RUNS = {
+    "generate": ("regex", "fim_suffix"),
+    "generate-regex": ("json_schema", "chat"),
+    "chat": (),
+    "race": ("speed",),
+    "race-tui": ("no_tui",),
+    "check": (),
+    "bench": ("workload", "clients", "requests", "duration", "peer_python"),  # the sequential workload
+    "bench-concurrent": ("prompts", "limit", "batch_size", "repeats", "chat", "project", "gguf_draft", "pin"),
+    "serve": (),
+}  # run -> own options it leaves out
 
 
 def _params(command: str) -> dict:
@@ -154,7 +187,10 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
     if command.startswith("generate"):
         spec = kw.pop("grammar", None)  # a grammar.kinds.GrammarSpec
         kind, source = (spec.kind, spec.source) if spec is not None else (None, None)
-        grammar = {"json_schema": source if kind == "json_schema" else None, "regex": source if kind == "regex" else None}
+        grammar = {
+            "json_schema": source if kind == "json_schema" else None,
+            "regex": source if kind == "regex" else None,
+        }
         return args[2], {"prompts": args[1][:1], "num_samples": len(args[1]), **grammar, **kw}
     if command == "chat":
         (_, _, settings), app_kw = calls["app"]
@@ -201,8 +237,14 @@ def test_every_option_of_every_command_reaches_its_config(monkeypatch, capsys, t
     own = {k: v for k, v in OWN[command].items() if k not in RUNS[run]}
     argv = [command]
     for words, _ in [*own.values(), *(SHARED[name] for name in SHARED if name in params)]:
-        argv += [{"PROMPTS": str(tmp_path / "prompts.txt"), "OUT": str(tmp_path / "OUT"),
-                  "SCHEMA": str(tmp_path / "schema.json")}.get(w, w) for w in words]
+        argv += [
+            {
+                "PROMPTS": str(tmp_path / "prompts.txt"),
+                "OUT": str(tmp_path / "OUT"),
+                "SCHEMA": str(tmp_path / "schema.json"),
+            }.get(w, w)
+            for w in words
+        ]
     if command == "serve":
         pytest.importorskip("uvicorn")
     code, out, err = run_cli(monkeypatch, capsys, *argv)
@@ -269,14 +311,19 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
                 "dtype": {"float16"}, "cuda_graphs": "off", "fan_out": (1, 1, 1, 1, 1, 2),
                 "fan_out_miss": (2, 1, 1, 1, 1, 1)}  # fmt: skip
     # --pair and --target-devices replace others, --no-prefix-cache overrides --prefix-cache-tokens
-    assert set(IN_CONFIG) | {"pair", "target_devices", "prefix_cache_tokens"} == _fields(ModelOptions) | _fields(SpecOptions)
+    assert set(IN_CONFIG) | {"pair", "target_devices", "prefix_cache_tokens"} == _fields(ModelOptions) | _fields(
+        SpecOptions
+    )
     for name, where in IN_CONFIG.items():
         assert getattr(models, name, getattr(spec, name, None)) != getattr(
             ModelOptions(), name, getattr(SpecOptions(), name, None)), name  # fmt: skip
         assert where(config) == expected[name], name
 
     sized = engine_config(replace(models, prefix_cache=True), spec)
-    assert sized.prefix_cache_tokens == 4096 and engine_config(replace(models, prefix_cache_tokens=None), spec).prefix_cache_tokens == 0
+    assert (
+        sized.prefix_cache_tokens == 4096
+        and engine_config(replace(models, prefix_cache_tokens=None), spec).prefix_cache_tokens == 0
+    )
     monkeypatch.setattr("ssdlocal.weights.hub.resolve_pair_paths", lambda name, **kw: (f"{name}-t", f"{name}-d"))
     paired = engine_config(ModelOptions(pair="p", target_backend="torch", target_device="cpu", draft_device="cpu"),
                            SpecOptions(mode="sd"))  # fmt: skip

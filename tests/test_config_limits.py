@@ -22,8 +22,19 @@ SEED_MAX = 2**64 - 1
 
 
 def gen(tiny, *extra):
-    return ["generate", "Hello world", "--target", tiny["llama"], "--dtype", "float32",
-            "--max-new-tokens", "4", "--mode", "ar", *extra]
+    return [
+        "generate",
+        "Hello world",
+        "--target",
+        tiny["llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+        "--mode",
+        "ar",
+        *extra,
+    ]
 
 
 def sd(tiny, *extra):
@@ -33,8 +44,18 @@ def sd(tiny, *extra):
 # --------------------------------------------------------------------------- seeds
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_the_largest_seed_works_in_every_mode(monkeypatch, capsys, tiny_dir, mode):
-    args = gen(tiny_dir, "--mode", mode, "--draft", tiny_dir["draft_llama"], "--temperature", "0.8",
-               "--seed", str(SEED_MAX), "--json")
+    args = gen(
+        tiny_dir,
+        "--mode",
+        mode,
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--temperature",
+        "0.8",
+        "--seed",
+        str(SEED_MAX),
+        "--json",
+    )
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
 
@@ -67,8 +88,11 @@ def test_smallest_allowed_temperature_samples_finite_probabilities():
 # --------------------------------------------------------------------------- K and fan-out
 def test_huge_fan_out_is_refused_at_once(monkeypatch, capsys, tiny_dir):
     t0 = time.monotonic()
-    code, _, err = run_cli(monkeypatch, capsys, *gen(
-        tiny_dir, "--mode", "ssd", "--draft", tiny_dir["draft_llama"], "--fan-out", "1000000,1,1,1,1"))
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        *gen(tiny_dir, "--mode", "ssd", "--draft", tiny_dir["draft_llama"], "--fan-out", "1000000,1,1,1,1"),
+    )
     assert_clean_error(code, err, 2, "fan-out", "branches per row", "at most 256")
     assert time.monotonic() - t0 < 10
 
@@ -80,11 +104,14 @@ def test_k_is_capped():
 
 
 # --------------------------------------------------------------------------- device lists
-@pytest.mark.parametrize(("text", "needle"), [
-    ("cpu*0", "asks for 0 ranks"),
-    ("cuda:0-999999999", "at most 64"),
-    ("cpu*100000", "at most 64"),
-])
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("cpu*0", "asks for 0 ranks"),
+        ("cuda:0-999999999", "at most 64"),
+        ("cpu*100000", "at most 64"),
+    ],
+)
 def test_device_lists_are_bounded(monkeypatch, capsys, tiny_dir, text, needle):
     t0 = time.monotonic()
     code, _, err = run_cli(monkeypatch, capsys, *gen(tiny_dir, "--target-devices", text))
@@ -111,10 +138,13 @@ def _cpu_allocator_failure(*args, **kwargs):
     torch.empty(1 << 50, dtype=torch.uint8)  # the CPU allocator's own error (1 PiB)
 
 
-@pytest.mark.parametrize("where", [
-    "ssdlocal.backends.torch.runner.TorchRunner.feed",  # engine forward
-    "ssdlocal.backends.torch.runner.TorchRunner.reset",  # CLI edge
-])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "ssdlocal.backends.torch.runner.TorchRunner.feed",  # engine forward
+        "ssdlocal.backends.torch.runner.TorchRunner.reset",  # CLI edge
+    ],
+)
 def test_cpu_out_of_memory_is_a_clean_error_with_the_size(monkeypatch, capsys, tiny_dir, where):
     monkeypatch.setattr(where, _cpu_allocator_failure)
     code, _, err = run_cli(monkeypatch, capsys, *gen(tiny_dir))

@@ -130,8 +130,11 @@ def test_each_row_keeps_its_own_grammar(engine, grammars, compiler, tiny_dir):
 
 def test_a_completed_grammar_ends_the_answer_and_a_cut_one_says_length(engine, compiler, tiny_dir):
     yes_no = compiler.regex("(yes|no)")
-    for spec in (SpecConfig(mode=Mode.AR), make_spec(engine, tiny_dir, "sd-k3-model-only"),
-                 make_spec(engine, tiny_dir, "ngram")):
+    for spec in (
+        SpecConfig(mode=Mode.AR),
+        make_spec(engine, tiny_dir, "sd-k3-model-only"),
+        make_spec(engine, tiny_dir, "ngram"),
+    ):
         done, _ = run(engine, ["Is it? ", "Well"], spec, [yes_no, yes_no])
         for o in done.outputs:
             assert o.text in ("yes", "no") and o.finish_reason == "eos", o
@@ -142,6 +145,7 @@ def test_a_completed_grammar_ends_the_answer_and_a_cut_one_says_length(engine, c
 def test_masking_every_position_like_the_first_is_caught(engine, grammars, tiny_dir, monkeypatch):
     """The harness fails a verification that masks every drafted position with the first
     position's mask (drafts the grammar forbids after the prefix get accepted)."""
+
     def first_mask_only(self, drafts, width, active, device):
         rows = [[] for _ in drafts]
         words = torch.full((len(drafts), width + 1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -258,16 +258,28 @@ def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypa
             return step(*args, **kwargs)
 
         monkeypatch.setattr(live.engine.runner, "step", slow)
-        alone = live.client.completions.create(model=MODEL, prompt="Hi there", max_tokens=8, temperature=0,
-                                               extra_body={"ignore_eos": True, "return_token_ids": True})
-        stream = live.client.completions.create(model=MODEL, prompt="Hello", max_tokens=300, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})
+        alone = live.client.completions.create(
+            model=MODEL,
+            prompt="Hi there",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        stream = live.client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=300, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = iter(stream)
         next(chunks)  # the long answer is under way
         events: list[tuple[str, float]] = []
         with ThreadPoolExecutor(1) as pool:
-            short = pool.submit(live.client.completions.create, model=MODEL, prompt="Hi there", max_tokens=8,
-                                temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            short = pool.submit(
+                live.client.completions.create,
+                model=MODEL,
+                prompt="Hi there",
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             short.add_done_callback(lambda _: events.append(("short answered", time.perf_counter())))
             for _ in chunks:
                 events.append(("long chunk", time.perf_counter()))

@@ -12,6 +12,7 @@ def flags(monkeypatch):
     def use(names: str, machine: str = "x86_64"):
         monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(names.split()))
         monkeypatch.setattr(cpu.platform, "machine", lambda: machine)
+
     return use
 
 

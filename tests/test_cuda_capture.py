@@ -141,8 +141,9 @@ def test_one_side_stream_per_device_for_every_capture(fake):
     graphs = CudaGraphs(torch.device("cuda:1"))
     for _ in range(3):
         graphs.capture(_step(rec), {"x": torch.zeros(2)})
-    assert [c for c in rec.calls if c[0] == "Stream"] == [("Stream", torch.device("cuda:1"),
-                                                           rec.default[torch.device("cuda:1")], "cuda:1")]
+    assert [c for c in rec.calls if c[0] == "Stream"] == [
+        ("Stream", torch.device("cuda:1"), rec.default[torch.device("cuda:1")], "cuda:1")
+    ]
 
 
 def test_a_failed_capture_puts_the_callers_stream_back(fake):

@@ -13,9 +13,7 @@ from ssdlocal.placement.inventory import GPU, DeviceInventory, detect, read_memi
 from ssdlocal.placement.planner import plan_placement
 
 
-def machine(
-    *sizes_gb: float, cores: int = 32, ram_gb: float = 256.0, link: str = "unknown"
-) -> DeviceInventory:
+def machine(*sizes_gb: float, cores: int = 32, ram_gb: float = 256.0, link: str = "unknown") -> DeviceInventory:
     nvlink = {"nvlink": True, "pcie": False}.get(link)
     gpus = tuple(GPU(i, f"GPU{i}", size, size - 0.5, nvlink) for i, size in enumerate(sizes_gb))
     return DeviceInventory(gpus, cores, ram_gb, ram_gb * 0.9, link)
@@ -61,9 +59,7 @@ def test_four_plus_one_h100_target_tp4_draft_on_fifth():
 
 
 def test_eight_gpus_keep_one_for_the_draft():
-    nvlink = plan_placement(
-        machine(*[H100] * 8, link="nvlink"), LLAMA_70B, LLAMA_1B, heads=LLAMA_HEADS
-    )
+    nvlink = plan_placement(machine(*[H100] * 8, link="nvlink"), LLAMA_70B, LLAMA_1B, heads=LLAMA_HEADS)
     assert nvlink.tensor_parallel == 4 and nvlink.draft_device == "cuda:4"  # 8 would leave no GPU
     assert any("3 GPU(s) unused" in n for n in nvlink.notes)
     pcie = plan_placement(machine(*[H100] * 8, link="pcie"), LLAMA_8B, LLAMA_1B, heads=LLAMA_HEADS)
@@ -89,9 +85,7 @@ def test_cpu_only():
 
 def test_mismatched_gpus():
     plan = plan_placement(machine(12.0, 24.0), LLAMA_8B, LLAMA_1B)
-    assert (
-        plan.target_devices == ("cuda:1",) and plan.draft_device == "cuda:0"
-    )  # big one for the target
+    assert plan.target_devices == ("cuda:1",) and plan.draft_device == "cuda:0"  # big one for the target
     with pytest.raises(PlacementError) as info:
         plan_placement(machine(24.0, 12.0), 65.5, 1.0)
     assert "needs ~" in info.value.message and "2 GPUs" in info.value.message

@@ -118,8 +118,9 @@ def test_every_symbol_named_in_a_file_is_defined_there():
 
 def test_the_scan_catches_stale_paths_and_symbols():
     """The checks above fail on what the issue found in an older architecture doc."""
-    assert named_paths("see `backends/torch/kvpool.py`, the draft/target ratio, `~/.cache/ssdlocal/gguf`") \
-        == ["backends/torch/kvpool.py"]
+    assert named_paths("see `backends/torch/kvpool.py`, the draft/target ratio, `~/.cache/ssdlocal/gguf`") == [
+        "backends/torch/kvpool.py"
+    ]
     assert resolve("backends/torch/kvpool.py") == ([], None)
     hits, symbol = resolve("cli/resolve.parse_draft")
     assert hits == [PACKAGE / "cli" / "resolve.py"] and symbol == "parse_draft" and defines(hits[0], symbol)

@@ -68,8 +68,12 @@ def run_checked(draft, drafter, rows, rnd) -> int:
         drafted = proposals[-1].drafts.tolist()
         for b, row in enumerate(rows):
             if row.active or len(row.tokens) > len(before[b]):
-                assert drafted[b] == continuation(before[b], drafter.k, draft_next), f"row {b}: not the draft's own drafts"
-            assert draft.lengths[b] == drafter.cached[b], f"row {b}: draft length {draft.lengths[b]} != {drafter.cached[b]}"
+                assert drafted[b] == continuation(before[b], drafter.k, draft_next), (
+                    f"row {b}: not the draft's own drafts"
+                )
+            assert draft.lengths[b] == drafter.cached[b], (
+                f"row {b}: draft length {draft.lengths[b]} != {drafter.cached[b]}"
+            )
             assert draft.cache_holds(b, row.tokens[: drafter.cached[b]]), f"row {b}: the draft keeps a rejected draft"
     raise AssertionError("the rows did not finish")
 

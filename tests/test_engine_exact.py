@@ -195,14 +195,18 @@ def test_sd_acceptance_reflects_draft_quality(engines):
 
 @pytest.mark.parametrize(
     ("target", "draft", "k"),
-    [("qwen2", "draft_qwen2", 3), ("qwen2", "draft_qwen2", 1), ("qwen3", "ngram", 3),
-     ("qwen3", "ngram", 2), ("qwen2", "ngram", 4)],
+    [
+        ("qwen2", "draft_qwen2", 3),
+        ("qwen2", "draft_qwen2", 1),
+        ("qwen3", "ngram", 3),
+        ("qwen3", "ngram", 2),
+        ("qwen2", "ngram", 4),
+    ],
 )
 def test_sd_equals_ar_other_families(engines, target, draft, k):
     for prompts in (PROMPTS_1, PROMPTS_3):
         ar = ar_reference(engines, target, prompts, GREEDY)
-        done, rounds = run(engines.get(target, draft), prompts, GREEDY,
-                           spec_for(engines, Mode.SD, draft, k))
+        done, rounds = run(engines.get(target, draft), prompts, GREEDY, spec_for(engines, Mode.SD, draft, k))
         assert_same(ar, done, f"SD {target} draft={draft} k={k}")
         check_stats(done, rounds, k, model_draft=draft != "ngram")
 
@@ -211,8 +215,7 @@ def test_ngram_draft_proposes_and_is_verified(engines):
     """Prompt lookup does propose on repetitive text, and SD stays exact with it."""
     prompts = ["the cat the cat the cat the cat the cat the"]
     ar = ar_reference(engines, "llama", prompts, GREEDY)
-    done, rounds = run(engines.get("llama", "ngram"), prompts, GREEDY,
-                       spec_for(engines, Mode.SD, "ngram", 4))
+    done, rounds = run(engines.get("llama", "ngram"), prompts, GREEDY, spec_for(engines, Mode.SD, "ngram", 4))
     assert_same(ar, done, "SD ngram repetitive prompt")
     assert sum(sum(r.n_drafted) for r in rounds) > 0
     check_stats(done, rounds, 4, model_draft=False)
@@ -282,8 +285,9 @@ def test_ssd_equals_ar(engines, backup, fan_kind, k, prompts):
 def test_ssd_equals_ar_unrelated_draft(engines, backup, k):
     """A draft that mostly disagrees: misses dominate, outputs stay exact."""
     ar = ar_reference(engines, "llama", PROMPTS_3, GREEDY)
-    spec = spec_for(engines, Mode.SSD, "small_llama", k, fan_out=fan(k, "decay"),
-                    fan_out_miss=fan(k, "decay"), backup=backup)
+    spec = spec_for(
+        engines, Mode.SSD, "small_llama", k, fan_out=fan(k, "decay"), fan_out_miss=fan(k, "decay"), backup=backup
+    )
     done, rounds = run(engines.get("llama", "small_llama"), PROMPTS_3, GREEDY, spec)
     assert_same(ar, done, f"SSD small_llama k={k} backup={backup}")
     check_stats(done, rounds, k, model_draft=backup == "jit")
@@ -334,8 +338,7 @@ def test_ssd_forced_all_miss(engines, backup, prompts):
     ar = ar_reference(engines, "llama", prompts, GREEDY)
     zeros = (0,) * (k + 1)
     for draft in ("draft_llama", "llama"):
-        spec = spec_for(engines, Mode.SSD, draft, k, fan_out=zeros, fan_out_miss=zeros,
-                        backup=backup)
+        spec = spec_for(engines, Mode.SSD, draft, k, fan_out=zeros, fan_out_miss=zeros, backup=backup)
         done, rounds = run(engines.get("llama", draft), prompts, GREEDY, spec)
         assert_same(ar, done, f"SSD all-miss draft={draft} backup={backup}")
         check_stats(done, rounds, k, model_draft=backup == "jit")
@@ -350,8 +353,9 @@ def test_ssd_mixed_hits_and_misses(engines):
     """The noisy draft: some rounds hit, some miss, and hits carry accepted tokens."""
     k = 4
     ar = ar_reference(engines, "llama", PROMPTS_3, GREEDY)
-    spec = spec_for(engines, Mode.SSD, "draft_llama", k, fan_out=(3, 2, 2, 1, 1),
-                    fan_out_miss=(3, 2, 2, 1, 1), backup="jit")
+    spec = spec_for(
+        engines, Mode.SSD, "draft_llama", k, fan_out=(3, 2, 2, 1, 1), fan_out_miss=(3, 2, 2, 1, 1), backup="jit"
+    )
     params = replace(GREEDY, max_new_tokens=48)
     ar = ar_reference(engines, "llama", PROMPTS_3, params)
     done, rounds = run(engines.get("llama", "draft_llama"), PROMPTS_3, params, spec)
@@ -368,7 +372,9 @@ def test_engine_default_spec_runs_ssd(tiny_dir):
     draft = str(tiny_dir["draft_llama"])
     cfg = EngineConfig(
         target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, dtype="float32")), fan_out=None, backup="jit"),
+        spec=SpecConfig(
+            mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, dtype="float32")), fan_out=None, backup="jit"
+        ),
         pin_cpus=False,
     )
     params = replace(GREEDY, max_new_tokens=12)
@@ -396,8 +402,11 @@ def _modes(engines, target="llama"):
     for mode, draft, k, backup in MODES:
         if target != "llama" and draft == "llama":
             continue  # the self-draft needs its own worker; one per other target is enough
-        yield (f"{mode}/{draft}/k{k}/{backup}", engines.get(target, draft),
-               spec_for(engines, Mode(mode), draft, k, backup=backup))
+        yield (
+            f"{mode}/{draft}/k{k}/{backup}",
+            engines.get(target, draft),
+            spec_for(engines, Mode(mode), draft, k, backup=backup),
+        )
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 7, 13])
@@ -516,11 +525,16 @@ def _reject_all(logits, draft_tokens, q, params, generator, n_draft=None):
 
 @pytest.mark.parametrize(
     ("mode", "draft", "backup"),
-    [("sd", "draft_llama", "auto"), ("sd", "llama", "auto"), ("sd", "ngram", "auto"),
-     ("ssd", "draft_llama", "jit"), ("ssd", "llama", "none"), ("ssd", "llama", "ngram")],
+    [
+        ("sd", "draft_llama", "auto"),
+        ("sd", "llama", "auto"),
+        ("sd", "ngram", "auto"),
+        ("ssd", "draft_llama", "jit"),
+        ("ssd", "llama", "none"),
+        ("ssd", "llama", "ngram"),
+    ],
 )
-def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypatch, mode, draft,
-                                                                backup):
+def test_bonus_equal_to_rejected_draft_keeps_caches_consistent(engines, monkeypatch, mode, draft, backup):
     """When the bonus equals the rejected draft token, target and draft caches already
     hold that token; its logits are still needed for the next round, so it must be
     fed again. Output must stay exactly AR's."""

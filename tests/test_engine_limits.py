@@ -65,8 +65,9 @@ def _is_loopback(addr: str) -> bool:
 @linux_only
 def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), pin_cpus=False,
-                          target_devices=("cpu", "cpu"))
+    config = EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), pin_cpus=False, target_devices=("cpu", "cpu")
+    )
     with Engine(config) as engine:
         pids = [os.getpid(), *(p.pid for p in engine._tp_group.procs)]
         listening = listening_addresses(pids)
@@ -116,8 +117,9 @@ def test_chat_history_is_trimmed_to_the_context(tiny_dir):
     params = SamplingParams(max_new_tokens=64)
     conversation = Conversation("You are terse.")
     for _ in range(12):  # far more history than 512 positions hold
-        conversation.add_turn("Tell me about the quick brown fox and the lazy dog.",
-                              "The quick brown fox jumps over the lazy dog. " * 3)
+        conversation.add_turn(
+            "Tell me about the quick brown fox and the lazy dog.", "The quick brown fox jumps over the lazy dog. " * 3
+        )
     with Engine(config) as engine:
         budget = engine.max_prompt_tokens(params.max_new_tokens, spec)
         assert len(conversation.prompt_ids(engine.tokenizer, "and then?")) > budget

@@ -86,8 +86,9 @@ def test_events_name_rows_and_finish_reasons(engine):
     for ev in events:
         if isinstance(ev, RoundEvent):
             assert len(ev.rows) == len(ev.n_accepted) == len(ev.n_drafted)
-    per_row = {b: sum(len(ev.token_ids) for ev in events if isinstance(ev, TokensEvent) and ev.row == b)
-               for b in range(3)}
+    per_row = {
+        b: sum(len(ev.token_ids) for ev in events if isinstance(ev, TokensEvent) and ev.row == b) for b in range(3)
+    }
     assert per_row == {0: 12, 1: 12, 2: 12}
 
 

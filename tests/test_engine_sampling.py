@@ -56,7 +56,6 @@ from ssdlocal.core.config import ModelDraft
 from support.exact import FAN, K, N, PROMPT, T1, ExactJoint, sample_outputs
 
 
-
 @pytest.fixture(scope="module")
 def models(tiny_dir, tmp_path_factory):
     """(target, draft) directories: a low-entropy target and a deliberately different draft."""

@@ -35,6 +35,7 @@ _TQDM = ("Quantizing", "Converting", "quantize", "convert", "\r")  # progress ba
 @contextlib.contextmanager
 def deadline(seconds: int):
     """Fail (not hang) if the block takes longer: SIGALRM raises in the main thread."""
+
     def expired(signum, frame):
         raise TimeoutError(f"still running after {seconds} s (blocked on a FIFO, or building a huge model?)")
 
@@ -106,8 +107,7 @@ def test_a_fifo_as_the_config_or_the_gguf_is_refused(monkeypatch, capsys, tiny_d
     ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a positive integer"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads (3)"),
 ])  # fmt: skip
-def test_config_sizes_are_checked_before_the_model_is_built(monkeypatch, capsys, tiny_dir, tmp_path,
-                                                            changes, needle):
+def test_config_sizes_are_checked_before_the_model_is_built(monkeypatch, capsys, tiny_dir, tmp_path, changes, needle):
     ckpt = variant(tiny_dir, tmp_path, "cfg", **changes)
     started = time.perf_counter()
     code, _, err = generate(monkeypatch, capsys, ckpt)
@@ -225,8 +225,9 @@ def _memory_file(tmp_path: Path, target: Path) -> Path:
     return file.path
 
 
-def test_a_memory_file_with_ids_outside_the_vocabulary_never_fails_a_run(monkeypatch, capsys, caplog, tiny_dir,
-                                                                          tmp_path):
+def test_a_memory_file_with_ids_outside_the_vocabulary_never_fails_a_run(
+    monkeypatch, capsys, caplog, tiny_dir, tmp_path
+):
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
     target = tiny_dir["small_llama"]
     path = _memory_file(tmp_path, target)
@@ -236,8 +237,9 @@ def test_a_memory_file_with_ids_outside_the_vocabulary_never_fails_a_run(monkeyp
     path.write_text(json.dumps({"model": key, "sequences": [prompt_ids + [10**9] * 8, prompt_ids + [-7] * 8,
                                                              prompt_ids + [2**70] * 8]}))  # fmt: skip
     with caplog.at_level("WARNING"):
-        code, out, err = generate(monkeypatch, capsys, target, "--draft", "suffix", "--persist-suffix-memory",
-                                  "--json", "--mode", "sd")
+        code, out, err = generate(
+            monkeypatch, capsys, target, "--draft", "suffix", "--persist-suffix-memory", "--json", "--mode", "sd"
+        )
     assert code == 0, err
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and str(path) in warnings[0] and "dropped 3 of 3" in warnings[0], warnings

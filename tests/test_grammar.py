@@ -32,8 +32,10 @@ def ids(tokenizer, text):
 
 
 def test_schemas_with_features_the_engine_cannot_enforce_are_refused_by_name(compiler):
-    for schema, feature in (({"type": "object", "not": {"required": ["a"]}}, "not"),
-                            ({"type": "array", "uniqueItems": True}, "uniqueItems")):
+    for schema, feature in (
+        ({"type": "object", "not": {"required": ["a"]}}, "not"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ):
         with pytest.raises(GrammarError) as info:
             compiler.json_schema(schema)
         assert info.value.reason == "unsupported" and feature in info.value.message
@@ -241,9 +243,10 @@ def test_patterns_whose_counted_repetitions_explode_are_refused_at_compile_time(
     """Issue 33 item 3, where it can be known before any token: nested counted repetitions
     (the engine's lexer gives up on them mid-answer) are refused when compiled."""
     nested = "^(((a{1,100}){1,100}){1,100}){1,100}$"
-    for compile_it in (lambda: compiler.regex(nested),
-                       lambda: compiler.json_schema({"type": "object", "properties": {
-                           "s": {"type": "string", "pattern": nested}}})):
+    for compile_it in (
+        lambda: compiler.regex(nested),
+        lambda: compiler.json_schema({"type": "object", "properties": {"s": {"type": "string", "pattern": nested}}}),
+    ):
         with pytest.raises(GrammarError) as info:
             compile_it()
         assert info.value.reason == "too_slow" and "repetitions" in info.value.message

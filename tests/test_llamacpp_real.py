@@ -80,7 +80,9 @@ def check_all_modes(target: str, draft: str, chat: bool, max_new: int, prompts=P
         specs = {
             "sd-ngram": SpecConfig(mode=Mode.SD, k=4, draft=NgramDraft()),
             "sd": SpecConfig(mode=Mode.SD, k=3, draft=cfg.spec.draft),
-            "ssd": SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft, fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3)),
+            "ssd": SpecConfig(
+                mode=Mode.SSD, k=3, draft=cfg.spec.draft, fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3)
+            ),
             "ssd-auto": SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft),
         }
         stats = {}
@@ -112,7 +114,9 @@ def test_torch_target_with_gguf_draft(tiny_gguf):
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
     cfg = EngineConfig(
         target=ModelSpec(str(tiny_gguf), dtype="float32"),
-        spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(str(tiny_gguf), backend="llamacpp", dtype="float32"))),
+        spec=SpecConfig(
+            mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(str(tiny_gguf), backend="llamacpp", dtype="float32"))
+        ),
         pin_cpus=False,
     )
     with Engine(cfg) as eng:

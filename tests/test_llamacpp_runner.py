@@ -293,8 +293,16 @@ class InProcessSSD:
     def start(self, rows):
         sequences = [row.tokens for row in rows]
         msg = StartMsg(
-            tuple(tuple(s) for s in sequences), self.params, self.k, self.num_slots, self.vocab,
-            self.spec.fan_out, self.spec.fan_out_miss, self.spec.saguaro_c, "jit", None,
+            tuple(tuple(s) for s in sequences),
+            self.params,
+            self.k,
+            self.num_slots,
+            self.vocab,
+            self.spec.fan_out,
+            self.spec.fan_out_miss,
+            self.spec.saguaro_c,
+            "jit",
+            None,
         )
         self.sp = Speculator(self.runner, msg)
         self.round = 0
@@ -476,10 +484,7 @@ def test_unknown_backend():
 def test_package_does_not_import_llama_cpp():
     import subprocess
 
-    code = (
-        "import sys, ssdlocal.backends.llamacpp, ssdlocal.engine; "
-        "assert 'llama_cpp' not in sys.modules"
-    )
+    code = "import sys, ssdlocal.backends.llamacpp, ssdlocal.engine; assert 'llama_cpp' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -503,15 +508,32 @@ def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):
     assert code == 0, err
     ar = json.loads(out)
     code, out, err = run_cli(
-        monkeypatch, capsys, *base, "--mode", "sd", "--draft", draft,
-        "--target-backend", "llamacpp", "--draft-backend", "llamacpp",
+        monkeypatch,
+        capsys,
+        *base,
+        "--mode",
+        "sd",
+        "--draft",
+        draft,
+        "--target-backend",
+        "llamacpp",
+        "--draft-backend",
+        "llamacpp",
     )
     assert code == 0, err
     assert json.loads(out)["outputs"][0]["token_ids"] == ar["outputs"][0]["token_ids"]
     code, _, err = run_cli(monkeypatch, capsys, *base, "--mode", "ar", "--target-backend", "vllm")
     assert code == 2 and "backend" in err
     code, _, err = run_cli(
-        monkeypatch, capsys, "generate", "x", "--target", str(tiny_dir["llama"]), "--mode", "ar",
-        "--target-backend", "llamacpp",
+        monkeypatch,
+        capsys,
+        "generate",
+        "x",
+        "--target",
+        str(tiny_dir["llama"]),
+        "--mode",
+        "ar",
+        "--target-backend",
+        "llamacpp",
     )
     assert code == 1 and "not a .gguf" in err and "hint:" in err

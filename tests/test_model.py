@@ -49,9 +49,13 @@ def test_greedy_matches_transformers_generate(tiny_dir, arch):
     for prompt in PROMPTS:
         ids = loaded.tokenizer(prompt)["input_ids"]
         with torch.inference_mode():
-            expected = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        expected = expected[0, len(ids):].tolist()
+            expected = ref.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=24,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        expected = expected[0, len(ids) :].tolist()
         assert greedy(loaded.model, ids, 24, loaded.eos_token_ids) == expected
 
 
@@ -143,8 +147,9 @@ def test_model_args_from_configs(tiny_dir):
 def test_sharded_checkpoint_and_bf16(tiny_dir, tmp_path):
     from support.tiny_models import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path / "sharded", "qwen2", seed=1, max_shard_size="50KB",
-                                tokenizer_dir=tiny_dir["qwen2"])
+    path = make_tiny_checkpoint(
+        tmp_path / "sharded", "qwen2", seed=1, max_shard_size="50KB", tokenizer_dir=tiny_dir["qwen2"]
+    )
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("*.safetensors"))) > 1
     sharded, single = load_model(path), load_model(tiny_dir["qwen2"])

@@ -87,9 +87,7 @@ def test_verify_dist_catches_a_missing_pair_file(dist, tmp_path):
         for item in src.infolist():
             if not item.filename.endswith("qwen3-8b.toml"):
                 dst.writestr(item, src.read(item))
-    (tmp_path / next(dist.glob("*.tar.gz")).name).write_bytes(
-        next(dist.glob("*.tar.gz")).read_bytes()
-    )
+    (tmp_path / next(dist.glob("*.tar.gz")).name).write_bytes(next(dist.glob("*.tar.gz")).read_bytes())
     proc = subprocess.run(
         [sys.executable, str(ROOT / "packaging" / "verify_dist.py"), str(tmp_path)],
         check=False,

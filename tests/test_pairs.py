@@ -57,9 +57,7 @@ def test_builtin_registry_is_complete():
     )
 
 
-@pytest.mark.parametrize(
-    "path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem
-)
+@pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_pair_file(path):
     pair = parse_pair(path)
     assert pair.name == path.stem and pair.description and pair.family
@@ -72,9 +70,7 @@ def test_every_pair_file(path):
         for ref in (pair.target, pair.draft, pair.gguf_target, pair.gguf_draft):
             # "main" until a real commit is pinned; never an invented hash
             assert ref.revision == "main" or re.fullmatch(r"[0-9a-f]{40}", ref.revision)
-        assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(
-            ".gguf"
-        )
+        assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(".gguf")
         assert pair.gguf_target.quant in pair.gguf_target.filename
         assert "*.safetensors" in pair.allow_patterns and "*.json" in pair.allow_patterns
         assert 0 < pair.gguf_target.size_gb < pair.target.bf16_gb
@@ -218,10 +214,6 @@ def test_pair_bad_input(monkeypatch, capsys, args, code, needles):
 
 def test_local_pair_with_a_bad_path(monkeypatch, capsys, tmp_path):
     pair_file = tmp_path / "broken.toml"
-    pair_file.write_text(
-        'name = "broken"\nsource = "local"\n[target]\npath = "gone"\n[draft]\npath = "gone2"\n'
-    )
+    pair_file.write_text('name = "broken"\nsource = "local"\n[target]\npath = "gone"\n[draft]\npath = "gone2"\n')
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", str(pair_file))
-    assert (
-        code == 1 and "target path" in err and str(tmp_path / "gone") in err and "fix `path`" in err
-    )
+    assert code == 1 and "target path" in err and str(tmp_path / "gone") in err and "fix `path`" in err

@@ -95,8 +95,9 @@ def _churned_pool(monkeypatch, slice_runs: int):
         cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
 
     def store(tokens):
-        index.insert(tokens, lambda placed: pool.save(
-            caches, 0, kvcache.runs_of([(p.index, p.number) for p in placed], B)))
+        index.insert(
+            tokens, lambda placed: pool.save(caches, 0, kvcache.runs_of([(p.index, p.number) for p in placed], B))
+        )
 
     singles = [[1000 + i] * B for i in range(blocks)]
     for seq in singles:
@@ -188,6 +189,7 @@ SYSTEM = _ids(1, 150)  # a long system message shared by every conversation
 def _calls(answers: dict) -> list:
     """(name, prompts) per call; a conversation's next turn is its last prompt + answer + a
     question (`answers[name]` holds what the engine answered for that conversation)."""
+
     def turn(name: str, question: list[int]) -> list[int]:
         prompt, answer = answers.get(name, (SYSTEM, []))
         return list(prompt) + list(answer) + question
@@ -289,12 +291,20 @@ def test_sampled_answers_with_the_cache_equal_the_ones_without(models):
                 done = [e for e in engine.generate([prompt], params) if isinstance(e, DoneEvent)][0]
                 outs.append((done.outputs[0].token_ids, done.stats["cached_prompt_tokens"]))
     assert len({tokens for tokens, _ in outs}) == 1
-    assert [c for _, c in outs] == [0, 0, 0, 0, len(prompt) - 1 - (len(prompt) - 1) % B, len(prompt) - 1 - (len(prompt) - 1) % B]
+    assert [c for _, c in outs] == [
+        0,
+        0,
+        0,
+        0,
+        len(prompt) - 1 - (len(prompt) - 1) % B,
+        len(prompt) - 1 - (len(prompt) - 1) % B,
+    ]
 
 
 def test_out_of_memory_while_storing_costs_only_the_reuse(models, monkeypatch, caplog):
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"))
     with Engine(config) as engine:
+
         def no_memory(*args):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
 
@@ -334,7 +344,18 @@ def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeyp
 
     from ssdlocal.backends.torch import runner as runner_mod
 
-    base = ("generate", "hi", "--target", models["llama"], "--mode", "ar", "--max-new-tokens", "2", "--dtype", "float32")
+    base = (
+        "generate",
+        "hi",
+        "--target",
+        models["llama"],
+        "--mode",
+        "ar",
+        "--max-new-tokens",
+        "2",
+        "--dtype",
+        "float32",
+    )
     code, _, err = run_cli(monkeypatch, capsys, *base, "--prefix-cache-tokens", "-5")
     assert_clean_error(code, err, 2, "prefix-cache-tokens must be a whole number", "--no-prefix-cache")
     monkeypatch.setattr(runner_mod, "free_bytes", lambda device: 1 << 20)

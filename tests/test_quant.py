@@ -221,16 +221,20 @@ def test_gguf_loads_into_quantized_layout(gguf_files, arch, mix):
         else:  # Q8_0 -> one scale per row
             bound = np.abs(want).max(1, keepdims=True) / 254 + 1e-6
         assert (np.abs(got - want) <= bound).all(), f"{name} ({kind})"
-        hf_key = "lm_head.weight" if name == "lm_head" and "lm_head.weight" in hf_state else (
-            "model.embed_tokens.weight" if name == "lm_head" else f"model.{name}.weight")
+        hf_key = (
+            "lm_head.weight"
+            if name == "lm_head" and "lm_head.weight" in hf_state
+            else ("model.embed_tokens.weight" if name == "lm_head" else f"model.{name}.weight")
+        )
         hf = hf_state[hf_key].numpy()  # the rows are in Hugging Face order again
         assert np.abs(got - hf).max() < 0.3 * np.abs(hf).max(), name
     # the embedding stays quantized: Q4_K exactly as int4, Q8_0 as int8 rows
     emb = loaded.model.embed_tokens
     assert isinstance(emb, QuantEmbedding) and emb.scheme == scheme
     ids = torch.arange(emb.num_embeddings)
-    want = gguf.quants.dequantize(*next((t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors
-                                        if t.name == "token_embd.weight")).reshape(emb.num_embeddings, -1)
+    want = gguf.quants.dequantize(
+        *next((t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    ).reshape(emb.num_embeddings, -1)
     bound = 1e-5 * np.abs(want).max() if scheme == "int4" else np.abs(want).max(1, keepdims=True) / 254 + 1e-6
     assert (np.abs(emb(ids).numpy() - want) <= bound).all()
 
@@ -336,7 +340,9 @@ def test_the_backend_prepares_and_sizes_what_it_will_load(gguf_files, tiny_dir, 
     ckpt = prepare_weights(path, "torch", "auto", "float32")
     assert ckpt == gguf_quant.ensure_quantized(path, "int4", "float32")
     assert load_model(path, "cpu", "float32", "auto").path == ckpt
-    assert prepare_weights(path, "torch", "int8", "float32", floats=False) == gguf_quant.quantized_dir(path, "int8", "float32")
+    assert prepare_weights(path, "torch", "int8", "float32", floats=False) == gguf_quant.quantized_dir(
+        path, "int8", "float32"
+    )
     monkeypatch.setattr(convert, "_convert", lambda *a, **k: pytest.fail("converted to floats"))
     assert prepare_weights(path, "torch", "none", "float32", floats=False) == path
     assert prepare_weights(path, "llamacpp", "auto", "float32") == path

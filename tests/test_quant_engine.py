@@ -43,7 +43,9 @@ def test_sd_and_ssd_equal_ar_on_quantized_target(tiny_dir, arch, scheme):
     target, draft = str(tiny_dir[arch]), str(tiny_dir[DRAFTS[arch]])
     cfg = EngineConfig(
         target=ModelSpec(target, quantization=scheme, dtype="float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, quantization=scheme, dtype="float32"))),  # the SSD worker loads it quantized
+        spec=SpecConfig(
+            mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, quantization=scheme, dtype="float32"))
+        ),  # the SSD worker loads it quantized
         pin_cpus=False,
     )
     with Engine(cfg) as eng:
@@ -181,7 +183,10 @@ def test_cli_resolves_draft_quantization(tiny_dir):
     assert cfg.target.quantization == cfg.draft_model.quantization == "int4"
     cfg = engine_config(replace(models, draft_quantization="int8"), SpecOptions(mode="sd"))
     assert (cfg.target.quantization, cfg.draft_model.quantization) == ("int4", "int8")
-    assert ModelOptions(quantization="int4", draft_backend="llamacpp").quantizations(("torch", "llamacpp")) == ("int4", "auto")
+    assert ModelOptions(quantization="int4", draft_backend="llamacpp").quantizations(("torch", "llamacpp")) == (
+        "int4",
+        "auto",
+    )
 
 
 def test_pairs_and_planner_size_quantized_weights(monkeypatch, capsys, tiny_dir):

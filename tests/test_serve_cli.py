@@ -34,30 +34,34 @@ def test_a_taken_port_is_refused_before_models_load(monkeypatch, capsys, tiny_di
     loads = []
     monkeypatch.setattr("ssdlocal.cli.serve.engine_config", lambda *a, **k: loads.append(1))
     try:
-        code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar",
-                               "--port", port)
+        code, _, err = run_cli(
+            monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar", "--port", port
+        )
     finally:
         taken.close()
     assert_clean_error(code, err, 1, f"port {port} on 127.0.0.1 is already in use", f"--port {port + 1}")
     assert not loads
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--port", "70000"], "port must be in 0..65535"),
-    (["--max-batch", "0"], "max-batch must be >= 1"),
-    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
-    (["--api-key", " "], "the API key is empty"),
-    (["--max-body-mb", "0"], "max-body-mb must be positive"),
-    (["--max-body-mb", "inf"], "max-body-mb must be positive"),
-    (["--max-request-rows", "0"], "max-request-rows must be positive"),
-    (["--max-connections", "0"], "max-connections must be positive"),
-    (["--max-prompt-chars", "0"], "max-prompt-chars must be >= 1"),
-    (["--header-timeout", "0"], "header-timeout must be a positive number of seconds"),
-    (["--body-timeout", "inf"], "body-timeout must be a positive number of seconds"),
-    (["--idle-timeout", "-1"], "idle-timeout must be a positive number of seconds"),
-    (["--allowed-origins", "localhost:3000"], "is not an origin"),
-    (["--allowed-hosts", "my box"], "is not a host name"),
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--port", "70000"], "port must be in 0..65535"),
+        (["--max-batch", "0"], "max-batch must be >= 1"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+        (["--api-key", " "], "the API key is empty"),
+        (["--max-body-mb", "0"], "max-body-mb must be positive"),
+        (["--max-body-mb", "inf"], "max-body-mb must be positive"),
+        (["--max-request-rows", "0"], "max-request-rows must be positive"),
+        (["--max-connections", "0"], "max-connections must be positive"),
+        (["--max-prompt-chars", "0"], "max-prompt-chars must be >= 1"),
+        (["--header-timeout", "0"], "header-timeout must be a positive number of seconds"),
+        (["--body-timeout", "inf"], "body-timeout must be a positive number of seconds"),
+        (["--idle-timeout", "-1"], "idle-timeout must be a positive number of seconds"),
+        (["--allowed-origins", "localhost:3000"], "is not an origin"),
+        (["--allowed-hosts", "my box"], "is not a host name"),
+    ],
+)
 def test_bad_serve_options_are_usage_errors(monkeypatch, capsys, tiny_dir, args, needle):
     code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tiny_dir["llama"], "--mode", "ar", *args)
     assert_clean_error(code, err, 2, needle)
@@ -75,10 +79,17 @@ def test_every_server_limit_is_an_option_documented_in_help_and_readme(monkeypat
     code, out, _ = run_cli(monkeypatch, capsys, "serve", "--help")
     assert code == 0
     hardening = (ROOT / "docs" / "hardening.md").read_text()
-    serving = hardening[hardening.index("## Limits"):hardening.index("## Malformed requests")]
-    for option, default in [("--max-body-mb", 8.0), ("--max-prompt-chars", None), ("--max-request-rows", 64),
-                            ("--max-batch", 8), ("--max-connections", 128), ("--header-timeout", 10.0),
-                            ("--body-timeout", 30.0), ("--idle-timeout", 5.0)]:
+    serving = hardening[hardening.index("## Limits") : hardening.index("## Malformed requests")]
+    for option, default in [
+        ("--max-body-mb", 8.0),
+        ("--max-prompt-chars", None),
+        ("--max-request-rows", 64),
+        ("--max-batch", 8),
+        ("--max-connections", 128),
+        ("--header-timeout", 10.0),
+        ("--body-timeout", 30.0),
+        ("--idle-timeout", 5.0),
+    ]:
         assert params[option].default == default and params[option].help, option
         assert option in out, option
         assert f"| `{option}` ({default if default is not None else ''}" in serving, option
@@ -94,8 +105,9 @@ def test_a_non_loopback_host_warns_without_an_api_key(monkeypatch, capsys, tmp_p
     the socket itself stays on loopback, only its loopback check is faked."""
     monkeypatch.setattr("ssdlocal.server.run.is_loopback", lambda sock: False)
     extra = ["--api-key", api_key] if api_key else []
-    code, _, err = run_cli(monkeypatch, capsys, "serve", "--target", tmp_path / "missing", "--mode", "ar",
-                           "--port", "0", *extra)
+    code, _, err = run_cli(
+        monkeypatch, capsys, "serve", "--target", tmp_path / "missing", "--mode", "ar", "--port", "0", *extra
+    )
     assert code != 0 and "Traceback" not in err
     warned = "without --api-key" in err
     assert warned == (api_key is None), err
@@ -123,10 +135,33 @@ def test_api_key_is_required_when_set(tiny_dir):
 def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ssdlocal", "serve", "--target", str(tiny_dir["llama"]), "--mode", "sd",
-         "--draft", "ngram", "--dtype", "float32", "--port", "0", "--served-model-name", "tiny-llama",
-         "--allowed-origins", "http://localhost:3000", "--allowed-hosts", "my-box.lan"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ssdlocal",
+            "serve",
+            "--target",
+            str(tiny_dir["llama"]),
+            "--mode",
+            "sd",
+            "--draft",
+            "ngram",
+            "--dtype",
+            "float32",
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny-llama",
+            "--allowed-origins",
+            "http://localhost:3000",
+            "--allowed-hosts",
+            "my-box.lan",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         url = None
@@ -144,9 +179,12 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
         with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as resp:
             assert json.loads(resp.read()) == {"status": "ok"}
         req = urllib.request.Request(
-            f"{url}/completions", method="POST", headers={"Content-Type": "application/json"},
-            data=json.dumps({"model": "tiny-llama", "prompt": "Hello world", "max_tokens": 5,
-                             "temperature": 0}).encode(),
+            f"{url}/completions",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps(
+                {"model": "tiny-llama", "prompt": "Hello world", "max_tokens": 5, "temperature": 0}
+            ).encode(),
         )
         with urllib.request.urlopen(req, timeout=60) as resp:
             reply = json.loads(resp.read())
@@ -154,8 +192,12 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
         for headers, status in [({"Origin": "https://evil.example"}, 403), ({"Host": "attacker.example"}, 403),
                                 ({"Content-Type": "text/plain"}, 415), ({"Host": "my-box.lan"}, 200),
                                 ({"Origin": "http://localhost:3000"}, 200)]:  # fmt: skip
-            req = urllib.request.Request(f"{url}/completions", method="POST", data=req.data,
-                                         headers={"Content-Type": "application/json", **headers})
+            req = urllib.request.Request(
+                f"{url}/completions",
+                method="POST",
+                data=req.data,
+                headers={"Content-Type": "application/json", **headers},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=60) as resp:
                     got, allow = resp.status, resp.headers.get("Access-Control-Allow-Origin")

@@ -72,8 +72,13 @@ def ask(client, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 16, 
     if not stream:
         choice = reply.choices[0]
         text = choice.message.content if chat else choice.text
-        return {"text": text, "ids": choice.model_extra["token_ids"], "finish": choice.finish_reason,
-                "usage": reply.usage, "stats": reply.model_extra["ssdlocal"]}
+        return {
+            "text": text,
+            "ids": choice.model_extra["token_ids"],
+            "finish": choice.finish_reason,
+            "usage": reply.usage,
+            "stats": reply.model_extra["ssdlocal"],
+        }
     out = {"text": "", "ids": [], "finish": None, "usage": None, "stats": None}
     for chunk in reply:
         for choice in chunk.choices:
@@ -89,8 +94,20 @@ def ask(client, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 16, 
 
 
 def generate_json(monkeypatch, capsys, tiny_dir, mode: str, prompt: str, *extra: str) -> dict:
-    args = ["generate", prompt, "--target", tiny_dir["llama"], "--dtype", "float32", "--mode", mode,
-            "--k", "3", "--json", *extra]
+    args = [
+        "generate",
+        prompt,
+        "--target",
+        tiny_dir["llama"],
+        "--dtype",
+        "float32",
+        "--mode",
+        mode,
+        "--k",
+        "3",
+        "--json",
+        *extra,
+    ]
     if mode != "ar":
         args += ["--draft", tiny_dir["draft_llama"]]
     code, out, err = run_cli(monkeypatch, capsys, *args)
@@ -148,15 +165,30 @@ def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, t
     automatic fan-out: one candidate per accepted length; an automatic backup: jit)."""
     prompt = "Once upon a time"
     pinned = ["--fan-out", "1,1,1,1", "--fan-out-miss", "1,1,1,1", "--backup", "jit"] if server.mode == "ssd" else []
-    expected = generate_json(monkeypatch, capsys, tiny_dir, server.mode, prompt, "--max-new-tokens", "12",
-                             "--temperature", "0.9", "--seed", "1234", "--no-suffix", *pinned)  # what it runs
+    expected = generate_json(
+        monkeypatch,
+        capsys,
+        tiny_dir,
+        server.mode,
+        prompt,
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "1234",
+        "--no-suffix",
+        *pinned,
+    )  # what it runs
     calls, real = [], server.engine.generate
     monkeypatch.setattr(server.engine, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
     batches = metrics(server)["ssdlocal_batches_total"]
     others = ThreadPoolExecutor(4)
     for i in range(3):  # with other requests (other settings, other seeds) arriving meanwhile
-        noise = [others.submit(ask, server.client, p, chat=False, stream=False, max_tokens=8, temperature=t, seed=s)
-                 for p, t, s in ((PROMPTS[i], 0.9, None), (PROMPTS[i + 3], 0.0, None), (prompt, 0.9, 99))]
+        noise = [
+            others.submit(ask, server.client, p, chat=False, stream=False, max_tokens=8, temperature=t, seed=s)
+            for p, t, s in ((PROMPTS[i], 0.9, None), (PROMPTS[i + 3], 0.0, None), (prompt, 0.9, 99))
+        ]
         got = ask(server.client, prompt, chat=False, stream=False, max_tokens=12, temperature=0.9, seed=1234)
         assert got["ids"] == expected["token_ids"], i
         for future in noise:
@@ -175,8 +207,9 @@ def test_a_client_that_disconnects_cancels_its_rows(server):
     other = ThreadPoolExecutor(1).submit(
         ask, server.client, PROMPTS[2], chat=False, stream=True, max_tokens=n, ignore_eos=True
     )
-    stream = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=n, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})
+    stream = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=n, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     received = 0
     for chunk in stream:
         received += sum(len(c.text) for c in chunk.choices)
@@ -234,8 +267,7 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_goes_on(server):
         server.client.completions.create(model="nope", prompt="Hello", max_tokens=2)
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
-        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=-1)
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=-1)
     status, body = server.get("/v1/nowhere")
     _assert_error_body(json.loads(body), status, 404)
     assert ask(server.client, "Hello", chat=True, stream=True, max_tokens=4)["usage"].completion_tokens == 4
@@ -284,8 +316,14 @@ def test_metrics_parse_as_prometheus_text_and_move(server):
 def test_several_prompts_and_n_choices(server):
     if server.mode != "ar":
         pytest.skip("request shapes do not depend on the mode")
-    reply = server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=0,
-                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    reply = server.client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[:2],
+        n=2,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
     ids = [c.model_extra["token_ids"] for c in reply.choices]
     assert ids[0] == ids[1] and ids[2] == ids[3]  # greedy: the n choices of a prompt agree
@@ -359,6 +397,8 @@ def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
     assert with_cache.choices[0].message.content == fresh.choices[0].message.content
     assert fresh.model_extra["ssdlocal"]["prefill_tokens_per_s"] > 0
     after = metrics(server)
-    assert after["ssdlocal_prefix_cache_hit_tokens_total"] - before["ssdlocal_prefix_cache_hit_tokens_total"] >= sum(cached)
+    assert after["ssdlocal_prefix_cache_hit_tokens_total"] - before["ssdlocal_prefix_cache_hit_tokens_total"] >= sum(
+        cached
+    )
     assert after["ssdlocal_prefill_tokens_total"] > before["ssdlocal_prefill_tokens_total"]
     assert after["ssdlocal_prefix_cache_used_tokens"] > 0

@@ -60,14 +60,21 @@ def _stream(live: LiveServer, path: str, body: dict) -> list:
     with urllib.request.urlopen(req, timeout=60) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
 def _completion(live: LiveServer, **extra):
-    return live.client.completions.create(model=MODEL, prompt=BEFORE, suffix=AFTER, max_tokens=12, temperature=0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True}, **extra)
+    return live.client.completions.create(
+        model=MODEL,
+        prompt=BEFORE,
+        suffix=AFTER,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+        **extra,
+    )
 
 
 # ----------------------------------------------------------------------------- /v1/completions + suffix

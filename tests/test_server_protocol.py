@@ -24,31 +24,44 @@ def test_max_tokens_within_the_servers_cap():
 
 
 def test_openai_defaults_and_vllm_extras():
-    req = parse_completion({"model": "m", "prompt": ["a", [1, 2, 3]], "top_k": -1, "ignore_eos": True,
-                            "stop": "\n", "n": 2}, None)
+    req = parse_completion(
+        {"model": "m", "prompt": ["a", [1, 2, 3]], "top_k": -1, "ignore_eos": True, "stop": "\n", "n": 2}, None
+    )
     assert req.prompts == ("a", (1, 2, 3)) and req.n == 2
     assert req.params.temperature == 1.0 and req.params.top_k == 0 and req.params.ignore_eos
     assert req.params.stop == ("\n",) and not req.seeded
-    chat = parse_chat({"model": "m", "messages": [{"role": "developer", "content": "be brief"},
-                                                  {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                       "max_completion_tokens": 7, "seed": 3}, None)
+    chat = parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+            "max_completion_tokens": 7,
+            "seed": 3,
+        },
+        None,
+    )
     assert chat.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
     assert chat.params.max_new_tokens == 7 and chat.seeded and chat.params.seed == 3
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "hi"}, "model"),
-    ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
-    ({"model": "m", "prompt": "hi", "temperature": -0.1}, "temperature"),
-    ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": "m", "prompt": "hi", "n": 0}, "n"),
-    ({"model": "m", "prompt": "hi", "stop": [""]}, "stop"),
-    ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
-    ({"model": "m", "prompt": 5}, "prompt"),
-    ({"model": "m", "prompt": "hi", "echo": True}, "echo"),
-    ({"model": "m", "prompt": "hi", "frequency_penalty": 1.0}, "frequency_penalty"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi"}, "model"),
+        ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ({"model": "m", "prompt": "hi", "temperature": -0.1}, "temperature"),
+        ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p"),
+        ({"model": "m", "prompt": "hi", "n": 0}, "n"),
+        ({"model": "m", "prompt": "hi", "stop": [""]}, "stop"),
+        ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
+        ({"model": "m", "prompt": 5}, "prompt"),
+        ({"model": "m", "prompt": "hi", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "hi", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ],
+)
 def test_bad_fields_name_themselves(body, param):
     with pytest.raises(APIError) as info:
         parse_completion(body, None)
@@ -56,9 +69,12 @@ def test_bad_fields_name_themselves(body, param):
 
 
 def test_bad_messages():
-    for messages, param in (([], "messages"), ([{"role": "function", "content": "x"}], "messages[0].role"),
-                            ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
-                            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+    for messages, param in (
+        ([], "messages"),
+        ([{"role": "function", "content": "x"}], "messages[0].role"),
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+    ):
         with pytest.raises(APIError) as info:
             parse_chat({"model": "m", "messages": messages}, None)
         assert info.value.body()["error"]["param"] == param
@@ -128,9 +144,11 @@ def test_an_assistant_message_with_tool_calls_is_kept_and_a_legacy_function_call
     """`content: null` plus tool calls must reach the template as the calls, never as an
     empty turn; the legacy `function_call` field, which is not rendered, is refused."""
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    messages = [{"role": "user", "content": "call f"},
-                {"role": "assistant", "content": None, "tool_calls": calls},
-                {"role": "user", "content": "and now?"}]
+    messages = [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "user", "content": "and now?"},
+    ]
     parsed = parse_chat({"model": "m", "messages": messages}, None).messages
     assert parsed[1]["tool_calls"] == calls and parsed[1]["content"] == ""
     legacy = [*messages[:1], {"role": "assistant", "content": None, "function_call": calls[0]["function"]}]
@@ -138,5 +156,6 @@ def test_an_assistant_message_with_tool_calls_is_kept_and_a_legacy_function_call
         parse_chat({"model": "m", "messages": legacy}, None)
     error = info.value.body()["error"]
     assert info.value.status == 400 and error["param"] == "messages[1].function_call", error
-    assert parse_chat({"model": "m", "messages": [*messages[:1], {"role": "assistant", "content": None,
-                                                                 "tool_calls": []}]}, None)  # empty: nothing lost
+    assert parse_chat(
+        {"model": "m", "messages": [*messages[:1], {"role": "assistant", "content": None, "tool_calls": []}]}, None
+    )  # empty: nothing lost

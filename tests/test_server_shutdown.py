@@ -45,13 +45,20 @@ def test_answers_in_flight_end_with_an_error_when_the_server_stops(tiny_dir, mon
     live = LiveServer(EngineConfig(target=ModelSpec(str(tiny_dir["small_llama"]), dtype="float32")))
     try:
         _slow_down(live, monkeypatch, 0.02)
-        stream = live.client.completions.create(model=MODEL, prompt="Hello", max_tokens=300, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True})
+        stream = live.client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=300, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = iter(stream)
         next(chunks)  # the stream is under way
         with ThreadPoolExecutor(1) as pool:
-            whole = pool.submit(live.client.completions.create, model=MODEL, prompt="Hi", max_tokens=300,
-                                temperature=0, extra_body={"ignore_eos": True})
+            whole = pool.submit(
+                live.client.completions.create,
+                model=MODEL,
+                prompt="Hi",
+                max_tokens=300,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             time.sleep(0.3)  # that request is waiting or running too
             started = time.perf_counter()
             live.server.should_exit = True  # what uvicorn's SIGINT / SIGTERM handler does
@@ -113,8 +120,9 @@ def test_sigterm_during_a_stream_exits_0_quietly_and_leaves_no_worker(tiny_dir):
                 url = line.split(" at ")[1].split()[0]
         assert url, "serve did not start"
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
-        stream = client.completions.create(model="tiny", prompt="Hello world", temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})  # to the end of the context
+        stream = client.completions.create(
+            model="tiny", prompt="Hello world", temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )  # to the end of the context
         chunks = iter(stream)
         next(chunks)
         children = _children(proc.pid)

@@ -166,7 +166,9 @@ def test_json_schema_and_json_object_answers_validate(server):
 
 
 def test_a_full_tool_round_trip(server):
-    first = ask(server, messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    first = ask(
+        server, messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
     call = first.choices[0].message.tool_calls[0]
     history = USER + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -203,8 +205,10 @@ def test_logprobs_are_the_targets_own(server, hermes_dirs):
 
     res = ask(server, messages=USER, logprobs=True, top_logprobs=3, max_tokens=10)
     entries = res.choices[0].logprobs.content
-    ids = server.engine.tokenizer.encode(server.engine.tokenizer.apply_chat_template(
-        USER, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ids = server.engine.tokenizer.encode(
+        server.engine.tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     stream = ask(server, messages=USER, logprobs=True, top_logprobs=3, max_tokens=10, stream=True)
     streamed = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
@@ -213,7 +217,7 @@ def test_logprobs_are_the_targets_own(server, hermes_dirs):
     generated = done.choices[0].model_extra["token_ids"]
     model = AutoModelForCausalLM.from_pretrained(hermes_dirs["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids + generated])).logits[0, len(ids) - 1: -1]
+        logits = model(input_ids=torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1]
     expected = torch.log_softmax(logits.float(), -1)  # [T, V]
     got = done.choices[0].logprobs
     assert len(got.token_logprobs) == len(generated) == 6 and len(entries) == 10
@@ -229,13 +233,40 @@ def test_logprobs_are_the_targets_own(server, hermes_dirs):
 
 def test_what_cannot_be_served_is_a_400_naming_the_field(server):
     cases = [
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
-              "not": {"required": ["a"]}}}}), "response_format.json_schema.schema", "not"),  # fmt: skip
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
-         "response_format.json_schema.schema", None),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-            "a": {"type": "array", "uniqueItems": True}}}}}], tool_choice="required"),
-         "tools[0].function.parameters", "uniqueItems"),
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}},
+                }
+            ),
+            "response_format.json_schema.schema",
+            "not",
+        ),  # fmt: skip
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+            "response_format.json_schema.schema",
+            None,
+        ),
+        (
+            dict(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
+                    }
+                ],
+                tool_choice="required",
+            ),
+            "tools[0].function.parameters",
+            "uniqueItems",
+        ),
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", None),
         (dict(logprobs=True, top_logprobs=21), "top_logprobs", None),
     ]
@@ -255,7 +286,11 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server):
         compiler.limits, compiler.pool = type(limits)(compile_timeout_s=0.5), hanging
         fresh = {"type": "object", "properties": {"zz": {"type": "string", "maxLength": 7}}, "title": "HANG"}
         with pytest.raises(openai.BadRequestError) as info:
-            ask(server, messages=USER, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": fresh}})
+            ask(
+                server,
+                messages=USER,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": fresh}},
+            )
         assert info.value.body["code"] == "grammar_too_complex" and hanging.killed == 1
     finally:
         compiler.limits, compiler.pool = limits, pool
@@ -287,8 +322,11 @@ def test_forced_calls_are_whole_valid_calls(server):
     assert whole.finish_reason == "tool_calls" and whole.message.content is None, whole
     assert [json.loads(c.function.arguments) for c in whole.message.tool_calls] == [{"text": "see </tool_call> here"}]
     content, calls, finish = _stream(server, messages=USER, tools=tools, tool_choice=named)
-    assert finish == "tool_calls" and not content and [json.loads(a) for _, a in calls.values()] == [
-        {"text": "see </tool_call> here"}]
+    assert (
+        finish == "tool_calls"
+        and not content
+        and [json.loads(a) for _, a in calls.values()] == [{"text": "see </tool_call> here"}]
+    )
     weather = TOOLS[:1]
     for stop in (["city"], ["elsius"], ["unit"]):
         cut = ask(server, messages=USER, tools=weather, tool_choice="required", stop=stop).choices[0]

@@ -38,8 +38,16 @@ def live(tiny_dir):
     server.close()
 
 
-def request(live: LiveServer, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"",
-            *, send_body: bool = True, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+def request(
+    live: LiveServer,
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    body: bytes = b"",
+    *,
+    send_body: bool = True,
+    timeout: float = 10.0,
+) -> tuple[int, dict[str, str], bytes]:
     """One raw HTTP/1.1 request (Connection: close) -> status, headers (lowercase), body.
     `send_body` False declares the body's length but never sends it."""
     fields = {"Host": live.host, **(headers or {})}
@@ -67,13 +75,24 @@ def error_code(payload: bytes) -> str:
 
 
 # ----------------------------------------------------------------------------- DNS rebinding
-@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:{port}", "127.0.0.1.nip.io:{port}",
-                                  "localhost.attacker.example:{port}", "localhost:1", "127.0.0.1:{other}", ""])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "attacker.example",
+        "attacker.example:{port}",
+        "127.0.0.1.nip.io:{port}",
+        "localhost.attacker.example:{port}",
+        "localhost:1",
+        "127.0.0.1:{other}",
+        "",
+    ],
+)
 def test_a_host_the_server_does_not_answer_to_is_refused_before_the_body(live, host):
     host = host.format(port=live.port, other=live.port + 1)
     started = time.perf_counter()
-    status, _, payload = request(live, "POST", "/v1/chat/completions",
-                                 {"Host": host, "Content-Type": "application/json"}, CHAT, send_body=False)
+    status, _, payload = request(
+        live, "POST", "/v1/chat/completions", {"Host": host, "Content-Type": "application/json"}, CHAT, send_body=False
+    )
     assert status == 403 and error_code(payload) == "host_not_allowed", payload
     assert "--allowed-hosts" in json.loads(payload)["error"]["message"]
     assert time.perf_counter() - started < 5  # not waiting for the body (it never comes)
@@ -82,18 +101,32 @@ def test_a_host_the_server_does_not_answer_to_is_refused_before_the_body(live, h
         assert status == 403 and error_code(payload) == "host_not_allowed", (path, payload)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LocalHost:{port}", "[::1]:{port}",
-                                  "localhost", "127.0.0.1"])
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1:{port}", "localhost:{port}", "LocalHost:{port}", "[::1]:{port}", "localhost", "127.0.0.1"]
+)
 def test_the_names_the_server_is_reachable_as_are_answered(live, host):
-    status, _, payload = request(live, "POST", "/v1/completions",
-                                 {"Host": host.format(port=live.port), "Content-Type": "application/json"},
-                                 COMPLETION)
+    status, _, payload = request(
+        live,
+        "POST",
+        "/v1/completions",
+        {"Host": host.format(port=live.port), "Content-Type": "application/json"},
+        COMPLETION,
+    )
     assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 2, payload
 
 
 # ----------------------------------------------------------------------------- simple cross-site POSTs
-@pytest.mark.parametrize("kind", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
-                                  "multipart/form-data; boundary=x", None, "application/jsonx"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        None,
+        "application/jsonx",
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_json_route_refuses_bodies_not_typed_as_json(live, path, kind):
     body = COMPLETION if path == "/v1/completions" else CHAT
@@ -103,25 +136,32 @@ def test_a_json_route_refuses_bodies_not_typed_as_json(live, path, kind):
 
 
 def test_json_with_a_charset_is_json(live):
-    status, _, payload = request(live, "POST", "/v1/completions",
-                                 {"Content-Type": "Application/JSON; charset=utf-8"}, COMPLETION)
+    status, _, payload = request(
+        live, "POST", "/v1/completions", {"Content-Type": "Application/JSON; charset=utf-8"}, COMPLETION
+    )
     assert status == 200, payload
 
 
 # ----------------------------------------------------------------------------- Origin
-@pytest.mark.parametrize("origin", ["https://evil.example", "null", "http://127.0.0.1:{other}",
-                                    "http://localhost.evil.example:{port}", "file://"])
+@pytest.mark.parametrize(
+    "origin",
+    ["https://evil.example", "null", "http://127.0.0.1:{other}", "http://localhost.evil.example:{port}", "file://"],
+)
 def test_a_web_page_of_another_origin_is_refused(live, origin):
     origin = origin.format(port=live.port, other=live.port + 1)
     json_type = {"Content-Type": "application/json", "Origin": origin}
     status, headers, payload = request(live, "POST", "/v1/completions", json_type, COMPLETION, send_body=False)
     assert status == 403 and error_code(payload) == "origin_not_allowed", payload
     assert "access-control-allow-origin" not in headers
-    status, _, payload = request(live, "POST", "/v1/completions", {**json_type, "Content-Type": "text/plain"},
-                                 COMPLETION)
+    status, _, payload = request(
+        live, "POST", "/v1/completions", {**json_type, "Content-Type": "text/plain"}, COMPLETION
+    )
     assert status == 403, payload  # refused as an origin, whatever the body
-    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type"}
+    preflight = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
     status, headers, payload = request(live, "OPTIONS", "/v1/chat/completions", preflight)
     assert status == 403 and "access-control-allow-origin" not in headers, (status, headers)
     status, _, payload = request(live, "GET", "/v1/models", {"Origin": origin})
@@ -130,8 +170,9 @@ def test_a_web_page_of_another_origin_is_refused(live, origin):
 
 def test_the_servers_own_origin_passes(live):
     own = f"http://127.0.0.1:{live.port}"
-    status, headers, payload = request(live, "POST", "/v1/completions",
-                                       {"Content-Type": "application/json", "Origin": own}, COMPLETION)
+    status, headers, payload = request(
+        live, "POST", "/v1/completions", {"Content-Type": "application/json", "Origin": own}, COMPLETION
+    )
     assert status == 200 and headers["access-control-allow-origin"] == own, payload
 
 
@@ -160,8 +201,13 @@ def test_allowed_hosts_and_origins_extend_the_defaults():
     assert named.host_allowed("my-box.lan:8000") and not named.host_allowed("other.lan:8000")
     assert AccessPolicy("127.0.0.1", 8000, ("*",)).host_allowed("anything.example")
     assert AccessPolicy("127.0.0.1", 8000, (), ("*",)).origin_allowed("null")
-    for bad in [{"extra_hosts": ("a b",)}, {"extra_hosts": ("host:port",)}, {"extra_origins": ("localhost:3000",)},
-                {"extra_origins": ("ftp://x",)}, {"extra_origins": ("http://x/path",)}]:
+    for bad in [
+        {"extra_hosts": ("a b",)},
+        {"extra_hosts": ("host:port",)},
+        {"extra_origins": ("localhost:3000",)},
+        {"extra_origins": ("ftp://x",)},
+        {"extra_origins": ("http://x/path",)},
+    ]:
         with pytest.raises(UsageError):
             AccessPolicy("127.0.0.1", 8000, **bad)
 
@@ -175,8 +221,14 @@ def _call(app, method: str, headers: dict[str, str], path: str = "/v1/completion
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -199,6 +251,7 @@ def test_an_allowed_origin_gets_cors_headers_and_its_preflight_answered():
     assert headers["vary"] == "Origin"
     status, headers, _ = _call(gated, "POST", {"Host": "127.0.0.1:8000", "Content-Type": "application/json"})
     assert status == 200 and "access-control-allow-origin" not in headers  # no Origin: no CORS headers
-    status, headers, _ = _call(gated, "OPTIONS", {**page, "Origin": "https://evil.example",
-                                                  "Access-Control-Request-Method": "POST"})
+    status, headers, _ = _call(
+        gated, "OPTIONS", {**page, "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    )
     assert status == 403 and "access-control-allow-origin" not in headers

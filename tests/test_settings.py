@@ -108,9 +108,7 @@ def test_env_only(monkeypatch, capsys, cfg, tiny_dir):
 )
 def test_invalid_config_file(monkeypatch, capsys, cfg, content, needles):
     cfg.write_text(content)
-    code, _, err = run_cli(
-        monkeypatch, capsys, "generate", "hi", "--target", "/nowhere", "--mode", "ar"
-    )
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--target", "/nowhere", "--mode", "ar")
     assert_clean_error(code, err, 2, *needles)
     if "k must be" not in needles[0]:
         assert str(cfg) in err.split("hint:")[0] or str(cfg) in err
@@ -127,9 +125,7 @@ def test_unreadable_config_file(monkeypatch, capsys, cfg):
 def test_bad_env_value_is_a_usage_error(monkeypatch, capsys, cfg):
     monkeypatch.setenv("SSDLOCAL_K", "four")
     code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--mode", "ar")
-    assert_clean_error(
-        code, err, 2, "environment variable SSDLOCAL_K", "'four'", "--k", "fix or unset SSDLOCAL_K"
-    )
+    assert_clean_error(code, err, 2, "environment variable SSDLOCAL_K", "'four'", "--k", "fix or unset SSDLOCAL_K")
 
 
 def test_other_commands_read_their_table(monkeypatch, capsys, cfg):

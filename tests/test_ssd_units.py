@@ -209,9 +209,7 @@ def test_bonus_candidates_ordering_and_sizes():
     assert bonus_candidates(logits, order[0], 10, GREEDY) == order[1:11]
     # warped probabilities keep the logit order at T > 0
     assert bonus_candidates(logits, None, 10, SAMPLED) == order[:10]
-    assert bonus_candidates(logits, order[4], 6, SamplingParams(temperature=0.5)) == (
-        order[:4] + order[5:7]
-    )
+    assert bonus_candidates(logits, order[4], 6, SamplingParams(temperature=0.5)) == (order[:4] + order[5:7])
     # fan-out 0 (or below) caches nothing
     assert bonus_candidates(logits, order[0], 0, GREEDY) == []
     assert bonus_candidates(logits, None, -3, SAMPLED) == []

@@ -135,7 +135,9 @@ def test_request_stats_are_one_list_owned_by_the_metrics():
     assert list(plain) == ["mode", "acceptance_rate", "mean_accepted_len", "cache_hit_rate", "tokens_per_s",
                            "mean_k", "rows_by_source", "prompt_tokens", "cached_prompt_tokens",
                            "prefill_tokens_per_s", "ttft_s", "batch_size", "constrained", "graphs"]  # fmt: skip
-    assert plain["cache_hit_rate"] == 2 / 3 and plain["ttft_s"] == 0.25 and plain["graphs"] == {"target": {"replays": 3}}
+    assert (
+        plain["cache_hit_rate"] == 2 / 3 and plain["ttft_s"] == 0.25 and plain["graphs"] == {"target": {"replays": 3}}
+    )
     constrained = m.request_stats(batch_size=2, grammar=True)
     assert list(constrained)[-3:] == ["mask_ms_per_token", "constrained_acceptance_rate", "graphs"]
     assert constrained["mask_ms_per_token"] == 18.75 and constrained["constrained"] is True

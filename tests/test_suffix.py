@@ -106,8 +106,9 @@ def test_the_memory_file_is_per_model_and_damage_is_ignored(tmp_path):
     assert not damaged.sequences() and not list(tmp_path.glob("*.tmp-*"))
 
 
-@pytest.mark.parametrize("bad", [[10**9] + CODE, [-7] + CODE, [2**70] + CODE, [True] + CODE, [1.5] + CODE,
-                                 "nested", "string"])
+@pytest.mark.parametrize(
+    "bad", [[10**9] + CODE, [-7] + CODE, [2**70] + CODE, [True] + CODE, [1.5] + CODE, "nested", "string"]
+)
 def test_memory_entries_outside_the_vocabulary_are_dropped_with_one_warning(tmp_path, caplog, bad):
     """Ids past the embedding, negative, huge, booleans, or nesting 100k deep: the file's
     good entries load, the bad ones are dropped, one warning names the file."""

@@ -14,10 +14,21 @@ from ssdlocal.server.structured import MAX_TOOLS
 from ssdlocal.server.tool_parse import CallArgs, CallStart, ToolCallParser, collect
 from ssdlocal.server.tools import HERMES, LLAMA3_JSON, detect_format, template_messages
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+    },
+}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -47,31 +58,45 @@ def test_tools_and_tool_choice_parse():
 
 def test_bad_tool_fields_name_their_param():
     assert error_param(chat, tools=[WEATHER] * 2) == "tools"  # duplicate names
-    assert error_param(chat, tools=[{**WEATHER, "function": {**WEATHER["function"], "name": f"f{i}"}}
-                                    for i in range(MAX_TOOLS + 1)]) == "tools"
+    assert (
+        error_param(
+            chat,
+            tools=[{**WEATHER, "function": {**WEATHER["function"], "name": f"f{i}"}} for i in range(MAX_TOOLS + 1)],
+        )
+        == "tools"
+    )
     not_schema = {"type": "function", "function": {"name": "f", "parameters": ["x"]}}
     assert error_param(chat, tools=[not_schema]) == "tools[0].function.parameters"
-    bad_type = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "strng"}}}}}
+    bad_type = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strng"}}}},
+    }
     assert error_param(chat, tools=[bad_type]) == "tools[0].function.parameters"
     assert error_param(chat, tools=[{"type": "function", "function": {"name": "bad name"}}]) == "tools[0].function.name"
-    assert error_param(chat, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "add"}}) \
+    assert (
+        error_param(chat, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "add"}})
         == "tool_choice"
+    )
     assert error_param(chat, tool_choice="required") == "tool_choice"
     assert error_param(chat, tools=[WEATHER], tool_choice="sometimes") == "tool_choice"
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(700)}}
-    assert error_param(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}}) \
+    assert (
+        error_param(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}})
         == "response_format.json_schema.schema"
+    )
     with pytest.raises(APIError) as info:
         chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": big}})
     assert info.value.body()["error"]["code"] == "schema_too_large"
     assert error_param(chat, response_format={"type": "xml"}) == "response_format"
-    assert error_param(chat, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}) \
+    assert (
+        error_param(chat, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
         == "response_format"
+    )
     assert error_param(chat, logprobs=True, top_logprobs=21) == "top_logprobs"
     assert error_param(chat, top_logprobs=2) == "top_logprobs"  # without logprobs: true
-    assert error_param(lambda **kw: parse_completion({"model": "m", "prompt": "x", **kw}, None), logprobs=21) \
-        == "logprobs"
+    assert (
+        error_param(lambda **kw: parse_completion({"model": "m", "prompt": "x", **kw}, None), logprobs=21) == "logprobs"
+    )
     with pytest.raises(APIError):
         parse_completion({"model": "m", "prompt": "x", "tools": [WEATHER]}, None)
 
@@ -87,17 +112,33 @@ def test_logprobs_and_response_formats_parse():
     assert chat(logprobs=True, top_logprobs=5).params.logprobs == 5
     assert chat(logprobs=True).params.logprobs == 0 and chat().params.logprobs is None
     assert parse_completion({"model": "m", "prompt": "x", "logprobs": 3}, None).params.logprobs == 3
-    fmt = chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "strict": True,
-                                                                         "schema": {"type": "object"}}})
+    fmt = chat(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "p", "strict": True, "schema": {"type": "object"}},
+        }
+    )
     assert fmt.response_format.kind == "json_schema" and fmt.constrained
     assert chat(response_format={"type": "json_object"}).response_format.kind == "json_object"
     assert chat(response_format={"type": "text"}).response_format is None
 
 
 def test_history_with_calls_and_results_reaches_the_template_as_objects():
-    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    ]
     req = parse_chat({"model": "m", "messages": messages, "tools": [WEATHER]}, None)
     rendered = template_messages(req.messages)
     assert rendered[1]["content"] == "" and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
@@ -132,12 +173,20 @@ def _calls(deltas):
 
 HERMES_CASES = {
     'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "q": "}{\\""}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>':
-        ("Checking.", [("get_weather", '{"city": "Paris", "q": "}{\\""}'), ("add", '{"a": 1, "b": 2}')]),
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>': (
+        "Checking.",
+        [("get_weather", '{"city": "Paris", "q": "}{\\""}'), ("add", '{"a": 1, "b": 2}')],
+    ),
     '<tool_call>\n{"arguments": {"a": 1}, "name": "add"}\n</tool_call>': (None, [("add", '{"a": 1}')]),
     # looks like a call, but is not one in the format: text
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}': ('{"name": "get_weather", "arguments": {"city": "Paris"}}', []),
-    '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>': ('<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>', []),
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}': (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        [],
+    ),
+    '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>': (
+        '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>',
+        [],
+    ),
     "Use the <tool_ tag, or <tool_call> alone": ("Use the <tool_ tag, or <tool_call> alone", []),
 }
 
@@ -160,10 +209,15 @@ def test_a_call_is_sent_whole_once_complete_with_its_start_first():
     assert json.loads(streamed[1].text) == {"city": "Paris, France"}
 
 
-SCHEMAS = {"note": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
-           "get_weather": {"type": "object", "properties": {"city": {"type": "string"},
-                                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-                           "required": ["city"], "additionalProperties": False}}
+SCHEMAS = {
+    "note": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 def _both(text, names=("note", "get_weather"), fmt=HERMES):
@@ -184,11 +238,15 @@ def _both(text, names=("note", "get_weather"), fmt=HERMES):
 
 def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call():
     """Issue 33 item 1: the call ends where its JSON object does."""
-    text = ('<tool_call>\n{"name": "note", "arguments": {"text": "see </tool_call> here"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "note", "arguments": {"text": "<tool_call>{\\"x</tool_call>"}}</tool_call>')
+    text = (
+        '<tool_call>\n{"name": "note", "arguments": {"text": "see </tool_call> here"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "note", "arguments": {"text": "<tool_call>{\\"x</tool_call>"}}</tool_call>'
+    )
     content, calls, _ = _both(text)
-    assert content is None and [json.loads(a)["text"] for _, a in calls] == ["see </tool_call> here",
-                                                                              '<tool_call>{"x</tool_call>']
+    assert content is None and [json.loads(a)["text"] for _, a in calls] == [
+        "see </tool_call> here",
+        '<tool_call>{"x</tool_call>',
+    ]
 
 
 def test_a_cut_or_invalid_call_is_text_not_a_call():
@@ -196,8 +254,11 @@ def test_a_cut_or_invalid_call_is_text_not_a_call():
     an answer that ends inside a call (a stop string) is cut, and its finish is not tool_calls."""
     from ssdlocal.server.responses import finish_reason
 
-    for cut in ('<tool_call>\n{"', '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "c',
-                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n</tool'):
+    for cut in (
+        '<tool_call>\n{"',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "c',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n</tool',
+    ):
         content, calls, parser = _both(cut)
         assert calls == [] and content == cut and parser.cut, cut
         assert finish_reason("stop", parser=parser) == "stop"

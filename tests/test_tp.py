@@ -234,8 +234,9 @@ def test_ranks_exit_when_the_parent_is_killed(tiny_dir, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(_PARENT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_dir["llama"])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_dir["llama"])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     try:
         line = proc.stdout.readline().decode().split()
         assert line, proc.stderr.read().decode()[-2000:]
@@ -264,8 +265,20 @@ def _alive(pid: int) -> bool:
 def test_cli_target_devices(tiny_dir, monkeypatch, capsys):
     import json
 
-    common = ["generate", "The quick brown fox", "--target", tiny_dir["llama"], "--mode", "ar",
-              "--dtype", "float32", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    common = [
+        "generate",
+        "The quick brown fox",
+        "--target",
+        tiny_dir["llama"],
+        "--mode",
+        "ar",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    ]
     code, out, err = run_cli(monkeypatch, capsys, *common)
     assert code == 0, err
     code, out_tp, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
@@ -282,8 +295,18 @@ def test_cli_target_devices(tiny_dir, monkeypatch, capsys):
 def test_check_target_devices(tiny_dir, monkeypatch, capsys):
     import json
 
-    common = ["check", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
-              "--max-new-tokens", "6", "--k", "3", "--json"]
+    common = [
+        "check",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--max-new-tokens",
+        "6",
+        "--k",
+        "3",
+        "--json",
+    ]
     code, out, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
     assert code == 0, err
     report = json.loads(out)
@@ -295,9 +318,26 @@ def test_check_target_devices(tiny_dir, monkeypatch, capsys):
 def test_bench_target_devices(tiny_dir, monkeypatch, capsys, tmp_path):
     import json
 
-    common = ["bench", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
-              "--dtype", "float32", "--max-new-tokens", "6", "--no-chat", "--no-pin", "--ignore-eos",
-              "--modes", "ar,sd", "--limit", "1", "--out", tmp_path]
+    common = [
+        "bench",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--no-chat",
+        "--no-pin",
+        "--ignore-eos",
+        "--modes",
+        "ar,sd",
+        "--limit",
+        "1",
+        "--out",
+        tmp_path,
+    ]
     code, _, err = run_cli(monkeypatch, capsys, *common, "--target-devices", "cpu*2")
     assert code == 0, err
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -310,9 +350,24 @@ def test_bench_target_devices(tiny_dir, monkeypatch, capsys, tmp_path):
 def test_ctrl_c_during_tp_generate(tiny_dir):
     from support.processes import interrupt_while_streaming, wait_gone
 
-    cmd = [sys.executable, "-m", "ssdlocal", "generate", "Hello world", "--target", str(tiny_dir["llama"]),
-           "--mode", "ar", "--dtype", "float32", "--max-new-tokens", "490", "--ignore-eos",
-           "--target-devices", "cpu*2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ssdlocal",
+        "generate",
+        "Hello world",
+        "--target",
+        str(tiny_dir["llama"]),
+        "--mode",
+        "ar",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "490",
+        "--ignore-eos",
+        "--target-devices",
+        "cpu*2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
@@ -412,8 +467,15 @@ def _drafter(params, target_device, draft_device):
 
     spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of("draft"))
     worker = _FakeWorker()
-    drafter = SSDDrafter(worker, spec, SamplingParams(**params), target_vocab=5, num_slots=64,
-                         target_device=target_device, draft_device=draft_device)
+    drafter = SSDDrafter(
+        worker,
+        spec,
+        SamplingParams(**params),
+        target_vocab=5,
+        num_slots=64,
+        target_device=target_device,
+        draft_device=draft_device,
+    )
     return drafter, worker
 
 
@@ -452,8 +514,7 @@ def test_planner_chooses_tp_and_draft_gpu():
     from ssdlocal.placement.planner import plan_placement
 
     def inventory(n, link):
-        return DeviceInventory(tuple(GPU(i, "GPU", 24.0) for i in range(n)), 16, 128.0,
-                               interconnect=link)
+        return DeviceInventory(tuple(GPU(i, "GPU", 24.0) for i in range(n)), 16, 128.0, interconnect=link)
 
     heads = (32, 8)
     plan = plan_placement(inventory(2, "pcie"), 14.0, 1.0, heads=heads)
@@ -474,8 +535,7 @@ def test_gpu_checks():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     script = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
-    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

@@ -228,9 +228,7 @@ async def test_copy_clear_colours_and_help():
 async def test_generation_error_shows_modal_and_recovers():
     engine = FakeEngine(
         fail_after=2,
-        error=DraftWorkerError(
-            "the draft worker died (exit code -9)", "it is restarted on the next request"
-        ),
+        error=DraftWorkerError("the draft worker died (exit code -9)", "it is restarted on the next request"),
     )
     app = chat_app(engine)
     async with app.run_test(size=SIZE) as pilot:
@@ -301,9 +299,7 @@ async def test_race_records_three_modes_and_replays_to_a_summary():
         assert all(c[1].max_new_tokens == 4 for c in engine.calls[:3])
         assert "identical output in every mode" in screen.verdict
         assert [r.mode for r in screen.rows] == ["AR", "SD", "SSD"]
-        assert "replayed side by side with measured timings" in str(
-            screen.query_one("#race-note").content
-        )
+        assert "replayed side by side with measured timings" in str(screen.query_one("#race-note").content)
         texts = {p.body.text for p in screen.panes}
         assert len(texts) == 1 and texts.pop().split() == WORDS[:30]
         screen.speed = 1e-3  # replay slowly: it must restart from nothing
@@ -463,8 +459,7 @@ def test_quit_while_the_models_load_returns_at_once_and_closes_them_later():
         gate.wait(20)
         return engine
 
-    app = RaceApp(slow_load, engine.config, "hi", race_specs(engine.config.spec),
-                  SamplingParams(max_new_tokens=5))
+    app = RaceApp(slow_load, engine.config, "hi", race_specs(engine.config.spec), SamplingParams(max_new_tokens=5))
 
     async def quit_at_once():
         async with app.run_test(size=SIZE) as pilot:

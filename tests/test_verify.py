@@ -42,10 +42,7 @@ def _gen(seed: int) -> torch.Generator:
 def _draw(q_rows: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """q_rows [K, V] -> drafts [B, K], each column sampled from its q (independent of sample())."""
     return torch.stack(
-        [
-            torch.multinomial(q_rows[i], B, replacement=True, generator=gen)
-            for i in range(len(q_rows))
-        ],
+        [torch.multinomial(q_rows[i], B, replacement=True, generator=gen) for i in range(len(q_rows))],
         dim=1,
     )
 
@@ -146,9 +143,7 @@ def test_point_mass_proposals():
         rejected = v.n_accepted[rows] == 0
         zeroed = P0.clone()
         zeroed[x] = 0
-        assert_distribution(
-            v.bonus[rows][rejected], zeroed / zeroed.sum(), what="point-mass residual"
-        )
+        assert_distribution(v.bonus[rows][rejected], zeroed / zeroed.sum(), what="point-mass residual")
     # same via explicit one-hot q
     v2 = verify(p, drafts, point_mass(drafts, 6), _gen(5))
     assert torch.equal(v.n_accepted, v2.n_accepted) and torch.equal(v.bonus, v2.bonus)
@@ -322,9 +317,7 @@ def test_markov_broken_verifier_is_detected():
     P = _markov_p()
     Q = torch.softmax(_LOGITS_Q, -1)
     tokens = _generate(P, K=2, T=2, seed=25, Q=Q, verify_fn=verify_bonus_from_p)
-    assert_not_distribution(
-        joint_index(list(tokens.T), V_M), _markov_joint(P, 2), what="bonus from p"
-    )
+    assert_not_distribution(joint_index(list(tokens.T), V_M), _markov_joint(P, 2), what="bonus from p")
 
 
 # --- greedy exactness, purity, shapes -------------------------------------------------
@@ -336,9 +329,7 @@ def test_greedy_is_deterministic_and_exact(use_q):
     gen = _gen(30)
     target = torch.randint(0, vocab, (batch, k + 1), generator=gen)  # argmax p per position
     p = point_mass(target, vocab)  # [B, K+1, V]
-    drafts = torch.where(
-        torch.rand(batch, k, generator=gen) < 0.8, target[:, :k], (target[:, :k] + 1) % vocab
-    )
+    drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.8, target[:, :k], (target[:, :k] + 1) % vocab)
     n_draft = torch.randint(0, k + 1, (batch,), generator=gen)
     q = point_mass(drafts, vocab) if use_q else None
     match = (drafts == target[:, :k]) & (torch.arange(k) < n_draft.unsqueeze(1))
@@ -358,9 +349,7 @@ def test_greedy_from_logits_matches_argmax_chain():
     logits_p = torch.randint(0, 3, (200, 4, 7), generator=_gen(31)).float()  # many ties
     p = logits_to_probs(logits_p, greedy)
     target = logits_p.argmax(-1)
-    drafts = torch.where(
-        torch.rand(200, 3, generator=_gen(32)) < 0.7, target[:, :3], 6 - target[:, :3]
-    )
+    drafts = torch.where(torch.rand(200, 3, generator=_gen(32)) < 0.7, target[:, :3], 6 - target[:, :3])
     q = logits_to_probs(torch.nn.functional.one_hot(drafts, 7).float() * 5, greedy)
     v = verify(p, drafts, q, _gen(33))
     expected_n = torch.cumprod((drafts == target[:, :3]).long(), -1).sum(-1)

@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- remote code
 def _hf_loader_calls(tree: ast.AST):
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in ("from_pretrained", "from_config"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("from_pretrained", "from_config")
+        ):
             yield node
 
 
@@ -58,20 +61,28 @@ def test_a_checkpoint_asking_for_remote_code_is_refused_without_asking(tiny_dir,
 _GOOD = '[target]\nrepo = "org/t"\n[draft]\nrepo = "org/d"\n'
 
 
-@pytest.mark.parametrize(("content", "needle"), [
-    (_GOOD + '[torch]\nallow_patterns = "*.safetensors"\n', "`torch.allow_patterns` must be a list of glob"),
-    ('torch = "x"\n' + _GOOD, "`torch` must be a table"),
-    ('[target]\nrepo = "org/t"\nbf16_gb = "big"\n[draft]\nrepo = "org/d"\n', "`target.bf16_gb` must be a number"),
-    ('[target]\nrepo = "org/t"\nrevision = 7\n[draft]\nrepo = "org/d"\n', "`target.revision` must be a non-empty string"),
-    ('gated = "false"\n' + _GOOD, "`gated` must be true or false"),
-    ('[target]\nrepo = "not a repo"\n[draft]\nrepo = "org/d"\n', "`target.repo` must be a hub repo id"),
-    ("sugested_k = 4\n" + _GOOD, "unknown keys ['sugested_k']"),
-    ("suggested_k = 4.5\n" + _GOOD, "`suggested_k` must be an integer >= 1"),
-    (_GOOD + "[torch]\nallow_patterns = []\n", "must not be empty"),
-    (_GOOD + "[llamacpp]\ntarget = 3\n", "`llamacpp.target` must be a table"),
-    (_GOOD + '[llamacpp.target]\nrepo = "org/t"\nfilename = ["a.gguf"]\n',
-     "`llamacpp.target.filename` must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (_GOOD + '[torch]\nallow_patterns = "*.safetensors"\n', "`torch.allow_patterns` must be a list of glob"),
+        ('torch = "x"\n' + _GOOD, "`torch` must be a table"),
+        ('[target]\nrepo = "org/t"\nbf16_gb = "big"\n[draft]\nrepo = "org/d"\n', "`target.bf16_gb` must be a number"),
+        (
+            '[target]\nrepo = "org/t"\nrevision = 7\n[draft]\nrepo = "org/d"\n',
+            "`target.revision` must be a non-empty string",
+        ),
+        ('gated = "false"\n' + _GOOD, "`gated` must be true or false"),
+        ('[target]\nrepo = "not a repo"\n[draft]\nrepo = "org/d"\n', "`target.repo` must be a hub repo id"),
+        ("sugested_k = 4\n" + _GOOD, "unknown keys ['sugested_k']"),
+        ("suggested_k = 4.5\n" + _GOOD, "`suggested_k` must be an integer >= 1"),
+        (_GOOD + "[torch]\nallow_patterns = []\n", "must not be empty"),
+        (_GOOD + "[llamacpp]\ntarget = 3\n", "`llamacpp.target` must be a table"),
+        (
+            _GOOD + '[llamacpp.target]\nrepo = "org/t"\nfilename = ["a.gguf"]\n',
+            "`llamacpp.target.filename` must be a non-empty string",
+        ),
+    ],
+)
 def test_pair_files_are_checked_against_a_schema(monkeypatch, capsys, tmp_path, content, needle):
     from support.cli import assert_clean_error, run_cli
 
@@ -91,8 +102,7 @@ def test_a_user_pair_cannot_shadow_a_built_in_one(monkeypatch, capsys, tmp_path)
     (user / "evil.toml").write_text('name = "qwen2.5-7b"\n' + _GOOD)
     for args in (["pairs", "--json"], ["pull", "qwen2.5-7b"]):
         code, _, err = run_cli(monkeypatch, capsys, *args)
-        assert_clean_error(code, err, 2, "'qwen2.5-7b' is defined twice", str(user / "evil.toml"),
-                           "another `name`")
+        assert_clean_error(code, err, 2, "'qwen2.5-7b' is defined twice", str(user / "evil.toml"), "another `name`")
 
 
 # --------------------------------------------------------------------------- hub and lock
@@ -142,10 +152,10 @@ def test_a_changed_file_is_refused_on_load(monkeypatch, capsys, hub, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(AssetError, match="changed since it was pulled"):
         resolve_pair_paths("fake-pair")
-    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--pair", "fake-pair",
-                           "--target-backend", "torch")  # the safetensors snapshot
-    assert_clean_error(code, err, 1, "model.safetensors changed since it was pulled",
-                       "ssdlocal pull fake-pair")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "generate", "hi", "--pair", "fake-pair", "--target-backend", "torch"
+    )  # the safetensors snapshot
+    assert_clean_error(code, err, 1, "model.safetensors changed since it was pulled", "ssdlocal pull fake-pair")
     (Path(target) / "injected.safetensors").write_bytes(b"x")
     weights.write_bytes(hub.remote.joinpath("org/target/model.safetensors").read_bytes())
     with pytest.raises(AssetError, match="not trusted"):
@@ -161,8 +171,15 @@ def test_a_moved_revision_is_refused_until_update(monkeypatch, capsys, hub, tmp_
     first = resolve_pair_paths("fake-pair")
     hub.commit = NEW_COMMIT  # upstream pushed to the branch / moved the tag
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair")
-    assert_clean_error(code, err, 1, f"now resolves to commit {NEW_COMMIT[:12]}",
-                       f"commit {COMMIT[:12]} was pulled first", "--update", skip=("pulling ",))
+    assert_clean_error(
+        code,
+        err,
+        1,
+        f"now resolves to commit {NEW_COMMIT[:12]}",
+        f"commit {COMMIT[:12]} was pulled first",
+        "--update",
+        skip=("pulling ",),
+    )
     assert resolve_pair_paths("fake-pair") == first  # loads keep using the trusted commit
     code, out, err = run_cli(monkeypatch, capsys, "pull", "fake-pair", "--update")
     assert code == 0, err
@@ -170,9 +187,15 @@ def test_a_moved_revision_is_refused_until_update(monkeypatch, capsys, hub, tmp_
     assert Path(resolve_pair_paths("fake-pair")[0]).name == NEW_COMMIT
 
 
-@pytest.mark.parametrize("entry", ["oops", {"repo": "org/target", "revision": "v1.0", "files": {}},
-                                   {"repo": "org/target", "revision": "v1.0", "commit": "c", "files": {"a": 1}}],
-                         ids=["string", "no-commit", "bad-files"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "oops",
+        {"repo": "org/target", "revision": "v1.0", "files": {}},
+        {"repo": "org/target", "revision": "v1.0", "commit": "c", "files": {"a": 1}},
+    ],
+    ids=["string", "no-commit", "bad-files"],
+)
 def test_a_malformed_lock_entry_is_a_clean_error_and_pairs_still_lists(monkeypatch, capsys, hub, tmp_path, entry):
     """A malformed entry is never trusted nor silently dropped (that would trust the next
     download); plain `ssdlocal pairs` lists the pairs, without that model's commit."""
@@ -205,8 +228,14 @@ def test_a_missing_gguf_file_on_the_hub_names_the_key_to_fix(monkeypatch, capsys
 
     (hub.remote / "org/draft-gguf/draft-Q8_0.gguf").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-pair", "--backend", "llamacpp")
-    assert_clean_error(code, err, 1, "org/draft-gguf/draft-Q8_0.gguf does not exist on the hub",
-                       "`filename` under [llamacpp.draft]", skip=("pulling ",))
+    assert_clean_error(
+        code,
+        err,
+        1,
+        "org/draft-gguf/draft-Q8_0.gguf does not exist on the hub",
+        "`filename` under [llamacpp.draft]",
+        skip=("pulling ",),
+    )
 
 
 def test_an_invalid_repo_id_reaching_the_hub_client_is_a_usage_error(monkeypatch, tmp_path):
@@ -218,8 +247,7 @@ def test_an_invalid_repo_id_reaching_the_hub_client_is_a_usage_error(monkeypatch
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path / "config"))
-    pair = Pair("p", "", "", "hf", ModelRef(repo="not//valid"), ModelRef(repo="org/d"),
-                file=tmp_path / "p.toml")
+    pair = Pair("p", "", "", "hf", ModelRef(repo="not//valid"), ModelRef(repo="org/d"), file=tmp_path / "p.toml")
     with pytest.raises(UsageError) as info:
         hub_mod.pull(pair)
     assert "not a valid hub repo id" in info.value.message and "[target]" in info.value.hint
@@ -245,8 +273,10 @@ def test_two_converters_of_one_file_convert_it_once(tiny_gguf, tmp_path, monkeyp
 
     monkeypatch.setattr(gguf_convert, "_convert", slow_convert)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(
-        gguf_convert.ensure_converted(tiny_gguf[0], dtype="float32"))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(gguf_convert.ensure_converted(tiny_gguf[0], dtype="float32")))
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -274,8 +304,20 @@ _TQDM = ("\rConverting", "Converting")  # transformers' progress bar on stderr
 
 
 def _gguf_cli(tiny_gguf):
-    return ["generate", "hi there", "--target", str(tiny_gguf[0]), "--mode", "ar", "--dtype",
-            "float32", "--max-new-tokens", "2", "--target-backend", "torch"]  # the conversion path
+    return [
+        "generate",
+        "hi there",
+        "--target",
+        str(tiny_gguf[0]),
+        "--mode",
+        "ar",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "2",
+        "--target-backend",
+        "torch",
+    ]  # the conversion path
 
 
 def test_a_full_disk_during_conversion_is_a_clean_error(monkeypatch, capsys, tiny_gguf, tmp_path):
@@ -297,8 +339,9 @@ def test_a_full_disk_during_conversion_is_a_clean_error(monkeypatch, capsys, tin
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped"])
-def test_a_damaged_cached_conversion_is_converted_again_saying_so(monkeypatch, capsys, caplog, tiny_gguf,
-                                                                   tmp_path, damage):
+def test_a_damaged_cached_conversion_is_converted_again_saying_so(
+    monkeypatch, capsys, caplog, tiny_gguf, tmp_path, damage
+):
     """Its files are checked against the crc32s recorded when it was written: a damaged
     one is never used (no silent wrong answer), it is rebuilt with one warning; passed
     directly as --target (no source to rebuild from) it is an error naming it."""
@@ -352,7 +395,7 @@ def _truncate(path: Path) -> None:
 def _bad_crc(path: Path) -> None:
     data = path.read_bytes()
     at = data.index(b"B" * 500)  # stored member data of part02.bin
-    path.write_bytes(data[:at] + b"X" + data[at + 1:])  # the zip directory is intact
+    path.write_bytes(data[:at] + b"X" + data[at + 1 :])  # the zip directory is intact
 
 
 @pytest.mark.parametrize("damage", [_truncate, _bad_crc], ids=["truncated", "bad-crc"])
@@ -396,8 +439,7 @@ def _with_added_token(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("side", ["draft", "target"])
-def test_an_added_token_past_the_embedding_rows_is_only_a_warning(monkeypatch, capsys, tiny_dir,
-                                                                  tmp_path, side):
+def test_an_added_token_past_the_embedding_rows_is_only_a_warning(monkeypatch, capsys, tiny_dir, tmp_path, side):
     from support.cli import run_cli
 
     from ssdlocal.weights.compat import check_paths
@@ -409,9 +451,23 @@ def test_an_added_token_past_the_embedding_rows_is_only_a_warning(monkeypatch, c
         target = _with_added_token(target, tmp_path / "target_extra")
     report = check_paths(target, draft)
     assert any("<|extra|>" in w and "384 embedding rows" in w for w in report.warnings), report
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello world", "--target", target,
-                             "--draft", draft, "--mode", "sd", "--dtype", "float32",
-                             "--max-new-tokens", "5", "--json")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "Hello world",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--mode",
+        "sd",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "5",
+        "--json",
+    )
     assert code == 0, err
 
 

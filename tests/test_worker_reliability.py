@@ -39,7 +39,9 @@ LONG = SamplingParams(max_new_tokens=300, ignore_eos=True)
 def ssd_config(tiny: dict[str, Path], k: int = 3, **spec) -> EngineConfig:
     return EngineConfig(
         target=ModelSpec(str(tiny["llama"]), "cpu", "float32"),
-        spec=SpecConfig(mode=Mode.SSD, k=k, draft=ModelDraft(ModelSpec(str(tiny["draft_llama"]), "cpu", "float32")), **spec),
+        spec=SpecConfig(
+            mode=Mode.SSD, k=k, draft=ModelDraft(ModelSpec(str(tiny["draft_llama"]), "cpu", "float32")), **spec
+        ),
         pin_cpus=False,
     )
 
@@ -206,9 +208,26 @@ def test_bad_draft_is_refused_before_spawning(tiny_dir, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- real processes
 def test_ctrl_c_during_ssd_generate(tiny_dir):
-    cmd = [sys.executable, "-m", "ssdlocal", "generate", "Hello world", "--target", str(tiny_dir["llama"]),
-           "--draft", str(tiny_dir["draft_llama"]), "--mode", "ssd", "--dtype", "float32",
-           "--max-new-tokens", "490", "--ignore-eos", "--k", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ssdlocal",
+        "generate",
+        "Hello world",
+        "--target",
+        str(tiny_dir["llama"]),
+        "--draft",
+        str(tiny_dir["draft_llama"]),
+        "--mode",
+        "ssd",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "490",
+        "--ignore-eos",
+        "--k",
+        "3",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         children = interrupt_while_streaming(proc)
@@ -248,7 +267,8 @@ def test_worker_exits_when_parent_is_killed(tiny_dir, tmp_path):
     script.write_text(textwrap.dedent(PARENT_SCRIPT))
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     worker_pid = None
     try:
@@ -291,7 +311,8 @@ def test_interpreter_exit_without_close_kills_a_stopped_worker(tiny_dir, tmp_pat
     script.write_text(textwrap.dedent(FORGETFUL_SCRIPT))
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     worker_pid = None
     try:

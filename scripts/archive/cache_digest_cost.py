@@ -97,8 +97,10 @@ def main() -> None:
             row["load_s"], row["load_checked_s"] = statistics.median(without), statistics.median(with_check)
         rows.append(row)
         gb = size / 1e9
-        line = (f"{directory.name}: {gb:.3f} GB; read {row['read_s']:.3f} s, crc32 (the check) "
-                f"{row['crc32_s']:.3f} s = {gb / row['crc32_s']:.2f} GB/s, sha256 {row['sha256_s']:.3f} s")
+        line = (
+            f"{directory.name}: {gb:.3f} GB; read {row['read_s']:.3f} s, crc32 (the check) "
+            f"{row['crc32_s']:.3f} s = {gb / row['crc32_s']:.2f} GB/s, sha256 {row['sha256_s']:.3f} s"
+        )
         if args.load:
             line += f"; load_model {row['load_s']:.2f} s without the check, {row['load_checked_s']:.2f} s with it"
         print(line, flush=True)

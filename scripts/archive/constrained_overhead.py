@@ -44,8 +44,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 is steadier on a shared machine)")
-    ap.add_argument("--unmasked-drafts", action="store_true",
-                    help="also SD with the draft model not masked by the grammar (what SSD's worker does)")
+    ap.add_argument(
+        "--unmasked-drafts",
+        action="store_true",
+        help="also SD with the draft model not masked by the grammar (what SSD's worker does)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:

@@ -47,8 +47,11 @@ TEXTS = {
     "tool_call": "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"location": "Paris, France",
                                                                                     "unit": "celsius"}}) + "\n</tool_call>",
 }  # fmt: skip
-FEATURES = {"not": {"type": "object", "not": {"required": ["a"]}}, "uniqueItems": {"type": "array", "uniqueItems": True},
-            "if/then": {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}}
+FEATURES = {
+    "not": {"type": "object", "not": {"required": ["a"]}},
+    "uniqueItems": {"type": "array", "uniqueItems": True},
+    "if/then": {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+}
 PATHOLOGICAL = {"type": "string", "pattern": "^(a|b|c){1,5000}x(a|b){2000}$"}
 
 
@@ -105,7 +108,8 @@ def run_llguidance(tok) -> dict:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(PERSON, defaults=options)
         else:
             grammar = llguidance.LLMatcher.grammar_from_lark(
-                'start: <[151657]> "\\n" call "\\n" <[151658]>\ncall: %json ' + json.dumps(CALL))
+                'start: <[151657]> "\\n" call "\\n" <[151658]>\ncall: %json ' + json.dumps(CALL)
+            )
         matcher = llguidance.LLMatcher(ltok, grammar, log_level=0)
         mask = lt.allocate_token_bitmask(1, V)
         lt.fill_next_token_bitmask(matcher, mask, 0)

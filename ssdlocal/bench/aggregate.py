@@ -52,9 +52,7 @@ def aggregate(records: list[dict], system: str) -> dict:
     return out
 
 
-def aggregate_all(
-    records: list[dict], systems: list[str], exactness: dict[str, dict]
-) -> dict[str, dict]:
+def aggregate_all(records: list[dict], systems: list[str], exactness: dict[str, dict]) -> dict[str, dict]:
     """Aggregates for every system, with exactness status and speedups vs AR and SD."""
     aggs = {s: aggregate(records, s) for s in systems}
     for s, agg in aggs.items():

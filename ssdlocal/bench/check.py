@@ -152,6 +152,4 @@ def run_check(
                         margin,
                     )
                 )
-    return CheckReport(
-        config.target.dtype, tuple(prompts), tuple(runs.values()), tuple(divergences)
-    )
+    return CheckReport(config.target.dtype, tuple(prompts), tuple(runs.values()), tuple(divergences))

@@ -171,4 +171,3 @@ def code_snippets() -> list[str]:
             if block.count("\n") >= FIM_MIN_LINES and block not in blocks:
                 blocks.append(block)
     return blocks
-

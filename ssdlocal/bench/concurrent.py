@@ -47,8 +47,11 @@ class ConcurrentSettings:
     duration_s: float | None = None  # stop starting requests after this many seconds
     peer_python: str = sys.executable
     gguf_target: str | None = None
-    threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count() or 1)  # the peer's; ours sizes its own
+    threads: int = field(
+        default_factory=lambda: (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        )
+    )  # the peer's; ours sizes its own
     n_ctx: int = 4096  # the peer's context (llama-cpp-python's default is 2048)
 
     def __post_init__(self) -> None:

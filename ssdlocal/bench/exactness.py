@@ -26,9 +26,7 @@ def divergence_index(reference: Sequence[int], other: Sequence[int]) -> int | No
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
-def logit_margin(
-    runner, prompt: Sequence[int], prefix: Sequence[int], tokens: Sequence[int] = (), dtype=None
-) -> dict:
+def logit_margin(runner, prompt: Sequence[int], prefix: Sequence[int], tokens: Sequence[int] = (), dtype=None) -> dict:
     """Target logits after prompt + prefix: top1 - top2 margin, the top-2 ids, the logit of
     each id in `tokens` (e.g. AR's token and the other system's token there), and
     `near_tie`: the margin is within 2 units in the last place of the model's `dtype` at
@@ -71,9 +69,7 @@ def check_exactness(
     out: dict[str, dict] = {}
     for rec in records:
         system = rec["system"]
-        summary = out.setdefault(
-            system, {"status": "exact", "rows": 0, "mismatched_rows": 0, "divergences": []}
-        )
+        summary = out.setdefault(system, {"status": "exact", "rows": 0, "mismatched_rows": 0, "divergences": []})
         if system == reference:
             summary["status"] = "reference"
             rec["exact"] = True
@@ -91,9 +87,7 @@ def check_exactness(
             if margin_fn is not None:
                 key = (pid, tuple(expected[:idx]))
                 if key not in margins:
-                    margins[key] = margin_fn(
-                        prompt_ids[pid], expected[:idx], [t for t in (want, got) if t is not None]
-                    )
+                    margins[key] = margin_fn(prompt_ids[pid], expected[:idx], [t for t in (want, got) if t is not None])
                 div.update(margins[key])
             rec["divergences"].append(div)
             summary["mismatched_rows"] += 1

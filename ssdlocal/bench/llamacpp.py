@@ -90,21 +90,32 @@ def main(argv: list[str] | None = None) -> dict:
             if name not in modes:
                 continue
             outs, n, s, stats = _ours(eng, ids, params, spec)
-            results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs,
-                             "acceptance_rate": stats.acceptance_rate,
-                             "mean_accepted_len": stats.mean_accepted_len,
-                             "cache_hit_rate": stats.cache_hit_rate,
-                             "last_prompt_draft_ms": stats.draft_ms,
-                             "last_prompt_verify_ms": stats.verify_ms,
-                             "last_prompt_rounds": stats.rounds}
+            results[name] = {
+                "tokens": n,
+                "seconds": s,
+                "tokens_per_s": n / s,
+                "outputs": outs,
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_accepted_len": stats.mean_accepted_len,
+                "cache_hit_rate": stats.cache_hit_rate,
+                "last_prompt_draft_ms": stats.draft_ms,
+                "last_prompt_verify_ms": stats.verify_ms,
+                "last_prompt_rounds": stats.rounds,
+            }
             print(f"{name:12s} {n / s:7.2f} tok/s  ({n} tokens, {s:.1f}s)", flush=True)
         if "peer" in modes or "peer-lookup" in modes:
             _run_peers(args, modes, ids, params, eos, threads, results)
         _compare_with_ar(eng, ids, results)
     summary = {
-        "target": args.target, "draft": args.draft, "k": args.k, "max_new_tokens": args.max_new_tokens,
-        "prompts": len(ids), "threads": threads, "cpus": os.cpu_count(),
-        "load_avg_end": os.getloadavg(), "results": results,
+        "target": args.target,
+        "draft": args.draft,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": len(ids),
+        "threads": threads,
+        "cpus": os.cpu_count(),
+        "load_avg_end": os.getloadavg(),
+        "results": results,
     }
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
     _print_table(results)
@@ -120,10 +131,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="LlamaPromptLookupDecoding num_pred_tokens")
     ap.add_argument("--modes", default="ar,sd,sd-ngram,ssd,peer,peer-lookup")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads for AR/SD and the peers (0 = torch's default); SSD splits the cores")
-    ap.add_argument("--peer-flash-attn", choices=("on", "off"), default="on",
-                    help="flash attention for the peers (ours: llama.cpp's auto, on for CPU)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for AR/SD and the peers (0 = torch's default); SSD splits the cores",
+    )
+    ap.add_argument(
+        "--peer-flash-attn",
+        choices=("on", "off"),
+        default="on",
+        help="flash attention for the peers (ours: llama.cpp's auto, on for CPU)",
+    )
     ap.add_argument("--out", default="llamacpp_bench.json")
     return ap
 
@@ -146,9 +165,11 @@ def _print_table(results: dict[str, dict]) -> None:
     for name, r in results.items():
         acc = r.get("acceptance_rate")
         hit = r.get("cache_hit_rate")
-        print(f"{name:12s} {r['tokens_per_s']:7.2f} {r.get('speedup_vs_ar', 1):6.2f} "
-              f"{'' if acc is None else f'{acc:.2f}':>7s} {'' if hit is None else f'{hit:.2f}':>5s}  "
-              f"{r.get('same_as_ar', '')} {r.get('first_divergence') or ''}")
+        print(
+            f"{name:12s} {r['tokens_per_s']:7.2f} {r.get('speedup_vs_ar', 1):6.2f} "
+            f"{'' if acc is None else f'{acc:.2f}':>7s} {'' if hit is None else f'{hit:.2f}':>5s}  "
+            f"{r.get('same_as_ar', '')} {r.get('first_divergence') or ''}"
+        )
 
 
 def _run_peers(args, modes, ids, params, eos, threads, results) -> None:

@@ -83,14 +83,12 @@ class HFPeer:
         # a .gguf target (run quantized by us) is the float model of its cached conversion here
         target, draft = prepare_weights(opts.target), opts.draft and prepare_weights(opts.draft)
         self.model = (
-            AutoModelForCausalLM.from_pretrained(target, dtype=dtype, trust_remote_code=False)
-            .to(self.device).eval()
+            AutoModelForCausalLM.from_pretrained(target, dtype=dtype, trust_remote_code=False).to(self.device).eval()
         )
         self.assistant = None
         if name == "hf-assisted":
             self.assistant = (
-                AutoModelForCausalLM.from_pretrained(draft, dtype=dtype, trust_remote_code=False)
-                .to(self.device).eval()
+                AutoModelForCausalLM.from_pretrained(draft, dtype=dtype, trust_remote_code=False).to(self.device).eval()
             )
             gc = self.assistant.generation_config
             gc.num_assistant_tokens = opts.k  # same lookahead K as our SD / SSD
@@ -117,9 +115,7 @@ class HFPeer:
             top_k=params.top_k if (params.top_k and not params.greedy) else None,
             top_p=params.top_p if (params.top_p < 1.0 and not params.greedy) else None,
             pad_token_id=self.pad_id,
-            eos_token_id=None
-            if params.ignore_eos
-            else sorted(self.eos_ids),  # None: never stop early
+            eos_token_id=None if params.ignore_eos else sorted(self.eos_ids),  # None: never stop early
         )
         kwargs = {"generation_config": config}
         if self.assistant is not None:
@@ -200,8 +196,14 @@ class LlamaCppPeer:
         t_end = time.perf_counter()
         t_first = t_first or t_end
         return Measurement(
-            self.name, [tokens], [finish], t_first - t0, t_end - t_first, max(len(tokens) - 1, 0),
-            prompt_tokens=len(batch[0]), cached_tokens=min(cached, len(batch[0]) - 1),
+            self.name,
+            [tokens],
+            [finish],
+            t_first - t0,
+            t_end - t_first,
+            max(len(tokens) - 1, 0),
+            prompt_tokens=len(batch[0]),
+            cached_tokens=min(cached, len(batch[0]) - 1),
         )
 
     def close(self) -> None:
@@ -253,9 +255,7 @@ def make_peers(
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
-            skipped[name] = (
-                "skipped: llama-cpp-python not installed (pip install 'ssdlocal[llamacpp]')"
-            )
+            skipped[name] = "skipped: llama-cpp-python not installed (pip install 'ssdlocal[llamacpp]')"
             continue
         if not opts.gguf_target or (name == "llamacpp-assisted" and not opts.gguf_draft):
             skipped[name] = "skipped: pass --gguf-target (and --gguf-draft for llamacpp-assisted)"

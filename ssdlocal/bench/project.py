@@ -40,9 +40,7 @@ def sd_speedup(e_sd: float, k: int, ratio: float) -> float:
     return e_sd / (1.0 + k * ratio)
 
 
-def ssd_speedup(
-    p_hit: float, e_hit: float, e_miss: float, k: int, ratio: float, backup_forwards: float
-) -> float:
+def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, k: int, ratio: float, backup_forwards: float) -> float:
     """SSD over AR by the speedup formula (docs/architecture.md §1) with T_p = (K+1)*ratio and T_b = backup_forwards*ratio."""
     t_p = (k + 1) * ratio
     t_b = backup_forwards * ratio

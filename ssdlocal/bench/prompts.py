@@ -52,18 +52,13 @@ def load_prompts(path: str | Path | None = None) -> list[BenchPrompt]:
     try:
         lines = p.read_text("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(
-            f"cannot read prompt file {p}: {exc}", "pass a UTF-8 text or JSONL file"
-        ) from None
+        raise UsageError(f"cannot read prompt file {p}: {exc}", "pass a UTF-8 text or JSONL file") from None
     first = next((ln.strip() for ln in lines if ln.strip()), "")
     if not first:
         raise UsageError(f"prompt file {p} has no prompts", "write one prompt per line")
     if p.suffix == ".jsonl" or first.startswith("{"):
         return _parse_jsonl(lines, str(p))
-    return [
-        BenchPrompt(f"p{i + 1:02d}", "text", ln.strip())
-        for i, ln in enumerate(ln for ln in lines if ln.strip())
-    ]
+    return [BenchPrompt(f"p{i + 1:02d}", "text", ln.strip()) for i, ln in enumerate(ln for ln in lines if ln.strip())]
 
 
 def _parse_jsonl(lines: list[str], where: str) -> list[BenchPrompt]:
@@ -76,11 +71,7 @@ def _parse_jsonl(lines: list[str], where: str) -> list[BenchPrompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{where}:{number}: not valid JSON ({exc.msg})", hint) from None
-        if (
-            not isinstance(obj, dict)
-            or not isinstance(obj.get("prompt"), str)
-            or not obj["prompt"].strip()
-        ):
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
             raise UsageError(f'{where}:{number}: missing a non-empty "prompt" string', hint)
         session, turn = obj.get("session"), obj.get("turn", 0)
         if session is not None and (not isinstance(turn, int) or turn < 1):
@@ -100,9 +91,7 @@ def select(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
     appearance); all prompts, round-robin ordered, when limit is None. A session's turns
     keep their order (a later turn is never taken without the earlier ones)."""
     if limit is not None and limit < 1:
-        raise UsageError(
-            f"limit must be >= 1, got {limit}", "use --limit 4, or omit it for all prompts"
-        )
+        raise UsageError(f"limit must be >= 1, got {limit}", "use --limit 4, or omit it for all prompts")
     by_kind: dict[str, list[BenchPrompt]] = {}
     for p in prompts:
         by_kind.setdefault(p.kind, []).append(p)

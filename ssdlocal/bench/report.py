@@ -65,9 +65,7 @@ def environment() -> dict:
     }
 
 
-def build_results(
-    run: BenchRun, *, with_projection: bool, ratios=DEFAULT_RATIOS, env: dict | None = None
-) -> dict:
+def build_results(run: BenchRun, *, with_projection: bool, ratios=DEFAULT_RATIOS, env: dict | None = None) -> dict:
     """The results.json document."""
     aggs = aggregate_all(run.records, run.systems, run.exactness)
     doc = {
@@ -78,8 +76,7 @@ def build_results(
         "batches": run.batches,
         "systems": run.systems,
         "skipped": run.skipped,
-        "exactness": run.exactness
-        or {s: {"status": "n/a (temperature > 0 or no AR run)"} for s in run.systems},
+        "exactness": run.exactness or {s: {"status": "n/a (temperature > 0 or no AR run)"} for s in run.systems},
         "aggregates": aggs,
         "sessions": session_turns(run.records, run.systems),
         "records": run.records,
@@ -262,9 +259,7 @@ def write_png(doc: dict, path: Path) -> None:
         width = 0.8 / len(hists)
         for i, (n, h) in enumerate(hists.items()):
             total = sum(h) or 1
-            axes[1].bar(
-                [x + i * width for x in range(len(h))], [c / total for c in h], width, label=n
-            )
+            axes[1].bar([x + i * width for x in range(len(h))], [c / total for c in h], width, label=n)
         axes[1].legend()
     axes[1].set_title("accepted draft tokens per round")
     axes[1].set_xlabel("accepted")

@@ -45,9 +45,7 @@ class BenchSettings:
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes or len(set(self.modes)) != len(self.modes):
-            raise UsageError(
-                f"bad --modes {','.join(self.modes)!r}", f"a comma list of distinct {', '.join(MODES)}"
-            )
+            raise UsageError(f"bad --modes {','.join(self.modes)!r}", f"a comma list of distinct {', '.join(MODES)}")
         bad = [p for p in self.peers if p not in KNOWN_PEERS]
         if bad:
             raise UsageError(f"unknown peer {bad[0]!r}", f"choose from: {', '.join(KNOWN_PEERS)}")
@@ -111,12 +109,8 @@ def run_bench(
     note = progress or (lambda *a: None)
     started = time.perf_counter()
     if settings.needs_draft and config.spec.draft.kind == "none":
-        raise UsageError(
-            "SD, SSD and hf-assisted need a draft", "pass --draft PATH or use --modes ar"
-        )
-    batches = [
-        prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)
-    ]
+        raise UsageError("SD, SSD and hf-assisted need a draft", "pass --draft PATH or use --modes ar")
+    batches = [prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)]
     run = BenchRun(config, params, settings, prompts, [[p.id for p in b] for b in batches])
     note("load", 0, 1, "loading target and draft")
     peers: list = []
@@ -207,9 +201,7 @@ class Memories:
         self.by_system.clear()
 
 
-def _systems(
-    engine, base: SpecConfig, settings: BenchSettings, peers: list, memories: Memories
-) -> dict[str, Callable]:
+def _systems(engine, base: SpecConfig, settings: BenchSettings, peers: list, memories: Memories) -> dict[str, Callable]:
     """name -> run(batch_token_ids, params) -> Measurement, in the order the user gave."""
     systems: dict[str, Callable] = {}
     for mode in settings.modes:

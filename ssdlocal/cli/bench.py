@@ -39,9 +39,11 @@ def bench(
     sampling: SamplingOptions,
     modes: Annotated[
         str | None,
-        typer.Option(help="Our systems to run, comma-separated: ar, sd, ssd, suffix (SD with the suffix "
-                     "drafter, K per round), auto (what `generate` runs by default). Default: ar,sd,ssd; "
-                     "concurrent: auto (one `ssdlocal serve --mode M` per mode; suffix is not one)."),  # fmt: skip
+        typer.Option(
+            help="Our systems to run, comma-separated: ar, sd, ssd, suffix (SD with the suffix "
+            "drafter, K per round), auto (what `generate` runs by default). Default: ar,sd,ssd; "
+            "concurrent: auto (one `ssdlocal serve --mode M` per mode; suffix is not one)."
+        ),  # fmt: skip
     ] = None,
     peers: Annotated[
         str,
@@ -52,16 +54,20 @@ def bench(
     ] = "",
     workload: Annotated[
         str,
-        typer.Option(help="sequential: one prompt set, one request at a time (the default); concurrent: "
-                     "--clients agents, editors (FIM) and chats at once against each server."),  # fmt: skip
+        typer.Option(
+            help="sequential: one prompt set, one request at a time (the default); concurrent: "
+            "--clients agents, editors (FIM) and chats at once against each server."
+        ),  # fmt: skip
     ] = "sequential",
     clients: Annotated[
         int | None,
         typer.Option(help="Concurrent clients, kinds round-robin: agent (tool calls), fim, chat. Default: 3."),
     ] = None,
     requests: Annotated[
-        int | None, typer.Option(help="Requests each concurrent client sends (an agent step, a chat turn, "
-                                 "a FIM completion). Default: 3.")  # fmt: skip
+        int | None,
+        typer.Option(
+            help="Requests each concurrent client sends (an agent step, a chat turn, a FIM completion). Default: 3."
+        ),  # fmt: skip
     ] = None,
     duration: Annotated[
         float | None,
@@ -69,8 +75,9 @@ def bench(
     ] = None,
     peer_python: Annotated[
         str | None,
-        typer.Option(help="Python with llama-cpp-python[server] for the concurrent llamacpp peer. "
-                     "Default: this interpreter."),  # fmt: skip
+        typer.Option(
+            help="Python with llama-cpp-python[server] for the concurrent llamacpp peer. Default: this interpreter."
+        ),  # fmt: skip
     ] = None,
     prompts: Annotated[
         Path | None,
@@ -81,18 +88,14 @@ def bench(
             "session, turn, system), or plain text, one prompt per line."
         ),
     ] = None,
-    limit: Annotated[
-        int | None, typer.Option(help="Use the first N prompts (round-robin over kinds).")
-    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Use the first N prompts (round-robin over kinds).")] = None,
     batch_size: Annotated[int, typer.Option(help="Prompts per generate call.")] = 1,
     repeats: Annotated[int, typer.Option(help="Times to run the whole prompt set.")] = 1,
     chat: o.Chat = True,
     out: o.OutDir = None,
     project: Annotated[
         bool,
-        typer.Option(
-            "--project", help="Also project SD/SSD speedups at other draft/target latency ratios."
-        ),
+        typer.Option("--project", help="Also project SD/SSD speedups at other draft/target latency ratios."),
     ] = False,
     gguf_target: Annotated[
         str | None,
@@ -102,9 +105,7 @@ def bench(
         str | None,
         typer.Option(help="GGUF draft for llamacpp-assisted. Default: the GGUF the draft came from."),
     ] = None,
-    pin: Annotated[
-        bool, typer.Option(hidden=True, help="Pin SSD target/draft to disjoint CPUs.")
-    ] = True,
+    pin: Annotated[bool, typer.Option(hidden=True, help="Pin SSD target/draft to disjoint CPUs.")] = True,
 ) -> None:
     """Benchmark AR, SD, SSD, the suffix drafter and the default (and peers) on the same prompts;
     write JSON, Markdown and a plot. --workload concurrent: clients at once against servers."""
@@ -117,15 +118,25 @@ def bench(
         not_here = {"--prompts": prompts is not None, "--limit": limit is not None, "--batch-size": batch_size != 1,
                     "--repeats": repeats != 1, "--project": project, "--gguf-draft": gguf_draft is not None,
                     "--no-chat": not chat, "--no-pin": not pin}  # fmt: skip
-        _refuse([name for name, given in not_here.items() if given], "the concurrent workload",
-                "its clients send their own conversations; drop them or leave out --workload concurrent")
-        concurrent = {"clients": 3 if clients is None else clients, "duration_s": duration,
-                      "requests": 3 if requests is None else requests, "peer_python": peer_python or sys.executable}
+        _refuse(
+            [name for name, given in not_here.items() if given],
+            "the concurrent workload",
+            "its clients send their own conversations; drop them or leave out --workload concurrent",
+        )
+        concurrent = {
+            "clients": 3 if clients is None else clients,
+            "duration_s": duration,
+            "requests": 3 if requests is None else requests,
+            "peer_python": peer_python or sys.executable,
+        }
         _bench_concurrent(models, spec, sampling, _csv(modes or "auto"), _csv(peers), gguf_target, concurrent, out)
         return
     only = {"--clients": clients, "--requests": requests, "--duration": duration, "--peer-python": peer_python}
-    _refuse([name for name, value in only.items() if value is not None], "the sequential workload",
-            "add --workload concurrent")
+    _refuse(
+        [name for name, value in only.items() if value is not None],
+        "the sequential workload",
+        "add --workload concurrent",
+    )
     settings = BenchSettings(
         modes=_csv(modes or "ar,sd,ssd"), peers=_csv(peers), batch_size=batch_size, repeats=repeats, chat=chat,
         gguf_target=gguf_target, gguf_draft=gguf_draft,
@@ -289,7 +300,7 @@ def _run_and_report(config, prompts, settings, params, out_dir: Path, with_proje
     if not console.is_terminal:
         console = Console(width=180)  # a file or pipe: keep one row per line
     render_summary(doc, console)
-    plot = f", {paths['png'].name}" if "png" in paths else " (no plot: pip install -e \".[bench]\" adds results.png)"
+    plot = f", {paths['png'].name}" if "png" in paths else ' (no plot: pip install -e ".[bench]" adds results.png)'
     err.print(f"wrote {paths['json']}, {paths['md'].name}{plot} in {run.wall_s:.0f} s", style="dim", markup=False,
               highlight=False)  # fmt: skip
 

@@ -64,8 +64,11 @@ def cache(
 def remove(
     what: Annotated[
         list[str] | None,
-        typer.Argument(metavar="NAME|KIND", help="Entries by name (as `ssdlocal cache` lists them, or "
-                       "its last part, or a unique prefix) or a whole kind: converted, quantized, ..."),
+        typer.Argument(
+            metavar="NAME|KIND",
+            help="Entries by name (as `ssdlocal cache` lists them, or "
+            "its last part, or a unique prefix) or a whole kind: converted, quantized, ...",
+        ),
     ] = None,
     remove_all: Annotated[bool, typer.Option("--all", help="Everything in the cache.")] = False,
 ) -> None:

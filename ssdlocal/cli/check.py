@@ -59,9 +59,7 @@ def check(
         progress("comparing AR, SD, SSD", len(modes), len(modes))
     report = dataclasses.replace(report, warnings=warnings)
     if as_json:
-        sys.stdout.write(
-            json.dumps({**dataclasses.asdict(report), "identical": report.identical}) + "\n"
-        )
+        sys.stdout.write(json.dumps({**dataclasses.asdict(report), "identical": report.identical}) + "\n")
     else:
         _render_check(report, NEAR_TIE)
     if not report.identical:
@@ -74,11 +72,7 @@ def _render_check(report, near_tie: float) -> None:
         table.add_column(col)
     diverged = {d.mode for d in report.divergences}
     for run in report.runs:
-        same = (
-            "reference"
-            if run.mode == "ar"
-            else ("[red]no[/red]" if run.mode in diverged else "[green]yes[/green]")
-        )
+        same = "reference" if run.mode == "ar" else ("[red]no[/red]" if run.mode in diverged else "[green]yes[/green]")
         acc = "-" if run.acceptance_rate is None else f"{run.acceptance_rate:.0%}"
         table.add_row(run.mode, str(run.tokens), f"{run.tokens_per_s:.2f}", acc, same)
     out.print(table)

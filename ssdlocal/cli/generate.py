@@ -29,12 +29,18 @@ def generate(
     chat: o.Chat = False,
     num_samples: Annotated[int, typer.Option(help="Independent samples of a single prompt.")] = 1,
     as_json: o.Json = False,
-    json_schema: Annotated[Path | None, typer.Option(
-        help="Answer with JSON that validates against this JSON schema file (constrained decoding).")] = None,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(help="Answer with JSON that validates against this JSON schema file (constrained decoding)."),
+    ] = None,
     regex: Annotated[str | None, typer.Option(help="Answer with text that matches this regular expression.")] = None,
-    fim_suffix: Annotated[str | None, typer.Option(
-        help="Fill in the middle: each prompt is the text before the insertion point and this the text "
-             "after it (the model's own FIM tokens; a code model trained for it).")] = None,
+    fim_suffix: Annotated[
+        str | None,
+        typer.Option(
+            help="Fill in the middle: each prompt is the text before the insertion point and this the text "
+            "after it (the model's own FIM tokens; a code model trained for it)."
+        ),
+    ] = None,
 ) -> None:
     """Generate text, streaming tokens as they are accepted."""
     if num_samples < 1:

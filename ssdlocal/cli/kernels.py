@@ -134,8 +134,7 @@ def ensure_llamacpp(
             f"llama.cpp's CPU kernels (llama-cpp-python, the fastest CPU backend here) are built "
             f"from source on the first run, and this machine has no {' and no '.join(missing)} on PATH",
             "install a compiler and cmake (Debian/Ubuntu: sudo apt install build-essential cmake; "
-            "Fedora: sudo dnf install gcc-c++ cmake; macOS: xcode-select --install), "
-            + _TORCH_HINT,
+            "Fedora: sudo dnf install gcc-c++ cmake; macOS: xcode-select --install), " + _TORCH_HINT,
         )
     from ssdlocal.core.files import file_lock
     from ssdlocal.core.paths import cache_dir
@@ -179,8 +178,7 @@ def _pip_install(progress: ProgressCallback, popen, env: Mapping[str, str]) -> N
         raise ModelLoadError(
             f"building llama-cpp-python {TESTED_VERSION} failed (pip exit code {code} after "
             f"{time.monotonic() - started:.0f} s): {said}",
-            f"run `{sys.executable} -m pip install --verbose {REQUIREMENT}` to see the whole "
-            "build, " + _TORCH_HINT,
+            f"run `{sys.executable} -m pip install --verbose {REQUIREMENT}` to see the whole build, " + _TORCH_HINT,
         )
     if last is not None:
         progress(STAGE, last[1], last[1])

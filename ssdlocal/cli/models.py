@@ -47,11 +47,7 @@ def _heads(pair) -> tuple[int, ...]:
 def _plan_short(plan) -> str:
     """`cpu/cpu`, `cuda:0/cuda:1`, `cuda:0-3 TP4/cuda:4`: target / draft."""
     devs = plan.target_devices
-    target = (
-        devs[0]
-        if len(devs) == 1
-        else f"{devs[0]}-{devs[-1].split(':')[-1]} TP{plan.tensor_parallel}"
-    )
+    target = devs[0] if len(devs) == 1 else f"{devs[0]}-{devs[-1].split(':')[-1]} TP{plan.tensor_parallel}"
     return f"{target}/{plan.draft_where}"
 
 
@@ -65,9 +61,7 @@ def _plan_summary(plan) -> str:
 
 
 def pairs(
-    backend: Annotated[
-        str, typer.Option(help="Which files count as downloaded: torch | llamacpp")
-    ] = "torch",
+    backend: Annotated[str, typer.Option(help="Which files count as downloaded: torch | llamacpp")] = "torch",
     quantization: o.Quantization = o.ModelOptions.quantization,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
@@ -78,17 +72,15 @@ def pairs(
     backend = BackendName.parse(backend, "backend")
     check_quantization(quantization)
     inventory = detect()
-    rows = [_pair_row(pair, inventory, backend, quantization)
-            for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb))]
+    rows = [
+        _pair_row(pair, inventory, backend, quantization)
+        for pair in sorted(load_pairs().values(), key=lambda p: (p.family, p.target.bf16_gb))
+    ]
     if as_json:
-        sys.stdout.write(
-            json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n"
-        )
+        sys.stdout.write(json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n")
         return
     out.print(_pairs_table(rows, backend, quantization))
-    out.print(
-        f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]"
-    )
+    out.print(f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]")
 
 
 def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
@@ -166,17 +158,16 @@ def _user_dir():
 
 
 def pull(
-    pair: Annotated[
-        str, typer.Argument(help="Pair name (see `ssdlocal pairs`) or a pair .toml file.")
-    ],
+    pair: Annotated[str, typer.Argument(help="Pair name (see `ssdlocal pairs`) or a pair .toml file.")],
     backend: Annotated[str, typer.Option(help="torch (safetensors) | llamacpp (GGUF)")] = "torch",
     dtype: Annotated[
         str, typer.Option(help="dtype of the converted checkpoint (offline pair, torch).")
     ] = DEFAULT_DTYPE,
     update: Annotated[
         bool,
-        typer.Option(help="Trust the commit the pair's revision resolves to now, replacing the "
-                     "locked one from the first pull."),
+        typer.Option(
+            help="Trust the commit the pair's revision resolves to now, replacing the locked one from the first pull."
+        ),
     ] = False,
     quantization: Annotated[
         str,
@@ -198,13 +189,9 @@ def pull(
     backend = BackendName.parse(backend, "backend")
     check_quantization(quantization)
     found = get_pair(pair)
-    err_console.print(
-        f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}"
-    )
+    err_console.print(f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}")
     with progress_callback() as progress:
-        result = hub_pull(
-            found, backend, dtype=dtype, progress=progress, update=update, quantization=quantization
-        )
+        result = hub_pull(found, backend, dtype=dtype, progress=progress, update=update, quantization=quantization)
         if backend.quantizes and quantization != "none":
             result = _prepare_quantized(result, quantization, dtype, progress)
     for role, path, commit in (
@@ -232,12 +219,8 @@ def _prepare_quantized(result, quantization: str, dtype: str, progress):
 
 
 def devices(
-    pair: Annotated[
-        str | None, typer.Option(help="Plan placement for this pair (default: the offline pair).")
-    ] = None,
-    backend: Annotated[
-        str, typer.Option(help="torch | llamacpp (memory sizes to plan with)")
-    ] = "torch",
+    pair: Annotated[str | None, typer.Option(help="Plan placement for this pair (default: the offline pair).")] = None,
+    backend: Annotated[str, typer.Option(help="torch | llamacpp (memory sizes to plan with)")] = "torch",
     target_gb: Annotated[
         float | None, typer.Option(help="Plan for a target of this many GB instead of a pair.")
     ] = None,
@@ -285,9 +268,7 @@ def devices(
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     _print_inventory(inventory)
-    out.print(
-        f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):"
-    )
+    out.print(f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):")
     plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)  # PlacementError -> exit 1
     _print_plan(plan, weights)
     out.print(_prefix_line(prefix), soft_wrap=True)
@@ -307,8 +288,10 @@ def _calibration_line() -> str:
     newest = found[0]
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest["measured_at"])) if newest["measured_at"] else "?"
     models = ", ".join(Path(m).name for m in dict.fromkeys(m for e in found for m in e["models"])) or "no model files"
-    return (f"calibration: {len(found)} timing(s) kept for this machine (newest {when}; models: {models}); "
-            "starts with these models skip measuring; `ssdlocal cache remove calibration` measures again")
+    return (
+        f"calibration: {len(found)} timing(s) kept for this machine (newest {when}; models: {models}); "
+        "starts with these models skip measuring; `ssdlocal cache remove calibration` measures again"
+    )
 
 
 def _as_run(plan, draft_gb: float):
@@ -325,7 +308,8 @@ def _as_run(plan, draft_gb: float):
     old = next(u for u in plan.uses if u.role == "draft")
     room = next(u for u in plan.uses if u.device == draft)
     uses = tuple(u for u in plan.uses if u.role != "draft") + (
-        DeviceUse(draft, "draft (shares the target's GPU)", old.need_gb, room.headroom_gb),)
+        DeviceUse(draft, "draft (shares the target's GPU)", old.need_gb, room.headroom_gb),
+    )
     notes = tuple(n for n in plan.notes if not n.startswith("no GPU left for the draft"))
     return dataclasses.replace(plan, draft_device=draft, uses=uses,
                                notes=("no GPU left for the draft: it shares the target's GPU",) + notes)  # fmt: skip
@@ -425,9 +409,7 @@ def _print_plan(plan, weights: tuple[str, ...] = ()) -> None:
     for col in ("device", "role", "needs GB", "usable GB", "headroom GB"):
         plan_table.add_column(col)
     for use in plan.uses:
-        plan_table.add_row(
-            use.device, use.role, _gb(use.need_gb), _gb(use.usable_gb), _gb(use.headroom_gb)
-        )
+        plan_table.add_row(use.device, use.role, _gb(use.need_gb), _gb(use.usable_gb), _gb(use.headroom_gb))
     out.print(plan_table)
     out.print(f"{_plan_summary(plan)}; tensor-parallel degree {plan.tensor_parallel}")
     for role, label in zip(("target", "draft"), weights):

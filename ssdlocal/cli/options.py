@@ -38,17 +38,13 @@ def option(default: Any, help: str, *flags: str, metavar: str | None = None) -> 
 class ModelOptions:
     """Which models, where, on which backend and with which weights."""
 
-    target: str | None = option(
-        None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B."
-    )
+    target: str | None = option(None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B.")
     draft: str | None = option(
         None,
         "Draft checkpoint dir, .gguf file, 'ngram' (prompt lookup) or 'suffix' (the row's "
         "tokens and earlier prompts and answers). Default: Qwen2.5-Coder 0.5B.",
     )
-    pair: str | None = option(
-        None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair"
-    )
+    pair: str | None = option(None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair")
     dtype: str = option(DEFAULT_DTYPE, " | ".join(DTYPES))
     quantization: str = option(
         "auto",
@@ -58,9 +54,7 @@ class ModelOptions:
     draft_quantization: str | None = option(  # None: as --quantization
         None, "Draft weights when they differ from --quantization."
     )
-    target_device: str = option(
-        "auto", "auto | cpu | cuda | cuda:N (auto: the GPUs when present, else the CPU)."
-    )
+    target_device: str = option("auto", "auto | cpu | cuda | cuda:N (auto: the GPUs when present, else the CPU).")
     draft_device: str = option(
         "auto", "auto | cpu | cuda | cuda:N (auto: a free GPU, else the target's, else the CPU)."
     )
@@ -74,9 +68,7 @@ class ModelOptions:
         "auto | torch | llamacpp (auto: llama.cpp for a .gguf target on a CPU-only run when "
         "llama-cpp-python is installed, else torch).",
     )
-    draft_backend: str = option(
-        "auto", "auto | torch | llamacpp (auto: the target's, for a .gguf draft)."
-    )
+    draft_backend: str = option("auto", "auto | torch | llamacpp (auto: the target's, for a .gguf draft).")
     cuda_graphs: bool = option(
         True,
         "Capture each decode step shape as a CUDA graph (GPUs only; off: eager kernels).",
@@ -124,13 +116,14 @@ class SpecOptions:
     )
     fan_out: str | None = option(
         None,
-        "SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1 (at most "
-        f"{MAX_FAN_OUT_TOTAL} in all), or auto.",
+        f"SSD fan-out per accepted length after a hit, e.g. 3,3,2,2,1 (at most {MAX_FAN_OUT_TOTAL} in all), or auto.",
     )
     fan_out_miss: str | None = option(None, "SSD fan-out after a miss, or auto.")
     saguaro_c: float = option(SpecConfig.saguaro_c, "Saguaro sampling constant C in (0, 1].")
-    backup: str = option(SpecConfig.backup.value, f"SSD backup on a miss: {' | '.join(BACKUPS)} "
-                         "(suffix also caches a branch for its own guess of the bonus)")
+    backup: str = option(
+        SpecConfig.backup.value,
+        f"SSD backup on a miss: {' | '.join(BACKUPS)} (suffix also caches a branch for its own guess of the bonus)",
+    )
     suffix: bool = option(
         True,
         "SD with a draft model: a row takes its suffix proposal (its own tokens and earlier "
@@ -143,8 +136,7 @@ class SpecOptions:
     )
     persist_suffix_memory: bool = option(
         False,
-        "Keep the suffix memory under the cache directory (one file per target model) and "
-        "load it next time.",
+        "Keep the suffix memory under the cache directory (one file per target model) and load it next time.",
         "--persist-suffix-memory/--no-persist-suffix-memory",
     )
 
@@ -222,9 +214,7 @@ _ENDING = frozenset({"ignore_eos", "stop"})  # where an answer ends besides its 
 COMMANDS: dict[str, Takes] = {
     "generate": Takes(),
     # a chat answer ends at the end of its turn; the mode can change while chatting
-    "chat": Takes(
-        drop=_ENDING, change={"mode": Change(help="Starting mode: auto | ar | sd | ssd (F2 switches).")}
-    ),
+    "chat": Takes(drop=_ENDING, change={"mode": Change(help="Starting mode: auto | ar | sd | ssd (F2 switches).")}),
     # race runs AR, SD and SSD, bench its --modes: neither has one --mode
     "race": Takes(drop=_ENDING | {"mode"}, change={"max_new_tokens": _fixed_tokens(128)}),
     "bench": Takes(
@@ -343,7 +333,5 @@ Quantization = annotated(ModelOptions, "quantization")  # `devices` plans with i
 # --------------------------------------------------------------------------- output
 # Options some commands declare themselves (their defaults differ by command).
 Chat = Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")]
-Json = Annotated[
-    bool, typer.Option("--json", help="Print one JSON object instead of streamed text or tables.")
-]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streamed text or tables.")]
 OutDir = Annotated[Path | None, typer.Option(help="Output directory. Default: bench-out/<timestamp>.")]

@@ -65,8 +65,14 @@ def graph_warning(stats: Metrics) -> str | None:
 
 
 def run_generate(
-    config: EngineConfig, prompts: list[str], params: SamplingParams, *, chat: bool, as_json: bool,
-    grammar: GrammarSpec | None = None, fim_suffix: str | None = None,
+    config: EngineConfig,
+    prompts: list[str],
+    params: SamplingParams,
+    *,
+    chat: bool,
+    as_json: bool,
+    grammar: GrammarSpec | None = None,
+    fim_suffix: str | None = None,
 ) -> None:
     """Load the engine, say which mode runs and why (stderr, before the first token),
     generate, and print (streamed text, or one JSON object); `grammar`
@@ -108,8 +114,7 @@ def run_generate(
         payload = {
             "mode": done.stats.mode,
             "outputs": [
-                {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason}
-                for o in done.outputs
+                {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason} for o in done.outputs
             ],
             "stats": done.stats.to_dict(),
         }

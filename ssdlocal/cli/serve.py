@@ -30,29 +30,36 @@ from ssdlocal.core.errors import UsageError
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
-    api_key: Annotated[
-        str | None, typer.Option(help="Require `Authorization: Bearer KEY` on /v1 requests.")
-    ] = None,
+    api_key: Annotated[str | None, typer.Option(help="Require `Authorization: Bearer KEY` on /v1 requests.")] = None,
     served_model_name: Annotated[
         str | None,
         typer.Option(help="The model id clients send. Default: the pair's or the target's file name."),
     ] = None,
     max_batch: Annotated[int, typer.Option(help="Most rows (requests x n) in one engine batch.")] = 8,
     max_request_rows: Annotated[
-        int, typer.Option(help="Most completions (prompts x n) one request may ask for; more: 400. "
-                          "A request runs in engine batches of at most --max-batch rows.")
+        int,
+        typer.Option(
+            help="Most completions (prompts x n) one request may ask for; more: 400. "
+            "A request runs in engine batches of at most --max-batch rows."
+        ),
     ] = 64,
     max_body_mb: Annotated[float, typer.Option(help="Largest request body in MiB; larger: 413, unread.")] = 8.0,
     max_prompt_chars: Annotated[
-        int | None, typer.Option(help="Most prompt characters per request, checked before tokenizing; "
-                                 "more: 400. Default: 32 per token of the model's context, at most 1,000,000.")
+        int | None,
+        typer.Option(
+            help="Most prompt characters per request, checked before tokenizing; "
+            "more: 400. Default: 32 per token of the model's context, at most 1,000,000."
+        ),
     ] = None,
     max_connections: Annotated[
         int, typer.Option(help="Most open connections; one more is answered 503 and closed.")
     ] = 128,
     header_timeout: Annotated[
-        float, typer.Option(help="Seconds for a request's headers to arrive (from connecting or the "
-                            "previous answer); then the connection is closed.")
+        float,
+        typer.Option(
+            help="Seconds for a request's headers to arrive (from connecting or the "
+            "previous answer); then the connection is closed."
+        ),
     ] = 10.0,
     body_timeout: Annotated[
         float, typer.Option(help="Seconds for a request's body to arrive once its headers did; then 408.")
@@ -61,14 +68,20 @@ def serve(
         float, typer.Option(help="Seconds a kept-alive connection may idle between requests.")
     ] = 5.0,
     allowed_hosts: Annotated[
-        list[str] | None, typer.Option(help="Another name the server answers to in the Host header "
-                                       "(repeatable or comma-separated; NAME:PORT for one port; '*' any). "
-                                       "Always: localhost, 127.0.0.1, [::1] and --host.")
+        list[str] | None,
+        typer.Option(
+            help="Another name the server answers to in the Host header "
+            "(repeatable or comma-separated; NAME:PORT for one port; '*' any). "
+            "Always: localhost, 127.0.0.1, [::1] and --host."
+        ),
     ] = None,
     allowed_origins: Annotated[
-        list[str] | None, typer.Option(help="A web page origin (scheme://host[:port]) allowed to call the "
-                                       "server from a browser, with CORS (repeatable or comma-separated; "
-                                       "'*' any page). Default: none.")
+        list[str] | None,
+        typer.Option(
+            help="A web page origin (scheme://host[:port]) allowed to call the "
+            "server from a browser, with CORS (repeatable or comma-separated; "
+            "'*' any page). Default: none."
+        ),
     ] = None,
     *,  # the shared options come after the server's own
     models: ModelOptions,

@@ -49,8 +49,7 @@ def load_config(path: Path | None = None) -> dict:
     for table, values in data.items():
         if not isinstance(values, dict):
             raise UsageError(
-                f"config file {path}: `{table}` must be a table like [generate], "
-                f"got {type(values).__name__}",
+                f"config file {path}: `{table}` must be a table like [generate], got {type(values).__name__}",
                 f"put options under a command table in {path}, e.g. [generate] then k = 4",
             )
     return data
@@ -80,9 +79,7 @@ def env_values(command_name: str, command, environ=None, ctx=None) -> dict[str, 
             continue
         value = value.split() if getattr(param, "multiple", False) else value
         env = _env_name(param)
-        found[name] = _checked(
-            param, value, f"environment variable {env}", f"fix or unset {env}", ctx
-        )
+        found[name] = _checked(param, value, f"environment variable {env}", f"fix or unset {env}", ctx)
     return found
 
 
@@ -133,8 +130,7 @@ def default_map(group, path: Path | None = None, environ=None, ctx=None) -> dict
             if option not in options:
                 raise UsageError(
                     f"config file {path}: [{name}] has unknown option {key!r}",
-                    f"options of `ssdlocal {name}`: "
-                    + ", ".join(sorted(o.replace("_", "-") for o in options)),
+                    f"options of `ssdlocal {name}`: " + ", ".join(sorted(o.replace("_", "-") for o in options)),
                 )
             values[option] = _checked(
                 options[option],

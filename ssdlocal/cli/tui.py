@@ -89,9 +89,7 @@ def race(
     ] = True,
     warmup: Annotated[bool, typer.Option(help="One short untimed run per mode first.")] = True,
     speed: Annotated[float, typer.Option(help="Replay speed (1 = real time).")] = 1.0,
-    no_tui: Annotated[
-        bool, typer.Option("--no-tui", help="Print a table instead of the TUI.")
-    ] = False,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="Print a table instead of the TUI.")] = False,
 ) -> None:
     """AR | SD | SSD side by side on one prompt: speedups and an identical-output check.
 
@@ -133,9 +131,7 @@ def race(
     )
 
 
-def _race_plain(
-    config: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool
-) -> None:
+def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool) -> None:
     """`race --no-tui`: run the three modes and print the answer and a Rich table."""
     from rich.console import Console
 
@@ -168,8 +164,15 @@ def _race_plain(
             for spec in specs:
                 stage = f"running {spec.mode.value.upper()}"
                 progress(stage, 0, params.max_new_tokens)
-                runs.append(record_run(engine, ids, params, spec,
-                                       on_tokens=lambda n, _new, stage=stage: progress(stage, n, params.max_new_tokens)))
+                runs.append(
+                    record_run(
+                        engine,
+                        ids,
+                        params,
+                        spec,
+                        on_tokens=lambda n, _new, stage=stage: progress(stage, n, params.max_new_tokens),
+                    )
+                )
                 progress(stage, params.max_new_tokens, params.max_new_tokens)
     console = Console()
     first = runs[0].output

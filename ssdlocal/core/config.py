@@ -83,8 +83,7 @@ class SamplingParams:
             )
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             raise UsageError(
-                f"temperature {self.temperature:g} is too small to sample with "
-                f"(at least {MIN_TEMPERATURE:g}, or 0)",
+                f"temperature {self.temperature:g} is too small to sample with (at least {MIN_TEMPERATURE:g}, or 0)",
                 "use --temperature 0 for greedy decoding (what a tiny temperature approaches)",
             )
         if not (isinstance(self.seed, int) and 0 <= self.seed <= SEED_MAX):
@@ -95,9 +94,7 @@ class SamplingParams:
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0, got {self.top_k}", "use 0 to disable top-k")
         if not (0.0 < self.top_p <= 1.0):
-            raise UsageError(
-                f"top-p must be in (0, 1], got {self.top_p}", "use 1.0 to disable top-p"
-            )
+            raise UsageError(f"top-p must be in (0, 1], got {self.top_p}", "use 1.0 to disable top-p")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UsageError(
                 f"max-new-tokens must be >= 1, got {self.max_new_tokens}",
@@ -127,9 +124,7 @@ def parse_fan_out(value: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in value.split(","))
     except ValueError:
-        raise UsageError(
-            f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1"
-        ) from None
+        raise UsageError(f"cannot read fan-out {value!r}", "write comma-separated integers, e.g. 3,3,2,2,1") from None
 
 
 @dataclass(frozen=True)
@@ -161,16 +156,13 @@ class SpecConfig:
                 "pass --draft PATH (a checkpoint with the target's tokenizer) or --draft ngram",
             )
         if not (0.0 < self.saguaro_c <= 1.0):
-            raise UsageError(
-                f"saguaro-c must be in (0, 1], got {self.saguaro_c}", "use 1.0 to disable"
-            )
+            raise UsageError(f"saguaro-c must be in (0, 1], got {self.saguaro_c}", "use 1.0 to disable")
         object.__setattr__(self, "backup", Backup.parse(self.backup, "backup"))
         for name, fan in (("fan-out", self.fan_out), ("fan-out-miss", self.fan_out_miss)):
             if fan is not None:
                 if len(fan) != self.k + 1:
                     raise UsageError(
-                        f"{name} needs K+1 = {self.k + 1} entries (one per accepted length), "
-                        f"got {len(fan)}",
+                        f"{name} needs K+1 = {self.k + 1} entries (one per accepted length), got {len(fan)}",
                         f"for K={self.k} write e.g. {','.join(['1'] * (self.k + 1))}",
                     )
                 if any(f < 0 for f in fan):
@@ -239,9 +231,7 @@ class EngineConfig:
                 f"use e.g. --prefix-cache-tokens {PREFIX_CACHE_TOKENS}, or --no-prefix-cache to turn it off",
             )
         if self.graphs not in GRAPH_MODES:
-            raise UsageError(
-                f"unknown graphs setting {self.graphs!r}", f"choose one of: {', '.join(GRAPH_MODES)}"
-            )
+            raise UsageError(f"unknown graphs setting {self.graphs!r}", f"choose one of: {', '.join(GRAPH_MODES)}")
         for dev in self.target_devices:
             ModelSpec(self.target.path, dev, self.target.dtype)  # same device rules
         object.__setattr__(self, "target_devices", tuple(normalize_device(d) for d in self.target_devices))

@@ -70,7 +70,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-
 def remembered_sha256(path: Path, memo: Path) -> str:
     """sha256 of `path`'s content, remembered in the JSON file `memo` by the file's path,
     size, mtime, ctime and inode: an unchanged file is read once, a rewritten one again."""

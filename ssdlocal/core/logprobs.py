@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ssdlocal.core.config import MAX_TOP_LOGPROBS as MAX_TOP  # noqa: F401 - the bound, here too
 from ssdlocal.core.events import TokenLogprob
+
 _NEG_INF = float("-inf")
 
 

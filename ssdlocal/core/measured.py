@@ -146,7 +146,6 @@ class MeasuredStore:
             except OSError:
                 pass
 
-
     def _prune(self, keep: Path) -> None:
         """At most MAX_FILES measurements: the least recently written go."""
         files = [p for p in self.directory.glob("*.json") if p != keep]

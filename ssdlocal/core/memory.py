@@ -20,8 +20,7 @@ OOM_HINT = (
     "--max-new-tokens (context), a smaller or quantized model (--dtype bfloat16, a GGUF "
     "through --target-backend llamacpp), or another device"
 )
-_OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory|cannot allocate memory",
-                       re.IGNORECASE)
+_OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory|cannot allocate memory", re.IGNORECASE)
 _CPU_SIZE = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)
 _CUDA_SIZE = re.compile(r"tried to allocate ([\d.]+) ([KMGT]i?B)", re.IGNORECASE)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

@@ -101,9 +101,15 @@ class AdaptiveDrafter:
         if self.pinned:
             return self._pinned(active, confs, rates, suffix_rates)
         choice = choose(self.costs, rates, confs, suffix_rates, self.k, active, catch_up=self._catch_up())
-        if self.model is not None and not choice.width and self._since_model >= self.costs.probe_every \
-                and self._catch_up() <= PROBE_CATCH_UP:  # a probe must not cost a long prefill
-            self.costs.probe_every = min(2 * self.costs.probe_every, 256)  # a probe that does not pay: rarer (engine-wide)
+        if (
+            self.model is not None
+            and not choice.width
+            and self._since_model >= self.costs.probe_every
+            and self._catch_up() <= PROBE_CATCH_UP
+        ):  # a probe must not cost a long prefill
+            self.costs.probe_every = min(
+                2 * self.costs.probe_every, 256
+            )  # a probe that does not pay: rarer (engine-wide)
             probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
             return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)
         if choice.model_k and self._since_model:  # chosen on its merits: probe at the usual pace

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # annotations only: no import of these at run time
     from ssdlocal.speculation.adaptive import CostModel
     from ssdlocal.speculation.suffix import SuffixMemory
 
+
 @dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one round, where the target verifies them.

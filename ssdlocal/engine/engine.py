@@ -90,8 +90,9 @@ class Engine:
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
-            self.choice = calibrated(self.choice, self.runner, self._draft_runner, spec, self.costs,
-                                     config)  # (a CPU; timings kept per machine and models)
+            self.choice = calibrated(
+                self.choice, self.runner, self._draft_runner, spec, self.costs, config
+            )  # (a CPU; timings kept per machine and models)
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -319,8 +320,9 @@ class Engine:
         outputs = tuple(Output(r.text(), tuple(r.generated), r.finish_reason or "length") for r in rows)
         yield DoneEvent(outputs, stats.snapshot())
 
-    def serve(self, inbox: Inbox, *, max_batch: int, spec: SpecConfig | None = None,
-              cancel: CancelToken | None = None) -> Iterator[Event]:
+    def serve(
+        self, inbox: Inbox, *, max_batch: int, spec: SpecConfig | None = None, cancel: CancelToken | None = None
+    ) -> Iterator[Event]:
         """Continuous batching: run the requests `inbox` brings (engine.request.Inbox, fed
         from any thread) until it is closed and every row is done, or `cancel` (or
         `Engine.cancel`) stops it (rows then finish "cancelled").

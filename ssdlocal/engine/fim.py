@@ -38,10 +38,17 @@ class _Style:
 
 
 _STYLES = (
-    _Style("qwen", ("<|fim_prefix|>",), ("<|fim_suffix|>",), ("<|fim_middle|>",), ("<|repo_name|>",),
-           ("<|file_sep|>",)),  # fmt: skip
-    _Style("starcoder", ("<fim_prefix>",), ("<fim_suffix>",), ("<fim_middle>",), ("<repo_name>", "<reponame>"),
-           ("<file_sep>",)),  # fmt: skip
+    _Style(
+        "qwen", ("<|fim_prefix|>",), ("<|fim_suffix|>",), ("<|fim_middle|>",), ("<|repo_name|>",), ("<|file_sep|>",)
+    ),  # fmt: skip
+    _Style(
+        "starcoder",
+        ("<fim_prefix>",),
+        ("<fim_suffix>",),
+        ("<fim_middle>",),
+        ("<repo_name>", "<reponame>"),
+        ("<file_sep>",),
+    ),  # fmt: skip
     _Style("codellama", ("▁<PRE>", "<PRE>"), ("▁<SUF>", "<SUF>"), ("▁<MID>", "<MID>")),
     _Style("deepseek", ("<｜fim▁begin｜>",), ("<｜fim▁hole｜>",), ("<｜fim▁end｜>",)),
 )

@@ -26,9 +26,7 @@ def encode_messages(tokenizer, messages: Sequence[dict], tools: Sequence[dict] |
     `tool` results as chat templates take them) with the assistant's turn opened; `tools`
     (OpenAI function dicts) are rendered by the template itself."""
     if not getattr(tokenizer, "chat_template", None):
-        raise UsageError(
-            "this model's tokenizer has no chat template", "drop --chat to use a raw prompt"
-        )
+        raise UsageError("this model's tokenizer has no chat template", "drop --chat to use a raw prompt")
     extra = {"tools": list(tools)} if tools else {}
     text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
     return list(tokenizer.encode(text, add_special_tokens=False))

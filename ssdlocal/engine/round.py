@@ -111,8 +111,13 @@ class Round:
         return HostVerdict([h[0] for h in host], [h[1] for h in host], drafts)
 
     def commit(
-        self, proposal: Proposal, verdict: Verdict, outcome: HostVerdict, active: list[bool],
-        draft_s: float = 0.0, verify_s: float = 0.0,
+        self,
+        proposal: Proposal,
+        verdict: Verdict,
+        outcome: HostVerdict,
+        active: list[bool],
+        draft_s: float = 0.0,
+        verify_s: float = 0.0,
     ) -> tuple[list[list[int]], list[list[str]]]:
         """Append accepted drafts + bonus to each row (stopping rules apply), move the
         target's cache lengths past the pending token and the accepted drafts, and tell
@@ -174,5 +179,6 @@ def token_events(rows, emitted, origins, logprobs=None) -> Iterator[TokensEvent]
             lps = None
             if logprobs is not None and row.params.logprobs is not None:
                 lps = tuple(replace(lp, top=lp.top[: row.params.logprobs]) for lp in logprobs[b][: len(emitted[b])])
-            yield TokensEvent(b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps,
-                              error=row.error)
+            yield TokensEvent(
+                b, tuple(emitted[b]), text, tuple(origins[b]), row.finish_reason, logprobs=lps, error=row.error
+            )

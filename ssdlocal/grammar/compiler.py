@@ -154,7 +154,7 @@ class GrammarCompiler:
             found = self._cache.get(key)
             if found is not None and found.failed is not None:  # its lexer gave up on an earlier answer
                 raise GrammarError(f"the {kind.words} is too complex to enforce: an earlier answer "
-                                   f"under it stopped with: {found.failed}", "simplify it", reason="too_slow")
+                                   f"under it stopped with: {found.failed}", "simplify it", reason="too_slow")  # fmt: skip
             if found is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
@@ -347,7 +347,7 @@ def check_schema_shape(schema: Any) -> None:
     object, nested deeper than MAX_SCHEMA_DEPTH, or whose `$ref`s form a cycle that never
     reaches a value (e.g. a -> b -> a)."""
     if not isinstance(schema, dict):
-        raise GrammarError("a JSON schema must be a JSON object", "send {\"type\": \"object\", ...}")
+        raise GrammarError("a JSON schema must be a JSON object", 'send {"type": "object", ...}')
     depth, stack = 0, [(schema, 1)]
     while stack:
         node, level = stack.pop()
@@ -379,6 +379,7 @@ def check_schema_shape(schema: Any) -> None:
 def _ref_cycle(schema: dict) -> list[str]:
     """A chain of local `$ref`s (JSON pointers "#/...") that comes back to where it started
     without passing a schema of its own (only a $ref), else []."""
+
     def resolve(ref: str):
         if not ref.startswith("#"):
             return None
@@ -407,12 +408,12 @@ def _ref_cycle(schema: dict) -> list[str]:
         while True:
             target = resolve(ref)
             only_ref = isinstance(target, dict) and isinstance(target.get("$ref"), str) and not (
-                set(target) - {"$ref", "$defs", "definitions", "description", "title", "$comment"})
+                set(target) - {"$ref", "$defs", "definitions", "description", "title", "$comment"})  # fmt: skip
             if not only_ref:
                 break
             ref = target["$ref"]
             if ref in chain:
-                return chain[chain.index(ref):] + [ref]
+                return chain[chain.index(ref) :] + [ref]
             chain.append(ref)
     return []
 

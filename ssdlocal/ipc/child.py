@@ -86,9 +86,7 @@ class ChildProcess:
         # PR_SET_PDEATHSIG fires when the spawning *thread* exits, so only ask for it
         # from the main thread; the child also watches its parent pid itself.
         on_main = threading.current_thread() is threading.main_thread()
-        self.proc = ctx.Process(
-            target=target, args=(child, os.getpid(), on_main, *args), daemon=True, name=name
-        )
+        self.proc = ctx.Process(target=target, args=(child, os.getpid(), on_main, *args), daemon=True, name=name)
         self.proc.start()
         _LIVE.add(self)
         child.close()

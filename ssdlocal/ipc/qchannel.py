@@ -94,8 +94,9 @@ class QChannel:
         return q if device is None else q.to(device)
 
 
-def make_q_channel(choice: ChannelChoice, batch: int, k: int, vocab: int,
-                   target_device: str = "cpu") -> QChannel | None:
+def make_q_channel(
+    choice: ChannelChoice, batch: int, k: int, vocab: int, target_device: str = "cpu"
+) -> QChannel | None:
     if choice.kind == "none":
         return None
     return QChannel(choice.kind, batch, k, vocab, target_device if choice.kind == "cuda-ipc" else "cpu")

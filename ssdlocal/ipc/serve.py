@@ -42,9 +42,7 @@ def run_child(
     os._exit(code)
 
 
-def send_error(
-    conn, exc: BaseException, role: str, default_kind: str, *, prefix: bool = False
-) -> None:
+def send_error(conn, exc: BaseException, role: str, default_kind: str, *, prefix: bool = False) -> None:
     """Report `exc` to the parent as an ErrorReply (best effort: the pipe may be gone)."""
     exc = oom_error(exc, "" if prefix else f"in the {role}") or exc  # the allocator's error: a clear message
     if isinstance(exc, SSDLocalError):
@@ -54,8 +52,7 @@ def send_error(
         tail = "".join(traceback.format_exception(exc)[-3:]).strip()
         reply = ErrorReply(
             f"{role} crashed: {tail}",
-            "run with --verbose; out of memory or a device error is the usual cause, "
-            "otherwise report the bug",
+            "run with --verbose; out of memory or a device error is the usual cause, otherwise report the bug",
             default_kind,
         )
     try:

@@ -159,8 +159,9 @@ class RankGroup:
         self._dead: str | None = None  # set by the watchdog: which rank died and how
         self.children: list[ChildProcess] = []
         if not dist.is_available():
-            raise TensorParallelError("this torch build has no torch.distributed",
-                                      "install a torch build with distributed support")
+            raise TensorParallelError(
+                "this torch build has no torch.distributed", "install a torch build with distributed support"
+            )
         if dist.is_initialized():
             raise TensorParallelError(
                 "a tensor-parallel target is already running in this process",
@@ -185,10 +186,15 @@ class RankGroup:
         # socket already bound to loopback, on a free port the OS picks.
         listener = loopback_listener()
         try:
-            store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], self.world,
-                                  is_master=True, master_listen_fd=listener.fileno(),
-                                  timeout=timedelta(seconds=self.rendezvous_timeout_s),
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                "127.0.0.1",
+                listener.getsockname()[1],
+                self.world,
+                is_master=True,
+                master_listen_fd=listener.fileno(),
+                timeout=timedelta(seconds=self.rendezvous_timeout_s),
+                wait_for_workers=False,
+            )
         except BaseException:
             listener.close()
             raise
@@ -209,8 +215,13 @@ class RankGroup:
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         try:
-            dist.init_process_group(self.backend, store=store, rank=0, world_size=self.world,
-                                    timeout=timedelta(seconds=self.collective_timeout_s))
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=0,
+                world_size=self.world,
+                timeout=timedelta(seconds=self.collective_timeout_s),
+            )
         except RuntimeError as exc:  # a rank died or hung while joining
             raise self.failure(f"the tensor-parallel ranks could not join ({_first_line(exc)})") from exc
         self._store = store
@@ -250,7 +261,8 @@ class RankGroup:
     def _check_usable(self) -> None:
         if self._closed or self.broken:
             raise TensorParallelError(
-                "the tensor-parallel target is " + ("closed" if self._closed else "gone after an earlier failure")
+                "the tensor-parallel target is "
+                + ("closed" if self._closed else "gone after an earlier failure")
                 + (f" ({self._dead})" if self._dead else ""),
                 "create a new Engine (or rerun) to start the ranks again",
             )
@@ -304,8 +316,9 @@ class RankGroup:
             proc = child.proc
             proc.join(timeout=0.5 if not proc.is_alive() else 0)
             if proc.exitcode is not None:
-                return TensorParallelError(f"{what}: {child.role} exited{describe_exit(proc.exitcode)}",
-                                           child.dead_hint)
+                return TensorParallelError(
+                    f"{what}: {child.role} exited{describe_exit(proc.exitcode)}", child.dead_hint
+                )
         return TensorParallelError(
             f"{what}",
             "a rank may be hung or its device overloaded; rerun with --verbose, or use one target device",

@@ -19,7 +19,6 @@ from enum import IntEnum
 import torch
 
 
-
 class Cmd(IntEnum):
     """Rank 0 -> other ranks (pipe)."""
 
@@ -111,21 +110,52 @@ def pin_to_loopback(backend: str) -> None:
     os.environ.setdefault("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "lo")
 
 
-def rank_main(conn, parent_pid, pdeathsig, rank, world, port, backend, devices, spec,
-              rendezvous_timeout_s, collective_timeout_s, threads) -> None:
+def rank_main(
+    conn,
+    parent_pid,
+    pdeathsig,
+    rank,
+    world,
+    port,
+    backend,
+    devices,
+    spec,
+    rendezvous_timeout_s,
+    collective_timeout_s,
+    threads,
+) -> None:
     """Process entry point of rank `rank` >= 1 (spawned by RankGroup through ipc)."""
     from ssdlocal.ipc.serve import run_child
 
     def body() -> None:
-        _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
-               rendezvous_timeout_s, collective_timeout_s, threads)
+        _serve(
+            conn,
+            rank,
+            world,
+            port,
+            backend,
+            devices,
+            spec,
+            parent_pid,
+            rendezvous_timeout_s,
+            collective_timeout_s,
+            threads,
+        )
 
-    run_child(conn, parent_pid, pdeathsig, body, role=f"tensor-parallel rank {rank} ({devices[rank]})",
-              default_kind="TensorParallelError", prefix_errors=True)
+    run_child(
+        conn,
+        parent_pid,
+        pdeathsig,
+        body,
+        role=f"tensor-parallel rank {rank} ({devices[rank]})",
+        default_kind="TensorParallelError",
+        prefix_errors=True,
+    )
 
 
-def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
-           rendezvous_timeout_s, collective_timeout_s, threads) -> None:
+def _serve(
+    conn, rank, world, port, backend, devices, spec, parent_pid, rendezvous_timeout_s, collective_timeout_s, threads
+) -> None:
     import torch.distributed as dist
 
     from ssdlocal.core.memory import keep_freed_memory
@@ -139,10 +169,10 @@ def _serve(conn, rank, world, port, backend, devices, spec, parent_pid,
         torch.cuda.set_device(device)
     pin_to_loopback(backend)  # inherited from rank 0 already
     conn.send((Reply.JOINING, None))
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                          timeout=timedelta(seconds=rendezvous_timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=collective_timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
+    )
     from ssdlocal.parallel.shard_loader import load_shard
     from ssdlocal.parallel.tp import shard_bytes
 

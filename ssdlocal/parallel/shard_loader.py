@@ -42,6 +42,7 @@ from ssdlocal.weights.formats.quantized import resolve_scheme
 
 log = logging.getLogger(__name__)
 
+
 def _read(f, name: str, dim: int | None, rank: int, world: int) -> torch.Tensor:
     """The rank's part of checkpoint tensor `name`, split along `dim` (None: all of it)."""
     if dim is None:
@@ -50,8 +51,10 @@ def _read(f, name: str, dim: int | None, rank: int, world: int) -> torch.Tensor:
     shape = part.get_shape()
     n = shape[dim] // world
     if n * world != shape[dim]:
-        raise ModelLoadError(f"{name} has {shape[dim]} features, not divisible by {world} ranks",
-                             "use a number of target devices that divides the model's head counts")
+        raise ModelLoadError(
+            f"{name} has {shape[dim]} features, not divisible by {world} ranks",
+            "use a number of target devices that divides the model's head counts",
+        )
     return part[rank * n : (rank + 1) * n] if dim == 0 else part[:, rank * n : (rank + 1) * n]
 
 
@@ -64,12 +67,16 @@ def shard_value(arch: Architecture, key: str, value, rank: int, world: int):
         return value
     n = value.shape[dim] // world
     if n * world != value.shape[dim]:
-        raise ModelLoadError(f"{key} has {value.shape[dim]} features, not divisible by {world} ranks",
-                             "use a number of target devices that divides the model's head counts")
+        raise ModelLoadError(
+            f"{key} has {value.shape[dim]} features, not divisible by {world} ranks",
+            "use a number of target devices that divides the model's head counts",
+        )
     if isinstance(value, QuantizedWeight):
         if dim == 1 and value.scheme == "int4" and n % value.group_size:
-            raise ModelLoadError(f"{key}: {n} input features per rank split the int4 groups of "
-                                 f"{value.group_size}", "use fewer target devices, or --quantization int8")
+            raise ModelLoadError(
+                f"{key}: {n} input features per rank split the int4 groups of {value.group_size}",
+                "use fewer target devices, or --quantization int8",
+            )
         return value.rows(rank * n, (rank + 1) * n) if dim == 0 else value.cols(rank * n, (rank + 1) * n)
     return value.narrow(dim, rank * n, n).contiguous()
 

@@ -59,8 +59,7 @@ def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, t
     if tp < 1 or bad:
         raise UsageError(
             f"tensor parallelism over {tp} devices needs {', '.join(bad) or 'tp >= 1'} divisible by {tp}",
-            "use a number of target devices that divides the model's head counts "
-            "(`ssdlocal devices` picks one)",
+            "use a number of target devices that divides the model's head counts (`ssdlocal devices` picks one)",
         )
 
 

@@ -71,8 +71,9 @@ def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
     plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
     draft_device = draft_device_of(plan, draft_gb) or "cpu"  # no room anywhere: the CPU, where RAM may swap
-    log.info("auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices),
-             plan.tensor_parallel, draft_device)
+    log.info(
+        "auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices), plan.tensor_parallel, draft_device
+    )
     return tuple(plan.target_devices), draft_device
 
 

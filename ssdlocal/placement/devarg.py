@@ -43,15 +43,19 @@ def parse_devices(text: str) -> tuple[str, ...]:
     if len(set(gpus)) != len(gpus):
         raise UsageError(f"device list {text!r} names a GPU twice", "give each rank its own GPU")
     if gpus and len(gpus) != len(found):
-        raise UsageError(f"device list {text!r} mixes GPUs and the CPU",
-                         "a tensor-parallel target runs on GPUs only (or CPU ranks only)")
+        raise UsageError(
+            f"device list {text!r} mixes GPUs and the CPU",
+            "a tensor-parallel target runs on GPUs only (or CPU ranks only)",
+        )
     return tuple(found)
 
 
 def _check_count(text: str, count: int) -> None:
     if count > MAX_RANKS:
-        raise UsageError(f"device list {text!r} names {count} devices; at most {MAX_RANKS}",
-                         "one rank per GPU of this machine: `ssdlocal devices` lists them")
+        raise UsageError(
+            f"device list {text!r} names {count} devices; at most {MAX_RANKS}",
+            "one rank per GPU of this machine: `ssdlocal devices` lists them",
+        )
 
 
 def format_devices(devices: tuple[str, ...]) -> str:

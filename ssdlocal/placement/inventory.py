@@ -104,9 +104,7 @@ def _nvml_links(count: int) -> tuple[str, list[str]]:
             active = 0
             for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
                 try:
-                    active += int(
-                        pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
-                    )
+                    active += int(pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED)
                 except Exception:  # noqa: BLE001 - link index not present
                     break
             links.append(active)

@@ -81,8 +81,7 @@ def placement_mode(targets: tuple[str, ...], draft_device: str | None, draft_kin
     if _is_gpu(draft):
         return ModeChoice(
             Mode.SD,
-            f"target and draft share {draft}, so drafting cannot overlap verification: "
-            "synchronous speculation",
+            f"target and draft share {draft}, so drafting cannot overlap verification: synchronous speculation",
             f"target and draft share {draft}",
         )
     return cpu_shared(adaptive_k)

@@ -101,16 +101,10 @@ def plan_placement(
         if shard > min(g.usable_gb for g in group):
             continue
         uses = [
-            DeviceUse(
-                f"cuda:{g.index}", "target" if tp == 1 else "target (TP shard)", shard, g.usable_gb
-            )
+            DeviceUse(f"cuda:{g.index}", "target" if tp == 1 else "target (TP shard)", shard, g.usable_gb)
             for g in group
         ]
-        candidates.append(
-            _with_draft(
-                devices, tp, tuple(f"cuda:{g.index}" for g in group), uses, rest, need_d, 0.0
-            )
-        )
+        candidates.append(_with_draft(devices, tp, tuple(f"cuda:{g.index}" for g in group), uses, rest, need_d, 0.0))
     if not candidates and allow_cpu_target and need_t <= devices.ram_usable_gb:
         uses = [DeviceUse("cpu", "target", need_t, devices.ram_usable_gb)]
         candidates.append(_with_draft(devices, 1, ("cpu",), uses, gpus, need_d, need_t))
@@ -135,9 +129,7 @@ def _with_draft(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Pl
         uses.append(DeviceUse("cpu", "draft", need_d, devices.ram_usable_gb - cpu_used))
         draft = "cpu"
         if target_devices != ("cpu",):
-            notes.append(
-                "no GPU left for the draft: it runs on the CPU (SSD overlaps it with the target)"
-            )
+            notes.append("no GPU left for the draft: it runs on the CPU (SSD overlaps it with the target)")
     else:
         draft = None
         notes.append("no room for the draft model: n-gram (prompt lookup) drafting instead")

@@ -117,6 +117,7 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
     """The ASGI app: Starlette's routes behind the gate (head size, Host, Origin, JSON
     content type: gate.py), in a wrapper that keeps cancellations at shutdown (a
     response that could not end in time) out of the log."""
+
     async def models(request: Request) -> Response:
         _authorize(request, state)
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
@@ -369,9 +370,7 @@ class _Outcome:
         self.metrics.record_request(self.endpoint, self.status, self.prompt_tokens, duration)
 
 
-async def _items(
-    request: Request, job: Job, closing: asyncio.Event
-) -> AsyncIterator[Chunk | Finished | Failed]:
+async def _items(request: Request, job: Job, closing: asyncio.Event) -> AsyncIterator[Chunk | Finished | Failed]:
     """The job's items until its answer (Finished or Failed); ClientGone if the client
     disconnects first, _Stopping if the server starts stopping (the job is then cancelled)."""
     gone = asyncio.ensure_future(_disconnected(request))

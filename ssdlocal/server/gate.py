@@ -193,10 +193,19 @@ def guard(app: Callable[..., Awaitable[None]], policy: AccessPolicy) -> Callable
             return
         cors = [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
         if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
-            await send({"type": "http.response.start", "status": 204, "headers": [
-                *cors, (b"access-control-allow-methods", CORS_METHODS.encode()),
-                (b"access-control-allow-headers", CORS_HEADERS.encode()),
-                (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()), (b"content-length", b"0")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": [
+                        *cors,
+                        (b"access-control-allow-methods", CORS_METHODS.encode()),
+                        (b"access-control-allow-headers", CORS_HEADERS.encode()),
+                        (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()),
+                        (b"content-length", b"0"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
             return
 
@@ -224,8 +233,11 @@ def _refusal(scope, headers: dict[bytes, bytes], head_bytes: int, policy: Access
     origin = headers.get(b"origin")
     if origin is not None and not policy.origin_allowed(origin.decode("latin-1")):
         return 403, *_error(
-            403, f"requests from the web page origin {_shown(origin.decode('latin-1'))!r} are not allowed; "
-            "start the server with --allowed-origins ORIGIN to let that page use it", "origin_not_allowed")
+            403,
+            f"requests from the web page origin {_shown(origin.decode('latin-1'))!r} are not allowed; "
+            "start the server with --allowed-origins ORIGIN to let that page use it",
+            "origin_not_allowed",
+        )
     if scope["method"] == "POST" and scope["path"] in JSON_ROUTES:
         kind = headers.get(b"content-type", b"").decode("latin-1")
         if kind.split(";", 1)[0].strip().lower() != "application/json":

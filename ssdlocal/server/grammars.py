@@ -24,8 +24,12 @@ from ssdlocal.server.tools import ToolFormat, compile_forced, detect_format, req
 
 log = logging.getLogger(__name__)
 
-CODES = {"unsupported": "unsupported_schema", "too_slow": "grammar_too_complex", "too_large": "schema_too_large",
-         "busy": "grammar_compiles_busy"}
+CODES = {
+    "unsupported": "unsupported_schema",
+    "too_slow": "grammar_too_complex",
+    "too_large": "schema_too_large",
+    "busy": "grammar_compiles_busy",
+}
 
 
 class RequestGrammars:
@@ -41,6 +45,7 @@ class RequestGrammars:
 
     def warm_up(self) -> None:
         """Build the vocabulary view in a background thread (skipped without llguidance)."""
+
         def work() -> None:
             try:
                 self.compiler.prepare()
@@ -75,7 +80,9 @@ class RequestGrammars:
         except FieldError as exc:
             raise bad(exc.message, param=exc.param, code="invalid_schema") from None
         except GrammarError as exc:
-            param = "response_format.json_schema.schema" if answer is not None and not req.tool_choice.forced else "tools"
+            param = (
+                "response_format.json_schema.schema" if answer is not None and not req.tool_choice.forced else "tools"
+            )
             if exc.reason == "busy":
                 raise APIError(503, f"{exc.message} ({exc.hint})", type="server_error", param=param,
                                code=CODES["busy"], headers={"Retry-After": "2"}) from None  # fmt: skip
@@ -87,4 +94,3 @@ class RequestGrammars:
 
 def _param(req: ParsedRequest) -> str:
     return "tool_choice" if req.tool_choice.forced else "response_format"
-

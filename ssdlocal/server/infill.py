@@ -72,12 +72,12 @@ def _extra(value: Any) -> tuple[ContextFile, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise bad("'input_extra' must be a list of {\"filename\", \"text\"} objects", param="input_extra")
+        raise bad('\'input_extra\' must be a list of {"filename", "text"} objects', param="input_extra")
     out = []
     for i, chunk in enumerate(value):
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str) \
                 or not isinstance(chunk.get("filename", ""), str):  # fmt: skip
-            raise bad(f"input_extra[{i}] must be {{\"filename\": string, \"text\": string}}", param="input_extra")
+            raise bad(f'input_extra[{i}] must be {{"filename": string, "text": string}}', param="input_extra")
         out.append(ContextFile(chunk.get("filename") or "tmp", chunk.get("text") or ""))
     return tuple(out)
 

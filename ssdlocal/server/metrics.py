@@ -49,7 +49,9 @@ class Metrics:
         self.queue_count = 0
 
     # ------------------------------------------------------------------ recording
-    def record_request(self, endpoint: str, status: str, prompt_tokens: int = 0, duration_s: float | None = None) -> None:
+    def record_request(
+        self, endpoint: str, status: str, prompt_tokens: int = 0, duration_s: float | None = None
+    ) -> None:
         """One request answered: status ok | invalid | error | cancelled."""
         with self._lock:
             self.requests[(endpoint, status)] += 1
@@ -116,56 +118,113 @@ class Metrics:
             def one(name: str, kind: str, help_text: str, value) -> None:
                 family(name, kind, help_text, [("_total" if kind == "counter" else "", {}, value)])
 
-            family("info", "gauge", "The served model and decoding mode.",
-                   [("", {"model": self.model, "mode": self.mode, "version": self.version}, 1)])
-            family("requests", "counter", "Requests answered, by endpoint and status "
-                   "(ok, invalid, error, cancelled).",
-                   [("_total", {"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            family(
+                "info",
+                "gauge",
+                "The served model and decoding mode.",
+                [("", {"model": self.model, "mode": self.mode, "version": self.version}, 1)],
+            )
+            family(
+                "requests",
+                "counter",
+                "Requests answered, by endpoint and status (ok, invalid, error, cancelled).",
+                [("_total", {"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())],
+            )
             one("requests_running", "gauge", "Requests in the running batch.", running)
             one("requests_waiting", "gauge", "Requests waiting for the engine.", waiting)
             one("rows_running", "gauge", "Rows (choices) of the running batch not finished yet.", self.rows_running)
             one("rows_waiting", "gauge", "Rows (choices) waiting to join the running batch.", self.rows_waiting)
-            family("queue_time_seconds", "summary", "From arrival to the request's first row joining the batch.",
-                   [("_sum", {}, self.queue_sum), ("_count", {}, self.queue_count)])
+            family(
+                "queue_time_seconds",
+                "summary",
+                "From arrival to the request's first row joining the batch.",
+                [("_sum", {}, self.queue_sum), ("_count", {}, self.queue_count)],
+            )
             one("prompt_tokens", "counter", "Prompt tokens of answered requests.", self.prompt_tokens)
-            one("generation_tokens", "counter", "Tokens the engine generated (rows cancelled mid-way included).", self.generated_tokens)
-            one("batches", "counter", "Batches run: seatings of the serving loop (rows between two re-seats).",
-                self.batches)
-            one("tokens_per_second", "gauge", "Decode tokens/s of the last batch (all its rows).",
-                self.last_tokens_per_s)
+            one(
+                "generation_tokens",
+                "counter",
+                "Tokens the engine generated (rows cancelled mid-way included).",
+                self.generated_tokens,
+            )
+            one(
+                "batches",
+                "counter",
+                "Batches run: seatings of the serving loop (rows between two re-seats).",
+                self.batches,
+            )
+            one(
+                "tokens_per_second",
+                "gauge",
+                "Decode tokens/s of the last batch (all its rows).",
+                self.last_tokens_per_s,
+            )
             c, m = self.counts, CallMetrics.of(self.counts)
             one("spec_decode_draft_tokens", "counter", "Draft tokens proposed.", c.drafted)
             one("spec_decode_accepted_tokens", "counter", "Draft tokens accepted.", c.accepted)
             one("spec_decode_row_rounds", "counter", "Verifications of one row (row-rounds).", c.row_rounds)
-            one("spec_decode_emitted_tokens", "counter",
-                "Tokens committed by decode rounds (accepted drafts + bonus).", c.emitted)
-            one("ssd_cache_hits", "counter", "SSD row-rounds served from the speculation cache.",
-                c.ssd.rows_hit if c.ssd else 0)
+            one(
+                "spec_decode_emitted_tokens",
+                "counter",
+                "Tokens committed by decode rounds (accepted drafts + bonus).",
+                c.emitted,
+            )
+            one(
+                "ssd_cache_hits",
+                "counter",
+                "SSD row-rounds served from the speculation cache.",
+                c.ssd.rows_hit if c.ssd else 0,
+            )
             one("ssd_cache_misses", "counter", "SSD row-rounds that missed the cache.", c.ssd.rows_miss if c.ssd else 0)
             one("acceptance_rate", "gauge", "Accepted / drafted tokens since start.", _nan(m.acceptance_rate))
             one("mean_accepted_len", "gauge", "Tokens per row-round since start.", _nan(m.mean_accepted_len))
             one("cache_hit_rate", "gauge", "SSD cache hits / SSD row-rounds since start.", _nan(m.cache_hit_rate))
             one("prefill_seconds", "counter", "Time spent reading prompts (engine calls).", self.prefill_s)
-            one("prefill_tokens", "counter", "Prompt tokens read by the target (not from the prefix cache).",
-                self.read_prompt_tokens)
-            one("prefix_cache_hit_tokens", "counter", "Prompt tokens taken from the prefix cache.",
-                self.cached_prompt_tokens)
+            one(
+                "prefill_tokens",
+                "counter",
+                "Prompt tokens read by the target (not from the prefix cache).",
+                self.read_prompt_tokens,
+            )
+            one(
+                "prefix_cache_hit_tokens",
+                "counter",
+                "Prompt tokens taken from the prefix cache.",
+                self.cached_prompt_tokens,
+            )
             pc = self.prefix_cache
-            one("prefix_cache_used_tokens", "gauge", "Tokens the target's prefix cache holds.", pc.get("used_tokens", 0))
-            one("prefix_cache_capacity_tokens", "gauge", "The target's prefix cache size in tokens.",
-                pc.get("capacity_tokens", 0))
-            family("host_waits", "counter", "Device -> host reads and blocking host -> device copies "
-                   "(stream synchronisations on a GPU), by model.",
-                   [("_total", {"model": k}, n) for k, n in sorted(self.host_waits.items())])
+            one(
+                "prefix_cache_used_tokens", "gauge", "Tokens the target's prefix cache holds.", pc.get("used_tokens", 0)
+            )
+            one(
+                "prefix_cache_capacity_tokens",
+                "gauge",
+                "The target's prefix cache size in tokens.",
+                pc.get("capacity_tokens", 0),
+            )
+            family(
+                "host_waits",
+                "counter",
+                "Device -> host reads and blocking host -> device copies (stream synchronisations on a GPU), by model.",
+                [("_total", {"model": k}, n) for k, n in sorted(self.host_waits.items())],
+            )
             family("host_waits_per_round", "gauge", "Host waits per verification round since start, by model.",
                    [("", {"model": k}, n / self.batch_rounds if self.batch_rounds else math.nan)
                     for k, n in sorted(self.host_waits.items())])  # fmt: skip
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
-            family("time_to_first_token_seconds", "summary", "From arrival to the first token.",
-                   [("_sum", {}, self.ttft_sum), ("_count", {}, self.ttft_count)])
-            family("request_duration_seconds", "summary", "From arrival to the answer's end.",
-                   [("_sum", {}, self.duration_sum), ("_count", {}, self.duration_count)])
+            family(
+                "time_to_first_token_seconds",
+                "summary",
+                "From arrival to the first token.",
+                [("_sum", {}, self.ttft_sum), ("_count", {}, self.ttft_count)],
+            )
+            family(
+                "request_duration_seconds",
+                "summary",
+                "From arrival to the answer's end.",
+                [("_sum", {}, self.duration_sum), ("_count", {}, self.duration_count)],
+            )
             return "\n".join(lines) + "\n"
 
 

@@ -285,6 +285,7 @@ def _stop(value: Any) -> tuple[str, ...]:
 
 def _prompts(value: Any, allow_empty: bool = False) -> tuple[str | tuple[int, ...], ...]:
     """`allow_empty`: an empty text prompt is fine (fill-in-the-middle at a file's start)."""
+
     def token_list(x) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 

@@ -85,8 +85,9 @@ class Responses:
         }
 
     def _parser(self) -> ToolCallParser:
-        return ToolCallParser(self.tool_format, [t.name for t in self.req.tools],
-                              {t.name: t.parameters for t in self.req.tools})
+        return ToolCallParser(
+            self.tool_format, [t.name for t in self.req.tools], {t.name: t.parameters for t in self.req.tools}
+        )
 
     def _logprobs(self, index: int, logprobs) -> dict[str, Any] | None:
         if logprobs is None or self.text_of is None:

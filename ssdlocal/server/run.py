@@ -77,7 +77,10 @@ def url(sock: socket.socket) -> str:
 
 
 def make_server(
-    app, *, limits: ServerLimits | None = None, on_shutdown: Callable[[], None] | None = None,
+    app,
+    *,
+    limits: ServerLimits | None = None,
+    on_shutdown: Callable[[], None] | None = None,
     verbose: bool = False,
 ):
     """A uvicorn Server for `app` (run it with `.run(sockets=[sock])`); `on_shutdown` is

@@ -189,8 +189,14 @@ class Scheduler:
             return sum(1 for job in self._jobs.values() if job.joined_at is None and not (job.done or job.cancelled))
 
     def submit(
-        self, rows: Sequence[Sequence[int]], params: SamplingParams, seeded: bool, *, stream: bool = True,
-        budgets: Sequence[int | None] | None = None, grammar=None,
+        self,
+        rows: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeded: bool,
+        *,
+        stream: bool = True,
+        budgets: Sequence[int | None] | None = None,
+        grammar=None,
     ) -> Job:
         """A job for these rows; `budgets`: each row's max_new_tokens (None: the room left
         in the context), instead of params.max_new_tokens for all; `grammar`: what every

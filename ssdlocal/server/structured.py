@@ -57,7 +57,7 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """"none" | "auto" | "required" | "function" (then `name` is the one function)."""
+    """ "none" | "auto" | "required" | "function" (then `name` is the one function)."""
 
     mode: str
     name: str | None = None
@@ -82,7 +82,7 @@ def parse_tools(body: dict) -> tuple[tuple[Tool, ...], ToolChoice]:
     tools: list[Tool] = []
     if value is not None:
         if not isinstance(value, list):
-            raise _bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
+            raise _bad('\'tools\' must be a list of {"type": "function", "function": {...}}', param="tools")
         if len(value) > MAX_TOOLS:
             raise _bad(f"'tools' has {len(value)} tools; at most {MAX_TOOLS} are allowed", param="tools")
         for i, item in enumerate(value):
@@ -95,14 +95,16 @@ def parse_tools(body: dict) -> tuple[tuple[Tool, ...], ToolChoice]:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None:
         if not isinstance(parallel, bool):
-            raise _bad(f"'parallel_tool_calls' must be true or false, got {_show(parallel)}", param="parallel_tool_calls")
+            raise _bad(
+                f"'parallel_tool_calls' must be true or false, got {_show(parallel)}", param="parallel_tool_calls"
+            )
         choice = ToolChoice(choice.mode, choice.name, parallel)
     return tuple(tools), choice
 
 
 def _tool(item: Any, where: str) -> Tool:
     if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
-        raise _bad(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., ...}}}}", param=where)
+        raise _bad(f'{where} must be {{"type": "function", "function": {{"name": ..., ...}}}}', param=where)
     function = item["function"]
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):

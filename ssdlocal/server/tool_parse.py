@@ -157,14 +157,14 @@ class ToolCallParser:
             if before.strip() or not self.calls:  # whitespace between calls is not content
                 if before:
                     out.append(Content(before))
-            self._pending = self._pending[at + len(tag):]
+            self._pending = self._pending[at + len(tag) :]
             self._begin()
             return True
         keep = 0 if final else _partial_suffix(self._pending, tag)
         text = self._pending[: len(self._pending) - keep]
         if text and (text.strip() or not self.calls):
             out.append(Content(text))
-        self._pending = self._pending[len(text):]
+        self._pending = self._pending[len(text) :]
         return False
 
     def _begin(self) -> None:
@@ -188,7 +188,7 @@ class ToolCallParser:
                 if close.startswith(after):
                     return False  # the closing tag may still come (at the end: the call is cut)
                 return self._not_a_call(out, final)
-            rest = after[len(close):]
+            rest = after[len(close) :]
         text, raw = self._body[:end], (self.fmt.open_tag or "") + self._body[: len(self._body) - len(rest)]
         self._call, self._body, self._pending = None, "", rest
         self._report(text, raw, out)

@@ -122,7 +122,9 @@ def compile_forced(fmt, tools, choice, compiler, answer=None):
         except GrammarError as exc:
             if exc.reason == "busy":
                 raise
-            raise FieldError(f"tools[{i}].function.parameters: {exc.message}", f"tools[{i}].function.parameters") from None
+            raise FieldError(
+                f"tools[{i}].function.parameters: {exc.message}", f"tools[{i}].function.parameters"
+            ) from None
     return compiler.lark(forced_grammar_text(fmt, tools, choice, compiler, answer))
 
 

@@ -55,9 +55,7 @@ class SpeculationCache:
         return list(self._branches)
 
 
-def bonus_candidates(
-    logits: torch.Tensor, drafted: int | None, fan_out: int, params: SamplingParams
-) -> list[int]:
+def bonus_candidates(logits: torch.Tensor, drafted: int | None, fan_out: int, params: SamplingParams) -> list[int]:
     """Top-`fan_out` tokens of the draft's distribution at one position, excluding `drafted`.
 
     logits: [V] draft logits at the position where the bonus would be sampled.

@@ -41,9 +41,7 @@ class FanOutPlanner:
     target wait on a hit.
     """
 
-    def __init__(
-        self, k: int, budget: int | None = None, min_budget: int | None = None, max_budget: int = 32
-    ):
+    def __init__(self, k: int, budget: int | None = None, min_budget: int | None = None, max_budget: int = 32):
         self.k = k
         # below one candidate per accepted length the hit rate collapses, while a narrower
         # tree saves little time on memory-bound hardware: K+1 is the default floor

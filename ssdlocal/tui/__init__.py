@@ -17,6 +17,4 @@ def require_textual() -> None:
     try:
         import textual  # noqa: F401
     except ImportError:
-        raise SSDLocalError(
-            "the chat and race screens need Textual, which is not installed", INSTALL_HINT
-        ) from None
+        raise SSDLocalError("the chat and race screens need Textual, which is not installed", INSTALL_HINT) from None

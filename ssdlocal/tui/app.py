@@ -89,7 +89,9 @@ class EngineApp(App):
         if not finished and now - self._last_progress < 0.25:
             return
         self._last_progress = now
-        self.post_message(LoadProgress(stage, done, total, progress_line(stage, done, total, self._stage_start(stage, now))))
+        self.post_message(
+            LoadProgress(stage, done, total, progress_line(stage, done, total, self._stage_start(stage, now)))
+        )
 
     def _stage_start(self, stage: str, now: float) -> float:
         return self._stage_starts.setdefault(stage, now)
@@ -157,9 +159,7 @@ class ChatApp(EngineApp):
         yield SystemCommand("Stop generation", "stop after the current round", screen.action_stop)
         yield SystemCommand("Copy last answer", "to the clipboard", screen.action_copy)
         yield SystemCommand("Clear conversation", "forget the history", screen.action_clear)
-        yield SystemCommand(
-            "Toggle token colours", "colour tokens by origin", screen.action_toggle_colors
-        )
+        yield SystemCommand("Toggle token colours", "colour tokens by origin", screen.action_toggle_colors)
         yield SystemCommand("Help", "slash commands and keys", screen.action_help)
 
 

@@ -26,8 +26,13 @@ class EngineLike(Protocol):
     tokenizer: Any
 
     def generate(
-        self, prompts, params: SamplingParams, *, chat: bool = False,
-        spec: SpecConfig | None = None, cancel: CancelToken | None = None,
+        self,
+        prompts,
+        params: SamplingParams,
+        *,
+        chat: bool = False,
+        spec: SpecConfig | None = None,
+        cancel: CancelToken | None = None,
     ) -> Iterator[Event]: ...
     def encode(self, prompt: str, chat: bool) -> list[int]: ...
     def max_prompt_tokens(self, max_new_tokens: int, spec: SpecConfig | None = None) -> int: ...
@@ -109,11 +114,15 @@ class ChatSettings:
         parts = [self.mode.value.upper()]
         adaptive = self.spec.adaptive_k and self.mode is Mode.SD
         if self.mode is not Mode.AR:
-            parts.append(f"K≤{self.k}" + (" per round" if adaptive and not compact else "") if adaptive else f"K={self.k}")
+            parts.append(
+                f"K≤{self.k}" + (" per round" if adaptive and not compact else "") if adaptive else f"K={self.k}"
+            )
         if self.mode is Mode.SSD:
             parts.append(f"F={fan}")
         parts.append(f"T={self.temperature:g}")
-        parts.append(("to EOS" if compact else "max to EOS") if self.max_new_tokens is None else f"max {self.max_new_tokens}")
+        parts.append(
+            ("to EOS" if compact else "max to EOS") if self.max_new_tokens is None else f"max {self.max_new_tokens}"
+        )
         return (" " if compact else " · ").join(parts)
 
 
@@ -152,9 +161,7 @@ def run_command(line: str, settings: ChatSettings) -> CommandResult:
         try:
             return CommandResult(settings.with_mode(Mode(arg.lower())))
         except ValueError:
-            raise UsageError(
-                f"unknown mode {arg!r}", "use /mode ar, /mode sd or /mode ssd"
-            ) from None
+            raise UsageError(f"unknown mode {arg!r}", "use /mode ar, /mode sd or /mode ssd") from None
     if name == "k":
         return CommandResult(settings.with_k(_int(arg, "/k 4")))
     if name in ("fanout", "fan-out", "f"):
@@ -163,9 +170,7 @@ def run_command(line: str, settings: ChatSettings) -> CommandResult:
         try:
             fan = tuple(int(x) for x in arg.split(","))
         except ValueError:
-            raise UsageError(
-                f"cannot read fan-out {arg!r}", "write e.g. /fanout 3,3,2,2,1"
-            ) from None
+            raise UsageError(f"cannot read fan-out {arg!r}", "write e.g. /fanout 3,3,2,2,1") from None
         return CommandResult(settings.with_spec(fan_out=fan))
     if name in ("temp", "temperature", "t"):
         try:
@@ -231,9 +236,7 @@ class Conversation:
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         else:  # base model: a plain transcript the model can continue
-            text = (
-                "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
-            )
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def add_turn(self, user_text: str, answer: str) -> None:
@@ -277,9 +280,7 @@ class OriginSplitter:
             if n == len(runs) - 1:
                 boundary = end
             else:
-                prefix = self.tokenizer.decode(
-                    self.ids + list(token_ids[:stop]), skip_special_tokens=True
-                )
+                prefix = self.tokenizer.decode(self.ids + list(token_ids[:stop]), skip_special_tokens=True)
                 boundary = min(max(len(prefix.rstrip("\ufffd")), cut), end)
             if boundary > cut:
                 pieces.append((text[cut - start : boundary - start], origin))
@@ -309,7 +310,8 @@ def describe_pair(config: EngineConfig) -> tuple[str, str]:
 
     draft = config.spec.draft
     pair = f"{model_label(config.target.path)} + " + (
-        model_label(draft.model.path) if draft.model else f"{draft.label} draft")
+        model_label(draft.model.path) if draft.model else f"{draft.label} draft"
+    )
     t = config.target
     where = [f"target {t.device} {_weights(t)}"]
     if config.draft_model is not None:
@@ -376,8 +378,7 @@ def error_text(exc: BaseException) -> tuple[str, str]:
     text = str(exc).splitlines()[0] if str(exc) else ""
     from ssdlocal.core.memory import oom_error
 
-    oom = oom_error(exc, hint="use a smaller /max or /k, /clear the history, --dtype bfloat16, "
-                               "or another device")
+    oom = oom_error(exc, hint="use a smaller /max or /k, /clear the history, --dtype bfloat16, or another device")
     if oom is not None:
         return oom.message, oom.hint
     return (

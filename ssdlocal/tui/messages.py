@@ -55,9 +55,7 @@ class PromptProgress(Message):
 class RoundFinished(Message):
     """One verification round finished: fresh metric snapshot for the stats panel."""
 
-    def __init__(
-        self, turn: int, snapshot: Metrics, backup: str | None, cache_hit: bool | None
-    ) -> None:
+    def __init__(self, turn: int, snapshot: Metrics, backup: str | None, cache_hit: bool | None) -> None:
         super().__init__()
         self.turn = turn
         self.snapshot = snapshot

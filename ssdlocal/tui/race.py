@@ -58,9 +58,7 @@ class RaceRun:
         return self.times[0] if self.times else None
 
 
-def race_specs(
-    base: SpecConfig, k: int | None = None, fan_out: tuple[int, ...] | None = None
-) -> list[SpecConfig]:
+def race_specs(base: SpecConfig, k: int | None = None, fan_out: tuple[int, ...] | None = None) -> list[SpecConfig]:
     """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD)."""
     k = k or base.k
     fan = fan_out if fan_out is not None else base.fan_out
@@ -157,10 +155,16 @@ def identical_verdict(rows: Sequence[RaceRow], greedy: bool) -> str:
 
 
 COLUMNS = (  # (header, what it means): short enough for one line of an 80-column table
-    ("mode", ""), ("tokens", ""), ("tok/s", "decode speed"), ("vs AR", "tok/s over AR's"),
-    ("TTFT", "time to the first token"), ("wall", "the whole call"),
-    ("accept", "drafted tokens accepted"), ("tok/rnd", "tokens per target forward"),
-    ("hits", "SSD cache hits"), ("same", "token for token AR's output"),
+    ("mode", ""),
+    ("tokens", ""),
+    ("tok/s", "decode speed"),
+    ("vs AR", "tok/s over AR's"),
+    ("TTFT", "time to the first token"),
+    ("wall", "the whole call"),
+    ("accept", "drafted tokens accepted"),
+    ("tok/rnd", "tokens per target forward"),
+    ("hits", "SSD cache hits"),
+    ("same", "token for token AR's output"),
 )
 
 
@@ -187,8 +191,15 @@ def summary_table(rows: Sequence[RaceRow], title: str | None = None):
     def num(x, fmt="{:.1f}"):
         return "–" if x is None else fmt.format(x)
 
-    table = Table(title=title, expand=False, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  padding=(0, 1), collapse_padding=True)
+    table = Table(
+        title=title,
+        expand=False,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+    )
     for name, _ in COLUMNS:
         table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
     for r in rows:

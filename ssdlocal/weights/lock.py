@@ -49,11 +49,15 @@ def _read() -> dict:
     except FileNotFoundError:
         return {"version": VERSION, "models": {}}
     except (OSError, ValueError) as exc:
-        raise AssetError(f"the lock file {path} is unreadable ({exc})",
-                         f"delete {path}: the next pull trusts what it downloads again") from exc
+        raise AssetError(
+            f"the lock file {path} is unreadable ({exc})",
+            f"delete {path}: the next pull trusts what it downloads again",
+        ) from exc
     if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
-        raise AssetError(f"the lock file {path} is not an ssdlocal lock file",
-                         f"delete {path}: the next pull trusts what it downloads again")
+        raise AssetError(
+            f"the lock file {path} is not an ssdlocal lock file",
+            f"delete {path}: the next pull trusts what it downloads again",
+        )
     return data
 
 
@@ -94,8 +98,17 @@ def _describe(root: Path, name: str, known: dict | None) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(root / name)}
 
 
-def record(pair: str, backend: str, role: str, repo: str, revision: str, commit: str,
-           root: Path, names: list[str], previous: Locked | None = None) -> Locked:
+def record(
+    pair: str,
+    backend: str,
+    role: str,
+    repo: str,
+    revision: str,
+    commit: str,
+    root: Path,
+    names: list[str],
+    previous: Locked | None = None,
+) -> Locked:
     """Trust the files `names` under `root` (a snapshot of `commit`) for this model.
 
     Files of `previous` (the same commit) that kept their size and mtime keep their hash."""
@@ -106,7 +119,11 @@ def record(pair: str, backend: str, role: str, repo: str, revision: str, commit:
     with file_lock(path.with_name(path.name + ".lock")):
         data = _read()
         data["models"][_key(pair, backend, role)] = {
-            "repo": repo, "revision": revision, "commit": commit, "files": files}
+            "repo": repo,
+            "revision": revision,
+            "commit": commit,
+            "files": files,
+        }
         atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
     log.info("locked %s %s %s at commit %s (%d files)", pair, backend, role, commit, len(files))
     return locked
@@ -117,21 +134,27 @@ def verify(locked: Locked, root: Path, pair: str) -> None:
 
     Size and mtime are compared; a file whose mtime alone moved (a copied cache) is hashed.
     """
-    hint = (f"run `ssdlocal pull {pair}` to fetch the trusted files again, or "
-            f"`ssdlocal pull {pair} --update` to trust what is there now")
+    hint = (
+        f"run `ssdlocal pull {pair}` to fetch the trusted files again, or "
+        f"`ssdlocal pull {pair} --update` to trust what is there now"
+    )
     for name, want in locked.files.items():
         path = root / name
         try:
             st = path.stat()
         except OSError:
-            raise AssetError(f"{locked.repo}: {name} of trusted commit {locked.commit[:12]} is missing "
-                             f"from {root}", hint) from None
+            raise AssetError(
+                f"{locked.repo}: {name} of trusted commit {locked.commit[:12]} is missing from {root}", hint
+            ) from None
         if st.st_size == want["size"] and st.st_mtime_ns == want["mtime_ns"]:
             continue
         if st.st_size != want["size"] or sha256_file(path) != want["sha256"]:
-            raise AssetError(f"{locked.repo}: {name} changed since it was pulled (commit "
-                             f"{locked.commit[:12]}; recorded {want['size']} bytes sha256 "
-                             f"{want['sha256'][:12]}…)", hint)
+            raise AssetError(
+                f"{locked.repo}: {name} changed since it was pulled (commit "
+                f"{locked.commit[:12]}; recorded {want['size']} bytes sha256 "
+                f"{want['sha256'][:12]}…)",
+                hint,
+            )
 
 
 def commits(pair: str, backend: str) -> dict[str, str]:
@@ -148,6 +171,10 @@ def snapshot_files(root: Path, allow: tuple[str, ...], ignore: tuple[str, ...] =
     """The files below a snapshot folder that a pull fetches (its allow / ignore patterns),
     as paths relative to it; files other tools put there are not ours to trust or refuse."""
     names = (str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    return sorted(n for n in names if not n.endswith(".incomplete")
-                  and any(fnmatch.fnmatch(n, pat) for pat in allow)
-                  and not any(fnmatch.fnmatch(n, pat) for pat in ignore))
+    return sorted(
+        n
+        for n in names
+        if not n.endswith(".incomplete")
+        and any(fnmatch.fnmatch(n, pat) for pat in allow)
+        and not any(fnmatch.fnmatch(n, pat) for pat in ignore)
+    )

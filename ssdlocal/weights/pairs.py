@@ -43,26 +43,54 @@ _TEXT = _Kind(lambda v: isinstance(v, str), "a string")
 _BOOL = _Kind(lambda v: isinstance(v, bool), "true or false (unquoted)")
 _GB = _Kind(_number, "a number >= 0")
 _COUNT = _Kind(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
-_REPO = _Kind(lambda v: isinstance(v, str) and bool(_REPO_ID.match(v)) and ".." not in v
-              and "--" not in v, 'a hub repo id "owner/name"')
-_GLOBS = _Kind(lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
-               'a list of glob strings, e.g. ["*.json", "*.safetensors"]')
+_REPO = _Kind(
+    lambda v: isinstance(v, str) and bool(_REPO_ID.match(v)) and ".." not in v and "--" not in v,
+    'a hub repo id "owner/name"',
+)
+_GLOBS = _Kind(
+    lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
+    'a list of glob strings, e.g. ["*.json", "*.safetensors"]',
+)
 _TABLE = _Kind(lambda v: isinstance(v, dict), "a table")
-_FAN = _Kind(lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                    and x >= 0 for x in v), "a list of integers >= 0")
+_FAN = _Kind(
+    lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
+    "a list of integers >= 0",
+)
 
 _TOP_KEYS = {
-    "name": _STR, "description": _TEXT, "family": _TEXT, "source": _STR, "gated": _BOOL,
-    "suggested_k": _COUNT, "suggested_fan_out": _FAN, "target": _TABLE, "draft": _TABLE,
-    "torch": _TABLE, "llamacpp": _TABLE,
+    "name": _STR,
+    "description": _TEXT,
+    "family": _TEXT,
+    "source": _STR,
+    "gated": _BOOL,
+    "suggested_k": _COUNT,
+    "suggested_fan_out": _FAN,
+    "target": _TABLE,
+    "draft": _TABLE,
+    "torch": _TABLE,
+    "llamacpp": _TABLE,
 }
 _MODEL_KEYS = {
-    "repo": _REPO, "revision": _STR, "asset": _STR, "path": _STR, "params_b": _GB,
-    "bf16_gb": _GB, "embed_b": _GB, "heads": _COUNT, "kv_heads": _COUNT, "layers": _COUNT, "head_dim": _COUNT,
+    "repo": _REPO,
+    "revision": _STR,
+    "asset": _STR,
+    "path": _STR,
+    "params_b": _GB,
+    "bf16_gb": _GB,
+    "embed_b": _GB,
+    "heads": _COUNT,
+    "kv_heads": _COUNT,
+    "layers": _COUNT,
+    "head_dim": _COUNT,
 }
 _FILE_KEYS = {
-    "repo": _REPO, "revision": _STR, "filename": _STR, "asset": _STR, "path": _STR,
-    "quant": _TEXT, "size_gb": _GB,
+    "repo": _REPO,
+    "revision": _STR,
+    "filename": _STR,
+    "asset": _STR,
+    "path": _STR,
+    "quant": _TEXT,
+    "size_gb": _GB,
 }
 _TORCH_KEYS = {"allow_patterns": _GLOBS, "ignore_patterns": _GLOBS}
 _LLAMACPP_KEYS = {"target": _TABLE, "draft": _TABLE}
@@ -216,9 +244,7 @@ def _gguf(table: dict | None, key: str, path: Path) -> GGUFRef | None:
     if table is None:
         return None
     _check(table, _FILE_KEYS, f"llamacpp.{key}", path, kinds=False)
-    if not (
-        table.get("asset") or table.get("path") or (table.get("repo") and table.get("filename"))
-    ):
+    if not (table.get("asset") or table.get("path") or (table.get("repo") and table.get("filename"))):
         raise _bad(path, f"[llamacpp.{key}] needs repo + filename, asset, or path")
     return GGUFRef(**_check(table, _FILE_KEYS, f"llamacpp.{key}", path))
 
@@ -304,9 +330,7 @@ def get_pair(name: str) -> Pair:
     if name.endswith(".toml") or os.sep in name:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise UsageError(
-                f"pair file {path} does not exist", "run `ssdlocal pairs` to list known pairs"
-            )
+            raise UsageError(f"pair file {path} does not exist", "run `ssdlocal pairs` to list known pairs")
         return parse_pair(path)
     pairs = load_pairs()
     if name in pairs:

@@ -25,13 +25,22 @@ def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
 
 # lines a run prints on stderr before an error can happen: preparation steps
 # (cli/progress.py, plain lines in tests) and the mode line (cli/render.print_mode)
-RUN_LINES = ("loading ", "starting the engine", "calibrating ", "quantizing ", "reading tokenizer: ",
-             "checking ", "download ", "assemble ", "converting ", "writing ", "mode ")
+RUN_LINES = (
+    "loading ",
+    "starting the engine",
+    "calibrating ",
+    "quantizing ",
+    "reading tokenizer: ",
+    "checking ",
+    "download ",
+    "assemble ",
+    "converting ",
+    "writing ",
+    "mode ",
+)
 
 
-def assert_clean_error(
-    code: int, err: str, expected_code: int, *needles: str, skip: tuple[str, ...] = ()
-) -> None:
+def assert_clean_error(code: int, err: str, expected_code: int, *needles: str, skip: tuple[str, ...] = ()) -> None:
     """Exactly one `error:` line and one `hint:` line (lines starting with a `skip`
     prefix aside, and what a run prints before it fails: its finished preparation steps
     and its mode line), no traceback, the right exit code, and every needle in the text."""

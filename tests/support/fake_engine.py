@@ -167,8 +167,14 @@ class FakeEngine:
         self.closed = True
 
     def generate(
-        self, prompts, params: SamplingParams, *, chat: bool = False,
-        spec: SpecConfig | None = None, cancel: CancelToken | None = None, progress=None,
+        self,
+        prompts,
+        params: SamplingParams,
+        *,
+        chat: bool = False,
+        spec: SpecConfig | None = None,
+        cancel: CancelToken | None = None,
+        progress=None,
     ) -> Iterator[Event]:
         if self.gate is not None:
             self.gate.wait(10)
@@ -176,8 +182,10 @@ class FakeEngine:
         spec = spec or self.config.spec
         ids = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         if max(map(len, ids)) > self.max_prompt_tokens(params.max_new_tokens, spec):
-            raise UsageError("prompt + max-new-tokens exceeds the context (fake engine)",
-                             "shorten the prompt or lower --max-new-tokens")
+            raise UsageError(
+                "prompt + max-new-tokens exceeds the context (fake engine)",
+                "shorten the prompt or lower --max-new-tokens",
+            )
         self.calls.append((ids, params, spec))
         k = spec.k if spec.mode is not Mode.AR else 0
         if token.cancelled:  # as Engine: stopped before it began
@@ -236,9 +244,7 @@ class FakeEngine:
         yield DoneEvent((Output(self.tokenizer.decode(generated), generated, finish),), stats.snapshot())
 
 
-def chat_settings(
-    mode: Mode = Mode.SSD, draft: str | None = "d", k: int = 4, fan_out=None, **sampling
-):
+def chat_settings(mode: Mode = Mode.SSD, draft: str | None = "d", k: int = 4, fan_out=None, **sampling):
     """ChatSettings for tests: speculation fields by name, the rest to SamplingParams."""
     from ssdlocal.tui.core import ChatSettings
 

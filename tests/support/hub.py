@@ -38,15 +38,9 @@ class FakeHub:
         from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError
 
         if local_only or self.unreachable:
-            if (
-                snapshot.is_dir()
-                and not list(snapshot.rglob("*.incomplete"))
-                and any(snapshot.iterdir())
-            ):
+            if snapshot.is_dir() and not list(snapshot.rglob("*.incomplete")) and any(snapshot.iterdir()):
                 return
-            raise LocalEntryNotFoundError(
-                "An error happened while trying to locate the files on the Hub"
-            )
+            raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub")
         if repo in self.gated:
             import httpx2
 
@@ -69,9 +63,7 @@ class FakeHub:
                 fh.write(data[: self.fail_after])
                 self.fail_after = None
                 partial.unlink()
-                raise httpx2.ReadError(
-                    "peer closed connection without sending complete message body"
-                )
+                raise httpx2.ReadError("peer closed connection without sending complete message body")
             fh.write(data)
         partial.rename(dst)
 
@@ -153,8 +145,7 @@ class FakeHub:
 
             url = f"https://hf.co/{repo_id}/resolve/{revision}/{filename}"
             response = httpx2.Response(404, request=httpx2.Request("GET", url))
-            raise RemoteEntryNotFoundError(f"404 Client Error. Entry Not Found for url: {url}",
-                                           response=response)
+            raise RemoteEntryNotFoundError(f"404 Client Error. Entry Not Found for url: {url}", response=response)
         self._copy(self.remote / repo_id / filename, target)
         return str(target)
 

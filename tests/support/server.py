@@ -30,26 +30,40 @@ class LiveServer:
     """Engine + scheduler + uvicorn thread; `client` is an openai.OpenAI for it."""
 
     def __init__(
-        self, config: EngineConfig, *, api_key: str | None = None, max_batch: int = 8,
-        limits: ServerLimits | None = None, max_new_tokens: int | None = None,
-        allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
+        self,
+        config: EngineConfig,
+        *,
+        api_key: str | None = None,
+        max_batch: int = 8,
+        limits: ServerLimits | None = None,
+        max_new_tokens: int | None = None,
+        allowed_hosts: tuple[str, ...] = (),
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         import openai
 
         self.engine = Engine(config)
         self.mode = config.spec.mode.value
         self.metrics = Metrics(MODEL, self.mode, __version__)
-        self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch,
-                                   batch_wait_s=0.05)
+        self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch, batch_wait_s=0.05)
         self.limits = limits or ServerLimits()
         self.sock = bind("127.0.0.1", 0)
         self.url = url(self.sock)
         self.port = self.sock.getsockname()[1]
         self.host = f"127.0.0.1:{self.port}"  # what a raw request sends as its Host
         access = AccessPolicy("127.0.0.1", self.port, allowed_hosts, allowed_origins)
-        self.state = ServerState(self.scheduler, self.metrics, MODEL, self.engine.context, self.engine.tokenizer,
-                                 api_key=api_key, vocab_size=self.engine.target.args.vocab_size,
-                                 limits=self.limits, max_new_tokens=max_new_tokens, access=access)
+        self.state = ServerState(
+            self.scheduler,
+            self.metrics,
+            MODEL,
+            self.engine.context,
+            self.engine.tokenizer,
+            api_key=api_key,
+            vocab_size=self.engine.target.args.vocab_size,
+            limits=self.limits,
+            max_new_tokens=max_new_tokens,
+            access=access,
+        )
         self.server = make_server(create_app(self.state), limits=self.limits, on_shutdown=self.state.begin_shutdown)
         self.scheduler.start()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -60,8 +74,7 @@ class LiveServer:
                 self.close()
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0,
-                                    timeout=120)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0, timeout=120)
 
     def get(self, path: str) -> tuple[int, str]:
         try:
@@ -71,8 +84,12 @@ class LiveServer:
             return exc.code, exc.read().decode()
 
     def post(self, path: str, data: bytes, headers: dict | None = None) -> tuple[int, dict]:
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+        req = urllib.request.Request(
+            f"{self.url}{path}",
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 return resp.status, json.loads(resp.read())

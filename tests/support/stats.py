@@ -68,18 +68,14 @@ def assert_distribution(samples, expected_probs, alpha: float = ALPHA, what: str
     """Fail when the chi-square p-value of `samples` vs `expected_probs` is below alpha."""
     pvalue = chi_square_pvalue(samples, expected_probs)
     n = _as_int_array(samples).size
-    assert pvalue >= alpha, (
-        f"{what or 'samples'}: chi-square p-value {pvalue:.3g} < {alpha} (n={n})"
-    )
+    assert pvalue >= alpha, f"{what or 'samples'}: chi-square p-value {pvalue:.3g} < {alpha} (n={n})"
     return pvalue
 
 
 def assert_not_distribution(samples, expected_probs, alpha: float = ALPHA, what: str = "") -> float:
     """The opposite check, used to prove a deliberately broken implementation is caught."""
     pvalue = chi_square_pvalue(samples, expected_probs)
-    assert pvalue < alpha, (
-        f"{what or 'samples'}: broken variant not detected (p-value {pvalue:.3g})"
-    )
+    assert pvalue < alpha, f"{what or 'samples'}: broken variant not detected (p-value {pvalue:.3g})"
     return pvalue
 
 

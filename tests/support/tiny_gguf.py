@@ -47,11 +47,14 @@ def encode_q4_k(w: np.ndarray) -> np.ndarray:
     step = d[:, None] * sc  # [nb, 8]
     q = np.round((x + (dmin[:, None] * m)[..., None]) / np.where(step == 0, 1, step)[..., None])
     q = np.clip(q, 0, 15).astype(np.uint8)  # [nb, 8, 32]
-    packed = np.concatenate([
-        sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
-        m[:, :4] | ((m[:, 4:] >> 4) << 6),
-        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
-    ], axis=-1)  # fmt: skip  [nb, 12]
+    packed = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            m[:, :4] | ((m[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )  # fmt: skip  [nb, 12]
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # [nb, 4 * 32]
     blocks = np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=-1)  # [nb, 144]
     return blocks.reshape(n, -1)
@@ -190,8 +193,14 @@ def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: 
     tokens, merges = byte_vocab()
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "qwen2")
-    for key, value in (("context_length", 128), ("embedding_length", hidden), ("block_count", layers),
-                       ("feed_forward_length", ffn), ("head_count", heads), ("head_count_kv", kv_heads)):
+    for key, value in (
+        ("context_length", 128),
+        ("embedding_length", hidden),
+        ("block_count", layers),
+        ("feed_forward_length", ffn),
+        ("head_count", heads),
+        ("head_count_kv", kv_heads),
+    ):
         getattr(w, f"add_{key}")(value)  # fmt: skip
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)

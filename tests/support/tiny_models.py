@@ -110,26 +110,46 @@ def make_tiny_checkpoint(
     vocab = _tokenizer_size(out_dir)
     eos = 0  # <|endoftext|> is the first special token
     common = dict(
-        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512, initializer_range=initializer_range, rms_norm_eps=1e-6,
-        bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        initializer_range=initializer_range,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
     if arch == "llama":
         rope = {"rope_type": "default", "rope_theta": 10000.0}
         if llama3_rope:
-            rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-        cfg = LlamaConfig(**common, rope_parameters=rope,
-                          tie_word_embeddings=bool(tie_word_embeddings))
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        cfg = LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=bool(tie_word_embeddings))
         cls = LlamaForCausalLM
     elif arch == "qwen2":
-        cfg = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                          tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings)
+        cfg = Qwen2Config(
+            **common,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
+        )
         cls = Qwen2ForCausalLM
     elif arch == "qwen3":
-        cfg = Qwen3Config(**common, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                          tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings)
+        cfg = Qwen3Config(
+            **common,
+            head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
+        )
         cls = Qwen3ForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
@@ -200,14 +220,21 @@ def make_tiny_suite(root: Path) -> dict[str, Path]:
         "llama": make_tiny_checkpoint(root / "llama", "llama", seed=0, tokenizer_dir=tok),
         "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=1, tokenizer_dir=tok),
         "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3", seed=2, tokenizer_dir=tok),
-        "llama3_rope": make_tiny_checkpoint(root / "llama3_rope", "llama", seed=3, llama3_rope=True,
-                                            tokenizer_dir=tok),
+        "llama3_rope": make_tiny_checkpoint(root / "llama3_rope", "llama", seed=3, llama3_rope=True, tokenizer_dir=tok),
     }
     dirs["draft_llama"] = make_draft_like(dirs["llama"], root / "draft_llama", noise=0.004, seed=10)
     dirs["draft_qwen2"] = make_draft_like(dirs["qwen2"], root / "draft_qwen2", noise=0.004, seed=11)
-    dirs["small_llama"] = make_tiny_checkpoint(root / "small_llama", "llama", seed=4, hidden_size=32,
-                                               num_layers=1, num_heads=2, num_kv_heads=1,
-                                               intermediate_size=64, tokenizer_dir=tok)
+    dirs["small_llama"] = make_tiny_checkpoint(
+        root / "small_llama",
+        "llama",
+        seed=4,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        tokenizer_dir=tok,
+    )
     return dirs
 
 

@@ -14,7 +14,12 @@ from ssdlocal.backends.llamacpp.loader import (
 from ssdlocal.backends.llamacpp.runner import LlamaCppRunner
 
 __all__ = [
-    "GGUFArgs", "LlamaCppRunner", "LoadedGGUF", "check_gguf_file", "gguf_tokenizer", "load_gguf",
+    "GGUFArgs",
+    "LlamaCppRunner",
+    "LoadedGGUF",
+    "check_gguf_file",
+    "gguf_tokenizer",
+    "load_gguf",
     "preflight",
 ]
 

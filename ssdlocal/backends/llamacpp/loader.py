@@ -96,7 +96,7 @@ def gguf_architecture(path: Path) -> str:
 
 
 def parse_llama_device(device: str, lib) -> tuple[torch.device, int, int]:
-    """"cpu" / "cuda" / "cuda:N" -> (torch device, n_gpu_layers, main_gpu)."""
+    """ "cpu" / "cuda" / "cuda:N" -> (torch device, n_gpu_layers, main_gpu)."""
     if device == "cpu":
         return torch.device("cpu"), 0, 0
     if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
@@ -139,13 +139,9 @@ def gguf_tokenizer(path: str | Path):
             log.warning("rebuilding the damaged tokenizer cache %s (%s)", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, trust_remote_code=False
-        )
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     except ImportError as exc:
-        raise ModelLoadError(
-            "reading a GGUF tokenizer needs the `gguf` package", "pip install gguf"
-        ) from exc
+        raise ModelLoadError("reading a GGUF tokenizer needs the `gguf` package", "pip install gguf") from exc
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         arch = gguf_architecture(path)
         raise UnsupportedArchitectureError(
@@ -197,9 +193,7 @@ def check_vocab(lib, model, tokenizer, path: Path) -> int:
     return n_vocab
 
 
-def load_gguf(
-    path: str | Path, device: str = "cpu", threads: int | None = None, lib=None
-) -> LoadedGGUF:
+def load_gguf(path: str | Path, device: str = "cpu", threads: int | None = None, lib=None) -> LoadedGGUF:
     """Load a GGUF file with llama.cpp (the KV cache comes with the runner's context)."""
     path = check_gguf_file(path)
     if lib is None:
@@ -212,22 +206,31 @@ def load_gguf(
         model = lib.load_model(str(path), n_gpu_layers, main_gpu)
     except ModelLoadError as exc:
         arch = gguf_architecture(path)
-        raise UnsupportedArchitectureError(
-            f"{exc.message} (architecture {arch!r})", exc.hint
-        ) from exc
+        raise UnsupportedArchitectureError(f"{exc.message} (architecture {arch!r})", exc.hint) from exc
     n_vocab = check_vocab(lib, model, tokenizer, path)
     arch = lib.meta(model, "general.architecture") or "unknown"
     args = GGUFArgs(n_vocab, lib.n_ctx_train(model), arch)
     log.info("loaded %s (%s) with llama.cpp on %s", path, arch, dev)
     return LoadedGGUF(
-        model, lib, tokenizer, args, path, dev, torch.float32, eos_ids_of(tokenizer),
-        threads, n_gpu_layers, main_gpu, kv_bytes_per_token(lib, model, arch),
+        model,
+        lib,
+        tokenizer,
+        args,
+        path,
+        dev,
+        torch.float32,
+        eos_ids_of(tokenizer),
+        threads,
+        n_gpu_layers,
+        main_gpu,
+        kv_bytes_per_token(lib, model, arch),
     )
 
 
 def kv_bytes_per_token(lib, model, arch: str) -> int | None:
     """Bytes of one token's keys and values in every layer (llama.cpp's default f16 cache),
     from the model's metadata; None when it does not say."""
+
     def number(key: str) -> int | None:
         value = lib.meta(model, f"{arch}.{key}")
         try:
@@ -236,7 +239,9 @@ def kv_bytes_per_token(lib, model, arch: str) -> int | None:
             return None
 
     layers, heads, kv_heads = number("block_count"), number("attention.head_count"), number("attention.head_count_kv")
-    width = number("attention.key_length") or (number("embedding_length") // heads if heads and number("embedding_length") else None)
+    width = number("attention.key_length") or (
+        number("embedding_length") // heads if heads and number("embedding_length") else None
+    )
     if not (layers and width):
         return None
     return 2 * 2 * layers * (kv_heads or heads) * width

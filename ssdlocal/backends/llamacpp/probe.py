@@ -124,9 +124,7 @@ def llamacpp_verdict(timeout_s: float = TIMEOUT_S) -> Verdict:
 
     identity = library_identity()
     if identity is None:
-        raise ModelLoadError(
-            "the llama.cpp backend needs llama-cpp-python, which is not installed", INSTALL_HINT
-        )
+        raise ModelLoadError("the llama.cpp backend needs llama-cpp-python, which is not installed", INSTALL_HINT)
     key = probe_key(identity)
     path = verdict_path(identity, key)
     cached = read_verdict(path, key)

@@ -305,9 +305,7 @@ class LlamaCppRunner(HeldRows):
         ids_l, pos_l, slot_l = ids.tolist(), positions.tolist(), slots.tolist()
         live = [(b, t) for b in range(batch) for t in range(width) if slot_l[b][t] != trash]
         visible = {q: mask[q[0], q[1]].nonzero().flatten().tolist() for q in live}
-        continues = any(
-            (b, s) in self._scratch and s != slot_l[b][t] for (b, t), vis in visible.items() for s in vis
-        )
+        continues = any((b, s) in self._scratch and s != slot_l[b][t] for (b, t), vis in visible.items() for s in vis)
         if not continues:
             self._drop_chains()  # a new tree: no query continues an earlier branch
         claimed: set[int] = set()
@@ -333,8 +331,7 @@ class LlamaCppRunner(HeldRows):
             self._scratch[(b, slot_l[b][t])] = seq
         return out
 
-    def _chain_for(self, b: int, own: int, visible: list[int], position: int,
-                   claimed: set[int]) -> tuple[_Chain, int]:
+    def _chain_for(self, b: int, own: int, visible: list[int], position: int, claimed: set[int]) -> tuple[_Chain, int]:
         """The branch chain and llama.cpp sequence for row b's query writing slot `own`
         that sees `visible` slots at `position`: a new chain off the row's cached prefix,
         or the one earlier branch it continues. NotImplementedError for masks that are not
@@ -345,9 +342,7 @@ class LlamaCppRunner(HeldRows):
         scratch = [s for s in visible if (b, s) in self._scratch and s != own]
         n_main = len(main)
         if main != list(range(n_main)) or n_main > len(self._kv[b]):
-            raise NotImplementedError(
-                "forward_raw: a query must see a prefix of its row's cached tokens"
-            )
+            raise NotImplementedError("forward_raw: a query must see a prefix of its row's cached tokens")
         if not scratch:
             seq = self._alloc()
             self.lib.seq_cp(self._ctx, b, seq, 0, n_main)

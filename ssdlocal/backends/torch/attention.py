@@ -104,9 +104,15 @@ def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[
         while b < B and spans[b] == spans[a]:
             b += 1
         S = spans[a]
-        outs.append(F.scaled_dot_product_attention(
-            q[a:b], keys[a:b, :, :S], values[a:b, :, :S], attn_mask=causal_lower_right(T, S), enable_gqa=gqa,
-        ))  # fmt: skip  [b - a, H, T, D]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[a:b],
+                keys[a:b, :, :S],
+                values[a:b, :, :S],
+                attn_mask=causal_lower_right(T, S),
+                enable_gqa=gqa,
+            )
+        )  # fmt: skip  [b - a, H, T, D]
         a = b
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -119,8 +119,15 @@ def read_rows(packed: Tensor, rows: Tensor, layout: Int4Layout) -> Tensor:
     return torch.where(high[:, None], byte >> 4, byte & 15)  # [R, K]
 
 
-def expand_transposed(packed: Tensor, scales_and_zeros: Tensor, group: int, layout: Int4Layout,
-                      dtype: torch.dtype, out: Tensor | None = None, codes: Tensor | None = None) -> Tensor:
+def expand_transposed(
+    packed: Tensor,
+    scales_and_zeros: Tensor,
+    group: int,
+    layout: Int4Layout,
+    dtype: torch.dtype,
+    out: Tensor | None = None,
+    codes: Tensor | None = None,
+) -> Tensor:
     """The weight a packed [N, K/2] matrix stands for, transposed: W^T [K, N] in `dtype`,
     W = (code - 8) * scale + zero with scale and zero [K/group, N] from `scales_and_zeros`
     [K/group, N, 2]. `out` [K, N] `dtype` and `codes` [K, N] uint8 (scratch) may be given

@@ -88,7 +88,9 @@ def layout_known(device: torch.device, tiles: int) -> bool:
         probe = torch.randint(0, 256, (2 * ROWS, 16 * tiles), generator=gen, dtype=torch.uint8)  # [16, K/2]
         try:
             theirs = torch._convert_weight_to_int4pack(probe.to(device), tiles).cpu()
-            _KNOWN[key] = tuple(theirs.shape) == tuple(pack(probe, tiles).shape) and torch.equal(theirs, pack(probe, tiles))
+            _KNOWN[key] = tuple(theirs.shape) == tuple(pack(probe, tiles).shape) and torch.equal(
+                theirs, pack(probe, tiles)
+            )
         except Exception as exc:  # noqa: BLE001 - no such kernel, a fake device: unknown
             log.debug("tinygemm layout not checked on %s: %s", device, exc)
             _KNOWN[key] = False

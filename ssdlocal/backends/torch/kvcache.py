@@ -40,8 +40,7 @@ def check_room(need: int, device, what: str, freed: int = 0) -> None:
     free = available_ram_bytes()
     if free is not None and need > free + freed:
         raise OutOfMemoryError(
-            f"the {what} needs {human_bytes(need)} on cpu, but only "
-            f"{human_bytes(free + freed)} of memory is available",
+            f"the {what} needs {human_bytes(need)} on cpu, but only {human_bytes(free + freed)} of memory is available",
             OOM_HINT,
         )
 

@@ -48,9 +48,13 @@ from ssdlocal.weights.formats.safetensors import DamagedFileError, SafetensorsRe
 log = logging.getLogger(__name__)
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -68,7 +72,7 @@ class LoadedModel:
 
 
 def parse_dtype(dtype: str | torch.dtype, hf_config=None) -> torch.dtype:
-    """"float32"/"bf16"/... -> torch dtype; "auto" takes the checkpoint's dtype (float32 if unknown)."""
+    """ "float32"/"bf16"/... -> torch dtype; "auto" takes the checkpoint's dtype (float32 if unknown)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -88,12 +92,16 @@ def parse_device(device: str | torch.device) -> torch.device:
         raise ModelLoadError(f"invalid device {device!r}", hint='use "cpu", "cuda" or "cuda:N"') from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ModelLoadError(f"device {device!r} requested but CUDA is not available",
-                                 hint="use --device cpu, or install a CUDA build of torch")
+            raise ModelLoadError(
+                f"device {device!r} requested but CUDA is not available",
+                hint="use --device cpu, or install a CUDA build of torch",
+            )
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise ModelLoadError(f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs)",
-                                 hint="run `ssdlocal devices` to list devices")
+            raise ModelLoadError(
+                f"device {device!r} does not exist ({torch.cuda.device_count()} GPUs)",
+                hint="run `ssdlocal devices` to list devices",
+            )
         dev = torch.device("cuda", index)
     return dev
 
@@ -166,8 +174,14 @@ def preflight(ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, devic
 
 
 def read_state_dict(
-    files: list[Path], device: torch.device, dtype: torch.dtype, arch: Architecture, *,
-    tied: bool = False, read=None, on_read=None,
+    files: list[Path],
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: Architecture,
+    *,
+    tied: bool = False,
+    read=None,
+    on_read=None,
 ) -> dict[str, torch.Tensor]:
     """Our tensor names (arch.from_checkpoint) -> tensors already in the target dtype/device.
 
@@ -214,9 +228,10 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Pat
         model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as exc:  # a tensor whose shape the config does not give it
         sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
-        raise ModelLoadError(f"checkpoint {ckpt} does not match its config.json: "
-                             f"{(sizes or [first_line(exc)])[0][:300]}",
-                             hint="the config.json may belong to another model; use the model's own") from exc
+        raise ModelLoadError(
+            f"checkpoint {ckpt} does not match its config.json: {(sizes or [first_line(exc)])[0][:300]}",
+            hint="the config.json may belong to another model; use the model's own",
+        ) from exc
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
 
@@ -262,8 +277,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
         if scheme != "none":
             load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype, on_read=on_read)
         else:
-            state = read_state_dict(files, dev, torch_dtype, architecture(args.arch),
-                                    tied=args.tie_word_embeddings, on_read=on_read)
+            state = read_state_dict(
+                files, dev, torch_dtype, architecture(args.arch), tied=args.tie_word_embeddings, on_read=on_read
+            )
             assign_weights(model, state, ckpt)
             del state
     except (torch.OutOfMemoryError, RuntimeError) as exc:
@@ -271,15 +287,15 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
             raise _oom(ckpt, dev, torch_dtype, exc) from exc
         raise
     except (SafetensorError, DamagedFileError, OSError) as exc:  # truncated or garbled weights
-        raise ModelLoadError(f"cannot read the weights in {ckpt}: {first_line(exc)}",
-                             hint=damaged_hint(ckpt)) from exc
+        raise ModelLoadError(f"cannot read the weights in {ckpt}: {first_line(exc)}", hint=damaged_hint(ckpt)) from exc
     if on_read is not None:
         on_read(None)  # the headers and skipped tensors count too
     model.requires_grad_(False).eval()
     log.info("loaded %s (%s, %d layers) on %s as %s, weights %s", ckpt, args.arch, args.num_layers,
              dev, torch_dtype, scheme)  # fmt: skip
-    return LoadedModel(model, tokenizer, args, hf_config, ckpt, dev, torch_dtype,
-                       eos_ids(ckpt, hf_config, tokenizer), scheme)
+    return LoadedModel(
+        model, tokenizer, args, hf_config, ckpt, dev, torch_dtype, eos_ids(ckpt, hf_config, tokenizer), scheme
+    )
 
 
 def _load_progress(path, files: list[Path], scheme: str, dtype: torch.dtype):

@@ -242,9 +242,7 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 layer.self_attn.kv_cache = None  # free the old cache before allocating
             for layer in self.layers:
-                layer.self_attn.kv_cache = KVCache(
-                    batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device
-                )
+                layer.self_attn.kv_cache = KVCache(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device)
         self.num_slots = num_slots
         self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
 
@@ -301,7 +299,11 @@ class Transformer(nn.Module):
             layer.self_attn.kv_cache.copy_slots(row, src, dst)
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, slots: Tensor, attn_mask: Tensor | None,
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        attn_mask: Tensor | None,
         keep: Tensor | None = None,
     ) -> Tensor:
         """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool (or None for a
@@ -325,8 +327,14 @@ class Transformer(nn.Module):
         return fp32_logits(self.lm_head, self.norm(x))  # [B, T or n, V]
 
     def prefill(
-        self, input_ids: Tensor, positions: Tensor, keep: Tensor | None, chunk: int,
-        fresh: bool = False, dense: torch.dtype | None = None, progress: Callable[[int, int], None] | None = None,
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        keep: Tensor | None,
+        chunk: int,
+        fresh: bool = False,
+        dense: torch.dtype | None = None,
+        progress: Callable[[int, int], None] | None = None,
         starts: Sequence[int] | None = None,
     ) -> Tensor:
         """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
@@ -378,7 +386,9 @@ class Transformer(nn.Module):
                     elif not (fresh and a == 0):
                         mask = masks.get(a) if masks is not None else None
                         if mask is None:  # slots up to the chunk's newest token
-                            mask = AttentionMask.build(causal_mask(pos, max(first) + b), groups, x.dtype)  # [B, 1, C, S]
+                            mask = AttentionMask.build(
+                                causal_mask(pos, max(first) + b), groups, x.dtype
+                            )  # [B, 1, C, S]
                             if masks is not None:
                                 masks[a] = mask  # the next layers' chunk a sees the same slots
                     x[:, a:b] = layer(x[:, a:b], cos[:, :, a:b], sin[:, :, a:b], pos, mask)  # [B, C, hidden]

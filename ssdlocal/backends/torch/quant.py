@@ -339,8 +339,9 @@ class QuantLinear(nn.Module):
             sz = self.scales_and_zeros[:, : self.out_features]  # [K/g, N, 2]
         else:
             blocks = int4_cuda.unpack(self.packed[rows // int4_cuda.ROWS], self.tinygemm_order)  # [8R, K]
-            q = blocks.view(rows.numel(), int4_cuda.ROWS, -1)[torch.arange(rows.numel(), device=rows.device),
-                                                               rows % int4_cuda.ROWS]  # [R, K]
+            q = blocks.view(rows.numel(), int4_cuda.ROWS, -1)[
+                torch.arange(rows.numel(), device=rows.device), rows % int4_cuda.ROWS
+            ]  # [R, K]
             sz = self.scales_and_zeros[:, rows]  # [K/g, R, 2]
         return dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), self.group_size)  # [R, K]
 

@@ -76,8 +76,13 @@ def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], sche
                     loader.install(module, quantize(f.read(name), scheme, dtype))
                 else:
                     tensor = f.read(name)
-                    if (tied and from_float and key == "embed_tokens.weight" and "lm_head" in linears
-                            and can_quantize(tensor.shape, scheme)):
+                    if (
+                        tied
+                        and from_float
+                        and key == "embed_tokens.weight"
+                        and "lm_head" in linears
+                        and can_quantize(tensor.shape, scheme)
+                    ):
                         loader.install("lm_head", quantize(tensor, scheme, dtype))  # its own codes
                     loader.floats[key] = shard(key, tensor).to(device=device, dtype=dtype)
     loader.finish(expected, tied, ckpt)
@@ -131,7 +136,9 @@ class _Filler:
             if leaf == "bias":  # QuantLinear adds it after any all_reduce
                 self.model.get_submodule(module).bias = nn.Parameter(self.floats.pop(key), requires_grad=False)
         provided = set(self.floats) | {f"{m}.weight" for m in self.installed}
-        provided |= {f"{m}.bias" for m in self.installed if getattr(self.model.get_submodule(m), "bias", None) is not None}
+        provided |= {
+            f"{m}.bias" for m in self.installed if getattr(self.model.get_submodule(m), "bias", None) is not None
+        }
         if tied and "lm_head" not in self.installed:
             expected = expected - {"lm_head.weight"}
         missing, unexpected = sorted(expected - provided), sorted(provided - expected)

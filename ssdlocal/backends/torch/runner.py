@@ -103,7 +103,10 @@ class TorchRunner(HeldRows):
             names = owner.__slots__ if hasattr(owner, "__slots__") else vars(owner)
             for name in names:
                 value = getattr(owner, name, None)
-                if isinstance(value, Tensor) and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                if (
+                    isinstance(value, Tensor)
+                    and value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+                ):
                     return f"{prefix}.{name}"
         return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor made at capture"
 
@@ -176,8 +179,9 @@ class TorchRunner(HeldRows):
             layers = len(self.model.layers)
             report = None if progress is None else (lambda done, total: progress(done // layers, total // layers))
             dense = dense_dtype(self.model, rows_in) if rows_in >= DENSE_MIN_TOKENS else None
-            out = self.model.prefill(ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report,
-                                     starts=starts)
+            out = self.model.prefill(
+                ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report, starts=starts
+            )
         elif not self.plain and t_max > PREFILL_CHUNK:
             out = self._chunked_forward(ids, positions, keep, progress, max(starts))
         else:
@@ -189,8 +193,7 @@ class TorchRunner(HeldRows):
             return [out[b, : lengths[b]] for b in range(len(rows))]
         return [out[b, :1] if lengths[b] and logits is Logits.LAST else out[b, :0] for b in range(len(rows))]
 
-    def _chunked_forward(self, ids: Tensor, positions: Tensor, keep: Tensor | None, progress,
-                         start: int) -> Tensor:
+    def _chunked_forward(self, ids: Tensor, positions: Tensor, keep: Tensor | None, progress, start: int) -> Tensor:
         """A long feed through a model that only runs whole forwards (a tensor-parallel
         group): chunk after chunk of PREFILL_CHUNK tokens, the logits of `keep` [B, n]
         (query indices of the whole feed; None: all) gathered from the chunks they fall in.

@@ -96,9 +96,7 @@ class Speculator:
         self.full_layout = SlotLayout(start.num_slots).with_tree(widest, self.k)  # slots allocated
         self.layout = self.full_layout  # this round's placement of the tree (_tree_decode)
         runner.reset(len(start.sequences), self.full_layout.total)
-        self.generator = torch.Generator(device=runner.device).manual_seed(
-            start.params.stream_seed(104729)
-        )
+        self.generator = torch.Generator(device=runner.device).manual_seed(start.params.stream_seed(104729))
         self.rows = [RowState(list(s), [], None, {}) for s in start.sequences]
         self.suffix = SuffixBackup(start) if start.backup is Backup.SUFFIX else None
         self.cache = SpeculationCache()
@@ -177,9 +175,7 @@ class Speculator:
         self.cache.clear()
         rows = self.rows
         # 1. make sure the draft has seen seq + proposal, collecting its predictions
-        feeds = [
-            self.runner.pending(b, r.seq + r.proposal) if r.active else [] for b, r in enumerate(rows)
-        ]
+        feeds = [self.runner.pending(b, r.seq + r.proposal) if r.active else [] for b, r in enumerate(rows)]
         starts = [self.runner.cached(b) for b in range(len(rows))]
         out = self.runner.feed(feeds)
         for b, r in enumerate(rows):
@@ -331,8 +327,12 @@ class Speculator:
                     continue
                 self.cache.put(
                     Branch(
-                        row=b, n_accepted=k, bonus=c, tokens=tuple(tokens),
-                        logits=logits[b, i], q=None if qs is None else qs[b, i],
+                        row=b,
+                        n_accepted=k,
+                        bonus=c,
+                        tokens=tuple(tokens),
+                        logits=logits[b, i],
+                        q=None if qs is None else qs[b, i],
                         slot_start=self.layout.scratch(i),
                     )
                 )

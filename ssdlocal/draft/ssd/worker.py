@@ -128,7 +128,6 @@ class DraftWorker:
         self.conn.send((Reply.PROPOSAL, msg))
         self.prespec_s = spec.prespeculate(spec.early_stop(self.conn.poll))
 
-
     def _host_waits(self) -> dict:
         return self.audit.snapshot().get("worker", HostWaits()).as_dict()
 

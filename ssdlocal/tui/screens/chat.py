@@ -65,9 +65,7 @@ class ChatScreen(Screen):
         Binding("ctrl+l", "clear", "Clear", priority=True, show=False),
     ]
 
-    def __init__(
-        self, settings: ChatSettings, pair: str, placement: str, system: str | None = None
-    ) -> None:
+    def __init__(self, settings: ChatSettings, pair: str, placement: str, system: str | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.pair, self.placement = pair, placement
@@ -130,8 +128,7 @@ class ChatScreen(Screen):
             state = ("ready", "green")
         if self.show_colors:
             style = {
-                o: self.get_component_rich_style(f"origin--{o}", partial=True)
-                for o in ("draft_hit", "draft", "target")
+                o: self.get_component_rich_style(f"origin--{o}", partial=True) for o in ("draft_hit", "draft", "target")
             }
             legend = Text.assemble(
                 "   ",
@@ -170,9 +167,7 @@ class ChatScreen(Screen):
             self.send(queued)
 
     def engine_failed(self) -> None:
-        self.query_one("#status", Static).update(
-            Text("models failed to load — Ctrl+Q to quit", style="bold red")
-        )
+        self.query_one("#status", Static).update(Text("models failed to load — Ctrl+Q to quit", style="bold red"))
 
     @on(Input.Submitted, "#prompt")
     def _submitted(self, event: Input.Submitted) -> None:
@@ -209,9 +204,7 @@ class ChatScreen(Screen):
         if self.engine is None:
             if self._queued is None:  # keep the text: it is sent once the models are loaded
                 self._queued = text
-                self.notify(
-                    "the models are still loading; your message is sent when they are", timeout=4
-                )
+                self.notify("the models are still loading; your message is sent when they are", timeout=4)
             else:
                 self.notify("the models are still loading", severity="warning")
             return
@@ -226,8 +219,9 @@ class ChatScreen(Screen):
             return
         if dropped:
             self.notify(
-                f"the oldest {dropped} turn(s) no longer fit the models' context and were "
-                "forgotten", title="history", timeout=6,
+                f"the oldest {dropped} turn(s) no longer fit the models' context and were forgotten",
+                title="history",
+                timeout=6,
             )
         transcript = self.query_one(Transcript)
         transcript.add_user(text)
@@ -257,7 +251,9 @@ class ChatScreen(Screen):
                 elif isinstance(ev, RoundEvent):
                     ssd = ev.ssd
                     hit = None if ssd is None else all(ssd.cache_hit)
-                    self.post_message(RoundFinished(turn, ev.snapshot.metrics, ssd.backup if ssd else None, hit))  # read here
+                    self.post_message(
+                        RoundFinished(turn, ev.snapshot.metrics, ssd.backup if ssd else None, hit)
+                    )  # read here
                 elif isinstance(ev, ModeEvent):
                     self.post_message(ModeChanged(turn, ev.mode, ev.reason, ev.short))
                 elif isinstance(ev, DoneEvent):

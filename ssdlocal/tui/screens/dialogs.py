@@ -60,18 +60,14 @@ class HelpModal(_Dialog):
             text.append(f"  {cmd:<24}", style="bold")
             text.append(what + "\n")
         text.append("\nToken colours (legend under the transcript)\n", style="bold")
-        text.append(
-            "  cache-hit draft  accepted draft token served from the speculation cache (SSD)\n"
-        )
-        text.append(
-            "  draft            accepted draft token proposed this round (SD, or an SSD miss)\n"
-        )
-        text.append(
-            "  target           token sampled by the target (bonus token; every AR token)\n"
-        )
+        text.append("  cache-hit draft  accepted draft token served from the speculation cache (SSD)\n")
+        text.append("  draft            accepted draft token proposed this round (SD, or an SSD miss)\n")
+        text.append("  target           token sampled by the target (bonus token; every AR token)\n")
         text.append("\nKeys\n", style="bold")
-        text.append("  Ctrl+Q quit · Esc stop · F2 mode · F3/F4 K · F5/F6 temperature\n"
-                    "  F7 why this mode · F8 colours · Ctrl+Y copy · Ctrl+L clear · Ctrl+P palette\n")
+        text.append(
+            "  Ctrl+Q quit · Esc stop · F2 mode · F3/F4 K · F5/F6 temperature\n"
+            "  F7 why this mode · F8 colours · Ctrl+Y copy · Ctrl+L clear · Ctrl+P palette\n"
+        )
         with Vertical(id="dialog", classes="help"):
             yield Static(Text("ssdlocal chat — help", style="bold"), id="dialog-title")
             yield Static(text, id="dialog-message")

@@ -78,9 +78,7 @@ class RaceScreen(Screen):
     def compose(self) -> ComposeResult:
         yield PairHeader("race", self.pair, self.placement, id="header")
         prompt = self.prompt if len(self.prompt) < 200 else self.prompt[:197] + "…"
-        yield Static(
-            Text.assemble(("prompt: ", "bold"), prompt, "\n", (NOTE, "italic dim")), id="race-note"
-        )
+        yield Static(Text.assemble(("prompt: ", "bold"), prompt, "\n", (NOTE, "italic dim")), id="race-note")
         with Horizontal(id="panes"):
             for spec in self.specs:
                 yield RacePane(spec.mode.value, id=f"pane-{spec.mode.value}")
@@ -146,9 +144,7 @@ class RaceScreen(Screen):
     def on_race_progress(self, msg: RaceProgress) -> None:
         self.panes[msg.index].recording(msg.tokens, msg.pieces)
         mode = self.specs[msg.index].mode.value.upper()
-        self._summary(
-            Text(f"recording {mode} ({msg.index + 1}/{len(self.specs)})…", style="italic")
-        )
+        self._summary(Text(f"recording {mode} ({msg.index + 1}/{len(self.specs)})…", style="italic"))
 
     def on_race_recorded(self, msg: RaceRecorded) -> None:
         self.runs[msg.index] = msg.run
@@ -170,9 +166,7 @@ class RaceScreen(Screen):
         for pane in self.panes:
             pane.reset()
         self.finished = False
-        self._summary(
-            Text("replaying with measured timings…  (s: skip to the end)", style="italic")
-        )
+        self._summary(Text("replaying with measured timings…  (s: skip to the end)", style="italic"))
         self._t0 = time.monotonic()
         self._timer = self.set_interval(1 / FPS, self._tick)
 
@@ -194,6 +188,9 @@ class RaceScreen(Screen):
             self.rows = rows
             self.verdict = verdict = identical_verdict(rows, self.params.greedy)
             self._summary(
-                Group(summary_table(rows), Text(summary_legend(), style="dim"),
-                      Text(f"{verdict}  ·  r: replay  q: quit", style="bold"))
+                Group(
+                    summary_table(rows),
+                    Text(summary_legend(), style="dim"),
+                    Text(f"{verdict}  ·  r: replay  q: quit", style="bold"),
+                )
             )

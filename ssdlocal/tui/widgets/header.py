@@ -21,9 +21,7 @@ class PairHeader(Static):
 
     def show_mode(self, line: str | None) -> None:
         """Redraw, with `line` (e.g. "mode SD: target and draft share ...") when known."""
-        text = Text.assemble(
-            (f" ssdlocal {self._title} ", "bold reverse"), "  ", (self._pair, "bold")
-        )
+        text = Text.assemble((f" ssdlocal {self._title} ", "bold reverse"), "  ", (self._pair, "bold"))
         text.append("\n " + self._placement, style="dim")
         if line:
             text.append("\n " + line, style="dim italic")

@@ -27,7 +27,7 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
 
 
 def _prompt(s: Metrics) -> str:
-    """"2,162 · 2,144 cached": the prompt's tokens and what the prefix cache held (one line
+    """ "2,162 · 2,144 cached": the prompt's tokens and what the prefix cache held (one line
     of the panel, whose value column is 20 characters)."""
     if not s.prompt_tokens:
         return "–"
@@ -35,7 +35,7 @@ def _prompt(s: Metrics) -> str:
 
 
 def _prefill(s: Metrics) -> str:
-    """"95 tok/s": how fast the part of the prompt the cache did not hold was read."""
+    """ "95 tok/s": how fast the part of the prompt the cache did not hold was read."""
     rate = s.prefill_tokens_per_s
     return f"{rate:.0f} tok/s" if rate and s.prompt_tokens > s.cached_prompt_tokens else "–"
 
@@ -109,7 +109,8 @@ class StatsPanel(Static):
         optional = [  # (drop order: last first) -> kept while they fit
             self._time(s),
             self._bars("Acceptance by position", list(s.per_position_acceptance), 1, _pct)
-            if self.mode != "ar" else None,
+            if self.mode != "ar"
+            else None,
             self._histogram(s) if self.mode != "ar" else None,
         ]
         budget = self._height()
@@ -192,5 +193,7 @@ class StatsPanel(Static):
             return rows + [Text("–", style="dim")]
         total_ms = max(draft_ms + verify_ms, 1e-9)
         for label, ms, style in (("draft", draft_ms, "draft"), ("verify", verify_ms, "verify")):
-            rows.append(Text.assemble(f"{label:<7}", hbar(ms / total_ms, BAR - 3, self._style(style)), f" {ms:>6.0f} ms"))
+            rows.append(
+                Text.assemble(f"{label:<7}", hbar(ms / total_ms, BAR - 3, self._style(style)), f" {ms:>6.0f} ms")
+            )
         return rows

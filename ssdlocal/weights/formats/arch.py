@@ -202,8 +202,10 @@ class Architecture:
         try:
             return self.gguf.ours(name)
         except KeyError:
-            raise ModelLoadError(f"GGUF tensor {name!r} has no place in a {self.name} model",
-                                 "the file may hold another architecture; try the llama.cpp backend") from None
+            raise ModelLoadError(
+                f"GGUF tensor {name!r} has no place in a {self.name} model",
+                "the file may hold another architecture; try the llama.cpp backend",
+            ) from None
 
     def biases(self, attention_bias: bool) -> tuple[bool, bool]:
         """(q/k/v have biases, o_proj has one) for a config whose `attention_bias` is given."""

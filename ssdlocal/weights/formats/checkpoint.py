@@ -60,8 +60,10 @@ def damaged_hint(ckpt: Path) -> str:
     wrote is deleted and built again; anything else is the user's, and is never deleted."""
     if is_cache_entry(ckpt):
         return f"the cached conversion is damaged: delete {ckpt} and rerun (it is converted again)"
-    return (f"the file is damaged or incomplete: replace the model at {ckpt} with a good copy "
-            "(a pulled pair: `ssdlocal pull PAIR` fetches it again)")
+    return (
+        f"the file is damaged or incomplete: replace the model at {ckpt} with a good copy "
+        "(a pulled pair: `ssdlocal pull PAIR` fetches it again)"
+    )
 
 
 def load_hf_config(path: Path):
@@ -104,8 +106,7 @@ def load_tokenizer(path: str | Path):
         hint = "the directory needs tokenizer.json / tokenizer_config.json"
         if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
             hint = damaged_hint(path)
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {first_line(exc)}",
-                             hint=hint) from exc
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {first_line(exc)}", hint=hint) from exc
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -121,8 +122,10 @@ def weight_files(path: Path) -> list[Path]:
             raise ModelLoadError(f"{index} names files outside {path}", hint=damaged_hint(path))
         missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise ModelLoadError(f"{path} is missing shards: {', '.join(missing[:5])}",
-                                 hint="the download is incomplete; pull the model again")
+            raise ModelLoadError(
+                f"{path} is missing shards: {', '.join(missing[:5])}",
+                hint="the download is incomplete; pull the model again",
+            )
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -127,8 +127,10 @@ def check_against_weights(args, arch, headers: dict[str, dict[str, tuple[str, tu
             held += prod(shape) * (2 if leaf == "codes" and dtype == "U8" else 1)
             if ours in ("embed_tokens.weight", "embed_tokens.codes"):
                 embedding = (leaf, dtype, shape)
-    hint = ("the config.json does not describe these weights: it may belong to another model, "
-            "or have been edited; use the model's own config.json")
+    hint = (
+        "the config.json does not describe these weights: it may belong to another model, "
+        "or have been edited; use the model's own config.json"
+    )
     if len(layers) != args.num_layers:
         raise ModelLoadError(f"{ckpt}: config.json declares {args.num_layers:,} layers, the weight files "
                              f"hold {len(layers):,}", hint=hint)  # fmt: skip

@@ -50,12 +50,11 @@ def gguf_metadata(gguf_path: Path) -> dict[str, object]:
     try:
         fields = read(str(gguf_path))
     except ImportError as exc:
-        raise ModelLoadError(
-            "reading GGUF files needs the `gguf` package", "pip install 'ssdlocal[torch]'"
-        ) from exc
+        raise ModelLoadError("reading GGUF files needs the `gguf` package", "pip install 'ssdlocal[torch]'") from exc
     except Exception as exc:  # readers raise ValueError/struct errors on junk files
         raise ModelLoadError(
-            f"{gguf_path} is not a readable GGUF file: {str(exc)[:200]}", replace_hint(gguf_path),
+            f"{gguf_path} is not a readable GGUF file: {str(exc)[:200]}",
+            replace_hint(gguf_path),
         ) from exc
     return {
         "architecture": fields.get("general.architecture"),
@@ -134,9 +133,13 @@ def _convert_into(gguf_path: Path, out: Path, dtype: str, meta: dict, progress) 
     t0 = time.perf_counter()
     try:
         _convert(gguf_path, tmp, dtype, meta, progress)
-        info = {"source": gguf_path.name, "sha256": out.name.rsplit("-", 1)[-1],
-                "architecture": meta["architecture"], "dtype": dtype,
-                "seconds": round(time.perf_counter() - t0, 1)}
+        info = {
+            "source": gguf_path.name,
+            "sha256": out.name.rsplit("-", 1)[-1],
+            "architecture": meta["architecture"],
+            "dtype": dtype,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         record_digests(tmp)  # checked before every load (the torch loader's resolve_checkpoint)
         (tmp / CONVERTED_MARKER).write_text(json.dumps(info, indent=1) + "\n")
         os.replace(tmp, out)  # atomic: `out` does not exist (removed under the lock)
@@ -150,14 +153,14 @@ def _convert_into(gguf_path: Path, out: Path, dtype: str, meta: dict, progress) 
 def _disk_error(exc: BaseException, where: Path, need: int | None = None) -> AssetError | None:
     """AssetError for a full disk (OSError ENOSPC, or safetensors' wrapped io error)."""
     full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-        "No space left on device" in str(exc) or "StorageFull" in str(exc))
+        "No space left on device" in str(exc) or "StorageFull" in str(exc)
+    )
     if not full:
         return None
     size = f" (~{human_bytes(need)} needed)" if need else ""
     return AssetError(
         f"no space left in {where.parent} for the converted checkpoint{size}",
-        "free some disk space or point SSDLOCAL_CACHE at a larger disk, then rerun; "
-        "nothing half-written was kept",
+        "free some disk space or point SSDLOCAL_CACHE at a larger disk, then rerun; nothing half-written was kept",
     )
 
 
@@ -352,9 +355,7 @@ def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
         needed.add(arch.to_checkpoint("lm_head.weight"))  # tied checkpoints store only the embedding
     missing = needed - keys
     if missing:
-        raise ModelLoadError(
-            f"converted checkpoint lacks tensors {sorted(missing)}", "report a bug"
-        )
+        raise ModelLoadError(f"converted checkpoint lacks tensors {sorted(missing)}", "report a bug")
     check_chat_template(tmp, meta)
 
 

@@ -186,8 +186,10 @@ def dequantize_rows(path: Path, info: TensorInfo, start: int, stop: int) -> np.n
     try:
         out = dequantize(raw, GGMLQuantizationType(info.ggml_type))
     except (NotImplementedError, ValueError) as exc:
-        raise ModelLoadError(f"tensor {info.name} uses {info.type_name}, which cannot be decoded: {exc}",
-                             "use a GGUF with K-quants, Q4_0/Q5_0/Q8_0 or float tensors") from exc
+        raise ModelLoadError(
+            f"tensor {info.name} uses {info.type_name}, which cannot be decoded: {exc}",
+            "use a GGUF with K-quants, Q4_0/Q5_0/Q8_0 or float tensors",
+        ) from exc
     return np.asarray(out, dtype=np.float32).reshape(stop - start, info.shape[-1])
 
 

@@ -132,8 +132,10 @@ def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool
         raise ModelLoadError(**json.loads(error.read_text()))
     if run.returncode != 0 or not (tmp / "config.json").is_file():
         tail = (run.stderr or "").strip().splitlines()[-3:]
-        raise ModelLoadError(f"reading the metadata of {gguf_path.name} failed: {' / '.join(tail)}",
-                             "run again; if it persists the file may be damaged: fetch it again")
+        raise ModelLoadError(
+            f"reading the metadata of {gguf_path.name} failed: {' / '.join(tail)}",
+            "run again; if it persists the file may be damaged: fetch it again",
+        )
     (tmp / META_MARKER).write_text(json.dumps({"source": gguf_path.name}) + "\n")
 
 
@@ -181,4 +183,3 @@ def _parse_metadata_once() -> None:
         return metadata_only(str(path))
 
     gguf_utils.load_gguf_checkpoint = load
-

@@ -59,8 +59,10 @@ class SafetensorsReader:
             _check_entries(header, os.fstat(fd).st_size - 8 - size)
         except (struct.error, ValueError, RecursionError) as exc:
             self._fh.close()
-            raise DamagedFileError(f"{self.path} is not a readable safetensors file: {str(exc)[:200]}",
-                                 "the download or conversion is incomplete; fetch the model again") from exc
+            raise DamagedFileError(
+                f"{self.path} is not a readable safetensors file: {str(exc)[:200]}",
+                "the download or conversion is incomplete; fetch the model again",
+            ) from exc
         self._entries: dict[str, dict] = header
         self._data_start = 8 + size
 
@@ -86,8 +88,10 @@ class SafetensorsReader:
         out = torch.empty(end - begin, dtype=torch.uint8)
         self._fh.seek(self._data_start + begin)
         if self._fh.readinto(memoryview(out.numpy())) != end - begin:
-            raise DamagedFileError(f"{self.path} is truncated at tensor {name}",
-                                 "the download or conversion is incomplete; fetch the model again")
+            raise DamagedFileError(
+                f"{self.path} is truncated at tensor {name}",
+                "the download or conversion is incomplete; fetch the model again",
+            )
         if self.on_read is not None:
             self.on_read(end - begin)
         return out.view(dtype).reshape(shape)
