@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ssdlocal.core.events import DoneEvent, PrefillEvent, RoundEvent, TokensEvent
+from ssdlocal.core.events import DoneEvent, GrammarRound, PrefillEvent, RoundEvent, SsdRound, TokensEvent
 from ssdlocal.core.metrics import (
     AdaptiveCounts,
     Counts,
@@ -72,6 +72,7 @@ class RunStats:
             if self.first_token_at is None:
                 self.first_token_at = event.at
         self.last_token_at = event.at
+        assert self.first_token_at is not None  # set by the first row's first token, which came first
         c.decode_s = self.last_token_at - self.first_token_at
 
     def _round(self, event: RoundEvent) -> None:
@@ -91,9 +92,9 @@ class RunStats:
         for i in picked:
             self._row(event.n_drafted[i], event.n_accepted[i], event.n_emitted[i])
         if event.grammar is not None:
-            self._grammar(event, picked)
+            self._grammar(event, event.grammar, picked)
         if event.ssd is not None:
-            self._ssd(event, picked)
+            self._ssd(event, event.ssd, picked)
 
     def _row(self, n_drafted: int, n_accepted: int, emitted: int) -> None:
         """One row's outcome in one round (emitted = tokens it took, after stopping rules)."""
@@ -108,8 +109,8 @@ class RunStats:
         if n_drafted > 0:
             c.accepted_len_hist[min(n_accepted, c.k)] += 1
 
-    def _grammar(self, event: RoundEvent, picked: list[int]) -> None:
-        part = event.grammar
+    def _grammar(self, event: RoundEvent, part: GrammarRound, picked: list[int]) -> None:
+        """Count the picked rows' grammar-constrained outcomes; `part` is `event.grammar`."""
         for i in (i for i in picked if part.constrained[i]):
             g = self.counts.grammar = self.counts.grammar or GrammarCounts()
             g.row_rounds += 1
@@ -118,8 +119,8 @@ class RunStats:
             g.emitted += event.n_emitted[i]
             g.mask_s += part.mask_s[i]
 
-    def _ssd(self, event: RoundEvent, picked: list[int]) -> None:
-        part = event.ssd
+    def _ssd(self, event: RoundEvent, part: SsdRound, picked: list[int]) -> None:
+        """Count the picked rows' speculation-cache hits and misses; `part` is `event.ssd`."""
         s = self.counts.ssd = self.counts.ssd or SsdCounts()
         hits = [part.cache_hit[i] for i in picked]
         s.rounds += 1

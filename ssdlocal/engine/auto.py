@@ -77,7 +77,7 @@ def placement_choice(config: EngineConfig) -> ModeChoice | None:
     draft = spec.draft
     kind = "none" if draft.kind == "none" else "model" if draft.model is not None else draft.kind
     targets = tuple(map(normalize_device, config.target_devices or (config.target.device,)))
-    draft_device = normalize_device(config.draft_model.device) if draft.model is not None else None
+    draft_device = normalize_device(draft.model.device) if draft.model is not None else None
     choice = placement_mode(targets, draft_device, kind, draft.label, spec.adaptive_k)
     if choice is not None and choice.mode is Mode.SD and kind == "model" and draft_device == "cpu":
         return None  # SD on a shared CPU: calibrated_choice says it, with what was measured
@@ -237,24 +237,41 @@ def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: En
     store = MeasuredStore() if config is not None else None
     models = [model_key(config.target)] if config is not None else []
     if choice is None:  # target and draft share the CPU: measure them
-        key = {"models": models + [model_key(config.draft_model)], "k": spec.k} if store is not None else None
-        found = store.get("pair", key, lambda v: positive_seconds(v, 3)) if store is not None else None
-        cal = (Calibration(spec.k, *found, when="at an earlier start (kept in the cache)") if found is not None
-               else calibrate(target, draft, spec.k))  # fmt: skip
-        if store is not None and found is None:
-            store.put("pair", key, [cal.target_1, cal.target_k1, cal.draft_1])
+        drafts = [model_key(config.draft_model)] if config is not None else []
+        cal = _pair_calibration(target, draft, spec.k, store, {"models": models + drafts, "k": spec.k})
         costs.seed(cal.target_1, cal.target_k1, spec.k + 1, cal.draft_1)
         choice = replace(calibrated_choice(cal, spec.adaptive_k), widths={1: cal.target_1, spec.k + 1: cal.target_k1})
     if spec.adaptive_k and target.device.type == "cpu" and choice.mode is not Mode.AR:
-        key = {"models": models, "widths": list(WIDTHS)}
-        found = store.get("widths", key, lambda v: positive_seconds(v, len(WIDTHS))) if store is not None else None
-        widths = dict(zip(WIDTHS, found)) if found is not None else step_costs(target)  # steps, not a line
-        if store is not None and found is None:
-            store.put("widths", key, [widths[w] for w in WIDTHS])
+        widths = _step_widths(target, store, {"models": models, "widths": list(WIDTHS)})
         costs.seed_widths(widths)
         if choice.widths is not None:
             choice = replace(choice, widths=widths)
     return choice
+
+
+def _pair_calibration(target, draft, k: int, store: MeasuredStore | None, key: dict) -> Calibration:
+    """The target's and the draft's step times: those kept in `store` under `key` at an
+    earlier start when trusted, else timed now (and kept there). No store: always timed."""
+    found = store.get("pair", key, lambda v: positive_seconds(v, 3)) if store is not None else None
+    if found is not None:  # three positive seconds (positive_seconds checked)
+        target_1, target_k1, draft_1 = found
+        return Calibration(k, target_1, target_k1, draft_1, when="at an earlier start (kept in the cache)")
+    cal = calibrate(target, draft, k)
+    if store is not None:
+        store.put("pair", key, [cal.target_1, cal.target_k1, cal.draft_1])
+    return cal
+
+
+def _step_widths(target, store: MeasuredStore | None, key: dict) -> dict[int, float]:
+    """Seconds of one target step at each of WIDTHS: kept in `store` under `key` when
+    trusted, else timed now (and kept there). No store: always timed."""
+    found = store.get("widths", key, lambda v: positive_seconds(v, len(WIDTHS))) if store is not None else None
+    if found is not None:
+        return dict(zip(WIDTHS, found))
+    widths = step_costs(target)  # steps, not a line
+    if store is not None:
+        store.put("widths", key, [widths[w] for w in WIDTHS])
+    return widths
 
 
 def rechecked(rounds, choice: ModeChoice, spec, params, reason: str):
@@ -276,7 +293,8 @@ class _Rechecked:
     printing tokens), so the drafter's upkeep counts against SD as it does in use."""
 
     def __init__(self, rounds, check: ModeCheck) -> None:
-        self.rounds, self.check = rounds, check
+        self.rounds = rounds
+        self.check: ModeCheck | None = check  # None once switched to plain steps
 
     def run(self, index: int):
         events, busy = iter(self.rounds.run(index)), 0.0

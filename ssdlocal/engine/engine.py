@@ -11,12 +11,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
-from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.events import DoneEvent, Event, Output, PrefillProgress
 from ssdlocal.core.hostsync import Audit
@@ -31,6 +32,10 @@ from ssdlocal.engine.batch import Loop
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.request import Inbox, Request
 from ssdlocal.speculation.adaptive import CostModel
+
+if TYPE_CHECKING:  # imported where used: the worker's client only when SSD runs
+    from ssdlocal.draft.ssd.client import DraftWorkerClient
+    from ssdlocal.placement.cpus import CpuPlan
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +52,8 @@ class Engine:
         spec = config.spec
         self._draft_runner = None
         self.audit = Audit()  # host waits per model, through core.hostsync
-        self._worker = None
-        self._cpu_plan = None
+        self._worker: DraftWorkerClient | None = None  # the SSD draft worker, once started
+        self._cpu_plan: CpuPlan | None = None  # the cores' split when target and SSD draft share the CPU
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
         self._row_cancels: set[int] = set()
         self._row_cancel_lock = threading.Lock()
@@ -66,12 +71,12 @@ class Engine:
                 target_vocab=embedding_rows(config.target.path, config.target.backend),
                 draft_vocab=embedding_rows(draft_model.path, draft_model.backend),
             )
-        # `choice`: the mode this engine runs when asked for auto, and why
-        self.choice = placement_choice(config) if spec.mode is Mode.AUTO else ModeChoice(
+        # `choice`: the mode this engine runs when asked for auto, and why (None: calibrated below)
+        choice = placement_choice(config) if spec.mode is Mode.AUTO else ModeChoice(
             spec.mode, f"--mode {spec.mode.value} was asked for"
         )  # fmt: skip
         try:
-            if self.has_draft_model and self.choice is not None and self.choice.mode is Mode.SSD:
+            if draft_model is not None and choice is not None and choice.mode is Mode.SSD:
                 self._start_worker()  # loads the draft in its own process while we load the target
             if len(config.target_devices) > 1:
                 from ssdlocal.parallel.group import load_tensor_parallel
@@ -83,15 +88,15 @@ class Engine:
             self.tokenizer = self.target.tokenizer
             self.runner = self.audit.watch(registry.make_runner(self.target, graphs=config.graphs), "target")
             if self._worker is not None:
-                self._wait_worker()
-            elif self.has_draft_model:
+                self._wait_worker(self._worker)
+            elif draft_model is not None:
                 self._load_draft_here()
             # after the draft: the default size is a share of the memory left
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
-            self.choice = calibrated(
-                self.choice, self.runner, self._draft_runner, spec, self.costs, config
+            self.choice: ModeChoice = calibrated(
+                choice, self.runner, self._draft_runner, spec, self.costs, config
             )  # (a CPU; timings kept per machine and models)
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
@@ -101,37 +106,45 @@ class Engine:
             self.close()
             raise
 
+    def _draft_spec(self) -> ModelSpec:
+        """The draft model's spec; only for an engine whose draft is a model (has_draft_model)."""
+        draft_spec = self.config.draft_model
+        assert draft_spec is not None, "no draft model is configured"
+        return draft_spec
+
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
-        loaded = registry.load(self.config.draft_model)
+        loaded = registry.load(self._draft_spec())
         self.draft_context = loaded.args.max_position_embeddings
         runner = self.audit.watch(registry.make_runner(loaded, graphs=self.config.graphs), "draft")
         runner.setup_prefix(self.config.prefix_cache_tokens)
         self._draft_runner = runner
 
-    def _wait_worker(self) -> None:
-        self._worker.wait_loaded()
-        self.draft_context = self._worker.max_positions
+    def _wait_worker(self, worker: DraftWorkerClient) -> None:
+        """Wait until `worker` (the one _start_worker started) has loaded the draft model."""
+        worker.wait_loaded()
+        self.draft_context = worker.max_positions
 
-    def _start_worker(self) -> None:
-        """Spawn the SSD draft worker; on CPU-only placements split the cores."""
+    def _start_worker(self) -> DraftWorkerClient:
+        """Spawn the SSD draft worker (kept in `_worker`, and returned); on CPU-only
+        placements split the cores."""
         from ssdlocal.draft.ssd.client import DraftWorkerClient
         from ssdlocal.placement.cpus import split_cpus
 
-        draft_spec = self.config.draft_model
+        draft_spec = self._draft_spec()
         registry.preflight(draft_spec.path, draft_spec.backend)  # bad paths fail here, not in the worker
         both_cpu = self.config.target.device == "cpu" and draft_spec.device == "cpu"
         # both on CPU: split the cores (thread counts always; affinity when pin_cpus),
         # otherwise two full thread pools oversubscribe the cores and both crawl
-        self._cpu_plan = split_cpus() if both_cpu else None
-        plan = self._cpu_plan
-        self._worker = DraftWorkerClient(
+        plan = self._cpu_plan = split_cpus() if both_cpu else None
+        worker = self._worker = DraftWorkerClient(
             draft_spec,
             threads=plan.draft_threads if plan else None,
             cpus=plan.draft_cpus if plan and self.config.pin_cpus else None,
             graphs=self.config.graphs,
             prefix_tokens=self.config.prefix_cache_tokens,
         )
+        return worker
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> Engine:
@@ -254,10 +267,11 @@ class Engine:
         """The SSD draft worker, replaced when it failed on an earlier call."""
         if self._worker is not None and self._worker.broken:
             self._stop_worker()
-        if self._worker is None:
-            self._start_worker()
-            self._wait_worker()
-        return self._worker
+        worker = self._worker
+        if worker is None:
+            worker = self._start_worker()
+            self._wait_worker(worker)
+        return worker
 
     def _guard(self, fn, *args):
         """fn(*args) on the target, with running out of memory turned into a clear error."""

@@ -87,13 +87,22 @@ def _token_id(tokenizer, names: tuple[str, ...]) -> int | None:
     return None
 
 
+def _style_tokens(tokenizer, style: _Style) -> FimTokens | None:
+    """`style`'s FIM tokens in the tokenizer, or None unless it has all three of prefix, suffix, middle."""
+    prefix, suffix, middle = (_token_id(tokenizer, names) for names in (style.prefix, style.suffix, style.middle))
+    if prefix is None or suffix is None or middle is None:
+        return None
+    repo = _token_id(tokenizer, style.repo) if style.repo else None
+    file_sep = _token_id(tokenizer, style.file_sep) if style.file_sep else None
+    return FimTokens(style.name, prefix, suffix, middle, repo=repo, file_sep=file_sep)
+
+
 def fim_tokens(tokenizer) -> FimTokens | None:
     """The tokenizer's FIM tokens (the first style whose three tokens it has all), or None."""
     for style in _STYLES:
-        ids = [_token_id(tokenizer, names) for names in (style.prefix, style.suffix, style.middle)]
-        if all(i is not None for i in ids):
-            return FimTokens(style.name, *ids, repo=_token_id(tokenizer, style.repo) if style.repo else None,
-                             file_sep=_token_id(tokenizer, style.file_sep) if style.file_sep else None)  # fmt: skip
+        found = _style_tokens(tokenizer, style)
+        if found is not None:
+            return found
     return None
 
 

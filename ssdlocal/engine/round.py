@@ -20,11 +20,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ssdlocal.backends.base import Runner
 from ssdlocal.core.events import Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.verify import Verdict
-from ssdlocal.draft.base import Proposal, RoundOutcome
+from ssdlocal.draft.base import Drafter, Proposal, RoundOutcome
 from ssdlocal.engine.request import RowSampling
 from ssdlocal.engine.shape import Shaper
 
@@ -49,9 +50,9 @@ class Round:
     that many tokens when the call ends).
     """
 
-    runner: object  # backends.base.Runner of the target, in step mode
+    runner: Runner  # the target's, in step mode
     guard: Callable  # guard(fn, *args): fn(*args) with out-of-memory errors mapped
-    drafter: object | None  # draft.base.Drafter, None for AR
+    drafter: Drafter | None  # None for AR
     rows: list[Row]
     k: int  # drafts per round (0 for AR)
     sampling: RowSampling  # per-row sampling settings, a generator per group (engine.request)
@@ -118,12 +119,12 @@ class Round:
         active: list[bool],
         draft_s: float = 0.0,
         verify_s: float = 0.0,
-    ) -> tuple[list[list[int]], list[list[str]]]:
+    ) -> tuple[list[list[int]], list[list[TokenOrigin]]]:
         """Append accepted drafts + bonus to each row (stopping rules apply), move the
         target's cache lengths past the pending token and the accepted drafts, and tell
         the drafter (one RoundOutcome). Returns the tokens each row took and their origins."""
         emitted: list[list[int]] = []
-        origins: list[list[str]] = []
+        origins: list[list[TokenOrigin]] = []
         for b, row in enumerate(self.rows):
             if not active[b]:
                 emitted.append([])
@@ -159,13 +160,14 @@ class Round:
         """What this round did per active row and what it cost (core.stats counts it)."""
         live = [b for b in range(len(self.rows)) if active[b]]
         sources = proposal.sources
-        constrained, mask_s = self.shaper.seconds(live)
+        constrained, mask_s = self.shaper.seconds(live)  # both None, or neither: no row has a grammar
+        grammar = GrammarRound(constrained, mask_s) if constrained is not None and mask_s is not None else None
         return RoundEvent(
             index, tuple(len(outcome.drafts[b]) for b in live), tuple(outcome.n_accepted[b] for b in live),
             rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live), draft_s=draft_s, verify_s=verify_s,
             sources=tuple(sources[b] for b in live) if sources is not None else None,
             ssd=proposal.ssd.pick(live) if proposal.ssd is not None else None,
-            grammar=GrammarRound(constrained, mask_s) if constrained is not None else None,
+            grammar=grammar,
         )  # fmt: skip
 
 

@@ -68,7 +68,7 @@ class Shaper:
         first = sampling.verify(logits, no_drafts, None).bonus  # [B]
         host = [[t] for t in self.site.read(first)]
         if self.logprobs is not None:
-            self.first_logprobs = self._read(logits, first[:, None], host)
+            self.first_logprobs = self._read(logits, first[:, None], host, self.logprobs)
         if self.guides is not None:
             self.guides.commit(host, active)
         return first, [h[0] for h in host]
@@ -93,16 +93,20 @@ class Shaper:
 
     def round_logprobs(self, logits: torch.Tensor, drafts, n_accepted, bonus) -> list | None:
         """Per row, the TokenLogprobs of its accepted drafts and bonus token (host lists in)."""
-        if self.logprobs is None:
+        top = self.logprobs
+        if top is None:
             return None
         width = logits.shape[1]
         host = [list(d[:n]) + [b] for d, n, b in zip(drafts, n_accepted, bonus)]
         chosen = self.site.upload([h + [0] * (width - len(h)) for h in host], logits.device)  # [B, T]
-        return self._read(logits, chosen, host)
+        return self._read(logits, chosen, host, top)
 
-    def _read(self, logits, chosen, host) -> list[tuple[TokenLogprob, ...]]:
-        picked, ids, values = token_logprobs(logits, chosen, self.logprobs)
-        return to_host(*self.site.read(picked, ids, values), host)
+    def _read(self, logits, chosen, host, top: int) -> list[tuple[TokenLogprob, ...]]:
+        """Per row, the TokenLogprobs (with `top` alternatives) of the tokens `host[b]`, whose
+        ids `chosen` [B, T] holds on the device: one host read for the three tensors."""
+        picked, ids, values = token_logprobs(logits, chosen, top)
+        p, i, v = self.site.read(picked, ids, values)  # three tensors in -> three lists out
+        return to_host(p, i, v, host)
 
     def commit(self, emitted: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
         if self.guides is not None:
