@@ -7,7 +7,6 @@ end to end in test_engine_exact.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
@@ -16,7 +15,7 @@ from ssdlocal.core.sequence import Row
 from ssdlocal.draft.sync import ModelDrafter, NgramDrafter
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
-from support.scripted import Names, ScriptedRunner, follow
+from support.scripted import Names, ScriptedRunner, follow, sampling_of
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None)
@@ -48,9 +47,10 @@ def sd_call(prompts, budgets, k):
     drafter = ModelDrafter(draft, k, GREEDY, V, "cpu")
     drafter.reserve(len(prompts), slots)
     rows = [Row(list(p), GREEDY, frozenset(), Names(), budget=n) for p, n in zip(prompts, budgets)]
-    first, _ = read_prompts(target, guard, rows, GREEDY, torch.Generator(), CancelToken(), None)
+    sampling = sampling_of(GREEDY, len(rows))
+    first, _ = read_prompts(target, guard, rows, sampling, CancelToken(), None)
     drafter.start(rows)
-    rnd = Round(target, guard, drafter, rows, k, GREEDY, torch.Generator(), first, [len(p) for p in prompts])
+    rnd = Round(target, guard, drafter, rows, k, sampling, first, [len(p) for p in prompts])
     return draft, drafter, rows, rnd
 
 

@@ -6,14 +6,13 @@ test_prefill.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sequence import Row
 from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.round import Round
-from support.scripted import Names, ScriptedRunner, follow
+from support.scripted import Names, ScriptedRunner, follow, sampling_of
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -35,7 +34,7 @@ def rows_of(prompts) -> list[Row]:
 
 
 def read(runner, rows, token=None, progress=None):
-    return read_prompts(runner, lambda fn, *a: fn(*a), rows, GREEDY, torch.Generator(), token or CancelToken(),
+    return read_prompts(runner, lambda fn, *a: fn(*a), rows, sampling_of(GREEDY, len(rows)), token or CancelToken(),
                         progress)  # fmt: skip
 
 
@@ -92,7 +91,7 @@ def test_store_prefixes_keeps_what_the_cache_holds_after_rounds():
     prompt = [3, 1, 4, 1, 5]
     runner, rows = runner_for(1), rows_of([prompt])
     first, _ = read(runner, rows)
-    rnd = Round(runner, lambda fn, *a: fn(*a), None, rows, 0, GREEDY, torch.Generator(), first, [len(prompt)])
+    rnd = Round(runner, lambda fn, *a: fn(*a), None, rows, 0, sampling_of(GREEDY, 1), first, [len(prompt)])
     for index in range(5):
         list(rnd.run(index))
     assert rows[0].finish_reason == "length" and rnd.cached == [len(prompt) + 5]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import pytest
 
-import ssdlocal.engine.round as round_module
+import ssdlocal.core.verify as verify_module
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import RoundEvent, TokensEvent
@@ -23,7 +23,7 @@ from ssdlocal.core.verify import Verdict
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
 from ssdlocal.engine.shape import Shaper
-from support.scripted import Names, ScriptedRunner, TableDrafter, follow
+from support.scripted import Names, ScriptedRunner, TableDrafter, follow, sampling_of
 
 V = 16
 EOS = 15
@@ -57,11 +57,11 @@ def start(prompts, budgets, drafter=None, k=0, params=None, next_token=target_ne
     runner.setup_prefix(0)
     runner.reset(len(prompts), max(map(len, prompts)) + max(budgets) + k + 2)
     rows = [Row(list(p), params, frozenset({EOS}), Names(), budget=n) for p, n in zip(prompts, budgets)]
-    generator = torch.Generator().manual_seed(0)
-    first, _ = read_prompts(runner, guard, rows, params, generator, CancelToken(), None)
+    sampling = sampling_of(params, len(rows))
+    first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None)
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, params, generator, first, [len(p) for p in prompts],
+    rnd = Round(runner, guard, drafter, rows, k, sampling, first, [len(p) for p in prompts],
                 audit=audit or Audit())  # fmt: skip
     return runner, rows, rnd
 
@@ -126,13 +126,13 @@ def test_plain_rounds_take_one_token_each():
 
 def test_a_wrong_accept_count_is_caught(monkeypatch):
     """The harness above fails when verification accepts one draft too many."""
-    real = round_module.verify_logits
+    real = verify_module.verify_logits
 
     def one_too_many(*args, **kwargs) -> Verdict:
         verdict = real(*args, **kwargs)
         return Verdict(torch.clamp(verdict.n_accepted + 1, max=args[1].shape[1]), verdict.bonus)
 
-    monkeypatch.setattr(round_module, "verify_logits", one_too_many)
+    monkeypatch.setattr(verify_module, "verify_logits", one_too_many)
     runner, rows, rnd = start([[1, 2, 3]], [12], TableDrafter(wrong_every(3), 3), k=3)
     with pytest.raises(AssertionError):
         run_checked(runner, rows, rnd)

@@ -18,7 +18,7 @@ from ssdlocal.core.sequence import Row
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
 from ssdlocal.engine.shape import Shaper, make_shaper
-from support.scripted import Names, ScriptedRunner, TableDrafter
+from support.scripted import Names, ScriptedRunner, TableDrafter, sampling_of
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None)
@@ -80,10 +80,11 @@ def call(prompts, parity, drafter=None, k=0, budget=8, audit=None):
     audit = audit or Audit()
     shaper = Shaper(Parity(parity), None, audit)
     guard = lambda fn, *a: fn(*a)  # noqa: E731
-    first, _ = read_prompts(runner, guard, rows, GREEDY, torch.Generator(), CancelToken(), None, shaper)
+    sampling = sampling_of(GREEDY, len(rows))
+    first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None, shaper)
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, GREEDY, torch.Generator(), first, [len(p) for p in prompts],
+    rnd = Round(runner, guard, drafter, rows, k, sampling, first, [len(p) for p in prompts],
                 shaper=shaper, audit=audit)  # fmt: skip
     events = []
     for index in range(40):
@@ -133,11 +134,11 @@ def test_drafts_reach_the_grammar_once_per_round():
 
 def test_make_shaper_builds_nothing_without_grammars_and_checks_their_count():
     params = SamplingParams(logprobs=3)
-    shaper = make_shaper(None, 2, params, V, {0})
+    shaper = make_shaper(None, 2, params.logprobs, V, {0})
     assert shaper.guides is None and shaper.logprobs == 3
-    assert make_shaper([None, None], 2, params, V, {0}).guides is None
+    assert make_shaper([None, None], 2, params.logprobs, V, {0}).guides is None
     with pytest.raises(ValueError, match="1 grammars for 2 prompts"):
-        make_shaper([None], 2, params, V, {0})
+        make_shaper([None], 2, params.logprobs, V, {0})
     logits = torch.randn(2, 3, V)
     assert shaper.mask(logits, "proposal", [True, True]) == (logits, "proposal")
     assert shaper.seconds([0, 1]) == (None, None)

@@ -240,3 +240,11 @@ class Names:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(f"<{i}>" for i in ids)
+
+
+def sampling_of(params, rows: int, device="cpu"):
+    """engine.request.RowSampling of `rows` rows that all sample with `params` (one group,
+    its generator seeded with params.seed): what a generate call's rounds use."""
+    from ssdlocal.engine.request import Request, RowSampling
+
+    return RowSampling([Request((0,), params) for _ in range(rows)], device)
