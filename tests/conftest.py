@@ -46,3 +46,18 @@ def one_torch_thread():
         mp.setenv("OMP_NUM_THREADS", "1")
         yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_restored(request):
+    """Every test starts with Python's Ctrl-C handler: a test (or code it runs in-process)
+    that leaves SIGINT ignored or replaced would make later tests' child processes ignore
+    Ctrl-C (a child inherits an ignored signal) and `_thread.interrupt_main` do nothing.
+    Such a test is named in a warning and the handler is put back."""
+    import signal
+    import warnings
+
+    yield
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        warnings.warn(f"{request.node.nodeid} left SIGINT handled by {signal.getsignal(signal.SIGINT)!r}", stacklevel=1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -22,7 +22,7 @@ from ssdlocal.cli import kernels
 from ssdlocal.cli.kernels import Toolchain, build_progress, ensure_llamacpp
 from ssdlocal.core.errors import ModelLoadError
 
-FAKE = Path(__file__).resolve().parent / "fake_llama_cpp"
+FAKE = Path(__file__).resolve().parent / "support" / "fake_llama_cpp"
 FULL = Toolchain("/usr/bin/cc", "/usr/bin/c++", "/usr/bin/cmake")
 
 NINJA = """Collecting llama-cpp-python==0.3.36
