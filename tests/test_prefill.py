@@ -209,3 +209,25 @@ def test_a_chunks_mask_is_built_once_for_every_layer(long_context, monkeypatch):
         rebuilt = _two_feeds(engine)
         assert len(built) == layers * (1 + 3)
     assert torch.equal(kept, rebuilt)
+
+
+def test_a_feed_whose_rows_start_far_apart_pads_past_num_slots_and_keeps_every_rows_logits(tiny_dir):
+    """A row that holds many tokens and feeds one (a carried row after a prefix-cache hit)
+    beside a row that feeds a whole prompt: every row is padded to the longest feed, past
+    num_slots though each row's own tokens fit. The runner makes room for the pads, and
+    each row's logits are what it gets fed alone."""
+    held = [(3 * i) % 300 + 5 for i in range(200)]
+    prompt = [(7 * i) % 300 + 5 for i in range(150)]
+    with Engine(EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), prefix_cache_tokens=0)) as e:
+        runner = e.runner
+        runner.reset(2, 210)  # each row's tokens fit: 201 and 150; the padded feed writes up to slot 349
+        runner.feed([held, []], "none")
+        both = runner.feed([[9], prompt], "last")
+        assert runner.cached(0) == 201 and runner.cached(1) == 150
+        runner.reset(1, 210)
+        runner.feed([held], "none")
+        alone_carried = runner.feed([[9]], "last")[0]
+        runner.reset(1, 210)
+        alone_new = runner.feed([prompt], "last")[0]
+    torch.testing.assert_close(both[0], alone_carried, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1], alone_new, rtol=1e-5, atol=1e-5)

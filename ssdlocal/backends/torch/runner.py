@@ -145,6 +145,21 @@ class TorchRunner(HeldRows):
         self.capacity = self.model.num_slots
         self._graphs_invalid()  # they read the old cache
 
+    def _room_for_pads(self, slots: int) -> None:
+        """Room for a padded feed's slot indices below `slots`. Every row of a feed takes
+        the longest row's width, so a row that holds many tokens and feeds few (a carried
+        row after a prefix-cache hit) beside one that feeds many (a new prompt) pads past
+        num_slots, though each row's own tokens fit. The pads' keys/values are never read;
+        a plain runner grows its cache for them, a tensor-parallel group (allocated once)
+        cannot."""
+        if slots <= self.capacity:
+            return
+        if not self.plain:
+            raise RuntimeError(f"KV cache too small for a padded feed: slot {slots - 1}, {self.num_slots} sized")
+        self.model.grow_cache(_rounded(slots))
+        self.capacity = self.model.num_slots
+        self._graphs_invalid()  # they read the old cache
+
     def _graphs_invalid(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
@@ -168,7 +183,8 @@ class TorchRunner(HeldRows):
         if t_max == 0:
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in rows]
         starts = [len(h) for h in self.held]
-        self._ensure(max(starts) + t_max)
+        self._ensure(max(s + n for s, n in zip(starts, lengths)))  # the rows' own tokens
+        self._room_for_pads(max(starts) + t_max)  # [B, t_max] writes: shorter rows pad past theirs
         staged = self.site.upload([[s] + list(r) + [0] * (t_max - len(r)) for s, r in zip(starts, rows)], self.device)
         ids = staged[:, 1:].contiguous()  # [B, T]; pads write past held, harmless
         positions = staged[:, :1] + torch.arange(t_max, device=self.device)  # [B, T]
