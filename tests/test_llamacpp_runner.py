@@ -537,3 +537,27 @@ def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):
         "llamacpp",
     )
     assert code == 1 and "not a .gguf" in err and "hint:" in err
+
+
+def test_a_larger_batch_takes_cells_from_the_store_instead_of_a_new_context(runner):
+    """Rows and the prefix store share the context: a batch that needs more cells than the
+    store leaves, while the store keeps at least half of its own, shrinks the store (least
+    recently used entries out) and keeps the context; one that needs more makes a new one."""
+    lib, r = runner
+    store = r.setup_prefix(1000)  # the store's cells (rounded by the runner)
+    r.reset(1, 310)
+    ctx = lib.contexts[-1]
+    r.feed([list(range(1, 301))])
+    r.store(0, list(range(1, 301)))  # older entry: 300 cells
+    r.reset(1, 310)
+    r.feed([list(range(60, 360))])
+    r.store(0, list(range(60, 360)))  # newer entry: 300 cells
+    r.reset(3, 250)  # 750 row cells + the store > the context, but the store keeps over half
+    assert lib.contexts[-1] is ctx and not ctx.freed
+    assert r.prefix.budget <= ctx.n_ctx - 750 and r.prefix.budget >= store // 2
+    assert r.reuse(0, list(range(60, 360))) > 0  # the newer entry stayed
+    assert r.reuse(1, list(range(1, 301))) == 0  # the older one gave its cells up
+    r.reset(1, 100)
+    assert r.prefix.budget == store  # the rows gave the cells back
+    r.reset(2, 700)  # 1400 row cells: the store would keep under half
+    assert lib.contexts[-1] is not ctx and ctx.freed

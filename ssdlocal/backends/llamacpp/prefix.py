@@ -74,6 +74,18 @@ class SeqStore:
         self.stored_tokens += len(tokens)
         return seq, drop
 
+    def fit(self, budget: int) -> list[int]:
+        """Make `budget` cells the store's size (rows of a larger batch take the rest of the
+        context, or give it back): entries out, least recently used first, until the rest
+        fits. The sequences to empty."""
+        self.budget = budget
+        drop = []
+        while self.entries and self._cells() > budget:
+            seq, held = self.entries.popitem(last=False)
+            self.evicted_tokens += len(held)
+            drop.append(seq)
+        return drop
+
     def _cells(self) -> int:
         return sum(map(len, self.entries.values()))  # shared cells counted once per entry: an upper bound
 

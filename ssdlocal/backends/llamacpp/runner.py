@@ -74,7 +74,12 @@ class LlamaCppRunner(HeldRows):
     # ------------------------------------------------------------------ lifecycle
     def reset(self, batch_size: int, num_slots: int) -> None:
         """Forget all rows (the prefix store's sequences stay); (re)create the context when
-        it is too small, which empties the store."""
+        it is too small, which empties the store. Rows and the store share the context's
+        cells: when the rows need more than the context has beside a full store, but the
+        store keeps at least half of its cells, the store gives up cells (least recently
+        used entries out) instead of a new context being made (seconds for a large one,
+        and the store lost): a request joining a serving batch does not stall the rows
+        already running."""
         max_seqs = self.lib.max_sequences()
         if (max_seqs if self.tree else batch_size) < batch_size or batch_size > max_seqs:
             raise UsageError(
@@ -83,8 +88,10 @@ class LlamaCppRunner(HeldRows):
             )
         stored = min(STORE_SEQUENCES, max_seqs - batch_size) if self._store_tokens else 0
         seqs = max_seqs if self.tree or stored else batch_size  # all of them: a new batch size keeps the context
-        cells = -(-(batch_size * num_slots + (self._store_tokens if stored else 0)) // _PAD) * _PAD
-        if self._ctx is None or cells > self._ctx_cells or seqs > self._ctx_seqs:
+        row_cells, store = batch_size * num_slots, self._store_tokens if stored else 0
+        cells = -(-(row_cells + store) // _PAD) * _PAD
+        spare = self._ctx_cells - row_cells - _PAD  # what the store may keep in this context
+        if self._ctx is None or seqs > self._ctx_seqs or (cells > self._ctx_cells and spare < store // 2):
             self.close()
             if self._ctx_cells:  # growing: leave room, so the store is not dropped at every step
                 cells = max(cells, min(2 * self._ctx_cells, cells + self._store_tokens))
@@ -99,6 +106,9 @@ class LlamaCppRunner(HeldRows):
                 if seq not in kept or seq < batch_size:  # rows (and branches) start empty
                     self.lib.seq_rm(self._ctx, seq, -1, -1)
         self._store_ids(tuple(range(seqs - stored, seqs)) if stored else ())
+        if self.prefix is not None:
+            for seq in self.prefix.fit(min(store, max(0, self._ctx_cells - row_cells - _PAD))):
+                self.lib.seq_rm(self._ctx, seq, -1, -1)
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self._kv = [[] for _ in range(batch_size)]
