@@ -53,11 +53,15 @@ def _sigint_restored(request):
     """Every test starts with Python's Ctrl-C handler: a test (or code it runs in-process)
     that leaves SIGINT ignored or replaced would make later tests' child processes ignore
     Ctrl-C (a child inherits an ignored signal) and `_thread.interrupt_main` do nothing.
-    Such a test is named in a warning and the handler is put back."""
+    The handler is put back, with a warning naming the test after which it was found
+    changed (by that test, or by what ran before it in the same worker process)."""
     import signal
     import warnings
 
     yield
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        warnings.warn(f"{request.node.nodeid} left SIGINT handled by {signal.getsignal(signal.SIGINT)!r}", stacklevel=1)
+        found = signal.getsignal(signal.SIGINT)
+        warnings.warn(
+            f"SIGINT handled by {found!r} after {request.node.nodeid}; Python's handler put back", stacklevel=1
+        )
         signal.signal(signal.SIGINT, signal.default_int_handler)
