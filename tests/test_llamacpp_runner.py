@@ -83,8 +83,9 @@ class FakeLlamaLib:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # contexts
-    def new_context(self, model, n_ctx, n_batch, n_seq_max, n_threads):
+    def new_context(self, model, n_ctx, n_batch, n_seq_max, n_threads, *, flash_attn=None):
         ctx = FakeCtx(model, n_ctx, n_batch, n_seq_max)
+        ctx.flash_attn = flash_attn
         self.contexts.append(ctx)
         return ctx
 
@@ -395,6 +396,7 @@ def test_context_reuse_and_growth(runner):
     lib, r = runner
     r.reset(1, 100)
     first = lib.contexts[-1]
+    assert first.flash_attn is False  # a CPU context: flash attention off (slower there)
     r.reset(1, 50)  # smaller: same context, cleared
     assert lib.contexts[-1] is first and first.cells == []
     r.reset(4, 300)  # larger: a new one, the old one freed

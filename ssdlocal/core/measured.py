@@ -33,7 +33,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 FOLDER = "calibration"
-FORMAT = 1
+FORMAT = 2  # 2: llama.cpp contexts on a CPU run without flash attention (step costs changed)
 MAX_BYTES = 64 * 1024  # a measurement is a few hundred bytes; anything larger is not ours
 MAX_FILES = 64  # the oldest go first (models replaced, machines changed)
 

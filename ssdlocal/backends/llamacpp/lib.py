@@ -144,8 +144,13 @@ class LlamaLib:
         return list(out[:n])
 
     # ------------------------------------------------------------------ contexts
-    def new_context(self, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int):
+    def new_context(self, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, *,
+                    flash_attn: bool | None = None):  # fmt: skip
+        """A context of `n_ctx` cells for `n_seq_max` sequences. `flash_attn` None leaves
+        llama.cpp's choice (auto: on where supported); False/True force it."""
         params = self.ll.llama_context_default_params()
+        if flash_attn is not None and hasattr(params, "flash_attn_type"):
+            params.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch
