@@ -66,9 +66,7 @@ class SeqStore:
         for seq in drop:
             del self.entries[seq]
         while self.entries and (len(self.entries) >= len(self.ids) or self._cells() + len(tokens) > self.budget):
-            seq, held = self.entries.popitem(last=False)
-            self.evicted_tokens += len(held)
-            drop.append(seq)
+            drop.append(self._evict_oldest())
         seq = next(s for s in self.ids if s not in self.entries)
         self.entries[seq] = tokens
         self.stored_tokens += len(tokens)
@@ -81,10 +79,14 @@ class SeqStore:
         self.budget = budget
         drop = []
         while self.entries and self._cells() > budget:
-            seq, held = self.entries.popitem(last=False)
-            self.evicted_tokens += len(held)
-            drop.append(seq)
+            drop.append(self._evict_oldest())
         return drop
+
+    def _evict_oldest(self) -> int:
+        """Forget the least recently used entry; its sequence (to empty)."""
+        seq, held = self.entries.popitem(last=False)
+        self.evicted_tokens += len(held)
+        return seq
 
     def _cells(self) -> int:
         return sum(map(len, self.entries.values()))  # shared cells counted once per entry: an upper bound

@@ -141,9 +141,7 @@ class TorchRunner(HeldRows):
         limit = _rounded(self.num_slots)
         if slots > limit or not self.plain:
             raise RuntimeError(f"KV cache too small: slot {slots - 1}, {self.num_slots} sized")
-        self.model.grow_cache(min(limit, _rounded(max(slots, 2 * self.capacity))))
-        self.capacity = self.model.num_slots
-        self._graphs_invalid()  # they read the old cache
+        self._grow(min(limit, _rounded(max(slots, 2 * self.capacity))))
 
     def _room_for_pads(self, slots: int) -> None:
         """Room for a padded feed's slot indices below `slots`. Every row of a feed takes
@@ -156,7 +154,11 @@ class TorchRunner(HeldRows):
             return
         if not self.plain:
             raise RuntimeError(f"KV cache too small for a padded feed: slot {slots - 1}, {self.num_slots} sized")
-        self.model.grow_cache(_rounded(slots))
+        self._grow(_rounded(slots))
+
+    def _grow(self, slots: int) -> None:
+        """Enlarge the cache to `slots`, keeping what it holds."""
+        self.model.grow_cache(slots)
         self.capacity = self.model.num_slots
         self._graphs_invalid()  # they read the old cache
 
