@@ -142,15 +142,7 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
     file_type = {"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                  "f32": gguf.LlamaFileType.ALL_F32}[mix]  # fmt: skip
     w.add_file_type(file_type)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_chat_template(CHAT_TEMPLATE)
+    _add_chat_tokenizer(w, tokens, merges)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     tensor_name = tensor_name or names.get_name
     for hf_name, tensor in model.state_dict().items():
@@ -169,6 +161,20 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_chat_tokenizer(w, tokens: list[str], merges: list[str]) -> None:
+    """The byte-level BPE tokenizer of `tokens`/`merges` (its last three tokens special) with
+    Qwen's end-of-turn token as eos and the chat template, as a GGUF's metadata."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
 
 
 def _add(writer, name: str, data: np.ndarray, kind: str) -> None:
@@ -266,15 +272,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
-    w.add_chat_template(CHAT_TEMPLATE)
+    _add_chat_tokenizer(w, tokens, merges)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
     for hf_name, tensor in model.state_dict().items():
         stem, suffix = hf_name.rsplit(".", 1)
