@@ -200,6 +200,62 @@ def test_a_reseat_reads_only_the_uncached_tail_of_a_carried_row(engine, tiny_dir
     assert prefill.prompt_tokens[0] == 0 and prefill.prompt_tokens[1] == len(short.prompt)
 
 
+LONG_PROMPT = " ".join(PROMPTS * 6)  # a prompt of many chunks
+
+
+@pytest.mark.parametrize("case", ["ar", "sd-model", "ssd"])
+def test_a_long_joining_prompt_is_read_ahead_between_rounds_while_the_running_row_streams(
+    engine, tiny_dir, monkeypatch, case
+):
+    """The joiner's prompt goes into the prefix store a chunk per round boundary (rounds of
+    the running row in between), it is seated when the rest fits one chunk, and every
+    request still gets its alone tokens; the tokens read ahead are not reported as cache hits."""
+    import ssdlocal.engine.ahead as ahead
+
+    monkeypatch.setattr(ahead, "FIRST_CHUNK", 16)
+    monkeypatch.setattr(ahead, "MAX_CHUNK", 16)
+    spec = SPECS[case](tiny_dir)
+    engine.runner.forget_prefixes()
+    running = Request(ids_of(engine, PROMPTS[0]), greedy(160))
+    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(8))
+    assert len(joiner.prompt) > 6 * 16
+    log: list[str] = []
+    read = engine.runner.read_ahead
+
+    def reading(tokens, n):
+        if n:
+            log.append("chunk")
+        return read(tokens, n)
+
+    monkeypatch.setattr(engine.runner, "read_ahead", reading)
+    fed: list[list[int]] = []
+    feed = engine.runner.feed
+    monkeypatch.setattr(engine.runner, "feed", lambda rows, *a: fed.append([len(r) for r in rows]) or feed(rows, *a))
+    served = serve(engine, spec, [running], joins=[(joiner, running, 4)])
+    monkeypatch.undo()
+    for request in (running, joiner):
+        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids, (case, request.id)
+    chunks = log.count("chunk")
+    assert chunks >= (len(joiner.prompt) - 1) // 16 - 1  # read a chunk at a time
+    seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
+    assert running.id in served.seatings[seat].requests  # it joined the running row
+    assert served.prefills[seat].cached_tokens[1] == 0  # nothing of it was cached before
+    assert [f[1] for f in fed if len(f) == 2][0] <= 16  # its seat read at most one chunk
+
+
+def test_a_prompt_the_store_cannot_take_is_read_whole_at_its_seat(engine, tiny_dir, monkeypatch):
+    spec = SPECS["ar"](tiny_dir)
+    monkeypatch.setattr(engine.runner, "read_ahead", lambda tokens, n: 0)  # as with no prefix store
+    running = Request(ids_of(engine, PROMPTS[0]), greedy(30))
+    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(6))
+    served = serve(engine, spec, [running], joins=[(joiner, running, 4)])
+    for request in (running, joiner):
+        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids
+    seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
+    assert served.prefills[seat].prompt_tokens[1] == len(joiner.prompt)
+    assert served.tokens[running.id] and served.finish[joiner.id] == "length"
+
+
 def test_finished_rows_leave_and_max_batch_holds(engine, tiny_dir):
     spec = SPECS["sd-ngram"](tiny_dir)
     rows = [Request(ids_of(engine, p), greedy(n)) for p, n in zip(PROMPTS, (4, 30, 6, 30))]

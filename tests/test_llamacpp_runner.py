@@ -563,3 +563,34 @@ def test_a_larger_batch_takes_cells_from_the_store_instead_of_a_new_context(runn
     assert r.prefix.budget == store  # the rows gave the cells back
     r.reset(2, 700)  # 1400 row cells: the store would keep under half
     assert lib.contexts[-1] is not ctx and ctx.freed
+
+
+def test_read_ahead_fills_the_store_a_chunk_at_a_time_and_leaves_the_rows_alone(runner, vocab):
+    """A waiting prompt goes into a reserved sequence a chunk at a time (the same sequence
+    grows) while a row decodes; the row's logits are those it would get without it, and a
+    row seated later takes the tokens read ahead and sees exactly its prompt."""
+    from ssdlocal.backends.base import Logits
+
+    lib, r = runner
+    r.setup_prefix(1000)
+    r.reset(1, 200)
+    r.feed([[1, 2, 3]])
+    r.begin_steps()
+    before = r.step(torch.tensor([[4]]))  # row 0's next logits
+    prompt = [int(t) % vocab for t in range(10, 110)]
+    assert r.read_ahead(prompt, 0) == 0  # a look reads nothing
+    assert r.read_ahead(prompt, 32) == 32
+    assert r.read_ahead(prompt, 32) == 64
+    assert len(r.prefix.entries) == 1  # one entry grew
+    assert r.prefix.report()["lookups"] == 0  # looks are not the rows' lookups
+    assert torch.equal(r.step(torch.tensor([[4]])), before)
+    r.reset(2, 200)
+    assert r.reuse(1, prompt) == 64
+    last = r.feed([[], prompt[64:]], Logits.LAST)[1]
+    assert np.allclose(last[0].numpy(), model_logits(lib.contexts[-1].model, prompt, vocab))
+    # a prompt that diverges from the stored one part-way copies the shared cells into a new entry
+    other = prompt[:40] + [5, 6, 7] * 20
+    assert r.read_ahead(other, 16) == 56 and len(r.prefix.entries) == 2
+    r.setup_prefix(16)  # a store too small for the prompt: nothing is read
+    r.reset(1, 200)
+    assert r.read_ahead(prompt, 32) == 0

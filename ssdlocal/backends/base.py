@@ -74,6 +74,13 @@ class Runner(Protocol):
         """Row `row`'s slots 0..len(tokens)-1 hold `tokens` (the caller knows): keep them
         for later calls' `reuse`. Stored only for this runner's own model."""
 
+    def read_ahead(self, tokens: Sequence[int], n: int) -> int:
+        """Read up to `n` more of `tokens` (a prompt not seated yet) into the prefix store,
+        past the longest prefix it holds, without touching any row: between rounds, while
+        steps go on. Returns how many of `tokens`' first tokens the store holds now (`n` 0:
+        only that). A runner that cannot read ahead returns 0 (the prompt is read when its
+        row is seated)."""
+
     def begin_steps(self) -> None:
         """Decode with `step` from here: each row's length is what it has cached."""
 
@@ -166,6 +173,10 @@ class HeldRows:
     def tree_span(self, needed: int) -> int | None:
         """Runner.tree_span: by default the fixed layout (None)."""
         return None
+
+    def read_ahead(self, tokens: Sequence[int], n: int) -> int:
+        """Runner.read_ahead: by default nothing is read ahead (0)."""
+        return 0
 
 
 @dataclass(frozen=True)

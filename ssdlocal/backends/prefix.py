@@ -99,12 +99,13 @@ class PrefixIndex:
         for block in reversed(chain):
             self._blocks.move_to_end(block.number)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """Pool blocks of the longest stored prefix of `tokens` (whole blocks), in order."""
+    def match(self, tokens: Sequence[int], count: bool = True) -> list[int]:
+        """Pool blocks of the longest stored prefix of `tokens` (whole blocks), in order.
+        `count` False: a look that is no lookup of a row (not in the report's counts)."""
         chain = self._chain(tokens)
         self._touch(chain)
-        self.lookups += 1
-        self.hit_tokens += len(chain) * self.block_tokens
+        self.lookups += count
+        self.hit_tokens += len(chain) * self.block_tokens if count else 0
         return [block.number for block in chain]
 
     def insert(self, tokens: Sequence[int], write: Callable[[list[Placement]], None]) -> int:

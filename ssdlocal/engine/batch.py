@@ -17,6 +17,10 @@ may join (and it has room) or when finished rows make up at least half of it:
 4. a new drafter starts (the SSD worker gets a new batch start: that is how it learns
    of joins and leaves), and rounds go on.
 
+A request whose prompt has more unread tokens than one chunk does not join at once: its
+prompt is read into the prefix store a chunk per round boundary first (engine.ahead),
+so the running rows keep streaming, and it joins when the rest fits one chunk.
+
 A row's tokens therefore never depend on when it was re-seated or with whom: at T = 0 a
 request gets exactly the tokens it gets alone (up to the prefix cache's own exactness:
 its stored keys/values are the ones computed before). Finished rows leave at a re-seat.
@@ -26,6 +30,7 @@ Tokens each row has cached: during rounds the one count is the seating's `cached
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -35,6 +40,7 @@ from ssdlocal.core.config import Mode, SpecConfig, repeatable
 from ssdlocal.core.events import (
     Event,
     LazySnapshot,
+    PrefillEvent,
     PrefillProgress,
     RoundEvent,
     SeatedEvent,
@@ -44,6 +50,7 @@ from ssdlocal.core.events import (
 from ssdlocal.core.hostsync import WaitsSince
 from ssdlocal.core.sequence import Row
 from ssdlocal.core.stats import RunStats
+from ssdlocal.engine.ahead import ReadAhead
 from ssdlocal.engine.auto import rechecked
 from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.request import Inbox, Request, RowSampling
@@ -89,6 +96,8 @@ class Loop:
         self.generators: dict = {}  # sampling settings -> generator, across seatings
         self.seats: list[Seat] = []  # the latest seating's (generate: every row, in prompt order)
         self.round_index = 0
+        self.ahead = ReadAhead(engine.runner)  # serving: waiting prompts read between rounds
+        self.round_s = 0.0  # the last round's wall time (what reading ahead may take per boundary)
 
     def k(self, spec: SpecConfig) -> int:
         return spec.k if spec.mode is not Mode.AR else 0
@@ -111,7 +120,8 @@ class Loop:
                     carried = [s for s in carried if s.row.active]
                     room = (self.max_batch or 1 << 30) - len(carried) - len(joining)
                     seated = [s.request for s in carried] + joining
-                    joining += self.inbox.take(room, seated) if room > 0 else []
+                    ready = self._ready if carried else None  # nobody streams: read whole prompts now
+                    joining += self.inbox.take(room, seated, ready) if room > 0 else []
                 if not carried and not joining:
                     if self.inbox is None or (self.inbox.closed and not self.inbox.waiting()):
                         return
@@ -142,13 +152,18 @@ class Loop:
         return self.engine._resolved(spec)
 
     def _cancel(self, seats: Sequence[Seat], ids: set[int]) -> None:
+        self.ahead.forget(ids)
         for seat in seats:
             if seat.request.id in ids and seat.row.active:
                 seat.row.finish_reason = "cancelled"
 
-    def _should_reseat(self, seats: Sequence[Seat]) -> bool:
-        """Serving, at a round boundary: requests may join (and there is room), or finished
-        rows make up at least half of the batch."""
+    def _ready(self, request: Request) -> bool:
+        return self.ahead.ready(request, self.ahead.chunk(self.round_s))
+
+    def _at_boundary(self, seats: Sequence[Seat]) -> bool:
+        """Serving, at a round boundary: re-seat now when finished rows make up at least
+        half of the batch, or a request may join (there is room) whose prompt is ready
+        (engine.ahead); else read a chunk of the first waiting prompt that is not."""
         if self.inbox is None:
             return False
         active = [s for s in seats if s.row.active]
@@ -157,7 +172,22 @@ class Loop:
         if 2 * (len(seats) - len(active)) >= len(seats):
             return True
         room = (self.max_batch or 1 << 30) - len(active)
-        return room > 0 and self.inbox.ready(room, [s.request for s in active])
+        joinable = self.inbox.joinable(room, [s.request for s in active]) if room > 0 else []
+        if any(self._ready(r) for r in joinable):
+            return True
+        if joinable:
+            self.ahead.read(joinable, self.ahead.chunk(self.round_s))
+        return False
+
+    def _uncounted(self, prefill: PrefillEvent, seats: Sequence[Seat]) -> PrefillEvent:
+        """The seating's prefill with tokens read ahead not counted as prefix-cache hits."""
+        cached = list(prefill.cached_tokens)
+        for b, seat in enumerate(seats):
+            before = self.ahead.cached_before(seat.request)
+            if before is not None and b < len(cached):
+                cached[b] = min(cached[b], before)
+        self.ahead.forget([s.request.id for s in seats])
+        return replace(prefill, cached_tokens=tuple(cached))
 
     # ------------------------------------------------------------------ one seating
     def _seating(self, carried: list[Seat], joining: list[Request], stats: RunStats) -> Iterator[Event]:
@@ -205,7 +235,7 @@ class Loop:
                 return
             cached[:] = [len(x) for x in reads]
             shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
-            yield prefill
+            yield self._uncounted(prefill, seats)
             firsts = [[r.generated[-1]] if f else [] for r, f in zip(rows, fresh)]
             yield from token_events(rows, firsts, [[TokenOrigin.TARGET]] * len(rows), shaper.first_logprobs)
             if drafter is not None:
@@ -217,9 +247,11 @@ class Loop:
                 eng._apply_row_cancels(rows)
                 if self.inbox is not None:
                     self._cancel(seats, self.inbox.take_cancels())
-                if not any(r.active for r in rows) or (ran and self._should_reseat(seats)):
+                if not any(r.active for r in rows) or (ran and self._at_boundary(seats)):
                     break
+                t0 = time.perf_counter()
                 yield from rounds.run(self.round_index)
+                self.round_s = time.perf_counter() - t0
                 self.round_index += 1
                 ran = True
             for r in rows:

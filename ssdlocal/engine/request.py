@@ -139,16 +139,22 @@ class Inbox:
             out.append(req)
         return out
 
-    def ready(self, room: int, seated: Sequence[Request]) -> bool:
-        """Whether a waiting request may join now."""
+    def joinable(self, room: int, seated: Sequence[Request]) -> list[Request]:
+        """The waiting requests that may join now (they stay waiting)."""
         with self._cond:
-            return bool(self._joinable(room, seated))
+            return self._joinable(room, seated)
 
-    def take(self, room: int, seated: Sequence[Request]) -> list[Request]:
-        """Up to `room` waiting requests that may join `seated`, in arrival order."""
+    def take(
+        self, room: int, seated: Sequence[Request], ready: Callable[[Request], bool] | None = None
+    ) -> list[Request]:
+        """Up to `room` waiting requests that may join `seated`, in arrival order; with
+        `ready`, only those it accepts (the others keep their place in line)."""
         with self._cond:
             out = self._joinable(room, seated)
-            self._waiting = self._waiting[len(out) :]
+            if ready is not None:
+                out = [r for r in out if ready(r)]
+            taken = {r.id for r in out}
+            self._waiting = [r for r in self._waiting if r.id not in taken]
             return out
 
     def wait(self, timeout: float | None = None) -> None:

@@ -37,9 +37,10 @@ class SeqStore:
         self.stored_tokens = 0
         self.evicted_tokens = 0
 
-    def best(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """(sequence, n): the stored sequence sharing the longest prefix with `tokens`."""
-        self.lookups += 1
+    def best(self, tokens: Sequence[int], count: bool = True) -> tuple[int | None, int]:
+        """(sequence, n): the stored sequence sharing the longest prefix with `tokens`.
+        `count` False: a look that is no lookup of a row (not in the report's counts)."""
+        self.lookups += count
         found, best = None, 0
         for seq, held in self.entries.items():
             n = common_prefix(held, tokens)
@@ -47,7 +48,7 @@ class SeqStore:
                 found, best = seq, n
         if found is not None:
             self.entries.move_to_end(found)
-            self.reused_tokens += best
+            self.reused_tokens += best if count else 0
         return found, best
 
     def place(self, tokens: Sequence[int]) -> tuple[int | None, list[int]]:
@@ -72,6 +73,36 @@ class SeqStore:
         self.stored_tokens += len(tokens)
         return seq, drop
 
+    def reading(self, tokens: Sequence[int], source: int | None, have: int) -> tuple[int | None, list[int]]:
+        """Room to read `tokens` into the store, whose first `have` tokens sequence
+        `source` holds (None: none): (the sequence to decode the rest into or None when
+        they do not fit, sequences to empty first). An entry holding just those `have`
+        tokens grows in place; else a new entry starts as a copy of `source`'s first
+        `have` cells (the caller's seq_cp) and is recorded as holding them. `record` the
+        tokens once they are in."""
+        tokens = tuple(tokens)
+        if len(tokens) > self.budget:
+            return None, []
+        in_place = source is not None and len(self.entries[source]) == have
+        keep = () if source is None else (source,)
+        added = len(tokens) - (have if in_place else 0)
+        drop = []
+        while (not in_place and len(self.entries) >= len(self.ids)) or self._cells() + added > self.budget:
+            if len(self.entries) <= len(keep):
+                return None, drop
+            drop.append(self._evict_oldest(keep))
+        if in_place:
+            return source, drop
+        seq = next(s for s in self.ids if s not in self.entries)
+        self.entries[seq] = tokens[:have]
+        return seq, drop
+
+    def record(self, seq: int, tokens: Sequence[int]) -> None:
+        """Sequence `seq` (from `reading`) now holds `tokens`."""
+        self.stored_tokens += len(tokens) - len(self.entries[seq])
+        self.entries[seq] = tuple(tokens)
+        self.entries.move_to_end(seq)
+
     def fit(self, budget: int) -> list[int]:
         """Make `budget` cells the store's size (rows of a larger batch take the rest of the
         context, or give it back): entries out, least recently used first, until the rest
@@ -82,10 +113,10 @@ class SeqStore:
             drop.append(self._evict_oldest())
         return drop
 
-    def _evict_oldest(self) -> int:
-        """Forget the least recently used entry; its sequence (to empty)."""
-        seq, held = self.entries.popitem(last=False)
-        self.evicted_tokens += len(held)
+    def _evict_oldest(self, keep: Sequence[int] = ()) -> int:
+        """Forget the least recently used entry (but those in `keep`); its sequence (to empty)."""
+        seq = next(s for s in self.entries if s not in keep)
+        self.evicted_tokens += len(self.entries.pop(seq))
         return seq
 
     def _cells(self) -> int:

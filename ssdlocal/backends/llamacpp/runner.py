@@ -186,6 +186,33 @@ class LlamaCppRunner(HeldRows):
         if seq is not None:
             self.lib.seq_cp(self._ctx, row, seq, 0, n)
 
+    def read_ahead(self, tokens, n: int) -> int:
+        """Runner.read_ahead: the next `n` tokens are decoded into a reserved sequence of
+        the store (its cells are the store's, rows are not touched), growing the stored
+        sequence that holds just the tokens before them, or a copy of the one sharing the
+        longest prefix with `tokens`. Nothing is read when the store cannot hold them."""
+        if self.prefix is None or self._ctx is None:
+            return 0
+        source, have = self.prefix.best(tokens, count=False)
+        end = min(len(tokens), have + max(n, 0))
+        if end <= have:
+            return have
+        seq, drop = self.prefix.reading(tokens[:end], source, have)
+        for old in drop:
+            self.lib.seq_rm(self._ctx, old, -1, -1)
+        if seq is None:
+            return have
+        if seq != source and have:
+            self.lib.seq_cp(self._ctx, source, seq, 0, have)
+        try:
+            self._decode([int(t) for t in tokens[have:end]], range(have, end), [seq] * (end - have),
+                         [False] * (end - have))  # fmt: skip
+        except BaseException:  # the entry still holds what it held: drop the cells written
+            self.lib.seq_rm(self._ctx, seq, have, -1)
+            raise
+        self.prefix.record(seq, tokens[:end])
+        return end
+
     def close(self) -> None:
         if self._ctx is not None:
             self.lib.free_context(self._ctx)

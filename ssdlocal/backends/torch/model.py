@@ -246,6 +246,23 @@ class Transformer(nn.Module):
         self.num_slots = num_slots
         self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
 
+    def new_caches(self, batch_size: int, num_slots: int, dtype, device) -> list[KVCache]:
+        """One KVCache per layer, not installed (`use_caches`): a cache beside the batch's."""
+        a = self.args
+        what = f"KV cache of {batch_size} x {num_slots} slots"
+        check_room(KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers),
+                   device, what)  # fmt: skip
+        with _allocating(f"allocating the {what} on {device}"):
+            caches = [KVCache(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device) for _ in self.layers]
+        self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
+        return caches
+
+    def use_caches(self, caches: list[KVCache]) -> None:
+        """Install `caches` (one per layer, as `caches()` or `new_caches` gave them)."""
+        for layer, cache in zip(self.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
+        self.num_slots = caches[0].k.shape[2]
+
     def _cover_positions(self, n_pos: int, device: torch.device) -> None:
         """RoPE tables for positions [0, n_pos) on `device` (kept when they already are)."""
         if self.rope_cos is not None and self.rope_cos.shape[0] >= n_pos and self.rope_cos.device == device:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.base import HeldRows, Logits
+from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
 from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
@@ -78,6 +79,7 @@ class TorchRunner(HeldRows):
         self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else self.model.use_graphs(graphs)
         self.prefix: PrefixIndex | None = None  # earlier calls' prefixes (setup_prefix)
         self.prefix_token_bytes = 0
+        self.staging = StagingRow(self)  # a one-row cache for reading prompts ahead (read_ahead)
 
     @property
     def lengths(self) -> Tensor:
@@ -125,6 +127,7 @@ class TorchRunner(HeldRows):
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self.state.lengths.zero_()
+        self.staging.drop()
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
@@ -278,7 +281,11 @@ class TorchRunner(HeldRows):
         `tokens` (whole blocks) into its first slots; returns how many tokens it holds now."""
         if self.prefix is None or self.held[row]:
             return 0
-        numbers = self.prefix.match(tokens)
+        return self.load_stored(row, tokens)
+
+    def load_stored(self, row: int, tokens: Sequence[int], count: bool = True) -> int:
+        """`reuse`'s copy; `count` False for a look that is no row's lookup (StagingRow)."""
+        numbers = self.prefix.match(tokens, count)
         n = len(numbers) * BLOCK_TOKENS
         if n:
             self._ensure(n)
@@ -297,6 +304,13 @@ class TorchRunner(HeldRows):
             self.model.save_prefix(row, runs_of([(p.index, p.number) for p in placements], BLOCK_TOKENS))
 
         self.prefix.insert(tokens, write)
+
+    def read_ahead(self, tokens: Sequence[int], n: int) -> int:
+        """Runner.read_ahead, on a one-row cache of its own (backends.torch.ahead); whole
+        blocks. A tensor-parallel group reads nothing ahead (its caches are allocated once)."""
+        if self.prefix is None or not self.plain:
+            return 0
+        return self.staging.read(tokens, n)
 
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:

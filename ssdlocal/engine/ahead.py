@@ -1,0 +1,79 @@
+"""Prompts of waiting requests read between rounds, so a join does not stall running rows.
+
+Serving, a request that may join the running batch but whose prompt has more unread
+tokens than one chunk is not seated at once (its whole prompt would be read at the
+re-seat while every running row waits). Instead, at each round boundary, `ReadAhead`
+reads one chunk of it into the target's prefix store (`Runner.read_ahead`), taking about
+as long as the round just run took (READ_SHARE), so running rows keep at least about half
+of the time; once the rest fits one chunk the request is seated and takes its prompt
+from the store like any prefix-cache hit. A runner that cannot read ahead, or a store
+that cannot hold the prompt, seats the request as before. Whether its prefix was cached
+before is still reported as such: tokens read ahead are not counted as cache hits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from ssdlocal.engine.request import Request
+
+READ_SHARE = 1.0  # reading ahead takes about this share of the last round's time per boundary
+BLOCK = 16  # chunks are whole multiples of this (the torch store keeps whole 16-token blocks)
+FIRST_CHUNK = 2 * BLOCK  # before a rate is measured
+MAX_CHUNK = 512
+
+
+class ReadAhead:
+    """Reading-ahead state of one serving loop: per request, what the store held before
+    (`cached_before`), and the measured reading rate."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.rate: float | None = None  # tokens per second of the last chunk
+        self._before: dict[int, int] = {}  # request id -> tokens the store held at its first look
+        self._stalled: set[int] = set()  # requests the store could not take further
+        self._read: set[int] = set()  # requests some of whose prompt was read ahead
+
+    def chunk(self, round_s: float) -> int:
+        """Tokens to read at one boundary after a round of `round_s` seconds."""
+        if self.rate is None:
+            return FIRST_CHUNK
+        n = int(self.rate * round_s * READ_SHARE) // BLOCK * BLOCK
+        return max(BLOCK, min(MAX_CHUNK, n))
+
+    def _held(self, request: Request) -> int:
+        held = self.runner.read_ahead(request.prompt[:-1], 0)
+        self._before.setdefault(request.id, held)
+        return held
+
+    def ready(self, request: Request, chunk: int) -> bool:
+        """Seat it now: what its prompt lacks in the store fits one chunk (or no more can be read ahead)."""
+        if request.id in self._stalled:
+            return True
+        return len(request.prompt) - 1 - self._held(request) <= chunk
+
+    def read(self, requests: Sequence[Request], chunk: int) -> None:
+        """One chunk of the first of `requests` that is not ready."""
+        for request in requests:
+            if self.ready(request, chunk):
+                continue
+            held, t0 = self._held(request), time.perf_counter()
+            now = self.runner.read_ahead(request.prompt[:-1], chunk)
+            self._read.add(request.id)
+            if now <= held:
+                self._stalled.add(request.id)  # the store cannot hold more of it: read it whole at its seat
+            else:
+                self.rate = (now - held) / max(time.perf_counter() - t0, 1e-6)
+            return
+
+    def cached_before(self, request: Request) -> int | None:
+        """Tokens of its prompt the store held before any was read ahead (None: none was)."""
+        return self._before.get(request.id) if request.id in self._read else None
+
+    def forget(self, ids) -> None:
+        """Requests seated or cancelled."""
+        for rid in ids:
+            self._before.pop(rid, None)
+            self._stalled.discard(rid)
+            self._read.discard(rid)
