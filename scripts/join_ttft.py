@@ -9,7 +9,10 @@ compare code; the server runs in "/" so the working directory does not count), w
 it has streamed `--after` chunks sends a short one (`--short-tokens`, streamed too).
 Prints per mode: the short request's time to its first token and to its end (client side),
 how many chunks of the long answer were still to come when the short one ended, and the
-long answer's own wall time. `--repeats` runs the pair of requests that many times per
+long answer's own wall time, and the longest gap between two of the long answer's chunks
+while the short request was served (how long the running answer stalled for the join).
+`--join-prompt-tokens N` makes the short request's prompt a code file of about N tokens
+(a new one each time, so the prefix cache does not hold it). `--repeats` runs the pair of requests that many times per
 server (the first warms up the prefix cache and the calibration) and prints the median.
 Set SSDLOCAL_KEEP_MEASUREMENTS=1 so the servers reuse their calibration.
 """
@@ -29,6 +32,13 @@ import urllib.request
 
 LONG = "Write a Python module that implements a binary search tree with insert, delete and an in-order walk."
 SHORT = "def add(a, b):"
+CODE = "def f{i}(values):\n    total = 0\n    for v in values:\n        total += v * {i}\n    return total\n\n"
+
+
+def join_prompt(tokens: int, run: int) -> str:
+    """A code file of about `tokens` tokens (about 8 per line here), new for every `run`."""
+    head = f"# module {run} of {time.time_ns()}\n"
+    return head + "".join(CODE.format(i=i) for i in range(max(1, tokens // 40))) + SHORT
 
 
 def free_port() -> int:
@@ -51,20 +61,25 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError("the server did not become healthy")
 
 
-def stream(url: str, prompt: str, tokens: int, on_chunk) -> None:
-    """A streamed completion; on_chunk(time) per chunk that carries text."""
+def stream(url: str, prompt: str, tokens: int, on_chunk, usage: dict | None = None) -> None:
+    """A streamed completion; on_chunk(time) per chunk that carries text; the final usage into `usage`."""
     body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=1800) as resp:
         for raw in resp:
             line = raw.decode().strip()
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if data.get("choices"):
                 on_chunk(time.perf_counter())
+            elif usage is not None and data.get("usage"):
+                usage.update(data["usage"])
 
 
-def one_pair(url: str, args) -> dict:
+def one_pair(url: str, args, run: int = 0) -> dict:
     long_chunks: list[float] = []
     started = threading.Event()
 
@@ -79,11 +94,18 @@ def one_pair(url: str, args) -> dict:
     if not started.wait(1800):
         raise RuntimeError("the long answer did not start")
     short_chunks: list[float] = []
+    usage: dict = {}
+    prompt = join_prompt(args.join_prompt_tokens, run) if args.join_prompt_tokens else SHORT
     t0 = time.perf_counter()
-    stream(url, SHORT, args.short_tokens, short_chunks.append)
+    stream(url, prompt, args.short_tokens, short_chunks.append, usage)
     short_end = time.perf_counter()
     thread.join()
+    during = [at for at in long_chunks if t0 <= at <= short_end]
+    before = [at for at in long_chunks if at < t0][-1:]
+    gaps = [b - a for a, b in zip(before + during, during)]
     return {
+        "short_prompt_tokens": usage.get("prompt_tokens", 0),
+        "long_max_gap_s": max(gaps, default=short_end - (before or [t0])[0]),
         "short_ttft_s": short_chunks[0] - t0,
         "short_total_s": short_end - t0,
         "long_chunks_after_short": sum(1 for at in long_chunks if at > short_end),
@@ -98,6 +120,7 @@ def main() -> int:
     ap.add_argument("--long-tokens", type=int, default=300)
     ap.add_argument("--short-tokens", type=int, default=8)
     ap.add_argument("--after", type=int, default=10, help="long-answer chunks before the short request is sent")
+    ap.add_argument("--join-prompt-tokens", type=int, default=0, help="the short request's prompt: a file of ~N tokens")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", dest="as_json", action="store_true")
     args = ap.parse_args()
@@ -125,7 +148,7 @@ def main() -> int:
         )
         try:
             wait_healthy(url, proc, 1800)
-            runs = [one_pair(url, args) for _ in range(args.repeats)]
+            runs = [one_pair(url, args, run) for run in range(args.repeats)]
         finally:
             proc.terminate()
             try:
@@ -136,6 +159,7 @@ def main() -> int:
         if not args.as_json:
             m = results[mode]
             print(f"{mode:4} short ttft {m['short_ttft_s']:7.2f} s  short total {m['short_total_s']:7.2f} s  "
+                  f"({m['short_prompt_tokens']:.0f} prompt tokens)  long stalled at most {m['long_max_gap_s']:6.2f} s  "
                   f"long chunks after it {m['long_chunks_after_short']:5.0f}  long total {m['long_total_s']:7.1f} s",
                   flush=True)  # fmt: skip
     if args.as_json:

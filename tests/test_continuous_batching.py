@@ -301,6 +301,33 @@ def test_verify_groups_equals_each_group_on_its_own():
     assert one.bonus.tolist() == verify_logits(logits, drafts, None, greedy(4), None, n_draft).bonus.tolist()
 
 
+def test_a_draft_model_draws_each_row_from_its_own_warp():
+    """Rows of three sampling settings in one draft step: each row's q is its own warp of
+    the draft's logits (a greedy row's one-hot), and its draft follows that q."""
+    from types import SimpleNamespace
+
+    from support.stats import assert_distribution
+
+    from ssdlocal.core.sampling import logits_to_probs
+    from ssdlocal.draft.decode import DraftDecoder
+
+    settings = [greedy(4), SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_k=3)]
+    per = 1500
+    row_params = [p for p in settings for _ in range(per)]
+    logits = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, 0.2, -0.5])
+    decoder = DraftDecoder(SimpleNamespace(device=torch.device("cpu")), 1, settings[1], 8,
+                           torch.Generator().manual_seed(3), row_params=row_params)  # fmt: skip
+    drafted = decoder.decode(logits.expand(len(row_params), 8).clone(), bound=0)
+    for i, params in enumerate(settings):
+        rows = slice(i * per, (i + 1) * per)
+        want = logits_to_probs(logits, params)
+        assert torch.allclose(drafted.q[rows, 0], want.expand(per, 8))
+        if params.greedy:
+            assert (drafted.tokens[rows, 0] == logits.argmax()).all()
+        else:
+            assert_distribution(drafted.tokens[rows, 0], want, what=f"row setting {i}")
+
+
 # ----------------------------------------------------------------------------- server
 def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypatch):
     from support.server import MODEL, LiveServer
@@ -351,7 +378,7 @@ def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypa
         live.close()
 
 
-def test_with_a_draft_model_rows_join_only_rows_that_sample_like_them(tiny_dir):
+def test_with_ssds_draft_worker_rows_join_only_rows_that_sample_like_them(tiny_dir):
     from types import SimpleNamespace
 
     from ssdlocal.server.scheduler import Scheduler
@@ -359,8 +386,10 @@ def test_with_a_draft_model_rows_join_only_rows_that_sample_like_them(tiny_dir):
     cold = Request((1,), greedy(4))
     hot = Request((1,), SamplingParams(temperature=0.7))
     hotter = Request((1,), SamplingParams(temperature=0.9))
-    for draft, mixes in ((str(tiny_dir["draft_llama"]), False), ("ngram", True), ("suffix", True)):
-        spec = SpecConfig(mode=Mode.SSD if draft != "ngram" else Mode.SD, k=3, draft=draft_of(draft))
+    model = str(tiny_dir["draft_llama"])
+    for mode, draft, mixes in ((Mode.SSD, model, False), (Mode.SD, model, True), (Mode.SD, "ngram", True),
+                               (Mode.SSD, "suffix", True)):  # fmt: skip
+        spec = SpecConfig(mode=mode, k=3, draft=draft_of(draft))
         scheduler = Scheduler(SimpleNamespace(config=SimpleNamespace(spec=spec), choice=None), None, mode="sd")
         assert scheduler._admits(hot, []) and scheduler._admits(cold, [Request((2,), greedy(9))])
         assert scheduler._admits(hot, [cold]) is mixes and scheduler._admits(hotter, [hot]) is mixes

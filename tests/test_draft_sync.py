@@ -50,7 +50,7 @@ def sd_call(prompts, budgets, k):
     sampling = sampling_of(GREEDY, len(rows))
     first, _ = read_prompts(target, guard, rows, sampling, CancelToken(), None)
     drafter.start(rows)
-    rnd = Round(target, guard, drafter, rows, k, sampling, first, [len(p) for p in prompts])
+    rnd = Round(target, guard, drafter, rows, k, sampling, first)
     return draft, drafter, rows, rnd
 
 

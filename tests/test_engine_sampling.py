@@ -125,6 +125,36 @@ def test_sd_matches_exact_joint(engine, models, top_p):
     assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SD top_p={top_p}")
 
 
+def test_sd_rows_that_sample_differently_share_a_batch_losslessly(engine, models):
+    """Served together in one batch (Engine.serve), rows at T = 1 and rows at T = 0.6 each
+    draft from their own warp of the draft model, and the T = 0.6 rows (not the batch's
+    first setting) still follow the exact joint."""
+    from ssdlocal.core.events import TokensEvent
+    from ssdlocal.engine.request import Inbox, Request
+
+    params = replace(T1, temperature=0.6, seed=13)
+    joint = exact_joint(engine, models, params)
+    prompt = tuple(engine.encode(PROMPT, chat=False))
+    hot = [Request(prompt, replace(params, temperature=1.0)) for _ in range(N // 4)]
+    cool = [Request(prompt, params) for _ in range(N)]
+    inbox = Inbox()
+    inbox.add(*hot, *cool)
+    inbox.close()
+    tokens: dict[int, list[int]] = {}
+    seated: list[int] = []
+    seatings: list[int] = []
+    spec = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)
+    for event in engine.serve(inbox, max_batch=len(hot) + len(cool), spec=spec):
+        if hasattr(event, "joined"):
+            seated = list(event.requests)
+            seatings.append(len(seated))
+        elif isinstance(event, TokensEvent):
+            tokens.setdefault(seated[event.row], []).extend(event.token_ids)
+    assert seatings[0] == len(hot) + len(cool)  # they started as one batch
+    outputs = [type("Out", (), {"token_ids": tuple(tokens[r.id])})() for r in cool]
+    assert_distribution(joint.categories(outputs), joint.probs, what="SD, rows of two temperatures")
+
+
 SSD_CASES = {
     "jit": {"backup": "jit"},
     "ngram": {"backup": "ngram"},

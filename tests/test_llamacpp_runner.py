@@ -338,9 +338,9 @@ def test_ssd_tree_decode_matches_ar(fake, monkeypatch, vocab, draft_name):
     draft_path = target if draft_name == "target" else draft
     drafters = []
 
-    def make_drafter(self, spec, params, batch, num_slots, guides=None):
+    def make_drafter(self, spec, params, batch, num_slots, guides=None, row_params=()):
         if spec.mode is not Mode.SSD:
-            return Engine._make_drafter_orig(self, spec, params, batch, num_slots, guides)
+            return Engine._make_drafter_orig(self, spec, params, batch, num_slots, guides, row_params)
         runner = LlamaCppRunner(load_gguf(draft_path), tree=True)
         drafters.append(InProcessSSD(runner, spec, params, vocab, num_slots))
         return drafters[-1]

@@ -91,11 +91,12 @@ def test_store_prefixes_keeps_what_the_cache_holds_after_rounds():
     prompt = [3, 1, 4, 1, 5]
     runner, rows = runner_for(1), rows_of([prompt])
     first, _ = read(runner, rows)
-    rnd = Round(runner, lambda fn, *a: fn(*a), None, rows, 0, sampling_of(GREEDY, 1), first, [len(prompt)])
+    rnd = Round(runner, lambda fn, *a: fn(*a), None, rows, 0, sampling_of(GREEDY, 1), first)
     for index in range(5):
         list(rnd.run(index))
-    assert rows[0].finish_reason == "length" and rnd.cached == [len(prompt) + 5]
-    store_prefixes(runner, rows, rnd.cached, None)
-    assert runner.stored == [tuple(rows[0].tokens[: rnd.cached[0]])]
-    with pytest.raises(ValueError, match="do not hold"):  # one token more than the cache holds
-        store_prefixes(runner, rows, [rnd.cached[0] + 1], None)
+    assert rows[0].finish_reason == "length" and runner.cached(0) == len(prompt) + 5
+    store_prefixes(runner, rows, None)
+    assert runner.stored == [tuple(rows[0].tokens[: len(prompt) + 5])]
+    runner.counts[0] += 1  # a count one token past what the cache holds
+    with pytest.raises(ValueError, match="do not hold"):
+        store_prefixes(runner, rows, None)

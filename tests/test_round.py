@@ -3,7 +3,8 @@
 The target is a table (the next token is a function of the last two), the drafter another
 table that is wrong at chosen places, so every round's accepted count is known in advance.
 After every round the target's cache must hold exactly the row's committed tokens up to
-`Round.cached`, and the tokens taken must be the table's own continuation (exactness);
+the runner's `cached` count (which commit moves with host counts that must equal the
+device's), and the tokens taken must be the table's own continuation (exactness);
 `test_a_wrong_accept_count_is_caught` breaks verification on purpose and checks that this
 harness notices.
 """
@@ -61,7 +62,7 @@ def start(prompts, budgets, drafter=None, k=0, params=None, next_token=target_ne
     first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None)
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, sampling, first, [len(p) for p in prompts],
+    rnd = Round(runner, guard, drafter, rows, k, sampling, first,
                 audit=audit or Audit())  # fmt: skip
     return runner, rows, rnd
 
@@ -78,9 +79,10 @@ def run_checked(runner, rows, rnd, max_rounds=50) -> list:
         events.extend(rnd.run(index))
         assert runner.steps[-1].bound_covers(live), "the step's bound cuts a live row's attention"
         for b, row in enumerate(rows):
-            assert runner.lengths[b] == rnd.cached[b], f"row {b}: cache length {runner.lengths[b]} != {rnd.cached[b]}"
-            assert runner.cache_holds(b, row.tokens[: rnd.cached[b]]), f"row {b}: the cache holds a rejected draft"
-            assert rnd.cached[b] == row.length - 1 or not row.active
+            n = runner.cached(b)
+            assert runner.lengths[b] == n, f"row {b}: cache length {runner.lengths[b]} != {n}"
+            assert runner.cache_holds(b, row.tokens[:n]), f"row {b}: the cache holds a rejected draft"
+            assert n == row.length - 1 or not row.active
         assert rnd.last.tolist()[0] == rows[0].tokens[-1] or not rows[0].active
     raise AssertionError("the rows did not finish")
 
@@ -96,7 +98,7 @@ def test_a_round_takes_the_accepted_drafts_then_the_bonus():
     assert isinstance(tokens, TokensEvent) and isinstance(done, RoundEvent)
     assert done.n_drafted == (3,) and done.n_accepted == (2,) and done.n_emitted == (3,)
     assert tokens.token_ids == tuple(expected[1:4]) and tokens.origins == ("draft", "draft", "target")
-    assert rnd.cached == [len(prompt) + 3] and runner.lengths == [len(prompt) + 3]
+    assert runner.cached(0) == len(prompt) + 3 and runner.lengths == [len(prompt) + 3]
     assert runner.cache_holds(0, rows[0].tokens[:-1])
     (outcome,) = drafter.outcomes
     assert outcome.n_accepted == (2,) and outcome.appended == (tuple(expected[1:4]),) and outcome.active == (True,)
@@ -144,7 +146,7 @@ def test_a_finished_row_stops_while_the_other_goes_on():
     runner, rows, rnd = start(prompts, [3, 12], TableDrafter(wrong_every(5), 2), k=2)
     events = run_checked(runner, rows, rnd)
     assert rows[0].generated == continuation(prompts[0], 3) and rows[1].generated == continuation(prompts[1], 12)
-    assert runner.lengths[0] == rnd.cached[0] < len(prompts[0]) + 3  # its length stopped when it finished
+    assert runner.lengths[0] == runner.cached(0) < len(prompts[0]) + 3  # its length stopped when it finished
     later = [e for e in events if isinstance(e, RoundEvent) and 0 not in e.rows]
     assert later and all(e.rows == (1,) for e in later)
     assert not any(isinstance(e, TokensEvent) and e.row == 0 and e.token_ids == () for e in events)

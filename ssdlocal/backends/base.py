@@ -1,7 +1,10 @@
 """What every backend offers the layers above: the Runner protocol and the slot layout.
 
 A runner owns one loaded model and its KV cache, and remembers for each row of a batch
-`held[b]`: the tokens whose keys/values sit in that row's cache slots 0..len-1. The
+`held[b]`: the tokens whose keys/values sit in that row's cache slots 0..len-1. It is the
+one owner of how many tokens each row has cached (`cached`): while feeding, len(held[b]);
+during steps, the count `begin_steps` started from, moved by the host counts `advance` is
+given (callers keep no count of their own). The
 engine, the drafters and the SSD speculator use only these methods; nobody edits a
 runner's cache or bookkeeping from outside. A runner also keeps a bounded store of
 earlier calls' prefixes (`setup_prefix`, `reuse`, `store`): a new call's row starts from
@@ -48,7 +51,8 @@ class Runner(Protocol):
         """Forget all rows; (re)allocate the cache for this shape when needed."""
 
     def cached(self, row: int) -> int:
-        """How many of row `row`'s tokens are in the cache."""
+        """How many of row `row`'s tokens are in the cache (its first ones, in order). During
+        steps: as moved by `advance`'s host counts; RuntimeError after an advance without them."""
 
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""
@@ -89,8 +93,10 @@ class Runner(Protocol):
         logits [B, T, V] float32 (valid until the next step). Lengths do not move.
         `bound`, when known: max(length) + T over the rows (limits attention spans)."""
 
-    def advance(self, n) -> None:
-        """Each row's length += n (a [B] long tensor, possibly negative, or one int)."""
+    def advance(self, n, host: Sequence[int] | None = None) -> None:
+        """Each row's length += n (a [B] long tensor, possibly negative, or one int).
+        `host`: the same per-row counts on the host, when the caller has them without a
+        device read (the engine's rounds do); `cached` follows them."""
 
     def end_steps(self, kept: Mapping[int, Sequence[int]]) -> None:
         """Back to `feed` after steps that began at each row's cached tokens: row b in
@@ -147,12 +153,35 @@ def sync_held(held: list[int], committed: Sequence[int]) -> None:
 
 
 class HeldRows:
-    """The Runner methods over `held` (the token ids cached per row), shared by runners."""
+    """The Runner methods over `held` (the token ids cached per row), shared by runners;
+    `counts`: each row's cached tokens during steps (None while feeding), kept by the
+    runner's begin_steps / advance / end_steps through `_count_*`."""
 
     held: list[list[int]]
+    counts: list[int] | None = None
 
     def cached(self, row: int) -> int:
-        return len(self.held[row])
+        """Runner.cached."""
+        if self.counts is None:
+            return len(self.held[row])
+        if self.counts[row] < 0:
+            raise RuntimeError(f"row {row}: advanced without host counts, its cached tokens are not known here")
+        return self.counts[row]
+
+    def _count_begin(self) -> None:
+        self.counts = [len(h) for h in self.held]
+
+    def _count_advance(self, n, host: Sequence[int] | None) -> None:
+        if self.counts is None:
+            return
+        if host is None and not isinstance(n, int):
+            self.counts = [-1] * len(self.counts)  # unknown on the host until the next begin_steps
+            return
+        steps = host if host is not None else [n] * len(self.counts)
+        self.counts = [c + int(s) if c >= 0 else c for c, s in zip(self.counts, steps)]
+
+    def _count_end(self) -> None:
+        self.counts = None
 
     def pending(self, row: int, tokens: Sequence[int]) -> list[int]:
         """Tokens of `tokens` (the row's full sequence) not yet in the cache."""

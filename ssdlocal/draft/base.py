@@ -21,6 +21,7 @@ from ssdlocal.core.events import SsdRound
 from ssdlocal.core.hostsync import detached_site
 
 if TYPE_CHECKING:  # annotations only: no import of these at run time
+    from ssdlocal.core.config import SamplingParams
     from ssdlocal.core.hostsync import Audit
     from ssdlocal.core.verify import Verdict
     from ssdlocal.grammar.guide import Guides
@@ -148,3 +149,4 @@ class DraftResources:
     rates: dict | None = None  # acceptance by source, the engine's, across calls (Acceptance.shared)
     guides: Guides | None = None  # the call's constrained rows (None: no grammar)
     audit: Audit | None = None  # the engine's, counting host waits per model
+    row_params: tuple[SamplingParams, ...] = ()  # each row's sampling settings (empty: the call's params)

@@ -9,7 +9,7 @@ Knows nothing about rounds, verification or processes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +54,13 @@ class DraftDecoder:
     `allowed(j, previous) -> bool [B, V]` (optional): the tokens draft j may be, given the
     previous draft [B] (None at j = 0); the draft's logits are masked to them before q, so
     drafts follow a grammar and q is what they were drawn from.
+    `row_params` (optional, default `params` for every row): each row's sampling settings,
+    so a batch whose rows sample differently draws each row from its own warp.
     """
 
     def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int,
-                 generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None) -> None:  # fmt: skip
+                 generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None,
+                 row_params: Sequence[SamplingParams] = ()) -> None:  # fmt: skip
         self.runner = runner
         self.k = k
         self.params = params
@@ -65,6 +68,8 @@ class DraftDecoder:
         self.generator = generator
         self.probs = probs or (lambda logits, j: logits_to_probs(logits, params))
         self.allowed: Callable[[int, Tensor | None], Tensor] | None = None
+        self.groups = _groups(row_params, runner.device) if probs is None else []  # [] or 2+ groups
+        self.greedy = params.greedy if not self.groups else all(p.greedy for _, p in self.groups)
 
     @torch.inference_mode()
     def decode(self, first: Tensor, bound: int, keep_logits: bool = False) -> Drafted:
@@ -91,12 +96,30 @@ class DraftDecoder:
             tokens.append(token)
             if q is not None:
                 qs.append(q)
-        q_all = None if self.params.greedy else torch.stack(qs, dim=1)  # [B, K, V]
+        q_all = None if self.greedy else torch.stack(qs, dim=1)  # [B, K, V]
         return Drafted(torch.stack(tokens, dim=1), q_all, torch.stack(kept, dim=1) if keep_logits else None)
 
     def _draw(self, logits: Tensor, j: int) -> tuple[Tensor, Tensor | None]:
-        """logits [B, V] -> (token [B], q [B, V] or None when greedy)."""
-        if self.params.greedy:
+        """logits [B, V] -> (token [B], q [B, V] or None when greedy). Rows of other
+        sampling settings (`row_params`) each get their own warp (greedy rows a one-hot
+        q), and every row draws one uniform, as with one setting."""
+        if self.greedy:
             return torch.argmax(logits, dim=-1), None  # [B]
-        q = self.probs(logits, j)  # [B, V]
+        if not self.groups:
+            q = self.probs(logits, j)  # [B, V]
+        else:
+            q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V]
+            for index, params in self.groups:
+                q[index] = logits_to_probs(logits[index], params)  # [G, V]
         return sample(q, self.generator), q
+
+
+def _groups(row_params: Sequence[SamplingParams], device) -> list[tuple[Tensor, SamplingParams]]:
+    """(rows [G] long on `device`, params) per set of draft-relevant settings among
+    `row_params` (temperature, top-k, top-p); [] when there are fewer than two."""
+    found: dict[tuple, list[int]] = {}
+    for b, p in enumerate(row_params):
+        found.setdefault(("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p), []).append(b)
+    if len(found) < 2:
+        return []
+    return [(torch.tensor(rows, dtype=torch.long, device=device), row_params[rows[0]]) for rows in found.values()]

@@ -20,7 +20,8 @@ from ssdlocal.draft.sync import build_ngram
 
 def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     """A draft model: in this process for SD (adaptive: with the suffix proposals the draft
-    asks for), the worker process for SSD."""
+    asks for; each row drawn with its own sampling settings), the worker process for SSD
+    (one setting per batch: `params`)."""
     draft = spec.draft
     if not isinstance(draft, ModelDraft):  # ModelDraft names this builder; no other type does
         raise TypeError(f"build_model builds model drafts, not {type(draft).__name__}")
@@ -29,7 +30,7 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
         from ssdlocal.draft.sync import ModelDrafter
 
         drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device,
-                               guides=res.guides, audit=res.audit)  # fmt: skip
+                               guides=res.guides, audit=res.audit, row_params=res.row_params)  # fmt: skip
         drafter.reserve(res.batch, res.num_slots)
         return build_adaptive(spec, params, res, drafter, draft.suffix)
     from ssdlocal.draft.ssd.client import SSDDrafter

@@ -77,13 +77,14 @@ class ModelDrafter:
     With `guides` (grammar.guide.Guides) a constrained row's drafts are drawn from the
     draft's distribution masked by its grammar (q is that masked distribution), walking the
     matcher verification then reuses; the proposal then carries the drafts as host lists
-    (the matcher needed them), so verification reads nothing more.
+    (the matcher needed them), so verification reads nothing more. `row_params`: each row's
+    sampling settings when rows sample differently (default: `params` for all).
     Host waits: none of its own (inputs go up through staged uploads, core.hostsync); under a
     grammar, one read of each draft the matcher walks.
     """
 
     def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
-                 audit: Audit | None = None) -> None:  # fmt: skip
+                 audit: Audit | None = None, row_params: Sequence[SamplingParams] = ()) -> None:  # fmt: skip
         self.runner = runner  # backends.base.Runner of the draft model
         audit = audit or Audit()
         self.site = audit.site("draft")  # inputs of the draft model
@@ -93,7 +94,7 @@ class ModelDrafter:
         self.params = params
         self.target_vocab = target_vocab
         self.device = device  # where the target verifies
-        self.decoder = DraftDecoder(runner, k, params, target_vocab, self._generator())
+        self.decoder = DraftDecoder(runner, k, params, target_vocab, self._generator(), row_params=row_params)
         self.rows: Sequence[RowView] = ()
         self.cached: list[int] = []
         self._fed: list[int] = []  # per row: tokens the last propose left in the draft's cache

@@ -24,8 +24,8 @@ so the running rows keep streaming, and it joins when the rest fits one chunk.
 A row's tokens therefore never depend on when it was re-seated or with whom: at T = 0 a
 request gets exactly the tokens it gets alone (up to the prefix cache's own exactness:
 its stored keys/values are the ones computed before). Finished rows leave at a re-seat.
-Tokens each row has cached: during rounds the one count is the seating's `cached` (what
-`Round.commit` moves; the runner's own `held` is valid only while feeding).
+Tokens each row has cached: the runner's count (`Runner.cached`), which `Round.commit`
+moves; the loop keeps none of its own.
 """
 
 from __future__ import annotations
@@ -215,12 +215,11 @@ class Loop:
             for seat, guide in zip(seats, shaper.guides.rows):
                 seat.guide = guide
         sampling = RowSampling([s.request for s in seats], eng.runner.device, self.generators)
-        drafter = eng._make_drafter(spec, sampling.params, len(rows), num_slots, shaper.guides)
+        drafter = eng._make_drafter(spec, sampling.params, len(rows), num_slots, shaper.guides, sampling.row_params)
         graphs_before = eng._graph_reports(drafter)
         stats.graphs_now = lambda: eng._graph_reports(drafter, graphs_before)
         stats.prefix_now = eng.prefix_reports
         stats.host_waits_now = WaitsSince(eng.audit, getattr(drafter, "host_waits", None))  # SSD: + the worker's
-        cached: list[int] = []  # per row: tokens the target's cache holds (reads, then rounds)
         completed = False
         try:
             reads = [r.prompt if f else r.tokens[:-1] for r, f in zip(rows, fresh)]
@@ -233,14 +232,13 @@ class Loop:
                 for r in rows:
                     r.finish_reason = r.finish_reason or "cancelled"
                 return
-            cached[:] = [len(x) for x in reads]
             shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
             yield self._uncounted(prefill, seats)
             firsts = [[r.generated[-1]] if f else [] for r, f in zip(rows, fresh)]
             yield from token_events(rows, firsts, [[TokenOrigin.TARGET]] * len(rows), shaper.first_logprobs)
             if drafter is not None:
                 drafter.start(rows)
-            rounds = Round(eng.runner, eng._guard, drafter, rows, k, sampling, first, cached, shaper, eng.audit)
+            rounds = Round(eng.runner, eng._guard, drafter, rows, k, sampling, first, shaper, eng.audit)
             rounds = rechecked(rounds, eng.choice, spec, sampling.params, stats.mode_reason)  # SD watches itself
             ran = False  # a seating runs at least one round: arrivals cannot starve the rows
             while any(r.active for r in rows) and not self.token.cancelled:
@@ -265,7 +263,7 @@ class Loop:
             stats.graphs_now = lambda final=eng._graph_reports(drafter, graphs_before): final  # frozen
             stats.host_waits_now.freeze()
             if completed:  # what the caches hold now is what later seatings and calls may start from
-                store_prefixes(eng.runner, rows, cached, drafter)
+                store_prefixes(eng.runner, rows, drafter)
             if drafter is not None:
                 drafter.close()
             for r in rows:  # prompt + answer of rows that leave: what later suffix proposals may reuse

@@ -244,7 +244,8 @@ class Engine:
         """Token ids of one prompt, through the chat template when `chat`."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int, guides=None):
+    def _make_drafter(self, spec: SpecConfig, params: SamplingParams, batch: int, num_slots: int, guides=None,
+                      row_params: tuple[SamplingParams, ...] = ()):  # fmt: skip
         if spec.draft.model is not None and spec.draft.model != self.config.spec.draft.model:
             raise UsageError(
                 f"this engine was loaded with draft {self.config.spec.draft.label!r}, not {spec.draft.label!r}",
@@ -253,7 +254,7 @@ class Engine:
         resources = DraftResources(
             self.target.args.vocab_size, self.runner.device, self.config.target.device, batch, num_slots,
             draft_runner=self._draft_runner_here, worker=self._ready_worker, memory=self.suffix_memory,
-            costs=self.costs, rates=self.acceptance_rates, guides=guides, audit=self.audit,
+            costs=self.costs, rates=self.acceptance_rates, guides=guides, audit=self.audit, row_params=row_params,
         )  # fmt: skip
         return make_drafter(spec, params, resources)
 

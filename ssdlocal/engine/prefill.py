@@ -68,13 +68,13 @@ def read_prompts(runner, guard, rows, sampling, token, progress, shaper=None,
     return first, PrefillEvent(time.perf_counter() - t0, len(rows), prompts, cached)
 
 
-def store_prefixes(runner, rows, cached: list[int], drafter) -> None:
-    """After a call: each row's first `cached` tokens (what the target's cache holds) and
-    what the drafter's model holds go to the prefix caches. A failure to store costs later
+def store_prefixes(runner, rows, drafter) -> None:
+    """After a call: each row's tokens the target's cache holds (`Runner.cached`) and what
+    the drafter's model holds go to the prefix caches. A failure to store costs later
     calls their reuse, never this call its answer."""
     try:
-        for b, (row, n) in enumerate(zip(rows, cached)):
-            runner.store(b, row.tokens[: min(n, row.length)])
+        for b, row in enumerate(rows):
+            runner.store(b, row.tokens[: min(runner.cached(b), row.length)])
         if drafter is not None:
             drafter.store_prefixes()
     except (torch.OutOfMemoryError, RuntimeError) as exc:

@@ -61,6 +61,7 @@ class RowSampling:
 
     def __init__(self, requests: Sequence[Request], device, generators: dict | None = None) -> None:
         self.generators = generators if generators is not None else {}
+        self.row_params = tuple(r.params for r in requests)  # what a drafter draws each row with
         groups: dict[tuple, list[int]] = {}
         for b, req in enumerate(requests):
             groups.setdefault(req.settings, []).append(b)

@@ -44,10 +44,9 @@ class Round:
     """Everything one generate call's rounds share.
 
     `last` [B] holds each row's newest committed token (the prefill's first token, then
-    each bonus), which the target has not cached yet: every round feeds it first.
-    `cached[b]` counts row b's tokens in the target's cache (its first ones, in order),
-    on the host; commit moves it with the cache lengths (the engine's prefix cache stores
-    that many tokens when the call ends).
+    each bonus), which the target has not cached yet: every round feeds it first. How
+    many tokens each row has cached is the runner's (`Runner.cached`): commit moves its
+    lengths with the same counts on the host, so reading them needs no device read.
     """
 
     runner: Runner  # the target's, in step mode
@@ -57,7 +56,6 @@ class Round:
     k: int  # drafts per round (0 for AR)
     sampling: RowSampling  # per-row sampling settings, a generator per group (engine.request)
     last: torch.Tensor  # [B] long on the target's device
-    cached: list[int]  # per row, on the host: tokens the target's cache holds
     shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
     audit: Audit = field(default_factory=Audit)  # host waits per model (core.hostsync)
 
@@ -136,13 +134,11 @@ class Round:
             taken = [tok for tok in outcome.drafts[b][:n] + [outcome.bonus[b]] if row.append(tok)]
             emitted.append(taken)
             origins.append(kinds[: len(taken)])
+        host = [1 + (outcome.n_accepted[b] if self.k else 0) if active[b] else 0 for b in range(len(self.rows))]
         if self.k == 0:  # AR: only the pending token becomes cached
-            self.runner.advance(self.live.long())
+            self.runner.advance(self.live.long(), host)
         else:
-            self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0))
-        for b in range(len(self.rows)):
-            if active[b]:
-                self.cached[b] += 1 + (outcome.n_accepted[b] if self.k else 0)
+            self.runner.advance(torch.where(self.live, 1 + verdict.n_accepted, 0), host)
         self.last = verdict.bonus
         self.shaper.commit(emitted, active)
         self.shaper.end_failed(self.rows)

@@ -4,9 +4,9 @@ A request becomes a Job with a row per choice; each row is an engine.request.Req
 that joins the engine's running batch at a round boundary (`Engine.serve`: at most
 `max_batch` rows; a row waits in arrival order while the batch is full) and leaves when
 done, so a short request no longer waits for a long answer to end. Rows of one batch may
-sample differently (the engine verifies per group of equal settings); with a draft
-*model*, a row joins only rows with its sampling settings (temperature, top-k, top-p: the
-draft draws one way per batch). A sampled request with a seed of its own runs alone
+sample differently (the engine verifies per group of equal settings, a draft model draws
+each row its own way); with SSD's draft worker, a row joins only rows with its sampling
+settings (temperature, top-k, top-p: the worker pre-speculates one way per batch). A sampled request with a seed of its own runs alone
 (joins nothing, nobody joins it) with repeatable speculation settings, so a seeded sample
 repeats. The thread routes each row's tokens to its job's asyncio queue (the engine's
 SeatedEvent says which request each row serves), answers a job as soon as all its rows
@@ -228,12 +228,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _admits(self, request: Request, seated: Sequence[Request]) -> bool:
-        """With a draft model, rows share a batch only with rows of their sampling
-        settings (the draft draws one way per batch); n-gram and suffix drafts take any mix."""
+        """With SSD's draft worker, rows share a batch only with rows of their sampling
+        settings (the worker pre-speculates one way per batch); AR, SD (a draft model
+        draws each row its own way) and n-gram and suffix drafts take any mix."""
         spec = self.engine.config.spec
         choice = getattr(self.engine, "choice", None)
         mode = spec.mode if choice is None or spec.mode is not Mode.AUTO else choice.mode
-        if mode is Mode.AR or getattr(spec.draft, "model", None) is None or not seated:
+        if mode is not Mode.SSD or getattr(spec.draft, "model", None) is None or not seated:
             return True
         mine = _sampling(request.params)
         return all(_sampling(r.params) == mine for r in seated)

@@ -75,6 +75,7 @@ class ScriptedRunner(HeldRows):
         self.held = [[] for _ in range(batch_size)]
         self.slots = [[None] * num_slots for _ in range(batch_size)]
         self.lengths = [0] * batch_size
+        self._count_end()
 
     def _write(self, row: int, position: int, token: int) -> None:
         if not 0 <= position < self.num_slots:
@@ -141,6 +142,7 @@ class ScriptedRunner(HeldRows):
         self.calls["begin_steps"] += 1
         self.lengths = [len(h) for h in self.held]
         self._begun = [list(h) for h in self.held]
+        self._count_begin()
 
     def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         self.calls["step"] += 1
@@ -154,9 +156,12 @@ class ScriptedRunner(HeldRows):
             torch.stack([self._logits_at(b, self.lengths[b] + t) for t in range(width)]) for b in range(batch)
         ])  # fmt: skip
 
-    def advance(self, n) -> None:
+    def advance(self, n, host=None) -> None:
         steps = n.tolist() if isinstance(n, torch.Tensor) else [int(n)] * len(self.lengths)
+        if host is not None and list(map(int, host)) != steps:
+            raise ValueError(f"advance: host counts {list(host)} are not the device's {steps}")
         self.lengths = [length + int(s) for length, s in zip(self.lengths, steps)]
+        self._count_advance(n, host)
 
     def end_steps(self, kept: Mapping[int, Sequence[int]]) -> None:
         self.calls["end_steps"] += 1
@@ -165,6 +170,7 @@ class ScriptedRunner(HeldRows):
             if self.slots[b][len(begun) : len(begun) + len(extra)] != extra:
                 raise ValueError(f"row {b}: end_steps keeps tokens its slots do not hold")
             self.held[b] = begun + extra
+        self._count_end()
 
     def cache_holds(self, row: int, tokens: Sequence[int]) -> bool:
         """Whether row `row`'s first len(tokens) slots hold exactly `tokens` (step mode)."""

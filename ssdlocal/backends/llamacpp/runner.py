@@ -115,6 +115,7 @@ class LlamaCppRunner(HeldRows):
                 self.lib.seq_rm(self._ctx, seq, -1, -1)
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
+        self._count_end()
         self._kv = [[] for _ in range(batch_size)]
         self._chains.clear()
         self._scratch.clear()
@@ -310,6 +311,7 @@ class LlamaCppRunner(HeldRows):
         """Start decoding with `step` (see TorchRunner.step): lengths from what is cached."""
         self._lengths = [len(h) for h in self.held]
         self._step_base = list(self._lengths)
+        self._count_begin()
 
     def end_steps(self, kept) -> None:
         """Rows in `kept` hold their cached tokens at `begin_steps` + kept[row]; the others
@@ -317,6 +319,7 @@ class LlamaCppRunner(HeldRows):
         for row, held in enumerate(self.held):
             del held[self._step_base[row] :]
             held.extend(kept.get(row, ()))
+        self._count_end()
 
     def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V]."""
@@ -325,10 +328,11 @@ class LlamaCppRunner(HeldRows):
             del held[self._lengths[b] :]  # rejected tokens of the last step
         return torch.stack(self.feed(rows))  # [B, T, V]
 
-    def advance(self, n) -> None:
-        """lengths += n (a [B] tensor or one int for every row)."""
-        values = n.tolist() if isinstance(n, torch.Tensor) else [n] * len(self._lengths)
+    def advance(self, n, host: Sequence[int] | None = None) -> None:
+        """lengths += n (a [B] tensor or one int for every row; `host`: the same on the host)."""
+        values = host if host is not None else n.tolist() if isinstance(n, torch.Tensor) else [n] * len(self._lengths)
         self._lengths = [length + int(k) for length, k in zip(self._lengths, values)]
+        self._count_advance(n, values)
 
     # ------------------------------------------------------------------ tree decoding (SSD)
     def forward_raw(

@@ -128,6 +128,7 @@ class TorchRunner(HeldRows):
         self.held = [[] for _ in range(batch_size)]
         self.state.lengths.zero_()
         self.staging.drop()
+        self._count_end()
 
     def _allocate(self, batch_size: int, capacity: int) -> None:
         self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
@@ -316,6 +317,7 @@ class TorchRunner(HeldRows):
     def begin_steps(self) -> None:
         """Start decoding with `step`: each row's length is what `feed` left cached."""
         self.state.lengths.copy_(torch.tensor([len(h) for h in self.held], dtype=torch.long))
+        self._count_begin()
 
     @torch.inference_mode()
     def step(self, ids: Tensor, bound: int | None = None) -> Tensor:
@@ -343,11 +345,14 @@ class TorchRunner(HeldRows):
         never change `held`, so the other rows hold what they held."""
         for row, tokens in kept.items():
             self.held[row].extend(tokens)
+        self._count_end()
 
     @torch.inference_mode()
-    def advance(self, n: Tensor | int) -> None:
-        """lengths += n ([B] long on the device, or one int for every row), in place."""
+    def advance(self, n: Tensor | int, host: Sequence[int] | None = None) -> None:
+        """lengths += n ([B] long on the device, or one int for every row), in place;
+        `host`: the same counts on the host (Runner.advance)."""
         self.state.lengths += n
+        self._count_advance(n, host)
 
     def _step(self, ids: Tensor, span: int) -> Tensor:
         """Attention over slots [0, span), masked causally on the device (capturable)."""
