@@ -228,6 +228,12 @@ def test_a_long_joining_prompt_is_read_ahead_between_rounds_while_the_running_ro
         return read(tokens, n)
 
     monkeypatch.setattr(engine.runner, "read_ahead", reading)
+    from ssdlocal.draft.ssd.client import SSDDrafter
+    from ssdlocal.draft.sync import ModelDrafter
+
+    for cls in (ModelDrafter, SSDDrafter):  # the draft model reads the same chunks (SSD's worker when idle)
+        drafter_read = cls.read_ahead
+        monkeypatch.setattr(cls, "read_ahead", lambda self, t, n, f=drafter_read: log.append("draft") or f(self, t, n))
     fed: list[list[int]] = []
     feed = engine.runner.feed
     monkeypatch.setattr(engine.runner, "feed", lambda rows, *a: fed.append([len(r) for r in rows]) or feed(rows, *a))
@@ -237,10 +243,33 @@ def test_a_long_joining_prompt_is_read_ahead_between_rounds_while_the_running_ro
         assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids, (case, request.id)
     chunks = log.count("chunk")
     assert chunks >= (len(joiner.prompt) - 1) // 16 - 1  # read a chunk at a time
+    assert (log.count("draft") >= chunks - 1) is (case != "ar")
     seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
     assert running.id in served.seatings[seat].requests  # it joined the running row
     assert served.prefills[seat].cached_tokens[1] == 0  # nothing of it was cached before
     assert [f[1] for f in fed if len(f) == 2][0] <= 16  # its seat read at most one chunk
+
+
+def test_the_ssd_worker_reads_ahead_in_pieces_while_no_message_waits():
+    from types import SimpleNamespace
+
+    from ssdlocal.draft.ssd.worker import AHEAD_PIECE, DraftWorker
+
+    polls = iter([False, False, True])
+    worker = DraftWorker(SimpleNamespace(poll=lambda: next(polls)))
+    held, asked = [0], []
+
+    def read_ahead(tokens, n):
+        asked.append(n)
+        held[0] += n
+        return held[0]
+
+    worker.runner = SimpleNamespace(read_ahead=read_ahead)
+    worker._read_ahead(tuple(range(100)), 4 * AHEAD_PIECE)
+    assert [n for n in asked if n] == [AHEAD_PIECE, AHEAD_PIECE]  # it stopped when a message waited
+    worker = DraftWorker(SimpleNamespace(poll=lambda: False))
+    worker.runner = SimpleNamespace(read_ahead=lambda tokens, n: 5)  # a store that takes no more
+    worker._read_ahead(tuple(range(100)), 4 * AHEAD_PIECE)  # returns instead of spinning
 
 
 def test_a_prompt_the_store_cannot_take_is_read_whole_at_its_seat(engine, tiny_dir, monkeypatch):

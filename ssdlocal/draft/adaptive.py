@@ -70,6 +70,11 @@ class AdaptiveDrafter:
         if self.model is not None:
             self.model.store_prefixes()
 
+    def read_ahead(self, tokens, n: int) -> None:
+        """Drafter.read_ahead: the draft model's (suffix proposals need no reading)."""
+        if self.model is not None:
+            self.model.read_ahead(tokens, n)
+
     def start(self, rows: Sequence[RowView]) -> None:
         self.rows = rows
         for source in (self.model, self.suffix):

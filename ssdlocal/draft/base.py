@@ -105,7 +105,11 @@ class RoundOutcome:
 
 class Drafter(Protocol):
     """What the engine calls, in this order: read_prompts, start, then (propose, observe)
-    per round, store_prefixes when the call ended normally, and close."""
+    per round, store_prefixes when the call ended normally, and close.
+
+    Optional: `read_ahead(tokens, n)` (between rounds, serving): a drafter with a model of
+    its own reads up to `n` more of `tokens`, a prompt waiting to join, into its prefix
+    store, best effort (the target reads the same prompt ahead; engine/ahead.py)."""
 
     k: int
 

@@ -189,6 +189,10 @@ class ModelDrafter:
             self.runner.advance(self.site.upload(delta, self.runner.device))
         self._fed = list(self.cached)
 
+    def read_ahead(self, tokens, n: int) -> None:
+        """Drafter.read_ahead: into the draft runner's prefix store (Runner.read_ahead)."""
+        self.runner.read_ahead(tokens, n)
+
     def store_prefixes(self) -> None:
         """The draft's cache holds each row's first `cached` committed tokens."""
         for b, (row, n) in enumerate(zip(self.rows, self.cached)):

@@ -6,7 +6,8 @@ re-seat while every running row waits). Instead, at each round boundary, `ReadAh
 reads one chunk of it into the target's prefix store (`Runner.read_ahead`), taking about
 as long as the round just run took (READ_SHARE), so running rows keep at least about half
 of the time; once the rest fits one chunk the request is seated and takes its prompt
-from the store like any prefix-cache hit. A runner that cannot read ahead, or a store
+from the store like any prefix-cache hit. A drafter with a model of its own reads the
+same chunk into its store (Drafter.read_ahead; SSD's worker when it is idle). A runner that cannot read ahead, or a store
 that cannot hold the prompt, seats the request as before. Whether its prefix was cached
 before is still reported as such: tokens read ahead are not counted as cache hits.
 """
@@ -53,8 +54,10 @@ class ReadAhead:
             return True
         return len(request.prompt) - 1 - self._held(request) <= chunk
 
-    def read(self, requests: Sequence[Request], chunk: int) -> None:
-        """One chunk of the first of `requests` that is not ready."""
+    def read(self, requests: Sequence[Request], chunk: int, drafter=None) -> None:
+        """One chunk of the first of `requests` that is not ready, into the target's store
+        and, when it reads ahead too (Drafter.read_ahead), the drafter's, as far as the
+        target's went."""
         for request in requests:
             if self.ready(request, chunk):
                 continue
@@ -65,6 +68,8 @@ class ReadAhead:
                 self._stalled.add(request.id)  # the store cannot hold more of it: read it whole at its seat
             else:
                 self.rate = (now - held) / max(time.perf_counter() - t0, 1e-6)
+            if drafter is not None and hasattr(drafter, "read_ahead"):
+                drafter.read_ahead(request.prompt[:now], chunk)
             return
 
     def cached_before(self, request: Request) -> int | None:

@@ -160,7 +160,7 @@ class Loop:
     def _ready(self, request: Request) -> bool:
         return self.ahead.ready(request, self.ahead.chunk(self.round_s))
 
-    def _at_boundary(self, seats: Sequence[Seat]) -> bool:
+    def _at_boundary(self, seats: Sequence[Seat], drafter=None) -> bool:
         """Serving, at a round boundary: re-seat now when finished rows make up at least
         half of the batch, or a request may join (there is room) whose prompt is ready
         (engine.ahead); else read a chunk of the first waiting prompt that is not."""
@@ -176,7 +176,7 @@ class Loop:
         if any(self._ready(r) for r in joinable):
             return True
         if joinable:
-            self.ahead.read(joinable, self.ahead.chunk(self.round_s))
+            self.ahead.read(joinable, self.ahead.chunk(self.round_s), drafter)
         return False
 
     def _uncounted(self, prefill: PrefillEvent, seats: Sequence[Seat]) -> PrefillEvent:
@@ -245,7 +245,7 @@ class Loop:
                 eng._apply_row_cancels(rows)
                 if self.inbox is not None:
                     self._cancel(seats, self.inbox.take_cancels())
-                if not any(r.active for r in rows) or (ran and self._at_boundary(seats)):
+                if not any(r.active for r in rows) or (ran and self._at_boundary(seats, drafter)):
                     break
                 t0 = time.perf_counter()
                 yield from rounds.run(self.round_index)

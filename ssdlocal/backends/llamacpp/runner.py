@@ -4,10 +4,8 @@ Row b of a batch is llama.cpp sequence b in one unified KV cache. `held[b]` mean
 it means for every runner (tokens of row b whose keys/values are cached); `sync` only
 shortens it, so before touching row b the runner removes the cache cells past the
 common prefix of `held[b]` and what it really wrote (`_kv[b]`) with
-llama_memory_seq_rm. SSD tree decoding (`forward_raw`) maps each branch to its own
-sequence: the row's prefix cells are shared with it by seq_cp (no data copy), its own
-tokens are decoded in one llama_batch per step with every other branch, and
-`take_branch` hands an accepted branch's cells back to the row (seq_cp).
+llama_memory_seq_rm. SSD tree decoding (`forward_raw`,
+backends/llamacpp/tree.py) maps each branch to a sequence of its own.
 Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
 """
 
@@ -15,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
+from ssdlocal.backends.llamacpp.tree import TreeSequences, _Chain
 from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.memory import available_ram_bytes
@@ -30,18 +28,7 @@ N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_uba
 _PAD = 256  # llama.cpp rounds the context size up to this
 
 
-@dataclass
-class _Chain:
-    """One tree branch: llama.cpp sequence `seq` = row's first n_main tokens + own tokens."""
-
-    row: int
-    n_main: int
-    prefix: list[int]  # the row's tokens 0..n_main-1 when the branch was made
-    slots: list[int] = field(default_factory=list)  # scratch slots written, in order
-    tokens: list[int] = field(default_factory=list)  # their tokens
-
-
-class LlamaCppRunner(HeldRows):
+class LlamaCppRunner(TreeSequences, HeldRows):
     """Feeds variable-length token lists per row through a llama.cpp model.
 
     `tree=True` sizes the context for SSD tree decoding (many sequences).
@@ -333,123 +320,3 @@ class LlamaCppRunner(HeldRows):
         values = host if host is not None else n.tolist() if isinstance(n, torch.Tensor) else [n] * len(self._lengths)
         self._lengths = [length + int(k) for length, k in zip(self._lengths, values)]
         self._count_advance(n, values)
-
-    # ------------------------------------------------------------------ tree decoding (SSD)
-    def forward_raw(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Runner.forward_raw for tree masks; does not touch `held`.
-
-        ids, positions, slots [B, T] long; mask [B, T, S] bool. Query (b, t) writes slot
-        slots[b, t] and may see a prefix 0..n-1 of row b's cached tokens plus the scratch
-        slots one earlier branch wrote (its chain). The last slot is the trash slot of
-        padded queries (skipped; their logits are zeros). Returns [B, T, V] float32.
-        """
-        batch, width = ids.shape
-        trash = self.num_slots - 1
-        ids_l, pos_l, slot_l = ids.tolist(), positions.tolist(), slots.tolist()
-        live = [(b, t) for b in range(batch) for t in range(width) if slot_l[b][t] != trash]
-        visible = {q: mask[q[0], q[1]].nonzero().flatten().tolist() for q in live}
-        continues = any((b, s) in self._scratch and s != slot_l[b][t] for (b, t), vis in visible.items() for s in vis)
-        if not continues:
-            self._drop_chains()  # a new tree: no query continues an earlier branch
-        claimed: set[int] = set()
-        plan: list[tuple[int, int, _Chain, int]] = []  # (b, t, chain, seq)
-        for b, t in live:
-            self._reconcile(b)
-            chain, seq = self._chain_for(b, slot_l[b][t], visible[(b, t)], pos_l[b][t], claimed)
-            claimed.add(seq)
-            plan.append((b, t, chain, seq))
-        out = torch.zeros(batch, width, self.vocab_size)  # [B, T, V]
-        if not plan:
-            return out
-        logits = self._decode(
-            [ids_l[b][t] for b, t, _, _ in plan],
-            [pos_l[b][t] for b, t, _, _ in plan],
-            [seq for _, _, _, seq in plan],
-        )  # [N, V]
-        for i, (b, t, chain, seq) in enumerate(plan):
-            out[b, t] = torch.from_numpy(logits[i])
-            chain.slots.append(slot_l[b][t])
-            chain.tokens.append(ids_l[b][t])
-            self._chains[seq] = chain
-            self._scratch[(b, slot_l[b][t])] = seq
-        return out
-
-    def _chain_for(self, b: int, own: int, visible: list[int], position: int, claimed: set[int]) -> tuple[_Chain, int]:
-        """The branch chain and llama.cpp sequence for row b's query writing slot `own`
-        that sees `visible` slots at `position`: a new chain off the row's cached prefix,
-        or the one earlier branch it continues. NotImplementedError for masks that are not
-        such trees."""
-        if (b, own) in self._scratch:
-            raise NotImplementedError("forward_raw: a slot is written twice in one tree")
-        main = [s for s in visible if (b, s) not in self._scratch and s != own]
-        scratch = [s for s in visible if (b, s) in self._scratch and s != own]
-        n_main = len(main)
-        if main != list(range(n_main)) or n_main > len(self._kv[b]):
-            raise NotImplementedError("forward_raw: a query must see a prefix of its row's cached tokens")
-        if not scratch:
-            seq = self._alloc()
-            self.lib.seq_cp(self._ctx, b, seq, 0, n_main)
-            chain = _Chain(b, n_main, self._kv[b][:n_main])
-        else:
-            parent = self._scratch[(b, scratch[0])]
-            chain = self._chains[parent]
-            if sorted(scratch) != sorted(chain.slots) or chain.n_main != n_main:
-                raise NotImplementedError("forward_raw: a query must see one whole branch")
-            if parent in claimed:
-                raise NotImplementedError("forward_raw: two queries continue one branch")
-            seq = parent
-        if position != chain.n_main + len(chain.slots):
-            raise NotImplementedError("forward_raw: branch positions must be consecutive")
-        return chain, seq
-
-    def tree_width(self, width: int) -> int:
-        """No padding: every branch is its own llama.cpp sequence."""
-        return width
-
-    def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
-        """Adopt the branch written at scratch slots `src` as the row's tokens from `start`."""
-        self._copy_slots(row, list(src), list(range(start, start + len(src))))
-        held = self.held[row]
-        del held[start:]
-        held.extend(tokens)
-
-    def _copy_slots(self, row: int, src: list[int], dst: list[int]) -> None:
-        """Make the branch written at scratch slots `src` row `row`'s tokens at `dst`.
-
-        dst must be consecutive positions starting where the branch leaves the row's
-        prefix (what the speculator does when a cached branch is taken).
-        """
-        if not src:
-            return
-        seq = self._scratch.get((row, src[0]))
-        chain = self._chains.get(seq) if seq is not None else None
-        if chain is None or chain.row != row:
-            raise NotImplementedError("copy_slots: source slots are not one branch of this row")
-        depth = len(src)
-        if src != chain.slots[:depth] or dst != list(range(chain.n_main, chain.n_main + depth)):
-            raise NotImplementedError("copy_slots: slots must be a branch's head, copied in place")
-        kv = self._kv[row]
-        if kv[: chain.n_main] != chain.prefix:
-            raise RuntimeError(f"copy_slots: row {row} changed below the branch point")  # a bug
-        self.lib.seq_rm(self._ctx, row, chain.n_main, -1)
-        del kv[chain.n_main :]
-        self.lib.seq_cp(self._ctx, seq, row, chain.n_main, chain.n_main + depth)
-        kv.extend(chain.tokens[:depth])
-
-    def _alloc(self) -> int:
-        if not self._free:
-            raise UsageError(
-                f"SSD fan-out needs more than the {self._ctx_seqs} sequences llama.cpp supports",
-                "use fewer prompts per call or a smaller --fan-out",
-            )
-        return self._free.pop()
-
-    def _drop_chains(self) -> None:
-        for seq in self._chains:
-            self.lib.seq_rm(self._ctx, seq, -1, -1)
-            self._free.append(seq)
-        self._free.sort(reverse=True)
-        self._chains.clear()
-        self._scratch.clear()

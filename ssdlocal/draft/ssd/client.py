@@ -137,6 +137,7 @@ class SSDDrafter:
         self.chooser = BackupChooser(spec.backup, spec.k)
         self.last: pr.ProposalMsg | None = None
         self._awaiting = False  # a PROPOSAL reply is owed by the worker
+        self._ahead: tuple[tuple[int, ...], int] | None = None  # sent with the next outcome (read_ahead)
         self.memory = memory  # speculation.suffix.SuffixMemory, sent when the backup is suffix
         self.graphs_at_start: dict | None = None  # the worker's graph counts at START
         self.waits_at_start = HostWaits()  # the worker's host waits at START
@@ -228,8 +229,9 @@ class SSDDrafter:
         backup = self.chooser.choose(sum(outcome.active), verify_s)
         msg = pr.OutcomeMsg(
             round_index=self._round, appended=outcome.appended, n_accepted=outcome.n_accepted,
-            bonus=outcome.bonus, active=outcome.active, verify_s=verify_s, backup=backup,
+            bonus=outcome.bonus, active=outcome.active, verify_s=verify_s, backup=backup, ahead=self._ahead,
         )  # fmt: skip
+        self._ahead = None
         self._round += 1
         self.client.send(pr.Cmd.OUTCOME, msg)
         self._awaiting = True
@@ -264,3 +266,7 @@ class SSDDrafter:
 
     def store_prefixes(self) -> None:
         return None  # the worker stores its rows when the next batch starts
+
+    def read_ahead(self, tokens, n: int) -> None:
+        """Drafter.read_ahead: sent with the next outcome; the worker reads when it is idle."""
+        self._ahead = (tuple(int(t) for t in tokens), n)
