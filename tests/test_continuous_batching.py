@@ -250,26 +250,18 @@ def test_a_long_joining_prompt_is_read_ahead_between_rounds_while_the_running_ro
     assert [f[1] for f in fed if len(f) == 2][0] <= 16  # its seat read at most one chunk
 
 
-def test_the_ssd_worker_reads_ahead_in_pieces_while_no_message_waits():
+def test_the_ssd_worker_reads_its_chunk_ahead_even_when_the_next_outcome_waits():
+    """A worker that read ahead only when idle fell behind the target (it held a third of
+    the prompt at the seat): it reads the whole chunk after its pre-speculation."""
     from types import SimpleNamespace
 
-    from ssdlocal.draft.ssd.worker import AHEAD_PIECE, DraftWorker
+    from ssdlocal.draft.ssd.worker import DraftWorker
 
-    polls = iter([False, False, True])
-    worker = DraftWorker(SimpleNamespace(poll=lambda: next(polls)))
-    held, asked = [0], []
-
-    def read_ahead(tokens, n):
-        asked.append(n)
-        held[0] += n
-        return held[0]
-
-    worker.runner = SimpleNamespace(read_ahead=read_ahead)
-    worker._read_ahead(tuple(range(100)), 4 * AHEAD_PIECE)
-    assert [n for n in asked if n] == [AHEAD_PIECE, AHEAD_PIECE]  # it stopped when a message waited
-    worker = DraftWorker(SimpleNamespace(poll=lambda: False))
-    worker.runner = SimpleNamespace(read_ahead=lambda tokens, n: 5)  # a store that takes no more
-    worker._read_ahead(tuple(range(100)), 4 * AHEAD_PIECE)  # returns instead of spinning
+    worker = DraftWorker(SimpleNamespace(poll=lambda: True))  # a message always waits
+    asked = []
+    worker.runner = SimpleNamespace(read_ahead=lambda tokens, n: asked.append((len(tokens), n)) or n)
+    worker._read_ahead(tuple(range(100)), 48)
+    assert asked == [(100, 48)]
 
 
 def test_a_prompt_the_store_cannot_take_is_read_whole_at_its_seat(engine, tiny_dir, monkeypatch):

@@ -109,7 +109,7 @@ class Drafter(Protocol):
 
     Optional: `read_ahead(tokens, n)` (between rounds, serving): a drafter with a model of
     its own reads up to `n` more of `tokens`, a prompt waiting to join, into its prefix
-    store, best effort (the target reads the same prompt ahead; engine/ahead.py)."""
+    store (the target reads the same prompt ahead; engine/ahead.py)."""
 
     k: int
 

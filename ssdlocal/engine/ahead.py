@@ -7,7 +7,7 @@ reads one chunk of it into the target's prefix store (`Runner.read_ahead`), taki
 as long as the round just run took (READ_SHARE), so running rows keep at least about half
 of the time; once the rest fits one chunk the request is seated and takes its prompt
 from the store like any prefix-cache hit. A drafter with a model of its own reads the
-same chunk into its store (Drafter.read_ahead; SSD's worker when it is idle). A runner that cannot read ahead, or a store
+same chunk into its store (Drafter.read_ahead; SSD's worker after its pre-speculation). A runner that cannot read ahead, or a store
 that cannot hold the prompt, seats the request as before. Whether its prefix was cached
 before is still reported as such: tokens read ahead are not counted as cache hits.
 """

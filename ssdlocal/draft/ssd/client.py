@@ -268,5 +268,6 @@ class SSDDrafter:
         return None  # the worker stores its rows when the next batch starts
 
     def read_ahead(self, tokens, n: int) -> None:
-        """Drafter.read_ahead: sent with the next outcome; the worker reads when it is idle."""
+        """Drafter.read_ahead: sent with the next outcome; the worker reads it after that
+        round's pre-speculation."""
         self._ahead = (tuple(int(t) for t in tokens), n)

@@ -77,7 +77,7 @@ class OutcomeMsg:
     verify_s: float  # the target's verification time (for fan-out budget sizing)
     backup: Backup  # backup to use for missed rows this round (never AUTO)
     # a prompt waiting to join and how many more of its tokens to read into the prefix store
-    # once pre-speculation is done and no message waits (Drafter.read_ahead), or None
+    # once pre-speculation is done (Drafter.read_ahead), or None
     ahead: tuple[tuple[int, ...], int] | None = None
 
 
