@@ -397,22 +397,3 @@ def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypa
         assert status == 200 and "ssdlocal_queue_time_seconds_count" in text and "ssdlocal_rows_running" in text
     finally:
         live.close()
-
-
-def test_with_ssds_draft_worker_rows_join_only_rows_that_sample_like_them(tiny_dir):
-    from types import SimpleNamespace
-
-    from ssdlocal.server.scheduler import Scheduler
-
-    cold = Request((1,), greedy(4))
-    hot = Request((1,), SamplingParams(temperature=0.7))
-    hotter = Request((1,), SamplingParams(temperature=0.9))
-    model = str(tiny_dir["draft_llama"])
-    for mode, draft, mixes in ((Mode.SSD, model, False), (Mode.SD, model, True), (Mode.SD, "ngram", True),
-                               (Mode.SSD, "suffix", True)):  # fmt: skip
-        spec = SpecConfig(mode=mode, k=3, draft=draft_of(draft))
-        scheduler = Scheduler(SimpleNamespace(config=SimpleNamespace(spec=spec), choice=None), None, mode="sd")
-        assert scheduler._admits(hot, []) and scheduler._admits(cold, [Request((2,), greedy(9))])
-        assert scheduler._admits(hot, [cold]) is mixes and scheduler._admits(hotter, [hot]) is mixes
-    ar = Scheduler(SimpleNamespace(config=SimpleNamespace(spec=SpecConfig(mode=Mode.AR)), choice=None), None, mode="ar")
-    assert ar._admits(hot, [cold, hotter])

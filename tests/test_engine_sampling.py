@@ -125,10 +125,12 @@ def test_sd_matches_exact_joint(engine, models, top_p):
     assert_distribution(joint.categories(done.outputs), joint.probs, what=f"SD top_p={top_p}")
 
 
-def test_sd_rows_that_sample_differently_share_a_batch_losslessly(engine, models):
-    """Served together in one batch (Engine.serve), rows at T = 1 and rows at T = 0.6 each
-    draft from their own warp of the draft model, and the T = 0.6 rows (not the batch's
-    first setting) still follow the exact joint."""
+@pytest.mark.parametrize("mode", [Mode.SD, Mode.SSD])
+def test_rows_that_sample_differently_share_a_batch_losslessly(engine, models, mode):
+    """Served together in one batch (Engine.serve), rows at T = 1 and rows at T = 0.6: in
+    SD each draws from its own warp of the draft model, in SSD the worker pre-speculates
+    with the first setting's; either way the T = 0.6 rows (not the batch's first setting)
+    follow the exact joint."""
     from ssdlocal.core.events import TokensEvent
     from ssdlocal.engine.request import Inbox, Request
 
@@ -143,7 +145,7 @@ def test_sd_rows_that_sample_differently_share_a_batch_losslessly(engine, models
     tokens: dict[int, list[int]] = {}
     seated: list[int] = []
     seatings: list[int] = []
-    spec = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)
+    spec = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft) if mode is Mode.SD else ssd_spec(engine)
     for event in engine.serve(inbox, max_batch=len(hot) + len(cool), spec=spec):
         if hasattr(event, "joined"):
             seated = list(event.requests)
@@ -152,7 +154,7 @@ def test_sd_rows_that_sample_differently_share_a_batch_losslessly(engine, models
             tokens.setdefault(seated[event.row], []).extend(event.token_ids)
     assert seatings[0] == len(hot) + len(cool)  # they started as one batch
     outputs = [type("Out", (), {"token_ids": tuple(tokens[r.id])})() for r in cool]
-    assert_distribution(joint.categories(outputs), joint.probs, what="SD, rows of two temperatures")
+    assert_distribution(joint.categories(outputs), joint.probs, what=f"{mode.value}, rows of two temperatures")
 
 
 SSD_CASES = {

@@ -4,11 +4,11 @@ A request becomes a Job with a row per choice; each row is an engine.request.Req
 that joins the engine's running batch at a round boundary (`Engine.serve`: at most
 `max_batch` rows; a row waits in arrival order while the batch is full) and leaves when
 done, so a short request no longer waits for a long answer to end. Rows of one batch may
-sample differently (the engine verifies per group of equal settings, a draft model draws
-each row its own way); with SSD's draft worker, a row joins only rows with its sampling
-settings (temperature, top-k, top-p: the worker pre-speculates one way per batch). A sampled request with a seed of its own runs alone
-(joins nothing, nobody joins it) with repeatable speculation settings, so a seeded sample
-repeats. The thread routes each row's tokens to its job's asyncio queue (the engine's
+sample differently (the engine verifies per group of equal settings; an SD draft model
+draws each row its own way, SSD's worker pre-speculates with the batch's first setting,
+which costs other rows accepted drafts, never exactness). A sampled request with a seed
+of its own runs alone (joins nothing, nobody joins it) with repeatable speculation
+settings, so a seeded sample repeats. The thread routes each row's tokens to its job's asyncio queue (the engine's
 SeatedEvent says which request each row serves), answers a job as soon as all its rows
 finish, cancels the rows of a job whose client left (they finish "cancelled" at the next
 round boundary), and survives a failed engine call: the jobs seated in it get the error,
@@ -29,7 +29,7 @@ from typing import Any
 
 from ssdlocal.backends import registry
 from ssdlocal.core.cancel import CancelToken
-from ssdlocal.core.config import Mode, SamplingParams
+from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import (
     LazySnapshot,
     PrefillEvent,
@@ -156,7 +156,7 @@ class Scheduler:
         self.mode = mode
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s  # an idle engine waits this long for requests sent together
-        self.inbox = Inbox(self._admits, gather_s=batch_wait_s)
+        self.inbox = Inbox(gather_s=batch_wait_s)
         self._lock = threading.Lock()
         self._owners: dict[int, tuple[Job, int]] = {}  # request id -> (job, choice), until the job ends
         self._jobs: dict[int, Job] = {}  # job id -> job, until it ends
@@ -225,19 +225,6 @@ class Scheduler:
         self._fail_all(ServerShuttingDown())
         if self._thread.is_alive():
             self._thread.join(timeout)
-
-    # ------------------------------------------------------------------ admission
-    def _admits(self, request: Request, seated: Sequence[Request]) -> bool:
-        """With SSD's draft worker, rows share a batch only with rows of their sampling
-        settings (the worker pre-speculates one way per batch); AR, SD (a draft model
-        draws each row its own way) and n-gram and suffix drafts take any mix."""
-        spec = self.engine.config.spec
-        choice = getattr(self.engine, "choice", None)
-        mode = spec.mode if choice is None or spec.mode is not Mode.AUTO else choice.mode
-        if mode is not Mode.SSD or getattr(spec.draft, "model", None) is None or not seated:
-            return True
-        mine = _sampling(request.params)
-        return all(_sampling(r.params) == mine for r in seated)
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -391,8 +378,3 @@ class Scheduler:
         m = Metrics.of(job.stats.counts, mode=self.mode, ttft_s=ttft, graphs=graphs)  # graphs: this seating's
         queue = None if job.joined_at is None else job.joined_at - job.submitted_at
         return {**m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None), "queue_s": queue}
-
-
-def _sampling(params: SamplingParams) -> tuple:
-    """The settings a draft model draws with."""
-    return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
