@@ -87,13 +87,10 @@ class RowSampling:
 
 class Inbox:
     """New requests and cancels for a serving loop, from any thread (Engine.serve reads it
-    between rounds). `admits(request, seated)` is the caller's rule for whether a waiting
-    request may join a batch whose rows serve `seated` (requests); requests join in
-    arrival order (the first that may not join holds the ones behind it)."""
+    between rounds). Requests join in arrival order (the first that may not join, a seeded
+    sample's `exclusive` key, holds the ones behind it)."""
 
-    def __init__(self, admits: Callable[[Request, Sequence[Request]], bool] | None = None,
-                 gather_s: float = 0.0) -> None:  # fmt: skip
-        self.admits = admits or (lambda request, seated: True)
+    def __init__(self, gather_s: float = 0.0) -> None:
         self.gather_s = gather_s  # an idle loop waits this long after a first arrival: requests sent together
         self._cond = threading.Condition()
         self._waiting: list[Request] = []
@@ -135,7 +132,7 @@ class Inbox:
     def _joinable(self, room: int, seated: Sequence[Request]) -> list[Request]:
         out: list[Request] = []
         for req in self._waiting:
-            if len(out) >= room or not _may_share(req, [*seated, *out]) or not self.admits(req, [*seated, *out]):
+            if len(out) >= room or not _may_share(req, [*seated, *out]):
                 break
             out.append(req)
         return out
