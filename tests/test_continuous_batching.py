@@ -250,6 +250,36 @@ def test_a_long_joining_prompt_is_read_ahead_between_rounds_while_the_running_ro
     assert [f[1] for f in fed if len(f) == 2][0] <= 16  # its seat read at most one chunk
 
 
+def test_a_request_cancelled_while_its_prompt_is_read_ahead_never_joins(engine, tiny_dir, monkeypatch):
+    import ssdlocal.engine.ahead as ahead
+
+    monkeypatch.setattr(ahead, "FIRST_CHUNK", 16)
+    monkeypatch.setattr(ahead, "MAX_CHUNK", 16)
+    spec = SPECS["ar"](tiny_dir)
+    engine.runner.forget_prefixes()
+    running = Request(ids_of(engine, PROMPTS[1]), greedy(80))
+    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(8))
+    chunks = []
+    read = engine.runner.read_ahead
+    monkeypatch.setattr(engine.runner, "read_ahead", lambda t, n: (chunks.append(n) if n else None) or read(t, n))
+    inbox, seated, tokens, added = Inbox(), [], [], False
+    inbox.add(running)
+    for event in engine.serve(inbox, max_batch=8, spec=spec):
+        if isinstance(event, SeatedEvent):
+            seated.append(event.requests)
+        elif isinstance(event, TokensEvent):
+            tokens += event.token_ids
+            if len(tokens) >= 4 and not added:
+                inbox.add(joiner)
+                added = True
+            if len(chunks) == 2:
+                inbox.cancel(joiner.id)  # mid-read
+            if event.finish_reason:
+                inbox.close()
+    assert len(chunks) >= 2 and all(joiner.id not in s for s in seated)
+    assert tuple(tokens) == alone(engine, running, spec).token_ids
+
+
 def test_the_ssd_worker_reads_its_chunk_ahead_even_when_the_next_outcome_waits():
     """A worker that read ahead only when idle fell behind the target (it held a third of
     the prompt at the seat): it reads the whole chunk after its pre-speculation."""
