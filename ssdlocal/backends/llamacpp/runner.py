@@ -55,6 +55,7 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self._chains: dict[int, _Chain] = {}  # branch sequence id -> chain
         self._scratch: dict[tuple[int, int], int] = {}  # (row, slot) -> branch sequence id
         self._free: list[int] = []
+        self._touched: set[int] = set()  # branch sequences used since the last reset
         self._store_tokens = 0  # the prefix store's cells (setup_prefix)
         self.prefix: SeqStore | None = None  # earlier calls' prefixes, in reserved sequences
 
@@ -93,9 +94,13 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         else:
             self._drop_chains()
             kept = set(self.prefix.ids) if self.prefix is not None else set()
-            for seq in range(self._ctx_seqs):
+            # only rows (below the last batch's size), branches and store entries hold cells: a
+            # seq_rm of each of a context's 256 sequences would scan every cell 256 times
+            used = set(range(max(len(self.held), batch_size))) | self._touched | kept
+            for seq in sorted(used):
                 if seq not in kept or seq < batch_size:  # rows (and branches) start empty
                     self.lib.seq_rm(self._ctx, seq, -1, -1)
+        self._touched = set()
         self._store_ids(tuple(range(seqs - stored, seqs)) if stored else ())
         if self.prefix is not None:
             for seq in self.prefix.fit(min(store, max(0, self._ctx_cells - row_cells - _PAD))):

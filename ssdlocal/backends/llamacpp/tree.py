@@ -42,6 +42,7 @@ class TreeSequences:
     _chains: dict[int, _Chain]
     _scratch: dict[tuple[int, int], int]
     _free: list[int]
+    _touched: set[int]
 
     def forward_raw(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
@@ -152,7 +153,9 @@ class TreeSequences:
                 f"SSD fan-out needs more than the {self._ctx_seqs} sequences llama.cpp supports",
                 "use fewer prompts per call or a smaller --fan-out",
             )
-        return self._free.pop()
+        seq = self._free.pop()
+        self._touched.add(seq)  # cells may stay here if a decode fails: reset empties it
+        return seq
 
     def _drop_chains(self) -> None:
         for seq in self._chains:
