@@ -280,6 +280,28 @@ def test_a_request_cancelled_while_its_prompt_is_read_ahead_never_joins(engine, 
     assert tuple(tokens) == alone(engine, running, spec).token_ids
 
 
+def test_a_failed_read_ahead_costs_only_the_reading_ahead(engine, tiny_dir, monkeypatch, caplog):
+    """Out of memory while reading a waiting prompt ahead: the running row goes on, the
+    request is read whole at its seat, every answer is its alone answer."""
+    spec = SPECS["sd-model"](tiny_dir)
+    engine.runner.forget_prefixes()
+
+    def failing(tokens, n):
+        if n:
+            raise torch.OutOfMemoryError("no room for the staging row")
+        return 0
+
+    monkeypatch.setattr(engine.runner, "read_ahead", failing)
+    running = Request(ids_of(engine, PROMPTS[0]), greedy(40))
+    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(6))
+    served = serve(engine, spec, [running], joins=[(joiner, running, 4)])
+    for request in (running, joiner):
+        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids
+    seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
+    assert served.prefills[seat].prompt_tokens[1] == len(joiner.prompt)
+    assert "read at its seat" in caplog.text
+
+
 def test_the_ssd_worker_reads_its_chunk_ahead_even_when_the_next_outcome_waits():
     """A worker that read ahead only when idle fell behind the target (it held a third of
     the prompt at the seat): it reads the whole chunk after its pre-speculation."""

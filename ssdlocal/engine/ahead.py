@@ -6,7 +6,8 @@ re-seat while every running row waits). Instead, at each round boundary, `ReadAh
 reads one chunk of it into the target's prefix store (`Runner.read_ahead`), taking about
 as long as the round just run took (READ_SHARE), so running rows keep at least about half
 of the time; once the rest fits one chunk the request is seated and takes its prompt
-from the store like any prefix-cache hit. A drafter with a model of its own reads the
+from the store like any prefix-cache hit. A read that fails (out of memory, say) costs
+only the reading ahead: the request is read whole at its seat. A drafter with a model of its own reads the
 same chunk into its store (Drafter.read_ahead; SSD's worker after its pre-speculation). A runner that cannot read ahead, or a store
 that cannot hold the prompt, seats the request as before. Whether its prefix was cached
 before is still reported as such: tokens read ahead are not counted as cache hits.
@@ -14,10 +15,19 @@ before is still reported as such: tokens read ahead are not counted as cache hit
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
+import torch
+
+from ssdlocal.core.errors import SSDLocalError
 from ssdlocal.engine.request import Request
+
+log = logging.getLogger(__name__)
+# what a failed read ahead may raise (out of memory, a llama.cpp decode error): the request
+# is then read whole at its seat, and the running rows never see the failure
+READ_FAILURES = (SSDLocalError, torch.OutOfMemoryError, RuntimeError)
 
 READ_SHARE = 1.0  # reading ahead takes about this share of the last round's time per boundary
 BLOCK = 16  # chunks are whole multiples of this (the torch store keeps whole 16-token blocks)
@@ -62,14 +72,22 @@ class ReadAhead:
             if self.ready(request, chunk):
                 continue
             held, t0 = self._held(request), time.perf_counter()
-            now = self.runner.read_ahead(request.prompt[:-1], chunk)
+            try:
+                now = self.runner.read_ahead(request.prompt[:-1], chunk)
+            except READ_FAILURES as exc:
+                log.warning("reading a waiting prompt ahead failed (it is read at its seat): %s", exc)
+                self._stalled.add(request.id)
+                return
             self._read.add(request.id)
             if now <= held:
                 self._stalled.add(request.id)  # the store cannot hold more of it: read it whole at its seat
             else:
                 self.rate = (now - held) / max(time.perf_counter() - t0, 1e-6)
             if drafter is not None and hasattr(drafter, "read_ahead"):
-                drafter.read_ahead(request.prompt[:now], chunk)
+                try:
+                    drafter.read_ahead(request.prompt[:now], chunk)
+                except READ_FAILURES as exc:  # the draft reads the rest at the seat
+                    log.warning("the draft could not read a waiting prompt ahead: %s", exc)
             return
 
     def cached_before(self, request: Request) -> int | None:

@@ -8,6 +8,7 @@ closes, or when its parent dies.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,9 @@ if TYPE_CHECKING:  # the worker imports torch and the speculator once it runs
     import torch
 
     from ssdlocal.draft.ssd.speculator import Speculator
+
+
+log = logging.getLogger(__name__)
 
 
 def worker_main(conn, parent_pid: int, pdeathsig: bool = True) -> None:
@@ -118,8 +122,16 @@ class DraftWorker:
         and whether or not the next outcome waits: the target reads the same chunk between
         its rounds, and a draft read only when idle falls behind (measured: it then held
         about a third of a 787-token prompt when the row was seated, and read the rest at
-        START while every row waited)."""
-        self.runner.read_ahead(tokens, n)
+        START while every row waited). A failure costs only the reading ahead (the rest is
+        read at START), never the running batch's rounds."""
+        import torch
+
+        from ssdlocal.core.errors import SSDLocalError
+
+        try:
+            self.runner.read_ahead(tokens, n)
+        except (SSDLocalError, torch.OutOfMemoryError, RuntimeError) as exc:
+            log.warning("reading a waiting prompt ahead failed: %s", exc)
 
     def _propose(self, served, busy_s: float) -> None:
         """Send the proposal, then pre-speculate its outcomes while the target verifies."""
