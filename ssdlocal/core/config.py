@@ -112,6 +112,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def warp(self) -> tuple:
+        """What turning logits into probabilities depends on (core.sampling.logits_to_probs):
+        rows with equal warps sample alike."""
+        return ("greedy",) if self.greedy else (self.temperature, self.top_k, self.top_p)
+
     def stream_seed(self, offset: int) -> int:
         """Seed of a derived random stream (a drafter's): seed + offset, wrapped to 64 bits."""
         return (self.seed + offset) & SEED_MAX

@@ -115,11 +115,11 @@ class DraftDecoder:
 
 
 def _groups(row_params: Sequence[SamplingParams], device) -> list[tuple[Tensor, SamplingParams]]:
-    """(rows [G] long on `device`, params) per set of draft-relevant settings among
-    `row_params` (temperature, top-k, top-p); [] when there are fewer than two."""
+    """(rows [G] long on `device`, params) per warp (SamplingParams.warp) among `row_params`;
+    [] when there are fewer than two."""
     found: dict[tuple, list[int]] = {}
     for b, p in enumerate(row_params):
-        found.setdefault(("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p), []).append(b)
+        found.setdefault(p.warp, []).append(b)
     if len(found) < 2:
         return []
     return [(torch.tensor(rows, dtype=torch.long, device=device), row_params[rows[0]]) for rows in found.values()]

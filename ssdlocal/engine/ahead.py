@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-
 import torch
 
 from ssdlocal.core.errors import SSDLocalError
@@ -64,31 +62,27 @@ class ReadAhead:
             return True
         return len(request.prompt) - 1 - self._held(request) <= chunk
 
-    def read(self, requests: Sequence[Request], chunk: int, drafter=None) -> None:
-        """One chunk of the first of `requests` that is not ready, into the target's store
+    def read(self, request: Request, chunk: int, drafter=None) -> None:
+        """One chunk of `request`'s prompt (one that is not `ready`) into the target's store
         and, when it reads ahead too (Drafter.read_ahead), the drafter's, as far as the
         target's went."""
-        for request in requests:
-            if self.ready(request, chunk):
-                continue
-            held, t0 = self._held(request), time.perf_counter()
-            try:
-                now = self.runner.read_ahead(request.prompt[:-1], chunk)
-            except READ_FAILURES as exc:
-                log.warning("reading a waiting prompt ahead failed (it is read at its seat): %s", exc)
-                self._stalled.add(request.id)
-                return
-            self._read.add(request.id)
-            if now <= held:
-                self._stalled.add(request.id)  # the store cannot hold more of it: read it whole at its seat
-            else:
-                self.rate = (now - held) / max(time.perf_counter() - t0, 1e-6)
-            if drafter is not None and hasattr(drafter, "read_ahead"):
-                try:
-                    drafter.read_ahead(request.prompt[:now], chunk)
-                except READ_FAILURES as exc:  # the draft reads the rest at the seat
-                    log.warning("the draft could not read a waiting prompt ahead: %s", exc)
+        held, t0 = self._held(request), time.perf_counter()
+        try:
+            now = self.runner.read_ahead(request.prompt[:-1], chunk)
+        except READ_FAILURES as exc:
+            log.warning("reading a waiting prompt ahead failed (it is read at its seat): %s", exc)
+            self._stalled.add(request.id)
             return
+        self._read.add(request.id)
+        if now <= held:
+            self._stalled.add(request.id)  # the store cannot hold more of it: read it whole at its seat
+        else:
+            self.rate = (now - held) / max(time.perf_counter() - t0, 1e-6)
+        if drafter is not None and hasattr(drafter, "read_ahead"):
+            try:
+                drafter.read_ahead(request.prompt[:now], chunk)
+            except READ_FAILURES as exc:  # the draft reads the rest at the seat
+                log.warning("the draft could not read a waiting prompt ahead: %s", exc)
 
     def cached_before(self, request: Request) -> int | None:
         """Tokens of its prompt the store held before any was read ahead (None: none was)."""

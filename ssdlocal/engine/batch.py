@@ -173,10 +173,11 @@ class Loop:
             return True
         room = (self.max_batch or 1 << 30) - len(active)
         joinable = self.inbox.joinable(room, [s.request for s in active]) if room > 0 else []
-        if any(self._ready(r) for r in joinable):
+        chunk = self.ahead.chunk(self.round_s)
+        if any(self.ahead.ready(r, chunk) for r in joinable):
             return True
-        if joinable:
-            self.ahead.read(joinable, self.ahead.chunk(self.round_s), drafter)
+        if joinable:  # none is ready: read the first one's next chunk
+            self.ahead.read(joinable[0], chunk, drafter)
         return False
 
     def _uncounted(self, prefill: PrefillEvent, seats: Sequence[Seat]) -> PrefillEvent:

@@ -45,9 +45,8 @@ class Request:
     @property
     def settings(self) -> tuple:
         """What verification depends on: rows with equal settings verify together."""
-        p = self.params
-        stream = () if self.random_key is None else (self.random_key,)
-        return ("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p, *stream)
+        stream = () if self.random_key is None or self.params.greedy else (self.random_key,)
+        return (*self.params.warp, *stream)
 
 
 class RowSampling:

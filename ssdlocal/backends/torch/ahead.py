@@ -17,8 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from ssdlocal.backends.base import Logits
-
-SLOT_ROUNDING = 256
+from ssdlocal.backends.torch.kvcache import rounded_slots
 
 
 class StagingRow:
@@ -56,7 +55,7 @@ class StagingRow:
         """The model and runner on the staging row for a while; the batch's cache after."""
         runner, model = self.runner, self.runner.model
         saved = (model.caches(), runner.held, runner.capacity, runner.num_slots)
-        need = -(-(slots + 1) // SLOT_ROUNDING) * SLOT_ROUNDING
+        need = rounded_slots(slots + 1)
         try:
             if self.caches is None or self.caches[0].num_slots < need:
                 self.caches = None  # the old one goes first

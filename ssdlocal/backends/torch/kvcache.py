@@ -18,6 +18,14 @@ from ssdlocal.core.errors import OutOfMemoryError
 from ssdlocal.core.memory import OOM_HINT, available_ram_bytes, human_bytes
 
 
+SLOT_ROUNDING = 256  # cache capacity grows in these steps
+
+
+def rounded_slots(slots: int) -> int:
+    """`slots` rounded up to a whole number of SLOT_ROUNDING steps."""
+    return -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING
+
+
 def free_bytes(device) -> int | None:
     """Memory free on `device` for new tensors: available RAM on the CPU, the driver's free
     memory on a GPU; None where unknown."""

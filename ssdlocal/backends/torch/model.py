@@ -233,26 +233,26 @@ class Transformer(nn.Module):
 
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
         """Allocate one KVCache per layer (`args` head counts: per rank under TP)."""
-        a = self.args
-        what = f"KV cache of {batch_size} x {num_slots} slots"
         old = sum(layer.self_attn.kv_cache.nbytes for layer in self.layers if layer.self_attn.kv_cache)
-        need = KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers)
-        check_room(need, device, what, freed=old)
-        with _allocating(f"allocating the {what} on {device}"):
-            for layer in self.layers:
-                layer.self_attn.kv_cache = None  # free the old cache before allocating
-            for layer in self.layers:
-                layer.self_attn.kv_cache = KVCache(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device)
-        self.num_slots = num_slots
-        self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
+        self._check_caches(batch_size, num_slots, dtype, device, freed=old)
+        for layer in self.layers:
+            layer.self_attn.kv_cache = None  # free the old cache before allocating
+        self.use_caches(self._allocate_caches(batch_size, num_slots, dtype, device))
 
     def new_caches(self, batch_size: int, num_slots: int, dtype, device) -> list[KVCache]:
         """One KVCache per layer, not installed (`use_caches`): a cache beside the batch's."""
+        self._check_caches(batch_size, num_slots, dtype, device)
+        return self._allocate_caches(batch_size, num_slots, dtype, device)
+
+    def _check_caches(self, batch_size: int, num_slots: int, dtype, device, freed: int = 0) -> None:
         a = self.args
-        what = f"KV cache of {batch_size} x {num_slots} slots"
-        check_room(KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers),
-                   device, what)  # fmt: skip
-        with _allocating(f"allocating the {what} on {device}"):
+        need = KVCache.bytes_for(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype) * len(self.layers)
+        check_room(need, device, f"KV cache of {batch_size} x {num_slots} slots", freed=freed)
+
+    def _allocate_caches(self, batch_size: int, num_slots: int, dtype, device) -> list[KVCache]:
+        """One KVCache per layer, and RoPE tables that cover their slots."""
+        a = self.args
+        with _allocating(f"allocating the KV cache of {batch_size} x {num_slots} slots on {device}"):
             caches = [KVCache(batch_size, a.num_kv_heads, num_slots, a.head_dim, dtype, device) for _ in self.layers]
         self._cover_positions(max(a.max_position_embeddings, num_slots), torch.device(device))
         return caches
@@ -261,7 +261,7 @@ class Transformer(nn.Module):
         """Install `caches` (one per layer, as `caches()` or `new_caches` gave them)."""
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
-        self.num_slots = caches[0].k.shape[2]
+        self.num_slots = caches[0].num_slots
 
     def _cover_positions(self, n_pos: int, device: torch.device) -> None:
         """RoPE tables for positions [0, n_pos) on `device` (kept when they already are)."""

@@ -26,13 +26,12 @@ from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
-from ssdlocal.backends.torch.kvcache import free_bytes, runs_of
+from ssdlocal.backends.torch.kvcache import SLOT_ROUNDING, free_bytes, rounded_slots, runs_of
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
 from ssdlocal.backends.torch.prefill_path import dense_dtype
 from ssdlocal.core.hostsync import Site, detached_site
 
-SLOT_ROUNDING = 256  # cache capacity grows in these steps
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
 STEP_OFFSETS = 64  # widest `step` served by the static offsets (wider ones grow them)
 PREFILL_CHUNK = 512  # a long feed reads this many tokens per row at a time, layer by layer
@@ -123,7 +122,7 @@ class TorchRunner(HeldRows):
         full = not self.plain and num_slots > self.capacity
         if batch_size != len(self.held) or self.capacity == 0 or full:
             first = min(num_slots, FIRST_CAPACITY) if self.plain else num_slots
-            self._allocate(batch_size, _rounded(first))
+            self._allocate(batch_size, rounded_slots(first))
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self.state.lengths.zero_()
@@ -142,10 +141,10 @@ class TorchRunner(HeldRows):
         rounded) keeping the contents; needing more than num_slots is a caller bug."""
         if slots <= self.capacity:
             return
-        limit = _rounded(self.num_slots)
+        limit = rounded_slots(self.num_slots)
         if slots > limit or not self.plain:
             raise RuntimeError(f"KV cache too small: slot {slots - 1}, {self.num_slots} sized")
-        self._grow(min(limit, _rounded(max(slots, 2 * self.capacity))))
+        self._grow(min(limit, rounded_slots(max(slots, 2 * self.capacity))))
 
     def _room_for_pads(self, slots: int) -> None:
         """Room for a padded feed's slot indices below `slots`. Every row of a feed takes
@@ -158,7 +157,7 @@ class TorchRunner(HeldRows):
             return
         if not self.plain:
             raise RuntimeError(f"KV cache too small for a padded feed: slot {slots - 1}, {self.num_slots} sized")
-        self._grow(_rounded(slots))
+        self._grow(rounded_slots(slots))
 
     def _grow(self, slots: int) -> None:
         """Enlarge the cache to `slots`, keeping what it holds."""
@@ -326,9 +325,9 @@ class TorchRunner(HeldRows):
         before the next step). `bound`: a host-known bound on max(lengths) + T, which
         limits the attention span (None: every slot a call may use). `lengths` does not
         move: call `advance`. `held` is not kept up to date by steps."""
-        span = _rounded(self.num_slots) if bound is None else bound
+        span = rounded_slots(self.num_slots) if bound is None else bound
         if self.graphs is not None or self.device.type == "cuda":
-            span = min(_bucket_span(span), _rounded(self.num_slots))  # few shapes to capture
+            span = min(_bucket_span(span), rounded_slots(self.num_slots))  # few shapes to capture
         self._ensure(span)
         if ids.shape[1] > self.state.offsets.numel():  # wider than any step so far
             old = self.state.lengths
@@ -399,10 +398,6 @@ class TorchRunner(HeldRows):
         held = self.held[row]
         del held[start:]
         held.extend(tokens)
-
-
-def _rounded(slots: int) -> int:
-    return -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING
 
 
 SPAN_STEPS = 8  # span buckets per doubling of the span
