@@ -280,6 +280,19 @@ def test_a_request_cancelled_while_its_prompt_is_read_ahead_never_joins(engine, 
     assert tuple(tokens) == alone(engine, running, spec).token_ids
 
 
+def joined_after_reading_whole(engine, spec, running_tokens: int):
+    """A long prompt joins a running row: both get their alone tokens, and the joiner's
+    whole prompt is read at its seat. (served, running, joiner)."""
+    running = Request(ids_of(engine, PROMPTS[0]), greedy(running_tokens))
+    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(6))
+    served = serve(engine, spec, [running], joins=[(joiner, running, 4)])
+    for request in (running, joiner):
+        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids
+    seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
+    assert served.prefills[seat].prompt_tokens[1] == len(joiner.prompt)
+    return served, running, joiner
+
+
 def test_a_failed_read_ahead_costs_only_the_reading_ahead(engine, tiny_dir, monkeypatch, caplog):
     """Out of memory while reading a waiting prompt ahead: the running row goes on, the
     request is read whole at its seat, every answer is its alone answer."""
@@ -292,13 +305,7 @@ def test_a_failed_read_ahead_costs_only_the_reading_ahead(engine, tiny_dir, monk
         return 0
 
     monkeypatch.setattr(engine.runner, "read_ahead", failing)
-    running = Request(ids_of(engine, PROMPTS[0]), greedy(40))
-    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(6))
-    served = serve(engine, spec, [running], joins=[(joiner, running, 4)])
-    for request in (running, joiner):
-        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids
-    seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
-    assert served.prefills[seat].prompt_tokens[1] == len(joiner.prompt)
+    joined_after_reading_whole(engine, spec, 40)
     assert "read at its seat" in caplog.text
 
 
@@ -319,13 +326,7 @@ def test_the_ssd_worker_reads_its_chunk_ahead_even_when_the_next_outcome_waits()
 def test_a_prompt_the_store_cannot_take_is_read_whole_at_its_seat(engine, tiny_dir, monkeypatch):
     spec = SPECS["ar"](tiny_dir)
     monkeypatch.setattr(engine.runner, "read_ahead", lambda tokens, n: 0)  # as with no prefix store
-    running = Request(ids_of(engine, PROMPTS[0]), greedy(30))
-    joiner = Request(ids_of(engine, LONG_PROMPT), greedy(6))
-    served = serve(engine, spec, [running], joins=[(joiner, running, 4)])
-    for request in (running, joiner):
-        assert tuple(served.tokens[request.id]) == alone(engine, request, spec).token_ids
-    seat = next(i for i, s in enumerate(served.seatings) if joiner.id in s.joined)
-    assert served.prefills[seat].prompt_tokens[1] == len(joiner.prompt)
+    served, running, joiner = joined_after_reading_whole(engine, spec, 30)
     assert served.tokens[running.id] and served.finish[joiner.id] == "length"
 
 

@@ -163,16 +163,21 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
     return path
 
 
-def _add_chat_tokenizer(w, tokens: list[str], merges: list[str]) -> None:
+def _add_tokenizer(w, tokens: list[str], merges: list[str]) -> None:
     """The byte-level BPE tokenizer of `tokens`/`merges` (its last three tokens special) with
-    Qwen's end-of-turn token as eos and the chat template, as a GGUF's metadata."""
+    Qwen's end-of-turn token as eos, as a GGUF's metadata."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
     w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
+
+
+def _add_chat_tokenizer(w, tokens: list[str], merges: list[str]) -> None:
+    """`_add_tokenizer`, with bos/pad and the chat template."""
+    _add_tokenizer(w, tokens, merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(CHAT_TEMPLATE)
 
@@ -211,12 +216,7 @@ def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: 
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    _add_tokenizer(w, tokens, merges)
     kv = hidden // heads * kv_heads
     shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
