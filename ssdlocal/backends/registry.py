@@ -81,7 +81,7 @@ def _torch_prepare(path: str | Path, quantization: str, dtype: str, progress, fl
 def _llamacpp_load(spec: ModelSpec, threads: int | None):
     from ssdlocal.backends.llamacpp import load_gguf
 
-    return load_gguf(spec.path, spec.device, threads)
+    return load_gguf(spec.path, spec.device, threads, batch_invariant=spec.batch_invariant)
 
 
 def _llamacpp_runner(loaded, tree: bool, graphs: str):

@@ -74,6 +74,13 @@ class ModelOptions:
         "Capture each decode step shape as a CUDA graph (GPUs only; off: eager kernels).",
         "--cuda-graphs/--no-cuda-graphs",
     )
+    batch_invariant: bool = option(
+        False,
+        "llama.cpp target on the CPU: decode steps only in call widths whose logits llama.cpp "
+        "computes alike, so greedy AR, SD and SSD agree bit for bit (without it they can part "
+        "at near-ties); steps cost more (checked at the first step, ~1 s).",
+        "--batch-invariant/--no-batch-invariant",
+    )
     prefix_cache: bool = option(
         True,
         "Reuse the KV of the longest prefix earlier calls left (chat turns, re-sent files): "

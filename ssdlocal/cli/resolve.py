@@ -83,7 +83,7 @@ def engine_config(
     tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
     return EngineConfig(
-        target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0]),
+        target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0], models.batch_invariant),
         spec=SpecConfig(**options, draft=parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None)),
         target_devices=tp_devices if len(tp_devices) > 1 else (),
         graphs="auto" if models.cuda_graphs else "off",

@@ -83,6 +83,10 @@ class ModelSpec:
     # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
     # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
     quantization: str = "none"
+    # llama.cpp on a CPU: decode steps only in call widths whose logits llama.cpp computes
+    # alike (a lone token padded to two, K+1 tokens split), so greedy AR, SD and SSD agree
+    # bit for bit; steps cost more (backends/llamacpp/alike.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", BackendName.parse(self.backend, "backend"))
@@ -100,6 +104,12 @@ class ModelSpec:
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")
         object.__setattr__(self, "device", normalize_device(dev))  # compared as strings later
+        if self.batch_invariant and (self.backend is not BackendName.LLAMACPP or self.device != "cpu"):
+            raise UsageError(
+                "--batch-invariant applies to the llama.cpp backend on a CPU",
+                "run a .gguf target on the CPU with llama-cpp-python installed (--target-backend "
+                "llamacpp --target-device cpu), or drop --batch-invariant",
+            )
 
 
 @dataclass(frozen=True)

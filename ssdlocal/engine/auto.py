@@ -222,8 +222,9 @@ class ModeCheck:
 
 def model_key(model) -> list:
     """What a model's timings depend on (a core.models.ModelSpec): its files (path, sizes,
-    mtimes), backend, device, dtype and quantization."""
-    return [*file_stamps(model.path), model.backend, model.device, model.dtype, model.quantization]
+    mtimes), backend, device, dtype, quantization, and batch-invariant steps when asked."""
+    alike = ["batch-invariant"] if model.batch_invariant else []
+    return [*file_stamps(model.path), model.backend, model.device, model.dtype, model.quantization, *alike]
 
 
 def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: EngineConfig | None = None

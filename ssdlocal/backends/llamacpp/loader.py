@@ -52,6 +52,7 @@ class LoadedGGUF:
     n_gpu_layers: int
     main_gpu: int
     kv_bytes_per_token: int | None = None  # one token's k and v in every layer (f16), from the metadata
+    batch_invariant: bool = False  # decode steps in alike call widths (backends/llamacpp/alike.py)
 
     def close(self) -> None:
         """Free the llama.cpp model (runners free their contexts first: they hold us)."""
@@ -193,8 +194,10 @@ def check_vocab(lib, model, tokenizer, path: Path) -> int:
     return n_vocab
 
 
-def load_gguf(path: str | Path, device: str = "cpu", threads: int | None = None, lib=None) -> LoadedGGUF:
-    """Load a GGUF file with llama.cpp (the KV cache comes with the runner's context)."""
+def load_gguf(path: str | Path, device: str = "cpu", threads: int | None = None, lib=None,
+              batch_invariant: bool = False) -> LoadedGGUF:  # fmt: skip
+    """Load a GGUF file with llama.cpp (the KV cache comes with the runner's context).
+    `batch_invariant`: its runners decode steps in alike call widths (ModelSpec)."""
     path = check_gguf_file(path)
     if lib is None:
         from ssdlocal.backends.llamacpp.lib import LlamaLib
@@ -224,6 +227,7 @@ def load_gguf(path: str | Path, device: str = "cpu", threads: int | None = None,
         n_gpu_layers,
         main_gpu,
         kv_bytes_per_token(lib, model, arch),
+        batch_invariant,
     )
 
 

@@ -5,7 +5,9 @@ it means for every runner (tokens of row b whose keys/values are cached); `sync`
 shortens it, so before touching row b the runner removes the cache cells past the
 common prefix of `held[b]` and what it really wrote (`_kv[b]`) with
 llama_memory_seq_rm. SSD tree decoding (`forward_raw`,
-backends/llamacpp/tree.py) maps each branch to a sequence of its own.
+backends/llamacpp/tree.py) maps each branch to a sequence of its own. With the model
+loaded `batch_invariant`, decode steps go in the call widths of backends/llamacpp/alike.py,
+a lone token padded in a scratch sequence of its own.
 Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
 """
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from ssdlocal.backends.base import HeldRows, Logits
+from ssdlocal.backends.llamacpp.alike import REPACKED, WIDEST, plan_calls, widest_alike
 from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
 from ssdlocal.backends.llamacpp.tree import TreeSequences, _Chain
 from ssdlocal.backends.prefix import store_tokens
@@ -58,6 +61,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self._touched: set[int] = set()  # branch sequences used since the last reset
         self._store_tokens = 0  # the prefix store's cells (setup_prefix)
         self.prefix: SeqStore | None = None  # earlier calls' prefixes, in reserved sequences
+        self.alike = bool(getattr(loaded, "batch_invariant", False))  # steps in alike widths (alike.py)
+        self.alike_width = 0  # the widest alike step call on this machine; 0: not checked yet
+        self._pad_seq = self._check_seq = -1  # alike: scratch sequences (pads, the width check)
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, batch_size: int, num_slots: int) -> None:
@@ -69,13 +75,15 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         and the store lost): a request joining a serving batch does not stall the rows
         already running."""
         max_seqs = self.lib.max_sequences()
-        if (max_seqs if self.tree else batch_size) < batch_size or batch_size > max_seqs:
+        scratch = 2 if self.alike else 0  # the pad and the width check's sequences
+        if (max_seqs if self.tree else batch_size) < batch_size or batch_size + scratch > max_seqs:
             raise UsageError(
-                f"llama.cpp supports at most {max_seqs} parallel sequences, asked for {batch_size} rows",
+                f"llama.cpp supports at most {max_seqs - scratch} parallel sequences here, asked for {batch_size} rows",
                 "use fewer prompts per call",
             )
-        stored = min(STORE_SEQUENCES, max_seqs - batch_size) if self._store_tokens else 0
-        seqs = max_seqs if self.tree or stored else batch_size  # all of them: a new batch size keeps the context
+        stored = min(STORE_SEQUENCES, max_seqs - batch_size - scratch) if self._store_tokens else 0
+        # all of them: a new batch size keeps the context
+        seqs = max_seqs if self.tree or stored or scratch else batch_size
         row_cells, store = batch_size * num_slots, self._store_tokens if stored else 0
         cells = -(-(row_cells + store) // _PAD) * _PAD
         spare = self._ctx_cells - row_cells - _PAD  # what the store may keep in this context
@@ -112,7 +120,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self._chains.clear()
         self._scratch.clear()
         first_store = self.prefix.ids[0] if self.prefix is not None and self.prefix.ids else self._ctx_seqs
-        self._free = list(range(first_store - 1, batch_size - 1, -1))  # pop() gives the lowest
+        if scratch:
+            self._pad_seq, self._check_seq = first_store - 1, first_store - 2
+        self._free = list(range(first_store - 1 - scratch, batch_size - 1, -1))  # pop() gives the lowest
 
     # ------------------------------------------------------------------ prefix store
     def _store_ids(self, ids: tuple[int, ...]) -> None:
@@ -243,6 +253,8 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             self.lib.set_threads(self._ctx, threads)
             self._ctx_threads = threads
         want = [True] * len(tokens) if want is None else want
+        if self.alike:
+            return self._decode_alike(tokens, positions, seqs, want, progress)
         out = []
         step = self._n_batch
         for i in range(0, len(tokens), step):
@@ -251,6 +263,44 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             if progress is not None:
                 progress(min(i + step, len(tokens)), len(tokens))
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _decode_alike(self, tokens, positions, seqs, want, progress) -> np.ndarray:
+        """_decode with steps in alike widths (backends/llamacpp/alike.py)."""
+        width = self._alike()
+        found: dict[int, np.ndarray] = {}
+        done = 0
+        for call in plan_calls(seqs, want, width, self._n_batch):
+            ix = call.index
+            pad = [int(tokens[ix[0]])] if call.pad else []
+            try:
+                got = self.lib.decode(self._ctx, [int(tokens[i]) for i in ix] + pad, [positions[i] for i in ix] + [0] * len(pad),
+                                      [seqs[i] for i in ix] + [self._pad_seq] * len(pad),
+                                      [want[i] for i in ix] + [False] * len(pad), self.vocab_size)  # fmt: skip
+            finally:
+                if pad:
+                    self.lib.seq_rm(self._ctx, self._pad_seq, -1, -1)
+            found.update(zip([i for i in ix if want[i]], got))
+            done += len(ix)
+            if progress is not None:
+                progress(done, len(tokens))
+        rows = [found[i] for i in range(len(tokens)) if want[i]]
+        return np.stack(rows) if rows else np.empty((0, self.vocab_size), np.float32)
+
+    def _alike(self) -> int:
+        """The widest alike step call, checked once on this runner's first decode."""
+        if not self.alike_width:
+            guess = REPACKED if getattr(self.lib, "extra_bufts", True) else WIDEST
+            decode = lambda t, p, s, w: self.lib.decode(self._ctx, t, p, s, w, self.vocab_size)  # noqa: E731
+            remove = lambda seq, p0: self.lib.seq_rm(self._ctx, seq, p0, -1)  # noqa: E731
+            self.alike_width = widest_alike(decode, remove, guess, self._check_seq, self._pad_seq, self.vocab_size)
+            if not self.alike_width:
+                raise UsageError(
+                    "llama.cpp on this machine gives a token other logits in a call of two tokens "
+                    "than alone, even beside a pad token: --batch-invariant cannot hold here",
+                    "drop --batch-invariant (SD and SSD then match AR except at near-ties), or run "
+                    "the target with --target-backend torch",
+                )
+        return self.alike_width
 
     def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache and return their logits.

@@ -1,0 +1,100 @@
+"""Batch-invariant decode steps on llama.cpp's CPU kernels (`--batch-invariant`).
+
+llama.cpp's CPU kernels give a token logits that depend on how many tokens its call
+holds. A call of one token keeps the attention query in float32 where wider calls round
+it to float16; repacked weights switch from a matrix-vector to a matrix-matrix kernel at
+four tokens, unrepacked K-quants to a tiled kernel at eight. Between such widths one
+token's logits differ by tenths (up to 0.5 measured on Qwen2.5-Coder 1.5B Q4_K_M), so a
+near-tie can go either way, and SD or SSD (verifying K+1 tokens in one call) can leave
+greedy AR (one token per call). Between two widths of one kernel family a token's logits
+are equal bit for bit, whatever else the call holds.
+
+`plan_calls` puts the tokens of the rows that want logits for every token they feed
+(decode steps, verification, tree branches) into calls of 2 to `width` tokens, a lone
+token with a pad token of a scratch sequence beside it. Rows that want fewer (prompts,
+read for their last token's logits or none) go in chunks as before: a prompt is read
+alike in every mode. `widest_alike` finds the widest such width on this machine
+by decoding seven tokens at each candidate width and comparing their logits bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+WIDEST = 7  # unrepacked K-quants take a tiled kernel from 8 tokens on
+REPACKED = 3  # repacked weights take a matrix-matrix kernel from 4 tokens on
+_PREFIX = 8  # tokens the check reads before its seven
+_PROBED = 7
+_REFERENCE = (2, 2, 2, 1)  # widths the others are compared with
+_PADDED = (1, 1, 1, 2, 2)  # lone tokens (padded) against pairs
+
+
+@dataclass(frozen=True)
+class Call:
+    """One llama_decode: the batch indices it decodes; `pad`: a lone token, decoded beside
+    a pad token of the scratch sequence."""
+
+    index: list[int]
+    pad: bool = False
+
+
+def balanced(n: int, width: int) -> list[int]:
+    """`n` tokens as the fewest calls of at most `width`, their sizes as even as they go."""
+    calls = -(-n // width)
+    return [n // calls + (1 if i < n % calls else 0) for i in range(calls)]
+
+
+def plan_calls(seqs: Sequence[int], want: Sequence[bool], width: int, n_batch: int) -> list[Call]:
+    """The calls for a batch whose token i belongs to sequence seqs[i] and wants its logits
+    where want[i]: tokens of the sequences that want logits for every token in calls of 2
+    to `width` (one token alone: padded), the others in chunks of `n_batch`. Each call
+    keeps the batch order."""
+    reading = {s for s, w in zip(seqs, want) if not w}
+    long = [i for i, s in enumerate(seqs) if s in reading]
+    short = [i for i, s in enumerate(seqs) if s not in reading]
+    calls = [Call(long[i : i + n_batch]) for i in range(0, len(long), n_batch)]
+    start = 0
+    for size in balanced(len(short), width) if short else []:
+        calls.append(Call(short[start : start + size], pad=size == 1))
+        start += size
+    return calls
+
+
+Decode = Callable[[list[int], list[int], list[int], list[bool]], np.ndarray]
+
+
+def widest_alike(decode: Decode, remove: Callable[[int, int], None], guess: int, seq: int, pad_seq: int,
+                 vocab: int) -> int:  # fmt: skip
+    """The widest width up to `guess` at which a token's logits equal those of calls of two
+    (and a padded lone token's), or 0 where even a padded lone token's differ. `decode`
+    (tokens, positions, seqs, want) -> logits of the wanted tokens; `remove(seq, p0)`
+    drops sequence `seq`'s cells from position p0 on. Uses sequences `seq` and `pad_seq`
+    and leaves both empty."""
+    tokens = [(13 + 7 * i) % vocab for i in range(_PREFIX + _PROBED)]
+    try:
+        decode(tokens[:_PREFIX], list(range(_PREFIX)), [seq] * _PREFIX, [False] * _PREFIX)
+
+        def logits(widths: Sequence[int]) -> np.ndarray:
+            remove(seq, _PREFIX)
+            out, pos = [], _PREFIX
+            for n in widths:
+                pad = [tokens[0]] if n == 1 else []
+                out.append(decode(tokens[pos : pos + n] + pad, list(range(pos, pos + n)) + [0] * len(pad),
+                                  [seq] * n + [pad_seq] * len(pad), [True] * n + [False] * len(pad)))  # fmt: skip
+                remove(pad_seq, 0)
+                pos += n
+            return np.concatenate(out)
+
+        reference = logits(_REFERENCE)
+        if not np.array_equal(reference, logits(_PADDED)):
+            return 0
+        for width in range(min(guess, WIDEST), 2, -1):
+            if np.array_equal(reference, logits(balanced(_PROBED, width))):
+                return width
+        return 2
+    finally:
+        remove(seq, 0)
+        remove(pad_seq, 0)
