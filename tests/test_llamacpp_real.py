@@ -67,10 +67,10 @@ def margin_note(engine, prompt_ids, ref, got) -> str:
     return "same tokens"
 
 
-def check_all_modes(target: str, draft: str, chat: bool, max_new: int, prompts=PROMPTS):
+def check_all_modes(target: str, draft: str, chat: bool, max_new: int, prompts=PROMPTS, alike=False):
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
     cfg = EngineConfig(
-        target=ModelSpec(target, backend="llamacpp", dtype="float32"),
+        target=ModelSpec(target, backend="llamacpp", dtype="float32", batch_invariant=alike),
         spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))),
         pin_cpus=False,
     )
@@ -107,6 +107,29 @@ REAL = gguf_path(DEFAULT_DRAFT)
 def test_real_qwen_05b_ar_sd_ssd_exact():
     prompts = ["Write a Python function that checks whether a number is prime."]
     check_all_modes(str(REAL), str(REAL), chat=True, max_new=32, prompts=prompts)
+
+
+@pytest.mark.skipif(not REAL.is_file(), reason=f"{REAL} not assembled (ssdlocal pull)")
+def test_real_qwen_05b_batch_invariant_exact_and_steps_bit_for_bit():
+    """With --batch-invariant a token's logits are the same bit for bit whether it is fed
+    alone (AR) or in a verification of four (SD), on this machine's llama.cpp kernels."""
+    import torch
+
+    from ssdlocal.backends.base import Logits
+    from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
+
+    prompts = ["Write a Python function that checks whether a number is prime."]
+    check_all_modes(str(REAL), str(REAL), chat=True, max_new=32, prompts=prompts, alike=True)
+    runner = LlamaCppRunner(load_gguf(REAL, batch_invariant=True))
+    runner.reset(1, 128)
+    prompt = runner.loaded.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n")
+    runner.feed([prompt], Logits.LAST)
+    tokens = [13, 262, 470, 15801, 1445, 481, 16, 8]
+    alone = torch.cat([runner.feed([[t]])[0] for t in tokens])
+    del runner.held[0][len(prompt) :]
+    fours = torch.cat([runner.feed([tokens[:4]])[0], runner.feed([tokens[4:]])[0]])
+    assert runner.alike_width >= 2
+    assert torch.equal(alone, fours)
 
 
 def test_torch_target_with_gguf_draft(tiny_gguf):

@@ -11,9 +11,10 @@ are equal bit for bit, whatever else the call holds.
 
 `plan_calls` puts the tokens of the rows that want logits for every token they feed
 (decode steps, verification, tree branches) into calls of 2 to `width` tokens, a lone
-token with a pad token of a scratch sequence beside it. Rows that want fewer (prompts,
-read for their last token's logits or none) go in chunks as before: a prompt is read
-alike in every mode. `widest_alike` finds the widest such width on this machine
+token with a pad token of a scratch sequence beside it. Rows that want fewer (prompts)
+are read in chunks as before, but for their last token when its logits are wanted: that
+one goes with the steps, so the first answer token comes from the same kernels whether
+the prompt was read whole or mostly taken from the prefix cache. `widest_alike` finds the widest such width on this machine
 by decoding seven tokens at each candidate width and comparing their logits bit for bit.
 """
 
@@ -49,12 +50,13 @@ def balanced(n: int, width: int) -> list[int]:
 
 def plan_calls(seqs: Sequence[int], want: Sequence[bool], width: int, n_batch: int) -> list[Call]:
     """The calls for a batch whose token i belongs to sequence seqs[i] and wants its logits
-    where want[i]: tokens of the sequences that want logits for every token in calls of 2
-    to `width` (one token alone: padded), the others in chunks of `n_batch`. Each call
-    keeps the batch order."""
+    where want[i]: the tokens of sequences that want fewer logits than tokens (prompts) in
+    chunks of `n_batch`, then the rest (steps, and a prompt's last token where wanted) in
+    calls of 2 to `width` (one token alone: padded). A sequence's tokens keep their order."""
     reading = {s for s, w in zip(seqs, want) if not w}
-    long = [i for i, s in enumerate(seqs) if s in reading]
-    short = [i for i, s in enumerate(seqs) if s not in reading]
+    last = {s: i for i, s in enumerate(seqs)}  # each sequence's last token
+    long = [i for i, s in enumerate(seqs) if s in reading and not (want[i] and last[s] == i)]
+    short = [i for i, s in enumerate(seqs) if s not in reading or (want[i] and last[s] == i)]
     calls = [Call(long[i : i + n_batch]) for i in range(0, len(long), n_batch)]
     start = 0
     for size in balanced(len(short), width) if short else []:
