@@ -35,6 +35,7 @@ SHARED = {
     "target_backend": (["--target-backend", "torch"], "torch"),
     "draft_backend": (["--draft-backend", "llamacpp"], "llamacpp"),
     "cuda_graphs": (["--no-cuda-graphs"], False),
+    "batch_invariant": (["--batch-invariant"], True),
     "prefix_cache": (["--no-prefix-cache"], False),
     "prefix_cache_tokens": (["--prefix-cache-tokens", "4096"], 4096),
     "mode": (["--mode", "sd"], "sd"),
@@ -310,15 +311,19 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
     expected = {**{f: getattr(models, f) for f in _fields(ModelOptions)}, **{f: getattr(spec, f) for f in _fields(SpecOptions)},
                 "dtype": {"float16"}, "cuda_graphs": "off", "fan_out": (1, 1, 1, 1, 1, 2),
                 "fan_out_miss": (2, 1, 1, 1, 1, 1)}  # fmt: skip
-    # --pair and --target-devices replace others, --no-prefix-cache overrides --prefix-cache-tokens
-    assert set(IN_CONFIG) | {"pair", "target_devices", "prefix_cache_tokens"} == _fields(ModelOptions) | _fields(
-        SpecOptions
-    )
+    # --pair and --target-devices replace others, --no-prefix-cache overrides --prefix-cache-tokens,
+    # --batch-invariant needs a llama.cpp target on the CPU
+    assert set(IN_CONFIG) | {"pair", "target_devices", "prefix_cache_tokens", "batch_invariant"} == _fields(
+        ModelOptions
+    ) | _fields(SpecOptions)
     for name, where in IN_CONFIG.items():
         assert getattr(models, name, getattr(spec, name, None)) != getattr(
             ModelOptions(), name, getattr(SpecOptions(), name, None)), name  # fmt: skip
         assert where(config) == expected[name], name
 
+    alike = engine_config(ModelOptions(target="t.gguf", draft="ngram", target_backend="llamacpp",
+                                       target_device="cpu", batch_invariant=True), SpecOptions(mode="sd"))  # fmt: skip
+    assert alike.target.batch_invariant and not config.target.batch_invariant
     sized = engine_config(replace(models, prefix_cache=True), spec)
     assert (
         sized.prefix_cache_tokens == 4096
