@@ -4,6 +4,7 @@ SSD identical in fp32, divergences reported with the target's logit margin, exit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -198,7 +199,10 @@ def test_divergence_reports_index_and_margin(tiny_dir):
         SpecConfig(mode=Mode.SSD, draft=ModelDraft(ModelSpec("d", dtype="bfloat16"))),
     )
     report = run_check(config, prompts=("p0", "p1"), engine_factory=FakeEngine)
-    assert not report.identical
+    assert not report.identical and not report.shape_rounding  # a torch target
+    for alike, shapes in ((False, True), (True, False)):
+        gguf = dataclasses.replace(config, target=ModelSpec("t.gguf", backend="llamacpp", batch_invariant=alike))
+        assert run_check(gguf, prompts=("p0", "p1"), engine_factory=FakeEngine).shape_rounding is shapes
     (div,) = report.divergences
     assert (div.mode, div.prompt_index, div.position, div.ar_token, div.mode_token) == (
         "sd",
@@ -212,21 +216,23 @@ def test_divergence_reports_index_and_margin(tiny_dir):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "margin", "verdict"),
+    ("dtype", "margin", "verdict", "shapes"),
     [
-        ("bfloat16", 0.01, "numerical near-tie in bfloat16"),
-        ("bfloat16", 3.0, "likely a bug"),
-        ("float32", 0.01, "fp32 must be identical"),
+        ("bfloat16", 0.01, "numerical near-tie in bfloat16", False),
+        ("bfloat16", 3.0, "likely a bug", False),
+        ("float32", 0.01, "fp32 must be identical", False),
+        ("float32", 0.3, "--batch-invariant makes its steps identical", True),  # llama.cpp, default
+        ("float32", 3.0, "fp32 must be identical", True),  # larger than its call widths move a logit
     ],
 )
-def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype, margin, verdict):
+def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype, margin, verdict, shapes):
     from ssdlocal.bench import check as check_mod
     from ssdlocal.bench.check import CheckReport
 
     def fake_run_check(config, params=None, chat=False, on_mode=None):
         assert config.target.dtype == dtype
         runs = tuple(ModeRun(m, ((1, 2),), 2, 1.0, 0.5, 0.6) for m in ("ar", "sd", "ssd"))
-        return CheckReport(dtype, ("p",), runs, (Divergence("ssd", 0, 17, 11, 12, margin),))
+        return CheckReport(dtype, ("p",), runs, (Divergence("ssd", 0, 17, 11, 12, margin),), shape_rounding=shapes)
 
     monkeypatch.setattr(check_mod, "run_check", fake_run_check)
     code, out, err = run_cli(
