@@ -243,6 +243,36 @@ def test_probes_that_do_not_pay_get_rarer_across_calls():
     assert call() == [] and costs.probe_every == 64
 
 
+def test_explored_widths_get_rarer_while_nothing_speculates():
+    """A chat whose suffix proposals never pay on CPU-like costs tries a wider step at round
+    16, then 33 rounds later (the interval doubles); the engine keeps the interval with its
+    costs, so a next call of 64 rounds explores once at most; a round that speculates on
+    its merits brings the interval back to 16."""
+    from types import SimpleNamespace
+
+    from ssdlocal.draft.adaptive import AdaptiveDrafter
+    from ssdlocal.speculation.adaptive import PROBE_EVERY
+
+    costs = CostModel()
+    costs.seed_widths({1: 0.1, 2: 0.18, 3: 0.26})  # each scored token costs most of a step
+
+    def call(confidence: float = 0.3, key: str = "suffix:2") -> list[int]:
+        drafter = AdaptiveDrafter(None, None, k=4, pinned=False, params=SamplingParams(), costs=costs,
+                                  target_vocab=10, device="cpu")  # fmt: skip
+        drafter.rows = [SimpleNamespace(length=100)]
+        tried = []
+        for index in range(64):  # widths 4 and 5 were never timed: exploring would time them
+            choice = drafter._choose([True], [(confidence,) * 4], [key])
+            if choice.width:
+                tried.append(index)
+            drafter._since_spec = 0 if choice.width else drafter._since_spec + 1
+        return tried
+
+    assert call() == [16, 49]
+    assert len(call()) <= 1 and costs.explore_every >= 4 * PROBE_EVERY
+    assert call(1.0, "suffix:16") and costs.explore_every == PROBE_EVERY  # a sure proposal speculates
+
+
 def test_flat_gpu_costs_propose_long():
     costs = CostModel()
     costs.seed(0.005, 0.0055, 13, 0.001)  # a memory-bound step: 13 tokens cost 1.1x one

@@ -20,7 +20,9 @@ import torch
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
-from ssdlocal.speculation.adaptive import PROBE_EVERY, Acceptance, Choice, CostModel, choose, suffix_key
+from ssdlocal.speculation.adaptive import (
+    MAX_PROBE_EVERY, PROBE_EVERY, Acceptance, Choice, CostModel, choose, suffix_key,
+)  # fmt: skip
 
 MODEL, SUFFIX, NONE = "model", "suffix", "none"
 PROBE_CATCH_UP = 64  # committed tokens the draft model may lack for a probe to be worth it
@@ -113,13 +115,16 @@ class AdaptiveDrafter:
             and self._catch_up() <= PROBE_CATCH_UP
         ):  # a probe must not cost a long prefill
             self.costs.probe_every = min(
-                2 * self.costs.probe_every, 256
+                2 * self.costs.probe_every, MAX_PROBE_EVERY
             )  # a probe that does not pay: rarer (engine-wide)
             probe = min(2, self.k)  # the model's acceptance goes stale unless tried now and then
             return Choice(probe, (0,) * len(active), max(probe, choice.width), choice.tokens_per_s)
         if choice.model_k and self._since_model:  # chosen on its merits: probe at the usual pace
             self.costs.probe_every = PROBE_EVERY
-        if not choice.width and self._since_spec >= PROBE_EVERY:  # so do the costs of wider steps
+        if choice.width:  # speculation on its merits: wider steps are timed as it runs
+            self.costs.explore_every = PROBE_EVERY
+        elif self._since_spec >= self.costs.explore_every:  # so do the costs of wider steps
+            self.costs.explore_every = min(2 * self.costs.explore_every, MAX_PROBE_EVERY)  # rarer while nothing pays
             return choose(self.costs, rates, confs, suffix_rates, self.k, active, explore=True)
         return choice
 

@@ -20,6 +20,7 @@ PRIOR_SLOPE = 0.05  # target time per extra scored token, relative to one (memor
 DECAY = 0.8  # weight of the past in every running estimate (per round)
 ROW_DECAY = 0.6  # ... in a row's own acceptance (one answer changes character quickly)
 PROBE_EVERY = 16  # rounds without model proposals before the model is tried again
+MAX_PROBE_EVERY = 256  # the longest interval probes and explored widths back off to
 PRIOR_DRAFT = 0.3  # a draft-model token's cost, relative to a target step, before it is measured
 CATCH_UP_SHARE = 0.1  # a token the draft reads in bulk costs this share of one it decodes
 CATCH_UP_ROUNDS = 8  # rounds a catch-up is charged over (it is paid once, then drafting is cheap)
@@ -40,13 +41,17 @@ class CostModel:
     """Seconds per target step by scored tokens T, and per draft-model token; and
     `probe_every`, the rounds without model proposals before the model is tried again
     (the drafter doubles it while probes do not pay and resets it when the model wins on
-    its merits). All of it is the engine's, kept across calls: a conversation whose draft
-    does not pay stops paying a probe's catch-up at the start of every answer."""
+    its merits); `explore_every`, the plain rounds before a wider step is tried to keep its
+    cost current (doubled after each such try, reset when a round speculates on its
+    merits). All of it is the engine's, kept across calls: a conversation whose draft
+    does not pay stops paying a probe's catch-up at the start of every answer, and a chat
+    where nothing pays stops paying a wide step every 16 tokens."""
 
     target: dict[int, float] = field(default_factory=dict)  # T -> decayed seconds
     draft_token_s: float | None = None
     samples: dict[int, int] = field(default_factory=dict)  # T -> measurements so far
     probe_every: int = PROBE_EVERY
+    explore_every: int = PROBE_EVERY
 
     def seed(self, target_1: float, target_t: float, t: int, draft_1: float | None) -> None:
         """A calibration: the target at 1 and `t` tokens, the draft at 1 token."""
