@@ -76,7 +76,7 @@ def test_kernel_families_part_sd_from_ar_without_it(shaped):
 def test_batch_invariant_steps_make_sd_equal_ar(shaped, tokenizer, vocab):
     lib, target, draft = shaped
     with _engine(target, draft, alike=True) as eng:
-        assert eng.runner.alike
+        assert eng.runner.alike and eng.prefix_tokens == 0  # every call from an empty cache
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
         assert eng.runner.alike_width == 3  # checked on the first decode
         sd, stats = run(eng, PROMPTS)

@@ -77,8 +77,9 @@ class ModelOptions:
     batch_invariant: bool = option(
         False,
         "llama.cpp target on the CPU: decode steps only in call widths whose logits llama.cpp "
-        "computes alike, so greedy AR, SD and SSD agree bit for bit (without it they can part "
-        "at near-ties); steps cost more (checked at the first step, ~1 s).",
+        "computes alike, each call from an empty cache (no prefix cache), so greedy AR, SD and "
+        "SSD of one request agree bit for bit (without it they can part at near-ties); steps "
+        "cost more (checked at the first step, ~1 s).",
         "--batch-invariant/--no-batch-invariant",
     )
     prefix_cache: bool = option(
