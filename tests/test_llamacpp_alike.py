@@ -33,8 +33,6 @@ from ssdlocal.engine import Engine
 class ShapedLib(FakeLlamaLib):
     """Logits shifted by the call's kernel family: 1 token, 2-3, 4 and more."""
 
-    extra_bufts = True  # repacked weights: the widest alike call is 3 tokens
-
     def __init__(self, vocab: int, tokenizer=None) -> None:
         super().__init__(vocab, tokenizer, max_seq=64)
         self.shift = np.random.default_rng(5).standard_normal((3, vocab)).astype(np.float32)

@@ -51,6 +51,8 @@ class FakeCtx:
 class FakeLlamaLib:
     """llama.cpp's memory semantics in Python; model `path` picks the logits function."""
 
+    extra_bufts = True  # LlamaLib's: weights repacked for the CPU
+
     def __init__(self, vocab: int, tokenizer=None, max_seq: int = 64) -> None:
         self.vocab, self.tokenizer, self.max_seq = vocab, tokenizer, max_seq
         self.contexts: list[FakeCtx] = []

@@ -84,8 +84,9 @@ class ModelSpec:
     # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
     quantization: str = "none"
     # llama.cpp on a CPU: decode steps only in call widths whose logits llama.cpp computes
-    # alike (a lone token padded to two, K+1 tokens split), so greedy AR, SD and SSD agree
-    # bit for bit; steps cost more (backends/llamacpp/alike.py).
+    # alike (a lone token padded to two, K+1 tokens split), each call from an empty cache
+    # (no prefix store), so greedy AR, SD and SSD of one request agree bit for bit; steps
+    # cost more (backends/llamacpp/alike.py).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -66,10 +66,20 @@ def plan_calls(seqs: Sequence[int], want: Sequence[bool], width: int, n_batch: i
 
 
 Decode = Callable[[list[int], list[int], list[int], list[bool]], np.ndarray]
+Remove = Callable[[int, int], None]
 
 
-def widest_alike(decode: Decode, remove: Callable[[int, int], None], guess: int, seq: int, pad_seq: int,
-                 vocab: int) -> int:  # fmt: skip
+def beside_pad(decode: Decode, remove: Remove, pad_seq: int, tokens: list[int], positions: list[int],
+               seqs: list[int], want: list[bool]) -> np.ndarray:  # fmt: skip
+    """`decode` of a lone token beside a pad token (its own, at position 0 of sequence
+    `pad_seq`, no logits), whose cell is removed after the call."""
+    try:
+        return decode(tokens + tokens[:1], positions + [0], seqs + [pad_seq], want + [False])
+    finally:
+        remove(pad_seq, 0)
+
+
+def widest_alike(decode: Decode, remove: Remove, guess: int, seq: int, pad_seq: int, vocab: int) -> int:
     """The widest width up to `guess` at which a token's logits equal those of calls of two
     (and a padded lone token's), or 0 where even a padded lone token's differ. `decode`
     (tokens, positions, seqs, want) -> logits of the wanted tokens; `remove(seq, p0)`
@@ -83,10 +93,8 @@ def widest_alike(decode: Decode, remove: Callable[[int, int], None], guess: int,
             remove(seq, _PREFIX)
             out, pos = [], _PREFIX
             for n in widths:
-                pad = [tokens[0]] if n == 1 else []
-                out.append(decode(tokens[pos : pos + n] + pad, list(range(pos, pos + n)) + [0] * len(pad),
-                                  [seq] * n + [pad_seq] * len(pad), [True] * n + [False] * len(pad)))  # fmt: skip
-                remove(pad_seq, 0)
+                call = (tokens[pos : pos + n], list(range(pos, pos + n)), [seq] * n, [True] * n)
+                out.append(beside_pad(decode, remove, pad_seq, *call) if n == 1 else decode(*call))
                 pos += n
             return np.concatenate(out)
 

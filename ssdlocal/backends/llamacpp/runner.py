@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ssdlocal.backends.base import HeldRows, Logits
-from ssdlocal.backends.llamacpp.alike import REPACKED, WIDEST, plan_calls, widest_alike
+from ssdlocal.backends.llamacpp.alike import REPACKED, WIDEST, beside_pad, plan_calls, widest_alike
 from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
 from ssdlocal.backends.llamacpp.tree import TreeSequences, _Chain
 from ssdlocal.backends.prefix import store_tokens
@@ -61,7 +61,7 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self._touched: set[int] = set()  # branch sequences used since the last reset
         self._store_tokens = 0  # the prefix store's cells (setup_prefix)
         self.prefix: SeqStore | None = None  # earlier calls' prefixes, in reserved sequences
-        self.alike = bool(getattr(loaded, "batch_invariant", False))  # steps in alike widths (alike.py)
+        self.alike = loaded.batch_invariant  # steps in alike call widths (alike.py)
         self.alike_width = 0  # the widest alike step call on this machine; 0: not checked yet
         self._pad_seq = self._check_seq = -1  # alike: scratch sequences (pads, the width check)
 
@@ -276,14 +276,16 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         done = 0
         for call in plan_calls(seqs, want, width, self._n_batch):
             ix = call.index
-            pad = [int(tokens[ix[0]])] if call.pad else []
-            try:
-                got = self.lib.decode(self._ctx, [int(tokens[i]) for i in ix] + pad, [positions[i] for i in ix] + [0] * len(pad),
-                                      [seqs[i] for i in ix] + [self._pad_seq] * len(pad),
-                                      [want[i] for i in ix] + [False] * len(pad), self.vocab_size)  # fmt: skip
-            finally:
-                if pad:
-                    self.lib.seq_rm(self._ctx, self._pad_seq, -1, -1)
+            args = (
+                [int(tokens[i]) for i in ix],
+                [positions[i] for i in ix],
+                [seqs[i] for i in ix],
+                [want[i] for i in ix],
+            )
+            if call.pad:
+                got = beside_pad(self._decode_call, self._remove_from, self._pad_seq, *args)
+            else:
+                got = self._decode_call(*args)
             found.update(zip([i for i in ix if want[i]], got))
             done += len(ix)
             if progress is not None:
@@ -294,10 +296,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
     def _alike(self) -> int:
         """The widest alike step call, checked once on this runner's first decode."""
         if not self.alike_width:
-            guess = REPACKED if getattr(self.lib, "extra_bufts", True) else WIDEST
-            decode = lambda t, p, s, w: self.lib.decode(self._ctx, t, p, s, w, self.vocab_size)  # noqa: E731
-            remove = lambda seq, p0: self.lib.seq_rm(self._ctx, seq, p0, -1)  # noqa: E731
-            self.alike_width = widest_alike(decode, remove, guess, self._check_seq, self._pad_seq, self.vocab_size)
+            guess = REPACKED if self.lib.extra_bufts else WIDEST
+            self.alike_width = widest_alike(self._decode_call, self._remove_from, guess, self._check_seq,
+                                            self._pad_seq, self.vocab_size)  # fmt: skip
             if not self.alike_width:
                 raise UsageError(
                     "llama.cpp on this machine gives a token other logits in a call of two tokens "
@@ -306,6 +307,14 @@ class LlamaCppRunner(TreeSequences, HeldRows):
                     "the target with --target-backend torch",
                 )
         return self.alike_width
+
+    def _decode_call(self, tokens: list[int], positions: list[int], seqs: list[int], want: list[bool]) -> np.ndarray:
+        """One llama_decode on this runner's context (alike.Decode)."""
+        return self.lib.decode(self._ctx, tokens, positions, seqs, want, self.vocab_size)
+
+    def _remove_from(self, seq: int, p0: int) -> None:
+        """Drop sequence `seq`'s cells from position p0 on (alike.Remove)."""
+        self.lib.seq_rm(self._ctx, seq, p0, -1)
 
     def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
         """Append rows[b] to row b's cache and return their logits.
