@@ -14,6 +14,7 @@ one per mode for the module, and are stopped at its end.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -194,10 +195,8 @@ def test_seeded_samples_repeat_and_equal_generate(server, monkeypatch, capsys, t
         for future in noise:
             future.result(timeout=120)
     others.shutdown()
-    deadline = time.monotonic() + 30  # every call counted (after its answers) before the next test
-    while metrics(server)["ssdlocal_batches_total"] < batches + len(calls):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    server.settle()  # every call counted (after its answers) before the next test
+    assert metrics(server)["ssdlocal_batches_total"] >= batches + len(calls)
 
 
 # ----------------------------------------------------------------------------- cancellation
@@ -282,13 +281,12 @@ def test_models_and_health(server):
 
 # ----------------------------------------------------------------------------- metrics
 def test_metrics_parse_as_prometheus_text_and_move(server):
+    server.settle()  # an earlier test's last batch may still be counting
     before = metrics(server)
     ask(server.client, PROMPTS[1], chat=False, stream=False, max_tokens=12, ignore_eos=True)
     ask(server.client, PROMPTS[1], chat=True, stream=True, max_tokens=12, ignore_eos=True)
-    deadline = time.monotonic() + 30  # a batch is counted when its generate call returns,
-    while (after := metrics(server))["ssdlocal_batches_total"] < before["ssdlocal_batches_total"] + 2:
-        assert time.monotonic() < deadline  # just after the answer was sent
-        time.sleep(0.02)
+    server.settle()  # a batch is counted when its seating ends, just after the answer was sent
+    after = metrics(server)
     for endpoint in ("completions", "chat"):
         key = f"ssdlocal_requests_total{{endpoint={endpoint},status=ok}}"
         assert after[key] == before.get(key, 0) + 1
@@ -359,10 +357,28 @@ def test_the_engine_survives_a_failed_request(server, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- prefix cache
+def test_settled_waits_for_the_seating_after_its_answer(server, monkeypatch):
+    """An answer leaves before its seating ends (stores its prefixes, is counted): the
+    scheduler is not settled until then, so a test that waits for it sees the stored state."""
+    import ssdlocal.engine.batch as batch
+
+    server.settle()
+    release, real = threading.Event(), batch.store_prefixes
+    monkeypatch.setattr(batch, "store_prefixes", lambda *a: release.wait(30) and real(*a))
+    before = metrics(server)["ssdlocal_batches_total"]
+    ask(server.client, PROMPTS[3], chat=False, stream=False, max_tokens=4)
+    assert not server.scheduler.settled
+    assert metrics(server)["ssdlocal_batches_total"] == before
+    release.set()
+    server.settle()
+    assert metrics(server)["ssdlocal_batches_total"] == before + 1
+
+
 def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
     """A chat's next turn re-sends the history: the server reads only what follows the
     prefix the engine kept, says so in usage.prompt_tokens_details.cached_tokens (streamed
     in the usage chunk too) and in /metrics, and the answer equals one without the cache."""
+    server.settle()  # an earlier test's last batch may still be counting
     before = metrics(server)
     system = {"role": "system", "content": " ".join(PROMPTS)}
     history = [system, {"role": "user", "content": "Explain the first line."}]
@@ -384,18 +400,15 @@ def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
     for turn in (1, 2):  # the earlier turn's prompt, but a partial block and a re-rendered tail
         assert cached[turn] >= 0.7 * prompts[turn - 1], (cached, prompts)
     final = [{"role": m["role"], "content": m["content"]} for m in history[:-1]]
-    batches = metrics(server)["ssdlocal_batches_total"]
     with_cache = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
-    deadline = time.monotonic() + 30  # the answer can leave before its engine call has ended
-    while metrics(server)["ssdlocal_batches_total"] < batches + 1:  # (and stored its prefixes)
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    server.settle()  # the answer can leave before its seating has stored its prefixes
     server.engine.forget_prefixes()  # the engine thread is idle now
     fresh = server.client.chat.completions.create(model=MODEL, messages=final, max_tokens=8, temperature=0)
     assert with_cache.usage.prompt_tokens_details.cached_tokens > 0
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert with_cache.choices[0].message.content == fresh.choices[0].message.content
     assert fresh.model_extra["ssdlocal"]["prefill_tokens_per_s"] > 0
+    server.settle()
     after = metrics(server)
     assert after["ssdlocal_prefix_cache_hit_tokens_total"] - before["ssdlocal_prefix_cache_hit_tokens_total"] >= sum(
         cached

@@ -166,6 +166,7 @@ class Scheduler:
         self._graphs: Mapping | None = None  # captured-step counts of the latest seating
         self._snapshot: LazySnapshot | None = None  # the metrics as of the round being handled
         self._seating_started = time.perf_counter()
+        self._seatings = [0, 0]  # seatings begun, ended (the engine thread writes both)
         self._thread = threading.Thread(target=self._loop, name="ssdlocal-engine", daemon=True)
 
     # ------------------------------------------------------------------ client side
@@ -175,6 +176,14 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
+
+    @property
+    def settled(self) -> bool:
+        """Every seating begun has ended: the batches of answers already sent have stored
+        their prefixes and been counted in the metrics. (A request sent but not yet seated
+        is not waited for.)"""
+        with self._lock:
+            return self._seatings[0] == self._seatings[1]
 
     @property
     def running(self) -> int:
@@ -237,6 +246,8 @@ class Scheduler:
             except Exception as exc:  # one failed batch must not stop the server
                 log.warning("generate failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
                 self._fail_seated(exc)
+                with self._lock:
+                    self._seatings[1] = self._seatings[0]
                 continue
             break
         self._fail_all(ServerShuttingDown())
@@ -260,12 +271,15 @@ class Scheduler:
             self._answer_finished()
             self._snapshot = None
             self.metrics.record_batch(event.stats, time.perf_counter() - self._seating_started)
+            with self._lock:
+                self._seatings[1] += 1
 
     def _seat(self, event: SeatedEvent) -> None:
         now = time.perf_counter()
         self._seating_started = now
         with self._lock:
             self._seated = [self._owners.get(rid) for rid in event.requests]
+            self._seatings[0] += 1
         for job, _ in self._jobs_seated():
             job.batch_size = max(job.batch_size, len(event.requests))
             if job.joined_at is None:

@@ -76,6 +76,15 @@ class LiveServer:
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0, timeout=120)
 
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until every seating begun has ended: an answer can reach the client before
+        its seating has stored its prefixes and been counted in the metrics."""
+        deadline = time.monotonic() + timeout
+        while not self.scheduler.settled:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not settle in {timeout} s")
+            time.sleep(0.01)
+
     def get(self, path: str) -> tuple[int, str]:
         try:
             with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as resp:
