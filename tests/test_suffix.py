@@ -214,33 +214,48 @@ def test_a_model_proposal_must_win_by_a_margin():
     assert code.model_k >= 2 and code.tokens_per_s * MODEL_MARGIN > 1.5 / 0.040
 
 
-def test_probes_that_do_not_pay_get_rarer_across_calls():
-    """A draft model that never pays on these costs is probed at round 16 and then 33 rounds
-    later in a first call (the interval doubles); the engine keeps the interval with its
-    costs, so the next call of 64 rounds pays no probe at all."""
+def _probed_rounds(costs: CostModel, model_rate: float, rounds: int = 64) -> list[int]:
+    """The rounds of one call in which an adaptive drafter (K up to 2, a draft model that
+    is caught up and accepted at `model_rate`) probes the model."""
     from types import SimpleNamespace
 
     from ssdlocal.draft.adaptive import AdaptiveDrafter
 
+    drafter = AdaptiveDrafter(SimpleNamespace(cached=[100]), None, k=2, pinned=False, params=SamplingParams(),
+                              costs=costs, target_vocab=10, device="cpu")  # fmt: skip
+    drafter.rows = [SimpleNamespace(length=100)]  # the draft is caught up: a probe is cheap to try
+    drafter.acceptance.shared["model"] = model_rate
+    probes = []
+    for index in range(rounds):
+        choice = drafter._choose([True], [()], ["suffix:2"])
+        if choice.model_k:
+            probes.append(index)
+        drafter._since_model = 0 if choice.model_k else drafter._since_model + 1
+    return probes
+
+
+def test_probes_that_do_not_pay_get_rarer_across_calls():
+    """A draft model that would pay if accepted often but is accepted rarely is probed at
+    round 16 and then 33 rounds later in a first call (the interval doubles); the engine
+    keeps the interval with its costs, so the next call of 64 rounds pays no probe at all."""
     costs = CostModel()
-    costs.seed_widths({1: 0.1, 2: 0.18, 3: 0.26})
-    costs.draft_token_s = 0.09  # a draft token costs most of a target step: never worth it
-    model = SimpleNamespace(cached=[100])
+    costs.seed_widths({1: 0.1, 2: 0.11, 3: 0.12})  # scored tokens almost free: accepted drafts would pay
+    costs.draft_token_s = 0.03
+    assert _probed_rounds(costs, 0.1) == [16, 49]
+    assert _probed_rounds(costs, 0.1) == [] and costs.probe_every == 64
 
-    def call() -> list[int]:
-        drafter = AdaptiveDrafter(model, None, k=2, pinned=False, params=SamplingParams(), costs=costs,
-                                  target_vocab=10, device="cpu")  # fmt: skip
-        drafter.rows = [SimpleNamespace(length=100)]  # the draft is caught up: a probe is cheap to try
-        probes = []
-        for index in range(64):
-            choice = drafter._choose([True], [()], ["suffix:2"])
-            if choice.model_k:
-                probes.append(index)
-            drafter._since_model = 0 if choice.model_k else drafter._since_model + 1
-        return probes
 
-    assert call() == [16, 49]
-    assert call() == [] and costs.probe_every == 64
+def test_a_model_that_cannot_pay_at_any_acceptance_is_never_probed():
+    """llama.cpp-on-2-cores-like costs (each scored token costs most of a step, a draft
+    token 0.6 of one): even all drafts accepted would be slower than plain steps, so
+    however long the answer the draft model is never run to measure its acceptance."""
+    costs = CostModel()
+    costs.seed_widths({1: 0.035, 2: 0.060, 3: 0.077})
+    costs.draft_token_s = 0.020
+    assert _probed_rounds(costs, 0.1, rounds=300) == []
+    assert _probed_rounds(costs, 1.0, rounds=300) == []  # nor with the best acceptance seen so far
+    costs.draft_token_s = 0.002  # a draft ten times cheaper: all-accepted K=2 would beat plain steps
+    assert _probed_rounds(costs, 0.1) == [16, 49]
 
 
 def test_explored_widths_get_rarer_while_nothing_speculates():

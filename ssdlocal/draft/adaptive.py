@@ -113,7 +113,8 @@ class AdaptiveDrafter:
             and not choice.width
             and self._since_model >= self.costs.probe_every
             and self._catch_up() <= PROBE_CATCH_UP
-        ):  # a probe must not cost a long prefill
+            and self._model_could_pay(active)
+        ):  # a probe must not cost a long prefill, nor try a model no acceptance makes pay
             self.costs.probe_every = min(
                 2 * self.costs.probe_every, MAX_PROBE_EVERY
             )  # a probe that does not pay: rarer (engine-wide)
@@ -127,6 +128,14 @@ class AdaptiveDrafter:
             self.costs.explore_every = min(2 * self.costs.explore_every, MAX_PROBE_EVERY)  # rarer while nothing pays
             return choose(self.costs, rates, confs, suffix_rates, self.k, active, explore=True)
         return choice
+
+    def _model_could_pay(self, active: Sequence[bool]) -> bool:
+        """Whether `choose` would take a draft-model proposal on the measured costs if every
+        drafted token were accepted. If not, no acceptance a probe could measure makes the
+        model pay (e.g. a CPU where scoring K+1 tokens plus K draft tokens costs more than
+        K+1 plain steps), so probing it only costs its catch-up and forwards."""
+        n = len(active)
+        return choose(self.costs, [1.0] * n, [()] * n, [0.0] * n, self.k, active).model_k > 0
 
     def _catch_up(self) -> int:
         """Committed tokens the draft model lacks (the most of any row)."""
