@@ -382,6 +382,29 @@ def test_truncated_held_removes_cells(runner):
     assert r.held[1] == [5]
 
 
+def test_a_step_at_a_column_decodes_up_to_it_and_computes_only_its_logits(runner):
+    """A catch-up's step (`at`): row b decodes its ids up to column at[b] (the padding past
+    it is not decoded), and llama.cpp is asked for that token's logits alone, equal to the
+    full step's at that column."""
+    lib, r = runner
+    r.reset(2, 64)
+    r.feed([[1, 2, 3], [4, 5]])
+    r.begin_steps()
+    ids = torch.tensor([[6, 7, 8], [9, 0, 0]])  # row 1: one real token, then padding
+    full = r.step(ids).clone()  # [B, T, V]
+    wanted, real = [], lib.decode
+    lib.decode = lambda ctx, tokens, pos, seqs, want, v: wanted.append((len(tokens), sum(want))) or real(
+        ctx, tokens, pos, seqs, want, v
+    )
+    at = torch.tensor([2, 0])
+    got = r.step(ids, at=at)  # the same positions again (lengths did not move)
+    assert got.shape == (2, lib.vocab) and wanted == [(4, 2)]  # 3 + 1 tokens, 2 logits
+    assert torch.equal(got[0], full[0, 2]) and torch.equal(got[1], full[1, 0])
+    r.advance(torch.tensor([3, 1]))
+    r.end_steps({0: [6, 7, 8], 1: [9]})
+    assert r.feed([[10], [11]], "last")[1].shape == (1, lib.vocab)  # the padding left no cell behind
+
+
 def test_model_freed_after_runner(fake):
     import gc
 

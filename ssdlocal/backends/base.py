@@ -88,10 +88,13 @@ class Runner(Protocol):
     def begin_steps(self) -> None:
         """Decode with `step` from here: each row's length is what it has cached."""
 
-    def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, bound: int | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B, T] on the device at positions length..length+T-1 of each row ->
         logits [B, T, V] float32 (valid until the next step). Lengths do not move.
-        `bound`, when known: max(length) + T over the rows (limits attention spans)."""
+        `bound`, when known: max(length) + T over the rows (limits attention spans).
+        `at` ([B] long on the device): only the logits at column at[b] of each row, [B, V];
+        the ids past it are padding the step may skip (a catch-up needs the newest
+        token's logits only, and a runner that computes only those saves the rest)."""
 
     def advance(self, n, host: Sequence[int] | None = None) -> None:
         """Each row's length += n (a [B] long tensor, possibly negative, or one int).

@@ -155,8 +155,7 @@ class ModelDrafter:
     def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
         """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
         at most CATCH_UP tokens; the draft's logits after each row's newest token [B, V_d]."""
-        dev, batch = self.runner.device, len(pending)
-        rows = torch.arange(batch, device=dev)  # [B]
+        dev = self.runner.device
         first: torch.Tensor | None = None
         for start in range(0, max(map(len, pending)), CATCH_UP):
             part = [p[start : start + CATCH_UP] for p in pending]
@@ -165,7 +164,7 @@ class ModelDrafter:
                     for x, p in zip(part, pending)]  # fmt: skip
             staged = self.site.upload(host, dev)  # [B, 3+T]: last, ends, fed, ids (one staged upload)
             ids = staged[:, 3:].contiguous()  # [B, T]
-            logits = self.runner.step(ids, bound)[rows, staged[:, 0]]  # [B, V_d]; padding writes past each row
+            logits = self.runner.step(ids, bound, at=staged[:, 0])  # [B, V_d]; padding may write past each row
             first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
             self.runner.advance(staged[:, 2])
         if first is None:  # every row lacks at least its bonus token

@@ -144,7 +144,9 @@ class ScriptedRunner(HeldRows):
         self._begun = [list(h) for h in self.held]
         self._count_begin()
 
-    def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, bound: int | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+        if at is not None:  # every column is written, as the torch runner does
+            return self.step(ids, bound)[torch.arange(ids.shape[0]), at]
         self.calls["step"] += 1
         batch, width = ids.shape
         self.steps.append(StepCall(width, bound, tuple(self.lengths)))

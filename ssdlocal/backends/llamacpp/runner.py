@@ -377,12 +377,17 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             held.extend(kept.get(row, ()))
         self._count_end()
 
-    def step(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
-        """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V]."""
+    def step(self, ids: torch.Tensor, bound: int | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V];
+        `at` [B]: row b decodes its ids up to column at[b] only, and llama.cpp computes
+        the logits of that token alone -> [B, V] (Runner.step)."""
         rows = ids.tolist()
         for b, held in enumerate(self.held):
             del held[self._lengths[b] :]  # rejected tokens of the last step
-        return torch.stack(self.feed(rows))  # [B, T, V]
+        if at is None:
+            return torch.stack(self.feed(rows))  # [B, T, V]
+        cut = [row[: int(i) + 1] for row, i in zip(rows, at.tolist())]
+        return torch.cat(self.feed(cut, Logits.LAST))  # [B, V]
 
     def advance(self, n, host: Sequence[int] | None = None) -> None:
         """lengths += n (a [B] tensor or one int for every row; `host`: the same on the host)."""

@@ -319,12 +319,18 @@ class TorchRunner(HeldRows):
         self._count_begin()
 
     @torch.inference_mode()
-    def step(self, ids: Tensor, bound: int | None = None) -> Tensor:
+    def step(self, ids: Tensor, bound: int | None = None, at: Tensor | None = None) -> Tensor:
         """ids [B, T] long on the device, written at positions lengths..lengths+T-1 of
         each row -> logits [B, T, V] float32 (a static buffer under graphs: read it
         before the next step). `bound`: a host-known bound on max(lengths) + T, which
         limits the attention span (None: every slot a call may use). `lengths` does not
-        move: call `advance`. `held` is not kept up to date by steps."""
+        move: call `advance`. `held` is not kept up to date by steps. `at` [B]: the
+        logits at column at[b] of each row only, [B, V] (gathered on the device: every
+        column is still computed, so that one captured graph serves both)."""
+        logits = self._steps(ids, bound)
+        return logits if at is None else logits[torch.arange(ids.shape[0], device=ids.device), at]
+
+    def _steps(self, ids: Tensor, bound: int | None) -> Tensor:
         span = rounded_slots(self.num_slots) if bound is None else bound
         if self.graphs is not None or self.device.type == "cuda":
             span = min(_bucket_span(span), rounded_slots(self.num_slots))  # few shapes to capture
