@@ -211,6 +211,32 @@ def test_the_traced_twin_catches_an_output_held_across_another_call():
     assert torch.equal(again, torch.full((2,), 2.0))
 
 
+@pytest.mark.parametrize("graphs", ["off", "trace"])
+def test_a_step_at_a_column_runs_the_lm_head_on_that_column_only(tiny_dir, graphs):
+    """A draft's catch-up (`step(at=)`) needs each row's newest token's logits: only those
+    reach the lm_head, equal to the full step's at that column (eager, and replayed from a
+    traced capture of its own with new columns)."""
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    loaded = registry.load(ModelSpec(str(tiny_dir["qwen2"]), dtype="float32"))
+    runner = TorchRunner(loaded, graphs=graphs)
+    runner.reset(2, 64)
+    runner.feed([[5, 6, 7], [8, 9]], "none")
+    runner.begin_steps()
+    ids = torch.tensor([[10, 11, 12], [13, 0, 0]])
+    full = runner.step(ids).clone()  # [B, T, V]
+    seen: list[tuple[int, ...]] = []
+    hook = loaded.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    for at in ([2, 0], [1, 0], [0, 0]):  # the second and third replay the first's capture
+        got = runner.step(ids, at=torch.tensor(at))
+        assert got.shape == (2, loaded.args.vocab_size)
+        for b in range(2):
+            assert torch.allclose(got[b], full[b, at[b]], atol=1e-5), (at, b)
+    hook.remove()
+    assert seen and all(shape[:2] == (2, 1) for shape in seen)  # never [2, 3, hidden]
+
+
 def test_the_runner_keeps_the_graph_pool_rule(tiny_dir):
     """A decode step's logits are the graph's buffer (the caller reads them before the next
     step); a tree step's are the caller's (forward_raw clones them)."""

@@ -393,8 +393,8 @@ def test_a_step_at_a_column_decodes_up_to_it_and_computes_only_its_logits(runner
     ids = torch.tensor([[6, 7, 8], [9, 0, 0]])  # row 1: one real token, then padding
     full = r.step(ids).clone()  # [B, T, V]
     wanted, real = [], lib.decode
-    lib.decode = lambda ctx, tokens, pos, seqs, want, v: wanted.append((len(tokens), sum(want))) or real(
-        ctx, tokens, pos, seqs, want, v
+    lib.decode = lambda ctx, tokens, pos, seqs, want, v: (
+        wanted.append((len(tokens), sum(want))) or real(ctx, tokens, pos, seqs, want, v)
     )
     at = torch.tensor([2, 0])
     got = r.step(ids, at=at)  # the same positions again (lengths did not move)

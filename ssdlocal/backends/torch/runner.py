@@ -324,13 +324,10 @@ class TorchRunner(HeldRows):
         each row -> logits [B, T, V] float32 (a static buffer under graphs: read it
         before the next step). `bound`: a host-known bound on max(lengths) + T, which
         limits the attention span (None: every slot a call may use). `lengths` does not
-        move: call `advance`. `held` is not kept up to date by steps. `at` [B]: the
-        logits at column at[b] of each row only, [B, V] (gathered on the device: every
-        column is still computed, so that one captured graph serves both)."""
-        logits = self._steps(ids, bound)
-        return logits if at is None else logits[torch.arange(ids.shape[0], device=ids.device), at]
-
-    def _steps(self, ids: Tensor, bound: int | None) -> Tensor:
+        move: call `advance`. `held` is not kept up to date by steps. `at` [B] long on
+        the device: only column at[b] of each row reaches the lm_head -> logits [B, V]
+        (a graph of its own per shape; a tensor-parallel group computes every column and
+        gathers)."""
         span = rounded_slots(self.num_slots) if bound is None else bound
         if self.graphs is not None or self.device.type == "cuda":
             span = min(_bucket_span(span), rounded_slots(self.num_slots))  # few shapes to capture
@@ -340,10 +337,13 @@ class TorchRunner(HeldRows):
             self.state = DecodeState(old.numel(), ids.shape[1], self.device)
             self.state.lengths.copy_(old)
             self._graphs_invalid()
-        if self.graphs is not None and self.plain:
+        if self.graphs is not None and self.plain and at is None:
             step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
             return self.graphs.run(("step", *ids.shape, span), step, ids=ids)
-        return self._step(ids, span)
+        if self.graphs is not None and self.plain:
+            step_at = lambda ids, at: self._step(ids, span, at)  # noqa: E731
+            return self.graphs.run(("step-at", *ids.shape, span), step_at, ids=ids, at=at)
+        return self._step(ids, span, at)
 
     def end_steps(self, kept) -> None:
         """Rows in `kept` hold the tokens their first steps wrote (Runner.end_steps); steps
@@ -359,13 +359,17 @@ class TorchRunner(HeldRows):
         self.state.lengths += n
         self._count_advance(n, host)
 
-    def _step(self, ids: Tensor, span: int) -> Tensor:
-        """Attention over slots [0, span), masked causally on the device (capturable)."""
+    def _step(self, ids: Tensor, span: int, at: Tensor | None = None) -> Tensor:
+        """Attention over slots [0, span), masked causally on the device (capturable);
+        logits [B, T, V], or [B, V] at column at[b] of each row."""
         positions = self.state.lengths[:, None] + self.state.offsets[: ids.shape[1]]  # [B, T]
         mask = causal_mask(positions, span)  # [B, T, S]
         if not self.plain:  # a tensor-parallel group captures the forward on every rank
-            return self.model(ids, positions, positions, mask, capture=True)  # [B, T, V]
-        return self.model(ids, positions, positions, mask)  # [B, T, V]
+            logits = self.model(ids, positions, positions, mask, capture=True)  # [B, T, V]
+            return logits if at is None else logits[torch.arange(ids.shape[0], device=ids.device), at]
+        if at is None:
+            return self.model(ids, positions, positions, mask)  # [B, T, V]
+        return self.model(ids, positions, positions, mask, keep=at[:, None])[:, 0]  # [B, V]
 
     # ------------------------------------------------------------------ trees (SSD)
     @torch.inference_mode()
