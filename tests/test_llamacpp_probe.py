@@ -116,6 +116,25 @@ def test_repacking_crash_runs_with_repacking_off(fake_lib, monkeypatch):
     assert lib.ll.llama_model_default_params().use_extra_bufts is True  # restored
 
 
+def test_a_quiet_peer_leaves_llama_cpp_quiet(fake_lib):
+    """`Llama(verbose=False)` sets llama-cpp-python's logger to ERROR, which printed
+    llama.cpp's error-level notices of our later contexts under bench's table; after a
+    peer made by high_level_llama the logger is as quiet as LlamaLib left it."""
+    import logging
+
+    from ssdlocal.backends.llamacpp import lib as lib_module
+
+    fake_lib("ok")
+    logger = logging.getLogger("llama-cpp-python")
+    lib_module.LlamaLib()
+    assert logger.level > logging.CRITICAL
+    lib_module.high_level_llama(model_path="m.gguf", verbose=False)
+    assert logger.level > logging.CRITICAL
+    lib_module.high_level_llama(model_path="m.gguf")  # Llama's default: verbose
+    assert logger.level == logging.DEBUG
+    lib_module.quiet_logs(False)
+
+
 def test_hanging_library_times_out(fake_lib):
     """A child that never answers is killed at the timeout; the retry with repacking off
     (which does not hang) decides."""

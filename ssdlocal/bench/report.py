@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ssdlocal.bench.aggregate import aggregate_all, projection_inputs, session_turns
+from ssdlocal.bench.check import SHAPE_TIE
 from ssdlocal.bench.project import DEFAULT_RATIOS, project
 from ssdlocal.bench.run import BenchRun
 
@@ -105,7 +106,29 @@ def settings_record(run: BenchRun) -> dict:
         "gguf_target": s.gguf_target, "gguf_draft": s.gguf_draft,
         "target_devices": list(config.target_devices),
         "target": run.target, "draft": run.draft, "n_prompts": len(run.prompts),
+        "target_backend": config.target.backend.value, "batch_invariant": config.target.batch_invariant,
     }  # fmt: skip
+
+
+def exactness_note(doc: dict) -> str | None:
+    """A line for under the table when systems failed exactness on a llama.cpp target
+    without --batch-invariant and every divergence listed is a near-tie within what
+    llama.cpp's call widths move a logit (SHAPE_TIE); None otherwise (a larger margin is
+    no rounding, and the table's FAIL stands alone)."""
+    settings = doc["settings"]
+    if settings.get("target_backend") != "llamacpp" or settings.get("batch_invariant"):
+        return None
+    failed = [ex for ex in doc["exactness"].values() if ex.get("status") == "FAIL"]
+    margins = [d.get("margin") for ex in failed for d in ex.get("divergences", [])]
+    if not margins or any(m is None or m >= SHAPE_TIE for m in margins):
+        return None
+    return (
+        f"note: every divergence is a near-tie (target margins {min(margins):.3f}-{max(margins):.3f}, "
+        f"under {SHAPE_TIE}): llama.cpp computes a token's logits slightly differently in a multi-token "
+        "call than in a one-token step, so speculation can part from AR where two tokens almost tie. "
+        "--batch-invariant makes greedy AR, SD and SSD agree bit for bit (one request at a time; "
+        "steps cost more and the target keeps no prefix cache)."
+    )
 
 
 def plotting_available() -> bool:
@@ -213,6 +236,9 @@ def markdown(doc: dict) -> str:
         "|" + "---|" * len(HEADERS),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in summary_rows(doc)]
+    note = exactness_note(doc)
+    if note:
+        lines += ["", note]
     for name, why in doc["skipped"].items():
         lines.append(f"\n- {name}: {why}")
     sessions = session_rows(doc)

@@ -309,7 +309,7 @@ def render_summary(doc: dict, console) -> None:
     """Rich table of per-system aggregates, skipped peers and projections."""
     from rich.table import Table
 
-    from ssdlocal.bench.report import HEADERS, summary_rows
+    from ssdlocal.bench.report import HEADERS, exactness_note, summary_rows
 
     s = doc["settings"]
     table = Table(
@@ -323,6 +323,9 @@ def render_summary(doc: dict, console) -> None:
         style = "red" if row[1].startswith("FAIL") else None
         table.add_row(*row, style=style)
     console.print(table)
+    note = exactness_note(doc)
+    if note:
+        console.print(note, markup=False, highlight=False)
     for name, why in doc["skipped"].items():
         console.print(f"{name}: {why}", markup=False)
     from ssdlocal.bench.report import SESSION_HEADERS, session_rows

@@ -51,21 +51,40 @@ def high_level_llama(**kwargs):
     verdict: ModelLoadError where llama.cpp crashed here, repacking off where only that did.
     `Llama` takes no such option, so its default model params are wrapped while it loads."""
     ll = import_llama_cpp()
-    if require_llamacpp().extra_bufts:
-        return ll.Llama(**kwargs)
-    module = ll.llama_cpp  # where Llama reads llama_model_default_params from
-    defaults = module.llama_model_default_params
-
-    def without_repacking():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    module.llama_model_default_params = without_repacking
     try:
-        return ll.Llama(**kwargs)
-    finally:
-        module.llama_model_default_params = defaults
+        if require_llamacpp().extra_bufts:
+            return ll.Llama(**kwargs)
+        module = ll.llama_cpp  # where Llama reads llama_model_default_params from
+        defaults = module.llama_model_default_params
+
+        def without_repacking():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        module.llama_model_default_params = without_repacking
+        try:
+            return ll.Llama(**kwargs)
+        finally:
+            module.llama_model_default_params = defaults
+    finally:  # Llama(verbose=False) lets error-level notices through: ours see none of them
+        quiet_logs(bool(kwargs.get("verbose", True)))
+
+
+def quiet_logs(verbose: bool) -> None:
+    """llama.cpp's log lines (through llama-cpp-python's logger): every one when `verbose`,
+    none otherwise. `Llama(verbose=False)` sets the level to ERROR, which still prints the
+    error-level notices llama.cpp gives for later contexts (e.g. "n_ctx_seq > n_ctx_train"
+    under a benchmark's table), and some come at level NONE, mapped to CRITICAL: quiet is
+    above both."""
+    try:
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(verbose)
+    except ImportError:  # pragma: no cover - older layouts
+        pass
+    if not verbose:
+        logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL + 10)
 
 
 class LlamaLib:
@@ -82,14 +101,7 @@ class LlamaLib:
         if extra_bufts is None:
             extra_bufts = require_llamacpp().extra_bufts
         self.extra_bufts = extra_bufts
-        try:  # route llama.cpp's stderr chatter through its Python logger (quiet)
-            from llama_cpp._logger import set_verbose
-
-            set_verbose(verbose)
-        except ImportError:  # pragma: no cover - older layouts
-            pass
-        if not verbose:  # some notices are logged at level NONE, which maps to CRITICAL
-            logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL + 10)
+        quiet_logs(verbose)  # llama.cpp's stderr chatter goes through its Python logger
         if not _BACKEND_READY:
             self.ll.llama_backend_init()
             _BACKEND_READY = True

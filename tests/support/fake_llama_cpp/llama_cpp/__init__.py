@@ -16,6 +16,7 @@ Put the folder holding this package first on PYTHONPATH (the probe's child inher
 import ctypes
 import os
 import signal
+import logging
 import sys
 import time
 
@@ -158,6 +159,8 @@ class Llama:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.extra_bufts = llama_cpp.llama_model_default_params().use_extra_bufts
+        # the real one: set_verbose(verbose), i.e. DEBUG, or ERROR when verbose=False
+        logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if kwargs.get("verbose", True) else logging.ERROR)
 
 
 llama_cpp = sys.modules[__name__]  # the real package's low-level submodule
