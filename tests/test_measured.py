@@ -115,6 +115,26 @@ def test_a_changed_machine_measures_again(cache, pair, timed, monkeypatch, chang
     assert timed == [1, 3, 1]
 
 
+def test_a_rebuilt_llama_cpp_is_another_key(tmp_path, monkeypatch):
+    """Timings of a llama.cpp model are kept per library build: an upgrade, or a rebuild
+    with other CPU flags under the same version (its native files change), runs other
+    kernels, so its kept timings are not trusted. A torch model's key has no such entry
+    (torch's version is in the machine's key)."""
+    from ssdlocal.backends.llamacpp import probe
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    spec = ModelSpec(str(gguf), backend="llamacpp")
+    build = {"version": "0.3.36", "path": "/x", "files": [["lib/libggml-cpu.so", 100, 1]]}
+    monkeypatch.setattr(probe, "library_identity", lambda: build)
+    first = auto.model_key(spec)
+    assert build in first and auto.model_key(spec) == first
+    build = {**build, "files": [["lib/libggml-cpu.so", 120, 2]]}  # rebuilt with other flags
+    assert auto.model_key(spec) != first
+    torch_key = auto.model_key(ModelSpec(str(gguf), backend="torch"))
+    assert not any(isinstance(part, dict) for part in torch_key)
+
+
 @pytest.mark.parametrize("damage", ["garbage", "negative", "nan", "count", "key", "huge", "directory"])
 def test_a_damaged_or_edited_entry_is_never_trusted(cache, pair, timed, damage):
     _start(pair, k=2)

@@ -30,8 +30,10 @@ class Backend:
     reading no weights; `preflight(path)`: cheap checks of the files (raises
     ModelLoadError/UsageError with a hint); `prepare(path, quantization, dtype, progress,
     floats)` -> the path `load` will read, built now if not cached; `owns(loaded)`: whether
-    `loaded` came from this backend's `load`. Facts about the backend are its `name`'s
-    (BackendName)."""
+    `loaded` came from this backend's `load`; `build()` -> what identifies the library the
+    kernels come from beyond the machine's own key (core/measured.machine has torch's
+    version), so timings kept for one build are not trusted for another. Facts about the
+    backend are its `name`'s (BackendName)."""
 
     name: BackendName
     load: Callable[[ModelSpec, int | None], Any]
@@ -40,6 +42,7 @@ class Backend:
     preflight: Callable[[str], None]
     prepare: Callable[[str | Path, str, str, Any, bool], Path]
     owns: Callable[[Any], bool]
+    build: Callable[[], Any]
 
 
 # ------------------------------------------------------------------ torch
@@ -112,12 +115,18 @@ def _llamacpp_owns(loaded) -> bool:
     return isinstance(loaded, LoadedGGUF)
 
 
+def _llamacpp_build() -> Any:
+    from ssdlocal.backends.llamacpp.probe import library_identity
+
+    return library_identity()  # version and native files: a rebuild with other flags is another library
+
+
 BACKENDS: dict[BackendName, Backend] = {
     BackendName.LLAMACPP: Backend(BackendName.LLAMACPP, _llamacpp_load, _llamacpp_runner, _llamacpp_tokenizer,
-                                  _llamacpp_preflight, _llamacpp_prepare, _llamacpp_owns),
+                                  _llamacpp_preflight, _llamacpp_prepare, _llamacpp_owns, _llamacpp_build),
     # last: what no other backend owns is a torch model (a tensor-parallel group included)
     BackendName.TORCH: Backend(BackendName.TORCH, _torch_load, _torch_runner, _torch_tokenizer, _torch_preflight,
-                               _torch_prepare, lambda loaded: True),
+                               _torch_prepare, lambda loaded: True, lambda: None),
 }  # fmt: skip
 
 

@@ -284,7 +284,7 @@ def _calibration_line() -> str:
     found = kept()
     if not found:
         return ("calibration: none kept for this machine yet; the first start that needs one times the models "
-                "once, later starts with the same model files, threads and torch read it")  # fmt: skip
+                "once, later starts with the same model files, threads, torch and llama.cpp build read it")  # fmt: skip
     newest = found[0]
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest["measured_at"])) if newest["measured_at"] else "?"
     models = ", ".join(Path(m).name for m in dict.fromkeys(m for e in found for m in e["models"])) or "no model files"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ssdlocal.backends import registry
 from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 from ssdlocal.core.events import ModeEvent, RoundEvent
@@ -222,9 +223,13 @@ class ModeCheck:
 
 def model_key(model) -> list:
     """What a model's timings depend on (a core.models.ModelSpec): its files (path, sizes,
-    mtimes), backend, device, dtype, quantization, and batch-invariant steps when asked."""
+    mtimes), backend and the build of its library (registry.Backend.build: llama.cpp's
+    version and native files), device, dtype, quantization, and batch-invariant steps
+    when asked."""
     alike = ["batch-invariant"] if model.batch_invariant else []
-    return [*file_stamps(model.path), model.backend, model.device, model.dtype, model.quantization, *alike]
+    build = registry.backend_for(model.backend).build()
+    library = [build] if build is not None else []
+    return [*file_stamps(model.path), model.backend, *library, model.device, model.dtype, model.quantization, *alike]
 
 
 def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: EngineConfig | None = None
