@@ -258,6 +258,30 @@ def test_a_model_that_cannot_pay_at_any_acceptance_is_never_probed():
     assert _probed_rounds(costs, 0.1) == [16, 49]
 
 
+def test_a_probe_catch_up_is_not_charged_per_drafted_token():
+    """A probe after plain rounds reads the committed tokens the draft lacks (63 here, 0.5 s)
+    before its 2 drafts: that reading is paid once, so the draft token cost learnt from the
+    round counts only what a steady model round (K+1 tokens read) has; a steady round's
+    time is taken whole."""
+    from types import SimpleNamespace
+
+    from ssdlocal.draft.adaptive import AdaptiveDrafter, _Round
+    from ssdlocal.draft.base import RoundOutcome
+    from ssdlocal.speculation.adaptive import Choice
+
+    costs = CostModel()
+    model = SimpleNamespace(cached=[100], last_read=(63, 0.5), observe=lambda outcome, adopted: None)
+    drafter = AdaptiveDrafter(model, None, k=2, pinned=False, params=SamplingParams(), costs=costs,
+                              target_vocab=10, device="cpu")  # fmt: skip
+    drafter.last = _Round(Choice(2, (0,), 2, 0.0), ("model",), (2,), ("suffix:2",))
+    drafter.observe(RoundOutcome(((1, 2),), (1,), (2,), (True,), draft_s=0.56, verify_s=0.1))
+    assert costs.draft_token_s == pytest.approx((0.56 - 0.5 * 60 / 63) / 2)  # 0.04 s of drafting, 0.02 a token
+    model.last_read = (3, 0.03)  # the next round's: what every model round reads
+    drafter.last = _Round(Choice(2, (0,), 2, 0.0), ("model",), (2,), ("suffix:2",))
+    drafter.observe(RoundOutcome(((3, 4, 5),), (2,), (5,), (True,), draft_s=0.07, verify_s=0.1))
+    assert costs.draft_token_s == pytest.approx(0.8 * (0.56 - 0.5 * 60 / 63) / 2 + 0.2 * 0.07 / 2)
+
+
 def test_explored_widths_get_rarer_while_nothing_speculates():
     """A chat whose suffix proposals never pay on CPU-like costs tries a wider step at round
     16, then 33 rounds later (the interval doubles); the engine keeps the interval with its

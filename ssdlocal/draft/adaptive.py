@@ -137,6 +137,19 @@ class AdaptiveDrafter:
         n = len(active)
         return choose(self.costs, [1.0] * n, [()] * n, [0.0] * n, self.k, active).model_k > 0
 
+    def _drafting_s(self, draft_s: float, k: int) -> float:
+        """A model round's draft time as a steady model round has it. A round that follows
+        a model round reads at most K+1 committed tokens before drafting; a probe after plain
+        rounds (or the prompt's first read) reads more, once, and `choose` charges that
+        through `catch_up`. Counting it per drafted token made one probe's catch-up of 63
+        tokens read as 3.7x the draft's cost, which kept the model from ever being tried
+        again once probes ask whether it could pay."""
+        fed, seconds = self.model.last_read
+        steady = k + 1
+        if fed <= steady or seconds <= 0.0:
+            return draft_s
+        return max(draft_s - seconds * (fed - steady) / fed, 0.0)
+
     def _catch_up(self) -> int:
         """Committed tokens the draft model lacks (the most of any row)."""
         if self.model is None:
@@ -192,7 +205,7 @@ class AdaptiveDrafter:
                     self.acceptance.observe(b, key, n, min(outcome.n_accepted[b], n))
             self.costs.observe_target(last.choice.width + 1, outcome.verify_s)
             if last.choice.model_k:
-                self.costs.observe_draft(last.choice.model_k, outcome.draft_s)
+                self.costs.observe_draft(last.choice.model_k, self._drafting_s(outcome.draft_s, last.choice.model_k))
         if self.model is not None and last is not None and last.choice.model_k:
             self.model.observe(outcome, adopted=[s == MODEL for s in last.sources])
         if self.suffix is not None:

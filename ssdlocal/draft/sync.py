@@ -7,6 +7,7 @@ just-in-time backup uses the same K-step decoder (draft/decode.py) as ModelDraft
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -99,6 +100,9 @@ class ModelDrafter:
         self.cached: list[int] = []
         self._fed: list[int] = []  # per row: tokens the last propose left in the draft's cache
         self._k = 0  # drafts of the last propose
+        # the last propose's reading before it drafted: committed tokens fed (the most of any
+        # row, the prompt's too on its first) and host seconds (a GPU's launches unless it waits)
+        self.last_read: tuple[int, float] = (0, 0.0)
 
     def _generator(self) -> torch.Generator:
         return torch.Generator(device=self.runner.device).manual_seed(self.params.stream_seed(7919))
@@ -133,11 +137,14 @@ class ModelDrafter:
     def propose(self, active: Sequence[bool], k: int | None = None) -> Proposal:
         """K drafts per row (default: the drafter's K), every row batched."""
         k = self.k if k is None else k
+        t0 = time.perf_counter()
+        before = list(self.cached) or [0] * len(self.rows)
         if not self.cached:
             self._prefill()
         lengths = [row.length for row in self.rows]
         bound = max(lengths) + max(k, CATCH_UP)  # past every write of this round
         first = self._catch_up([row.tail(c) for row, c in zip(self.rows, self.cached)], bound)
+        self.last_read = (max(n - c for n, c in zip(lengths, before)), time.perf_counter() - t0)
         self.decoder.k = k
         if self.guides is not None:
             dev = self.runner.device
