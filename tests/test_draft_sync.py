@@ -12,7 +12,7 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.models import NgramDraft
 from ssdlocal.core.sequence import Row
-from ssdlocal.draft.sync import ModelDrafter, NgramDrafter
+from ssdlocal.draft.sync import CATCH_UP, ModelDrafter, NgramDrafter
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
 from support.scripted import Names, ScriptedRunner, follow, sampling_of
@@ -90,10 +90,14 @@ def test_model_drafts_follow_the_rows_and_the_target_decides(k):
 
 
 def test_the_draft_reads_the_prompts_once_when_first_asked():
+    """Nothing of the draft's happens before its first proposal, its cache included (K per
+    round may never ask; a llama.cpp context of 33k cells took 1.6 s to make); then it is
+    made once, for the shape reserved, and the prompt read once."""
     draft, drafter, rows, rnd = sd_call([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], [4], 3)
-    assert draft.calls["feed"] == 0  # nothing before the first proposal
+    assert draft.calls["feed"] == 0 and draft.calls["reset"] == 0  # nothing before the first proposal
     run_checked(draft, drafter, rows, rnd)
-    assert draft.calls["feed"] == 1 and draft.calls["begin_steps"] == 1
+    assert draft.calls["feed"] == 1 and draft.calls["begin_steps"] == 1 and draft.calls["reset"] == 1
+    assert draft.num_slots == 11 + 4 + 3 + 2 + CATCH_UP  # sd_call's slots, with a catch-up chunk's room
 
 
 def test_keeping_one_draft_too_many_is_caught(monkeypatch):

@@ -100,6 +100,7 @@ class ModelDrafter:
         self.cached: list[int] = []
         self._fed: list[int] = []  # per row: tokens the last propose left in the draft's cache
         self._k = 0  # drafts of the last propose
+        self._shape: tuple[int, int] | None = None  # the cache `reserve` asked for, made at the first propose
         # the last propose's reading before it drafted: committed tokens fed (the most of any
         # row, the prompt's too on its first) and host seconds (a GPU's launches unless it waits)
         self.last_read: tuple[int, float] = (0, 0.0)
@@ -108,9 +109,11 @@ class ModelDrafter:
         return torch.Generator(device=self.runner.device).manual_seed(self.params.stream_seed(7919))
 
     def reserve(self, batch_size: int, num_slots: int) -> None:
-        """Allocate the draft's KV cache for a batch (engine calls before start), with room
-        for the padding of one catch-up chunk past any row's end."""
-        self.runner.reset(batch_size, num_slots + CATCH_UP)
+        """The draft's KV cache for a batch (engine calls before start), with room for the
+        padding of one catch-up chunk past any row's end. It is made when the drafter first
+        proposes: K per round may never ask, and making it costs (a llama.cpp context of
+        33k cells took 1.6 s here, which every first answer of a process waited for)."""
+        self._shape = (batch_size, num_slots + CATCH_UP)
         self.decoder.generator = self._generator()
 
     def start(self, rows: Sequence[RowView]) -> None:
@@ -125,6 +128,9 @@ class ModelDrafter:
     def _prefill(self) -> None:
         """Every row's tokens except its last into the draft's cache, from the longest
         prefix of them its prefix cache holds."""
+        if self._shape is not None:  # reserved, not made yet
+            self.runner.reset(*self._shape)
+            self._shape = None
         sequences = [row.tokens for row in self.rows]
         for b, seq in enumerate(sequences):
             self.runner.reuse(b, seq[:-1])
