@@ -265,6 +265,26 @@ def test_every_option_of_every_command_reaches_its_config(monkeypatch, capsys, t
         assert landed[name] == expected, (run, name)
 
 
+@pytest.mark.parametrize("words, kept", [((), False), (("--prefix-cache-tokens", "4096"), True),
+                                          (("--prefix-cache-tokens", "4096", "--no-prefix-cache"), False)])  # fmt: skip
+def test_generate_keeps_no_prefix_cache_unless_asked_for_one(monkeypatch, capsys, tmp_path, words, kept):
+    """One call, then the process ends: generate makes no prefix store (its context cost
+    0.5-1 s of the first token and a GB here) unless --prefix-cache-tokens asks for one;
+    chat and serve keep the default."""
+    for var in [v for v in os.environ if v.startswith("SSDLOCAL_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path))
+    rec = _Recorder()
+    _fake_run(monkeypatch, rec)
+    code, _, err = run_cli(monkeypatch, capsys, "generate", *words, "p1")
+    assert code == 0, err
+    (models, _), _ = rec.calls["engine_config"]
+    assert models.prefix_cache is kept
+    code, _, err = run_cli(monkeypatch, capsys, "chat")
+    assert code == 0, err
+    assert rec.calls["engine_config"][0][0].prefix_cache is True
+
+
 def _fields(group) -> set[str]:
     return {f.name for f in dataclasses.fields(group)}
 

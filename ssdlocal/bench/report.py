@@ -19,6 +19,7 @@ from ssdlocal.bench.aggregate import aggregate_all, projection_inputs, session_t
 from ssdlocal.bench.check import SHAPE_TIE
 from ssdlocal.bench.project import DEFAULT_RATIOS, project
 from ssdlocal.bench.run import BenchRun
+from ssdlocal.core.models import BackendName
 
 SCHEMA_VERSION = 1
 
@@ -116,7 +117,7 @@ def exactness_note(doc: dict) -> str | None:
     llama.cpp's call widths move a logit (SHAPE_TIE); None otherwise (a larger margin is
     no rounding, and the table's FAIL stands alone)."""
     settings = doc["settings"]
-    if settings.get("target_backend") != "llamacpp" or settings.get("batch_invariant"):
+    if settings.get("target_backend") != BackendName.LLAMACPP.value or settings.get("batch_invariant"):
         return None
     failed = [ex for ex in doc["exactness"].values() if ex.get("status") == "FAIL"]
     margins = [d.get("margin") for ex in failed for d in ex.get("divergences", [])]

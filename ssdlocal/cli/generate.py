@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -54,6 +55,8 @@ def generate(
         raise UsageError("empty prompt", "pass some text to generate from")
     grammar = _grammar(json_schema, regex)
     params = sampling.params()
+    if models.prefix_cache_tokens is None:  # one call, then the process ends: no later call could
+        models = replace(models, prefix_cache=False)  # reuse a prefix, and the store costs memory and time
     config = engine_config(models, spec)
     from ssdlocal.cli.render import run_generate
 
