@@ -145,7 +145,11 @@ def _gguf(*parts: bytes) -> bytes:
     _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 2**62)),  # a key's length
     _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 4, 2**62)),  # an array
     _gguf(struct.pack("<IQQ", 3, 1, 0), struct.pack("<Q", 1), b"t", struct.pack("<I", 2**31)),  # dimensions
-], ids=["tensors", "keys", "string", "array", "dims"])  # fmt: skip
+    _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 8, 3),
+          struct.pack("<Q", 2), b"ab", struct.pack("<Q", 2**62)),  # a vocabulary string's length
+    _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 8, 40),
+          struct.pack("<Q", 1) + b"a"),  # more vocabulary strings than the file holds
+], ids=["tensors", "keys", "string", "array", "dims", "vocab-string", "vocab-count"])  # fmt: skip
 def test_gguf_counts_no_file_of_its_size_can_hold_are_refused(tmp_path, header):
     from ssdlocal.weights.formats.gguf import GGUFHeader
     from ssdlocal.core.errors import ModelLoadError

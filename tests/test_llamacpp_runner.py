@@ -405,6 +405,31 @@ def test_a_step_at_a_column_decodes_up_to_it_and_computes_only_its_logits(runner
     assert r.feed([[10], [11]], "last")[1].shape == (1, lib.vocab)  # the padding left no cell behind
 
 
+def test_a_gguf_is_checked_and_its_tokenizer_built_once_per_process(tiny_gguf, tmp_path, monkeypatch):
+    """An engine start read each model's tokenizer twice and walked its header three times
+    (0.8 s a walk for a 151k vocabulary): in one process a file as it is (path, size,
+    mtime) is checked once and gives one tokenizer; a file that changed is checked and
+    read again."""
+    import os
+    import shutil
+
+    from ssdlocal.weights.formats.gguf import GGUFHeader
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_gguf[0], path)
+    walks, real = [], GGUFHeader.read.__func__
+    monkeypatch.setattr(GGUFHeader, "read", classmethod(lambda cls, p: walks.append(p) or real(cls, p)))
+    first = gguf_loader.gguf_tokenizer(path)
+    assert gguf_loader.gguf_tokenizer(path) is first and gguf_loader.check_gguf_file(path) == path
+    assert len(walks) == 1
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    again = gguf_loader.gguf_tokenizer(path)
+    assert again is not first and len(walks) == 2
+    assert again.encode("the cat") == first.encode("the cat")
+
+
 def test_model_freed_after_runner(fake):
     import gc
 
