@@ -85,7 +85,8 @@ class ModelOptions:
     prefix_cache: bool = option(
         True,
         "Reuse the KV of the longest prefix earlier calls left (chat turns, re-sent files): "
-        "a prompt is read from where they diverge.",
+        "a prompt is read from where they diverge. generate, which answers once and exits, "
+        "keeps none unless --prefix-cache-tokens is given.",
         "--prefix-cache/--no-prefix-cache",
     )
     prefix_cache_tokens: int | None = option(
