@@ -50,25 +50,28 @@ def high_level_llama(**kwargs):
     """llama-cpp-python's own `Llama(**kwargs)` (the benchmark's peers) under the probe's
     verdict: ModelLoadError where llama.cpp crashed here, repacking off where only that did.
     `Llama` takes no such option, so its default model params are wrapped while it loads."""
-    ll = import_llama_cpp()
     try:
-        if require_llamacpp().extra_bufts:
-            return ll.Llama(**kwargs)
-        module = ll.llama_cpp  # where Llama reads llama_model_default_params from
-        defaults = module.llama_model_default_params
-
-        def without_repacking():
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        module.llama_model_default_params = without_repacking
-        try:
-            return ll.Llama(**kwargs)
-        finally:
-            module.llama_model_default_params = defaults
+        return _llama(import_llama_cpp(), kwargs)
     finally:  # Llama(verbose=False) lets error-level notices through: ours see none of them
         quiet_logs(bool(kwargs.get("verbose", True)))
+
+
+def _llama(ll, kwargs: dict):
+    if require_llamacpp().extra_bufts:
+        return ll.Llama(**kwargs)
+    module = ll.llama_cpp  # where Llama reads llama_model_default_params from
+    defaults = module.llama_model_default_params
+
+    def without_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_model_default_params = without_repacking
+    try:
+        return ll.Llama(**kwargs)
+    finally:
+        module.llama_model_default_params = defaults
 
 
 def quiet_logs(verbose: bool) -> None:

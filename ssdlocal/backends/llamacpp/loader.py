@@ -9,6 +9,7 @@ vocabulary once and cached; its ids are checked against llama.cpp's tokenizer.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -30,8 +31,8 @@ GGUF_HINT = (
 # its header checked, its tokenizer built. An engine reads each model's tokenizer for the
 # pair check and again to load it, and each read checked the header (a pure-Python walk of
 # 151k vocabulary strings, 0.8 s here): six walks and four tokenizer loads per start.
-_CHECKED: set[tuple[str, int, int]] = set()
-_TOKENIZERS: dict[tuple[str, int, int], object] = {}
+_CHECKED: set[str] = set()
+_TOKENIZERS: dict[str, object] = {}
 _VOCAB_PROBE = "Hello world! def add(a, b):\n    return a + b  # 123 émoji 🙂 你好"
 
 
@@ -89,18 +90,22 @@ def check_gguf_file(path: str | Path) -> Path:
         raise ModelLoadError(f"cannot read {path}: {exc}", "check the file's permissions") from exc
     if head[:4] != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF header)", GGUF_HINT)
-    if len(head) == 24 and struct.unpack("<I", head[4:8])[0] in (2, 3) and _stamp(path) not in _CHECKED:
-        from ssdlocal.weights.formats.gguf import GGUFHeader
+    if len(head) == 24 and struct.unpack("<I", head[4:8])[0] in (2, 3):
+        stamp = _stamp(path)
+        if stamp not in _CHECKED:
+            from ssdlocal.weights.formats.gguf import GGUFHeader
 
-        GGUFHeader.read(path)  # counts and lengths bounded by the file, before llama.cpp or transformers read it
-        _CHECKED.add(_stamp(path))
+            GGUFHeader.read(path)  # counts and lengths bounded by the file, before llama.cpp or transformers read it
+            _CHECKED.add(stamp)
     return path
 
 
-def _stamp(path: Path) -> tuple[str, int, int]:
-    """The file as it is now: a changed size or mtime is another file (checked again)."""
-    st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_mtime_ns
+def _stamp(path: Path) -> str:
+    """The file as it is now (core.measured.file_stamps: resolved path, size, mtime): a
+    changed file is another key, checked and read again."""
+    from ssdlocal.core.measured import file_stamps
+
+    return json.dumps(file_stamps(path))
 
 
 def gguf_architecture(path: Path) -> str:
