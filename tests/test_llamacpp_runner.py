@@ -674,3 +674,51 @@ def test_a_tokenizer_with_the_same_files_is_loaded_once_and_keeps_its_own_templa
     assert same is not first and same.encode("the cat") == first.encode("the cat")
     assert (first.chat_template, same.chat_template) == ("{{ 'A' }}", "{{ 'B' }}")
     assert other.model_max_length == 77 and other.chat_template == "{{ 'A' }}"
+
+
+# ----------------------------------------------------------------- a draft that waits
+def _auto_engine(target: str, draft: str) -> Engine:
+    spec = SpecConfig(mode=Mode.AUTO, adaptive_k=True, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32")))
+    return Engine(EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"), spec=spec, pin_cpus=False))
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_draft_that_cannot_pay_is_not_loaded_until_asked_for(fake, monkeypatch, pays):
+    """`auto` on a CPU: when the kept timings say the draft model cannot pay at any
+    acceptance (each scored token costs a plain step; scoring 4 and drafting 3 is slower
+    than 4 steps), the engine does not load it; auto calls run without it, with AR's
+    output; a call that asks for SD loads it then. A draft that could pay loads at start."""
+    from ssdlocal.backends import registry
+    from ssdlocal.engine import auto
+
+    _lib, target, draft = fake
+    step = 0.01
+    widths = {w: step * (1 + 0.02 * (w - 1)) if pays else step * w for w in auto.WIDTHS}
+    timings = auto.Calibration(3, widths[1], widths[4], step * (0.05 if pays else 1.0))
+    drafted = []
+    monkeypatch.setattr(auto, "_pair_calibration", lambda t, d, k, store, key: drafted.append(d) or timings)
+    monkeypatch.setattr(auto, "_step_widths", lambda t, store, key: widths)
+    monkeypatch.setattr(registry, "context_length", lambda path, name: 4096)  # as the header states (n_ctx_train)
+    loads = []
+    real_load = registry.load
+    monkeypatch.setattr(registry, "load", lambda spec, **kw: loads.append(spec.path) or real_load(spec, **kw))
+    with _auto_engine(target, draft) as eng:
+        assert eng.choice.mode is Mode.SD and eng.draft_context == 4096
+        assert (draft in loads) is pays and (eng._draft_runner is not None) is pays
+        out, _ = run(eng, PROMPTS)
+        ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
+        assert out == ar and (draft in loads) is pays  # an auto call that cannot use it leaves it
+        sd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
+        assert sd == ar and draft in loads and eng._draft_runner is not None  # asked for: loaded
+
+
+def test_a_gguf_states_its_context_without_loading(tiny_gguf, tmp_path):
+    from ssdlocal.backends import registry
+    from ssdlocal.core.models import BackendName
+
+    path, model = tiny_gguf
+    assert registry.context_length(str(path), BackendName.LLAMACPP) == model.config.max_position_embeddings
+    assert registry.context_length(str(path), BackendName.TORCH) is None  # torch may scale it
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\0" * 60)
+    assert registry.context_length(str(junk), BackendName.LLAMACPP) is None  # its load says why

@@ -161,6 +161,23 @@ def make_runner(loaded, *, tree: bool = False, graphs: str = "auto"):
     return owner.make_runner(loaded, tree, graphs)
 
 
+def context_length(path: str, name: BackendName) -> int | None:
+    """A model's context (positions) read without loading it, where its backend takes it
+    as stored: a GGUF header's context length for llama.cpp (its n_ctx_train). None for
+    other backends (torch may extend it by rope scaling), a header without one, or a file
+    that is no readable GGUF (its load says why)."""
+    if BackendName(name) is not BackendName.LLAMACPP:
+        return None
+    from ssdlocal.core.errors import ModelLoadError
+    from ssdlocal.weights.formats.convert import gguf_metadata
+
+    try:
+        found = gguf_metadata(Path(path)).get("context_length")
+    except ModelLoadError:
+        return None
+    return found if isinstance(found, int) else None
+
+
 def load_tokenizer(path: str, name: BackendName = BackendName.TORCH):
     """The model's tokenizer (transformers), reading no weights."""
     return BACKENDS[name].load_tokenizer(path)

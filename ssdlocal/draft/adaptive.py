@@ -21,7 +21,7 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.speculation.adaptive import (
-    MAX_PROBE_EVERY, PROBE_EVERY, Acceptance, Choice, CostModel, choose, suffix_key,
+    MAX_PROBE_EVERY, PROBE_EVERY, Acceptance, Choice, CostModel, choose, model_could_pay, suffix_key,
 )  # fmt: skip
 
 MODEL, SUFFIX, NONE = "model", "suffix", "none"
@@ -130,12 +130,8 @@ class AdaptiveDrafter:
         return choice
 
     def _model_could_pay(self, active: Sequence[bool]) -> bool:
-        """Whether `choose` would take a draft-model proposal on the measured costs if every
-        drafted token were accepted. If not, no acceptance a probe could measure makes the
-        model pay (e.g. a CPU where scoring K+1 tokens plus K draft tokens costs more than
-        K+1 plain steps), so probing it only costs its catch-up and forwards."""
-        n = len(active)
-        return choose(self.costs, [1.0] * n, [()] * n, [0.0] * n, self.k, active).model_k > 0
+        """speculation.adaptive.model_could_pay on this drafter's costs and K."""
+        return model_could_pay(self.costs, self.k, active)
 
     def _drafting_s(self, draft_s: float, k: int) -> float:
         """A model round's draft time as a steady model round has it. A round that follows

@@ -21,13 +21,25 @@ from ssdlocal.draft.sync import build_ngram
 def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     """A draft model: in this process for SD (adaptive: with the suffix proposals the draft
     asks for; each row drawn with its own sampling settings), the worker process for SSD
-    (one setting per batch: `params`)."""
+    (one setting per batch: `params`). An adaptive SD call whose measured costs say the
+    model cannot pay at any acceptance (speculation.adaptive.model_could_pay) drafts from
+    the suffix proposals alone, so a draft model not loaded yet stays unloaded."""
     draft = spec.draft
     if not isinstance(draft, ModelDraft):  # ModelDraft names this builder; no other type does
         raise TypeError(f"build_model builds model drafts, not {type(draft).__name__}")
     if spec.mode is Mode.SD:
         from ssdlocal.draft.adaptive import build_adaptive
         from ssdlocal.draft.sync import ModelDrafter
+        from ssdlocal.speculation.adaptive import model_could_pay
+
+        costs = res.costs
+        if (
+            spec.adaptive_k
+            and costs is not None
+            and costs.knows_draft
+            and not model_could_pay(costs, spec.k, [True] * res.batch)
+        ):
+            return build_adaptive(spec, params, res, None, draft.suffix)
 
         drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device,
                                guides=res.guides, audit=res.audit, row_params=res.row_params)  # fmt: skip

@@ -234,11 +234,12 @@ def model_key(model) -> list:
 
 def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: EngineConfig | None = None
                ) -> ModeChoice:  # fmt: skip
-    """The engine's choice once its models are loaded: `choice` itself when the placement
+    """The engine's choice once its target is loaded: `choice` itself when the placement
     decided it; for target and draft sharing the CPU (None) a calibration's, seeding the
     K-per-round cost model (`costs`) and carrying the step costs its re-check reads
     (ModeChoice.widths). An SD on the CPU with K per round also times each step width.
-    With `config` (the engine's), timings are read from and kept in the cache's
+    `draft()` gives the draft runner (loading it); it is called only when the pair must be
+    timed. With `config` (the engine's), timings are read from and kept in the cache's
     measurements (core/measured.py) instead of timed at every start."""
     store = MeasuredStore() if config is not None else None
     models = [model_key(config.target)] if config is not None else []
@@ -257,12 +258,13 @@ def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: En
 
 def _pair_calibration(target, draft, k: int, store: MeasuredStore | None, key: dict) -> Calibration:
     """The target's and the draft's step times: those kept in `store` under `key` at an
-    earlier start when trusted, else timed now (and kept there). No store: always timed."""
+    earlier start when trusted, else timed now (and kept there; `draft()` loads the draft
+    runner). No store: always timed."""
     found = store.get("pair", key, lambda v: positive_seconds(v, 3)) if store is not None else None
     if found is not None:  # three positive seconds (positive_seconds checked)
         target_1, target_k1, draft_1 = found
         return Calibration(k, target_1, target_k1, draft_1, when="at an earlier start (kept in the cache)")
-    cal = calibrate(target, draft, k)
+    cal = calibrate(target, draft(), k)
     if store is not None:
         store.put("pair", key, [cal.target_1, cal.target_k1, cal.draft_1])
     return cal

@@ -31,7 +31,7 @@ from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice
 from ssdlocal.engine.batch import Loop
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.request import Inbox, Request
-from ssdlocal.speculation.adaptive import CostModel
+from ssdlocal.speculation.adaptive import CostModel, model_could_pay
 
 if TYPE_CHECKING:  # imported where used: the worker's client only when SSD runs
     from ssdlocal.draft.ssd.client import DraftWorkerClient
@@ -57,7 +57,7 @@ class Engine:
         self._tp_group = None  # ranks 1..N-1 of a tensor-parallel target
         self._row_cancels: set[int] = set()
         self._row_cancel_lock = threading.Lock()
-        self.draft_context: int | None = None  # the draft model's context, once loaded
+        self.draft_context: int | None = None  # the draft model's context: loaded, or as its file states
         self._running: CancelToken | None = None  # the token of the latest generate call
         self._closed = False
         draft_model = spec.draft.model
@@ -89,15 +89,17 @@ class Engine:
             self.runner = self.audit.watch(registry.make_runner(self.target, graphs=config.graphs), "target")
             if self._worker is not None:
                 self._wait_worker(self._worker)
-            elif draft_model is not None:
+            elif draft_model is not None and not self._draft_may_wait(choice):
                 self._load_draft_here()
-            # after the draft: the default size is a share of the memory left
+            # after the draft (when it loads now): the default size is a share of the memory left
             self.prefix_tokens = self.runner.setup_prefix(config.prefix_cache_tokens)
             self.costs = CostModel()  # the target's (and draft's) measured step costs, kept up to date
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
             self.choice: ModeChoice = calibrated(
-                choice, self.runner, self._draft_runner, spec, self.costs, config
+                choice, self.runner, self._draft_runner_here, spec, self.costs, config
             )  # (a CPU; timings kept per machine and models)
+            if draft_model is not None and self._worker is None and self._draft_runner is None:
+                self._load_draft_unless_it_cannot_pay()
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -111,6 +113,30 @@ class Engine:
         draft_spec = self.config.draft_model
         assert draft_spec is not None, "no draft model is configured"
         return draft_spec
+
+    def _draft_may_wait(self, choice: ModeChoice | None) -> bool:
+        """Whether the draft model (SD in this process) may stay unloaded until the costs
+        are known: K chosen per round on a CPU that shares target and draft (`choice`
+        None), where a draft that cannot pay at any acceptance is never asked for, and a
+        draft whose context its file states (context_limit bounds calls by it before it
+        loads)."""
+        spec, draft = self.config.spec, self._draft_spec()
+        if choice is not None or not spec.adaptive_k or self.config.target.device != "cpu":
+            return False
+        self.draft_context = registry.context_length(draft.path, draft.backend)
+        return self.draft_context is not None
+
+    def _load_draft_unless_it_cannot_pay(self) -> None:
+        """After calibration: load the draft model unless `auto`'s costs say no acceptance
+        makes it pay here (then a call that asks for it loads it: _draft_runner_here)."""
+        spec = self.config.spec
+        if self.choice.mode is Mode.AR or (
+            self.costs.knows_draft and not model_could_pay(self.costs, spec.k, [True])
+        ):  # fmt: skip
+            log.info("draft model not loaded: %s", "the mode is AR" if self.choice.mode is Mode.AR
+                     else "on the measured costs it cannot pay at any acceptance")  # fmt: skip
+            return
+        self._load_draft_here()
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""

@@ -73,6 +73,12 @@ class CostModel:
         self.samples[t] = seen + 1
         self.target[t] = seconds if seen <= 1 else _ewma(self.target[t], seconds)
 
+    @property
+    def knows_draft(self) -> bool:
+        """Whether the target's steps and the draft model's tokens have been timed (a
+        calibration, or rounds), so `model_could_pay` answers from measurements."""
+        return bool(self.target) and self.draft_token_s is not None
+
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
             self.draft_token_s = _ewma(self.draft_token_s, seconds / tokens)
@@ -151,6 +157,15 @@ class Choice:
     suffix_len: tuple[int, ...]
     width: int
     tokens_per_s: float  # the prediction that won
+
+
+def model_could_pay(costs: CostModel, k_max: int, active: Sequence[bool]) -> bool:
+    """Whether `choose` would take a draft-model proposal on `costs` if every drafted token
+    were accepted. If not, no acceptance makes the model pay (e.g. a CPU where scoring K+1
+    tokens plus K draft tokens costs more than K+1 plain steps): probing it, or loading it
+    for a call, only costs time."""
+    n = len(active)
+    return choose(costs, [1.0] * n, [()] * n, [0.0] * n, k_max, active).model_k > 0
 
 
 def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: Sequence[Sequence[float]],

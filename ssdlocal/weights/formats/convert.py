@@ -39,7 +39,8 @@ EXTRA_EOS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|
 
 
 def gguf_metadata(gguf_path: Path) -> dict[str, object]:
-    """A few header fields of a GGUF file (architecture, name, chat template present)."""
+    """A few header fields of a GGUF file (architecture, name, chat template present, and
+    the context length the model was trained for: llama.cpp's n_ctx_train; None if absent)."""
     try:  # transformers >= 5 has a header reader that skips big arrays (30 ms, not 6 s)
         from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -56,10 +57,13 @@ def gguf_metadata(gguf_path: Path) -> dict[str, object]:
             f"{gguf_path} is not a readable GGUF file: {str(exc)[:200]}",
             replace_hint(gguf_path),
         ) from exc
+    arch = fields.get("general.architecture")
+    context = fields.get(f"{arch}.context_length")
     return {
-        "architecture": fields.get("general.architecture"),
+        "architecture": arch,
         "name": fields.get("general.name"),
         "has_chat_template": bool(fields.get("tokenizer.chat_template")),
+        "context_length": context if isinstance(context, int) and context > 0 else None,
     }
 
 
@@ -67,7 +71,8 @@ def _read_with_gguf(path: str) -> dict[str, object]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path, "r")
-    keys = ("general.architecture", "general.name", "tokenizer.chat_template")
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    keys = ("general.architecture", "general.name", "tokenizer.chat_template", f"{arch}.context_length")
     return {k: reader.fields[k].contents() for k in keys if k in reader.fields}
 
 
