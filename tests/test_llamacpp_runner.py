@@ -704,6 +704,7 @@ def test_a_draft_that_cannot_pay_is_not_loaded_until_asked_for(fake, monkeypatch
     monkeypatch.setattr(registry, "load", lambda spec, **kw: loads.append(spec.path) or real_load(spec, **kw))
     with _auto_engine(target, draft) as eng:
         assert eng.choice.mode is Mode.SD and eng.draft_context == 4096
+        assert ("the draft model is not loaded" in eng.choice.reason) is not pays
         assert (draft in loads) is pays and (eng._draft_runner is not None) is pays
         out, _ = run(eng, PROMPTS)
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))

@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Loads the target (and draft) once; `generate` may be called many times.
+    """Loads the target (and draft) once; `generate` may be called many times. With K
+    chosen per round on a CPU, a draft model the measured costs say cannot pay loads only
+    when a call asks for it (_draft_may_wait).
 
     Use as a context manager so drafter processes are shut down deterministically.
     """
@@ -128,15 +130,20 @@ class Engine:
 
     def _load_draft_unless_it_cannot_pay(self) -> None:
         """After calibration: load the draft model unless `auto`'s costs say no acceptance
-        makes it pay here (then a call that asks for it loads it: _draft_runner_here)."""
+        makes it pay here (then a call that asks for it loads it: _draft_runner_here), which
+        the mode's reason then says."""
         spec = self.config.spec
-        if self.choice.mode is Mode.AR or (
+        if self.choice.mode is not Mode.AR and not (
             self.costs.knows_draft and not model_could_pay(self.costs, spec.k, [True])
         ):  # fmt: skip
-            log.info("draft model not loaded: %s", "the mode is AR" if self.choice.mode is Mode.AR
-                     else "on the measured costs it cannot pay at any acceptance")  # fmt: skip
+            self._load_draft_here()
             return
-        self._load_draft_here()
+        why = (
+            "the mode is AR" if self.choice.mode is Mode.AR else "on the measured costs it cannot pay at any acceptance"
+        )
+        note = f"; the draft model is not loaded ({why}): a call that asks for SD loads it"
+        self.choice = replace(self.choice, reason=self.choice.reason + note)
+        log.info("draft model not loaded: %s", why)
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
