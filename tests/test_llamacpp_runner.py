@@ -678,8 +678,12 @@ def test_a_tokenizer_with_the_same_files_is_loaded_once_and_keeps_its_own_templa
 
 # ----------------------------------------------------------------- a draft that waits
 def _auto_engine(target: str, draft: str) -> Engine:
-    spec = SpecConfig(mode=Mode.AUTO, adaptive_k=True, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32")))
-    return Engine(EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"), spec=spec, pin_cpus=False))
+    spec = SpecConfig(
+        mode=Mode.AUTO, adaptive_k=True, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))
+    )
+    return Engine(
+        EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"), spec=spec, pin_cpus=False)
+    )
 
 
 @pytest.mark.parametrize("pays", [False, True])
