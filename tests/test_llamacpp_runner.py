@@ -677,18 +677,42 @@ def test_a_tokenizer_with_the_same_files_is_loaded_once_and_keeps_its_own_templa
 
 
 # ----------------------------------------------------------------- a draft that waits
-def _auto_engine(target: str, draft: str) -> Engine:
-    spec = SpecConfig(
-        mode=Mode.AUTO, adaptive_k=True, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))
-    )
+def _auto_engine(target: str, draft: str, alike: bool = True) -> Engine:
+    model = ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))
     return Engine(
-        EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"), spec=spec, pin_cpus=False)
+        EngineConfig(
+            target=ModelSpec(target, backend="llamacpp", dtype="float32", batch_invariant=alike),
+            spec=SpecConfig(mode=Mode.AUTO, adaptive_k=True, draft=model),
+            pin_cpus=False,
+        )
     )
+
+
+def test_auto_on_llama_cpp_kernels_runs_ar_and_loads_the_draft_only_when_asked(fake, monkeypatch):
+    """A llama.cpp target on the CPU gives a token other logits in a call of several tokens
+    than alone, so `auto` runs AR there (exact, the same every run) and says why; the
+    draft model stays unloaded until a call asks for SD. With --batch-invariant steps the
+    costs decide as elsewhere (next test)."""
+    from ssdlocal.backends import registry
+
+    _lib, target, draft = fake
+    monkeypatch.setattr(registry, "context_length", lambda path, name: 4096)
+    loads = []
+    real_load = registry.load
+    monkeypatch.setattr(registry, "load", lambda spec, **kw: loads.append(spec.path) or real_load(spec, **kw))
+    with _auto_engine(target, draft, alike=False) as eng:
+        assert eng.choice.mode is Mode.AR and "llama.cpp's CPU kernels" in eng.choice.line
+        assert "the draft model is not loaded (the mode is AR)" in eng.choice.reason
+        assert loads == [target] and eng.draft_context == 4096
+        out, stats = run(eng, PROMPTS)
+        assert stats["mode"] == "ar" and loads == [target]
+        sd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
+        assert loads == [target, draft] and len(sd) == len(out)  # asked for: loaded then
 
 
 @pytest.mark.parametrize("pays", [False, True])
 def test_a_draft_that_cannot_pay_is_not_loaded_until_asked_for(fake, monkeypatch, pays):
-    """`auto` on a CPU: when the kept timings say the draft model cannot pay at any
+    """`auto` on a CPU with batch-invariant steps: when the kept timings say the draft model cannot pay at any
     acceptance (each scored token costs a plain step; scoring 4 and drafting 3 is slower
     than 4 steps), the engine does not load it; auto calls run without it, with AR's
     output; a call that asks for SD loads it then. A draft that could pay loads at start."""

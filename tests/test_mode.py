@@ -129,6 +129,22 @@ def test_devices_prints_the_engines_mode_line(monkeypatch, capsys):
     assert "int4" in out  # the weights' format, not only a dtype
 
 
+def test_kernels_that_part_with_the_call_width_run_ar_and_devices_says_so(monkeypatch, capsys):
+    """llama.cpp's CPU kernels give a token other logits in a call of several tokens than
+    alone: `auto` runs AR there whatever the draft, and `devices --backend llamacpp` prints
+    the line the engine prints (the torch default plans SD)."""
+    from ssdlocal.placement.inventory import DeviceInventory
+
+    for kind in ("model", "ngram", "suffix"):
+        choice = placement_mode(("cpu",), "cpu", kind, batch_exact=False)
+        assert choice.mode is Mode.AR and "--batch-invariant" in choice.reason and len(choice.line) <= 80
+    assert placement_mode(("cpu",), None, "none", batch_exact=False).line == placement_mode(("cpu",), None, "none").line
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: DeviceInventory((), 2, 16.0))
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--backend", "llamacpp")
+    assert code == 0, err
+    assert placement_mode(("cpu",), "cpu", "model", batch_exact=False).line in out
+
+
 def test_devices_on_one_gpu_shares_it_like_the_engine(monkeypatch, capsys):
     """One GPU: the draft shares it (what `--draft-device auto` does), the mode is SD."""
     from ssdlocal.placement.inventory import GPU, DeviceInventory

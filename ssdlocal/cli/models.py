@@ -262,7 +262,7 @@ def devices(
         except Exception:
             sys.stdout.write(json.dumps({**payload, "plan": None}) + "\n")
             raise
-        choice = _mode_of(plan)
+        choice = _mode_of(plan, backend)
         payload |= {"plan": dataclasses.asdict(plan), "weights": dict(zip(("target", "draft"), weights)),
                     "mode": {"mode": choice.mode.value, "reason": choice.reason, "line": choice.line}}  # fmt: skip
         sys.stdout.write(json.dumps(payload) + "\n")
@@ -270,7 +270,7 @@ def devices(
     _print_inventory(inventory)
     out.print(f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):")
     plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)  # PlacementError -> exit 1
-    _print_plan(plan, weights)
+    _print_plan(plan, weights, backend)
     out.print(_prefix_line(prefix), soft_wrap=True)
     out.print(_calibration_line(), soft_wrap=True, highlight=False)
 
@@ -315,13 +315,15 @@ def _as_run(plan, draft_gb: float):
                                notes=("no GPU left for the draft: it shares the target's GPU",) + notes)  # fmt: skip
 
 
-def _mode_of(plan):
-    """The mode `--mode auto` runs on this plan and why (placement/mode.py: the words
-    generate, chat and serve print too)."""
+def _mode_of(plan, backend: BackendName):
+    """The mode `--mode auto` runs on this plan with a target on `backend` and why
+    (placement/mode.py: the words generate, chat and serve print too)."""
     from ssdlocal.placement.mode import placement_mode
 
     kind = "model" if plan.draft_device is not None else "ngram"  # no room: n-gram drafting
-    return placement_mode(plan.target_devices, plan.draft_device, kind, "n-gram", adaptive_k=True)
+    apart = backend is BackendName.LLAMACPP and tuple(plan.target_devices) == ("cpu",)
+    return placement_mode(plan.target_devices, plan.draft_device, kind, "n-gram", adaptive_k=True,
+                          batch_exact=not apart)  # fmt: skip
 
 
 def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, str]:
@@ -400,7 +402,7 @@ def _print_inventory(inventory) -> None:
         out.print(f"[dim]note: {note}[/dim]")
 
 
-def _print_plan(plan, weights: tuple[str, ...] = ()) -> None:
+def _print_plan(plan, weights: tuple[str, ...] = (), backend: BackendName = BackendName.TORCH) -> None:
     """The placement table, its summary, the weights, the mode `--mode auto` runs and why,
     the flags that reproduce it, and its notes."""
     from ssdlocal.placement.devarg import plan_flags
@@ -414,7 +416,7 @@ def _print_plan(plan, weights: tuple[str, ...] = ()) -> None:
     out.print(f"{_plan_summary(plan)}; tensor-parallel degree {plan.tensor_parallel}")
     for role, label in zip(("target", "draft"), weights):
         out.print(f"{role} weights: {label}", highlight=False)
-    out.print(_mode_of(plan).line, highlight=False)  # what generate, chat and serve print
+    out.print(_mode_of(plan, backend).line, highlight=False)  # what generate, chat and serve print
     out.print(f"flags: {plan_flags(plan)}", soft_wrap=True)  # what generate takes to reproduce it
     for note in plan.notes:
         out.print(f"[dim]note: {note}[/dim]")

@@ -28,6 +28,7 @@ from ssdlocal.backends import registry
 from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 from ssdlocal.core.events import ModeEvent, RoundEvent
+from ssdlocal.core.models import BackendName
 from ssdlocal.core.measured import MeasuredStore, file_stamps, positive_seconds
 from ssdlocal.core.progress import reporter
 from ssdlocal.placement.mode import ModeChoice, cpu_shared, placement_mode
@@ -73,13 +74,16 @@ class Calibration:
 
 def placement_choice(config: EngineConfig) -> ModeChoice | None:
     """The mode the placement alone decides, or None when only a calibration can (target
-    and draft model on the CPU: always calibrated, for the costs K per round starts from)."""
+    and draft model on the CPU: always calibrated, for the costs K per round starts from).
+    A llama.cpp target on the CPU without batch-invariant steps: AR (placement/mode.py)."""
     spec = config.spec
     draft = spec.draft
     kind = "none" if draft.kind == "none" else "model" if draft.model is not None else draft.kind
     targets = tuple(map(normalize_device, config.target_devices or (config.target.device,)))
     draft_device = normalize_device(draft.model.device) if draft.model is not None else None
-    choice = placement_mode(targets, draft_device, kind, draft.label, spec.adaptive_k)
+    target = config.target
+    apart = target.backend is BackendName.LLAMACPP and targets == ("cpu",) and not target.batch_invariant
+    choice = placement_mode(targets, draft_device, kind, draft.label, spec.adaptive_k, batch_exact=not apart)
     if choice is not None and choice.mode is Mode.SD and kind == "model" and draft_device == "cpu":
         return None  # SD on a shared CPU: calibrated_choice says it, with what was measured
     return choice

@@ -117,13 +117,15 @@ class Engine:
         return draft_spec
 
     def _draft_may_wait(self, choice: ModeChoice | None) -> bool:
-        """Whether the draft model (SD in this process) may stay unloaded until the costs
-        are known: K chosen per round on a CPU that shares target and draft (`choice`
-        None), where a draft that cannot pay at any acceptance is never asked for, and a
-        draft whose context its file states (context_limit bounds calls by it before it
-        loads)."""
+        """Whether the draft model (SD in this process) may stay unloaded until a call asks
+        for it: `auto` chose AR by the placement (a llama.cpp target on the CPU), or K is
+        chosen per round on a CPU that shares target and draft (`choice` None), where a
+        draft that cannot pay at any acceptance is never asked for; and the draft's file
+        states its context (context_limit bounds calls by it before it loads)."""
         spec, draft = self.config.spec, self._draft_spec()
-        if choice is not None or not spec.adaptive_k or self.config.target.device != "cpu":
+        chose_ar = spec.mode is Mode.AUTO and choice is not None and choice.mode is Mode.AR
+        measured = choice is None and spec.adaptive_k and self.config.target.device == "cpu"
+        if not (chose_ar or measured):
             return False
         self.draft_context = registry.context_length(draft.path, draft.backend)
         return self.draft_context is not None

@@ -6,7 +6,10 @@ its own (another GPU, or the CPU beside a GPU target) -> SSD, whose drafting the
 verification; target and draft on one GPU -> SD. Target and draft both on the CPU share
 one memory system, where SSD would split the cores and lose to SD: SD choosing K each
 round (K=0 is a plain step, so plain decoding is one of its choices), or, with K pinned,
-AR or SD by a calibration of the loaded models (engine/auto.py). Pure: no torch.
+AR or SD by a calibration of the loaded models (engine/auto.py). A target whose kernels
+give a token other logits in a call of several tokens than alone (llama.cpp on a CPU,
+unless its steps are batch-invariant) -> AR whatever the draft: verifying K+1 tokens in
+one call could change a greedy answer at a near-tie. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from dataclasses import dataclass, field, replace
 from ssdlocal.core.config import Mode
 
 CPU_SHARED = "target and draft share the CPU"  # the start of every CPU-shared reason
+KERNELS_APART = (
+    "llama.cpp's CPU kernels give a token other logits in a call of several tokens than alone "
+    "(tenths apart), so verifying K+1 drafted tokens at once could change a greedy answer "
+    "wherever the top two tokens are that close, and with it from run to run"
+)
 
 
 @dataclass(frozen=True)
@@ -60,11 +68,22 @@ def cpu_shared(adaptive_k: bool) -> ModeChoice | None:
 
 
 def placement_mode(targets: tuple[str, ...], draft_device: str | None, draft_kind: str,
-                   draft_label: str = "", adaptive_k: bool = True) -> ModeChoice | None:  # fmt: skip
+                   draft_label: str = "", adaptive_k: bool = True, batch_exact: bool = True
+                   ) -> ModeChoice | None:  # fmt: skip
     """The mode for this placement. `draft_kind`: "none", "model", or a drafter that costs
-    nothing ("ngram", "suffix"); None when a calibration of the loaded models decides."""
+    nothing ("ngram", "suffix"); `batch_exact`: the target's kernels give a token the same
+    logits however many tokens its call holds (False: llama.cpp on a CPU without
+    batch-invariant steps). None when a calibration of the loaded models decides."""
     if draft_kind == "none":
         return ModeChoice(Mode.AR, "no draft model, so plain autoregressive decoding", "no draft model")
+    if not batch_exact:
+        return ModeChoice(
+            Mode.AR,
+            f"{KERNELS_APART}; plain decoding keeps every answer exact and the same each run "
+            "(--batch-invariant makes speculation exact on them, at about 1.5x the cost of a "
+            "plain step; --mode sd speculates anyway, exact up to such near-ties)",
+            "llama.cpp's CPU kernels: plain decoding keeps greedy answers exact",
+        )
     if draft_kind != "model":
         label = draft_label or draft_kind
         return ModeChoice(Mode.SD, f"the {label} draft costs nothing to run, so synchronous speculation",
