@@ -171,3 +171,34 @@ def test_probe_verdict_with_the_real_library(tmp_path, record_property):
     path = str(write_probe_gguf(tmp_path / "probe.gguf"))
     assert len(probe_child.evaluate(LlamaLib(extra_bufts=found.extra_bufts), path, 2)) == 3
     assert len(probe_child.evaluate(LlamaLib(extra_bufts=False), path, 2)) == 3
+
+
+@pytest.mark.skipif(not REAL.is_file(), reason=f"{REAL} not assembled (ssdlocal pull)")
+def test_real_qwen_05b_a_grown_context_gives_the_same_logits_bit_for_bit(monkeypatch):
+    """A lone row's context that grows (its cells moved into a larger context through
+    llama.cpp's sequence state, twice here) gives every step the logits of a context that
+    had the full size from the start."""
+    import torch
+
+    from ssdlocal.backends.base import Logits
+    from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
+    from ssdlocal.backends.llamacpp import runner as runner_module
+
+    loaded = load_gguf(REAL)
+    prompt = loaded.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n" * 6)
+
+    def steps(grow_from: int) -> tuple[torch.Tensor, int]:
+        monkeypatch.setattr(runner_module, "GROW_FROM", grow_from)
+        runner = LlamaCppRunner(loaded)
+        runner.reset(1, 2048)
+        rows = [runner.feed([prompt], Logits.LAST)[0][-1]]
+        while len(prompt) + len(rows) < 600:
+            rows.append(runner.feed([[int(torch.argmax(rows[-1]))]])[0][-1])
+        cells = runner._ctx_cells
+        runner.close()
+        return torch.stack(rows), cells
+
+    grown, cells = steps(256)
+    full, full_cells = steps(1 << 20)
+    assert (cells, full_cells) == (1024, 2048)  # 256 -> 512 -> 1024 against 2048 from the start
+    assert torch.equal(grown, full)

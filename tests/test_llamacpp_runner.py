@@ -116,6 +116,14 @@ class FakeLlamaLib:
             if src in c["seqs"] and max(p0, 0) <= c["pos"] < hi:
                 c["seqs"].add(dst)
 
+    def seq_state(self, ctx, seq) -> bytes:
+        return json.dumps([(c["pos"], c["token"]) for c in ctx.cells if seq in c["seqs"]]).encode()
+
+    def set_seq_state(self, ctx, seq, data) -> None:
+        cells = json.loads(data)
+        assert not ctx.freed and len(ctx.cells) + len(cells) <= ctx.n_ctx, "KV cache full"
+        ctx.cells += [{"pos": p, "token": t, "seqs": {seq}} for p, t in cells]
+
     def decode(self, ctx, tokens, positions, seqs, want, n_vocab):
         assert not ctx.freed and len(tokens) <= ctx.n_batch
         assert len(ctx.cells) + len(tokens) <= ctx.n_ctx, "KV cache full"
@@ -751,3 +759,30 @@ def test_a_gguf_states_its_context_without_loading(tiny_gguf, tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\0" * 60)
     assert registry.context_length(str(junk), BackendName.LLAMACPP) is None  # its load says why
+
+
+# ----------------------------------------------------------------- a lone row's context grows
+def test_a_lone_rows_context_grows_as_it_fills_and_keeps_its_cells(fake, monkeypatch, vocab):
+    """A lone row without a prefix store starts in a context of GROW_FROM cells and moves
+    to one twice as large whenever it fills it (its cells restored from llama.cpp's
+    sequence state), up to what reset asked for; its tokens are the ones a full-size
+    context gives. Two rows (or a store, a tree) get the full size at once."""
+    from ssdlocal.backends.llamacpp import runner as runner_module
+
+    lib, target, _ = fake
+    monkeypatch.setattr(runner_module, "GROW_FROM", 256)
+    r = LlamaCppRunner(load_gguf(target))
+    r.setup_prefix(0)
+    r.reset(1, 1000)
+    assert lib.contexts[-1].n_ctx == 256
+    prompt = [5, 9, 2, 7] * 50  # 200 tokens
+    logits = r.feed([prompt], "last")[0][-1]
+    out = []
+    while len(prompt) + len(out) < 700:
+        out.append(int(torch.argmax(logits)))
+        logits = r.feed([[out[-1]]])[0][-1]
+    assert out == reference_greedy("target.gguf", prompt, len(out), vocab)
+    assert [c.n_ctx for c in lib.contexts[-3:]] == [256, 512, 1024]  # 1000, rounded up to 256s
+    assert all(c.freed for c in lib.contexts[-3:-1]) and not lib.contexts[-1].freed
+    r.reset(2, 1000)
+    assert lib.contexts[-1].n_ctx == 2048  # two rows: the whole size at once

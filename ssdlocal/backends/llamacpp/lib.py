@@ -205,6 +205,23 @@ class LlamaLib:
     def seq_cp(self, ctx, src: int, dst: int, p0: int, p1: int) -> None:
         self.ll.llama_memory_seq_cp(self.ll.llama_get_memory(ctx), src, dst, p0, p1)
 
+    def seq_state(self, ctx, seq: int) -> bytes:
+        """Sequence `seq`'s cache cells (keys, values, positions) as llama.cpp saves them."""
+        size = self.ll.llama_state_seq_get_size(ctx, seq)
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        written = self.ll.llama_state_seq_get_data(ctx, buf, size, seq)
+        return bytes(buf[:written])
+
+    def set_seq_state(self, ctx, seq: int, data: bytes) -> None:
+        """Restore what seq_state saved into sequence `seq` of `ctx` (OutOfMemoryError when
+        the context has no room for it)."""
+        buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        if data and not self.ll.llama_state_seq_set_data(ctx, buf, len(data), seq):
+            raise OutOfMemoryError(
+                "llama.cpp could not move a sequence into a larger context (out of memory)",
+                "use a smaller --max-new-tokens",
+            )
+
     # ------------------------------------------------------------------ decode
     def decode(
         self,

@@ -29,6 +29,11 @@ from ssdlocal.core.memory import available_ram_bytes
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
 _PAD = 256  # llama.cpp rounds the context size up to this
+# A lone row without a prefix store starts in a context of at most this many cells and
+# moves to one twice as large when it fills it (_grow): a call that may run to the end of
+# a 32k context (generate without --max-new-tokens) no longer allocates and clears its
+# whole KV cache first (1.5B Q4_K_M, 2-core EPYC: 0.75 s to the first token and 0.9 GB).
+GROW_FROM = 4096
 
 
 class LlamaCppRunner(TreeSequences, HeldRows):
@@ -49,6 +54,7 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self.num_slots = 0
         self._ctx = None
         self._ctx_cells = 0
+        self._grows_to = 0  # a lone row's context may grow to this many cells (_grow); 0: it does not
         self._ctx_seqs = 0
         self._ctx_threads = 0
         self._n_batch = N_BATCH
@@ -86,19 +92,15 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         seqs = max_seqs if self.tree or stored or scratch else batch_size
         row_cells, store = batch_size * num_slots, self._store_tokens if stored else 0
         cells = -(-(row_cells + store) // _PAD) * _PAD
+        self._grows_to = 0
+        if batch_size == 1 and not (self.tree or self.alike or store) and cells > GROW_FROM:
+            self._grows_to, cells = cells, GROW_FROM  # one row's cells move as a block (_grow)
         spare = self._ctx_cells - row_cells - _PAD  # what the store may keep in this context
         if self._ctx is None or seqs > self._ctx_seqs or (cells > self._ctx_cells and spare < store // 2):
             self.close()
             if self._ctx_cells:  # growing: leave room, so the store is not dropped at every step
                 cells = max(cells, min(2 * self._ctx_cells, cells + self._store_tokens))
-            self._n_batch = min(N_BATCH, cells)
-            # no flash attention on a CPU: measured on the 1.5B Q4_K_M pair (2-core EPYC,
-            # AVX-512), 28 new tokens after 2,105 took 0.84-0.94 s with llama.cpp's auto choice
-            # (on) and 0.50-0.55 s without; one-token steps and cold prompts no slower
-            self._ctx = self.lib.new_context(self.model, cells, self._n_batch, seqs, self._want_threads(),
-                                             flash_attn=False if self.device.type == "cpu" else None)  # fmt: skip
-            self._ctx_cells, self._ctx_seqs = cells, seqs
-            self._ctx_threads = self._want_threads()
+            self._open(cells, seqs)
         else:
             self._drop_chains()
             kept = set(self.prefix.ids) if self.prefix is not None else set()
@@ -258,6 +260,8 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             self.lib.set_threads(self._ctx, threads)
             self._ctx_threads = threads
         want = [True] * len(tokens) if want is None else want
+        if self._grows_to and positions and max(positions) >= self._ctx_cells:
+            self._grow(max(positions) + 1)
         if self.alike:
             return self._decode_alike(tokens, positions, seqs, want, progress)
         out = []
@@ -268,6 +272,28 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             if progress is not None:
                 progress(min(i + step, len(tokens)), len(tokens))
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _grow(self, need: int) -> None:
+        """A lone row (sequence 0) needs `need` cells, more than its context has: a context
+        twice as large (at least `need`, at most what reset asked for) takes its cells,
+        saved and restored by llama.cpp's sequence state. They land in the same cells,
+        0 to n-1, so every later logit is what the larger context would have given."""
+        cells = min(self._grows_to, -(-max(need, 2 * self._ctx_cells) // _PAD) * _PAD)
+        saved = self.lib.seq_state(self._ctx, 0)
+        self.close()
+        self._open(cells, self._ctx_seqs)
+        self.lib.set_seq_state(self._ctx, 0, saved)
+
+    def _open(self, cells: int, seqs: int) -> None:
+        """A new context of `cells` cells for `seqs` sequences (the old one closed)."""
+        self._n_batch = min(N_BATCH, cells)
+        # no flash attention on a CPU: measured on the 1.5B Q4_K_M pair (2-core EPYC,
+        # AVX-512), 28 new tokens after 2,105 took 0.84-0.94 s with llama.cpp's auto choice
+        # (on) and 0.50-0.55 s without; one-token steps and cold prompts no slower
+        self._ctx = self.lib.new_context(self.model, cells, self._n_batch, seqs, self._want_threads(),
+                                         flash_attn=False if self.device.type == "cpu" else None)  # fmt: skip
+        self._ctx_cells, self._ctx_seqs = cells, seqs
+        self._ctx_threads = self._want_threads()
 
     def _decode_alike(self, tokens, positions, seqs, want, progress) -> np.ndarray:
         """_decode with steps in alike widths (backends/llamacpp/alike.py)."""
