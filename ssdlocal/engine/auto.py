@@ -31,10 +31,11 @@ from ssdlocal.core.events import ModeEvent, RoundEvent
 from ssdlocal.core.models import BackendName
 from ssdlocal.core.measured import MeasuredStore, file_stamps, positive_seconds
 from ssdlocal.core.progress import reporter
+from ssdlocal.speculation.adaptive import CostModel, model_could_pay
 from ssdlocal.placement.mode import ModeChoice, cpu_shared, placement_mode
 
-__all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated", "calibrated_choice",
-           "placement_choice", "rechecked", "step_costs"]  # fmt: skip
+__all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated", "calibrated_choice", "draft_waits",
+           "placement_choice", "rechecked", "step_costs", "unloaded_draft"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,30 @@ def placement_choice(config: EngineConfig) -> ModeChoice | None:
     if choice is not None and choice.mode is Mode.SD and kind == "model" and draft_device == "cpu":
         return None  # SD on a shared CPU: calibrated_choice says it, with what was measured
     return choice
+
+
+def draft_waits(config: EngineConfig, choice: ModeChoice | None) -> bool:
+    """Whether the draft model (SD in this process) may stay unloaded until a call asks for
+    it: `auto` chose AR by the placement (`choice`; a llama.cpp target on the CPU), or K is
+    chosen per round on a CPU that shares target and draft (`choice` None), where a draft
+    that cannot pay at any acceptance is never asked for (unloaded_draft)."""
+    spec = config.spec
+    chose_ar = spec.mode is Mode.AUTO and choice is not None and choice.mode is Mode.AR
+    return chose_ar or (choice is None and spec.adaptive_k and config.target.device == "cpu")
+
+
+def unloaded_draft(choice: ModeChoice, costs: CostModel, k: int) -> ModeChoice | None:
+    """After calibration, for a draft that waited (draft_waits): the engine's choice saying
+    why the draft model stays unloaded (the mode is AR, or on the measured costs it cannot
+    pay at any acceptance: speculation.adaptive.model_could_pay), so that a call that asks
+    for SD loads it; None when it could pay (load it now)."""
+    if choice.mode is not Mode.AR and not (costs.knows_draft and not model_could_pay(costs, k, [True])):
+        return None
+    why = "the mode is AR" if choice.mode is Mode.AR else "on the measured costs it cannot pay at any acceptance"
+    log.info("draft model not loaded: %s", why)
+    return replace(
+        choice, reason=f"{choice.reason}; the draft model is not loaded ({why}): a call that asks for SD loads it"
+    )
 
 
 def calibrate(target, draft, k: int) -> Calibration:

@@ -27,11 +27,11 @@ from ssdlocal.core.stats import RunStats
 from ssdlocal.draft.base import DraftResources
 from ssdlocal.draft.factory import make_drafter
 from ssdlocal.draft.suffix import open_memory
-from ssdlocal.engine.auto import ModeChoice, calibrated, placement_choice
+from ssdlocal.engine.auto import ModeChoice, calibrated, draft_waits, placement_choice, unloaded_draft
 from ssdlocal.engine.batch import Loop
 from ssdlocal.engine.prompts import encode_prompt
 from ssdlocal.engine.request import Inbox, Request
-from ssdlocal.speculation.adaptive import CostModel, model_could_pay
+from ssdlocal.speculation.adaptive import CostModel
 
 if TYPE_CHECKING:  # imported where used: the worker's client only when SSD runs
     from ssdlocal.draft.ssd.client import DraftWorkerClient
@@ -101,7 +101,10 @@ class Engine:
                 choice, self.runner, self._draft_runner_here, spec, self.costs, config
             )  # (a CPU; timings kept per machine and models)
             if draft_model is not None and self._worker is None and self._draft_runner is None:
-                self._load_draft_unless_it_cannot_pay()
+                waiting = unloaded_draft(self.choice, self.costs, spec.k)  # None: it could pay
+                self.choice = waiting or self.choice
+                if waiting is None:
+                    self._load_draft_here()
             self.suffix_memory, self._memory_file = open_memory(
                 spec.memory, config.target.path, self.target.args.vocab_size
             )  # fmt: skip
@@ -117,35 +120,14 @@ class Engine:
         return draft_spec
 
     def _draft_may_wait(self, choice: ModeChoice | None) -> bool:
-        """Whether the draft model (SD in this process) may stay unloaded until a call asks
-        for it: `auto` chose AR by the placement (a llama.cpp target on the CPU), or K is
-        chosen per round on a CPU that shares target and draft (`choice` None), where a
-        draft that cannot pay at any acceptance is never asked for; and the draft's file
-        states its context (context_limit bounds calls by it before it loads)."""
-        spec, draft = self.config.spec, self._draft_spec()
-        chose_ar = spec.mode is Mode.AUTO and choice is not None and choice.mode is Mode.AR
-        measured = choice is None and spec.adaptive_k and self.config.target.device == "cpu"
-        if not (chose_ar or measured):
+        """Whether the draft model may stay unloaded until a call asks for it (auto.
+        draft_waits) and its file states its context, which bounds calls before it loads
+        (context_limit)."""
+        draft = self._draft_spec()
+        if not draft_waits(self.config, choice):
             return False
         self.draft_context = registry.context_length(draft.path, draft.backend)
         return self.draft_context is not None
-
-    def _load_draft_unless_it_cannot_pay(self) -> None:
-        """After calibration: load the draft model unless `auto`'s costs say no acceptance
-        makes it pay here (then a call that asks for it loads it: _draft_runner_here), which
-        the mode's reason then says."""
-        spec = self.config.spec
-        if self.choice.mode is not Mode.AR and not (
-            self.costs.knows_draft and not model_could_pay(self.costs, spec.k, [True])
-        ):  # fmt: skip
-            self._load_draft_here()
-            return
-        why = (
-            "the mode is AR" if self.choice.mode is Mode.AR else "on the measured costs it cannot pay at any acceptance"
-        )
-        note = f"; the draft model is not loaded ({why}): a call that asks for SD loads it"
-        self.choice = replace(self.choice, reason=self.choice.reason + note)
-        log.info("draft model not loaded: %s", why)
 
     def _load_draft_here(self) -> None:
         """Load the draft model in this process (synchronous SD)."""
