@@ -703,19 +703,43 @@ def test_auto_on_llama_cpp_kernels_runs_ar_and_loads_the_draft_only_when_asked(f
     costs decide as elsewhere (next test)."""
     from ssdlocal.backends import registry
 
+    from ssdlocal.weights import compat
+
     _lib, target, draft = fake
     monkeypatch.setattr(registry, "context_length", lambda path, name: 4096)
-    loads = []
-    real_load = registry.load
+    loads, checks = [], []
+    real_load, real_check = registry.load, compat.check_pair
     monkeypatch.setattr(registry, "load", lambda spec, **kw: loads.append(spec.path) or real_load(spec, **kw))
+    monkeypatch.setattr(compat, "check_pair", lambda *a, **kw: checks.append(1) or real_check(*a, **kw))
     with _auto_engine(target, draft, alike=False) as eng:
         assert eng.choice.mode is Mode.AR and "llama.cpp's CPU kernels" in eng.choice.line
         assert "the draft model is not loaded (the mode is AR)" in eng.choice.reason
-        assert loads == [target] and eng.draft_context == 4096
+        assert loads == [target] and eng.draft_context == 4096 and not checks  # nor its pair check
         out, stats = run(eng, PROMPTS)
         assert stats["mode"] == "ar" and loads == [target]
         sd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
-        assert loads == [target, draft] and len(sd) == len(out)  # asked for: loaded then
+        assert loads == [target, draft] and len(sd) == len(out) and checks == [1]  # asked for: checked, loaded
+        run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
+        assert checks == [1]  # once
+
+
+def test_a_mode_that_drafts_checks_the_pair_at_start(fake, monkeypatch):
+    from ssdlocal.core.errors import IncompatiblePairError
+    from ssdlocal.weights import compat
+
+    _lib, target, draft = fake
+
+    def refuse(*args, **kwargs):
+        raise IncompatiblePairError("token text check failed", "use a draft of the target's family")
+
+    monkeypatch.setattr(compat, "check_pair", refuse)
+    monkeypatch.setattr("ssdlocal.backends.registry.context_length", lambda path, name: 4096)
+    spec = SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32")))
+    with pytest.raises(IncompatiblePairError, match="token text check failed"):
+        Engine(EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"), spec=spec))
+    with _auto_engine(target, draft, alike=False) as eng:  # auto decodes plainly: no draft, no check yet
+        with pytest.raises(IncompatiblePairError):
+            run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
 
 
 @pytest.mark.parametrize("pays", [False, True])
