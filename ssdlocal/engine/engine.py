@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Loads the target (and draft) once; `generate` may be called many times. With K
-    chosen per round on a CPU, a draft model the measured costs say cannot pay loads only
-    when a call asks for it (_draft_may_wait).
+    """Loads the target (and draft) once; `generate` may be called many times. A draft
+    model `auto` will not use (AR on llama.cpp's CPU kernels, or measured costs that say it
+    cannot pay) is checked and loaded only when a call asks for it (_draft_may_wait).
 
     Use as a context manager so drafter processes are shut down deterministically.
     """
