@@ -210,7 +210,7 @@ class LlamaLib:
         size = self.ll.llama_state_seq_get_size(ctx, seq)
         buf = (ctypes.c_uint8 * max(size, 1))()
         written = self.ll.llama_state_seq_get_data(ctx, buf, size, seq)
-        return bytes(buf[:written])
+        return ctypes.string_at(buf, written)  # one copy (slicing the array made a list: 0.65 s for 24 MB)
 
     def set_seq_state(self, ctx, seq: int, data: bytes) -> None:
         """Restore what seq_state saved into sequence `seq` of `ctx` (OutOfMemoryError when
