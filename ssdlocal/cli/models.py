@@ -318,12 +318,11 @@ def _as_run(plan, draft_gb: float):
 def _mode_of(plan, backend: BackendName):
     """The mode `--mode auto` runs on this plan with a target on `backend` and why
     (placement/mode.py: the words generate, chat and serve print too)."""
-    from ssdlocal.placement.mode import placement_mode
+    from ssdlocal.placement.mode import batch_exact, placement_mode
 
     kind = "model" if plan.draft_device is not None else "ngram"  # no room: n-gram drafting
-    apart = backend is BackendName.LLAMACPP and tuple(plan.target_devices) == ("cpu",)
     return placement_mode(plan.target_devices, plan.draft_device, kind, "n-gram", adaptive_k=True,
-                          batch_exact=not apart)  # fmt: skip
+                          batch_exact=batch_exact(backend, plan.target_devices))  # fmt: skip
 
 
 def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, str]:
@@ -402,7 +401,7 @@ def _print_inventory(inventory) -> None:
         out.print(f"[dim]note: {note}[/dim]")
 
 
-def _print_plan(plan, weights: tuple[str, ...] = (), backend: BackendName = BackendName.TORCH) -> None:
+def _print_plan(plan, weights: tuple[str, ...], backend: BackendName) -> None:
     """The placement table, its summary, the weights, the mode `--mode auto` runs and why,
     the flags that reproduce it, and its notes."""
     from ssdlocal.placement.devarg import plan_flags

@@ -22,7 +22,7 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     """A draft model: in this process for SD (adaptive: with the suffix proposals the draft
     asks for; each row drawn with its own sampling settings), the worker process for SSD
     (one setting per batch: `params`). An adaptive SD call whose measured costs say the
-    model cannot pay at any acceptance (speculation.adaptive.model_could_pay) drafts from
+    model cannot pay at any acceptance (speculation.adaptive.model_cannot_pay) drafts from
     the suffix proposals alone, so a draft model not loaded yet stays unloaded."""
     draft = spec.draft
     if not isinstance(draft, ModelDraft):  # ModelDraft names this builder; no other type does
@@ -30,15 +30,9 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
     if spec.mode is Mode.SD:
         from ssdlocal.draft.adaptive import build_adaptive
         from ssdlocal.draft.sync import ModelDrafter
-        from ssdlocal.speculation.adaptive import model_could_pay
+        from ssdlocal.speculation.adaptive import model_cannot_pay
 
-        costs = res.costs
-        if (
-            spec.adaptive_k
-            and costs is not None
-            and costs.knows_draft
-            and not model_could_pay(costs, spec.k, [True] * res.batch)
-        ):
+        if spec.adaptive_k and res.costs is not None and model_cannot_pay(res.costs, spec.k, [True] * res.batch):
             return build_adaptive(spec, params, res, None, draft.suffix)
 
         drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device,

@@ -28,11 +28,10 @@ from ssdlocal.backends import registry
 from ssdlocal.backends.base import Logits
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 from ssdlocal.core.events import ModeEvent, RoundEvent
-from ssdlocal.core.models import BackendName
 from ssdlocal.core.measured import MeasuredStore, file_stamps, positive_seconds
 from ssdlocal.core.progress import reporter
-from ssdlocal.speculation.adaptive import CostModel, model_could_pay
-from ssdlocal.placement.mode import ModeChoice, cpu_shared, placement_mode
+from ssdlocal.speculation.adaptive import CostModel, model_cannot_pay
+from ssdlocal.placement.mode import ModeChoice, batch_exact, cpu_shared, placement_mode
 
 __all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated", "calibrated_choice", "draft_waits",
            "placement_choice", "rechecked", "step_costs", "unloaded_draft"]  # fmt: skip
@@ -82,9 +81,8 @@ def placement_choice(config: EngineConfig) -> ModeChoice | None:
     kind = "none" if draft.kind == "none" else "model" if draft.model is not None else draft.kind
     targets = tuple(map(normalize_device, config.target_devices or (config.target.device,)))
     draft_device = normalize_device(draft.model.device) if draft.model is not None else None
-    target = config.target
-    apart = target.backend is BackendName.LLAMACPP and targets == ("cpu",) and not target.batch_invariant
-    choice = placement_mode(targets, draft_device, kind, draft.label, spec.adaptive_k, batch_exact=not apart)
+    exact = batch_exact(config.target.backend, targets, config.target.batch_invariant)
+    choice = placement_mode(targets, draft_device, kind, draft.label, spec.adaptive_k, batch_exact=exact)
     if choice is not None and choice.mode is Mode.SD and kind == "model" and draft_device == "cpu":
         return None  # SD on a shared CPU: calibrated_choice says it, with what was measured
     return choice
@@ -103,9 +101,9 @@ def draft_waits(config: EngineConfig, choice: ModeChoice | None) -> bool:
 def unloaded_draft(choice: ModeChoice, costs: CostModel, k: int) -> ModeChoice | None:
     """After calibration, for a draft that waited (draft_waits): the engine's choice saying
     why the draft model stays unloaded (the mode is AR, or on the measured costs it cannot
-    pay at any acceptance: speculation.adaptive.model_could_pay), so that a call that asks
+    pay at any acceptance: speculation.adaptive.model_cannot_pay), so that a call that asks
     for SD loads it; None when it could pay (load it now)."""
-    if choice.mode is not Mode.AR and not (costs.knows_draft and not model_could_pay(costs, k, [True])):
+    if choice.mode is not Mode.AR and not model_cannot_pay(costs, k, [True]):
         return None
     why = "the mode is AR" if choice.mode is Mode.AR else "on the measured costs it cannot pay at any acceptance"
     log.info("draft model not loaded: %s", why)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ssdlocal.core.config import Mode
+from ssdlocal.core.models import BackendName
 
 CPU_SHARED = "target and draft share the CPU"  # the start of every CPU-shared reason
 KERNELS_APART = (
@@ -65,6 +66,13 @@ def cpu_shared(adaptive_k: bool) -> ModeChoice | None:
         "run slower than plain steps would",
         f"{CPU_SHARED}: K chosen per round (0 = plain step)",
     )
+
+
+def batch_exact(backend: BackendName, targets: tuple[str, ...], batch_invariant: bool = False) -> bool:
+    """Whether a target on `backend` over `targets` gives a token the same logits however
+    many tokens its call holds: not llama.cpp on the CPU, unless its steps are
+    batch-invariant (placement_mode's `batch_exact`)."""
+    return not (backend is BackendName.LLAMACPP and tuple(targets) == ("cpu",) and not batch_invariant)
 
 
 def placement_mode(targets: tuple[str, ...], draft_device: str | None, draft_kind: str,

@@ -168,6 +168,13 @@ def model_could_pay(costs: CostModel, k_max: int, active: Sequence[bool]) -> boo
     return choose(costs, [1.0] * n, [()] * n, [0.0] * n, k_max, active).model_k > 0
 
 
+def model_cannot_pay(costs: CostModel, k_max: int, active: Sequence[bool]) -> bool:
+    """Whether measured costs (CostModel.knows_draft) say no acceptance makes a draft-model
+    proposal pay (model_could_pay): then the model need not even be loaded. Unmeasured
+    costs say nothing (False)."""
+    return costs.knows_draft and not model_could_pay(costs, k_max, active)
+
+
 def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: Sequence[Sequence[float]],
            suffix_rates: Sequence[float], k_max: int, active: Sequence[bool], explore: bool = False,
            catch_up: int = 0) -> Choice:  # fmt: skip

@@ -39,6 +39,7 @@ _TOKENIZERS: dict[str, object] = {}
 # draft of the target's family has the target's tokenizer files (0.76 s a load here).
 _BY_FILES: dict[str, object] = {}
 _TEMPLATE = "chat_template.jinja"
+_REMEMBERED = 8  # entries each memo above keeps
 _VOCAB_PROBE = "Hello world! def add(a, b):\n    return a + b  # 123 émoji 🙂 你好"
 
 
@@ -157,10 +158,16 @@ def gguf_tokenizer(path: str | Path):
     path = check_gguf_file(path)
     stamp = _stamp(path)
     if stamp not in _TOKENIZERS:
-        if len(_TOKENIZERS) >= 8:  # a long-lived process that loads many models keeps a few
-            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
-        _TOKENIZERS[stamp] = _build_tokenizer(path)
+        _remember(_TOKENIZERS, stamp, _build_tokenizer(path))
     return _TOKENIZERS[stamp]
+
+
+def _remember(memo: dict[str, object], key: str, value: object) -> None:
+    """memo[key] = value, the oldest entry out beyond _REMEMBERED (a long-lived process
+    that loads many models keeps a few)."""
+    if len(memo) >= _REMEMBERED:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
 
 
 def _build_tokenizer(path: Path):
@@ -218,9 +225,7 @@ def _load_cached(cached: Path):
             twin.chat_template = template  # type: ignore[attr-defined]
         return twin
     tok = AutoTokenizer.from_pretrained(cached, trust_remote_code=False)
-    if len(_BY_FILES) >= 8:  # as _TOKENIZERS
-        _BY_FILES.pop(next(iter(_BY_FILES)))
-    _BY_FILES[key] = tok
+    _remember(_BY_FILES, key, tok)
     return tok
 
 
