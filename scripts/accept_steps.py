@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ssdlocal.core.config import (EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig,
-                                  repeatable)  # fmt: skip
+from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig, repeatable
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 
@@ -37,19 +36,41 @@ SHAPES = {
     "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
 }
 FORWARDS = [  # (model, role, tensor-parallel ranks): the configurations the product is for
-    ("qwen2.5-1.5b", "target", 1), ("qwen2.5-0.5b", "draft", 1), ("qwen2.5-7b", "target", 1),
-    ("qwen2.5-7b", "TP rank 0", 2), ("llama-3-70b", "TP rank 0", 4), ("llama-3-70b", "TP rank 1..3", 4),
+    ("qwen2.5-1.5b", "target", 1),
+    ("qwen2.5-0.5b", "draft", 1),
+    ("qwen2.5-7b", "target", 1),
+    ("qwen2.5-7b", "TP rank 0", 2),
+    ("llama-3-70b", "TP rank 0", 4),
+    ("llama-3-70b", "TP rank 1..3", 4),
     ("llama-3.2-1b", "draft", 1),
-]  # fmt: skip
+]
 KV_TOKENS = 1024  # context the table's KV reads assume
 
 
-def _config(target: str, device: str, *, draft: str | None = None, graphs: str = "auto", mode: Mode = Mode.SD,
-            dtype: str = "float32", quantization: str = "none", **engine) -> EngineConfig:  # fmt: skip
-    spec = SpecConfig(mode=mode, k=K, backup="jit",
-                      draft=ModelDraft(ModelSpec(draft, device, dtype=dtype)) if draft else SpecConfig().draft)  # fmt: skip
-    return EngineConfig(target=ModelSpec(target, device, dtype=dtype, quantization=quantization), spec=spec,
-                        pin_cpus=False, graphs=graphs, **engine)  # fmt: skip
+def _config(
+    target: str,
+    device: str,
+    *,
+    draft: str | None = None,
+    graphs: str = "auto",
+    mode: Mode = Mode.SD,
+    dtype: str = "float32",
+    quantization: str = "none",
+    **engine,
+) -> EngineConfig:
+    spec = SpecConfig(
+        mode=mode,
+        k=K,
+        backup="jit",
+        draft=ModelDraft(ModelSpec(draft, device, dtype=dtype)) if draft else SpecConfig().draft,
+    )
+    return EngineConfig(
+        target=ModelSpec(target, device, dtype=dtype, quantization=quantization),
+        spec=spec,
+        pin_cpus=False,
+        graphs=graphs,
+        **engine,
+    )
 
 
 def _call(engine: Engine, mode: str, prompts, params: SamplingParams, *, repeat: bool = False, **spec_changes):
@@ -89,8 +110,11 @@ def _counted(engine: Engine, mode: str, prompts, params, spec: dict, grammars=No
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            done = [e for e in engine.generate(prompts, params, spec=call_spec, grammars=grammars)
-                    if isinstance(e, DoneEvent)][0]  # fmt: skip
+            done = [
+                e
+                for e in engine.generate(prompts, params, spec=call_spec, grammars=grammars)
+                if isinstance(e, DoneEvent)
+            ][0]
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message).lower() for w in caught), done.stats.get("rounds", 0)
@@ -100,8 +124,13 @@ def host_waits(dirs: dict, device: str, results, step: str = "host_waits") -> No
     """Host waits per decode round, by mode: a call of 40 tokens minus a call of 1 token
     (the prompt and the first token), over the rounds between them (warm engine)."""
     if not device.startswith("cuda"):
-        results.put(step, {"skipped": "torch.cuda.set_sync_debug_mode counts CUDA synchronisations only; "
-                                      "on the CPU the engine's own audit counts them"})  # fmt: skip
+        results.put(
+            step,
+            {
+                "skipped": "torch.cuda.set_sync_debug_mode counts CUDA synchronisations only; "
+                "on the CPU the engine's own audit counts them"
+            },
+        )
         return
     prompts = ["hello world, def foo(x):"]
     modes = [("ar", "ar", {}), ("sd", "sd", {}), ("adaptive_sd", "sd", {"adaptive_k": True}), ("ssd_target", "ssd", {})]
@@ -121,8 +150,15 @@ def host_waits(dirs: dict, device: str, results, step: str = "host_waits") -> No
             rounds = max(1, rounds_long - rounds_short)
             per_round = (waits_long - waits_short) / rounds
             budget = HOST_WAIT_BUDGET[name]
-            rows.append({"mode": name, "waits_per_round": round(per_round, 2), "budget": budget,
-                         "rounds": rounds, "waits": waits_long - waits_short})  # fmt: skip
+            rows.append(
+                {
+                    "mode": name,
+                    "waits_per_round": round(per_round, 2),
+                    "budget": budget,
+                    "rounds": rounds,
+                    "waits": waits_long - waits_short,
+                }
+            )
             results.put(step, rows)
             if budget is not None and per_round > budget:
                 results.fail(f"{step}: {name} waits on the host {per_round:.1f} times per round (budget {budget})")
@@ -144,8 +180,15 @@ def _grammar(engine: Engine):
 
 
 # --------------------------------------------------------------------------- long contexts, prefix store
-def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, step: str = "long_context",
-                 modes: tuple[str, ...] = ("ar", "sd", "ssd")) -> None:  # fmt: skip
+def long_context(
+    dirs: dict,
+    device: str,
+    graph_mode: str,
+    results,
+    tmp: Path,
+    step: str = "long_context",
+    modes: tuple[str, ...] = ("ar", "sd", "ssd"),
+) -> None:
     """A 1,000-token prompt and 60 new tokens: the KV cache grows past 1,024 slots in the
     middle of the answer (graphs recaptured on the grown cache) and decode spans pass 256;
     AR, SD and SSD with graphs equal the eager engine."""
@@ -164,9 +207,15 @@ def long_context(dirs: dict, device: str, graph_mode: str, results, tmp: Path, s
                 outs[(graphs, mode)] = (tokens, _graph_counts(stats), engine.runner.capacity)
     for mode in modes:
         tokens, counts, capacity = outs[(graph_mode, mode)]
-        row = {"mode": mode, "graphs": graph_mode, "prompt_tokens": LONG_PROMPT, "kv_slots": capacity,
-               "equal_eager": tokens == outs[("off", mode)][0], "equal_ar": tokens == outs[("off", "ar")][0],
-               **counts}  # fmt: skip
+        row = {
+            "mode": mode,
+            "graphs": graph_mode,
+            "prompt_tokens": LONG_PROMPT,
+            "kv_slots": capacity,
+            "equal_eager": tokens == outs[("off", mode)][0],
+            "equal_ar": tokens == outs[("off", "ar")][0],
+            **counts,
+        }
         rows.append(row)
         if not (row["equal_eager"] and row["equal_ar"]) or _graphs_failed(counts) or capacity <= 1024:
             results.fail(f"{step}: {mode} graphs={graph_mode}: {row}")
@@ -181,18 +230,29 @@ def churned_store(dirs: dict, device: str, graph_mode: str, results, step: str =
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     got = {}
     for store in (0, STORE_TOKENS):
-        config = _config(str(dirs["llama"]), device, draft=str(dirs["draft_llama"]), graphs=graph_mode,
-                         mode=Mode.SD, prefix_cache_tokens=store)  # fmt: skip
+        config = _config(
+            str(dirs["llama"]),
+            device,
+            draft=str(dirs["draft_llama"]),
+            graphs=graph_mode,
+            mode=Mode.SD,
+            prefix_cache_tokens=store,
+        )
         with Engine(config) as engine:
             got[store] = [_call(engine, "sd", prompts, params) for prompts in calls]
             report = engine.runner.prefix_report() or {}
             pool = getattr(engine.runner.model, "prefix_pool", None)
             copies = getattr(pool, "copies", None)  # copy operations, where the pool counts them
     cached = [stats.get("cached_prompt_tokens", 0) for _, stats in got[STORE_TOKENS]]
-    row = {"calls": len(calls), "equal_without_store": [t for t, _ in got[STORE_TOKENS]] == [t for t, _ in got[0]],
-           "cached_tokens": cached, "evicted_tokens": report.get("evicted_tokens"),
-           "reused_tokens": report.get("reused_tokens"), "copy_operations": copies,
-           **_summed_counts(stats for _, stats in got[STORE_TOKENS])}  # fmt: skip
+    row = {
+        "calls": len(calls),
+        "equal_without_store": [t for t, _ in got[STORE_TOKENS]] == [t for t, _ in got[0]],
+        "cached_tokens": cached,
+        "evicted_tokens": report.get("evicted_tokens"),
+        "reused_tokens": report.get("reused_tokens"),
+        "copy_operations": copies,
+        **_summed_counts(stats for _, stats in got[STORE_TOKENS]),
+    }
     results.put(step, row)
     if not row["equal_without_store"]:
         results.fail(f"{step}: answers differ with a churned prefix store")
@@ -218,8 +278,13 @@ def seeded_sampling(dirs: dict, device: str, graph_mode: str, results, step: str
             first, stats = _call(engine, mode, prompts, params, repeat=True)
             again, _ = _call(engine, mode, prompts, params, repeat=True)
             other, _ = _call(engine, mode, prompts, replace(params, seed=8), repeat=True)
-            row = {"mode": mode, "graphs": graph_mode, "repeats": first == again, "other_seed_differs": other != first,
-                   **_graph_counts(stats)}  # fmt: skip
+            row = {
+                "mode": mode,
+                "graphs": graph_mode,
+                "repeats": first == again,
+                "other_seed_differs": other != first,
+                **_graph_counts(stats),
+            }
             rows.append(row)
             if not row["repeats"] or (graph_mode != "off" and _graphs_failed(row)):
                 results.fail(f"{step}: {mode}: {row}")
@@ -233,16 +298,32 @@ def quantized_graphs(dirs: dict, device: str, graph_mode: str, results, step: st
     for scheme in ("int8", "int4"):
         outs = {}
         for graphs in ("off", graph_mode):
-            config = _config(str(dirs["llama"]), device, draft=str(dirs["draft_llama"]), graphs=graphs,
-                             dtype=dtype, quantization=scheme)  # fmt: skip
+            config = _config(
+                str(dirs["llama"]),
+                device,
+                draft=str(dirs["draft_llama"]),
+                graphs=graphs,
+                dtype=dtype,
+                quantization=scheme,
+            )
             with Engine(config) as engine:
                 for mode in ("ar", "sd"):
-                    outs[(graphs, mode)] = _call(engine, mode, ["hello world, def foo(x):", "the cat"],
-                                                 SamplingParams(max_new_tokens=16, ignore_eos=True))  # fmt: skip
+                    outs[(graphs, mode)] = _call(
+                        engine,
+                        mode,
+                        ["hello world, def foo(x):", "the cat"],
+                        SamplingParams(max_new_tokens=16, ignore_eos=True),
+                    )
         for mode in ("ar", "sd"):
             tokens, stats = outs[(graph_mode, mode)]
-            row = {"weights": scheme, "dtype": dtype, "mode": mode, "graphs": graph_mode,
-                   "equal_eager": tokens == outs[("off", mode)][0], **_graph_counts(stats)}  # fmt: skip
+            row = {
+                "weights": scheme,
+                "dtype": dtype,
+                "mode": mode,
+                "graphs": graph_mode,
+                "equal_eager": tokens == outs[("off", mode)][0],
+                **_graph_counts(stats),
+            }
             rows.append(row)
             if not row["equal_eager"] or _graphs_failed(row):
                 results.fail(f"{step}: {scheme} {mode}: {row}")
@@ -250,14 +331,25 @@ def quantized_graphs(dirs: dict, device: str, graph_mode: str, results, step: st
 
 
 # --------------------------------------------------------------------------- two GPUs
-def two_devices(dirs: dict, device: str, graph_mode: str, results, step: str = "two_devices",
-                modes: tuple[str, ...] = ("ar", "sd", "ssd")) -> None:  # fmt: skip
+def two_devices(
+    dirs: dict,
+    device: str,
+    graph_mode: str,
+    results,
+    step: str = "two_devices",
+    modes: tuple[str, ...] = ("ar", "sd", "ssd"),
+) -> None:
     """A tensor-parallel target over two devices (every rank captures its steps) in AR, SD
     and SSD, and SSD with the draft on the second GPU: each equals one eager device. On
     the CPU (--cpu) the TP part runs over two CPU ranks with traced graphs."""
     if device.startswith("cuda") and torch.cuda.device_count() < 2:
-        results.put(step, {"skipped": f"{torch.cuda.device_count()} GPU here: the TP step and SSD across two "
-                                      "GPUs need two or more (rerun on such a machine)"})  # fmt: skip
+        results.put(
+            step,
+            {
+                "skipped": f"{torch.cuda.device_count()} GPU here: the TP step and SSD across two "
+                "GPUs need two or more (rerun on such a machine)"
+            },
+        )
         return
     second = "cuda:1" if device.startswith("cuda") else "cpu"
     target, draft = str(dirs["llama"]), str(dirs["draft_llama"])
@@ -272,16 +364,27 @@ def two_devices(dirs: dict, device: str, graph_mode: str, results, step: str = "
         for mode in modes:
             tokens, stats = _call(engine, mode, prompts, params)
             target_counts = (stats.get("graphs") or {}).get("target", {})
-            rows.append({"what": f"TP=2 target, {mode}", "graphs": graph_mode, "equal_one_device": tokens == want[mode],
-                         "target_replays": target_counts.get("replays", 0)})  # fmt: skip
+            rows.append(
+                {
+                    "what": f"TP=2 target, {mode}",
+                    "graphs": graph_mode,
+                    "equal_one_device": tokens == want[mode],
+                    "target_replays": target_counts.get("replays", 0),
+                }
+            )
     if device.startswith("cuda") and "ssd" in modes:
         split = _config(target, device, draft=draft, graphs=graph_mode, mode=Mode.SSD)
         split = replace(split, spec=replace(split.spec, draft=ModelDraft(ModelSpec(draft, second, dtype="float32"))))
         with Engine(split) as engine:
             tokens, stats = _call(engine, "ssd", prompts, params)
-            rows.append({"what": f"SSD, target {device}, draft {second}", "graphs": graph_mode,
-                         "equal_one_device": tokens == want["ssd"],
-                         "target_replays": (stats.get("graphs") or {}).get("target", {}).get("replays", 0)})  # fmt: skip
+            rows.append(
+                {
+                    "what": f"SSD, target {device}, draft {second}",
+                    "graphs": graph_mode,
+                    "equal_one_device": tokens == want["ssd"],
+                    "target_replays": (stats.get("graphs") or {}).get("target", {}).get("replays", 0),
+                }
+            )
     results.put(step, rows)
     for row in rows:
         if not row["equal_one_device"] or not row["target_replays"]:
@@ -310,8 +413,14 @@ def bandwidth_table(bandwidth: float, results, measured: dict | None = None, ste
     for name, role, tp in FORWARDS:
         weights, kv_bytes = forward_bytes(name, role, tp)
         limit = (weights + kv_bytes) / bandwidth * 1e3
-        row = {"model": name, "role": role, "tp": tp, "weights_gb": round(weights / 1e9, 3),
-               "kv_gb": round(kv_bytes / 1e9, 4), "limit_ms": round(limit, 3)}  # fmt: skip
+        row = {
+            "model": name,
+            "role": role,
+            "tp": tp,
+            "weights_gb": round(weights / 1e9, 3),
+            "kv_gb": round(kv_bytes / 1e9, 4),
+            "limit_ms": round(limit, 3),
+        }
         if measured and tp == 1 and name in measured:
             row["measured_ms"] = round(measured[name], 3)
             row["measured_over_limit"] = round(measured[name] / limit, 2)

@@ -23,19 +23,38 @@ import statistics
 import sys
 import time
 
-WEATHER = {"type": "object", "properties": {"location": {"type": "string"},
-                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["location", "unit"], "additionalProperties": False}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": WEATHER}}]  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["location", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+    }
+]
 TOOL_ASK = [{"role": "user", "content": "What's the weather like in Paris right now, in celsius?"}]
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "birth_year": {"type": "integer"},
-                                           "city": {"type": "string"},
-                                           "occupations": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "birth_year", "city", "occupations"], "additionalProperties": False}  # fmt: skip
-JSON_ASK = [{"role": "user", "content": "Extract the person from: 'Ada Lovelace, born 1815 in London, was a "
-             "mathematician and writer.' Reply with JSON only, with the keys name, birth_year, city and "
-             "occupations (a list)."}]  # fmt: skip
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "birth_year": {"type": "integer"},
+        "city": {"type": "string"},
+        "occupations": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "birth_year", "city", "occupations"],
+    "additionalProperties": False,
+}
+JSON_ASK = [
+    {
+        "role": "user",
+        "content": "Extract the person from: 'Ada Lovelace, born 1815 in London, was a "
+        "mathematician and writer.' Reply with JSON only, with the keys name, birth_year, city and "
+        "occupations (a list).",
+    }
+]
 
 
 def main() -> int:
@@ -55,8 +74,9 @@ def main() -> int:
 
     def ask(**kw):
         t0 = time.perf_counter()
-        res = client.chat.completions.create(model=model, temperature=0, max_tokens=args.max_tokens,
-                                             extra_body={"return_token_ids": True}, **kw)  # fmt: skip
+        res = client.chat.completions.create(
+            model=model, temperature=0, max_tokens=args.max_tokens, extra_body={"return_token_ids": True}, **kw
+        )
         return res, time.perf_counter() - t0
 
     # ---- checks
@@ -80,10 +100,17 @@ def main() -> int:
     if calls:
         history = TOOL_ASK + [
             {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
-            *({"role": "tool", "tool_call_id": c.id,
-               "content": json.dumps({"location": "Paris", "temperature": 18, "unit": "celsius",
-                                      "conditions": "light rain"})} for c in calls),
-        ]  # fmt: skip
+            *(
+                {
+                    "role": "tool",
+                    "tool_call_id": c.id,
+                    "content": json.dumps(
+                        {"location": "Paris", "temperature": 18, "unit": "celsius", "conditions": "light rain"}
+                    ),
+                }
+                for c in calls
+            ),
+        ]
         final, _ = ask(messages=history, tools=TOOLS)
         final_text = final.choices[0].message.content
         trip_ok = (
@@ -107,18 +134,30 @@ def main() -> int:
             for kind, kw in (("constrained", constrained), ("unconstrained", free)):
                 res, wall = ask(**kw)
                 stats = res.model_extra["ssdlocal"]
-                runs[kind].append({"tokens_per_s": stats["tokens_per_s"], "tokens": res.usage.completion_tokens,
-                                   "acceptance_rate": stats.get("acceptance_rate"),
-                                   "mask_ms_per_token": stats.get("mask_ms_per_token"), "wall_s": wall,
-                                   "ids": res.choices[0].model_extra.get("token_ids")})  # fmt: skip
+                runs[kind].append(
+                    {
+                        "tokens_per_s": stats["tokens_per_s"],
+                        "tokens": res.usage.completion_tokens,
+                        "acceptance_rate": stats.get("acceptance_rate"),
+                        "mask_ms_per_token": stats.get("mask_ms_per_token"),
+                        "wall_s": wall,
+                        "ids": res.choices[0].model_extra.get("token_ids"),
+                    }
+                )
         timings[name] = {kind: _summary(rows) for kind, rows in runs.items()}
         timings[name]["same_tokens"] = runs["constrained"][0]["ids"] == runs["unconstrained"][0]["ids"]
         c, u = timings[name]["constrained"], timings[name]["unconstrained"]
         timings[name]["constrained_over_unconstrained"] = c["tokens_per_s"] / u["tokens_per_s"]
-    out = {"label": args.label, "model": model, "checks": {"tool_choice_required": call_ok, "json_schema": json_ok,
-           "round_trip": trip_ok}, "call": [c.function.model_dump() for c in calls],
-           "json_answer": res_json.choices[0].message.content, "final_answer": final_text,
-           "timings": timings, "failures": failures}  # fmt: skip
+    out = {
+        "label": args.label,
+        "model": model,
+        "checks": {"tool_choice_required": call_ok, "json_schema": json_ok, "round_trip": trip_ok},
+        "call": [c.function.model_dump() for c in calls],
+        "json_answer": res_json.choices[0].message.content,
+        "final_answer": final_text,
+        "timings": timings,
+        "failures": failures,
+    }
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
@@ -137,8 +176,13 @@ def _valid(jsonschema, text: str | None, schema: dict) -> bool:
 
 def _summary(rows: list[dict]) -> dict:
     med = lambda key: statistics.median(r[key] for r in rows) if all(r[key] is not None for r in rows) else None  # noqa: E731
-    return {"tokens_per_s": med("tokens_per_s"), "tokens": med("tokens"), "acceptance_rate": med("acceptance_rate"),
-            "mask_ms_per_token": med("mask_ms_per_token"), "runs": len(rows)}  # fmt: skip
+    return {
+        "tokens_per_s": med("tokens_per_s"),
+        "tokens": med("tokens"),
+        "acceptance_rate": med("acceptance_rate"),
+        "mask_ms_per_token": med("mask_ms_per_token"),
+        "runs": len(rows),
+    }
 
 
 if __name__ == "__main__":

@@ -110,11 +110,18 @@ def render(data: dict) -> str:
     for step in ("exact_cuda_graphs", "exact_traced"):
         rows = data["steps"].get(step)
         if rows:
-            lines += [f"## {step}", "", "| arch | mode | graphs | calls equal eager | equal AR | equal fresh (no prefix cache) | cached prompt tokens | captured | replays | refused | dropped |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-            lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_eager']} | {r['equal_ar']} | "
-                      f"{r.get('equal_fresh')} | {r.get('cached_tokens')} | "
-                      f"{r['captured']} | {r['replays']} | {r['refused']} | {r['dropped']} |" for r in rows]  # fmt: skip
+            lines += [
+                f"## {step}",
+                "",
+                "| arch | mode | graphs | calls equal eager | equal AR | equal fresh (no prefix cache) | cached prompt tokens | captured | replays | refused | dropped |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_eager']} | {r['equal_ar']} | "
+                f"{r.get('equal_fresh')} | {r.get('cached_tokens')} | "
+                f"{r['captured']} | {r['replays']} | {r['refused']} | {r['dropped']} |"
+                for r in rows
+            ]
             lines.append("")
     cons = data["steps"].get("exact_constrained")
     if isinstance(cons, dict):
@@ -127,15 +134,21 @@ def render(data: dict) -> str:
             "grammar ms/token | captured | replays | refused | dropped |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        lines += [f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_constrained_ar']} | {r['follows_grammar']} | "
-                  f"{(r['mask_ms_per_token'] or 0):.3f} | {r['captured']} | {r['replays']} | {r['refused']} | "
-                  f"{r['dropped']} |" for r in cons]  # fmt: skip
+        lines += [
+            f"| {r['arch']} | {r['mode']} | {r['graphs']} | {r['equal_constrained_ar']} | {r['follows_grammar']} | "
+            f"{(r['mask_ms_per_token'] or 0):.3f} | {r['captured']} | {r['replays']} | {r['refused']} | "
+            f"{r['dropped']} |"
+            for r in cons
+        ]
         lines.append("")
     timing = data["steps"].get("step_times")
     if timing:
-        lines += ["## step times (bf16, ms, median)", "",
-                  f"| model | weights GB | bandwidth limit | T=1 eager | T=1 graphs | T={K + 1} eager | T={K + 1} graphs | T=1 graphs / limit | T={K + 1} / T=1 |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "## step times (bf16, ms, median)",
+            "",
+            f"| model | weights GB | bandwidth limit | T=1 eager | T=1 graphs | T={K + 1} eager | T={K + 1} graphs | T=1 graphs / limit | T={K + 1} / T=1 |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in timing:
             lines.append(
                 f"| {r['model']} | {r['weight_gb']:.2f} | {r['limit_ms']:.2f} | {r['T1_eager']:.2f} | "
@@ -151,8 +164,11 @@ def render(data: dict) -> str:
             "| model | weights | seconds | tokens/s | TFLOP/s | of measured matmul peak |",
             "|---|---|---|---|---|---|",
         ]
-        lines += [f"| {r['model']} | {r['weights']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
-                  f"{r['tflops']:.1f} | {r['of_peak']:.0%} |" for r in prefill]  # fmt: skip
+        lines += [
+            f"| {r['model']} | {r['weights']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tflops']:.1f} | {r['of_peak']:.0%} |"
+            for r in prefill
+        ]
         lines.append("")
     for step in MORE_STEPS:
         lines += _table(step, data["steps"].get(step))
@@ -163,8 +179,15 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-MORE_STEPS = ("host_waits", "long_context", "churned_prefix_store", "seeded_sampling", "quantized_graphs",
-              "two_devices", "bandwidth_limits")  # fmt: skip
+MORE_STEPS = (
+    "host_waits",
+    "long_context",
+    "churned_prefix_store",
+    "seeded_sampling",
+    "quantized_graphs",
+    "two_devices",
+    "bandwidth_limits",
+)
 
 
 def _table(step: str, value) -> list[str]:
@@ -181,8 +204,11 @@ def _table(step: str, value) -> list[str]:
 
 def _rows(rows: list[dict]) -> list[str]:
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    return (["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows] + [""])  # fmt: skip
+    return (
+        ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        + ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+        + [""]
+    )
 
 
 # --------------------------------------------------------------------------- steps
@@ -211,8 +237,9 @@ def _tokens(engine, mode, prompts, new):
     }
 
 
-def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
-              smoke: bool = False) -> None:  # fmt: skip
+def exactness(
+    dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str, smoke: bool = False
+) -> None:
     """Each arch: a sequence of calls per mode, per graph mode, against eager and AR."""
     from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
     from ssdlocal.engine import Engine
@@ -222,13 +249,19 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
     for arch, draft in list(PAIRS.items())[: 1 if smoke else None]:
         t, d = str(dirs[arch]), str(dirs[draft])
         outs: dict[tuple[str, str], list] = {}
-        with Engine(EngineConfig(target=ModelSpec(t, device, dtype="float32"), graphs="off",
-                                 prefix_cache_tokens=0)) as fresh:  # fmt: skip
+        with Engine(
+            EngineConfig(target=ModelSpec(t, device, dtype="float32"), graphs="off", prefix_cache_tokens=0)
+        ) as fresh:
             cold = [_tokens(fresh, "ar", prompts, new)[0] for prompts, new in calls]
         for graphs in ("off", *graph_modes):
             config = EngineConfig(
-                target=ModelSpec(t, device, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(d, device, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
-            )  # fmt: skip
+                target=ModelSpec(t, device, dtype="float32"),
+                spec=SpecConfig(
+                    mode=Mode.SSD, k=K, draft=ModelDraft(ModelSpec(d, device, dtype="float32")), backup="jit"
+                ),
+                pin_cpus=False,
+                graphs=graphs,
+            )
             with Engine(config) as engine:
                 for mode in ("ar", "sd", "ssd"):
                     counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0, "cached_tokens": 0}
@@ -244,9 +277,15 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
         for graphs in graph_modes:
             for mode in ("ar", "sd", "ssd"):
                 got, counts = outs[(graphs, mode)]
-                row = {"arch": arch, "mode": mode, "graphs": graphs,
-                       "equal_eager": got == outs[("off", mode)][0], "equal_ar": got == outs[("off", "ar")][0],
-                       "equal_fresh": got == cold, **counts}  # fmt: skip
+                row = {
+                    "arch": arch,
+                    "mode": mode,
+                    "graphs": graphs,
+                    "equal_eager": got == outs[("off", mode)][0],
+                    "equal_ar": got == outs[("off", "ar")][0],
+                    "equal_fresh": got == cold,
+                    **counts,
+                }
                 rows.append(row)
                 if not (row["equal_eager"] and row["equal_ar"] and row["equal_fresh"]):
                     results.fail(f"{step}: {arch} {mode} with graphs={graphs} differs")
@@ -259,15 +298,20 @@ def exactness(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Re
 
 
 CONSTRAINED_SCHEMA = {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                     "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3}},
-    "required": ["name", "tags"], "additionalProperties": False,
-}  # fmt: skip
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
 CONSTRAINED_PROMPTS = ['{"name": "the cat", "tags": ["a"]} {"name": "', "the cat sat on the mat", "fed a bad"]
 
 
-def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str,
-                smoke: bool = False) -> None:  # fmt: skip
+def constrained(
+    dirs: dict, device: str, graph_modes: tuple[str, ...], results: Results, step: str, smoke: bool = False
+) -> None:
     """Constrained AR / SD / SSD with graphs equal constrained eager AR; rows follow their grammars."""
     try:
         import llguidance  # noqa: F401
@@ -286,19 +330,27 @@ def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: 
         outs: dict[tuple[str, str], tuple] = {}
         for graphs in ("off", *graph_modes):
             draft = ModelDraft(ModelSpec(d, device, dtype="float32"))
-            config = EngineConfig(target=ModelSpec(t, device, dtype="float32"),
-                                  spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft, backup="jit"),
-                                  pin_cpus=False, graphs=graphs)  # fmt: skip
+            config = EngineConfig(
+                target=ModelSpec(t, device, dtype="float32"),
+                spec=SpecConfig(mode=Mode.SSD, k=K, draft=draft, backup="jit"),
+                pin_cpus=False,
+                graphs=graphs,
+            )
             with Engine(config) as engine:
                 compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
                 grammars = [compiler.json_schema(CONSTRAINED_SCHEMA), None, compiler.regex(r"[a-f]+( [a-f]+)*")]
                 for mode in ("ar", "sd", "ssd"):
                     spec = SpecConfig(mode=Mode(mode), k=K, draft=draft, backup="jit")
-                    done = [e for e in engine.generate(CONSTRAINED_PROMPTS, params, spec=spec, grammars=grammars)
-                            if isinstance(e, DoneEvent)][0]  # fmt: skip
+                    done = [
+                        e
+                        for e in engine.generate(CONSTRAINED_PROMPTS, params, spec=spec, grammars=grammars)
+                        if isinstance(e, DoneEvent)
+                    ][0]
                     tokens = [o.token_ids for o in done.outputs]
-                    follows = all(g is None or g.matcher().consume_tokens([x for x in tok if x not in engine.eos_ids])
-                                  for g, tok in zip(grammars, tokens))  # fmt: skip
+                    follows = all(
+                        g is None or g.matcher().consume_tokens([x for x in tok if x not in engine.eos_ids])
+                        for g, tok in zip(grammars, tokens)
+                    )
                     counts = {"captured": 0, "replays": 0, "refused": 0, "dropped": 0}
                     for model in (done.stats.get("graphs") or {}).values():
                         for key in counts:
@@ -307,8 +359,15 @@ def constrained(dirs: dict, device: str, graph_modes: tuple[str, ...], results: 
         for graphs in graph_modes:
             for mode in ("ar", "sd", "ssd"):
                 tokens, counts, follows, mask_ms = outs[(graphs, mode)]
-                row = {"arch": arch, "mode": mode, "graphs": graphs, "equal_constrained_ar": tokens == outs[("off", "ar")][0],
-                       "follows_grammar": follows, "mask_ms_per_token": mask_ms, **counts}  # fmt: skip
+                row = {
+                    "arch": arch,
+                    "mode": mode,
+                    "graphs": graphs,
+                    "equal_constrained_ar": tokens == outs[("off", "ar")][0],
+                    "follows_grammar": follows,
+                    "mask_ms_per_token": mask_ms,
+                    **counts,
+                }
                 rows.append(row)
                 if not (row["equal_constrained_ar"] and follows):
                     results.fail(f"{step}: {arch} {mode} with graphs={graphs} differs from constrained AR")
@@ -324,8 +383,11 @@ def step_times(device: torch.device, bandwidth: float, models: tuple[str, ...], 
     rows = []
     for name in models:
         loaded = random_model(name, device, torch.bfloat16)
-        row = {"model": name, "weight_gb": weight_bytes(loaded) / 1e9,
-               "limit_ms": weight_bytes(loaded) / bandwidth * 1e3}  # fmt: skip
+        row = {
+            "model": name,
+            "weight_gb": weight_bytes(loaded) / 1e9,
+            "limit_ms": weight_bytes(loaded) / bandwidth * 1e3,
+        }
         for label, mode in (("eager", "off"), ("graphs", "auto")):
             runner = prefilled(loaded, mode, 512)
             row[f"T1_{label}"] = step_ms(runner, 1, 20)
@@ -347,7 +409,7 @@ def prefill_speed(device: torch.device, peak_flops: float, models: tuple[str, ..
     """A 2,048-token prompt read cold (chunks layer by layer), bf16 and int4 weights."""
     from gpu_bench import random_model, sync
 
-    from ssdlocal.backends.torch.quant import quantize_model
+    from ssdlocal.backends.torch.quant_apply import quantize_model
     from ssdlocal.backends.torch.runner import TorchRunner
 
     rows, tokens = [], 2048
@@ -367,8 +429,16 @@ def prefill_speed(device: torch.device, peak_flops: float, models: tuple[str, ..
                 sync(device)
                 best = min(best, time.perf_counter() - t0)
             flops = 2 * params * tokens / best
-            rows.append({"model": name, "weights": weights, "seconds": best, "tokens_per_s": tokens / best,
-                         "tflops": flops / 1e12, "of_peak": flops / peak_flops})  # fmt: skip
+            rows.append(
+                {
+                    "model": name,
+                    "weights": weights,
+                    "seconds": best,
+                    "tokens_per_s": tokens / best,
+                    "tflops": flops / 1e12,
+                    "of_peak": flops / peak_flops,
+                }
+            )
             results.put("prefill", rows)
             print(f"  {rows[-1]}", flush=True)
             del runner, loaded
@@ -393,9 +463,11 @@ def attention_kernels(device: torch.device, results: Results) -> None:
     loaded = random_model("qwen2.5-1.5b", device, torch.bfloat16)
     runner = prefilled(loaded, "off", 512)
     found = {}
-    for label, fn in (("decode_T1", lambda: runner.step(torch.ones(1, 1, dtype=torch.long, device=device))),
-                      ("verify_T5", lambda: runner.step(torch.ones(1, K + 1, dtype=torch.long, device=device))),
-                      ("prefill", lambda: (runner.reset(1, 1024), runner.feed([list(range(1, 300))], "last")))):  # fmt: skip
+    for label, fn in (
+        ("decode_T1", lambda: runner.step(torch.ones(1, 1, dtype=torch.long, device=device))),
+        ("verify_T5", lambda: runner.step(torch.ones(1, K + 1, dtype=torch.long, device=device))),
+        ("prefill", lambda: (runner.reset(1, 1024), runner.feed([list(range(1, 300))], "last"))),
+    ):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize(device)
@@ -410,8 +482,9 @@ def attention_kernels(device: torch.device, results: Results) -> None:
         1, a.num_kv_heads, (a.num_heads // a.num_kv_heads) * (K + 1), a.head_dim, dtype=torch.bfloat16, device=device
     )
     keys = torch.zeros(1, a.num_kv_heads, 1024, a.head_dim, dtype=torch.bfloat16, device=device)
-    mask = AttentionMask.build(torch.ones(1, K + 1, 1024, dtype=torch.bool, device=device),
-                               a.num_heads // a.num_kv_heads, torch.bfloat16)  # fmt: skip
+    mask = AttentionMask.build(
+        torch.ones(1, K + 1, 1024, dtype=torch.bool, device=device), a.num_heads // a.num_kv_heads, torch.bfloat16
+    )
     params = torch.backends.cuda.SDPAParams(q, keys, keys, mask.tensor, 0.0, False, False)
     found["can_use_efficient(folded verify)"] = torch.backends.cuda.can_use_efficient_attention(params, True)
     found["can_use_flash(folded verify)"] = torch.backends.cuda.can_use_flash_attention(params, False)
@@ -471,22 +544,46 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = make_tiny_suite(Path(tmp))
         graph_modes = ("trace",) if args.cpu else ("auto",)
-        steps.append(("exact_cuda_graphs", lambda: exactness(dirs, str(device), graph_modes, results,
-                                                             "exact_cuda_graphs", smoke=args.cpu)))  # fmt: skip
-        steps.append(("exact_constrained", lambda: constrained(dirs, str(device), graph_modes, results,
-                                                               "exact_constrained", smoke=args.cpu)))  # fmt: skip
+        steps.append(
+            (
+                "exact_cuda_graphs",
+                lambda: exactness(dirs, str(device), graph_modes, results, "exact_cuda_graphs", smoke=args.cpu),
+            )
+        )
+        steps.append(
+            (
+                "exact_constrained",
+                lambda: constrained(dirs, str(device), graph_modes, results, "exact_constrained", smoke=args.cpu),
+            )
+        )
         if not args.cpu:
 
             def traced() -> None:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
 
             steps.append(("exact_traced", traced))
-            steps.append(("step_times", lambda: step_times(
-                device, results.data["steps"]["environment"]["bandwidth_gb_s"] * 1e9,
-                tuple(args.models.split(",")), results)))  # fmt: skip
-            steps.append(("prefill", lambda: prefill_speed(
-                device, results.data["steps"]["environment"]["bf16_matmul_tflops"] * 1e12,
-                tuple(args.models.split(",")), results)))  # fmt: skip
+            steps.append(
+                (
+                    "step_times",
+                    lambda: step_times(
+                        device,
+                        results.data["steps"]["environment"]["bandwidth_gb_s"] * 1e9,
+                        tuple(args.models.split(",")),
+                        results,
+                    ),
+                )
+            )
+            steps.append(
+                (
+                    "prefill",
+                    lambda: prefill_speed(
+                        device,
+                        results.data["steps"]["environment"]["bf16_matmul_tflops"] * 1e12,
+                        tuple(args.models.split(",")),
+                        results,
+                    ),
+                )
+            )
             steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
         steps += more_steps(dirs, device, graph_modes[0], results, Path(tmp))
         for name, run in steps:

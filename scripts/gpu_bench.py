@@ -61,11 +61,22 @@ def log(msg: str) -> None:
 def model_args(name: str) -> ModelArgs:
     hidden, layers, heads, kv, inter, vocab, tied = SHAPES[name]
     return ModelArgs(
-        arch="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-        num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
-        rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, qkv_bias=True, qk_norm=False,
-        tie_word_embeddings=tied, max_position_embeddings=32768,
-    )  # fmt: skip
+        arch="qwen2",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        qkv_bias=True,
+        qk_norm=False,
+        tie_word_embeddings=tied,
+        max_position_embeddings=32768,
+    )
 
 
 def random_model(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:

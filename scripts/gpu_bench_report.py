@@ -22,12 +22,19 @@ def save_checkpoint(loaded, out: Path) -> Path:
     a = loaded.args
     out.mkdir(parents=True, exist_ok=True)
     Qwen2Config(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
-        num_key_value_heads=a.num_kv_heads, max_position_embeddings=a.max_position_embeddings,
-        rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta, tie_word_embeddings=a.tie_word_embeddings,
-        architectures=["Qwen2ForCausalLM"], eos_token_id=0,
-    ).save_pretrained(out)  # fmt: skip
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        max_position_embeddings=a.max_position_embeddings,
+        rms_norm_eps=a.rms_norm_eps,
+        rope_theta=a.rope_theta,
+        tie_word_embeddings=a.tie_word_embeddings,
+        architectures=["Qwen2ForCausalLM"],
+        eos_token_id=0,
+    ).save_pretrained(out)
     state = {}
     for name, tensor in loaded.model.state_dict().items():
         if name == "lm_head.weight" and a.tie_word_embeddings:
@@ -52,28 +59,38 @@ def end_to_end(names, device, dtype, quick: bool, random_model) -> dict:
         draft, target = paths[names[0]], paths[names[1]]
         dev = str(device)
         config = EngineConfig(
-            ModelSpec(target, dev, dtype_name), SpecConfig(mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, dev, dtype_name))), pin_cpus=False,
-        )  # fmt: skip
+            ModelSpec(target, dev, dtype_name),
+            SpecConfig(mode=Mode.SSD, k=4, draft=ModelDraft(ModelSpec(draft, dev, dtype_name))),
+            pin_cpus=False,
+        )
         params = SamplingParams(max_new_tokens=16 if quick else 64, ignore_eos=True)
         from ssdlocal.engine import Engine
 
         with Engine(config) as engine:
             for mode in (Mode.AR, Mode.SD, Mode.SSD):
-                spec = SpecConfig(mode=mode, k=4, draft=config.spec.draft, fan_out=(1, 1, 1, 1, 2),
-                                  fan_out_miss=(1, 1, 1, 1, 2), backup="jit")  # fmt: skip
+                spec = SpecConfig(
+                    mode=mode,
+                    k=4,
+                    draft=config.spec.draft,
+                    fan_out=(1, 1, 1, 1, 2),
+                    fan_out_miss=(1, 1, 1, 1, 2),
+                    backup="jit",
+                )
                 for _ in range(2):  # the first run pays captures and allocations
-                    done = [e for e in engine.generate([list(range(1, 65))], params, spec=spec)
-                            if isinstance(e, DoneEvent)][0]  # fmt: skip
+                    done = [
+                        e for e in engine.generate([list(range(1, 65))], params, spec=spec) if isinstance(e, DoneEvent)
+                    ][0]
                 s = done.stats
                 rounds = max(1, s["rounds"])
                 results[mode.value] = {
-                    "tokens_per_s": s["tokens_per_s"], "rounds": s["rounds"],
+                    "tokens_per_s": s["tokens_per_s"],
+                    "rounds": s["rounds"],
                     "verify_ms_per_round": s["verify_ms"] / rounds,
                     "draft_ms_per_round": s["draft_ms"] / rounds,
                     "draft_busy_ms_per_round": (s.get("draft_busy_ms") or 0.0) / rounds,
                     "acceptance_rate": s.get("acceptance_rate"),
                     "cache_hit_rate": s.get("cache_hit_rate"),
-                }  # fmt: skip
+                }
                 print(f"  end to end {mode.value}: {results[mode.value]}", flush=True)
     return {"target": names[1], "draft": names[0], "modes": results}
 
@@ -97,12 +114,17 @@ def projections(results: dict, rates_path: Path, k: int) -> dict:
         sd = e_sd * t1 / (k * td + tk)
         ssd_tokens = p_hit * e_hit + (1 - p_hit) * e_miss
         ssd_time = p_hit * max(tk, t_prespec) + (1 - p_hit) * (tk + k * td)
-        rows.append({
-            "target": name, "draft_target_ratio": td / t1,
-            "sd_vs_ar_formula": sd_speedup(e_sd, k, td / t1),
-            "sd_vs_ar": sd, "sd_vs_ar_measured_round": e_sd * t1 / sd_ms,
-            "ssd_vs_ar_draft_own_gpu": ssd_tokens * t1 / ssd_time, "prespec_ms": t_prespec,
-        })  # fmt: skip
+        rows.append(
+            {
+                "target": name,
+                "draft_target_ratio": td / t1,
+                "sd_vs_ar_formula": sd_speedup(e_sd, k, td / t1),
+                "sd_vs_ar": sd,
+                "sd_vs_ar_measured_round": e_sd * t1 / sd_ms,
+                "ssd_vs_ar_draft_own_gpu": ssd_tokens * t1 / ssd_time,
+                "prespec_ms": t_prespec,
+            }
+        )
     label = (
         f"projection (not measured): rates from {rates.get('source', rates_path.name)}; "
         "GPU costs measured above; SSD assumes the draft on a GPU of its own"

@@ -63,10 +63,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 def stream(url: str, prompt: str, tokens: int, on_chunk, usage: dict | None = None) -> None:
     """A streamed completion; on_chunk(time) per chunk that carries text; the final usage into `usage`."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=1800) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -158,10 +169,12 @@ def main() -> int:
         results[mode] = {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"runs": runs}
         if not args.as_json:
             m = results[mode]
-            print(f"{mode:4} short ttft {m['short_ttft_s']:7.2f} s  short total {m['short_total_s']:7.2f} s  "
-                  f"({m['short_prompt_tokens']:.0f} prompt tokens)  long stalled at most {m['long_max_gap_s']:6.2f} s  "
-                  f"long chunks after it {m['long_chunks_after_short']:5.0f}  long total {m['long_total_s']:7.1f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"{mode:4} short ttft {m['short_ttft_s']:7.2f} s  short total {m['short_total_s']:7.2f} s  "
+                f"({m['short_prompt_tokens']:.0f} prompt tokens)  long stalled at most {m['long_max_gap_s']:6.2f} s  "
+                f"long chunks after it {m['long_chunks_after_short']:5.0f}  long total {m['long_total_s']:7.1f} s",
+                flush=True,
+            )
     if args.as_json:
         print(json.dumps(results, indent=1))
     return 0

@@ -41,8 +41,10 @@ def main() -> int:
     gguf = args.gguf or str(fetch_gguf(DEFAULT_TARGET))
     engine = Engine(EngineConfig(target=ModelSpec(gguf, "cpu", "bfloat16", "torch", "int4"), prefix_cache_tokens=0))
     src = "\n".join(Path(args.source).read_text().splitlines()[:220])
-    messages = [{"role": "system", "content": "You review code.\n```python\n" + src + "\n```"},
-                {"role": "user", "content": "What does this file do?"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You review code.\n```python\n" + src + "\n```"},
+        {"role": "user", "content": "What does this file do?"},
+    ]
     ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     print(f"prompt tokens {len(ids)}, {args.threads} threads, {gguf}", flush=True)
@@ -50,8 +52,14 @@ def main() -> int:
     if "llamacpp" in systems:
         from ssdlocal.backends.llamacpp.lib import high_level_llama
 
-        llm = high_level_llama(model_path=gguf, n_ctx=len(ids) + 64, n_threads=args.threads,
-                               n_threads_batch=args.threads, n_batch=512, verbose=False)  # fmt: skip
+        llm = high_level_llama(
+            model_path=gguf,
+            n_ctx=len(ids) + 64,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            n_batch=512,
+            verbose=False,
+        )
     for repeat in range(1, args.repeats + 1):
         if "ours" in systems:
             done = next(e for e in engine.generate([ids], SamplingParams(max_new_tokens=1)) if isinstance(e, DoneEvent))
@@ -76,8 +84,10 @@ def _print_path_costs(rows: int) -> None:
 
     for key, costs in prefill_path._MEASURED.items():
         kernel, inp, out, dtype, isa = key[:5]
-        dense = ", ".join(f"{str(d).removeprefix('torch.')} {a * 1e3:.3f} ms/row + {b * 1e3:.1f} ms expansion"
-                          for d, (a, b) in costs.dense.items())  # fmt: skip
+        dense = ", ".join(
+            f"{str(d).removeprefix('torch.')} {a * 1e3:.3f} ms/row + {b * 1e3:.1f} ms expansion"
+            for d, (a, b) in costs.dense.items()
+        )
         choice = costs.best(rows)
         print(
             f"prefill path ({kernel} {inp}x{out}, {isa}): kernel {costs.kernel_per_row * 1e3:.3f} ms/row; {dense}; "

@@ -36,8 +36,12 @@ class _Counted:
 
     @classmethod
     def install(cls) -> None:
-        for owner, name in ((torch.Tensor, "copy_"), (torch.Tensor, "index_copy_"),
-                            (torch.Tensor, "index_select"), (torch, "index_select")):  # fmt: skip
+        for owner, name in (
+            (torch.Tensor, "copy_"),
+            (torch.Tensor, "index_copy_"),
+            (torch.Tensor, "index_select"),
+            (torch, "index_select"),
+        ):
             real = getattr(owner, name)
 
             def wrapped(*a, _real=real, **k):

@@ -75,8 +75,9 @@ def main() -> None:
     print("\n| weights | decode tok/s (median) | vs bf16 |\n|---|---|---|")
     for fmt, rate in medians.items():
         print(f"| {fmt} | {rate:.2f} | {rate / base:.2f}x |" if base else f"| {fmt} | {rate:.2f} | – |")
-    Path(args.out).write_text(json.dumps({"gguf": args.gguf, "tokens": args.tokens, "rates": rates,
-                                          "medians": medians}, indent=1))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps({"gguf": args.gguf, "tokens": args.tokens, "rates": rates, "medians": medians}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ if args["float_lm_head"]:  # every architecture's lm_head stays in floats
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams, SpecConfig, Mode
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
-from ssdlocal.backends.torch.quant import model_bytes
+from ssdlocal.backends.torch.quant_apply import model_bytes
 
 def status_mb(field):
     with open("/proc/self/status") as fh:
@@ -74,9 +74,17 @@ with Engine(EngineConfig(target=spec, spec=SpecConfig(mode=Mode.AR), pin_cpus=Fa
 
 
 def run_variant(name: str, path: str, quantization: str, opts, float_lm_head: bool = False) -> dict:
-    args = {"path": path, "quantization": quantization, "threads": opts.threads, "tokens": opts.tokens,
-            "repeats": opts.repeats, "prompt": PROMPT, "text": TEXT, "float_lm_head": float_lm_head,
-            "logits": f"{opts.out}/{name}.pt"}  # fmt: skip
+    args = {
+        "path": path,
+        "quantization": quantization,
+        "threads": opts.threads,
+        "tokens": opts.tokens,
+        "repeats": opts.repeats,
+        "prompt": PROMPT,
+        "text": TEXT,
+        "float_lm_head": float_lm_head,
+        "logits": f"{opts.out}/{name}.pt",
+    }
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(opts.threads), "PATH": "/usr/bin:/bin"}
     import os
 
@@ -104,8 +112,12 @@ def main() -> None:
     Path(opts.out).mkdir(parents=True, exist_ok=True)
     import torch
 
-    specs = {"bf16": (opts.bf16, "none", False), "int8": (opts.gguf, "int8", False),
-             "int4": (opts.gguf, "int4", False), "int4-bf16-lm-head": (opts.gguf, "int4", True)}  # fmt: skip
+    specs = {
+        "bf16": (opts.bf16, "none", False),
+        "int8": (opts.gguf, "int8", False),
+        "int4": (opts.gguf, "int4", False),
+        "int4-bf16-lm-head": (opts.gguf, "int4", True),
+    }
     results = {}
     for name in opts.variants.split(","):
         path, quant, float_head = specs[name]
@@ -115,8 +127,10 @@ def main() -> None:
             results[name] = run_variant(name, path, quant, opts, float_head)
             results[name]["phase"] = attempt
             if attempt == "convert":
-                results[name + " (first load)"] = {"load_s": results[name]["load_s"],
-                                                   "load_peak_mb": results[name]["load_peak_mb"]}  # fmt: skip
+                results[name + " (first load)"] = {
+                    "load_s": results[name]["load_s"],
+                    "load_peak_mb": results[name]["load_peak_mb"],
+                }
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"}), flush=True)
     ref = torch.load(f"{opts.out}/bf16.pt").float() if "bf16" in results else None
     print("\n| variant | weights MB | load s (first) | peak MB (load / run) | AR tok/s | top-1 vs bf16 | KL vs bf16 |")

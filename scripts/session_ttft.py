@@ -40,9 +40,13 @@ def main() -> int:
         history.append({"role": "user", "content": turn.prompt})
         t0 = time.perf_counter()
         stream = client.chat.completions.create(
-            model=model, messages=history, max_tokens=args.max_tokens, temperature=0, stream=True,
+            model=model,
+            messages=history,
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         first, text, usage, stats = None, "", None, {}
         for chunk in stream:
             for choice in chunk.choices:
@@ -53,12 +57,19 @@ def main() -> int:
             stats = (chunk.model_extra or {}).get("ssdlocal") or stats
         total = time.perf_counter() - t0
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        rows.append({
-            "turn": turn.turn, "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
-            "covers_previous": None if previous is None else cached / previous, "ttft_s": first,
-            "turn_s": total, "server_ttft_s": stats.get("ttft_s"),
-            "prefill_tokens_per_s": stats.get("prefill_tokens_per_s"), "mode": stats.get("mode"),
-        })  # fmt: skip
+        rows.append(
+            {
+                "turn": turn.turn,
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": cached,
+                "covers_previous": None if previous is None else cached / previous,
+                "ttft_s": first,
+                "turn_s": total,
+                "server_ttft_s": stats.get("ttft_s"),
+                "prefill_tokens_per_s": stats.get("prefill_tokens_per_s"),
+                "mode": stats.get("mode"),
+            }
+        )
         previous = usage.prompt_tokens
         history.append({"role": "assistant", "content": text})
     if args.as_json:

@@ -85,8 +85,10 @@ def test_descriptions_name_every_tensor_of_the_model_both_ways(tiny_dir, name):
 def test_no_other_module_names_an_architecture_or_a_files_tensors():
     """Architecture keys, config class names, Hugging Face and GGUF tensor names are
     written in arch.py only (the llama.cpp backend's probe writes a GGUF of its own)."""
-    pattern = re.compile(r'"(llama|qwen2|qwen3)"|\w+ForCausalLM"|"model\.(layers|embed_tokens|norm)\b'
-                         r'|"(token_embd|output_norm|output\.|blk\.|attn_|ffn_)')  # fmt: skip
+    pattern = re.compile(
+        r'"(llama|qwen2|qwen3)"|\w+ForCausalLM"|"model\.(layers|embed_tokens|norm)\b'
+        r'|"(token_embd|output_norm|output\.|blk\.|attn_|ffn_)'
+    )
     found = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "arch.py" or "llamacpp" in path.parts:
@@ -128,10 +130,12 @@ def test_new_architecture_loads_and_runs_like_llama(registered, renamed_dirs, ti
 @pytest.mark.parametrize("scheme", ["none", "int8"])
 def test_new_architecture_shards_like_llama(registered, renamed_dirs, tiny_dir, scheme):
     for rank in (0, 1):
-        ours = load_shard(ModelSpec(str(renamed_dirs["llama"]), dtype="float32", quantization=scheme),
-                          "cpu", rank, 2, tokenizer=False)  # fmt: skip
-        reference = load_shard(ModelSpec(str(tiny_dir["llama"]), dtype="float32", quantization=scheme),
-                               "cpu", rank, 2, tokenizer=False)  # fmt: skip
+        ours = load_shard(
+            ModelSpec(str(renamed_dirs["llama"]), dtype="float32", quantization=scheme), "cpu", rank, 2, tokenizer=False
+        )
+        reference = load_shard(
+            ModelSpec(str(tiny_dir["llama"]), dtype="float32", quantization=scheme), "cpu", rank, 2, tokenizer=False
+        )
         assert ours.model.layers[0].self_attn.q_proj.out_features == 64 // 2  # this rank's heads
         assert _same(_state(ours.model), _state(reference.model))
 
@@ -150,16 +154,20 @@ def test_new_architecture_decodes_and_drafts_like_llama(registered, renamed_dirs
     config = EngineConfig(target=ModelSpec(str(renamed_dirs["llama"]), dtype="float32"), spec=spec, pin_cpus=False)
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     with Engine(config) as engine:
-        done = [e for e in engine.generate(["The quick brown fox", "def foo(x):"], params)
-                if isinstance(e, DoneEvent)]  # fmt: skip
+        done = [e for e in engine.generate(["The quick brown fox", "def foo(x):"], params) if isinstance(e, DoneEvent)]
     assert [list(o.token_ids) for o in done[0].outputs] == want
 
 
 def test_new_architecture_tensor_parallel_equals_llama(renamed_dirs, tiny_dir):
     """TP=2 in a fresh process that registers the description (so do its spawned ranks)."""
     script = Path(__file__).parent / "support" / "renamed_arch.py"
-    run = subprocess.run([sys.executable, str(script), str(renamed_dirs["llama"]), str(tiny_dir["llama"])],
-                         capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(script), str(renamed_dirs["llama"]), str(tiny_dir["llama"])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     tokens = json.loads(run.stdout.strip().splitlines()[-1])
     assert tokens["renamed_tp2"] == tokens["llama_tp1"]
@@ -175,8 +183,9 @@ def test_new_architecture_gguf_quantizes_like_llama(registered, tmp_path, monkey
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     model = tiny_gguf.make_hf_model("llama", seed=5)
-    ours = tiny_gguf.write_gguf(tmp_path / "renamed.gguf", model, "llama", mix,
-                                file_arch="mistral", tensor_name=gguf_name)  # fmt: skip
+    ours = tiny_gguf.write_gguf(
+        tmp_path / "renamed.gguf", model, "llama", mix, file_arch="mistral", tensor_name=gguf_name
+    )
     reference = tiny_gguf.write_gguf(tmp_path / "llama.gguf", model, "llama", mix)
     got, want = (load_model(p, "cpu", "float32", "auto") for p in (ours, reference))
     assert got.args.arch == "renamed-llama" and got.quantization == want.quantization != "none"

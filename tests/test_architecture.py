@@ -198,9 +198,19 @@ def test_docs_and_docstrings_point_inside_the_repository():
     assert not offenders, offenders
 
 
-HOT_PATHS = ("engine", "draft", "grammar", "speculation", "parallel", "backends/torch/runner.py",
-             "backends/torch/graphs.py", "backends/torch/capture.py", "core/verify.py", "core/sampling.py",
-             "core/logprobs.py")  # fmt: skip
+HOT_PATHS = (
+    "engine",
+    "draft",
+    "grammar",
+    "speculation",
+    "parallel",
+    "backends/torch/runner.py",
+    "backends/torch/graphs.py",
+    "backends/torch/capture.py",
+    "core/verify.py",
+    "core/sampling.py",
+    "core/logprobs.py",
+)
 HOST_READS = {"item", "tolist", "cpu"}
 HOST_READ_EXCEPTIONS = {
     "engine/auto.py": "the calibration times a step and must wait for the device, once per engine",

@@ -98,15 +98,26 @@ def test_engine_auto_on_cpu_reports_mode_and_reason(tiny_dir, one_thread):
         done = [e for e in engine.generate(["the cat"], params) if isinstance(e, DoneEvent)][0]
         assert done.stats["mode"] == engine.choice.mode.value
         assert done.stats["mode_reason"] == engine.choice.reason
-        ar = [e for e in engine.generate(["the cat"], params, spec=SpecConfig(mode=Mode.AR))
-              if isinstance(e, DoneEvent)][0]  # fmt: skip
+        ar = [
+            e for e in engine.generate(["the cat"], params, spec=SpecConfig(mode=Mode.AR)) if isinstance(e, DoneEvent)
+        ][0]
         assert ar.stats["mode"] == "ar" and "asked for" in ar.stats["mode_reason"]
         assert ar.outputs[0].token_ids == done.outputs[0].token_ids
 
 
 def test_generate_prints_the_mode_and_json_carries_it(tiny_dir, monkeypatch, capsys, one_thread):
-    args = ["generate", "def foo(x):", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
-            "--dtype", "float32", "--max-new-tokens", "4"]  # fmt: skip
+    args = [
+        "generate",
+        "def foo(x):",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+    ]
     code, _, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0 and "mode ar: " in err or "mode sd: " in err, err
     code, out, _ = run_cli(monkeypatch, capsys, *args, "--json")
@@ -122,8 +133,9 @@ def test_generate_prints_the_mode_and_json_carries_it(tiny_dir, monkeypatch, cap
 )
 def test_auto_devices_follow_the_planner(tiny_dir, monkeypatch, gpus, target, draft):
     monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(*gpus))
-    models = ModelOptions(target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]),
-                          target_backend="torch", draft_backend="torch")  # fmt: skip
+    models = ModelOptions(
+        target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]), target_backend="torch", draft_backend="torch"
+    )
     config = engine_config(models, SpecOptions())
     assert (config.target.device, config.draft_model.device) == (target, draft)
     assert config.spec.mode is Mode.AUTO
@@ -131,8 +143,13 @@ def test_auto_devices_follow_the_planner(tiny_dir, monkeypatch, gpus, target, dr
 
 def test_explicit_target_device_gets_an_auto_draft_device(tiny_dir, monkeypatch):
     monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(24.0, 24.0, 24.0))
-    models = ModelOptions(target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]),
-                          target_device="cuda:2", target_backend="torch", draft_backend="torch")  # fmt: skip
+    models = ModelOptions(
+        target=str(tiny_dir["llama"]),
+        draft=str(tiny_dir["draft_llama"]),
+        target_device="cuda:2",
+        target_backend="torch",
+        draft_backend="torch",
+    )
     assert engine_config(models, SpecOptions()).draft_model.device == "cuda:0"
 
 
@@ -178,8 +195,9 @@ def test_quantization_steers_auto_to_torch(monkeypatch, tmp_path, capsys, quanti
     split = backend_choice(ModelOptions(target=gguf, draft=gguf, draft_quantization=quantization))
     assert (split.target, split.draft) == ("llamacpp", "torch")
     with pytest.raises(UsageError, match="torch backend only") as info:
-        engine_config(ModelOptions(target=gguf, target_backend="llamacpp", quantization=quantization),
-                      SpecOptions(mode="ar"))  # fmt: skip
+        engine_config(
+            ModelOptions(target=gguf, target_backend="llamacpp", quantization=quantization), SpecOptions(mode="ar")
+        )
     assert "torch" in info.value.hint
 
 

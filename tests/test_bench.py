@@ -44,8 +44,21 @@ def one_torch_thread():
 
 
 def tiny_args(tiny_dir, *extra) -> list:
-    return ["bench", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"], "--dtype", "float32",
-            "--max-new-tokens", MAX_NEW, "--no-chat", "--no-pin", "--ignore-eos", *extra]  # fmt: skip
+    return [
+        "bench",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        MAX_NEW,
+        "--no-chat",
+        "--no-pin",
+        "--ignore-eos",
+        *extra,
+    ]
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -54,9 +67,28 @@ def full_run(tiny_dir, tmp_path_factory):
     """One CLI run: AR, SD, SSD and both transformers peers on 3 prompts, with --project."""
     out = tmp_path_factory.mktemp("bench")
     mp = pytest.MonkeyPatch()
-    mp.setattr(sys, "argv", ["ssdlocal", *map(str, tiny_args(
-        tiny_dir, "--limit", 3, "--peers", "hf,hf-assisted,llamacpp", "--project", "--out", out, "--k", 4,
-    ))])  # fmt: skip
+    mp.setattr(
+        sys,
+        "argv",
+        [
+            "ssdlocal",
+            *map(
+                str,
+                tiny_args(
+                    tiny_dir,
+                    "--limit",
+                    3,
+                    "--peers",
+                    "hf,hf-assisted,llamacpp",
+                    "--project",
+                    "--out",
+                    out,
+                    "--k",
+                    4,
+                ),
+            ),
+        ],
+    )
     with pytest.raises(SystemExit) as exit_info:
         main()
     mp.undo()
@@ -157,9 +189,14 @@ def test_exactness_failure_is_flagged_with_margin(tiny_dir, monkeypatch, tmp_pat
     div = ex["divergences"][0]
     assert div["index"] == 3 and div["margin"] >= 0.0 and div["top1_id"] == div["ar_token"]
     assert isinstance(div["near_tie"], bool)
-    doc = build_results(run, with_projection=False, env={"hardware": {"cpu": "x", "usable_cores": 1,
-                        "ram_gib": 1, "gpus": []}, "versions": {"ssdlocal": "0", "torch": "0",
-                        "transformers": "0", "python": "3"}})  # fmt: skip
+    doc = build_results(
+        run,
+        with_projection=False,
+        env={
+            "hardware": {"cpu": "x", "usable_cores": 1, "ram_gib": 1, "gpus": []},
+            "versions": {"ssdlocal": "0", "torch": "0", "transformers": "0", "python": "3"},
+        },
+    )
     sd = doc["aggregates"]["sd"]
     assert not sd["valid"] and sd["speedup_vs_ar"] is None
     paths = write_all(doc, tmp_path)
@@ -175,8 +212,10 @@ def test_llamacpp_near_ties_get_a_note_that_names_batch_invariant():
 
     def doc(backend="llamacpp", invariant=False, margins=(0.12, 0.5)):
         divs = [{"index": 3, "margin": m} for m in margins]
-        return {"settings": {"target_backend": backend, "batch_invariant": invariant},
-                "exactness": {"ar": {"status": "reference"}, "auto": {"status": "FAIL", "divergences": divs}}}  # fmt: skip
+        return {
+            "settings": {"target_backend": backend, "batch_invariant": invariant},
+            "exactness": {"ar": {"status": "reference"}, "auto": {"status": "FAIL", "divergences": divs}},
+        }
 
     note = exactness_note(doc())
     assert note is not None and "0.120-0.500" in note and "--batch-invariant" in note
@@ -290,8 +329,10 @@ def test_projection_math_by_hand():
     assert ssd_speedup(0.5, 3.0, 2.0, 4, 0.35, 4) == pytest.approx(2.5 / (0.5 * 1.75 + 0.5 * 2.4))
     # all hits, free drafting: the speedup is E_hit
     assert ssd_speedup(1.0, 3.0, 2.0, 4, 0.0, 4) == pytest.approx(3.0)
-    proj = project(ProjectionInputs(k=4, e_sd=3.0, p_hit=0.5, e_hit=3.0, e_miss=2.0, backup_forwards=4,
-                                    measured_ratio=0.3), (0.1, 0.35))  # fmt: skip
+    proj = project(
+        ProjectionInputs(k=4, e_sd=3.0, p_hit=0.5, e_hit=3.0, e_miss=2.0, backup_forwards=4, measured_ratio=0.3),
+        (0.1, 0.35),
+    )
     assert [r["ratio"] for r in proj["rows"]] == [0.1, 0.3, 0.35]
     assert [r["measured"] for r in proj["rows"]] == [False, True, False]
     assert proj["rows"][0]["sd_speedup"] == pytest.approx(3.0 / 1.4)
@@ -300,10 +341,23 @@ def test_projection_math_by_hand():
 
 
 def test_aggregate_math_by_hand():
-    spec = {"k": 2, "rounds": 3, "row_rounds": 3, "drafted": 6, "accepted": 3, "emitted": 6,
-            "accepted_len_hist": [1, 1, 1], "draft_s": 0.006, "verify_s": 0.015, "ssd_rounds": 3,
-            "rows_hit": 2, "rows_miss": 1, "tokens_on_hit": 5, "tokens_on_miss": 1,
-            "backup_used": {"jit": 1}}  # raw counts of one call (core.stats)  # fmt: skip
+    spec = {
+        "k": 2,
+        "rounds": 3,
+        "row_rounds": 3,
+        "drafted": 6,
+        "accepted": 3,
+        "emitted": 6,
+        "accepted_len_hist": [1, 1, 1],
+        "draft_s": 0.006,
+        "verify_s": 0.015,
+        "ssd_rounds": 3,
+        "rows_hit": 2,
+        "rows_miss": 1,
+        "tokens_on_hit": 5,
+        "tokens_on_miss": 1,
+        "backup_used": {"jit": 1},
+    }  # raw counts of one call (core.stats)
     recs = [
         {
             "system": "ssd",
@@ -387,8 +441,10 @@ def test_session_workload_times_each_turn_with_its_own_prefix_reuse(tiny_dir, tm
     """Each system runs a session's turns back to back from a cold cache: turn 1 reuses
     nothing, later turns reuse their history; the report has the per-turn table."""
     system = "You review code.\n" + "def f(x):\n    return x + 1\n" * 12
-    prompts = [BenchPrompt(f"s-{t}", "session", q, "s", t, system if t == 1 else None)
-               for t, q in enumerate(["What does f do?", "And twice?", "Why?"], 1)]  # fmt: skip
+    prompts = [
+        BenchPrompt(f"s-{t}", "session", q, "s", t, system if t == 1 else None)
+        for t, q in enumerate(["What does f do?", "And twice?", "Why?"], 1)
+    ]
     settings = bench_run.BenchSettings(modes=("ar", "sd"), chat=True)
     config = EngineConfig(
         target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
@@ -403,9 +459,14 @@ def test_session_workload_times_each_turn_with_its_own_prefix_reuse(tiny_dir, tm
         assert recs[0]["cached_tokens"] == 0 and recs[0]["prefill_tokens_per_s"] > 0
         assert all(r["cached_tokens"] >= 0.5 * p["prompt_tokens"] for r, p in zip(recs[1:], recs))
     assert run.exactness["sd"]["status"] == "exact"
-    doc = build_results(run, with_projection=False, env={"hardware": {"cpu": "x", "usable_cores": 1,
-                        "ram_gib": 1, "gpus": []}, "versions": {"ssdlocal": "0", "torch": "0",
-                        "transformers": "0", "python": "3"}})  # fmt: skip
+    doc = build_results(
+        run,
+        with_projection=False,
+        env={
+            "hardware": {"cpu": "x", "usable_cores": 1, "ram_gib": 1, "gpus": []},
+            "versions": {"ssdlocal": "0", "torch": "0", "transformers": "0", "python": "3"},
+        },
+    )
     assert [(r["system"], r["turn"]) for r in doc["sessions"]] == [
         ("ar", 1),
         ("ar", 2),

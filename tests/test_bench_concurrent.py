@@ -127,9 +127,15 @@ def fake_peer(tmp_path, monkeypatch):
     """(peer python, request log, GGUF path): the bench's llamacpp peer is the fake app."""
     log = tmp_path / "requests.jsonl"
     monkeypatch.setenv("FAKE_PEER_LOG", str(log))
-    python = _python_with(tmp_path / "peer", {"llama_cpp/__init__.py": "", "llama_cpp/server/__init__.py": "",
-                                              "llama_cpp/server/app.py": FAKE_APP,
-                                              "llama_cpp/server/__main__.py": FAKE_MAIN})  # fmt: skip
+    python = _python_with(
+        tmp_path / "peer",
+        {
+            "llama_cpp/__init__.py": "",
+            "llama_cpp/server/__init__.py": "",
+            "llama_cpp/server/app.py": FAKE_APP,
+            "llama_cpp/server/__main__.py": FAKE_MAIN,
+        },
+    )
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     return python, log, gguf
@@ -161,9 +167,11 @@ def test_percentiles_interpolate_between_ranks_and_rates_divide_by_the_span():
     assert percentile([3.0], 95) == 3.0
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
-    timings = [RequestTiming(0, "chat", 0.0, ttft_s=0.5, total_s=2.0, completion_tokens=10),
-               RequestTiming(1, "fim", 1.0, ttft_s=1.5, total_s=3.0, completion_tokens=20, queue_s=0.25),
-               RequestTiming(2, "agent", 0.5, error="HTTP 500: boom")]  # fmt: skip
+    timings = [
+        RequestTiming(0, "chat", 0.0, ttft_s=0.5, total_s=2.0, completion_tokens=10),
+        RequestTiming(1, "fim", 1.0, ttft_s=1.5, total_s=3.0, completion_tokens=20, queue_s=0.25),
+        RequestTiming(2, "agent", 0.5, error="HTTP 500: boom"),
+    ]
     s = summarize(timings)
     assert (s["requests"], s["errors"], s["span_s"]) == (3, 1, 4.0)  # first start 0.0, last end 1.0 + 3.0
     assert s["ttft_p50_s"] == 1.0 and s["total_p95_s"] == pytest.approx(2.95)
@@ -217,10 +225,34 @@ def test_ssdlocal_serve_and_the_peer_through_the_cli(fake_peer, started, tmp_pat
     _tool_template(model)
     python, _, gguf = fake_peer
     out = tmp_path / "out"
-    code, stdout, err = run_cli(monkeypatch, capsys, "bench", "--workload", "concurrent", "--target", model,
-                                "--dtype", "float32", "--no-prefix-cache", "--modes", "ar", "--peers", "llamacpp", "--peer-python", python,
-                                "--gguf-target", gguf, "--clients", "3", "--requests", "2", "--max-new-tokens", "8",
-                                "--out", out)  # fmt: skip
+    code, stdout, err = run_cli(
+        monkeypatch,
+        capsys,
+        "bench",
+        "--workload",
+        "concurrent",
+        "--target",
+        model,
+        "--dtype",
+        "float32",
+        "--no-prefix-cache",
+        "--modes",
+        "ar",
+        "--peers",
+        "llamacpp",
+        "--peer-python",
+        python,
+        "--gguf-target",
+        gguf,
+        "--clients",
+        "3",
+        "--requests",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        out,
+    )
     assert code == 0, err
     doc = json.loads((out / "results.json").read_text())
     assert doc["systems"] == ["ssdlocal-ar", "llamacpp-server"] and doc["skipped"] == {}
@@ -272,8 +304,9 @@ def test_a_stream_cut_off_before_its_finish_reason_is_a_failed_request(fake_peer
     with servers.ServerProcess(spec, tmp_path / "peer.log") as server:
         body = {"model": "bench", "prompt": "x", "stream": True}
         whole, _ = timed_request(server.host, server.port, "/v1/completions", body, client=0, kind="fim", t0=0.0)
-        cut, reply = timed_request(server.host, server.port, "/v1/completions", {**body, "cut": True}, client=0,
-                                   kind="fim", t0=0.0)  # fmt: skip
+        cut, reply = timed_request(
+            server.host, server.port, "/v1/completions", {**body, "cut": True}, client=0, kind="fim", t0=0.0
+        )
     assert whole.error is None and whole.finish_reason == "length"
     assert cut.error == "the stream ended without a finish reason (cut off)" and reply.text == "t0 "
     assert summarize([whole, cut])["errors"] == 1
@@ -290,8 +323,13 @@ def test_a_peer_that_cannot_be_imported_is_skipped_with_a_note(tmp_path, started
     assert "--peer-python" in why and run.timings == {} and started == []
     missing = run_concurrent(_peer_only(python, tmp_path / "none.gguf"), SamplingParams(), tmp_path / "out")
     assert missing.skipped == {"llamacpp-server": f"skipped: GGUF target not found: {tmp_path / 'none.gguf'}"}
-    doc = build_concurrent_results(run, env={"hardware": {"cpu": "c", "usable_cores": 2, "ram_gib": 1, "gpus": []},
-                                             "versions": {"ssdlocal": "v", "python": "3"}})  # fmt: skip
+    doc = build_concurrent_results(
+        run,
+        env={
+            "hardware": {"cpu": "c", "usable_cores": 2, "ram_gib": 1, "gpus": []},
+            "versions": {"ssdlocal": "v", "python": "3"},
+        },
+    )
     assert f"- llamacpp-server: {why}" in concurrent_markdown(doc)
 
 
@@ -321,14 +359,17 @@ def test_ctrl_c_while_clients_run_stops_the_server(fake_peer, started, tmp_path)
     assert len(started) == 1 and process_gone(started[0].pid)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--workload", "concurrent", "--repeats", "2"], "--repeats does not apply to the concurrent workload"),
-    (["--workload", "concurrent", "--clients", "0"], "--clients must be >= 1"),
-    (["--workload", "concurrent", "--peers", "hf"], "peer 'hf' has no server"),
-    (["--workload", "concurrent", "--modes", "suffix"], "bad --modes 'suffix'"),
-    (["--workload", "parallel"], "unknown --workload 'parallel'"),
-    (["--clients", "2", "--duration", "5"], "--clients, --duration do not apply to the sequential workload"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--workload", "concurrent", "--repeats", "2"], "--repeats does not apply to the concurrent workload"),
+        (["--workload", "concurrent", "--clients", "0"], "--clients must be >= 1"),
+        (["--workload", "concurrent", "--peers", "hf"], "peer 'hf' has no server"),
+        (["--workload", "concurrent", "--modes", "suffix"], "bad --modes 'suffix'"),
+        (["--workload", "parallel"], "unknown --workload 'parallel'"),
+        (["--clients", "2", "--duration", "5"], "--clients, --duration do not apply to the sequential workload"),
+    ],
+)
 def test_options_that_do_not_fit_the_workload_are_refused(monkeypatch, capsys, started, args, needle):
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--target", "t-dir", *args)
     assert_clean_error(code, err, 2, needle)
@@ -341,6 +382,14 @@ def test_the_serve_flags_reproduce_the_options():
 
     models = ModelOptions(pair="p", quantization="int8", prefix_cache=False)
     spec = SpecOptions(mode="ssd", k=5, suffix=False)
-    assert serve_flags(models, spec) == ("--pair", "p", "--quantization", "int8", "--no-prefix-cache", "--k", "5",
-                                         "--no-suffix")  # fmt: skip
+    assert serve_flags(models, spec) == (
+        "--pair",
+        "p",
+        "--quantization",
+        "int8",
+        "--no-prefix-cache",
+        "--k",
+        "5",
+        "--no-suffix",
+    )
     assert serve_flags(ModelOptions(), SpecOptions()) == ()

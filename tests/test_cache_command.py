@@ -18,9 +18,11 @@ def cache(tmp_path, monkeypatch):
     (root / "gguf" / "m-q4_k_m.gguf").write_bytes(b"g" * 3000)
     (root / "gguf" / "m-q4_k_m.gguf.verified.json").write_text("{}")
     (root / "gguf" / "m-q4_k_m.gguf.lock").write_text("")
-    for kind, name, size in (("quantized", "m-q4_k_m-int4-bfloat16-v2-0123456789abcdef", 2000),
-                             ("converted", "m-q4_k_m-bfloat16-0123456789abcdef", 5000),
-                             ("gguf-meta", "m-q4_k_m-0123456789abcdef", 10)):  # fmt: skip
+    for kind, name, size in (
+        ("quantized", "m-q4_k_m-int4-bfloat16-v2-0123456789abcdef", 2000),
+        ("converted", "m-q4_k_m-bfloat16-0123456789abcdef", 5000),
+        ("gguf-meta", "m-q4_k_m-0123456789abcdef", 10),
+    ):
         entry = root / kind / name
         entry.mkdir(parents=True)
         (entry / "model.safetensors").write_bytes(b"w" * size)

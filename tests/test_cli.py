@@ -343,10 +343,20 @@ def test_python_dash_m_runtime_error(tiny_dir, odd_checkpoints):
 # ----------------------------------------------------------------- chat / race option wiring
 def test_race_no_tui_runs_every_mode_and_reports_identical_output(monkeypatch, capsys, tiny_dir):
     code, out, err = run_cli(
-        monkeypatch, capsys, "race", "hello world", "--no-tui",
-        "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
-        "--dtype", "float32", "--max-new-tokens", "12",
-    )  # fmt: skip
+        monkeypatch,
+        capsys,
+        "race",
+        "hello world",
+        "--no-tui",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "12",
+    )
     assert code == 0, err
     for mode in ("AR", "SD", "SSD"):
         assert mode in out
@@ -354,7 +364,14 @@ def test_race_no_tui_runs_every_mode_and_reports_identical_output(monkeypatch, c
 
 def test_chat_bad_fan_out_is_a_clean_usage_error(monkeypatch, capsys, tiny_dir):
     code, _, err = run_cli(
-        monkeypatch, capsys, "chat", "--target", tiny_dir["llama"], "--draft", "ngram",
-        "--fan-out", "1,x",
-    )  # fmt: skip
+        monkeypatch,
+        capsys,
+        "chat",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        "ngram",
+        "--fan-out",
+        "1,x",
+    )
     assert_clean_error(code, err, 2, "fan-out")

@@ -13,15 +13,31 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def gen(tiny_dir, *extra):
-    return ("generate", "Is the cat fed?", "--target", tiny_dir["llama"], "--draft", tiny_dir["draft_llama"],
-            "--dtype", "float32", "--json", "--max-new-tokens", "200", *extra)  # fmt: skip
+    return (
+        "generate",
+        "Is the cat fed?",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--json",
+        "--max-new-tokens",
+        "200",
+        *extra,
+    )
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_json_schema_and_regex_answers_follow_them(monkeypatch, capsys, tiny_dir, tmp_path, mode):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"fed": {"type": "boolean"}}, "required": ["fed"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"fed": {"type": "boolean"}},
+        "required": ["fed"],
+        "additionalProperties": False,
+    }
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     code, out, err = run_cli(monkeypatch, capsys, *gen(tiny_dir, "--mode", mode, "--json-schema", path))

@@ -202,26 +202,47 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
         return args[3], {"prompt": args[1], "chat_template": kw["chat"], "no_tui": "race_plain" in calls, **kw}
     if command == "bench-concurrent":
         settings, params, out_dir = calls["run_concurrent"][0]
-        own = {"modes": settings.modes, "peers": settings.peers, "clients": settings.clients,
-               "requests": settings.requests, "duration": settings.duration_s, "peer_python": settings.peer_python,
-               "gguf_target": settings.gguf_target}  # fmt: skip
+        own = {
+            "modes": settings.modes,
+            "peers": settings.peers,
+            "clients": settings.clients,
+            "requests": settings.requests,
+            "duration": settings.duration_s,
+            "peer_python": settings.peer_python,
+            "gguf_target": settings.gguf_target,
+        }
         return params, {**own, "workload": "concurrent", "out": out_dir.name}
     if command == "bench":
         config, chosen, settings, params, out_dir, project = args
-        own = {f: getattr(settings, f) for f in ("modes", "peers", "batch_size", "repeats", "chat", "gguf_target",
-                                                  "gguf_draft")}  # fmt: skip
-        return params, {**own, "prompts": [p.prompt for p in chosen], "limit": len(chosen), "out": out_dir.name,
-                        "project": project, "pin": config.pin_cpus}  # fmt: skip
+        own = {
+            f: getattr(settings, f)
+            for f in ("modes", "peers", "batch_size", "repeats", "chat", "gguf_target", "gguf_draft")
+        }
+        return params, {
+            **own,
+            "prompts": [p.prompt for p in chosen],
+            "limit": len(chosen),
+            "out": out_dir.name,
+            "project": project,
+            "pin": config.pin_cpus,
+        }
     if command == "check":
         return calls["run_check"][1]["params"], {**calls["run_check"][1], "as_json": out.startswith("{")}
     (_, _, name), kw = calls["serve"]
     limits = kw["limits"]
-    return None, {"host": calls["bind"][0][0], "port": calls["bind"][0][1], "api_key": kw["api_key"],
-                  "served_model_name": name, "max_batch": kw["max_batch"], "max_body_mb": limits.max_body_bytes,
-                  **{f: getattr(limits, f) for f in ("max_request_rows", "max_prompt_chars", "max_connections")},
-                  **{f: getattr(limits, f + "_s") for f in ("header_timeout", "body_timeout", "idle_timeout")},
-                  "max_new_tokens": kw["max_new_tokens"], "allowed_hosts": kw["access"].extra_hosts,
-                  "allowed_origins": kw["access"].extra_origins}  # fmt: skip
+    return None, {
+        "host": calls["bind"][0][0],
+        "port": calls["bind"][0][1],
+        "api_key": kw["api_key"],
+        "served_model_name": name,
+        "max_batch": kw["max_batch"],
+        "max_body_mb": limits.max_body_bytes,
+        **{f: getattr(limits, f) for f in ("max_request_rows", "max_prompt_chars", "max_connections")},
+        **{f: getattr(limits, f + "_s") for f in ("header_timeout", "body_timeout", "idle_timeout")},
+        "max_new_tokens": kw["max_new_tokens"],
+        "allowed_hosts": kw["access"].extra_hosts,
+        "allowed_origins": kw["access"].extra_origins,
+    }
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -265,8 +286,14 @@ def test_every_option_of_every_command_reaches_its_config(monkeypatch, capsys, t
         assert landed[name] == expected, (run, name)
 
 
-@pytest.mark.parametrize("words, kept", [((), False), (("--prefix-cache-tokens", "4096"), True),
-                                          (("--prefix-cache-tokens", "4096", "--no-prefix-cache"), False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "words, kept",
+    [
+        ((), False),
+        (("--prefix-cache-tokens", "4096"), True),
+        (("--prefix-cache-tokens", "4096", "--no-prefix-cache"), False),
+    ],
+)
 def test_generate_keeps_no_prefix_cache_unless_asked_for_one(monkeypatch, capsys, tmp_path, words, kept):
     """One call, then the process ends: generate makes no prefix store (its context cost
     0.5-1 s of the first token and a GB here) unless --prefix-cache-tokens asks for one;
@@ -321,16 +348,40 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
     from ssdlocal.cli.resolve import engine_config
 
     monkeypatch.setattr("ssdlocal.backends.llamacpp.probe.installed", lambda: False)
-    models = ModelOptions(target="t-dir", draft="d.gguf", dtype="float16", quantization="int8",
-                          draft_quantization="none", target_device="cuda:3", draft_device="cuda:5",
-                          target_backend="torch", draft_backend="llamacpp", cuda_graphs=False,
-                          prefix_cache=False, prefix_cache_tokens=4096)  # fmt: skip
-    spec = SpecOptions(mode="ssd", k=5, fan_out="1,1,1,1,1,2", fan_out_miss="2,1,1,1,1,1", saguaro_c=0.5, backup="jit",
-                       suffix=False, suffix_memory_tokens=5000, persist_suffix_memory=True)  # fmt: skip
+    models = ModelOptions(
+        target="t-dir",
+        draft="d.gguf",
+        dtype="float16",
+        quantization="int8",
+        draft_quantization="none",
+        target_device="cuda:3",
+        draft_device="cuda:5",
+        target_backend="torch",
+        draft_backend="llamacpp",
+        cuda_graphs=False,
+        prefix_cache=False,
+        prefix_cache_tokens=4096,
+    )
+    spec = SpecOptions(
+        mode="ssd",
+        k=5,
+        fan_out="1,1,1,1,1,2",
+        fan_out_miss="2,1,1,1,1,1",
+        saguaro_c=0.5,
+        backup="jit",
+        suffix=False,
+        suffix_memory_tokens=5000,
+        persist_suffix_memory=True,
+    )
     config = engine_config(models, spec)
-    expected = {**{f: getattr(models, f) for f in _fields(ModelOptions)}, **{f: getattr(spec, f) for f in _fields(SpecOptions)},
-                "dtype": {"float16"}, "cuda_graphs": "off", "fan_out": (1, 1, 1, 1, 1, 2),
-                "fan_out_miss": (2, 1, 1, 1, 1, 1)}  # fmt: skip
+    expected = {
+        **{f: getattr(models, f) for f in _fields(ModelOptions)},
+        **{f: getattr(spec, f) for f in _fields(SpecOptions)},
+        "dtype": {"float16"},
+        "cuda_graphs": "off",
+        "fan_out": (1, 1, 1, 1, 1, 2),
+        "fan_out_miss": (2, 1, 1, 1, 1, 1),
+    }
     # --pair and --target-devices replace others, --no-prefix-cache overrides --prefix-cache-tokens,
     # --batch-invariant needs a llama.cpp target on the CPU
     assert set(IN_CONFIG) | {"pair", "target_devices", "prefix_cache_tokens", "batch_invariant"} == _fields(
@@ -338,11 +389,16 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
     ) | _fields(SpecOptions)
     for name, where in IN_CONFIG.items():
         assert getattr(models, name, getattr(spec, name, None)) != getattr(
-            ModelOptions(), name, getattr(SpecOptions(), name, None)), name  # fmt: skip
+            ModelOptions(), name, getattr(SpecOptions(), name, None)
+        ), name
         assert where(config) == expected[name], name
 
-    alike = engine_config(ModelOptions(target="t.gguf", draft="ngram", target_backend="llamacpp",
-                                       target_device="cpu", batch_invariant=True), SpecOptions(mode="sd"))  # fmt: skip
+    alike = engine_config(
+        ModelOptions(
+            target="t.gguf", draft="ngram", target_backend="llamacpp", target_device="cpu", batch_invariant=True
+        ),
+        SpecOptions(mode="sd"),
+    )
     assert alike.target.batch_invariant and not config.target.batch_invariant
     sized = engine_config(replace(models, prefix_cache=True), spec)
     assert (
@@ -350,8 +406,9 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
         and engine_config(replace(models, prefix_cache_tokens=None), spec).prefix_cache_tokens == 0
     )
     monkeypatch.setattr("ssdlocal.weights.hub.resolve_pair_paths", lambda name, **kw: (f"{name}-t", f"{name}-d"))
-    paired = engine_config(ModelOptions(pair="p", target_backend="torch", target_device="cpu", draft_device="cpu"),
-                           SpecOptions(mode="sd"))  # fmt: skip
+    paired = engine_config(
+        ModelOptions(pair="p", target_backend="torch", target_device="cpu", draft_device="cpu"), SpecOptions(mode="sd")
+    )
     assert (paired.target.path, paired.draft_model.path) == ("p-t", "p-d")
     split = engine_config(dataclasses.replace(models, target_devices="cuda:0-1"), spec)
     assert split.target_devices == ("cuda:0", "cuda:1") and split.target.device == "cuda:0"

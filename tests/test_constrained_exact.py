@@ -27,10 +27,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8},
-                   "tags": {"type": "array", "items": {"enum": ["a", "bb", "the cat"]}, "maxItems": 3}},
-    "required": ["name", "tags"], "additionalProperties": False,
-}  # fmt: skip
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "the cat"]}, "maxItems": 3},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
 WORDS = r"[a-f]+( [a-f]+)*|[g-z]+( [g-z]+)*"  # the first token picks the letters of every later one
 PROMPTS = ['{"name": "the cat", "tags": ["a", "bb"]} {"name": "the', "the cat sat on the mat, the cat", "fed a bad"]
 
@@ -111,8 +114,10 @@ def test_constrained_modes_equal_constrained_ar(engine, grammars, tiny_dir, case
     stats = out.stats
     assert stats["constrained"] is True and stats["mask_ms_per_token"] > 0
     assert 0 <= stats["constrained_acceptance_rate"] <= 1
-    assert any(r.grammar is not None and r.grammar.constrained == tuple(grammars[b] is not None for b in r.rows)
-               for r in rounds)  # fmt: skip
+    assert any(
+        r.grammar is not None and r.grammar.constrained == tuple(grammars[b] is not None for b in r.rows)
+        for r in rounds
+    )
 
 
 def test_each_row_keeps_its_own_grammar(engine, grammars, compiler, tiny_dir):

@@ -145,14 +145,21 @@ def test_rows_with_different_params_share_a_batch_and_a_cancelled_row_leaves(eng
     words = compiler.regex(r"[a-f]+( [a-f]+)*|[g-z]+( [g-z]+)*")
     spec = SPECS["sd-ngram"](tiny_dir)
     plain = Request(ids_of(engine, PROMPTS[0]), greedy(30))
-    sampled = Request(ids_of(engine, PROMPTS[1]), SamplingParams(temperature=0.8, top_k=20, max_new_tokens=30,
-                                                                 ignore_eos=True, seed=3))  # fmt: skip
+    sampled = Request(
+        ids_of(engine, PROMPTS[1]),
+        SamplingParams(temperature=0.8, top_k=20, max_new_tokens=30, ignore_eos=True, seed=3),
+    )
     short = Request(ids_of(engine, PROMPTS[2]), greedy(5))
     with_logprobs = Request(ids_of(engine, PROMPTS[3]), greedy(12, logprobs=2))
     constrained = Request(ids_of(engine, "fed a bad"), SamplingParams(max_new_tokens=16), words)
     cancelled = Request(ids_of(engine, PROMPTS[1]), greedy(60))
-    served = serve(engine, spec, [plain, sampled, short, with_logprobs, cancelled],
-                   joins=[(constrained, plain, 4)], cancels=[(cancelled, 8)])  # fmt: skip
+    served = serve(
+        engine,
+        spec,
+        [plain, sampled, short, with_logprobs, cancelled],
+        joins=[(constrained, plain, 4)],
+        cancels=[(cancelled, 8)],
+    )
     for request in (plain, short, with_logprobs, constrained):
         expected = alone(engine, request, spec)
         assert tuple(served.tokens[request.id]) == expected.token_ids, request.id
@@ -161,8 +168,11 @@ def test_rows_with_different_params_share_a_batch_and_a_cancelled_row_leaves(eng
     lps = served.logprobs[with_logprobs.id]
     assert [lp.token for lp in lps] == served.tokens[with_logprobs.id]
     assert all(len(lp.top) == 2 for lp in lps)
-    ref = [e for e in engine.generate([list(with_logprobs.prompt)], with_logprobs.params, spec=spec)
-           if isinstance(e, TokensEvent)]  # fmt: skip
+    ref = [
+        e
+        for e in engine.generate([list(with_logprobs.prompt)], with_logprobs.params, spec=spec)
+        if isinstance(e, TokensEvent)
+    ]
     expected = [lp for e in ref for lp in e.logprobs]
     assert [round(a.logprob, 3) for a in lps] == [round(b.logprob, 3) for b in expected]
     assert not served.logprobs[plain.id]
@@ -365,8 +375,9 @@ def test_verify_groups_equals_each_group_on_its_own():
     sampling = RowSampling(requests, "cpu", {})
     got = sampling.verify(logits, drafts, None, n_draft)
     rows_hot, rows_greedy = [1, 3, 4], [0, 2]
-    ref_hot = verify_logits(logits[rows_hot], drafts[rows_hot], None, hot, torch.Generator().manual_seed(hot.seed),
-                            n_draft[rows_hot])  # fmt: skip
+    ref_hot = verify_logits(
+        logits[rows_hot], drafts[rows_hot], None, hot, torch.Generator().manual_seed(hot.seed), n_draft[rows_hot]
+    )
     ref_greedy = verify_logits(logits[rows_greedy], drafts[rows_greedy], None, greedy(4), None, n_draft[rows_greedy])
     assert got.n_accepted[rows_hot].tolist() == ref_hot.n_accepted.tolist()
     assert got.bonus[rows_hot].tolist() == ref_hot.bonus.tolist()
@@ -389,8 +400,14 @@ def test_a_draft_model_draws_each_row_from_its_own_warp():
     per = 1500
     row_params = [p for p in settings for _ in range(per)]
     logits = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, 0.2, -0.5])
-    decoder = DraftDecoder(SimpleNamespace(device=torch.device("cpu")), 1, settings[1], 8,
-                           torch.Generator().manual_seed(3), row_params=row_params)  # fmt: skip
+    decoder = DraftDecoder(
+        SimpleNamespace(device=torch.device("cpu")),
+        1,
+        settings[1],
+        8,
+        torch.Generator().manual_seed(3),
+        row_params=row_params,
+    )
     drafted = decoder.decode(logits.expand(len(row_params), 8).clone(), bound=0)
     for i, params in enumerate(settings):
         rows = slice(i * per, (i + 1) * per)

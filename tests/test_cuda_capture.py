@@ -94,8 +94,10 @@ class FakeCuda:
         self._log("graph", (stream, capture_error_mode))
         self.stream_now = stream  # capture_begin makes the capture stream current
         if self.empty:
-            warnings.warn("The CUDA Graph is empty. This usually means that the graph was attempted "
-                          "to be captured on wrong device or stream.")  # fmt: skip
+            warnings.warn(
+                "The CUDA Graph is empty. This usually means that the graph was attempted "
+                "to be captured on wrong device or stream."
+            )
         yield
         if self.fail:  # capture_end raising leaves the capture stream current
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
@@ -105,8 +107,17 @@ class FakeCuda:
 def fake(monkeypatch):
     def install(**kwargs) -> FakeCuda:
         rec = FakeCuda(**kwargs)
-        for name in ("device", "Stream", "graph_pool_handle", "memory_reserved", "current_stream",
-                     "stream", "set_stream", "CUDAGraph", "graph"):  # fmt: skip
+        for name in (
+            "device",
+            "Stream",
+            "graph_pool_handle",
+            "memory_reserved",
+            "current_stream",
+            "stream",
+            "set_stream",
+            "CUDAGraph",
+            "graph",
+        ):
             monkeypatch.setattr(capture.torch.cuda, name, getattr(rec, name))
         return rec
 
@@ -183,8 +194,9 @@ def test_the_engine_claims_its_targets_device(tiny_dir, monkeypatch):
 
     claimed = []
     monkeypatch.setattr(registry, "claim_device", claimed.append)
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32", device="cpu"),
-                          spec=SpecConfig(mode=Mode.AR))  # fmt: skip
+    config = EngineConfig(
+        target=ModelSpec(str(tiny_dir["llama"]), dtype="float32", device="cpu"), spec=SpecConfig(mode=Mode.AR)
+    )
     with Engine(config):
         pass
     assert claimed == ["cpu"]  # a no-op there; on "cuda:1" it makes cuda:1 current

@@ -139,8 +139,12 @@ def check_stats(
         assert sum(hist) == row_rounds  # a draft model always drafts
         assert all(min(r.n_drafted) >= 1 for r in rounds)
         if full_depth:  # the model's proposals (a row may take its suffix proposal instead)
-            assert all(n == k for r in rounds for n, src in zip(r.n_drafted, r.sources or ["model"] * len(r.n_drafted))
-                       if src == "model")  # fmt: skip
+            assert all(
+                n == k
+                for r in rounds
+                for n, src in zip(r.n_drafted, r.sources or ["model"] * len(r.n_drafted))
+                if src == "model"
+            )
     for r in rounds:
         assert all(0 <= a <= n <= k for a, n in zip(r.n_accepted, r.n_drafted))
     drafted = sum(sum(r.n_drafted) for r in rounds)

@@ -63,8 +63,9 @@ def fresh_ar(short):
     return out
 
 
-@pytest.mark.parametrize(("mode", "draft"), [(Mode.AR, None), (Mode.SD, "model"), (Mode.SD, "ngram"),
-                                             (Mode.SSD, "model")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "draft"), [(Mode.AR, None), (Mode.SD, "model"), (Mode.SD, "ngram"), (Mode.SSD, "model")]
+)
 @pytest.mark.parametrize("k", [2, 4])
 def test_a_sequence_of_calls_on_one_engine_equals_fresh_engines(short, fresh_ar, mode, draft, k):
     if mode is Mode.AR and k == 4:
@@ -72,8 +73,9 @@ def test_a_sequence_of_calls_on_one_engine_equals_fresh_engines(short, fresh_ar,
     path = short["draft_qwen2"] if draft == "model" else draft
     config = EngineConfig(
         target=ModelSpec(short["qwen2"], dtype="float32"),
-        spec=SpecConfig(mode=mode, k=k, draft=draft_of(path), backup="jit"), pin_cpus=False,
-    )  # fmt: skip
+        spec=SpecConfig(mode=mode, k=k, draft=draft_of(path), backup="jit"),
+        pin_cpus=False,
+    )
     with Engine(config) as engine:
         limit = engine.context  # SSD's draft also holds the unverified proposal: K + 2 less
         for (prompts, max_new), want in zip(CALLS, fresh_ar):

@@ -283,8 +283,11 @@ def test_reused_prefixes_keep_the_exact_joint(engine, models, mode):
     if key not in _JOINTS:
         _JOINTS[key] = ExactJoint(models[0], prompt_ids, params, N)
     joint = _JOINTS[key]
-    spec = {Mode.AR: SpecConfig(mode=Mode.AR), Mode.SD: SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft),
-            Mode.SSD: ssd_spec(engine, backup="jit")}[mode]  # fmt: skip
+    spec = {
+        Mode.AR: SpecConfig(mode=Mode.AR),
+        Mode.SD: SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft),
+        Mode.SSD: ssd_spec(engine, backup="jit"),
+    }[mode]
     list(engine.generate([prompt_ids], params, spec=spec))  # leaves the prompt in the caches
     outputs = None
     for ev in engine.generate([prompt_ids] * N, params, spec=spec):

@@ -23,10 +23,23 @@ BF16 = torch.bfloat16
 
 
 def _args(arch: str, **changes) -> ModelArgs:
-    base = dict(arch=arch, vocab_size=320, hidden_size=256, intermediate_size=512, num_layers=2,
-                num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
-                rope_scaling=None, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
-                tie_word_embeddings=arch != "llama", max_position_embeddings=512)  # fmt: skip
+    base = dict(
+        arch=arch,
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=arch != "llama",
+        max_position_embeddings=512,
+    )
     return ModelArgs(**{**base, **changes})
 
 
@@ -87,8 +100,7 @@ def test_folded_attention_equals_grouped_query_attention():
     q, keys, values = torch.randn(2, 8, 3, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
     mask = torch.rand(2, 3, 40) > 0.3
     mask[..., 0] = True  # every query sees a slot
-    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                                           enable_gqa=True)  # fmt: skip
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
     rows = mask[:, None].expand(2, 4, 3, 40).reshape(2, 1, 12, 40)
     bias = torch.zeros(rows.shape).masked_fill_(~rows, float("-inf"))
     assert torch.allclose(attention.folded_attention(q, keys, values, bias), want, atol=1e-6)
@@ -109,8 +121,10 @@ def test_runner_feed_and_steps_on_cuda():
         runner.begin_steps()
         logits = runner.step(torch.zeros(2, 5, dtype=torch.long, device=CUDA), bound=10)
         runner.advance(torch.ones(2, dtype=torch.long, device=CUDA))
-        tree = runner.forward_raw(*(torch.zeros(2, 4, dtype=torch.long, device=CUDA),) * 3,
-                                  torch.ones(2, 4, 512, dtype=torch.bool, device=CUDA))  # fmt: skip
+        tree = runner.forward_raw(
+            *(torch.zeros(2, 4, dtype=torch.long, device=CUDA),) * 3,
+            torch.ones(2, 4, 512, dtype=torch.bool, device=CUDA),
+        )
     assert [f.shape for f in fed] == [(1, 320), (1, 320)]
     assert logits.shape == (2, 5, 320) and logits.dtype == torch.float32
     assert tree.shape == (2, 4, 320)

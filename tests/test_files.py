@@ -50,8 +50,21 @@ def deadline(seconds: int):
 
 def generate(monkeypatch, capsys, target, *extra):
     with deadline(60):
-        return run_cli(monkeypatch, capsys, "generate", "hi", "--target", target, "--mode", "ar",
-                       "--max-new-tokens", "2", "--dtype", "float32", *extra)  # fmt: skip
+        return run_cli(
+            monkeypatch,
+            capsys,
+            "generate",
+            "hi",
+            "--target",
+            target,
+            "--mode",
+            "ar",
+            "--max-new-tokens",
+            "2",
+            "--dtype",
+            "float32",
+            *extra,
+        )
 
 
 def variant(tiny_dir, tmp_path, name: str, **changes) -> Path:
@@ -96,17 +109,20 @@ def test_a_fifo_as_the_config_or_the_gguf_is_refused(monkeypatch, capsys, tiny_d
 
 
 # ----------------------------------------------------------------------------- config.json sizes
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"num_hidden_layers": 1_000_000}, "declares 1,000,000 layers, the weight files hold 1"),
-    ({"vocab_size": 10**9}, "a vocabulary of 1,000,000,000 x 32"),
-    ({"intermediate_size": 10**9}, "declares about"),  # ~10^11 parameters in one layer
-    ({"hidden_size": 100_000, "intermediate_size": 1_000_000}, "the embedding in the weight files is 384 x 32"),
-    ({"hidden_size": -64}, "hidden_size must be a positive integer"),
-    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
-    ({"hidden_size": "64"}, 'hidden_size must be a positive integer below 2,147,483,648, got "64"'),
-    ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a positive integer"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads (3)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"num_hidden_layers": 1_000_000}, "declares 1,000,000 layers, the weight files hold 1"),
+        ({"vocab_size": 10**9}, "a vocabulary of 1,000,000,000 x 32"),
+        ({"intermediate_size": 10**9}, "declares about"),  # ~10^11 parameters in one layer
+        ({"hidden_size": 100_000, "intermediate_size": 1_000_000}, "the embedding in the weight files is 384 x 32"),
+        ({"hidden_size": -64}, "hidden_size must be a positive integer"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"hidden_size": "64"}, 'hidden_size must be a positive integer below 2,147,483,648, got "64"'),
+        ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a positive integer"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads (3)"),
+    ],
+)
 def test_config_sizes_are_checked_before_the_model_is_built(monkeypatch, capsys, tiny_dir, tmp_path, changes, needle):
     ckpt = variant(tiny_dir, tmp_path, "cfg", **changes)
     started = time.perf_counter()
@@ -139,17 +155,33 @@ def _gguf(*parts: bytes) -> bytes:
     return b"GGUF" + b"".join(parts) + b"\0" * 64
 
 
-@pytest.mark.parametrize("header", [
-    _gguf(struct.pack("<IQQ", 3, 2**62, 0)),  # tensors
-    _gguf(struct.pack("<IQQ", 3, 0, 2**62)),  # metadata keys
-    _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 2**62)),  # a key's length
-    _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 4, 2**62)),  # an array
-    _gguf(struct.pack("<IQQ", 3, 1, 0), struct.pack("<Q", 1), b"t", struct.pack("<I", 2**31)),  # dimensions
-    _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 8, 3),
-          struct.pack("<Q", 2), b"ab", struct.pack("<Q", 2**62)),  # a vocabulary string's length
-    _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 8, 40),
-          struct.pack("<Q", 1) + b"a"),  # more vocabulary strings than the file holds
-], ids=["tensors", "keys", "string", "array", "dims", "vocab-string", "vocab-count"])  # fmt: skip
+@pytest.mark.parametrize(
+    "header",
+    [
+        _gguf(struct.pack("<IQQ", 3, 2**62, 0)),  # tensors
+        _gguf(struct.pack("<IQQ", 3, 0, 2**62)),  # metadata keys
+        _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 2**62)),  # a key's length
+        _gguf(struct.pack("<IQQ", 3, 0, 1), struct.pack("<Q", 1), b"k", struct.pack("<IIQ", 9, 4, 2**62)),  # an array
+        _gguf(struct.pack("<IQQ", 3, 1, 0), struct.pack("<Q", 1), b"t", struct.pack("<I", 2**31)),  # dimensions
+        _gguf(
+            struct.pack("<IQQ", 3, 0, 1),
+            struct.pack("<Q", 1),
+            b"k",
+            struct.pack("<IIQ", 9, 8, 3),
+            struct.pack("<Q", 2),
+            b"ab",
+            struct.pack("<Q", 2**62),
+        ),  # a vocabulary string's length
+        _gguf(
+            struct.pack("<IQQ", 3, 0, 1),
+            struct.pack("<Q", 1),
+            b"k",
+            struct.pack("<IIQ", 9, 8, 40),
+            struct.pack("<Q", 1) + b"a",
+        ),  # more vocabulary strings than the file holds
+    ],
+    ids=["tensors", "keys", "string", "array", "dims", "vocab-string", "vocab-count"],
+)
 def test_gguf_counts_no_file_of_its_size_can_hold_are_refused(tmp_path, header):
     from ssdlocal.weights.formats.gguf import GGUFHeader
     from ssdlocal.core.errors import ModelLoadError
@@ -238,8 +270,11 @@ def test_a_memory_file_with_ids_outside_the_vocabulary_never_fails_a_run(
     prompt_ids = list(range(5, 40))
     key = f"{Path(target).resolve()}|vocab=384"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model": key, "sequences": [prompt_ids + [10**9] * 8, prompt_ids + [-7] * 8,
-                                                             prompt_ids + [2**70] * 8]}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {"model": key, "sequences": [prompt_ids + [10**9] * 8, prompt_ids + [-7] * 8, prompt_ids + [2**70] * 8]}
+        )
+    )
     with caplog.at_level("WARNING"):
         code, out, err = generate(
             monkeypatch, capsys, target, "--draft", "suffix", "--persist-suffix-memory", "--json", "--mode", "sd"
@@ -262,11 +297,32 @@ def test_a_failed_memory_save_keeps_the_answer(tiny_dir, tmp_path):
 
     prompt = " ".join(f"w{i}" for i in range(80))  # ~300 tokens: a memory file of about 1.5 KB
     run = subprocess.run(
-        [sys.executable, "-m", "ssdlocal", "generate", prompt, "--target", str(tiny_dir["small_llama"]),
-         "--draft", "suffix", "--mode", "sd", "--persist-suffix-memory", "--json", "--max-new-tokens", "8",
-         "--dtype", "float32"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=small_files,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ssdlocal",
+            "generate",
+            prompt,
+            "--target",
+            str(tiny_dir["small_llama"]),
+            "--draft",
+            "suffix",
+            "--mode",
+            "sd",
+            "--persist-suffix-memory",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "float32",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=small_files,
+    )
     assert run.returncode == 0, run.stderr
     assert len(json.loads(run.stdout)["outputs"][0]["token_ids"]) == 8
     warnings = [line for line in run.stderr.splitlines() if "could not save the suffix memory" in line]

@@ -41,8 +41,9 @@ def test_each_family_is_found_by_its_tokens(tokenizers, style):
         "starcoder": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"],
         "codellama": ["<PRE>", "<SUF>", "<MID>"],
     }[style]
-    assert (found.repo is not None, found.file_sep is not None) == ((True, True) if style != "codellama" else
-                                                                    (False, False))  # fmt: skip
+    assert (found.repo is not None, found.file_sep is not None) == (
+        (True, True) if style != "codellama" else (False, False)
+    )
 
 
 def test_a_tokenizer_without_fim_tokens_has_none(tokenizers):
@@ -71,8 +72,10 @@ def test_repository_level_prompt_names_repo_and_files_like_llama_cpp(tokenizers)
     t = fim_tokens(tok)
     extra = [ContextFile("util.py", "def helper():\n    return 1\n")]
     ids = fim_prompt(tok, t, "a = ", "\n", prompt="hel", extra=extra)
-    expected = ("<|repo_name|>myproject\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
-                "<|file_sep|>filename\n<|fim_prefix|>a = hel<|fim_suffix|>\n<|fim_middle|>")  # fmt: skip
+    expected = (
+        "<|repo_name|>myproject\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
+        "<|file_sep|>filename\n<|fim_prefix|>a = hel<|fim_suffix|>\n<|fim_middle|>"
+    )
     assert tok.decode(ids) == expected
     bare = fim_prompt(tok, t, "a = ", "\n", repo_level=True)  # /infill names them even with no files
     assert tok.decode(bare).startswith("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>")
@@ -109,10 +112,24 @@ def test_suffix_drafting_proposes_from_the_text_after_the_cursor(tokenizers):
 def test_generate_fim_suffix_needs_a_fim_model_and_no_chat(tiny_dir, monkeypatch, capsys):
     from support.cli import assert_clean_error, run_cli
 
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f():", "--fim-suffix", "\n", "--target",
-                             tiny_dir["llama"], "--dtype", "float32", "--mode", "ar",
-                             "--max-new-tokens", "2")  # fmt: skip
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "def f():",
+        "--fim-suffix",
+        "\n",
+        "--target",
+        tiny_dir["llama"],
+        "--dtype",
+        "float32",
+        "--mode",
+        "ar",
+        "--max-new-tokens",
+        "2",
+    )
     assert_clean_error(code, err, 2, "no fill-in-the-middle tokens", "--fim-suffix")
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f():", "--fim-suffix", "\n", "--chat",
-                             "--target", tiny_dir["llama"])  # fmt: skip
+    code, out, err = run_cli(
+        monkeypatch, capsys, "generate", "def f():", "--fim-suffix", "\n", "--chat", "--target", tiny_dir["llama"]
+    )
     assert_clean_error(code, err, 2, "--fim-suffix cannot be combined with --chat")

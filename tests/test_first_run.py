@@ -43,8 +43,9 @@ def test_first_run_keeps_no_bf16_copy(offline_pair, monkeypatch, capsys):
 
     monkeypatch.setattr(gguf_convert, "_convert", lambda *a, **k: pytest.fail("bf16 conversion"))
     cache, _ = offline_pair
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello", "--target-backend", "torch",
-                             "--max-new-tokens", "4", "--json")  # fmt: skip
+    code, out, err = run_cli(
+        monkeypatch, capsys, "generate", "Hello", "--target-backend", "torch", "--max-new-tokens", "4", "--json"
+    )
     assert code == 0, err
     json.loads(out)  # stdout: the JSON object only
     assert not (cache / "converted").exists(), _dirs(cache / "converted")
@@ -56,14 +57,20 @@ def test_first_run_shows_each_stage_on_stderr_and_keeps_stdout_clean(offline_pai
     """A --json first run: every preparation step appears on stderr by name with its unit
     (plain lines: stderr is not a terminal here), the mode line before the answer; stdout
     holds exactly one JSON object."""
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "Hello", "--target-backend", "torch",
-                             "--max-new-tokens", "4", "--json")  # fmt: skip
+    code, out, err = run_cli(
+        monkeypatch, capsys, "generate", "Hello", "--target-backend", "torch", "--max-new-tokens", "4", "--json"
+    )
     assert code == 0, err
     payload = json.loads(out)
     assert payload["stats"]["mode_reason"].startswith("target and draft share the CPU")
-    for stage in ("quantizing qwen2.5-coder-1.5b to int4: ", "quantizing qwen2.5-coder-0.5b to int4: ",
-                  "reading tokenizer: qwen2.5-coder-1.5b", "loading qwen2.5-coder-1.5b (int4): ",
-                  "loading qwen2.5-coder-0.5b (int4): ", "calibrating target and draft: "):  # fmt: skip
+    for stage in (
+        "quantizing qwen2.5-coder-1.5b to int4: ",
+        "quantizing qwen2.5-coder-0.5b to int4: ",
+        "reading tokenizer: qwen2.5-coder-1.5b",
+        "loading qwen2.5-coder-1.5b (int4): ",
+        "loading qwen2.5-coder-0.5b (int4): ",
+        "calibrating target and draft: ",
+    ):
         assert stage in err, (stage, err)
     assert " MB" in err or " kB" in err  # quantizing and loading count bytes
     lines = err.splitlines()
@@ -74,8 +81,7 @@ def test_first_run_shows_each_stage_on_stderr_and_keeps_stdout_clean(offline_pai
 
 def test_a_second_run_prepares_nothing(offline_pair, monkeypatch, capsys):
     run_cli(monkeypatch, capsys, "generate", "Hi", "--target-backend", "torch", "--max-new-tokens", "2")
-    code, _, err = run_cli(monkeypatch, capsys, "generate", "Hi", "--target-backend", "torch",
-                           "--max-new-tokens", "2")  # fmt: skip
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "Hi", "--target-backend", "torch", "--max-new-tokens", "2")
     assert code == 0, err
     assert "quantizing" not in err and "reading tokenizer" not in err, err
     assert "loading qwen2.5-coder-1.5b (int4)" in err  # loading is shown every time

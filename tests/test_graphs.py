@@ -294,8 +294,14 @@ def test_graph_report_counts_one_calls_share():
     report = graph_report(Runner(), before)
     assert report["mode"] == "counting" and report["refused"] == 1 and report["eager"] == 1
     assert "memory budget" in report["notes"][0]
-    assert graph_report(object()) == {"mode": "off", "captured": 0, "replays": 0, "eager": 0,
-                                      "refused": 0, "dropped": 0}  # fmt: skip
+    assert graph_report(object()) == {
+        "mode": "off",
+        "captured": 0,
+        "replays": 0,
+        "eager": 0,
+        "refused": 0,
+        "dropped": 0,
+    }
 
 
 # --------------------------------------------------------------------------- fp32 logits
@@ -328,8 +334,7 @@ def _tokens(engine: Engine, spec: SpecConfig, prompts) -> list[tuple[int, ...]]:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
-@pytest.mark.parametrize(("target", "draft"), [("llama", "draft_llama"), ("qwen2", "draft_qwen2"),
-                                               ("qwen3", "qwen3")])  # fmt: skip
+@pytest.mark.parametrize(("target", "draft"), [("llama", "draft_llama"), ("qwen2", "draft_qwen2"), ("qwen3", "qwen3")])
 def test_captured_path_equals_eager_path(tiny_dir, target, draft):
     """The path a CUDA graph replays (traced op graphs over static buffers, full-cache
     masks, padded tree widths) gives the eager path's tokens in AR, SD and SSD, for one row
@@ -337,9 +342,14 @@ def test_captured_path_equals_eager_path(tiny_dir, target, draft):
     t, d = str(tiny_dir[target]), str(tiny_dir[draft])
 
     def engine(graphs: str) -> Engine:
-        return Engine(EngineConfig(
-            target=ModelSpec(t, dtype="float32"), spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(d, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs,
-        ))  # fmt: skip
+        return Engine(
+            EngineConfig(
+                target=ModelSpec(t, dtype="float32"),
+                spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(d, dtype="float32")), backup="jit"),
+                pin_cpus=False,
+                graphs=graphs,
+            )
+        )
 
     specs = [SpecConfig(mode=m, k=3, draft=draft_of(d), backup="jit") for m in (Mode.AR, Mode.SD, Mode.SSD)]
     with engine("off") as eager:
@@ -360,11 +370,14 @@ def test_cuda_graphs_equal_eager_on_gpu(tiny_dir):
     results = {}
     for graphs in ("off", "auto"):
         config = EngineConfig(
-            target=ModelSpec(t, "cuda:0", dtype="float32"), spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(d, "cuda:0", dtype="float32"))), graphs=graphs,
-        )  # fmt: skip
+            target=ModelSpec(t, "cuda:0", dtype="float32"),
+            spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(d, "cuda:0", dtype="float32"))),
+            graphs=graphs,
+        )
         with Engine(config) as engine:
-            results[graphs] = [_tokens(engine, SpecConfig(mode=m, k=3, draft=draft_of(d)), PROMPTS)
-                               for m in (Mode.AR, Mode.SD)]  # fmt: skip
+            results[graphs] = [
+                _tokens(engine, SpecConfig(mode=m, k=3, draft=draft_of(d)), PROMPTS) for m in (Mode.AR, Mode.SD)
+            ]
             if graphs == "auto":
                 assert engine.runner.graphs.stats.captured > 0
     assert results["off"] == results["auto"]
@@ -378,8 +391,12 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
-    subprocess.run([sys.executable, str(script), "--cpu", "--quick", "--out", str(tmp_path)],
-                   check=True, timeout=600, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(script), "--cpu", "--quick", "--out", str(tmp_path)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     results = json.loads((tmp_path / "results.json").read_text())
     assert [m["model"] for m in results["models"]] == ["tiny-draft", "tiny-target"]
     assert results["models"][0]["tree16_graphs_ms"] > 0 and results["models"][1]["ar_tok_s"] > 0
@@ -444,11 +461,21 @@ def test_the_cli_says_in_one_line_when_graphs_were_refused_or_dropped():
     from ssdlocal.cli.render import graph_warning
     from ssdlocal.core.metrics import Metrics
 
-    quiet = Metrics(graphs={"target": {"mode": "cuda", "captured": 3, "replays": 90, "eager": 0, "refused": 0,
-                                       "dropped": 0}})  # fmt: skip
+    quiet = Metrics(
+        graphs={"target": {"mode": "cuda", "captured": 3, "replays": 90, "eager": 0, "refused": 0, "dropped": 0}}
+    )
     assert graph_warning(quiet) is None and graph_warning(Metrics()) is None
-    loud = Metrics(graphs={"target": {"mode": "cuda", "refused": 2, "dropped": 0, "notes": ["shape ('step', 1, 5, 512): memory budget"]},
-                           "draft": {"mode": "cuda", "refused": 0, "dropped": 1, "notes": ["replay differs from eager"]}})  # fmt: skip
+    loud = Metrics(
+        graphs={
+            "target": {
+                "mode": "cuda",
+                "refused": 2,
+                "dropped": 0,
+                "notes": ["shape ('step', 1, 5, 512): memory budget"],
+            },
+            "draft": {"mode": "cuda", "refused": 0, "dropped": 1, "notes": ["replay differs from eager"]},
+        }
+    )
     line = graph_warning(loud)
     assert "\n" not in line and "target 2 shape(s) refused" in line and "memory budget" in line
     assert "draft dropped 1 time(s)" in line and "same output" in line

@@ -41,7 +41,12 @@ CALLS = [  # (prompts, max_new_tokens): lengths and batch sizes change from call
 
 def _config(tiny_dir, target: str, draft: str, graphs: str, mode: Mode = Mode.SSD) -> EngineConfig:
     t, d = str(tiny_dir[target]), str(tiny_dir[draft])
-    return EngineConfig(target=ModelSpec(t, dtype="float32"), spec=SpecConfig(mode=mode, k=K, draft=ModelDraft(ModelSpec(d, dtype="float32")), backup="jit"), pin_cpus=False, graphs=graphs)  # fmt: skip
+    return EngineConfig(
+        target=ModelSpec(t, dtype="float32"),
+        spec=SpecConfig(mode=mode, k=K, draft=ModelDraft(ModelSpec(d, dtype="float32")), backup="jit"),
+        pin_cpus=False,
+        graphs=graphs,
+    )
 
 
 def _run(engine: Engine, prompts, max_new: int, mode: Mode, **spec):

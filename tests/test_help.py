@@ -31,8 +31,14 @@ def test_generate_help_names_values_and_keeps_descriptions_wide(monkeypatch, cap
     text = _help(monkeypatch, capsys, "generate")
     lines = text.splitlines()
     assert lines[0].endswith("generate [OPTIONS] PROMPTS...")
-    for option in ("--target PATH", "--draft-quantization SCHEME", "--max-new-tokens N", "--k K",
-                   "--num-samples INTEGER", "--cuda-graphs / --no-cuda-graphs"):  # fmt: skip
+    for option in (
+        "--target PATH",
+        "--draft-quantization SCHEME",
+        "--max-new-tokens N",
+        "--k K",
+        "--num-samples INTEGER",
+        "--cuda-graphs / --no-cuda-graphs",
+    ):
         assert any(line.strip().startswith(option) for line in lines), option
     # descriptions start within 34 columns and run to the margin: not a ~19-column strip
     described = [line for line in lines if line.startswith("  --target PATH")][0]

@@ -117,21 +117,29 @@ def test_grammar_sd_waits_at_most_k_plus_two(engine, tiny_dir, monkeypatch):
     from ssdlocal.grammar.compiler import GrammarCompiler
 
     compiler = GrammarCompiler(engine.tokenizer, engine.target.args.vocab_size, engine.eos_ids)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-              "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8}},
-              "required": ["name", "tags"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
     grammars = [compiler.json_schema(schema), None, compiler.regex(r"[a-z]+( [a-z]+)*")]
     spec = SpecConfig(mode=Mode.SD, k=K, draft=draft_of(str(tiny_dir["draft_llama"]), suffix=False))
-    waits, raw = measured(engine, monkeypatch, spec, grammars=grammars,
-                          params=SamplingParams(temperature=0.0, max_new_tokens=24))  # fmt: skip
+    waits, raw = measured(
+        engine, monkeypatch, spec, grammars=grammars, params=SamplingParams(temperature=0.0, max_new_tokens=24)
+    )
     assert here(waits) <= K + 2, waits
     assert raw <= K + 2, f"{raw:.2f} raw waits per round (the audit says {waits})"
 
 
 @pytest.mark.parametrize("params", [PARAMS, SAMPLED], ids=["greedy", "sampled"])
 def test_ssd_target_one_wait_and_worker_a_few_whatever_the_batch(engine, tiny_dir, monkeypatch, params):
-    spec = SpecConfig(mode=Mode.SSD, k=K, draft=draft_of(str(tiny_dir["draft_llama"])), backup="jit",
-                      fan_out=(2, 2, 2, 2, 3))  # fmt: skip
+    spec = SpecConfig(
+        mode=Mode.SSD, k=K, draft=draft_of(str(tiny_dir["draft_llama"])), backup="jit", fan_out=(2, 2, 2, 2, 3)
+    )
     waits, raw = measured(engine, monkeypatch, spec, params=params)
     assert waits["target"]["waits_per_round"] <= 1.5, waits
     assert raw <= 1.5, f"{raw:.2f} raw waits per round on the target (the audit says {waits})"
@@ -152,8 +160,13 @@ def test_audit_counts_reads_once_and_staged_uploads_as_no_wait():
     before = audit.snapshot()
     audit.site("draft").upload([True, False], torch.device("meta"), torch.bool)  # not CUDA: a blocking copy
     assert audit.since(before) == {"draft": HostWaits(blocking=1)}
-    assert HostWaits(2, 1, 5).as_dict(rounds=2) == {"waits": 3, "reads": 2, "blocking": 1, "staged": 5,
-                                                    "waits_per_round": 1.5}  # fmt: skip
+    assert HostWaits(2, 1, 5).as_dict(rounds=2) == {
+        "waits": 3,
+        "reads": 2,
+        "blocking": 1,
+        "staged": 5,
+        "waits_per_round": 1.5,
+    }
     assert HostWaits(1).as_dict(rounds=0)["waits_per_round"] is None
 
 

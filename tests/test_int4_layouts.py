@@ -100,13 +100,16 @@ def test_each_isa_path_in_a_pinned_process(pin, record_property):
     the kernel multiplies by exactly the rows dequantize_rows returns, and an int4 head's
     best logits are refined in float32; nothing is logged (a healthy machine). A level
     this CPU cannot run is skipped: torch would run it anyway and die with SIGILL."""
-    if runs_torch_level(pin) is False or (runs_torch_level(pin) is None and pin != "default"
-                                          and pin.upper() != ISA.upper()):  # fmt: skip
+    if runs_torch_level(pin) is False or (
+        runs_torch_level(pin) is None and pin != "default" and pin.upper() != ISA.upper()
+    ):
         pytest.skip(f"this CPU cannot run torch's {pin} kernels")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": pin, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": pin,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     record_property("isa_paths", f"asked {pin}, ran {got['capability']}")

@@ -66,18 +66,32 @@ def _cache(tmp_path, monkeypatch):
 
 def _run(pip=None, *, installed=False, toolchain=FULL, env=None, want=True):
     seen, said = [], []
-    built = ensure_llamacpp(want, lambda *a: seen.append(a), said.append, installed=lambda: installed,
-                            toolchain=toolchain, popen=pip, env={} if env is None else env)  # fmt: skip
+    built = ensure_llamacpp(
+        want,
+        lambda *a: seen.append(a),
+        said.append,
+        installed=lambda: installed,
+        toolchain=toolchain,
+        popen=pip,
+        env={} if env is None else env,
+    )
     return built, seen, said
 
 
 @pytest.mark.parametrize(
     ("line", "step"),
-    [("[12/140] Building C object ggml.c.o", (12, 140)), ("  [ 45%] Building CXX object x.o", (45, 100)),
-     ("[100%] Linking CXX shared library libllama.so", (100, 100)), ("[3/3] Linking", (3, 3)),
-     ("Building wheel for llama-cpp-python (pyproject.toml)", None), ("[0/0] nothing", None),
-     ("[9/4] corrupt", None), ("[250%] corrupt", None), ("-- [ok] cmake check", None)],
-)  # fmt: skip
+    [
+        ("[12/140] Building C object ggml.c.o", (12, 140)),
+        ("  [ 45%] Building CXX object x.o", (45, 100)),
+        ("[100%] Linking CXX shared library libllama.so", (100, 100)),
+        ("[3/3] Linking", (3, 3)),
+        ("Building wheel for llama-cpp-python (pyproject.toml)", None),
+        ("[0/0] nothing", None),
+        ("[9/4] corrupt", None),
+        ("[250%] corrupt", None),
+        ("-- [ok] cmake check", None),
+    ],
+)
 def test_build_lines_become_progress(line, step):
     assert build_progress(line) == step
 
@@ -110,8 +124,13 @@ def test_the_build_runs_pinned_pip_verbosely_and_shows_progress():
     assert cmd[:4] == [sys.executable, "-m", "pip", "install"] and "--verbose" in cmd
     assert cmd[-1] == f"llama-cpp-python=={kernels.TESTED_VERSION}"
     assert kwargs["env"]["CMAKE_BUILD_PARALLEL_LEVEL"] == str(kernels.build_cores())
-    assert seen == [(kernels.STAGE, 0, None), (kernels.STAGE, 1, 4), (kernels.STAGE, 2, 4),
-                    (kernels.STAGE, 4, 4), (kernels.STAGE, 4, 4)]  # fmt: skip
+    assert seen == [
+        (kernels.STAGE, 0, None),
+        (kernels.STAGE, 1, 4),
+        (kernels.STAGE, 2, 4),
+        (kernels.STAGE, 4, 4),
+        (kernels.STAGE, 4, 4),
+    ]
     (line,) = said  # what, how long on this many cores, the wheel cache, the opt-out
     assert "from source" in line and f"{kernels.build_cores()} core" in line
     assert "wheel" in line and "SSDLOCAL_BUILD_LLAMACPP=0" in line
@@ -169,17 +188,22 @@ def test_a_run_that_waited_for_another_runs_build_builds_nothing():
     """Two first runs at once: the second takes the lock after the first built it."""
     answers = iter([False, True])  # before the lock, after it
     pip = FakePip()
-    built = ensure_llamacpp(True, lambda *a: None, lambda line: None, installed=lambda: next(answers),
-                            toolchain=FULL, popen=pip, env={})  # fmt: skip
+    built = ensure_llamacpp(
+        True, lambda *a: None, lambda line: None, installed=lambda: next(answers), toolchain=FULL, popen=pip, env={}
+    )
     assert not built and pip.calls == []
 
 
 @pytest.mark.parametrize("case", ["opted out", "installed", "not wanted"])
 def test_nothing_is_built_when_not_needed(case):
     pip = FakePip()
-    built, seen, said = _run(pip, installed=case == "installed", want=case != "not wanted",
-                             toolchain=Toolchain(None, None, None),  # would be an error if it ran
-                             env={"SSDLOCAL_BUILD_LLAMACPP": "0"} if case == "opted out" else {})  # fmt: skip
+    built, seen, said = _run(
+        pip,
+        installed=case == "installed",
+        want=case != "not wanted",
+        toolchain=Toolchain(None, None, None),  # would be an error if it ran
+        env={"SSDLOCAL_BUILD_LLAMACPP": "0"} if case == "opted out" else {},
+    )
     assert (built, seen, said, pip.calls) == (False, [], [], [])
 
 
@@ -212,8 +236,9 @@ def test_cli_without_a_compiler_fails_before_any_download(first_cpu_run, monkeyp
     assert out == ""
 
 
-@pytest.mark.parametrize("args", [("--target-backend", "torch"), ("--quantization", "int4"),
-                                  ("--target-device", "cuda:0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "args", [("--target-backend", "torch"), ("--quantization", "int4"), ("--target-device", "cuda:0")]
+)
 def test_cli_choices_that_skip_the_build(first_cpu_run, monkeypatch, args):
     from ssdlocal.cli.options import ModelOptions
     from ssdlocal.cli.resolve import _build_kernels

@@ -150,9 +150,13 @@ def test_damaged_or_foreign_cache_is_not_trusted(fake_lib, monkeypatch):
     found = probe.llamacpp_verdict()
     path, key = found.path, json.loads(found.path.read_text())["key"]
     good = path.read_text()
-    for damaged in (good[: len(good) // 2], "", json.dumps({**json.loads(good), "key": "0" * 64}),
-                    json.dumps({k: v for k, v in json.loads(good).items() if k != "extra_bufts"}),
-                    json.dumps({**json.loads(good), "ok": "yes"})):  # fmt: skip
+    for damaged in (
+        good[: len(good) // 2],
+        "",
+        json.dumps({**json.loads(good), "key": "0" * 64}),
+        json.dumps({k: v for k, v in json.loads(good).items() if k != "extra_bufts"}),
+        json.dumps({**json.loads(good), "ok": "yes"}),
+    ):
         path.write_text(damaged)
         assert probe.read_verdict(path, key) is None
     path.write_text(good[:-20])  # half written: probed again, and rewritten whole
@@ -201,8 +205,9 @@ def test_cli_explicit_llamacpp_that_crashes_is_an_error(fake_lib, monkeypatch, c
     fake_lib("segv")
     target = tmp_path / "m.gguf"
     target.write_bytes(b"GGUF" + b"\0" * 60)
-    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--target", str(target),
-                           "--mode", "ar", "--target-backend", "llamacpp")  # fmt: skip
+    code, _, err = run_cli(
+        monkeypatch, capsys, "generate", "hi", "--target", str(target), "--mode", "ar", "--target-backend", "llamacpp"
+    )
     assert_clean_error(code, err, 1, "SIGSEGV", "--target-backend torch")
 
 

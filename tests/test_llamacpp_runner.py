@@ -246,8 +246,10 @@ def test_later_calls_start_from_stored_sequences_and_match_the_reference(fake, t
         assert lib.contexts[-1] is ctx  # the same context: the stored cells survived the reset
         assert ctx.decoded - before < len(follow)  # the shared part was not decoded again
         other, stats = run(eng, PROMPTS[:2], SpecConfig(mode=Mode.AR))
-        want = [reference_greedy("target.gguf", list(tokenizer.encode(p)), GREEDY.max_new_tokens, vocab)
-                for p in PROMPTS[:2]]  # fmt: skip
+        want = [
+            reference_greedy("target.gguf", list(tokenizer.encode(p)), GREEDY.max_new_tokens, vocab)
+            for p in PROMPTS[:2]
+        ]
         assert other == want
         assert eng.prefix_reports()["target"]["reused_tokens"] >= len(first)
 
@@ -330,8 +332,7 @@ class InProcessSSD:
     def observe(self, outcome):
         if not any(outcome.active):
             return
-        msg = OutcomeMsg(self.round, outcome.appended, outcome.n_accepted, outcome.bonus, outcome.active,
-                         0.0, "jit")  # fmt: skip
+        msg = OutcomeMsg(self.round, outcome.appended, outcome.n_accepted, outcome.bonus, outcome.active, 0.0, "jit")
         self.round += 1
         self.next = self.sp.resolve(msg)
         self.sp.prespeculate()

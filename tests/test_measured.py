@@ -74,8 +74,9 @@ def _start(pair, k=None):
     """An engine whose target and draft share the CPU (the case that calibrates); K pinned
     (`k`) calibrates the pair, K per round times each step width too."""
     target, draft = pair
-    spec = SpecConfig(mode=Mode.AUTO, draft=draft_of(str(draft)),
-                      **({"k": k, "adaptive_k": False} if k else {"adaptive_k": True}))  # fmt: skip
+    spec = SpecConfig(
+        mode=Mode.AUTO, draft=draft_of(str(draft)), **({"k": k, "adaptive_k": False} if k else {"adaptive_k": True})
+    )
     with Engine(EngineConfig(ModelSpec(str(target), dtype="float32"), spec, pin_cpus=False)) as engine:
         return engine.choice
 
@@ -148,8 +149,12 @@ def test_a_damaged_or_edited_entry_is_never_trusted(cache, pair, timed, damage):
     elif damage == "huge":
         path.write_text(json.dumps({**data, "pad": "x" * (measured.MAX_BYTES + 1)}))
     else:
-        value = {"negative": [-1.0, 0.1, 0.1], "nan": [float("nan"), 0.1, 0.1], "count": [0.1, 0.1],
-                 "key": data["value"]}[damage]  # fmt: skip
+        value = {
+            "negative": [-1.0, 0.1, 0.1],
+            "nan": [float("nan"), 0.1, 0.1],
+            "count": [0.1, 0.1],
+            "key": data["value"],
+        }[damage]
         key = {**data["key"], "k": 7} if damage == "key" else data["key"]
         path.write_text(json.dumps({**data, "key": key, "value": value}))
     timed.clear()

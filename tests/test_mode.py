@@ -149,8 +149,9 @@ def test_devices_on_one_gpu_shares_it_like_the_engine(monkeypatch, capsys):
     """One GPU: the draft shares it (what `--draft-device auto` does), the mode is SD."""
     from ssdlocal.placement.inventory import GPU, DeviceInventory
 
-    monkeypatch.setattr("ssdlocal.placement.inventory.detect",
-                        lambda: DeviceInventory((GPU(0, "GPU", 80.0, 80.0),), 16, 64.0))  # fmt: skip
+    monkeypatch.setattr(
+        "ssdlocal.placement.inventory.detect", lambda: DeviceInventory((GPU(0, "GPU", 80.0, 80.0),), 16, 64.0)
+    )
     code, out, err = run_cli(monkeypatch, capsys, "devices", "--json")
     assert code == 0, err
     payload = json.loads(out)
@@ -164,8 +165,9 @@ def _engine(tiny_dir, monkeypatch, k=3):
     from ssdlocal.engine import auto
     from ssdlocal.placement.mode import ModeChoice
 
-    monkeypatch.setattr(auto, "calibrated_choice",
-                        lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated"))  # fmt: skip
+    monkeypatch.setattr(
+        auto, "calibrated_choice", lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated")
+    )
     t, d = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
     spec = SpecConfig(mode=Mode.AUTO, k=k, adaptive_k=False, draft=ModelDraft(ModelSpec(d, dtype="float32")))
     return Engine(EngineConfig(ModelSpec(t, dtype="float32"), spec, pin_cpus=False))
@@ -186,8 +188,15 @@ def test_an_engine_switches_to_plain_steps_mid_answer_and_stays_exact(tiny_dir, 
         assert len(changes) == 1 and changes[0].mode == "ar" and changes[0].round_index == 3  # round 0 skipped
         assert "switched from SD" in changes[0].reason
         got = [e for e in events if isinstance(e, DoneEvent)][0].outputs[0].token_ids
-        ar = [e for e in engine.generate(["the cat sat"], params, spec=SpecConfig(mode=Mode.AR))
-              if isinstance(e, DoneEvent)][0].outputs[0].token_ids  # fmt: skip
+        ar = (
+            [
+                e
+                for e in engine.generate(["the cat sat"], params, spec=SpecConfig(mode=Mode.AR))
+                if isinstance(e, DoneEvent)
+            ][0]
+            .outputs[0]
+            .token_ids
+        )
         assert engine.choice.mode is Mode.SD  # the next call starts in SD again, and re-checks
         again = list(engine.generate(["the cat sat"], params))
         assert [e.round_index for e in again if isinstance(e, ModeEvent)] == [3]
@@ -215,11 +224,27 @@ def test_generate_json_reports_a_change_of_mind(tiny_dir, monkeypatch, capsys):
 
     monkeypatch.setattr("ssdlocal.engine.engine.calibrated", calibrated)
     monkeypatch.setattr(auto, "ModeCheck", functools.partial(ModeCheck, rounds=2))
-    monkeypatch.setattr(auto, "calibrated_choice",
-                        lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated"))  # fmt: skip
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "the cat sat", "--target", tiny_dir["llama"],
-                             "--draft", tiny_dir["draft_llama"], "--dtype", "float32", "--k", "3",
-                             "--max-new-tokens", "30", "--ignore-eos", "--json")  # fmt: skip
+    monkeypatch.setattr(
+        auto, "calibrated_choice", lambda cal, adaptive: ModeChoice(Mode.SD, "calibrated: SD", "calibrated")
+    )
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "the cat sat",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--k",
+        "3",
+        "--max-new-tokens",
+        "30",
+        "--ignore-eos",
+        "--json",
+    )
     assert code == 0, err
     payload = json.loads(out)
     assert payload["mode_changes"][0]["mode"] == "ar", payload.get("mode_changes")

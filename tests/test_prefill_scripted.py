@@ -34,8 +34,9 @@ def rows_of(prompts) -> list[Row]:
 
 
 def read(runner, rows, token=None, progress=None):
-    return read_prompts(runner, lambda fn, *a: fn(*a), rows, sampling_of(GREEDY, len(rows)), token or CancelToken(),
-                        progress)  # fmt: skip
+    return read_prompts(
+        runner, lambda fn, *a: fn(*a), rows, sampling_of(GREEDY, len(rows)), token or CancelToken(), progress
+    )
 
 
 def test_the_first_token_follows_each_prompt():

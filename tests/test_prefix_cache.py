@@ -235,18 +235,23 @@ def reference(models):
 
 
 CASES = [
-    (Mode.AR, None, "none"), (Mode.SD, "model", "none"), (Mode.SD, "ngram", "none"),
-    (Mode.SD, "suffix", "none"), (Mode.SSD, "model", "none"), (Mode.AR, None, "int8"),
+    (Mode.AR, None, "none"),
+    (Mode.SD, "model", "none"),
+    (Mode.SD, "ngram", "none"),
+    (Mode.SD, "suffix", "none"),
+    (Mode.SSD, "model", "none"),
+    (Mode.AR, None, "int8"),
     (Mode.SD, "model", "int4"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("mode", "draft", "quantization"), CASES)
 def test_every_call_equals_a_fresh_engine_without_the_cache(models, reference, mode, draft, quantization):
     path = models["draft_llama"] if draft == "model" else draft
     target = ModelSpec(models["llama"], dtype="float32", quantization=quantization)
-    spec = SpecConfig(mode=mode, k=3, draft=draft_of(path, quantization=quantization) if draft else draft_of(None),
-                      backup="jit")  # fmt: skip
+    spec = SpecConfig(
+        mode=mode, k=3, draft=draft_of(path, quantization=quantization) if draft else draft_of(None), backup="jit"
+    )
     ref_config = EngineConfig(target=target, prefix_cache_tokens=0)
     with Engine(EngineConfig(target=target, spec=spec, pin_cpus=False)) as engine:
         if quantization == "none":

@@ -26,12 +26,8 @@ import torch
 from ssdlocal.backends.torch import gguf_quant
 from ssdlocal.backends.torch.int4_cpu import expected_layout
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.quant import (
-    QuantEmbedding,
-    QuantLinear,
-    model_bytes,
-    quantize,
-)
+from ssdlocal.backends.torch.quant import QuantLinear, quantize
+from ssdlocal.backends.torch.quant_apply import QuantEmbedding, model_bytes
 from ssdlocal.core.errors import UsageError
 from ssdlocal.weights.formats.arch import architecture
 from ssdlocal.weights.formats.gguf import gguf_scheme
@@ -278,9 +274,11 @@ def test_quantized_dir_refuses_other_scheme(gguf_files):
 def test_weight_bytes_estimate(gguf_files, tiny_dir):
     from ssdlocal.backends.torch.quant_load import weight_bytes
 
-    for path, scheme, dtype in ((gguf_files["llama", "q4_k_m"][0], "int4", "bfloat16"),
-                                (gguf_files["qwen2", "q8_0"][0], "int8", "float32"),
-                                (tiny_dir["qwen3"], "int4", "float32")):  # fmt: skip
+    for path, scheme, dtype in (
+        (gguf_files["llama", "q4_k_m"][0], "int4", "bfloat16"),
+        (gguf_files["qwen2", "q8_0"][0], "int8", "float32"),
+        (tiny_dir["qwen3"], "int4", "float32"),
+    ):
         real = model_bytes(load_model(path, "cpu", dtype, scheme).model)
         assert abs(weight_bytes(path, scheme, dtype) - real) < 0.1 * real, path
 
@@ -290,7 +288,7 @@ import json, sys
 import torch
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
-from ssdlocal.backends.torch.quant import model_bytes
+from ssdlocal.backends.torch.quant_apply import model_bytes
 from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config, load_tokenizer
 
 path = sys.argv[1]
@@ -316,8 +314,13 @@ def test_gguf_load_peak_memory(tmp_path):
     resident peak (VmHWM, reset at the start) grows by about the model's final size, far
     below a bf16 copy of it."""
     path, params = tiny_gguf.write_random_gguf(tmp_path / "big.gguf", hidden=1024, ffn=4096, layers=8)
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_PEAK_SCRIPT), str(path)],
-                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_PEAK_SCRIPT), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     m = json.loads(run.stdout.strip().splitlines()[-1])
     bf16_mb = params * 2 / 2**20
@@ -378,7 +381,7 @@ def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
 
 def test_quantize_model_equals_quantized_load(tiny_dir):
     """Swapping a loaded float model's linears gives the model a quantized load gives."""
-    from ssdlocal.backends.torch.quant import quantize_model
+    from ssdlocal.backends.torch.quant_apply import quantize_model
 
     for scheme in ("int8", "int4"):
         swapped = load_model(tiny_dir["qwen2"], "cpu", "float32")

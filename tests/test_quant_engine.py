@@ -52,8 +52,9 @@ def test_sd_and_ssd_equal_ar_on_quantized_target(tiny_dir, arch, scheme):
         assert eng.target.quantization == scheme
         ar, _ = tokens(eng, SpecConfig(mode=Mode.AR))
         sd, sd_stats = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=cfg.spec.draft))
-        ssd, ssd_stats = tokens(eng, SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft,
-                                                fan_out=(2, 2, 1, 2), fan_out_miss=(2, 2, 1, 2)))  # fmt: skip
+        ssd, ssd_stats = tokens(
+            eng, SpecConfig(mode=Mode.SSD, k=3, draft=cfg.spec.draft, fan_out=(2, 2, 1, 2), fan_out_miss=(2, 2, 1, 2))
+        )
         ngram, _ = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=NgramDraft()))
     assert sd == ar and ssd == ar and ngram == ar
     assert ssd_stats["rounds"] > 0
@@ -68,8 +69,11 @@ def test_quantized_target_float_draft_and_unquantized_target_differ(tiny_dir):
     long = replace(GREEDY, max_new_tokens=40)
     outs = {}
     for scheme in ("none", "int4"):
-        cfg = EngineConfig(target=ModelSpec(target, quantization=scheme, dtype="float32"),
-                           spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, dtype="float32"))), pin_cpus=False)  # fmt: skip
+        cfg = EngineConfig(
+            target=ModelSpec(target, quantization=scheme, dtype="float32"),
+            spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, dtype="float32"))),
+            pin_cpus=False,
+        )
         with Engine(cfg) as eng:
             ar, _ = tokens(eng, SpecConfig(mode=Mode.AR), params=long)
             sd, _ = tokens(eng, SpecConfig(mode=Mode.SD, k=3, draft=draft_of(draft)), params=long)
@@ -91,8 +95,9 @@ def test_tp2_quantized_equals_tp1(tiny_dir, tmp_path, monkeypatch, scheme):
         path, quantization = str(tiny_gguf.write_gguf(tmp_path / "t.gguf", model, "qwen2", "q4_k_m")), "auto"
 
     def cfg(devices):
-        return EngineConfig(target=ModelSpec(path, quantization=quantization, dtype="float32"),
-                            pin_cpus=False, target_devices=devices)  # fmt: skip
+        return EngineConfig(
+            target=ModelSpec(path, quantization=quantization, dtype="float32"), pin_cpus=False, target_devices=devices
+        )
 
     with Engine(cfg(())) as one:
         want, _ = tokens(one, SpecConfig(mode=Mode.AR))
@@ -125,8 +130,11 @@ def quantized_models(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sampling_engine(quantized_models):
     target, draft, _ = quantized_models
-    cfg = EngineConfig(target=ModelSpec(str(target), quantization="int4", dtype="float32"),
-                       spec=SpecConfig(mode=Mode.SD, k=2, draft=ModelDraft(ModelSpec(str(draft), dtype="float32"))), pin_cpus=False)  # fmt: skip
+    cfg = EngineConfig(
+        target=ModelSpec(str(target), quantization="int4", dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=2, draft=ModelDraft(ModelSpec(str(draft), dtype="float32"))),
+        pin_cpus=False,
+    )
     with Engine(cfg) as eng:
         yield eng
 
@@ -143,8 +151,14 @@ def test_sampling_matches_quantized_target_distribution(sampling_engine, quantiz
     if mode == "sd":
         spec = SpecConfig(mode=Mode.SD, k=ts.K, draft=sampling_engine.config.spec.draft)
     else:
-        spec = SpecConfig(mode=Mode.SSD, k=ts.K, draft=sampling_engine.config.spec.draft, fan_out=ts.FAN,
-                          fan_out_miss=ts.FAN, backup="jit")  # fmt: skip
+        spec = SpecConfig(
+            mode=Mode.SSD,
+            k=ts.K,
+            draft=sampling_engine.config.spec.draft,
+            fan_out=ts.FAN,
+            fan_out_miss=ts.FAN,
+            backup="jit",
+        )
     done, _ = ts.sample_outputs(sampling_engine, spec, params)
     assert 0.2 < done.stats["acceptance_rate"] < 0.95
     assert_distribution(joint.categories(done.outputs), joint.probs, what=f"int4 {mode}")
@@ -165,8 +179,19 @@ def test_model_spec_quantization_rules():
 def test_cli_generate_quantized(tiny_dir, monkeypatch, capsys):
     import json
 
-    args = ["generate", "hello", "--target", tiny_dir["llama"], "--mode", "ar", "--dtype", "float32",
-            "--max-new-tokens", "6", "--json"]  # fmt: skip
+    args = [
+        "generate",
+        "hello",
+        "--target",
+        tiny_dir["llama"],
+        "--mode",
+        "ar",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]
     code, out, err = run_cli(monkeypatch, capsys, *args, "--quantization", "int4")
     assert code == 0, err
     assert len(json.loads(out)["outputs"][0]["token_ids"]) == 6
@@ -177,8 +202,7 @@ def test_cli_generate_quantized(tiny_dir, monkeypatch, capsys):
 def test_cli_resolves_draft_quantization(tiny_dir):
     from ssdlocal.cli.resolve import ModelOptions, SpecOptions, engine_config
 
-    models = ModelOptions(target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]),
-                          quantization="int4")  # fmt: skip
+    models = ModelOptions(target=str(tiny_dir["llama"]), draft=str(tiny_dir["draft_llama"]), quantization="int4")
     cfg = engine_config(models, SpecOptions(mode="sd"))
     assert cfg.target.quantization == cfg.draft_model.quantization == "int4"
     cfg = engine_config(replace(models, draft_quantization="int8"), SpecOptions(mode="sd"))
@@ -223,9 +247,26 @@ def test_check_and_bench_on_quantized_target(monkeypatch, capsys, tiny_dir, tmp_
     assert code == 0, err
     report = json.loads(out)
     assert report["identical"] is True and [r["mode"] for r in report["runs"]] == ["ar", "sd", "ssd"]
-    code, _, err = run_cli(monkeypatch, capsys, "bench", *pair, "--dtype", "float32", "--no-chat", "--no-pin",
-                           "--limit", "1", "--modes", "ar,sd", "--quantization", "int8",
-                           "--draft-quantization", "none", "--out", tmp_path)  # fmt: skip
+    code, _, err = run_cli(
+        monkeypatch,
+        capsys,
+        "bench",
+        *pair,
+        "--dtype",
+        "float32",
+        "--no-chat",
+        "--no-pin",
+        "--limit",
+        "1",
+        "--modes",
+        "ar,sd",
+        "--quantization",
+        "int8",
+        "--draft-quantization",
+        "none",
+        "--out",
+        tmp_path,
+    )
     assert code == 0, err
     settings = json.loads((tmp_path / "results.json").read_text())["settings"]
     assert (settings["quantization"], settings["draft_quantization"]) == ("int8", "none")
@@ -239,8 +280,10 @@ def test_pull_prepares_the_quantized_cache(monkeypatch, capsys, tmp_path):
     from ssdlocal.weights import assets
 
     model = tiny_gguf.make_hf_model("qwen2", seed=5, tie=True)
-    files = {name: tiny_gguf.write_gguf(tmp_path / f"{name}.gguf", model, "qwen2", "q4_k_m")
-             for name in (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT)}  # fmt: skip
+    files = {
+        name: tiny_gguf.write_gguf(tmp_path / f"{name}.gguf", model, "qwen2", "q4_k_m")
+        for name in (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT)
+    }
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(assets, "fetch_gguf", lambda name, progress=None, cache=None: files[name])
     monkeypatch.setattr(assets, "ensure_default_pair", lambda *a, **k: pytest.fail("bf16 conversion"))

@@ -16,8 +16,10 @@ def test_the_summary_table_fits_80_columns_with_whole_headers():
 
     from rich.console import Console
 
-    rows = [RaceRow("AR", 128, 61.2, 4.6, 2.1, 1.0, None, 1.0, None, None),
-            RaceRow("SSD", 128, 14.1, 0.216, 13.1, 10.08, 0.18, 1.67, 0.22, False)]  # fmt: skip
+    rows = [
+        RaceRow("AR", 128, 61.2, 4.6, 2.1, 1.0, None, 1.0, None, None),
+        RaceRow("SSD", 128, 14.1, 0.216, 13.1, 10.08, 0.18, 1.67, 0.22, False),
+    ]
     buffer = io.StringIO()
     Console(file=buffer, width=80, force_terminal=False).print(summary_table(rows))
     lines = buffer.getvalue().splitlines()
@@ -28,14 +30,33 @@ def test_the_summary_table_fits_80_columns_with_whole_headers():
 
 def test_race_no_tui_in_a_pipe(tiny_dir, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
-    code, out, err = run_cli(monkeypatch, capsys, "race", "the cat sat", "--no-tui", "--target", tiny_dir["llama"],
-                             "--draft", tiny_dir["draft_llama"], "--dtype", "float32", "--max-new-tokens", "8",
-                             "--k", "3", "--raw")  # fmt: skip
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "race",
+        "the cat sat",
+        "--no-tui",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        tiny_dir["draft_llama"],
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--k",
+        "3",
+        "--raw",
+    )
     assert code == 0, err
     assert all(len(line) <= 80 for line in out.splitlines()), out
     header = [line for line in out.splitlines() if line.startswith("mode ")]
     assert header and header[0].split() == " ".join(name for name, _ in COLUMNS).split(), out
     assert "identical output in every mode" in out
-    for step in ("warming up AR, SD, SSD: 3/3 modes", "running AR: 8/8 tokens", "running SD: 8/8 tokens",
-                 "running SSD: 8/8 tokens"):  # fmt: skip
+    for step in (
+        "warming up AR, SD, SSD: 3/3 modes",
+        "running AR: 8/8 tokens",
+        "running SD: 8/8 tokens",
+        "running SSD: 8/8 tokens",
+    ):
         assert step in err, (step, err)

@@ -62,8 +62,7 @@ def start(prompts, budgets, drafter=None, k=0, params=None, next_token=target_ne
     first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None)
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, sampling, first,
-                audit=audit or Audit())  # fmt: skip
+    rnd = Round(runner, guard, drafter, rows, k, sampling, first, audit=audit or Audit())
     return runner, rows, rnd
 
 

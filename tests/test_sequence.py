@@ -42,8 +42,9 @@ def test_running_text_tracks_every_prefix(tokenizer):
         row.append(token)
         full = tokenizer.decode(ids[:i], skip_special_tokens=True)
         running = row.text()
-        assert full.startswith(running) and (running == full or full.endswith("\ufffd") or
-                                             len(full) - len(running) <= 4), (i, running, full)  # fmt: skip
+        assert full.startswith(running) and (
+            running == full or full.endswith("\ufffd") or len(full) - len(running) <= 4
+        ), (i, running, full)
 
 
 def test_stop_string_cuts_the_text_and_is_never_streamed(tokenizer):

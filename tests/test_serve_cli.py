@@ -189,9 +189,13 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tiny_dir):
         with urllib.request.urlopen(req, timeout=60) as resp:
             reply = json.loads(resp.read())
         assert reply["usage"]["completion_tokens"] == 5 and reply["ssdlocal"]["mode"] == "sd"
-        for headers, status in [({"Origin": "https://evil.example"}, 403), ({"Host": "attacker.example"}, 403),
-                                ({"Content-Type": "text/plain"}, 415), ({"Host": "my-box.lan"}, 200),
-                                ({"Origin": "http://localhost:3000"}, 200)]:  # fmt: skip
+        for headers, status in [
+            ({"Origin": "https://evil.example"}, 403),
+            ({"Host": "attacker.example"}, 403),
+            ({"Content-Type": "text/plain"}, 415),
+            ({"Host": "my-box.lan"}, 200),
+            ({"Origin": "http://localhost:3000"}, 200),
+        ]:
             req = urllib.request.Request(
                 f"{url}/completions",
                 method="POST",

@@ -385,9 +385,14 @@ def test_a_conversation_reuses_its_history_and_reports_cached_tokens(server):
     prompts, cached = [], []
     for turn in range(3):
         reply = server.client.chat.completions.create(
-            model=MODEL, messages=history, max_tokens=8, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model=MODEL,
+            messages=history,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage = "", None
         for chunk in reply:
             for choice in chunk.choices:

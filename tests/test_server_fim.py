@@ -41,8 +41,11 @@ def fim_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(fim_model):
-    config = EngineConfig(target=ModelSpec(str(fim_model), dtype="float32"),
-                          spec=SpecConfig(mode=Mode.SD, k=3, draft=draft_of("suffix")), pin_cpus=False)  # fmt: skip
+    config = EngineConfig(
+        target=ModelSpec(str(fim_model), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SD, k=3, draft=draft_of("suffix")),
+        pin_cpus=False,
+    )
     live = LiveServer(config)
     yield live
     live.close()
@@ -54,8 +57,9 @@ def _post(live: LiveServer, path: str, body: dict) -> tuple[int, dict]:
 
 def _stream(live: LiveServer, path: str, body: dict) -> list:
     """The server-sent events of a streamed request, as parsed JSON (`[DONE]` as is)."""
-    req = urllib.request.Request(f"{live.url}{path}", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{live.url}{path}", data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     events = []
     with urllib.request.urlopen(req, timeout=60) as resp:
         for line in resp.read().decode().splitlines():
@@ -81,9 +85,24 @@ def _completion(live: LiveServer, **extra):
 def test_completion_with_suffix_is_the_models_fim_prompt(server, fim_model, monkeypatch, capsys):
     reply = _completion(server)
     choice = reply.choices[0]
-    code, out, err = run_cli(monkeypatch, capsys, "generate", BEFORE, "--fim-suffix", AFTER, "--target", fim_model,
-                             "--dtype", "float32", "--mode", "ar", "--max-new-tokens", "12", "--ignore-eos",
-                             "--json")  # fmt: skip
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        BEFORE,
+        "--fim-suffix",
+        AFTER,
+        "--target",
+        fim_model,
+        "--dtype",
+        "float32",
+        "--mode",
+        "ar",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    )
     assert code == 0, err
     expected = json.loads(out)["outputs"][0]
     assert choice.model_extra["token_ids"] == expected["token_ids"] and choice.text == expected["text"]
@@ -91,8 +110,9 @@ def test_completion_with_suffix_is_the_models_fim_prompt(server, fim_model, monk
 
     tok = server.engine.tokenizer
     assert reply.usage.prompt_tokens == len(fim_prompt(tok, fim_tokens(tok), BEFORE, AFTER))
-    plain = server.client.completions.create(model=MODEL, prompt=BEFORE, max_tokens=12, temperature=0,
-                                             extra_body={"ignore_eos": True})  # fmt: skip
+    plain = server.client.completions.create(
+        model=MODEL, prompt=BEFORE, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert plain.usage.prompt_tokens < reply.usage.prompt_tokens  # the suffix and FIM tokens were read
 
 
@@ -116,9 +136,19 @@ def test_suffix_must_be_text_with_a_text_prompt(server):
 
 # ----------------------------------------------------------------------------- /infill
 def test_infill_answers_in_llama_cpp_shape_and_reuses_the_editor_context(server):
-    body = {"input_prefix": BEFORE, "input_suffix": AFTER, "input_extra": EXTRA, "prompt": "",
-            "n_predict": 12, "temperature": 0, "ignore_eos": True, "cache_prompt": True,
-            "samplers": ["top_k", "top_p", "infill"], "t_max_predict_ms": 500, "n_indent": 4}  # fmt: skip
+    body = {
+        "input_prefix": BEFORE,
+        "input_suffix": AFTER,
+        "input_extra": EXTRA,
+        "prompt": "",
+        "n_predict": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": True,
+        "samplers": ["top_k", "top_p", "infill"],
+        "t_max_predict_ms": 500,
+        "n_indent": 4,
+    }
     status, first = _post(server, "/infill", body)
     assert status == 200, first
     assert first["stop"] is True and first["stop_type"] == "limit" and first["tokens_predicted"] == 12
@@ -142,23 +172,38 @@ def test_infill_answers_in_llama_cpp_shape_and_reuses_the_editor_context(server)
 def test_infill_equals_a_completion_with_suffix_of_the_same_prompt(server):
     """Without context files /infill still names the repository and file (llama.cpp's
     layout), so it is its own prompt; typed `prompt` text continues the prefix."""
-    status, reply = _post(server, "/infill", {"input_prefix": BEFORE[:-4], "prompt": BEFORE[-4:],
-                                              "input_suffix": AFTER, "n_predict": 6, "temperature": 0,
-                                              "return_tokens": True, "ignore_eos": True})  # fmt: skip
+    status, reply = _post(
+        server,
+        "/infill",
+        {
+            "input_prefix": BEFORE[:-4],
+            "prompt": BEFORE[-4:],
+            "input_suffix": AFTER,
+            "n_predict": 6,
+            "temperature": 0,
+            "return_tokens": True,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200, reply
     from ssdlocal.engine.fim import fim_prompt, fim_tokens
 
     tok = server.engine.tokenizer
     ids = fim_prompt(tok, fim_tokens(tok), BEFORE, AFTER, repo_level=True)
-    alone = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                             extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    alone = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}
+    )
     assert reply["tokens"] == alone.choices[0].model_extra["token_ids"] and reply["content"] == alone.choices[0].text
 
 
 def test_infill_validates_its_fields(server):
-    for body, param in (({"input_prefix": 3}, "input_prefix"), ({"input_extra": "x"}, "input_extra"),
-                        ({"input_extra": [{"text": 1}]}, "input_extra"), ({"n_predict": "5"}, "n_predict"),
-                        ({"temperature": -1}, "temperature")):  # fmt: skip
+    for body, param in (
+        ({"input_prefix": 3}, "input_prefix"),
+        ({"input_extra": "x"}, "input_extra"),
+        ({"input_extra": [{"text": 1}]}, "input_extra"),
+        ({"n_predict": "5"}, "n_predict"),
+        ({"temperature": -1}, "temperature"),
+    ):
         status, reply = _post(server, "/infill", body)
         assert status == 400 and reply["error"]["param"] == param, (body, reply)
 
@@ -188,8 +233,11 @@ def test_streamed_usage_is_counted_once_as_openai_sends_it(server, chat):
         common["prompt"] = "Hello there"
     whole = create(**common).usage
     chunks = list(create(stream=True, stream_options={"include_usage": True}, **common))
-    assert _summed_usage(chunks) == {"prompt_tokens": whole.prompt_tokens, "completion_tokens": 10,
-                                     "total_tokens": whole.prompt_tokens + 10}  # fmt: skip
+    assert _summed_usage(chunks) == {
+        "prompt_tokens": whole.prompt_tokens,
+        "completion_tokens": 10,
+        "total_tokens": whole.prompt_tokens + 10,
+    }
     with_usage = [i for i, c in enumerate(chunks) if c.usage is not None]
     assert with_usage == [len(chunks) - 1] and chunks[-1].choices == []
     assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)

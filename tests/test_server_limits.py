@@ -445,10 +445,18 @@ def test_max_new_tokens_caps_answers_within_the_room_left(live):
 
 
 # ----------------------------------------------------------------------------- row 9
-@pytest.mark.parametrize(("field", "raw"), [
-    ("temperature", b"Infinity"), ("temperature", b"1e-9"), ("temperature", b"NaN"),
-    ("seed", b"-1"), ("seed", b"18446744073709551616"), ("top_p", b"NaN"), ("top_k", b"-2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "raw"),
+    [
+        ("temperature", b"Infinity"),
+        ("temperature", b"1e-9"),
+        ("temperature", b"NaN"),
+        ("seed", b"-1"),
+        ("seed", b"18446744073709551616"),
+        ("top_p", b"NaN"),
+        ("top_k", b"-2"),
+    ],
+)
 def test_sampling_errors_name_their_field(live, field, raw):
     data = b'{"model": "tiny", "prompt": "Hello", "max_tokens": 2, "%s": %s}' % (field.encode(), raw)
     assert_error(*live.post("/v1/completions", data), 400, field)

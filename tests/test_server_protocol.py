@@ -80,10 +80,17 @@ def test_bad_messages():
         assert info.value.body()["error"]["param"] == param
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", float("inf")), ("temperature", 1e-9), ("temperature", float("nan")),
-    ("seed", -1), ("seed", 2**64), ("top_p", float("nan")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", float("inf")),
+        ("temperature", 1e-9),
+        ("temperature", float("nan")),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("top_p", float("nan")),
+    ],
+)
 def test_sampling_errors_name_their_field(field, value):
     with pytest.raises(APIError) as info:
         parse_completion({"model": "m", "prompt": "hi", field: value}, None)
@@ -98,13 +105,16 @@ def test_stop_strings_are_bounded():
         assert info.value.param == "stop"
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": "m", "prompt": "a\ud800b"}, "prompt"),
-    ({"model": "\ud800", "prompt": "ab"}, "model"),
-    ({"model": "m", "prompt": ["ok", "\udfff"]}, "prompt"),
-    ({"model": "m", "prompt": "ab", "stop": [[["\ud800"]]]}, "stop"),
-    ({"model": "m", "prompt": "ab", "x\ud800": 1}, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": "a\ud800b"}, "prompt"),
+        ({"model": "\ud800", "prompt": "ab"}, "model"),
+        ({"model": "m", "prompt": ["ok", "\udfff"]}, "prompt"),
+        ({"model": "m", "prompt": "ab", "stop": [[["\ud800"]]]}, "stop"),
+        ({"model": "m", "prompt": "ab", "x\ud800": 1}, None),
+    ],
+)
 def test_lone_surrogates_are_invalid_requests(body, param):
     with pytest.raises(APIError) as info:
         parse_completion(body, None)

@@ -105,11 +105,32 @@ def _is_resource_tracker(pid: int) -> bool:
 def test_sigterm_during_a_stream_exits_0_quietly_and_leaves_no_worker(tiny_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ssdlocal", "serve", "--target", str(tiny_dir["llama"]), "--mode", "ssd",
-         "--draft", str(tiny_dir["draft_llama"]), "--k", "3", "--dtype", "float32", "--port", "0",
-         "--served-model-name", "tiny"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ssdlocal",
+            "serve",
+            "--target",
+            str(tiny_dir["llama"]),
+            "--mode",
+            "ssd",
+            "--draft",
+            str(tiny_dir["draft_llama"]),
+            "--k",
+            "3",
+            "--dtype",
+            "float32",
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = None
         deadline = time.monotonic() + 120

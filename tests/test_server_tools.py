@@ -59,16 +59,29 @@ Respond with {"name": function name, "parameters": dictionary}. Tools:{% for t i
 {% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-       "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "parameters": ADD}}]  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
-ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-          "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+ANSWER = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -151,8 +164,9 @@ def test_streamed_calls_add_up_to_the_whole_answer(server):
                     entry["arguments"] += delta.function.arguments
                     pieces += 1
     assert finish == "tool_calls" and pieces == len(calls) >= 1  # each call is sent once complete and valid
-    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
-        [(c.function.name, c.function.arguments) for c in whole]  # fmt: skip
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
 
 
 def test_json_schema_and_json_object_answers_validate(server):
@@ -189,8 +203,9 @@ def test_speculative_answers_equal_ar(server, hermes_dirs):
         for extra in ({}, {"tool_choice": "auto", "response_format": fmt}):
             want = ar.client.chat.completions.create(model=MODEL, **{**kw, **extra})
             got = server.client.chat.completions.create(model=MODEL, **{**kw, **extra})
-            assert got.choices[0].message.model_dump(exclude={"tool_calls"}) == \
-                want.choices[0].message.model_dump(exclude={"tool_calls"})  # fmt: skip
+            assert got.choices[0].message.model_dump(exclude={"tool_calls"}) == want.choices[0].message.model_dump(
+                exclude={"tool_calls"}
+            )
             strip = lambda m: [(c.function.name, c.function.arguments) for c in m.tool_calls or []]  # noqa: E731
             assert strip(got.choices[0].message) == strip(want.choices[0].message)
     finally:
@@ -212,8 +227,9 @@ def test_logprobs_are_the_targets_own(server, hermes_dirs):
     stream = ask(server, messages=USER, logprobs=True, top_logprobs=3, max_tokens=10, stream=True)
     streamed = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
-    done = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=2,
-                                            extra_body={"return_token_ids": True})  # fmt: skip
+    done = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=2, extra_body={"return_token_ids": True}
+    )
     generated = done.choices[0].model_extra["token_ids"]
     model = AutoModelForCausalLM.from_pretrained(hermes_dirs["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -242,7 +258,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server):
             ),
             "response_format.json_schema.schema",
             "not",
-        ),  # fmt: skip
+        ),
         (
             dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
             "response_format.json_schema.schema",
@@ -389,8 +405,9 @@ def test_a_template_without_a_tool_format_refuses_tools(tiny_dir):
             ask(live, messages=USER, tools=TOOLS)
         assert info.value.body["param"] == "tools"
         fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
-        jsonschema.validate(json.loads(ask(live, messages=USER, response_format=fmt, max_tokens=200)
-                                       .choices[0].message.content), ANSWER)  # fmt: skip
+        jsonschema.validate(
+            json.loads(ask(live, messages=USER, response_format=fmt, max_tokens=200).choices[0].message.content), ANSWER
+        )
     finally:
         live.close()
         live.engine.close()

@@ -84,8 +84,7 @@ def call(prompts, parity, drafter=None, k=0, budget=8, audit=None):
     first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None, shaper)
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, sampling, first,
-                shaper=shaper, audit=audit)  # fmt: skip
+    rnd = Round(runner, guard, drafter, rows, k, sampling, first, shaper=shaper, audit=audit)
     events = []
     for index in range(40):
         if not any(r.active for r in rows):

@@ -29,15 +29,26 @@ def test_span_buckets_stay_few():
 
 
 def _speculator(runner, prompt, num_slots) -> Speculator:
-    msg = StartMsg((tuple(prompt),), SamplingParams(), 3, num_slots, runner.vocab_size,
-                   (2, 2, 1, 1), (2, 2, 1, 1), 1.0, "jit", None)  # fmt: skip
+    msg = StartMsg(
+        (tuple(prompt),),
+        SamplingParams(),
+        3,
+        num_slots,
+        runner.vocab_size,
+        (2, 2, 1, 1),
+        (2, 2, 1, 1),
+        1.0,
+        "jit",
+        None,
+    )
     return Speculator(runner, msg)
 
 
 def test_tree_steps_attend_over_the_longest_row_with_the_same_branches(tiny_dir, monkeypatch):
     prompt = [(7 * i) % 300 + 5 for i in range(40)]
-    with Engine(EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"),
-                             prefix_cache_tokens=0)) as engine:  # fmt: skip
+    with Engine(
+        EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), prefix_cache_tokens=0)
+    ) as engine:
         runner = engine.runner
         spans: list[int] = []
         real = runner.forward_raw

@@ -221,8 +221,16 @@ def _probed_rounds(costs: CostModel, model_rate: float, rounds: int = 64) -> lis
 
     from ssdlocal.draft.adaptive import AdaptiveDrafter
 
-    drafter = AdaptiveDrafter(SimpleNamespace(cached=[100]), None, k=2, pinned=False, params=SamplingParams(),
-                              costs=costs, target_vocab=10, device="cpu")  # fmt: skip
+    drafter = AdaptiveDrafter(
+        SimpleNamespace(cached=[100]),
+        None,
+        k=2,
+        pinned=False,
+        params=SamplingParams(),
+        costs=costs,
+        target_vocab=10,
+        device="cpu",
+    )
     drafter.rows = [SimpleNamespace(length=100)]  # the draft is caught up: a probe is cheap to try
     drafter.acceptance.shared["model"] = model_rate
     probes = []
@@ -271,8 +279,9 @@ def test_a_probe_catch_up_is_not_charged_per_drafted_token():
 
     costs = CostModel()
     model = SimpleNamespace(cached=[100], last_read=(63, 0.5), observe=lambda outcome, adopted: None)
-    drafter = AdaptiveDrafter(model, None, k=2, pinned=False, params=SamplingParams(), costs=costs,
-                              target_vocab=10, device="cpu")  # fmt: skip
+    drafter = AdaptiveDrafter(
+        model, None, k=2, pinned=False, params=SamplingParams(), costs=costs, target_vocab=10, device="cpu"
+    )
     drafter.last = _Round(Choice(2, (0,), 2, 0.0), ("model",), (2,), ("suffix:2",))
     drafter.observe(RoundOutcome(((1, 2),), (1,), (2,), (True,), draft_s=0.56, verify_s=0.1))
     assert costs.draft_token_s == pytest.approx((0.56 - 0.5 * 60 / 63) / 2)  # 0.04 s of drafting, 0.02 a token
@@ -296,8 +305,9 @@ def test_explored_widths_get_rarer_while_nothing_speculates():
     costs.seed_widths({1: 0.1, 2: 0.18, 3: 0.26})  # each scored token costs most of a step
 
     def call(confidence: float = 0.3, key: str = "suffix:2") -> list[int]:
-        drafter = AdaptiveDrafter(None, None, k=4, pinned=False, params=SamplingParams(), costs=costs,
-                                  target_vocab=10, device="cpu")  # fmt: skip
+        drafter = AdaptiveDrafter(
+            None, None, k=4, pinned=False, params=SamplingParams(), costs=costs, target_vocab=10, device="cpu"
+        )
         drafter.rows = [SimpleNamespace(length=100)]
         tried = []
         for index in range(64):  # widths 4 and 5 were never timed: exploring would time them
@@ -371,9 +381,11 @@ def _run(engine: Engine, prompts, spec: SpecConfig):
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     d = str(tiny_dir["draft_qwen2"])
-    config = EngineConfig(target=ModelSpec(str(tiny_dir["qwen2"]), dtype="float32"),
-                          spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(d), backup="suffix"),
-                          pin_cpus=False)  # fmt: skip
+    config = EngineConfig(
+        target=ModelSpec(str(tiny_dir["qwen2"]), dtype="float32"),
+        spec=SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(d), backup="suffix"),
+        pin_cpus=False,
+    )
     with Engine(config) as eng:
         yield eng
 
@@ -417,8 +429,10 @@ def test_stats_carry_k_and_source_per_round(engine):
 def test_memory_is_private_to_an_engine_and_bounded(tiny_dir):
     t = str(tiny_dir["qwen2"])
     small = MemorySettings(max_sequences=2, max_tokens=10_000)
-    with Engine(EngineConfig(ModelSpec(t, dtype="float32"), SpecConfig(memory=small))) as a, \
-            Engine(EngineConfig(ModelSpec(t, dtype="float32"))) as b:  # fmt: skip
+    with (
+        Engine(EngineConfig(ModelSpec(t, dtype="float32"), SpecConfig(memory=small))) as a,
+        Engine(EngineConfig(ModelSpec(t, dtype="float32"))) as b,
+    ):
         for p in ("one", "two", "three"):
             _run(a, [p], SpecConfig(mode=Mode.AR))
         assert len(a.suffix_memory) == 2 and len(b.suffix_memory) == 0

@@ -133,8 +133,11 @@ def test_tp2_steps_replay_traced_graphs_and_equal_one_device(tiny_dir, monkeypat
     """SSDLOCAL_GRAPHS=trace: every rank captures its decode/tree steps (all_reduces inside
     the traced op graph) and replays them; AR, SD and SSD equal an eager single device."""
     draft = str(tiny_dir["draft_llama"])
-    modes = [SpecConfig(mode=Mode.AR), SpecConfig(mode=Mode.SD, k=3, draft=draft_of(draft)),
-             SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(draft))]  # fmt: skip
+    modes = [
+        SpecConfig(mode=Mode.AR),
+        SpecConfig(mode=Mode.SD, k=3, draft=draft_of(draft)),
+        SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(draft)),
+    ]
     with Engine(replace(_config(tiny_dir["llama"], (), Mode.SSD, draft), graphs="off")) as one:
         want = [_tokens(one, spec) for spec in modes]
     monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")

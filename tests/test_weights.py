@@ -360,8 +360,9 @@ def test_a_damaged_cached_conversion_is_converted_again_saying_so(
     else:
         data[len(data) // 2] ^= 0x01  # one bit, same size
     weights.write_bytes(bytes(data))
-    code, _, err = run_cli(monkeypatch, capsys, "generate", "hi", "--target", out, "--mode", "ar",
-                           "--max-new-tokens", "2")  # fmt: skip
+    code, _, err = run_cli(
+        monkeypatch, capsys, "generate", "hi", "--target", out, "--mode", "ar", "--max-new-tokens", "2"
+    )
     assert_clean_error(code, err, 1, "damaged ssdlocal cache entry", f"delete {out}", skip=_TQDM)
     with caplog.at_level("WARNING"):
         code, again, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf), "--json")

@@ -50,8 +50,11 @@ def _load(directory: Path, checked: bool) -> None:
 
     from ssdlocal.backends.torch import loader
 
-    quant = json.loads((directory / "quantization.json").read_text())["scheme"] \
-        if (directory / "quantization.json").is_file() else "none"  # fmt: skip
+    quant = (
+        json.loads((directory / "quantization.json").read_text())["scheme"]
+        if (directory / "quantization.json").is_file()
+        else "none"
+    )
     if checked:
         model = loader.load_model(directory, "cpu", "bfloat16", quant)
     else:
@@ -77,16 +80,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--load", action="store_true", help="also time load_model with and without the check")
     args = parser.parse_args()
-    dirs = args.dirs or sorted(p for kind in ("quantized", "converted") for p in (cache_dir() / kind).glob("*")
-                               if p.is_dir() and not p.name.count(".tmp-"))  # fmt: skip
+    dirs = args.dirs or sorted(
+        p
+        for kind in ("quantized", "converted")
+        for p in (cache_dir() / kind).glob("*")
+        if p.is_dir() and not p.name.count(".tmp-")
+    )
     rows = []
     for directory in dirs:
         size = sum(p.stat().st_size for p in _files(directory))
         _read(directory)  # warm the page cache
-        row = {"dir": directory.name, "bytes": size,
-               "read_s": _median(lambda d=directory: _read(d), args.repeats),
-               "crc32_s": _median(lambda d=directory: _crc32(d), args.repeats),
-               "sha256_s": _median(lambda d=directory: _sha256(d), args.repeats)}  # fmt: skip
+        row = {
+            "dir": directory.name,
+            "bytes": size,
+            "read_s": _median(lambda d=directory: _read(d), args.repeats),
+            "crc32_s": _median(lambda d=directory: _crc32(d), args.repeats),
+            "sha256_s": _median(lambda d=directory: _sha256(d), args.repeats),
+        }
         if args.load:
             with_check, without = [], []
             for _ in range(args.repeats):

@@ -24,12 +24,21 @@ from pathlib import Path
 
 
 GGUF = Path("~/.cache/ssdlocal/gguf").expanduser()
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "birth_year": {"type": "integer"},
-                                           "city": {"type": "string"},
-                                           "occupations": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "birth_year", "city", "occupations"], "additionalProperties": False}  # fmt: skip
-ASK = ("Extract the person from: 'Ada Lovelace, born 1815 in London, was a mathematician and writer.' "
-       "Reply with JSON only, with the keys name, birth_year, city and occupations (a list).")  # fmt: skip
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "birth_year": {"type": "integer"},
+        "city": {"type": "string"},
+        "occupations": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "birth_year", "city", "occupations"],
+    "additionalProperties": False,
+}
+ASK = (
+    "Extract the person from: 'Ada Lovelace, born 1815 in London, was a mathematician and writer.' "
+    "Reply with JSON only, with the keys name, birth_year, city and occupations (a list)."
+)
 
 
 def main() -> int:
@@ -57,8 +66,11 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     draft = ModelDraft(ModelSpec(args.draft, quantization="auto"), suffix=None)
     config = EngineConfig(ModelSpec(args.target, quantization="auto"), SpecConfig(mode=Mode.SD, k=4, draft=draft))
-    specs = {"ar": SpecConfig(mode=Mode.AR), "sd": SpecConfig(mode=Mode.SD, k=4, draft=draft),
-             "ngram": SpecConfig(mode=Mode.SD, k=4, draft=NgramDraft())}  # fmt: skip
+    specs = {
+        "ar": SpecConfig(mode=Mode.AR),
+        "sd": SpecConfig(mode=Mode.SD, k=4, draft=draft),
+        "ngram": SpecConfig(mode=Mode.SD, k=4, draft=NgramDraft()),
+    }
     if args.unmasked_drafts:
         specs["sd_unmasked_drafts"] = specs["sd"]
     rows: dict[tuple[str, str], list[dict]] = {}
@@ -78,17 +90,22 @@ def main() -> int:
                         elif isinstance(ev, DoneEvent):
                             done, cpu1 = ev, time.process_time()
                     s = done.stats
-                    rows.setdefault((mode, name), []).append({
-                        "tokens_per_s": s["tokens_per_s"], "cpu_ms_per_token": (cpu1 - cpu0) * 1e3 / s["decode_tokens"],
-                        "grammar_ms_per_token": s.get("mask_ms_per_token") or 0.0,
-                        "acceptance_rate": s.get("acceptance_rate"), "tokens": done.outputs[0].token_ids,
-                    })  # fmt: skip
+                    rows.setdefault((mode, name), []).append(
+                        {
+                            "tokens_per_s": s["tokens_per_s"],
+                            "cpu_ms_per_token": (cpu1 - cpu0) * 1e3 / s["decode_tokens"],
+                            "grammar_ms_per_token": s.get("mask_ms_per_token") or 0.0,
+                            "acceptance_rate": s.get("acceptance_rate"),
+                            "tokens": done.outputs[0].token_ids,
+                        }
+                    )
                     print(mode, name, round(s["tokens_per_s"], 2), flush=True)
     table = {}
     for (mode, name), runs in rows.items():
         med = lambda k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None  # noqa: E731
-        table[f"{mode}/{name}"] = {k: med(k) for k in ("tokens_per_s", "cpu_ms_per_token", "grammar_ms_per_token",
-                                                        "acceptance_rate")}  # fmt: skip
+        table[f"{mode}/{name}"] = {
+            k: med(k) for k in ("tokens_per_s", "cpu_ms_per_token", "grammar_ms_per_token", "acceptance_rate")
+        }
         table[f"{mode}/{name}"]["same_tokens_as_none"] = runs[0]["tokens"] == rows[(mode, "none")][0]["tokens"]
     for mode in specs:
         for name in grammars:

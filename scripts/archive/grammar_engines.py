@@ -28,25 +28,58 @@ from pathlib import Path
 GGUF = Path("~/.cache/ssdlocal/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf").expanduser()
 V = 151936
 K = 4
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
-    "tags": {"type": "array", "items": {"type": "string"}},
-    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "age", "tags", "address"], "additionalProperties": False}  # fmt: skip
-WEATHER = {"type": "object", "properties": {"location": {"type": "string"},
-                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["location", "unit"], "additionalProperties": False}  # fmt: skip
-CALL = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER},
-        "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "tags", "address"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["location", "unit"],
+    "additionalProperties": False,
+}
+CALL = {
+    "type": "object",
+    "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER},
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
 TEXTS = {
-    "json_object": json.dumps({"files": [{"path": "src/main.py", "lines": 120, "language": "python"},
-                                         {"path": "README.md", "lines": 40, "language": "markdown"}], "ok": True}, indent=2),
-    "schema": json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"],
-                          "address": {"city": "London", "zip": "12345"}}, indent=2),
-    "tool_call": "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"location": "Paris, France",
-                                                                                    "unit": "celsius"}}) + "\n</tool_call>",
-}  # fmt: skip
+    "json_object": json.dumps(
+        {
+            "files": [
+                {"path": "src/main.py", "lines": 120, "language": "python"},
+                {"path": "README.md", "lines": 40, "language": "markdown"},
+            ],
+            "ok": True,
+        },
+        indent=2,
+    ),
+    "schema": json.dumps(
+        {
+            "name": "Ada Lovelace",
+            "age": 36,
+            "tags": ["math", "poetry", "engines"],
+            "address": {"city": "London", "zip": "12345"},
+        },
+        indent=2,
+    ),
+    "tool_call": "<tool_call>\n"
+    + json.dumps({"name": "get_weather", "arguments": {"location": "Paris, France", "unit": "celsius"}})
+    + "\n</tool_call>",
+}
 FEATURES = {
     "not": {"type": "object", "not": {"required": ["a"]}},
     "uniqueItems": {"type": "array", "uniqueItems": True},
@@ -84,9 +117,15 @@ def walk(ids, fill, accept, rollback, seed=0):
 
 def summary(compile_s, fills, rollbacks, copy_s, tokens):
     us = lambda x: round(x * 1e6, 1)  # noqa: E731
-    return {"tokens": tokens, "compile_ms": round(compile_s * 1e3, 2), "mask_us_median": us(statistics.median(fills)),
-            "mask_us_mean": us(statistics.mean(fills)), "mask_us_p99": us(sorted(fills)[int(0.99 * (len(fills) - 1))]),
-            "rollback_us_mean": us(statistics.mean(rollbacks)), "copy_us": us(copy_s)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "compile_ms": round(compile_s * 1e3, 2),
+        "mask_us_median": us(statistics.median(fills)),
+        "mask_us_mean": us(statistics.mean(fills)),
+        "mask_us_p99": us(sorted(fills)[int(0.99 * (len(fills) - 1))]),
+        "rollback_us_mean": us(statistics.mean(rollbacks)),
+        "copy_us": us(copy_s),
+    }
 
 
 def run_llguidance(tok) -> dict:
@@ -96,8 +135,10 @@ def run_llguidance(tok) -> dict:
 
     t0 = time.perf_counter()
     ltok = llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=[151643, 151645])
-    out = {"version": llguidance.get_version() if hasattr(llguidance, "get_version") else "?",
-           "vocabulary_setup_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    out = {
+        "version": llguidance.get_version() if hasattr(llguidance, "get_version") else "?",
+        "vocabulary_setup_s": round(time.perf_counter() - t0, 2),
+    }
     options = {"whitespace_flexible": True}
     for name, text in TEXTS.items():
         ids = tok.encode(text, add_special_tokens=False)
@@ -114,8 +155,9 @@ def run_llguidance(tok) -> dict:
         mask = lt.allocate_token_bitmask(1, V)
         lt.fill_next_token_bitmask(matcher, mask, 0)
         compile_s = time.perf_counter() - t0
-        fills, rollbacks = walk(ids, lambda: lt.fill_next_token_bitmask(matcher, mask, 0), matcher.consume_token,
-                                matcher.rollback)  # fmt: skip
+        fills, rollbacks = walk(
+            ids, lambda: lt.fill_next_token_bitmask(matcher, mask, 0), matcher.consume_token, matcher.rollback
+        )
         assert not matcher.is_error(), matcher.get_error()
         t0 = time.perf_counter()
         matcher.deep_copy()
@@ -123,7 +165,8 @@ def run_llguidance(tok) -> dict:
     refused = {}
     for feature, schema in FEATURES.items():
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            llguidance.LLMatcher.grammar_from_json_schema(schema), ltok)  # fmt: skip
+            llguidance.LLMatcher.grammar_from_json_schema(schema), ltok
+        )
         refused[feature] = messages[0][:80] if is_error else "accepted (not enforced)"
     out["unsupported_keywords"] = refused
     t0 = time.perf_counter()
@@ -148,15 +191,20 @@ def run_xgrammar(tok) -> dict:
         elif name == "schema":
             compiled = compiler.compile_json_schema(json.dumps(PERSON))
         else:
-            compiled = compiler.compile_grammar(xgr.Grammar.concat(
-                xgr.Grammar.from_regex(r"<tool_call>\n"), xgr.Grammar.from_json_schema(json.dumps(CALL)),
-                xgr.Grammar.from_regex(r"\n</tool_call>")))  # fmt: skip
+            compiled = compiler.compile_grammar(
+                xgr.Grammar.concat(
+                    xgr.Grammar.from_regex(r"<tool_call>\n"),
+                    xgr.Grammar.from_json_schema(json.dumps(CALL)),
+                    xgr.Grammar.from_regex(r"\n</tool_call>"),
+                )
+            )
         matcher = xgr.GrammarMatcher(compiled)
         mask = xgr.allocate_token_bitmask(1, V)
         matcher.fill_next_token_bitmask(mask, 0)
         compile_s = time.perf_counter() - t0
-        fills, rollbacks = walk(ids, lambda: matcher.fill_next_token_bitmask(mask, 0), matcher.accept_token,
-                                matcher.rollback)  # fmt: skip
+        fills, rollbacks = walk(
+            ids, lambda: matcher.fill_next_token_bitmask(mask, 0), matcher.accept_token, matcher.rollback
+        )
         t0 = time.perf_counter()
         matcher.fork()
         out[name] = summary(compile_s, fills, rollbacks, time.perf_counter() - t0, len(ids))

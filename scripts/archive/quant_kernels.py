@@ -81,14 +81,19 @@ def main() -> None:
         int4 = QuantLinear(quantize(w, "int4", torch.bfloat16), None, dtype=torch.bfloat16, device="cpu")
         variants = {
             "bf16 `F.linear`": lambda x, w=w: F.linear(x, w),
-            "int8 kernel": int8._cpu_mm, "int8 QuantLinear (split rows)": int8,
-            "int4 kernel": int4._cpu_mm, "int4 QuantLinear (split rows)": int4,
-        }  # fmt: skip
+            "int8 kernel": int8._cpu_mm,
+            "int8 QuantLinear (split rows)": int8,
+            "int4 kernel": int4._cpu_mm,
+            "int4 QuantLinear (split rows)": int4,
+        }
         if opts.ideas:  # tried and rejected (QuantLinear's split is _split_rows(kernel, 4))
-            variants.update({
-                "int8 tiled dequant + bf16 mm": _tiled_dequant_int8(int8),
-                "int4 pad rows to 4": _pad_rows(int4._cpu_mm, 4), "int8 pad rows to 4": _pad_rows(int8._cpu_mm, 4),
-            })  # fmt: skip
+            variants.update(
+                {
+                    "int8 tiled dequant + bf16 mm": _tiled_dequant_int8(int8),
+                    "int4 pad rows to 4": _pad_rows(int4._cpu_mm, 4),
+                    "int8 pad rows to 4": _pad_rows(int8._cpu_mm, 4),
+                }
+            )
         times = {(name, m): [] for name in variants for m in ms}
         inputs = {m: torch.randn(m, k).bfloat16() for m in ms}
         for fn in variants.values():  # warm-up

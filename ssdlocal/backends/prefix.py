@@ -178,7 +178,11 @@ class PrefixIndex:
         """Counts for stats: capacity and use in tokens, lookups, reused and stored tokens."""
         size = self.block_tokens
         return {
-            "capacity_tokens": self.capacity * size, "used_tokens": self.used * size,
-            "block_tokens": size, "lookups": self.lookups, "reused_tokens": self.hit_tokens,
-            "stored_tokens": self.stored_blocks * size, "evicted_tokens": self.evicted_blocks * size,
-        }  # fmt: skip
+            "capacity_tokens": self.capacity * size,
+            "used_tokens": self.used * size,
+            "block_tokens": size,
+            "lookups": self.lookups,
+            "reused_tokens": self.hit_tokens,
+            "stored_tokens": self.stored_blocks * size,
+            "evicted_tokens": self.evicted_blocks * size,
+        }

@@ -122,12 +122,28 @@ def _llamacpp_build() -> Any:
 
 
 BACKENDS: dict[BackendName, Backend] = {
-    BackendName.LLAMACPP: Backend(BackendName.LLAMACPP, _llamacpp_load, _llamacpp_runner, _llamacpp_tokenizer,
-                                  _llamacpp_preflight, _llamacpp_prepare, _llamacpp_owns, _llamacpp_build),
+    BackendName.LLAMACPP: Backend(
+        BackendName.LLAMACPP,
+        _llamacpp_load,
+        _llamacpp_runner,
+        _llamacpp_tokenizer,
+        _llamacpp_preflight,
+        _llamacpp_prepare,
+        _llamacpp_owns,
+        _llamacpp_build,
+    ),
     # last: what no other backend owns is a torch model (a tensor-parallel group included)
-    BackendName.TORCH: Backend(BackendName.TORCH, _torch_load, _torch_runner, _torch_tokenizer, _torch_preflight,
-                               _torch_prepare, lambda loaded: True, lambda: None),
-}  # fmt: skip
+    BackendName.TORCH: Backend(
+        BackendName.TORCH,
+        _torch_load,
+        _torch_runner,
+        _torch_tokenizer,
+        _torch_preflight,
+        _torch_prepare,
+        lambda loaded: True,
+        lambda: None,
+    ),
+}
 
 
 def backend_for(name: BackendName | str) -> Backend:
@@ -188,8 +204,15 @@ def preflight(path: str, name: BackendName = BackendName.TORCH) -> None:
     BACKENDS[name].preflight(path)
 
 
-def prepare_weights(path: str | Path, name: BackendName = BackendName.TORCH, quantization: str = "none",
-                    dtype: str = "bfloat16", progress=None, *, floats: bool = True) -> Path:  # fmt: skip
+def prepare_weights(
+    path: str | Path,
+    name: BackendName = BackendName.TORCH,
+    quantization: str = "none",
+    dtype: str = "bfloat16",
+    progress=None,
+    *,
+    floats: bool = True,
+) -> Path:
     """What backend `name` will read for `path`, built now if it is not cached (with
     progress): for torch, a .gguf file's quantized cache (int8/int4 as `quantization`
     resolves for the file) or else its float conversion (`floats=False`: the file itself,

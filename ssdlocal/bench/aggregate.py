@@ -39,16 +39,29 @@ def aggregate(records: list[dict], system: str) -> dict:
         return out
     total = sum((Counts.from_dict(sp) for sp in specs), Counts(k=specs[0]["k"]))
     m = Metrics.of(total)
-    out.update(k=total.k, rounds=total.rounds, draft_ms_per_round=m.draft_ms_per_round,
-               verify_ms_per_round=m.verify_ms_per_round)  # fmt: skip
+    out.update(
+        k=total.k,
+        rounds=total.rounds,
+        draft_ms_per_round=m.draft_ms_per_round,
+        verify_ms_per_round=m.verify_ms_per_round,
+    )
     if total.k == 0:
         return out
-    out.update(acceptance_rate=m.acceptance_rate, mean_accepted_len=m.mean_accepted_len,
-               accepted_len_hist=list(m.accepted_len_hist), drafted=total.drafted, accepted=total.accepted)  # fmt: skip
+    out.update(
+        acceptance_rate=m.acceptance_rate,
+        mean_accepted_len=m.mean_accepted_len,
+        accepted_len_hist=list(m.accepted_len_hist),
+        drafted=total.drafted,
+        accepted=total.accepted,
+    )
     if m.ssd is not None:
-        out.update(cache_hit_rate=m.ssd.cache_hit_rate, tokens_per_round_hit=m.ssd.tokens_per_round_hit,
-                   tokens_per_round_miss=m.ssd.tokens_per_round_miss, backup_used=dict(m.ssd.backup_used),
-                   draft_busy_ms_per_round=_ratio(m.ssd.draft_busy_ms, total.rounds))  # fmt: skip
+        out.update(
+            cache_hit_rate=m.ssd.cache_hit_rate,
+            tokens_per_round_hit=m.ssd.tokens_per_round_hit,
+            tokens_per_round_miss=m.ssd.tokens_per_round_miss,
+            backup_used=dict(m.ssd.backup_used),
+            draft_busy_ms_per_round=_ratio(m.ssd.draft_busy_ms, total.rounds),
+        )
     return out
 
 
@@ -101,12 +114,16 @@ def session_turns(records: list[dict], systems: list[str]) -> list[dict]:
                 turns.setdefault(r["turn"], []).append(r)
         for turn, recs in sorted(turns.items()):
             rates = [r["prefill_tokens_per_s"] for r in recs if r.get("prefill_tokens_per_s")]
-            rows.append({
-                "system": system, "turn": turn, "records": len(recs),
-                "ttft_s": mean(r["ttft_s"] for r in recs),
-                "e2e_s": mean(r["ttft_s"] + r["decode_s"] for r in recs),
-                "prompt_tokens": mean(r.get("prompt_tokens") or 0 for r in recs),
-                "cached_tokens": mean(r.get("cached_tokens") or 0 for r in recs),
-                "prefill_tokens_per_s": mean(rates) if rates else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "system": system,
+                    "turn": turn,
+                    "records": len(recs),
+                    "ttft_s": mean(r["ttft_s"] for r in recs),
+                    "e2e_s": mean(r["ttft_s"] + r["decode_s"] for r in recs),
+                    "prompt_tokens": mean(r.get("prompt_tokens") or 0 for r in recs),
+                    "cached_tokens": mean(r.get("cached_tokens") or 0 for r in recs),
+                    "prefill_tokens_per_s": mean(rates) if rates else None,
+                }
+            )
     return rows

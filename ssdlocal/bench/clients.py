@@ -19,16 +19,31 @@ from ssdlocal.core.config import SamplingParams
 KINDS = ("agent", "fim", "chat")  # --clients N takes them round-robin
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "run_tests", "description": "Run the test suite (or one test file) and return its output.",
-        "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"]}}},
-    {"type": "function", "function": {
-        "name": "search_code", "description": "Search the repository for a string.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite (or one test file) and return its output.",
+            "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_code",
+            "description": "Search the repository for a string.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
+]
 
 AGENT_SYSTEM = (
     "You are a coding agent working in a Python repository. Use the tools to inspect files and run tests; "
@@ -60,8 +75,14 @@ class Reply:
 
 def sampling_fields(params: SamplingParams) -> dict:
     """The request fields every client sends: the bench's sampling settings and token cap."""
-    body = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "seed": params.seed, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if params.max_new_tokens is not None:
         body["max_tokens"] = params.max_new_tokens
     if params.ignore_eos:

@@ -57,20 +57,26 @@ class ConcurrentSettings:
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in SERVER_MODES]
         if bad or len(set(self.modes)) != len(self.modes):
-            raise UsageError(f"bad --modes {','.join(self.modes)!r} for the concurrent workload",
-                             f"a comma list of distinct {', '.join(SERVER_MODES)} (one server each)")  # fmt: skip
+            raise UsageError(
+                f"bad --modes {','.join(self.modes)!r} for the concurrent workload",
+                f"a comma list of distinct {', '.join(SERVER_MODES)} (one server each)",
+            )
         bad = [p for p in self.peers if p not in SERVER_PEERS]
         if bad:
-            raise UsageError(f"peer {bad[0]!r} has no server to run in the concurrent workload",
-                             f"use --peers {','.join(SERVER_PEERS)} (llama-cpp-python's server) or none")  # fmt: skip
+            raise UsageError(
+                f"peer {bad[0]!r} has no server to run in the concurrent workload",
+                f"use --peers {','.join(SERVER_PEERS)} (llama-cpp-python's server) or none",
+            )
         if not self.modes and not self.peers:
             raise UsageError("nothing to run", "pass --modes auto and/or --peers llamacpp")
         for name, value in (("clients", self.clients), ("requests", self.requests)):
             if value < 1:
                 raise UsageError(f"--{name} must be >= 1, got {value}", f"use e.g. --{name} 3")
         if self.duration_s is not None and not 0 < self.duration_s < math.inf:
-            raise UsageError(f"--duration must be a positive number of seconds, got {self.duration_s}",
-                             "use e.g. --duration 120, or leave it out to run every --requests")  # fmt: skip
+            raise UsageError(
+                f"--duration must be a positive number of seconds, got {self.duration_s}",
+                "use e.g. --duration 120, or leave it out to run every --requests",
+            )
 
 
 @dataclass
@@ -96,13 +102,17 @@ def server_specs(settings: ConcurrentSettings) -> tuple[list[ServerSpec], dict[s
         if why:
             skipped[name] = why
             continue
-        specs.append(llamacpp_server(name, settings.peer_python, settings.gguf_target, SERVED_NAME,
-                                     settings.threads, settings.n_ctx))  # fmt: skip
+        specs.append(
+            llamacpp_server(
+                name, settings.peer_python, settings.gguf_target, SERVED_NAME, settings.threads, settings.n_ctx
+            )
+        )
     return specs, skipped
 
 
-def run_concurrent(settings: ConcurrentSettings, params: SamplingParams, out_dir: Path,
-                   progress: ProgressFn | None = None) -> ConcurrentRun:  # fmt: skip
+def run_concurrent(
+    settings: ConcurrentSettings, params: SamplingParams, out_dir: Path, progress: ProgressFn | None = None
+) -> ConcurrentRun:
     """Start each server, warm it, run the clients against it, stop it; server logs go to
     out_dir/server-<name>.log. A server that fails to start raises SSDLocalError (after
     stopping it); Ctrl-C stops the running server too."""
@@ -115,25 +125,42 @@ def run_concurrent(settings: ConcurrentSettings, params: SamplingParams, out_dir
         with ServerProcess(spec, out_dir / f"server-{spec.name}.log") as server:
             run.pids[spec.name] = server.pid
             _warm_up(server, params)
-            run.timings[spec.name] = run_clients(server.host, server.port, settings, params,
-                                                 lambda done, total: progress("clients", done, total, spec.name))  # fmt: skip
+            run.timings[spec.name] = run_clients(
+                server.host,
+                server.port,
+                settings,
+                params,
+                lambda done, total: progress("clients", done, total, spec.name),
+            )
     run.wall_s = time.perf_counter() - wall
     return run
 
 
 def _warm_up(server: ServerProcess, params: SamplingParams) -> None:
     """One short untimed completion: first-call costs (graphs, caches) stay out of the timings."""
-    body = {"model": SERVED_NAME, "prompt": "def hello():", "max_tokens": WARMUP_TOKENS, "temperature": 0,
-            "stream": True}  # fmt: skip
-    timing, _ = timed_request(server.host, server.port, "/v1/completions", body, client=-1, kind="warmup",
-                              t0=time.perf_counter())  # fmt: skip
+    body = {
+        "model": SERVED_NAME,
+        "prompt": "def hello():",
+        "max_tokens": WARMUP_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    timing, _ = timed_request(
+        server.host, server.port, "/v1/completions", body, client=-1, kind="warmup", t0=time.perf_counter()
+    )
     if timing.error:
-        raise SSDLocalError(f"{server.spec.name} failed its warm-up request: {timing.error}",
-                            f"its log: {server.log_path}")  # fmt: skip
+        raise SSDLocalError(
+            f"{server.spec.name} failed its warm-up request: {timing.error}", f"its log: {server.log_path}"
+        )
 
 
-def run_clients(host: str, port: int, settings: ConcurrentSettings, params: SamplingParams,
-                progress: Callable[[int, int], None] | None = None) -> list[RequestTiming]:  # fmt: skip
+def run_clients(
+    host: str,
+    port: int,
+    settings: ConcurrentSettings,
+    params: SamplingParams,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[RequestTiming]:
     """All clients at once against host:port; every request's timing, in the order they ended."""
     clients = make_clients(settings.clients, params, SERVED_NAME)
     total = settings.clients * settings.requests
@@ -156,8 +183,10 @@ def run_clients(host: str, port: int, settings: ConcurrentSettings, params: Samp
                 if progress:
                     progress(len(timings), total)
 
-    threads = [threading.Thread(target=drive, args=(i, c), daemon=True, name=f"bench-client-{i}")
-               for i, c in enumerate(clients)]  # fmt: skip
+    threads = [
+        threading.Thread(target=drive, args=(i, c), daemon=True, name=f"bench-client-{i}")
+        for i, c in enumerate(clients)
+    ]
     for t in threads:
         t.start()
     t0_box.append(time.perf_counter())
@@ -190,21 +219,28 @@ def summarize(timings: Sequence[RequestTiming]) -> dict:
     span = max((t.start_s + t.total_s for t in ok), default=0.0) - min((t.start_s for t in ok), default=0.0)
     tokens = sum(t.completion_tokens for t in ok)
     return {
-        "requests": len(timings), "errors": len(timings) - len(ok),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-        "total_p50_s": percentile(total, 50), "total_p95_s": percentile(total, 95),
-        "queue_p50_s": percentile(queue, 50), "queue_p95_s": percentile(queue, 95),
-        "completion_tokens": tokens, "span_s": span,
+        "requests": len(timings),
+        "errors": len(timings) - len(ok),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "total_p50_s": percentile(total, 50),
+        "total_p95_s": percentile(total, 95),
+        "queue_p50_s": percentile(queue, 50),
+        "queue_p95_s": percentile(queue, 95),
+        "completion_tokens": tokens,
+        "span_s": span,
         "tokens_per_s": tokens / span if span > 0 else None,
         "requests_per_s": len(ok) / span if span > 0 else None,
         "tokens_from": sorted({t.tokens_from for t in ok}),
         "tool_calls": sum(t.tool_calls for t in ok),
-    }  # fmt: skip
+    }
 
 
 def summaries(run: ConcurrentRun) -> tuple[dict, dict]:
     """({system: summary}, {system: {kind: summary}}) over the run's timings."""
     whole = {name: summarize(ts) for name, ts in run.timings.items()}
-    by_kind = {name: {k: summarize([t for t in ts if t.kind == k]) for k in KINDS if any(t.kind == k for t in ts)}
-               for name, ts in run.timings.items()}  # fmt: skip
+    by_kind = {
+        name: {k: summarize([t for t in ts if t.kind == k]) for k in KINDS if any(t.kind == k for t in ts)}
+        for name, ts in run.timings.items()
+    }
     return whole, by_kind

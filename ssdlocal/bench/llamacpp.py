@@ -184,10 +184,14 @@ def _run_peers(args, modes, ids, params, eos, threads, results) -> None:
             continue
         lookup = LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens)
         llm = high_level_llama(
-            model_path=args.target, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-            verbose=False, draft_model=lookup if name == "peer-lookup" else None,
+            model_path=args.target,
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+            draft_model=lookup if name == "peer-lookup" else None,
             flash_attn=args.peer_flash_attn == "on",
-        )  # fmt: skip
+        )
         _peer(llm, ids[:1], replace_max(params, 4), eos)  # warm-up
         outs, n, s = _peer(llm, ids, params, eos)
         results[name] = {"tokens": n, "seconds": s, "tokens_per_s": n / s, "outputs": outs}

@@ -177,9 +177,14 @@ class LlamaCppPeer:
             self.llm.reset()
         cached = _common_prefix(self.llm.eval_tokens, batch[0]) if self.llm.n_tokens else 0
         stream = self.llm.generate(
-            list(batch[0]), top_k=params.top_k, top_p=params.top_p, min_p=0.0,
-            temp=params.temperature, repeat_penalty=1.0, reset=True,
-        )  # fmt: skip
+            list(batch[0]),
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=0.0,
+            temp=params.temperature,
+            repeat_penalty=1.0,
+            reset=True,
+        )
         tokens: list[int] = []
         t0 = time.perf_counter()
         t_first = None

@@ -79,8 +79,16 @@ def _parse_jsonl(lines: list[str], where: str) -> list[BenchPrompt]:
         system = obj.get("system")
         if system is not None and (session is None or not isinstance(system, str)):
             raise UsageError(f'{where}:{number}: "system" is a string, on a "session" prompt', hint)
-        out.append(BenchPrompt(str(obj.get("id", f"p{len(out) + 1:02d}")), str(obj.get("kind", "text")),
-                               obj["prompt"], None if session is None else str(session), turn, system))  # fmt: skip
+        out.append(
+            BenchPrompt(
+                str(obj.get("id", f"p{len(out) + 1:02d}")),
+                str(obj.get("kind", "text")),
+                obj["prompt"],
+                None if session is None else str(session),
+                turn,
+                system,
+            )
+        )
     if not out:
         raise UsageError(f"{where} has no prompts", hint)
     return out

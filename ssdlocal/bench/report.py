@@ -93,22 +93,38 @@ def settings_record(run: BenchRun) -> dict:
     """The flat "settings" object of results.json: what was asked, in one place."""
     config, spec, params, s = run.config, run.config.spec, run.params, run.settings
     return {
-        "modes": list(s.modes), "peers": list(s.peers), "k": spec.k,
-        "fan_out": spec.fan_out, "fan_out_miss": spec.fan_out_miss, "backup": spec.backup,
-        "saguaro_c": spec.saguaro_c, "temperature": params.temperature, "top_k": params.top_k,
-        "top_p": params.top_p, "seed": params.seed, "batch_size": s.batch_size,
-        "max_new_tokens": params.max_new_tokens, "repeats": s.repeats, "chat": s.chat,
-        "ignore_eos": params.ignore_eos, "dtype": config.target.dtype,
+        "modes": list(s.modes),
+        "peers": list(s.peers),
+        "k": spec.k,
+        "fan_out": spec.fan_out,
+        "fan_out_miss": spec.fan_out_miss,
+        "backup": spec.backup,
+        "saguaro_c": spec.saguaro_c,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "seed": params.seed,
+        "batch_size": s.batch_size,
+        "max_new_tokens": params.max_new_tokens,
+        "repeats": s.repeats,
+        "chat": s.chat,
+        "ignore_eos": params.ignore_eos,
+        "dtype": config.target.dtype,
         "quantization": run.quantization or config.target.quantization,
         "draft_quantization": config.draft_model.quantization if config.draft_model else None,
         "target_device": config.target.device,
         "draft_device": config.draft_model.device if config.draft_model else None,
-        "pin_cpus": config.pin_cpus, "warmup_tokens": s.warmup_tokens,
-        "gguf_target": s.gguf_target, "gguf_draft": s.gguf_draft,
+        "pin_cpus": config.pin_cpus,
+        "warmup_tokens": s.warmup_tokens,
+        "gguf_target": s.gguf_target,
+        "gguf_draft": s.gguf_draft,
         "target_devices": list(config.target_devices),
-        "target": run.target, "draft": run.draft, "n_prompts": len(run.prompts),
-        "target_backend": config.target.backend.value, "batch_invariant": config.target.batch_invariant,
-    }  # fmt: skip
+        "target": run.target,
+        "draft": run.draft,
+        "n_prompts": len(run.prompts),
+        "target_backend": config.target.backend.value,
+        "batch_invariant": config.target.batch_invariant,
+    }
 
 
 def exactness_note(doc: dict) -> str | None:
@@ -183,9 +199,19 @@ def summary_rows(doc: dict) -> list[list[str]]:
 
 
 HEADERS = [
-    "system", "tok/s", "tok/s mean", "TTFT ms", "accept", "tok/round", "cache hit",
-    "draft ms/rnd", "verify ms/rnd", "vs AR", "vs SD", "exact",
-]  # fmt: skip
+    "system",
+    "tok/s",
+    "tok/s mean",
+    "TTFT ms",
+    "accept",
+    "tok/round",
+    "cache hit",
+    "draft ms/rnd",
+    "verify ms/rnd",
+    "vs AR",
+    "vs SD",
+    "exact",
+]
 
 
 SESSION_HEADERS = ["system", "turn", "TTFT s", "vs turn 1", "prompt tok", "cached", "prefill tok/s", "end-to-end s"]
@@ -198,11 +224,18 @@ def session_rows(doc: dict) -> list[list[str]]:
     for r in doc.get("sessions", []):
         base = first.get(r["system"])
         share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else None
-        rows.append([
-            r["system"], str(r["turn"]), _f(r["ttft_s"]),
-            _f(r["ttft_s"] / base if base else None, "{:.2f}×"), f"{r['prompt_tokens']:.0f}",
-            _f(share, "{:.0%}"), _f(r["prefill_tokens_per_s"], "{:.0f}"), _f(r["e2e_s"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                r["system"],
+                str(r["turn"]),
+                _f(r["ttft_s"]),
+                _f(r["ttft_s"] / base if base else None, "{:.2f}×"),
+                f"{r['prompt_tokens']:.0f}",
+                _f(share, "{:.0%}"),
+                _f(r["prefill_tokens_per_s"], "{:.0f}"),
+                _f(r["e2e_s"]),
+            ]
+        )
     return rows
 
 
@@ -244,8 +277,13 @@ def markdown(doc: dict) -> str:
         lines.append(f"\n- {name}: {why}")
     sessions = session_rows(doc)
     if sessions:
-        lines += ["", "## Sessions (each turn re-sends the conversation; turn 1 starts cold)", "",
-                  "| " + " | ".join(SESSION_HEADERS) + " |", "|" + "---|" * len(SESSION_HEADERS)]  # fmt: skip
+        lines += [
+            "",
+            "## Sessions (each turn re-sends the conversation; turn 1 starts cold)",
+            "",
+            "| " + " | ".join(SESSION_HEADERS) + " |",
+            "|" + "---|" * len(SESSION_HEADERS),
+        ]
         lines += ["| " + " | ".join(row) + " |" for row in sessions]
     proj = doc.get("projections")
     if proj:

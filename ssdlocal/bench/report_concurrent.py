@@ -15,8 +15,19 @@ from ssdlocal.bench.concurrent import ConcurrentRun, summaries
 from ssdlocal.bench.report import environment
 
 SCHEMA_VERSION = 1
-HEADERS = ["server", "requests", "errors", "TTFT p50 s", "TTFT p95 s", "total p50 s", "total p95 s",
-           "queue p50 s", "tok/s", "req/s", "tool calls"]  # fmt: skip
+HEADERS = [
+    "server",
+    "requests",
+    "errors",
+    "TTFT p50 s",
+    "TTFT p95 s",
+    "total p50 s",
+    "total p95 s",
+    "queue p50 s",
+    "tok/s",
+    "req/s",
+    "tool calls",
+]
 KIND_HEADERS = ["server", "client", "requests", "TTFT p50 s", "TTFT p95 s", "total p50 s", "total p95 s", "tokens"]
 
 
@@ -45,7 +56,7 @@ def build_concurrent_results(run: ConcurrentRun, env: dict | None = None) -> dic
             "seed": p.seed,
             "max_new_tokens": p.max_new_tokens,
             "ignore_eos": p.ignore_eos,
-        },  # fmt: skip
+        },
         "systems": list(run.timings),
         "skipped": run.skipped,
         "aggregates": whole,
@@ -71,20 +82,39 @@ def _f(value, fmt: str = "{:.2f}") -> str:
 def concurrent_rows(doc: dict) -> list[list[str]]:
     """One row per server (Markdown and the terminal)."""
     return [
-        [name, str(a["requests"]), str(a["errors"]), _f(a["ttft_p50_s"]), _f(a["ttft_p95_s"]), _f(a["total_p50_s"]),
-         _f(a["total_p95_s"]), _f(a["queue_p50_s"]), _f(a["tokens_per_s"]), _f(a["requests_per_s"], "{:.3f}"),
-         str(a["tool_calls"])]
+        [
+            name,
+            str(a["requests"]),
+            str(a["errors"]),
+            _f(a["ttft_p50_s"]),
+            _f(a["ttft_p95_s"]),
+            _f(a["total_p50_s"]),
+            _f(a["total_p95_s"]),
+            _f(a["queue_p50_s"]),
+            _f(a["tokens_per_s"]),
+            _f(a["requests_per_s"], "{:.3f}"),
+            str(a["tool_calls"]),
+        ]
         for name, a in doc["aggregates"].items()
-    ]  # fmt: skip
+    ]
 
 
 def kind_rows(doc: dict) -> list[list[str]]:
     """One row per server and client kind."""
     return [
-        [name, kind, str(a["requests"]), _f(a["ttft_p50_s"]), _f(a["ttft_p95_s"]), _f(a["total_p50_s"]),
-         _f(a["total_p95_s"]), str(a["completion_tokens"])]
-        for name, kinds in doc["by_kind"].items() for kind, a in kinds.items()
-    ]  # fmt: skip
+        [
+            name,
+            kind,
+            str(a["requests"]),
+            _f(a["ttft_p50_s"]),
+            _f(a["ttft_p95_s"]),
+            _f(a["total_p50_s"]),
+            _f(a["total_p95_s"]),
+            str(a["completion_tokens"]),
+        ]
+        for name, kinds in doc["by_kind"].items()
+        for kind, a in kinds.items()
+    ]
 
 
 def counting_note(doc: dict) -> str:
@@ -95,8 +125,11 @@ def counting_note(doc: dict) -> str:
 
 def concurrent_markdown(doc: dict) -> str:
     s, hw, v = doc["settings"], doc["hardware"], doc["versions"]
-    table = lambda headers, rows: ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-                                   *("| " + " | ".join(r) + " |" for r in rows)]  # fmt: skip
+    table = lambda headers, rows: [
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
     lines = [
         "# ssdlocal bench: concurrent clients",
         "",

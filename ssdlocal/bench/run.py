@@ -64,8 +64,15 @@ def mode_spec(base: SpecConfig, mode: str) -> SpecConfig:
     if mode == "ar":
         return SpecConfig(mode=Mode.AR, k=base.k)
     if mode == "suffix":
-        return replace(base, mode=Mode.SD, draft=SuffixDraft(), adaptive_k=True, k=max(base.k, ADAPTIVE_K_MAX),
-                       fan_out=None, fan_out_miss=None)  # fmt: skip
+        return replace(
+            base,
+            mode=Mode.SD,
+            draft=SuffixDraft(),
+            adaptive_k=True,
+            k=max(base.k, ADAPTIVE_K_MAX),
+            fan_out=None,
+            fan_out_miss=None,
+        )
     if mode == "auto":
         return base
     return replace(base, mode=Mode(mode))
@@ -99,9 +106,12 @@ class BenchRun:
 
 
 def run_bench(
-    config: EngineConfig, prompts: list[BenchPrompt], settings: BenchSettings,
-    params: SamplingParams, progress: ProgressFn | None = None,
-) -> BenchRun:  # fmt: skip
+    config: EngineConfig,
+    prompts: list[BenchPrompt],
+    settings: BenchSettings,
+    params: SamplingParams,
+    progress: ProgressFn | None = None,
+) -> BenchRun:
     """Load one Engine (and the peers), warm up, run every system on every batch, check
     exactness. Engine and peers are closed before returning."""
     from ssdlocal.engine import Engine
@@ -121,9 +131,14 @@ def run_bench(
             if settings.peers:
                 note("load", 0, 1, "loading peers")
                 opts = PeerOptions(
-                    config.target.path, config.draft_model and config.draft_model.path, config.target.dtype,
-                    config.target.device, config.spec.k, settings.gguf_target, settings.gguf_draft,
-                )  # fmt: skip
+                    config.target.path,
+                    config.draft_model and config.draft_model.path,
+                    config.target.dtype,
+                    config.target.device,
+                    config.spec.k,
+                    settings.gguf_target,
+                    settings.gguf_draft,
+                )
                 pad = engine.tokenizer.pad_token_id
                 peers, run.skipped = make_peers(
                     settings.peers,
@@ -248,8 +263,14 @@ def _measure_all(run: BenchRun, systems: dict, ids: dict, batches: list, note: P
                     except PeerSkipped as exc:
                         run.skipped[name] = f"skipped: {exc}"
                         break
-                    rec = {"batch": b, "repeat": repeat, "order": order, "prompt_ids": [p.id for p in batch],
-                           "session": batch[0].session, "turn": batch[0].turn}  # fmt: skip
+                    rec = {
+                        "batch": b,
+                        "repeat": repeat,
+                        "order": order,
+                        "prompt_ids": [p.id for p in batch],
+                        "session": batch[0].session,
+                        "turn": batch[0].turn,
+                    }
                     rec.update(m.to_json())
                     run.records.append(rec)
                     done += 1

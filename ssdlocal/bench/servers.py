@@ -60,9 +60,23 @@ def llamacpp_server(name: str, python: str, gguf: str, served_name: str, threads
     """llama-cpp-python's OpenAI-compatible server on `gguf` with `threads` threads. It runs
     one request at a time; by default a new request ends the streaming one early
     (`interrupt_requests`), which would cut answers short: here they wait their turn."""
-    argv = (python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", served_name,
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-            "--interrupt_requests", "False")  # fmt: skip
+    argv = (
+        python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf,
+        "--model_alias",
+        served_name,
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_ctx",
+        str(n_ctx),
+        "--interrupt_requests",
+        "False",
+    )
     return ServerSpec(name, argv)
 
 
@@ -78,8 +92,10 @@ def peer_unavailable(python: str, gguf: str | None) -> str | None:
         return f"skipped: cannot run {python} ({exc})"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return (f"skipped: llama-cpp-python's server is not importable by {python} ({last}); install "
-                "'llama-cpp-python[server]' there or pass --peer-python")  # fmt: skip
+        return (
+            f"skipped: llama-cpp-python's server is not importable by {python} ({last}); install "
+            "'llama-cpp-python[server]' there or pass --peer-python"
+        )
     return None
 
 
@@ -100,8 +116,14 @@ class ServerProcess:
         argv = [*self.spec.argv, self.spec.host_flag, self.host, self.spec.port_flag, str(self.port)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **dict(self.spec.env)}, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **dict(self.spec.env)},
+                start_new_session=True,
+            )
         try:
             self._wait_ready()
         except BaseException:
@@ -116,13 +138,18 @@ class ServerProcess:
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise SSDLocalError(f"{self.spec.name} exited with code {self.proc.returncode} while starting:\n"
-                                    f"{self.log_tail()}", f"its whole log: {self.log_path}")  # fmt: skip
+                raise SSDLocalError(
+                    f"{self.spec.name} exited with code {self.proc.returncode} while starting:\n{self.log_tail()}",
+                    f"its whole log: {self.log_path}",
+                )
             if self._answers():
                 return
             if time.monotonic() > deadline:
-                raise SSDLocalError(f"{self.spec.name} did not answer GET /v1/models within "
-                                    f"{self.ready_timeout_s:.0f} s:\n{self.log_tail()}", f"its log: {self.log_path}")  # fmt: skip
+                raise SSDLocalError(
+                    f"{self.spec.name} did not answer GET /v1/models within "
+                    f"{self.ready_timeout_s:.0f} s:\n{self.log_tail()}",
+                    f"its log: {self.log_path}",
+                )
             time.sleep(0.5)
 
     def _answers(self) -> bool:

@@ -42,8 +42,9 @@ class RequestTiming:
     error: str | None = None
 
 
-def timed_request(host: str, port: int, path: str, body: dict, *, client: int, kind: str, t0: float,
-                  timeout_s: float = 600.0) -> tuple[RequestTiming, Reply]:  # fmt: skip
+def timed_request(
+    host: str, port: int, path: str, body: dict, *, client: int, kind: str, t0: float, timeout_s: float = 600.0
+) -> tuple[RequestTiming, Reply]:
     """Send `body` to `path` as one streamed request and time it (t0: the workload's start,
     time.perf_counter()). Network errors and non-200 answers become `error`, never raise."""
     start = time.perf_counter()
@@ -62,18 +63,25 @@ def timed_request(host: str, port: int, path: str, body: dict, *, client: int, k
         conn.close()
     end = time.perf_counter()
     if reply.finish_reason is None:  # e.g. a server that cut this answer off for another request
-        return RequestTiming(client, kind, start - t0, total_s=end - start,
-                             error="the stream ended without a finish reason (cut off)"), reply  # fmt: skip
+        return RequestTiming(
+            client, kind, start - t0, total_s=end - start, error="the stream ended without a finish reason (cut off)"
+        ), reply
     usage, stats = seen["usage"], seen["stats"] or {}
     queue = next((stats[f] for f in QUEUE_FIELDS if stats.get(f) is not None), None)
     timing = RequestTiming(
-        client, kind, start - t0,
-        ttft_s=None if seen["first"] is None else seen["first"] - start, total_s=end - start,
+        client,
+        kind,
+        start - t0,
+        ttft_s=None if seen["first"] is None else seen["first"] - start,
+        total_s=end - start,
         completion_tokens=usage["completion_tokens"] if usage else seen["chunks"],
-        tokens_from="usage" if usage else "chunks", prompt_tokens=usage and usage.get("prompt_tokens"),
-        server_ttft_s=stats.get("ttft_s"), queue_s=queue, finish_reason=reply.finish_reason,
+        tokens_from="usage" if usage else "chunks",
+        prompt_tokens=usage and usage.get("prompt_tokens"),
+        server_ttft_s=stats.get("ttft_s"),
+        queue_s=queue,
+        finish_reason=reply.finish_reason,
         tool_calls=len(reply.tool_calls),
-    )  # fmt: skip
+    )
     return timing, reply
 
 
@@ -102,8 +110,10 @@ def _read_events(resp, reply: Reply) -> dict:
                 got = True
             for call in delta.get("tool_calls") or ():
                 got = True
-                slot = calls.setdefault(call.get("index", len(calls)),
-                                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})  # fmt: skip
+                slot = calls.setdefault(
+                    call.get("index", len(calls)),
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
                 slot["id"] = call.get("id") or slot["id"]
                 fn = call.get("function") or {}
                 slot["function"]["name"] += fn.get("name") or ""

@@ -57,8 +57,17 @@ def _register() -> None:
     """Attach every command (each module imports only what its command needs)."""
     from ssdlocal.cli import bench, cache, check, generate, models, serve, tui
 
-    for command in (generate.generate, bench.bench, tui.chat, tui.race, serve.serve, models.pairs,
-                    models.pull, models.devices, check.check):  # fmt: skip
+    for command in (
+        generate.generate,
+        bench.bench,
+        tui.chat,
+        tui.race,
+        serve.serve,
+        models.pairs,
+        models.pull,
+        models.devices,
+        check.check,
+    ):
         app.command(cls=PlainCommand)(command)
     app.add_typer(cache.cache_app, name="cache")
 

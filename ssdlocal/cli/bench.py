@@ -43,7 +43,7 @@ def bench(
             help="Our systems to run, comma-separated: ar, sd, ssd, suffix (SD with the suffix "
             "drafter, K per round), auto (what `generate` runs by default). Default: ar,sd,ssd; "
             "concurrent: auto (one `ssdlocal serve --mode M` per mode; suffix is not one)."
-        ),  # fmt: skip
+        ),
     ] = None,
     peers: Annotated[
         str,
@@ -57,7 +57,7 @@ def bench(
         typer.Option(
             help="sequential: one prompt set, one request at a time (the default); concurrent: "
             "--clients agents, editors (FIM) and chats at once against each server."
-        ),  # fmt: skip
+        ),
     ] = "sequential",
     clients: Annotated[
         int | None,
@@ -67,7 +67,7 @@ def bench(
         int | None,
         typer.Option(
             help="Requests each concurrent client sends (an agent step, a chat turn, a FIM completion). Default: 3."
-        ),  # fmt: skip
+        ),
     ] = None,
     duration: Annotated[
         float | None,
@@ -77,7 +77,7 @@ def bench(
         str | None,
         typer.Option(
             help="Python with llama-cpp-python[server] for the concurrent llamacpp peer. Default: this interpreter."
-        ),  # fmt: skip
+        ),
     ] = None,
     prompts: Annotated[
         Path | None,
@@ -115,9 +115,16 @@ def bench(
     if workload not in WORKLOADS:
         raise UsageError(f"unknown --workload {workload!r}", f"choose from: {', '.join(WORKLOADS)}")
     if workload == "concurrent":
-        not_here = {"--prompts": prompts is not None, "--limit": limit is not None, "--batch-size": batch_size != 1,
-                    "--repeats": repeats != 1, "--project": project, "--gguf-draft": gguf_draft is not None,
-                    "--no-chat": not chat, "--no-pin": not pin}  # fmt: skip
+        not_here = {
+            "--prompts": prompts is not None,
+            "--limit": limit is not None,
+            "--batch-size": batch_size != 1,
+            "--repeats": repeats != 1,
+            "--project": project,
+            "--gguf-draft": gguf_draft is not None,
+            "--no-chat": not chat,
+            "--no-pin": not pin,
+        }
         _refuse(
             [name for name, given in not_here.items() if given],
             "the concurrent workload",
@@ -138,9 +145,14 @@ def bench(
         "add --workload concurrent",
     )
     settings = BenchSettings(
-        modes=_csv(modes or "ar,sd,ssd"), peers=_csv(peers), batch_size=batch_size, repeats=repeats, chat=chat,
-        gguf_target=gguf_target, gguf_draft=gguf_draft,
-    )  # fmt: skip
+        modes=_csv(modes or "ar,sd,ssd"),
+        peers=_csv(peers),
+        batch_size=batch_size,
+        repeats=repeats,
+        chat=chat,
+        gguf_target=gguf_target,
+        gguf_draft=gguf_draft,
+    )
     params = sampling.params()
     # the engine's configured mode: --mode itself for the "auto" system (what generate runs),
     # else the first of sd / ssd, which loads what that mode needs up front
@@ -216,8 +228,9 @@ def _run_concurrent_and_report(settings, params, out_dir: Path) -> None:
     doc = build_concurrent_results(run)
     paths = write_concurrent(doc, out_dir)
     render_concurrent(doc)
-    err_console.print(f"wrote {paths['json']}, {paths['md'].name} in {run.wall_s:.0f} s", style="dim",
-                      markup=False, highlight=False)  # fmt: skip
+    err_console.print(
+        f"wrote {paths['json']}, {paths['md'].name} in {run.wall_s:.0f} s", style="dim", markup=False, highlight=False
+    )
 
 
 def render_concurrent(doc: dict) -> None:
@@ -232,10 +245,14 @@ def render_concurrent(doc: dict) -> None:
         console = Console(width=180)
     s = doc["settings"]
     for title, headers, rows in (
-        (f"ssdlocal bench · {s['clients']} concurrent clients · {s['requests_per_client']} requests each · "
-         f"{s['max_new_tokens']} new tokens", HEADERS, concurrent_rows(doc)),
+        (
+            f"ssdlocal bench · {s['clients']} concurrent clients · {s['requests_per_client']} requests each · "
+            f"{s['max_new_tokens']} new tokens",
+            HEADERS,
+            concurrent_rows(doc),
+        ),
         ("by client", KIND_HEADERS, kind_rows(doc)),
-    ):  # fmt: skip
+    ):
         table = Table(title=title)
         for h in headers:
             table.add_column(h, justify="left" if h in ("server", "client") else "right")
@@ -282,9 +299,13 @@ def _run_and_report(config, prompts, settings, params, out_dir: Path, with_proje
         pass
     err = Console(stderr=True)
     bars = Progress(
-        TextColumn("[bold]{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
-    )  # fmt: skip
+        TextColumn("[bold]{task.fields[stage]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+    )
     with bars:
         task = bars.add_task("", total=None, stage="load")
 
@@ -301,8 +322,12 @@ def _run_and_report(config, prompts, settings, params, out_dir: Path, with_proje
         console = Console(width=180)  # a file or pipe: keep one row per line
     render_summary(doc, console)
     plot = f", {paths['png'].name}" if "png" in paths else ' (no plot: pip install -e ".[bench]" adds results.png)'
-    err.print(f"wrote {paths['json']}, {paths['md'].name}{plot} in {run.wall_s:.0f} s", style="dim", markup=False,
-              highlight=False)  # fmt: skip
+    err.print(
+        f"wrote {paths['json']}, {paths['md'].name}{plot} in {run.wall_s:.0f} s",
+        style="dim",
+        markup=False,
+        highlight=False,
+    )
 
 
 def render_summary(doc: dict, console) -> None:

@@ -16,9 +16,12 @@ from ssdlocal.cli.help import PlainCommand, PlainGroup
 from ssdlocal.core.errors import UsageError
 
 cache_app = typer.Typer(
-    cls=PlainGroup, rich_markup_mode=None, invoke_without_command=True, no_args_is_help=False,
+    cls=PlainGroup,
+    rich_markup_mode=None,
+    invoke_without_command=True,
+    no_args_is_help=False,
     help="What the cache holds (sizes, what each entry is for); `cache remove` deletes entries.",
-)  # fmt: skip
+)
 out = Console(soft_wrap=False)
 
 
@@ -41,23 +44,37 @@ def cache(
 
     found = entries()
     if as_json:
-        sys.stdout.write(json.dumps({
-            "root": str(cache_dir()), "total_bytes": total_size(found),
-            "entries": [{"kind": e.kind, "name": e.name, "bytes": e.size, "path": str(e.path), "what": e.what}
-                        for e in found],
-        }) + "\n")  # fmt: skip
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "root": str(cache_dir()),
+                    "total_bytes": total_size(found),
+                    "entries": [
+                        {"kind": e.kind, "name": e.name, "bytes": e.size, "path": str(e.path), "what": e.what}
+                        for e in found
+                    ],
+                }
+            )
+            + "\n"
+        )
         return
-    out.print(f"cache {cache_dir()}: {_human(total_size(found))} in {len(found)} entries",
-              highlight=False, soft_wrap=True)  # fmt: skip
+    out.print(
+        f"cache {cache_dir()}: {_human(total_size(found))} in {len(found)} entries", highlight=False, soft_wrap=True
+    )
     for kind in dict.fromkeys(e.kind for e in found):  # one section per kind: names fit 80 columns
         mine = [e for e in found if e.kind == kind]
-        out.print(f"\n[bold]{kind}[/bold] ({_human(total_size(mine))}): {mine[0].what}",
-                  highlight=False, soft_wrap=True)  # fmt: skip
+        out.print(
+            f"\n[bold]{kind}[/bold] ({_human(total_size(mine))}): {mine[0].what}", highlight=False, soft_wrap=True
+        )
         for e in mine:
-            out.print(f"{_human(e.size):>10}  {e.path.name if kind != 'index' else e.name}",
-                      highlight=False, soft_wrap=True)  # fmt: skip
-    out.print("\n[dim]remove with `ssdlocal cache remove NAME|KIND`; the next run that needs an "
-              "entry builds or fetches it again[/dim]", highlight=False)  # fmt: skip
+            out.print(
+                f"{_human(e.size):>10}  {e.path.name if kind != 'index' else e.name}", highlight=False, soft_wrap=True
+            )
+    out.print(
+        "\n[dim]remove with `ssdlocal cache remove NAME|KIND`; the next run that needs an "
+        "entry builds or fetches it again[/dim]",
+        highlight=False,
+    )
 
 
 @cache_app.command(cls=PlainCommand)

@@ -49,8 +49,10 @@ def generate(
     if num_samples > 1 and len(prompts) != 1:
         raise UsageError("--num-samples needs exactly one prompt", "pass a single prompt")
     if fim_suffix is not None and chat:
-        raise UsageError("--fim-suffix cannot be combined with --chat",
-                         "drop --chat: a fill-in-the-middle prompt is raw text before and after the cursor")  # fmt: skip
+        raise UsageError(
+            "--fim-suffix cannot be combined with --chat",
+            "drop --chat: a fill-in-the-middle prompt is raw text before and after the cursor",
+        )
     if fim_suffix is None and any(not p.strip() for p in prompts):
         raise UsageError("empty prompt", "pass some text to generate from")
     grammar = _grammar(json_schema, regex)
@@ -60,8 +62,9 @@ def generate(
     config = engine_config(models, spec)
     from ssdlocal.cli.render import run_generate
 
-    run_generate(config, list(prompts) * num_samples, params, chat=chat, as_json=as_json, grammar=grammar,
-                 fim_suffix=fim_suffix)  # fmt: skip
+    run_generate(
+        config, list(prompts) * num_samples, params, chat=chat, as_json=as_json, grammar=grammar, fim_suffix=fim_suffix
+    )
 
 
 def _grammar(schema_file: Path | None, regex: str | None) -> GrammarSpec | None:
@@ -79,8 +82,9 @@ def _grammar(schema_file: Path | None, regex: str | None) -> GrammarSpec | None:
     try:
         schema = json.loads(Path(schema_file).expanduser().read_text())
     except OSError as exc:
-        raise UsageError(f"cannot read the schema file {schema_file}: {exc.strerror or exc}",
-                         "pass the path of a JSON schema file") from None  # fmt: skip
+        raise UsageError(
+            f"cannot read the schema file {schema_file}: {exc.strerror or exc}", "pass the path of a JSON schema file"
+        ) from None
     except ValueError as exc:
         raise UsageError(f"{schema_file} is not JSON: {exc}", "write the schema as a JSON object") from None
     grammar = GrammarSpec(GrammarKind.JSON_SCHEMA, schema)

@@ -54,8 +54,7 @@ class Toolchain:
         return [name for name, path in (("C compiler", self.c), ("C++ compiler", self.cxx)) if not path]
 
 
-def find_toolchain(which: Callable[[str], str | None] | None = None,
-                   env: Mapping[str, str] | None = None) -> Toolchain:  # fmt: skip
+def find_toolchain(which: Callable[[str], str | None] | None = None, env: Mapping[str, str] | None = None) -> Toolchain:
     """The compilers CMake would use ($CC / $CXX first, then the usual names) and cmake."""
     which = which or shutil.which
     env = os.environ if env is None else env
@@ -157,11 +156,20 @@ def _pip_install(progress: ProgressCallback, popen, env: Mapping[str, str]) -> N
     started = time.monotonic()
     progress(STAGE, 0, None)
     try:
-        proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                     text=True, errors="replace", env=child_env, start_new_session=True)  # fmt: skip
+        proc = popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            env=child_env,
+            start_new_session=True,
+        )
     except OSError as exc:
-        raise ModelLoadError(f"could not run pip to build llama-cpp-python: {exc}",
-                             f"pip install {REQUIREMENT}, " + _TORCH_HINT) from exc  # fmt: skip
+        raise ModelLoadError(
+            f"could not run pip to build llama-cpp-python: {exc}", f"pip install {REQUIREMENT}, " + _TORCH_HINT
+        ) from exc
     try:
         last = None
         for line in proc.stdout:

@@ -110,15 +110,20 @@ def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
 
 def _pairs_table(rows: list[dict], backend: BackendName, quantization: str) -> Table:
     """The `pairs` table: one line per pair on an 80-column terminal."""
-    memory = "GGUF" if backend.runs_gguf else {
-        "none": "bf16", "auto": "GGUF pairs quantized, others bf16"
-    }.get(quantization, quantization)  # fmt: skip
+    memory = (
+        "GGUF"
+        if backend.runs_gguf
+        else {"none": "bf16", "auto": "GGUF pairs quantized, others bf16"}.get(quantization, quantization)
+    )
     # no vertical rules: a row fits on one line of an 80-column terminal; narrower ones
     # wrap the backends and placement cells (never an ellipsis)
     table = Table(
-        title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})", box=box.SIMPLE_HEAD,
-        show_edge=False, pad_edge=False, collapse_padding=True,
-    )  # fmt: skip
+        title=f"ssdlocal pairs ({backend}; sizes in GB, {memory})",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     table.add_column("name", no_wrap=True)
     for col in ("target", "draft"):
         table.add_column(col, justify="right")
@@ -210,8 +215,10 @@ def _prepare_quantized(result, quantization: str, dtype: str, progress):
     from ssdlocal.backends.registry import prepare_weights
     from ssdlocal.core.models import BackendName
 
-    paths = [prepare_weights(path, BackendName.TORCH, quantization, dtype, progress, floats=False)
-             for path in (result.target, result.draft)]  # fmt: skip
+    paths = [
+        prepare_weights(path, BackendName.TORCH, quantization, dtype, progress, floats=False)
+        for path in (result.target, result.draft)
+    ]
     return dataclasses.replace(result, target=paths[0], draft=paths[1])
 
 
@@ -255,16 +262,23 @@ def devices(
     if as_json:
         from ssdlocal.core.measured import kept
 
-        payload = {"devices": dataclasses.asdict(inventory), "for": label, "prefix_cache": prefix,
-                   "calibration": kept()}  # fmt: skip
+        payload = {
+            "devices": dataclasses.asdict(inventory),
+            "for": label,
+            "prefix_cache": prefix,
+            "calibration": kept(),
+        }
         try:
             plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)
         except Exception:
             sys.stdout.write(json.dumps({**payload, "plan": None}) + "\n")
             raise
         choice = _mode_of(plan, backend)
-        payload |= {"plan": dataclasses.asdict(plan), "weights": dict(zip(("target", "draft"), weights)),
-                    "mode": {"mode": choice.mode.value, "reason": choice.reason, "line": choice.line}}  # fmt: skip
+        payload |= {
+            "plan": dataclasses.asdict(plan),
+            "weights": dict(zip(("target", "draft"), weights)),
+            "mode": {"mode": choice.mode.value, "reason": choice.reason, "line": choice.line},
+        }
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     _print_inventory(inventory)
@@ -283,8 +297,10 @@ def _calibration_line() -> str:
 
     found = kept()
     if not found:
-        return ("calibration: none kept for this machine yet; the first start that needs one times the models "
-                "once, later starts with the same model files, threads, torch and llama.cpp build read it")  # fmt: skip
+        return (
+            "calibration: none kept for this machine yet; the first start that needs one times the models "
+            "once, later starts with the same model files, threads, torch and llama.cpp build read it"
+        )
     newest = found[0]
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(newest["measured_at"])) if newest["measured_at"] else "?"
     models = ", ".join(Path(m).name for m in dict.fromkeys(m for e in found for m in e["models"])) or "no model files"
@@ -311,8 +327,9 @@ def _as_run(plan, draft_gb: float):
         DeviceUse(draft, "draft (shares the target's GPU)", old.need_gb, room.headroom_gb),
     )
     notes = tuple(n for n in plan.notes if not n.startswith("no GPU left for the draft"))
-    return dataclasses.replace(plan, draft_device=draft, uses=uses,
-                               notes=("no GPU left for the draft: it shares the target's GPU",) + notes)  # fmt: skip
+    return dataclasses.replace(
+        plan, draft_device=draft, uses=uses, notes=("no GPU left for the draft: it shares the target's GPU",) + notes
+    )
 
 
 def _mode_of(plan, backend: BackendName):
@@ -321,8 +338,14 @@ def _mode_of(plan, backend: BackendName):
     from ssdlocal.placement.mode import batch_exact, placement_mode
 
     kind = "model" if plan.draft_device is not None else "ngram"  # no room: n-gram drafting
-    return placement_mode(plan.target_devices, plan.draft_device, kind, "n-gram", adaptive_k=True,
-                          batch_exact=batch_exact(backend, plan.target_devices))  # fmt: skip
+    return placement_mode(
+        plan.target_devices,
+        plan.draft_device,
+        kind,
+        "n-gram",
+        adaptive_k=True,
+        batch_exact=batch_exact(backend, plan.target_devices),
+    )
 
 
 def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, str]:
@@ -362,17 +385,19 @@ def prefix_cache_plan(pair) -> dict:
         for role, ref in (("target", pair and pair.target), ("draft", pair and pair.draft))
     }
     return {
-        "default_tokens": PREFIX_CACHE_TOKENS, "max_share_of_free_memory": AUTO_SHARE,
+        "default_tokens": PREFIX_CACHE_TOKENS,
+        "max_share_of_free_memory": AUTO_SHARE,
         "bytes_per_token": per_token,
         "default_bytes": {k: v * PREFIX_CACHE_TOKENS if v else None for k, v in per_token.items()},
-    }  # fmt: skip
+    }
 
 
 def _prefix_line(prefix: dict) -> str:
     sizes = ", ".join(
         f"{role} {human_bytes(size)} ({human_bytes(prefix['bytes_per_token'][role])}/token)"
-        for role, size in prefix["default_bytes"].items() if size
-    )  # fmt: skip
+        for role, size in prefix["default_bytes"].items()
+        if size
+    )
     return (
         f"prefix cache: {prefix['default_tokens']:,} tokens per model by default"
         + (f" ({sizes})" if sizes else "")

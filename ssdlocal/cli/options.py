@@ -19,8 +19,14 @@ from typing import Annotated, Any, get_type_hints
 import typer
 
 from ssdlocal.core.config import (
-    ADAPTIVE_K_MAX, BACKUPS, MAX_FAN_OUT_TOTAL, MAX_K, PREFIX_CACHE_TOKENS, SamplingParams, SpecConfig,
-)  # fmt: skip
+    ADAPTIVE_K_MAX,
+    BACKUPS,
+    MAX_FAN_OUT_TOTAL,
+    MAX_K,
+    PREFIX_CACHE_TOKENS,
+    SamplingParams,
+    SpecConfig,
+)
 from ssdlocal.core.models import BackendName, MemorySettings
 from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
 
@@ -180,10 +186,14 @@ class SamplingOptions:
     def params(self) -> SamplingParams:
         """The validated SamplingParams (UsageError with a hint on a bad value)."""
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_new_tokens=self.max_new_tokens,
+            ignore_eos=self.ignore_eos,
             stop=tuple(self.stop or ()),
-        )  # fmt: skip
+        )
 
 
 GROUPS = (ModelOptions, SpecOptions, SamplingOptions)
@@ -293,8 +303,7 @@ def _parameters(group: type, takes: Takes) -> list[inspect.Parameter]:
             info.help = change.help or info.help
             default = f.default if change.default is _SAME else change.default
         annotation = Annotated[hints[f.name], info]
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                        annotation=annotation))  # fmt: skip
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     return params
 
 
@@ -319,13 +328,31 @@ def annotated(group: type, name: str):
 
 # what --help calls the value of each shared option (the rest show their type: TEXT, ...)
 METAVARS = {
-    "target": "PATH", "draft": "PATH", "pair": "NAME", "dtype": "DTYPE", "quantization": "SCHEME",
-    "draft_quantization": "SCHEME", "target_device": "DEVICE", "draft_device": "DEVICE",
-    "target_devices": "DEVICES", "target_backend": "BACKEND", "draft_backend": "BACKEND",
-    "mode": "MODE", "k": "K", "fan_out": "F0,F1,...", "fan_out_miss": "F0,F1,...", "saguaro_c": "C",
-    "backup": "KIND", "suffix_memory_tokens": "N", "temperature": "T", "top_k": "K", "top_p": "P",
-    "seed": "N", "max_new_tokens": "N", "stop": "TEXT",
-}  # fmt: skip
+    "target": "PATH",
+    "draft": "PATH",
+    "pair": "NAME",
+    "dtype": "DTYPE",
+    "quantization": "SCHEME",
+    "draft_quantization": "SCHEME",
+    "target_device": "DEVICE",
+    "draft_device": "DEVICE",
+    "target_devices": "DEVICES",
+    "target_backend": "BACKEND",
+    "draft_backend": "BACKEND",
+    "mode": "MODE",
+    "k": "K",
+    "fan_out": "F0,F1,...",
+    "fan_out_miss": "F0,F1,...",
+    "saguaro_c": "C",
+    "backup": "KIND",
+    "suffix_memory_tokens": "N",
+    "temperature": "T",
+    "top_k": "K",
+    "top_p": "P",
+    "seed": "N",
+    "max_new_tokens": "N",
+    "stop": "TEXT",
+}
 
 
 def _named(f: Field):

@@ -46,8 +46,7 @@ def amount(done: float, total: float | None, unit: str) -> str:
 
 class _AmountColumn(ProgressColumn):
     def render(self, task) -> Text:
-        return Text(amount(task.completed, task.total, task.fields.get("unit", "steps")),
-                    style="progress.download")  # fmt: skip
+        return Text(amount(task.completed, task.total, task.fields.get("unit", "steps")), style="progress.download")
 
 
 class _Stages:

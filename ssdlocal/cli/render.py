@@ -119,8 +119,9 @@ def run_generate(
             "stats": done.stats.to_dict(),
         }
         if changes:  # the engine changed its mind mid-answer (engine/auto.ModeCheck)
-            payload["mode_changes"] = [{"after_round": c.round_index, "mode": c.mode, "reason": c.reason}
-                                       for c in changes]  # fmt: skip
+            payload["mode_changes"] = [
+                {"after_round": c.round_index, "mode": c.mode, "reason": c.reason} for c in changes
+            ]
         _print_changes(changes)
         sys.stdout.write(json.dumps(payload) + "\n")
         return
@@ -164,5 +165,8 @@ def print_mode(choice) -> None:
 
 def _print_changes(changes) -> None:
     for change in changes:
-        err_console.print(f"[yellow]mode {change.mode} after round {change.round_index + 1}: "
-                          f"{escape(change.short)}[/yellow]", soft_wrap=True, highlight=False)  # fmt: skip
+        err_console.print(
+            f"[yellow]mode {change.mode} after round {change.round_index + 1}: {escape(change.short)}[/yellow]",
+            soft_wrap=True,
+            highlight=False,
+        )

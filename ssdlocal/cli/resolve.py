@@ -113,10 +113,15 @@ def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:
     k = spec_opts.k if pinned else (SpecConfig.k if mode is Mode.SSD else ADAPTIVE_K_MAX)
     memory = MemorySettings(max_tokens=spec_opts.suffix_memory_tokens, persist=spec_opts.persist_suffix_memory)
     return {
-        "mode": mode, "k": k, "adaptive_k": not pinned, "memory": memory, "fan_out": parse_fan_out(spec_opts.fan_out),
-        "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss), "saguaro_c": spec_opts.saguaro_c,
+        "mode": mode,
+        "k": k,
+        "adaptive_k": not pinned,
+        "memory": memory,
+        "fan_out": parse_fan_out(spec_opts.fan_out),
+        "fan_out_miss": parse_fan_out(spec_opts.fan_out_miss),
+        "saguaro_c": spec_opts.saguaro_c,
         "backup": Backup.parse(spec_opts.backup, "--backup"),
-    }  # fmt: skip
+    }
 
 
 def _devices(models, tp_devices, auto_place, target, draft, backends, quants) -> tuple[tuple[str, ...], str]:
@@ -161,9 +166,12 @@ def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices
         (models.draft, models.draft_device, backend_option(models.draft_backend, "--draft-backend"), quants[1]),
     ):
         ModelSpec(
-            path or "default", "cpu" if device == "auto" else device, models.dtype,
-            backend or BackendName.TORCH, quant,
-        )  # fmt: skip
+            path or "default",
+            "cpu" if device == "auto" else device,
+            models.dtype,
+            backend or BackendName.TORCH,
+            quant,
+        )
 
 
 def backend_option(text: str, option: str) -> BackendName | None:
@@ -198,8 +206,10 @@ def backend_choice(models: ModelOptions, tp_devices=()) -> BackendChoice:
     from ssdlocal.backends.llamacpp import probe
 
     note = ""
-    asked = (backend_option(models.target_backend, "--target-backend"),
-             backend_option(models.draft_backend, "--draft-backend"))  # fmt: skip
+    asked = (
+        backend_option(models.target_backend, "--target-backend"),
+        backend_option(models.draft_backend, "--draft-backend"),
+    )
     target, draft = asked
     if target is None:
         target, note = _auto_pick(models, tp_devices)
@@ -226,8 +236,10 @@ def _auto_pick(models: ModelOptions, tp_devices) -> tuple[BackendName, str]:
     if not (cpu and gguf and llamacpp_wins(models.target, models.target_device)):
         return BackendName.TORCH, ""
     if models.quantization in _TORCH_ONLY:
-        return BackendName.TORCH, (f"backend torch: --quantization {models.quantization} is applied by the "
-                         "torch backend (llama.cpp runs a GGUF in its own quantization)")  # fmt: skip
+        return BackendName.TORCH, (
+            f"backend torch: --quantization {models.quantization} is applied by the "
+            "torch backend (llama.cpp runs a GGUF in its own quantization)"
+        )
     from ssdlocal.backends.llamacpp.probe import llamacpp_verdict
 
     with _probing():

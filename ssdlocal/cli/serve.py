@@ -105,18 +105,30 @@ def serve(
         raise UsageError(f"max-body-mb must be positive (MiB), got {max_body_mb}", "use e.g. --max-body-mb 8")
     access = AccessPolicy(host=host, extra_hosts=_entries(allowed_hosts), extra_origins=_entries(allowed_origins))
     limits = ServerLimits(
-        max_body_bytes=max(1, round(max_body_mb * MiB)), max_prompt_chars=max_prompt_chars,
-        max_request_rows=max_request_rows, max_connections=max_connections, header_timeout_s=header_timeout,
-        body_timeout_s=body_timeout, idle_timeout_s=idle_timeout,
-    )  # fmt: skip
+        max_body_bytes=max(1, round(max_body_mb * MiB)),
+        max_prompt_chars=max_prompt_chars,
+        max_request_rows=max_request_rows,
+        max_connections=max_connections,
+        header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout,
+        idle_timeout_s=idle_timeout,
+    )
     with sigterm_exits():
         sock = bind(host, port)  # before the models load: a taken port fails at once
         access = replace(access, port=sock.getsockname()[1])
         try:
             config = engine_config(models, spec)
             name = served_model_name or _model_name(models.target, models.pair, config.target.path)
-            _serve(sock, config, name, api_key=api_key, max_batch=max_batch,
-                   max_new_tokens=sampling.max_new_tokens, limits=limits, access=access)  # fmt: skip
+            _serve(
+                sock,
+                config,
+                name,
+                api_key=api_key,
+                max_batch=max_batch,
+                max_new_tokens=sampling.max_new_tokens,
+                limits=limits,
+                access=access,
+            )
         finally:
             sock.close()
 
@@ -160,9 +172,10 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
 
     if not is_loopback(sock) and api_key is None:
         err_console.print(
-            f"warning: listening on {url(sock)} without --api-key: anyone who can reach this "
-            "machine can use the model", style="yellow", soft_wrap=True,
-        )  # fmt: skip
+            f"warning: listening on {url(sock)} without --api-key: anyone who can reach this machine can use the model",
+            style="yellow",
+            soft_wrap=True,
+        )
     engine = load_engine(config)  # progress on stderr
     with engine:
         mode = engine.choice.mode.value  # what --mode auto resolved to, as requests report it
@@ -170,18 +183,30 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
         scheduler = Scheduler(engine, metrics, mode=mode, max_batch=max_batch)
         limits = replace(limits, max_connections=fit_connections(limits.max_connections))
         state = ServerState(
-            scheduler, metrics, name, engine.context, engine.tokenizer, api_key=api_key,
-            max_new_tokens=max_new_tokens, vocab_size=engine.target.args.vocab_size, limits=limits,
+            scheduler,
+            metrics,
+            name,
+            engine.context,
+            engine.tokenizer,
+            api_key=api_key,
+            max_new_tokens=max_new_tokens,
+            vocab_size=engine.target.args.vocab_size,
+            limits=limits,
             access=access,
-        )  # fmt: skip
-        server = make_server(create_app(state), limits=limits, on_shutdown=state.begin_shutdown,
-                             verbose=logging.getLogger().isEnabledFor(logging.DEBUG))  # fmt: skip
+        )
+        server = make_server(
+            create_app(state),
+            limits=limits,
+            on_shutdown=state.begin_shutdown,
+            verbose=logging.getLogger().isEnabledFor(logging.DEBUG),
+        )
         scheduler.start()
         err_console.print(
             f"serving [bold]{name}[/bold] at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "
             f"Ctrl-C stops\n{escape(weights_line(config))}\n{escape(engine.choice.line)}",
-            soft_wrap=True, highlight=False,
-        )  # fmt: skip
+            soft_wrap=True,
+            highlight=False,
+        )
         try:
             server.run(sockets=[sock])
         finally:

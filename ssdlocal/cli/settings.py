@@ -30,8 +30,10 @@ def load_config(path: Path | None = None) -> dict:
     if not path.exists():
         return {}
     if (kind := kind_of(path)) is not None:  # a FIFO would block the read forever
-        raise UsageError(f"config file {path} is {kind}, not a file",
-                         f"replace {path} with a TOML file, or set SSDLOCAL_CONFIG_DIR to another folder")  # fmt: skip
+        raise UsageError(
+            f"config file {path} is {kind}, not a file",
+            f"replace {path} with a TOML file, or set SSDLOCAL_CONFIG_DIR to another folder",
+        )
     try:
         with open(path, "rb") as fh:
             data = tomllib.loads(fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8"))

@@ -204,8 +204,7 @@ def repeatable(spec: SpecConfig) -> SpecConfig:
     fan_out = fits(spec.fan_out) or (1,) * (k + 1)
     fan_out_miss = fits(spec.fan_out_miss) or fan_out
     backup = Backup.JIT if spec.backup in (Backup.AUTO, Backup.SUFFIX) else spec.backup
-    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fan_out, fan_out_miss=fan_out_miss,
-                   backup=backup)  # fmt: skip
+    return replace(spec, k=k, adaptive_k=False, draft=draft, fan_out=fan_out, fan_out_miss=fan_out_miss, backup=backup)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,12 @@ from pathlib import Path
 
 _CHUNK_BYTES = 8 << 20
 DIGEST_FILE = "ssdlocal-digests.json"  # in a cache directory: each file's size and crc32
-_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 @contextlib.contextmanager
@@ -120,8 +124,11 @@ def record_digests(directory: Path) -> None:
     DIGEST_FILE; call it last, before the directory's marker."""
     import json
 
-    files = {p.name: {"size": p.stat().st_size, "crc32": f"{crc32_file(p):08x}"}
-             for p in sorted(directory.iterdir()) if p.is_file() and p.name != DIGEST_FILE}  # fmt: skip
+    files = {
+        p.name: {"size": p.stat().st_size, "crc32": f"{crc32_file(p):08x}"}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != DIGEST_FILE
+    }
     atomic_write_text(directory / DIGEST_FILE, json.dumps({"algorithm": "crc32", "files": files}, indent=1) + "\n")
 
 

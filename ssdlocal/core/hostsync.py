@@ -43,8 +43,12 @@ class HostWaits:
 
     def as_dict(self, rounds: int | None = None) -> dict[str, Any]:
         """JSON form; with `rounds`, also `waits_per_round` (None when no round ran)."""
-        out: dict[str, Any] = {"waits": self.waits, "reads": self.reads, "blocking": self.blocking,
-                               "staged": self.staged}  # fmt: skip
+        out: dict[str, Any] = {
+            "waits": self.waits,
+            "reads": self.reads,
+            "blocking": self.blocking,
+            "staged": self.staged,
+        }
         if rounds is not None:
             out["waits_per_round"] = self.waits / rounds if rounds else None
         return out

@@ -33,8 +33,10 @@ def to_host(p: list, i: list, v: list, chosen: list[list[int]]) -> list[tuple[To
     a grammar forbids (log-probability -inf) are left out."""
     out = []
     for b, tokens in enumerate(chosen):
-        out.append(tuple(
-            TokenLogprob(tok, p[b][t], tuple((a, x) for a, x in zip(i[b][t], v[b][t]) if x != _NEG_INF))
-            for t, tok in enumerate(tokens)
-        ))  # fmt: skip
+        out.append(
+            tuple(
+                TokenLogprob(tok, p[b][t], tuple((a, x) for a, x in zip(i[b][t], v[b][t]) if x != _NEG_INF))
+                for t, tok in enumerate(tokens)
+            )
+        )
     return out

@@ -50,8 +50,14 @@ def machine() -> dict[str, Any]:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 0
-    return {"arch": platform.machine(), "cpu": model, "flags": flags, "cores": cores,
-            "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "arch": platform.machine(),
+        "cpu": model,
+        "flags": flags,
+        "cores": cores,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def file_stamps(path: str | Path) -> list:
@@ -178,6 +184,12 @@ def kept(directory: Path | None = None) -> list[dict]:
             continue
         models = [m[0] for m in key.get("models", []) if isinstance(m, list) and m and isinstance(m[0], str)]
         when = data.get("measured_at")
-        found.append({"kind": key.get("kind"), "models": models, "path": str(path),
-                      "measured_at": when if isinstance(when, (int, float)) else None})  # fmt: skip
+        found.append(
+            {
+                "kind": key.get("kind"),
+                "models": models,
+                "path": str(path),
+                "measured_at": when if isinstance(when, (int, float)) else None,
+            }
+        )
     return sorted(found, key=lambda e: e["measured_at"] or 0, reverse=True)

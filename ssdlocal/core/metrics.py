@@ -36,8 +36,9 @@ def _plus(a, b):
 
 def _sum(a, b, **fixed):
     """a + b field by field (`fixed`: fields not summed)."""
-    return type(a)(**{f.name: _plus(getattr(a, f.name), getattr(b, f.name)) for f in fields(a) if f.name not in fixed},
-                   **fixed)  # fmt: skip
+    return type(a)(
+        **{f.name: _plus(getattr(a, f.name), getattr(b, f.name)) for f in fields(a) if f.name not in fixed}, **fixed
+    )
 
 
 def _json(value):
@@ -91,14 +92,22 @@ class SsdCounts:
 _PARTS = {"adaptive": AdaptiveCounts, "grammar": GrammarCounts, "ssd": SsdCounts}
 # The bench's records keep counts flat: a part's fields under these JSON names.
 _FLAT = {
-    "ssd_rounds": ("ssd", "rounds"), "cache_hit_rounds": ("ssd", "hit_rounds"), "rows_hit": ("ssd", "rows_hit"),
-    "rows_miss": ("ssd", "rows_miss"), "tokens_on_hit": ("ssd", "tokens_on_hit"),
-    "tokens_on_miss": ("ssd", "tokens_on_miss"), "draft_busy_s": ("ssd", "busy_s"),
-    "backup_used": ("ssd", "backup_used"), "constrained_row_rounds": ("grammar", "row_rounds"),
-    "constrained_drafted": ("grammar", "drafted"), "constrained_accepted": ("grammar", "accepted"),
-    "constrained_emitted": ("grammar", "emitted"), "mask_s": ("grammar", "mask_s"),
-    "source_rows": ("adaptive", "source_rows"), "width_rounds": ("adaptive", "width_rounds"),
-}  # fmt: skip
+    "ssd_rounds": ("ssd", "rounds"),
+    "cache_hit_rounds": ("ssd", "hit_rounds"),
+    "rows_hit": ("ssd", "rows_hit"),
+    "rows_miss": ("ssd", "rows_miss"),
+    "tokens_on_hit": ("ssd", "tokens_on_hit"),
+    "tokens_on_miss": ("ssd", "tokens_on_miss"),
+    "draft_busy_s": ("ssd", "busy_s"),
+    "backup_used": ("ssd", "backup_used"),
+    "constrained_row_rounds": ("grammar", "row_rounds"),
+    "constrained_drafted": ("grammar", "drafted"),
+    "constrained_accepted": ("grammar", "accepted"),
+    "constrained_emitted": ("grammar", "emitted"),
+    "mask_s": ("grammar", "mask_s"),
+    "source_rows": ("adaptive", "source_rows"),
+    "width_rounds": ("adaptive", "width_rounds"),
+}
 _RAN = {"ssd": "ssd_rounds", "grammar": "constrained_row_rounds", "adaptive": "source_rows"}  # the part ran when set
 
 
@@ -147,8 +156,11 @@ class Counts:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Counts:
         """`as_dict`'s form back (a missing name counts 0; a part exists when it ran)."""
-        parts = {part: kind(**{attr: _json(d[name]) for name, (p, attr) in _FLAT.items() if p == part and name in d})
-                 for part, kind in _PARTS.items() if d.get(_RAN[part])}  # fmt: skip
+        parts = {
+            part: kind(**{attr: _json(d[name]) for name, (p, attr) in _FLAT.items() if p == part and name in d})
+            for part, kind in _PARTS.items()
+            if d.get(_RAN[part])
+        }
         top = {f.name: _json(d[f.name]) for f in fields(cls) if f.name not in _PARTS and d.get(f.name) is not None}
         return cls(**top, **parts)
 
@@ -197,8 +209,11 @@ class GrammarMetrics:
         return cls(_ratio(g.mask_s * 1e3, g.emitted), _ratio(g.accepted, g.drafted))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"constrained": True, "mask_ms_per_token": self.mask_ms_per_token,
-                "constrained_acceptance_rate": self.constrained_acceptance_rate}  # fmt: skip
+        return {
+            "constrained": True,
+            "mask_ms_per_token": self.mask_ms_per_token,
+            "constrained_acceptance_rate": self.constrained_acceptance_rate,
+        }
 
 
 @dataclass(frozen=True)
@@ -215,9 +230,14 @@ class SsdMetrics:
 
     @classmethod
     def of(cls, s: SsdCounts) -> SsdMetrics:
-        return cls(_ratio(s.rows_hit, s.rows_hit + s.rows_miss), _ratio(s.hit_rounds, s.rounds),
-                   _ratio(s.tokens_on_hit, s.rows_hit), _ratio(s.tokens_on_miss, s.rows_miss),
-                   dict(s.backup_used), s.busy_s * 1e3)  # fmt: skip
+        return cls(
+            _ratio(s.rows_hit, s.rows_hit + s.rows_miss),
+            _ratio(s.hit_rounds, s.rounds),
+            _ratio(s.tokens_on_hit, s.rows_hit),
+            _ratio(s.tokens_on_miss, s.rows_miss),
+            dict(s.backup_used),
+            s.busy_s * 1e3,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _json(getattr(self, f.name)) for f in fields(self)}
@@ -261,19 +281,28 @@ class Metrics:
     def of(cls, c: Counts, **call: Any) -> Metrics:
         """Counts -> rates; `call`: the call's own fields (mode, mode_reason, ttft_s, graphs, ...)."""
         return cls(
-            tokens=c.tokens, decode_tokens=c.decode_tokens, tokens_per_s=_ratio(c.decode_tokens, c.decode_s),
-            decode_s=c.decode_s, prefill_ms=c.prefill_s * 1e3, prompt_tokens=c.prompt_tokens,
+            tokens=c.tokens,
+            decode_tokens=c.decode_tokens,
+            tokens_per_s=_ratio(c.decode_tokens, c.decode_s),
+            decode_s=c.decode_s,
+            prefill_ms=c.prefill_s * 1e3,
+            prompt_tokens=c.prompt_tokens,
             cached_prompt_tokens=c.cached_prompt_tokens,
             prefill_tokens_per_s=_ratio(c.prompt_tokens - c.cached_prompt_tokens, c.prefill_s),
-            rounds=c.rounds, acceptance_rate=_ratio(c.accepted, c.drafted),
+            rounds=c.rounds,
+            acceptance_rate=_ratio(c.accepted, c.drafted),
             mean_accepted_len=_ratio(c.emitted, c.row_rounds),
             per_position_acceptance=tuple(_ratio(a, t) for a, t in zip(c.position_accepted, c.position_tried)),
-            accepted_len_hist=tuple(c.accepted_len_hist), draft_ms=c.draft_s * 1e3, verify_ms=c.verify_s * 1e3,
-            draft_ms_per_round=_ratio(c.draft_s * 1e3, c.rounds), verify_ms_per_round=_ratio(c.verify_s * 1e3, c.rounds),
+            accepted_len_hist=tuple(c.accepted_len_hist),
+            draft_ms=c.draft_s * 1e3,
+            verify_ms=c.verify_s * 1e3,
+            draft_ms_per_round=_ratio(c.draft_s * 1e3, c.rounds),
+            verify_ms_per_round=_ratio(c.verify_s * 1e3, c.rounds),
             adaptive=AdaptiveMetrics.of(c.adaptive, c.rounds) if c.adaptive else None,
             grammar=GrammarMetrics.of(c.grammar) if c.grammar else None,
-            ssd=SsdMetrics.of(c.ssd) if c.ssd else None, **call,
-        )  # fmt: skip
+            ssd=SsdMetrics.of(c.ssd) if c.ssd else None,
+            **call,
+        )
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -307,16 +336,29 @@ class Metrics:
         whether a grammar constrained it."""
         g = self.grammar
         return {
-            "mode": self.mode, "acceptance_rate": self.acceptance_rate, "mean_accepted_len": self.mean_accepted_len,
-            "cache_hit_rate": self.cache_hit_rate, "tokens_per_s": self.tokens_per_s, "mean_k": self.mean_k,
+            "mode": self.mode,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_len": self.mean_accepted_len,
+            "cache_hit_rate": self.cache_hit_rate,
+            "tokens_per_s": self.tokens_per_s,
+            "mean_k": self.mean_k,
             "rows_by_source": dict(self.adaptive.rows_by_source) if self.adaptive else None,
-            "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_prompt_tokens,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s, "ttft_s": self.ttft_s, "batch_size": batch_size,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "ttft_s": self.ttft_s,
+            "batch_size": batch_size,
             "constrained": grammar,
-            **({"mask_ms_per_token": g.mask_ms_per_token if g else None,
-                "constrained_acceptance_rate": g.constrained_acceptance_rate if g else None} if grammar else {}),
+            **(
+                {
+                    "mask_ms_per_token": g.mask_ms_per_token if g else None,
+                    "constrained_acceptance_rate": g.constrained_acceptance_rate if g else None,
+                }
+                if grammar
+                else {}
+            ),
             "graphs": self.graphs,
-        }  # fmt: skip
+        }
 
     # Look-ups by JSON name, for callers that hold names (tests pinning them); the
     # product reads attributes (tests/test_stats.py checks).

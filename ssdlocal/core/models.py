@@ -137,8 +137,10 @@ class NgramDraft:
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
-            raise UsageError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}",
-                             "use the defaults (n_min 1, n_max 3)")  # fmt: skip
+            raise UsageError(
+                f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}",
+                "use the defaults (n_min 1, n_max 3)",
+            )
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,11 @@ class MemorySettings:
 
     def __post_init__(self) -> None:
         if self.max_sequences < 1 or self.max_tokens < 0:
-            raise UsageError(f"the suffix memory needs max_sequences >= 1 and max_tokens >= 0, got "
-                             f"{self.max_sequences}, {self.max_tokens}", "use the defaults (256, 200000)")  # fmt: skip
+            raise UsageError(
+                f"the suffix memory needs max_sequences >= 1 and max_tokens >= 0, got "
+                f"{self.max_sequences}, {self.max_tokens}",
+                "use the defaults (256, 200000)",
+            )
 
 
 @dataclass(frozen=True)

@@ -31,22 +31,23 @@ def _usable(path: Path, variable: str, default: str) -> Path:
             continue
         if not existing.is_dir():
             what = "is not a directory" if existing == path else f"cannot be made: {existing} is not a directory"
-            raise UsageError(f"ssdlocal's folder {path} {what}",
-                             f"point {variable} at a directory (unset, it is {default})")  # fmt: skip
+            raise UsageError(
+                f"ssdlocal's folder {path} {what}", f"point {variable} at a directory (unset, it is {default})"
+            )
         return path
     return path
 
 
 def cache_dir() -> Path:
     """`$SSDLOCAL_CACHE`, else `$XDG_CACHE_HOME/ssdlocal`, else `~/.cache/ssdlocal`."""
-    return _usable(_user_dir("SSDLOCAL_CACHE", "XDG_CACHE_HOME", ".cache"), "SSDLOCAL_CACHE",
-                   "~/.cache/ssdlocal")  # fmt: skip
+    return _usable(_user_dir("SSDLOCAL_CACHE", "XDG_CACHE_HOME", ".cache"), "SSDLOCAL_CACHE", "~/.cache/ssdlocal")
 
 
 def config_dir() -> Path:
     """`$SSDLOCAL_CONFIG_DIR`, else `$XDG_CONFIG_HOME/ssdlocal`, else `~/.config/ssdlocal`."""
-    return _usable(_user_dir("SSDLOCAL_CONFIG_DIR", "XDG_CONFIG_HOME", ".config"), "SSDLOCAL_CONFIG_DIR",
-                   "~/.config/ssdlocal")  # fmt: skip
+    return _usable(
+        _user_dir("SSDLOCAL_CONFIG_DIR", "XDG_CONFIG_HOME", ".config"), "SSDLOCAL_CONFIG_DIR", "~/.config/ssdlocal"
+    )
 
 
 def config_file() -> Path:

@@ -51,8 +51,9 @@ def bytes_per_param(scheme: str, dtype: str = "bfloat16", device_type: str = "cp
     return float(size)
 
 
-def quantized_gb(params_b: float, embed_b: float, scheme: str, dtype: str = "bfloat16",
-                 embed_bytes: float | None = None) -> float:  # fmt: skip
+def quantized_gb(
+    params_b: float, embed_b: float, scheme: str, dtype: str = "bfloat16", embed_bytes: float | None = None
+) -> float:
     """Weight memory in GB of a model of `params_b` billion parameters, `embed_b` of them in
     the token embedding, which takes `embed_bytes` per weight (None: the dtype's size; a
     GGUF's embedding stays quantized) while a quantized copy of it serves as lm_head.

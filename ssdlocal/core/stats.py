@@ -147,10 +147,14 @@ class RunStats:
             rounds = self.counts.rounds
             host_waits = {model: w.as_dict(rounds) for model, w in sorted(self.host_waits_now().items())}
         return Metrics.of(
-            self.counts, mode=self.mode, mode_reason=self.mode_reason, ttft_s=self.ttft_s,
+            self.counts,
+            mode=self.mode,
+            mode_reason=self.mode_reason,
+            ttft_s=self.ttft_s,
             graphs=self.graphs_now() if self.graphs_now is not None else None,
-            prefix_cache=self.prefix_now() if self.prefix_now is not None else None, host_waits=host_waits,
-        )  # fmt: skip
+            prefix_cache=self.prefix_now() if self.prefix_now is not None else None,
+            host_waits=host_waits,
+        )
 
 
 def consume_all(stats: RunStats, events) -> DoneEvent | None:

@@ -167,9 +167,13 @@ def verify_groups(
     bonus = torch.zeros(batch, dtype=torch.long, device=logits.device)  # [B]
     for rows, params, generator in groups:
         part = verify_logits(
-            logits[rows], draft_tokens[rows], None if q is None else q[rows], params, generator,
+            logits[rows],
+            draft_tokens[rows],
+            None if q is None else q[rows],
+            params,
+            generator,
             None if n_draft is None else n_draft[rows],
-        )  # fmt: skip
+        )
         n_accepted[rows] = part.n_accepted
         bonus[rows] = part.bonus
     return Verdict(n_accepted=n_accepted, bonus=bonus)

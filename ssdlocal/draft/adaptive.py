@@ -21,8 +21,15 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
 from ssdlocal.speculation.adaptive import (
-    MAX_PROBE_EVERY, PROBE_EVERY, Acceptance, Choice, CostModel, choose, model_could_pay, suffix_key,
-)  # fmt: skip
+    MAX_PROBE_EVERY,
+    PROBE_EVERY,
+    Acceptance,
+    Choice,
+    CostModel,
+    choose,
+    model_could_pay,
+    suffix_key,
+)
 
 MODEL, SUFFIX, NONE = "model", "suffix", "none"
 PROBE_CATCH_UP = 64  # committed tokens the draft model may lack for a probe to be worth it
@@ -41,9 +48,20 @@ class _Round:
 class AdaptiveDrafter:
     """Drafter protocol over a draft model and/or suffix proposals, K chosen per round."""
 
-    def __init__(self, model, suffix, *, k: int, pinned: bool, params: SamplingParams,
-                 costs: CostModel, target_vocab: int, device, shared_rates: dict | None = None,
-                 audit: Audit | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        suffix,
+        *,
+        k: int,
+        pinned: bool,
+        params: SamplingParams,
+        costs: CostModel,
+        target_vocab: int,
+        device,
+        shared_rates: dict | None = None,
+        audit: Audit | None = None,
+    ) -> None:
         self.model = model  # draft.sync.ModelDrafter or None
         self.suffix = suffix  # draft.suffix.SuffixSource or None
         self.k = k  # the most drafts a round may have (pinned: the model's K every round)
@@ -92,9 +110,8 @@ class AdaptiveDrafter:
         model = self.model.propose(active, choice.model_k) if choice.model_k else None
         lengths = [n if on else 0 for n, on in zip(choice.suffix_len, active)]
         sources = tuple(
-            NONE if not on else SUFFIX if n else MODEL if choice.model_k else NONE
-            for n, on in zip(lengths, active)
-        )  # fmt: skip
+            NONE if not on else SUFFIX if n else MODEL if choice.model_k else NONE for n, on in zip(lengths, active)
+        )
         n_draft = [n if s == SUFFIX else choice.model_k if s == MODEL else 0 for n, s in zip(lengths, sources)]
         self.last = _Round(choice, sources, tuple(n_draft), tuple(keys))
         self._since_model = 0 if choice.model_k else self._since_model + 1
@@ -172,8 +189,10 @@ class AdaptiveDrafter:
         host = [list(suffix[b].tokens[: n_draft[b]]) if s == SUFFIX else [] for b, s in enumerate(sources)]
         if model is None or MODEL not in sources:  # point masses only: the host has every draft
             return Proposal.from_lists(host, width, self.device, self.site, sources=sources)
-        staged = self.site.upload([[n_draft[b], int(s == SUFFIX)] + host[b] + [0] * (width - len(host[b]))
-                                   for b, s in enumerate(sources)], self.device)  # fmt: skip  # [B, 2+W]
+        staged = self.site.upload(
+            [[n_draft[b], int(s == SUFFIX)] + host[b] + [0] * (width - len(host[b])) for b, s in enumerate(sources)],
+            self.device,
+        )  # [B, 2+W]
         n, use_suffix, suffix_drafts = staged[:, 0], staged[:, 1].bool(), staged[:, 2:]  # [B], [B], [B, W]
         model_drafts = torch.zeros_like(suffix_drafts)  # [B, W]
         model_drafts[:, : model.drafts.shape[1]] = model.drafts
@@ -187,8 +206,9 @@ class AdaptiveDrafter:
             q = torch.where(use_suffix[:, None, None], point, q)  # [B, W, V]: point masses for suffix rows
         tokens = None
         if model.tokens is not None:  # the model's drafts are on the host already (a grammar walked them)
-            tokens = [host[b] if s == SUFFIX else list(model.tokens[b]) if s == MODEL else []
-                      for b, s in enumerate(sources)]  # fmt: skip
+            tokens = [
+                host[b] if s == SUFFIX else list(model.tokens[b]) if s == MODEL else [] for b, s in enumerate(sources)
+            ]
         return Proposal(drafts, n, q, tokens=tokens, sources=sources)
 
     # ------------------------------------------------------------------ observe
@@ -220,10 +240,18 @@ def build_adaptive(spec, params, resources, model, suffix) -> AdaptiveDrafter:
 
     memory = resources.memory if suffix is not None and suffix.use_memory else None
     source = None if suffix is None else SuffixSource(memory, suffix.min_confidence)
-    return AdaptiveDrafter(model, source, k=spec.k, pinned=not spec.adaptive_k, params=params,
-                           costs=resources.costs, target_vocab=resources.target_vocab,
-                           device=resources.target_device, shared_rates=resources.rates,
-                           audit=resources.audit)  # fmt: skip
+    return AdaptiveDrafter(
+        model,
+        source,
+        k=spec.k,
+        pinned=not spec.adaptive_k,
+        params=params,
+        costs=resources.costs,
+        target_vocab=resources.target_vocab,
+        device=resources.target_device,
+        shared_rates=resources.rates,
+        audit=resources.audit,
+    )
 
 
 def build_suffix(spec, params, resources) -> AdaptiveDrafter:

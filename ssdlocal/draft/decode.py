@@ -58,9 +58,16 @@ class DraftDecoder:
     so a batch whose rows sample differently draws each row from its own warp.
     """
 
-    def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int,
-                 generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None,
-                 row_params: Sequence[SamplingParams] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: Runner,
+        k: int,
+        params: SamplingParams,
+        target_vocab: int,
+        generator: torch.Generator,
+        probs: Callable[[Tensor, int], Tensor] | None = None,
+        row_params: Sequence[SamplingParams] = (),
+    ) -> None:
         self.runner = runner
         self.k = k
         self.params = params

@@ -35,15 +35,31 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
         if spec.adaptive_k and res.costs is not None and model_cannot_pay(res.costs, spec.k, [True] * res.batch):
             return build_adaptive(spec, params, res, None, draft.suffix)
 
-        drafter = ModelDrafter(res.draft_runner(), spec.k, params, res.target_vocab, res.target_device,
-                               guides=res.guides, audit=res.audit, row_params=res.row_params)  # fmt: skip
+        drafter = ModelDrafter(
+            res.draft_runner(),
+            spec.k,
+            params,
+            res.target_vocab,
+            res.target_device,
+            guides=res.guides,
+            audit=res.audit,
+            row_params=res.row_params,
+        )
         drafter.reserve(res.batch, res.num_slots)
         return build_adaptive(spec, params, res, drafter, draft.suffix)
     from ssdlocal.draft.ssd.client import SSDDrafter
 
-    return SSDDrafter(res.worker(), spec, params, res.target_vocab, res.num_slots,
-                      target_device=res.target_device_name, draft_device=draft.model.device,
-                      memory=res.memory, audit=res.audit)  # fmt: skip
+    return SSDDrafter(
+        res.worker(),
+        spec,
+        params,
+        res.target_vocab,
+        res.num_slots,
+        target_device=res.target_device_name,
+        draft_device=draft.model.device,
+        memory=res.memory,
+        audit=res.audit,
+    )
 
 
 Builder = Callable[[SpecConfig, SamplingParams, DraftResources], object]

@@ -100,8 +100,13 @@ class MemoryFile:
             else:
                 dropped += 1
         if dropped:
-            log.warning("suffix memory %s: dropped %d of %d entries that are not token ids of this model "
-                        "(0..%d)", self.path, dropped, len(sequences), self.vocab_size - 1)  # fmt: skip
+            log.warning(
+                "suffix memory %s: dropped %d of %d entries that are not token ids of this model (0..%d)",
+                self.path,
+                dropped,
+                len(sequences),
+                self.vocab_size - 1,
+            )
 
     def save(self, memory: SuffixMemory) -> None:
         """Write the memory (bounded by its caps) atomically: never half a file. A failure
@@ -117,9 +122,12 @@ class MemoryFile:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             if not self._save_failed:
-                log.warning("could not save the suffix memory to %s: %s (answers are not affected; "
-                            "free some disk space, or drop --persist-suffix-memory)",
-                            self.path, exc.strerror or exc)  # fmt: skip
+                log.warning(
+                    "could not save the suffix memory to %s: %s (answers are not affected; "
+                    "free some disk space, or drop --persist-suffix-memory)",
+                    self.path,
+                    exc.strerror or exc,
+                )
             self._save_failed = True
 
 

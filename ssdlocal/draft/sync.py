@@ -84,8 +84,17 @@ class ModelDrafter:
     grammar, one read of each draft the matcher walks.
     """
 
-    def __init__(self, runner: Runner, k: int, params: SamplingParams, target_vocab: int, device, guides=None,
-                 audit: Audit | None = None, row_params: Sequence[SamplingParams] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: Runner,
+        k: int,
+        params: SamplingParams,
+        target_vocab: int,
+        device,
+        guides=None,
+        audit: Audit | None = None,
+        row_params: Sequence[SamplingParams] = (),
+    ) -> None:
         self.runner = runner  # backends.base.Runner of the draft model
         audit = audit or Audit()
         self.site = audit.site("draft")  # inputs of the draft model
@@ -173,8 +182,10 @@ class ModelDrafter:
         for start in range(0, max(map(len, pending)), CATCH_UP):
             part = [p[start : start + CATCH_UP] for p in pending]
             width = max(map(len, part))
-            host = [[max(len(x) - 1, 0), int(bool(x) and start + len(x) == len(p)), len(x)] + x + [0] * (width - len(x))
-                    for x, p in zip(part, pending)]  # fmt: skip
+            host = [
+                [max(len(x) - 1, 0), int(bool(x) and start + len(x) == len(p)), len(x)] + x + [0] * (width - len(x))
+                for x, p in zip(part, pending)
+            ]
             staged = self.site.upload(host, dev)  # [B, 3+T]: last, ends, fed, ids (one staged upload)
             ids = staged[:, 3:].contiguous()  # [B, T]
             logits = self.runner.step(ids, bound, at=staged[:, 0])  # [B, V_d]; padding may write past each row

@@ -33,8 +33,19 @@ from ssdlocal.core.progress import reporter
 from ssdlocal.speculation.adaptive import CostModel, model_cannot_pay
 from ssdlocal.placement.mode import ModeChoice, batch_exact, cpu_shared, placement_mode
 
-__all__ = ["ModeChoice", "Calibration", "ModeCheck", "calibrate", "calibrated", "calibrated_choice", "draft_waits",
-           "placement_choice", "rechecked", "step_costs", "unloaded_draft"]  # fmt: skip
+__all__ = [
+    "ModeChoice",
+    "Calibration",
+    "ModeCheck",
+    "calibrate",
+    "calibrated",
+    "calibrated_choice",
+    "draft_waits",
+    "placement_choice",
+    "rechecked",
+    "step_costs",
+    "unloaded_draft",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +78,11 @@ class Calibration:
         return 1.0 / self.target_1, tokens_per_round / (k * self.draft_1 + self.target_k1)
 
     def describe(self) -> str:
-        return (f"measured {self.when}: target {self.target_1 * 1e3:.0f} ms/token and "
-                f"{self.target_k1 * 1e3:.0f} ms per {self.k + 1}-token verify, draft "
-                f"{self.draft_1 * 1e3:.0f} ms/token")  # fmt: skip
+        return (
+            f"measured {self.when}: target {self.target_1 * 1e3:.0f} ms/token and "
+            f"{self.target_k1 * 1e3:.0f} ms per {self.k + 1}-token verify, draft "
+            f"{self.draft_1 * 1e3:.0f} ms/token"
+        )
 
 
 def placement_choice(config: EngineConfig) -> ModeChoice | None:
@@ -115,8 +128,12 @@ def unloaded_draft(choice: ModeChoice, costs: CostModel, k: int) -> ModeChoice |
 def calibrate(target, draft, k: int) -> Calibration:
     """Time the loaded runners (their caches are reset: call between generations)."""
     progress = _Steps("calibrating target and draft", 3 * (REPEATS + 1))
-    return Calibration(k, _time_steps(target, 1, REPEATS, progress), _time_steps(target, k + 1, REPEATS, progress),
-                       _time_steps(draft, 1, REPEATS, progress))  # fmt: skip
+    return Calibration(
+        k,
+        _time_steps(target, 1, REPEATS, progress),
+        _time_steps(target, k + 1, REPEATS, progress),
+        _time_steps(draft, 1, REPEATS, progress),
+    )
 
 
 WIDTHS = (1, 2, 3, 4, 5, 8, 9, 12, 13)  # CPU kernels take rows in blocks (of 4): costs step
@@ -200,8 +217,16 @@ class ModeCheck:
     done: bool = False
     _drafted: bool = False  # the first model-drafting round was seen (and skipped)
 
-    def observe(self, rows: int, emitted: float, draft_s: float, verify_s: float, scored: int,
-                model_drafted: bool = False, wall_s: float | None = None) -> ModeChoice | None:  # fmt: skip
+    def observe(
+        self,
+        rows: int,
+        emitted: float,
+        draft_s: float,
+        verify_s: float,
+        scored: int,
+        model_drafted: bool = False,
+        wall_s: float | None = None,
+    ) -> ModeChoice | None:
         """One SD round; `wall_s`: the whole round's seconds (drafting and verifying, and
         what lies between and after them: choosing K, the draft's upkeep, committing),
         else draft_s + verify_s. Returns the AR choice once the window says SD is slower."""
@@ -237,8 +262,15 @@ class ModeCheck:
         scored = 1 + max(event.n_drafted, default=0)
         sources = event.sources
         drafted = ("model" in sources) if sources is not None else max(event.n_drafted, default=0) > 0
-        return self.observe(len(event.rows), sum(event.n_emitted), event.draft_s, event.verify_s, scored,
-                            model_drafted=drafted, wall_s=wall_s)  # fmt: skip
+        return self.observe(
+            len(event.rows),
+            sum(event.n_emitted),
+            event.draft_s,
+            event.verify_s,
+            scored,
+            model_drafted=drafted,
+            wall_s=wall_s,
+        )
 
     def _cost(self, scored: int) -> float:
         if scored in self.widths:
@@ -259,8 +291,7 @@ def model_key(model) -> list:
     return [*file_stamps(model.path), model.backend, *library, model.device, model.dtype, model.quantization, *alike]
 
 
-def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: EngineConfig | None = None
-               ) -> ModeChoice:  # fmt: skip
+def calibrated(choice: ModeChoice | None, target, draft, spec, costs, config: EngineConfig | None = None) -> ModeChoice:
     """The engine's choice once its target is loaded: `choice` itself when the placement
     decided it; for target and draft sharing the CPU (None) a calibration's, seeding the
     K-per-round cost model (`costs`) and carrying the step costs its re-check reads

@@ -83,9 +83,17 @@ class Loop:
     `run` gets; else re-seats from the inbox, at most `max_batch` rows, until the inbox is
     closed and every row is done. `token` stops everything after the current round."""
 
-    def __init__(self, engine, spec: SpecConfig, reason: str, token: CancelToken, *,
-                 progress: Callable[[PrefillProgress], None] | None = None, inbox: Inbox | None = None,
-                 max_batch: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        spec: SpecConfig,
+        reason: str,
+        token: CancelToken,
+        *,
+        progress: Callable[[PrefillProgress], None] | None = None,
+        inbox: Inbox | None = None,
+        max_batch: int | None = None,
+    ) -> None:
         self.engine = engine
         self.spec = spec
         self.reason = reason
@@ -196,8 +204,9 @@ class Loop:
         done, the loop is cancelled, or (serving) a re-seat is due."""
         eng = self.engine
         if self.inbox is not None:  # first: whatever fails next fails these requests' callers
-            yield SeatedEvent(tuple(s.request.id for s in carried) + tuple(r.id for r in joining),
-                              tuple(r.id for r in joining))  # fmt: skip
+            yield SeatedEvent(
+                tuple(s.request.id for s in carried) + tuple(r.id for r in joining), tuple(r.id for r in joining)
+            )
         spec = self._spec([s.request for s in carried] + joining)
         k = self.k(spec)
         budgets = [eng.token_budgets([len(r.prompt)], r.params.max_new_tokens, spec)[0] for r in joining]
@@ -209,9 +218,15 @@ class Loop:
         eng.runner.reset(len(rows), num_slots)
         grammars = [s.request.grammar for s in seats]
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        shaper = make_shaper(grammars if any(g is not None for g in grammars) else None, len(rows),
-                             max(asked) if asked else None, eng.target.args.vocab_size, eng.eos_ids, eng.audit,
-                             [s.guide for s in seats])  # fmt: skip
+        shaper = make_shaper(
+            grammars if any(g is not None for g in grammars) else None,
+            len(rows),
+            max(asked) if asked else None,
+            eng.target.args.vocab_size,
+            eng.eos_ids,
+            eng.audit,
+            [s.guide for s in seats],
+        )
         if shaper.guides is not None:
             for seat, guide in zip(seats, shaper.guides.rows):
                 seat.guide = guide
@@ -227,8 +242,9 @@ class Loop:
             if drafter is not None:
                 drafter.read_prompts(reads)  # a draft on hardware of its own starts now
             try:
-                first, prefill = read_prompts(eng.runner, eng._guard, rows, sampling, self.token, self.progress,
-                                              shaper, fresh)  # fmt: skip
+                first, prefill = read_prompts(
+                    eng.runner, eng._guard, rows, sampling, self.token, self.progress, shaper, fresh
+                )
             except PrefillStopped:
                 for r in rows:
                     r.finish_reason = r.finish_reason or "cancelled"

@@ -40,7 +40,7 @@ class _Style:
 _STYLES = (
     _Style(
         "qwen", ("<|fim_prefix|>",), ("<|fim_suffix|>",), ("<|fim_middle|>",), ("<|repo_name|>",), ("<|file_sep|>",)
-    ),  # fmt: skip
+    ),
     _Style(
         "starcoder",
         ("<fim_prefix>",),
@@ -48,7 +48,7 @@ _STYLES = (
         ("<fim_middle>",),
         ("<repo_name>", "<reponame>"),
         ("<file_sep>",),
-    ),  # fmt: skip
+    ),
     _Style("codellama", ("▁<PRE>", "<PRE>"), ("▁<SUF>", "<SUF>"), ("▁<MID>", "<MID>")),
     _Style("deepseek", ("<｜fim▁begin｜>",), ("<｜fim▁hole｜>",), ("<｜fim▁end｜>",)),
 )
@@ -135,9 +135,15 @@ def _bos(tokenizer) -> list[int]:
 
 
 def fim_prompt(
-    tokenizer, tokens: FimTokens, before: str, after: str, *, prompt: str = "",
-    extra: Sequence[ContextFile] = (), repo_level: bool | None = None,
-) -> list[int]:  # fmt: skip
+    tokenizer,
+    tokens: FimTokens,
+    before: str,
+    after: str,
+    *,
+    prompt: str = "",
+    extra: Sequence[ContextFile] = (),
+    repo_level: bool | None = None,
+) -> list[int]:
     """Token ids of a FIM request: `before` and `after` the cursor, `prompt` (text typed at
     the cursor, read as the end of `before`), and `extra` context files placed first - with
     the repository and file tokens when the tokenizer has them, else separated by a plain
@@ -157,8 +163,11 @@ def fim_prompt(
     if repo_level and tokens.file_sep is not None:
         head += [tokens.file_sep, *_encode(tokenizer, CURRENT_FILE + "\n")]
     return [
-        *_bos(tokenizer), *head,
-        tokens.prefix, *_encode(tokenizer, before + prompt),
-        tokens.suffix, *_encode(tokenizer, after),
+        *_bos(tokenizer),
+        *head,
+        tokens.prefix,
+        *_encode(tokenizer, before + prompt),
+        tokens.suffix,
+        *_encode(tokenizer, after),
         tokens.middle,
-    ]  # fmt: skip
+    ]

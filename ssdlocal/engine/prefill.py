@@ -26,8 +26,9 @@ class PrefillStopped(Exception):
     """The call was cancelled while its prompts were being read."""
 
 
-def read_prompts(runner, guard, rows, sampling, token, progress, shaper=None,
-                 fresh=None) -> tuple[torch.Tensor, PrefillEvent]:  # fmt: skip
+def read_prompts(
+    runner, guard, rows, sampling, token, progress, shaper=None, fresh=None
+) -> tuple[torch.Tensor, PrefillEvent]:
     """Feed every row's prompt; the first token of each row ([B] on the target's device),
     appended to the rows. PrefillStopped when `token` is cancelled while a long prompt is
     read (within one chunk); `progress(PrefillProgress)` as chunks finish. `sampling`

@@ -146,10 +146,17 @@ class Round:
         if still != active:  # a row finished: its cache length stays where it is
             self.live = self.site.upload(still, self.device, torch.bool)
         if self.drafter is not None:
-            self.drafter.observe(RoundOutcome(
-                tuple(map(tuple, emitted)), tuple(outcome.n_accepted), tuple(outcome.bonus),
-                tuple(still), verdict, draft_s=draft_s, verify_s=verify_s,
-            ))  # fmt: skip
+            self.drafter.observe(
+                RoundOutcome(
+                    tuple(map(tuple, emitted)),
+                    tuple(outcome.n_accepted),
+                    tuple(outcome.bonus),
+                    tuple(still),
+                    verdict,
+                    draft_s=draft_s,
+                    verify_s=verify_s,
+                )
+            )
         return emitted, origins
 
     def round_event(self, index, proposal, outcome, emitted, active, draft_s, verify_s) -> RoundEvent:
@@ -159,12 +166,17 @@ class Round:
         constrained, mask_s = self.shaper.seconds(live)  # both None, or neither: no row has a grammar
         grammar = GrammarRound(constrained, mask_s) if constrained is not None and mask_s is not None else None
         return RoundEvent(
-            index, tuple(len(outcome.drafts[b]) for b in live), tuple(outcome.n_accepted[b] for b in live),
-            rows=tuple(live), n_emitted=tuple(len(emitted[b]) for b in live), draft_s=draft_s, verify_s=verify_s,
+            index,
+            tuple(len(outcome.drafts[b]) for b in live),
+            tuple(outcome.n_accepted[b] for b in live),
+            rows=tuple(live),
+            n_emitted=tuple(len(emitted[b]) for b in live),
+            draft_s=draft_s,
+            verify_s=verify_s,
             sources=tuple(sources[b] for b in live) if sources is not None else None,
             ssd=proposal.ssd.pick(live) if proposal.ssd is not None else None,
             grammar=grammar,
-        )  # fmt: skip
+        )
 
 
 def token_events(rows, emitted, origins, logprobs=None) -> Iterator[TokensEvent]:

@@ -26,8 +26,9 @@ from ssdlocal.core.logprobs import to_host, token_logprobs
 from ssdlocal.core.verify import mask_logits
 
 
-def make_shaper(grammars, rows: int, logprobs: int | None, vocab_size: int, eos_ids,
-                audit: Audit | None = None, carried=None) -> Shaper:  # fmt: skip
+def make_shaper(
+    grammars, rows: int, logprobs: int | None, vocab_size: int, eos_ids, audit: Audit | None = None, carried=None
+) -> Shaper:
     """The Shaper of one batch of `rows` rows: a matcher per row with a grammar (grammars[b],
     or None; `carried[b]`: a row's grammar.guide.RowGuide from an earlier batch, going on),
     and `logprobs` alternatives per token (None: no log-probabilities); host waits counted
@@ -52,8 +53,9 @@ class Shaper:
         self.site = (audit or Audit()).site("target")  # the target's host waits
         self.first_logprobs: list[tuple[TokenLogprob, ...]] | None = None
 
-    def first_token(self, logits: torch.Tensor, sampling, fresh: Sequence[bool] | None = None
-                    ) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+    def first_token(
+        self, logits: torch.Tensor, sampling, fresh: Sequence[bool] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """The prefill's last logits [B, 1, V] -> each row's first token ([B] on the device,
         and as a host list: one read), masked by its grammar, which then consumes it; keeps
         its log-probabilities in `first_logprobs`. `sampling`: engine.request.RowSampling.

@@ -24,22 +24,12 @@ from typing import Any
 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.grammar.kinds import GrammarKind, GrammarSpec
+from ssdlocal.grammar.refusals import GrammarError, check_regex, check_schema_shape
 
 log = logging.getLogger(__name__)
 
 WHITESPACE = r"( ?\r?\n[ \t]{0,32}| )?"  # between JSON tokens: a space, or a line break and its indentation
 INSTALL_HINT = 'pip install llguidance (the "grammar" and "serve" extras include it)'
-
-
-class GrammarError(UsageError):
-    """A grammar that cannot be enforced. `reason`: "invalid" (not a valid schema / regex /
-    grammar), "unsupported" (valid, but uses features the engine cannot enforce), "too_slow"
-    (over the compile time limit, or too complex for the engine), "too_large" (over a size
-    bound) or "busy" (too many compiles already running and waiting: try again)."""
-
-    def __init__(self, message: str, hint: str = "", reason: str = "invalid") -> None:
-        super().__init__(message, hint)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -94,8 +84,7 @@ class GrammarCompiler:
     Thread-safe.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
-                 pool=None) -> None:  # fmt: skip
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None, pool=None) -> None:
         self.tokenizer = tokenizer
         self.pool = pool  # grammar.pool.CompilePool: compiles checked in killable children (None: a thread)
         self.vocab_size = vocab_size
@@ -147,14 +136,19 @@ class GrammarCompiler:
         if len(text) > self.limits.max_chars:
             raise GrammarError(
                 f"the {kind.words} has {len(text)} characters; at most {self.limits.max_chars} are allowed",
-                "send a smaller schema", reason="too_large",
-            )  # fmt: skip
+                "send a smaller schema",
+                reason="too_large",
+            )
         key = f"{kind}:{text}"
         with self._lock:
             found = self._cache.get(key)
             if found is not None and found.failed is not None:  # its lexer gave up on an earlier answer
-                raise GrammarError(f"the {kind.words} is too complex to enforce: an earlier answer "
-                                   f"under it stopped with: {found.failed}", "simplify it", reason="too_slow")  # fmt: skip
+                raise GrammarError(
+                    f"the {kind.words} is too complex to enforce: an earlier answer "
+                    f"under it stopped with: {found.failed}",
+                    "simplify it",
+                    reason="too_slow",
+                )
             if found is not None:
                 self._cache.move_to_end(key)
                 self.hits += 1
@@ -196,8 +190,9 @@ class GrammarCompiler:
         if thread.is_alive():
             raise GrammarError(
                 f"the {kind.words} did not compile within {self.limits.compile_timeout_s:g} s",
-                "simplify it (fewer alternatives, smaller repetition counts)", reason="too_slow",
-            )  # fmt: skip
+                "simplify it (fewer alternatives, smaller repetition counts)",
+                reason="too_slow",
+            )
         if "error" in result:
             raise result["error"]
         return result["grammar"]
@@ -248,9 +243,10 @@ class GrammarCompiler:
                         "so grammars cannot be enforced for it",
                         f"the model files disagree: check vocab_size in config.json against tokenizer.json "
                         f"(and added_tokens) in {where}",
-                    )  # fmt: skip
-                self._ll_tokenizer = llg.LLTokenizer(vocabulary_json(self.tokenizer), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_ids)  # fmt: skip
+                    )
+                self._ll_tokenizer = llg.LLTokenizer(
+                    vocabulary_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_ids
+                )
                 log.info("grammar engine ready for %d tokens in %.1f s", self.vocab_size, time.perf_counter() - t0)
             return self._ll_tokenizer
 
@@ -260,8 +256,10 @@ def vocabulary_json(tokenizer) -> str:
     truncation), as llguidance builds its vocabulary view from it (llguidance.hf does the
     same; this lets a child process build the view without transformers)."""
     if not hasattr(tokenizer, "backend_tokenizer"):
-        raise UsageError("constrained decoding needs a fast (Rust) Hugging Face tokenizer",
-                         "use a model directory with tokenizer.json")  # fmt: skip
+        raise UsageError(
+            "constrained decoding needs a fast (Rust) Hugging Face tokenizer",
+            "use a model directory with tokenizer.json",
+        )
     backend = copy.copy(tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()
@@ -280,142 +278,9 @@ def check(grammar: GrammarSpec) -> None:
         check_regex(source)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
         GrammarCompiler._source(llg, kind, text), None, limits=llg.LLParserLimits(verbose_errors=False)
-    )  # fmt: skip
+    )
     if is_error:
         raise _refusal(kind, messages[0] if messages else "unknown error")
-
-
-MAX_REGEX_EXPANSION = 100_000  # a regex's size with counted repetitions written out (the lexer builds them)
-
-
-def regex_expansion(pattern: str) -> int | None:
-    """The size of `pattern` with its counted repetitions written out: a{1,100} counts 100,
-    (a{1,100}){1,100} 10,000 (unbounded loops count once). The engine's lexer builds such
-    expressions as the answer goes, and gives up mid-answer past its own bound, so a
-    pattern far beyond it is refused at compile time. None: Python cannot read the
-    pattern (the engine decides)."""
-    try:
-        from re import _parser as sre_parse  # Python 3.11+
-    except ImportError:  # pragma: no cover - Python 3.10
-        import sre_parse  # type: ignore[no-redef]
-    try:
-        parsed = sre_parse.parse(pattern)
-    except Exception:  # noqa: BLE001 - ECMA syntax Python lacks: not ours to judge
-        return None
-    unbounded = sre_parse.MAXREPEAT
-
-    def size(items) -> int:
-        total = 0
-        for op, arg in items:
-            name = str(op)
-            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                low, high, sub = arg
-                total += (high if high != unbounded else max(low, 1)) * size(sub)
-            elif name == "SUBPATTERN":
-                total += size(arg[-1])
-            elif name in ("ATOMIC_GROUP",):
-                total += size(arg)
-            elif name == "BRANCH":
-                total += sum(size(b) for b in arg[1])
-            elif name in ("ASSERT", "ASSERT_NOT"):
-                total += size(arg[1])
-            else:
-                total += 1
-            if total > 10 * MAX_REGEX_EXPANSION:
-                return total  # far enough: stop counting
-        return total
-
-    return size(parsed)
-
-
-def check_regex(pattern: str, what: str = "regex") -> None:
-    """GrammarError for a pattern whose written-out size passes MAX_REGEX_EXPANSION."""
-    size = regex_expansion(pattern)
-    if size is not None and size > MAX_REGEX_EXPANSION:
-        raise GrammarError(
-            f"the {what} {pattern[:60]!r}{'...' if len(pattern) > 60 else ''} is too complex to enforce: its "
-            f"counted repetitions expand to more than {MAX_REGEX_EXPANSION:,} parts",
-            "use smaller repetition counts, or fewer nested ones", reason="too_slow",
-        )  # fmt: skip
-
-
-MAX_SCHEMA_DEPTH = 100  # nested objects and lists in a schema's JSON (the engine's parser stops near 128)
-
-
-def check_schema_shape(schema: Any) -> None:
-    """GrammarError for a schema the engine would refuse with a vague message: not an
-    object, nested deeper than MAX_SCHEMA_DEPTH, or whose `$ref`s form a cycle that never
-    reaches a value (e.g. a -> b -> a)."""
-    if not isinstance(schema, dict):
-        raise GrammarError("a JSON schema must be a JSON object", 'send {"type": "object", ...}')
-    depth, stack = 0, [(schema, 1)]
-    while stack:
-        node, level = stack.pop()
-        depth = max(depth, level)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise GrammarError(
-                f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and lists)",
-                "flatten it, or describe the deep part with a $ref to a definition", reason="too_large",
-            )  # fmt: skip
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
-    stack = [schema]
-    while stack:  # every string pattern
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                check_regex(node["pattern"], "pattern")
-            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
-    cycle = _ref_cycle(schema)
-    if cycle:
-        raise GrammarError(
-            f"the JSON schema's references form a cycle that never reaches a value: {' -> '.join(cycle)}",
-            "let one of them define a value (a type, properties, ...) besides its $ref",
-        )  # fmt: skip
-
-
-def _ref_cycle(schema: dict) -> list[str]:
-    """A chain of local `$ref`s (JSON pointers "#/...") that comes back to where it started
-    without passing a schema of its own (only a $ref), else []."""
-
-    def resolve(ref: str):
-        if not ref.startswith("#"):
-            return None
-        node: Any = schema
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
-
-    refs, stack = [], [schema]
-    while stack:  # every $ref in the schema
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("$ref"), str):
-                refs.append(node["$ref"])
-            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
-    for start in dict.fromkeys(refs):
-        chain, ref = [start], start
-        while True:
-            target = resolve(ref)
-            only_ref = isinstance(target, dict) and isinstance(target.get("$ref"), str) and not (
-                set(target) - {"$ref", "$defs", "definitions", "description", "title", "$comment"})  # fmt: skip
-            if not only_ref:
-                break
-            ref = target["$ref"]
-            if ref in chain:
-                return chain[chain.index(ref) :] + [ref]
-            chain.append(ref)
-    return []
 
 
 def first_mask(matcher, vocab_size: int):
@@ -435,8 +300,9 @@ def _refusal(kind: GrammarKind, message: str) -> GrammarError:
     if "Unimplemented" in message or "not supported" in message.lower() or "unsupported" in message.lower():
         return GrammarError(
             f"the {what} uses features ssdlocal's grammar engine cannot enforce: {message}",
-            "drop those keywords (or enforce them after the answer arrives)", reason="unsupported",
-        )  # fmt: skip
+            "drop those keywords (or enforce them after the answer arrives)",
+            reason="unsupported",
+        )
     if "limit" in message.lower() or "too complex" in message.lower() or "fuel" in message.lower():
         return GrammarError(f"the {what} is too complex to enforce: {message}", "simplify it", reason="too_slow")
     return GrammarError(f"invalid {what}: {message}", "check it against its specification")

@@ -164,8 +164,14 @@ class Guides:
     goes on (a row that carries on after its batch re-seated); None: a fresh one.
     """
 
-    def __init__(self, grammars: Sequence, vocab_size: int, eos_ids: Sequence[int], audit: Audit | None = None,
-                 carried: Sequence[RowGuide | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        grammars: Sequence,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        audit: Audit | None = None,
+        carried: Sequence[RowGuide | None] | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         audit = audit or Audit()
         self.target_site = audit.site("target")  # verification's masks go up to the target
@@ -177,9 +183,13 @@ class Guides:
         with self.timing([True] * len(grammars)):
             carried = carried or [None] * len(grammars)
             self.rows = [
-                None if g is None else kept if kept is not None else RowGuide(g.matcher(), vocab_size, eos_ids, g.matcher)
+                None
+                if g is None
+                else kept
+                if kept is not None
+                else RowGuide(g.matcher(), vocab_size, eos_ids, g.matcher)
                 for g, kept in zip(grammars, carried)
-            ]  # fmt: skip
+            ]
         self._drafted: list[list[int]] = [[] for _ in self.rows]
 
     @contextmanager

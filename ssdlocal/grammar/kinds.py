@@ -43,5 +43,7 @@ class GrammarSpec:
         kind = GrammarKind.parse(self.kind, "grammar kind")
         object.__setattr__(self, "kind", kind)
         if kind in (GrammarKind.REGEX, GrammarKind.LARK) and not isinstance(self.source, str):
-            raise UsageError(f"a {kind.words} grammar is text, got {type(self.source).__name__}",
-                             f"pass the {kind.words} as a string")  # fmt: skip
+            raise UsageError(
+                f"a {kind.words} grammar is text, got {type(self.source).__name__}",
+                f"pass the {kind.words} as a string",
+            )

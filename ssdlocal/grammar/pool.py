@@ -112,8 +112,9 @@ class CompilePool:
             self._replace()
             raise GrammarError(
                 f"the {kind.words} did not compile within {timeout_s:g} s",
-                "simplify it (fewer alternatives, smaller repetition counts)", reason="too_slow",
-            )  # fmt: skip
+                "simplify it (fewer alternatives, smaller repetition counts)",
+                reason="too_slow",
+            )
         with self._lock:
             if self._closed:
                 child.kill()
@@ -143,8 +144,11 @@ class CompilePool:
 
 
 def _busy(why: str) -> GrammarError:
-    return GrammarError(f"the server is busy compiling grammars ({why})",
-                        "retry in a few seconds; new schemas compile once, then are cached", reason="busy")  # fmt: skip
+    return GrammarError(
+        f"the server is busy compiling grammars ({why})",
+        "retry in a few seconds; new schemas compile once, then are cached",
+        reason="busy",
+    )
 
 
 class _Child:
@@ -158,8 +162,10 @@ class _Child:
         target = f"{serve.__module__}:{serve.__qualname__}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ssdlocal.grammar.pool", str(theirs.fileno()), target],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send(tuple(rest))
@@ -186,8 +192,7 @@ class _Child:
                 return None
             return self.conn.recv()
         except (EOFError, OSError):  # the child died (out of memory, say)
-            return ("error", f"the {kind.words} could not be compiled (its compile crashed)",
-                    "simplify it", "too_slow")  # fmt: skip
+            return ("error", f"the {kind.words} could not be compiled (its compile crashed)", "simplify it", "too_slow")
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -233,8 +238,14 @@ def answer_forever(conn, compile_one) -> None:
         except GrammarError as exc:
             conn.send(("error", exc.message, exc.hint, exc.reason))
         except Exception as exc:  # noqa: BLE001 - reported as the grammar's refusal
-            conn.send(("error", f"the grammar could not be compiled: {type(exc).__name__}: {str(exc)[:200]}",
-                       "check it against its specification", "invalid"))  # fmt: skip
+            conn.send(
+                (
+                    "error",
+                    f"the grammar could not be compiled: {type(exc).__name__}: {str(exc)[:200]}",
+                    "check it against its specification",
+                    "invalid",
+                )
+            )
 
 
 def _main(argv: list[str]) -> None:

@@ -19,9 +19,15 @@ from ssdlocal.ipc.lifetime import start_child
 
 
 def run_child(
-    conn, parent_pid: int, pdeathsig: bool, body: Callable[[], object], *, role: str,
-    default_kind: str, prefix_errors: bool = False,
-) -> None:  # fmt: skip
+    conn,
+    parent_pid: int,
+    pdeathsig: bool,
+    body: Callable[[], object],
+    *,
+    role: str,
+    default_kind: str,
+    prefix_errors: bool = False,
+) -> None:
     """Run `body()` as a child process; never returns normally.
 
     Exit code 0 after a clean end (or when the parent went away), 1 after reporting an

@@ -201,15 +201,27 @@ class RankGroup:
         listener.detach()  # the store owns the descriptor now and closes it when it goes
         threads = max(1, torch.get_num_threads() // self.world) if self.backend == "gloo" else None
         for rank in range(1, self.world):
-            self.children.append(ChildProcess(
-                rank_main,
-                (rank, self.world, store.port, self.backend, self.devices, spec,
-                 self.rendezvous_timeout_s, self.collective_timeout_s, threads),
-                name=f"ssdlocal-tp{rank}", role=f"tensor-parallel rank {rank} ({self.devices[rank]})",
-                error=TensorParallelError,
-                dead_hint="the rank was killed or crashed (out of memory?); rerun, or use fewer target devices",
-                hung_hint="the device may be overloaded or the process stopped; rerun, or use one target device",
-            ))  # fmt: skip
+            self.children.append(
+                ChildProcess(
+                    rank_main,
+                    (
+                        rank,
+                        self.world,
+                        store.port,
+                        self.backend,
+                        self.devices,
+                        spec,
+                        self.rendezvous_timeout_s,
+                        self.collective_timeout_s,
+                        threads,
+                    ),
+                    name=f"ssdlocal-tp{rank}",
+                    role=f"tensor-parallel rank {rank} ({self.devices[rank]})",
+                    error=TensorParallelError,
+                    dead_hint="the rank was killed or crashed (out of memory?); rerun, or use fewer target devices",
+                    hung_hint="the device may be overloaded or the process stopped; rerun, or use one target device",
+                )
+            )
         for rank in range(1, self.world):
             self._recv(rank, Reply.JOINING, self.rendezvous_timeout_s)
         if self.backend == "nccl":
@@ -294,8 +306,9 @@ class RankGroup:
             if graphs is None:
                 mirror("eager", key)
                 return shard(ids, positions, slots, mask, keep)  # [B, T or n, V]; all_reduce inside
-            return graphs.run(key, shard, mirror=mirror, input_ids=ids, positions=positions,
-                              slots=slots, attn_mask=mask)  # fmt: skip
+            return graphs.run(
+                key, shard, mirror=mirror, input_ids=ids, positions=positions, slots=slots, attn_mask=mask
+            )
         except BaseException as exc:
             self.broken = True  # a rank may be waiting in a collective: the group is spent
             mapped = oom_error(exc, f"on {self.device} in the tensor-parallel forward")

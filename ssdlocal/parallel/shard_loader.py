@@ -98,13 +98,24 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
     apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors
     try:
         if scheme != "none":
-            load_quantized_weights(model, ckpt, files, scheme, dev, dtype,
-                                   shard=lambda key, value: shard_value(arch, key, value, rank, world))  # fmt: skip
+            load_quantized_weights(
+                model,
+                ckpt,
+                files,
+                scheme,
+                dev,
+                dtype,
+                shard=lambda key, value: shard_value(arch, key, value, rank, world),
+            )
         else:
             state = read_state_dict(
-                files, dev, dtype, arch, tied=args.tie_word_embeddings,
+                files,
+                dev,
+                dtype,
+                arch,
+                tied=args.tie_word_embeddings,
                 read=lambda f, name, key: _read(f, name, arch.split_dim(key), rank, world),
-            )  # fmt: skip
+            )
             assign_weights(model, state, ckpt)
             del state
     except torch.OutOfMemoryError as exc:

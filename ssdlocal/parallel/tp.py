@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.quant import replace_module
+from ssdlocal.backends.torch.quant_apply import replace_module
 from ssdlocal.core.errors import UsageError
 from ssdlocal.weights.formats.arch import architecture
 

@@ -51,9 +51,15 @@ def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", devi
     return numel * _BYTES.get(dtype, 2) / 1e9
 
 
-def auto_devices(target: str, draft: str | None, dtype: str, inventory=None, *,
-                 backend: BackendName = BackendName.TORCH,
-                 quantizations: tuple[str, str] = ("none", "none")):  # fmt: skip
+def auto_devices(
+    target: str,
+    draft: str | None,
+    dtype: str,
+    inventory=None,
+    *,
+    backend: BackendName = BackendName.TORCH,
+    quantizations: tuple[str, str] = ("none", "none"),
+):
     """(target devices, draft device) from the planner; `draft` None (no draft model) needs
     no device.
 

@@ -75,9 +75,14 @@ def batch_exact(backend: BackendName, targets: tuple[str, ...], batch_invariant:
     return not (backend is BackendName.LLAMACPP and tuple(targets) == ("cpu",) and not batch_invariant)
 
 
-def placement_mode(targets: tuple[str, ...], draft_device: str | None, draft_kind: str,
-                   draft_label: str = "", adaptive_k: bool = True, batch_exact: bool = True
-                   ) -> ModeChoice | None:  # fmt: skip
+def placement_mode(
+    targets: tuple[str, ...],
+    draft_device: str | None,
+    draft_kind: str,
+    draft_label: str = "",
+    adaptive_k: bool = True,
+    batch_exact: bool = True,
+) -> ModeChoice | None:
     """The mode for this placement. `draft_kind`: "none", "model", or a drafter that costs
     nothing ("ngram", "suffix"); `batch_exact`: the target's kernels give a token the same
     logits however many tokens its call holds (False: llama.cpp on a CPU without
@@ -94,8 +99,11 @@ def placement_mode(targets: tuple[str, ...], draft_device: str | None, draft_kin
         )
     if draft_kind != "model":
         label = draft_label or draft_kind
-        return ModeChoice(Mode.SD, f"the {label} draft costs nothing to run, so synchronous speculation",
-                          f"the {label} draft costs nothing to run")  # fmt: skip
+        return ModeChoice(
+            Mode.SD,
+            f"the {label} draft costs nothing to run, so synchronous speculation",
+            f"the {label} draft costs nothing to run",
+        )
     where = ",".join(targets)
     draft = draft_device or "cpu"
     if draft not in targets and (_is_gpu(draft) or any(_is_gpu(t) for t in targets)):

@@ -202,9 +202,11 @@ def _failure(exc: BaseException) -> APIError:
 def _unknown_model(name: str) -> APIError:
     name = name if len(name) <= 80 else name[:77] + "..."
     return APIError(
-        404, f"The model `{name}` does not exist: GET /v1/models lists the served model",
-        param="model", code="model_not_found",
-    )  # fmt: skip
+        404,
+        f"The model `{name}` does not exist: GET /v1/models lists the served model",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _authorize(request: Request, state: ServerState) -> None:
@@ -213,13 +215,17 @@ def _authorize(request: Request, state: ServerState) -> None:
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-        raise APIError(401, "Incorrect or missing API key (send Authorization: Bearer KEY)",
-                       code="invalid_api_key")  # fmt: skip
+        raise APIError(401, "Incorrect or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
 
 
 def _model_card(state: ServerState) -> dict:
-    return {"id": state.model, "object": "model", "created": state.created, "owned_by": "ssdlocal",
-            "max_model_len": state.context}  # fmt: skip
+    return {
+        "id": state.model,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "ssdlocal",
+        "max_model_len": state.context,
+    }
 
 
 # ---------------------------------------------------------------------- generation
@@ -251,19 +257,24 @@ async def _generate(request: Request, state: ServerState, endpoint: str, parse) 
         raise
     rows = [ids for ids in prompts for _ in range(req.n)]
     row_budgets = [b for b in budgets for _ in range(req.n)]
-    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream, budgets=row_budgets,
-                                 grammar=grammar)  # fmt: skip
+    job = state.scheduler.submit(rows, req.params, req.seeded, stream=req.stream, budgets=row_budgets, grammar=grammar)
     if endpoint == "infill":  # llama.cpp's answer shape
         answer = InfillAnswer(req, state.model, len(prompts[0]), context=state.context)
     else:
-        answer = Responses(req, state.model, sum(map(len, prompts)), tool_format=state.grammars.tools_format(req),
-                           tokenizer=state.tokenizer)  # fmt: skip
+        answer = Responses(
+            req,
+            state.model,
+            sum(map(len, prompts)),
+            tool_format=state.grammars.tools_format(req),
+            tokenizer=state.tokenizer,
+        )
     outcome = _Outcome(state.metrics, endpoint, sum(map(len, prompts)), started)
     if req.stream:
         return StreamingResponse(
-            _sse(request, job, answer, outcome, state.closing), media_type="text/event-stream",
+            _sse(request, job, answer, outcome, state.closing),
+            media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )  # fmt: skip
+        )
     try:
         async for item in _items(request, job, state.closing):
             if isinstance(item, Failed):
@@ -335,14 +346,16 @@ def _budgets(prompts: list[tuple[int, ...]], req: ParsedRequest, context: int) -
                 f"This model's maximum context length is {context} tokens, however you requested "
                 f"{len(ids) + cap} tokens ({len(ids)} in the prompt, {cap} for the completion). "
                 "Please reduce the length of the prompt or max_tokens.",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
+                param=param,
+                code="context_length_exceeded",
+            )
         if room < 1:
             raise bad(
                 f"This model's maximum context length is {context} tokens, however the prompt "
                 f"has {len(ids)} tokens. Please reduce the length of the prompt.",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
+                param=param,
+                code="context_length_exceeded",
+            )
         budgets.append(cap if req.max_tokens is not None or (cap is not None and cap < room) else None)
     return budgets
 
@@ -351,8 +364,7 @@ def _check_token_ids(prompts: list[tuple[int, ...]], vocab_size: int | None) -> 
     for ids in prompts:
         bad_ids = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad_ids:
-            raise bad(f"token id {bad_ids[0]} is outside the vocabulary (0..{(vocab_size or 1) - 1})",
-                      param="prompt")  # fmt: skip
+            raise bad(f"token id {bad_ids[0]} is outside the vocabulary (0..{(vocab_size or 1) - 1})", param="prompt")
 
 
 @dataclass

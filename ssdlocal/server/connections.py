@@ -29,8 +29,10 @@ ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 def _error_response(status: int, reason: str, message: str, kind: str, code: str) -> bytes:
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -57,17 +59,27 @@ def protocol_class(limits: ServerLimits):
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     refused = RateLimitedLog()
-    busy = _error_response(503, "Service Unavailable",
-                           f"too many open connections (this server allows {limits.max_connections}, "
-                           "--max-connections); retry shortly", "server_error", "too_many_connections")  # fmt: skip
+    busy = _error_response(
+        503,
+        "Service Unavailable",
+        f"too many open connections (this server allows {limits.max_connections}, --max-connections); retry shortly",
+        "server_error",
+        "too_many_connections",
+    )
     bad_request = _error_response(
-        400, "Bad Request", "the request's head cannot be parsed as HTTP/1.1 (malformed, or over 16 KiB)",
-        "invalid_request_error", "invalid_http_request",
-    )  # fmt: skip
+        400,
+        "Bad Request",
+        "the request's head cannot be parsed as HTTP/1.1 (malformed, or over 16 KiB)",
+        "invalid_request_error",
+        "invalid_http_request",
+    )
     bad_body = _error_response(
-        400, "Bad Request", "the request's body framing cannot be parsed as HTTP/1.1 (e.g. a chunk size "
-        "that is not hexadecimal)", "invalid_request_error", "invalid_http_request",
-    )  # fmt: skip
+        400,
+        "Bad Request",
+        "the request's body framing cannot be parsed as HTTP/1.1 (e.g. a chunk size that is not hexadecimal)",
+        "invalid_request_error",
+        "invalid_http_request",
+    )
 
     class LimitedH11Protocol(H11Protocol):
         _head_timer = None
@@ -192,8 +204,10 @@ def quiet_accept_errors(loop) -> None:
     def handler(loop, context) -> None:
         exc = context.get("exception")
         if isinstance(exc, OSError) and exc.errno in ACCEPT_ERRORS and "accept" in context.get("message", ""):
-            reports.warning("cannot accept connections: %s (raise `ulimit -n`, or lower --max-connections); "
-                            "retrying every second", exc.strerror or exc)  # fmt: skip
+            reports.warning(
+                "cannot accept connections: %s (raise `ulimit -n`, or lower --max-connections); retrying every second",
+                exc.strerror or exc,
+            )
             return
         if default is not None:
             default(loop, context)
@@ -224,6 +238,12 @@ def fit_connections(max_connections: int) -> int:
     if soft >= need:
         return max_connections
     fits = max(1, soft - FD_RESERVE)
-    log.warning("the open-file limit (%d) leaves room for %d connections, not %d: serving at most %d "
-                "(raise `ulimit -n` for more)", soft, fits, max_connections, fits)  # fmt: skip
+    log.warning(
+        "the open-file limit (%d) leaves room for %d connections, not %d: serving at most %d "
+        "(raise `ulimit -n` for more)",
+        soft,
+        fits,
+        max_connections,
+        fits,
+    )
     return fits

@@ -85,13 +85,16 @@ class AccessPolicy:
                 try:
                     split_host(entry)
                 except ValueError:
-                    raise UsageError(f"--allowed-hosts: {entry!r} is not a host name (optionally with :port)",
-                                     "use e.g. --allowed-hosts my-box.lan or --allowed-hosts my-box.lan:8000",
-                                     ) from None  # fmt: skip
+                    raise UsageError(
+                        f"--allowed-hosts: {entry!r} is not a host name (optionally with :port)",
+                        "use e.g. --allowed-hosts my-box.lan or --allowed-hosts my-box.lan:8000",
+                    ) from None
         for entry in self.extra_origins:
             if entry != "*" and normal_origin(entry) is None:
-                raise UsageError(f"--allowed-origins: {entry!r} is not an origin (scheme://host[:port])",
-                                 "use e.g. --allowed-origins http://localhost:3000")  # fmt: skip
+                raise UsageError(
+                    f"--allowed-origins: {entry!r} is not an origin (scheme://host[:port])",
+                    "use e.g. --allowed-origins http://localhost:3000",
+                )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -158,8 +161,9 @@ def normal_origin(value: str) -> str | None:
 
 
 def _error(status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()):
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()  # fmt: skip
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     return head, body
 
@@ -222,14 +226,20 @@ def guard(app: Callable[..., Awaitable[None]], policy: AccessPolicy) -> Callable
 def _refusal(scope, headers: dict[bytes, bytes], head_bytes: int, policy: AccessPolicy):
     """(status, headers, body) for a request refused before its route, or None."""
     if head_bytes > MAX_HEAD_BYTES:
-        return 400, *_error(400, f"the request's head has about {head_bytes:,} bytes, over this server's limit "
-                            f"of {MAX_HEAD_BYTES:,} (16 KiB)", "invalid_http_request")  # fmt: skip
+        return 400, *_error(
+            400,
+            f"the request's head has about {head_bytes:,} bytes, over this server's limit "
+            f"of {MAX_HEAD_BYTES:,} (16 KiB)",
+            "invalid_http_request",
+        )
     host = headers.get(b"host", b"").decode("latin-1")
     if not policy.host_allowed(host):
         return 403, *_error(
-            403, f"this server does not answer to the Host {_shown(host)!r} (a guard against DNS rebinding): "
+            403,
+            f"this server does not answer to the Host {_shown(host)!r} (a guard against DNS rebinding): "
             f"it answers to {policy.describe_hosts()}; start it with --allowed-hosts to add a name",
-            "host_not_allowed")  # fmt: skip
+            "host_not_allowed",
+        )
     origin = headers.get(b"origin")
     if origin is not None and not policy.origin_allowed(origin.decode("latin-1")):
         return 403, *_error(
@@ -242,6 +252,9 @@ def _refusal(scope, headers: dict[bytes, bytes], head_bytes: int, policy: Access
         kind = headers.get(b"content-type", b"").decode("latin-1")
         if kind.split(";", 1)[0].strip().lower() != "application/json":
             shown = f"{_shown(kind)!r}" if kind else "none"
-            return 415, *_error(415, f"the request body must be sent as Content-Type: application/json "
-                                f"(got {shown})", "unsupported_media_type")  # fmt: skip
+            return 415, *_error(
+                415,
+                f"the request body must be sent as Content-Type: application/json (got {shown})",
+                "unsupported_media_type",
+            )
     return None

@@ -35,11 +35,15 @@ CODES = {
 class RequestGrammars:
     """Grammars for the requests of one server (thread-safe)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
-                 isolate: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None, isolate: bool = True
+    ) -> None:
         limits = limits or GrammarLimits()
-        self.pool = CompilePool(tokenizer, vocab_size, eos_ids, workers=limits.compile_workers,
-                                queue=limits.compile_queue) if isolate else None  # fmt: skip
+        self.pool = (
+            CompilePool(tokenizer, vocab_size, eos_ids, workers=limits.compile_workers, queue=limits.compile_queue)
+            if isolate
+            else None
+        )
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, limits, self.pool)
         self.tool_format: ToolFormat | None = detect_format(getattr(tokenizer, "chat_template", None))
 
@@ -84,10 +88,20 @@ class RequestGrammars:
                 "response_format.json_schema.schema" if answer is not None and not req.tool_choice.forced else "tools"
             )
             if exc.reason == "busy":
-                raise APIError(503, f"{exc.message} ({exc.hint})", type="server_error", param=param,
-                               code=CODES["busy"], headers={"Retry-After": "2"}) from None  # fmt: skip
-            raise APIError(400, f"{exc.message} ({exc.hint})" if exc.hint else exc.message, param=param,
-                           code=CODES.get(exc.reason, "invalid_schema")) from None  # fmt: skip
+                raise APIError(
+                    503,
+                    f"{exc.message} ({exc.hint})",
+                    type="server_error",
+                    param=param,
+                    code=CODES["busy"],
+                    headers={"Retry-After": "2"},
+                ) from None
+            raise APIError(
+                400,
+                f"{exc.message} ({exc.hint})" if exc.hint else exc.message,
+                param=param,
+                code=CODES.get(exc.reason, "invalid_schema"),
+            ) from None
         except UsageError as exc:  # llguidance is not installed
             raise APIError(400, f"{exc.message} ({exc.hint})", param=_param(req), code="unsupported") from None
 

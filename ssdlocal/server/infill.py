@@ -28,9 +28,17 @@ from ssdlocal.server.scheduler import Chunk, Finished
 # llama.cpp's defaults for the fields a client leaves out
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}
 # llama.cpp field -> the OpenAI field it is parsed as (errors name the llama.cpp one)
-_FIELDS = {"n_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-           "seed": "seed", "stop": "stop", "stream": "stream", "ignore_eos": "ignore_eos",
-           "return_tokens": "return_token_ids"}  # fmt: skip
+_FIELDS = {
+    "n_predict": "max_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "stream": "stream",
+    "ignore_eos": "ignore_eos",
+    "return_tokens": "return_token_ids",
+}
 STOP_TYPES = {"eos": "eos", "stop": "word", "length": "limit", "cancelled": "none"}
 
 
@@ -75,8 +83,11 @@ def _extra(value: Any) -> tuple[ContextFile, ...]:
         raise bad('\'input_extra\' must be a list of {"filename", "text"} objects', param="input_extra")
     out = []
     for i, chunk in enumerate(value):
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str) \
-                or not isinstance(chunk.get("filename", ""), str):  # fmt: skip
+        if (
+            not isinstance(chunk, dict)
+            or not isinstance(chunk.get("text", ""), str)
+            or not isinstance(chunk.get("filename", ""), str)
+        ):
             raise bad(f'input_extra[{i}] must be {{"filename": string, "text": string}}', param="input_extra")
         out.append(ContextFile(chunk.get("filename") or "tmp", chunk.get("text") or ""))
     return tuple(out)
@@ -90,8 +101,12 @@ def check_fim_chars(req: ParsedRequest, limit: int) -> None:
     each = len(req.suffix) + sum(len(c.filename) + len(c.text) for c in req.context_files)
     if sum(len(p) for p in req.prompts) + each * len(req.prompts) > limit:
         param = "input_suffix" if req.repo_level else "suffix"
-        raise bad(f"the prompt, suffix and context files have more characters than this server's limit of "
-                  f"{limit:,} (--max-prompt-chars)", param=param, code="context_length_exceeded")  # fmt: skip
+        raise bad(
+            f"the prompt, suffix and context files have more characters than this server's limit of "
+            f"{limit:,} (--max-prompt-chars)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def fim_ids(tokenizer, tokens: FimTokens | None, req: ParsedRequest, before: str, param: str) -> list[int]:
@@ -100,8 +115,9 @@ def fim_ids(tokenizer, tokens: FimTokens | None, req: ParsedRequest, before: str
     if tokens is None:
         err = no_fim_error(param)
         raise bad(f"{err.message} ({err.hint})", param=param, code="unsupported")
-    return fim_prompt(tokenizer, tokens, before, req.suffix or "", extra=req.context_files,
-                      repo_level=req.repo_level or None)  # fmt: skip
+    return fim_prompt(
+        tokenizer, tokens, before, req.suffix or "", extra=req.context_files, repo_level=req.repo_level or None
+    )
 
 
 class InfillAnswer:
@@ -117,8 +133,13 @@ class InfillAnswer:
     def stream_chunks(self, item: Chunk) -> list[dict[str, Any]]:
         if item.choice != 0 or not (item.text or (self.req.return_token_ids and item.token_ids)):
             return []  # text held back (a partial character, a stop string's start)
-        chunk: dict[str, Any] = {"index": 0, "content": item.text, "stop": False, "id_slot": 0,
-                                 "tokens_evaluated": self.prompt_tokens}  # fmt: skip
+        chunk: dict[str, Any] = {
+            "index": 0,
+            "content": item.text,
+            "stop": False,
+            "id_slot": 0,
+            "tokens_evaluated": self.prompt_tokens,
+        }
         if self.req.return_token_ids:
             chunk["tokens"] = list(item.token_ids)
         return [chunk]
@@ -137,29 +158,44 @@ class InfillAnswer:
         stats = finished.stats
         cached = finished.cached[0] if finished.cached else 0
         read = max(self.prompt_tokens - cached, 0)
-        prompt_s = read / stats["prefill_tokens_per_s"] if stats.get("prefill_tokens_per_s") else (
-            stats.get("ttft_s") or 0.0)  # fmt: skip
+        prompt_s = (
+            read / stats["prefill_tokens_per_s"] if stats.get("prefill_tokens_per_s") else (stats.get("ttft_s") or 0.0)
+        )
         rate = stats.get("tokens_per_s") or 0.0
         predicted_s = len(ids) / rate if rate else 0.0
         params = self.req.params
         return {
-            "index": 0, "content": text, "tokens": list(ids) if self.req.return_token_ids else [],
-            "id_slot": 0, "stop": True, "model": self.model,
-            "tokens_predicted": len(ids), "tokens_evaluated": self.prompt_tokens, "tokens_cached": cached,
+            "index": 0,
+            "content": text,
+            "tokens": list(ids) if self.req.return_token_ids else [],
+            "id_slot": 0,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": len(ids),
+            "tokens_evaluated": self.prompt_tokens,
+            "tokens_cached": cached,
             "generation_settings": {
                 "n_predict": -1 if params.max_new_tokens is None else params.max_new_tokens,
-                "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                "seed": params.seed, "stop": list(params.stop), "n_ctx": self.context,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+                "seed": params.seed,
+                "stop": list(params.stop),
+                "n_ctx": self.context,
             },
-            "has_new_line": "\n" in text, "truncated": False,
-            "stop_type": STOP_TYPES.get(reason, "none"), "stopping_word": "",
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": STOP_TYPES.get(reason, "none"),
+            "stopping_word": "",
             "timings": {
-                "prompt_n": read, "prompt_ms": prompt_s * 1e3,
+                "prompt_n": read,
+                "prompt_ms": prompt_s * 1e3,
                 "prompt_per_token_ms": prompt_s * 1e3 / read if read else 0.0,
                 "prompt_per_second": read / prompt_s if prompt_s else 0.0,
-                "predicted_n": len(ids), "predicted_ms": predicted_s * 1e3,
+                "predicted_n": len(ids),
+                "predicted_ms": predicted_s * 1e3,
                 "predicted_per_token_ms": predicted_s * 1e3 / len(ids) if ids else 0.0,
                 "predicted_per_second": rate,
             },
             "ssdlocal": stats,
-        }  # fmt: skip
+        }

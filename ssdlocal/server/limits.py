@@ -48,13 +48,17 @@ class ServerLimits:
             if value < 1:
                 raise UsageError(f"{name} must be positive, got {value}", f"use e.g. {example}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
-            raise UsageError(f"max-prompt-chars must be >= 1, got {self.max_prompt_chars}",
-                             "drop --max-prompt-chars for the default (32 per token of context)")  # fmt: skip
-        for name, value in (("header-timeout", self.header_timeout_s), ("body-timeout", self.body_timeout_s),
-                            ("idle-timeout", self.idle_timeout_s)):  # fmt: skip
+            raise UsageError(
+                f"max-prompt-chars must be >= 1, got {self.max_prompt_chars}",
+                "drop --max-prompt-chars for the default (32 per token of context)",
+            )
+        for name, value in (
+            ("header-timeout", self.header_timeout_s),
+            ("body-timeout", self.body_timeout_s),
+            ("idle-timeout", self.idle_timeout_s),
+        ):
             if not (value > 0 and math.isfinite(value)):
-                raise UsageError(f"{name} must be a positive number of seconds, got {value}",
-                                 f"use e.g. --{name} 10")  # fmt: skip
+                raise UsageError(f"{name} must be a positive number of seconds, got {value}", f"use e.g. --{name} 10")
 
     def prompt_chars(self, context: int) -> int:
         """The prompt-character limit for a model with this context (tokens)."""
@@ -79,16 +83,17 @@ async def read_body(request, limits: ServerLimits, closing: asyncio.Event) -> by
     read = asyncio.ensure_future(_read(request, limits))
     stop = asyncio.ensure_future(closing.wait())
     try:
-        done, _ = await asyncio.wait({read, stop}, timeout=limits.body_timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        done, _ = await asyncio.wait({read, stop}, timeout=limits.body_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if read in done:
             return read.result()
         if stop in done:
             raise shutting_down()
         raise APIError(
-            408, f"the request body did not arrive within {limits.body_timeout_s:g} s (--body-timeout)",
-            code="request_timeout", headers={"Connection": "close"},
-        )  # fmt: skip
+            408,
+            f"the request body did not arrive within {limits.body_timeout_s:g} s (--body-timeout)",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
     finally:
         for task in (read, stop):
             task.cancel()
@@ -113,8 +118,11 @@ async def _read(request, limits: ServerLimits) -> bytes:
 def _too_large(size: int | None, limits: ServerLimits) -> APIError:
     """413; `size` None: a body sent without a length that grew past the limit."""
     has = f"{size:,} bytes" if size is not None else f"more than {limits.max_body_bytes:,} bytes"
-    return APIError(413, f"the request body has {has}, over this server's limit of "
-                    f"{limits.max_body_bytes:,} (--max-body-mb)", code="request_too_large")  # fmt: skip
+    return APIError(
+        413,
+        f"the request body has {has}, over this server's limit of {limits.max_body_bytes:,} (--max-body-mb)",
+        code="request_too_large",
+    )
 
 
 # ---------------------------------------------------------------------- request bounds
@@ -130,19 +138,23 @@ def check_request(req: ParsedRequest, limits: ServerLimits, context: int) -> Non
             f"this request asks for {rows} completions ({what}); this server answers at most "
             f"{limits.max_request_rows} per request (--max-request-rows)",
             param="n" if req.n > 1 else "prompt",
-        )  # fmt: skip
+        )
     param = "messages" if req.chat else "prompt"
     if req.chat and len(req.messages) > context:
-        raise bad(f"{len(req.messages)} messages cannot fit this model's context of {context} tokens",
-                  param=param, code="context_length_exceeded")  # fmt: skip
+        raise bad(
+            f"{len(req.messages)} messages cannot fit this model's context of {context} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
     chars, limit = rendered_chars(req), limits.prompt_chars(context)
     if chars > limit:
         what = "prompt" if not req.chat else "messages, tools and schemas" if req.tools else "messages"
         raise bad(
             f"this request has {chars:,} characters to render ({what}), over this server's limit of {limit:,} "
             f"(--max-prompt-chars; the model's context is {context} tokens)",
-            param=param, code="context_length_exceeded",
-        )  # fmt: skip
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def rendered_chars(req: ParsedRequest) -> int:

@@ -208,9 +208,15 @@ class Metrics:
                 "Device -> host reads and blocking host -> device copies (stream synchronisations on a GPU), by model.",
                 [("_total", {"model": k}, n) for k, n in sorted(self.host_waits.items())],
             )
-            family("host_waits_per_round", "gauge", "Host waits per verification round since start, by model.",
-                   [("", {"model": k}, n / self.batch_rounds if self.batch_rounds else math.nan)
-                    for k, n in sorted(self.host_waits.items())])  # fmt: skip
+            family(
+                "host_waits_per_round",
+                "gauge",
+                "Host waits per verification round since start, by model.",
+                [
+                    ("", {"model": k}, n / self.batch_rounds if self.batch_rounds else math.nan)
+                    for k, n in sorted(self.host_waits.items())
+                ],
+            )
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
             family(

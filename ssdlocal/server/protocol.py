@@ -122,8 +122,9 @@ def parse_completion(body: Any, max_new_tokens: int | None) -> ParsedRequest:
     suffix = suffix or None  # "": a plain completion, as before
     prompts = _prompts(body.get("prompt"), allow_empty=suffix is not None)
     if suffix is not None and not all(isinstance(p, str) for p in prompts):
-        raise bad("'suffix' needs the prompt as text (the text before the insertion point), not token ids",
-                  param="suffix")  # fmt: skip
+        raise bad(
+            "'suffix' needs the prompt as text (the text before the insertion point), not token ids", param="suffix"
+        )
     return _parse(body, max_new_tokens, prompts=prompts, suffix=suffix)
 
 
@@ -162,7 +163,7 @@ def _check_unicode(body: dict) -> None:
                         f"'{_show_key(key)}' is not valid Unicode: it contains a lone surrogate "
                         "(a \\ud800-\\udfff escape without its pair); send UTF-8 text",
                         param=_show_key(key) if _SURROGATE.search(key) is None else None,
-                    )  # fmt: skip
+                    )
             elif isinstance(item, dict):
                 stack.extend(item.keys())
                 stack.extend(item.values())
@@ -207,17 +208,22 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
     except FieldError as exc:
         raise bad(exc.message, param=exc.param, code=exc.code) from None
     if response_format is not None and what.get("tool_choice", ToolChoice("none")).forced:
-        raise bad("response_format cannot be combined with a forced tool_choice (the answer is a tool call)",
-                  param="response_format")  # fmt: skip
+        raise bad(
+            "response_format cannot be combined with a forced tool_choice (the answer is a tool call)",
+            param="response_format",
+        )
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("'stream_options' must be an object", param="stream_options")
     fields = {  # SamplingParams field -> (value, the request's field)
-        "temperature": (temperature, "temperature"), "top_k": (max(top_k, 0), "top_k"), "top_p": (top_p, "top_p"),
+        "temperature": (temperature, "temperature"),
+        "top_k": (max(top_k, 0), "top_k"),
+        "top_p": (top_p, "top_p"),
         "seed": (0 if seed is None else seed, "seed"),
-        "max_new_tokens": (_capped(max_tokens, max_new_tokens), "max_tokens"), "stop": (stop, "stop"),
-    }  # fmt: skip
+        "max_new_tokens": (_capped(max_tokens, max_new_tokens), "max_tokens"),
+        "stop": (stop, "stop"),
+    }
     for name, (value, param) in fields.items():  # SamplingParams' own rules, one field at a time
         try:
             SamplingParams(**{name: value})
@@ -226,11 +232,17 @@ def _parse(body: dict, max_new_tokens: int | None, **what) -> ParsedRequest:
     values = {name: value for name, (value, _) in fields.items()}
     params = SamplingParams(**values, ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs)
     return ParsedRequest(
-        model=model, params=params, seeded=seed is not None, n=n, stream=stream,
+        model=model,
+        params=params,
+        seeded=seed is not None,
+        n=n,
+        stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
-        return_token_ids=_bool(body, "return_token_ids"), max_tokens=max_tokens,
-        response_format=response_format, **what,
-    )  # fmt: skip
+        return_token_ids=_bool(body, "return_token_ids"),
+        max_tokens=max_tokens,
+        response_format=response_format,
+        **what,
+    )
 
 
 def _capped(asked: int | None, cap: int | None) -> int | None:
@@ -323,14 +335,17 @@ def _messages(value: Any) -> tuple[dict, ...]:
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):
-                raise bad(f"messages[{i}].tool_call_id must be the id of the call it answers",
-                          param=f"messages[{i}].tool_call_id")  # fmt: skip
+                raise bad(
+                    f"messages[{i}].tool_call_id must be the id of the call it answers",
+                    param=f"messages[{i}].tool_call_id",
+                )
             entry["tool_call_id"] = call_id
             if isinstance(message.get("name"), str):
                 entry["name"] = message["name"]
         if message.get("function_call"):  # the legacy field: dropping it would change the conversation
-            raise bad(f"messages[{i}].function_call is not supported: send tool_calls",
-                      param=f"messages[{i}].function_call")  # fmt: skip
+            raise bad(
+                f"messages[{i}].function_call is not supported: send tool_calls", param=f"messages[{i}].function_call"
+            )
         out.append(entry)
     if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise bad("the messages have no text", param="messages")
@@ -349,11 +364,19 @@ def _tool_calls(value: Any, i: int) -> list[dict]:
         name = function.get("name") if isinstance(function, dict) else None
         arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
         if not isinstance(name, str) or not isinstance(arguments, str):
-            raise bad(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
-                      f"{{\"name\", \"arguments\": a JSON string}}}}", param=f"{where}[{j}]")  # fmt: skip
+            raise bad(
+                f'{where}[{j}] must be {{"id", "type": "function", "function": '
+                f'{{"name", "arguments": a JSON string}}}}',
+                param=f"{where}[{j}]",
+            )
         call_id = call.get("id")
-        calls.append({"id": call_id if isinstance(call_id, str) else f"call_{i}_{j}", "type": "function",
-                      "function": {"name": name, "arguments": arguments}})  # fmt: skip
+        calls.append(
+            {
+                "id": call_id if isinstance(call_id, str) else f"call_{i}_{j}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+        )
     return calls
 
 

@@ -52,8 +52,7 @@ class Responses:
     `tool_format`: the format the request's tools were offered in (None: no tools, the
     answer is text); `tokenizer`: for log-probabilities' token texts."""
 
-    def __init__(self, req: ParsedRequest, model: str, prompt_tokens: int, *, tool_format=None,
-                 tokenizer=None) -> None:  # fmt: skip
+    def __init__(self, req: ParsedRequest, model: str, prompt_tokens: int, *, tool_format=None, tokenizer=None) -> None:
         self.req = req
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -115,8 +114,9 @@ class Responses:
                 choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
-            choice.update({"logprobs": self._logprobs(index, lps),
-                           "finish_reason": finish_reason(reason, parser=parser)})  # fmt: skip
+            choice.update(
+                {"logprobs": self._logprobs(index, lps), "finish_reason": finish_reason(reason, parser=parser)}
+            )
             error = finished.errors[index] if index < len(finished.errors) else None
             if error is not None:
                 choice["error"] = grammar_failure(self.req, error).body()["error"]
@@ -169,8 +169,16 @@ class Responses:
             if isinstance(d, Content):
                 delta: dict[str, Any] = {"content": d.text}
             elif isinstance(d, CallStart):
-                delta = {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
-                                         "function": {"name": d.name, "arguments": ""}}]}  # fmt: skip
+                delta = {
+                    "tool_calls": [
+                        {
+                            "index": d.index,
+                            "id": d.id,
+                            "type": "function",
+                            "function": {"name": d.name, "arguments": ""},
+                        }
+                    ]
+                }
             else:
                 delta = {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}
             chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None}))
@@ -200,8 +208,12 @@ class Responses:
             else:
                 choice["text"] = ""
             rest = self._pending.pop(index, None)
-            choice.update({"logprobs": self._logprobs(index, rest) if rest else None,
-                           "finish_reason": finish_reason(reason, parser=parser)})  # fmt: skip
+            choice.update(
+                {
+                    "logprobs": self._logprobs(index, rest) if rest else None,
+                    "finish_reason": finish_reason(reason, parser=parser),
+                }
+            )
             if self.req.return_token_ids:
                 choice["token_ids"] = []
             chunks.append(self._chunk(choice))

@@ -125,8 +125,15 @@ class Job:
             if self.seeded and sampled and c:
                 params = replace(params, seed=params.stream_seed(c * _ROW_SEED_STRIDE))
             alone = self.seeded and sampled
-            out.append(Request(tuple(prompt), params, self.grammar, exclusive=("seeded", self.id) if alone else None,
-                               random_key=self.id if alone else None))  # fmt: skip
+            out.append(
+                Request(
+                    tuple(prompt),
+                    params,
+                    self.grammar,
+                    exclusive=("seeded", self.id) if alone else None,
+                    random_key=self.id if alone else None,
+                )
+            )
         return out
 
     def cancel(self) -> None:
@@ -210,8 +217,15 @@ class Scheduler:
         """A job for these rows; `budgets`: each row's max_new_tokens (None: the room left
         in the context), instead of params.max_new_tokens for all; `grammar`: what every
         row's answer must follow (rows of other jobs in the same batch are not affected)."""
-        job = Job(tuple(tuple(r) for r in rows), params, seeded, asyncio.get_running_loop(), stream,
-                  tuple(budgets) if budgets is not None else None, grammar)  # fmt: skip
+        job = Job(
+            tuple(tuple(r) for r in rows),
+            params,
+            seeded,
+            asyncio.get_running_loop(),
+            stream,
+            tuple(budgets) if budgets is not None else None,
+            grammar,
+        )
         with self._lock:
             if self._stopping:
                 job.push(Failed(ServerShuttingDown()))

@@ -108,8 +108,10 @@ def _tool(item: Any, where: str) -> Tool:
     function = item["function"]
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise _bad(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {_show(name)}",
-                   param=f"{where}.function.name")  # fmt: skip
+        raise _bad(
+            f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {_show(name)}",
+            param=f"{where}.function.name",
+        )
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise _bad(f"{where}.function.description must be a string", param=f"{where}.function.description")
@@ -126,16 +128,21 @@ def check_schema(schema: Any, param: str, root_type: str | None = None) -> None:
         raise _bad(f"{param} must be a JSON schema (an object), got {_show(schema)}", param=param)
     size = len(json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
     if size > MAX_SCHEMA_CHARS:
-        raise _bad(f"{param} has {size:,} characters; at most {MAX_SCHEMA_CHARS:,} are allowed", param=param,
-                   code="schema_too_large")  # fmt: skip
+        raise _bad(
+            f"{param} has {size:,} characters; at most {MAX_SCHEMA_CHARS:,} are allowed",
+            param=param,
+            code="schema_too_large",
+        )
     stack = [(schema, param)]
     while stack:
         node, where = stack.pop()
         kind = node.get("type")
         kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
         if not all(isinstance(k, str) and k in _TYPES for k in kinds):
-            raise _bad(f"{where}.type must be one of {', '.join(sorted(_TYPES))} (or a list of them), "
-                       f"got {_show(kind)}", param=param)  # fmt: skip
+            raise _bad(
+                f"{where}.type must be one of {', '.join(sorted(_TYPES))} (or a list of them), got {_show(kind)}",
+                param=param,
+            )
         props = node.get("properties")
         if props is not None:
             if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
@@ -158,16 +165,19 @@ def _tool_choice(value: Any, tools: list[Tool]) -> ToolChoice:
         return ToolChoice("auto" if tools else "none")
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
-            raise _bad(f"tool_choice must be none, auto, required or a function, got {_show(value)}",
-                       param="tool_choice")  # fmt: skip
+            raise _bad(
+                f"tool_choice must be none, auto, required or a function, got {_show(value)}", param="tool_choice"
+            )
         if value == "required" and not tools:
             raise _bad("tool_choice 'required' needs 'tools'", param="tool_choice")
         return ToolChoice(value)
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise _bad("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
-                   "{\"name\": ...}}", param="tool_choice")  # fmt: skip
+        raise _bad(
+            'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     if name not in {t.name for t in tools}:
         raise _bad(f"tool_choice names {_show(name)}, which is not in 'tools'", param="tool_choice")
     return ToolChoice("function", name)
@@ -191,8 +201,9 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         raise _bad("response_format.json_schema.name must be a string", param="response_format.json_schema.name")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise _bad("response_format.json_schema.strict must be true or false",
-                   param="response_format.json_schema.strict")  # fmt: skip
+        raise _bad(
+            "response_format.json_schema.strict must be true or false", param="response_format.json_schema.strict"
+        )
     schema = spec.get("schema")
     if schema is None:
         schema = {"type": "object"}

@@ -39,8 +39,9 @@ class ToolFormat:
         return {
             "type": "object",
             "properties": {"name": {"const": tool.name}, self.args_key: tool.parameters},
-            "required": ["name", self.args_key], "additionalProperties": False,
-        }  # fmt: skip
+            "required": ["name", self.args_key],
+            "additionalProperties": False,
+        }
 
 
 HERMES = ToolFormat("hermes", "arguments", "<tool_call>", "</tool_call>")
@@ -66,13 +67,18 @@ def require_format(chat_template: str | None) -> ToolFormat:
             "the served model's chat template has no tool-call format ssdlocal recognises "
             "(Hermes-style <tool_call> or Llama 3 JSON calls), so it cannot be offered tools",
             "tools",
-        )  # fmt: skip
+        )
     return fmt
 
 
 # ---------------------------------------------------------------------- grammar
-def forced_grammar_text(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice, compiler: GrammarCompiler,
-                        answer: ResponseFormat | None = None) -> str:  # fmt: skip
+def forced_grammar_text(
+    fmt: ToolFormat,
+    tools: Sequence[Tool],
+    choice: ToolChoice,
+    compiler: GrammarCompiler,
+    answer: ResponseFormat | None = None,
+) -> str:
     """Lark text (llguidance's dialect) for an answer that is a tool call: one of the named
     function (tool_choice "function"), or one to MAX_FORCED_CALLS of any tool ("required";
     one with parallel_tool_calls false); with tool_choice "auto" and a JSON response

@@ -175,9 +175,16 @@ def model_cannot_pay(costs: CostModel, k_max: int, active: Sequence[bool]) -> bo
     return costs.knows_draft and not model_could_pay(costs, k_max, active)
 
 
-def choose(costs: CostModel, model_rates: Sequence[float] | None, suffix_conf: Sequence[Sequence[float]],
-           suffix_rates: Sequence[float], k_max: int, active: Sequence[bool], explore: bool = False,
-           catch_up: int = 0) -> Choice:  # fmt: skip
+def choose(
+    costs: CostModel,
+    model_rates: Sequence[float] | None,
+    suffix_conf: Sequence[Sequence[float]],
+    suffix_rates: Sequence[float],
+    k_max: int,
+    active: Sequence[bool],
+    explore: bool = False,
+    catch_up: int = 0,
+) -> Choice:
     """The (model K, round width, suffix lengths) maximising expected tokens per second.
 
     model_rates: per-row acceptance of the draft model (None: no draft model); suffix_conf:

@@ -71,5 +71,9 @@ class BackupChooser:
         return self.last
 
 
-_TOKENS_OF = {None: "tokens_hit", Backup.JIT: "tokens_jit", Backup.NGRAM: "tokens_ngram",
-              Backup.SUFFIX: "tokens_suffix"}  # fmt: skip
+_TOKENS_OF = {
+    None: "tokens_hit",
+    Backup.JIT: "tokens_jit",
+    Backup.NGRAM: "tokens_ngram",
+    Backup.SUFFIX: "tokens_suffix",
+}

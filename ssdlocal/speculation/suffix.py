@@ -115,8 +115,9 @@ class SuffixMemory:
         return list(self._seqs.values())
 
 
-def propose(context: Sequence[int], own: SuffixIndex | None, memory: Iterable[SuffixIndex], k: int,
-            min_confidence: float = 0.3) -> SuffixProposal:  # fmt: skip
+def propose(
+    context: Sequence[int], own: SuffixIndex | None, memory: Iterable[SuffixIndex], k: int, min_confidence: float = 0.3
+) -> SuffixProposal:
     """Up to `k` tokens continuing `context`, from the row's own index (`own`, which holds
     `context` itself) and the memory's indexes. EMPTY when nothing matches. Only the last
     MAX_MATCH tokens of `context` are read: a longer context gives the same proposal."""

@@ -102,8 +102,9 @@ class ChatSettings:
         """A new K, pinned (no longer chosen per round); fan-out lists that no longer have K+1
         entries fall back to auto."""
         fits = lambda fan: fan if fan is not None and len(fan) == k + 1 else None  # noqa: E731
-        return self.with_spec(k=k, adaptive_k=False, fan_out=fits(self.spec.fan_out),
-                              fan_out_miss=fits(self.spec.fan_out_miss))  # fmt: skip
+        return self.with_spec(
+            k=k, adaptive_k=False, fan_out=fits(self.spec.fan_out), fan_out_miss=fits(self.spec.fan_out_miss)
+        )
 
     def with_temperature(self, temperature: float) -> ChatSettings:
         return self.with_sampling(temperature=round(max(0.0, temperature), 3))
@@ -335,8 +336,13 @@ def describe_details(config: EngineConfig, choice=None) -> list[tuple[str, str]]
     draft = config.spec.draft
     if config.draft_model is not None:
         d = config.draft_model
-        rows.append(("draft", f"{spec_label(d)}; {d.device}, {d.dtype} activations; in this process "
-                              "for SD, in a process of its own for SSD"))  # fmt: skip
+        rows.append(
+            (
+                "draft",
+                f"{spec_label(d)}; {d.device}, {d.dtype} activations; in this process "
+                "for SD, in a process of its own for SSD",
+            )
+        )
         if t.device == "cpu" and d.device == "cpu" and config.pin_cpus:
             from ssdlocal.placement.cpus import split_cpus
 

@@ -82,8 +82,7 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
 def _is_side_file(item: Path) -> bool:
     """Locks, verification markers, digest memos, half-built or half-removed leftovers."""
     name = item.name
-    return (name.endswith(_SIDE_FILES) or name.startswith("digests.json") or ".tmp-" in name
-            or ".removing-" in name)  # fmt: skip
+    return name.endswith(_SIDE_FILES) or name.startswith("digests.json") or ".tmp-" in name or ".removing-" in name
 
 
 def total_size(found: list[CacheEntry]) -> int:
@@ -101,13 +100,15 @@ def select(found: list[CacheEntry], words: list[str]) -> list[CacheEntry]:
         if not hits:
             prefix = [e for e in found if e.path.name.startswith(word) or e.name.startswith(word)]
             if len(prefix) > 1:
-                raise UsageError(f"{word!r} names {len(prefix)} cache entries",
-                                 "give more of the name (see `ssdlocal cache`)")  # fmt: skip
+                raise UsageError(
+                    f"{word!r} names {len(prefix)} cache entries", "give more of the name (see `ssdlocal cache`)"
+                )
             hits = prefix
         if not hits:
             kinds = ", ".join(dict.fromkeys(kind for kind, _ in KINDS.values()))
-            raise UsageError(f"nothing in the cache is called {word!r}",
-                             f"`ssdlocal cache` lists the entries; kinds: {kinds}")  # fmt: skip
+            raise UsageError(
+                f"nothing in the cache is called {word!r}", f"`ssdlocal cache` lists the entries; kinds: {kinds}"
+            )
         chosen += [e for e in hits if e not in chosen]
     return chosen
 
@@ -146,8 +147,10 @@ def _try_lock(lock: Path, entry: CacheEntry):
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise AssetError(f"{entry.name} is being built by another ssdlocal process right now",
-                             "wait for it to finish (or stop it), then remove it") from None  # fmt: skip
+            raise AssetError(
+                f"{entry.name} is being built by another ssdlocal process right now",
+                "wait for it to finish (or stop it), then remove it",
+            ) from None
         try:
             yield
         finally:

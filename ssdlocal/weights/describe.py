@@ -50,8 +50,9 @@ def weights_format(path: str | Path, backend: BackendName, quantization: str, dt
     return (SHORT_DTYPES.get(dtype, dtype) if scheme == "none" else scheme), file_type
 
 
-def weights_label(path: str | Path, backend: BackendName = BackendName.TORCH, quantization: str = "none",
-                  dtype: str = "bfloat16") -> str:  # fmt: skip
+def weights_label(
+    path: str | Path, backend: BackendName = BackendName.TORCH, quantization: str = "none", dtype: str = "bfloat16"
+) -> str:
     """`int4 from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (Q4_K_M)`, `bf16 from Qwen2.5-0.5B`."""
     fmt, file_type = weights_format(path, backend, quantization, dtype)
     name = Path(path).name or str(path)

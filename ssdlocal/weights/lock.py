@@ -64,14 +64,18 @@ def _read() -> dict:
 def _valid(entry: object) -> bool:
     """An entry as `record` writes it: repo, revision and commit strings, and files with
     an integer size and mtime and a sha256 string each."""
-    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry[k]
-                                              for k in ("repo", "revision", "commit")):  # fmt: skip
+    if not isinstance(entry, dict) or not all(
+        isinstance(entry.get(k), str) and entry[k] for k in ("repo", "revision", "commit")
+    ):
         return False
     files = entry.get("files")
     return isinstance(files, dict) and all(
-        isinstance(f, dict) and type(f.get("size")) is int and type(f.get("mtime_ns")) is int
-        and isinstance(f.get("sha256"), str) for f in files.values()
-    )  # fmt: skip
+        isinstance(f, dict)
+        and type(f.get("size")) is int
+        and type(f.get("mtime_ns")) is int
+        and isinstance(f.get("sha256"), str)
+        for f in files.values()
+    )
 
 
 def get(pair: str, backend: str, role: str, repo: str, revision: str) -> Locked | None:
@@ -83,9 +87,11 @@ def get(pair: str, backend: str, role: str, repo: str, revision: str) -> Locked 
         return None
     if not _valid(entry):
         path = lock_path()
-        raise AssetError(f"the lock file {path} has a malformed entry {key!r} (not what `ssdlocal pull` writes)",
-                         f"delete the entry {key!r} from {path} (or the whole file, which ssdlocal wrote): "
-                         "the next pull trusts what it downloads again")  # fmt: skip
+        raise AssetError(
+            f"the lock file {path} has a malformed entry {key!r} (not what `ssdlocal pull` writes)",
+            f"delete the entry {key!r} from {path} (or the whole file, which ssdlocal wrote): "
+            "the next pull trusts what it downloads again",
+        )
     if entry["repo"] != repo or entry["revision"] != revision:
         return None  # the pair file now names another ref
     return Locked(entry["repo"], entry["revision"], entry["commit"], entry["files"])

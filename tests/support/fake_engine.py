@@ -199,8 +199,7 @@ class FakeEngine:
             if self.prefill_gate is not None:  # a test looks at the screen while the prompt is read
                 self.prefill_gate.wait(10)
         clock.advance(PREFILL_S)
-        first = TokensEvent(0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,),
-                            at=clock())  # fmt: skip
+        first = TokensEvent(0, (budget[0],), self.tokenizer.decode(budget[:1]), (TokenOrigin.TARGET.value,), at=clock())
         stats.consume(PrefillEvent(PREFILL_S, 1, (len(ids[0]),), (0,)))
         stats.consume(first)
         yield first
@@ -227,10 +226,15 @@ class FakeEngine:
             origins = [draft_origin.value] * (len(new) - 1) + [TokenOrigin.TARGET.value]
             tokens = TokensEvent(0, tuple(new), self.tokenizer.decode(new), tuple(origins), at=clock())
             round_ = RoundEvent(
-                rnd, (k,), (min(n_acc, len(new) - 1) if k else 0,), rows=(0,), n_emitted=(len(new),),
-                draft_s=0.02 * bool(k) if not hit else 0.001, verify_s=0.04,
+                rnd,
+                (k,),
+                (min(n_acc, len(new) - 1) if k else 0,),
+                rows=(0,),
+                n_emitted=(len(new),),
+                draft_s=0.02 * bool(k) if not hit else 0.001,
+                verify_s=0.04,
                 ssd=SsdRound((hit,), "jit" if hit is False else None) if hit is not None else None,
-            )  # fmt: skip
+            )
             stats.consume(tokens)
             stats.consume(round_)
             yield tokens

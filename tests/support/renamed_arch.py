@@ -26,16 +26,24 @@ from pathlib import Path
 from ssdlocal.weights.formats.arch import Architecture, TensorNames, register
 
 RENAMED = Architecture(
-    "renamed-llama", ("RenamedLlamaForCausalLM",), "renamed_llama", config_type="llama",
-    gguf_architecture="mistral", gguf_qk_interleaved=True,
+    "renamed-llama",
+    ("RenamedLlamaForCausalLM",),
+    "renamed_llama",
+    config_type="llama",
+    gguf_architecture="mistral",
+    gguf_qk_interleaved=True,
     checkpoint=TensorNames(
         layer="layers.{i}.",
         outside={"embed_tokens": "tok_embeddings", "norm": "norm", "lm_head": "output"},
         block={
-            "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
-            "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
-            "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
-            "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+            "input_layernorm": "attention_norm",
+            "post_attention_layernorm": "ffn_norm",
+            "self_attn.q_proj": "attention.wq",
+            "self_attn.k_proj": "attention.wk",
+            "self_attn.v_proj": "attention.wv",
+            "self_attn.o_proj": "attention.wo",
+            "mlp.gate_proj": "feed_forward.w1",
+            "mlp.up_proj": "feed_forward.w3",
             "mlp.down_proj": "feed_forward.w2",
         },
     ),
@@ -43,29 +51,47 @@ RENAMED = Architecture(
         layer="blocks.{i}.",
         outside={"embed_tokens": "embeddings", "norm": "final_norm", "lm_head": "unembed"},
         block={
-            "input_layernorm": "norm_attn", "post_attention_layernorm": "norm_mlp",
-            "self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv",
-            "self_attn.o_proj": "wo", "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up",
+            "input_layernorm": "norm_attn",
+            "post_attention_layernorm": "norm_mlp",
+            "self_attn.q_proj": "wq",
+            "self_attn.k_proj": "wk",
+            "self_attn.v_proj": "wv",
+            "self_attn.o_proj": "wo",
+            "mlp.gate_proj": "w_gate",
+            "mlp.up_proj": "w_up",
             "mlp.down_proj": "w_down",
         },
     ),
-)  # fmt: skip
+)
 
 # Hugging Face llama names -> this architecture's, written out by hand (in this order).
 _RENAMES = (
-    ("model.embed_tokens", "tok_embeddings"), ("model.norm", "norm"), ("lm_head", "output"),
-    ("model.layers.", "layers."), ("post_attention_layernorm", "ffn_norm"),
-    ("input_layernorm", "attention_norm"), ("self_attn.q_proj", "attention.wq"),
-    ("self_attn.k_proj", "attention.wk"), ("self_attn.v_proj", "attention.wv"),
-    ("self_attn.o_proj", "attention.wo"), ("mlp.gate_proj", "feed_forward.w1"),
-    ("mlp.up_proj", "feed_forward.w3"), ("mlp.down_proj", "feed_forward.w2"),
-)  # fmt: skip
+    ("model.embed_tokens", "tok_embeddings"),
+    ("model.norm", "norm"),
+    ("lm_head", "output"),
+    ("model.layers.", "layers."),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("input_layernorm", "attention_norm"),
+    ("self_attn.q_proj", "attention.wq"),
+    ("self_attn.k_proj", "attention.wk"),
+    ("self_attn.v_proj", "attention.wv"),
+    ("self_attn.o_proj", "attention.wo"),
+    ("mlp.gate_proj", "feed_forward.w1"),
+    ("mlp.up_proj", "feed_forward.w3"),
+    ("mlp.down_proj", "feed_forward.w2"),
+)
 _GGUF_OUTSIDE = {"model.embed_tokens": "embeddings", "model.norm": "final_norm", "lm_head": "unembed"}
 _GGUF_BLOCK = {
-    "input_layernorm": "norm_attn", "post_attention_layernorm": "norm_mlp", "self_attn.q_proj": "wq",
-    "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-    "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down",
-}  # fmt: skip
+    "input_layernorm": "norm_attn",
+    "post_attention_layernorm": "norm_mlp",
+    "self_attn.q_proj": "wq",
+    "self_attn.k_proj": "wk",
+    "self_attn.v_proj": "wv",
+    "self_attn.o_proj": "wo",
+    "mlp.gate_proj": "w_gate",
+    "mlp.up_proj": "w_up",
+    "mlp.down_proj": "w_down",
+}
 
 
 def renamed(hf_name: str) -> str:
@@ -111,12 +137,15 @@ def greedy_tokens(path: Path, devices: tuple[str, ...] = (), quantization: str =
     from ssdlocal.core.events import DoneEvent
     from ssdlocal.engine import Engine
 
-    config = EngineConfig(target=ModelSpec(str(path), dtype="float32", quantization=quantization),
-                          spec=SpecConfig(mode=Mode.AR), pin_cpus=False, target_devices=devices)  # fmt: skip
+    config = EngineConfig(
+        target=ModelSpec(str(path), dtype="float32", quantization=quantization),
+        spec=SpecConfig(mode=Mode.AR),
+        pin_cpus=False,
+        target_devices=devices,
+    )
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     with Engine(config) as engine:
-        done = [e for e in engine.generate(["The quick brown fox", "def foo(x):"], params)
-                if isinstance(e, DoneEvent)]  # fmt: skip
+        done = [e for e in engine.generate(["The quick brown fox", "def foo(x):"], params) if isinstance(e, DoneEvent)]
     return [list(o.token_ids) for o in done[0].outputs]
 
 
@@ -129,8 +158,13 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     renamed_dir, llama_dir = Path(sys.argv[1]), Path(sys.argv[2])
     tp2 = ("cpu", "cpu")
-    print(json.dumps({
-        "llama_tp1": greedy_tokens(llama_dir), "renamed_tp2": greedy_tokens(renamed_dir, tp2),
-        "llama_int8_tp1": greedy_tokens(llama_dir, quantization="int8"),
-        "renamed_int8_tp2": greedy_tokens(renamed_dir, tp2, "int8"),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "llama_tp1": greedy_tokens(llama_dir),
+                "renamed_tp2": greedy_tokens(renamed_dir, tp2),
+                "llama_int8_tp1": greedy_tokens(llama_dir, quantization="int8"),
+                "renamed_int8_tp2": greedy_tokens(renamed_dir, tp2, "int8"),
+            }
+        )
+    )

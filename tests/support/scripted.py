@@ -154,9 +154,9 @@ class ScriptedRunner(HeldRows):
         for b in range(batch):
             for t in range(width):
                 self._write(b, self.lengths[b] + t, host[b][t])
-        return torch.stack([
-            torch.stack([self._logits_at(b, self.lengths[b] + t) for t in range(width)]) for b in range(batch)
-        ])  # fmt: skip
+        return torch.stack(
+            [torch.stack([self._logits_at(b, self.lengths[b] + t) for t in range(width)]) for b in range(batch)]
+        )
 
     def advance(self, n, host=None) -> None:
         steps = n.tolist() if isinstance(n, torch.Tensor) else [int(n)] * len(self.lengths)

@@ -54,7 +54,7 @@ def encode_q4_k(w: np.ndarray) -> np.ndarray:
             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
         ],
         axis=-1,
-    )  # fmt: skip  [nb, 12]
+    )  # [nb, 12]
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # [nb, 4 * 32]
     blocks = np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=-1)  # [nb, 144]
     return blocks.reshape(n, -1)
@@ -87,8 +87,16 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_hf_model(arch: str, seed: int = 0, tie: bool = False, hidden: int = 256, ffn: int = 512,
-                  layers: int = 2, heads: int = 4, kv_heads: int = 2):  # fmt: skip
+def make_hf_model(
+    arch: str,
+    seed: int = 0,
+    tie: bool = False,
+    hidden: int = 256,
+    ffn: int = 512,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+):
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -97,10 +105,18 @@ def make_hf_model(arch: str, seed: int = 0, tie: bool = False, hidden: int = 256
     )
 
     tokens, _ = byte_vocab()
-    common = {"vocab_size": len(tokens), "hidden_size": hidden, "intermediate_size": ffn,
-              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": tie,
-              "initializer_range": 0.1}  # fmt: skip
+    common = {
+        "vocab_size": len(tokens),
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie,
+        "initializer_range": 0.1,
+    }
     torch.manual_seed(seed)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0)).eval()
@@ -117,8 +133,7 @@ def tensor_type(gguf_name: str, mix: str) -> str:
     return "Q6_K" if any(p in gguf_name for p in ("attn_v", "ffn_down", "output.")) else "Q4_K"
 
 
-def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None = None,
-               tensor_name=None) -> Path:  # fmt: skip
+def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None = None, tensor_name=None) -> Path:
     """Write `model` (a transformers llama/qwen2) as a GGUF with the `mix` of types.
 
     file_arch: its general.architecture (default `arch`); tensor_name(hf module name) ->
@@ -139,8 +154,11 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
     w.add_rope_freq_base(10000.0)
     if arch == "llama":
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    file_type = {"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                 "f32": gguf.LlamaFileType.ALL_F32}[mix]  # fmt: skip
+    file_type = {
+        "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "f32": gguf.LlamaFileType.ALL_F32,
+    }[mix]
     w.add_file_type(file_type)
     _add_chat_tokenizer(w, tokens, merges)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
@@ -195,8 +213,9 @@ def _add(writer, name: str, data: np.ndarray, kind: str) -> None:
     writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
 
 
-def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: int = 8,
-                      kv_heads: int = 2, seed: int = 0) -> tuple[Path, int]:  # fmt: skip
+def write_random_gguf(
+    path: Path, *, hidden: int, ffn: int, layers: int, heads: int = 8, kv_heads: int = 2, seed: int = 0
+) -> tuple[Path, int]:
     """A Q4_K_M-like qwen2 GGUF of random weights, built one tensor at a time (for memory
     tests: no transformers model of that size is ever created). Returns (path, parameters)."""
     import gguf
@@ -212,7 +231,7 @@ def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: 
         ("head_count", heads),
         ("head_count_kv", kv_heads),
     ):
-        getattr(w, f"add_{key}")(value)  # fmt: skip
+        getattr(w, f"add_{key}")(value)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
@@ -220,14 +239,22 @@ def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: 
     kv = hidden // heads * kv_heads
     shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
-        shapes.update({
-            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_q.bias": (hidden,),
-            f"blk.{i}.attn_k.weight": (kv, hidden), f"blk.{i}.attn_k.bias": (kv,),
-            f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_v.bias": (kv,),
-            f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_gate.weight": (ffn, hidden),
-            f"blk.{i}.ffn_up.weight": (ffn, hidden), f"blk.{i}.ffn_down.weight": (hidden, ffn),
-        })  # fmt: skip
+        shapes.update(
+            {
+                f"blk.{i}.attn_norm.weight": (hidden,),
+                f"blk.{i}.ffn_norm.weight": (hidden,),
+                f"blk.{i}.attn_q.weight": (hidden, hidden),
+                f"blk.{i}.attn_q.bias": (hidden,),
+                f"blk.{i}.attn_k.weight": (kv, hidden),
+                f"blk.{i}.attn_k.bias": (kv,),
+                f"blk.{i}.attn_v.weight": (kv, hidden),
+                f"blk.{i}.attn_v.bias": (kv,),
+                f"blk.{i}.attn_output.weight": (hidden, hidden),
+                f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+                f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                f"blk.{i}.ffn_down.weight": (hidden, ffn),
+            }
+        )
     params = 0
     for name, shape in shapes.items():
         data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)

@@ -69,8 +69,15 @@ Decode = Callable[[list[int], list[int], list[int], list[bool]], np.ndarray]
 Remove = Callable[[int, int], None]
 
 
-def beside_pad(decode: Decode, remove: Remove, pad_seq: int, tokens: list[int], positions: list[int],
-               seqs: list[int], want: list[bool]) -> np.ndarray:  # fmt: skip
+def beside_pad(
+    decode: Decode,
+    remove: Remove,
+    pad_seq: int,
+    tokens: list[int],
+    positions: list[int],
+    seqs: list[int],
+    want: list[bool],
+) -> np.ndarray:
     """`decode` of a lone token beside a pad token (its own, at position 0 of sequence
     `pad_seq`, no logits), whose cell is removed after the call."""
     try:

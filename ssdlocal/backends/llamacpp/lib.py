@@ -159,8 +159,9 @@ class LlamaLib:
         return list(out[:n])
 
     # ------------------------------------------------------------------ contexts
-    def new_context(self, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, *,
-                    flash_attn: bool | None = None):  # fmt: skip
+    def new_context(
+        self, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, *, flash_attn: bool | None = None
+    ):
         """A context of `n_ctx` cells for `n_seq_max` sequences. `flash_attn` None leaves
         llama.cpp's choice (auto: on where supported); False/True force it."""
         params = self.ll.llama_context_default_params()

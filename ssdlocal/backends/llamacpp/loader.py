@@ -262,8 +262,9 @@ def check_vocab(lib, model, tokenizer, path: Path) -> int:
     return n_vocab
 
 
-def load_gguf(path: str | Path, device: str = "cpu", threads: int | None = None, lib=None,
-              batch_invariant: bool = False) -> LoadedGGUF:  # fmt: skip
+def load_gguf(
+    path: str | Path, device: str = "cpu", threads: int | None = None, lib=None, batch_invariant: bool = False
+) -> LoadedGGUF:
     """Load a GGUF file with llama.cpp (the KV cache comes with the runner's context).
     `batch_invariant`: its runners decode steps in alike call widths (ModelSpec)."""
     path = check_gguf_file(path)

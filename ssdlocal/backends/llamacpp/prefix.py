@@ -130,7 +130,11 @@ class SeqStore:
 
     def report(self) -> dict[str, int]:
         return {
-            "capacity_tokens": self.budget, "used_tokens": self._cells(), "block_tokens": 1,
-            "lookups": self.lookups, "reused_tokens": self.reused_tokens,
-            "stored_tokens": self.stored_tokens, "evicted_tokens": self.evicted_tokens,
-        }  # fmt: skip
+            "capacity_tokens": self.budget,
+            "used_tokens": self._cells(),
+            "block_tokens": 1,
+            "lookups": self.lookups,
+            "reused_tokens": self.reused_tokens,
+            "stored_tokens": self.stored_tokens,
+            "evicted_tokens": self.evicted_tokens,
+        }

@@ -136,8 +136,15 @@ def llamacpp_verdict(timeout_s: float = TIMEOUT_S) -> Verdict:
         if cached is not None:
             return cached
         found = run_probe(f"llama-cpp-python {identity['version']}", path, timeout_s)
-        record = {"format": FORMAT, "key": key, "ok": found.ok, "extra_bufts": found.extra_bufts,
-                  "reason": found.reason, "library": found.library, "cpu": cpu_flags()}  # fmt: skip
+        record = {
+            "format": FORMAT,
+            "key": key,
+            "ok": found.ok,
+            "extra_bufts": found.extra_bufts,
+            "reason": found.reason,
+            "library": found.library,
+            "cpu": cpu_flags(),
+        }
         try:
             atomic_write_text(path, json.dumps(record, indent=1) + "\n")
         except OSError as exc:  # a read-only cache: probe again next time
@@ -172,8 +179,10 @@ def run_probe(library: str, path: Path, timeout_s: float) -> Verdict:
             return Verdict(True, True, reason, library, path, fresh=True)
         second = _run_child(model, "off", timeout_s)
     if second is None:
-        reason = (f"{library} failed on this CPU with its CPU weight repacking (extra buffer "
-                  f"types) on ({first}) and runs with it off, so ssdlocal turns it off")  # fmt: skip
+        reason = (
+            f"{library} failed on this CPU with its CPU weight repacking (extra buffer "
+            f"types) on ({first}) and runs with it off, so ssdlocal turns it off"
+        )
         return Verdict(True, False, reason, library, path, fresh=True)
     also = "" if second == "unsupported" else f", and with CPU weight repacking off ({second})"
     reason = f"{library} failed a test run on this CPU: {first}{also}"
@@ -185,11 +194,16 @@ def _run_child(model: str, extra_bufts: str, timeout_s: float) -> str | None:
     # the directory holding `ssdlocal`, after the caller's own path (the same llama_cpp)
     root = str(Path(__file__).resolve().parents[3])
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)
-    cmd = [sys.executable, "-m", "ssdlocal.backends.llamacpp.probe_child", model,
-           "--extra-bufts", extra_bufts]  # fmt: skip
+    cmd = [sys.executable, "-m", "ssdlocal.backends.llamacpp.probe_child", model, "--extra-bufts", extra_bufts]
     try:
-        proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, capture_output=True,
-                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.run(
+            cmd,
+            env={**os.environ, "PYTHONPATH": path},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return f"no answer within {timeout_s:g} s evaluating a tiny model"
     answer = _last_json(proc.stdout)

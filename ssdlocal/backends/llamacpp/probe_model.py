@@ -18,8 +18,7 @@ import numpy as np
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 256, 512, 2, 4, 2, 128
 _ALIGN = 32
 # ggml type: (id, values per block, bytes per block)
-_TYPES = {"F32": (0, 1, 4), "Q4_0": (2, 32, 18), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-          "Q6_K": (14, 256, 210)}  # fmt: skip
+_TYPES = {"F32": (0, 1, 4), "Q4_0": (2, 32, 18), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210)}
 # GGUF metadata value types
 _U32, _I32, _F32, _STR, _ARR = 4, 5, 6, 8, 9
 _MERGES = ["Ġ t", "h e"]
@@ -29,8 +28,7 @@ VOCAB = 320
 
 def byte_tokens() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)}  # fmt: skip
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     extra = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
@@ -53,8 +51,7 @@ def _value(kind: int, value) -> bytes:
         return _string(value)
     if kind == _ARR:
         elem, items = value
-        body = b"".join(_string(v) if elem == _STR else struct.pack("<i" if elem == _I32 else "<I", v)
-                        for v in items)  # fmt: skip
+        body = b"".join(_string(v) if elem == _STR else struct.pack("<i" if elem == _I32 else "<I", v) for v in items)
         return struct.pack("<IQ", elem, len(items)) + body
     return struct.pack({_U32: "<I", _I32: "<i", _F32: "<f"}[kind], value)
 
@@ -62,36 +59,50 @@ def _value(kind: int, value) -> bytes:
 def _metadata() -> list[tuple[str, int, object]]:
     tokens, types = vocabulary()
     return [
-        ("general.architecture", _STR, "llama"), ("general.name", _STR, "ssdlocal-probe"),
+        ("general.architecture", _STR, "llama"),
+        ("general.name", _STR, "ssdlocal-probe"),
         ("general.file_type", _U32, 15),  # mostly Q4_K_M
-        ("llama.context_length", _U32, CONTEXT), ("llama.embedding_length", _U32, HIDDEN),
-        ("llama.block_count", _U32, LAYERS), ("llama.feed_forward_length", _U32, FFN),
-        ("llama.attention.head_count", _U32, HEADS), ("llama.attention.head_count_kv", _U32, KV_HEADS),
+        ("llama.context_length", _U32, CONTEXT),
+        ("llama.embedding_length", _U32, HIDDEN),
+        ("llama.block_count", _U32, LAYERS),
+        ("llama.feed_forward_length", _U32, FFN),
+        ("llama.attention.head_count", _U32, HEADS),
+        ("llama.attention.head_count_kv", _U32, KV_HEADS),
         ("llama.attention.layer_norm_rms_epsilon", _F32, 1e-6),
-        ("llama.rope.dimension_count", _U32, HIDDEN // HEADS), ("llama.rope.freq_base", _F32, 10000.0),
+        ("llama.rope.dimension_count", _U32, HIDDEN // HEADS),
+        ("llama.rope.freq_base", _F32, 10000.0),
         ("llama.vocab_size", _U32, VOCAB),
-        ("tokenizer.ggml.model", _STR, "gpt2"), ("tokenizer.ggml.pre", _STR, "default"),
-        ("tokenizer.ggml.tokens", _ARR, (_STR, tokens)), ("tokenizer.ggml.token_type", _ARR, (_I32, types)),
+        ("tokenizer.ggml.model", _STR, "gpt2"),
+        ("tokenizer.ggml.pre", _STR, "default"),
+        ("tokenizer.ggml.tokens", _ARR, (_STR, tokens)),
+        ("tokenizer.ggml.token_type", _ARR, (_I32, types)),
         ("tokenizer.ggml.merges", _ARR, (_STR, _MERGES)),
         ("tokenizer.ggml.bos_token_id", _U32, tokens.index("<|endoftext|>")),
         ("tokenizer.ggml.eos_token_id", _U32, tokens.index("<|im_end|>")),
-    ]  # fmt: skip
+    ]
 
 
 def _tensors() -> list[tuple[str, tuple[int, ...], str]]:
     """(name, ggml shape [in, out], type): layer 0 like Q4_K_M, layer 1 Q4_0 / Q8_0."""
     kv = HIDDEN // HEADS * KV_HEADS
-    out = [("token_embd.weight", (HIDDEN, VOCAB), "Q8_0"), ("output_norm.weight", (HIDDEN,), "F32"),
-           ("output.weight", (HIDDEN, VOCAB), "Q6_K")]  # fmt: skip
+    out = [
+        ("token_embd.weight", (HIDDEN, VOCAB), "Q8_0"),
+        ("output_norm.weight", (HIDDEN,), "F32"),
+        ("output.weight", (HIDDEN, VOCAB), "Q6_K"),
+    ]
     for i, (main, side) in enumerate((("Q4_K", "Q6_K"), ("Q4_0", "Q8_0"))):
         b = f"blk.{i}."
         out += [
-            (b + "attn_norm.weight", (HIDDEN,), "F32"), (b + "ffn_norm.weight", (HIDDEN,), "F32"),
-            (b + "attn_q.weight", (HIDDEN, HIDDEN), main), (b + "attn_k.weight", (HIDDEN, kv), main),
-            (b + "attn_v.weight", (HIDDEN, kv), side), (b + "attn_output.weight", (HIDDEN, HIDDEN), main),
-            (b + "ffn_gate.weight", (HIDDEN, FFN), main), (b + "ffn_up.weight", (HIDDEN, FFN), main),
+            (b + "attn_norm.weight", (HIDDEN,), "F32"),
+            (b + "ffn_norm.weight", (HIDDEN,), "F32"),
+            (b + "attn_q.weight", (HIDDEN, HIDDEN), main),
+            (b + "attn_k.weight", (HIDDEN, kv), main),
+            (b + "attn_v.weight", (HIDDEN, kv), side),
+            (b + "attn_output.weight", (HIDDEN, HIDDEN), main),
+            (b + "ffn_gate.weight", (HIDDEN, FFN), main),
+            (b + "ffn_up.weight", (HIDDEN, FFN), main),
             (b + "ffn_down.weight", (FFN, HIDDEN), side),
-        ]  # fmt: skip
+        ]
     return out
 
 

@@ -215,8 +215,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         if seq != source and have:
             self.lib.seq_cp(self._ctx, source, seq, 0, have)
         try:
-            self._decode([int(t) for t in tokens[have:end]], range(have, end), [seq] * (end - have),
-                         [False] * (end - have))  # fmt: skip
+            self._decode(
+                [int(t) for t in tokens[have:end]], range(have, end), [seq] * (end - have), [False] * (end - have)
+            )
         except BaseException:  # the entry still holds what it held: drop the cells written
             self.lib.seq_rm(self._ctx, seq, have, -1)
             raise
@@ -290,8 +291,14 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         # no flash attention on a CPU: measured on the 1.5B Q4_K_M pair (2-core EPYC,
         # AVX-512), 28 new tokens after 2,105 took 0.84-0.94 s with llama.cpp's auto choice
         # (on) and 0.50-0.55 s without; one-token steps and cold prompts no slower
-        self._ctx = self.lib.new_context(self.model, cells, self._n_batch, seqs, self._want_threads(),
-                                         flash_attn=False if self.device.type == "cpu" else None)  # fmt: skip
+        self._ctx = self.lib.new_context(
+            self.model,
+            cells,
+            self._n_batch,
+            seqs,
+            self._want_threads(),
+            flash_attn=False if self.device.type == "cpu" else None,
+        )
         self._ctx_cells, self._ctx_seqs = cells, seqs
         self._ctx_threads = self._want_threads()
 
@@ -323,8 +330,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         """The widest alike step call, checked once on this runner's first decode."""
         if not self.alike_width:
             guess = REPACKED if self.lib.extra_bufts else WIDEST
-            self.alike_width = widest_alike(self._decode_call, self._remove_from, guess, self._check_seq,
-                                            self._pad_seq, self.vocab_size)  # fmt: skip
+            self.alike_width = widest_alike(
+                self._decode_call, self._remove_from, guess, self._check_seq, self._pad_seq, self.vocab_size
+            )
             if not self.alike_width:
                 raise UsageError(
                     "llama.cpp on this machine gives a token other logits in a call of two tokens "

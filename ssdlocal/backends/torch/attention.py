@@ -112,7 +112,7 @@ def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[
                 attn_mask=causal_lower_right(T, S),
                 enable_gqa=gqa,
             )
-        )  # fmt: skip  [b - a, H, T, D]
+        )  # [b - a, H, T, D]
         a = b
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

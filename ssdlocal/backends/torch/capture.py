@@ -94,8 +94,7 @@ class CudaGraphs:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with torch.cuda.graph(graph, pool=self._pool, stream=side,
-                                      capture_error_mode="thread_local"):  # fmt: skip
+                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                     output = fn(**static)
         finally:
             # A capture that fails in capture_end can leave the capture stream current.
@@ -149,9 +148,10 @@ class TracedGraphs:
             raise CaptureError(f"tracing failed: {type(exc).__name__}: {exc}") from exc
         output = results[-1].detach()  # tracing ran the step on the real tensors
         reads = tuple(
-            getattr(graph, node.target) for node in graph.graph.nodes
+            getattr(graph, node.target)
+            for node in graph.graph.nodes
             if node.op == "get_attr" and isinstance(getattr(graph, node.target, None), Tensor)
-        )  # fmt: skip
+        )
         values = tuple(static.values())
 
         def run() -> None:

@@ -71,8 +71,9 @@ def quantized_dir(gguf_path: Path, scheme: str, dtype: str) -> Path:
 # --------------------------------------------------------------------------- conversion
 
 
-def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
-                     progress: ProgressCallback | None = None) -> Path:  # fmt: skip
+def ensure_quantized(
+    gguf_path: Path, scheme: str, dtype: str = "bfloat16", progress: ProgressCallback | None = None
+) -> Path:
     """The cached `scheme` (int8 | int4) checkpoint of `gguf_path`, converting on first use."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -87,8 +88,9 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
         with _in_background(metadata_dir, gguf_path) as meta_result:  # a child process: no GIL
             header = GGUFHeader.read(gguf_path)
             heads, tied = _heads_and_tying(header)
-            info_tensors = _convert(gguf_path, tmp / "model.safetensors", scheme, getattr(torch, dtype),
-                                    heads, tied, progress)  # fmt: skip
+            info_tensors = _convert(
+                gguf_path, tmp / "model.safetensors", scheme, getattr(torch, dtype), heads, tied, progress
+            )
         meta = meta_result()
         for f in meta.iterdir():
             if f.is_file() and f.name != META_MARKER:
@@ -96,9 +98,15 @@ def ensure_quantized(gguf_path: Path, scheme: str, dtype: str = "bfloat16",
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = dtype
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        info = {"format": _FORMAT, "scheme": scheme, "group_size": 32 if scheme == "int4" else 0,
-                "dtype": dtype, "source": gguf_path.name, "path": str(gguf_path.resolve()),
-                "sha256": content_key(gguf_path)}  # fmt: skip
+        info = {
+            "format": _FORMAT,
+            "scheme": scheme,
+            "group_size": 32 if scheme == "int4" else 0,
+            "dtype": dtype,
+            "source": gguf_path.name,
+            "path": str(gguf_path.resolve()),
+            "sha256": content_key(gguf_path),
+        }
         info["tensors"] = info_tensors
         (tmp / QUANT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         record_digests(tmp)  # checked before every load (loader.resolve_checkpoint)
@@ -144,8 +152,15 @@ def _heads_and_tying(header: GGUFHeader) -> tuple[tuple[int, int], bool]:
     return (n_heads, int(kv) if kv else n_heads), tied
 
 
-def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, heads: tuple[int, int],
-             tied: bool, progress: ProgressCallback | None) -> dict[str, int]:  # fmt: skip
+def _convert(
+    gguf_path: Path,
+    out: Path,
+    scheme: str,
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    tied: bool,
+    progress: ProgressCallback | None,
+) -> dict[str, int]:
     """Stream every tensor into `out`; returns how many tensors went to each storage kind.
     Progress counts the GGUF's tensor bytes read."""
     header = GGUFHeader.read(gguf_path)
@@ -170,8 +185,9 @@ def _convert(gguf_path: Path, out: Path, scheme: str, dtype: torch.dtype, heads:
             if leaf == "weight" and arch.quantized(module) and can_quantize(info.shape, scheme):
                 _add_quantized(writer, gguf_path, info, arch, module, scheme, dtype, rows, counts)
             elif name == "embed_tokens.weight" and (not tied or head_from_embedding):
-                _add_quantized(writer, gguf_path, info, arch, module, _embedding_scheme(info, scheme),
-                               dtype, None, counts)  # fmt: skip
+                _add_quantized(
+                    writer, gguf_path, info, arch, module, _embedding_scheme(info, scheme), dtype, None, counts
+                )
             else:
                 writer.add(arch.to_checkpoint(name), _float_tensor(gguf_path, info, dtype, rows))
                 counts["float"] += 1
@@ -227,8 +243,17 @@ def _float_tensor(path: Path, info: TensorInfo, dtype: torch.dtype, rows) -> tor
     return out if rows is None else out[rows]
 
 
-def _add_quantized(writer, path: Path, info: TensorInfo, arch: Architecture, module: str, scheme: str,
-                   dtype: torch.dtype, rows, counts: dict[str, int]) -> None:  # fmt: skip
+def _add_quantized(
+    writer,
+    path: Path,
+    info: TensorInfo,
+    arch: Architecture,
+    module: str,
+    scheme: str,
+    dtype: torch.dtype,
+    rows,
+    counts: dict[str, int],
+) -> None:
     parts = []
     exact = scheme == "int4" and info.ggml_type in EXACT_INT4
     for start, stop in _row_blocks(info):
@@ -250,5 +275,6 @@ def _concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         return parts[0]
     first = parts[0]
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
-    return QuantizedWeight(first.scheme, torch.cat([p.codes for p in parts]),
-                           torch.cat([p.scales for p in parts]), zeros, first.group_size)  # fmt: skip
+    return QuantizedWeight(
+        first.scheme, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), zeros, first.group_size
+    )

@@ -95,8 +95,16 @@ class GraphCache:
     guarded (unit tests of the bookkeeping only).
     """
 
-    def __init__(self, backend, statics: StaticTensors | None = None, *, reserve_bytes: int = 1 << 30,
-                 max_graphs: int = 64, strict: bool | None = None, self_check: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        statics: StaticTensors | None = None,
+        *,
+        reserve_bytes: int = 1 << 30,
+        max_graphs: int = 64,
+        strict: bool | None = None,
+        self_check: bool = True,
+    ) -> None:
         self.backend = backend
         self.statics = statics
         self.reserve_bytes = reserve_bytes
@@ -119,8 +127,14 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: Hashable, fn: Callable[..., Tensor], *,
-            mirror: Callable[[str, Hashable], None] | None = None, **inputs: Tensor) -> Tensor:  # fmt: skip
+    def run(
+        self,
+        key: Hashable,
+        fn: Callable[..., Tensor],
+        *,
+        mirror: Callable[[str, Hashable], None] | None = None,
+        **inputs: Tensor,
+    ) -> Tensor:
         """fn(**inputs), replayed from a capture when one exists or can be made.
 
         The returned tensor is a static buffer (the graph-pool rule, capture.py): read or

@@ -148,8 +148,9 @@ def expand_transposed(
         _unpack_blocks(packed[whole:], n - whole, False, codes[:, whole:])
     scales = scales_and_zeros[..., 0].float()  # [K/g, N]
     offset = (scales_and_zeros[..., 1].float() - 8 * scales).to(dtype)[:, None]  # [K/g, 1, N]
-    torch.addcmul(offset, codes.view(k // group, group, n), scales.to(dtype)[:, None],
-                  out=out.view(k // group, group, n))  # fmt: skip
+    torch.addcmul(
+        offset, codes.view(k // group, group, n), scales.to(dtype)[:, None], out=out.view(k // group, group, n)
+    )
     return out
 
 
@@ -185,8 +186,9 @@ def cpu_layout() -> Int4Layout | None:
             return layout
     log.warning(
         "torch's CPU int4 weight layout on this CPU (kernels: %s) is none of the known ones: "
-        "torch packs the weights (slower loads) and int4 lm_heads skip float32 refinement", cap,
-    )  # fmt: skip
+        "torch packs the weights (slower loads) and int4 lm_heads skip float32 refinement",
+        cap,
+    )
     return None
 
 
@@ -200,5 +202,17 @@ def pack_with_torch(codes: Tensor) -> Tensor:
     return out
 
 
-__all__ = ["AVX2", "AVX512", "DEFAULT", "LAYOUTS", "Int4Layout", "capability", "cpu_layout",
-           "expand_transposed", "expected_layout", "pack", "pack_with_torch", "read_rows"]  # fmt: skip
+__all__ = [
+    "AVX2",
+    "AVX512",
+    "DEFAULT",
+    "LAYOUTS",
+    "Int4Layout",
+    "capability",
+    "cpu_layout",
+    "expand_transposed",
+    "expected_layout",
+    "pack",
+    "pack_with_torch",
+    "read_rows",
+]

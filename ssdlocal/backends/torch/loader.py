@@ -114,9 +114,10 @@ def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfl
     path = checked(path)
     if not path.is_file():
         if is_cache_entry(path) and (problem := check_digests(path)) is not None:
-            raise ModelLoadError(f"{path} is a damaged ssdlocal cache entry: {problem}",
-                                 hint=f"delete {path} and pass the .gguf file it was made from; "
-                                 "ssdlocal converts it again")  # fmt: skip
+            raise ModelLoadError(
+                f"{path} is a damaged ssdlocal cache entry: {problem}",
+                hint=f"delete {path} and pass the .gguf file it was made from; ssdlocal converts it again",
+            )
         return path
 
     def build() -> Path:
@@ -130,16 +131,16 @@ def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfl
     problem = check_digests(ckpt)
     if problem is None:
         return ckpt
-    log.warning("the cached conversion of %s in %s cannot be trusted: %s; converting it again",
-                path.name, ckpt, problem)  # fmt: skip
+    log.warning(
+        "the cached conversion of %s in %s cannot be trusted: %s; converting it again", path.name, ckpt, problem
+    )
     with file_lock(ckpt.with_name(ckpt.name + ".lock")):  # the builders' own lock
         if check_digests(ckpt) is not None:  # not rebuilt by another process meanwhile
             shutil.rmtree(ckpt, ignore_errors=True)
     return build()
 
 
-def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=None, *,
-                    floats: bool = True) -> Path:  # fmt: skip
+def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=None, *, floats: bool = True) -> Path:
     """The checkpoint directory `load_model(path, ..., dtype, quantization)` will read,
     built now if it is not cached (reporting to `progress`, else to the installed display):
     a .gguf file's quantized cache when `quantization` resolves to int8/int4 for it, else
@@ -153,8 +154,9 @@ def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=No
     return resolve_checkpoint(found, "none", dtype) if floats else found
 
 
-def preflight(ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device,
-              dtype: torch.dtype) -> None:  # fmt: skip
+def preflight(
+    ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device, dtype: torch.dtype
+) -> None:
     """Before the model is built: the config's sizes against the weight files' headers,
     and the weights against the memory available (weights/formats/checks.py, quant_load.weight_bytes)."""
     headers = {}
@@ -255,8 +257,9 @@ def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(found)
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
-               quantization: str = "none") -> LoadedModel:  # fmt: skip
+def load_model(
+    path: str | Path, device: str = "cpu", dtype: str = "float32", quantization: str = "none"
+) -> LoadedModel:
     """Load config, tokenizer and weights; the KV cache is left to the caller (setup_cache).
 
     quantization: none | int8 | int4 | auto (weights/formats/quantized.resolve_scheme); quantized linears
@@ -291,8 +294,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "float32",
     if on_read is not None:
         on_read(None)  # the headers and skipped tensors count too
     model.requires_grad_(False).eval()
-    log.info("loaded %s (%s, %d layers) on %s as %s, weights %s", ckpt, args.arch, args.num_layers,
-             dev, torch_dtype, scheme)  # fmt: skip
+    log.info(
+        "loaded %s (%s, %d layers) on %s as %s, weights %s", ckpt, args.arch, args.num_layers, dev, torch_dtype, scheme
+    )
     return LoadedModel(
         model, tokenizer, args, hf_config, ckpt, dev, torch_dtype, eos_ids(ckpt, hf_config, tokenizer), scheme
     )

@@ -47,8 +47,7 @@ def _cuda_fp32_linear(head: nn.Linear, h: Tensor) -> Tensor | None:
     return out.view(*h.shape[:-1], -1)  # [B, T, V]
 
 
-def refine_top(logits: Tensor, h: Tensor, rows_of: Callable[[Tensor], Tensor | None],
-               bias: Tensor | None) -> Tensor:  # fmt: skip
+def refine_top(logits: Tensor, h: Tensor, rows_of: Callable[[Tensor], Tensor | None], bias: Tensor | None) -> Tensor:
     """Replace the REFINED largest logits of each position by float32 recomputations.
 
     logits [B, T, V] float32 (rounded values), h [B, T, hidden]; rows_of(top [B, T, R])

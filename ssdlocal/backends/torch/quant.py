@@ -2,8 +2,7 @@
 
 QuantizedWeight is the device-neutral form that checkpoints store (codes plus scales);
 QuantLinear packs it for its device's kernel once, at construction, and runs that kernel;
-quantize_model swaps a loaded model's linears for QuantLinears (as parallel/tp.py swaps
-them for shards). Knows nothing about files or processes. docs/architecture.md
+quant_apply.py puts them in a model. Knows nothing about files or processes. docs/architecture.md
 ("Quantized weights") gives the layouts, the kernels and why.
 """
 
@@ -21,7 +20,6 @@ from ssdlocal.backends.torch import int4_cpu, int4_cuda
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.quantization import INT4_GROUP
-from ssdlocal.weights.formats.arch import architecture
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
 # and norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
@@ -73,8 +71,13 @@ class QuantizedWeight:
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output features [start, stop) (tensor-parallel column split)."""
         zeros = None if self.zeros is None else self.zeros[start:stop].contiguous()
-        return QuantizedWeight(self.scheme, self.codes[start:stop].contiguous(),
-                               self.scales[start:stop].contiguous(), zeros, self.group_size)  # fmt: skip
+        return QuantizedWeight(
+            self.scheme,
+            self.codes[start:stop].contiguous(),
+            self.scales[start:stop].contiguous(),
+            zeros,
+            self.group_size,
+        )
 
     def cols(self, start: int, stop: int) -> QuantizedWeight:
         """Input features [start, stop) (tensor-parallel row split); int4 needs whole groups."""
@@ -84,10 +87,12 @@ class QuantizedWeight:
         if start % g or stop % g:
             raise ValueError(f"int4 input slice [{start}, {stop}) is not aligned to groups of {g}")
         return QuantizedWeight(
-            "int4", self.codes[:, start // 2 : stop // 2].contiguous(),
+            "int4",
+            self.codes[:, start // 2 : stop // 2].contiguous(),
             self.scales[:, start // g : stop // g].contiguous(),
-            self.zeros[:, start // g : stop // g].contiguous(), g,
-        )  # fmt: skip
+            self.zeros[:, start // g : stop // g].contiguous(),
+            g,
+        )
 
     def permute_rows(self, index: Tensor) -> QuantizedWeight:
         zeros = None if self.zeros is None else self.zeros[index]
@@ -117,8 +122,9 @@ def quantize(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
     if len(parts) == 1:
         return parts[0]
     zeros = None if scheme == "int8" else torch.cat([p.zeros for p in parts])
-    return QuantizedWeight(scheme, torch.cat([p.codes for p in parts]),
-                           torch.cat([p.scales for p in parts]), zeros, parts[0].group_size)  # fmt: skip
+    return QuantizedWeight(
+        scheme, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), zeros, parts[0].group_size
+    )
 
 
 def _quantize_rows(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
@@ -191,8 +197,16 @@ class QuantLinear(nn.Module):
     over the ranks of `group` before the bias is added once.
     """
 
-    def __init__(self, weight: QuantizedWeight, bias: Tensor | None, *, dtype: torch.dtype,
-                 device: torch.device | str, reduce: bool = False, group=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        reduce: bool = False,
+        group=None,
+    ) -> None:
         super().__init__()
         device = torch.device(device)
         self.out_features, self.in_features = weight.shape
@@ -256,9 +270,11 @@ class QuantLinear(nn.Module):
     @property
     def expandable(self) -> bool:
         """Whether `expanded` gives this kernel's weight a dense form."""
-        return (self.kernel in ("int8_cpu", "int8_cuda", "int4_dequant")
-                or (self.kernel == "int4_cpu" and self.layout is not None)
-                or (self.kernel == "int4_cuda" and self.tinygemm_readable))  # fmt: skip
+        return (
+            self.kernel in ("int8_cpu", "int8_cuda", "int4_dequant")
+            or (self.kernel == "int4_cpu" and self.layout is not None)
+            or (self.kernel == "int4_cuda" and self.tinygemm_readable)
+        )
 
     def _dense_weight(self, pool: ScratchPool, lent: list[Tensor], dtype: torch.dtype) -> Tensor | None:
         """W [out_features, in_features] in `dtype` (a view), or None; buffers taken from
@@ -270,8 +286,9 @@ class QuantLinear(nn.Module):
             rows, half = self.packed.shape
             shape, dev = (2 * half, rows), self.packed.device
             lent += [pool.take(shape, dtype, dev), pool.take(shape, torch.uint8, dev)]
-            wt = int4_cpu.expand_transposed(self.packed, self.scales_and_zeros, self.group_size, self.layout,
-                                            dtype, out=lent[-2], codes=lent[-1])  # fmt: skip
+            wt = int4_cpu.expand_transposed(
+                self.packed, self.scales_and_zeros, self.group_size, self.layout, dtype, out=lent[-2], codes=lent[-1]
+            )
             return wt[:, :n].t()  # [N, K]: a transposed view, which the matmul reads as is
         if k in ("int8_cpu", "int8_cuda"):
             return self.codes.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
@@ -360,10 +377,12 @@ def _pad_rows(w: QuantizedWeight, extra: int) -> QuantizedWeight:
         return w
     k2, groups = w.codes.shape[1], w.scales.shape[1]
     return QuantizedWeight(
-        "int4", torch.cat([w.codes, torch.full((extra, k2), 0x88, dtype=torch.uint8)]),
+        "int4",
+        torch.cat([w.codes, torch.full((extra, k2), 0x88, dtype=torch.uint8)]),
         torch.cat([w.scales, w.scales.new_zeros(extra, groups)]),
-        torch.cat([w.zeros, w.zeros.new_zeros(extra, groups)]), w.group_size,
-    )  # fmt: skip
+        torch.cat([w.zeros, w.zeros.new_zeros(extra, groups)]),
+        w.group_size,
+    )
 
 
 def _pack_int4_cuda(codes: Tensor) -> Tensor:
@@ -381,67 +400,11 @@ def _pack_int4_cuda(codes: Tensor) -> Tensor:
     return packed
 
 
-class QuantEmbedding(nn.Module):
-    """A token embedding kept as int8 / int4 codes (a GGUF's embedding is quantized
-    already); a lookup de-quantizes only the rows it gathers, in float32, then `dtype`."""
-
-    def __init__(self, weight: QuantizedWeight, *, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.scheme, self.group_size, self.dtype = weight.scheme, weight.group_size, dtype
-        self.register_buffer("codes", weight.codes.to(device))
-        self.register_buffer("scales", weight.scales.to(device))  # kept as stored: float32 math
-        self.register_buffer("zeros", None if weight.zeros is None else weight.zeros.to(device))
-
-    def forward(self, ids: Tensor) -> Tensor:
-        flat = ids.reshape(-1)  # [B*T]
-        zeros = None if self.zeros is None else self.zeros[flat]
-        rows = QuantizedWeight(self.scheme, self.codes[flat], self.scales[flat], zeros, self.group_size)
-        return rows.dequantize(self.dtype).view(*ids.shape, self.embedding_dim)  # [B, T, hidden]
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.scheme}"
-
-
-# --------------------------------------------------------------------------- models
-
-
-def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
-
-
-def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
-    """Swap the quantized linears of a loaded model (its architecture's) for QuantLinears, in place.
-
-    Row-parallel shards (modules with a `group`, see parallel/tp.py) keep their all_reduce.
-    A tied lm_head gets its own codes; the embedding it shared stays as it was.
-    """
-    if scheme == "none":
-        return model
-    arch = architecture(model.args.arch)
-    for name, module in list(model.named_modules()):
-        weight = getattr(module, "weight", None)
-        if not arch.quantized(name) or weight is None or not can_quantize(tuple(weight.shape), scheme):
-            continue
-        qw = quantize(weight.detach().cpu(), scheme, weight.dtype)
-        bias = None if module.bias is None else module.bias.detach()
-        replace_module(model, name, QuantLinear(
-            qw, bias, dtype=weight.dtype, device=weight.device,
-            reduce=hasattr(module, "group"), group=getattr(module, "group", None),
-        ))  # fmt: skip
-    return model
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and buffers (shared tensors counted once)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type != "meta" and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
-__all__ = ["QuantEmbedding", "QuantLinear", "QuantizedWeight", "can_quantize", "kernel_for", "model_bytes",
-           "pack_int4", "quantize", "quantize_model"]  # fmt: skip
+__all__ = [
+    "QuantLinear",
+    "QuantizedWeight",
+    "can_quantize",
+    "kernel_for",
+    "pack_int4",
+    "quantize",
+]

@@ -20,14 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.gguf_quant import ensure_quantized
-from ssdlocal.backends.torch.quant import (
-    QuantEmbedding,
-    QuantizedWeight,
-    QuantLinear,
-    can_quantize,
-    quantize,
-    replace_module,
-)
+from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, can_quantize, quantize
+from ssdlocal.backends.torch.quant_apply import QuantEmbedding, replace_module
 from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.quantization import SCHEMES
 from ssdlocal.weights.formats.arch import architecture, find, for_gguf, unsupported
@@ -48,9 +42,17 @@ def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> 
     return path
 
 
-def load_quantized_weights(model: nn.Module, ckpt: Path, files: list[Path], scheme: str,
-                           device: torch.device, dtype: torch.dtype, *, shard: Shard | None = None,
-                           on_read=None) -> None:  # fmt: skip
+def load_quantized_weights(
+    model: nn.Module,
+    ckpt: Path,
+    files: list[Path],
+    scheme: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    shard: Shard | None = None,
+    on_read=None,
+) -> None:
     """Fill meta-device `model` (possibly already shaped for a TP rank): the linears its
     architecture quantizes become QuantLinears, every other tensor is assigned in `dtype`
     on `device`. `on_read(nbytes)`: told the size of each tensor read (progress)."""
@@ -115,18 +117,27 @@ class _Filler:
     def install(self, module: str, weight: QuantizedWeight) -> None:
         if weight.scales.dtype != self.dtype:  # a checkpoint stored for another dtype
             zeros = None if weight.zeros is None else weight.zeros.to(self.dtype)
-            weight = QuantizedWeight(weight.scheme, weight.codes, weight.scales.to(self.dtype), zeros,
-                                     weight.group_size)  # fmt: skip
+            weight = QuantizedWeight(
+                weight.scheme, weight.codes, weight.scales.to(self.dtype), zeros, weight.group_size
+            )
         old = self.model.get_submodule(module)
         weight = self.shard(f"{module}.weight", weight)
         if module == "embed_tokens":  # a quantized checkpoint's embedding: codes, looked up
             replace_module(self.model, module, QuantEmbedding(weight, dtype=self.dtype, device=self.device))
             self.installed.add(module)
             return
-        replace_module(self.model, module, QuantLinear(
-            weight, None, dtype=self.dtype, device=self.device,
-            reduce=hasattr(old, "group"), group=getattr(old, "group", None),
-        ))  # fmt: skip
+        replace_module(
+            self.model,
+            module,
+            QuantLinear(
+                weight,
+                None,
+                dtype=self.dtype,
+                device=self.device,
+                reduce=hasattr(old, "group"),
+                group=getattr(old, "group", None),
+            ),
+        )
         self.installed.add(module)
         self.releaser.processed(weight.nbytes)
 

@@ -272,8 +272,11 @@ class TorchRunner(HeldRows):
         if self.prefix is None:
             return None
         report = self.prefix.report()
-        return {**report, "capacity_bytes": report["capacity_tokens"] * self.prefix_token_bytes,
-                "used_bytes": report["used_tokens"] * self.prefix_token_bytes}  # fmt: skip
+        return {
+            **report,
+            "capacity_bytes": report["capacity_tokens"] * self.prefix_token_bytes,
+            "used_bytes": report["used_tokens"] * self.prefix_token_bytes,
+        }
 
     @torch.inference_mode()
     def reuse(self, row: int, tokens: Sequence[int]) -> int:
@@ -383,9 +386,13 @@ class TorchRunner(HeldRows):
             return out if self.graphs is None else out.clone()  # a static buffer (capture.py)
         if self.graphs is not None:
             return self.graphs.run(
-                ("tree", *mask.shape), self.model, input_ids=ids, positions=positions,
-                slots=slots, attn_mask=mask,
-            ).clone()  # fmt: skip
+                ("tree", *mask.shape),
+                self.model,
+                input_ids=ids,
+                positions=positions,
+                slots=slots,
+                attn_mask=mask,
+            ).clone()
         return self.model(ids, positions, slots, mask)  # [B, T, V]
 
     def tree_span(self, needed: int) -> int | None:

@@ -57,10 +57,14 @@ class DraftWorkerClient:
         self.max_positions: int | None = None  # the draft's context, once loaded
         self.prefix_report: dict | None = None  # the worker's prefix cache, as of its last READY
         self.child = ChildProcess(
-            worker_main, (), name="ssdlocal-draft", role="the draft worker", error=DraftWorkerError,
+            worker_main,
+            (),
+            name="ssdlocal-draft",
+            role="the draft worker",
+            error=DraftWorkerError,
             dead_hint="the draft process was killed or crashed (out of memory?); rerun, or use --mode sd",
             hung_hint="the draft device may be overloaded; try --mode sd, or a smaller draft",
-        )  # fmt: skip
+        )
         try:
             self.send(pr.Cmd.LOAD, pr.LoadMsg(model, threads, cpus, graphs, prefix_tokens))
         except BaseException:
@@ -213,9 +217,13 @@ class SSDDrafter:
                 q = self.site.to_device(q, self.target_device)  # where the target verifies: staged, no wait
         self.chooser.observe_proposal(msg)
         return Proposal.from_lists(
-            msg.tokens, self.k, self.target_device, self.site, q=q,
+            msg.tokens,
+            self.k,
+            self.target_device,
+            self.site,
+            q=q,
             ssd=SsdRound(tuple(msg.cache_hit), msg.backup, msg.busy_s),
-        )  # fmt: skip
+        )
 
     def observe(self, outcome: RoundOutcome) -> None:
         verify_s = time.perf_counter() - self._proposed_at
@@ -228,9 +236,15 @@ class SSDDrafter:
                     self.chooser.observe_tokens(served_by, len(appended))
         backup = self.chooser.choose(sum(outcome.active), verify_s)
         msg = pr.OutcomeMsg(
-            round_index=self._round, appended=outcome.appended, n_accepted=outcome.n_accepted,
-            bonus=outcome.bonus, active=outcome.active, verify_s=verify_s, backup=backup, ahead=self._ahead,
-        )  # fmt: skip
+            round_index=self._round,
+            appended=outcome.appended,
+            n_accepted=outcome.n_accepted,
+            bonus=outcome.bonus,
+            active=outcome.active,
+            verify_s=verify_s,
+            backup=backup,
+            ahead=self._ahead,
+        )
         self._ahead = None
         self._round += 1
         self.client.send(pr.Cmd.OUTCOME, msg)

@@ -147,8 +147,14 @@ class Speculator:
         width = max(o.shape[-1] for o in out)
         first = torch.stack([o[-1] if len(o) else o.new_zeros(width) for o in out])  # [B, V_d]
         self.runner.begin_steps()
-        decoder = DraftDecoder(self.runner, self.k, self.params, self.vocab, self.generator,
-                               probs=lambda logits, j: self._probs(logits, fan[j]))  # fmt: skip
+        decoder = DraftDecoder(
+            self.runner,
+            self.k,
+            self.params,
+            self.vocab,
+            self.generator,
+            probs=lambda logits, j: self._probs(logits, fan[j]),
+        )
         bound = max(self.runner.cached(b) for b in range(len(self.rows))) + self.k
         drafted = decoder.decode(first, bound, keep_logits=True)
         predicted = drafted.logits  # [B, K, V]

@@ -39,9 +39,13 @@ def worker_main(conn, parent_pid: int, pdeathsig: bool = True) -> None:
 
     worker = DraftWorker(conn)
     run_child(
-        conn, parent_pid, pdeathsig, lambda: serve(conn, parent_pid, worker.handle),
-        role="draft worker", default_kind="DraftWorkerError",
-    )  # fmt: skip
+        conn,
+        parent_pid,
+        pdeathsig,
+        lambda: serve(conn, parent_pid, worker.handle),
+        role="draft worker",
+        default_kind="DraftWorkerError",
+    )
 
 
 class DraftWorker:
@@ -99,8 +103,12 @@ class DraftWorker:
         self.spec = Speculator(self.runner, msg, audit=self.audit)
         self.q_buffer = msg.q_buffer
         self.round_index = 0
-        self.conn.send((Reply.READY, {"graphs": self._graphs(), "prefix": self.runner.prefix_report(),
-                                      "host_waits": self._host_waits()}))  # fmt: skip
+        self.conn.send(
+            (
+                Reply.READY,
+                {"graphs": self._graphs(), "prefix": self.runner.prefix_report(), "host_waits": self._host_waits()},
+            )
+        )
 
     def _speculator(self) -> Speculator:
         if self.spec is None:
@@ -144,9 +152,17 @@ class DraftWorker:
             self.audit.site("worker").waited()  # the target reads q once it has the message
             q_written = True
         msg = ProposalMsg(
-            self.round_index, tuple(tuple(t) for t in served.tokens), tuple(served.cache_hit),
-            served.backup, q_written, busy_s, self.prespec_s, spec.last_fan, self._graphs(), self._host_waits(),
-        )  # fmt: skip
+            self.round_index,
+            tuple(tuple(t) for t in served.tokens),
+            tuple(served.cache_hit),
+            served.backup,
+            q_written,
+            busy_s,
+            self.prespec_s,
+            spec.last_fan,
+            self._graphs(),
+            self._host_waits(),
+        )
         self.conn.send((Reply.PROPOSAL, msg))
         self.prespec_s = spec.prespeculate(spec.early_stop(self.conn.poll))
 

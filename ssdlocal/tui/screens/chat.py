@@ -122,8 +122,12 @@ class ChatScreen(Screen):
         elif self.generating and self._reading is not None:
             state = (f"reading the prompt {self._reading[0]:,} / {self._reading[1]:,}…", "bold")
         elif self.generating:
-            state = ("generating…" if self._gen_mode is self.settings.mode
-                     else f"generating ({self._gen_mode.value.upper()})…", "bold")  # fmt: skip
+            state = (
+                "generating…"
+                if self._gen_mode is self.settings.mode
+                else f"generating ({self._gen_mode.value.upper()})…",
+                "bold",
+            )
         else:
             state = ("ready", "green")
         if self.show_colors:

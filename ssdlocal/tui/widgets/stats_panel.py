@@ -175,8 +175,9 @@ class StatsPanel(Static):
     def _histogram(self, s: Metrics) -> list[Text]:
         hist = list(s.accepted_len_hist)
         total = max(hist, default=0)
-        return self._bars("Accepted length", [c / total for c in hist] if total else [], 0,
-                          lambda frac: f"{round(frac * total):>4}")  # fmt: skip
+        return self._bars(
+            "Accepted length", [c / total for c in hist] if total else [], 0, lambda frac: f"{round(frac * total):>4}"
+        )
 
     def _bars(self, title: str, fractions: list, first: int, label) -> list[Text]:
         rows = [self._title(title)]

@@ -25,11 +25,18 @@ from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
 # (weight, bias; codes, scales, zeros in quantized checkpoints), the leaf the same everywhere.
 GLOBAL_MODULES = ("embed_tokens", "norm", "lm_head")
 BLOCK_MODULES = (
-    "input_layernorm", "post_attention_layernorm",
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "self_attn.q_norm", "self_attn.k_norm",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)  # fmt: skip
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _SPLITS = ("column", "row", "replicated")
 
@@ -110,20 +117,30 @@ GGUF_NAMES = TensorNames(
     layer="blk.{i}.",
     outside={"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"},
     block={
-        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
     },
     ignored=("rope_freqs.weight",),  # llama3 RoPE factors: recomputed from the config
-)  # fmt: skip
+)
 LLAMA_LINEARS = {
-    "self_attn.q_proj": Linear("column"), "self_attn.k_proj": Linear("column"),
-    "self_attn.v_proj": Linear("column"), "self_attn.o_proj": Linear("row"),
-    "mlp.gate_proj": Linear("column"), "mlp.up_proj": Linear("column"), "mlp.down_proj": Linear("row"),
+    "self_attn.q_proj": Linear("column"),
+    "self_attn.k_proj": Linear("column"),
+    "self_attn.v_proj": Linear("column"),
+    "self_attn.o_proj": Linear("row"),
+    "mlp.gate_proj": Linear("column"),
+    "mlp.up_proj": Linear("column"),
+    "mlp.down_proj": Linear("row"),
     "lm_head": Linear("replicated"),  # every rank computes the full logits
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -215,10 +232,18 @@ class Architecture:
 
 # --------------------------------------------------------------------------- the table
 
-LLAMA = Architecture("llama", ("LlamaForCausalLM",), "llama", gguf_architecture="llama",
-                     gguf_qk_interleaved=True, pair_family="llama3")  # fmt: skip
-QWEN2 = Architecture("qwen2", ("Qwen2ForCausalLM",), "qwen2", gguf_architecture="qwen2",
-                     qkv_bias=True, o_bias=False, pair_family="qwen2.5")  # fmt: skip
+LLAMA = Architecture(
+    "llama", ("LlamaForCausalLM",), "llama", gguf_architecture="llama", gguf_qk_interleaved=True, pair_family="llama3"
+)
+QWEN2 = Architecture(
+    "qwen2",
+    ("Qwen2ForCausalLM",),
+    "qwen2",
+    gguf_architecture="qwen2",
+    qkv_bias=True,
+    o_bias=False,
+    pair_family="qwen2.5",
+)
 QWEN3 = Architecture("qwen3", ("Qwen3ForCausalLM",), "qwen3", gguf_architecture="qwen3", qk_norm=True)
 
 _TABLE: dict[str, Architecture] = {}

@@ -81,14 +81,17 @@ def load_hf_config(path: Path):
             fields = {k: v for k, v in raw.items() if k != "model_type"}
             return AutoConfig.for_model(described.config_type, **fields)
         if described is not None:
-            raise ModelLoadError(f"{path / 'config.json'} is not a valid {described.name} config: "
-                                 f"{first_line(exc)}", hint=_config_hint(path)) from exc  # fmt: skip
+            raise ModelLoadError(
+                f"{path / 'config.json'} is not a valid {described.name} config: {first_line(exc)}",
+                hint=_config_hint(path),
+            ) from exc
         archs = raw.get("architectures")
         names = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else str(raw.get("model_type"))
         raise unsupported(f"architecture {names[:200] if names != 'None' else 'unknown'}") from exc
     except Exception as exc:  # noqa: BLE001 - transformers' validators raise TypeError, ZeroDivisionError, ...
-        raise ModelLoadError(f"{path / 'config.json'} is not a valid model config: {first_line(exc)}",
-                             hint=_config_hint(path)) from exc  # fmt: skip
+        raise ModelLoadError(
+            f"{path / 'config.json'} is not a valid model config: {first_line(exc)}", hint=_config_hint(path)
+        ) from exc
 
 
 def _config_hint(path: Path) -> str:

@@ -19,11 +19,20 @@ from ssdlocal.core.files import kind_of
 
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few KB; refuse reading more than this
 MAX_SIZE = 1 << 31  # no size in a config reaches this (the largest vocabularies are ~1M)
-CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+CONFIG_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")  # may be null: derived from the others
-PATH_HINT = ("point --target (or --draft) at a Hugging Face checkpoint directory (config.json + "
-             "*.safetensors) or a .gguf file")  # fmt: skip
+PATH_HINT = (
+    "point --target (or --draft) at a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file"
+)
 
 
 def check_model_path(path: Path) -> Path:
@@ -81,16 +90,17 @@ def check_config(config: dict, path: Path, hint: str) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_SIZE:
             shown = json.dumps(value)[:40] if _jsonable(value) else type(value).__name__
-            raise ModelLoadError(f"{path}: {key} must be a positive integer below {MAX_SIZE:,}, got {shown}",
-                                 hint=hint)  # fmt: skip
+            raise ModelLoadError(f"{path}: {key} must be a positive integer below {MAX_SIZE:,}, got {shown}", hint=hint)
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads and kv and heads % kv:
-        raise ModelLoadError(f"{path}: num_attention_heads ({heads}) is not a multiple of "
-                             f"num_key_value_heads ({kv})", hint=hint)  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})", hint=hint
+        )
     hidden = config.get("hidden_size")
     if heads and hidden and not config.get("head_dim") and hidden % heads:
-        raise ModelLoadError(f"{path}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})",
-                             hint=hint)  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})", hint=hint
+        )
 
 
 def _jsonable(value) -> bool:
@@ -110,8 +120,7 @@ def declared_params(args) -> int:
     return heads * args.vocab_size * h + args.num_layers * layer + h
 
 
-def check_against_weights(args, arch, headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]],
-                          ckpt: Path) -> None:  # fmt: skip
+def check_against_weights(args, arch, headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]], ckpt: Path) -> None:
     """The config's sizes against the weight files' headers (file -> tensor -> (dtype,
     shape)): the same number of layers, the embedding's rows and width, and no more
     parameters than the files hold (int4 codes count two per byte)."""
@@ -132,16 +141,21 @@ def check_against_weights(args, arch, headers: dict[str, dict[str, tuple[str, tu
         "or have been edited; use the model's own config.json"
     )
     if len(layers) != args.num_layers:
-        raise ModelLoadError(f"{ckpt}: config.json declares {args.num_layers:,} layers, the weight files "
-                             f"hold {len(layers):,}", hint=hint)  # fmt: skip
+        raise ModelLoadError(
+            f"{ckpt}: config.json declares {args.num_layers:,} layers, the weight files hold {len(layers):,}", hint=hint
+        )
     if embedding is not None:
         leaf, dtype, shape = embedding
         width = shape[-1] * (2 if leaf == "codes" and dtype == "U8" else 1) if len(shape) == 2 else None
         if len(shape) != 2 or shape[0] != args.vocab_size or (leaf == "weight" and width != args.hidden_size):
-            raise ModelLoadError(f"{ckpt}: config.json declares a vocabulary of {args.vocab_size:,} x "
-                                 f"{args.hidden_size:,}, the embedding in the weight files is "
-                                 f"{' x '.join(f'{d:,}' for d in shape)}", hint=hint)  # fmt: skip
+            raise ModelLoadError(
+                f"{ckpt}: config.json declares a vocabulary of {args.vocab_size:,} x "
+                f"{args.hidden_size:,}, the embedding in the weight files is "
+                f"{' x '.join(f'{d:,}' for d in shape)}",
+                hint=hint,
+            )
     declared = declared_params(args)
     if declared > held * 1.01 + 4096:
-        raise ModelLoadError(f"{ckpt}: config.json declares about {declared:,} parameters, the weight files "
-                             f"hold {held:,}", hint=hint)  # fmt: skip
+        raise ModelLoadError(
+            f"{ckpt}: config.json declares about {declared:,} parameters, the weight files hold {held:,}", hint=hint
+        )

@@ -304,8 +304,10 @@ def read_config_and_tokenizer(gguf_path: Path) -> tuple[object, object]:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        return (AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False),
-                AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False))  # fmt: skip
+        return (
+            AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False),
+            AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False),
+        )
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         raise _unreadable(gguf_path, exc) from exc
 

@@ -125,8 +125,9 @@ def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool
         p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
     )
     args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat))]
-    run = subprocess.run([sys.executable, "-c", _METADATA_CHILD, *args], env=env,
-                         capture_output=True, text=True, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", _METADATA_CHILD, *args], env=env, capture_output=True, text=True, check=False
+    )
     error = tmp / "error.json"
     if error.is_file():
         raise ModelLoadError(**json.loads(error.read_text()))

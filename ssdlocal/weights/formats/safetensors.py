@@ -22,10 +22,17 @@ from torch import Tensor
 from ssdlocal.core.errors import ModelLoadError
 
 _DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "BOOL": torch.bool,
-}  # fmt: skip
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 100 << 20
 
@@ -44,8 +51,9 @@ class SafetensorsReader:
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise ModelLoadError(f"{self.path} is not a regular file (a FIFO or a device?)",
-                                 "replace it with the model's weight file")  # fmt: skip
+            raise ModelLoadError(
+                f"{self.path} is not a regular file (a FIFO or a device?)", "replace it with the model's weight file"
+            )
         os.set_blocking(fd, True)
         self._fh = os.fdopen(fd, "rb")  # noqa: SIM115 - closed by close()/__exit__
         try:
@@ -171,8 +179,11 @@ class SafetensorsWriter:
         raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         self._fh.write(memoryview(raw.reshape(-1).numpy()))
         size = t.numel() * t.element_size()
-        self._entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                               "data_offsets": [self._offset, self._offset + size]}  # fmt: skip
+        self._entries[name] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self._offset, self._offset + size],
+        }
         self._offset += size
 
     def close(self, metadata: dict[str, str] | None = None) -> None:
