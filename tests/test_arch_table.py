@@ -21,7 +21,7 @@ from support.renamed_arch import RENAMED, gguf_name, write_checkpoint
 
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.model import ModelArgs, Transformer
-from ssdlocal.backends.torch.quant_load import weight_bytes
+from ssdlocal.weights.size import weight_bytes
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import UnsupportedArchitectureError
 from ssdlocal.parallel.shard_loader import load_shard

@@ -27,7 +27,8 @@ from ssdlocal.core.config import (
 from ssdlocal.core.events import DoneEvent, PrefillEvent, SeatedEvent, TokensEvent
 from ssdlocal.core.verify import verify_groups, verify_logits
 from ssdlocal.engine import Engine
-from ssdlocal.engine.request import Inbox, Request, RowSampling
+from ssdlocal.engine.request import Inbox, RowSampling
+from ssdlocal.core.sequence import Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

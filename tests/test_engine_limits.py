@@ -69,7 +69,7 @@ def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypat
         target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), pin_cpus=False, target_devices=("cpu", "cpu")
     )
     with Engine(config) as engine:
-        pids = [os.getpid(), *(p.pid for p in engine._tp_group.procs)]
+        pids = [os.getpid(), *(p.pid for p in engine.tp_group.procs)]
         listening = listening_addresses(pids)
         assert listening, "the rendezvous store should be listening"
         exposed = [a for a in listening if not _is_loopback(a)]

@@ -33,6 +33,8 @@ from ssdlocal.draft.base import Proposal
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
 from ssdlocal.engine import Engine
+from ssdlocal.engine.drafts import DraftSide
+from ssdlocal.draft.base import DrafterBase
 from ssdlocal.core.config import ModelDraft, NgramDraft
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -288,7 +290,7 @@ def test_mixed_torch_target_gguf_draft(fake, tiny_dir):
 
 
 # ----------------------------------------------------------------- SSD in process
-class InProcessSSD:
+class InProcessSSD(DrafterBase):
     """The worker's Speculator driven in this process (no spawn): same calls, same order."""
 
     def __init__(self, runner, spec: SpecConfig, params, vocab, num_slots) -> None:
@@ -303,7 +305,7 @@ class InProcessSSD:
     def store_prefixes(self):
         return None
 
-    def start(self, rows):
+    def start(self, rows, hidden=None):
         sequences = [row.tokens for row in rows]
         msg = StartMsg(
             tuple(tuple(s) for s in sequences),
@@ -349,15 +351,16 @@ def test_ssd_tree_decode_matches_ar(fake, monkeypatch, vocab, draft_name):
     draft_path = target if draft_name == "target" else draft
     drafters = []
 
-    def make_drafter(self, spec, params, batch, num_slots, guides=None, row_params=()):
+    made = DraftSide.make_drafter
+
+    def make_drafter(self, spec, params, offered):
         if spec.mode is not Mode.SSD:
-            return Engine._make_drafter_orig(self, spec, params, batch, num_slots, guides, row_params)
+            return made(self, spec, params, offered)
         runner = LlamaCppRunner(load_gguf(draft_path), tree=True)
-        drafters.append(InProcessSSD(runner, spec, params, vocab, num_slots))
+        drafters.append(InProcessSSD(runner, spec, params, vocab, offered.num_slots))
         return drafters[-1]
 
-    monkeypatch.setattr(Engine, "_make_drafter_orig", Engine._make_drafter, raising=False)
-    monkeypatch.setattr(Engine, "_make_drafter", make_drafter)
+    monkeypatch.setattr(DraftSide, "make_drafter", make_drafter)
     cfg = EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"))
     ssd = SpecConfig(mode=Mode.SSD, k=3, draft=NgramDraft(), fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3))
     with Engine(cfg) as eng:
@@ -766,12 +769,12 @@ def test_a_draft_that_cannot_pay_is_not_loaded_until_asked_for(fake, monkeypatch
     with _auto_engine(target, draft) as eng:
         assert eng.choice.mode is Mode.SD and eng.draft_context == 4096
         assert ("the draft model is not loaded" in eng.choice.reason) is not pays
-        assert (draft in loads) is pays and (eng._draft_runner is not None) is pays
+        assert (draft in loads) is pays and (eng.drafts.runner is not None) is pays
         out, _ = run(eng, PROMPTS)
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
         assert out == ar and (draft in loads) is pays  # an auto call that cannot use it leaves it
         sd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
-        assert sd == ar and draft in loads and eng._draft_runner is not None  # asked for: loaded
+        assert sd == ar and draft in loads and eng.drafts.runner is not None  # asked for: loaded
 
 
 def test_a_gguf_states_its_context_without_loading(tiny_gguf, tmp_path):

@@ -324,9 +324,9 @@ def test_out_of_memory_while_storing_costs_only_the_reuse(models, monkeypatch, c
 
 
 def test_a_cache_that_does_not_fit_is_refused_at_start(models, monkeypatch):
-    from ssdlocal.backends.torch import runner as runner_mod
+    from ssdlocal.backends.torch import stored
 
-    monkeypatch.setattr(runner_mod, "free_bytes", lambda device: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(stored, "free_bytes", lambda device: 1 << 20)  # 1 MiB free
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), prefix_cache_tokens=1 << 16)
     with pytest.raises(OutOfMemoryError) as err:  # 65,536 tokens x 512 bytes = 32 MiB
         Engine(config)
@@ -347,7 +347,7 @@ def test_forget_prefixes_empties_the_cache(models):
 def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeypatch, capsys):
     from support.cli import assert_clean_error, run_cli
 
-    from ssdlocal.backends.torch import runner as runner_mod
+    from ssdlocal.backends.torch import stored
 
     base = (
         "generate",
@@ -363,7 +363,7 @@ def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeyp
     )
     code, _, err = run_cli(monkeypatch, capsys, *base, "--prefix-cache-tokens", "-5")
     assert_clean_error(code, err, 2, "prefix-cache-tokens must be a whole number", "--no-prefix-cache")
-    monkeypatch.setattr(runner_mod, "free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(stored, "free_bytes", lambda device: 1 << 20)
     code, _, err = run_cli(monkeypatch, capsys, *base, "--prefix-cache-tokens", "65536")
     assert_clean_error(code, err, 1, "needs 32.0 MiB", "--prefix-cache-tokens 1024 or less")
     code, out, _ = run_cli(monkeypatch, capsys, *base, "--no-prefix-cache", "--json")
@@ -390,7 +390,7 @@ def test_a_dead_ssd_worker_takes_its_cache_and_the_target_stays_exact(models, re
     prompt = SYSTEM + _ids(9, 20)
     with Engine(config) as engine:
         first, _ = _run(engine, [prompt], 10)
-        os.kill(engine._worker.proc.pid, signal.SIGKILL)
+        os.kill(engine.drafts.worker.proc.pid, signal.SIGKILL)
         with pytest.raises(DraftWorkerError, match="died"):  # the call that finds it dead fails clearly
             _run(engine, [prompt + first[0]], 10)
         again, stats = _run(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache

@@ -76,7 +76,7 @@ def final_ids(events) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------- death
 def test_worker_killed_mid_generation(tiny_dir):
     engine = Engine(ssd_config(tiny_dir))
-    proc = engine._worker.proc
+    proc = engine.drafts.worker.proc
     t0 = time.monotonic()
     with pytest.raises(DraftWorkerError) as info:
         run_until_round(engine, LONG, 3, lambda: os.kill(proc.pid, signal.SIGKILL))
@@ -86,7 +86,7 @@ def test_worker_killed_mid_generation(tiny_dir):
     # the engine survives: the next call starts a fresh worker and is still exact
     params = SamplingParams(max_new_tokens=12)
     again = final_ids(list(engine.generate(["Hello world"], params)))
-    replacement = engine._worker.proc
+    replacement = engine.drafts.worker.proc
     assert replacement.pid != proc.pid
     engine.close()
     engine.close()  # idempotent
@@ -99,7 +99,7 @@ def test_worker_killed_mid_generation(tiny_dir):
 def test_hung_worker_times_out_and_is_killed(tiny_dir, monkeypatch):
     monkeypatch.setattr(ssd, "RECV_TIMEOUT_S", 1.5)
     engine = Engine(ssd_config(tiny_dir))
-    proc = engine._worker.proc
+    proc = engine.drafts.worker.proc
     stopped_at = []
 
     def stop() -> None:
@@ -129,7 +129,7 @@ def test_context_manager_cancel_and_reuse(tiny_dir):
     # SSD runs are exact in distribution but not reproducible token for token.
     fixed = {"fan_out": (2, 2, 2, 1), "fan_out_miss": (2, 2, 2, 1), "backup": "jit"}
     with Engine(ssd_config(tiny_dir, **fixed)) as engine:
-        proc = engine._worker.proc
+        proc = engine.drafts.worker.proc
         reference = final_ids(list(engine.generate(["Hello world"], params)))
         reference_sampled = final_ids(list(engine.generate(["Hello world"], sampled)))
         t0 = time.monotonic()
@@ -149,7 +149,7 @@ def test_context_manager_cancel_and_reuse(tiny_dir):
         # same worker, same results as the first (fresh) runs
         assert final_ids(list(engine.generate(["Hello world"], params))) == reference
         assert final_ids(list(engine.generate(["Hello world"], sampled))) == reference_sampled
-        assert engine._worker.proc is proc
+        assert engine.drafts.worker.proc is proc
     assert_reaped(proc)
     engine.close()  # after __exit__: still fine
 
@@ -164,11 +164,11 @@ def test_worker_outlives_the_thread_that_spawned_it(tiny_dir):
     engine = holder["engine"]
     try:
         time.sleep(1.0)  # the worker's parent watch ticks every 0.5 s
-        assert engine._worker.proc.is_alive()
+        assert engine.drafts.worker.proc.is_alive()
         ids = final_ids(list(engine.generate(["Hello world"], SamplingParams(max_new_tokens=8))))
         assert len(ids) == 8
     finally:
-        proc = engine._worker.proc
+        proc = engine.drafts.worker.proc
         engine.close()
     assert_reaped(proc)
 
@@ -257,7 +257,7 @@ if __name__ == "__main__":
         spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, "cpu", "float32"))),
         pin_cpus=False,
     ))
-    print(engine._worker.proc.pid, flush=True)
+    print(engine.drafts.worker.proc.pid, flush=True)
     time.sleep(120)
 """
 
@@ -299,8 +299,8 @@ if __name__ == "__main__":
         spec=SpecConfig(mode=Mode.SSD, k=3, draft=ModelDraft(ModelSpec(draft, "cpu", "float32"))),
         pin_cpus=False,
     ))
-    print(engine._worker.proc.pid, flush=True)
-    os.kill(engine._worker.proc.pid, signal.SIGSTOP)
+    print(engine.drafts.worker.proc.pid, flush=True)
+    os.kill(engine.drafts.worker.proc.pid, signal.SIGSTOP)
     # exits without engine.close(): multiprocessing's exit hook alone would SIGTERM the
     # stopped worker and then join it forever
 """

@@ -31,10 +31,8 @@ from ssdlocal.core.models import DRAFT_KINDS, BackendName
 
 
 def parse_mode(mode: str) -> Mode:
-    try:
-        return Mode(mode.lower())
-    except ValueError:
-        raise UsageError(f"unknown mode {mode!r}", "choose one of: ar, sd, ssd") from None
+    """--mode's text as a member (UsageError listing every mode, auto included)."""
+    return Mode.parse(mode, "mode")
 
 
 def engine_config(

@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class BackendName(Choice):
     """Which backend runs a model, and the facts about it that layers below the backends
-    need (what `ssdlocal.backends.registry.Backend` does with it lives there).
+    need (what its Backend does with it lives in ssdlocal.backends).
 
     TORCH: our native models; reads checkpoint directories, converts or quantizes a GGUF
     itself, applies --quantization int8/int4, runs tensor parallel. LLAMACPP:

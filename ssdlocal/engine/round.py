@@ -15,19 +15,15 @@ uploads. `commit` is the only step that changes rows and cache lengths.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
-from ssdlocal.backends.base import Runner
 from ssdlocal.core.events import Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
-from ssdlocal.core.hostsync import Audit
-from ssdlocal.core.sequence import Row
 from ssdlocal.core.verify import Verdict
-from ssdlocal.draft.base import Drafter, Proposal, RoundOutcome
-from ssdlocal.engine.request import RowSampling
-from ssdlocal.engine.shape import Shaper
+from ssdlocal.draft.base import Proposal, RoundOutcome
+from ssdlocal.engine.seating import Seating
 
 
 @dataclass(frozen=True)
@@ -39,9 +35,9 @@ class HostVerdict:
     drafts: list[list[int]]
 
 
-@dataclass
 class Round:
-    """Everything one generate call's rounds share.
+    """The rounds of one seating (engine/seating.py: its rows, runner, drafter, sampling,
+    shaper), from the prefill's first tokens.
 
     `last` [B] holds each row's newest committed token (the prefill's first token, then
     each bonus), which the target has not cached yet: every round feeds it first. How
@@ -49,23 +45,29 @@ class Round:
     lengths with the same counts on the host, so reading them needs no device read.
     """
 
-    runner: Runner  # the target's, in step mode
-    guard: Callable  # guard(fn, *args): fn(*args) with out-of-memory errors mapped
-    drafter: Drafter | None  # None for AR
-    rows: list[Row]
-    k: int  # drafts per round (0 for AR)
-    sampling: RowSampling  # per-row sampling settings, a generator per group (engine.request)
-    last: torch.Tensor  # [B] long on the target's device
-    shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
-    audit: Audit = field(default_factory=Audit)  # host waits per model (core.hostsync)
-
-    def __post_init__(self) -> None:
-        self.site = self.audit.site("target")
-        self.device = self.last.device
+    def __init__(self, seating: Seating, first: torch.Tensor) -> None:
+        self.seating = seating
+        self.runner = seating.target  # in step mode
+        self.drafter = seating.drafter  # None for AR
+        self.rows = seating.rows
+        self.k = seating.k  # drafts per round (0 for AR)
+        self.sampling = seating.sampling
+        self.shaper = seating.shaper
+        self.last = first  # [B] long on the target's device
+        self.site = seating.audit.site("target")
+        self.device = first.device
         batch = len(self.rows)
         self.live = torch.ones(batch, dtype=torch.bool, device=self.device)  # [B]
         none = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
         self.no_drafts = Proposal(none[:, None][:, :0], none)  # AR: [B, 0] drafts
+        self.hidden = self.drafter is not None and self.drafter.hidden is not None  # it reads hidden states
+
+    def plain(self) -> Round:
+        """These rounds from the next one on with no drafter: plain steps over the same rows,
+        caches, pending tokens and live rows (engine.auto switching to AR mid-answer)."""
+        rounds = Round(replace(self.seating, drafter=None, k=0), self.last)
+        rounds.live = self.live  # rows that finished keep their cache length
+        return rounds
 
     def run(self, index: int) -> Iterator[Event]:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
@@ -74,7 +76,7 @@ class Round:
         proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
         t1 = time.perf_counter()
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
-        logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
+        logits = self.seating.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         logits, proposal = self.shaper.mask(logits, proposal, active)  # each position: its grammar's mask
         verdict = self.sampling.verify(logits, proposal.drafts, proposal.q, proposal.n_draft)
         outcome = self.read_back(verdict, proposal)
@@ -155,6 +157,7 @@ class Round:
                     verdict,
                     draft_s=draft_s,
                     verify_s=verify_s,
+                    hidden=self.runner.hidden() if self.hidden else None,
                 )
             )
         return emitted, origins

@@ -40,7 +40,8 @@ from ssdlocal.core.events import (
 )
 from ssdlocal.core.metrics import Metrics
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.request import Inbox, Request
+from ssdlocal.engine.request import Inbox
+from ssdlocal.core.sequence import Request
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()

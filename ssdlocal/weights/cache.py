@@ -14,6 +14,7 @@ or fetched again by the next run that needs it. No UI here.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -155,3 +156,22 @@ def _try_lock(lock: Path, entry: CacheEntry):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def gguf_source(path: str | None) -> str | None:
+    """The GGUF file a model path came from, when known: the path itself (.gguf), or the
+    source of a cached conversion (float or quantized) whose file is still on disk."""
+    if not path:
+        return None
+    found = Path(path).expanduser()
+    if found.is_file() and found.suffix.lower() == ".gguf":
+        return str(found)
+    for marker in ("quantization.json", "ssdlocal-convert.json"):
+        try:
+            info = json.loads((found / marker).read_text())
+        except (OSError, ValueError):
+            continue
+        for candidate in (info.get("path"), cache_dir() / "gguf" / str(info.get("source", ""))):
+            if candidate and Path(candidate).is_file() and str(candidate).endswith(".gguf"):
+                return str(candidate)
+    return None

@@ -28,11 +28,11 @@ import torch
 
 from ssdlocal.backends.torch.quant import (
     QuantizedWeight,
-    can_quantize,
     pack_int4,
     quantize,
 )
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.core.quantization import can_quantize, gguf_embedding_scheme
 from ssdlocal.core.files import record_digests
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
@@ -208,10 +208,8 @@ def _convert(
 
 
 def _embedding_scheme(info: TensorInfo, scheme: str) -> str:
-    """A GGUF's embedding stays quantized: int4 where its values are int4 already (Q4_*,
-    exact), int8 per row otherwise (finer than the 5- and 6-bit types it comes from)."""
-    exact = scheme == "int4" and info.ggml_type in EXACT_INT4 and can_quantize(info.shape, "int4")
-    return "int4" if exact else "int8"
+    """A GGUF's embedding stays quantized (core.quantization.gguf_embedding_scheme)."""
+    return gguf_embedding_scheme(info.ggml_type in EXACT_INT4, info.shape, scheme)
 
 
 def _row_order(module: str, n_rows: int, heads: tuple[int, int]) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from ssdlocal.core.errors import (
     UnsupportedArchitectureError,
 )
 from ssdlocal.core.files import check_digests, file_lock
+from ssdlocal.core.models import BackendName
 from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
 from ssdlocal.weights.formats.arch import Architecture, architecture
 from ssdlocal.weights.formats.checkpoint import (
@@ -60,6 +62,7 @@ DTYPES = {
 
 @dataclass
 class LoadedModel:
+    backend: ClassVar[BackendName] = BackendName.TORCH  # what made it (backends.registry.make_runner)
     model: Transformer
     tokenizer: object  # transformers PreTrainedTokenizerBase
     args: ModelArgs
@@ -158,7 +161,7 @@ def preflight(
     ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device, dtype: torch.dtype
 ) -> None:
     """Before the model is built: the config's sizes against the weight files' headers,
-    and the weights against the memory available (weights/formats/checks.py, quant_load.weight_bytes)."""
+    and the weights against the memory available (weights/formats/checks.py, weights/size.py)."""
     headers = {}
     try:
         for file in files:
@@ -169,7 +172,7 @@ def preflight(
         raise ModelLoadError(f"cannot read the weights in {ckpt}: {message}", hint=damaged_hint(ckpt)) from exc
     check_against_weights(args, architecture(args.arch), headers, ckpt)
     from ssdlocal.backends.torch.kvcache import check_room
-    from ssdlocal.backends.torch.quant_load import weight_bytes
+    from ssdlocal.weights.size import weight_bytes
 
     need = weight_bytes(ckpt, scheme, str(dtype).removeprefix("torch."), device.type)
     check_room(need, device, f"weights of {ckpt.name} ({str(dtype).removeprefix('torch.')}, {scheme})")

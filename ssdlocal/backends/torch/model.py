@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssdlocal.backends.base import FINAL_HIDDEN, HiddenLayers
 from ssdlocal.backends.torch.attention import AttentionMask, attend, chunk_kernel
 from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
@@ -115,6 +116,11 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
         is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)  # [D/2]
         inv_freq = torch.where(is_medium, smoothed, scaled)  # [D/2]
     return inv_freq
+
+
+def _kept(x: Tensor, keep: Tensor | None) -> Tensor:
+    """x [B, T, H] at query indices `keep` [B, n] (None: every position)."""
+    return x if keep is None else x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, H]
 
 
 def causal_mask(positions: Tensor, S: int) -> Tensor:
@@ -322,10 +328,12 @@ class Transformer(nn.Module):
         slots: Tensor,
         attn_mask: Tensor | None,
         keep: Tensor | None = None,
-    ) -> Tensor:
+        hidden: HiddenLayers | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool (or None for a
         fresh causal prefill) -> logits [B, T, V] float32; with `keep` [B, n] long (query
-        indices), only those positions reach the lm_head: logits [B, n, V].
+        indices), only those positions reach the lm_head: logits [B, n, V]. With `hidden`
+        (backends.base.HiddenLayers): (logits, those hidden states [B, T or n, len * hidden]).
 
         Every query must see at least one slot (callers give padded queries their own
         slot or a trash slot); an all-false mask row would turn into NaN.
@@ -337,11 +345,25 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
         groups = self.args.num_heads // self.args.num_kv_heads
         mask = None if attn_mask is None else AttentionMask.build(attn_mask, groups, x.dtype)
-        for layer in self.layers:
+        outputs: dict[int, Tensor] = {}  # layer i -> its output, for `hidden`
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, slots, mask)  # [B, T, hidden]
-        if keep is not None:
-            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, hidden]
-        return fp32_logits(self.lm_head, self.norm(x))  # [B, T or n, V]
+            if hidden is not None and i in hidden:
+                outputs[i] = x
+        return self._head(x, keep, hidden, outputs)
+
+    def _head(
+        self, x: Tensor, keep: Tensor | None, hidden: HiddenLayers | None, outputs: dict[int, Tensor]
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The last layer's output x [B, T, hidden] -> logits at `keep` (None: every
+        position), and with `hidden` the asked states at the same positions."""
+        x = _kept(x, keep)  # [B, n, hidden]
+        normed = self.norm(x)  # [B, n, hidden]
+        logits = fp32_logits(self.lm_head, normed)  # [B, n, V]
+        if hidden is None:
+            return logits
+        states = [normed if i == FINAL_HIDDEN else _kept(outputs[i], keep) for i in hidden]  # each [B, n, hidden]
+        return logits, torch.cat(states, dim=-1)  # [B, n, len * hidden]
 
     def prefill(
         self,
@@ -353,10 +375,11 @@ class Transformer(nn.Module):
         dense: torch.dtype | None = None,
         progress: Callable[[int, int], None] | None = None,
         starts: Sequence[int] | None = None,
-    ) -> Tensor:
+        hidden: HiddenLayers | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
         k/v goes to the slot of its position) -> logits [B, n, V] at `keep` [B, n] (None:
-        every position).
+        every position); with `hidden`, (logits, those hidden states) as `forward` gives them.
 
         Each layer reads the T tokens in chunks of `chunk`, so the attention mask and the
         MLP's activations are bounded by the chunk, not the prompt; a chunk attends to the
@@ -389,7 +412,8 @@ class Transformer(nn.Module):
         masks: dict[int, AttentionMask] | None = {} if mask_bytes <= MASK_CACHE_BYTES else None
         total, done = len(self.layers) * T, 0
         pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
-        for layer in self.layers:
+        outputs: dict[int, Tensor] = {}  # layer i -> its output, for `hidden`
+        for i, layer in enumerate(self.layers):
             with ExitStack() as stack:
                 if dense is not None:
                     for module in layer.modules():
@@ -412,6 +436,6 @@ class Transformer(nn.Module):
                     done += b - a
                     if progress is not None:
                         progress(done, total)
-        if keep is not None:
-            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, hidden]
-        return fp32_logits(self.lm_head, self.norm(x))  # [B, T or n, V]
+            if hidden is not None and i in hidden:
+                outputs[i] = x.clone()  # x is written in place by the next layers
+        return self._head(x, keep, hidden, outputs)

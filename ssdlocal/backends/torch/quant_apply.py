@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, can_quantize, quantize
+from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, quantize
+from ssdlocal.core.quantization import can_quantize
 from ssdlocal.weights.formats.arch import architecture
 
 

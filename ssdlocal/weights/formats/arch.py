@@ -159,6 +159,9 @@ class Architecture:
     gguf_qk_interleaved: llama.cpp stores each head's q/k rows as (pairs, 2), not (2, half).
     linears: our module inside a layer (or outside, "lm_head") -> its Linear.
     pair_family: the `family` of its pairs in models/pairs (None: the model_type).
+    experts: our modules inside a layer that hold routed experts stacked [E, ...] (a token
+    reads `used` of them: weights/size.py); expert_keys: config.json's names for (routed
+    experts, experts used per token).
     """
 
     name: str
@@ -174,6 +177,8 @@ class Architecture:
     gguf_qk_interleaved: bool = False
     linears: Mapping[str, Linear] = field(default_factory=lambda: dict(LLAMA_LINEARS))
     pair_family: str | None = None
+    experts: frozenset[str] = frozenset()
+    expert_keys: tuple[str, str] = ("num_experts", "num_experts_per_tok")
 
     def __post_init__(self) -> None:
         for module, linear in self.linears.items():
@@ -186,6 +191,19 @@ class Architecture:
         """Our module `module`'s Linear ("layers.3.mlp.up_proj", "lm_head"); None if it is none."""
         inside = _OUR_LAYER.fullmatch(module)
         return self.linears.get(inside.group(2) if inside else module)
+
+    def is_expert(self, module: str) -> bool:
+        """Whether our module `module` ("layers.3.mlp.experts.down_proj") holds routed experts."""
+        inside = _OUR_LAYER.fullmatch(module)
+        return inside is not None and inside.group(2) in self.experts
+
+    def expert_counts(self, config: Mapping[str, object]) -> tuple[object, object]:
+        """(routed experts, experts used per token) as config.json `config` states them
+        (None for a model without experts)."""
+        if not self.experts:
+            return None, None
+        routed, used = self.expert_keys
+        return config.get(routed), config.get(used)
 
     def quantized(self, module: str) -> bool:
         """Whether --quantization int8/int4 stores our module `module` as codes."""
