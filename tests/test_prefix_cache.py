@@ -87,7 +87,7 @@ def _churned_pool(monkeypatch, slice_runs: int):
     monkeypatch.setattr(kvcache, "SLICE_RUNS_CPU", slice_runs)
     blocks, layers = 64, 2
     index = PrefixIndex(blocks)
-    pool = kvcache.KVPool(layers, 2, blocks * B, 4, torch.float32, "cpu")
+    pool = kvcache.KVPool([(2, 4)] * layers, blocks * B, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(0)
     caches = [kvcache.KVCache(1, 2, 48 * B, 4, torch.float32, "cpu") for _ in range(layers)]
     for cache in caches:

@@ -29,7 +29,7 @@ from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.quant import QuantLinear, quantize
 from ssdlocal.backends.torch.quant_apply import QuantEmbedding, model_bytes
 from ssdlocal.core.errors import UsageError
-from ssdlocal.weights.formats.arch import architecture
+from ssdlocal.weights.formats.archs import architecture
 from ssdlocal.weights.formats.gguf import gguf_scheme
 
 gguf = pytest.importorskip("gguf")
@@ -287,7 +287,7 @@ _PEAK_SCRIPT = """
 import json, sys
 import torch
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.model import ModelArgs, Transformer
+from ssdlocal.backends.torch.models import args_from_config, build
 from ssdlocal.backends.torch.quant_apply import model_bytes
 from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config, load_tokenizer
 
@@ -295,7 +295,7 @@ path = sys.argv[1]
 # outside the measured window: imports, the tokenizer, meta-device modules (~80 MB of code)
 load_tokenizer(path)
 with torch.device("meta"):
-    Transformer(ModelArgs.from_hf_config(load_hf_config(config_dir(path))))
+    build(args_from_config(load_hf_config(config_dir(path))))
 
 def status_mb(field):
     with open("/proc/self/status") as fh:

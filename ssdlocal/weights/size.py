@@ -19,7 +19,8 @@ from math import prod
 from pathlib import Path
 
 from ssdlocal.core.quantization import DTYPE_BYTES, bytes_per_param, can_quantize, gguf_embedding_scheme
-from ssdlocal.weights.formats.arch import Architecture, find, for_gguf, unsupported
+from ssdlocal.weights.formats.arch import Architecture
+from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
 from ssdlocal.weights.formats.checks import read_config_json
 from ssdlocal.weights.formats.checkpoint import config_dir, damaged_hint
 from ssdlocal.weights.formats.gguf import EXACT_INT4, GGUFHeader

@@ -58,12 +58,24 @@ class AttentionMask:
     tensor: Tensor | None
     span: int
     spans: tuple[int, ...] = ()
+    groups: int = 1  # query heads per kv head ("efficient-folded" repeats each row this often)
 
     @classmethod
     def lower_right(cls, spans: tuple[int, ...]) -> AttentionMask:
         """A prompt chunk whose T queries of row b are the newest tokens of slots
         [0, spans[b]) (host ints: nothing is read back from the device)."""
         return cls("lower-right", None, max(spans), tuple(spans))
+
+    def visible(self) -> Tensor:
+        """Which slots each query sees, bool [B, 1, T, S], whatever the kernel's form."""
+        if self.kernel == "cpu-flash":
+            assert self.tensor is not None
+            return self.tensor
+        if self.kernel == "efficient-folded":
+            assert self.tensor is not None
+            T = self.tensor.shape[2] // self.groups
+            return torch.isfinite(self.tensor[:, :, :T])  # rows g*T + t: group 0's are the queries'
+        raise ValueError(f"a {self.kernel} mask holds no tensor")  # callers of sink attention build masks
 
     @classmethod
     def build(cls, mask: Tensor, groups: int, dtype: torch.dtype) -> AttentionMask:
@@ -75,23 +87,34 @@ class AttentionMask:
             return cls(kernel, mask[:, None], S)  # [B, 1, T, S]
         rows = mask[:, None].expand(B, groups, T, S).reshape(B, 1, groups * T, S)  # [B, 1, G*T, S]
         bias = torch.zeros(rows.shape, dtype=dtype, device=mask.device)  # [B, 1, G*T, S]
-        return cls(kernel, bias.masked_fill_(~rows, float("-inf")), S)
+        return cls(kernel, bias.masked_fill_(~rows, float("-inf")), S, groups=groups)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, mask: AttentionMask | None) -> Tensor:
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: AttentionMask | None,
+    scale: float | None = None,
+) -> Tensor:
     """q [B, H, T, D]; k/v [B, Hkv, T, D] (the new tokens, used when mask is None);
-    keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]."""
+    keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]. `scale`: the
+    softmax scale (None: 1/sqrt(D))."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:  # a fresh prefill: causal over the new tokens, no dense mask
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)  # [B, H, T, D]
     if mask.kernel == "cpu-flash":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.tensor, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.tensor, enable_gqa=gqa, scale=scale)
     if mask.kernel == "lower-right":
-        return lower_right_attention(q, keys, values, mask.spans)
-    return folded_attention(q, keys, values, mask.tensor)
+        return lower_right_attention(q, keys, values, mask.spans, scale)
+    return folded_attention(q, keys, values, mask.tensor, scale)
 
 
-def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[int, ...]) -> Tensor:
+def lower_right_attention(
+    q: Tensor, keys: Tensor, values: Tensor, spans: tuple[int, ...], scale: float | None = None
+) -> Tensor:
     """q [B, H, T, D]; keys/values [B, Hkv, S, D]; query t of row b sees slots
     [0, spans[b] - T + t] -> [B, H, T, D]. One kernel call per run of rows with equal spans."""
     from torch.nn.attention.bias import causal_lower_right
@@ -111,13 +134,14 @@ def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[
                 values[a:b, :, :S],
                 attn_mask=causal_lower_right(T, S),
                 enable_gqa=gqa,
+                scale=scale,
             )
         )  # [b - a, H, T, D]
         a = b
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float | None = None) -> Tensor:
     """Grouped-query attention as plain multi-head attention over Hkv heads of G*T queries.
 
     q [B, H, T, D], keys/values [B, Hkv, S, D], bias [B, 1, G*T, S] additive -> [B, H, T, D].
@@ -125,5 +149,5 @@ def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> T
     B, H, T, D = q.shape
     kv_heads = keys.shape[1]
     folded = q.reshape(B, kv_heads, (H // kv_heads) * T, D)  # [B, Hkv, G*T, D]
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias)  # [B, Hkv, G*T, D]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)  # [B, Hkv, G*T, D]
     return out.reshape(B, H, T, D)

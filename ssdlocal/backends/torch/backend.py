@@ -33,11 +33,11 @@ class TorchBackend:
     def preflight(self, path: str) -> None:
         """The config names an architecture we implement, with fields we implement; a
         checkpoint directory has its weight files (a .gguf: its metadata only)."""
-        from ssdlocal.backends.torch.model import ModelArgs
+        from ssdlocal.backends.torch.models import args_from_config
         from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config, weight_files
 
         ckpt = config_dir(path)
-        ModelArgs.from_hf_config(load_hf_config(ckpt))
+        args_from_config(load_hf_config(ckpt))
         if ckpt.resolve() == Path(path).expanduser().resolve():
             weight_files(ckpt)
 

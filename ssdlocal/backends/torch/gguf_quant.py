@@ -36,7 +36,8 @@ from ssdlocal.core.quantization import can_quantize, gguf_embedding_scheme
 from ssdlocal.core.files import record_digests
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.weights.formats.arch import Architecture, for_gguf
+from ssdlocal.weights.formats.arch import Architecture
+from ssdlocal.weights.formats.archs import for_gguf
 from ssdlocal.weights.formats.gguf import (
     EXACT_INT4,
     GGUFHeader,

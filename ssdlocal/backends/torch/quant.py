@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 linears, applied to a Transformer from outside its code.
+"""Weight-only int8 / int4 linears, applied to a model from outside its code.
 
 QuantizedWeight is the device-neutral form that checkpoints store (codes plus scales);
 QuantLinear packs it for its device's kernel once, at construction, and runs that kernel;

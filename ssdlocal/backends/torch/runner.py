@@ -1,4 +1,4 @@
-"""TorchRunner: the Runner protocol (backends/base.py) over our torch Transformer.
+"""TorchRunner: the Runner protocol (backends/base.py) over our torch models (backends/torch/models).
 
 Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill,
 the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
@@ -30,7 +30,7 @@ from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cach
 from ssdlocal.backends.torch.decode_state import DecodeState, bucket_span
 from ssdlocal.backends.torch.kvcache import rounded_slots
 from ssdlocal.backends.torch.loader import LoadedModel
-from ssdlocal.backends.torch.model import Transformer, causal_mask
+from ssdlocal.backends.torch.models import CausalLM, causal_mask
 from ssdlocal.backends.torch.prefill_path import dense_dtype
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.hostsync import Site, detached_site
@@ -56,7 +56,7 @@ class TorchRunner(StoredPrefixes, HeldRows):
         self.num_slots = 0  # slots per row a call may use at most
         self.capacity = 0  # slots per row allocated now (grows up to num_slots)
         self.state = DecodeState(0, STEP_OFFSETS, self.device)
-        self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
+        self.plain = isinstance(self.model, CausalLM)  # not a tensor-parallel group
         # A tensor-parallel model captures on every rank itself (parallel/group.py); its
         # rank 0 cache is this runner's `graphs` all the same (counts, clear, span buckets).
         self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else self.model.use_graphs(graphs)

@@ -27,7 +27,7 @@ from ssdlocal.core.files import file_lock, record_digests, remembered_sha256
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir, replace_hint
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.weights.formats.arch import find, for_gguf, unsupported
+from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
 
 log = logging.getLogger(__name__)
 

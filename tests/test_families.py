@@ -1,0 +1,192 @@
+"""Every model family beyond the llama family, against transformers' own implementation on
+tiny float32 checkpoints written with its classes (tests/support/tiny_families.py): logits
+at every position of a batch (one forward, then token by token through the cache), greedy
+generation equal to transformers' `generate`, and in our engine AR == SD (a draft model of
+the same family, n-gram) == SSD, eager and in traced graphs, and on two tensor-parallel
+ranks. Quantized families are held to their dequantized reference in test_quant_families."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from support.drafts import draft_of
+from support.tiny_families import FAMILIES
+from support.tiny_models import build_tokenizer, make_draft_like
+
+from ssdlocal.backends.torch.loader import load_model
+from ssdlocal.backends.torch.models import causal_mask
+from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, NgramDraft, SamplingParams, SpecConfig
+from ssdlocal.core.events import DoneEvent
+from ssdlocal.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacci(n):\n    if n < 2:"]
+NEW = 24
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """name -> (target, draft: a noisy copy) directories of every family."""
+    root = tmp_path_factory.mktemp("families")
+    tok = root / "tokenizer"
+    build_tokenizer(tok)
+    out = {}
+    for name, (make, _) in FAMILIES.items():
+        target = make(root / name, tok)
+        out[name] = (target, make_draft_like(target, root / f"draft_{name}", noise=0.004, seed=31))
+    return out
+
+
+def _reference(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers_at_every_position(family_dirs, family):
+    target, _ = family_dirs[family]
+    ref, tok = _reference(target)
+    ours = load_model(target, "cpu", "float32").model
+    ids = torch.tensor([tok(p).input_ids[:12] for p in PROMPTS])  # [2, 12]
+    B, T = ids.shape
+    with torch.inference_mode():
+        want = ref(ids).logits  # [B, T, V]
+        ours.setup_cache(B, 64, torch.float32, "cpu")
+        pos = torch.arange(T)[None].repeat(B, 1)
+        whole = ours(ids, pos, pos, causal_mask(pos, T))  # [B, T, V]: one masked forward
+        torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-4)
+        ours.setup_cache(B, 64, torch.float32, "cpu")
+        steps = []
+        for t in range(T):  # token by token through the cache, as decoding reads it
+            p = pos[:, t : t + 1]
+            steps.append(ours(ids[:, t : t + 1], p, p, causal_mask(p, T)))
+        torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-4, atol=1e-4)
+
+
+def _engine(target, draft=None, **changes) -> Engine:
+    spec = SpecConfig(mode=Mode.AR, k=3, draft=draft_of(None if draft is None else str(draft)))
+    return Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), spec=spec, pin_cpus=False, **changes))
+
+
+def _tokens(engine: Engine, spec: SpecConfig) -> list[tuple[int, ...]]:
+    done = [e for e in engine.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)]
+    return [o.token_ids for o in done[0].outputs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_generate_and_every_mode_equals_ar(family_dirs, family):
+    target, draft = family_dirs[family]
+    ref, tok = _reference(target)
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok(prompt).input_ids])
+        out = ref.generate(ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+        expected.append(tuple(out[0, ids.shape[1] :].tolist()))
+    modes = {
+        "ar": SpecConfig(mode=Mode.AR),
+        "sd": SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(draft))),
+        "sd-ngram": SpecConfig(mode=Mode.SD, k=3, draft=NgramDraft()),
+        "ssd": SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(str(draft))),
+    }
+    with _engine(target, draft, graphs="off") as engine:
+        for name, spec in modes.items():
+            assert _tokens(engine, spec) == expected, name
+    with _engine(target, draft, graphs="trace") as traced:  # captured steps read static buffers only
+        for name, spec in modes.items():
+            done = [e for e in traced.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+            assert [o.token_ids for o in done.outputs] == expected, name
+            graphs = done.stats["graphs"]["target"]
+            assert graphs["replays"] > 0 and graphs["refused"] == graphs["dropped"] == 0, (name, graphs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_tensor_parallel_ranks_equal_one_device_in_traced_graphs(family_dirs, family, monkeypatch):
+    target, draft = family_dirs[family]
+    modes = [SpecConfig(mode=Mode.AR), SpecConfig(mode=Mode.SD, k=3, draft=draft_of(str(draft)))]
+    with _engine(target, draft, graphs="off") as one:
+        want = [_tokens(one, spec) for spec in modes]
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")
+    with _engine(target, draft, target_devices=("cpu", "cpu")) as two:
+        for spec, expected in zip(modes, want):
+            done = [e for e in two.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+            assert [o.token_ids for o in done.outputs] == expected, spec.mode
+            assert done.stats["graphs"]["target"]["replays"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_decode_step_is_one_traced_graph_without_host_reads(family_dirs, family):
+    """Routing stays on the device: every step of a call replays a captured graph (none is
+    refused) and the round reads the host once."""
+    target, _ = family_dirs[family]
+    with _engine(target, graphs="trace") as engine:
+        done = [e for e in engine.generate(PROMPTS, GREEDY, spec=SpecConfig()) if isinstance(e, DoneEvent)][0]
+        graphs, waits = done.stats["graphs"]["target"], done.stats["host_waits"]["target"]
+        assert graphs["eager"] == 0 and graphs["replays"] + graphs["captured"] >= NEW - 1, graphs
+        assert waits["waits_per_round"] <= 1.5, waits
+
+
+def test_an_unimplemented_config_field_is_refused_by_name(family_dirs, tmp_path):
+    import json
+    import shutil
+
+    from ssdlocal.core.errors import UnsupportedArchitectureError
+
+    target, _ = family_dirs["qwen3_moe"]
+    changed = shutil.copytree(target, tmp_path / "changed")
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(UnsupportedArchitectureError, match="qwen3_moe with hidden_act='gelu'"):
+        load_model(changed, "cpu", "float32")
+
+
+def test_sizes_count_the_experts_a_token_reads(family_dirs):
+    from ssdlocal.weights.size import parameters
+
+    target, _ = family_dirs["qwen3_moe"]
+    counted = parameters(target)
+    model = load_model(target, "cpu", "float32").model
+    assert counted.total == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counted.active == counted.total - experts + experts * 2 // 8  # 2 of 8 experts per token
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_weights_equal_their_dequantized_reference(family_dirs, family, scheme):
+    """--quantization int8/int4 quantizes attention, MLPs and experts; the loaded model's
+    logits equal the same model with every quantized weight dequantized (float32), and its
+    greedy AR, SD and SSD answers agree."""
+    from ssdlocal.backends.torch.quant import QuantLinear
+    from ssdlocal.backends.torch.quant_experts import QuantStacked
+
+    target, _ = family_dirs[family]
+    quant = load_model(target, "cpu", "float32", scheme).model
+    reference = load_model(target, "cpu", "float32").model
+    kinds = set()
+    with torch.no_grad():
+        for name, module in quant.named_modules():
+            if isinstance(module, QuantStacked):
+                reference.get_submodule(name).weight.copy_(module.dequantized())
+                kinds.add("experts")
+            elif isinstance(module, QuantLinear):
+                dense = module.dequantize_rows(torch.arange(module.out_features))
+                assert dense is not None, name
+                reference.get_submodule(name).weight.copy_(dense)
+                kinds.add("linear")
+    assert kinds == {"experts", "linear"}
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12]])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        for model in (quant, reference):
+            model.setup_cache(1, 64, torch.float32, "cpu")
+        got, want = (m(ids, pos, pos, causal_mask(pos, 8)) for m in (quant, reference))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    spec = SpecConfig(mode=Mode.AR, k=3, draft=NgramDraft())
+    with Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32", quantization=scheme), spec=spec)) as e:
+        answers = {m: _tokens(e, replace(spec, mode=m)) for m in (Mode.AR, Mode.SD, Mode.SSD)}
+    assert answers[Mode.SD] == answers[Mode.AR] == answers[Mode.SSD]
