@@ -178,7 +178,9 @@ def test_quantized_weights_equal_their_dequantized_reference(family_dirs, family
                 assert dense is not None, name
                 reference.get_submodule(name).weight.copy_(dense)
                 kinds.add("linear")
-    assert kinds == {"experts", "linear"}
+    from ssdlocal.weights.formats.archs import architecture
+
+    assert kinds == ({"experts", "linear"} if architecture(quant.args.arch).experts else {"linear"})
     ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12]])
     pos = torch.arange(ids.shape[1])[None]
     with torch.inference_mode():

@@ -21,8 +21,13 @@ class TorchBackend:
         return load_model(spec.path, spec.device, spec.dtype, spec.quantization)  # torch's own thread setting
 
     def make_runner(self, loaded: Any, tree: bool, graphs: str) -> Any:
+        from ssdlocal.backends.torch.models.hybrid import HybridLM
         from ssdlocal.backends.torch.runner import TorchRunner
 
+        if isinstance(loaded.model, HybridLM):  # linear-attention states beside the KV cache
+            from ssdlocal.backends.torch.hybrid_runner import HybridRunner
+
+            return HybridRunner(loaded, graphs=graphs)
         return TorchRunner(loaded, graphs=graphs)  # static slots: a tree needs no other sizing
 
     def load_tokenizer(self, path: str) -> Any:

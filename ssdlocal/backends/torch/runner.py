@@ -80,7 +80,7 @@ class TorchRunner(StoredPrefixes, HeldRows):
 
     def state_tensors(self) -> tuple[Tensor, ...]:
         """The registered tensors this runner may reallocate, compared before each replay."""
-        caches = (t for layer in self.model.layers for t in layer.self_attn.kv_cache.tensors())
+        caches = (t for cache in self.model.caches() for t in cache.tensors())
         return (*self.state.tensors(), *self.model.rope_tables(), *caches)
 
     def describe(self, tensor: Tensor) -> str:

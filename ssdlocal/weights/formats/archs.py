@@ -72,6 +72,59 @@ QWEN3_MOE = Architecture(
     family="qwen3_moe",
 )
 
+# Qwen3.5 (dense, MoE): Gated DeltaNet linear-attention layers (in_proj_*, a depthwise
+# conv1d, A_log and dt_bias leaves of `linear_attn` itself, a gated norm) between gated
+# full-attention ones (q_proj gives each head its query and gate); the MoE adds a shared
+# expert and its gate. The linear layers stay whole on every tensor-parallel rank
+# (replicated); their small decay projections (in_proj_a/b) stay unquantized.
+_LINEAR_MODULES = (
+    "linear_attn",
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    "linear_attn.conv1d",
+    "linear_attn.norm",
+    "linear_attn.out_proj",
+)
+_LINEAR_LINEARS = {
+    "linear_attn.in_proj_qkv": Linear("replicated"),
+    "linear_attn.in_proj_z": Linear("replicated"),
+    "linear_attn.in_proj_b": Linear("replicated", quantized=False),
+    "linear_attn.in_proj_a": Linear("replicated", quantized=False),
+    "linear_attn.out_proj": Linear("replicated"),
+}
+_SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+_QWEN3_5_MODULES = (*BLOCK_MODULES, *_LINEAR_MODULES)
+_QWEN3_5_MOE_MODULES = (*_QWEN3_5_MODULES, *MOE_MODULES, *_SHARED_EXPERT, "mlp.shared_expert_gate")
+QWEN3_5 = Architecture(
+    "qwen3_5",
+    ("Qwen3_5ForCausalLM",),
+    "qwen3_5_text",
+    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_QWEN3_5_MODULES),
+    qk_norm=True,
+    linears={**LLAMA_LINEARS, **_LINEAR_LINEARS},
+    family="qwen3_5",
+)
+QWEN3_5_MOE = Architecture(
+    "qwen3_5_moe",
+    ("Qwen3_5MoeForCausalLM",),
+    "qwen3_5_moe_text",
+    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_QWEN3_5_MOE_MODULES),
+    qk_norm=True,
+    linears={
+        **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
+        **_LINEAR_LINEARS,
+        "mlp.gate": Linear("replicated", quantized=False),
+        **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **{m: Linear("row" if m.endswith("down_proj") else "column") for m in _SHARED_EXPERT},
+        "mlp.shared_expert_gate": Linear("replicated", quantized=False),
+    },
+    experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    family="qwen3_5_moe",
+)
+
 _TABLE: dict[str, Architecture] = {}
 
 
@@ -92,7 +145,7 @@ def unregister(name: str) -> None:
     _TABLE.pop(name, None)
 
 
-for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE):
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE):
     register(_arch)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, causal_mask
 from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs
+from ssdlocal.backends.torch.models.qwen3_5 import Qwen3_5, Qwen3_5Args, Qwen3_5Moe
 from ssdlocal.backends.torch.models.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
 from ssdlocal.weights.formats.archs import architecture, for_hf_config
 
@@ -27,6 +28,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama": Family(LlamaArgs, Llama),
     "qwen3_moe": Family(Qwen3MoeArgs, Qwen3Moe),
+    "qwen3_5": Family(Qwen3_5Args, Qwen3_5),
+    "qwen3_5_moe": Family(Qwen3_5Args, Qwen3_5Moe),
 }
 
 

@@ -10,8 +10,9 @@ prefix pool and the head (logits, and hidden states for drafters that read them)
 transformers supplies config parsing (in the family's args); this package knows nothing
 about files.
 
-A decoder layer is an nn.Module with `self_attn` (an Attention: its kv_cache, heads and
-window), `rope` (which rotary table it reads) and forward(x, cos, sin, slots, mask).
+A decoder layer is an nn.Module with `rope` (which rotary table it reads), forward(x, cos,
+sin, slots, mask) and, unless it is a linear-attention layer (a hybrid family keeps those
+layers' states itself), `self_attn` (an Attention: its kv_cache, heads and window).
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ def causal_mask(positions: Tensor, S: int) -> Tensor:
     return slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
 
+def windowed(layer: nn.Module) -> bool:
+    """Whether a decoder layer attends through a sliding window (a layer without
+    attention, a linear-attention one, has none)."""
+    attn = getattr(layer, "self_attn", None)
+    return attn is not None and attn.window is not None
+
+
 def kept(x: Tensor, keep: Tensor | None) -> Tensor:
     """x [B, T, H] at query indices `keep` [B, n] (None: every position)."""
     return x if keep is None else x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, H]
@@ -165,16 +173,20 @@ class CausalLM(nn.Module):
         return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps)
 
     # ------------------------------------------------------------------ caches
+    def attentions(self) -> list[nn.Module]:
+        """The layers' Attentions, in order: every layer that keeps a KV cache."""
+        return [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+
     def _layer_shapes(self) -> list[tuple[int, int]]:
-        """(kv heads, head width) of each layer's cache (per rank under TP)."""
-        return [(layer.self_attn.n_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+        """(kv heads, head width) of each attention layer's cache (per rank under TP)."""
+        return [(attn.n_kv_heads, attn.head_dim) for attn in self.attentions()]
 
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
         """Allocate one KVCache per layer (its kv heads: per rank under TP)."""
-        old = sum(layer.self_attn.kv_cache.nbytes for layer in self.layers if layer.self_attn.kv_cache)
+        old = sum(attn.kv_cache.nbytes for attn in self.attentions() if attn.kv_cache)
         self._check_caches(batch_size, num_slots, dtype, device, freed=old)
-        for layer in self.layers:
-            layer.self_attn.kv_cache = None  # free the old cache before allocating
+        for attn in self.attentions():
+            attn.kv_cache = None  # free the old cache before allocating
         self.use_caches(self._allocate_caches(batch_size, num_slots, dtype, device))
 
     def new_caches(self, batch_size: int, num_slots: int, dtype, device) -> list[KVCache]:
@@ -195,8 +207,8 @@ class CausalLM(nn.Module):
 
     def use_caches(self, caches: list[KVCache]) -> None:
         """Install `caches` (one per layer, as `caches()` or `new_caches` gave them)."""
-        for layer, cache in zip(self.layers, caches, strict=True):
-            layer.self_attn.kv_cache = cache
+        for attn, cache in zip(self.attentions(), caches, strict=True):
+            attn.kv_cache = cache
         self.num_slots = caches[0].num_slots
         self._new_slot_positions(caches[0].k.shape[0], self.num_slots, caches[0].k.device)
 
@@ -232,20 +244,20 @@ class CausalLM(nn.Module):
 
     def grow_cache(self, num_slots: int) -> None:
         """Enlarge every layer's KV cache to `num_slots`, keeping what it holds."""
-        first = self.layers[0].self_attn.kv_cache
+        first = self.attentions()[0].kv_cache
         batch, device, dtype = first.k.shape[0], first.k.device, first.k.dtype
         what = f"KV cache of {batch} x {num_slots} slots"
         need = sum(KVCache.bytes_for(batch, h, num_slots, d, dtype) for h, d in self._layer_shapes())
         check_room(need, device, what)
         with allocating(f"growing the {what} on {device}"):
-            for layer in self.layers:  # one at a time: the old and new cache of only one layer coexist
-                layer.self_attn.kv_cache = layer.self_attn.kv_cache.grown(num_slots)
+            for attn in self.attentions():  # one at a time: the old and new cache of only one layer coexist
+                attn.kv_cache = attn.kv_cache.grown(num_slots)
         self.num_slots = num_slots
         self._new_slot_positions(batch, num_slots, device, keep=self.slot_positions)
         self._cover_positions(num_slots, device)  # a slot index never exceeds a position's
 
     def caches(self) -> list[KVCache]:
-        return [layer.self_attn.kv_cache for layer in self.layers]
+        return [attn.kv_cache for attn in self.attentions()]
 
     def prefix_pool_bytes(self, tokens: int, dtype) -> int:
         return KVPool.bytes_for(self._layer_shapes(), tokens, dtype)
@@ -275,8 +287,8 @@ class CausalLM(nn.Module):
 
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s cached k/v (and their positions) from slots `src` [n] to `dst` [n]."""
-        for layer in self.layers:
-            layer.self_attn.kv_cache.copy_slots(row, src, dst)
+        for attn in self.attentions():
+            attn.kv_cache.copy_slots(row, src, dst)
         if self.slot_positions is not None:
             self.slot_positions[row, dst] = self.slot_positions[row, src]
 
@@ -342,7 +354,7 @@ class CausalLM(nn.Module):
         outputs: dict[int, Tensor] = {}  # layer i -> its output, for `hidden`
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.rope]
-            x = layer(x, cos, sin, slots, masks[layer.self_attn.window is not None])  # [B, T, hidden]
+            x = layer(x, cos, sin, slots, masks[windowed(layer)])  # [B, T, hidden]
             if hidden is not None and i in hidden:
                 outputs[i] = x
         return self._head(x, keep, hidden, outputs)
@@ -416,8 +428,8 @@ class CausalLM(nn.Module):
                             stack.enter_context(module.expanded(pool, dense))
                 for a, b in chunks:
                     pos = positions[:, a:b]  # [B, C]
-                    mine = layer.self_attn.window is not None
-                    tensor = mine or layer.self_attn.sinks is not None  # its kernel takes a mask tensor
+                    mine = windowed(layer)
+                    tensor = mine or getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
                     if fresh and a == 0 and not windowed:
                         mask = None
                     elif lower_right and not tensor and not (fresh and a == 0):
