@@ -25,6 +25,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -114,8 +116,34 @@ class TPModel:
         yield from self.shard.buffers()
 
     def state_tensors(self) -> tuple:
-        caches = (t for layer in self.shard.layers for t in layer.self_attn.kv_cache.tensors())
+        caches = (t for cache in self.shard.caches() for t in cache.tensors())
         return (*self.shard.rope_tables(), *caches)
+
+    # a hybrid model's linear-attention states (backends/torch/models/hybrid.py), on every rank
+    @property
+    def linear_states(self):
+        return self.shard.linear_states
+
+    @property
+    def ring(self) -> int:
+        return self.shard.ring
+
+    def grow_ring(self, ring: int) -> None:
+        self.group.command_all(Cmd.RING, ring)
+        self.shard.grow_ring(ring)
+
+    def forget_states(self) -> None:
+        self.group.command_all(Cmd.FORGET, None)
+        self.shard.forget_states()
+
+    @contextmanager
+    def context(self, ends=None, tree: int | None = None) -> Iterator[None]:
+        self.group.command_all(Cmd.LINEAR_ENTER, (None if ends is None else list(ends), tree))
+        try:
+            with self.shard.context(ends, tree):
+                yield
+        finally:
+            self.group.command_all(Cmd.LINEAR_LEAVE, None)
 
     def describe(self, tensor) -> str:
         for name, value in (*self.shard.named_parameters(), *self.shard.named_buffers()):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from datetime import timedelta
 from enum import IntEnum
 
@@ -29,6 +30,10 @@ class Cmd(IntEnum):
     PREFIX_LOAD = 5  # (row, runs): prefix cache -> cache (no reply)
     GRAPHS = 6  # graph mode ("off", "auto", "trace"): how this rank captures steps (ACK)
     STEP = 7  # (action, key): one more primitive on the last FORWARD's inputs (no reply)
+    LINEAR_ENTER = 8  # (ends, tree): the forwards until LINEAR_LEAVE run the linear layers so (no reply)
+    LINEAR_LEAVE = 9  # None: back to per-position linear layers (no reply)
+    RING = 10  # positions: grow the linear layers' rings (no reply)
+    FORGET = 11  # None: no row holds a linear-attention state any more (no reply)
 
 
 class Reply(IntEnum):
@@ -183,6 +188,7 @@ def _serve(
 
     graphs = RankGraphs(model, device)
     inputs: dict = {}  # the last FORWARD's inputs, which STEP commands run again
+    linear = ExitStack()  # a hybrid model's linear-layer context (LINEAR_ENTER .. LINEAR_LEAVE)
 
     def handle(cmd, payload) -> None:
         if cmd == Cmd.FORWARD:
@@ -209,6 +215,14 @@ def _serve(
         elif cmd in (Cmd.PREFIX_SAVE, Cmd.PREFIX_LOAD):
             row, runs = payload
             (model.save_prefix if cmd == Cmd.PREFIX_SAVE else model.load_prefix)(row, runs)
+        elif cmd == Cmd.LINEAR_ENTER:  # hybrid models (backends/torch/models/hybrid.py)
+            linear.enter_context(model.context(*payload))
+        elif cmd == Cmd.LINEAR_LEAVE:
+            linear.close()
+        elif cmd == Cmd.RING:
+            model.grow_ring(payload)
+        elif cmd == Cmd.FORGET:
+            model.forget_states()
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 

@@ -110,10 +110,13 @@ def apply_tensor_parallel(model: nn.Module, rank: int, tp: int, group=None) -> n
         for module in layer.modules():
             if isinstance(module, MoE):  # its experts' outputs are partial sums now
                 module.group = group or _world()
-        layer.self_attn.n_heads //= tp
-        layer.self_attn.n_kv_heads //= tp
-        if layer.self_attn.sinks is not None:  # one sink per query head: the rank's heads
-            layer.self_attn.sinks = nn.Parameter(_rows(layer.self_attn.sinks.data, rank, tp), requires_grad=False)
+        attn = getattr(layer, "self_attn", None)  # none in a linear-attention layer (kept whole)
+        if attn is None:
+            continue
+        attn.n_heads //= tp
+        attn.n_kv_heads //= tp
+        if attn.sinks is not None:  # one sink per query head: the rank's heads
+            attn.sinks = nn.Parameter(_rows(attn.sinks.data, rank, tp), requires_grad=False)
     model.args = replace(args, **{name: value // tp for name, value in args.tensor_parallel_sizes})
     model.tp_rank, model.tp_size = rank, tp
     return model

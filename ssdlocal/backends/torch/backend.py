@@ -24,7 +24,8 @@ class TorchBackend:
         from ssdlocal.backends.torch.models.hybrid import HybridLM
         from ssdlocal.backends.torch.runner import TorchRunner
 
-        if isinstance(loaded.model, HybridLM):  # linear-attention states beside the KV cache
+        model = getattr(loaded.model, "shard", loaded.model)  # rank 0's shard of a tensor-parallel one
+        if isinstance(model, HybridLM):  # linear-attention states beside the KV cache
             from ssdlocal.backends.torch.hybrid_runner import HybridRunner
 
             return HybridRunner(loaded, graphs=graphs)

@@ -55,18 +55,13 @@ class HybridRunner(TorchRunner):
         assert self.model.linear_states is not None  # reset ran
         return self.model.linear_states
 
-    def registered(self):
-        """TorchRunner.registered, and the linear layers' rings and tree buffers."""
-        yield from super().registered()
-        yield from self.states.tensors()
-
     def setup_prefix(self, asked: int | None) -> int:
         """No prefix store yet: a stored block would need its linear states too."""
         return super().setup_prefix(0)
 
     def reset(self, batch_size: int, num_slots: int) -> None:
         super().reset(batch_size, num_slots)
-        self.states.forget()
+        self.model.forget_states()
         self.spanned, self.stepped, self.tree_depth, self.tree_first = 0, 0, 0, None
 
     # ------------------------------------------------------------------ feeds
@@ -104,7 +99,7 @@ class HybridRunner(TorchRunner):
         for b, start in enumerate(starts):
             states.truncated(b, start)
         short = width < self.model.ring  # every position's state fits the ring: written
-        ends = None if short or not width else self.site.upload([s + len(r) for s, r in zip(starts, rows)], self.device)
+        ends = None if short or not width else [s + len(r) for s, r in zip(starts, rows)]
         self._inner = True
         try:
             with self.model.context(ends=ends):
@@ -166,6 +161,8 @@ class HybridRunner(TorchRunner):
         """TorchRunner.forward_raw with a state per branch: the first tree step after a feed
         starts every branch from its fork's state in the ring, later ones from the tree
         buffers (read one, write the other: a graph per parity)."""
+        if not self.plain:
+            raise RuntimeError("tree steps of a tensor-parallel hybrid model are not implemented")  # no caller makes them
         depth = self.tree_depth
         if depth == 0:
             self._tree_buffers(ids.shape[1])

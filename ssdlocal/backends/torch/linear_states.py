@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass
@@ -43,13 +43,15 @@ class LinearContext:
     carry: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
-class LinearStates:
+class LinearStates(nn.Module):
     """States of `shapes` linear layers (per layer: channels C, value heads H, Dk, Dv) for
-    `batch` rows, in rings of `ring` positions; K the convolution's kernel."""
+    `batch` rows, in rings of `ring` positions; K the convolution's kernel. Its tensors are
+    buffers (not saved), so a model that holds it lists them among its own."""
 
     def __init__(
         self, batch: int, shapes: list[tuple[int, int, int, int]], ring: int, kernel: int, dtype, device
     ) -> None:
+        super().__init__()
         self.batch, self.shapes, self.kernel, self.dtype = batch, shapes, kernel, dtype
         self.device = torch.device(device)
         self.ring = ring  # R
@@ -57,6 +59,10 @@ class LinearStates:
         self.rec = [torch.zeros(batch, ring + 1, h, dk, dv, device=device) for _, h, dk, dv in shapes]
         self.conv = [torch.zeros(batch, self.conv_ring + 1, c, dtype=dtype, device=device) for c, *_ in shapes]
         self.tags = torch.full((batch, ring + 1), -1, dtype=torch.long, device=device)
+        for i, (rec, conv) in enumerate(zip(self.rec, self.conv)):
+            self.register_buffer(f"rec_{i}", rec, persistent=False)
+            self.register_buffer(f"conv_{i}", conv, persistent=False)
+        self.register_buffer("tags_", self.tags, persistent=False)
         self.host: list[list[int]] = [[-1] * ring for _ in range(batch)]  # per row: the position each slot holds
         self.tree_rec: list[list[Tensor]] = []  # per layer two [B, W, H, Dk, Dv] buffers (tree steps)
         self.tree_conv: list[list[Tensor]] = []  # per layer two [B, W, K-1, C]
@@ -137,6 +143,10 @@ class LinearStates:
             [torch.zeros(self.batch, width, self.kernel - 1, c, dtype=self.dtype, device=self.device) for _ in range(2)]
             for c, *_ in self.shapes
         ]
+        for i, (recs, convs) in enumerate(zip(self.tree_rec, self.tree_conv)):
+            for j in range(2):
+                self.register_buffer(f"tree_rec_{i}_{j}", recs[j], persistent=False)
+                self.register_buffer(f"tree_conv_{i}_{j}", convs[j], persistent=False)
 
     def tree_read(self, layer: int, depth: int, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Branch states before tree step `depth` for queries at `positions` [B, W]."""
@@ -204,7 +214,11 @@ class LinearStates:
             new[rows, dst] = old[rows, src]
         bigger.tags[rows, slots] = held
         bigger.tags[:, ring] = -1
-        bigger.tree_rec, bigger.tree_conv = self.tree_rec, self.tree_conv
+        if self.tree_rec:
+            bigger.tree_width(self.tree_rec[0][0].shape[1])
+            for mine, theirs in zip((*self.tree_rec, *self.tree_conv), (*bigger.tree_rec, *bigger.tree_conv)):
+                for a, b in zip(mine, theirs):
+                    b.copy_(a)
         for b, tags in enumerate(self.host):
             for p in tags:
                 if p >= 0:

@@ -10,9 +10,10 @@ could overwrite a position a row may return to.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from ssdlocal.backends.base import HiddenLayers
@@ -84,11 +85,21 @@ class HybridLM(CausalLM):
         self.ring = ring
 
     # ------------------------------------------------------------------ forward
+    def forget_states(self) -> None:
+        """No row holds a state any more (a runner's reset)."""
+        if self.linear_states is not None:
+            self.linear_states.forget()
+
     @contextmanager
-    def context(self, ends: Tensor | None = None, tree: int | None = None) -> Iterator[None]:
-        """Run the linear layers as a long feed (`ends` [B]: each row's end position) or a
-        tree step of depth `tree` for the calls inside; per position otherwise."""
-        self.ctx.ends, self.ctx.tree, self.ctx.carry = ends, tree, {}
+    def context(self, ends: Sequence[int] | None = None, tree: int | None = None) -> Iterator[None]:
+        """Run the linear layers as a long feed (`ends`: each row's end position) or a tree
+        step of depth `tree` for the calls inside; per position otherwise."""
+        if ends is not None:
+            device = self.embed_tokens.weight.device
+            host = torch.tensor(list(ends), dtype=torch.long)  # [B]
+            staged = host.pin_memory() if device.type == "cuda" else host
+            self.ctx.ends = staged.to(device, non_blocking=True)
+        self.ctx.tree, self.ctx.carry = tree, {}
         try:
             yield
         finally:
