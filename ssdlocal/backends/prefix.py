@@ -145,6 +145,12 @@ class PrefixIndex:
         self.stored_blocks += len(placements)
         return len(placements)
 
+    def key(self, number: int) -> tuple[int, tuple[int, ...]] | None:
+        """What pool block `number` holds now (its parent block and its tokens), None when
+        it holds nothing: a store keeping more per block checks it is still the same one."""
+        block = self._blocks.get(number)
+        return None if block is None else (block.parent, block.tokens)
+
     def _add(self, block: _Block) -> None:
         self._blocks[block.number] = block
         self._by_key[(block.parent, block.tokens)] = block

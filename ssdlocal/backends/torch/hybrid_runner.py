@@ -20,7 +20,9 @@ position p) and this runner keeps that true:
 - SSD tree steps carry one state per branch (LinearStates' tree buffers, the fork's state
   from the ring at the first step); `take_branch` copies the branch's last state to the
   row's ring (the branch's earlier positions are not kept: a later cut into them re-reads).
-The prefix store is off for now (no state is stored per block): `setup_prefix` keeps none.
+- the prefix store (stored_states.py) keeps the state at a stored sequence's last block
+  end; a long feed is read in two parts, up to each row's last block end and the rest, so
+  the state at that block end is written even when no step follows.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.base import Logits
+from ssdlocal.backends.prefix import BLOCK_TOKENS
 from ssdlocal.backends.torch.linear_states import LinearStates
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.runner import TorchRunner
+from ssdlocal.backends.torch.stored_states import StoredStates
 
 RING_STEP = 4  # rings grow in multiples of this many positions
 
 
-class HybridRunner(TorchRunner):
+class HybridRunner(StoredStates, TorchRunner):
     """TorchRunner over a HybridLM: its linear layers' states follow every row."""
 
     def __init__(self, loaded: LoadedModel, *, graphs: str = "auto") -> None:
@@ -54,10 +58,6 @@ class HybridRunner(TorchRunner):
     def states(self) -> LinearStates:
         assert self.model.linear_states is not None  # reset ran
         return self.model.linear_states
-
-    def setup_prefix(self, asked: int | None) -> int:
-        """No prefix store yet: a stored block would need its linear states too."""
-        return super().setup_prefix(0)
 
     def reset(self, batch_size: int, num_slots: int) -> None:
         super().reset(batch_size, num_slots)
@@ -96,6 +96,9 @@ class HybridRunner(TorchRunner):
     def _feed(self, rows: list[list[int]], logits: Logits, progress) -> list[Tensor]:
         states, width = self.states, max(map(len, rows))
         starts = [len(h) for h in self.held]
+        cuts = [(s + len(r)) // BLOCK_TOKENS * BLOCK_TOKENS - s for s, r in zip(starts, rows)]
+        if self.prefix is not None and width >= self.model.ring and any(0 < c < len(r) for c, r in zip(cuts, rows)):
+            return self._feed_to_block_ends(rows, [max(c, 0) for c in cuts], logits, progress)
         for b, start in enumerate(starts):
             states.truncated(b, start)
         short = width < self.model.ring  # every position's state fits the ring: written
@@ -116,8 +119,19 @@ class HybridRunner(TorchRunner):
             if short:
                 states.wrote(b, range(start, start + width), start + len(r))
             elif r:
-                states.wrote(b, range(start + len(r) - 1, start + len(r)), start + len(r))
+                states.wrote_final(b, start + len(r) - 1)
         return out
+
+    def _feed_to_block_ends(self, rows: list[list[int]], cuts: list[int], logits: Logits, progress) -> list[Tensor]:
+        """A long feed in two: each row up to its last block end (`cuts`: its tokens
+        before it), then the rest; the logits asked for, as one feed gives them."""
+        head = self._feed(
+            [r[:c] for r, c in zip(rows, cuts)], Logits.NONE if logits is Logits.NONE else logits, progress
+        )
+        tail = self._feed([r[c:] for r, c in zip(rows, cuts)], logits, None)
+        if logits is Logits.ALL:
+            return [torch.cat([h, t]) for h, t in zip(head, tail)]
+        return [t if len(r) > c else h for h, t, r, c in zip(head, tail, rows, cuts)]
 
     # ------------------------------------------------------------------ steps
     def begin_steps(self) -> None:
@@ -162,7 +176,9 @@ class HybridRunner(TorchRunner):
         starts every branch from its fork's state in the ring, later ones from the tree
         buffers (read one, write the other: a graph per parity)."""
         if not self.plain:
-            raise RuntimeError("tree steps of a tensor-parallel hybrid model are not implemented")  # no caller makes them
+            raise RuntimeError(
+                "tree steps of a tensor-parallel hybrid model are not implemented"
+            )  # no caller makes them
         depth = self.tree_depth
         if depth == 0:
             self._tree_buffers(ids.shape[1])

@@ -157,7 +157,7 @@ class GatedDeltaNet(nn.Module):
             window, state = states.read(self.index, slots[:, 0] - 1)  # [B, K-1, C], [B, Hv, Dk, Dv]
             q, k, v = self._qkv(self._conv(torch.cat([window, mixed], dim=1), T))
             out, after = recurrent_rule(*prepare(q, k, v, g, beta), state)  # [B, Hv, T, Dv], [B, T, Hv, Dk, Dv]
-            states.write(self.index, slots, mixed, after)
+            states.write(self.index, slots, mixed, after, window)
             out = out.transpose(1, 2)  # [B, T, Hv, Dv]
         out = self.norm(out.to(x.dtype).reshape(-1, self.value_dim), z.reshape(-1, self.value_dim))  # [B*T*Hv, Dv]
         return self.out_proj(out.reshape(B, T, -1))  # [B, T, hidden]
