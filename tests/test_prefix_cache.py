@@ -20,7 +20,7 @@ import torch
 from ssdlocal.backends.llamacpp.prefix import SeqStore
 from ssdlocal.backends.prefix import BLOCK_TOKENS, PrefixIndex, store_tokens
 from ssdlocal.core.config import PREFIX_CACHE_TOKENS, EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, UsageError
+from ssdlocal.core.errors import OutOfMemoryError, UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from support.drafts import draft_of
@@ -391,11 +391,12 @@ def test_a_dead_ssd_worker_takes_its_cache_and_the_target_stays_exact(models, re
     with Engine(config) as engine:
         first, _ = _run(engine, [prompt], 10)
         os.kill(engine.drafts.worker.proc.pid, signal.SIGKILL)
-        with pytest.raises(DraftWorkerError, match="died"):  # the call that finds it dead fails clearly
-            _run(engine, [prompt + first[0]], 10)
+        found, lost = _run(engine, [prompt + first[0]], 10)  # the call that finds it dead goes on without it
+        assert lost.draft_losses == 1 and "died" in lost.draft_lost
         again, stats = _run(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache
         want, _ = _run(reference, [prompt + first[0]], 10)
-    assert again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
+    assert found == again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
+    assert stats.draft_losses == 0
 
 
 def test_the_ssd_workers_cache_is_reported_as_the_drafts(models):
