@@ -50,7 +50,7 @@ from ssdlocal.core.events import (
 )
 from ssdlocal.core.sequence import FinishReason, Request, Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.draft.base import Drafter
+from ssdlocal.draft.base import Drafter, PromptHidden
 from ssdlocal.engine.ahead import ReadAhead
 from ssdlocal.engine.auto import rechecked
 from ssdlocal.engine.parts import EngineParts
@@ -217,7 +217,8 @@ class Loop:
             firsts = [[r.generated[-1]] if f else [] for r, f in zip(rows, seating.fresh)]
             yield from token_events(rows, firsts, [[TokenOrigin.TARGET]] * len(rows), seating.shaper.first_logprobs)
             if drafter is not None and lost is None:
-                lost = _attempt(lambda: drafter.start(rows, parts.target.hidden() if drafter.hidden else None))
+                hidden = PromptHidden(parts.target.hidden(), *seating.read) if drafter.hidden else None
+                lost = _attempt(lambda: drafter.start(rows, hidden))
             rounds = Round(seating, first)
             if lost is not None:
                 yield rounds.lose_drafter(self.round_index, lost)

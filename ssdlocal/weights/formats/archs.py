@@ -145,3 +145,21 @@ def unsupported(what: str) -> UnsupportedArchitectureError:
         hint=f"ssdlocal's torch backend supports {names}; "
         "GGUF files of other architectures may work with the llama.cpp backend",
     )
+
+
+# ------------------------------------------------------------------ draft heads
+# config.json `architectures` of the draft heads the torch backend reads, by kind
+HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+
+
+def head_kind(path) -> str | None:
+    """The kind of draft head the directory `path` holds (a key of HEADS), or None."""
+    import json
+    from pathlib import Path
+
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = raw.get("architectures") or () if isinstance(raw, dict) else ()
+    return next((kind for kind, claimed in HEADS.items() if set(claimed) & set(names)), None)

@@ -325,11 +325,13 @@ class CausalLM(nn.Module):
         attn_mask: Tensor | None,
         keep: Tensor | None = None,
         hidden: HiddenLayers | None = None,
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool (or None for a
         fresh causal prefill) -> logits [B, T, V] float32; with `keep` [B, n] long (query
         indices), only those positions reach the lm_head: logits [B, n, V]. With `hidden`
-        (backends.base.HiddenLayers): (logits, those hidden states [B, T or n, len * hidden]).
+        (backends.base.HiddenLayers): (logits, those hidden states [B, T or n, len * hidden]:
+        at `keep`, or at every position with `hidden_all`).
 
         Every query must see at least one slot (callers give padded queries their own
         slot or a trash slot); an all-false mask row would turn into NaN.
@@ -345,21 +347,29 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, slots, masks[layer.self_attn.window is not None])  # [B, T, hidden]
             if hidden is not None and i in hidden:
                 outputs[i] = x
-        return self._head(x, keep, hidden, outputs)
+        return self._head(x, keep, hidden, outputs, hidden_all)
 
     def _head(
-        self, x: Tensor, keep: Tensor | None, hidden: HiddenLayers | None, outputs: dict[int, Tensor]
+        self,
+        x: Tensor,
+        keep: Tensor | None,
+        hidden: HiddenLayers | None,
+        outputs: dict[int, Tensor],
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The last layer's output x [B, T, hidden] -> logits at `keep` (None: every
-        position), and with `hidden` the asked states at the same positions."""
+        position), and with `hidden` the asked states at the same positions (every
+        position with `hidden_all`)."""
         normed = self.norm(kept(x, keep))  # [B, n, hidden]
         logits = fp32_logits(self.lm_head, normed)  # [B, n, V]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap  # [B, n, V]
         if hidden is None:
             return logits
-        states = [normed if i == FINAL_HIDDEN else kept(outputs[i], keep) for i in hidden]  # each [B, n, hidden]
-        return logits, torch.cat(states, dim=-1)  # [B, n, len * hidden]
+        where = None if hidden_all else keep
+        final = self.norm(x) if hidden_all and keep is not None else normed  # [B, T or n, hidden]
+        states = [final if i == FINAL_HIDDEN else kept(outputs[i], where) for i in hidden]  # each [B, T or n, hidden]
+        return logits, torch.cat(states, dim=-1)  # [B, T or n, len * hidden]
 
     def prefill(
         self,
@@ -372,6 +382,7 @@ class CausalLM(nn.Module):
         progress: Callable[[int, int], None] | None = None,
         starts: Sequence[int] | None = None,
         hidden: HiddenLayers | None = None,
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
         k/v goes to the slot of its position) -> logits [B, n, V] at `keep` [B, n] (None:
@@ -436,4 +447,4 @@ class CausalLM(nn.Module):
                         progress(done, total)
             if hidden is not None and i in hidden:
                 outputs[i] = x.clone()  # x is written in place by the next layers
-        return self._head(x, keep, hidden, outputs)
+        return self._head(x, keep, hidden, outputs, hidden_all)

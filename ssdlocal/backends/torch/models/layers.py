@@ -148,12 +148,14 @@ class Attention(nn.Module):
         scale: float | None = None,
         window: int | None = None,
         sinks: bool = False,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        width = hidden if input_size is None else input_size  # q/k/v read this wide (EAGLE-3: 2 x hidden)
+        self.q_proj = nn.Linear(width, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = qk_norm
