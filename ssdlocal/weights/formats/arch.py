@@ -187,6 +187,8 @@ class Architecture:
     qkv_bias / o_bias: whether q/k/v and o_proj have biases; None: as config.json's
     `attention_bias` says. qk_norm: per-head RMSNorm on q and k before RoPE.
     gguf_qk_interleaved: llama.cpp stores each head's q/k rows as (pairs, 2), not (2, half).
+    gguf_norm_shift: what llama.cpp added to every norm weight (Gemma's 1 of (1 + weight));
+    our models take it off again.
     linears: our module inside a layer (or outside, "lm_head") -> its Linear (expert modules
     written with "{e}", or stacked).
     pair_family: the `family` of its pairs in models/pairs (None: the model_type).
@@ -207,6 +209,7 @@ class Architecture:
     o_bias: bool | None = None
     qk_norm: bool = False
     gguf_qk_interleaved: bool = False
+    gguf_norm_shift: float = 0.0
     linears: Mapping[str, Linear] = field(default_factory=lambda: dict(LLAMA_LINEARS))
     pair_family: str | None = None
     experts: frozenset[str] = frozenset()

@@ -72,6 +72,34 @@ QWEN3_MOE = Architecture(
     family="qwen3_moe",
 )
 
+# Gemma 3: four norms per layer (llama.cpp: attn_norm, post_attention_norm, ffn_norm,
+# post_ffw_norm) and q/k norms; tied embeddings. llama.cpp stores Gemma's norm weights
+# with the 1 of (1 + weight) added (gguf_norm_shift).
+_GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+_GEMMA3_MODULES = (*BLOCK_MODULES, *_GEMMA_NORMS)
+GEMMA3 = Architecture(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    "gemma3_text",
+    gguf_architecture="gemma3",
+    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_GEMMA3_MODULES),
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        GGUF_NAMES.outside,
+        {
+            **GGUF_NAMES.block,
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        },
+        GGUF_NAMES.ignored,
+        modules=_GEMMA3_MODULES,
+    ),
+    qk_norm=True,
+    gguf_norm_shift=1.0,
+    family="gemma3",
+)
+
 _TABLE: dict[str, Architecture] = {}
 
 
@@ -92,7 +120,7 @@ def unregister(name: str) -> None:
     _TABLE.pop(name, None)
 
 
-for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE):
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3):
     register(_arch)
 
 

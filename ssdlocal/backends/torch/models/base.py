@@ -283,8 +283,9 @@ class CausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def _embed(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.embed_scale is not None:  # float32, then the activation dtype (as transformers rounds it);
+            # made by an op, so a captured step holds no tensor constant
+            x = x * torch.full((), self.embed_scale, device=x.device).to(x.dtype)
         return x
 
     def _rotary(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
