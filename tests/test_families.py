@@ -18,7 +18,7 @@ from support.tiny_models import build_tokenizer, make_draft_like
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.models import causal_mask
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, NgramDraft, SamplingParams, SpecConfig
-from ssdlocal.core.events import DoneEvent
+from ssdlocal.core.events import DoneEvent, SeatedEvent, TokensEvent
 from ssdlocal.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacci(n):\n    if n < 2:"]
 NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+PROMPT_IDS = tuple(range(100, 120))  # 20 tokens: past a sliding window of 8
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,46 @@ def test_a_decode_step_is_one_traced_graph_without_host_reads(family_dirs, famil
         graphs, waits = done.stats["graphs"]["target"], done.stats["host_waits"]["target"]
         assert graphs["eager"] == 0 and graphs["replays"] + graphs["captured"] >= NEW - 1, graphs
         assert waits["waits_per_round"] <= 1.5, waits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reused_prefixes_and_rows_joining_a_batch_keep_every_answer(family_dirs, family):
+    """The prefix cache (a follow-up turn reuses the first turn's blocks, far past any
+    sliding window) and continuous batching (a request joins a running batch) give the
+    tokens a fresh engine gives each prompt alone, in AR and SSD."""
+    from ssdlocal.engine.request import Inbox
+    from ssdlocal.core.sequence import Request
+
+    target, draft = family_dirs[family]
+    first = list(range(5, 45))  # 40 tokens: two whole blocks stored
+    follow = first + list(range(60, 75))
+    specs = [SpecConfig(mode=Mode.AR), SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(str(draft)))]
+    with _engine(target, graphs="off", prefix_cache_tokens=0) as fresh:
+        want = {tuple(p): _alone(fresh, p, specs[0]) for p in (first, follow, PROMPT_IDS)}
+    with _engine(target, draft, graphs="off") as engine:
+        for spec in specs:
+            assert _alone(engine, first, spec) == want[tuple(first)]
+            done = [e for e in engine.generate([follow], GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+            assert done.outputs[0].token_ids == want[tuple(follow)] and done.stats["cached_prompt_tokens"] >= 32
+            inbox, tokens, seated = Inbox(), {}, []
+            running, joining = Request(tuple(follow), GREEDY), Request(tuple(PROMPT_IDS), GREEDY)
+            inbox.add(running)
+            for event in engine.serve(inbox, max_batch=4, spec=spec):
+                if isinstance(event, SeatedEvent):
+                    seated = list(event.requests)
+                elif isinstance(event, TokensEvent):
+                    tokens.setdefault(seated[event.row], []).extend(event.token_ids)
+                    if len(tokens.get(running.id, ())) >= 6 and joining.id not in tokens:
+                        inbox.add(joining)
+                        tokens[joining.id] = []
+                if sum(map(len, tokens.values())) == 2 * NEW:
+                    inbox.close()
+            assert tuple(tokens[running.id]) == want[tuple(follow)] and tuple(tokens[joining.id]) == want[PROMPT_IDS]
+
+
+def _alone(engine: Engine, prompt, spec: SpecConfig) -> tuple[int, ...]:
+    done = [e for e in engine.generate([list(prompt)], GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+    return done.outputs[0].token_ids
 
 
 def test_an_unimplemented_config_field_is_refused_by_name(family_dirs, tmp_path):
