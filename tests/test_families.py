@@ -69,6 +69,35 @@ def test_logits_equal_transformers_at_every_position(family_dirs, family):
         torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cuda_mask_form_gives_the_same_logits(family_dirs, family, monkeypatch):
+    """CUDA's masked kernel folds each kv head's query heads into the queries, so a mask is
+    built per head grouping (Gemma 4's global layers group differently from its local
+    ones); computed here on the CPU in that form, a forward past the window and a tree
+    step give the CPU kernel's logits."""
+    from ssdlocal.backends.torch import attention
+
+    target, _ = family_dirs[family]
+    model = load_model(target, "cpu", "float32").model
+    ids = torch.tensor([list(PROMPT_IDS[:14]), list(PROMPT_IDS[3:17])])  # [2, 14]
+    pos = torch.arange(14)[None].repeat(2, 1)
+    tree_pos = torch.tensor([[14, 15, 15, 16]]).repeat(2, 1)  # two branches after position 14
+    tree_slots = torch.tensor([[14, 15, 16, 17]]).repeat(2, 1)
+    tree = causal_mask(pos[:, :1] + 13, 64)[:, [0] * 4].clone()  # [2, 4, 64]: the context
+    for t, seen in enumerate([[14], [14, 15], [14, 16], [14, 16, 17]]):  # each token's slots
+        tree[:, t, seen] = True
+    runs = []
+    for kernel in ("cpu-flash", "efficient-folded"):
+        monkeypatch.setattr(attention, "attention_kernel", lambda device, masked, k=kernel: k)
+        with torch.inference_mode():
+            model.setup_cache(2, 64, torch.float32, "cpu")
+            whole = model(ids, pos, pos, causal_mask(pos, 14))  # [2, 14, V]
+            step = model(ids[:, :4], tree_pos, tree_slots, tree)  # [2, 4, V]
+        runs.append((whole, step))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-5)
+
+
 def _engine(target, draft=None, **changes) -> Engine:
     spec = SpecConfig(mode=Mode.AR, k=3, draft=draft_of(None if draft is None else str(draft)))
     return Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), spec=spec, pin_cpus=False, **changes))

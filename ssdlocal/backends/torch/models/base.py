@@ -33,7 +33,7 @@ from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.backends.torch.models.layers import RMSNorm, rope_inv_freq, rope_tables
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import oom_error
-from ssdlocal.weights.formats.archs import unsupported
+from ssdlocal.backends.torch.models.fields import read_rope, refuse  # noqa: F401 - the families import them from here
 
 # A chunked prefill keeps every chunk's boolean mask for all layers while they fit in this
 # (B x sum of chunk x span bytes: a 20k-token prompt); past it each layer builds its own.
@@ -75,36 +75,6 @@ class ModelArgs:
             ("num_kv_heads", self.num_kv_heads),
             ("intermediate_size", self.intermediate_size),
         )
-
-
-def read_rope(rope: dict | None, cfg, arch: str, supported: Sequence[str] = ("default", "llama3", "linear")):
-    """(theta, scaling) of rotary parameters as a config states them: transformers 5 keeps
-    theta and scaling together (`rope_parameters`, or one entry of a per-layer-type dict:
-    pass it as `rope`); 4.x split them (`rope_theta`, `rope_scaling`). A rope type outside
-    `supported` is refused by name (UnsupportedArchitectureError)."""
-    if rope is None:
-        rope = getattr(cfg, "rope_parameters", None)
-    if rope:
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = dict(rope)
-    else:
-        theta = getattr(cfg, "rope_theta", 10000.0)
-        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
-    scaling.pop("rope_theta", None)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in supported:
-        raise unsupported(f"{arch} with rope_type={kind!r}")
-    return float(theta), None if kind == "default" else {**scaling, "rope_type": kind}
-
-
-def refuse(arch: str, cfg, **expected: object) -> None:
-    """UnsupportedArchitectureError naming the first config field whose value is not the
-    one we implement (`field=value` pairs; a missing field counts as expected)."""
-    for name, want in expected.items():
-        got = getattr(cfg, name, want)
-        same = bool(got) == want if isinstance(want, bool) else (not got if want is None else got == want)
-        if not same:
-            raise unsupported(f"{arch} with {name}={got!r}")
 
 
 def causal_mask(positions: Tensor, S: int) -> Tensor:
@@ -210,10 +180,8 @@ class CausalLM(nn.Module):
 
     def _share_caches(self) -> None:
         """Point each layer with a `kv_source` at its source's cache (it writes none)."""
-        for layer in self.layers:
-            source = getattr(layer, "kv_source", None)
-            if source is not None:
-                layer.self_attn.kv_cache = self.layers[source].self_attn.kv_cache
+        for layer in set(self.layers) - set(self._owners()):
+            layer.self_attn.kv_cache = self.layers[layer.kv_source].self_attn.kv_cache
 
     def _new_slot_positions(self, batch: int, slots: int, device, keep: Tensor | None = None) -> None:
         """Windowed models: each slot's position, its index until a step writes another."""
@@ -306,9 +274,8 @@ class CausalLM(nn.Module):
         return x
 
     def layer_inputs(self, input_ids: Tensor, x: Tensor) -> Tensor | None:
-        """Per-layer inputs [B, T, layers, width] of the tokens `input_ids` [B, T] whose
-        embeddings are `x`, layer i's slice handed to it after the mask (Gemma 4's per-layer
-        embeddings); None for families without them."""
+        """Inputs [B, T, layers, width] of tokens `input_ids` embedded as `x`, layer i's slice
+        passed to it after its mask (Gemma 4's per-layer embeddings); None: the family has none."""
         return None
 
     def _rotary(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
@@ -441,8 +408,7 @@ class CausalLM(nn.Module):
         windowed = self.args.window is not None
         chunks = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
         mask_bytes = B * sum((b - a) * (max(first) + b) for a, b in chunks)  # every chunk's bool mask
-        masks: dict[int, dict[tuple[bool, int], AttentionMask | None]] | None
-        masks = {} if mask_bytes <= MASK_CACHE_BYTES else None
+        masks: dict | None = {} if mask_bytes <= MASK_CACHE_BYTES else None  # chunk -> its masks
         total, done = len(self.layers) * T, 0
         pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
         outputs: dict[int, Tensor] = {}  # layer i -> its output, for `hidden`
