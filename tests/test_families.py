@@ -195,6 +195,38 @@ def test_reused_prefixes_and_rows_joining_a_batch_keep_every_answer(family_dirs,
             assert tuple(tokens[running.id]) == want[tuple(follow)] and tuple(tokens[joining.id]) == want[PROMPT_IDS]
 
 
+def test_a_gemma3_gguf_loads_with_its_norms_and_a_dropped_rope_scaling_is_refused(tmp_path, monkeypatch):
+    """llama.cpp stores Gemma's norm weights as (1 + weight): the int8 path, which reads the
+    GGUF's tensors itself, takes the 1 off again (its norms equal the model's), and its
+    logits follow the float conversion's; a file whose rope scaling transformers would
+    drop from the config (Gemma 3 4B and larger) is refused by name."""
+    from support import tiny_gguf
+
+    from ssdlocal.core.errors import UnsupportedArchitectureError
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
+    model = tiny_gguf.make_gemma3(seed=3)
+    path = tiny_gguf.write_gguf(tmp_path / "g.gguf", model, "gemma3", "f32", extra=tiny_gguf.gemma3_metadata(model))
+    quant = load_model(path, "cpu", "float32", "int8").model
+    dense = load_model(path, "cpu", "float32").model
+    norms = {n: p for n, p in model.named_parameters() if n.endswith("norm.weight")}
+    assert len(norms) == 6 * 6 + 1
+    for name, weight in norms.items():
+        torch.testing.assert_close(quant.get_parameter(name.removeprefix("model.")), weight, rtol=0, atol=1e-6)
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 28, 51]])
+    pos = torch.arange(12)[None]
+    with torch.inference_mode():
+        for m in (quant, dense):
+            m.setup_cache(1, 64, torch.float32, "cpu")
+        got, want = (m(ids, pos, pos, causal_mask(pos, 12)) for m in (quant, dense))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    scaled = tiny_gguf.write_gguf(
+        tmp_path / "s.gguf", model, "gemma3", "f32", extra=tiny_gguf.gemma3_metadata(model, "linear")
+    )
+    with pytest.raises(UnsupportedArchitectureError, match="gemma3 GGUF with rope scaling 'linear'"):
+        load_model(scaled, "cpu", "float32")
+
+
 def _alone(engine: Engine, prompt, spec: SpecConfig) -> tuple[int, ...]:
     done = [e for e in engine.generate([list(prompt)], GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
     return done.outputs[0].token_ids
