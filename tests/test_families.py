@@ -232,17 +232,61 @@ def _alone(engine: Engine, prompt, spec: SpecConfig) -> tuple[int, ...]:
     return done.outputs[0].token_ids
 
 
-def test_an_unimplemented_config_field_is_refused_by_name(family_dirs, tmp_path):
+REFUSED = [
+    ("qwen3_moe", {"hidden_act": "gelu"}, "qwen3_moe with hidden_act='gelu'"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "gemma3 with attn_logit_softcapping=50.0"),
+    ("gemma3", {"use_bidirectional_attention": True}, "gemma3 with use_bidirectional_attention=True"),
+    (
+        "gemma4",
+        {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+        "gemma4 with enable_moe_block=True",
+    ),
+    ("gemma4", {"use_bidirectional_attention": "vision"}, "gemma4 with use_bidirectional_attention='vision'"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tensor_has_a_name_in_the_files_and_back(family_dirs, family):
+    """The architecture's description names every tensor of the family's model (layer
+    tensors outside any module, like Gemma 4's layer_scalar, included) in its checkpoint
+    and, where it has GGUF names, in GGUF files; and the checkpoint holds exactly those."""
+    import re
+
+    from safetensors import safe_open
+
+    from ssdlocal.backends.torch.models import args_from_config, build
+    from ssdlocal.weights.formats.archs import architecture
+    from ssdlocal.weights.formats.checkpoint import load_hf_config
+
+    target, _ = family_dirs[family]
+    args = args_from_config(load_hf_config(target))
+    described = architecture(args.arch)
+    with torch.device("meta"):
+        model = build(args)
+    ours = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        stored = {described.from_checkpoint(name, args.tie_word_embeddings) for name in f.keys()}  # noqa: SIM118
+    stacked = {re.sub(r"\.experts\.\d+\.", ".experts.", name) for name in stored - {None}}  # loaders stack experts
+    assert stacked == ours
+    for tensor in ours:
+        assert described.checkpoint.ours(described.to_checkpoint(tensor)) == tensor
+        if described.gguf_architecture:
+            assert described.gguf.ours(described.gguf.theirs(tensor)) == tensor
+
+
+@pytest.mark.parametrize(("family", "changes", "message"), REFUSED)
+def test_an_unimplemented_config_field_is_refused_by_name(family_dirs, tmp_path, family, changes, message):
     import json
+    import re
     import shutil
 
     from ssdlocal.core.errors import UnsupportedArchitectureError
 
-    target, _ = family_dirs["qwen3_moe"]
+    target, _ = family_dirs[family]
     changed = shutil.copytree(target, tmp_path / "changed")
     config = json.loads((changed / "config.json").read_text())
-    (changed / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
-    with pytest.raises(UnsupportedArchitectureError, match="qwen3_moe with hidden_act='gelu'"):
+    (changed / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(UnsupportedArchitectureError, match=re.escape(message)):
         load_model(changed, "cpu", "float32")
 
 
