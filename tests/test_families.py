@@ -98,6 +98,47 @@ def test_the_cuda_mask_form_gives_the_same_logits(family_dirs, family, monkeypat
     torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_chunked_prefill_equals_one_forward(family_dirs, family):
+    """Prompts read in chunks smaller than the window, one layer at a time (masks kept per
+    chunk, per-layer inputs sliced per chunk), a second call continuing rows at other
+    positions: the logits of one masked forward over everything."""
+    target, _ = family_dirs[family]
+    model = load_model(target, "cpu", "float32").model
+    ids = torch.tensor([list(range(40, 70)), list(range(90, 120))])  # [2, 30]
+    pos = torch.arange(30)[None].repeat(2, 1)
+    with torch.inference_mode():
+        model.setup_cache(2, 64, torch.float32, "cpu")
+        want = model(ids, pos, pos, causal_mask(pos, 30))  # [2, 30, V]
+        model.setup_cache(2, 64, torch.float32, "cpu")
+        first = model.prefill(ids[:, :17], pos[:, :17], None, chunk=5, fresh=True)  # [2, 17, V]
+        rest = model.prefill(ids[:, 17:], pos[:, 17:], None, chunk=6, starts=[17, 17])  # [2, 13, V]
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cuda_code_path_takes_the_shapes(family_dirs, family):
+    """On fake CUDA tensors (tests/support/fake_cuda.py) in bf16: a fresh prefill, a verify
+    step past the window and a tree step (masks folded per head grouping) give logits of
+    the right shape and dtype. (The lower-right chunk kernel's bias cannot be faked.)"""
+    from support.fake_cuda import CUDA, fake_cuda, to_fake_cuda
+
+    target, _ = family_dirs[family]
+    model = load_model(target, "cpu", "float32").model
+    bf16 = torch.bfloat16
+    with fake_cuda():
+        model = to_fake_cuda(model, bf16)
+        model.setup_cache(2, 256, bf16, CUDA)
+        ids = torch.zeros(2, 12, dtype=torch.long, device=CUDA)
+        pos = torch.arange(12, device=CUDA).unsqueeze(0).expand(2, 12)
+        fresh = model(ids, pos, pos, None, torch.full((2, 1), 11, device=CUDA))
+        step = model(ids[:, :4], pos[:, :4] + 12, pos[:, :4] + 12, causal_mask(pos[:, :4] + 12, 256))
+        tree = model(ids, pos + 16, pos + 16, torch.ones(2, 12, 256, dtype=torch.bool, device=CUDA))
+    V = model.args.vocab_size
+    assert [tuple(t.shape) for t in (fresh, step, tree)] == [(2, 1, V), (2, 4, V), (2, 12, V)]
+    assert {t.dtype for t in (fresh, step, tree)} == {torch.float32}
+
+
 def _engine(target, draft=None, **changes) -> Engine:
     spec = SpecConfig(mode=Mode.AR, k=3, draft=draft_of(None if draft is None else str(draft)))
     return Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), spec=spec, pin_cpus=False, **changes))
