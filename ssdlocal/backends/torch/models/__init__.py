@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, causal_mask
+from ssdlocal.backends.torch.models.gemma3 import Gemma3, Gemma3Args
+from ssdlocal.backends.torch.models.gemma4 import Gemma4, Gemma4Args
 from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs
 from ssdlocal.backends.torch.models.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
 from ssdlocal.weights.formats.archs import architecture, for_hf_config
@@ -27,6 +29,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "llama": Family(LlamaArgs, Llama),
     "qwen3_moe": Family(Qwen3MoeArgs, Qwen3Moe),
+    "gemma3": Family(Gemma3Args, Gemma3),
+    "gemma4": Family(Gemma4Args, Gemma4),
 }
 
 
