@@ -26,12 +26,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
@@ -43,6 +38,7 @@ from ssdlocal.server.infill import InfillAnswer, check_fim_chars, fim_ids, parse
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.protocol import (
+    RETRY_AFTER_S,
     APIError,
     ParsedRequest,
     bad,
@@ -143,7 +139,9 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
 
     async def health(request: Request) -> Response:
         if not state.scheduler.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse(
+                {"status": "engine stopped"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+            )
         return JSONResponse({"status": "ok"})
 
     routes = [
