@@ -76,7 +76,8 @@ class ServerState:
         self._tokenizer_lock = threading.Lock()
         self.closing = asyncio.Event()  # set when the server starts stopping (begin_shutdown)
         eos = getattr(self.scheduler.engine, "eos_ids", None) or ()
-        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
+        decoder = getattr(self.scheduler.engine, "tokenizer", None)  # the engine thread's, where masks are made
+        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos, decoder=decoder)
         self.grammars.warm_up()
         self.fim = fim_tokens(self.tokenizer)  # the model's fill-in-the-middle tokens, or None
 

@@ -4,7 +4,8 @@ served model.
 One `RequestGrammars` per server holds one grammar.compiler.GrammarCompiler (llguidance's
 view of the vocabulary is built once, in the background from start-up; compiled grammars
 are cached and bounded) and the tool-call format of the model's chat template. `for_request`
-returns the Grammar that enforces what a request asks for, or None, and turns every refusal
+returns the Grammar that enforces what a request asks for (a list of several forced calls
+wrapped in calllist.CallList, which ends it at a repeated call), or None, and turns every refusal
 into OpenAI's error body naming the field: an invalid schema, features the grammar engine
 cannot enforce (named), a schema over the size bound, a grammar over the compile time limit.
 """
@@ -18,9 +19,10 @@ from ssdlocal.core.errors import UsageError
 from ssdlocal.grammar.compiler import GrammarCompiler, GrammarError, GrammarLimits
 from ssdlocal.grammar.kinds import GrammarSpec
 from ssdlocal.grammar.pool import CompilePool
+from ssdlocal.server.calllist import CallList
 from ssdlocal.server.protocol import APIError, ParsedRequest, bad
 from ssdlocal.server.structured import FieldError
-from ssdlocal.server.tools import ToolFormat, compile_forced, detect_format, require_format
+from ssdlocal.server.tools import ToolFormat, compile_forced, detect_format, require_format, several_calls
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +38,16 @@ class RequestGrammars:
     """Grammars for the requests of one server (thread-safe)."""
 
     def __init__(
-        self, tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None, isolate: bool = True
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_ids,
+        limits: GrammarLimits | None = None,
+        isolate: bool = True,
+        decoder=None,  # the engine thread's tokenizer (CallList decodes answers there); default `tokenizer`
     ) -> None:
         limits = limits or GrammarLimits()
+        self.decoder = decoder if decoder is not None else tokenizer
         self.pool = (
             CompilePool(tokenizer, vocab_size, eos_ids, workers=limits.compile_workers, queue=limits.compile_queue)
             if isolate
@@ -79,7 +88,10 @@ class RequestGrammars:
             return None
         try:
             if fmt is not None and (req.tool_choice.forced or answer is not None):
-                return compile_forced(fmt, req.tools, req.tool_choice, self.compiler, answer)
+                grammar = compile_forced(fmt, req.tools, req.tool_choice, self.compiler, answer)
+                if not several_calls(fmt, req.tool_choice):
+                    return grammar
+                return CallList(grammar, fmt, req.tools, self.decoder, self.compiler.eos_ids)
             return self.compiler.compile(GrammarSpec(answer.kind, answer.schema))
         except FieldError as exc:
             raise bad(exc.message, param=exc.param, code="invalid_schema") from None
