@@ -55,21 +55,31 @@ class RequestGrammars:
         )
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, limits, self.pool)
         self.tool_format: ToolFormat | None = detect_format(getattr(tokenizer, "chat_template", None))
+        self.ready = threading.Event()  # set once warm_up has finished
 
     def warm_up(self) -> None:
-        """Build the vocabulary view in a background thread (skipped without llguidance)."""
+        """Build the vocabulary view, and start the compile children, in a background
+        thread (skipped without llguidance); `wait_ready` waits for both."""
 
         def work() -> None:
             try:
                 self.compiler.prepare()
                 if self.pool is not None:
                     self.pool.start()
+                    self.pool.wait_started()
             except UsageError as exc:  # llguidance missing, or a model it cannot serve
                 log.debug("structured output is unavailable: %s", exc.message)
             except Exception:  # noqa: BLE001 - the first request will report it
                 log.warning("the grammar engine could not be prepared", exc_info=True)
+            finally:
+                self.ready.set()
 
         threading.Thread(target=work, name="ssdlocal-grammar-prepare", daemon=True).start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait for `warm_up` (a few CPU-seconds for a 150k-token vocabulary, which slow a
+        prompt read on a small CPU when they overlap it): `serve` answers only after it."""
+        return self.ready.wait(timeout_s)
 
     def tools_format(self, req: ParsedRequest) -> ToolFormat | None:
         """The format the request's tools are offered in (None: no tools offered)."""
