@@ -55,7 +55,7 @@ _STATE: dict[str, bool] = {"verbose": False}
 
 def _register() -> None:
     """Attach every command (each module imports only what its command needs)."""
-    from ssdlocal.cli import bench, cache, check, generate, models, serve, tui
+    from ssdlocal.cli import bench, cache, check, export, generate, models, serve, tui
 
     for command in (
         generate.generate,
@@ -67,6 +67,7 @@ def _register() -> None:
         models.pull,
         models.devices,
         check.check,
+        export.export,
     ):
         app.command(cls=PlainCommand)(command)
     app.add_typer(cache.cache_app, name="cache")

@@ -319,8 +319,9 @@ def write_random_gguf(
     return path, params
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
-    """A random 2-layer Qwen2 as an F32 GGUF; returns the HF model it was made from."""
+def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, context: int = 128):
+    """A random 2-layer Qwen2 as an F32 GGUF (`context` positions); returns the HF model it
+    was made from."""
     import gguf
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -333,7 +334,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=context,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -342,7 +343,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
     model = Qwen2ForCausalLM(cfg).eval()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    w.add_context_length(128)
+    w.add_context_length(context)
     w.add_embedding_length(32)
     w.add_block_count(2)
     w.add_feed_forward_length(64)
