@@ -92,7 +92,7 @@ def family_of(repo: str, model_type: str | None, registry: list[Pair]) -> str | 
         if repo in (*_repos(pair, False), *_repos(pair, True)):
             return pair.family or None
     if model_type:
-        from ssdlocal.weights.formats.arch import find
+        from ssdlocal.weights.formats.archs import find
 
         described = find(None, model_type)
         if described is not None:
