@@ -52,11 +52,13 @@ class HeadDrafter(DrafterBase):
         self.states: torch.Tensor | None = None  # [B, D]: each row's newest verified state
 
     def start(self, rows, hidden=None) -> None:
-        assert hidden is not None and hidden.shape[:2] == (len(rows), 1)
+        assert hidden is not None and hidden.states.shape[0] == len(rows)  # PromptHidden: every read position
         self.rows = rows
-        self.states = hidden[:, 0].float().clone()  # [B, D]: at the prompt's last token
-        for row, state in zip(rows, self.states):
-            self.seen.append((list(row.prompt), state.clone()))
+        last = torch.tensor([n - 1 for n in hidden.fed])
+        self.states = hidden.states[torch.arange(len(rows)), last].float().clone()  # [B, D]: the prompts' ends
+        for b, row in enumerate(rows):
+            for j in range(hidden.fed[b]):  # column j: position start[b] + j
+                self.seen.append((row.tokens[: hidden.start[b] + j + 1], hidden.states[b, j].float().clone()))
 
     def propose(self, active) -> Proposal:
         guess = (self.states @ self.project).argmax(-1).tolist()  # [B]

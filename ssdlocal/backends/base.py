@@ -75,9 +75,25 @@ class Backend(Protocol):
         (core/measured.machine has torch's version), or None: timings kept for one build
         are not trusted for another."""
 
+    def load_head(self, kind: str, path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+        """The runner of the draft head of `kind` (weights.formats.archs.HEADS) in directory
+        `path`, on `device` beside a target that shares `shared` (Runner.head_inputs); a
+        backend that runs no heads raises UsageError with a hint."""
+
     def context_length(self, path: str) -> int | None:
         """The model's context (positions) read without loading it, where the backend takes
         it as stored; None where it cannot say (torch may extend it by rope scaling)."""
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What a target model shares with a draft head that reads its hidden states: the token
+    embedding module (the head embeds its drafts with it), the layers and the hidden width."""
+
+    embeddings: Any
+    layers: int
+    hidden_size: int
+    dtype: torch.dtype
 
 
 HiddenLayers = tuple[int, ...]
@@ -182,10 +198,14 @@ class Runner(Protocol):
         """From now on every `feed` and `step` also keeps these hidden states (None: none),
         which `hidden()` returns. UsageError (with a hint) from a runner that cannot."""
 
+    def head_inputs(self) -> HeadInputs:
+        """What a draft head shares with this model (its token embeddings, layer count and
+        width); UsageError (with a hint) from a runner that cannot share them."""
+
     def hidden(self) -> torch.Tensor:
-        """The hidden states `keep_hidden` asked for, of the last feed or step: a feed's at the
-        positions its logits were asked for ([B, n, len(layers) * D]), a step's at every
-        column ([B, T, len(layers) * D]); valid until the next feed or step."""
+        """The hidden states `keep_hidden` asked for, of the last feed or step, at every column
+        it fed ([B, T, len(layers) * D]: row b's first len(rows[b]) columns of a feed are its
+        tokens'); valid until the next feed or step."""
 
     def prefix_report(self) -> dict | None:
         """The prefix store's sizes and counts (backends.prefix.PrefixIndex.report, with
@@ -277,6 +297,13 @@ class HeldRows:
                 f"the {type(self).__name__} cannot give a drafter the target's hidden states",
                 "run the target on the torch backend (--target-backend torch), or use a draft model",
             )
+
+    def head_inputs(self) -> HeadInputs:
+        """Runner.head_inputs: by default a runner shares nothing (UsageError)."""
+        raise UsageError(
+            f"the {type(self).__name__} cannot share its embeddings with a draft head",
+            "run the target on the torch backend (--target-backend torch), or use a draft model",
+        )
 
     def hidden(self) -> torch.Tensor:
         """Runner.hidden: none kept (keep_hidden refuses them)."""

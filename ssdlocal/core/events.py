@@ -143,6 +143,16 @@ class ModeEvent:
 
 
 @dataclass(frozen=True)
+class DraftLostEvent:
+    """The call's drafter failed (its worker died or hung, its model ran out of memory):
+    from round `round_index` on the rows take plain steps, which give exactly the tokens
+    they would have got; a later call starts a new drafter."""
+
+    round_index: int
+    reason: str  # what failed, for people
+
+
+@dataclass(frozen=True)
 class SeatedEvent:
     """Serving (Engine.serve): a batch of rows starts, before its new rows' prompts are
     read. Row b serves request `requests[b]` (core.sequence.Request.id) until the next
@@ -178,4 +188,6 @@ class DoneEvent:
     stats: Metrics  # the call's (core.metrics)
 
 
-Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent | SeatedEvent | SeatingDoneEvent
+Event = (
+    PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DraftLostEvent | DoneEvent | SeatedEvent | SeatingDoneEvent
+)

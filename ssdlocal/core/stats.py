@@ -12,7 +12,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ssdlocal.core.events import DoneEvent, GrammarRound, PrefillEvent, RoundEvent, SsdRound, TokensEvent
+from ssdlocal.core.events import (
+    DoneEvent,
+    DraftLostEvent,
+    GrammarRound,
+    PrefillEvent,
+    RoundEvent,
+    SsdRound,
+    TokensEvent,
+)
 from ssdlocal.core.metrics import (
     AdaptiveCounts,
     Counts,
@@ -54,6 +62,7 @@ class RunStats:
     def __post_init__(self) -> None:
         self.counts = Counts(k=self.k)
         self._started_rows: set[int] = set()
+        self.draft_lost: str | None = None  # why the call's drafter failed, if it did
 
     def _mine(self, row: int) -> bool:
         return self.rows is None or row in self.rows
@@ -66,6 +75,9 @@ class RunStats:
             self._tokens(event)
         elif isinstance(event, RoundEvent):
             self._round(event)
+        elif isinstance(event, DraftLostEvent):
+            self.counts.draft_losses += 1
+            self.draft_lost = event.reason
 
     def _prefill(self, event: PrefillEvent) -> None:
         c = self.counts
@@ -163,6 +175,7 @@ class RunStats:
             self.counts,
             mode=self.mode,
             mode_reason=self.mode_reason,
+            draft_lost=self.draft_lost,
             ttft_s=self.ttft_s,
             graphs=sources.graphs() if sources is not None else None,
             prefix_cache=sources.prefix() if sources is not None else None,

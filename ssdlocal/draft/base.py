@@ -73,6 +73,18 @@ class Proposal:
         return cls(both[:, 1:], both[:, 0], tokens=[list(t) for t in tokens], **fields)
 
 
+@dataclass(frozen=True)
+class PromptHidden:
+    """The target's hidden states (Drafter.hidden) over what it read of each row's tokens
+    when the batch was seated: `states` [B, T, len(layers) * D]; row b's first `fed[b]`
+    columns are its positions start[b], start[b] + 1, ... (the rest is padding). A row's
+    earlier positions came from the prefix cache, or an earlier seating."""
+
+    states: torch.Tensor
+    start: tuple[int, ...]
+    fed: tuple[int, ...]
+
+
 class RowView(Protocol):
     """A row as drafters see it (core.sequence.Row): read, never written."""
 
@@ -127,12 +139,11 @@ class Drafter(Protocol):
         """The call's prompts, before the target reads them: a drafter on hardware of its
         own may start reading them now (the first token never waits for the draft)."""
 
-    def start(self, rows: Sequence[RowView], hidden: torch.Tensor | None = None) -> None:
+    def start(self, rows: Sequence[RowView], hidden: PromptHidden | None = None) -> None:
         """A new batch: `rows` are the engine's rows (prompt + first token so far); the
         drafter may read them whenever it proposes, and must not change them. `hidden`
-        (when the drafter asked): the target's hidden states at each row's last prompt
-        position [B, 1, len(layers) * D] (a row carried from an earlier batch: at its
-        newest cached token)."""
+        (when the drafter asked): the target's hidden states at every position it read for
+        the rows now (PromptHidden)."""
 
     def propose(self, active: Sequence[bool]) -> Proposal:
         """Draft up to K tokens for every active row, continuing its tokens."""
@@ -211,6 +222,7 @@ class DraftResources:
     hidden_size: int = 0  # the target's hidden width D (what a drafter reading hidden states receives per layer)
     audit: Audit | None = None  # the engine's, counting host waits per model
     target_device_name: str = "cpu"  # rank 0 of the target, as configured ("cpu", "cuda:N")
+    target: Runner | None = None  # the target's runner (a draft head shares its embeddings: head_inputs)
     draft_runner: Callable[[], Runner] = _none_here  # the draft model in this process (loaded on demand)
     # the SSD draft worker, a draft.ssd.client.DraftWorkerClient (started on demand); Any because
     # naming the class here would make draft.base and draft.ssd.client import each other

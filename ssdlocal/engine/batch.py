@@ -50,14 +50,14 @@ from ssdlocal.core.events import (
 )
 from ssdlocal.core.sequence import FinishReason, Request, Row
 from ssdlocal.core.stats import RunStats
-from ssdlocal.draft.base import Drafter
+from ssdlocal.draft.base import Drafter, PromptHidden
 from ssdlocal.engine.ahead import ReadAhead
 from ssdlocal.engine.auto import rechecked
 from ssdlocal.engine.parts import EngineParts
 from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.reports import SeatingReports
 from ssdlocal.engine.request import Inbox
-from ssdlocal.engine.round import Round, token_events
+from ssdlocal.engine.round import DRAFT_FAILURES, Round, token_events
 from ssdlocal.engine.seating import Seating, seat
 
 
@@ -199,8 +199,13 @@ class Loop:
         parts, rows, drafter = self.parts, seating.rows, seating.drafter
         completed = False
         try:
+            lost = None  # a drafter that fails before the first round is lost (core.events.DraftLostEvent)
             if drafter is not None:  # a draft on hardware of its own starts reading now
-                drafter.read_prompts([r.prompt if f else r.tokens[:-1] for r, f in zip(rows, seating.fresh)])
+                lost = _attempt(
+                    lambda: drafter.read_prompts(
+                        [r.prompt if f else r.tokens[:-1] for r, f in zip(rows, seating.fresh)]
+                    )
+                )
             try:
                 first, prefill = read_prompts(seating, self.token, self.progress)
             except PrefillStopped:
@@ -211,11 +216,13 @@ class Loop:
             yield self._uncounted(prefill, rows)
             firsts = [[r.generated[-1]] if f else [] for r, f in zip(rows, seating.fresh)]
             yield from token_events(rows, firsts, [[TokenOrigin.TARGET]] * len(rows), seating.shaper.first_logprobs)
-            if drafter is not None:
-                drafter.start(rows, parts.target.hidden() if drafter.hidden is not None else None)
-            rounds = rechecked(
-                Round(seating, first), parts.modes.choice, seating.spec, seating.sampling.params, self.reason
-            )  # SD watches itself
+            if drafter is not None and lost is None:
+                hidden = PromptHidden(parts.target.hidden(), *seating.read) if drafter.hidden else None
+                lost = _attempt(lambda: drafter.start(rows, hidden))
+            rounds = Round(seating, first)
+            if lost is not None:
+                yield rounds.lose_drafter(self.round_index, lost)
+            rounds = rechecked(rounds, parts.modes.choice, seating.spec, seating.sampling.params, self.reason)
             ran = False  # a seating runs at least one round: arrivals cannot starve the rows
             while any(r.active for r in rows) and not self.token.cancelled:
                 parts.cancels.apply(rows)
@@ -243,6 +250,15 @@ class Loop:
                 drafter.close()
             # prompt + answer of rows that leave: what later suffix proposals may reuse
             parts.suffix.remember(r for r in rows if self.inbox is None or not r.active)
+
+
+def _attempt(call: Callable[[], None]) -> BaseException | None:
+    """call(); a drafter's failure is returned (the rows go on without it), anything else raised."""
+    try:
+        call()
+    except DRAFT_FAILURES as exc:
+        return exc
+    return None
 
 
 def _requests(rows: Sequence[Row]) -> list[Request]:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # imported where used: the worker's client only when SSD runs
     from ssdlocal.placement.cpus import CpuPlan
 
 log = logging.getLogger(__name__)
+MAX_WORKER_FAILURES = 3  # SSD workers that may fail in an engine's life before SSD gives way to SD
 
 
 class DraftSide:
@@ -45,6 +46,7 @@ class DraftSide:
         self.worker: DraftWorkerClient | None = None  # the SSD worker, once started
         self.cpu_plan: CpuPlan | None = None  # the cores' split while target and SSD draft share the CPU
         self.context: int | None = None  # the draft model's context: loaded, or as its file states
+        self.worker_failures = 0  # SSD workers that failed (died, hung, broke the protocol)
         self._pair_checked = False
 
     # ------------------------------------------------------------------ at start
@@ -144,9 +146,28 @@ class DraftSide:
         worker.wait_loaded()
         self.context = worker.max_positions
 
+    @property
+    def ssd_given_up(self) -> bool:
+        """Whether SSD workers failed MAX_WORKER_FAILURES times: SSD calls then run SD
+        (engine.parts.Modes resolves them so and says why)."""
+        return self._failures >= MAX_WORKER_FAILURES
+
+    @property
+    def _failures(self) -> int:
+        return self.worker_failures + (self.worker is not None and self.worker.broken)
+
+    @property
+    def gave_up(self) -> str:
+        """Why SSD calls run SD now (ssd_given_up), for people."""
+        return (
+            f"SSD's draft worker failed {self._failures} times: the draft model runs in this process (SD) "
+            "from now on (the answers are the same; a new engine tries SSD again)"
+        )
+
     def ready_worker(self) -> DraftWorkerClient:
         """The SSD draft worker, replaced when it failed on an earlier call."""
         if self.worker is not None and self.worker.broken:
+            self.worker_failures += 1
             self._stop_worker()
         worker = self.worker
         if worker is None:

@@ -72,7 +72,7 @@ class Engine:
             self.acceptance_rates: dict[str, float] = {}  # by proposal source, learned across calls
             # (a CPU: timings kept per machine and models)
             choice = calibrated(choice, self.runner, self.drafts.runner_here, spec, self.costs, config)
-            self.modes = Modes(spec, self.drafts.decide(choice, self.costs, spec.k))
+            self.modes = Modes(spec, self.drafts.decide(choice, self.costs, spec.k), self.drafts)
             memory, memory_file = open_memory(spec.memory, config.target.path, self.target.args.vocab_size)
             self.suffix = SuffixStore(memory, memory_file)
             self.limits = ContextLimits(

@@ -10,6 +10,7 @@ vocabulary facts. The Engine builds it once, after everything has loaded.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from ssdlocal.speculation.suffix import SuffixMemory
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Guard:
@@ -91,16 +93,24 @@ class SuffixStore:
 
 
 class Modes:
-    """How a call's settings run: `auto` resolved to the engine's choice, and why."""
+    """How a call's settings run: `auto` resolved to the engine's choice, SSD to SD once the
+    draft side gave up on its worker (`drafts.ssd_given_up`), and why."""
 
-    def __init__(self, configured: SpecConfig, choice: ModeChoice) -> None:
-        self.configured, self.choice = configured, choice
+    def __init__(self, configured: SpecConfig, choice: ModeChoice, drafts: DraftSide) -> None:
+        self.configured, self.choice, self.drafts = configured, choice, drafts
+        self._said = False
 
     def resolved(self, spec: SpecConfig) -> SpecConfig:
         """`spec` as a call runs it: auto resolved to the engine's mode; SSD's K, which its
-        trees are built for, at most SpecConfig's default when K was left to the engine."""
+        trees are built for, at most SpecConfig's default when K was left to the engine; SSD
+        as SD once its workers kept failing."""
         if spec.mode is Mode.AUTO:
             spec = replace(spec, mode=self.choice.mode)
+        if spec.mode is Mode.SSD and self.drafts.ssd_given_up:
+            if not self._said:
+                log.warning("%s", self.drafts.gave_up)
+                self._said = True
+            return replace(spec, mode=Mode.SD)
         if spec.mode is Mode.SSD and spec.adaptive_k and spec.k > SpecConfig.k:
             spec = replace(spec, k=SpecConfig.k, fan_out=None, fan_out_miss=None)
         return spec
@@ -108,6 +118,8 @@ class Modes:
     def reason(self, spec: SpecConfig) -> str:
         """Why a call with `spec` runs the mode it runs: the engine's choice (auto, or its
         configured mode), or the mode this call asked for."""
+        if self.drafts.ssd_given_up and Mode.SSD in (spec.mode, self.choice.mode):
+            return self.drafts.gave_up
         if spec.mode is Mode.AUTO or spec is self.configured:
             return self.choice.reason
         return f"--mode {spec.mode.value} was asked for"

@@ -57,6 +57,7 @@ def read_prompts(
             progress(PrefillProgress(reused[longest] + done, len(reads[longest])))
 
     logits = seating.guard(runner.feed, pending, Logits.LAST, report)
+    seating.read = (tuple(runner.cached(b) - len(p) for b, p in enumerate(pending)), tuple(map(len, pending)))
     last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
     first, host = shaper.first_token(last, seating.sampling, fresh)  # [B] (grammar-masked, logprobs kept), read once
     for row, token_id, new in zip(rows, host, fresh):

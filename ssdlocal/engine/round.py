@@ -14,16 +14,22 @@ uploads. `commit` is the only step that changes rows and cache lengths.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
-from ssdlocal.core.events import Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
+from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, SSDLocalError
+from ssdlocal.core.events import DraftLostEvent, Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.verify import Verdict
 from ssdlocal.draft.base import Proposal, RoundOutcome
 from ssdlocal.engine.seating import Seating
+
+log = logging.getLogger(__name__)
+# what a drafter may fail with that costs the call its speed, never its answer
+DRAFT_FAILURES = (DraftWorkerError, OutOfMemoryError, torch.OutOfMemoryError)
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class Round:
         self.runner = seating.target  # in step mode
         self.drafter = seating.drafter  # None for AR
         self.rows = seating.rows
-        self.k = seating.k  # drafts per round (0 for AR)
+        self.k = seating.k if self.drafter is not None else 0  # drafts per round (0 for AR)
         self.sampling = seating.sampling
         self.shaper = seating.shaper
         self.last = first  # [B] long on the target's device
@@ -61,6 +67,7 @@ class Round:
         none = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
         self.no_drafts = Proposal(none[:, None][:, :0], none)  # AR: [B, 0] drafts
         self.hidden = self.drafter is not None and self.drafter.hidden is not None  # it reads hidden states
+        self.failed: BaseException | None = None  # the drafter failed in this round's commit
 
     def plain(self) -> Round:
         """These rounds from the next one on with no drafter: plain steps over the same rows,
@@ -73,7 +80,11 @@ class Round:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
         active = [r.active for r in self.rows]
         t0 = time.perf_counter()
-        proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
+        try:
+            proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
+        except DRAFT_FAILURES as exc:  # the rows go on with plain steps: the same tokens
+            yield self.lose_drafter(index, exc)
+            proposal = self.shaper.prepare(self.no_drafts)
         t1 = time.perf_counter()
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
         logits = self.seating.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
@@ -85,6 +96,18 @@ class Round:
         emitted, origins = self.commit(proposal, verdict, outcome, active, t1 - t0, t2 - t1)
         yield from token_events(self.rows, emitted, origins, logprobs)
         yield self.round_event(index, proposal, outcome, emitted, active, t1 - t0, t2 - t1)
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            yield self.lose_drafter(index, failed)
+
+    def lose_drafter(self, index: int, exc: BaseException) -> DraftLostEvent:
+        """The drafter failed: from now on plain steps (the target has verified every token
+        the rows hold, so they go on exactly as AR would), and the event saying why."""
+        reason = exc.message if isinstance(exc, SSDLocalError) else f"{type(exc).__name__}: {exc}"
+        log.warning("the drafter failed (%s): the rows go on with plain steps", reason)
+        self.seating.drafter = None  # nothing keeps its prefixes; the loop still closes it
+        self.drafter, self.k, self.hidden = None, 0, False
+        return DraftLostEvent(index, reason)
 
     # ------------------------------------------------------------------ steps
     def propose(self, active: list[bool]) -> Proposal:
@@ -148,7 +171,7 @@ class Round:
         if still != active:  # a row finished: its cache length stays where it is
             self.live = self.site.upload(still, self.device, torch.bool)
         if self.drafter is not None:
-            self.drafter.observe(
+            self._observe(
                 RoundOutcome(
                     tuple(map(tuple, emitted)),
                     tuple(outcome.n_accepted),
@@ -161,6 +184,15 @@ class Round:
                 )
             )
         return emitted, origins
+
+    def _observe(self, outcome: RoundOutcome) -> None:
+        """Tell the drafter; one that fails here is lost once the round has reported (its
+        tokens stand: the target verified them)."""
+        assert self.drafter is not None
+        try:
+            self.drafter.observe(outcome)
+        except DRAFT_FAILURES as exc:
+            self.failed = exc
 
     def round_event(self, index, proposal, outcome, emitted, active, draft_s, verify_s) -> RoundEvent:
         """What this round did per active row and what it cost (core.stats counts it)."""

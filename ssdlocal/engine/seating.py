@@ -40,6 +40,7 @@ class Seating:
     shaper: Shaper
     drafter: Drafter | None
     audit: Audit
+    read: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # (first position, tokens) each row fed when seated
 
     @property
     def requests(self) -> list[Request]:
@@ -70,6 +71,7 @@ def seat(
         guides=shaper.guides,
         row_params=sampling.row_params,
         hidden_size=parts.hidden_size,
+        target=parts.target,
     )
     drafter = parts.drafts.make_drafter(spec, sampling.params, offered)
     parts.target.keep_hidden(drafter.hidden if drafter is not None else None)

@@ -190,7 +190,10 @@ def _convert(
                     writer, gguf_path, info, arch, module, _embedding_scheme(info, scheme), dtype, None, counts
                 )
             else:
-                writer.add(arch.to_checkpoint(name), _float_tensor(gguf_path, info, dtype, rows))
+                tensor = _float_tensor(gguf_path, info, dtype, rows)
+                if arch.gguf_norm_shift and leaf == "weight" and module.endswith("norm"):
+                    tensor = tensor - arch.gguf_norm_shift  # llama.cpp stored Gemma's (1 + weight)
+                writer.add(arch.to_checkpoint(name), tensor)
                 counts["float"] += 1
             if name == "embed_tokens.weight" and tied and head_from_embedding:
                 _add_quantized(writer, gguf_path, info, arch, "lm_head", scheme, dtype, None, counts)

@@ -49,6 +49,7 @@ class HybridRunner(StoredStates, TorchRunner):
         super().__init__(loaded, graphs=graphs)
         self.spanned = 0  # positions steps may have written past a row's floor (see module doc)
         self.begun: list[int] = []  # each row's length at begin_steps
+        self.begun_ends = 0  # LinearStates.ends at begin_steps
         self.stepped = 0  # positions stepped since begin_steps (an upper bound per row)
         self.tree_depth = 0  # tree steps since the last feed
         self.tree_first: Tensor | None = None  # [B, W] the slots of the tree's first step
@@ -139,6 +140,7 @@ class HybridRunner(StoredStates, TorchRunner):
             self.feed([[] for _ in self.held], Logits.NONE)  # read again what the rings lost
         super().begin_steps()
         self.begun = [len(h) for h in self.held]
+        self.begun_ends = self.states.ends  # block-end entries then (stored_states.py)
         self.spanned = self.stepped = 0
 
     @torch.inference_mode()
@@ -147,7 +149,7 @@ class HybridRunner(StoredStates, TorchRunner):
         state of a position a row may still go back to."""
         width = ids.shape[1]
         if self.spanned + width + 1 > self.model.ring:
-            self._grow(self.spanned + width + 1)
+            self._grow_ring(self.spanned + width + 1)
         out = super().step(ids, bound, at)
         self.spanned = width if at is not None else self.spanned + width
         self.stepped += width
@@ -165,7 +167,7 @@ class HybridRunner(StoredStates, TorchRunner):
             self.states.wrote(b, range(begun, begun + self.stepped), begun + len(kept.get(b, ())))
         super().end_steps(kept)
 
-    def _grow(self, need: int) -> None:
+    def _grow_ring(self, need: int) -> None:
         self.model.grow_ring(-(-need // RING_STEP) * RING_STEP)
         self._graphs_invalid()  # they hold the old rings
 

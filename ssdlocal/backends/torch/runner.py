@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import FINAL_HIDDEN, HeldRows, HiddenLayers, Logits
+from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, Logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.torch.stored import StoredPrefixes
 from ssdlocal.backends.prefix import PrefixIndex
@@ -195,17 +195,18 @@ class TorchRunner(StoredPrefixes, HeldRows):
                 progress=report,
                 starts=starts,
                 hidden=self.hidden_layers,
+                hidden_all=True,
             )
         elif not self.plain and t_max > PREFILL_CHUNK:
             out = self._chunked_forward(ids, positions, keep, progress, max(starts))
         else:
             mask = None if self.plain and fresh else causal_mask(positions, max(starts) + t_max)  # [B, T, S]
             if self.plain:
-                out = self.model(ids, positions, positions, mask, keep, self.hidden_layers)  # [B, n, V] float32
+                out = self.model(ids, positions, positions, mask, keep, self.hidden_layers, True)  # [B, n, V] float32
             else:
                 out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
         if self.hidden_layers is not None:
-            out, self._hidden = out  # logits, hidden states [B, n, len * hidden]
+            out, self._hidden = out  # logits, hidden states at every fed column [B, T, len * hidden]
         for b, r in enumerate(rows):
             self.held[b].extend(r)
         if logits is Logits.ALL:
@@ -307,6 +308,16 @@ class TorchRunner(StoredPrefixes, HeldRows):
         self.hidden_layers, self._hidden = layers, None
         self._new_state(self.state.lengths.numel(), self.state.offsets.numel())
         self._graphs_invalid()  # steps now write (or no longer write) the hidden buffer
+
+    def head_inputs(self) -> HeadInputs:
+        """Runner.head_inputs: the model's embeddings, layers and width (one device only)."""
+        if not self.plain:
+            raise UsageError(
+                "a draft head needs a target on one device",
+                "drop the extra --target-device entries, or use a draft model",
+            )
+        args = self.loaded.args
+        return HeadInputs(self.model.embed_tokens, args.num_layers, args.hidden_size, self.loaded.dtype)
 
     def hidden(self) -> Tensor:
         """Runner.hidden: the last feed's or step's hidden states (keep_hidden)."""

@@ -3,9 +3,10 @@ linear-attention state at a block end.
 
 A stored prefix is only worth taking back if the row's linear layers can continue from its
 end, and a state is as large as many tokens' keys and values, so states are not kept per
-block but for a few block ends: at `store`, the state after the stored sequence's last
-whole block (from the block-end entries of the row's states: linear_states.py), in a pool
-of STATE_SLOTS (least recently used goes first). `reuse` takes the longest stored prefix
+block but for a few block ends: at `store`, the states after the stored sequence's whole
+blocks that the row's block-end entries still hold (linear_states.py: its last block end,
+and the newest before it that no later write replaced), in a pool of STATE_SLOTS (least
+recently used goes first). `reuse` takes the longest stored prefix
 that ends at a block whose state is kept (not mid-block, not past the last state), loads
 its KV blocks as every runner does and puts the state in the row's ring: the row then
 continues exactly as a cold read of the same tokens would. A pool slot remembers which
@@ -116,23 +117,30 @@ class StoredStates:
 
     @torch.inference_mode()
     def store(self, row: int, tokens: Sequence[int]) -> None:
-        """StoredPrefixes.store, and the state after the last whole block of `tokens` when
-        the row's states are known to hold it."""
+        """StoredPrefixes.store, and the state after each whole block of `tokens` that the
+        row's block entries are known to hold (the last one, and the newest before it that
+        no later write replaced: e.g. a prompt's last block end when the answer is short)."""
         if self.prefix is None or self.states_pool is None:
             return
         super().store(row, tokens)  # type: ignore[misc]
-        n = len(tokens) // BLOCK_TOKENS * BLOCK_TOKENS
-        if not n or not self._holds_block(row, n - 1):
-            return
-        numbers = self.prefix.match(tokens[:n], count=False)
-        if len(numbers) * BLOCK_TOKENS == n:  # the last block is stored (not when the pool was full)
-            self.states_pool.put(numbers[-1], self.prefix.key(numbers[-1]), *self.states.block_state(row, n - 1))
+        numbers = self.prefix.match(tokens[: len(tokens) // BLOCK_TOKENS * BLOCK_TOKENS], count=False)
+        for m, number in enumerate(numbers):  # the blocks stored (not all when the pool was full)
+            end = (m + 1) * BLOCK_TOKENS - 1
+            if self._holds_block(row, end, last=end + BLOCK_TOKENS > len(tokens)):
+                self.states_pool.put(number, self.prefix.key(number), *self.states.block_state(row, end))
 
-    def _holds_block(self, row: int, end: int) -> bool:
+    def _holds_block(self, row: int, end: int, last: bool) -> bool:
         """Whether row `row`'s block entries hold its state after block end `end` (a
-        position it holds): known from feeds and `end_steps`, and during steps for every
-        block end the steps wrote (positions from `begin_steps` on: each step writes the
-        block ends it feeds, and the entries keep the newest ones past any row's length)."""
-        if self.states.knows_block(row, end):
+        position it holds; `last`: its last whole block). Known from feeds and `end_steps`
+        (LinearStates.block_host). During steps the host map is behind: steps wrote every
+        block end from `begin_steps` on, rejected ones too, and a step's write at end E'
+        replaces entry E'/16 mod Cb. The last block end is held (the entries keep the
+        newest ones past any row's length); an earlier one known to the host still is
+        unless a step may have written a block end Cb blocks or more past it (Cb as at
+        `begin_steps`: entries only grow)."""
+        if self.counts is None or row >= len(self.begun):
+            return self.states.knows_block(row, end)
+        if last and end >= self.begun[row]:
             return True
-        return self.counts is not None and row < len(self.begun) and end >= self.begun[row]
+        written = self.begun[row] + self.stepped - 1  # the furthest position a step may have written
+        return self.states.knows_block(row, end) and written < end + BLOCK_TOKENS * self.begun_ends

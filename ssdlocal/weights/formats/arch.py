@@ -68,6 +68,8 @@ class TensorNames:
     outside: our module -> the file's, for the modules outside the layers (all of them).
     block: our module -> the file's, inside a layer (one missing here keeps our name).
     ignored: endings of tensor names that files may hold and nothing loads.
+    tensors: tensors that sit in a layer itself, in no module (Gemma 4's "layer_scalar"):
+    the same name after the layer's prefix in ours and the file's.
     """
 
     layer: str
@@ -75,6 +77,7 @@ class TensorNames:
     block: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
     modules: tuple[str, ...] = BLOCK_MODULES  # our modules inside a layer that these files name
+    tensors: tuple[str, ...] = ()
 
     def module(self, ours: str) -> str:
         """The file's name for our module `ours` ("layers.3.mlp.up_proj", "lm_head")."""
@@ -90,6 +93,9 @@ class TensorNames:
 
     def theirs(self, ours: str) -> str:
         """The file's name for our tensor `ours` ("layers.3.mlp.up_proj.weight")."""
+        inside = _OUR_LAYER.fullmatch(ours)
+        if inside is not None and inside.group(2) in self.tensors:
+            return self.layer.format(i=inside.group(1)) + inside.group(2)
         module, _, leaf = ours.rpartition(".")
         return f"{self.module(module)}.{leaf}"
 
@@ -98,6 +104,9 @@ class TensorNames:
         a name that has no place in our model."""
         if theirs.endswith(self.ignored):
             return None
+        whole = self._layer.fullmatch(theirs)
+        if whole is not None and whole.group(2) in self.tensors:
+            return f"layers.{whole.group(1)}.{whole.group(2)}"
         module, _, leaf = theirs.rpartition(".")
         if module in self._outside_of:
             return f"{self._outside_of[module]}.{leaf}"
@@ -187,6 +196,8 @@ class Architecture:
     qkv_bias / o_bias: whether q/k/v and o_proj have biases; None: as config.json's
     `attention_bias` says. qk_norm: per-head RMSNorm on q and k before RoPE.
     gguf_qk_interleaved: llama.cpp stores each head's q/k rows as (pairs, 2), not (2, half).
+    gguf_norm_shift: what llama.cpp added to every norm weight (Gemma's 1 of (1 + weight));
+    our models take it off again.
     linears: our module inside a layer (or outside, "lm_head") -> its Linear (expert modules
     written with "{e}", or stacked).
     pair_family: the `family` of its pairs in models/pairs (None: the model_type).
@@ -207,6 +218,7 @@ class Architecture:
     o_bias: bool | None = None
     qk_norm: bool = False
     gguf_qk_interleaved: bool = False
+    gguf_norm_shift: float = 0.0
     linears: Mapping[str, Linear] = field(default_factory=lambda: dict(LLAMA_LINEARS))
     pair_family: str | None = None
     experts: frozenset[str] = frozenset()

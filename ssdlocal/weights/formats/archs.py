@@ -125,6 +125,66 @@ QWEN3_5_MOE = Architecture(
     family="qwen3_5_moe",
 )
 
+# Gemma 3: four norms per layer (llama.cpp: attn_norm, post_attention_norm, ffn_norm,
+# post_ffw_norm) and q/k norms; tied embeddings. llama.cpp stores Gemma's norm weights
+# with the 1 of (1 + weight) added (gguf_norm_shift).
+_GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+_GEMMA3_MODULES = (*BLOCK_MODULES, *_GEMMA_NORMS)
+GEMMA3 = Architecture(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    "gemma3_text",
+    gguf_architecture="gemma3",
+    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_GEMMA3_MODULES),
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        GGUF_NAMES.outside,
+        {
+            **GGUF_NAMES.block,
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        },
+        GGUF_NAMES.ignored,
+        modules=_GEMMA3_MODULES,
+    ),
+    qk_norm=True,
+    gguf_norm_shift=1.0,
+    pair_family="gemma3",
+    family="gemma3",
+)
+
+# Gemma 4: Gemma 3's layer plus the per-layer input branch (gate, projection, norm) and a
+# per-layer output scale; the per-layer embedding table and its projection sit outside the
+# layers. Layers that share another's KV hold no k/v projections (the model builds none).
+_GEMMA4_MODULES = (
+    *_GEMMA3_MODULES,
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "post_per_layer_input_norm",
+)
+_PER_LAYER_EMBEDDINGS = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+GEMMA4 = Architecture(
+    "gemma4",
+    ("Gemma4ForCausalLM",),
+    "gemma4_text",
+    checkpoint=TensorNames(
+        HF_NAMES.layer,
+        {**HF_NAMES.outside, **{m: f"model.{m}" for m in _PER_LAYER_EMBEDDINGS}},
+        ignored=HF_NAMES.ignored,
+        modules=_GEMMA4_MODULES,
+        tensors=("layer_scalar",),
+    ),
+    qk_norm=True,
+    linears={
+        **LLAMA_LINEARS,
+        "per_layer_input_gate": Linear("replicated"),  # narrow (hidden -> per-layer width): every rank whole
+        "per_layer_projection": Linear("replicated"),
+    },
+    pair_family="gemma4",
+    family="gemma4",
+)
+
 _TABLE: dict[str, Architecture] = {}
 
 
@@ -145,7 +205,7 @@ def unregister(name: str) -> None:
     _TABLE.pop(name, None)
 
 
-for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE):
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA3, GEMMA4):
     register(_arch)
 
 
@@ -198,3 +258,21 @@ def unsupported(what: str) -> UnsupportedArchitectureError:
         hint=f"ssdlocal's torch backend supports {names}; "
         "GGUF files of other architectures may work with the llama.cpp backend",
     )
+
+
+# ------------------------------------------------------------------ draft heads
+# config.json `architectures` of the draft heads the torch backend reads, by kind
+HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+
+
+def head_kind(path) -> str | None:
+    """The kind of draft head the directory `path` holds (a key of HEADS), or None."""
+    import json
+    from pathlib import Path
+
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = raw.get("architectures") or () if isinstance(raw, dict) else ()
+    return next((kind for kind, claimed in HEADS.items() if set(claimed) & set(names)), None)

@@ -11,14 +11,17 @@ transformers supplies config parsing (in the family's args); this package knows 
 about files.
 
 A decoder layer is an nn.Module with `rope` (which rotary table it reads), forward(x, cos,
-sin, slots, mask) and, unless it is a linear-attention layer (a hybrid family keeps those
-layers' states itself), `self_attn` (an Attention: its kv_cache, heads and window).
+sin, slots, mask), unless it is a linear-attention layer (a hybrid family keeps those
+layers' states itself) `self_attn` (an Attention: its kv_cache, heads and window), plus
+its own slice of the model's per-layer inputs when the family has them (`layer_inputs`).
+A layer whose `kv_source` names an earlier layer holds no cache: its attention reads that
+layer's (Gemma 4's shared KV), so caches, the prefix pool and slot copies are per owner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +33,8 @@ from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.backends.torch.models.layers import RMSNorm, rope_inv_freq, rope_tables
 from ssdlocal.backends.torch.scratch import ScratchPool
-from ssdlocal.core.memory import oom_error
-from ssdlocal.weights.formats.archs import unsupported
+from ssdlocal.core.memory import allocating
+from ssdlocal.backends.torch.models.fields import read_rope, refuse  # noqa: F401 - the families import them from here
 
 # A chunked prefill keeps every chunk's boolean mask for all layers while they fit in this
 # (B x sum of chunk x span bytes: a 20k-token prompt); past it each layer builds its own.
@@ -75,64 +78,15 @@ class ModelArgs:
         )
 
 
-def read_rope(rope: dict | None, cfg, arch: str, supported: Sequence[str] = ("default", "llama3", "linear")):
-    """(theta, scaling) of rotary parameters as a config states them: transformers 5 keeps
-    theta and scaling together (`rope_parameters`, or one entry of a per-layer-type dict:
-    pass it as `rope`); 4.x split them (`rope_theta`, `rope_scaling`). A rope type outside
-    `supported` is refused by name (UnsupportedArchitectureError)."""
-    if rope is None:
-        rope = getattr(cfg, "rope_parameters", None)
-    if rope:
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = dict(rope)
-    else:
-        theta = getattr(cfg, "rope_theta", 10000.0)
-        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
-    scaling.pop("rope_theta", None)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in supported:
-        raise unsupported(f"{arch} with rope_type={kind!r}")
-    return float(theta), None if kind == "default" else {**scaling, "rope_type": kind}
-
-
-def refuse(arch: str, cfg, **expected: object) -> None:
-    """UnsupportedArchitectureError naming the first config field whose value is not the
-    one we implement (`field=value` pairs; a missing field counts as expected)."""
-    for name, want in expected.items():
-        got = getattr(cfg, name, want)
-        same = bool(got) == want if isinstance(want, bool) else (not got if want is None else got == want)
-        if not same:
-            raise unsupported(f"{arch} with {name}={got!r}")
-
-
 def causal_mask(positions: Tensor, S: int) -> Tensor:
     """Linear-case mask [B, T, S]: slot s visible iff s <= position (slot == position)."""
     slots = torch.arange(S, device=positions.device)  # [S]
     return slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
 
-def windowed(layer: nn.Module) -> bool:
-    """Whether a decoder layer attends through a sliding window (a layer without
-    attention, a linear-attention one, has none)."""
-    attn = getattr(layer, "self_attn", None)
-    return attn is not None and attn.window is not None
-
-
 def kept(x: Tensor, keep: Tensor | None) -> Tensor:
     """x [B, T, H] at query indices `keep` [B, n] (None: every position)."""
     return x if keep is None else x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, H]
-
-
-@contextmanager
-def allocating(doing: str) -> Iterator[None]:
-    """An allocator failure inside becomes an OutOfMemoryError saying what was `doing`."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        mapped = oom_error(exc, doing)
-        if mapped is None:
-            raise
-        raise mapped from exc
 
 
 class CausalLM(nn.Module):
@@ -173,24 +127,26 @@ class CausalLM(nn.Module):
         return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps)
 
     # ------------------------------------------------------------------ caches
-    def attentions(self) -> list[nn.Module]:
-        """The layers' Attentions, in order: every layer that keeps a KV cache."""
-        return [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+    def _owners(self) -> list[nn.Module]:
+        """The layers that hold a cache of their own (attention not reading another's: `kv_source`)."""
+        return [
+            layer for layer in self.layers if hasattr(layer, "self_attn") and getattr(layer, "kv_source", None) is None
+        ]
 
     def _layer_shapes(self) -> list[tuple[int, int]]:
-        """(kv heads, head width) of each attention layer's cache (per rank under TP)."""
-        return [(attn.n_kv_heads, attn.head_dim) for attn in self.attentions()]
+        """(kv heads, head width) of each owner's cache (per rank under TP)."""
+        return [(layer.self_attn.n_kv_heads, layer.self_attn.head_dim) for layer in self._owners()]
 
     def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
-        """Allocate one KVCache per layer (its kv heads: per rank under TP)."""
-        old = sum(attn.kv_cache.nbytes for attn in self.attentions() if attn.kv_cache)
+        """Allocate one KVCache per owning layer (its kv heads: per rank under TP)."""
+        old = sum(layer.self_attn.kv_cache.nbytes for layer in self._owners() if layer.self_attn.kv_cache)
         self._check_caches(batch_size, num_slots, dtype, device, freed=old)
-        for attn in self.attentions():
-            attn.kv_cache = None  # free the old cache before allocating
+        for layer in self._owners():
+            layer.self_attn.kv_cache = None  # free the old cache before allocating
         self.use_caches(self._allocate_caches(batch_size, num_slots, dtype, device))
 
     def new_caches(self, batch_size: int, num_slots: int, dtype, device) -> list[KVCache]:
-        """One KVCache per layer, not installed (`use_caches`): a cache beside the batch's."""
+        """One KVCache per owning layer, not installed (`use_caches`): a cache beside the batch's."""
         self._check_caches(batch_size, num_slots, dtype, device)
         return self._allocate_caches(batch_size, num_slots, dtype, device)
 
@@ -199,18 +155,24 @@ class CausalLM(nn.Module):
         check_room(need, device, f"KV cache of {batch_size} x {num_slots} slots", freed=freed)
 
     def _allocate_caches(self, batch_size: int, num_slots: int, dtype, device) -> list[KVCache]:
-        """One KVCache per layer, and rotary tables that cover their slots."""
+        """One KVCache per owning layer, and rotary tables that cover their slots."""
         with allocating(f"allocating the KV cache of {batch_size} x {num_slots} slots on {device}"):
             caches = [KVCache(batch_size, h, num_slots, d, dtype, device) for h, d in self._layer_shapes()]
         self._cover_positions(max(self.args.max_position_embeddings, num_slots), torch.device(device))
         return caches
 
     def use_caches(self, caches: list[KVCache]) -> None:
-        """Install `caches` (one per layer, as `caches()` or `new_caches` gave them)."""
-        for attn, cache in zip(self.attentions(), caches, strict=True):
-            attn.kv_cache = cache
+        """Install `caches` (one per owning layer, as `caches()` or `new_caches` gave them)."""
+        for layer, cache in zip(self._owners(), caches, strict=True):
+            layer.self_attn.kv_cache = cache
+        self._share_caches()
         self.num_slots = caches[0].num_slots
         self._new_slot_positions(caches[0].k.shape[0], self.num_slots, caches[0].k.device)
+
+    def _share_caches(self) -> None:
+        """Point each layer with a `kv_source` at its source's cache (it writes none)."""
+        for layer in (layer for layer in self.layers if getattr(layer, "kv_source", None) is not None):
+            layer.self_attn.kv_cache = self.layers[layer.kv_source].self_attn.kv_cache
 
     def _new_slot_positions(self, batch: int, slots: int, device, keep: Tensor | None = None) -> None:
         """Windowed models: each slot's position, its index until a step writes another."""
@@ -243,21 +205,23 @@ class CausalLM(nn.Module):
         return (*self.rope_tables(), *extra)
 
     def grow_cache(self, num_slots: int) -> None:
-        """Enlarge every layer's KV cache to `num_slots`, keeping what it holds."""
-        first = self.attentions()[0].kv_cache
+        """Enlarge every owning layer's KV cache to `num_slots`, keeping what it holds."""
+        first = self._owners()[0].self_attn.kv_cache
         batch, device, dtype = first.k.shape[0], first.k.device, first.k.dtype
         what = f"KV cache of {batch} x {num_slots} slots"
         need = sum(KVCache.bytes_for(batch, h, num_slots, d, dtype) for h, d in self._layer_shapes())
         check_room(need, device, what)
         with allocating(f"growing the {what} on {device}"):
-            for attn in self.attentions():  # one at a time: the old and new cache of only one layer coexist
-                attn.kv_cache = attn.kv_cache.grown(num_slots)
+            for layer in self._owners():  # one at a time: the old and new cache of only one layer coexist
+                layer.self_attn.kv_cache = layer.self_attn.kv_cache.grown(num_slots)
+        self._share_caches()
         self.num_slots = num_slots
         self._new_slot_positions(batch, num_slots, device, keep=self.slot_positions)
         self._cover_positions(num_slots, device)  # a slot index never exceeds a position's
 
     def caches(self) -> list[KVCache]:
-        return [attn.kv_cache for attn in self.attentions()]
+        """The owning layers' caches (a layer with a `kv_source` reads its source's)."""
+        return [layer.self_attn.kv_cache for layer in self._owners()]
 
     def prefix_pool_bytes(self, tokens: int, dtype) -> int:
         return KVPool.bytes_for(self._layer_shapes(), tokens, dtype)
@@ -287,17 +251,23 @@ class CausalLM(nn.Module):
 
     def copy_slots(self, row: int, src: Tensor, dst: Tensor) -> None:
         """Copy row `row`'s cached k/v (and their positions) from slots `src` [n] to `dst` [n]."""
-        for attn in self.attentions():
-            attn.kv_cache.copy_slots(row, src, dst)
+        for layer in self._owners():  # KV caches only (a hybrid's `caches()` adds its states)
+            layer.self_attn.kv_cache.copy_slots(row, src, dst)
         if self.slot_positions is not None:
             self.slot_positions[row, dst] = self.slot_positions[row, src]
 
     # ------------------------------------------------------------------ forward
     def _embed(self, input_ids: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.embed_scale is not None:  # float32, then the activation dtype (as transformers rounds it);
+            # made by an op, so a captured step holds no tensor constant
+            x = x * torch.full((), self.embed_scale, device=x.device).to(x.dtype)
         return x
+
+    def layer_inputs(self, input_ids: Tensor, x: Tensor) -> Tensor | None:
+        """Inputs [B, T, layers, width] of tokens `input_ids` embedded as `x`, layer i's slice
+        passed to it after its mask (Gemma 4's per-layer embeddings); None: the family has none."""
+        return None
 
     def _rotary(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
         """Each table's cos and sin at `positions` [B, T] -> [B, 1, T, R] each."""
@@ -307,17 +277,24 @@ class CausalLM(nn.Module):
             out[name] = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
         return out
 
+    @staticmethod
+    def mask_kind(layer: nn.Module) -> tuple[bool, int]:
+        """Which of a forward's masks a layer reads: (windowed, query heads per kv head);
+        a linear-attention layer reads none: (False, 0), a kind no mask is built for."""
+        attn = getattr(layer, "self_attn", None)
+        return (False, 0) if attn is None else (attn.window is not None, attn.n_heads // attn.n_kv_heads)
+
     def _masks(
         self, attn_mask: Tensor | None, positions: Tensor, slots: Tensor, dtype: torch.dtype
-    ) -> dict[bool, AttentionMask | None]:
-        """The forward's masks, by whether a layer is windowed: `attn_mask` [B, T, S] bool (None:
-        a fresh causal prefill), and for windowed layers the same without slots whose
-        position is a window or more behind the query's."""
-        groups = self.args.num_heads // self.args.num_kv_heads
-        full = None if attn_mask is None else AttentionMask.build(attn_mask, groups, dtype)
+    ) -> dict[tuple[bool, int], AttentionMask | None]:
+        """The forward's masks, by `mask_kind`: `attn_mask` [B, T, S] bool (None: a fresh
+        causal prefill), and for windowed layers the same without slots whose position is a
+        window or more behind the query's; each in the form of its layers' head groups."""
+        kinds = {self.mask_kind(layer) for layer in self.layers if hasattr(layer, "self_attn")}
         window = self.args.window
         if window is None:
-            return {False: full, True: full}
+            return {k: None if attn_mask is None else AttentionMask.build(attn_mask, k[1], dtype) for k in kinds}
+        full = attn_mask
         if attn_mask is None:
             T = positions.shape[1]
             attn_mask = causal_mask(positions - positions[:, :1], T)  # [B, T, T]: the new tokens
@@ -327,7 +304,11 @@ class CausalLM(nn.Module):
             self.slot_positions.scatter_(1, slots, positions)  # what this forward writes
             held = self.slot_positions[:, : attn_mask.shape[-1]]  # [B, S]
         near = held[:, None, :] > positions[:, :, None] - window  # [B, T, S]
-        return {False: full, True: AttentionMask.build(attn_mask & near, groups, dtype)}
+        masks = {False: full, True: attn_mask & near}  # [B, T, S] each (full None: fresh)
+        return {
+            (w, groups): None if masks[w] is None else AttentionMask.build(masks[w], groups, dtype)
+            for w, groups in kinds
+        }
 
     def forward(
         self,
@@ -337,11 +318,13 @@ class CausalLM(nn.Module):
         attn_mask: Tensor | None,
         keep: Tensor | None = None,
         hidden: HiddenLayers | None = None,
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids/positions/slots [B, T] long, attn_mask [B, T, S] bool (or None for a
         fresh causal prefill) -> logits [B, T, V] float32; with `keep` [B, n] long (query
         indices), only those positions reach the lm_head: logits [B, n, V]. With `hidden`
-        (backends.base.HiddenLayers): (logits, those hidden states [B, T or n, len * hidden]).
+        (backends.base.HiddenLayers): (logits, those hidden states [B, T or n, len * hidden]:
+        at `keep`, or at every position with `hidden_all`).
 
         Every query must see at least one slot (callers give padded queries their own
         slot or a trash slot); an all-false mask row would turn into NaN.
@@ -349,29 +332,39 @@ class CausalLM(nn.Module):
         if not self.ropes or getattr(self, f"rope_cos_{next(iter(self.ropes))}") is None:
             raise RuntimeError("call setup_cache() before forward()")
         x = self._embed(input_ids)  # [B, T, hidden]
+        extra = self.layer_inputs(input_ids, x)  # [B, T, layers, width] or None
         rotary = self._rotary(positions, x.dtype)
         masks = self._masks(attn_mask, positions, slots, x.dtype)
         outputs: dict[int, Tensor] = {}  # layer i -> its output, for `hidden`
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.rope]
-            x = layer(x, cos, sin, slots, masks[windowed(layer)])  # [B, T, hidden]
+            own = () if extra is None else (extra[:, :, i],)  # [B, T, width]
+            x = layer(x, cos, sin, slots, masks.get(self.mask_kind(layer)), *own)  # [B, T, hidden]
             if hidden is not None and i in hidden:
                 outputs[i] = x
-        return self._head(x, keep, hidden, outputs)
+        return self._head(x, keep, hidden, outputs, hidden_all)
 
     def _head(
-        self, x: Tensor, keep: Tensor | None, hidden: HiddenLayers | None, outputs: dict[int, Tensor]
+        self,
+        x: Tensor,
+        keep: Tensor | None,
+        hidden: HiddenLayers | None,
+        outputs: dict[int, Tensor],
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The last layer's output x [B, T, hidden] -> logits at `keep` (None: every
-        position), and with `hidden` the asked states at the same positions."""
+        position), and with `hidden` the asked states at the same positions (every
+        position with `hidden_all`)."""
         normed = self.norm(kept(x, keep))  # [B, n, hidden]
         logits = fp32_logits(self.lm_head, normed)  # [B, n, V]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap  # [B, n, V]
         if hidden is None:
             return logits
-        states = [normed if i == FINAL_HIDDEN else kept(outputs[i], keep) for i in hidden]  # each [B, n, hidden]
-        return logits, torch.cat(states, dim=-1)  # [B, n, len * hidden]
+        where = None if hidden_all else keep
+        final = self.norm(x) if hidden_all and keep is not None else normed  # [B, T or n, hidden]
+        states = [final if i == FINAL_HIDDEN else kept(outputs[i], where) for i in hidden]  # each [B, T or n, hidden]
+        return logits, torch.cat(states, dim=-1)  # [B, T or n, len * hidden]
 
     def prefill(
         self,
@@ -384,6 +377,7 @@ class CausalLM(nn.Module):
         progress: Callable[[int, int], None] | None = None,
         starts: Sequence[int] | None = None,
         hidden: HiddenLayers | None = None,
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """A long feed, one layer at a time: input_ids/positions [B, T] long (each token's
         k/v goes to the slot of its position) -> logits [B, n, V] at `keep` [B, n] (None:
@@ -408,6 +402,7 @@ class CausalLM(nn.Module):
             raise RuntimeError("call setup_cache() before prefill()")
         B, T = input_ids.shape
         x = self._embed(input_ids)  # [B, T, hidden]
+        extra = self.layer_inputs(input_ids, x)  # [B, T, layers, width] or None
         rotary = self._rotary(positions, x.dtype)
         if starts is None:
             starts = positions[:, 0].tolist()  # the call's one read-back (callers pass them)
@@ -416,7 +411,7 @@ class CausalLM(nn.Module):
         windowed = self.args.window is not None
         chunks = [(a, min(a + chunk, T)) for a in range(0, T, chunk)]
         mask_bytes = B * sum((b - a) * (max(first) + b) for a, b in chunks)  # every chunk's bool mask
-        masks: dict[int, dict[bool, AttentionMask | None]] | None = {} if mask_bytes <= MASK_CACHE_BYTES else None
+        masks: dict | None = {} if mask_bytes <= MASK_CACHE_BYTES else None  # chunk -> its masks
         total, done = len(self.layers) * T, 0
         pool = ScratchPool()  # one layer's expanded weights, lent again to the next layer
         outputs: dict[int, Tensor] = {}  # layer i -> its output, for `hidden`
@@ -428,8 +423,8 @@ class CausalLM(nn.Module):
                             stack.enter_context(module.expanded(pool, dense))
                 for a, b in chunks:
                     pos = positions[:, a:b]  # [B, C]
-                    mine = windowed(layer)
-                    tensor = mine or getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
+                    kind = self.mask_kind(layer)
+                    tensor = kind[0] or getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
                     if fresh and a == 0 and not windowed:
                         mask = None
                     elif lower_right and not tensor and not (fresh and a == 0):
@@ -440,12 +435,13 @@ class CausalLM(nn.Module):
                             found = self._masks(causal_mask(pos, max(first) + b), pos, pos, x.dtype)
                             if masks is not None:
                                 masks[a] = found  # the next layers' chunk a sees the same slots
-                        mask = found[mine]
+                        mask = found.get(kind)
                     cos, sin = rotary[layer.rope]
-                    x[:, a:b] = layer(x[:, a:b], cos[:, :, a:b], sin[:, :, a:b], pos, mask)  # [B, C, hidden]
+                    own = () if extra is None else (extra[:, a:b, i],)  # [B, C, width]
+                    x[:, a:b] = layer(x[:, a:b], cos[:, :, a:b], sin[:, :, a:b], pos, mask, *own)  # [B, C, hidden]
                     done += b - a
                     if progress is not None:
                         progress(done, total)
             if hidden is not None and i in hidden:
                 outputs[i] = x.clone()  # x is written in place by the next layers
-        return self._head(x, keep, hidden, outputs)
+        return self._head(x, keep, hidden, outputs, hidden_all)

@@ -37,7 +37,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[T
     r = v.shape[2] // k.shape[2]
     if r > 1:
         q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)  # [B, T, Hv, Dk]
-    q, k, v, g, beta = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)
+    )
     return l2norm(q), l2norm(k), v, g, beta
 
 
@@ -194,7 +196,10 @@ class GatedDeltaNet(nn.Module):
         window, state = self.states.read(self.index, before) if carried is None else carried
         inputs = torch.cat([window, mixed], dim=1)  # [B, K-1+T, C]
         q, k, v = self._qkv(self._conv(inputs, T))
-        g, beta = g.masked_fill(~live[..., None], 0.0), beta.masked_fill(~live[..., None], 0.0)  # past the end: no change
+        g, beta = (
+            g.masked_fill(~live[..., None], 0.0),
+            beta.masked_fill(~live[..., None], 0.0),
+        )  # past the end: no change
         out, final = chunk_rule(*prepare(q, k, v, g, beta), state)  # [B, Hv, T, Dv], [B, Hv, Dk, Dv]
         take = count[:, None] + torch.arange(self.kernel - 1, device=mixed.device)  # [B, K-1] into inputs
         last = inputs.gather(1, take[..., None].expand(-1, -1, inputs.shape[-1]))  # [B, K-1, C]

@@ -113,11 +113,12 @@ class HybridLM(CausalLM):
         attn_mask: Tensor | None,
         keep: Tensor | None = None,
         hidden: HiddenLayers | None = None,
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """CausalLM.forward; a tree step's linear layers read the queries' positions."""
         if self.ctx.tree is not None:
             self.ctx.positions = positions
-        return super().forward(input_ids, positions, slots, attn_mask, keep, hidden)
+        return super().forward(input_ids, positions, slots, attn_mask, keep, hidden, hidden_all)
 
 
 class HybridBlock(nn.Module):

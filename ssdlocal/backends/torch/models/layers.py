@@ -46,13 +46,14 @@ class RMSNorm(nn.Module):
 
 
 # ------------------------------------------------------------------ rotary embeddings
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "proportional")
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: Mapping | None) -> tuple[Tensor, float]:
     """Inverse frequencies [dim // 2] float32 and the attention factor the cos/sin tables
     are multiplied by (YaRN's; 1 otherwise), as transformers computes them. `scaling`:
-    None, or {"rope_type": "llama3" | "linear" | "yarn", ...} as the config gives it."""
+    None, or {"rope_type": "llama3" | "linear" | "yarn" | "proportional", ...} as the config
+    gives it."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
     scaling = scaling or {}
     kind = scaling.get("rope_type", "default")
@@ -69,6 +70,10 @@ def rope_inv_freq(dim: int, theta: float, scaling: Mapping | None) -> tuple[Tens
         return torch.where(is_medium, smoothed, scaled), 1.0  # [D/2]
     if kind == "yarn":
         return _yarn(dim, theta, scaling)
+    if kind == "proportional":  # Gemma 4: the first partial_rotary_factor of the angles turn, the rest stay
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+        still = torch.zeros(dim // 2 - angles)  # [D/2 - angles]: frequency 0 (cos 1, sin 0)
+        return torch.cat((inv_freq[:angles], still)) / scaling.get("factor", 1.0), 1.0  # [D/2]
     return inv_freq, 1.0
 
 
@@ -148,12 +153,14 @@ class Attention(nn.Module):
         scale: float | None = None,
         window: int | None = None,
         sinks: bool = False,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        width = hidden if input_size is None else input_size  # q/k/v read this wide (EAGLE-3: 2 x hidden)
+        self.q_proj = nn.Linear(width, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = qk_norm

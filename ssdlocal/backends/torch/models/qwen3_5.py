@@ -93,7 +93,10 @@ class Qwen3_5Args(ModelArgs):
     def tensor_parallel_sizes(self) -> tuple[tuple[str, int], ...]:
         sizes = [("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads)]
         if self.num_experts:
-            sizes += [("moe_intermediate_size", self.moe_intermediate_size), ("shared_expert_size", self.shared_expert_size)]
+            sizes += [
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("shared_expert_size", self.shared_expert_size),
+            ]
         else:
             sizes.append(("intermediate_size", self.intermediate_size))
         return tuple(sizes)
