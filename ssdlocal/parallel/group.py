@@ -25,8 +25,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -36,6 +34,7 @@ from ssdlocal.core.errors import SSDLocalError, TensorParallelError, UsageError
 from ssdlocal.core.memory import oom_error
 from ssdlocal.ipc.lifetime import describe_exit
 from ssdlocal.ipc.child import ChildProcess
+from ssdlocal.parallel.linear_ranks import LinearStatesOnRanks
 from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, pin_to_loopback, rank_main
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ def backend_for(devices: tuple[str, ...]) -> str:
 # --------------------------------------------------------------------------- rank 0
 
 
-class TPModel:
+class TPModel(LinearStatesOnRanks):
     """What TorchRunner sees on rank 0: the local shard, mirrored on every other rank."""
 
     def __init__(self, shard, group: RankGroup) -> None:
@@ -118,32 +117,6 @@ class TPModel:
     def state_tensors(self) -> tuple:
         caches = (t for cache in self.shard.caches() for t in cache.tensors())
         return (*self.shard.rope_tables(), *caches)
-
-    # a hybrid model's linear-attention states (backends/torch/models/hybrid.py), on every rank
-    @property
-    def linear_states(self):
-        return self.shard.linear_states
-
-    @property
-    def ring(self) -> int:
-        return self.shard.ring
-
-    def grow_ring(self, ring: int) -> None:
-        self.group.command_all(Cmd.RING, ring)
-        self.shard.grow_ring(ring)
-
-    def forget_states(self) -> None:
-        self.group.command_all(Cmd.FORGET, None)
-        self.shard.forget_states()
-
-    @contextmanager
-    def context(self, ends=None, tree: int | None = None) -> Iterator[None]:
-        self.group.command_all(Cmd.LINEAR_ENTER, (None if ends is None else list(ends), tree))
-        try:
-            with self.shard.context(ends, tree):
-                yield
-        finally:
-            self.group.command_all(Cmd.LINEAR_LEAVE, None)
 
     def describe(self, tensor) -> str:
         for name, value in (*self.shard.named_parameters(), *self.shard.named_buffers()):

@@ -68,6 +68,8 @@ class TensorNames:
     outside: our module -> the file's, for the modules outside the layers (all of them).
     block: our module -> the file's, inside a layer (one missing here keeps our name).
     ignored: endings of tensor names that files may hold and nothing loads.
+    skipped: beginnings of such names (Qwen3.5's multi-token-prediction layer, "mtp.": no
+    drafter reads it yet).
     tensors: tensors that sit in a layer itself, in no module (Gemma 4's "layer_scalar"):
     the same name after the layer's prefix in ours and the file's.
     """
@@ -76,6 +78,7 @@ class TensorNames:
     outside: Mapping[str, str]
     block: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
     modules: tuple[str, ...] = BLOCK_MODULES  # our modules inside a layer that these files name
     tensors: tuple[str, ...] = ()
 
@@ -102,7 +105,7 @@ class TensorNames:
     def ours(self, theirs: str) -> str | None:
         """Our name for the file's tensor `theirs`; None for an ignored one; KeyError for
         a name that has no place in our model."""
-        if theirs.endswith(self.ignored):
+        if theirs.endswith(self.ignored) or theirs.startswith(self.skipped):
             return None
         whole = self._layer.fullmatch(theirs)
         if whole is not None and whole.group(2) in self.tensors:

@@ -101,7 +101,9 @@ QWEN3_5 = Architecture(
     "qwen3_5",
     ("Qwen3_5ForCausalLM",),
     "qwen3_5_text",
-    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_QWEN3_5_MODULES),
+    checkpoint=TensorNames(
+        HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, skipped=("mtp.",), modules=_QWEN3_5_MODULES
+    ),
     qk_norm=True,
     linears={**LLAMA_LINEARS, **_LINEAR_LINEARS},
     family="qwen3_5",
@@ -110,7 +112,9 @@ QWEN3_5_MOE = Architecture(
     "qwen3_5_moe",
     ("Qwen3_5MoeForCausalLM",),
     "qwen3_5_moe_text",
-    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_QWEN3_5_MOE_MODULES),
+    checkpoint=TensorNames(
+        HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, skipped=("mtp.",), modules=_QWEN3_5_MOE_MODULES
+    ),
     qk_norm=True,
     linears={
         **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
