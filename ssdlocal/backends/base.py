@@ -83,12 +83,16 @@ class Backend(Protocol):
 @dataclass(frozen=True)
 class HeadInputs:
     """What a target model shares with a draft head that reads its hidden states: the token
-    embedding module (the head embeds its drafts with it), the layers and the hidden width."""
+    embedding module (the head embeds its drafts with it), the layers and the hidden width;
+    the lm_head (a block drafter scores its drafts with it) and the factor the target scales
+    embeddings by (None: none)."""
 
     embeddings: Any
     layers: int
     hidden_size: int
     dtype: torch.dtype
+    lm_head: Any = None
+    embed_scale: float | None = None
 
 
 HiddenLayers = tuple[int, ...]

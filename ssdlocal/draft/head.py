@@ -89,7 +89,7 @@ class HeadDrafter(DrafterBase):
         self.first = self._catch_up(taken, outcome.hidden[:, :width], starts)
 
 
-def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter:
+def build_head(spec, params: SamplingParams, res: DraftResources):
     """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head loaded beside
     the target, on its device, sharing its embeddings (Runner.head_inputs)."""
     from ssdlocal.backends.torch.heads.eagle3 import load_eagle3
@@ -102,6 +102,10 @@ def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter
             f"a draft head drafts in SD only, not {spec.mode.value}",
             "use --mode sd (or auto) with a head, or a draft model for SSD",
         )
+    if spec.draft.head == "dflash":  # a block drafter: its own Drafter (draft/block.py)
+        from ssdlocal.draft.block import build_block
+
+        return build_block(spec, params, res)
     if res.target is None:
         raise RuntimeError("a draft head needs the target's runner")  # a caller bug
     shared = res.target.head_inputs()

@@ -310,14 +310,18 @@ class TorchRunner(StoredPrefixes, HeldRows):
         self._graphs_invalid()  # steps now write (or no longer write) the hidden buffer
 
     def head_inputs(self) -> HeadInputs:
-        """Runner.head_inputs: the model's embeddings, layers and width (one device only)."""
+        """Runner.head_inputs: the model's embeddings, layers, width, lm_head and embedding
+        scale (one device only)."""
         if not self.plain:
             raise UsageError(
                 "a draft head needs a target on one device",
                 "drop the extra --target-device entries, or use a draft model",
             )
         args = self.loaded.args
-        return HeadInputs(self.model.embed_tokens, args.num_layers, args.hidden_size, self.loaded.dtype)
+        model = self.model
+        return HeadInputs(
+            model.embed_tokens, args.num_layers, args.hidden_size, self.loaded.dtype, model.lm_head, model.embed_scale
+        )
 
     def hidden(self) -> Tensor:
         """Runner.hidden: the last feed's or step's hidden states (keep_hidden)."""
