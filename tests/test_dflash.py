@@ -3,9 +3,10 @@ SD with a block drafter gives AR's tokens, eager and in traced graphs, for sever
 K = block_size - 1 and fewer, and rows starting from a stored prefix; every round's drafts
 and every round's accepted count equal transformers' DFlashTokenCandidateGenerator's
 (assisted generation, speculation_type="dflash") from the same verified prefix, with full
-and sliding-window layers, Llama and Qwen3 (tied embeddings) targets; z-lab's layout of
-the same weights drafts the same; sampling stays a draw from the target's exact joint;
-SSD, a K past the block and drafters this version does not build are refused."""
+and sliding-window layers, on Llama, Qwen3 (tied embeddings) and Gemma 3 (scaled
+embeddings, soft-capped logits) targets; z-lab's layout of the same weights drafts the
+same; sampling stays a draw from the target's exact joint; SSD, a K past the block and
+drafters this version does not build are refused."""
 
 from __future__ import annotations
 
@@ -90,16 +91,21 @@ def test_greedy_sd_with_a_dflash_drafter_equals_ar(tiny_dir, trained, prompts, g
             assert sd.stats.graphs["target"]["replays"] > 0
 
 
-@pytest.mark.parametrize("case", ["llama, trained", "qwen3, sliding window"])
+@pytest.mark.parametrize("case", ["llama, trained", "qwen3, sliding window", "gemma3"])
 def test_drafts_and_acceptance_equal_transformers_dflash(tiny_dir, trained, prompts, case, tmp_path, monkeypatch):
     """All prompts in one batch here, one by one in transformers: every round transformers
     ran (keyed by the tokens held before it) drafted the same tokens here, so each round
     accepted the same number, and the answers are the same."""
     if case == "llama, trained":
         target, drafter = tiny_dir["llama"], trained
-    else:  # every layer slides with a window of 6 (|q - k| <= 6): the answers run past it
+    elif case == "qwen3, sliding window":  # every layer slides with a window of 6 (|q - k| <= 6)
         target = tiny_dir["qwen3"]
         drafter = make_dflash(tmp_path / "sliding", target, block_size=5, target_layer_ids=(0,), sliding_window=6)
+    else:  # scaled embeddings (the block's are too), soft-capped logits (the drafts' are not), layer 3 is the last
+        from support.tiny_families import make_gemma3
+
+        target = make_gemma3(tmp_path / "gemma3", tiny_dir["llama"])
+        drafter = make_dflash(tmp_path / "dflash", target, block_size=4, target_layer_ids=(1, 3))
     k = json.loads((drafter / "config.json").read_text())["block_size"] - 1
     ours = _recording(monkeypatch)
     with Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), prefix_cache_tokens=0)) as engine:

@@ -66,6 +66,7 @@ class DFlashArgs:
     target_layer_ids: tuple[int, ...]
     target_layers: int
     reach: tuple[int | None, ...]  # per layer: a query sees positions within this distance (None: all)
+    scaled_embeddings: bool  # the target's embedding scale applies (transformers' form; z-lab's reads raw rows)
 
     @classmethod
     def read(cls, raw: dict, target_layers: int) -> DFlashArgs:
@@ -129,6 +130,7 @@ class DFlashArgs:
             target_layer_ids=ids,
             target_layers=target_layers,
             reach=reach,
+            scaled_embeddings=not zlab,
         )
 
     @property
@@ -197,7 +199,7 @@ class DFlashHead(nn.Module):
         """ids/positions [B, bs] (the last verified token, then mask tokens); masks[l]: what
         layer l's queries see -> float32 logits [B, bs - 1, V] for positions 1.. (the drafts)."""
         x = self.embed(ids)  # [B, bs, H]
-        if self.embed_scale is not None:
+        if self.embed_scale is not None and self.args.scaled_embeddings:
             x = x * torch.full((), self.embed_scale, device=x.device).to(x.dtype)
         cos, sin = self._rope(positions, x.dtype)
         for layer, mask in zip(self.layers, masks):
