@@ -43,7 +43,7 @@ class BlockDrafter(DrafterBase):
         audit: Audit | None = None,
         row_params: Sequence[SamplingParams] = (),
     ) -> None:
-        self.runner = runner  # backends.torch.heads.dflash_runner.BlockRunner
+        self.runner = runner  # the backend's block runner (backends.registry.load_head)
         self.hidden = runner.hidden_layers
         self.k, self.params, self.device = k, params, device
         self.site = (audit or Audit()).site("draft")
@@ -97,21 +97,19 @@ def build_block(spec, params: SamplingParams, res: DraftResources) -> BlockDraft
     """The drafter of a HeadDraft of kind "dflash": the drafter loaded beside the target, on
     its device, sharing its embeddings and lm_head (Runner.head_inputs). K is at most the
     block's drafts (block_size - 1)."""
-    from ssdlocal.backends.torch.heads.dflash import load_dflash
-    from ssdlocal.backends.torch.heads.dflash_runner import BlockRunner
+    from ssdlocal.backends.registry import load_head
     from ssdlocal.core.errors import UsageError
 
     if res.target is None:
         raise RuntimeError("a block drafter needs the target's runner")  # a caller bug
     shared = res.target.head_inputs()
-    head = load_dflash(spec.draft.path, shared, res.target_vocab, res.target_device, shared.dtype)
-    most = head.args.block_size - 1
+    runner = load_head(spec.draft.head, spec.draft.path, shared, res.target_vocab, res.target_device)
+    most = runner.block_size - 1
     if spec.k > most:
         raise UsageError(
-            f"this DFlash drafter (block size {head.args.block_size}) drafts at most {most} tokens a round, not {spec.k}",
+            f"this DFlash drafter (block size {runner.block_size}) drafts at most {most} tokens a round, not {spec.k}",
             f"use --k {most} or less (or leave --k out: K is then {most})",
         )
-    runner = BlockRunner(head, res.target_device, shared.dtype)
     drafter = BlockDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
     drafter.reserve(res.batch, res.num_slots)
     return drafter
