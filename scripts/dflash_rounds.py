@@ -71,8 +71,12 @@ def acceptance(target: Path) -> None:
         theirs = [after - before - 1 for before, after in zip(held, held[1:])]
         same = list(done.outputs[b].token_ids) == tokens
         print(f"  prompt {b}: transformers {theirs}")
-        print(f"            ssdlocal     {ours[b][: len(theirs)]}  (+{len(ours[b]) - len(theirs)}: the last round, cut at the length limit)")
-        print(f"            same answer: {same}; rate {sum(theirs) / (3 * len(theirs)):.3f} vs {sum(ours[b][: len(theirs)]) / (3 * len(theirs)):.3f}")
+        print(
+            f"            ssdlocal     {ours[b][: len(theirs)]}  (+{len(ours[b]) - len(theirs)}: the last round, cut at the length limit)"
+        )
+        print(
+            f"            same answer: {same}; rate {sum(theirs) / (3 * len(theirs)):.3f} vs {sum(ours[b][: len(theirs)]) / (3 * len(theirs)):.3f}"
+        )
 
 
 def costs(target: Path, ks: list[int], repeats: int) -> None:

@@ -91,11 +91,13 @@ def test_greedy_sd_with_a_dflash_drafter_equals_ar(tiny_dir, trained, prompts, g
             assert sd.stats.graphs["target"]["replays"] > 0
 
 
-@pytest.mark.parametrize("case", ["llama, trained", "qwen3, sliding window", "gemma3"])
+@pytest.mark.parametrize("case", ["llama, trained", "qwen3, sliding window", "gemma3", "gemma3, z-lab layout"])
 def test_drafts_and_acceptance_equal_transformers_dflash(tiny_dir, trained, prompts, case, tmp_path, monkeypatch):
     """All prompts in one batch here, one by one in transformers: every round transformers
     ran (keyed by the tokens held before it) drafted the same tokens here, so each round
-    accepted the same number, and the answers are the same."""
+    accepted the same number, and the answers are the same. z-lab's layout on Gemma 3 is
+    held to transformers' rounds with the block's embeddings read as raw rows, as z-lab's
+    dflash_generate reads them (a different drafter from the scaled one: its own case)."""
     if case == "llama, trained":
         target, drafter = tiny_dir["llama"], trained
     elif case == "qwen3, sliding window":  # every layer slides with a window of 6 (|q - k| <= 6)
@@ -106,13 +108,14 @@ def test_drafts_and_acceptance_equal_transformers_dflash(tiny_dir, trained, prom
 
         target = make_gemma3(tmp_path / "gemma3", tiny_dir["llama"])
         drafter = make_dflash(tmp_path / "dflash", target, block_size=4, target_layer_ids=(1, 3))
+    ran = as_zlab(drafter, tmp_path / "zlab") if case.endswith("z-lab layout") else drafter
     k = json.loads((drafter / "config.json").read_text())["block_size"] - 1
     ours = _recording(monkeypatch)
     with Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), prefix_cache_tokens=0)) as engine:
-        done = _done(engine, SpecConfig(mode=Mode.SD, k=k, draft=HeadDraft(str(drafter), "dflash")), prompts)
+        done = _done(engine, SpecConfig(mode=Mode.SD, k=k, draft=HeadDraft(str(ran), "dflash")), prompts)
     accepted = []
     for b, prompt in enumerate(prompts):
-        tokens, rounds = transformers_rounds(target, drafter, prompt, NEW)
+        tokens, rounds = transformers_rounds(target, drafter, prompt, NEW, raw_rows=ran is not drafter)
         assert list(done.outputs[b].token_ids) == tokens
         assert len(rounds) > 3
         for held, candidates in rounds.items():
@@ -188,6 +191,7 @@ def test_the_cli_drafts_a_whole_block_when_k_is_not_given(tiny_dir, trained, mon
     stats = json.loads(out.strip().splitlines()[-1])["stats"]
     assert stats["mode"] == "sd" and "draft head" in err  # auto: SD, like every head
     assert len(stats["per_position_acceptance"]) == 3  # K = block_size - 1 (the drafter's block is 4)
+    assert 1 <= stats["mean_accepted_len"] <= 4 and stats["acceptance_rate"] is not None  # tokens per round
     code, out, err = run_cli(monkeypatch, capsys, "generate", "The quick brown fox", *base, "--k", "2", "--json")
     assert code == 0, err
     assert len(json.loads(out.strip().splitlines()[-1])["stats"]["per_position_acceptance"]) == 2

@@ -132,10 +132,11 @@ def train_dflash(
     drafter.eval().save_pretrained(drafter_dir)
 
 
-def transformers_rounds(target_dir: Path, drafter_dir: Path, prompt: list[int], new: int):
+def transformers_rounds(target_dir: Path, drafter_dir: Path, prompt: list[int], new: int, raw_rows: bool = False):
     """transformers' assisted generation with speculation_type="dflash" (greedy, float32,
     no stop at end-of-sequence): (the tokens it generated, {tokens held before the round:
-    the round's candidates})."""
+    the round's candidates}). `raw_rows`: the block's embeddings are the table's rows
+    unscaled, as z-lab's dflash_generate reads them (F.embedding of the target's weight)."""
     import pytest
     from transformers import AutoModelForCausalLM, MuseGlimmerAssistantModel
     from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
@@ -155,6 +156,12 @@ def transformers_rounds(target_dir: Path, drafter_dir: Path, prompt: list[int], 
     ids = torch.tensor([prompt])
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
         mp.setattr(DFlashTokenCandidateGenerator, "get_candidates", recorded)
+        if raw_rows:
+            mp.setattr(
+                DFlashTokenCandidateGenerator,
+                "_get_noise_embeds",
+                lambda self, ids: torch.nn.functional.embedding(ids, self.main_model_input_embeddings.weight),
+            )
         out = target.generate(
             ids,
             attention_mask=torch.ones_like(ids),
