@@ -95,7 +95,7 @@ def test_greedy_sd_with_a_dflash_drafter_equals_ar(tiny_dir, trained, prompts, g
 def test_drafts_and_acceptance_equal_transformers_dflash(tiny_dir, trained, prompts, case, tmp_path, monkeypatch):
     """All prompts in one batch here, one by one in transformers: every round transformers
     ran (keyed by the tokens held before it) drafted the same tokens here, so each round
-    accepted the same number, and the answers are the same. z-lab's layout on Gemma 3 is
+    accepted the same number, and the answers are the same, and AR's. z-lab's layout on Gemma 3 is
     held to transformers' rounds with the block's embeddings read as raw rows, as z-lab's
     dflash_generate reads them (a different drafter from the scaled one: its own case)."""
     if case == "llama, trained":
@@ -113,6 +113,8 @@ def test_drafts_and_acceptance_equal_transformers_dflash(tiny_dir, trained, prom
     ours = _recording(monkeypatch)
     with Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), prefix_cache_tokens=0)) as engine:
         done = _done(engine, SpecConfig(mode=Mode.SD, k=k, draft=HeadDraft(str(ran), "dflash")), prompts)
+        ar = _done(engine, SpecConfig(mode=Mode.AR), prompts)
+    assert [o.token_ids for o in done.outputs] == [o.token_ids for o in ar.outputs]  # greedy SD == AR
     accepted = []
     for b, prompt in enumerate(prompts):
         tokens, rounds = transformers_rounds(target, drafter, prompt, NEW, raw_rows=ran is not drafter)
