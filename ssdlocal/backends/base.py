@@ -81,14 +81,30 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True)
+class LayerKV:
+    """How one layer of a target keeps its keys and values, for a draft head that attends
+    over them (Runner.head_kv): its sliding window (None: full attention), kv heads and
+    head width, and `source`, the layer whose cache it reads (itself unless it shares one)."""
+
+    window: int | None
+    kv_heads: int
+    head_dim: int
+    source: int
+
+
+@dataclass(frozen=True)
 class HeadInputs:
     """What a target model shares with a draft head that reads its hidden states: the token
-    embedding module (the head embeds its drafts with it), the layers and the hidden width."""
+    embedding module (the head embeds its drafts with it) and the factor the target scales
+    embeddings by (None: none), the layers and the hidden width, and per layer how it keeps
+    its keys and values (`kv`, for a head that reads them: Runner.head_kv)."""
 
     embeddings: Any
     layers: int
     hidden_size: int
     dtype: torch.dtype
+    embed_scale: float | None = None
+    kv: tuple[LayerKV, ...] = ()
 
 
 HiddenLayers = tuple[int, ...]
@@ -197,6 +213,12 @@ class Runner(Protocol):
         """What a draft head shares with this model (its token embeddings, layer count and
         width); UsageError (with a hint) from a runner that cannot share them."""
 
+    def head_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values as they are now, for a draft head to read and never
+        write: [B, Hkv, S, D] each (its source's cache, HeadInputs.kv); slot s of a row that
+        feeds and steps in order holds position s. The cache may be reallocated by any later
+        feed or step: read it again for every use."""
+
     def hidden(self) -> torch.Tensor:
         """The hidden states `keep_hidden` asked for, of the last feed or step, at every column
         it fed ([B, T, len(layers) * D]: row b's first len(rows[b]) columns of a feed are its
@@ -299,6 +321,10 @@ class HeldRows:
             f"the {type(self).__name__} cannot share its embeddings with a draft head",
             "run the target on the torch backend (--target-backend torch), or use a draft model",
         )
+
+    def head_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runner.head_kv: none shared (head_inputs refuses first)."""
+        raise RuntimeError(f"the {type(self).__name__} shares no keys and values")
 
     def hidden(self) -> torch.Tensor:
         """Runner.hidden: none kept (keep_hidden refuses them)."""

@@ -1,11 +1,13 @@
-"""SD with a draft head (an EAGLE-3 checkpoint) that drafts from the target's hidden states.
+"""SD with a draft head (an EAGLE-3 checkpoint or Gemma 4's MTP assistant) that drafts from
+the target's hidden states.
 
-The head reads three of the target's layer outputs (its `hidden` layers); the engine hands
-them over at the seating's start (every prompt position the target read: the head's own
-cache fills with them) and after every round (the positions the round scored). Each round
-the head first catches up on the pairs the target verified (the state after token q with
-token q + 1, at position q: the pending token and the accepted drafts, the bonus last),
-which gives draft 1, then drafts d_2..d_K from its own states (draft.decode.DraftDecoder).
+The head reads some of the target's hidden states (its `hidden` layers: three layer outputs
+for EAGLE-3, the final one for the assistant); the engine hands them over at the seating's
+start (every prompt position the target read: an EAGLE-3 head's own cache fills with them)
+and after every round (the positions the round scored). Each round the head first catches
+up on the pairs the target verified (the state after token q with token q + 1: the pending
+token and the accepted drafts, the bonus last), which gives draft 1, then drafts d_2..d_K
+from its own states (draft.decode.DraftDecoder).
 Drafts are verified like any draft: the head changes speed, never the output. SSD has no
 head drafter: a head needs the hidden state of the token it continues, which exists only
 once the target has verified it (docs/architecture.md, "Draft heads").
@@ -36,8 +38,8 @@ class HeadDrafter(DrafterBase):
         audit: Audit | None = None,
         row_params: Sequence[SamplingParams] = (),
     ) -> None:
-        self.runner = runner  # backends.torch.heads.runner.HeadRunner
-        self.hidden = runner.head.args.hidden_layers
+        self.runner = runner  # a head's runner (backends.torch.heads: HeadRunner, AssistantRunner)
+        self.hidden = runner.hidden_layers
         self.k, self.params, self.device = k, params, device
         self.site = (audit or Audit()).site("draft")
         generator = torch.Generator(device=runner.device).manual_seed(params.stream_seed(104729))
@@ -90,10 +92,9 @@ class HeadDrafter(DrafterBase):
 
 
 def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter:
-    """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head loaded beside
-    the target, on its device, sharing its embeddings (Runner.head_inputs)."""
-    from ssdlocal.backends.torch.heads.eagle3 import load_eagle3
-    from ssdlocal.backends.torch.heads.runner import HeadRunner
+    """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head of its kind
+    loaded beside the target, on its device, sharing its embeddings (Runner.head_inputs)."""
+    from ssdlocal.backends.torch.heads import load_runner
     from ssdlocal.core.config import Mode
     from ssdlocal.core.errors import UsageError
 
@@ -104,11 +105,7 @@ def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter
         )
     if res.target is None:
         raise RuntimeError("a draft head needs the target's runner")  # a caller bug
-    shared = res.target.head_inputs()
-    head = load_eagle3(
-        spec.draft.path, shared.embeddings, shared.layers, res.target_vocab, res.target_device, shared.dtype
-    )
-    runner = HeadRunner(head, res.target_device, shared.dtype)
+    runner = load_runner(spec.draft.head, spec.draft.path, res.target, res.target_vocab)
     drafter = HeadDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
     drafter.reserve(res.batch, res.num_slots)
     return drafter
