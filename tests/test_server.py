@@ -329,6 +329,7 @@ def test_several_prompts_and_n_choices(server):
         assert got == ask(server.client, prompt, chat=False, stream=False, max_tokens=6, ignore_eos=True)["ids"]
     assert reply.usage.completion_tokens == 24
     assert reply.model_extra["ssdlocal"]["batch_size"] == 4
+    assert reply.model_extra["ssdlocal"]["same_every_run"] is True  # torch keeps each row's tokens its own
 
 
 def test_the_engine_survives_a_failed_request(server, monkeypatch):

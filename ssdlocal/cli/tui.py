@@ -93,9 +93,13 @@ def race(
 ) -> None:
     """AR | SD | SSD side by side on one prompt: speedups and an identical-output check.
 
-    The modes run one after another and are replayed with their measured timings.
+    The modes run one after another and are replayed with their measured timings; a mode
+    run while other load used the CPU is run again once, and said if still disturbed. On
+    kernels whose logits part with the call width (llama.cpp on a CPU) every mode's steps
+    are batch-invariant, so greedy outputs are identical.
     """
     from ssdlocal.tui.race import race_specs
+    from ssdlocal.tui.facts import exact_config
 
     if not prompt.strip():
         raise UsageError("empty prompt", "pass some text to generate from")
@@ -111,9 +115,10 @@ def race(
         replace(spec, mode="ssd"),  # the worker loads the draft at start
         need_draft="the race needs a draft for SD and SSD",
     )
+    default, config = config, exact_config(config)
     specs = race_specs(config.spec)
     if no_tui:
-        _race_plain(config, prompt, specs, params, chat=chat_template, warmup=warmup)
+        _race_plain(config, default, prompt, specs, params, chat=chat_template, warmup=warmup)
         return
     from ssdlocal.tui.app import RaceApp
 
@@ -127,23 +132,22 @@ def race(
             chat=chat_template,
             warmup=warmup,
             speed=speed,
+            default_config=default,
         )
     )
 
 
-def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool) -> None:
-    """`race --no-tui`: run the three modes and print the answer and a Rich table."""
+def _race_plain(
+    config: EngineConfig, default: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool
+) -> None:
+    """`race --no-tui`: run the three modes and print the answer, a Rich table and the
+    lines beside it (tui/facts.footer_lines; the SSD draft's hardware)."""
     from rich.console import Console
 
     from ssdlocal.cli.progress import preparing
     from ssdlocal.cli.render import load_engine
-    from ssdlocal.tui.race import (
-        identical_verdict,
-        record_run,
-        summarize,
-        summary_legend,
-        summary_table,
-    )
+    from ssdlocal.tui.race import record_mode, summarize, summary_legend, summary_table
+    from ssdlocal.tui.facts import footer_lines, ssd_note
 
     with preparing() as progress:  # every step on stderr: loading, warm-up, each mode's run
         engine = load_engine(config)
@@ -165,12 +169,15 @@ def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams
                 stage = f"running {spec.mode.value.upper()}"
                 progress(stage, 0, params.max_new_tokens)
                 runs.append(
-                    record_run(
+                    record_mode(
                         engine,
                         ids,
                         params,
                         spec,
                         on_tokens=lambda n, _new, stage=stage: progress(stage, n, params.max_new_tokens),
+                        on_rerun=lambda load, mode=spec.mode.value.upper(): progress(
+                            f"running {mode} again ({load.describe()})", 0, params.max_new_tokens
+                        ),
                     )
                 )
                 progress(stage, params.max_new_tokens, params.max_new_tokens)
@@ -180,6 +187,7 @@ def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams
     rows = summarize(runs)
     console.print(summary_table(rows, title="AR | SD | SSD, run one after another"))
     console.print(summary_legend(), style="dim", highlight=False)
-    verdict = identical_verdict(rows, params.greedy)
-    if verdict:
-        console.print(verdict, markup=False, highlight=False)
+    for line in footer_lines(rows, config, default, params.greedy):
+        console.print(line, markup=False, highlight=False)
+    costs = getattr(engine, "costs", None)  # the draft model's measured cost per token
+    console.print(f"SSD: {ssd_note(config, runs, costs=costs)}", markup=False, highlight=False)
