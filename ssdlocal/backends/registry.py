@@ -106,3 +106,13 @@ def prepare_weights(
     resolves for the file) or else its float conversion (`floats=False`: the file itself,
     nothing converted), and a checkpoint directory itself; llama.cpp reads the path as it is."""
     return backend_for(name).prepare(path, quantization, dtype, progress, floats)
+
+
+def load_head(kind: str, path: str | Path, target: Runner, vocab: int) -> Any:
+    """The runner of a draft head of `kind` (weights.formats.archs.HEADS) at `path`, beside
+    the target runner whose hidden states, embeddings and cache it reads (`vocab`: the
+    target's). Heads run on the torch backend (backends/torch/heads); a target runner that
+    shares nothing with a head refuses in Runner.head_inputs, with a hint."""
+    from ssdlocal.backends.torch.heads import load_runner
+
+    return load_runner(kind, path, target, vocab)

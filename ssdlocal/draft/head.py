@@ -93,8 +93,9 @@ class HeadDrafter(DrafterBase):
 
 def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter:
     """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head of its kind
-    loaded beside the target, on its device, sharing its embeddings (Runner.head_inputs)."""
-    from ssdlocal.backends.torch.heads import load_runner
+    loaded beside the target, on its device, sharing its embeddings (Runner.head_inputs),
+    through backends.registry.load_head."""
+    from ssdlocal.backends.registry import load_head
     from ssdlocal.core.config import Mode
     from ssdlocal.core.errors import UsageError
 
@@ -105,7 +106,7 @@ def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter
         )
     if res.target is None:
         raise RuntimeError("a draft head needs the target's runner")  # a caller bug
-    runner = load_runner(spec.draft.head, spec.draft.path, res.target, res.target_vocab)
+    runner = load_head(spec.draft.head, spec.draft.path, res.target, res.target_vocab)
     drafter = HeadDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
     drafter.reserve(res.batch, res.num_slots)
     return drafter
