@@ -64,7 +64,7 @@ def test_the_assistant_computes_what_transformers_computes(dirs, which):
     state and its shared keys/values up to the newest verified position."""
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
-    from ssdlocal.backends.torch.heads import load_runner
+    from ssdlocal.backends.torch.heads import load_head
     from ssdlocal.backends.torch.loader import load_model
     from ssdlocal.backends.torch.runner import TorchRunner
 
@@ -78,7 +78,7 @@ def test_the_assistant_computes_what_transformers_computes(dirs, which):
     runner.keep_hidden((-1,))
     runner.feed([ids[0].tolist()])
     hidden = runner.hidden()  # [1, 30, D]
-    head = load_runner(KIND, dirs[which], runner, target.config.vocab_size)
+    head = load_head(KIND, str(dirs[which]), runner.head_inputs(), target.config.vocab_size, runner.device)
     head.reset(1, 64)
     embed = target.get_input_embeddings()
     for q in (3, 12, 25):  # the sliding window is 8: 12 and 25 see only its last 9 keys

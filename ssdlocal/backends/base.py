@@ -15,7 +15,7 @@ the longest stored prefix of its tokens and feeds only the rest.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,6 +75,11 @@ class Backend(Protocol):
         (core/measured.machine has torch's version), or None: timings kept for one build
         are not trusted for another."""
 
+    def load_head(self, kind: str, path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+        """The runner of the draft head of `kind` (weights.formats.archs.HEADS) in directory
+        `path`, on `device` beside a target that shares `shared` (Runner.head_inputs); a
+        backend that runs no heads raises UsageError with a hint."""
+
     def context_length(self, path: str) -> int | None:
         """The model's context (positions) read without loading it, where the backend takes
         it as stored; None where it cannot say (torch may extend it by rope scaling)."""
@@ -83,7 +88,7 @@ class Backend(Protocol):
 @dataclass(frozen=True)
 class LayerKV:
     """How one layer of a target keeps its keys and values, for a draft head that attends
-    over them (Runner.head_kv): its sliding window (None: full attention), kv heads and
+    over them (HeadInputs.read_kv): its sliding window (None: full attention), kv heads and
     head width, and `source`, the layer whose cache it reads (itself unless it shares one)."""
 
     window: int | None
@@ -97,7 +102,11 @@ class HeadInputs:
     """What a target model shares with a draft head that reads its hidden states: the token
     embedding module (the head embeds its drafts with it) and the factor the target scales
     embeddings by (None: none), the layers and the hidden width, and per layer how it keeps
-    its keys and values (`kv`, for a head that reads them: Runner.head_kv)."""
+    its keys and values (`kv`) with `read_kv(layer)`, for a head that attends over them (None:
+    a target that shares no cache): layer `layer`'s keys and values as they are now, to read
+    and never write, [B, Hkv, S, D] each (its source's cache); slot s of a row that feeds and
+    steps in order holds position s. The cache may be reallocated by any later feed or step:
+    call it again for every use."""
 
     embeddings: Any
     layers: int
@@ -105,6 +114,7 @@ class HeadInputs:
     dtype: torch.dtype
     embed_scale: float | None = None
     kv: tuple[LayerKV, ...] = ()
+    read_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 HiddenLayers = tuple[int, ...]
@@ -213,12 +223,6 @@ class Runner(Protocol):
         """What a draft head shares with this model (its token embeddings, layer count and
         width); UsageError (with a hint) from a runner that cannot share them."""
 
-    def head_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys and values as they are now, for a draft head to read and never
-        write: [B, Hkv, S, D] each (its source's cache, HeadInputs.kv); slot s of a row that
-        feeds and steps in order holds position s. The cache may be reallocated by any later
-        feed or step: read it again for every use."""
-
     def hidden(self) -> torch.Tensor:
         """The hidden states `keep_hidden` asked for, of the last feed or step, at every column
         it fed ([B, T, len(layers) * D]: row b's first len(rows[b]) columns of a feed are its
@@ -321,10 +325,6 @@ class HeldRows:
             f"the {type(self).__name__} cannot share its embeddings with a draft head",
             "run the target on the torch backend (--target-backend torch), or use a draft model",
         )
-
-    def head_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runner.head_kv: none shared (head_inputs refuses first)."""
-        raise RuntimeError(f"the {type(self).__name__} shares no keys and values")
 
     def hidden(self) -> torch.Tensor:
         """Runner.hidden: none kept (keep_hidden refuses them)."""

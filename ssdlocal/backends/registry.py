@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ssdlocal.backends.base import Backend, Runner
+from ssdlocal.backends.base import Backend, HeadInputs, Runner
 from ssdlocal.core.models import BackendName, ModelSpec
 
 
@@ -82,6 +82,12 @@ def context_length(path: str, name: BackendName) -> int | None:
     return backend_for(name).context_length(path)
 
 
+def load_head(kind: str, path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+    """The runner of a draft head (Backend.load_head): heads are our own torch modules, run
+    beside a target that shares its embeddings (only a torch target can: Runner.head_inputs)."""
+    return backend_for(BackendName.TORCH).load_head(kind, path, shared, target_vocab, device)
+
+
 def load_tokenizer(path: str, name: BackendName = BackendName.TORCH) -> Any:
     """The model's tokenizer (transformers), reading no weights."""
     return backend_for(name).load_tokenizer(path)
@@ -106,13 +112,3 @@ def prepare_weights(
     resolves for the file) or else its float conversion (`floats=False`: the file itself,
     nothing converted), and a checkpoint directory itself; llama.cpp reads the path as it is."""
     return backend_for(name).prepare(path, quantization, dtype, progress, floats)
-
-
-def load_head(kind: str, path: str | Path, target: Runner, vocab: int) -> Any:
-    """The runner of a draft head of `kind` (weights.formats.archs.HEADS) at `path`, beside
-    the target runner whose hidden states, embeddings and cache it reads (`vocab`: the
-    target's). Heads run on the torch backend (backends/torch/heads); a target runner that
-    shares nothing with a head refuses in Runner.head_inputs, with a hint."""
-    from ssdlocal.backends.torch.heads import load_runner
-
-    return load_runner(kind, path, target, vocab)

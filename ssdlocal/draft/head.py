@@ -38,8 +38,8 @@ class HeadDrafter(DrafterBase):
         audit: Audit | None = None,
         row_params: Sequence[SamplingParams] = (),
     ) -> None:
-        self.runner = runner  # a head's runner (backends.torch.heads: HeadRunner, AssistantRunner)
-        self.hidden = runner.hidden_layers
+        self.runner = runner  # the backend's head runner (backends.registry.load_head)
+        self.hidden = runner.head.args.hidden_layers
         self.k, self.params, self.device = k, params, device
         self.site = (audit or Audit()).site("draft")
         generator = torch.Generator(device=runner.device).manual_seed(params.stream_seed(104729))
@@ -93,8 +93,7 @@ class HeadDrafter(DrafterBase):
 
 def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter:
     """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head of its kind
-    loaded beside the target, on its device, sharing its embeddings (Runner.head_inputs),
-    through backends.registry.load_head."""
+    loaded beside the target, on its device, sharing its embeddings (Runner.head_inputs)."""
     from ssdlocal.backends.registry import load_head
     from ssdlocal.core.config import Mode
     from ssdlocal.core.errors import UsageError
@@ -106,7 +105,8 @@ def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter
         )
     if res.target is None:
         raise RuntimeError("a draft head needs the target's runner")  # a caller bug
-    runner = load_head(spec.draft.head, spec.draft.path, res.target, res.target_vocab)
+    shared = res.target.head_inputs()
+    runner = load_head(spec.draft.head, spec.draft.path, shared, res.target_vocab, res.target_device)
     drafter = HeadDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
     drafter.reserve(res.batch, res.num_slots)
     return drafter

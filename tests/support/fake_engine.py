@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import replace
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import (
@@ -271,9 +271,11 @@ class FakeMeter:
         return LoadSample(self._wall, self._busy, self._ours, self.cores)
 
 
-def chat_settings(mode: Mode = Mode.SSD, draft: str | None = "d", k: int = 4, fan_out=None, **sampling):
-    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams."""
+def chat_settings(mode: Mode = Mode.SSD, draft: Any = "d", k: int = 4, fan_out=None, **sampling):
+    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams;
+    `draft` as a user types it (None, "ngram", a path) or a Draft already made."""
     from ssdlocal.tui.core import ChatSettings
 
-    spec = SpecConfig(mode=mode, k=k, draft=draft_of(draft), fan_out=fan_out)
+    made = draft if draft is not None and not isinstance(draft, str) else draft_of(draft)
+    spec = SpecConfig(mode=mode, k=k, draft=made, fan_out=fan_out)
     return ChatSettings(spec, SamplingParams(**{"max_new_tokens": 256, **sampling}))

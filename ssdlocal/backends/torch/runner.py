@@ -321,10 +321,10 @@ class TorchRunner(StoredPrefixes, HeldRows):
             attn, source = layer.self_attn, getattr(layer, "kv_source", None)
             kv.append(LayerKV(attn.window, attn.n_kv_heads, attn.head_dim, i if source is None else source))
         embeds, scale = self.model.embed_tokens, self.model.embed_scale
-        return HeadInputs(embeds, args.num_layers, args.hidden_size, self.loaded.dtype, scale, tuple(kv))
+        return HeadInputs(embeds, args.num_layers, args.hidden_size, self.loaded.dtype, scale, tuple(kv), self.head_kv)
 
     def head_kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Runner.head_kv: the cache layer `layer` reads (its kv_source's), as it is now."""
+        """HeadInputs.read_kv: the cache layer `layer` reads (its kv_source's), as it is now."""
         cache = self.model.layers[layer].self_attn.kv_cache
         return cache.k, cache.v
 

@@ -1,5 +1,5 @@
 """A Gemma 4 assistant's decoding state over a batch of rows: each row's position and state,
-on the device. It has no cache: every forward reads the target's (Runner.head_kv) as it is.
+on the device. It has no cache: every forward reads the target's (HeadInputs.read_kv) as it is.
 
 `catch_up` takes the pairs the target verified in HeadRunner's form and keeps each row's
 last one, (the target's final hidden state after token q, token q + 1): the assistant reads
@@ -14,18 +14,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import HeadInputs, Runner
+from ssdlocal.backends.base import HeadInputs
 from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.heads.gemma4_assistant import Gemma4Assistant
 from ssdlocal.backends.torch.models.gemma3 import FULL
 
 
 class AssistantRunner:
-    """One assistant beside the target runner whose embeddings, hidden states and cache it reads."""
+    """One assistant beside the target whose embeddings, hidden states and cache it reads."""
 
-    def __init__(self, head: Gemma4Assistant, shared: HeadInputs, target: Runner, dtype: torch.dtype) -> None:
-        self.head, self.target, self.dtype = head, target, dtype
-        self.device = target.device
+    def __init__(self, head: Gemma4Assistant, shared: HeadInputs, device) -> None:
+        if shared.read_kv is None:
+            raise RuntimeError("a Gemma 4 assistant needs the target's cache")  # load_assistant refused first
+        self.head, self.dtype, self.device = head, shared.dtype, torch.device(device)
+        self.read_kv = shared.read_kv
         self.embed, self.embed_scale = shared.embeddings, shared.embed_scale
         self.vocab_size = head.args.text.vocab_size
         self.groups = {kind: head.args.text.num_heads // shared.kv[i].kv_heads for kind, i in head.args.reads.items()}
@@ -33,10 +35,6 @@ class AssistantRunner:
         self.state: Tensor | None = None  # [B, backbone]: the next step's state
         self.span = 1  # slots the keys come from: > every row's q (host-known)
         self.num_slots = 0
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return self.head.args.hidden_layers
 
     def reset(self, batch: int, num_slots: int) -> None:
         """A batch of rows with positions below `num_slots`."""
@@ -76,7 +74,7 @@ class AssistantRunner:
         kv, masks = {}, {}
         window = self.head.args.text.sliding_window
         for kind, layer in self.head.args.reads.items():
-            keys, values = self.target.head_kv(layer)  # [B, Hkv, slots, Dh] each
+            keys, values = self.read_kv(layer)  # [B, Hkv, slots, Dh] each
             span = min(self.span, keys.shape[2])
             kv[kind] = keys[:, :, :span], values[:, :, :span]
             slots = torch.arange(span, device=self.device)  # [S]

@@ -30,11 +30,6 @@ class HeadRunner:
         self.state: Tensor | None = None  # [B, H]: each row's state after its last step
         self.num_slots = 0
 
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """The target's hidden states the head reads (backends.base.HiddenLayers)."""
-        return self.head.args.hidden_layers
-
     def reset(self, batch: int, num_slots: int) -> None:
         """A batch of empty rows with room for `num_slots` positions."""
         attn = self.head.midlayer.self_attn
