@@ -65,3 +65,38 @@ def test_race_no_tui_in_a_pipe(tiny_dir, monkeypatch, capsys):
         "running SSD: 8/8 tokens",
     ):
         assert step in err, (step, err)
+
+
+def test_race_with_a_draft_head_runs_ar_and_sd_and_says_why_not_ssd(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A draft head drafts in SD only: the race runs AR and SD, identical, and says why
+    SSD is not raced instead of failing in its lane."""
+    from support.tiny_heads import make_eagle3
+
+    head = make_eagle3(tmp_path / "eagle3", tiny_dir["llama"])
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "race",
+        "the cat sat",
+        "--no-tui",
+        "--target",
+        tiny_dir["llama"],
+        "--draft",
+        head,
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--k",
+        "3",
+        "--raw",
+    )
+    assert code == 0, err
+    table = out.splitlines()
+    table = table[next(i for i, line in enumerate(table) if line.startswith("mode ")) :]
+    modes = [line.split()[0] for line in table if line.split()[:1] in (["AR"], ["SD"], ["SSD"])]
+    assert modes == ["AR", "SD"], out
+    assert "identical output in every mode" in out
+    assert "SSD: not raced: the eagle3 head" in out and "drafts in SD only" in out, out
+    assert "running SSD" not in err

@@ -19,7 +19,7 @@ from ssdlocal.cli.options import (
     model_command,
 )
 from ssdlocal.cli.resolve import engine_config, parse_mode
-from ssdlocal.core.config import EngineConfig, SamplingParams
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams
 from ssdlocal.core.errors import UsageError
 
 
@@ -115,6 +115,8 @@ def race(
         replace(spec, mode="ssd"),  # the worker loads the draft at start
         need_draft="the race needs a draft for SD and SSD",
     )
+    if not config.spec.draft.ssd:  # a draft head: the race runs AR and SD, and says why not SSD
+        config = replace(config, spec=replace(config.spec, mode=Mode.SD))
     default, config = config, exact_config(config)
     specs = race_specs(config.spec)
     if no_tui:
@@ -159,11 +161,12 @@ def _race_plain(
                     seed=params.seed,
                     max_new_tokens=min(4, params.max_new_tokens),
                 )
+                stage = "warming up " + ", ".join(s.mode.value.upper() for s in specs)
                 for n, spec in enumerate(specs):  # SD's first call loads the draft here (once)
-                    progress("warming up AR, SD, SSD", n, len(specs))
+                    progress(stage, n, len(specs))
                     for _ in engine.generate([ids], short, spec=spec):
                         pass
-                progress("warming up AR, SD, SSD", len(specs), len(specs))
+                progress(stage, len(specs), len(specs))
             runs = []
             for spec in specs:
                 stage = f"running {spec.mode.value.upper()}"
@@ -185,9 +188,11 @@ def _race_plain(
     first = runs[0].output
     console.print(first.text if first else "", markup=False, highlight=False)
     rows = summarize(runs)
-    console.print(summary_table(rows, title="AR | SD | SSD, run one after another"))
+    title = " | ".join(s.mode.value.upper() for s in specs)
+    console.print(summary_table(rows, title=f"{title}, run one after another"))
     console.print(summary_legend(), style="dim", highlight=False)
     for line in footer_lines(rows, config, default, params.greedy):
         console.print(line, markup=False, highlight=False)
     costs = getattr(engine, "costs", None)  # the draft model's measured cost per token
-    console.print(f"SSD: {ssd_note(config, runs, costs=costs)}", markup=False, highlight=False)
+    if config.spec.draft.ssd:  # else footer_lines said why SSD did not run
+        console.print(f"SSD: {ssd_note(config, runs, costs=costs)}", markup=False, highlight=False)

@@ -193,6 +193,11 @@ def ssd_note(config: EngineConfig, runs: Sequence | None = None, *, short: bool 
     """The SSD pane's note: where its draft runs; once the modes have run and the draft
     shares the target's hardware, what `bench --project` expects with hardware of its own
     (`short`: the few lines a pane has; `costs`: the engine's measured step costs)."""
+    if not config.spec.draft.ssd:
+        return (
+            f"not raced: the {config.spec.draft.label} drafts in SD only (it reads the hidden state of the "
+            "token it continues, which exists once the target has verified it; SSD needs a draft model)"
+        )
     shares, where = hardware(config)
     if short and shares and normalize_device(config.draft_model.device) == "cpu":  # type: ignore[union-attr]
         where = f"draft shares the target's {_cores()} CPU cores"
@@ -220,6 +225,8 @@ def footer_lines(rows: Sequence, config: EngineConfig, default: EngineConfig | N
     lines = [identical_verdict(rows, greedy, divergence_cause(config))]
     lines.append(exact_form(config) or "")
     lines.append(timing_note(rows))
+    if not config.spec.draft.ssd:  # no SSD pane: say why here
+        lines.append(f"SSD: {ssd_note(config)}")
     said = [f"{who}: {_said(choice)}" if who else _said(choice) for who, choice in auto_choices(config, default)]
     lines.append("auto here: " + "; ".join(said))
     return [line for line in lines if line]

@@ -67,11 +67,13 @@ class RaceRun:
 
 
 def race_specs(base: SpecConfig, k: int | None = None, fan_out: tuple[int, ...] | None = None) -> list[SpecConfig]:
-    """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD)."""
+    """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD);
+    SSD left out for a draft that drafts in SD only (a draft head: `Draft.ssd`)."""
     k = k or base.k
     fan = fan_out if fan_out is not None else base.fan_out
     fan = fan if fan is not None and len(fan) == k + 1 else None
-    return [replace(base, mode=m, k=k, fan_out=fan, fan_out_miss=None) for m in RACE_MODES]
+    modes = [m for m in RACE_MODES if m is not Mode.SSD or base.draft.ssd]
+    return [replace(base, mode=m, k=k, fan_out=fan, fan_out_miss=None) for m in modes]
 
 
 def record_run(
