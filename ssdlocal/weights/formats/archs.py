@@ -219,7 +219,11 @@ FAMILY_SIZES = {
 
 # ------------------------------------------------------------------ draft heads
 # config.json `architectures` of the draft heads the torch backend reads, by kind
-HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+# (backends/torch/heads loads each kind)
+HEADS = {
+    "eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2"),
+    "gemma4_assistant": ("Gemma4AssistantForCausalLM",),
+}
 
 
 def head_kind(path) -> str | None:
