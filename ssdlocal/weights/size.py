@@ -66,8 +66,7 @@ def read_shapes(path: str | Path) -> Shapes:
     for file in sorted(path.glob("*.safetensors")):
         with SafetensorsReader(file) as f:
             for name in f.keys():  # noqa: SIM118 - a reader, not a dict
-                if (ours := described.from_checkpoint(name)) is not None:
-                    tensors[ours] = f.shape(name)
+                tensors.update(described.checkpoint_shapes(name, f.shape(name)))  # packed ones as ours
     return Shapes(described, tensors, None, _experts(*described.expert_counts(raw)))
 
 
