@@ -188,6 +188,39 @@ def make_gpt_oss(out_dir: Path, tokenizer_dir: Path, seed: int = 23, **changes) 
     return _save(model, out_dir, tokenizer_dir)
 
 
+def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., out, in] (in a multiple of 32) -> MXFP4 (blocks [..., out, in/32, 16],
+    scales [..., out, in/32] uint8): per block of 32 the power of two that brings its
+    largest value to [4, 8) (6 is the largest code), each value rounded to the nearest code."""
+    *lead, out, width = weight.shape
+    groups = weight.float().reshape(*lead, out, width // 32, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-100))) - 2  # [..., out, G]
+    scaled = groups / torch.exp2(exponent)[..., None]  # [..., out, G, 32]
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)  # [..., out, G, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4(float_dir: Path, out_dir: Path) -> Path:
+    """A copy of gpt-oss checkpoint `float_dir` with its experts' weights as published:
+    MXFP4 blocks and scales, [E, out, ...] (quantization_config names mxfp4)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(shutil.copytree(float_dir, out_dir))
+    state = load_file(out_dir / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = pack_mxfp4(state.pop(name).transpose(1, 2))  # stored [E, in, out]
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
 def _randomize_norms(model, seed: int) -> None:
     """Norm weights drawn around their init (transformers starts them at 0 or 1), so a
     norm whose offset or cast is wrong changes the logits."""

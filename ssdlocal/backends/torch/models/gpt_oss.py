@@ -58,12 +58,16 @@ class GptOssArgs(ModelArgs):
             if kind not in (SLIDING, FULL):
                 raise unsupported(f"{arch} with layer type {kind!r}")
         quantized = getattr(cfg, "quantization_config", None) or {}
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        method = (
+            quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        )
         if method not in (None, "mxfp4"):  # MXFP4 experts are dequantized as they load (backends/torch/packed.py)
             raise unsupported(f"{arch} with quantization_config.quant_method={method!r}")
         theta, scaling = read_rope(None, cfg, arch, ROPE_TYPES)
-        if scaling and scaling.get("partial_rotary_factor", 1.0) != 1.0:
-            raise unsupported(f"{arch} with partial_rotary_factor={scaling['partial_rotary_factor']!r}")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        if partial not in (None, 1.0):  # transformers' gpt-oss rotates every dimension
+            raise unsupported(f"{arch} with partial_rotary_factor={partial!r}")
         if scaling and scaling["rope_type"] == "yarn" and scaling.get("factor") is None:  # as transformers infers it
             scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
         qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", True)))
