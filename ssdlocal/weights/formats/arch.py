@@ -194,6 +194,9 @@ class Architecture:
     experts: our modules inside a layer that hold routed experts stacked [E, ...] (a token
     reads `used` of them: weights/size.py); expert_keys: config.json's names for (routed
     experts, experts used per token).
+    gguf_config: GGUF metadata keys (after "{gguf_architecture}.") -> the config.json field
+    each states, for the fields transformers' GGUF reader leaves out or reads otherwise
+    (weights/formats/gguf_tensors.py applies them to a GGUF's config).
     """
 
     name: str
@@ -212,6 +215,7 @@ class Architecture:
     experts: frozenset[str] = frozenset()
     expert_keys: tuple[tuple[str, ...], str] = (("num_experts", "num_local_experts"), "num_experts_per_tok")
     family: str = "llama"
+    gguf_config: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for module, linear in self.linears.items():
