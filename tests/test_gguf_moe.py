@@ -161,3 +161,34 @@ def test_the_engine_runs_a_quantized_moe_gguf_target_exactly_in_traced_graphs(mo
                     stats = done.stats["graphs"]["target"]
                     assert stats["replays"] > 0 and stats["refused"] == stats["dropped"] == 0, stats
     assert len(set(map(str, answers.values()))) == 1, answers
+
+
+@pytest.mark.parametrize("source", ["source", "q4_k_m"])
+def test_a_step_reads_the_experts_its_tokens_touch(moe, source):
+    """weights/size.step_bytes from headers (a checkpoint or a GGUF's int4 layout): every
+    weight but the untied embedding's table, and of the experts the share a step of N tokens
+    touches (core.reads); what `bench --project` divides by (bench/report.weight_reads)."""
+    from ssdlocal.core.config import EngineConfig, ModelDraft, ModelSpec, SpecConfig
+    from ssdlocal.bench.report import weight_reads
+    from ssdlocal.core.reads import experts_touched
+    from ssdlocal.weights.size import step_bytes, weight_bytes
+
+    path, scheme = moe[source], "none" if source == "source" else "int4"
+    model = load_model(path, "cpu", "float32", scheme).model
+    sizes = {n: b.numel() * b.element_size() for n, b in [*model.named_parameters(), *model.named_buffers()]}
+    experts = sum(v for n, v in sizes.items() if ".experts." in n)
+    embedding = sum(v for n, v in sizes.items() if n.startswith("embed_tokens."))
+    assert weight_bytes(path, scheme, "float32") == pytest.approx(sum(sizes.values()), rel=0.01)
+    for tokens in (1, 5, 64):
+        want = sum(sizes.values()) - embedding - experts + experts * experts_touched(EXPERTS, 2, tokens)
+        assert step_bytes(path, scheme, "float32", tokens) == pytest.approx(want, rel=0.01), tokens
+    one, five = (step_bytes(path, scheme, "float32", n) for n in (1, 5))
+    assert five > one
+    config = EngineConfig(
+        target=ModelSpec(str(path), dtype="float32", quantization=scheme),
+        spec=SpecConfig(k=4, draft=ModelDraft(ModelSpec(str(moe["source"]), dtype="float32"))),
+    )
+    ratio, verify = weight_reads(config, 4)
+    assert verify == pytest.approx(five / one) and ratio == pytest.approx(
+        step_bytes(moe["source"], "none", "float32") / one
+    )
