@@ -239,6 +239,9 @@ class Architecture:
     experts, experts used per token).
     per_head: our tensors inside a layer holding one value per query head (gpt-oss's
     `self_attn.sinks`): tensor parallelism splits them with the heads.
+    gguf_config: GGUF metadata keys (after "{gguf_architecture}.") -> the config.json field
+    each states, for the fields transformers' GGUF reader leaves out or reads otherwise
+    (weights/formats/gguf_tensors.py applies them to a GGUF's config).
     """
 
     name: str
@@ -259,6 +262,7 @@ class Architecture:
     expert_keys: tuple[tuple[str, ...], str] = (("num_experts", "num_local_experts"), "num_experts_per_tok")
     family: str = "llama"
     per_head: tuple[str, ...] = ()
+    gguf_config: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for module, linear in self.linears.items():

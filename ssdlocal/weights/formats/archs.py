@@ -71,6 +71,12 @@ QWEN3_MOE = Architecture(
     pair_family="qwen3",
     experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
     family="qwen3_moe",
+    # transformers' GGUF reader takes the expert counts but not the experts' width
+    gguf_config={
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+    },
 )
 
 # Gemma 3: four norms per layer (llama.cpp: attn_norm, post_attention_norm, ffn_norm,
