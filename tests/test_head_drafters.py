@@ -7,6 +7,8 @@ or SSD, is refused with a hint."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from support.tiny_heads import make_eagle3
@@ -101,3 +103,28 @@ def test_the_cli_takes_a_head_as_draft_and_check_compares_sd_only(tiny_dir, head
     code, out, err = run_cli(monkeypatch, capsys, "check", *base, "--max-new-tokens", "12")
     assert code == 0, err
     assert "greedy AR / SD on 3 prompts" in out and "SD reproduces AR" in out and "ssd" not in out.lower().split()
+
+
+def test_sampling_with_a_head_draws_from_the_targets_exact_joint(tiny_dir, tmp_path_factory):
+    """At temperature 1, SD with a head proposes from the head's q over its reduced
+    vocabulary (zero elsewhere) and the target accepts or resamples from the residual:
+    the first three tokens follow the target's exact joint (chi-square, support/stats.py),
+    with both accepted and rejected drafts in the run."""
+    from dataclasses import replace
+
+    from support.exact import K, N, PROMPT, T1, ExactJoint, sample_outputs
+    from support.stats import assert_distribution
+    from support.tiny_models import make_low_entropy_pair
+
+    root = tmp_path_factory.mktemp("head-joint")
+    target, _ = make_low_entropy_pair(tiny_dir["llama"], root)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    head = make_eagle3(root / "head", target, draft_vocab=vocab // 2)
+    config = EngineConfig(target=ModelSpec(str(target), dtype="float32"))
+    with Engine(config) as engine:
+        params = replace(T1, seed=70)
+        joint = ExactJoint(target, engine.encode(PROMPT, chat=False), params, N)
+        done, rounds = sample_outputs(engine, SpecConfig(mode=Mode.SD, k=K, draft=HeadDraft(str(head))), params)
+    accepted = [a for r in rounds for a in r.n_accepted]
+    assert 0 in accepted and any(a > 0 for a in accepted)  # both outcomes ran
+    assert_distribution(joint.categories(done.outputs), joint.probs, what="SD with an EAGLE-3 head")

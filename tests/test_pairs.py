@@ -62,6 +62,16 @@ def test_builtin_registry_is_complete():
     )
 
 
+def test_every_architecture_names_a_family_of_the_registry():
+    """A checkpoint's architecture leads to its registry family (the pair hint, pull's
+    drafts): every family the torch backend computes has pairs under that name."""
+    from ssdlocal.weights.formats.archs import architectures
+
+    families = {pair.family for pair in load_pairs().values()}
+    for arch in architectures():
+        assert (arch.pair_family or arch.model_type) in families, arch.name
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_pair_file(path):
     pair = parse_pair(path)

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from ssdlocal.backends.llamacpp.prefix import SeqStore
+from ssdlocal.backends.llamacpp.prefix import StateStore
 from ssdlocal.backends.prefix import BLOCK_TOKENS, PrefixIndex, store_tokens
 from ssdlocal.core.config import PREFIX_CACHE_TOKENS, EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import OutOfMemoryError, UsageError
@@ -151,17 +151,21 @@ def test_the_size_rules():
         EngineConfig(target=ModelSpec("x"), prefix_cache_tokens=-1)
 
 
-def test_llamacpp_sequences_keep_the_longest_prefixes():
-    store = SeqStore([10, 11], tokens=20)
-    seq, drop = store.place([1, 2, 3])
-    assert seq == 10 and drop == []
-    assert store.place([1, 2]) == (None, [])  # held already by the longer entry
-    seq, drop = store.place([1, 2, 3, 4])  # extends entry 10: replaces it
-    assert drop == [10] and store.best([1, 2, 3, 4, 5]) == (seq, 4)
-    store.place([9] * 8)
-    seq, drop = store.place([8] * 12)  # over the budget: the least recently used goes
-    assert drop and sum(map(len, store.entries.values())) <= 20
-    assert store.place([0] * 21) == (None, [])  # larger than the whole budget
+def test_llamacpp_states_keep_the_longest_prefixes():
+    store = StateStore(tokens=20, entries=2)
+    assert store.wanted([1, 2, 3], exact=0)
+    store.put([1, 2, 3], b"a", cells=3, exact=0)
+    assert not store.wanted([1, 2], exact=0)  # held already by the longer entry
+    assert store.wanted([1, 2], exact=2)  # ... but not as exactly
+    store.put([1, 2, 3, 4], b"b", cells=4, exact=0)  # extends the first: replaces it
+    entry, n = store.best([1, 2, 3, 4, 5])
+    assert len(store.entries) == 1 and entry.state == b"b" and n == 4
+    assert store.best([1, 2, 3, 4, 5], exact=True) == (None, 0)  # nothing of it is exact
+    store.put([9] * 8, b"c", cells=8, exact=8)
+    store.put([8] * 12, b"d", cells=12, exact=0)  # over the budget: the least recently used goes
+    assert sum(e.cells for e in store.entries.values()) <= 20 and len(store.entries) <= 2
+    assert not store.wanted([0] * 21, exact=0)  # larger than the whole budget
+    assert store.best([9] * 9, exact=True)[1] == 8
 
 
 # --------------------------------------------------------------------------- engines

@@ -26,12 +26,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
@@ -43,6 +38,7 @@ from ssdlocal.server.infill import InfillAnswer, check_fim_chars, fim_ids, parse
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
 from ssdlocal.server.metrics import Metrics
 from ssdlocal.server.protocol import (
+    RETRY_AFTER_S,
     APIError,
     ParsedRequest,
     bad,
@@ -80,7 +76,8 @@ class ServerState:
         self._tokenizer_lock = threading.Lock()
         self.closing = asyncio.Event()  # set when the server starts stopping (begin_shutdown)
         eos = getattr(self.scheduler.engine, "eos_ids", None) or ()
-        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
+        decoder = getattr(self.scheduler.engine, "tokenizer", None)  # the engine thread's, where masks are made
+        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos, decoder=decoder)
         self.grammars.warm_up()
         self.fim = fim_tokens(self.tokenizer)  # the model's fill-in-the-middle tokens, or None
 
@@ -143,7 +140,9 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
 
     async def health(request: Request) -> Response:
         if not state.scheduler.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse(
+                {"status": "engine stopped"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+            )
         return JSONResponse({"status": "ok"})
 
     routes = [

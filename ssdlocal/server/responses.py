@@ -8,7 +8,8 @@ stream sends the stats with its last finish chunk and `usage` as OpenAI does: on
 tool_parse.py: calls become `message.tool_calls` (streamed as `delta.tool_calls` with their
 index, each call once complete) and the finish reason `tool_calls`. A choice whose grammar
 the engine could not continue ends with finish_reason "error" and an `error` (`failures`). Log-probabilities go
-with the tokens they belong to (logprob_format.py). Pure dict building: no HTTP, no engine.
+with the tokens they belong to (logprob_format.py), never for the end-of-sequence token
+that ended a choice (`answer_logprobs`). Pure dict building: no HTTP, no engine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from ssdlocal.server.scheduler import Chunk, Finished
 from ssdlocal.server.tool_parse import CallStart, Content, ToolCallParser, collect
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
+
+
+def answer_logprobs(logprobs, token_ids, reason: str | None):
+    """A row's logprobs without the end-of-sequence token that ended it (Qwen's
+    `<|im_end|>`): it is no part of the answer's text, and OpenAI never returns it, so
+    the tokens returned join to the text."""
+    if logprobs and reason == "eos" and token_ids and logprobs[-1].token == token_ids[-1]:
+        return logprobs[:-1]
+    return logprobs
 
 
 def grammar_failure(req: ParsedRequest, message: str, choice: int | None = None) -> APIError:
@@ -101,7 +111,7 @@ class Responses:
     def complete(self, finished: Finished) -> dict[str, Any]:
         choices = []
         for index, (text, ids, reason) in enumerate(finished.choices):
-            lps = finished.logprobs[index] if finished.logprobs is not None else None
+            lps = answer_logprobs(finished.logprobs[index], ids, reason) if finished.logprobs is not None else None
             parser = None
             if self.req.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -154,7 +164,7 @@ class Responses:
         Logprobs of tokens whose text is still held back go with the next chunk sent."""
         pending = self._pending.setdefault(item.choice, [])
         if item.logprobs:
-            pending.extend(item.logprobs)
+            pending.extend(answer_logprobs(item.logprobs, item.token_ids, item.finish_reason))
         if self.tool_format is None:
             if not (item.text or self.req.return_token_ids):
                 return []  # text held back (a partial character, a stop string's start)

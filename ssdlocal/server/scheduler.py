@@ -110,6 +110,7 @@ class Job:
         self.errors: list[str | None] = [None] * n  # per choice: its grammar's failure
         self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
         self.batch_size = 0  # rows of the largest batch it shared
+        self.overlapped = False  # another job was waiting or running while it was
         self.joined_at: float | None = None  # when its first row joined the running batch
         self.inbox: Inbox | None = None  # where its requests wait (set by Scheduler.submit)
         self.requests: list[Request] = self.make_requests()
@@ -231,6 +232,9 @@ class Scheduler:
             if self._stopping:
                 job.push(Failed(ServerShuttingDown()))
                 return job
+            for other in self._jobs.values():  # they may share a batch, or its cells (read ahead)
+                if not other.done:
+                    other.overlapped = job.overlapped = True
             self._jobs[job.id] = job
             for choice, request in enumerate(job.requests):
                 self._owners[request.id] = (job, choice)
@@ -406,4 +410,15 @@ class Scheduler:
         graphs = self._snapshot.metrics.graphs if self._snapshot is not None else self._graphs
         m = Metrics.of(job.stats.counts, mode=self.mode, ttft_s=ttft, graphs=graphs)  # graphs: this seating's
         queue = None if job.joined_at is None else job.joined_at - job.submitted_at
-        return {**m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None), "queue_s": queue}
+        stats = m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None)
+        return {**stats, "queue_s": queue, "same_every_run": self._same_every_run(job)}
+
+    def _same_every_run(self, job: Job) -> bool:
+        """Whether the job's greedy tokens are the same whatever came before or beside it
+        (backends/llamacpp/alike.same_every_run: not for rows batched on llama.cpp's CPU kernels)."""
+        from ssdlocal.backends.llamacpp.alike import same_every_run
+
+        target = self.engine.config.target
+        alone = len(job.rows) == 1 and job.batch_size <= 1 and not job.overlapped
+        drafted = job.stats.counts.drafted > 0
+        return same_every_run(target.backend, target.device, target.batch_invariant, drafted=drafted, alone=alone)

@@ -75,6 +75,7 @@ class LiveServer:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0, timeout=120)
+        self.last_headers: dict[str, str] = {}  # of the last answer to get() / post()
 
     def settle(self, timeout: float = 30.0) -> None:
         """Wait until every seating begun has ended: an answer can reach the client before
@@ -86,10 +87,13 @@ class LiveServer:
             time.sleep(0.01)
 
     def get(self, path: str) -> tuple[int, str]:
+        """(status, text); the answer's headers (names lower-cased) in `last_headers`."""
         try:
             with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as resp:
+                self.last_headers = {k.lower(): v for k, v in resp.headers.items()}
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
+            self.last_headers = {k.lower(): v for k, v in exc.headers.items()}
             return exc.code, exc.read().decode()
 
     def post(self, path: str, data: bytes, headers: dict | None = None) -> tuple[int, dict]:
@@ -101,8 +105,10 @@ class LiveServer:
         )
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
+                self.last_headers = {k.lower(): v for k, v in resp.headers.items()}
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as exc:
+            self.last_headers = {k.lower(): v for k, v in exc.headers.items()}
             return exc.code, json.loads(exc.read())
 
     def close(self) -> None:

@@ -178,6 +178,7 @@ GPT_OSS = Architecture(
         **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
         **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
     },
+    pair_family="gpt-oss",
     experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
     family="gpt_oss",
     per_head=("self_attn.sinks",),
