@@ -478,9 +478,9 @@ def test_six_streams_finish_when_the_ssd_worker_dies_mid_answer(engine, tiny_dir
     import signal
 
     from ssdlocal.core.events import DraftLostEvent, SeatingDoneEvent
-    from ssdlocal.server.metrics import Metrics
+    from ssdlocal.server.metrics import ServerMetrics
 
-    served = Metrics("tiny", "ssd", "test")  # what the server's /metrics would say
+    served = ServerMetrics("tiny", "ssd", "test")  # what the server's /metrics would say
     spec = SPECS["ssd"](tiny_dir)
     requests = [Request(ids_of(engine, PROMPTS[i % len(PROMPTS)]), greedy(18 + 3 * i)) for i in range(6)]
     inbox, tokens, lost, losses, killed = Inbox(), defaultdict(list), [], [], []

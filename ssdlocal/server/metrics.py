@@ -19,7 +19,7 @@ from ssdlocal.core.metrics import Metrics as CallMetrics
 PREFIX = "ssdlocal_"
 
 
-class Metrics:
+class ServerMetrics:
     """Counters since the server started."""
 
     def __init__(self, model: str, mode: str, version: str) -> None:
@@ -68,7 +68,7 @@ class Metrics:
 
     def record_job(self, counts: Counts, stats: dict) -> None:
         """A job finished: its core.stats counts and its answer's stats
-        (Metrics.request_stats: the JSON the client gets, whose ttft is the request's own)."""
+        (core.metrics.Metrics.request_stats: the JSON the client gets, whose ttft is the request's own)."""
         with self._lock:
             self.counts = self.counts + counts
             ttft = stats.get("ttft_s")

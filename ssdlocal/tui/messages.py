@@ -11,6 +11,7 @@ from typing import Any
 from textual.message import Message
 
 from ssdlocal.core.metrics import Metrics
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.tui.core import Piece
 
 
@@ -64,10 +65,10 @@ class RoundFinished(Message):
 
 
 class GenerationDone(Message):
-    """The answer is complete (finish_reason "cancelled" after a stop); `load`: the other
+    """The answer is complete (FinishReason.CANCELLED after a stop); `load`: the other
     load on the machine while it ran (a tui.load.Disturbance)."""
 
-    def __init__(self, turn: int, text: str, finish_reason: str, stats: Metrics, load: Any = None) -> None:
+    def __init__(self, turn: int, text: str, finish_reason: FinishReason, stats: Metrics, load: Any = None) -> None:
         super().__init__()
         self.turn = turn
         self.text = text

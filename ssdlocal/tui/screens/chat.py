@@ -23,6 +23,7 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode
 from ssdlocal.core.errors import SSDLocalError
 from ssdlocal.core.events import DoneEvent, ModeEvent, RoundEvent, TokensEvent
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.tui.core import (
     ChatSettings,
     Conversation,
@@ -336,9 +337,9 @@ class ChatScreen(Screen):
         note = f"{self._gen_mode.value.upper()} · {s.tokens} tokens"
         if rate:
             note += f" · {rate:.1f} tok/s"
-        if msg.finish_reason == "cancelled":
+        if msg.finish_reason is FinishReason.CANCELLED:
             note += " · stopped"
-        elif msg.finish_reason == "length":
+        elif msg.finish_reason is FinishReason.LENGTH:
             note += " · max tokens reached"
         if msg.load is not None and msg.load.disturbed:
             note += f" · timings disturbed ({msg.load.describe()})"
