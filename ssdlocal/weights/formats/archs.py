@@ -259,9 +259,24 @@ def unsupported(what: str) -> UnsupportedArchitectureError:
     )
 
 
+# ------------------------------------------------------------------ pair families
+# the sizes (billions) each pair family's small models come in, beyond the registry's own
+# (a pull looks for a draft among them: weights/drafts.py)
+FAMILY_SIZES = {
+    "qwen2.5": (0.5, 1.5, 3.0),
+    "qwen3": (0.6, 1.7, 4.0),
+    "llama3": (1.0, 3.0),
+    "gemma3": (0.27, 1.0),
+}
+
 # ------------------------------------------------------------------ draft heads
 # config.json `architectures` of the draft heads the torch backend reads, by kind
-HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+# (backends/torch/heads loads each kind)
+HEADS = {
+    "eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2"),
+    "gemma4_assistant": ("Gemma4AssistantForCausalLM",),
+    "dflash": ("MuseGlimmerAssistantModel", "DFlashDraftModel", "DFlash2DraftModel"),  # block drafters
+}
 
 
 def head_kind(path) -> str | None:
@@ -275,3 +290,19 @@ def head_kind(path) -> str | None:
         return None
     names = raw.get("architectures") or () if isinstance(raw, dict) else ()
     return next((kind for kind, claimed in HEADS.items() if set(claimed) & set(names)), None)
+
+
+def head_most_drafts(path, kind: str) -> int | None:
+    """The most drafts a head of `kind` at `path` gives a round (a DFlash drafter: its
+    block_size - 1), or None where it has no such bound."""
+    import json
+    from pathlib import Path
+
+    if kind != "dflash":
+        return None
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+        block = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size", 16))
+        return max(int(block) - 1, 1)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
