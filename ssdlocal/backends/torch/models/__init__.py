@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, causal_mask
 from ssdlocal.backends.torch.models.gemma3 import Gemma3, Gemma3Args
 from ssdlocal.backends.torch.models.gemma4 import Gemma4, Gemma4Args
+from ssdlocal.backends.torch.models.gpt_oss import GptOss, GptOssArgs
 from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs
 from ssdlocal.backends.torch.models.qwen3_5 import Qwen3_5, Qwen3_5Args, Qwen3_5Moe
 from ssdlocal.backends.torch.models.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
@@ -34,6 +35,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": Family(Qwen3_5Args, Qwen3_5Moe),
     "gemma3": Family(Gemma3Args, Gemma3),
     "gemma4": Family(Gemma4Args, Gemma4),
+    "gpt_oss": Family(GptOssArgs, GptOss),
 }
 
 
