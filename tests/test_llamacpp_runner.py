@@ -83,11 +83,17 @@ class FakeLlamaLib:
     def meta(self, model, key):
         return "fake"
 
+    def window(self, model) -> int:
+        return 0
+
+    def recurrent(self, model) -> bool:
+        return False
+
     def tokenize(self, model, text):
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # contexts
-    def new_context(self, model, n_ctx, n_batch, n_seq_max, n_threads, *, flash_attn=None):
+    def new_context(self, model, n_ctx, n_batch, n_seq_max, n_threads, *, flash_attn=None, snapshots=0):
         ctx = FakeCtx(model, n_ctx, n_batch, n_seq_max)
         ctx.flash_attn = flash_attn
         self.contexts.append(ctx)
@@ -118,10 +124,10 @@ class FakeLlamaLib:
             if src in c["seqs"] and max(p0, 0) <= c["pos"] < hi:
                 c["seqs"].add(dst)
 
-    def seq_state(self, ctx, seq) -> bytes:
+    def seq_state(self, ctx, seq, partial=False) -> bytes:
         return json.dumps([(c["pos"], c["token"]) for c in ctx.cells if seq in c["seqs"]]).encode()
 
-    def set_seq_state(self, ctx, seq, data) -> None:
+    def set_seq_state(self, ctx, seq, data, partial=False) -> None:
         cells = json.loads(data)
         assert not ctx.freed and len(ctx.cells) + len(cells) <= ctx.n_ctx, "KV cache full"
         ctx.cells += [{"pos": p, "token": t, "seqs": {seq}} for p, t in cells]
@@ -260,7 +266,7 @@ def test_the_store_is_sized_by_the_ram_available(fake, monkeypatch):
     """llama.cpp commits a context's cells when it makes it: the default store takes at
     most a tenth of the RAM available, and an explicit size that does not fit is refused
     with the size asked and what fits."""
-    from ssdlocal.backends.llamacpp import runner as runner_mod
+    from ssdlocal.backends.llamacpp import stored as runner_mod
     from ssdlocal.backends.prefix import BLOCK_TOKENS
     from ssdlocal.core.errors import OutOfMemoryError
 
@@ -553,7 +559,9 @@ def test_package_does_not_import_llama_cpp():
 
 
 def test_unknown_architecture_named(tmp_path, monkeypatch):
-    """A GGUF transformers cannot build a tokenizer for: the error names its architecture."""
+    """A GGUF of an architecture transformers' config reader does not know still gets its
+    tokenizer (built from the file's own vocabulary, which llama.cpp reads the same way);
+    when llama.cpp cannot load the file, the error names its architecture."""
     from support.tiny_gguf import write_tiny_gguf
 
     from ssdlocal.core.errors import UnsupportedArchitectureError
@@ -561,8 +569,15 @@ def test_unknown_architecture_named(tmp_path, monkeypatch):
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "odd.gguf"
     write_tiny_gguf(path, arch="mamba9")
+    tok = gguf_loader.gguf_tokenizer(path)
+    assert tok.decode(tok.encode("the cat sat")) == "the cat sat"
+
+    class Refusing(FakeLlamaLib):
+        def load_model(self, path, n_gpu_layers, main_gpu):
+            raise ModelLoadError(f"llama.cpp could not load {path}", "upgrade llama-cpp-python")
+
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
-        gguf_loader.gguf_tokenizer(path)
+        load_gguf(path, lib=Refusing(len(tok.get_vocab()), tok))
 
 
 def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):

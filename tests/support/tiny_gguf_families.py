@@ -51,6 +51,8 @@ class Sizes:
     experts_used: int = 2
     expert_ffn: int = 32
     context: int = 512
+    ssm_k_heads: int = 2  # Gated DeltaNet: key heads (ssm.group_count)
+    ssm_v_heads: int = 4  # value heads (ssm.time_step_rank); their state is head_dim x head_dim
 
 
 def _common(layout: Layout, s: Sizes, vocab: int, tied: bool) -> None:
@@ -224,7 +226,7 @@ def _qwen35(arch: str, s: Sizes, vocab: int, moe: bool) -> Layout:
     interleaved M-RoPE), a post-attention norm before the FFN."""
     layout = Layout(arch)
     _common(layout, s, vocab, tied=False)
-    k_heads, v_heads, state = 2, 4, s.head_dim  # ssm group_count, time_step_rank, state_size
+    k_heads, v_heads, state = s.ssm_k_heads, s.ssm_v_heads, s.head_dim
     key_dim, value_dim = k_heads * state, v_heads * state
     layout.keys.update(
         {
@@ -304,21 +306,41 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.n
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
 
 
-def write_family_gguf(path: Path, arch: str, seed: int = 0, sizes: Sizes | None = None) -> Path:
-    """Write a float32 GGUF of family `arch` with random weights drawn from `seed`."""
+def write_family_gguf(
+    path: Path,
+    arch: str,
+    seed: int = 0,
+    sizes: Sizes | None = None,
+    *,
+    jitter: float = 0.0,
+    jitter_seed: int = 1,
+    q8: bool = False,
+) -> Path:
+    """Write a GGUF of family `arch` with random weights drawn from `seed`; `jitter` > 0 adds
+    that fraction of noise (drawn from `jitter_seed`) to every matrix: a draft that agrees
+    with the jitter-free model often, not always. `q8`: matrices whose rows are whole
+    32-blocks in Q8_0 (llama.cpp's quantized kernels), the rest float32."""
     import gguf
 
     layout = layout_of(arch, sizes)
     tokens, merges = byte_vocab()
     w = gguf.GGUFWriter(str(path), layout.arch)
     w.add_name(f"tiny-{arch}")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
     for key, value in layout.keys.items():
         _add_key(w, f"{layout.arch}.{key}", value)
     _add_chat_tokenizer(w, tokens, merges)
     rng = np.random.default_rng(seed)
+    noise = np.random.default_rng(jitter_seed)
     for name, shape in layout.tensors.items():
-        w.add_tensor(name, _values(rng, shape, layout.kind.get(name, "")))
+        data = _values(rng, shape, layout.kind.get(name, ""))
+        if jitter and data.ndim >= 2:
+            data = data + (jitter * data.std() * noise.standard_normal(shape)).astype(np.float32)
+        if q8 and name.endswith(".weight") and data.ndim >= 2 and data.shape[-1] % 32 == 0:
+            raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

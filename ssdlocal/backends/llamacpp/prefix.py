@@ -6,8 +6,9 @@ left is free). So keeping a row's prefix is one seq_cp into a reserved sequence,
 later row starts from it with one seq_cp back. This module decides which reserved
 sequence holds which tokens (least recently used out first, a prefix that a longer
 stored one extends replaced by it, at most `tokens` cells counted per entry); the runner
-makes the llama.cpp calls. Matches are token for token (no blocks). Knows nothing about
-llama.cpp itself.
+makes the llama.cpp calls. Matches are token for token (no blocks); with `whole`, only an
+entry all of whose tokens begin a row's matches (see stored.py for the models that need
+it). Knows nothing about llama.cpp itself.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class SeqStore:
     """Reserved sequence ids -> the tokens their cells hold, within a budget of cells."""
 
-    def __init__(self, ids: Sequence[int], tokens: int) -> None:
+    def __init__(self, ids: Sequence[int], tokens: int, whole: bool = False) -> None:
         self.ids = tuple(ids)
         self.budget = tokens
+        self.whole = whole  # entries are used whole only (a prefix of them is no match)
         self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest use first
         self.lookups = 0
         self.reused_tokens = 0
@@ -44,6 +46,8 @@ class SeqStore:
         found, best = None, 0
         for seq, held in self.entries.items():
             n = common_prefix(held, tokens)
+            if self.whole and n < len(held):
+                continue
             if n > best:
                 found, best = seq, n
         if found is not None:
@@ -58,7 +62,7 @@ class SeqStore:
         them), or when they do not fit the budget at all."""
         tokens = tuple(tokens)
         for seq, held in self.entries.items():
-            if held[: len(tokens)] == tokens:
+            if (held == tokens) if self.whole else held[: len(tokens)] == tokens:
                 self.entries.move_to_end(seq)
                 return None, []
         if not tokens or len(tokens) > self.budget:

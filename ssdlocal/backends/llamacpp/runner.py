@@ -7,7 +7,10 @@ common prefix of `held[b]` and what it really wrote (`_kv[b]`) with
 llama_memory_seq_rm. SSD tree decoding (`forward_raw`,
 backends/llamacpp/tree.py) maps each branch to a sequence of its own. With the model
 loaded `batch_invariant`, decode steps go in the call widths of backends/llamacpp/alike.py,
-a lone token padded in a scratch sequence of its own.
+a lone token padded in a scratch sequence of its own. A recurrent or hybrid model's rows are
+cut back through backends/llamacpp/recurrent.py (llama.cpp cannot drop a recurrent tail),
+and its context holds only the sequences it uses (each keeps a state). The prefix store's
+verbs are backends/llamacpp/stored.py's.
 Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
 """
 
@@ -21,11 +24,11 @@ import torch
 
 from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.llamacpp.alike import REPACKED, WIDEST, beside_pad, plan_calls, widest_alike
-from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
+from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore
+from ssdlocal.backends.llamacpp.recurrent import SNAPSHOTS, Checkpoint, RecurrentRows, Span
+from ssdlocal.backends.llamacpp.stored import StoredPrefixes
 from ssdlocal.backends.llamacpp.tree import TreeSequences, _Chain
-from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.memory import available_ram_bytes
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
 _PAD = 256  # llama.cpp rounds the context size up to this
@@ -34,9 +37,14 @@ _PAD = 256  # llama.cpp rounds the context size up to this
 # a 32k context (generate without --max-new-tokens) no longer allocates and clears its
 # whole KV cache first (1.5B Q4_K_M, 2-core EPYC: 0.75 s to the first token and 0.9 GB).
 GROW_FROM = 4096
+# A recurrent model's context allocates a state per sequence (with SNAPSHOTS more for
+# rollbacks): it holds its rows, this many stored prefixes, and for a tree runner this
+# many branch sequences, not llama.cpp's 256.
+RECURRENT_STORE = 2
+RECURRENT_BRANCHES = 64
 
 
-class LlamaCppRunner(TreeSequences, HeldRows):
+class LlamaCppRunner(StoredPrefixes, TreeSequences, RecurrentRows, HeldRows):
     """Feeds variable-length token lists per row through a llama.cpp model.
 
     `tree=True` sizes the context for SSD tree decoding (many sequences).
@@ -70,6 +78,14 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self.alike = loaded.batch_invariant  # steps in alike call widths (alike.py)
         self.alike_width = 0  # the widest alike step call on this machine; 0: not checked yet
         self._pad_seq = self._check_seq = -1  # alike: scratch sequences (pads, the width check)
+        self.window = loaded.window  # sliding-window layers: stored prefixes are used whole (stored.py)
+        self.recurrent = loaded.recurrent  # rows are cut through recurrent.py
+        self._snapshots = SNAPSHOTS if self.recurrent and not tree else 0  # a tree's rows go back further
+        self._checkpoints: dict[int, Checkpoint] = {}
+        self._spans: dict[int, Span] = {}
+        self._singles: dict[int, bool] = {}
+        self._marks: dict[int, Checkpoint] = {}  # alike's scratch sequences (_remove_from)
+        self.rollbacks = dict.fromkeys(("snapshot", "checkpoint", "scratch", "again"), 0)  # recurrent.py's cuts
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, batch_size: int, num_slots: int) -> None:
@@ -87,9 +103,12 @@ class LlamaCppRunner(TreeSequences, HeldRows):
                 f"llama.cpp supports at most {max_seqs - scratch} parallel sequences here, asked for {batch_size} rows",
                 "use fewer prompts per call",
             )
-        stored = min(STORE_SEQUENCES, max_seqs - batch_size - scratch) if self._store_tokens else 0
+        most = RECURRENT_STORE if self.recurrent else STORE_SEQUENCES
+        stored = min(most, max_seqs - batch_size - scratch) if self._store_tokens else 0
         # all of them: a new batch size keeps the context
         seqs = max_seqs if self.tree or stored or scratch else batch_size
+        if self.recurrent:  # each sequence costs a state: the ones used
+            seqs = min(max_seqs, batch_size + stored + scratch + (RECURRENT_BRANCHES if self.tree else 0))
         row_cells, store = batch_size * num_slots, self._store_tokens if stored else 0
         cells = -(-(row_cells + store) // _PAD) * _PAD
         self._grows_to = 0
@@ -111,6 +130,10 @@ class LlamaCppRunner(TreeSequences, HeldRows):
                 if seq not in kept or seq < batch_size:  # rows (and branches) start empty
                     self.lib.seq_rm(self._ctx, seq, -1, -1)
         self._touched = set()
+        seqs = self._ctx_seqs  # the store sits at the top of the context's sequences
+        self._checkpoints.clear()
+        self._spans.clear()
+        self._singles.clear()
         self._store_ids(tuple(range(seqs - stored, seqs)) if stored else ())
         if self.prefix is not None:
             for seq in self.prefix.fit(min(store, max(0, self._ctx_cells - row_cells - _PAD))):
@@ -126,103 +149,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             self._pad_seq, self._check_seq = first_store - 1, first_store - 2
         self._free = list(range(first_store - 1 - scratch, batch_size - 1, -1))  # pop() gives the lowest
 
-    # ------------------------------------------------------------------ prefix store
-    def _store_ids(self, ids: tuple[int, ...]) -> None:
-        """The reserved sequences of this context; entries in sequences no longer reserved
-        (a larger batch takes them as rows) are dropped."""
-        if not ids:
-            self.prefix = None
-            return
-        if self.prefix is None:
-            self.prefix = SeqStore(ids, self._store_tokens)
-        for seq in [s for s in self.prefix.entries if s not in ids]:
-            del self.prefix.entries[seq]
-        self.prefix.ids = ids
-
-    def setup_prefix(self, asked: int | None) -> int:
-        """A prefix store of `asked` tokens (None: the default size, at most a tenth of the
-        RAM available; 0: none): cells of the context kept in reserved sequences. llama.cpp
-        allocates a context's cells when it creates it, so on a CPU the store's memory is
-        committed then; a size that does not fit in the RAM available is refused
-        (OutOfMemoryError). Takes effect with the next context. None with alike steps: llama.cpp
-        sums attention over cells in cell order, vectorised, so a token's logits also depend on
-        where its row's cells sit (measured: up to 0.46 apart when they move by 7 cells, equal
-        when by 16); without a store every call starts from an empty cache and they land alike."""
-        if self.alike:
-            asked = 0
-        per_token = self.loaded.kv_bytes_per_token or 1
-        free = available_ram_bytes() if self.device.type == "cpu" else None  # a GPU's: llama.cpp's to refuse
-        self._store_tokens = store_tokens(asked, per_token, free, "llama.cpp")
-        self.close()  # the next reset sizes a context with room for the store
-        self.prefix = None
-        return self._store_tokens
-
-    def prefix_report(self) -> dict | None:
-        return None if self.prefix is None else self.prefix.report()
-
-    def forget_prefixes(self) -> None:
-        """Runner.forget_prefixes: the stored sequences' cells go too."""
-        if self.prefix is None:
-            return
-        for seq in self.prefix.clear():
-            if self._ctx is not None:
-                self.lib.seq_rm(self._ctx, seq, -1, -1)
-
     def graph_report(self, since: dict | None = None) -> dict:
         """Runner.graph_report: llama.cpp captures nothing of ours."""
         return {"mode": "off", **dict.fromkeys(("captured", "replays", "eager", "refused", "dropped"), 0)}
-
-    def reuse(self, row: int, tokens) -> int:
-        """Row `row` (empty after reset) starts from the stored sequence sharing the longest
-        prefix with `tokens`: its cells gain the row's sequence id (no data copied)."""
-        if self.prefix is None or self.held[row] or self._kv[row]:
-            return 0
-        seq, n = self.prefix.best(tokens)
-        if seq is None or n == 0:
-            return 0
-        self.lib.seq_cp(self._ctx, seq, row, 0, n)
-        self._kv[row] = [int(t) for t in tokens[:n]]
-        self.held[row] = list(self._kv[row])
-        return n
-
-    def store(self, row: int, tokens) -> None:
-        """Keep the part of `tokens` that row `row`'s sequence really holds in a reserved one."""
-        if self.prefix is None or self._ctx is None:
-            return
-        n = common_prefix(self._kv[row], tokens)
-        seq, drop = self.prefix.place(tokens[:n])
-        for old in drop:
-            self.lib.seq_rm(self._ctx, old, -1, -1)
-        if seq is not None:
-            self.lib.seq_cp(self._ctx, row, seq, 0, n)
-
-    def read_ahead(self, tokens, n: int) -> int:
-        """Runner.read_ahead: the next `n` tokens are decoded into a reserved sequence of
-        the store (its cells are the store's, rows are not touched), growing the stored
-        sequence that holds just the tokens before them, or a copy of the one sharing the
-        longest prefix with `tokens`. Nothing is read when the store cannot hold them."""
-        if self.prefix is None or self._ctx is None:
-            return 0
-        source, have = self.prefix.best(tokens, count=False)
-        end = min(len(tokens), have + max(n, 0))
-        if end <= have:
-            return have
-        seq, drop = self.prefix.reading(tokens[:end], source, have)
-        for old in drop:
-            self.lib.seq_rm(self._ctx, old, -1, -1)
-        if seq is None:
-            return have
-        if seq != source and have:
-            self.lib.seq_cp(self._ctx, source, seq, 0, have)
-        try:
-            self._decode(
-                [int(t) for t in tokens[have:end]], range(have, end), [seq] * (end - have), [False] * (end - have)
-            )
-        except BaseException:  # the entry still holds what it held: drop the cells written
-            self.lib.seq_rm(self._ctx, seq, have, -1)
-            raise
-        self.prefix.record(seq, tokens[:end])
-        return end
 
     def close(self) -> None:
         if self._ctx is not None:
@@ -240,17 +169,22 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         return self.threads or max(1, torch.get_num_threads())
 
     # ------------------------------------------------------------------ rows
-    def _reconcile(self, row: int) -> None:
-        """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]."""
+    def _reconcile(self, row: int) -> bool:
+        """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]
+        (a recurrent model's: recurrent.py's cut); whether any went."""
         kv, held = self._kv[row], self.held[row]
         n = min(len(kv), len(held))
         if kv[:n] != held[:n]:
             n = next(i for i in range(n) if kv[i] != held[i])
-        if n < len(kv):
+        cut = n < len(kv)
+        if cut and self.recurrent:
+            self._cut(row, n)
+        elif cut:
             self.lib.seq_rm(self._ctx, row, n, -1)
             del kv[n:]
         if len(held) > n:
             raise RuntimeError(f"row {row}: held tokens that were never fed to llama.cpp")  # a bug
+        return cut
 
     def _decode(self, tokens, positions, seqs, want=None, progress=None) -> np.ndarray:
         """Decode in chunks of n_batch; float32 logits [N wanted, V] for the tokens whose
@@ -269,7 +203,7 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         step = self._n_batch
         for i in range(0, len(tokens), step):
             sl = slice(i, i + step)
-            out.append(self.lib.decode(self._ctx, tokens[sl], positions[sl], seqs[sl], want[sl], self.vocab_size))
+            out.append(self._decode_call(tokens[sl], positions[sl], seqs[sl], want[sl]))
             if progress is not None:
                 progress(min(i + step, len(tokens)), len(tokens))
         return out[0] if len(out) == 1 else np.concatenate(out)
@@ -284,6 +218,7 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self.close()
         self._open(cells, self._ctx_seqs)
         self.lib.set_seq_state(self._ctx, 0, saved)
+        self._spans.pop(0, None)  # llama.cpp's snapshots stayed in the old context
 
     def _open(self, cells: int, seqs: int) -> None:
         """A new context of `cells` cells for `seqs` sequences (the old one closed)."""
@@ -298,6 +233,7 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             seqs,
             self._want_threads(),
             flash_attn=False if self.device.type == "cpu" else None,
+            snapshots=self._snapshots,
         )
         self._ctx_cells, self._ctx_seqs = cells, seqs
         self._ctx_threads = self._want_threads()
@@ -344,10 +280,25 @@ class LlamaCppRunner(TreeSequences, HeldRows):
 
     def _decode_call(self, tokens: list[int], positions: list[int], seqs: list[int], want: list[bool]) -> np.ndarray:
         """One llama_decode on this runner's context (alike.Decode)."""
-        return self.lib.decode(self._ctx, tokens, positions, seqs, want, self.vocab_size)
+        out = self.lib.decode(self._ctx, tokens, positions, seqs, want, self.vocab_size)
+        if self.recurrent:
+            self._after_call(positions, seqs)
+        return out
 
     def _remove_from(self, seq: int, p0: int) -> None:
-        """Drop sequence `seq`'s cells from position p0 on (alike.Remove)."""
+        """Drop sequence `seq`'s cells from position p0 on (alike.Remove). A recurrent
+        model's scratch sequence cannot lose a tail: the first call at p0 > 0 (the width
+        check's, when the sequence ends there) saves its state, later ones set it back and
+        drop the attention cells past it, which stay where they were."""
+        if not self.recurrent or p0 == 0:
+            self.lib.seq_rm(self._ctx, seq, p0 if p0 else -1, -1)
+            self._marks.pop(seq, None)
+            return
+        mark = self._marks.get(seq)
+        if mark is None or mark.position != p0:
+            self._marks[seq] = Checkpoint(p0, self.lib.seq_state(self._ctx, seq, partial=True))
+            return
+        self.lib.set_seq_state(self._ctx, seq, mark.state, partial=True)
         self.lib.seq_rm(self._ctx, seq, p0, -1)
 
     def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
@@ -365,10 +316,12 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         for b, r in enumerate(rows):
             if not r:
                 continue
-            self._reconcile(b)
+            cut = self._reconcile(b)
             start = len(self.held[b])
             if start + len(r) > self.num_slots:
                 raise RuntimeError("KV cache too small for this step")  # engine sizes it; a bug
+            if self.recurrent:
+                self._before_decode(b, len(r), cut)
             tokens.extend(int(t) for t in r)
             positions.extend(range(start, start + len(r)))
             seqs.extend([b] * len(r))
@@ -381,7 +334,9 @@ class LlamaCppRunner(TreeSequences, HeldRows):
             out = torch.from_numpy(self._decode(tokens, positions, seqs, want, report))  # [N wanted, V]
         except BaseException:  # stopped or failed part-way: drop the cells it wrote
             for b, r in enumerate(rows):
-                if r:
+                if r and self.recurrent:  # and the state it moved
+                    self._restore(b, len(self._kv[b]))
+                elif r:
                     self.lib.seq_rm(self._ctx, b, len(self._kv[b]), -1)
             raise
         per_row = {Logits.ALL: None, Logits.LAST: 1, Logits.NONE: 0}[logits]
@@ -414,12 +369,17 @@ class LlamaCppRunner(TreeSequences, HeldRows):
     def step(self, ids: torch.Tensor, bound: int | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V];
         `at` [B]: row b decodes its ids up to column at[b] only, and llama.cpp computes
-        the logits of that token alone -> [B, V] (Runner.step)."""
+        the logits of that token alone -> [B, V] (Runner.step). A finished row that a last
+        round took past its budget is fed only what its slots still hold: its padding is
+        never read, and its missing logits are zeros."""
         rows = ids.tolist()
         for b, held in enumerate(self.held):
             del held[self._lengths[b] :]  # rejected tokens of the last step
+        rows = [row[: max(0, self.num_slots - length)] for row, length in zip(rows, self._lengths)]
         if at is None:
-            return torch.stack(self.feed(rows))  # [B, T, V]
+            width = ids.shape[1]
+            out = self.feed(rows)
+            return torch.stack([torch.nn.functional.pad(o, (0, 0, 0, width - len(o))) for o in out])  # [B, T, V]
         cut = [row[: int(i) + 1] for row, i in zip(rows, at.tolist())]
         return torch.cat(self.feed(cut, Logits.LAST))  # [B, V]
 
