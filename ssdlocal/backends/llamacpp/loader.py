@@ -336,8 +336,10 @@ def load_gguf(
 
 
 def kv_bytes_per_token(lib, model, arch: str) -> int | None:
-    """Bytes of one token's keys and values in every layer (llama.cpp's default f16 cache),
-    from the model's metadata; None when it does not say."""
+    """Bytes of one token's keys and values in every attention layer (llama.cpp's default
+    f16 cache), from the model's metadata; None when it does not say. A hybrid model's
+    recurrent layers (all but every `full_attention_interval`-th) hold no keys: their state
+    is per sequence, not per token."""
 
     def number(key: str) -> int | None:
         value = lib.meta(model, f"{arch}.{key}")
@@ -347,6 +349,8 @@ def kv_bytes_per_token(lib, model, arch: str) -> int | None:
             return None
 
     layers, heads, kv_heads = number("block_count"), number("attention.head_count"), number("attention.head_count_kv")
+    if layers and (interval := number("full_attention_interval")):  # hybrid: the other layers keep a state
+        layers //= interval
     width = number("attention.key_length") or (
         number("embedding_length") // heads if heads and number("embedding_length") else None
     )
