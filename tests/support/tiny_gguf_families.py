@@ -232,6 +232,7 @@ def _qwen35(arch: str, s: Sizes, vocab: int, moe: bool) -> Layout:
             "ssm.time_step_rank": v_heads,
             "ssm.inner_size": value_dim,
             "full_attention_interval": 4,
+            "attention.recurrent_layers": [(i + 1) % 4 != 0 for i in range(s.layers)],  # as the converter writes
         }
     )
     if moe:
