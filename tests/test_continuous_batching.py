@@ -478,7 +478,9 @@ def test_six_streams_finish_when_the_ssd_worker_dies_mid_answer(engine, tiny_dir
     import signal
 
     from ssdlocal.core.events import DraftLostEvent, SeatingDoneEvent
+    from ssdlocal.server.metrics import ServerMetrics
 
+    served = ServerMetrics("tiny", "ssd", "test")  # what the server's /metrics would say
     spec = SPECS["ssd"](tiny_dir)
     requests = [Request(ids_of(engine, PROMPTS[i % len(PROMPTS)]), greedy(18 + 3 * i)) for i in range(6)]
     inbox, tokens, lost, losses, killed = Inbox(), defaultdict(list), [], [], []
@@ -500,9 +502,11 @@ def test_six_streams_finish_when_the_ssd_worker_dies_mid_answer(engine, tiny_dir
             lost.append(event)
         elif isinstance(event, SeatingDoneEvent):
             losses.append(event.stats.draft_losses)
+            served.record_batch(event.stats, 0.1)
         if late_added and all(len(tokens[r.id]) == r.params.max_new_tokens for r in requests):
             inbox.close()
     assert len(lost) == 1 and "died" in lost[0].reason and sum(losses) == 1
+    assert "\nssdlocal_draft_losses_total 1\n" in served.render(0, 0)
     for request in requests:
         assert tuple(tokens[request.id]) == alone(engine, request, SPECS["ar"](tiny_dir)).token_ids
     assert engine.drafts.worker.proc.pid != killed[0] and engine.drafts.worker.proc.is_alive()

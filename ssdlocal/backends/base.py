@@ -75,6 +75,11 @@ class Backend(Protocol):
         (core/measured.machine has torch's version), or None: timings kept for one build
         are not trusted for another."""
 
+    def load_head(self, kind: str, path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+        """The runner of the draft head of `kind` (weights.formats.archs.HEADS) in directory
+        `path`, on `device` beside a target that shares `shared` (Runner.head_inputs); a
+        backend that runs no heads raises UsageError with a hint."""
+
     def context_length(self, path: str) -> int | None:
         """The model's context (positions) read without loading it, where the backend takes
         it as stored; None where it cannot say (torch may extend it by rope scaling)."""

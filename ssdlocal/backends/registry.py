@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ssdlocal.backends.base import Backend, Runner
+from ssdlocal.backends.base import Backend, HeadInputs, Runner
 from ssdlocal.core.models import BackendName, ModelSpec
 
 
@@ -80,6 +80,12 @@ def context_length(path: str, name: BackendName) -> int | None:
     """A model's context (positions) read without loading it, where its backend takes it
     as stored (Backend.context_length); None where it cannot say."""
     return backend_for(name).context_length(path)
+
+
+def load_head(kind: str, path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+    """The runner of a draft head (Backend.load_head): heads are our own torch modules, run
+    beside a target that shares its embeddings (only a torch target can: Runner.head_inputs)."""
+    return backend_for(BackendName.TORCH).load_head(kind, path, shared, target_vocab, device)
 
 
 def load_tokenizer(path: str, name: BackendName = BackendName.TORCH) -> Any:

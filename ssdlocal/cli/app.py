@@ -55,7 +55,7 @@ _STATE: dict[str, bool] = {"verbose": False}
 
 def _register() -> None:
     """Attach every command (each module imports only what its command needs)."""
-    from ssdlocal.cli import bench, cache, check, export, generate, models, serve, tui
+    from ssdlocal.cli import bench, cache, check, export, generate, models, pull, serve, tui
 
     for command in (
         generate.generate,
@@ -64,7 +64,8 @@ def _register() -> None:
         tui.race,
         serve.serve,
         models.pairs,
-        models.pull,
+        pull.pull,
+        pull.rm,
         models.devices,
         check.check,
         export.export,

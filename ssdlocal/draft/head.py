@@ -36,7 +36,7 @@ class HeadDrafter(DrafterBase):
         audit: Audit | None = None,
         row_params: Sequence[SamplingParams] = (),
     ) -> None:
-        self.runner = runner  # backends.torch.heads.runner.HeadRunner
+        self.runner = runner  # the backend's head runner (backends.registry.load_head)
         self.hidden = runner.head.args.hidden_layers
         self.k, self.params, self.device = k, params, device
         self.site = (audit or Audit()).site("draft")
@@ -92,8 +92,7 @@ class HeadDrafter(DrafterBase):
 def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter:
     """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head loaded beside
     the target, on its device, sharing its embeddings (Runner.head_inputs)."""
-    from ssdlocal.backends.torch.heads.eagle3 import load_eagle3
-    from ssdlocal.backends.torch.heads.runner import HeadRunner
+    from ssdlocal.backends.registry import load_head
     from ssdlocal.core.config import Mode
     from ssdlocal.core.errors import UsageError
 
@@ -105,10 +104,7 @@ def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter
     if res.target is None:
         raise RuntimeError("a draft head needs the target's runner")  # a caller bug
     shared = res.target.head_inputs()
-    head = load_eagle3(
-        spec.draft.path, shared.embeddings, shared.layers, res.target_vocab, res.target_device, shared.dtype
-    )
-    runner = HeadRunner(head, res.target_device, shared.dtype)
+    runner = load_head(spec.draft.head, spec.draft.path, shared, res.target_vocab, res.target_device)
     drafter = HeadDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
     drafter.reserve(res.batch, res.num_slots)
     return drafter

@@ -36,7 +36,7 @@ from ssdlocal.server.gate import AccessPolicy, guard
 from ssdlocal.server.grammars import RequestGrammars
 from ssdlocal.server.infill import InfillAnswer, check_fim_chars, fim_ids, parse_infill
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
-from ssdlocal.server.metrics import Metrics
+from ssdlocal.server.metrics import ServerMetrics
 from ssdlocal.server.protocol import (
     RETRY_AFTER_S,
     APIError,
@@ -57,7 +57,7 @@ class ServerState:
     """What the routes share: the scheduler, counters and the served model's facts."""
 
     scheduler: Scheduler
-    metrics: Metrics
+    metrics: ServerMetrics
     model: str  # the id clients send as "model"
     context: int  # the target's context (prompt + new tokens)
     tokenizer: object  # the target's tokenizer (copied for this side)
@@ -370,7 +370,7 @@ def _check_token_ids(prompts: list[tuple[int, ...]], vocab_size: int | None) -> 
 class _Outcome:
     """Counts one request once, however it ends."""
 
-    metrics: Metrics
+    metrics: ServerMetrics
     endpoint: str
     prompt_tokens: int
     started: float

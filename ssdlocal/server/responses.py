@@ -18,19 +18,26 @@ import time
 import uuid
 from typing import Any
 
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.server.logprob_format import TokenText, chat_entries, completion_block
 from ssdlocal.server.protocol import APIError, ParsedRequest
 from ssdlocal.server.scheduler import Chunk, Finished
 from ssdlocal.server.tool_parse import CallStart, Content, ToolCallParser, collect
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
+# our finish reasons in OpenAI's words (a cancelled row's answer is never sent)
+FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ERROR: "error",
+}
 
 
-def answer_logprobs(logprobs, token_ids, reason: str | None):
+def answer_logprobs(logprobs, token_ids, reason: FinishReason | None):
     """A row's logprobs without the end-of-sequence token that ended it (Qwen's
     `<|im_end|>`): it is no part of the answer's text, and OpenAI never returns it, so
     the tokens returned join to the text."""
-    if logprobs and reason == "eos" and token_ids and logprobs[-1].token == token_ids[-1]:
+    if logprobs and reason is FinishReason.EOS and token_ids and logprobs[-1].token == token_ids[-1]:
         return logprobs[:-1]
     return logprobs
 
@@ -43,17 +50,19 @@ def grammar_failure(req: ParsedRequest, message: str, choice: int | None = None)
     return APIError(400, f"{where}{message} (simplify the schema or pattern)", param=param, code="grammar_failed")
 
 
-def finish_reason(reason: str | None, called: bool = False, parser: ToolCallParser | None = None) -> str | None:
+def finish_reason(
+    reason: FinishReason | None, called: bool = False, parser: ToolCallParser | None = None
+) -> str | None:
     """OpenAI's finish reason; an answer that ended by itself after tool calls, or whose
     list of calls ended with a repeated call: tool_calls. An answer that ended inside a
     call (a stop string, max_tokens) keeps its own reason: the cut call is text."""
     if parser is not None:
-        if parser.repeated and parser.calls and reason != "error":
+        if parser.repeated and parser.calls and reason is not FinishReason.ERROR:
             return "tool_calls"
         called = parser.calls > 0 and not parser.cut
-    if called and reason in ("eos", "stop"):
+    if called and reason in (FinishReason.EOS, FinishReason.STOP):
         return "tool_calls"
-    return None if reason is None else FINISH_REASONS.get(reason, reason)
+    return None if reason is None else FINISH_REASONS.get(reason, reason.value)
 
 
 class Responses:

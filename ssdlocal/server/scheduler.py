@@ -41,7 +41,7 @@ from ssdlocal.core.events import (
 from ssdlocal.core.metrics import Metrics
 from ssdlocal.core.stats import RunStats
 from ssdlocal.engine.request import Inbox
-from ssdlocal.core.sequence import Request
+from ssdlocal.core.sequence import FinishReason, Request
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -54,7 +54,7 @@ class Chunk:
     choice: int
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: tuple | None = None  # core.events.TokenLogprob per token, when asked for
     error: str | None = None  # with finish_reason "error": why the choice could not go on
 
@@ -63,7 +63,7 @@ class Chunk:
 class Finished:
     """A job's end: per choice (text, token ids, finish reason), and its stats."""
 
-    choices: tuple[tuple[str, tuple[int, ...], str], ...]
+    choices: tuple[tuple[str, tuple[int, ...], FinishReason], ...]
     stats: dict[str, Any]
     cached: tuple[int, ...] = ()  # per choice: prompt tokens taken from the prefix cache
     logprobs: tuple[tuple, ...] | None = None  # per choice: its tokens' TokenLogprobs (when asked for)
@@ -106,7 +106,7 @@ class Job:
         self.text = [""] * n
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
+        self.finish: list[FinishReason | None] = [None] * n
         self.errors: list[str | None] = [None] * n  # per choice: its grammar's failure
         self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
         self.batch_size = 0  # rows of the largest batch it shared
@@ -358,7 +358,9 @@ class Scheduler:
             job.done = True
             stats = self.job_stats(job)
             self.metrics.record_job(job.stats.counts, stats)
-            choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
+            choices = tuple(
+                (job.text[c], tuple(job.ids[c]), job.finish[c] or FinishReason.LENGTH) for c in range(len(job.rows))
+            )
             logprobs = tuple(map(tuple, job.logprobs)) if job.params.logprobs is not None else None
             job.push(Finished(choices, stats, tuple(job.cached), logprobs, tuple(job.errors)))
             self._forget(job)

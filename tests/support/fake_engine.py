@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import replace
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import (
@@ -36,6 +36,7 @@ from ssdlocal.core.events import (
     TokenOrigin,
     TokensEvent,
 )
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.core.stats import RunStats
 from support.drafts import draft_of
 
@@ -189,7 +190,7 @@ class FakeEngine:
         self.calls.append((ids, params, spec))
         k = spec.k if spec.mode is not Mode.AR else 0
         if token.cancelled:  # as Engine: stopped before it began
-            yield DoneEvent((Output("", (), "cancelled"),), RunStats(k=k).snapshot())
+            yield DoneEvent((Output("", (), FinishReason.CANCELLED),), RunStats(k=k).snapshot())
             return
         clock = self.clock
         stats = RunStats(k=k, mode=spec.mode.value, started=clock())
@@ -204,10 +205,10 @@ class FakeEngine:
         stats.consume(first)
         yield first
         pos, rnd = 1, 0
-        finish = "length"
+        finish = FinishReason.LENGTH
         while pos < len(budget):
             if token.cancelled:
-                finish = "cancelled"
+                finish = FinishReason.CANCELLED
                 break
             if self.fail_after is not None and rnd >= self.fail_after:
                 raise self.error
@@ -248,9 +249,34 @@ class FakeEngine:
         yield DoneEvent((Output(self.tokenizer.decode(generated), generated, finish),), stats.snapshot())
 
 
-def chat_settings(mode: Mode = Mode.SSD, draft: str | None = "d", k: int = 4, fan_out=None, **sampling):
-    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams."""
+class FakeMeter:
+    """Scripted machine load (tui/load.Meter): each pair of samples (before and after a
+    run or an answer) spans 5 virtual seconds in which other processes used the next of
+    `others` cores (0 once they run out), on a machine of `cores` cores."""
+
+    def __init__(self, others=(), cores: int = 2) -> None:
+        self.others = list(others)
+        self.cores = cores
+        self.samples = 0
+        self._wall = self._busy = self._ours = 0.0
+
+    def __call__(self):
+        from ssdlocal.tui.load import LoadSample
+
+        self.samples += 1
+        if self.samples % 2 == 0:  # after a run
+            load = self.others.pop(0) if self.others else 0.0
+            self._wall += 5.0
+            self._ours += 5.0
+            self._busy += 5.0 * (1.0 + load)
+        return LoadSample(self._wall, self._busy, self._ours, self.cores)
+
+
+def chat_settings(mode: Mode = Mode.SSD, draft: Any = "d", k: int = 4, fan_out=None, **sampling):
+    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams;
+    `draft` as a user types it (None, "ngram", a path) or a Draft already made."""
     from ssdlocal.tui.core import ChatSettings
 
-    spec = SpecConfig(mode=mode, k=k, draft=draft_of(draft), fan_out=fan_out)
+    made = draft if draft is not None and not isinstance(draft, str) else draft_of(draft)
+    spec = SpecConfig(mode=mode, k=k, draft=made, fan_out=fan_out)
     return ChatSettings(spec, SamplingParams(**{"max_new_tokens": 256, **sampling}))

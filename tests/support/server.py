@@ -1,7 +1,7 @@
 """A live `ssdlocal serve` for tests: the real app on uvicorn in a thread, on 127.0.0.1
 and a free port, with an OpenAI client pointed at it, stopped by `close()`.
 
-Built from the same pieces as the CLI command (Engine, Metrics, Scheduler, ServerState,
+Built from the same pieces as the CLI command (Engine, ServerMetrics, Scheduler, ServerState,
 create_app, run.bind / make_server), so only the option parsing is skipped here.
 """
 
@@ -19,7 +19,7 @@ from ssdlocal.engine import Engine
 from ssdlocal.server.app import ServerState, create_app
 from ssdlocal.server.gate import AccessPolicy
 from ssdlocal.server.limits import ServerLimits
-from ssdlocal.server.metrics import Metrics
+from ssdlocal.server.metrics import ServerMetrics
 from ssdlocal.server.run import bind, make_server, url
 from ssdlocal.server.scheduler import Scheduler
 
@@ -44,7 +44,7 @@ class LiveServer:
 
         self.engine = Engine(config)
         self.mode = config.spec.mode.value
-        self.metrics = Metrics(MODEL, self.mode, __version__)
+        self.metrics = ServerMetrics(MODEL, self.mode, __version__)
         self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch, batch_wait_s=0.05)
         self.limits = limits or ServerLimits()
         self.sock = bind("127.0.0.1", 0)

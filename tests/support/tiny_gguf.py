@@ -319,19 +319,24 @@ def write_random_gguf(
     return path, params
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, context: int = 128):
-    """A random 2-layer Qwen2 as an F32 GGUF (`context` positions); returns the HF model it
-    was made from."""
+def write_tiny_gguf(
+    path: Path, arch: str = "qwen2", seed: int = 0, context: int = 128, layers: int = 2, swap_tokens: bool = False
+):
+    """A random Qwen2 (2 layers unless told) as an F32 GGUF (`context` positions); returns the
+    HF model it was made from. `swap_tokens`: two token texts trade ids (a tokenizer the pair
+    check refuses)."""
     import gguf
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokens, merges = byte_vocab()
+    if swap_tokens:
+        tokens[200], tokens[201] = tokens[201], tokens[200]
     cfg = Qwen2Config(
         vocab_size=len(tokens),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=context,
@@ -345,7 +350,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, context: int
     w.add_name("tiny")
     w.add_context_length(context)
     w.add_embedding_length(32)
-    w.add_block_count(2)
+    w.add_block_count(layers)
     w.add_feed_forward_length(64)
     w.add_head_count(4)
     w.add_head_count_kv(2)
@@ -353,7 +358,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, context: int
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_chat_tokenizer(w, tokens, merges)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, layers)
     for hf_name, tensor in model.state_dict().items():
         stem, suffix = hf_name.rsplit(".", 1)
         w.add_tensor(f"{names.get_name(stem)}.{suffix}", tensor.float().numpy())

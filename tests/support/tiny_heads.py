@@ -13,14 +13,24 @@ from pathlib import Path
 import torch
 
 
-def make_eagle3(out_dir: Path, target_dir: Path, seed: int = 40, draft_vocab: int = 200, aux=(1, 1, 2)) -> Path:
+def make_eagle3(
+    out_dir: Path,
+    target_dir: Path,
+    seed: int = 40,
+    draft_vocab: int = 200,
+    aux=(1, 1, 2),
+    heads: int = 4,
+    kv: int = 2,
+    inter: int | None = None,
+) -> Path:
     """A random EAGLE-3 head for the target at `target_dir` (its width and vocabulary); the
-    draft vocabulary is `draft_vocab` target ids spread over the vocabulary."""
+    draft vocabulary is `draft_vocab` target ids spread over the vocabulary. `heads`, `kv`
+    and `inter` (default 2 x width) shape its one layer (timing shapes use a real head's)."""
     from safetensors.torch import save_file
 
     target = json.loads((Path(target_dir) / "config.json").read_text())
     h, vocab = target["hidden_size"], target["vocab_size"]
-    heads, kv, head_dim, inter = 4, 2, h // 4, 2 * h
+    head_dim, inter = h // heads, inter or 2 * h
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, std=0.15):

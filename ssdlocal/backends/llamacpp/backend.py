@@ -43,6 +43,14 @@ class LlamaCppBackend:
 
         return library_identity()  # version and native files: a rebuild with other flags is another library
 
+    def load_head(self, kind: str, path: str, shared: Any, target_vocab: int, device: Any) -> Any:
+        from ssdlocal.core.errors import UsageError
+
+        raise UsageError(
+            f"llama.cpp does not run draft heads ({kind} head {path})",
+            "run the target on the torch backend (--target-backend torch), or use a draft model",
+        )
+
     def context_length(self, path: str) -> int | None:
         """The GGUF header's context length (llama.cpp's n_ctx_train); None for a header
         without one or a file that is no readable GGUF (its load says why)."""

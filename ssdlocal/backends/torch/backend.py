@@ -49,5 +49,10 @@ class TorchBackend:
     def build(self) -> Any:
         return None  # torch's version is part of the machine's key already
 
+    def load_head(self, kind: str, path: str, shared: Any, target_vocab: int, device: Any) -> Any:
+        from ssdlocal.backends.torch.heads import load_head
+
+        return load_head(kind, path, shared, target_vocab, device)
+
     def context_length(self, path: str) -> int | None:
         return None  # rope scaling may extend what a file states: known once loaded

@@ -39,7 +39,7 @@ class Eagle3Args:
     norm_before_residual: bool
 
     @classmethod
-    def from_config(cls, raw: dict, target_layers: int, target_hidden: int) -> Eagle3Args:
+    def read(cls, raw: dict, target_layers: int, target_hidden: int) -> Eagle3Args:
         eagle = raw.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state") is False:
             raise ModelLoadError(
@@ -146,7 +146,7 @@ def load_eagle3(
             f"{path} is an EAGLE-3 head for a vocabulary of {raw.get('vocab_size')} tokens, the target has {target_vocab}",
             "use the head trained for this target model",
         )
-    args = Eagle3Args.from_config(raw, target_layers, embed.embedding_dim)
+    args = Eagle3Args.read(raw, target_layers, embed.embedding_dim)
     state = _read_weights(path)
     state = {k.removeprefix("model."): v for k, v in state.items() if k not in ("t2d", "embed_tokens.weight")}
     with torch.device("meta"):

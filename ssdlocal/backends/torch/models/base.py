@@ -19,8 +19,8 @@ layer's (Gemma 4's shared KV), so caches, the prefix pool and slot copies are pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,7 @@ from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.backends.torch.models.layers import RMSNorm, rope_inv_freq, rope_tables
 from ssdlocal.backends.torch.scratch import ScratchPool
-from ssdlocal.core.memory import oom_error
+from ssdlocal.core.memory import allocating
 from ssdlocal.backends.torch.models.fields import read_rope, refuse  # noqa: F401 - the families import them from here
 
 # A chunked prefill keeps every chunk's boolean mask for all layers while they fit in this
@@ -86,18 +86,6 @@ def causal_mask(positions: Tensor, S: int) -> Tensor:
 def kept(x: Tensor, keep: Tensor | None) -> Tensor:
     """x [B, T, H] at query indices `keep` [B, n] (None: every position)."""
     return x if keep is None else x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))  # [B, n, H]
-
-
-@contextmanager
-def allocating(doing: str) -> Iterator[None]:
-    """An allocator failure inside becomes an OutOfMemoryError saying what was `doing`."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        mapped = oom_error(exc, doing)
-        if mapped is None:
-            raise
-        raise mapped from exc
 
 
 class CausalLM(nn.Module):
