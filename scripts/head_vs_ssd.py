@@ -67,12 +67,11 @@ def main() -> None:
     target, draft = (str(p) for p in ensure_default_pair())
     flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in Path("/proc/cpuinfo").read_text()]
     print(f"# {platform.processor() or platform.machine()}, flags {' '.join(flags)}, K={opts.k}, bf16")
-    with tempfile.TemporaryDirectory() as tmp, Engine(EngineConfig(target=ModelSpec(target, dtype="bfloat16"))) as e:
+    model = SpecConfig(mode=Mode.SD, k=opts.k, draft=ModelDraft(ModelSpec(draft, dtype="bfloat16"), suffix=None))
+    config = EngineConfig(target=ModelSpec(target, dtype="bfloat16"), spec=model)  # the engine loads the model draft
+    with tempfile.TemporaryDirectory() as tmp, Engine(config) as e:
         head = head_for(e, Path(tmp))
-        drafters = {
-            "eagle3 head": SpecConfig(mode=Mode.SD, k=opts.k, draft=HeadDraft(str(head))),
-            "0.5B model": SpecConfig(mode=Mode.SD, k=opts.k, draft=ModelDraft(ModelSpec(draft, dtype="bfloat16"))),
-        }
+        drafters = {"eagle3 head": SpecConfig(mode=Mode.SD, k=opts.k, draft=HeadDraft(str(head))), "0.5B model": model}
         for spec in drafters.values():  # load and warm each once
             per_round(e, spec, 8)
         print("| drafter | draft ms/round | verify ms/round | draft share | SSD bound over SD |")

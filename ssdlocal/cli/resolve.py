@@ -28,7 +28,7 @@ from ssdlocal.core.config import (
 )
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import DRAFT_KINDS, BackendName, HeadDraft
-from ssdlocal.weights.formats.archs import head_kind
+from ssdlocal.weights.formats.archs import head_kind, head_most_drafts
 
 
 def parse_mode(mode: str) -> Mode:
@@ -81,9 +81,12 @@ def engine_config(
             prepare_weights(draft, backends[1], quants[1], models.dtype)
     tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
+    draft_kind = parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None)
+    if isinstance(draft_kind, HeadDraft) and spec_opts.k is None:  # a block drafter: K = its block's drafts
+        options["k"] = head_most_drafts(draft_kind.path, draft_kind.head) or options["k"]
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0], models.batch_invariant),
-        spec=SpecConfig(**options, draft=parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None)),
+        spec=SpecConfig(**options, draft=draft_kind),
         target_devices=tp_devices if len(tp_devices) > 1 else (),
         graphs="auto" if models.cuda_graphs else "off",
         prefix_cache_tokens=models.prefix_cache_tokens if models.prefix_cache else 0,
@@ -153,7 +156,7 @@ def parse_draft(text: str | None, model, hybrid: SuffixDraft | None = SuffixDraf
     if text in DRAFT_WORDS:
         return DRAFT_WORDS[text]()
     head = head_kind(text)
-    if head is not None:  # a draft head (EAGLE-3): it reads the target's hidden states
+    if head is not None:  # a draft head (EAGLE-3, Gemma 4 assistant): it reads the target's hidden states
         return HeadDraft(text, head)
     return ModelDraft(model(text), hybrid)
 

@@ -106,6 +106,25 @@ class DraftDecoder:
         q_all = None if self.greedy else torch.stack(qs, dim=1)  # [B, K, V]
         return Drafted(torch.stack(tokens, dim=1), q_all, torch.stack(kept, dim=1) if keep_logits else None)
 
+    @torch.inference_mode()
+    def draw_block(self, block: Tensor) -> Drafted:
+        """block [B, K, V_d]: a block drafter's logits for K positions at once -> d_j drawn
+        from position j's own distribution (independent of the other draws; masked by
+        `allowed` given d_{j-1} as in `decode`), with no runner steps."""
+        tokens: list[Tensor] = []  # [B] per position
+        qs: list[Tensor] = []  # [B, V] per position, none when greedy
+        for j in range(block.shape[1]):
+            logits = align_vocab(block[:, j], self.target_vocab)  # [B, V]
+            if self.allowed is not None:
+                mask = self.allowed(j, tokens[-1] if j else None)  # [B, V] bool
+                logits = logits.masked_fill(~mask.to(logits.device), float("-inf"))  # [B, V]
+            token, q = self._draw(logits, j)
+            tokens.append(token)
+            if q is not None:
+                qs.append(q)
+        q_all = None if self.greedy else torch.stack(qs, dim=1)  # [B, K, V]
+        return Drafted(torch.stack(tokens, dim=1), q_all, None)
+
     def _draw(self, logits: Tensor, j: int) -> tuple[Tensor, Tensor | None]:
         """logits [B, V] -> (token [B], q [B, V] or None when greedy). Rows of other
         sampling settings (`row_params`) each get their own warp (greedy rows a one-hot

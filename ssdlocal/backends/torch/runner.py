@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, Logits
+from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, LayerKV, Logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.torch.stored import StoredPrefixes
 from ssdlocal.backends.prefix import PrefixIndex
@@ -310,14 +310,33 @@ class TorchRunner(StoredPrefixes, HeldRows):
         self._graphs_invalid()  # steps now write (or no longer write) the hidden buffer
 
     def head_inputs(self) -> HeadInputs:
-        """Runner.head_inputs: the model's embeddings, layers and width (one device only)."""
+        """Runner.head_inputs: the model's embeddings, layers, width, lm_head and embedding
+        scale (one device only)."""
         if not self.plain:
             raise UsageError(
                 "a draft head needs a target on one device",
                 "drop the extra --target-device entries, or use a draft model",
             )
-        args = self.loaded.args
-        return HeadInputs(self.model.embed_tokens, args.num_layers, args.hidden_size, self.loaded.dtype)
+        args, kv = self.loaded.args, []
+        for i, layer in enumerate(self.model.layers):  # a layer with a kv_source reads that layer's cache
+            attn, source = layer.self_attn, getattr(layer, "kv_source", None)
+            kv.append(LayerKV(attn.window, attn.n_kv_heads, attn.head_dim, i if source is None else source))
+        embeds, scale = self.model.embed_tokens, self.model.embed_scale
+        return HeadInputs(
+            embeds,
+            args.num_layers,
+            args.hidden_size,
+            self.loaded.dtype,
+            scale,
+            tuple(kv),
+            self.head_kv,
+            self.model.lm_head,
+        )
+
+    def head_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """HeadInputs.read_kv: the cache layer `layer` reads (its kv_source's), as it is now."""
+        cache = self.model.layers[layer].self_attn.kv_cache
+        return cache.k, cache.v
 
     def hidden(self) -> Tensor:
         """Runner.hidden: the last feed's or step's hidden states (keep_hidden)."""

@@ -219,7 +219,12 @@ FAMILY_SIZES = {
 
 # ------------------------------------------------------------------ draft heads
 # config.json `architectures` of the draft heads the torch backend reads, by kind
-HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+# (backends/torch/heads loads each kind)
+HEADS = {
+    "eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2"),
+    "gemma4_assistant": ("Gemma4AssistantForCausalLM",),
+    "dflash": ("MuseGlimmerAssistantModel", "DFlashDraftModel", "DFlash2DraftModel"),  # block drafters
+}
 
 
 def head_kind(path) -> str | None:
@@ -233,3 +238,19 @@ def head_kind(path) -> str | None:
         return None
     names = raw.get("architectures") or () if isinstance(raw, dict) else ()
     return next((kind for kind, claimed in HEADS.items() if set(claimed) & set(names)), None)
+
+
+def head_most_drafts(path, kind: str) -> int | None:
+    """The most drafts a head of `kind` at `path` gives a round (a DFlash drafter: its
+    block_size - 1), or None where it has no such bound."""
+    import json
+    from pathlib import Path
+
+    if kind != "dflash":
+        return None
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+        block = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size", 16))
+        return max(int(block) - 1, 1)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
