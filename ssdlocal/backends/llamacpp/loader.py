@@ -225,7 +225,7 @@ def _file_tokenizer(path: Path, cause: Exception | None):
     from transformers import PreTrainedTokenizerFast
 
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     except (ValueError, KeyError, OSError, RuntimeError, TypeError) as exc:
         arch = gguf_architecture(path)
         raise UnsupportedArchitectureError(
