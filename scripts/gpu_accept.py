@@ -30,6 +30,11 @@ cut short still leaves what it found; exit code 1 if any exactness check fails):
      matmul FLOP/s);
   5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
      can-use checks for the shapes the model passes);
+  5b. (scripts/accept_families.py) the 2026 families in timing shapes: a Qwen3-30B-A3B-shaped
+     mixture of experts and a Gemma 3 12B-class sliding-window model (12 of 48 layers each),
+     random bf16 weights, T=1 and T=K+1 steps eager and in captured graphs against the
+     bandwidth limit of the bytes each step reads (the experts its tokens chose, the KV it
+     attends to), the captured step's logits against eager's;
   6. (scripts/accept_steps.py) host waits per decode round under
      torch.cuda.set_sync_debug_mode, by mode, against HOST_WAIT_BUDGET (AR, SD, adaptive
      SD <= 1.5, SD under a JSON-schema grammar <= K + 2; SSD's target reported); a
@@ -180,6 +185,7 @@ def render(data: dict) -> str:
 
 
 MORE_STEPS = (
+    "family_step_times",
     "host_waits",
     "long_context",
     "churned_prefix_store",
@@ -506,7 +512,16 @@ def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Resul
         measured = {r["model"]: r["T1_graphs"] for r in results.data["steps"].get("step_times") or []}
         more.bandwidth_table(bandwidth, results, measured)
 
+    def families() -> None:
+        from accept_families import family_step_times
+        from gpu_bench import copy_bandwidth
+
+        env = results.data["steps"].get("environment", {})
+        bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
+        family_step_times(device, bandwidth, graph_mode, results, smoke=device.type == "cpu")
+
     return [
+        ("family_step_times", families),
         ("host_waits", lambda: more.host_waits(dirs, where, results)),
         ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp, modes=smoke)),
         ("churned_prefix_store", lambda: more.churned_store(dirs, where, graph_mode, results)),

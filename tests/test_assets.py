@@ -171,6 +171,24 @@ def test_convert_bf16_into_explicit_dir(tiny_gguf, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_float_conversion_restores_llama_rows_and_names(tmp_path, monkeypatch):
+    """llama.cpp stores llama's q/k rows per head as (pairs, 2): the float conversion puts
+    them back, and every tensor of the source model comes back under its own name, bit for
+    bit (an F32 file)."""
+    from safetensors.torch import load_file
+    from support import tiny_gguf
+
+    from ssdlocal.weights.formats.convert import ensure_converted
+
+    monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
+    model = tiny_gguf.make_hf_model("llama", seed=5)
+    path = tiny_gguf.write_gguf(tmp_path / "llama.gguf", model, "llama", "f32")
+    got = load_file(ensure_converted(path, dtype="float32", out_dir=tmp_path / "out") / "model.safetensors")
+    want = model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_unsupported_architecture(tmp_path):
     from ssdlocal.weights.formats.convert import ensure_converted
 

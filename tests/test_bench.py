@@ -340,6 +340,24 @@ def test_projection_math_by_hand():
     assert project(ProjectionInputs(k=4), (0.1,))["rows"][0]["ssd_speedup"] is None
 
 
+def test_projection_counts_a_verification_by_the_bytes_it_reads():
+    """A mixture of experts' K+1-token verification reads more than a step (v target steps):
+    SD = E / (v + K r), an SSD hit waits max(v, T_p), a miss v + T_b; the weight-bytes ratio
+    gets its own row; v = 1 is the dense formula."""
+    assert sd_speedup(3.0, 4, 0.1, 2.5) == pytest.approx(3.0 / 2.9)
+    assert ssd_speedup(0.5, 3.0, 2.0, 4, 0.1, 4, 2.5) == pytest.approx(2.5 / (0.5 * 2.5 + 0.5 * 2.9))
+    assert ssd_speedup(0.5, 3.0, 2.0, 4, 0.6, 4, 2.5) == pytest.approx(2.5 / (0.5 * 3.0 + 0.5 * 4.9))
+    inputs = ProjectionInputs(k=4, e_sd=3.0, p_hit=0.5, e_hit=2.0, e_miss=2.0, backup_forwards=4)
+    moe = project(ProjectionInputs(**{**inputs.__dict__, "bytes_ratio": 0.2, "verify_cost": 2.5}), (0.1,))
+    rows = {r["ratio"]: r for r in moe["rows"]}
+    assert rows[0.2]["from_bytes"] and not rows[0.1]["from_bytes"] and "verify = 2.50 target steps" in moe["label"]
+    assert rows[0.1]["sd_speedup"] == pytest.approx(3.0 / 2.9)
+    # T_p = 5 * 0.2 = 1.0 <= v = 2.5: the tree completes, a hit carries E_SD tokens
+    assert rows[0.2]["ssd_speedup"] == pytest.approx(ssd_speedup(0.5, 3.0, 2.0, 4, 0.2, 4, 2.5))
+    dense = project(inputs, (0.1,))["rows"][0]
+    assert dense["sd_speedup"] == pytest.approx(sd_speedup(3.0, 4, 0.1)) == pytest.approx(3.0 / 1.4)
+
+
 def test_aggregate_math_by_hand():
     spec = {
         "k": 2,

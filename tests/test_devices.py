@@ -106,6 +106,46 @@ def test_plans_that_cannot_fit_are_refused(inventory, needle):
     assert "the target needs ~" in info.value.message and needle in info.value.message
 
 
+# The 2026 pairs (models/pairs) on 1, 2, 4 and 8 GPUs with NVLink: "TPn/draft" or "no".
+# Their manifests' sizes: memory_gb for the backend and --quantization; tensor parallelism
+# divides the heads (Qwen3-MoE's 4 key-value heads cap it at 4, so 8 GPUs give TP4 + a draft GPU).
+NEW_PAIRS = [
+    ("qwen3-30b-a3b", "torch", "none", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("qwen3-30b-a3b", "llamacpp", "auto", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("qwen3-235b-a22b", "torch", "none", 141.0, ["no", "no", "no", "no"]),  # TP <= 4 by its kv heads
+    ("qwen3-235b-a22b", "torch", "int8", H100, ["no", "no", "TP4/cpu", "TP4/cuda:4"]),
+    ("qwen3-235b-a22b", "torch", "int4", 141.0, ["no", "TP2/cpu", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("gpt-oss-120b", "torch", "none", H100, ["no", "no", "TP4/cpu", "TP4/cuda:4"]),
+    ("gpt-oss-120b", "torch", "int4", H100, ["no", "TP2/cpu", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("gpt-oss-120b", "torch", "int4", 141.0, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("gemma-3-27b", "llamacpp", "auto", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("gemma-4-31b", "llamacpp", "auto", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+]
+
+
+@pytest.mark.parametrize(("name", "backend", "quantization", "gpu_gb", "want"), NEW_PAIRS)
+def test_new_family_pairs_on_one_two_four_and_eight_gpus(name, backend, quantization, gpu_gb, want):
+    from ssdlocal.core.models import BackendName
+    from ssdlocal.weights.pairs import get_pair
+
+    pair = get_pair(name)
+    backend = BackendName(backend)
+    assert backend in pair.backends
+    target_gb, draft_gb = pair.memory_gb(backend, quantization)
+    heads = (pair.target.heads, pair.target.kv_heads)  # as `devices` and `pairs` plan it
+    got = []
+    for n in (1, 2, 4, 8):
+        try:
+            plan = plan_placement(machine(*[gpu_gb] * n, link="nvlink"), target_gb, draft_gb, heads=heads)
+        except PlacementError as exc:
+            assert "the target needs ~" in exc.message
+            got.append("no")
+            continue
+        assert all(u.headroom_gb >= 0 for u in plan.uses)
+        got.append(f"TP{plan.tensor_parallel}/{plan.draft_where}")
+    assert got == want
+
+
 def test_free_memory_counts_not_total():
     busy = DeviceInventory((GPU(0, "busy", 24.0, 6.0), GPU(1, "idle", 24.0, 23.5)), 8, 64.0)
     plan = plan_placement(busy, LLAMA_8B, LLAMA_1B)

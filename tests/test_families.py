@@ -283,6 +283,21 @@ REFUSED = [
         "gemma4 with enable_moe_block=True",
     ),
     ("gemma4", {"use_bidirectional_attention": "vision"}, "gemma4 with use_bidirectional_attention='vision'"),
+    (
+        "gpt_oss",
+        {"layer_types": ["sliding_attention", "chunked_attention"] * 2},
+        "gpt_oss with layer type 'chunked_attention'",
+    ),
+    (
+        "gpt_oss",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        "gpt_oss with partial_rotary_factor=0.5",
+    ),
+    (
+        "gpt_oss",
+        {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+        "gpt_oss with rope_type='longrope'",
+    ),
 ]
 
 
@@ -305,10 +320,16 @@ def test_every_tensor_has_a_name_in_the_files_and_back(family_dirs, family):
     with torch.device("meta"):
         model = build(args)
     ours = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+    stored = {}  # ours -> shape; a packed tensor (gpt-oss's fused experts) as the ones it holds
     with safe_open(str(target / "model.safetensors"), "pt") as f:
-        stored = {described.from_checkpoint(name, args.tie_word_embeddings) for name in f.keys()}  # noqa: SIM118
-    stacked = {re.sub(r"\.experts\.\d+\.", ".experts.", name) for name in stored - {None}}  # loaders stack experts
+        for name in f.keys():  # noqa: SIM118
+            stored.update(described.checkpoint_shapes(name, f.get_slice(name).get_shape()))
+    if args.tie_word_embeddings:
+        stored.pop("lm_head.weight", None)
+    stacked = {re.sub(r"\.experts\.\d+\.", ".experts.", name) for name in stored}  # loaders stack experts
     assert stacked == ours
+    shapes = model.state_dict()
+    assert all(tuple(shapes[n].shape) == shape for n, shape in stored.items() if n in shapes)
     for tensor in ours:
         assert described.checkpoint.ours(described.to_checkpoint(tensor)) == tensor
         if described.gguf_architecture:
@@ -331,10 +352,11 @@ def test_an_unimplemented_config_field_is_refused_by_name(family_dirs, tmp_path,
         load_model(changed, "cpu", "float32")
 
 
-def test_sizes_count_the_experts_a_token_reads(family_dirs):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_sizes_count_the_experts_a_token_reads(family_dirs, family):
     from ssdlocal.weights.size import parameters
 
-    target, _ = family_dirs["qwen3_moe"]
+    target, _ = family_dirs[family]
     counted = parameters(target)
     model = load_model(target, "cpu", "float32").model
     assert counted.total == sum(p.numel() for p in model.parameters())

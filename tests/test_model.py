@@ -232,3 +232,27 @@ def test_loader_errors(tiny_dir, tmp_path):
 
     with pytest.raises(ModelLoadError):
         load_model(tiny_dir["llama"], dtype="float8")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"truncate": False},  # gpt-oss as published
+        {},  # truncate defaults to True
+        {"attention_factor": 0.8, "beta_fast": 16.0},
+        {"mscale": 0.9, "mscale_all_dim": 0.7, "truncate": False},
+    ],
+)
+def test_yarn_tables_equal_transformers(extra):
+    """Our YaRN inverse frequencies and attention factor (models/layers.py) are bit for bit
+    transformers' (_compute_yarn_parameters) for the options its configs use."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from ssdlocal.backends.torch.models.layers import rope_inv_freq
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096}
+    cfg = GptOssConfig(head_dim=64, rope_parameters={**rope, **extra})
+    want, want_factor = _compute_yarn_parameters(cfg)
+    got, factor = rope_inv_freq(64, 150000.0, {**rope, **extra})
+    assert torch.equal(got, want) and factor == want_factor

@@ -31,6 +31,11 @@ REQUIRED = {
     "qwen2.5-coder-7b": ("Qwen/Qwen2.5-Coder-7B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct"),
     "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
     "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    "gpt-oss-120b": ("openai/gpt-oss-120b", "openai/gpt-oss-20b"),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-1.7B"),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-0.6B"),
+    "gemma-3-27b": ("google/gemma-3-27b-it", "google/gemma-3-1b-it"),
+    "gemma-4-31b": ("google/gemma-4-31B-it", "google/gemma-4-E2B-it"),
 }
 
 
@@ -57,11 +62,24 @@ def test_builtin_registry_is_complete():
     )
 
 
+def test_every_architecture_names_a_family_of_the_registry():
+    """A checkpoint's architecture leads to its registry family (the pair hint, pull's
+    drafts): every family the torch backend computes has pairs under that name."""
+    from ssdlocal.weights.formats.archs import architectures
+
+    families = {pair.family for pair in load_pairs().values()}
+    for arch in architectures():
+        assert (arch.pair_family or arch.model_type) in families, arch.name
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_pair_file(path):
     pair = parse_pair(path)
     assert pair.name == path.stem and pair.description and pair.family
-    assert set(pair.backends) == {"torch", "llamacpp"}
+    # every backend its files serve, unless the file says which (and why, in its comment)
+    every = {"torch", "llamacpp"} if pair.gguf_target else {"torch"}
+    assert set(pair.backends) == (every & set(pair.only_backends) if pair.only_backends else every)
+    assert pair.backends and (pair.only_backends is None or "# backends = " in path.read_text())
     assert pair.target.bf16_gb > pair.draft.bf16_gb > 0
     assert pair.target.heads % pair.target.kv_heads == 0
     if pair.suggested_fan_out is not None:
@@ -69,11 +87,15 @@ def test_every_pair_file(path):
     if pair.source == "hf":
         for ref in (pair.target, pair.draft, pair.gguf_target, pair.gguf_draft):
             # "main" until a real commit is pinned; never an invented hash
-            assert ref.revision == "main" or re.fullmatch(r"[0-9a-f]{40}", ref.revision)
-        assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(".gguf")
-        assert pair.gguf_target.quant in pair.gguf_target.filename
+            assert ref is None or ref.revision == "main" or re.fullmatch(r"[0-9a-f]{40}", ref.revision)
         assert "*.safetensors" in pair.allow_patterns and "*.json" in pair.allow_patterns
-        assert 0 < pair.gguf_target.size_gb < pair.target.bf16_gb
+        if pair.gguf_target is not None:
+            assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(".gguf")
+            assert pair.gguf_target.quant in pair.gguf_target.filename
+            assert 0 < pair.gguf_target.size_gb < pair.target.bf16_gb
+    for ref in (pair.target, pair.draft):  # a mixture of experts states what a token reads
+        if ref.experts:
+            assert 0 < ref.active_params_b < ref.params_b and ref.experts_per_token < ref.experts
 
 
 def test_user_pair_files_and_paths(tmp_path, tiny_dir):
@@ -119,6 +141,19 @@ def test_pairs_path_env(monkeypatch, tmp_path):
             'name = "x"\n[target]\nrepo = "a/t"\n[draft]\nrepo = "a/d"\n[llamacpp.target]\nrepo = "a/t"\n',
             "[llamacpp.target] needs repo + filename",
         ),
+        (
+            'name = "x"\n[target]\nrepo = "a/t"\nparams_b = 3.0\nactive_params_b = 4.0\n[draft]\nrepo = "a/d"\n',
+            "active_params_b 4.0 is more than params_b 3.0",
+        ),
+        (
+            'name = "x"\n[target]\nrepo = "a/t"\nactive_params_b = 1.0\nexperts = 8\n[draft]\nrepo = "a/d"\n',
+            "needs both `experts` and `experts_per_token`",
+        ),
+        (
+            'name = "x"\n[target]\nrepo = "a/t"\nexperts = 8\nexperts_per_token = 2\n[draft]\nrepo = "a/d"\n',
+            "give `active_params_b`",
+        ),
+        ('name = "x"\nbackends = ["vllm"]\n[target]\nrepo = "a/t"\n[draft]\nrepo = "a/d"\n', "`backends` must be"),
     ],
 )
 def test_bad_pair_files(tmp_path, content, needle):
@@ -127,6 +162,26 @@ def test_bad_pair_files(tmp_path, content, needle):
     with pytest.raises(UsageError) as info:
         parse_pair(bad)
     assert needle in info.value.message and str(bad) in info.value.message
+
+
+def test_a_step_of_a_mixture_of_experts_reads_the_experts_its_tokens_touch():
+    """One token reads the manifest's active parameters; a K+1-token verification reads the
+    experts all its tokens are expected to use (core.reads, uniform routing), more than one
+    token and never more than the whole model; a dense model reads everything whatever K."""
+    from ssdlocal.core.reads import experts_touched
+
+    pairs = load_pairs()
+    moe, dense = pairs["qwen3-30b-a3b"], pairs["qwen3-32b"]
+    t = moe.target
+    assert t.read_share(1) == pytest.approx(t.active_params_b / t.params_b)
+    shares = [t.read_share(n) for n in (1, 2, 5, 64)]
+    assert shares == sorted(shares) and shares[-1] < 1.0
+    experts = (t.params_b - t.active_params_b) / (1 - t.experts_per_token / t.experts)
+    read5 = t.params_b - experts + experts * experts_touched(t.experts, t.experts_per_token, 5)
+    assert t.read_share(5) == pytest.approx(read5 / t.params_b)
+    target_gb, draft_gb = moe.step_gb(tokens=(5, 1))
+    assert target_gb == pytest.approx(moe.memory_gb()[0] * read5 / t.params_b) and draft_gb == moe.draft.bf16_gb
+    assert dense.step_gb(tokens=(5, 1)) == dense.step_gb() == dense.memory_gb()
 
 
 def test_unknown_pair_suggests_names():

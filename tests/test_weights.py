@@ -323,15 +323,16 @@ def _gguf_cli(tiny_gguf):
 def test_a_full_disk_during_conversion_is_a_clean_error(monkeypatch, capsys, tiny_gguf, tmp_path):
     import errno
 
-    import safetensors.torch
     from support.cli import assert_clean_error, run_cli
+
+    from ssdlocal.weights.formats.safetensors import SafetensorsWriter
 
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path))
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(SafetensorsWriter, "close", disk_full)  # the file written whole
     code, _, err = run_cli(monkeypatch, capsys, *_gguf_cli(tiny_gguf))
     assert_clean_error(code, err, 1, "no space left", "SSDLOCAL_CACHE", skip=_TQDM)
     converted = tmp_path / "converted"

@@ -12,7 +12,7 @@ import json
 import os
 import platform
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ssdlocal.bench.aggregate import aggregate_all, projection_inputs, session_turns
@@ -85,8 +85,37 @@ def build_results(run: BenchRun, *, with_projection: bool, ratios=DEFAULT_RATIOS
         "wall_s": run.wall_s,
     }
     if with_projection:
-        doc["projections"] = project(projection_inputs(aggs, run.config.spec.k), ratios)
+        k = run.config.spec.k
+        bytes_ratio, verify_cost = weight_reads(run.config, k)
+        inputs = replace(projection_inputs(aggs, k), bytes_ratio=bytes_ratio, verify_cost=verify_cost)
+        doc["projections"] = project(inputs, ratios)
     return doc
+
+
+def weight_reads(config, k: int) -> tuple[float | None, float]:
+    """(weight bytes a draft step reads over a target step's, a K+1-token verification's
+    over a target step's) of the run's model files as loaded (weights/size.step_bytes, from
+    headers: a mixture of experts reads only the experts its tokens use); (None, 1.0) where
+    the files cannot tell (the target is no local model file), None for the ratio without
+    a draft model."""
+    from ssdlocal.core.errors import SSDLocalError
+    from ssdlocal.weights.formats.quantized import resolve_scheme
+    from ssdlocal.weights.size import step_bytes
+
+    def reads(spec, tokens: int) -> int:
+        scheme = "none" if spec.quantization == "none" else resolve_scheme(spec.path, spec.quantization)
+        return step_bytes(spec.path, scheme, spec.dtype, tokens)
+
+    try:
+        one = reads(config.target, 1)
+        verify = reads(config.target, k + 1) / one
+    except (SSDLocalError, OSError, ValueError):
+        return None, 1.0
+    draft = config.spec.draft.model
+    try:
+        return (reads(draft, 1) / one if draft is not None else None), verify
+    except (SSDLocalError, OSError, ValueError):
+        return None, verify
 
 
 def settings_record(run: BenchRun) -> dict:
@@ -297,7 +326,7 @@ def markdown(doc: dict) -> str:
             "|---|---|---|",
         ]
         for r in proj["rows"]:
-            tag = " (measured)" if r["measured"] else ""
+            tag = " (measured)" if r["measured"] else " (weights read)" if r.get("from_bytes") else ""
             lines.append(
                 f"| {r['ratio']:.3f}{tag} | {_f(r['sd_speedup'], '{:.2f}×')} | {_f(r['ssd_speedup'], '{:.2f}×')} |"
             )

@@ -371,7 +371,8 @@ def render_summary(doc: dict, console) -> None:
         for r in proj["rows"]:
             fmt = lambda v: "–" if v is None else f"{v:.2f}×"
             pt.add_row(
-                f"{r['ratio']:.3f}" + (" (measured)" if r["measured"] else ""),
+                f"{r['ratio']:.3f}"
+                + (" (measured)" if r["measured"] else " (weights read)" if r.get("from_bytes") else ""),
                 fmt(r["sd_speedup"]),
                 fmt(r["ssd_speedup"]),
             )

@@ -5,7 +5,8 @@ says (weights/formats/arch.py): rows of the column-split ones (q/k/v, gate/up), 
 the row-split ones (o_proj, down_proj), and the replicated embeddings, norms and lm_head
 whole, so host memory per rank is about weights / TP + the replicated part, not the whole
 model. Quantized weights are read one
-tensor at a time, quantized whole and then split (shard_value). The sharded module layout
+tensor at a time, quantized whole and then split (shard_value), and so are tensors a
+checkpoint stores packed (backends/torch/packed.py): unpacked whole, then split. The sharded module layout
 comes from tp.apply_tensor_parallel on a meta-device model, so loading and sharding
 cannot disagree. Reuses the loader's checks; knows nothing about processes.
 """
@@ -116,6 +117,7 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
                 arch,
                 tied=args.tie_word_embeddings,
                 read=lambda f, name, key: _read(f, name, arch.split_dim(key), rank, world),
+                shard=lambda key, value: shard_value(arch, key, value, rank, world),  # packed: unpacked whole first
             )
             assign_weights(model, state, ckpt)
             del state

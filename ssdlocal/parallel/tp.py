@@ -136,18 +136,13 @@ def _world():
 def _shard_stacked(experts: StackedLinear, split: str, rank: int, tp: int) -> None:
     """Every expert keeps the rank's slice: output features (column: weight [E, out/TP, in],
     bias [E, out/TP]) or input features (row: weight [E, out, in/TP]; the MoE sums the
-    partial outputs over the ranks, a bias is not expected on a row split here)."""
+    partial outputs over the ranks and adds a row split's bias, kept whole, once after)."""
     weight = experts.weight.data
     n = weight.shape[1 if split == "column" else 2] // tp
     dim = 1 if split == "column" else 2
     experts.weight = nn.Parameter(weight.narrow(dim, rank * n, n).contiguous(), requires_grad=False)
     if experts.bias is not None and split == "column":
         experts.bias = nn.Parameter(experts.bias.data.narrow(1, rank * n, n).contiguous(), requires_grad=False)
-    elif experts.bias is not None:
-        raise UsageError(
-            "tensor parallelism over experts whose down projection has a bias is not implemented",
-            "run this model on one device",
-        )
 
 
 def shard_bytes(model: nn.Module) -> int:

@@ -20,6 +20,7 @@ import tomllib
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import BackendName
 from ssdlocal.core.quantization import quantized_gb, scheme_for_gguf_type
+from ssdlocal.core.reads import step_params
 
 SOURCES = ("hf", "pypi", "local")
 WEIGHTS = ("safetensors", "gguf")  # hf pairs: what the repos hold (gguf: every backend reads the GGUF files)
@@ -77,6 +78,10 @@ _TOP_KEYS = {
     "draft": _DRAFT,
     "torch": _TABLE,
     "llamacpp": _TABLE,
+    "backends": _Kind(
+        lambda v: isinstance(v, list) and bool(v) and all(x in BackendName.choices() for x in v),
+        f"a non-empty list of backend names ({', '.join(BackendName.choices())})",
+    ),
 }
 _MODEL_KEYS = {
     "repo": _REPO,
@@ -84,6 +89,9 @@ _MODEL_KEYS = {
     "asset": _STR,
     "path": _STR,
     "params_b": _GB,
+    "active_params_b": _GB,
+    "experts": _COUNT,
+    "experts_per_token": _COUNT,
     "bf16_gb": _GB,
     "embed_b": _GB,
     "heads": _COUNT,
@@ -113,6 +121,10 @@ class ModelRef:
     asset: str | None = None  # ssdlocal.weights.assets name, for source = "pypi"
     path: str | None = None  # for source = "local"
     params_b: float | None = None
+    # a mixture of experts: parameters one token reads, routed experts and how many a token uses
+    active_params_b: float | None = None
+    experts: int | None = None
+    experts_per_token: int | None = None
     bf16_gb: float = 0.0  # approximate weight memory in bf16
     embed_b: float | None = None  # token-embedding parameters in billions (vocab x hidden)
     heads: int | None = None
@@ -123,6 +135,15 @@ class ModelRef:
     @property
     def label(self) -> str:
         return self.repo or self.asset or self.path or "?"
+
+    def read_share(self, tokens: int = 1) -> float:
+        """The share of the weights one forward step of `tokens` tokens reads: 1 for a dense
+        model; for a mixture of experts the weights every token reads plus the routed experts
+        the step is expected to touch (core.reads)."""
+        if not self.params_b or self.active_params_b is None:
+            return 1.0
+        read = step_params(self.params_b, self.active_params_b, self.experts, self.experts_per_token, tokens)
+        return read / self.params_b
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int | None:
         """One token's keys and values in every layer (what the KV and prefix caches hold)."""
@@ -163,6 +184,7 @@ class Pair:
     ignore_patterns: tuple[str, ...] = ()
     gguf_target: GGUFRef | None = None
     gguf_draft: GGUFRef | None = None
+    only_backends: tuple[BackendName, ...] | None = None  # the file's `backends`
     file: Path | None = field(default=None, compare=False)
     draft_word: str | None = None  # with `draft` None: the drafter without a model
     weights: str = "safetensors"  # hf pairs: "gguf" when the repos hold GGUF files only
@@ -179,8 +201,10 @@ class Pair:
     @property
     def backends(self) -> tuple[BackendName, ...]:
         """Backends the pair can run on: every backend reading checkpoints; those that run
-        GGUF files as they are when the pair names GGUF files for both models."""
-        return tuple(b for b in BackendName if self.has_gguf or not b.runs_gguf)
+        GGUF files as they are when the pair names GGUF files for both models; of those, the
+        ones the file's `backends` lists when it lists any."""
+        found = tuple(b for b in BackendName if self.has_gguf or not b.runs_gguf)
+        return found if self.only_backends is None else tuple(b for b in found if b in self.only_backends)
 
     def schemes(self, quantization: str = "none") -> tuple[str, str]:
         """(target, draft) torch weight schemes for `--quantization`: auto is the GGUF
@@ -211,6 +235,18 @@ class Pair:
                 embed_bytes = 1.0 if self.source == "pypi" else None
                 out.append(round(quantized_gb(ref.params_b, embed, scheme, embed_bytes=embed_bytes), 2))
         return out[0], out[1]
+
+    def step_gb(
+        self, backend: BackendName = BackendName.TORCH, quantization: str = "none", tokens: tuple[int, int] = (1, 1)
+    ) -> tuple[float, float]:
+        """(target, draft) weight GB one forward step reads, the target's of `tokens[0]`
+        tokens (K+1 for a verification) and the draft's of `tokens[1]`: memory_gb's sizes
+        times the share of the weights such a step reads (ModelRef.read_share: a mixture of
+        experts reads only the experts its tokens use). What a memory-bound step's time is
+        over bandwidth."""
+        sizes = self.memory_gb(backend, quantization)
+        refs = (self.target, self.draft)
+        return sizes[0] * refs[0].read_share(tokens[0]), sizes[1] * refs[1].read_share(tokens[1])
 
 
 # --------------------------------------------------------------------------- reading
@@ -263,7 +299,14 @@ def _model(data: dict, key: str, source: str, path: Path) -> ModelRef | None:
     need = {"hf": "repo", "pypi": "asset", "local": "path"}[source]
     if not table.get(need):
         raise _bad(path, f'[{key}] needs `{need}` for source = "{source}"')
-    return ModelRef(**_check(table, _MODEL_KEYS, key, path))
+    ref = ModelRef(**_check(table, _MODEL_KEYS, key, path))
+    if ref.active_params_b is not None and ref.params_b is not None and ref.active_params_b > ref.params_b:
+        raise _bad(path, f"[{key}] active_params_b {ref.active_params_b} is more than params_b {ref.params_b}")
+    if (ref.experts is None) != (ref.experts_per_token is None) or (ref.experts or 0) < (ref.experts_per_token or 0):
+        raise _bad(path, f"[{key}] needs both `experts` and `experts_per_token`, at most `experts` of them per token")
+    if ref.experts and ref.active_params_b is None:
+        raise _bad(path, f"[{key}] has experts: give `active_params_b`, the parameters one token reads")
+    return ref
 
 
 def _gguf(table: dict | None, key: str, path: Path) -> GGUFRef | None:
@@ -320,6 +363,7 @@ def parse_pair(path: Path) -> Pair:
         ignore_patterns=tuple(torch_table.get("ignore_patterns", ())),
         gguf_target=_gguf(llamacpp.get("target"), "target", path),
         gguf_draft=_gguf(llamacpp.get("draft"), "draft", path),
+        only_backends=tuple(BackendName(b) for b in data["backends"]) if "backends" in data else None,
         file=path,
         draft_word=data["draft"] if data.get("draft") in DRAFT_WORDS else None,
         weights=weights,

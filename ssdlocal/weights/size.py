@@ -4,7 +4,8 @@ What its weights take once loaded in a dtype under a quantization scheme (`weigh
 `checkpoint_gb`: quantized linears count codes and scales, a GGUF's embedding stays
 quantized, a quantized checkpoint counts as stored), how many parameters it has and how
 many one token reads (`parameters`: a mixture-of-experts model reads only its routed
-experts), and its attention heads (`attention_heads`, what tensor parallelism divides).
+experts), the bytes a forward step of N tokens reads (`step_bytes`: what speed estimates
+divide by bandwidth), and its attention heads (`attention_heads`, what tensor parallelism divides).
 Checkpoint directories (safetensors headers, config.json) and GGUF files (header and
 metadata) are read here and nowhere else for sizes; the arithmetic per dtype and scheme
 is core.quantization's, which tensors are quantized linears or experts the architecture
@@ -19,6 +20,7 @@ from math import prod
 from pathlib import Path
 
 from ssdlocal.core.quantization import DTYPE_BYTES, bytes_per_param, can_quantize, gguf_embedding_scheme
+from ssdlocal.core.reads import experts_touched
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
 from ssdlocal.weights.formats.checks import read_config_json
@@ -66,8 +68,7 @@ def read_shapes(path: str | Path) -> Shapes:
     for file in sorted(path.glob("*.safetensors")):
         with SafetensorsReader(file) as f:
             for name in f.keys():  # noqa: SIM118 - a reader, not a dict
-                if (ours := described.from_checkpoint(name)) is not None:
-                    tensors[ours] = f.shape(name)
+                tensors.update(described.checkpoint_shapes(name, f.shape(name)))  # packed ones as ours
     return Shapes(described, tensors, None, _experts(*described.expert_counts(raw)))
 
 
@@ -91,10 +92,33 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
     path = Path(path).expanduser()
     if path.is_dir() and quant_info(path):
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    size = DTYPE_BYTES.get(dtype, 2)
     shapes = read_shapes(path)
-    quantized = bytes_per_param(scheme, dtype, device_type)
+    return int(sum(_tensor_bytes(shapes, scheme, dtype, device_type).values()))
+
+
+def step_bytes(path: str | Path, scheme: str, dtype: str, tokens: int = 1, device_type: str = "cpu") -> int:
+    """Weight bytes one forward step of `tokens` tokens reads from `path`'s weights as loaded
+    with `scheme` in `dtype` (weight_bytes's sizes): every weight but the embedding table
+    (a step gathers its rows; a tied one is read whole as the head), and of the routed
+    experts the share a step of `tokens` tokens is expected to touch (core.reads). What the
+    speed estimates divide by bandwidth (`bench --project`, scripts/gpu_accept.py)."""
+    shapes = read_shapes(path)
+    touched = experts_touched(*shapes.experts, tokens) if shapes.experts else 1.0
+    sizes = _tensor_bytes(shapes, scheme, dtype, device_type)
     total = 0.0
+    for name, size in sizes.items():
+        if name == "embed_tokens.weight" and "lm_head.weight" in sizes:
+            continue  # rows only (the head is a matrix of its own, or codes of its own)
+        total += size * touched if shapes.arch.is_expert(name.rpartition(".")[0]) else size
+    return int(total)
+
+
+def _tensor_bytes(shapes: Shapes, scheme: str, dtype: str, device_type: str) -> dict[str, float]:
+    """Our tensor name -> bytes it takes loaded with `scheme` in `dtype` (a tied lm_head's
+    own codes under "lm_head.weight")."""
+    size = DTYPE_BYTES.get(dtype, 2)
+    quantized = bytes_per_param(scheme, dtype, device_type)
+    out: dict[str, float] = {}
     for name, shape in shapes.tensors.items():
         module, _, leaf = name.rpartition(".")
         n = prod(shape)
@@ -102,14 +126,14 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
             embedding = float(size)
             if shapes.exact_int4_embedding is not None:  # a GGUF's embedding stays quantized
                 embedding = bytes_per_param(gguf_embedding_scheme(shapes.exact_int4_embedding, shape, scheme), dtype)
-            total += n * embedding
+            out[name] = n * embedding
             if "lm_head.weight" not in shapes.tensors and can_quantize(shape, scheme):
-                total += n * quantized  # a tied lm_head gets codes of its own
+                out["lm_head.weight"] = n * quantized  # a tied lm_head gets codes of its own
         elif leaf == "weight" and shapes.arch.quantized(module) and can_quantize(shape[-2:], scheme):
-            total += n * quantized
+            out[name] = n * quantized
         else:
-            total += n * size
-    return int(total)
+            out[name] = n * size
+    return out
 
 
 def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", device_type: str = "cpu") -> float:

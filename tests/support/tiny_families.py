@@ -140,6 +140,87 @@ def make_gemma4(out_dir: Path, tokenizer_dir: Path, seed: int = 22, **changes) -
     return _save(model, out_dir, tokenizer_dir)
 
 
+def make_gpt_oss(out_dir: Path, tokenizer_dir: Path, seed: int = 23, **changes) -> Path:
+    """gpt-oss as published but small: sliding (window 8) and full layers alternating, YaRN
+    rope (truncate False), 8 experts 2 per token, attention sinks; biases, sinks and norms
+    drawn (transformers starts biases at 0) and a low swiglu_limit, so the clamps bite.
+    Saved as transformers saves it: experts fused and transposed (MXFP4: write_mxfp4)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    fields = dict(
+        vocab_size=_vocab(tokenizer_dir),
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        swiglu_limit=1.0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**{**fields, **changes})).eval()
+    _randomize_norms(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("_bias", ".bias", "sinks")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return _save(model, out_dir, tokenizer_dir)
+
+
+def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., out, in] (in a multiple of 32) -> MXFP4 (blocks [..., out, in/32, 16],
+    scales [..., out, in/32] uint8): per block of 32 the power of two that brings its
+    largest value to [4, 8) (6 is the largest code), each value rounded to the nearest code."""
+    *lead, out, width = weight.shape
+    groups = weight.float().reshape(*lead, out, width // 32, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-100))) - 2  # [..., out, G]
+    scaled = groups / torch.exp2(exponent)[..., None]  # [..., out, G, 32]
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)  # [..., out, G, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4(float_dir: Path, out_dir: Path) -> Path:
+    """A copy of gpt-oss checkpoint `float_dir` with its experts' weights as published:
+    MXFP4 blocks and scales, [E, out, ...] (quantization_config names mxfp4)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(shutil.copytree(float_dir, out_dir))
+    state = load_file(out_dir / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = pack_mxfp4(state.pop(name).transpose(1, 2))  # stored [E, in, out]
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
 def _randomize_norms(model, seed: int) -> None:
     """Norm weights drawn around their init (transformers starts them at 0 or 1), so a
     norm whose offset or cast is wrong changes the logits."""
@@ -157,4 +238,5 @@ FAMILIES: dict[str, tuple[Builder, str]] = {
     "qwen3_moe": (make_qwen3_moe, "Qwen3MoeForCausalLM"),
     "gemma3": (make_gemma3, "Gemma3ForCausalLM"),
     "gemma4": (make_gemma4, "Gemma4ForCausalLM"),
+    "gpt_oss": (make_gpt_oss, "GptOssForCausalLM"),
 }

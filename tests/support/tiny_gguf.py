@@ -1,4 +1,5 @@
-"""Tiny GGUF files for the quantization tests: Q4_K_M-like (Q4_K + Q6_K) and Q8_0 mixes.
+"""Tiny GGUF files for the quantization and conversion tests: Q4_K_M-like (Q4_K + Q6_K),
+Q8_0 and F32 mixes, of llama/qwen2 models and of a Qwen3-MoE with stacked experts.
 
 The `gguf` package decodes every type but encodes only a few (no K-quants), so Q4_K and
 Q6_K blocks are encoded here, in numpy, in ggml's block layout; the tests check them
@@ -260,8 +261,9 @@ def _add(writer, name: str, data: np.ndarray, kind: str) -> None:
         return
     if kind == "Q8_0":
         raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-    else:
-        raw = encode_q4_k(data) if kind == "Q4_K" else encode_q6_k(data)
+    else:  # a stack of matrices (experts) is encoded row by row like one matrix
+        rows = data.reshape(-1, data.shape[-1])
+        raw = (encode_q4_k(rows) if kind == "Q4_K" else encode_q6_k(rows)).reshape(*data.shape[:-1], -1)
     writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
 
 
@@ -367,3 +369,125 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return model
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def save_byte_tokenizer(out_dir: Path) -> None:
+    """The GGUFs' tokenizer (byte_vocab, its last three tokens special, the chat template)
+    saved Hugging Face style, for checkpoints the GGUFs are made from."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens, merges = byte_vocab()
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=SPECIALS
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def make_moe_checkpoint(
+    out_dir: Path,
+    seed: int = 0,
+    *,
+    hidden: int = 256,
+    width: int = 256,
+    layers: int = 2,
+    experts: int = 8,
+    used: int = 2,
+) -> Path:
+    """A random Qwen3-MoE (every layer routed, as llama.cpp's qwen3moe has them) saved as a
+    published checkpoint is (experts one by one), with the GGUFs' tokenizer. Widths of 256
+    take every ggml type (K-quants need rows of 256)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokens, _ = byte_vocab()
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_experts=experts,
+        num_experts_per_tok=used,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        eos_token_id=tokens.index("<|im_end|>"),
+        pad_token_id=tokens.index("<|endoftext|>"),
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(cfg).eval().save_pretrained(out_dir)
+    save_byte_tokenizer(out_dir)
+    return Path(out_dir)
+
+
+def write_moe_gguf(path: Path, checkpoint: Path, mix: str) -> Path:
+    """The Qwen3-MoE `checkpoint` (make_moe_checkpoint) as a `qwen3moe` GGUF the way
+    llama.cpp's converter writes one: each layer's experts stacked per projection into
+    ffn_{gate,up,down}_exps ([E, out, in], ggml dims [in, out, E]), the router as
+    ffn_gate_inp, the experts' width as expert_feed_forward_length. `mix`: f32 | q8_0 |
+    q4_k_m (Q4_K, with Q6_K for attn_v, the down experts and the output matrix)."""
+    import json
+    import re
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    state = load_file(Path(checkpoint) / "model.safetensors")
+    tokens, merges = byte_vocab()
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name("tiny-moe")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    file_type = {"q4_k_m": "MOSTLY_Q4_K_M", "q8_0": "MOSTLY_Q8_0", "f32": "ALL_F32"}[mix]
+    w.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    _add_chat_tokenizer(w, tokens, merges)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg["num_hidden_layers"])
+    one = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight")
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for hf_name, tensor in state.items():
+        if found := one.fullmatch(hf_name):
+            layer, e, proj = int(found.group(1)), int(found.group(2)), found.group(3)
+            stacks.setdefault((layer, proj), {})[e] = tensor.float().numpy()
+            continue
+        stem, suffix = hf_name.rsplit(".", 1)
+        name = f"{names.get_name(stem)}.{suffix}"
+        data = tensor.float().numpy()
+        kind = tensor_type(name, mix) if data.ndim == 2 and "ffn_gate_inp" not in name else "F32"  # router: F32
+        _add(w, name, data, kind)
+    for (layer, proj), parts in sorted(stacks.items()):
+        name = f"blk.{layer}.ffn_{proj}_exps.weight"
+        data = np.stack([parts[e] for e in range(experts)])  # [E, out, in]
+        _add(w, name, data, tensor_type(name, mix))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

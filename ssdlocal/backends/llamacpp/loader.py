@@ -264,7 +264,7 @@ def _load_cached(cached: Path):
 
 def eos_ids_of(tokenizer) -> tuple[int, ...]:
     """The tokenizer's eos plus known end-of-turn tokens (same rule as GGUF conversion)."""
-    from ssdlocal.weights.formats.convert import EXTRA_EOS
+    from ssdlocal.weights.formats.hf_files import EXTRA_EOS
 
     vocab = tokenizer.get_vocab()
     found: list[int] = []

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from ssdlocal.backends.torch.models import CausalLM, ModelArgs, args_from_config, build
 from ssdlocal.backends.torch.models.moe import stack_experts
+from ssdlocal.backends.torch.packed import Unpacker
 from ssdlocal.backends.torch.quant_load import (
     load_quantized_weights,
     quantized_checkpoint,
@@ -195,31 +196,50 @@ def read_state_dict(
     *,
     tied: bool = False,
     read=None,
+    shard=None,
     on_read=None,
 ) -> dict[str, torch.Tensor]:
     """Our tensor names (arch.from_checkpoint) -> tensors already in the target dtype/device.
 
     `read(f, name, key)` picks what to keep of one tensor (default: all of it; tensor
-    parallelism reads a slice). With `tied` embeddings a stored lm_head.weight is skipped.
-    Experts stored one by one come back stacked (models.moe.stack_experts).
+    parallelism reads a slice). Tensors the architecture stores packed (fused or MXFP4
+    experts: packed.Unpacker) are read whole and unpacked, and `shard(key, tensor)` picks
+    what to keep of each of ours they hold. With `tied` embeddings a stored lm_head.weight
+    is skipped. Experts stored one by one come back stacked (models.moe.stack_experts).
     `on_read(nbytes)`: told the size of each whole tensor read (progress).
     """
     state: dict[str, torch.Tensor] = {}
+    unpacker = Unpacker(arch, dtype)
+
+    def unpacked(key: str, whole: torch.Tensor, mapped: bool) -> None:
+        for ours, tensor in unpacker.add(key, whole).items():
+            kept = tensor if shard is None else shard(ours, tensor)
+            state[ours] = kept.to(device=device, dtype=dtype, copy=mapped)  # mapped: see below
+
     for file in files:
         if read is None:  # whole tensors: plain reads, so no memory-mapped page stays resident
             with SafetensorsReader(file, on_read) as f:
                 for name in f.keys():
-                    if (key := arch.from_checkpoint(name, tied)) is not None:
+                    if (key := arch.from_checkpoint(name, tied)) is None:
+                        continue
+                    if unpacker.claims(key):
+                        unpacked(key, f.read(name), mapped=False)
+                    else:
                         state[key] = f.read(name).to(device=device, dtype=dtype)  # own allocation
             continue
         with safe_open(str(file), framework="pt", device="cpu") as f:  # memory-mapped
             for name in f.keys():
-                if (key := arch.from_checkpoint(name, tied)) is not None:
-                    # copy=True: never keep weights backed by the memory-mapped file. Such
-                    # pages are clean page cache that the kernel may drop under memory
-                    # pressure; every forward then page-faults the weights back in (seen:
-                    # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
-                    state[key] = read(f, name, key).to(device=device, dtype=dtype, copy=True)
+                if (key := arch.from_checkpoint(name, tied)) is None:
+                    continue
+                if unpacker.claims(key):
+                    unpacked(key, f.get_tensor(name), mapped=True)
+                    continue
+                # copy=True: never keep weights backed by the memory-mapped file. Such
+                # pages are clean page cache that the kernel may drop under memory
+                # pressure; every forward then page-faults the weights back in (seen:
+                # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
+                state[key] = read(f, name, key).to(device=device, dtype=dtype, copy=True)
+    unpacker.finish(files[0].parent if files else "")
     return stack_experts(state)  # experts stored one by one -> the stacks the model holds
 
 

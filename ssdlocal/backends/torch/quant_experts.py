@@ -50,13 +50,14 @@ class QuantStacked(nn.Module):
         w = (q.view(n, rows, -1, g) - 8) * scales.float()[..., None] + zeros.float()[..., None]  # [n, N, G, g]
         return w.view(n, rows, half * 2).to(self.dtype)  # [n, N, K]
 
-    def grouped(self, x: Tensor, ends: Tensor, experts: Tensor) -> Tensor:
-        """x [M, in] sorted by expert, `ends` [E] int32, `experts` [M] -> [M, out]."""
+    def grouped(self, x: Tensor, ends: Tensor, experts: Tensor, bias: bool = True) -> Tensor:
+        """x [M, in] sorted by expert, `ends` [E] int32, `experts` [M] -> [M, out] (`bias=False`:
+        without the bias)."""
         if x.shape[0] <= self.num_experts:  # few rows: only the experts they use
             y = torch.bmm(self.dequantized(experts), x[:, :, None])[..., 0]  # [M, out]
         else:  # a long feed: every expert once, grouped as the float experts run
             y = torch._grouped_mm(x, self.dequantized().transpose(1, 2), offs=ends)  # [M, out]
-        return y if self.bias is None else y + self.bias[experts]
+        return y if self.bias is None or not bias else y + self.bias[experts]
 
     def extra_repr(self) -> str:
         return f"{self.num_experts} x ({self.in_features} -> {self.out_features}), {self.scheme}"

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.gguf_quant import ensure_quantized
 from ssdlocal.backends.torch.models.moe import stack_experts
+from ssdlocal.backends.torch.packed import Unpacker
 from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, quantize
 from ssdlocal.backends.torch.quant_experts import QuantStacked
 from ssdlocal.backends.torch.quant_apply import QuantEmbedding, replace_module
@@ -69,29 +70,42 @@ def load_quantized_weights(
     expected = set(model.state_dict())  # meta: names only
     linears = {n for n, _ in model.named_modules() if arch.quantized(n)}
     loader = _Filler(model, scheme, device, dtype, shard)
+    unpacker = Unpacker(arch, dtype)  # tensors stored packed (fused or MXFP4 experts) -> ours
+
+    def place(key: str, tensor: Tensor) -> None:
+        module, _, leaf = key.rpartition(".")
+        one_expert = "{e}" in expert_pattern(module) and arch.quantized(module)  # stacked at the end
+        if leaf in ("codes", "scales", "zeros"):  # a quantized checkpoint
+            loader.add_part(module, leaf, tensor)
+        elif leaf == "weight" and module in linears and tensor.ndim == 3 and can_quantize(tensor.shape, scheme):
+            prefix, _, projection = module.rpartition(".")  # stacked experts: quantized one by one
+            for e in range(tensor.shape[0]):
+                loader.install(f"{prefix}.{e}.{projection}", quantize(tensor[e], scheme, dtype))
+        elif (module in linears or one_expert) and leaf == "weight" and can_quantize(tensor.shape, scheme):
+            loader.install(module, quantize(tensor, scheme, dtype))
+        else:
+            if (
+                tied
+                and from_float
+                and key == "embed_tokens.weight"
+                and "lm_head" in linears
+                and can_quantize(tensor.shape, scheme)
+            ):
+                loader.install("lm_head", quantize(tensor, scheme, dtype))  # its own codes
+            loader.floats[key] = shard(key, tensor).to(device=device, dtype=dtype)
+
     for file in files:
         with SafetensorsReader(file, on_read) as f:
             for name in f.keys():  # noqa: SIM118 - a reader, not a dict
                 key = arch.from_checkpoint(name, tied)
                 if key is None:
                     continue
-                module, _, leaf = key.rpartition(".")
-                one_expert = "{e}" in expert_pattern(module) and arch.quantized(module)  # stacked at the end
-                if leaf in ("codes", "scales", "zeros"):  # a quantized checkpoint
-                    loader.add_part(module, leaf, f.read(name))
-                elif (module in linears or one_expert) and leaf == "weight" and can_quantize(f.shape(name), scheme):
-                    loader.install(module, quantize(f.read(name), scheme, dtype))
+                if unpacker.claims(key):
+                    for ours, tensor in unpacker.add(key, f.read(name)).items():
+                        place(ours, tensor)
                 else:
-                    tensor = f.read(name)
-                    if (
-                        tied
-                        and from_float
-                        and key == "embed_tokens.weight"
-                        and "lm_head" in linears
-                        and can_quantize(tensor.shape, scheme)
-                    ):
-                        loader.install("lm_head", quantize(tensor, scheme, dtype))  # its own codes
-                    loader.floats[key] = shard(key, tensor).to(device=device, dtype=dtype)
+                    place(key, f.read(name))
+    unpacker.finish(ckpt)
     loader.finish(expected, tied, ckpt)
 
 

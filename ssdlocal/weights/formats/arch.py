@@ -61,6 +61,35 @@ _SPLITS = ("column", "row", "replicated")
 
 
 @dataclass(frozen=True)
+class Packed:
+    """A tensor a checkpoint stores in another layout than our model holds, turned into ours
+    as it loads (backends/torch/packed.py). `into`: our tensors inside a layer it holds
+    (weights [..., out, in], biases [..., out]; stacked experts lead with E), their output
+    features interleaved when it holds several (gpt-oss's gate and up: gate, up, gate, ..);
+    `transposed`: a weight stored [..., in, out]; `mxfp4`: "blocks" (MXFP4 values, two per
+    byte: [..., out, in / 32, 16] uint8) or "scales" (each block of 32's power-of-two
+    exponent plus 127: [..., out, in / 32] uint8), the two stored parts of one weight."""
+
+    into: tuple[str, ...]
+    transposed: bool = False
+    mxfp4: str | None = None
+
+    def shapes(self, stored: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The shapes of our tensors (one per `into`) in a stored tensor of shape `stored`;
+        none for MXFP4 scales (their values are in the blocks' weights)."""
+        if self.mxfp4 == "scales":
+            return ()
+        shape = list(stored)
+        if self.mxfp4 == "blocks":
+            shape = [*shape[:-2], shape[-2] * shape[-1] * 2]  # [..., out, in]
+        elif self.transposed:
+            shape[-2:] = shape[-1], shape[-2]
+        features = -1 if self.into[0].endswith(".bias") else -2
+        shape[features] //= len(self.into)
+        return (tuple(shape),) * len(self.into)
+
+
+@dataclass(frozen=True)
 class TensorNames:
     """How one file format names our modules.
 
@@ -70,6 +99,8 @@ class TensorNames:
     ignored: endings of tensor names that files may hold and nothing loads.
     tensors: tensors that sit in a layer itself, in no module (Gemma 4's "layer_scalar"):
     the same name after the layer's prefix in ours and the file's.
+    packed: tensors of a layer stored in another layout than ours (gpt-oss's fused experts),
+    by their name after the layer's prefix (the same in ours and the file's) -> Packed.
     """
 
     layer: str
@@ -78,6 +109,7 @@ class TensorNames:
     ignored: tuple[str, ...] = ()
     modules: tuple[str, ...] = BLOCK_MODULES  # our modules inside a layer that these files name
     tensors: tuple[str, ...] = ()
+    packed: Mapping[str, Packed] = field(default_factory=dict)
 
     def module(self, ours: str) -> str:
         """The file's name for our module `ours` ("layers.3.mlp.up_proj", "lm_head")."""
@@ -105,7 +137,7 @@ class TensorNames:
         if theirs.endswith(self.ignored):
             return None
         whole = self._layer.fullmatch(theirs)
-        if whole is not None and whole.group(2) in self.tensors:
+        if whole is not None and (whole.group(2) in self.tensors or whole.group(2) in self.packed):
             return f"layers.{whole.group(1)}.{whole.group(2)}"
         module, _, leaf = theirs.rpartition(".")
         if module in self._outside_of:
@@ -205,6 +237,11 @@ class Architecture:
     experts: our modules inside a layer that hold routed experts stacked [E, ...] (a token
     reads `used` of them: weights/size.py); expert_keys: config.json's names for (routed
     experts, experts used per token).
+    per_head: our tensors inside a layer holding one value per query head (gpt-oss's
+    `self_attn.sinks`): tensor parallelism splits them with the heads.
+    gguf_config: GGUF metadata keys (after "{gguf_architecture}.") -> the config.json field
+    each states, for the fields transformers' GGUF reader leaves out or reads otherwise
+    (weights/formats/gguf_tensors.py applies them to a GGUF's config).
     """
 
     name: str
@@ -224,6 +261,8 @@ class Architecture:
     experts: frozenset[str] = frozenset()
     expert_keys: tuple[tuple[str, ...], str] = (("num_experts", "num_local_experts"), "num_experts_per_tok")
     family: str = "llama"
+    per_head: tuple[str, ...] = ()
+    gguf_config: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for module, linear in self.linears.items():
@@ -259,6 +298,9 @@ class Architecture:
     def split_dim(self, tensor: str) -> int | None:
         """The dimension of our tensor `tensor` that tensor parallelism divides over the
         ranks: 0 (output features), 1 (input features) or None (every rank has it whole)."""
+        inside = _OUR_LAYER.fullmatch(tensor)
+        if inside is not None and inside.group(2) in self.per_head:
+            return 0
         module, _, leaf = tensor.rpartition(".")
         split = getattr(self.linear(module), "split", "replicated")
         stacked = 1 if self.is_expert(module) and "{e}" not in expert_pattern(module) else 0  # [E, out, in]
@@ -278,6 +320,26 @@ class Architecture:
 
     def to_checkpoint(self, ours: str) -> str:
         return self.checkpoint.theirs(ours)
+
+    def packed(self, ours: str) -> tuple[Packed, tuple[str, ...]] | None:
+        """For our name of a tensor its checkpoints store packed ("layers.3." + its name in
+        the layer, from `from_checkpoint`): its Packed and the names of our tensors it
+        holds; None for any other tensor."""
+        inside = _OUR_LAYER.fullmatch(ours)
+        found = None if inside is None else self.checkpoint.packed.get(inside.group(2))
+        return None if found is None else (found, tuple(f"layers.{inside.group(1)}.{t}" for t in found.into))
+
+    def checkpoint_shapes(self, name: str, shape) -> dict[str, tuple[int, ...]]:
+        """Our tensors in checkpoint tensor `name` of shape `shape`, with their shapes: the
+        tensor itself under our name (a name with no place in our model unchanged), or what a
+        packed one holds; none for an ignored tensor or MXFP4 scales."""
+        ours = self.from_checkpoint(name)
+        if ours is None:
+            return {}
+        packed = self.packed(ours)
+        if packed is None:
+            return {ours: tuple(shape)}
+        return dict(zip(packed[1], packed[0].shapes(tuple(shape))))
 
     def from_gguf(self, name: str) -> str | None:
         """Our name for GGUF tensor `name`; None for one nothing loads."""

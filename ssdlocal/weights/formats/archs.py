@@ -20,6 +20,7 @@ from ssdlocal.weights.formats.arch import (
     MOE_MODULES,
     Architecture,
     Linear,
+    Packed,
     TensorNames,
 )
 
@@ -70,6 +71,12 @@ QWEN3_MOE = Architecture(
     pair_family="qwen3",
     experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
     family="qwen3_moe",
+    # transformers' GGUF reader takes the expert counts but not the experts' width
+    gguf_config={
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+    },
 )
 
 # Gemma 3: four norms per layer (llama.cpp: attn_norm, post_attention_norm, ffn_norm,
@@ -132,6 +139,51 @@ GEMMA4 = Architecture(
     family="gemma4",
 )
 
+# gpt-oss: attention with biases and per-head sinks (`self_attn.sinks`), a router with a bias
+# (`mlp.router`) and experts with biases. Checkpoints store the experts as transformers
+# holds them, fused and transposed (gate_up_proj [E, H, 2I], gate and up interleaved;
+# down_proj [E, I, H]), or as published, MXFP4 (`*_blocks`, `*_scales`, [E, out, ...]): both
+# unpacked at load into our stacked gate/up/down (Packed). No GGUF names yet.
+_GATE_UP = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight")
+_DOWN = ("mlp.experts.down_proj.weight",)
+_GPT_OSS_MODULES = (
+    *(m for m in BLOCK_MODULES if not m.startswith("mlp.")),
+    "self_attn",  # its sinks
+    "mlp.router",
+    *(m for m in MOE_MODULES if m != "mlp.gate"),
+)
+GPT_OSS = Architecture(
+    "gpt_oss",
+    ("GptOssForCausalLM",),
+    "gpt_oss",
+    checkpoint=TensorNames(
+        HF_NAMES.layer,
+        HF_NAMES.outside,
+        ignored=HF_NAMES.ignored,
+        modules=_GPT_OSS_MODULES,
+        packed={
+            "mlp.experts.gate_up_proj": Packed(_GATE_UP, transposed=True),
+            "mlp.experts.gate_up_proj_bias": Packed(("mlp.experts.gate_proj.bias", "mlp.experts.up_proj.bias")),
+            "mlp.experts.gate_up_proj_blocks": Packed(_GATE_UP, mxfp4="blocks"),
+            "mlp.experts.gate_up_proj_scales": Packed(_GATE_UP, mxfp4="scales"),
+            "mlp.experts.down_proj": Packed(_DOWN, transposed=True),
+            "mlp.experts.down_proj_bias": Packed(("mlp.experts.down_proj.bias",)),
+            "mlp.experts.down_proj_blocks": Packed(_DOWN, mxfp4="blocks"),
+            "mlp.experts.down_proj_scales": Packed(_DOWN, mxfp4="scales"),
+        },
+    ),
+    linears={
+        **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
+        "mlp.router": Linear("replicated", quantized=False),  # small, and routing must agree
+        **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+    },
+    pair_family="gpt-oss",
+    experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    family="gpt_oss",
+    per_head=("self_attn.sinks",),
+)
+
 _TABLE: dict[str, Architecture] = {}
 
 
@@ -152,7 +204,7 @@ def unregister(name: str) -> None:
     _TABLE.pop(name, None)
 
 
-for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, GEMMA4):
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, GPT_OSS):
     register(_arch)
 
 
@@ -215,6 +267,7 @@ FAMILY_SIZES = {
     "qwen3": (0.6, 1.7, 4.0),
     "llama3": (1.0, 3.0),
     "gemma3": (0.27, 1.0),
+    "gpt-oss": (20.0,),  # gpt-oss-20b: the draft of gpt-oss-120b
 }
 
 # ------------------------------------------------------------------ draft heads

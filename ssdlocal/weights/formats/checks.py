@@ -121,17 +121,21 @@ def check_against_weights(
     the embedding's rows and width, and no more parameters than the files hold (int4 codes
     count two per byte)."""
     layers, held, embedding = set(), 0, None
-    for tensors in headers.values():
-        for name, (dtype, shape) in tensors.items():
-            ours = arch.from_checkpoint(name) or ""
-            if ours.startswith("layers.") and ours.split(".")[1].isdigit():
-                layers.add(int(ours.split(".")[1]))
-            leaf = ours.rpartition(".")[2]
-            if leaf in ("scales", "zeros"):
-                continue
-            held += prod(shape) * (2 if leaf == "codes" and dtype == "U8" else 1)
-            if ours in ("embed_tokens.weight", "embed_tokens.codes"):
-                embedding = (leaf, dtype, shape)
+    stored = (  # (our name, dtype, shape); a packed tensor (MXFP4 experts) as the ones it holds
+        (ours, dtype, shape)
+        for tensors in headers.values()
+        for name, (dtype, packed) in tensors.items()
+        for ours, shape in arch.checkpoint_shapes(name, packed).items()
+    )
+    for ours, dtype, shape in stored:
+        if ours.startswith("layers.") and ours.split(".")[1].isdigit():
+            layers.add(int(ours.split(".")[1]))
+        leaf = ours.rpartition(".")[2]
+        if leaf in ("scales", "zeros"):
+            continue
+        held += prod(shape) * (2 if leaf == "codes" and dtype == "U8" else 1)
+        if ours in ("embed_tokens.weight", "embed_tokens.codes"):
+            embedding = (leaf, dtype, shape)
     hint = (
         "the config.json does not describe these weights: it may belong to another model, "
         "or have been edited; use the model's own config.json"

@@ -1,25 +1,25 @@
-"""Convert a GGUF file (Llama / Qwen2 / Qwen3) once into a cached HF-format checkpoint.
+"""Convert a GGUF file of any architecture in the table (weights/formats/archs.py) once
+into a cached float checkpoint in Hugging Face layout.
 
-transformers dequantizes the GGUF tensors to dense weights (slow: ~50 s for a 1.5B) and
-names them as its own model class does (which GGUF architectures are accepted, and the
-tensors the result must hold, come from the descriptions in arch.py);
-we save the result as config.json + model.safetensors + tokenizer files +
-generation_config.json so the native torch loader reads it in seconds afterwards.
-The cache key is the GGUF file's content (sha256) plus the dtype; one process converts
+Every tensor is de-quantized (any ggml type the `gguf` package decodes) a block of rows at
+a time and streamed into model.safetensors under the names a published checkpoint of that
+architecture uses (weights/formats/gguf_tensors.py walks the file: llama.cpp's q/k row
+order undone, stacked experts written one by one); config.json, generation_config.json and
+the tokenizer come from the file's metadata directory (metadata.py), read meanwhile in a
+child process. The native torch loader then reads it in seconds. The cache key is the GGUF file's content (sha256) plus the dtype; one process converts
 a file at a time (a lock), leftovers of killed conversions are removed, and a directory
 is trusted only once its marker is written. Knows nothing about where GGUF files come from.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from math import prod
 from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, ModelLoadError, UsageError
@@ -28,14 +28,13 @@ from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir, replace_hint
 from ssdlocal.core.progress import model_label, reporter
 from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
+from ssdlocal.weights.formats.hf_files import check_chat_template
 
 log = logging.getLogger(__name__)
 
 _DTYPES = ("bfloat16", "float16", "float32")
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 CONVERTED_MARKER = "ssdlocal-convert.json"
-# End-of-turn tokens that chat models emit; added to eos ids when present in the vocab.
-EXTRA_EOS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 
 
 def gguf_metadata(gguf_path: Path) -> dict[str, object]:
@@ -64,7 +63,6 @@ def gguf_metadata(gguf_path: Path) -> dict[str, object]:
         "name": fields.get("general.name"),
         "has_chat_template": bool(fields.get("tokenizer.chat_template")),
         "context_length": context if isinstance(context, int) and context > 0 else None,
-        "rope_scaling": fields.get(f"{arch}.rope.scaling.type"),
     }
 
 
@@ -170,38 +168,6 @@ def _disk_error(exc: BaseException, where: Path, need: int | None = None) -> Ass
     )
 
 
-@contextlib.contextmanager
-def _no_foreign_progress_bars(progress: ProgressCallback | None, stage: str) -> Iterator[None]:
-    """Silence transformers' own tqdm bars ("Converting and de-quantizing GGUF tensors")
-    while it reads a GGUF file; its tensor loop reports to `progress` as `stage` (tensors
-    done, total) instead, so the caller's display is the only one."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is not None:  # imported there from tqdm.auto, which ignores the switch above
-        gguf_utils.tqdm = lambda iterable=(), *args, **kwargs: _reporting(iterable, progress, stage)
-    try:
-        yield
-    finally:
-        if original is not None:
-            gguf_utils.tqdm = original
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _reporting(iterable, progress: ProgressCallback | None, stage: str) -> Iterator:
-    items = list(iterable)
-    for i, item in enumerate(items):
-        if progress:
-            progress(stage, i, len(items))
-        yield item
-    if progress:
-        progress(stage, len(items), len(items))
-
-
 def _convert(
     gguf_path: Path,
     tmp: Path,
@@ -209,77 +175,52 @@ def _convert(
     meta: dict[str, object],
     progress: ProgressCallback | None,
 ) -> None:
-    """Dequantize with transformers' GGUF reader and save the tensors directly.
-
-    `from_pretrained(gguf_file=...)` would need `accelerate`; instead a meta-device
-    model supplies the GGUF -> HF name map and the expected parameter names.
-    """
+    """Write `gguf_path` into `tmp` as a float checkpoint in `dtype`: every piece
+    (weights/formats/gguf_tensors.py: our names as the checkpoint names them, q/k rows in
+    Hugging Face order, stacked experts one by one) de-quantized a block of rows at a time
+    and streamed to model.safetensors, with the file's metadata directory (config.json with
+    the fields the description reads from the file, the tokenizer) read meanwhile."""
     try:
         import torch
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as exc:
-        raise ModelLoadError(
-            "converting GGUF files needs torch, transformers, safetensors and gguf",
-            "pip install 'ssdlocal[torch]'",
-        ) from exc
+        raise ModelLoadError("converting GGUF files needs torch and gguf", "pip install 'ssdlocal[torch]'") from exc
+    from ssdlocal.weights.formats.gguf import GGUFHeader
+    from ssdlocal.weights.formats.gguf_tensors import pieces
+    from ssdlocal.weights.formats.metadata import META_MARKER, in_background, metadata_dir
+    from ssdlocal.weights.formats.safetensors import MemoryReleaser, SafetensorsWriter
 
-    label = model_label(gguf_path)
-
-    def step(stage: str, done: float, total: float | None) -> None:
+    label, torch_dtype = model_label(gguf_path), getattr(torch, dtype)
+    header = GGUFHeader.read(gguf_path)
+    arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
+    with in_background(metadata_dir, gguf_path) as meta_dir:  # a child process: no GIL
+        found = list(pieces(header, arch))
+        need = sum(prod(p.shape) for p in found) * torch_dtype.itemsize
+        _check_free_space(tmp.parent, need)
+        tmp.mkdir(parents=True)
+        converting, writing = f"converting {label} to {_SHORT[dtype]}", f"writing {label} ({_SHORT[dtype]})"
+        writer, releaser = SafetensorsWriter(tmp / "model.safetensors"), MemoryReleaser()
+        try:
+            for done, piece in enumerate(found):
+                if progress:
+                    progress(converting, done, len(found))  # tensors written
+                writer.add(arch.to_checkpoint(piece.name), torch.from_numpy(piece.floats(gguf_path)).to(torch_dtype))
+                releaser.processed(piece.file_bytes)
+            if progress:
+                progress(converting, len(found), len(found))
+                progress(writing, 0, need)
+            writer.close({"format": "pt"})
+        except BaseException:
+            writer.abort()
+            raise
         if progress:
-            progress(stage, done, total)
-
-    torch_dtype = getattr(torch, dtype)
-    reading = f"reading tokenizer: {label}"
-    step(reading, 0, 1)
-    config, tokenizer = read_config_and_tokenizer(gguf_path)
-    step(reading, 1, 1)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
-        with _no_foreign_progress_bars(progress, f"converting {label} to {_SHORT[dtype]}"):
-            parsed = load_gguf_checkpoint(
-                str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch_dtype
-            )
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
-        raise _unreadable(gguf_path, exc) from exc
-    tensors: dict[str, torch.Tensor] = parsed["tensors"]
-    _check_names(gguf_path, model, config, tensors)
-    need = sum(t.numel() * t.element_size() for t in tensors.values())
-    _check_free_space(tmp.parent, need)
-    tmp.mkdir(parents=True)
-    writing = f"writing {label} ({_SHORT[dtype]})"
-    step(writing, 0, need)
-    # Tied checkpoints store only model.embed_tokens.weight (like HF's own Qwen2.5 files).
-    try:
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-    except Exception as exc:  # safetensors wraps io errors in its own SafetensorError
-        raise _disk_error(exc, tmp, need) or exc
-    del tensors, parsed
-    step(writing, need, need)
-    write_config_and_tokenizer(tmp, config, tokenizer, type(model).__name__, torch_dtype)
+            progress(writing, need, need)
+    for f in meta_dir().iterdir():
+        if f.is_file() and f.name != META_MARKER:
+            shutil.copy(f, tmp / f.name)
+    config = json.loads((tmp / "config.json").read_text())
+    config["dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _check_saved(tmp, meta)
-
-
-def _check_names(gguf_path: Path, model, config, tensors: dict) -> None:
-    """ModelLoadError unless the GGUF's tensors are exactly the model's parameters (a tied
-    lm_head may be absent: tied checkpoints store only the embedding)."""
-    expected = set(model.state_dict())
-    missing = expected - set(tensors)
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if missing - allowed_missing or set(tensors) - expected:
-        raise ModelLoadError(
-            f"{gguf_path.name}: tensors do not match the {type(model).__name__} layout "
-            f"(missing {sorted(missing - allowed_missing)[:5]}, "
-            f"unexpected {sorted(set(tensors) - expected)[:5]})",
-            "the GGUF file may come from a different architecture variant",
-        )
 
 
 def _check_free_space(where: Path, need: int) -> None:
@@ -290,71 +231,6 @@ def _check_free_space(where: Path, need: int) -> None:
             f"{human_bytes(free)} free, ~{human_bytes(need)} needed",
             "free some space or point SSDLOCAL_CACHE at a larger disk, then rerun",
         )
-
-
-def _unreadable(gguf_path: Path, exc: Exception) -> ModelLoadError:
-    return ModelLoadError(
-        f"transformers could not load {gguf_path.name}: {exc}",
-        f"the file may use an unsupported quantization, or be damaged: {replace_hint(gguf_path)}",
-    )
-
-
-def read_config_and_tokenizer(gguf_path: Path) -> tuple[object, object]:
-    """transformers' config and tokenizer built from a GGUF file's metadata (no weights read)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
-        raise _unreadable(gguf_path, exc) from exc
-    meta = gguf_metadata(gguf_path)
-    if meta["rope_scaling"] not in (None, "none") and not _scales_rope(config):  # e.g. Gemma 3 4B and larger
-        raise unsupported(
-            f"{meta['architecture']} GGUF with rope scaling {meta['rope_scaling']!r}, "
-            "which transformers does not read from the file's metadata"
-        )
-    return config, tokenizer
-
-
-def _scales_rope(config) -> bool:
-    """Whether a transformers config states any rotary scaling (flat, or per layer type)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    tables = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
-    return any(t.get("rope_type", t.get("type", "default")) != "default" for t in tables)
-
-
-def write_config_and_tokenizer(out: Path, config, tokenizer, architecture: str, torch_dtype) -> None:
-    """Save config.json, generation_config.json and the tokenizer files into `out`."""
-    import numpy as np
-    from transformers import GenerationConfig
-
-    out.mkdir(parents=True, exist_ok=True)
-    config.architectures = [architecture]
-    # GGUF stores floats as float32: 1e-6 arrives as 9.99999997e-07. Keep the short form.
-    if isinstance(getattr(config, "rms_norm_eps", None), float):
-        config.rms_norm_eps = float(str(np.float32(config.rms_norm_eps)))
-    config.dtype = torch_dtype
-    config.save_pretrained(out)
-    gen = GenerationConfig.from_model_config(config)
-    _set_generation_config(gen, tokenizer)
-    gen.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-def _set_generation_config(gen: object, tokenizer: object) -> None:
-    """eos ids = the tokenizer's eos plus known end-of-turn tokens found in the vocab."""
-    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
-    eos: list[int] = []
-    for tid in (tokenizer.eos_token_id, *(vocab.get(t) for t in EXTRA_EOS)):  # type: ignore[attr-defined]
-        if tid is not None and tid not in eos:
-            eos.append(int(tid))
-    gen.eos_token_id = eos[0] if len(eos) == 1 else eos
-    if tokenizer.bos_token_id is not None:  # type: ignore[attr-defined]
-        gen.bos_token_id = tokenizer.bos_token_id  # type: ignore[attr-defined]
-    if tokenizer.pad_token_id is not None:  # type: ignore[attr-defined]
-        gen.pad_token_id = tokenizer.pad_token_id  # type: ignore[attr-defined]
 
 
 def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
@@ -377,16 +253,3 @@ def _check_saved(tmp: Path, meta: dict[str, object]) -> None:
     if missing:
         raise ModelLoadError(f"converted checkpoint lacks tensors {sorted(missing)}", "report a bug")
     check_chat_template(tmp, meta)
-
-
-def check_chat_template(out: Path, meta: dict[str, object]) -> None:
-    """A GGUF with a chat template must keep it in the saved tokenizer files."""
-    from transformers import AutoTokenizer
-
-    if meta.get("has_chat_template"):
-        tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
-        if not tok.chat_template:
-            raise ModelLoadError(
-                "the GGUF file has a chat template but the converted tokenizer lost it",
-                "report a bug (transformers version mismatch?)",
-            )

@@ -182,12 +182,13 @@ def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
 def read_rows(path: Path, info: TensorInfo, start: int, stop: int) -> np.ndarray:
     """Raw bytes of rows [start, stop): uint8 [stop - start, row_bytes]."""
     row = info.row_bytes()
+    raw = bytearray((stop - start) * row)  # writable: float rows reach torch as views of it
     fd = os.open(path, os.O_RDONLY)
     try:
-        raw = os.pread(fd, (stop - start) * row, info.offset + start * row)
+        got = os.preadv(fd, [raw], info.offset + start * row)
     finally:
         os.close(fd)
-    if len(raw) != (stop - start) * row:
+    if got != len(raw):
         raise ModelLoadError(f"{path} is truncated inside tensor {info.name}", "fetch the file again")
     return np.frombuffer(raw, dtype=np.uint8).reshape(stop - start, row)
 

@@ -6,8 +6,12 @@ remembered (or read from the `.verified.json` a verified download leaves): every
 built from a GGUF is keyed by it, so a copy or a touched file hits the cache and changed
 content never does. `metadata_dir` extracts config.json, generation_config.json and the
 tokenizer into a small cached directory, in a child process (transformers' reader touches
-every page of the file). Cache directories appear whole: `build_atomically` builds under
-a temporary name and a lock, then renames. Knows nothing about where GGUF files come from.
+every page of the file), with the config fields the architecture's description reads from
+the file itself (`gguf_config`: what transformers' reader leaves out, such as an expert's
+width); a file whose rope scaling transformers' reader drops is refused by name. The
+converters run it `in_background` while they read tensors. Cache directories
+appear whole: `build_atomically` builds under a temporary name and a lock, then renames.
+Knows nothing about where GGUF files come from.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.files import file_lock
 from ssdlocal.core.paths import cache_dir
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.weights.formats.archs import for_gguf
+from ssdlocal.weights.formats.archs import for_gguf, unsupported
 from ssdlocal.weights.formats.gguf import GGUFHeader
+from ssdlocal.weights.formats.gguf_tensors import gguf_config_fields
+from ssdlocal.weights.formats.hf_files import scales_rope
 
 META_MARKER = "ssdlocal-meta.json"  # written last into a metadata directory
 
@@ -58,6 +64,30 @@ def content_key(gguf_path: Path) -> str:
     tmp.write_text(digest.hexdigest() + "\n")
     os.replace(tmp, memo)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def in_background(fn, *args):
+    """Run fn(*args) in a thread while the block runs; yields a function returning its
+    result (re-raising its error) once the block is done."""
+    import threading
+
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="ssdlocal-gguf-metadata", daemon=True)
+    thread.start()
+    try:
+        yield lambda: box["value"]
+    finally:
+        thread.join()  # (a failure in the block wins over the thread's)
+    if "error" in box:
+        raise box["error"]
 
 
 def build_atomically(out: Path, marker: str, build) -> Path:
@@ -100,20 +130,27 @@ def metadata_dir(gguf_path: Path) -> Path:
     arch = for_gguf(header.metadata.get("general.architecture"), gguf_path.name)
     tied = arch.gguf.theirs("lm_head.weight") not in {t.name for t in header.tensors}
     chat = "tokenizer.chat_template" in header.metadata
+    fields = gguf_config_fields(header, arch)  # read here: the child knows no architecture registered in-process
+    scaling = header.metadata.get(f"{header.metadata.get('general.architecture')}.rope.scaling.type")
 
     def build(tmp: Path) -> None:
         progress = reporter()
         stage = f"reading tokenizer: {model_label(gguf_path)}"
         if progress:
             progress(stage, 0, 1)
-        _run_metadata_child(gguf_path, tmp, arch, tied, chat)
+        _run_metadata_child(gguf_path, tmp, arch, tied, chat, fields)
+        config = json.loads((tmp / "config.json").read_text())
+        if scaling not in (None, "none") and not scales_rope(config):  # e.g. Gemma 3 4B and larger
+            raise unsupported(
+                f"{arch.name} GGUF with rope scaling {scaling!r}, which transformers does not read from the file's metadata"
+            )
         if progress:
             progress(stage, 1, 1)
 
     return build_atomically(out, META_MARKER, build)
 
 
-def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool) -> None:
+def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool, fields: dict) -> None:
     """Write the metadata directory's files into `tmp` from a child process."""
     import subprocess
     import sys
@@ -124,7 +161,7 @@ def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(ssdlocal.__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p
     )
-    args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat))]
+    args = [str(gguf_path), str(tmp), arch.hf_architectures[0], str(int(tied)), str(int(chat)), json.dumps(fields)]
     run = subprocess.run(
         [sys.executable, "-c", _METADATA_CHILD, *args], env=env, capture_output=True, text=True, check=False
     )
@@ -142,24 +179,27 @@ def _run_metadata_child(gguf_path: Path, tmp: Path, arch, tied: bool, chat: bool
 
 _METADATA_CHILD = (
     "import sys; from ssdlocal.weights.formats.metadata import _write_metadata; "
-    "_write_metadata(*sys.argv[1:4], sys.argv[4] == '1', sys.argv[5] == '1')"
+    "_write_metadata(*sys.argv[1:4], sys.argv[4] == '1', sys.argv[5] == '1', sys.argv[6])"
 )
 
 
-def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, chat: bool) -> None:
-    """Child process: transformers' config + tokenizer of the GGUF, saved into `out`."""
+def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, chat: bool, fields: str = "{}") -> None:
+    """Child process: transformers' config + tokenizer of the GGUF, saved into `out`, with
+    `fields` (JSON: config field -> value the file states, gguf_config_fields) set."""
     import torch
 
     from ssdlocal.core.errors import SSDLocalError
-    from ssdlocal.weights.formats import convert as conv
+    from ssdlocal.weights.formats import hf_files
 
     _parse_metadata_once()
     try:
-        config, tokenizer = conv.read_config_and_tokenizer(Path(gguf_path))
+        config, tokenizer = hf_files.read_config_and_tokenizer(Path(gguf_path))
         # tied iff the file has no separate output matrix (llama.cpp then reuses the embedding)
         config.tie_word_embeddings = tied
-        conv.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
-        conv.check_chat_template(Path(out), {"has_chat_template": chat})
+        for name, value in json.loads(fields).items():  # what transformers' reader left out
+            setattr(config, name, value)
+        hf_files.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
+        hf_files.check_chat_template(Path(out), {"has_chat_template": chat})
     except SSDLocalError as exc:
         (Path(out) / "error.json").write_text(json.dumps({"message": exc.message, "hint": exc.hint}))
 

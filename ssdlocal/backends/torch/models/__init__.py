@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, causal_mask
 from ssdlocal.backends.torch.models.gemma3 import Gemma3, Gemma3Args
 from ssdlocal.backends.torch.models.gemma4 import Gemma4, Gemma4Args
+from ssdlocal.backends.torch.models.gpt_oss import GptOss, GptOssArgs
 from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs
 from ssdlocal.backends.torch.models.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
 from ssdlocal.weights.formats.archs import architecture, for_hf_config
@@ -31,6 +32,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(Qwen3MoeArgs, Qwen3Moe),
     "gemma3": Family(Gemma3Args, Gemma3),
     "gemma4": Family(Gemma4Args, Gemma4),
+    "gpt_oss": Family(GptOssArgs, GptOss),
 }
 
 

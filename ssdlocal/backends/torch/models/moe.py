@@ -37,11 +37,11 @@ class StackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(experts, out_features)) if bias else None
 
-    def grouped(self, x: Tensor, ends: Tensor, experts: Tensor) -> Tensor:
+    def grouped(self, x: Tensor, ends: Tensor, experts: Tensor, bias: bool = True) -> Tensor:
         """x [M, in] sorted by expert, `ends` [E] int32 each expert's run end, `experts` [M]
-        each row's expert -> [M, out]."""
+        each row's expert -> [M, out] (`bias=False`: without the bias)."""
         y = torch._grouped_mm(x, self.weight.transpose(1, 2), offs=ends)  # [M, out]
-        return y if self.bias is None else y + self.bias[experts]
+        return y if self.bias is None or not bias else y + self.bias[experts]
 
 
 class Experts(nn.Module):
@@ -56,8 +56,10 @@ class Experts(nn.Module):
         self.down_proj = StackedLinear(experts, width, hidden, bias)
         self.gate_fn = gate_fn
 
-    def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-        """x [N, H], index [N, k] (experts), weights [N, k] -> [N, H]."""
+    def forward(self, x: Tensor, index: Tensor, weights: Tensor, partial: bool = False) -> Tensor:
+        """x [N, H], index [N, k] (experts), weights [N, k] -> [N, H]. `partial`: this rank's
+        share of a width split over ranks, without the down projection's bias (`routed_bias`
+        adds it once after the ranks' sum)."""
         n, k = index.shape
         flat = index.reshape(-1)  # [N*k]
         order = flat.argsort(stable=True)  # [N*k]: slots grouped by expert
@@ -67,11 +69,23 @@ class Experts(nn.Module):
         ends = counts.cumsum(0, dtype=torch.int32)  # [E]
         xs = x[order // k]  # [N*k, H]: each sorted slot's token
         act = self.gate_fn(self.gate_proj.grouped(xs, ends, experts), self.up_proj.grouped(xs, ends, experts))
-        y = self.down_proj.grouped(act, ends, experts)  # [N*k, H]
+        y = self.down_proj.grouped(act, ends, experts, bias=not partial)  # [N*k, H]
         slots = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)  # [N, k, H] back in slot order
         out = slots[:, 0] * weights[:, :1]  # [N, H]
         for s in range(1, k):  # the router's order, the same in every batch
             out = out + slots[:, s] * weights[:, s : s + 1]
+        return out
+
+    def routed_bias(self, index: Tensor, weights: Tensor) -> Tensor | None:
+        """The down projection's bias of each token's experts, weighted as their outputs:
+        index/weights [N, k] -> [N, H] (None: no bias)."""
+        bias = self.down_proj.bias
+        if bias is None:
+            return None
+        picked = bias[index]  # [N, k, H]
+        out = picked[:, 0] * weights[:, :1]  # [N, H]
+        for s in range(1, index.shape[1]):
+            out = out + picked[:, s] * weights[:, s : s + 1]
         return out
 
 
@@ -112,7 +126,8 @@ class TopKSoftmax(nn.Module):
 class MoE(nn.Module):
     """A router (its module name is the family's: `gate`, `router`) and the experts; under
     tensor parallelism every rank routes alike and holds a slice of every expert's width,
-    and the partial outputs are summed across ranks (`group`, set by parallel/tp.py)."""
+    the partial outputs are summed across ranks (`group`, set by parallel/tp.py) and the
+    down projection's bias (gpt-oss), which every rank holds whole, is added once after."""
 
     def __init__(self, router: nn.Module, experts: Experts, router_name: str = "gate") -> None:
         super().__init__()
@@ -125,11 +140,13 @@ class MoE(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(-1, H)  # [N, H]
         weights, index = getattr(self, self.router_name)(flat)  # [N, k] each
-        out = self.experts(flat, index, weights)  # [N, H]
+        out = self.experts(flat, index, weights, partial=self.group is not None)  # [N, H]
         if self.group is not None:
             import torch.distributed._functional_collectives as funcol
 
             out = funcol.all_reduce(out, "sum", self.group)
+            bias = self.experts.routed_bias(index, weights)  # [N, H] or None
+            out = out if bias is None else out + bias
         return out.reshape(B, T, H)
 
 
