@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from support.cli import run_cli
+from support.fake_llamalib import FakeLlamaLib, model_logits, reference_greedy
 
 from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
 from ssdlocal.backends.llamacpp import loader as gguf_loader
@@ -39,130 +40,6 @@ from ssdlocal.core.config import ModelDraft, NgramDraft
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
-
-
-# ----------------------------------------------------------------- the fake library
-class FakeCtx:
-    def __init__(self, model, n_ctx, n_batch, n_seq_max):
-        self.model, self.n_ctx, self.n_batch, self.n_seq_max = model, n_ctx, n_batch, n_seq_max
-        self.cells: list[dict] = []  # {"pos", "token", "seqs": set}
-        self.decoded = 0
-        self.freed = False
-
-
-class FakeLlamaLib:
-    """llama.cpp's memory semantics in Python; model `path` picks the logits function."""
-
-    extra_bufts = True  # LlamaLib's: weights repacked for the CPU
-
-    def __init__(self, vocab: int, tokenizer=None, max_seq: int = 64) -> None:
-        self.vocab, self.tokenizer, self.max_seq = vocab, tokenizer, max_seq
-        self.contexts: list[FakeCtx] = []
-        self.rm_calls: list[tuple[int, int, int]] = []
-        self.freed_models: list[str] = []
-
-    # models
-    def supports_gpu(self) -> bool:
-        return False
-
-    def max_sequences(self) -> int:
-        return self.max_seq
-
-    def load_model(self, path, n_gpu_layers, main_gpu):
-        return Path(path).name
-
-    def free_model(self, model) -> None:
-        self.freed_models.append(model)
-
-    def n_vocab(self, model) -> int:
-        return self.vocab
-
-    def n_ctx_train(self, model) -> int:
-        return 4096
-
-    def meta(self, model, key):
-        return "fake"
-
-    def tokenize(self, model, text):
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    # contexts
-    def new_context(self, model, n_ctx, n_batch, n_seq_max, n_threads, *, flash_attn=None):
-        ctx = FakeCtx(model, n_ctx, n_batch, n_seq_max)
-        ctx.flash_attn = flash_attn
-        self.contexts.append(ctx)
-        return ctx
-
-    def free_context(self, ctx) -> None:
-        ctx.freed = True
-
-    def set_threads(self, ctx, n) -> None:
-        pass
-
-    def clear(self, ctx) -> None:
-        ctx.cells = []
-
-    def seq_rm(self, ctx, seq, p0, p1) -> bool:
-        self.rm_calls.append((seq, p0, p1))
-        hi = p1 if p1 >= 0 else 1 << 30
-        lo = max(p0, 0)
-        for c in ctx.cells:
-            if (seq < 0 or seq in c["seqs"]) and lo <= c["pos"] < hi:
-                c["seqs"].discard(seq) if seq >= 0 else c["seqs"].clear()
-        ctx.cells = [c for c in ctx.cells if c["seqs"]]
-        return True
-
-    def seq_cp(self, ctx, src, dst, p0, p1) -> None:
-        hi = p1 if p1 >= 0 else 1 << 30
-        for c in ctx.cells:
-            if src in c["seqs"] and max(p0, 0) <= c["pos"] < hi:
-                c["seqs"].add(dst)
-
-    def seq_state(self, ctx, seq) -> bytes:
-        return json.dumps([(c["pos"], c["token"]) for c in ctx.cells if seq in c["seqs"]]).encode()
-
-    def set_seq_state(self, ctx, seq, data) -> None:
-        cells = json.loads(data)
-        assert not ctx.freed and len(ctx.cells) + len(cells) <= ctx.n_ctx, "KV cache full"
-        ctx.cells += [{"pos": p, "token": t, "seqs": {seq}} for p, t in cells]
-
-    def decode(self, ctx, tokens, positions, seqs, want, n_vocab):
-        assert not ctx.freed and len(tokens) <= ctx.n_batch
-        assert len(ctx.cells) + len(tokens) <= ctx.n_ctx, "KV cache full"
-        next_pos: dict[int, int] = {}
-        for tok, pos, seq in zip(tokens, positions, seqs):
-            assert 0 <= seq < ctx.n_seq_max and 0 <= tok < self.vocab
-            if seq not in next_pos:  # llama.cpp: batch positions continue the sequence
-                have = [c["pos"] for c in ctx.cells if seq in c["seqs"]]
-                next_pos[seq] = max(have) + 1 if have else 0
-            assert pos == next_pos[seq], f"seq {seq}: position {pos}, expected {next_pos[seq]}"
-            next_pos[seq] += 1
-            ctx.cells.append({"pos": pos, "token": tok, "seqs": {seq}})
-        rows = []
-        for (tok, pos, seq), w in zip(zip(tokens, positions, seqs), want):
-            seen = sorted((c["pos"], c["token"]) for c in ctx.cells if seq in c["seqs"] and c["pos"] <= pos)
-            assert [p for p, _ in seen] == list(range(pos + 1)), f"seq {seq} sees {seen}"
-            if w:
-                rows.append(model_logits(ctx.model, [t for _, t in seen], self.vocab))
-        ctx.decoded += len(tokens)
-        return np.stack(rows).astype(np.float32) if rows else np.empty((0, n_vocab), np.float32)
-
-
-def model_logits(model: str, tokens: list[int], vocab: int) -> np.ndarray:
-    """A 'model': a bigram table plus noise hashed from the whole visible context; the
-    draft ("draft*.gguf") shares the table with smaller, different noise."""
-    table = np.random.default_rng(1234).standard_normal((vocab, vocab)).astype(np.float32)
-    is_draft = model.startswith("draft")
-    noise_rng = np.random.default_rng([hash(tuple(tokens)) & 0xFFFFFFFF, 7 if is_draft else 3])
-    noise = noise_rng.standard_normal(vocab)
-    return (2.0 * table[tokens[-1]] + (0.2 if is_draft else 0.6) * noise).astype(np.float32)
-
-
-def reference_greedy(model: str, prompt: list[int], n: int, vocab: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(np.argmax(model_logits(model, seq, vocab))))
-    return seq[len(prompt) :]
 
 
 # ----------------------------------------------------------------- fixtures
@@ -260,7 +137,7 @@ def test_the_store_is_sized_by_the_ram_available(fake, monkeypatch):
     """llama.cpp commits a context's cells when it makes it: the default store takes at
     most a tenth of the RAM available, and an explicit size that does not fit is refused
     with the size asked and what fits."""
-    from ssdlocal.backends.llamacpp import runner as runner_mod
+    from ssdlocal.backends.llamacpp import stored as runner_mod
     from ssdlocal.backends.prefix import BLOCK_TOKENS
     from ssdlocal.core.errors import OutOfMemoryError
 
@@ -553,7 +430,9 @@ def test_package_does_not_import_llama_cpp():
 
 
 def test_unknown_architecture_named(tmp_path, monkeypatch):
-    """A GGUF transformers cannot build a tokenizer for: the error names its architecture."""
+    """A GGUF of an architecture transformers' config reader does not know still gets its
+    tokenizer (built from the file's own vocabulary, which llama.cpp reads the same way);
+    when llama.cpp cannot load the file, the error names its architecture."""
     from support.tiny_gguf import write_tiny_gguf
 
     from ssdlocal.core.errors import UnsupportedArchitectureError
@@ -561,8 +440,15 @@ def test_unknown_architecture_named(tmp_path, monkeypatch):
     monkeypatch.setenv("SSDLOCAL_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "odd.gguf"
     write_tiny_gguf(path, arch="mamba9")
+    tok = gguf_loader.gguf_tokenizer(path)
+    assert tok.decode(tok.encode("the cat sat")) == "the cat sat"
+
+    class Refusing(FakeLlamaLib):
+        def load_model(self, path, n_gpu_layers, main_gpu):
+            raise ModelLoadError(f"llama.cpp could not load {path}", "upgrade llama-cpp-python")
+
     with pytest.raises(UnsupportedArchitectureError, match="mamba9"):
-        gguf_loader.gguf_tokenizer(path)
+        load_gguf(path, lib=Refusing(len(tok.get_vocab()), tok))
 
 
 def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):

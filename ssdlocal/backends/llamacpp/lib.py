@@ -23,6 +23,7 @@ from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
 
 log = logging.getLogger(__name__)
 _BACKEND_READY = False
+_PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a hybrid model's recurrent state alone
 
 
 def import_llama_cpp():
@@ -143,6 +144,20 @@ class LlamaLib:
     def n_ctx_train(self, model) -> int:
         return int(self.ll.llama_model_n_ctx_train(model))
 
+    def window(self, model) -> int:
+        """The model's sliding window in tokens (0: no sliding-window layers)."""
+        n_swa = getattr(self.ll, "llama_model_n_swa", None)
+        return int(n_swa(model)) if n_swa is not None else 0
+
+    def recurrent(self, model) -> bool:
+        """Whether the model keeps a recurrent state (Mamba-like, or hybrid: Gated DeltaNet
+        layers beside attention) whose past positions llama.cpp cannot drop."""
+        return any(
+            bool(fn(model))
+            for fn in (getattr(self.ll, name, None) for name in ("llama_model_is_recurrent", "llama_model_is_hybrid"))
+            if fn is not None
+        )
+
     def meta(self, model, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
         n = self.ll.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
@@ -160,11 +175,23 @@ class LlamaLib:
 
     # ------------------------------------------------------------------ contexts
     def new_context(
-        self, model, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, *, flash_attn: bool | None = None
+        self,
+        model,
+        n_ctx: int,
+        n_batch: int,
+        n_seq_max: int,
+        n_threads: int,
+        *,
+        flash_attn: bool | None = None,
+        snapshots: int = 0,
     ):
         """A context of `n_ctx` cells for `n_seq_max` sequences. `flash_attn` None leaves
-        llama.cpp's choice (auto: on where supported); False/True force it."""
+        llama.cpp's choice (auto: on where supported); False/True force it. `snapshots`: the
+        recurrent states llama.cpp keeps per sequence for rolling back that many of the last
+        decode's tokens (its n_rs_seq; 0: none)."""
         params = self.ll.llama_context_default_params()
+        if snapshots and hasattr(params, "n_rs_seq"):
+            params.n_rs_seq = snapshots
         if flash_attn is not None and hasattr(params, "flash_attn_type"):
             params.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         params.n_ctx = n_ctx
@@ -203,23 +230,39 @@ class LlamaLib:
     def seq_rm(self, ctx, seq: int, p0: int, p1: int) -> bool:
         return bool(self.ll.llama_memory_seq_rm(self.ll.llama_get_memory(ctx), seq, p0, p1))
 
+    def seq_pos_min(self, ctx, seq: int) -> int:
+        """The lowest position whose cells sequence `seq` holds in every layer (all up to its
+        last are there; -1: none). Above 0 only where sliding-window layers let llama.cpp
+        reuse a cell outside the window of the only sequence holding it."""
+        return int(self.ll.llama_memory_seq_pos_min(self.ll.llama_get_memory(ctx), seq))
+
     def seq_cp(self, ctx, src: int, dst: int, p0: int, p1: int) -> None:
         self.ll.llama_memory_seq_cp(self.ll.llama_get_memory(ctx), src, dst, p0, p1)
 
-    def seq_state(self, ctx, seq: int) -> bytes:
-        """Sequence `seq`'s cache cells (keys, values, positions) as llama.cpp saves them."""
-        size = self.ll.llama_state_seq_get_size(ctx, seq)
-        buf = (ctypes.c_uint8 * max(size, 1))()
-        written = self.ll.llama_state_seq_get_data(ctx, buf, size, seq)
+    def seq_state(self, ctx, seq: int, partial: bool = False) -> bytes:
+        """Sequence `seq`'s cache cells (keys, values, positions) as llama.cpp saves them;
+        `partial`: only its recurrent state (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)."""
+        if partial:
+            size = self.ll.llama_state_seq_get_size_ext(ctx, seq, _PARTIAL)
+            buf = (ctypes.c_uint8 * max(size, 1))()
+            written = self.ll.llama_state_seq_get_data_ext(ctx, buf, size, seq, _PARTIAL)
+        else:
+            size = self.ll.llama_state_seq_get_size(ctx, seq)
+            buf = (ctypes.c_uint8 * max(size, 1))()
+            written = self.ll.llama_state_seq_get_data(ctx, buf, size, seq)
         return ctypes.string_at(buf, written)  # one copy (slicing the array made a list: 0.65 s for 24 MB)
 
-    def set_seq_state(self, ctx, seq: int, data: bytes) -> None:
+    def set_seq_state(self, ctx, seq: int, data: bytes, partial: bool = False) -> None:
         """Restore what seq_state saved into sequence `seq` of `ctx` (OutOfMemoryError when
-        the context has no room for it)."""
+        the context has no room for it); `partial` as seq_state's."""
         buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
-        if data and not self.ll.llama_state_seq_set_data(ctx, buf, len(data), seq):
+        if partial:
+            done = not data or self.ll.llama_state_seq_set_data_ext(ctx, buf, len(data), seq, _PARTIAL)
+        else:
+            done = not data or self.ll.llama_state_seq_set_data(ctx, buf, len(data), seq)
+        if not done:
             raise OutOfMemoryError(
-                "llama.cpp could not move a sequence into a larger context (out of memory)",
+                "llama.cpp could not restore a saved sequence into its context (out of memory)",
                 "use a smaller --max-new-tokens",
             )
 

@@ -71,6 +71,8 @@ class LoadedGGUF:
     main_gpu: int
     kv_bytes_per_token: int | None = None  # one token's k and v in every layer (f16), from the metadata
     batch_invariant: bool = False  # decode steps in alike call widths (backends/llamacpp/alike.py)
+    window: int = 0  # sliding-window layers' window in tokens (0: none): stored states are cut within it only
+    recurrent: bool = False  # a recurrent or hybrid model: rows are cut through backends/llamacpp/recurrent.py
 
     def close(self) -> None:
         """Free the llama.cpp model (runners free their contexts first: they hold us)."""
@@ -188,13 +190,15 @@ def _build_tokenizer(path: Path):
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     except ImportError as exc:
         raise ModelLoadError("reading a GGUF tokenizer needs the `gguf` package", "pip install gguf") from exc
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
-        arch = gguf_architecture(path)
-        raise UnsupportedArchitectureError(
-            f"transformers cannot build a tokenizer from {path.name} (architecture {arch!r}): {exc}",
-            "ssdlocal needs transformers' GGUF tokenizer support for this architecture "
-            "(llama, qwen2, qwen3, gemma3, ...); upgrade transformers or use another model",
-        ) from exc
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError) as exc:
+        # AutoTokenizer reads the model's config from the header first, which fails for
+        # families its GGUF reader does not parse (gpt-oss files with YaRN keys: TypeError)
+        log.debug("AutoTokenizer failed on %s (%s); building from the file's vocabulary", path.name, exc)
+        tok = _file_tokenizer(path, exc)
+    else:
+        if max(tok.get_vocab().values(), default=-1) >= _file_tokens(path):
+            # the family's class added tokens the file lacks (GemmaTokenizer's <mask>)
+            tok = _file_tokenizer(path, None)
     tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
     try:
         tok.save_pretrained(tmp)
@@ -204,6 +208,31 @@ def _build_tokenizer(path: Path):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def _file_tokens(path: Path) -> int:
+    """How many tokens the GGUF's vocabulary has (its header's token list)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    count = read_gguf_metadata(str(path), ())[0].get("tokenizer.ggml.tokens")
+    return count if isinstance(count, int) else len(count or ())
+
+
+def _file_tokenizer(path: Path, cause: Exception | None):
+    """The tokenizer the GGUF's own tokenizer metadata describes (transformers' generic fast
+    tokenizer, no model config read): what llama.cpp tokenizes with, checked against it by
+    check_vocab."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError) as exc:
+        arch = gguf_architecture(path)
+        raise UnsupportedArchitectureError(
+            f"transformers cannot build a tokenizer from {path.name} (architecture {arch!r}): {cause or exc}",
+            "ssdlocal needs transformers' GGUF tokenizer support for this file's tokenizer "
+            "(tokenizer.ggml.model); upgrade transformers or use another model",
+        ) from exc
 
 
 def _load_cached(cached: Path):
@@ -301,12 +330,16 @@ def load_gguf(
         main_gpu,
         kv_bytes_per_token(lib, model, arch),
         batch_invariant,
+        lib.window(model),
+        lib.recurrent(model),
     )
 
 
 def kv_bytes_per_token(lib, model, arch: str) -> int | None:
-    """Bytes of one token's keys and values in every layer (llama.cpp's default f16 cache),
-    from the model's metadata; None when it does not say."""
+    """Bytes of one token's keys and values in every attention layer (llama.cpp's default
+    f16 cache), from the model's metadata; None when it does not say. A hybrid model's
+    recurrent layers (all but every `full_attention_interval`-th) hold no keys: their state
+    is per sequence, not per token."""
 
     def number(key: str) -> int | None:
         value = lib.meta(model, f"{arch}.{key}")
@@ -316,6 +349,8 @@ def kv_bytes_per_token(lib, model, arch: str) -> int | None:
             return None
 
     layers, heads, kv_heads = number("block_count"), number("attention.head_count"), number("attention.head_count_kv")
+    if layers and (interval := number("full_attention_interval")):  # hybrid: the other layers keep a state
+        layers //= interval
     width = number("attention.key_length") or (
         number("embedding_length") // heads if heads and number("embedding_length") else None
     )

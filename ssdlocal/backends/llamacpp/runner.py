@@ -9,7 +9,9 @@ backends/llamacpp/tree.py) maps each branch to a sequence of its own. With the m
 loaded `batch_invariant`, decode steps go in the call widths of backends/llamacpp/alike.py,
 a lone token padded in a scratch sequence of its own. The prefix store keeps saved
 sequence states outside the context (backends/llamacpp/stored.py), so a row alone in its
-call holds cells 0, 1, ... for its positions, read cold or restored.
+call holds cells 0, 1, ... for its positions, read cold or restored. A recurrent or hybrid
+model's rows are cut back through backends/llamacpp/recurrent.py (llama.cpp cannot drop a
+recurrent tail), and its context holds only the sequences it uses (each keeps a state).
 Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
 """
 
@@ -24,12 +26,11 @@ import torch
 from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.llamacpp.alike import REPACKED, WIDEST, beside_pad, plan_calls, widest_alike
 from ssdlocal.backends.llamacpp.prefix import StateStore
+from ssdlocal.backends.llamacpp.recurrent import SNAPSHOTS, Checkpoint, RecurrentRows, Span
 from ssdlocal.backends.llamacpp.stored import PAD as _PAD
 from ssdlocal.backends.llamacpp.stored import StoredRows
 from ssdlocal.backends.llamacpp.tree import TreeSequences, _Chain
-from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.memory import available_ram_bytes
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
 # A lone row without a prefix store starts in a context of at most this many cells and
@@ -37,9 +38,13 @@ N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_uba
 # a 32k context (generate without --max-new-tokens) no longer allocates and clears its
 # whole KV cache first (1.5B Q4_K_M, 2-core EPYC: 0.75 s to the first token and 0.9 GB).
 GROW_FROM = 4096
+# A recurrent model's context allocates a state per sequence (with SNAPSHOTS more for
+# rollbacks): it holds its rows, the reading sequence, and for a tree runner this many
+# branch sequences, not llama.cpp's 256.
+RECURRENT_BRANCHES = 64
 
 
-class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
+class LlamaCppRunner(StoredRows, TreeSequences, RecurrentRows, HeldRows):
     """Feeds variable-length token lists per row through a llama.cpp model.
 
     `tree=True` sizes the context for SSD tree decoding (many sequences).
@@ -76,6 +81,14 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         self.alike = loaded.batch_invariant  # steps in alike call widths (alike.py)
         self.alike_width = 0  # the widest alike step call on this machine; 0: not checked yet
         self._pad_seq = self._check_seq = -1  # alike: scratch sequences (pads, the width check)
+        self.window = loaded.window  # sliding-window layers: stored states are cut within reach (stored.py)
+        self.recurrent = loaded.recurrent  # rows are cut through recurrent.py
+        self._snapshots = SNAPSHOTS if self.recurrent and not tree else 0  # a tree's rows go back further
+        self._checkpoints: dict[int, Checkpoint] = {}
+        self._spans: dict[int, Span] = {}
+        self._singles: dict[int, bool] = {}
+        self._marks: dict[int, Checkpoint] = {}  # alike's scratch sequences (_remove_from)
+        self.rollbacks = dict.fromkeys(("snapshot", "checkpoint", "scratch", "again"), 0)  # recurrent.py's cuts
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, batch_size: int, num_slots: int) -> None:
@@ -96,6 +109,8 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         reading = 1 if self._store_tokens and batch_size + scratch < max_seqs else 0
         # all of them: a new batch size keeps the context
         seqs = max_seqs if self.tree or reading or scratch else batch_size
+        if self.recurrent:  # each sequence costs a state: the ones used
+            seqs = min(max_seqs, batch_size + reading + scratch + (RECURRENT_BRANCHES if self.tree else 0))
         row_cells, room = batch_size * num_slots, self._store_tokens if reading else 0
         cells = -(-(row_cells + room) // _PAD) * _PAD
         self._grows_to = 0
@@ -115,6 +130,9 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
             for seq in sorted(used):
                 self.lib.seq_rm(self._ctx, seq, -1, -1)
         self._touched = set()
+        self._checkpoints.clear()
+        self._spans.clear()
+        self._singles.clear()
         self._read_seq = self._ctx_seqs - 1 if reading else -1
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
@@ -127,29 +145,6 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         if scratch:
             self._pad_seq, self._check_seq = first_reserved - 1, first_reserved - 2
         self._free = list(range(first_reserved - 1 - scratch, batch_size - 1, -1))  # pop() gives the lowest
-
-    # ------------------------------------------------------------------ prefix store
-    def setup_prefix(self, asked: int | None) -> int:
-        """A prefix store of `asked` tokens (None: the default size, at most a tenth of the
-        RAM available; 0: none): finished rows' saved states (backends/llamacpp/prefix.py),
-        and as many cells of the context kept to read waiting prompts ahead. llama.cpp
-        allocates a context's cells when it creates it, so on a CPU that room's memory is
-        committed then; a size that does not fit in the RAM available is refused
-        (OutOfMemoryError). Takes effect with the next context. None with alike steps, whose
-        prompts are read in other chunks (alike.plan_calls): every call starts from an empty
-        cache, so a request's cells land alike in every mode."""
-        if self.alike:
-            asked = 0
-        per_token = self.loaded.kv_bytes_per_token or 1
-        free = available_ram_bytes() if self.device.type == "cpu" else None  # a GPU's: llama.cpp's to refuse
-        self._store_tokens = store_tokens(asked, per_token, free, "llama.cpp")
-        self.close()  # the next reset sizes a context with room to read ahead
-        self.prefix = StateStore(self._store_tokens) if self._store_tokens else None
-        self._reading = []
-        return self._store_tokens
-
-    def prefix_report(self) -> dict | None:
-        return None if self.prefix is None else self.prefix.report()
 
     def graph_report(self, since: dict | None = None) -> dict:
         """Runner.graph_report: llama.cpp captures nothing of ours."""
@@ -170,17 +165,22 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         return self.threads or max(1, torch.get_num_threads())
 
     # ------------------------------------------------------------------ rows
-    def _reconcile(self, row: int) -> None:
-        """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]."""
+    def _reconcile(self, row: int) -> bool:
+        """Drop cells of sequence `row` past the common prefix of held[row] and _kv[row]
+        (a recurrent model's: recurrent.py's cut); whether any went."""
         kv, held = self._kv[row], self.held[row]
         n = min(len(kv), len(held))
         if kv[:n] != held[:n]:
             n = next(i for i in range(n) if kv[i] != held[i])
-        if n < len(kv):
+        cut = n < len(kv)
+        if cut and self.recurrent:
+            self._cut(row, n)
+        elif cut:
             self.lib.seq_rm(self._ctx, row, n, -1)
             del kv[n:]
         if len(held) > n:
             raise RuntimeError(f"row {row}: held tokens that were never fed to llama.cpp")  # a bug
+        return cut
 
     def _decode(self, tokens, positions, seqs, want=None, progress=None) -> np.ndarray:
         """Decode in chunks of n_batch; float32 logits [N wanted, V] for the tokens whose
@@ -199,7 +199,7 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         step = self._n_batch
         for i in range(0, len(tokens), step):
             sl = slice(i, i + step)
-            out.append(self.lib.decode(self._ctx, tokens[sl], positions[sl], seqs[sl], want[sl], self.vocab_size))
+            out.append(self._decode_call(tokens[sl], positions[sl], seqs[sl], want[sl]))
             if progress is not None:
                 progress(min(i + step, len(tokens)), len(tokens))
         return out[0] if len(out) == 1 else np.concatenate(out)
@@ -214,6 +214,7 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         self.close()
         self._open(cells, self._ctx_seqs)
         self.lib.set_seq_state(self._ctx, 0, saved)
+        self._spans.pop(0, None)  # llama.cpp's snapshots stayed in the old context
 
     def _open(self, cells: int, seqs: int) -> None:
         """A new context of `cells` cells for `seqs` sequences (the old one closed)."""
@@ -228,6 +229,7 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
             seqs,
             self._want_threads(),
             flash_attn=False if self.device.type == "cpu" else None,
+            snapshots=self._snapshots,
         )
         self._ctx_cells, self._ctx_seqs = cells, seqs
         self._ctx_threads = self._want_threads()
@@ -274,10 +276,25 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
 
     def _decode_call(self, tokens: list[int], positions: list[int], seqs: list[int], want: list[bool]) -> np.ndarray:
         """One llama_decode on this runner's context (alike.Decode)."""
-        return self.lib.decode(self._ctx, tokens, positions, seqs, want, self.vocab_size)
+        out = self.lib.decode(self._ctx, tokens, positions, seqs, want, self.vocab_size)
+        if self.recurrent:
+            self._after_call(positions, seqs)
+        return out
 
     def _remove_from(self, seq: int, p0: int) -> None:
-        """Drop sequence `seq`'s cells from position p0 on (alike.Remove)."""
+        """Drop sequence `seq`'s cells from position p0 on (alike.Remove). A recurrent
+        model's scratch sequence cannot lose a tail: the first call at p0 > 0 (the width
+        check's, when the sequence ends there) saves its state, later ones set it back and
+        drop the attention cells past it, which stay where they were."""
+        if not self.recurrent or p0 == 0:
+            self.lib.seq_rm(self._ctx, seq, p0 if p0 else -1, -1)
+            self._marks.pop(seq, None)
+            return
+        mark = self._marks.get(seq)
+        if mark is None or mark.position != p0:
+            self._marks[seq] = Checkpoint(p0, self.lib.seq_state(self._ctx, seq, partial=True))
+            return
+        self.lib.set_seq_state(self._ctx, seq, mark.state, partial=True)
         self.lib.seq_rm(self._ctx, seq, p0, -1)
 
     def feed(self, rows: Sequence[Sequence[int]], logits: Logits = Logits.ALL, progress=None) -> list[torch.Tensor]:
@@ -295,10 +312,12 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
         for b, r in enumerate(rows):
             if not r:
                 continue
-            self._reconcile(b)
+            cut = self._reconcile(b)
             start = len(self.held[b])
             if start + len(r) > self.num_slots:
                 raise RuntimeError("KV cache too small for this step")  # engine sizes it; a bug
+            if self.recurrent:
+                self._before_decode(b, len(r), cut)
             tokens.extend(int(t) for t in r)
             positions.extend(range(start, start + len(r)))
             seqs.extend([b] * len(r))
@@ -311,7 +330,9 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
             out = torch.from_numpy(self._decode(tokens, positions, seqs, want, report))  # [N wanted, V]
         except BaseException:  # stopped or failed part-way: drop the cells it wrote
             for b, r in enumerate(rows):
-                if r:
+                if r and self.recurrent:  # and the state it moved
+                    self._restore(b, len(self._kv[b]))
+                elif r:
                     self.lib.seq_rm(self._ctx, b, len(self._kv[b]), -1)
             raise
         per_row = {Logits.ALL: None, Logits.LAST: 1, Logits.NONE: 0}[logits]
@@ -348,12 +369,17 @@ class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
     def step(self, ids: torch.Tensor, bound: int | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B, T] at positions lengths..lengths+T-1 of each row -> logits [B, T, V];
         `at` [B]: row b decodes its ids up to column at[b] only, and llama.cpp computes
-        the logits of that token alone -> [B, V] (Runner.step)."""
+        the logits of that token alone -> [B, V] (Runner.step). A finished row that a last
+        round took past its budget is fed only what its slots still hold: its padding is
+        never read, and its missing logits are zeros."""
         rows = ids.tolist()
         for b, held in enumerate(self.held):
             del held[self._lengths[b] :]  # rejected tokens of the last step
+        rows = [row[: max(0, self.num_slots - length)] for row, length in zip(rows, self._lengths)]
         if at is None:
-            return torch.stack(self.feed(rows))  # [B, T, V]
+            width = ids.shape[1]
+            out = self.feed(rows)
+            return torch.stack([torch.nn.functional.pad(o, (0, 0, 0, width - len(o))) for o in out])  # [B, T, V]
         cut = [row[: int(i) + 1] for row, i in zip(rows, at.tolist())]
         return torch.cat(self.feed(cut, Logits.LAST))  # [B, V]
 

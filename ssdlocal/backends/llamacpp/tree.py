@@ -4,7 +4,10 @@
 with it by seq_cp (no data copy), its own tokens are decoded in one llama_batch per step
 with every other branch, and `take_branch` hands an accepted branch's cells back to the
 row (seq_cp). A mixin of LlamaCppRunner (backends/llamacpp/runner.py), whose context,
-rows (`_kv`, `held`), `_decode`, `_reconcile` and free sequences it uses.
+rows (`_kv`, `held`), `_decode`, `_reconcile` and free sequences it uses. A recurrent
+model's branch gets the row's state where it starts (recurrent.py's `_state_into`: shared
+when it starts at the row's end, else the row's checkpoint and the tokens after it decoded
+into the branch), and an adopted branch replaces the row's sequence whole.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class TreeSequences:
     _scratch: dict[tuple[int, int], int]
     _free: list[int]
     _touched: set[int]
+    recurrent: bool
 
     def forward_raw(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
@@ -99,7 +103,10 @@ class TreeSequences:
             raise NotImplementedError("forward_raw: a query must see a prefix of its row's cached tokens")
         if not scratch:
             seq = self._alloc()
-            self.lib.seq_cp(self._ctx, b, seq, 0, n_main)
+            if self.recurrent:
+                self._state_into(b, seq, n_main)
+            else:
+                self.lib.seq_cp(self._ctx, b, seq, 0, n_main)
             chain = _Chain(b, n_main, self._kv[b][:n_main])
         else:
             parent = self._scratch[(b, scratch[0])]
@@ -142,6 +149,14 @@ class TreeSequences:
         kv = self._kv[row]
         if kv[: chain.n_main] != chain.prefix:
             raise RuntimeError(f"copy_slots: row {row} changed below the branch point")  # a bug
+        if self.recurrent:  # the branch's state is at its end: it replaces the row whole
+            self.lib.seq_rm(self._ctx, row, -1, -1)
+            self.lib.seq_cp(self._ctx, seq, row, -1, -1)
+            del kv[chain.n_main :]
+            kv.extend(chain.tokens)
+            self._spans.pop(row, None)
+            self._cut(row, chain.n_main + depth)
+            return
         self.lib.seq_rm(self._ctx, row, chain.n_main, -1)
         del kv[chain.n_main :]
         self.lib.seq_cp(self._ctx, seq, row, chain.n_main, chain.n_main + depth)
