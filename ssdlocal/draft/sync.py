@@ -176,10 +176,13 @@ class ModelDrafter:
 
     def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
         """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
-        at most CATCH_UP tokens; the draft's logits after each row's newest token [B, V_d]."""
+        at most CATCH_UP tokens; the draft's logits after each row's newest token [B, V_d].
+        A row that ends in an earlier chunk keeps that chunk's logits: the first chunk's are
+        copied out of the step's static buffer (graphs.py) when another chunk follows."""
         dev = self.runner.device
         first: torch.Tensor | None = None
-        for start in range(0, max(map(len, pending)), CATCH_UP):
+        longest = max(map(len, pending))
+        for start in range(0, longest, CATCH_UP):
             part = [p[start : start + CATCH_UP] for p in pending]
             width = max(map(len, part))
             host = [
@@ -189,7 +192,10 @@ class ModelDrafter:
             staged = self.site.upload(host, dev)  # [B, 3+T]: last, ends, fed, ids (one staged upload)
             ids = staged[:, 3:].contiguous()  # [B, T]
             logits = self.runner.step(ids, bound, at=staged[:, 0])  # [B, V_d]; padding may write past each row
-            first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
+            if first is None:  # a captured step's output is a static buffer: the next chunk rewrites it
+                first = logits.clone() if start + CATCH_UP < longest else logits
+            else:
+                first = torch.where(staged[:, 1, None].bool(), logits, first)
             self.runner.advance(staged[:, 2])
         if first is None:  # every row lacks at least its bonus token
             raise ValueError("nothing to catch up on")
