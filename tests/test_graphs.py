@@ -124,11 +124,17 @@ def test_failed_capture_falls_back_to_eager_for_that_shape():
     assert len(cache) == 0 and "capture failed" in cache.notes[0] and cache.stats.refused == 1
 
 
-def test_graph_count_limit():
-    cache = GraphCache(CountingBackend(), max_graphs=2)
-    for key in range(4):
-        cache.run(key, _double, x=torch.tensor([float(key)]))
-    assert len(cache) == 2 and cache.stats.eager == 2
+def test_graph_count_limit_lets_the_least_recently_used_go():
+    """Past max_graphs a new shape is captured all the same: the graph replayed longest ago
+    goes (and a mirror is told), never the new shape (it used to be refused: eager for good)."""
+    backend = CountingBackend()
+    cache = GraphCache(backend, max_graphs=2)
+    evicted = []
+    cache.on_evict = evicted.append
+    for key in (0, 1, 0, 2, 3, 0):  # 0 is replayed before 2 arrives: 1 goes first, then 0, then 2
+        assert cache.run(key, _double, x=torch.tensor([float(key)])).tolist() == [2.0 * key]
+    assert evicted == [1, 0, 2] and len(cache) == 2 and cache.stats.evicted == 3
+    assert cache.stats.eager == 0 and cache.stats.refused == 0 and backend.captures == 5
 
 
 def test_buckets_and_modes(monkeypatch):
@@ -301,6 +307,7 @@ def test_graph_report_counts_one_calls_share():
         "eager": 0,
         "refused": 0,
         "dropped": 0,
+        "evicted": 0,
     }
 
 

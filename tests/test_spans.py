@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssdlocal.backends.torch import runner as runner_mod
+from ssdlocal.backends.torch.kvcache import SLOT_ROUNDING
+from ssdlocal.backends.torch.shapes import bucket_span
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams
 from ssdlocal.draft.ssd.protocol import StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
@@ -17,15 +18,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 @pytest.mark.parametrize("needed", [1, 255, 300, 1100, 2049, 5000, 16000, 16385, 30000])
 def test_a_decode_span_reads_at_most_an_eighth_more_than_it_needs(needed):
-    span = runner_mod._bucket_span(needed)
+    span = bucket_span(needed)
     assert needed <= span <= needed + max(255, needed // 8)
-    assert span % runner_mod.SLOT_ROUNDING == 0
+    assert span % SLOT_ROUNDING == 0
 
 
 def test_span_buckets_stay_few():
-    shapes = {runner_mod._bucket_span(n) for n in range(1, 32769)}
+    shapes = {bucket_span(n) for n in range(1, 32769)}
     assert len(shapes) == 40  # 16 up to 4,096 slots, then 8 per doubling
-    assert {runner_mod._bucket_span(n) for n in range(4000, 4600)} == {4096, 4608}
+    assert {bucket_span(n) for n in range(4000, 4600)} == {4096, 4608}
 
 
 def _speculator(runner, prompt, num_slots) -> Speculator:

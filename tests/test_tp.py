@@ -150,6 +150,15 @@ def test_tp2_steps_replay_traced_graphs_and_equal_one_device(tiny_dir, monkeypat
             assert target["mode"] == "trace" and target["dropped"] == target["refused"] == 0, target
             assert target["replays"] > 0, (spec.mode, target)
             captured += target["captured"]
+        two.runner.graphs.clear()
+        two.runner.graphs.max_graphs = 1  # past it rank 0 lets the least recently used go, and so do the ranks
+        evicted = 0
+        for spec, expected in list(zip(modes, want))[:2] * 2:  # AR's 1-token steps, SD's 4-token steps, again
+            done = [e for e in two.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+            assert [o.token_ids for o in done.outputs] == expected
+            assert done.stats["graphs"]["target"]["refused"] == 0
+            evicted += done.stats["graphs"]["target"]["evicted"]
+        assert evicted >= 3
     assert captured > 0
 
 

@@ -109,6 +109,12 @@ class Runner(Protocol):
     def sync(self, row: int, committed: Sequence[int]) -> None:
         """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
 
+    def warm_up(self, batch_size: int, widths: Sequence[int], at_widths: Sequence[int] = ()) -> int:
+        """Ahead of use (a server's start): make room for `batch_size` rows and prepare the
+        steps of `widths` tokens, and steps `at` one column of `at_widths` tokens, for every
+        batch size up to it (captured graphs); returns how many were prepared (0 for a
+        runner that captures nothing). Rows hold nothing afterwards."""
+
     def forward_raw(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:

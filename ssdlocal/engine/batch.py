@@ -56,6 +56,7 @@ from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.request import Inbox, Request, RowSampling
 from ssdlocal.engine.round import Round, token_events
 from ssdlocal.engine.shape import make_shaper
+from ssdlocal.engine.warm import warm_up
 
 
 @dataclass(eq=False)
@@ -117,6 +118,8 @@ class Loop:
         `stats` given (generate): every event is counted there. None (serving): each
         seating counts its own and ends with a SeatingDoneEvent of its snapshot."""
         eng, pinned = self.engine, None
+        if self.inbox is not None:  # serving: the steps every join and leave will take, captured now
+            warm_up(eng, eng._resolved(self.spec), self.max_batch or 1)
         if eng._resolved(self.spec).mode is Mode.SSD and eng._cpu_plan is not None:  # the worker has the other cores
             pinned = eng._cpu_plan.apply_to_this_process(pin_affinity=eng.config.pin_cpus)
         try:

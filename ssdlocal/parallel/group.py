@@ -104,6 +104,8 @@ class TPModel:
 
         backend = capture_backend(self.group.device, mode)
         self.graphs = None if backend is None else GraphCache(backend, self)
+        if self.graphs is not None:  # the ranks let go of what rank 0's cache lets go
+            self.graphs.on_evict = lambda key: self.group.command_all(Cmd.DROP, key)
         self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else "off")
         self.group.collect_acks()
         return self.graphs

@@ -29,6 +29,7 @@ class Cmd(IntEnum):
     PREFIX_LOAD = 5  # (row, runs): prefix cache -> cache (no reply)
     GRAPHS = 6  # graph mode ("off", "auto", "trace"): how this rank captures steps (ACK)
     STEP = 7  # (action, key): one more primitive on the last FORWARD's inputs (no reply)
+    DROP = 8  # key: let the graph of that key go (rank 0's cache evicted its own; no reply)
 
 
 class Reply(IntEnum):
@@ -195,6 +196,8 @@ def _serve(
             graphs.run(action, key, inputs)  # output unused: rank 0 has the logits
         elif cmd == Cmd.STEP:
             graphs.run(*payload, inputs)
+        elif cmd == Cmd.DROP:
+            graphs.captured.pop(payload, None)
         elif cmd == Cmd.GRAPHS:
             graphs.use(payload)
             conn.send((Reply.ACK, None))

@@ -197,6 +197,9 @@ class ScriptedRunner(HeldRows):
     def tree_width(self, width: int) -> int:
         return width
 
+    def warm_up(self, batch_size: int, widths, at_widths=()) -> int:
+        return 0  # nothing captured
+
     def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         if [self.slots[row][s] for s in src] != list(tokens):
             raise ValueError(f"row {row}: the branch's slots do not hold {list(tokens)}")

@@ -170,7 +170,11 @@ class LlamaCppRunner(TreeSequences, HeldRows):
 
     def graph_report(self, since: dict | None = None) -> dict:
         """Runner.graph_report: llama.cpp captures nothing of ours."""
-        return {"mode": "off", **dict.fromkeys(("captured", "replays", "eager", "refused", "dropped"), 0)}
+        return {"mode": "off", **dict.fromkeys(("captured", "replays", "eager", "refused", "dropped", "evicted"), 0)}
+
+    def warm_up(self, batch_size: int, widths, at_widths=()) -> int:
+        """Runner.warm_up: nothing to capture (llama.cpp sizes its context per call)."""
+        return 0
 
     def reuse(self, row: int, tokens) -> int:
         """Row `row` (empty after reset) starts from the stored sequence sharing the longest

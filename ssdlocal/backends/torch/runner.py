@@ -4,15 +4,20 @@ Two ways to feed a row's tokens. `feed` takes host token lists of any length (pr
 the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
 the decode path: ids already on the device, positions from the per-row `lengths` kept
 on the device and moved only by `advance` (in place, on the device), causal masks built
-on the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape
-(`_bucket_span`: eighths of a doubling, so a step reads at most 1/8 more slots than it needs).
+on the device, and, on CUDA, one captured graph per (batch bucket, tokens, span bucket)
+shape (shapes.py: rows and catch-up widths padded to graphs.BUCKETS, spans to eighths of
+a doubling, so a step reads at most 1/8 more slots than it needs).
 
-Every tensor a captured step reads besides its inputs is static: the model's parameters
-and buffers (KV cache, RoPE tables) and this runner's `DecodeState`, which is updated only
-in place and cannot be rebound. The runner registers them with its graph cache
-(`registered`, `state_tensors`) and clears the cache itself whenever it reallocates one.
-The KV cache starts small and doubles as rows grow. Rejected drafts need no rollback: the
-write position is the only cache state (as in gpt-fast). Knows nothing about speculation.
+Graphs live as long as the runner: the KV cache is sized in rows for the largest batch
+seen (a bucket; `warm_up` sizes it for a server's largest batch and captures its common
+steps before the first request), and a batch of fewer rows uses the cache's first rows,
+so a re-seat that changes the batch size keeps every cache tensor and every graph. Every
+tensor a captured step reads besides its inputs is static: the model's parameters and
+buffers (KV cache, RoPE tables) and this runner's `DecodeState`, updated only in place
+and never rebound. The runner registers them with its graph cache (`registered`,
+`state_tensors`) and clears the cache itself when it reallocates one (more rows, or the
+slots doubling as rows grow). Rejected drafts need no rollback: the write position is the
+only cache state (as in gpt-fast). Knows nothing about speculation.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
-from ssdlocal.backends.torch.kvcache import SLOT_ROUNDING, free_bytes, rounded_slots, runs_of
+from ssdlocal.backends.torch.kvcache import free_bytes, rounded_slots, runs_of
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.model import Transformer, causal_mask
 from ssdlocal.backends.torch.prefill_path import dense_dtype
+from ssdlocal.backends.torch.shapes import DecodeState, bucket_span, padded, padded_tree_mask, warm_steps
 from ssdlocal.core.hostsync import Site, detached_site
 
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
@@ -38,25 +44,6 @@ PREFILL_CHUNK = 512  # a long feed reads this many tokens per row at a time, lay
 # Feeds of at least this many rows may expand quantized weights to dense ones once per layer,
 # when this machine's timings say it pays (backends/torch/prefill_path.py).
 DENSE_MIN_TOKENS = 128
-
-
-class DecodeState:
-    """Per-row `lengths` [B] and token `offsets` [STEP_OFFSETS] long, on the device.
-
-    Captured steps read these at fixed addresses, so they change only in place (`copy_`,
-    `+=`); rebinding an attribute raises. A new batch size gets a new DecodeState (and the
-    runner drops its graphs)."""
-
-    __slots__ = ("lengths", "offsets")
-
-    def __init__(self, batch: int, width: int, device: torch.device) -> None:
-        object.__setattr__(self, "lengths", torch.zeros(batch, dtype=torch.long, device=device))
-        object.__setattr__(self, "offsets", torch.arange(width, device=device))
-
-    def __setattr__(self, name: str, value) -> None:
-        if getattr(self, name, None) is value:  # `state.lengths += n` rebinds the same tensor
-            return
-        raise AttributeError(f"DecodeState.{name} is read by captured steps: update it in place")
 
 
 class TorchRunner(HeldRows):
@@ -82,8 +69,14 @@ class TorchRunner(HeldRows):
 
     @property
     def lengths(self) -> Tensor:
-        """[B] long on the device: each row's length for `step` (see `advance`)."""
-        return self.state.lengths
+        """[B] long on the device: each row's length for `step` (see `advance`); a view of
+        the first B of the cache's rows."""
+        return self.state.lengths[: len(self.held)]
+
+    @property
+    def rows(self) -> int:
+        """Rows the KV cache holds (a batch of B <= rows uses the first B)."""
+        return self.state.lengths.numel() if self.capacity else 0
 
     # ------------------------------------------------------------------ static tensors
     def registered(self) -> Iterator[Tensor]:
@@ -117,23 +110,25 @@ class TorchRunner(HeldRows):
         self.site = site
 
     def reset(self, batch_size: int, num_slots: int) -> None:
-        """Forget all rows. A cache of another batch size is allocated anew, small (a
-        tensor-parallel model allocates `num_slots` at once: its ranks cannot grow)."""
+        """Forget all rows. The KV cache (and with it every captured graph) is kept while it
+        has rows enough; a larger batch allocates one of the next bucket's rows (graphs.
+        BUCKETS), small (a tensor-parallel model allocates `num_slots` at once: its ranks
+        cannot grow)."""
         full = not self.plain and num_slots > self.capacity
-        if batch_size != len(self.held) or self.capacity == 0 or full:
+        if batch_size > self.rows or full:
             first = min(num_slots, FIRST_CAPACITY) if self.plain else num_slots
-            self._allocate(batch_size, rounded_slots(first))
+            self._allocate(max(bucket(batch_size), self.rows), rounded_slots(first))
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self.state.lengths.zero_()
         self.staging.drop()
         self._count_end()
 
-    def _allocate(self, batch_size: int, capacity: int) -> None:
-        self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
+    def _allocate(self, rows: int, capacity: int) -> None:
+        self.model.setup_cache(rows, capacity, self.loaded.dtype, self.device)
         self.capacity = capacity
-        if batch_size != self.state.lengths.numel():
-            self.state = DecodeState(batch_size, self.state.offsets.numel(), self.device)
+        if rows != self.state.lengths.numel():
+            self.state = DecodeState(rows, self.state.offsets.numel(), self.device)
         self._graphs_invalid()  # they read the old cache
 
     def _ensure(self, slots: int) -> None:
@@ -318,7 +313,7 @@ class TorchRunner(HeldRows):
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:
         """Start decoding with `step`: each row's length is what `feed` left cached."""
-        self.state.lengths.copy_(torch.tensor([len(h) for h in self.held], dtype=torch.long))
+        self.lengths.copy_(torch.tensor([len(h) for h in self.held], dtype=torch.long))
         self._count_begin()
 
     @torch.inference_mode()
@@ -330,23 +325,38 @@ class TorchRunner(HeldRows):
         move: call `advance`. `held` is not kept up to date by steps. `at` [B] long on
         the device: only column at[b] of each row reaches the lm_head -> logits [B, V]
         (a graph of its own per shape; a tensor-parallel group computes every column and
-        gathers)."""
-        span = rounded_slots(self.num_slots) if bound is None else bound
-        if self.graphs is not None or self.device.type == "cuda":
-            span = min(_bucket_span(span), rounded_slots(self.num_slots))  # few shapes to capture
+        gathers). Under graphs the step runs padded (shapes.py): B rows up to a bucket of
+        the cache's rows, and a step `at` (a draft's catch-up, T = 1..32) to a bucket of
+        widths when `bound` leaves room for the padded columns' writes."""
+        B, T = ids.shape
+        graphed = self.graphs is not None
+        rows = min(bucket(B), self.rows) if graphed else B
+        limit = rounded_slots(self.num_slots)
+        width = T
+        if graphed and at is not None and bound is not None and bound + bucket(T) - T <= limit:
+            width = bucket(T)
+        span = limit if bound is None else bound + width - T
+        if graphed or self.device.type == "cuda":
+            span = min(bucket_span(span), limit)  # few shapes to capture
         self._ensure(span)
-        if ids.shape[1] > self.state.offsets.numel():  # wider than any step so far
+        if width > self.state.offsets.numel():  # wider than any step so far
             old = self.state.lengths
-            self.state = DecodeState(old.numel(), ids.shape[1], self.device)
+            self.state = DecodeState(old.numel(), width, self.device)
             self.state.lengths.copy_(old)
             self._graphs_invalid()
-        if self.graphs is not None and self.plain and at is None:
+        ids = padded(ids, rows, width)  # [rows, width]
+        at = None if at is None else padded(at, rows)  # [rows]
+        if graphed and self.plain and at is None:
             step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
-            return self.graphs.run(("step", *ids.shape, span), step, ids=ids)
-        if self.graphs is not None and self.plain:
+            return self.graphs.run(("step", rows, width, span), step, ids=ids)[:B]
+        if graphed and self.plain:
             step_at = lambda ids, at: self._step(ids, span, at)  # noqa: E731
-            return self.graphs.run(("step-at", *ids.shape, span), step_at, ids=ids, at=at)
-        return self._step(ids, span, at)
+            return self.graphs.run(("step-at", rows, width, span), step_at, ids=ids, at=at)[:B]
+        return self._step(ids, span, at)[:B]
+
+    def warm_up(self, batch_size: int, widths: Sequence[int], at_widths: Sequence[int] = ()) -> int:
+        """Runner.warm_up (shapes.warm_steps); nothing without graphs."""
+        return 0 if self.graphs is None else warm_steps(self, batch_size, widths, at_widths)
 
     def end_steps(self, kept) -> None:
         """Rows in `kept` hold the tokens their first steps wrote (Runner.end_steps); steps
@@ -359,13 +369,13 @@ class TorchRunner(HeldRows):
     def advance(self, n: Tensor | int, host: Sequence[int] | None = None) -> None:
         """lengths += n ([B] long on the device, or one int for every row), in place;
         `host`: the same counts on the host (Runner.advance)."""
-        self.state.lengths += n
+        self.lengths.add_(n)
         self._count_advance(n, host)
 
     def _step(self, ids: Tensor, span: int, at: Tensor | None = None) -> Tensor:
         """Attention over slots [0, span), masked causally on the device (capturable);
         logits [B, T, V], or [B, V] at column at[b] of each row."""
-        positions = self.state.lengths[:, None] + self.state.offsets[: ids.shape[1]]  # [B, T]
+        positions = self.state.lengths[: ids.shape[0], None] + self.state.offsets[: ids.shape[1]]  # [B, T]
         mask = causal_mask(positions, span)  # [B, T, S]
         if not self.plain:  # a tensor-parallel group captures the forward on every rank
             logits = self.model(ids, positions, positions, mask, capture=True)  # [B, T, V]
@@ -379,11 +389,17 @@ class TorchRunner(HeldRows):
     def forward_raw(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         """Tree step with explicit positions/slots/mask ([B, T] x3, [B, T, S], on the
         device); does not touch `held`. Returns logits [B, T, V] float32 on the device,
-        which the caller owns."""
+        which the caller owns. Under graphs the B rows are padded to a bucket of the
+        cache's rows (a padded row sees slot 0 only)."""
         self._ensure(mask.shape[-1])
+        B = ids.shape[0]
+        if self.graphs is not None:
+            rows = min(bucket(B), self.rows)
+            ids, positions, slots = (padded(t, rows) for t in (ids, positions, slots))  # [rows, T] each
+            mask = padded_tree_mask(mask, rows)  # [rows, T, S]
         if not self.plain:
-            out = self.model(ids, positions, slots, mask, capture=True)  # [B, T, V]
-            return out if self.graphs is None else out.clone()  # a static buffer (capture.py)
+            out = self.model(ids, positions, slots, mask, capture=True)  # [rows, T, V]
+            return out[:B] if self.graphs is None else out[:B].clone()  # a static buffer (capture.py)
         if self.graphs is not None:
             return self.graphs.run(
                 ("tree", *mask.shape),
@@ -392,13 +408,13 @@ class TorchRunner(HeldRows):
                 positions=positions,
                 slots=slots,
                 attn_mask=mask,
-            ).clone()
+            )[:B].clone()
         return self.model(ids, positions, slots, mask)  # [B, T, V]
 
     def tree_span(self, needed: int) -> int | None:
         """Runner.tree_span: `needed` in the decode steps' span buckets, within the rows'
         slots (None where that is every slot anyway)."""
-        span = _bucket_span(needed) if self.graphs is not None or self.device.type == "cuda" else needed
+        span = bucket_span(needed) if self.graphs is not None or self.device.type == "cuda" else needed
         return span if span < self.num_slots else None
 
     def tree_width(self, width: int) -> int:
@@ -415,20 +431,3 @@ class TorchRunner(HeldRows):
         held = self.held[row]
         del held[start:]
         held.extend(tokens)
-
-
-SPAN_STEPS = 8  # span buckets per doubling of the span
-
-
-def _bucket_span(span: int) -> int:
-    """The slots a captured step attends over: `span` rounded up to a multiple of an
-    eighth of the largest power of two below it, at least 256 (multiples of 256 up to
-    4,096 slots, of 512 up to 8,192, of 1,024 up to 16,384, ...). A step reads at most
-    1/8 more slots than it needs (or 255), where powers of two read up to 2x; spans up to
-    N slots give 16 shapes up to 4,096 and 8 per doubling past it (40 up to 32,768), per
-    (batch, tokens) of a step, and one generation only meets the few its lengths cross."""
-    if span <= SLOT_ROUNDING:
-        return SLOT_ROUNDING
-    octave = 1 << (span - 1).bit_length() - 1  # the largest power of two below span
-    step = max(SLOT_ROUNDING, octave // SPAN_STEPS)
-    return -(-span // step) * step
