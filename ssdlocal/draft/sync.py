@@ -7,12 +7,12 @@ just-in-time backup uses the same K-step decoder (draft/decode.py) as ModelDraft
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
 from ssdlocal.backends.base import Logits, Runner
+from ssdlocal.core.clock import DeviceClock
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
@@ -111,8 +111,9 @@ class ModelDrafter:
         self._k = 0  # drafts of the last propose
         self._shape: tuple[int, int] | None = None  # the cache `reserve` asked for, made at the first propose
         # the last propose's reading before it drafted: committed tokens fed (the most of any
-        # row, the prompt's too on its first) and host seconds (a GPU's launches unless it waits)
-        self.last_read: tuple[int, float] = (0, 0.0)
+        # row, the prompt's too on its first) and its marks on the draft's device (core.clock)
+        self.clock = DeviceClock(runner.device)
+        self._read: tuple[int, object, object] | None = None
 
     def _generator(self) -> torch.Generator:
         return torch.Generator(device=self.runner.device).manual_seed(self.params.stream_seed(7919))
@@ -152,14 +153,14 @@ class ModelDrafter:
     def propose(self, active: Sequence[bool], k: int | None = None) -> Proposal:
         """K drafts per row (default: the drafter's K), every row batched."""
         k = self.k if k is None else k
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         before = list(self.cached) or [0] * len(self.rows)
         if not self.cached:
             self._prefill()
         lengths = [row.length for row in self.rows]
         bound = max(lengths) + max(k, CATCH_UP)  # past every write of this round
         first = self._catch_up([row.tail(c) for row, c in zip(self.rows, self.cached)], bound)
-        self.last_read = (max(n - c for n, c in zip(lengths, before)), time.perf_counter() - t0)
+        self._read = (max(n - c for n, c in zip(lengths, before)), t0, self.clock.mark())
         self.decoder.k = k
         if self.guides is not None:
             dev = self.runner.device
@@ -173,6 +174,16 @@ class ModelDrafter:
         if self.guides is not None and k:  # the matcher walked d_1..d_K-1: read d_K too, before the target runs
             tokens = self.guides.drafted_tokens(drafted.tokens[:, -1], active, self.site)
         return Proposal(drafted.tokens.to(self.device, non_blocking=True), n_draft, q, tokens=tokens)  # [B, K]
+
+    @property
+    def last_read(self) -> tuple[int, float]:
+        """The last propose's reading before it drafted: committed tokens fed (the most of
+        any row) and the seconds the draft's device spent on it; ask after the round's
+        read-back (on CUDA the marks are events, complete by then)."""
+        if self._read is None:
+            return (0, 0.0)
+        fed, start, end = self._read
+        return fed, self.clock.seconds(start, end)
 
     def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
         """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
