@@ -18,6 +18,11 @@ ARGS = ModelArgs("qwen2", 320, 256, 512, 2, 8, 2, 32, 1e-6, 1e6, None, True, Fal
 
 
 @pytest.fixture(autouse=True)
+def tiny_is_timed(monkeypatch):
+    monkeypatch.setattr(quant_speed, "MIN_DENSE_BYTES", 0)  # these shapes stand for a large model's
+
+
+@pytest.fixture(autouse=True)
 def cuda_kernels(monkeypatch):
     monkeypatch.setattr(quant, "int8_cuda_kernel", lambda: True)  # a CUDA build has it
     monkeypatch.setattr(int4_cuda, "layout_known", lambda device, tiles: True)  # checked on a GPU
@@ -65,12 +70,14 @@ def test_a_slower_kernel_is_kept_where_the_dense_weights_would_not_fit(monkeypat
         quant_speed.check_quant_speed(ARGS, "int8", CUDA, BF16, timer=timer)  # kept: the memory is needed
 
 
-def test_nothing_is_timed_off_cuda_or_without_quantization():
+def test_nothing_is_timed_off_cuda_without_quantization_or_for_a_small_model(monkeypatch):
     def never(fn, device):
         raise AssertionError("timed")
 
     quant_speed.check_quant_speed(ARGS, "int8", torch.device("cpu"), BF16, timer=never)
     quant_speed.check_quant_speed(ARGS, "none", CUDA, BF16, timer=never)
+    monkeypatch.setattr(quant_speed, "MIN_DENSE_BYTES", 64 << 20)
+    quant_speed.check_quant_speed(ARGS, "int8", CUDA, BF16, timer=never)  # launch-bound: not timed
 
 
 def test_dense_bytes_counts_the_config():

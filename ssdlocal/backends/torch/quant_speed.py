@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 STEP_ROWS = (1, 5)  # a batch-1 decode step and a K=4 verify: the rows every projection multiplies
 REPEATS = 20
 FIT_MARGIN = 1.2  # dense weights "fit" when free memory holds them with this margin (KV cache, activations)
+MIN_DENSE_BYTES = 64 << 20  # smaller models are not timed: their steps are bound by launches, not weights
 
 Timer = Callable[[Callable[[], object], torch.device], float]  # seconds of one call
 
@@ -75,8 +76,9 @@ def dense_bytes(args, dtype: torch.dtype) -> int:
 def check_quant_speed(args, scheme: str, device: torch.device, dtype: torch.dtype, timer: Timer | None = None) -> None:
     """Refuse int8/int4 weights on a CUDA `device` whose kernel is slower than the dense
     matmul at the step shapes, when the dense weights would fit (UsageError with the
-    timings and a hint); nothing on other devices or for scheme "none"."""
-    if device.type != "cuda" or scheme == "none":
+    timings and a hint); nothing on other devices, for scheme "none", or for a model under
+    MIN_DENSE_BYTES dense (its steps are bound by launches: the kernel's speed is noise there)."""
+    if device.type != "cuda" or scheme == "none" or dense_bytes(args, dtype) < MIN_DENSE_BYTES:
         return
     speed = measured_speed(args, scheme, device, dtype, timer)
     if speed.pays:
