@@ -89,23 +89,36 @@ def test_a_mirror_hears_every_primitive_in_the_order_it_runs():
     cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # captured, computed
     cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # first replay + self-check
     cache.run("a", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "a"), ("replay", "a"), ("eager", "a"), ("replay", "a")]
+    assert heard == [("capture", "a"), ("captured", "a"), ("replay", "a"), ("eager", "a"), ("replay", "a")]
     heard.clear()
     later = CountingBackend()
     uncomputed = later.capture
     later.capture = lambda fn, inputs: replace(uncomputed(fn, inputs), computed=False)  # as CUDA graphs
     cache = GraphCache(later, self_check=False)
     cache.run("b", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "b"), ("replay", "b")]
+    assert heard == [("capture", "b"), ("captured", "b"), ("replay", "b")]
     heard.clear()
     cache = GraphCache(CountingBackend(fail=True))
     cache.run("c", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "c"), ("eager", "c")]
+    assert heard == [("capture", "c"), ("captured", "c"), ("eager", "c")]
+    heard.clear()
+    refusing = lambda action, key: heard.append((action, key)) or _refuse_capture(action)  # noqa: E731
+    cache = GraphCache(CountingBackend())  # captures here, but a mirrored rank could not
+    assert cache.run("e", _double, mirror=refusing, x=torch.ones(2)).tolist() == [2.0, 2.0]
+    assert heard == [("capture", "e"), ("captured", "e"), ("eager", "e")]  # eager on every rank
+    assert len(cache) == 0 and cache.stats.refused == 1 and "rank 1" in cache.notes[0]
     heard.clear()
     cache = GraphCache(CountingBackend(wrong=True))
     for _ in range(3):
         cache.run("d", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "d"), ("replay", "d"), ("eager", "d"), ("eager", "d")]  # then eager for good
+    assert heard == [("capture", "d"), ("captured", "d"), ("replay", "d"), ("eager", "d"), ("eager", "d")]
+
+
+def _refuse_capture(action: str) -> None:
+    from ssdlocal.backends.torch.capture import CaptureError
+
+    if action == "captured":
+        raise CaptureError("on rank 1: RuntimeError: operation not permitted when stream is capturing")
 
 
 def test_memory_budget_refuses_capture_and_runs_eagerly():
@@ -130,7 +143,7 @@ def test_graph_count_limit_lets_the_least_recently_used_go():
     backend = CountingBackend()
     cache = GraphCache(backend, max_graphs=2)
     evicted = []
-    cache.on_evict = evicted.append
+    cache.on_forget = evicted.append
     for key in (0, 1, 0, 2, 3, 0):  # 0 is replayed before 2 arrives: 1 goes first, then 0, then 2
         assert cache.run(key, _double, x=torch.tensor([float(key)])).tolist() == [2.0 * key]
     assert evicted == [1, 0, 2] and len(cache) == 2 and cache.stats.evicted == 3

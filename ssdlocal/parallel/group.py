@@ -105,7 +105,7 @@ class TPModel:
         backend = capture_backend(self.group.device, mode)
         self.graphs = None if backend is None else GraphCache(backend, self)
         if self.graphs is not None:  # the ranks let go of what rank 0's cache lets go
-            self.graphs.on_evict = lambda key: self.group.command_all(Cmd.DROP, key)
+            self.graphs.on_forget = lambda key: self.group.command_all(Cmd.DROP, key)
         self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else "off")
         self.group.collect_acks()
         return self.graphs
@@ -297,6 +297,9 @@ class RankGroup:
 
         def mirror(action: str, _key) -> None:
             nonlocal sent
+            if action == "captured":  # every rank's verdict on the capture just announced
+                self._capture_verdicts()
+                return
             if sent:
                 self.command_all(Cmd.STEP, (action, key))
                 return
@@ -319,6 +322,27 @@ class RankGroup:
             if isinstance(exc, RuntimeError):  # gloo/NCCL errors, timeouts (DistBackendError)
                 raise self.failure(f"a tensor-parallel collective failed ({_first_line(exc)})") from exc
             raise
+
+    def stalled(self, seconds: float) -> SSDLocalError:
+        """A step rank 0 waited `seconds` for on its device without it finishing: a rank is
+        hung (not dead: the watchdog sees those) or a device is stuck. The group is spent;
+        NCCL is aborted so no collective waits on."""
+        self.broken = True
+        if self.backend == "nccl":
+            _abort_nccl()
+        return self.failure(f"a tensor-parallel step did not finish within {seconds:.0f} s")
+
+    def _capture_verdicts(self) -> None:
+        """Each rank's answer to the capture just mirrored; CaptureError naming the first
+        rank whose capture failed (rank 0's GraphCache then runs that shape eagerly on
+        every rank)."""
+        from ssdlocal.backends.torch.capture import CaptureError
+
+        verdicts = [self._recv(rank, Reply.CAPTURED, self.collective_timeout_s) for rank in range(1, self.world)]
+        failed = [(rank, why) for rank, why in enumerate(verdicts, start=1) if why is not None]
+        if failed:
+            rank, why = failed[0]
+            raise CaptureError(f"on {self.children[rank - 1].role}: {why}")
 
     def failure(self, what: str) -> SSDLocalError:
         """The best account of why the group failed: a rank's own error, else its exit."""

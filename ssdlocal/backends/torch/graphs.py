@@ -18,7 +18,9 @@ Modes: "auto" (CUDA graphs on CUDA devices, none elsewhere), "off", "trace" (the
 twin of CUDA graphs, capture.TracedGraphs); SSDLOCAL_GRAPHS overrides the configured mode.
 A cache can be mirrored (`run(..., mirror=)`): every primitive it runs (an eager call, a
 capture, a replay) is announced first, so the other ranks of a tensor-parallel group run
-the same primitive on the same inputs and their collectives meet (parallel/group.py).
+the same primitive on the same inputs and their collectives meet (parallel/group.py); after
+a capture "captured" is announced, where a mirror raises CaptureError if one of its ranks
+could not capture, and the shape is refused for all of them (eager everywhere).
 """
 
 from __future__ import annotations
@@ -94,8 +96,9 @@ class GraphCache:
 
     `reserve_bytes`: capture is refused when the device would have less free memory than
     this afterwards (what the KV cache and activations of eager work still need).
-    `max_graphs`: graphs kept; capturing one more lets the least recently replayed go
-    (`on_evict(key)` is told, so mirrored ranks let theirs go too), never refuses the shape.
+    `max_graphs`: graphs kept; capturing one more lets the least recently replayed go,
+    never refuses the shape. `on_forget(key)` is told of every key let go that way or
+    refused after a capture was tried, so a mirror's ranks let their graph of it go too.
     `statics`: the owner's declaration (StaticTensors); without one nothing is audited or
     guarded (unit tests of the bookkeeping only).
     """
@@ -114,7 +117,7 @@ class GraphCache:
         self.statics = statics
         self.reserve_bytes = reserve_bytes
         self.max_graphs = max_graphs
-        self.on_evict: Callable[[Hashable], None] | None = None
+        self.on_forget: Callable[[Hashable], None] | None = None
         self.strict = os.environ.get(ENV_STRICT) == "1" if strict is None else strict
         self.self_check = self_check
         self.disabled = False  # a self-check failed: eager from now on
@@ -146,7 +149,8 @@ class GraphCache:
         The returned tensor is a static buffer (the graph-pool rule, capture.py): read or
         clone it before the next call into this cache, whatever its key.
         `mirror(action, key)`, when given, is called before each primitive this call runs,
-        in order: "eager" (fn runs as is), "capture" (the backend captures fn), "replay".
+        in order: "eager" (fn runs as is), "capture" (the backend captures fn), then
+        "captured" (the mirror may raise CaptureError: a rank could not), "replay".
         """
         self._mirror = mirror
         try:
@@ -192,8 +196,13 @@ class GraphCache:
             self._evict()
         try:
             self._announce("capture", key)
-            captured = self.backend.capture(fn, inputs)
-        except (RuntimeError, CaptureError) as exc:  # an op that cannot be captured: eager
+            try:
+                captured = self.backend.capture(fn, inputs)
+            finally:
+                self._announce("captured", key)  # a mirror's ranks say whether theirs worked (CaptureError if not)
+        except (RuntimeError, CaptureError) as exc:  # an op that cannot be captured (here or on a rank): eager
+            if self.on_forget is not None:
+                self.on_forget(key)  # ranks that did capture it let it go
             return self._refuse(key, f"capture failed ({str(exc).splitlines()[0][:100]})")
         unregistered = self._audit(captured)
         if unregistered:
@@ -212,8 +221,8 @@ class GraphCache:
         key, _ = self._graphs.popitem(last=False)
         self._checked.discard(key)
         self.stats.evicted += 1
-        if self.on_evict is not None:
-            self.on_evict(key)
+        if self.on_forget is not None:
+            self.on_forget(key)
 
     def _audit(self, captured: Captured) -> list[str]:
         """Names of tensors the step reads that its owner did not register as static."""

@@ -106,8 +106,13 @@ class TorchRunner(HeldRows):
 
     # ------------------------------------------------------------------ rows
     def count_host_waits(self, site: Site) -> None:
-        """Count this runner's host -> device inputs in `site` (core.hostsync) from now on."""
+        """Count this runner's host -> device inputs in `site` (core.hostsync) from now on. A
+        tensor-parallel group bounds the model's reads: a rank that hangs inside a step
+        (a captured all-reduce waits for it on the device) fails the read instead of
+        blocking it for ever."""
         self.site = site
+        if not self.plain:
+            site.audit.bound(site.model, self.model.group.collective_timeout_s, self.model.group.stalled)
 
     def reset(self, batch_size: int, num_slots: int) -> None:
         """Forget all rows. The KV cache (and with it every captured graph) is kept while it
