@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import HeldRows, Logits
+from ssdlocal.backends.base import HeldRows, Logits, kept_logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
@@ -391,11 +391,15 @@ class TorchRunner(HeldRows):
 
     # ------------------------------------------------------------------ trees (SSD)
     @torch.inference_mode()
-    def forward_raw(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward_raw(
+        self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, out: Tensor | None = None
+    ) -> Tensor:
         """Tree step with explicit positions/slots/mask ([B, T] x3, [B, T, S], on the
         device); does not touch `held`. Returns logits [B, T, V] float32 on the device,
-        which the caller owns. Under graphs the B rows are padded to a bucket of the
-        cache's rows (a padded row sees slot 0 only)."""
+        which the caller owns; with `out` [B, W, V] the first W queries' logits are copied
+        there from the step's output (a static buffer under graphs: no clone of it). Under
+        graphs the B rows are padded to a bucket of the cache's rows (a padded row sees
+        slot 0 only)."""
         self._ensure(mask.shape[-1])
         B = ids.shape[0]
         if self.graphs is not None:
@@ -403,18 +407,16 @@ class TorchRunner(HeldRows):
             ids, positions, slots = (padded(t, rows) for t in (ids, positions, slots))  # [rows, T] each
             mask = padded_tree_mask(mask, rows)  # [rows, T, S]
         if not self.plain:
-            out = self.model(ids, positions, slots, mask, capture=True)  # [rows, T, V]
-            return out[:B] if self.graphs is None else out[:B].clone()  # a static buffer (capture.py)
-        if self.graphs is not None:
-            return self.graphs.run(
-                ("tree", *mask.shape),
-                self.model,
-                input_ids=ids,
-                positions=positions,
-                slots=slots,
-                attn_mask=mask,
-            )[:B].clone()
-        return self.model(ids, positions, slots, mask)  # [B, T, V]
+            logits = self.model(ids, positions, slots, mask, capture=True)[:B]  # [B, T, V]
+        elif self.graphs is not None:
+            logits = self.graphs.run(
+                ("tree", *mask.shape), self.model, input_ids=ids, positions=positions, slots=slots, attn_mask=mask
+            )[:B]  # [B, T, V], a static buffer (capture.py)
+        else:
+            return kept_logits(self.model(ids, positions, slots, mask), out)  # [B, T, V]
+        if out is None:
+            return logits if self.graphs is None else logits.clone()
+        return kept_logits(logits, out)
 
     def tree_span(self, needed: int) -> int | None:
         """Runner.tree_span: `needed` in the decode steps' span buckets, within the rows'
