@@ -499,3 +499,69 @@ def test_the_cli_says_in_one_line_when_graphs_were_refused_or_dropped():
     line = graph_warning(loud)
     assert "\n" not in line and "target 2 shape(s) refused" in line and "memory budget" in line
     assert "draft dropped 1 time(s)" in line and "same output" in line
+
+
+@pytest.mark.parametrize("graphs", ["off", "trace"])
+def test_a_runner_let_go_is_freed_without_a_garbage_collection(tiny_dir, graphs):
+    """Nothing the runner owns (its graph cache, its staging row) refers back to it, so the
+    last reference going frees it, and with it its graphs' memory and its state, at once:
+    a reference cycle kept a GPU's memory until the next collection. (A traced graph's own
+    fx structures still form cycles among themselves, on the CPU twin only.)"""
+    import gc
+    import weakref
+
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    loaded = registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32"))
+    gc.collect()
+    gc.disable()
+    try:
+        runner = TorchRunner(loaded, graphs=graphs)
+        runner.reset(2, 300)
+        runner.feed([[1, 2, 3], [4, 5]], "last")
+        runner.begin_steps()
+        for _ in range(3):
+            runner.step(torch.zeros(2, 1, dtype=torch.long), 10)
+            runner.advance(1)
+        gone, state = weakref.ref(runner), weakref.ref(runner.state.lengths)
+        del runner
+        assert gone() is None
+        assert state() is None or graphs == "trace"
+    finally:
+        gc.enable()
+
+
+def test_a_tensor_parallel_model_let_go_is_freed_without_a_garbage_collection(tiny_dir):
+    """The same for rank 0's TPModel: its graph cache and the cache's on_forget (which tells
+    the ranks to drop a graph) refer to the group, not back to the model."""
+    import gc
+    import weakref
+
+    from ssdlocal.backends import registry
+    from ssdlocal.parallel.tpmodel import TPModel
+
+    class Group:  # what TPModel.use_graphs asks of a RankGroup, with no rank processes
+        device = torch.device("cpu")
+        told: list = []
+
+        def command_all(self, cmd, arg=None) -> None:
+            self.told.append((cmd, arg))
+
+        def collect_acks(self) -> None:
+            pass
+
+    shard = registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32")).model
+    group = Group()
+    gc.collect()
+    gc.disable()
+    try:
+        model = TPModel(shard, group)
+        assert model.use_graphs("trace") is not None
+        model.graphs.on_forget("a key")  # still reaches the ranks through the group
+        assert group.told[-1][1] == "a key"
+        gone = weakref.ref(model)
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()

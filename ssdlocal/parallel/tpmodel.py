@@ -6,6 +6,8 @@ refusals the ranks follow. Knows the group only through its verbs.
 
 from __future__ import annotations
 
+import weakref
+
 from ssdlocal.parallel.rank import Cmd
 
 
@@ -48,9 +50,11 @@ class TPModel:
         from ssdlocal.backends.torch.graphs import GraphCache, capture_backend, resolve_mode
 
         backend = capture_backend(self.group.device, mode)
-        self.graphs = None if backend is None else GraphCache(backend, self)
+        me = weakref.proxy(self)  # no reference cycle through the cache (see TorchRunner)
+        self.graphs = None if backend is None else GraphCache(backend, me)
         if self.graphs is not None:  # the ranks let go of what rank 0's cache lets go
-            self.graphs.on_forget = lambda key: self.group.command_all(Cmd.DROP, key)
+            group = self.group
+            self.graphs.on_forget = lambda key: group.command_all(Cmd.DROP, key)
         self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else "off")
         self.group.collect_acks()
         return self.graphs

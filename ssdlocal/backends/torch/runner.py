@@ -22,6 +22,7 @@ only cache state (as in gpt-fast). Knows nothing about speculation.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -62,10 +63,13 @@ class TorchRunner(HeldRows):
         self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
         # A tensor-parallel model captures on every rank itself (parallel/group.py); its
         # rank 0 cache is this runner's `graphs` all the same (counts, clear, span buckets).
-        self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else self.model.use_graphs(graphs)
+        # What the runner owns refers back to it weakly: no reference cycle, so a runner let go
+        # frees its graphs' memory pool and its staging cache at once, not at the next collection.
+        me = weakref.proxy(self)
+        self.graphs = make_graph_cache(self.device, graphs, me) if self.plain else self.model.use_graphs(graphs)
         self.prefix: PrefixIndex | None = None  # earlier calls' prefixes (setup_prefix)
         self.prefix_token_bytes = 0
-        self.staging = StagingRow(self)  # a one-row cache for reading prompts ahead (read_ahead)
+        self.staging = StagingRow(me)  # a one-row cache for reading prompts ahead (read_ahead)
 
     @property
     def lengths(self) -> Tensor:
