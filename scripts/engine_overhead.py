@@ -19,7 +19,7 @@ import torch
 
 from support.tiny_models import make_tiny_suite  # noqa: E402
 
-from ssdlocal.backends.torch import model as model_mod  # noqa: E402
+from ssdlocal.backends.torch.models import base as model_mod  # noqa: E402
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig  # noqa: E402
 from ssdlocal.engine import Engine  # noqa: E402
 from ssdlocal.core.config import ModelDraft  # noqa: E402
@@ -41,7 +41,7 @@ def main() -> None:
         spec=SpecConfig(mode=Mode.SD, k=4, draft=ModelDraft(ModelSpec(draft, dtype="float32"))),
     )
     spent = {"forward": 0.0}
-    forward = model_mod.Transformer.forward
+    forward = model_mod.CausalLM.forward
 
     def timed(self, *a, **k):
         t = time.perf_counter()
@@ -49,7 +49,7 @@ def main() -> None:
         spent["forward"] += time.perf_counter() - t
         return out
 
-    model_mod.Transformer.forward = timed
+    model_mod.CausalLM.forward = timed
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
     model_only = ModelDraft(cfg.spec.draft.model, suffix=None)
     specs = {  # sd: the draft model's K drafts every round, as before K per round existed

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from ssdlocal.backends.torch.loader import LoadedModel  # noqa: E402
-from ssdlocal.backends.torch.model import ModelArgs, Transformer  # noqa: E402
+from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs  # noqa: E402
 from ssdlocal.backends.torch.runner import TorchRunner  # noqa: E402
 from ssdlocal.core.config import SamplingParams  # noqa: E402
 from ssdlocal.core.verify import verify_logits  # noqa: E402
@@ -58,9 +58,9 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def model_args(name: str) -> ModelArgs:
+def model_args(name: str) -> LlamaArgs:
     hidden, layers, heads, kv, inter, vocab, tied = SHAPES[name]
-    return ModelArgs(
+    return LlamaArgs(
         arch="qwen2",
         vocab_size=vocab,
         hidden_size=hidden,
@@ -80,10 +80,10 @@ def model_args(name: str) -> ModelArgs:
 
 
 def random_model(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """A Transformer of `name`'s shape with random weights, built directly on `device`."""
+    """A Qwen2-shaped model of `name`'s size with random weights, built directly on `device`."""
     args = model_args(name)
     with torch.device("meta"):
-        model = Transformer(args).to(dtype)
+        model = Llama(args).to(dtype)
     model = model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

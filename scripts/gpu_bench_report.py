@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 
-from ssdlocal.bench.project import sd_speedup
+from ssdlocal.speculation.projection import sd_speedup
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.core.config import ModelDraft  # noqa: E402

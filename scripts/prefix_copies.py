@@ -88,7 +88,7 @@ def main() -> None:
         ops = (0, 0)
         for repeat in range(args.repeats + 1):  # the first one counts, the others time
             _Counted.on = repeat == 0
-            pool = KVPool(LAYERS, KV_HEADS, STORE, HEAD_DIM, DTYPE, "cpu")
+            pool = KVPool([(KV_HEADS, HEAD_DIM)] * LAYERS, STORE, DTYPE, "cpu")
             for k in pool.k + pool.v:
                 k.zero_()  # commit the pages: first-touch time is not copy time
             index = PrefixIndex(STORE // BLOCK_TOKENS)

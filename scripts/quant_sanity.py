@@ -37,10 +37,10 @@ args = json.loads(sys.argv[1])
 torch.set_num_threads(args["threads"])
 if args["float_lm_head"]:  # every architecture's lm_head stays in floats
     from dataclasses import replace
-    from ssdlocal.weights.formats import arch
-    for a in arch.architectures():
-        arch.unregister(a.name)
-        arch.register(replace(a, linears={**a.linears, "lm_head": arch.Linear(quantized=False)}))
+    from ssdlocal.weights.formats import arch, archs
+    for a in archs.architectures():
+        archs.unregister(a.name)
+        archs.register(replace(a, linears={**a.linears, "lm_head": arch.Linear(quantized=False)}))
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams, SpecConfig, Mode
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine

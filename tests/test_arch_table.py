@@ -20,12 +20,12 @@ import torch
 from support.renamed_arch import RENAMED, gguf_name, write_checkpoint
 
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.model import ModelArgs, Transformer
-from ssdlocal.backends.torch.quant_load import weight_bytes
+from ssdlocal.backends.torch.models import args_from_config, build
+from ssdlocal.weights.size import weight_bytes
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import UnsupportedArchitectureError
 from ssdlocal.parallel.shard_loader import load_shard
-from ssdlocal.weights.formats import arch
+from ssdlocal.weights.formats import arch, archs
 from ssdlocal.weights.formats.checkpoint import load_hf_config
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ssdlocal"
@@ -34,9 +34,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 @pytest.fixture
 def registered():
-    arch.register(RENAMED)
+    archs.register(RENAMED)
     yield RENAMED
-    arch.unregister(RENAMED.name)
+    archs.unregister(RENAMED.name)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +66,15 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_descriptions_name_every_tensor_of_the_model_both_ways(tiny_dir, name):
-    described = arch.architecture(name)
-    args = ModelArgs.from_hf_config(load_hf_config(tiny_dir[name]))
+    described = archs.architecture(name)
+    args = args_from_config(load_hf_config(tiny_dir[name]))
     assert args.arch == name
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build(args)
     for tensor in model.state_dict():
         module = tensor.rpartition(".")[0]
         inside = re.fullmatch(r"layers\.\d+\.(.+)", module)
-        assert (inside.group(1) in arch.BLOCK_MODULES) if inside else module in arch.GLOBAL_MODULES, tensor
+        assert (inside.group(1) in described.checkpoint.modules) if inside else module in arch.GLOBAL_MODULES, tensor
         assert described.checkpoint.ours(described.to_checkpoint(tensor)) == tensor
         assert described.gguf.ours(described.gguf.theirs(tensor)) == tensor
     for module, linear in described.linears.items():
@@ -82,26 +82,34 @@ def test_descriptions_name_every_tensor_of_the_model_both_ways(tiny_dir, name):
         assert isinstance(found, torch.nn.Linear) and linear.split in ("column", "row", "replicated")
 
 
+MODELS_REGISTRY = PACKAGE / "backends" / "torch" / "models" / "__init__.py"
+
+
 def test_no_other_module_names_an_architecture_or_a_files_tensors():
     """Architecture keys, config class names, Hugging Face and GGUF tensor names are
-    written in arch.py only (the llama.cpp backend's probe writes a GGUF of its own)."""
+    written in the architecture table only (weights/formats/arch.py and archs.py; the
+    llama.cpp backend's probe writes a GGUF of its own); the torch models' registry names
+    families (backends/torch/models/__init__.py), and every architecture's family is one."""
     pattern = re.compile(
         r'"(llama|qwen2|qwen3)"|\w+ForCausalLM"|"model\.(layers|embed_tokens|norm)\b'
         r'|"(token_embd|output_norm|output\.|blk\.|attn_|ffn_)'
     )
     found = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "arch.py" or "llamacpp" in path.parts:
+        if path.name in ("arch.py", "archs.py") or "llamacpp" in path.parts or path == MODELS_REGISTRY:
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+    from ssdlocal.backends.torch.models import FAMILIES
+
+    assert {a.family for a in archs.architectures()} <= set(FAMILIES)
 
 
 def test_register_refuses_a_clash():
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        arch.register(arch.Architecture("other", ("LlamaForCausalLM",), "other"))
+        archs.register(arch.Architecture("other", ("LlamaForCausalLM",), "other"))
     with pytest.raises(ValueError, match="lm_head"):
         arch.Architecture("other", ("OtherForCausalLM",), "other", linears={"lm_head": arch.Linear("column")})
 

@@ -175,13 +175,13 @@ def test_unsupported_architecture(tmp_path):
     from ssdlocal.weights.formats.convert import ensure_converted
 
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), "mamba")
     w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedArchitectureError, match="gemma3"):
+    with pytest.raises(UnsupportedArchitectureError, match="mamba"):
         ensure_converted(path, out_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -18,7 +18,7 @@ from support.cli import run_cli
 from ssdlocal.bench import run as bench_run
 from ssdlocal.bench.aggregate import aggregate, aggregate_all
 from ssdlocal.bench.exactness import check_exactness, divergence_index, logit_margin
-from ssdlocal.bench.project import ProjectionInputs, project, sd_speedup, ssd_speedup
+from ssdlocal.speculation.projection import ProjectionInputs, project, sd_speedup, ssd_speedup
 from ssdlocal.bench.prompts import BenchPrompt, load_prompts, select
 from ssdlocal.bench.report import build_results, write_all
 from ssdlocal.cli.app import main
@@ -419,7 +419,7 @@ def test_logit_margin_near_tie_in_bf16_ulps():
 
 
 def test_projection_uses_full_depth_hits_only_where_prespeculation_fits():
-    from ssdlocal.bench.project import ProjectionInputs, project, ssd_speedup
+    from ssdlocal.speculation.projection import ProjectionInputs, project, ssd_speedup
 
     inputs = ProjectionInputs(k=4, e_sd=3.3, p_hit=0.75, e_hit=2.4, e_miss=3.0, backup_forwards=4)
     rows = {row["ratio"]: row["ssd_speedup"] for row in project(inputs, (0.1, 0.35))["rows"]}

@@ -229,7 +229,7 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
     from ssdlocal.bench import check as check_mod
     from ssdlocal.bench.check import CheckReport
 
-    def fake_run_check(config, params=None, chat=False, on_mode=None):
+    def fake_run_check(config, params=None, chat=False, on_mode=None, modes=None):
         assert config.target.dtype == dtype
         runs = tuple(ModeRun(m, ((1, 2),), 2, 1.0, 0.5, 0.6) for m in ("ar", "sd", "ssd"))
         return CheckReport(dtype, ("p",), runs, (Divergence("ssd", 0, 17, 11, 12, margin),), shape_rounding=shapes)
@@ -246,8 +246,9 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
         "--dtype",
         dtype,
     )
-    assert code == 1, err
-    assert "ssd: prompt 0 diverges from AR at token 17" in out and f"{margin:.4f}" in out
+    assert code == 1, (out, err)
+    assert "ssd: prompt 0 diverges from AR at token 17" in out, err
+    assert f"{margin:.4f}" in out
     assert verdict in out and "NOT identical" in out
 
 
@@ -279,7 +280,7 @@ def test_check_takes_pair_and_draft_like_every_command(monkeypatch, capsys, tiny
     monkeypatch.setattr("ssdlocal.weights.hub.resolve_pair_paths", lambda name, **kw: pair)
     seen = []
 
-    def fake_run_check(config, params=None, chat=False, on_mode=None):
+    def fake_run_check(config, params=None, chat=False, on_mode=None, modes=None):
         seen.append(config)
         runs = tuple(ModeRun(m, ((1, 2),), 2, 1.0, 0.5, 0.6) for m in ("ar", "sd", "ssd"))
         return CheckReport("float32", ("p",), runs, ())

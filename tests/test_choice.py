@@ -4,7 +4,6 @@ each draft type comes from one table (draft/factory.py), not from strings in cor
 
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import pickle
@@ -61,27 +60,30 @@ def test_backend_facts_belong_to_the_name():
 def test_every_backend_has_one_entry_in_the_registry():
     from ssdlocal.backends import registry
 
-    assert set(registry.BACKENDS) == set(BackendName)
-    for name, backend in registry.BACKENDS.items():
-        assert backend.name is name and registry.backend_for(name.value.upper()) is backend
+    assert set(registry.FACTORIES) == set(BackendName)
+    for name in BackendName:
+        backend = registry.backend_for(name.value.upper())
+        assert backend.name is name and registry.backend_for(name) is backend  # made once
     with pytest.raises(UsageError, match="unknown backend 'onnx'"):
         registry.backend_for("onnx")
 
 
-def test_make_runner_goes_to_the_backend_that_owns_the_loaded_model(monkeypatch):
+def test_make_runner_goes_to_the_backend_that_loaded_the_model(monkeypatch):
     from ssdlocal.backends import registry
 
     made = []
     for name in BackendName:
-        entry = registry.BACKENDS[name]
-        fake = dataclasses.replace(
-            entry,
-            make_runner=lambda loaded, tree, graphs, name=name: made.append((name, tree, graphs)),
-            owns=lambda loaded, name=name: loaded == name,
+        backend = registry.backend_for(name)
+        monkeypatch.setattr(
+            backend, "make_runner", lambda loaded, tree, graphs, name=name: made.append((name, tree, graphs))
         )
-        monkeypatch.setitem(registry.BACKENDS, name, fake)
-    registry.make_runner(BackendName.LLAMACPP, tree=True)
-    registry.make_runner(BackendName.TORCH, graphs="off")
+
+    class Loaded:
+        def __init__(self, backend):
+            self.backend = backend
+
+    registry.make_runner(Loaded(BackendName.LLAMACPP), tree=True)
+    registry.make_runner(Loaded(BackendName.TORCH), graphs="off")
     assert made == [(BackendName.LLAMACPP, True, "auto"), (BackendName.TORCH, False, "off")]
 
 

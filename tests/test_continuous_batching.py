@@ -27,7 +27,8 @@ from ssdlocal.core.config import (
 from ssdlocal.core.events import DoneEvent, PrefillEvent, SeatedEvent, TokensEvent
 from ssdlocal.core.verify import verify_groups, verify_logits
 from ssdlocal.engine import Engine
-from ssdlocal.engine.request import Inbox, Request, RowSampling
+from ssdlocal.engine.request import Inbox, RowSampling
+from ssdlocal.core.sequence import Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -467,3 +468,45 @@ def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypa
         assert status == 200 and "ssdlocal_queue_time_seconds_count" in text and "ssdlocal_rows_running" in text
     finally:
         live.close()
+
+
+def test_six_streams_finish_when_the_ssd_worker_dies_mid_answer(engine, tiny_dir):
+    """A dead draft worker costs speed, not answers: the rows in flight go on with plain
+    steps and give their alone tokens, the seating's stats say the draft was lost, and the
+    next seating (a request that joins) starts a new worker."""
+    import os
+    import signal
+
+    from ssdlocal.core.events import DraftLostEvent, SeatingDoneEvent
+    from ssdlocal.server.metrics import ServerMetrics
+
+    served = ServerMetrics("tiny", "ssd", "test")  # what the server's /metrics would say
+    spec = SPECS["ssd"](tiny_dir)
+    requests = [Request(ids_of(engine, PROMPTS[i % len(PROMPTS)]), greedy(18 + 3 * i)) for i in range(6)]
+    inbox, tokens, lost, losses, killed = Inbox(), defaultdict(list), [], [], []
+    inbox.add(*requests[:4])
+    seated: list[int] = []
+    late_added = False
+    for event in engine.serve(inbox, max_batch=8, spec=spec):
+        if isinstance(event, SeatedEvent):
+            seated = list(event.requests)
+        elif isinstance(event, TokensEvent):
+            tokens[seated[event.row]] += event.token_ids
+            if not killed and sum(map(len, tokens.values())) > 20:
+                killed.append(engine.drafts.worker.proc.pid)
+                os.kill(killed[0], signal.SIGKILL)
+            if killed and lost and not late_added:
+                inbox.add(*requests[4:])  # they join at the next seating: a new worker
+                late_added = True
+        elif isinstance(event, DraftLostEvent):
+            lost.append(event)
+        elif isinstance(event, SeatingDoneEvent):
+            losses.append(event.stats.draft_losses)
+            served.record_batch(event.stats, 0.1)
+        if late_added and all(len(tokens[r.id]) == r.params.max_new_tokens for r in requests):
+            inbox.close()
+    assert len(lost) == 1 and "died" in lost[0].reason and sum(losses) == 1
+    assert "\nssdlocal_draft_losses_total 1\n" in served.render(0, 0)
+    for request in requests:
+        assert tuple(tokens[request.id]) == alone(engine, request, SPECS["ar"](tiny_dir)).token_ids
+    assert engine.drafts.worker.proc.pid != killed[0] and engine.drafts.worker.proc.is_alive()

@@ -15,7 +15,7 @@ from ssdlocal.core.sequence import Row
 from ssdlocal.draft.sync import CATCH_UP, ModelDrafter, NgramDrafter
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
-from support.scripted import Names, ScriptedRunner, follow, sampling_of
+from support.scripted import Names, ScriptedRunner, follow, sampling_of, seating_of
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None)
@@ -39,7 +39,6 @@ def continuation(prompt, n, next_token) -> list[int]:
 
 def sd_call(prompts, budgets, k):
     """Target and draft runners, the rows, the ModelDrafter and the Round after prefill."""
-    guard = lambda fn, *a: fn(*a)  # noqa: E731
     slots = max(map(len, prompts)) + max(budgets) + k + 2
     target = ScriptedRunner(follow(target_next, V), V)
     target.reset(len(prompts), slots)
@@ -47,10 +46,10 @@ def sd_call(prompts, budgets, k):
     drafter = ModelDrafter(draft, k, GREEDY, V, "cpu")
     drafter.reserve(len(prompts), slots)
     rows = [Row(list(p), GREEDY, frozenset(), Names(), budget=n) for p, n in zip(prompts, budgets)]
-    sampling = sampling_of(GREEDY, len(rows))
-    first, _ = read_prompts(target, guard, rows, sampling, CancelToken(), None)
+    seating = seating_of(target, rows, sampling_of(GREEDY, len(rows)), drafter, k)
+    first, _ = read_prompts(seating, CancelToken())
     drafter.start(rows)
-    rnd = Round(target, guard, drafter, rows, k, sampling, first)
+    rnd = Round(seating, first)
     return draft, drafter, rows, rnd
 
 

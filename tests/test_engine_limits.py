@@ -69,7 +69,7 @@ def test_tensor_parallel_rendezvous_listens_on_loopback_only(tiny_dir, monkeypat
         target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), pin_cpus=False, target_devices=("cpu", "cpu")
     )
     with Engine(config) as engine:
-        pids = [os.getpid(), *(p.pid for p in engine._tp_group.procs)]
+        pids = [os.getpid(), *(p.pid for p in engine.tp_group.procs)]
         listening = listening_addresses(pids)
         assert listening, "the rendezvous store should be listening"
         exposed = [a for a in listening if not _is_loopback(a)]
@@ -167,7 +167,6 @@ def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
     import signal
     import threading
 
-    from ssdlocal.core.errors import DraftWorkerError
     from ssdlocal.draft.ssd import client as ssd_client
     from ssdlocal.draft.ssd.protocol import Cmd
 
@@ -191,9 +190,10 @@ def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
         monkeypatch.setattr(ssd_client.DraftWorkerClient, "send", stall_then_send)
         try:
             done = list(engine.generate([[5] * 300], params))[-1]  # deadline 1 + 75 s
-            assert len(done.outputs[0].token_ids) == 8
-            with pytest.raises(DraftWorkerError, match="did not answer within 1.5 s"):
-                list(engine.generate([[5]], params))  # deadline 1 + 2 * 0.25 s < 3 s
+            assert len(done.outputs[0].token_ids) == 8 and done.stats.draft_losses == 0
+            short = list(engine.generate([[5]], params))[-1]  # deadline 1 + 2 * 0.25 s < 3 s
+            assert "did not answer within 1.5 s" in short.stats.draft_lost  # caught: the call went on without it
+            assert len(short.outputs[0].token_ids) == 8
         finally:
             for timer in timers:
                 timer.join()

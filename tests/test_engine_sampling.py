@@ -132,7 +132,8 @@ def test_rows_that_sample_differently_share_a_batch_losslessly(engine, models, m
     with the first setting's; either way the T = 0.6 rows (not the batch's first setting)
     follow the exact joint."""
     from ssdlocal.core.events import TokensEvent
-    from ssdlocal.engine.request import Inbox, Request
+    from ssdlocal.engine.request import Inbox
+    from ssdlocal.core.sequence import Request
 
     params = replace(T1, temperature=0.6, seed=13)
     joint = exact_joint(engine, models, params)

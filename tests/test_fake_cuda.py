@@ -17,12 +17,13 @@ import torch
 
 from support.fake_cuda import CUDA, fake_cuda, to_fake_cuda
 from ssdlocal.backends.torch import attention
-from ssdlocal.backends.torch.model import ModelArgs, Transformer, causal_mask
+from ssdlocal.backends.torch.models import causal_mask
+from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs
 
 BF16 = torch.bfloat16
 
 
-def _args(arch: str, **changes) -> ModelArgs:
+def _args(arch: str, **changes) -> LlamaArgs:
     base = dict(
         arch=arch,
         vocab_size=320,
@@ -40,7 +41,7 @@ def _args(arch: str, **changes) -> ModelArgs:
         tie_word_embeddings=arch != "llama",
         max_position_embeddings=512,
     )
-    return ModelArgs(**{**base, **changes})
+    return LlamaArgs(**{**base, **changes})
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def kernels(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_forward_prefill_decode_and_tree_on_cuda(arch, kernels):
-    model = Transformer(_args(arch))
+    model = Llama(_args(arch))
     with fake_cuda():
         model = to_fake_cuda(model, BF16)
         model.setup_cache(2, 512, BF16, CUDA)
@@ -111,7 +112,7 @@ def test_runner_feed_and_steps_on_cuda():
     from ssdlocal.backends.torch.runner import TorchRunner
 
     args = _args("qwen2")
-    model = Transformer(args)
+    model = Llama(args)
     with fake_cuda():
         model = to_fake_cuda(model, BF16)
         loaded = LoadedModel(model, None, args, None, None, CUDA, BF16, (0,))

@@ -352,13 +352,13 @@ def test_a_damaged_user_checkpoint_is_never_to_be_deleted(monkeypatch, capsys, t
     assert "delete" not in err
 
 
-def test_weights_larger_than_the_memory_available_are_refused_before_building(tiny_dir, monkeypatch):
-    from ssdlocal.backends.torch import model as model_module
+def test_weights_larger_than_the_memory_available_are_refused_before_reading_them(tiny_dir, monkeypatch):
+    from ssdlocal.backends.torch import loader
     from ssdlocal.backends.torch.loader import load_model
     from ssdlocal.core.errors import OutOfMemoryError
 
     built = []
-    monkeypatch.setattr(model_module.Transformer, "__init__", lambda self, *a: built.append(1))
+    monkeypatch.setattr(loader, "read_state_dict", lambda *a, **k: built.append(1))
     monkeypatch.setattr("ssdlocal.backends.torch.kvcache.available_ram_bytes", lambda: 1000)
     with pytest.raises(OutOfMemoryError, match="weights of small_llama .* only 1000 B"):
         load_model(tiny_dir["small_llama"])

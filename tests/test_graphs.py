@@ -261,7 +261,7 @@ def test_the_runner_keeps_the_graph_pool_rule(tiny_dir):
     step); a tree step's are the caller's (forward_raw clones them)."""
     from ssdlocal.backends import registry
     from ssdlocal.backends.torch.runner import TorchRunner
-    from ssdlocal.backends.torch.model import causal_mask
+    from ssdlocal.backends.torch.models import causal_mask
 
     runner = TorchRunner(registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32")), graphs="trace")
     runner.reset(1, 64)

@@ -8,7 +8,7 @@ import re
 import pytest
 from support.cli import run_cli
 
-COMMANDS = ["generate", "bench", "chat", "race", "serve", "pairs", "pull", "devices", "check"]
+COMMANDS = ["generate", "bench", "chat", "race", "serve", "pairs", "pull", "devices", "check", "export"]
 
 
 def _help(monkeypatch, capsys, *args) -> str:

@@ -165,3 +165,20 @@ def test_a_machine_where_nothing_holds_is_a_usage_error(shaped):
 def test_batch_invariant_is_for_llama_cpp_on_a_cpu(backend, device):
     with pytest.raises(UsageError, match="llama.cpp backend on a CPU"):
         ModelSpec("m.gguf", device, backend=backend, batch_invariant=True)
+
+
+def test_which_requests_answer_the_same_every_run():
+    """`same_every_run` (the server's stats and generate --json): only llama.cpp's CPU
+    kernels part with it, for rows batched or overlapping, and drafting without
+    --batch-invariant (docs/architecture.md §2)."""
+    from ssdlocal.backends.llamacpp.alike import same_every_run
+    from ssdlocal.core.models import BackendName
+
+    cpu = (BackendName.LLAMACPP, "cpu")
+    assert same_every_run(*cpu, False, drafted=False, alone=True)
+    assert not same_every_run(*cpu, False, drafted=False, alone=False)
+    assert not same_every_run(*cpu, False, drafted=True, alone=True)
+    assert same_every_run(*cpu, True, drafted=True, alone=True)
+    assert not same_every_run(*cpu, True, drafted=False, alone=False)
+    assert same_every_run(BackendName.LLAMACPP, "cuda:0", False, drafted=True, alone=False)
+    assert same_every_run(BackendName.TORCH, "cpu", False, drafted=True, alone=False)

@@ -33,6 +33,8 @@ from ssdlocal.draft.base import Proposal
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
 from ssdlocal.engine import Engine
+from ssdlocal.engine.drafts import DraftSide
+from ssdlocal.draft.base import DrafterBase
 from ssdlocal.core.config import ModelDraft, NgramDraft
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -223,35 +225,35 @@ def test_ar_matches_reference_and_sd_matches_ar(fake, tokenizer, vocab):
         assert one == ar[1:2]
 
 
-def test_later_calls_start_from_stored_sequences_and_match_the_reference(fake, tokenizer, vocab):
-    """The prefix cache on llama.cpp: a call's rows share the cells of the stored sequence
-    with the longest common prefix (seq_cp, no decode), and only the rest is decoded."""
+def test_later_calls_start_from_stored_rows_and_match_the_reference(fake, tokenizer, vocab):
+    """The prefix cache on llama.cpp: a finished row's cells are saved (its sequence state)
+    and a later row sharing its prefix restores them and decodes only the rest. A row alone
+    in its call takes whole chunks of a cold read only (N_BATCH tokens each), so the rest is
+    read as a cold read reads it; rows of a batch take all they share."""
+    from ssdlocal.backends.llamacpp.runner import N_BATCH
+
     lib, target, draft = fake
     cfg = EngineConfig(
         target=ModelSpec(target, backend="llamacpp", dtype="float32"),
         spec=SpecConfig(mode=Mode.SD, k=3, draft=ModelDraft(ModelSpec(draft, backend="llamacpp", dtype="float32"))),
     )
-    first = list(tokenizer.encode(PROMPTS[2]))
+    first = [(7 * i) % (vocab - 10) + 5 for i in range(N_BATCH + 88)]
     with Engine(cfg) as eng:
         out, stats = run(eng, [first])
         assert stats["cached_prompt_tokens"] == 0
-        follow = first + out[0] + list(tokenizer.encode(" and then"))
+        follow = first + out[0] + [5, 6, 7]
         ctx = lib.contexts[-1]
         before = ctx.decoded
         again, stats = run(eng, [follow])
-        # token for token, no blocks: all of the first call but its last token, which is
-        # cached only when it was a draft the last round verified
-        assert stats["cached_prompt_tokens"] in (len(first) + len(out[0]) - 1, len(first) + len(out[0]))
+        assert stats["cached_prompt_tokens"] == N_BATCH  # the cold read's whole chunk
         assert again[0] == reference_greedy("target.gguf", follow, GREEDY.max_new_tokens, vocab)
-        assert lib.contexts[-1] is ctx  # the same context: the stored cells survived the reset
-        assert ctx.decoded - before < len(follow)  # the shared part was not decoded again
-        other, stats = run(eng, PROMPTS[:2], SpecConfig(mode=Mode.AR))
-        want = [
-            reference_greedy("target.gguf", list(tokenizer.encode(p)), GREEDY.max_new_tokens, vocab)
-            for p in PROMPTS[:2]
-        ]
-        assert other == want
-        assert eng.prefix_reports()["target"]["reused_tokens"] >= len(first)
+        assert lib.contexts[-1] is ctx  # the same context
+        assert ctx.decoded - before < len(follow)  # the shared chunk was not decoded again
+        both, stats = run(eng, [follow, first + [9]], SpecConfig(mode=Mode.AR))
+        assert stats["cached_prompt_tokens"] == len(follow) - 1 + len(first)  # a batch: all it shares
+        want = [reference_greedy("target.gguf", p, GREEDY.max_new_tokens, vocab) for p in (follow, first + [9])]
+        assert both == want
+        assert eng.prefix_reports()["target"]["reused_tokens"] >= N_BATCH + len(follow)
 
 
 def test_the_store_is_sized_by_the_ram_available(fake, monkeypatch):
@@ -288,7 +290,7 @@ def test_mixed_torch_target_gguf_draft(fake, tiny_dir):
 
 
 # ----------------------------------------------------------------- SSD in process
-class InProcessSSD:
+class InProcessSSD(DrafterBase):
     """The worker's Speculator driven in this process (no spawn): same calls, same order."""
 
     def __init__(self, runner, spec: SpecConfig, params, vocab, num_slots) -> None:
@@ -303,7 +305,7 @@ class InProcessSSD:
     def store_prefixes(self):
         return None
 
-    def start(self, rows):
+    def start(self, rows, hidden=None):
         sequences = [row.tokens for row in rows]
         msg = StartMsg(
             tuple(tuple(s) for s in sequences),
@@ -349,15 +351,16 @@ def test_ssd_tree_decode_matches_ar(fake, monkeypatch, vocab, draft_name):
     draft_path = target if draft_name == "target" else draft
     drafters = []
 
-    def make_drafter(self, spec, params, batch, num_slots, guides=None, row_params=()):
+    made = DraftSide.make_drafter
+
+    def make_drafter(self, spec, params, offered):
         if spec.mode is not Mode.SSD:
-            return Engine._make_drafter_orig(self, spec, params, batch, num_slots, guides, row_params)
+            return made(self, spec, params, offered)
         runner = LlamaCppRunner(load_gguf(draft_path), tree=True)
-        drafters.append(InProcessSSD(runner, spec, params, vocab, num_slots))
+        drafters.append(InProcessSSD(runner, spec, params, vocab, offered.num_slots))
         return drafters[-1]
 
-    monkeypatch.setattr(Engine, "_make_drafter_orig", Engine._make_drafter, raising=False)
-    monkeypatch.setattr(Engine, "_make_drafter", make_drafter)
+    monkeypatch.setattr(DraftSide, "make_drafter", make_drafter)
     cfg = EngineConfig(target=ModelSpec(target, backend="llamacpp", dtype="float32"))
     ssd = SpecConfig(mode=Mode.SSD, k=3, draft=NgramDraft(), fan_out=(2, 2, 1, 3), fan_out_miss=(2, 2, 1, 3))
     with Engine(cfg) as eng:
@@ -600,34 +603,34 @@ def test_cli_backend_options(fake, monkeypatch, capsys, tiny_dir):
     assert code == 1 and "not a .gguf" in err and "hint:" in err
 
 
-def test_a_larger_batch_takes_cells_from_the_store_instead_of_a_new_context(runner):
-    """Rows and the prefix store share the context: a batch that needs more cells than the
-    store leaves, while the store keeps at least half of its own, shrinks the store (least
-    recently used entries out) and keeps the context; one that needs more makes a new one."""
+def test_a_larger_batch_takes_the_reading_room_instead_of_a_new_context(runner):
+    """Rows and the room to read waiting prompts ahead share the context: a batch that needs
+    more cells than it has beside the room, while the room keeps at least half of its own,
+    keeps the context; one that needs more makes a new one. Stored rows are saved states
+    outside the context: they survive both."""
     lib, r = runner
-    store = r.setup_prefix(1000)  # the store's cells (rounded by the runner)
+    room = r.setup_prefix(1000)
     r.reset(1, 310)
     ctx = lib.contexts[-1]
     r.feed([list(range(1, 301))])
-    r.store(0, list(range(1, 301)))  # older entry: 300 cells
+    r.store(0, list(range(1, 301)))  # older entry
     r.reset(1, 310)
     r.feed([list(range(60, 360))])
-    r.store(0, list(range(60, 360)))  # newer entry: 300 cells
-    r.reset(3, 250)  # 750 row cells + the store > the context, but the store keeps over half
-    assert lib.contexts[-1] is ctx and not ctx.freed
-    assert r.prefix.budget <= ctx.n_ctx - 750 and r.prefix.budget >= store // 2
-    assert r.reuse(0, list(range(60, 360))) > 0  # the newer entry stayed
-    assert r.reuse(1, list(range(1, 301))) == 0  # the older one gave its cells up
-    r.reset(1, 100)
-    assert r.prefix.budget == store  # the rows gave the cells back
-    r.reset(2, 700)  # 1400 row cells: the store would keep under half
+    r.store(0, list(range(60, 360)))  # newer entry
+    r.reset(3, 250)  # 750 row cells + the room > the context, but the room keeps over half
+    assert lib.contexts[-1] is ctx and not ctx.freed and r._room() >= room // 2
+    assert r.reuse(0, list(range(60, 360))) == 300
+    assert r.reuse(1, list(range(1, 301))) == 300  # the older one too
+    r.reset(2, 700)  # 1400 row cells: the room would keep under half
     assert lib.contexts[-1] is not ctx and ctx.freed
+    assert r.reuse(1, list(range(1, 301))) == 300
 
 
-def test_read_ahead_fills_the_store_a_chunk_at_a_time_and_leaves_the_rows_alone(runner, vocab):
-    """A waiting prompt goes into a reserved sequence a chunk at a time (the same sequence
-    grows) while a row decodes; the row's logits are those it would get without it, and a
-    row seated later takes the tokens read ahead and sees exactly its prompt."""
+def test_read_ahead_grows_one_reading_sequence_and_leaves_the_rows_alone(runner, vocab):
+    """A waiting prompt goes into the reading sequence a chunk at a time (it grows) while a
+    row decodes; the row's logits are those it would get without it; at the next reset it
+    goes to the store, and a row seated then takes the tokens read ahead and sees exactly
+    its prompt."""
     from ssdlocal.backends.base import Logits
 
     lib, r = runner
@@ -640,17 +643,18 @@ def test_read_ahead_fills_the_store_a_chunk_at_a_time_and_leaves_the_rows_alone(
     assert r.read_ahead(prompt, 0) == 0  # a look reads nothing
     assert r.read_ahead(prompt, 32) == 32
     assert r.read_ahead(prompt, 32) == 64
-    assert len(r.prefix.entries) == 1  # one entry grew
+    assert not r.prefix.entries  # one reading sequence grew; nothing stored yet
     assert r.prefix.report()["lookups"] == 0  # looks are not the rows' lookups
     assert torch.equal(r.step(torch.tensor([[4]])), before)
     r.reset(2, 200)
+    assert len(r.prefix.entries) == 1  # what was read ahead went to the store
     assert r.reuse(1, prompt) == 64
     last = r.feed([[], prompt[64:]], Logits.LAST)[1]
     assert np.allclose(last[0].numpy(), model_logits(lib.contexts[-1].model, prompt, vocab))
-    # a prompt that diverges from the stored one part-way copies the shared cells into a new entry
+    # a prompt that parts from the stored one part-way starts from its shared cells
     other = prompt[:40] + [5, 6, 7] * 20
-    assert r.read_ahead(other, 16) == 56 and len(r.prefix.entries) == 2
-    r.setup_prefix(16)  # a store too small for the prompt: nothing is read
+    assert r.read_ahead(other, 16) == 56
+    r.setup_prefix(16)  # no room to read the prompt: nothing is read
     r.reset(1, 200)
     assert r.read_ahead(prompt, 32) == 0
 
@@ -766,12 +770,12 @@ def test_a_draft_that_cannot_pay_is_not_loaded_until_asked_for(fake, monkeypatch
     with _auto_engine(target, draft) as eng:
         assert eng.choice.mode is Mode.SD and eng.draft_context == 4096
         assert ("the draft model is not loaded" in eng.choice.reason) is not pays
-        assert (draft in loads) is pays and (eng._draft_runner is not None) is pays
+        assert (draft in loads) is pays and (eng.drafts.runner is not None) is pays
         out, _ = run(eng, PROMPTS)
         ar, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.AR))
         assert out == ar and (draft in loads) is pays  # an auto call that cannot use it leaves it
         sd, _ = run(eng, PROMPTS, SpecConfig(mode=Mode.SD, k=3, draft=eng.config.spec.draft))
-        assert sd == ar and draft in loads and eng._draft_runner is not None  # asked for: loaded
+        assert sd == ar and draft in loads and eng.drafts.runner is not None  # asked for: loaded
 
 
 def test_a_gguf_states_its_context_without_loading(tiny_gguf, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.model import ModelArgs, causal_mask
+from ssdlocal.backends.torch.models import args_from_config, causal_mask
 from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
 from ssdlocal.weights.formats.checkpoint import load_tokenizer
 
@@ -132,16 +132,16 @@ def test_batch_with_right_padding_equals_single_rows(tiny_dir):
 def test_model_args_from_configs(tiny_dir):
     from transformers import AutoConfig, LlamaConfig
 
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_dir["qwen2"]))
+    args = args_from_config(AutoConfig.from_pretrained(tiny_dir["qwen2"]))
     assert (args.arch, args.qkv_bias, args.qk_norm, args.tie_word_embeddings) == ("qwen2", True, False, True)
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_dir["qwen3"]))
+    args = args_from_config(AutoConfig.from_pretrained(tiny_dir["qwen3"]))
     assert (args.arch, args.qk_norm, args.head_dim) == ("qwen3", True, 32)
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_dir["llama3_rope"]))
+    args = args_from_config(AutoConfig.from_pretrained(tiny_dir["llama3_rope"]))
     assert args.rope_scaling["rope_type"] == "llama3" and args.rope_theta == 500000.0
     cfg = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
     cfg.architectures = ["LlamaForCausalLM"]
     with pytest.raises(UnsupportedArchitectureError):
-        ModelArgs.from_hf_config(cfg)
+        args_from_config(cfg)
 
 
 def test_sharded_checkpoint_and_bf16(tiny_dir, tmp_path):

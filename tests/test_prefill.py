@@ -171,7 +171,7 @@ def _two_feeds(engine: Engine) -> torch.Tensor:
 
 
 def test_a_chunked_feed_reads_nothing_back_and_the_lower_right_kernel_agrees(long_context, monkeypatch):
-    from ssdlocal.backends.torch import model as model_mod
+    from ssdlocal.backends.torch.models import base as model_mod
 
     reads = HostReads(monkeypatch)
     with Engine(EngineConfig(target=ModelSpec(long_context, dtype="float32"), prefix_cache_tokens=0)) as engine:
@@ -195,7 +195,7 @@ def test_a_chunked_feed_reads_nothing_back_and_the_lower_right_kernel_agrees(lon
 
 
 def test_a_chunks_mask_is_built_once_for_every_layer(long_context, monkeypatch):
-    from ssdlocal.backends.torch import model as model_mod
+    from ssdlocal.backends.torch.models import base as model_mod
 
     built = []
     real = model_mod.causal_mask

@@ -12,7 +12,7 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sequence import Row
 from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
 from ssdlocal.engine.round import Round
-from support.scripted import Names, ScriptedRunner, follow, sampling_of
+from support.scripted import Names, ScriptedRunner, follow, sampling_of, seating_of
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -34,9 +34,7 @@ def rows_of(prompts) -> list[Row]:
 
 
 def read(runner, rows, token=None, progress=None):
-    return read_prompts(
-        runner, lambda fn, *a: fn(*a), rows, sampling_of(GREEDY, len(rows)), token or CancelToken(), progress
-    )
+    return read_prompts(seating_of(runner, rows, sampling_of(GREEDY, len(rows))), token or CancelToken(), progress)
 
 
 def test_the_first_token_follows_each_prompt():
@@ -91,13 +89,14 @@ def test_a_cancel_stops_the_read_with_nothing_kept():
 def test_store_prefixes_keeps_what_the_cache_holds_after_rounds():
     prompt = [3, 1, 4, 1, 5]
     runner, rows = runner_for(1), rows_of([prompt])
-    first, _ = read(runner, rows)
-    rnd = Round(runner, lambda fn, *a: fn(*a), None, rows, 0, sampling_of(GREEDY, 1), first)
+    seating = seating_of(runner, rows, sampling_of(GREEDY, 1))
+    first, _ = read_prompts(seating, CancelToken())
+    rnd = Round(seating, first)
     for index in range(5):
         list(rnd.run(index))
     assert rows[0].finish_reason == "length" and runner.cached(0) == len(prompt) + 5
-    store_prefixes(runner, rows, None)
+    store_prefixes(seating)
     assert runner.stored == [tuple(rows[0].tokens[: len(prompt) + 5])]
     runner.counts[0] += 1  # a count one token past what the cache holds
     with pytest.raises(ValueError, match="do not hold"):
-        store_prefixes(runner, rows, None)
+        store_prefixes(seating)

@@ -17,10 +17,10 @@ import shutil
 import pytest
 import torch
 
-from ssdlocal.backends.llamacpp.prefix import SeqStore
+from ssdlocal.backends.llamacpp.prefix import StateStore
 from ssdlocal.backends.prefix import BLOCK_TOKENS, PrefixIndex, store_tokens
 from ssdlocal.core.config import PREFIX_CACHE_TOKENS, EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
-from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, UsageError
+from ssdlocal.core.errors import OutOfMemoryError, UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from support.drafts import draft_of
@@ -87,7 +87,7 @@ def _churned_pool(monkeypatch, slice_runs: int):
     monkeypatch.setattr(kvcache, "SLICE_RUNS_CPU", slice_runs)
     blocks, layers = 64, 2
     index = PrefixIndex(blocks)
-    pool = kvcache.KVPool(layers, 2, blocks * B, 4, torch.float32, "cpu")
+    pool = kvcache.KVPool([(2, 4)] * layers, blocks * B, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(0)
     caches = [kvcache.KVCache(1, 2, 48 * B, 4, torch.float32, "cpu") for _ in range(layers)]
     for cache in caches:
@@ -151,17 +151,21 @@ def test_the_size_rules():
         EngineConfig(target=ModelSpec("x"), prefix_cache_tokens=-1)
 
 
-def test_llamacpp_sequences_keep_the_longest_prefixes():
-    store = SeqStore([10, 11], tokens=20)
-    seq, drop = store.place([1, 2, 3])
-    assert seq == 10 and drop == []
-    assert store.place([1, 2]) == (None, [])  # held already by the longer entry
-    seq, drop = store.place([1, 2, 3, 4])  # extends entry 10: replaces it
-    assert drop == [10] and store.best([1, 2, 3, 4, 5]) == (seq, 4)
-    store.place([9] * 8)
-    seq, drop = store.place([8] * 12)  # over the budget: the least recently used goes
-    assert drop and sum(map(len, store.entries.values())) <= 20
-    assert store.place([0] * 21) == (None, [])  # larger than the whole budget
+def test_llamacpp_states_keep_the_longest_prefixes():
+    store = StateStore(tokens=20, entries=2)
+    assert store.wanted([1, 2, 3], exact=0)
+    store.put([1, 2, 3], b"a", cells=3, exact=0)
+    assert not store.wanted([1, 2], exact=0)  # held already by the longer entry
+    assert store.wanted([1, 2], exact=2)  # ... but not as exactly
+    store.put([1, 2, 3, 4], b"b", cells=4, exact=0)  # extends the first: replaces it
+    entry, n = store.best([1, 2, 3, 4, 5])
+    assert len(store.entries) == 1 and entry.state == b"b" and n == 4
+    assert store.best([1, 2, 3, 4, 5], exact=True) == (None, 0)  # nothing of it is exact
+    store.put([9] * 8, b"c", cells=8, exact=8)
+    store.put([8] * 12, b"d", cells=12, exact=0)  # over the budget: the least recently used goes
+    assert sum(e.cells for e in store.entries.values()) <= 20 and len(store.entries) <= 2
+    assert not store.wanted([0] * 21, exact=0)  # larger than the whole budget
+    assert store.best([9] * 9, exact=True)[1] == 8
 
 
 # --------------------------------------------------------------------------- engines
@@ -324,9 +328,9 @@ def test_out_of_memory_while_storing_costs_only_the_reuse(models, monkeypatch, c
 
 
 def test_a_cache_that_does_not_fit_is_refused_at_start(models, monkeypatch):
-    from ssdlocal.backends.torch import runner as runner_mod
+    from ssdlocal.backends.torch import stored
 
-    monkeypatch.setattr(runner_mod, "free_bytes", lambda device: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(stored, "free_bytes", lambda device: 1 << 20)  # 1 MiB free
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), prefix_cache_tokens=1 << 16)
     with pytest.raises(OutOfMemoryError) as err:  # 65,536 tokens x 512 bytes = 32 MiB
         Engine(config)
@@ -347,7 +351,7 @@ def test_forget_prefixes_empties_the_cache(models):
 def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeypatch, capsys):
     from support.cli import assert_clean_error, run_cli
 
-    from ssdlocal.backends.torch import runner as runner_mod
+    from ssdlocal.backends.torch import stored
 
     base = (
         "generate",
@@ -363,7 +367,7 @@ def test_the_cli_refuses_a_cache_that_does_not_fit_or_a_bad_size(models, monkeyp
     )
     code, _, err = run_cli(monkeypatch, capsys, *base, "--prefix-cache-tokens", "-5")
     assert_clean_error(code, err, 2, "prefix-cache-tokens must be a whole number", "--no-prefix-cache")
-    monkeypatch.setattr(runner_mod, "free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(stored, "free_bytes", lambda device: 1 << 20)
     code, _, err = run_cli(monkeypatch, capsys, *base, "--prefix-cache-tokens", "65536")
     assert_clean_error(code, err, 1, "needs 32.0 MiB", "--prefix-cache-tokens 1024 or less")
     code, out, _ = run_cli(monkeypatch, capsys, *base, "--no-prefix-cache", "--json")
@@ -390,12 +394,13 @@ def test_a_dead_ssd_worker_takes_its_cache_and_the_target_stays_exact(models, re
     prompt = SYSTEM + _ids(9, 20)
     with Engine(config) as engine:
         first, _ = _run(engine, [prompt], 10)
-        os.kill(engine._worker.proc.pid, signal.SIGKILL)
-        with pytest.raises(DraftWorkerError, match="died"):  # the call that finds it dead fails clearly
-            _run(engine, [prompt + first[0]], 10)
+        os.kill(engine.drafts.worker.proc.pid, signal.SIGKILL)
+        found, lost = _run(engine, [prompt + first[0]], 10)  # the call that finds it dead goes on without it
+        assert lost.draft_losses == 1 and "died" in lost.draft_lost
         again, stats = _run(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache
         want, _ = _run(reference, [prompt + first[0]], 10)
-    assert again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
+    assert found == again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
+    assert stats.draft_losses == 0
 
 
 def test_the_ssd_workers_cache_is_reported_as_the_drafts(models):

@@ -29,7 +29,7 @@ from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.quant import QuantLinear, quantize
 from ssdlocal.backends.torch.quant_apply import QuantEmbedding, model_bytes
 from ssdlocal.core.errors import UsageError
-from ssdlocal.weights.formats.arch import architecture
+from ssdlocal.weights.formats.archs import architecture
 from ssdlocal.weights.formats.gguf import gguf_scheme
 
 gguf = pytest.importorskip("gguf")
@@ -272,7 +272,7 @@ def test_quantized_dir_refuses_other_scheme(gguf_files):
 
 
 def test_weight_bytes_estimate(gguf_files, tiny_dir):
-    from ssdlocal.backends.torch.quant_load import weight_bytes
+    from ssdlocal.weights.size import weight_bytes
 
     for path, scheme, dtype in (
         (gguf_files["llama", "q4_k_m"][0], "int4", "bfloat16"),
@@ -287,7 +287,7 @@ _PEAK_SCRIPT = """
 import json, sys
 import torch
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.model import ModelArgs, Transformer
+from ssdlocal.backends.torch.models import args_from_config, build
 from ssdlocal.backends.torch.quant_apply import model_bytes
 from ssdlocal.weights.formats.checkpoint import config_dir, load_hf_config, load_tokenizer
 
@@ -295,7 +295,7 @@ path = sys.argv[1]
 # outside the measured window: imports, the tokenizer, meta-device modules (~80 MB of code)
 load_tokenizer(path)
 with torch.device("meta"):
-    Transformer(ModelArgs.from_hf_config(load_hf_config(config_dir(path))))
+    build(args_from_config(load_hf_config(config_dir(path))))
 
 def status_mb(field):
     with open("/proc/self/status") as fh:
@@ -331,12 +331,13 @@ def test_gguf_load_peak_memory(tmp_path):
 
 
 def test_the_backend_prepares_and_sizes_what_it_will_load(gguf_files, tiny_dir, monkeypatch):
-    """The CLI, `pull`, bench and the planner ask backends.registry, not the quantizer: the
-    torch backend's cache of a GGUF as `auto` resolves for it (the cache a load reads), the
-    file itself where no floats are wanted or llama.cpp reads it (nothing converted), a
-    checkpoint directory itself; quantized bytes are weight_bytes's, None for floats."""
-    from ssdlocal.backends.registry import prepare_weights, quantized_bytes
-    from ssdlocal.backends.torch.quant_load import weight_bytes
+    """The CLI, `pull` and bench ask backends.registry, not the quantizer, what a backend
+    will load: the torch backend's cache of a GGUF as `auto` resolves for it (the cache a
+    load reads), the file itself where no floats are wanted or llama.cpp reads it (nothing
+    converted), a checkpoint directory itself; the planner asks weights.size for its bytes:
+    quantized bytes are weight_bytes's, None for floats."""
+    from ssdlocal.backends.registry import prepare_weights
+    from ssdlocal.weights.size import quantized_bytes, weight_bytes
     from ssdlocal.weights.formats import convert
 
     path = gguf_files["qwen2", "q4_k_m"][0]
@@ -358,7 +359,7 @@ def test_the_backend_prepares_and_sizes_what_it_will_load(gguf_files, tiny_dir, 
 
 def test_gguf_source_of_converted_checkpoints(gguf_files, tmp_path):
     """bench's llama.cpp peers default to the GGUF a (converted) target came from."""
-    from ssdlocal.backends.registry import gguf_source
+    from ssdlocal.weights.cache import gguf_source
     from ssdlocal.bench.run import BenchSettings
     from ssdlocal.cli.bench import _default_gguf_peers
     from ssdlocal.core.config import EngineConfig, ModelSpec, SpecConfig

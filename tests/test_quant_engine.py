@@ -216,7 +216,7 @@ def test_cli_resolves_draft_quantization(tiny_dir):
 def test_pairs_and_planner_size_quantized_weights(monkeypatch, capsys, tiny_dir):
     import json
 
-    from ssdlocal.placement.auto import checkpoint_gb
+    from ssdlocal.weights.size import checkpoint_gb
     from ssdlocal.weights.pairs import get_pair
 
     offline = get_pair("qwen2.5-coder-1.5b-offline")

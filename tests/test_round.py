@@ -24,7 +24,7 @@ from ssdlocal.core.verify import Verdict
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
 from ssdlocal.engine.shape import Shaper
-from support.scripted import Names, ScriptedRunner, TableDrafter, follow, sampling_of
+from support.scripted import Names, ScriptedRunner, TableDrafter, follow, sampling_of, seating_of
 
 V = 16
 EOS = 15
@@ -47,10 +47,6 @@ def continuation(prompt, n, next_token=target_next) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def guard(fn, *args):
-    return fn(*args)
-
-
 def start(prompts, budgets, drafter=None, k=0, params=None, next_token=target_next, audit=None):
     """Rows, runner and Round after read_prompts, as the engine builds them."""
     params = params or SamplingParams(temperature=0.0, max_new_tokens=None)
@@ -58,11 +54,11 @@ def start(prompts, budgets, drafter=None, k=0, params=None, next_token=target_ne
     runner.setup_prefix(0)
     runner.reset(len(prompts), max(map(len, prompts)) + max(budgets) + k + 2)
     rows = [Row(list(p), params, frozenset({EOS}), Names(), budget=n) for p, n in zip(prompts, budgets)]
-    sampling = sampling_of(params, len(rows))
-    first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None)
+    seating = seating_of(runner, rows, sampling_of(params, len(rows)), drafter, k, audit=audit)
+    first, _ = read_prompts(seating, CancelToken())
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, sampling, first, audit=audit or Audit())
+    rnd = Round(seating, first)
     return runner, rows, rnd
 
 

@@ -300,6 +300,7 @@ def test_metrics_parse_as_prometheus_text_and_move(server):
     waits = "ssdlocal_host_waits_total{model=target}"
     assert after[waits] > before.get(waits, 0)  # the round's read-back, at least
     assert 0 < after["ssdlocal_host_waits_per_round{model=target}"] <= 1.5  # one per round (+ the first token's)
+    assert after["ssdlocal_draft_losses_total"] == before["ssdlocal_draft_losses_total"] == 0
     if server.mode != "ar":
         assert after["ssdlocal_spec_decode_draft_tokens_total"] > before["ssdlocal_spec_decode_draft_tokens_total"]
         assert 0 <= after["ssdlocal_acceptance_rate"] <= 1
@@ -329,6 +330,7 @@ def test_several_prompts_and_n_choices(server):
         assert got == ask(server.client, prompt, chat=False, stream=False, max_tokens=6, ignore_eos=True)["ids"]
     assert reply.usage.completion_tokens == 24
     assert reply.model_extra["ssdlocal"]["batch_size"] == 4
+    assert reply.model_extra["ssdlocal"]["same_every_run"] is True  # torch keeps each row's tokens its own
 
 
 def test_the_engine_survives_a_failed_request(server, monkeypatch):

@@ -68,6 +68,7 @@ def test_answers_in_flight_end_with_an_error_when_the_server_stops(tiny_dir, mon
             with pytest.raises(openai.InternalServerError) as info:
                 whole.result(timeout=30)
         assert info.value.status_code == 503 and info.value.body["code"] == "server_shutting_down"
+        assert int(info.value.response.headers["retry-after"]) > 0  # tests/test_server_retry_after.py
         live.thread.join(10)
         assert not live.thread.is_alive()
         assert time.perf_counter() - started < 2  # not uvicorn's 3 s grace period, then cancellation

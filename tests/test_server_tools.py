@@ -11,12 +11,12 @@ whole answer, and log-probabilities are the target's own (computed again with tr
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SpecConfig
+from support.chat_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, with_template
 from support.drafts import draft_of
 from support.grammar_children import hanging_serve
 from support.server import MODEL, LiveServer
@@ -28,36 +28,6 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
-Tools:{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-Call one as <tool_call>
-{"name": ..., "arguments": ...}
-</tool_call><|im_end|>
-{% endif %}{%- for message in messages %}{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{%- for call in message.tool_calls %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-LLAMA3_TEMPLATE = """{%- if tools %}<|im_start|>system
-Respond with {"name": function name, "parameters": dictionary}. Tools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|im_end|>
-{% endif %}{%- for message in messages %}{%- if message.tool_calls %}<|im_start|>assistant
-{% for call in message.tool_calls %}{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>ipython
-{{ message.content }}<|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 WEATHER = {
     "type": "object",
@@ -83,23 +53,6 @@ ANSWER = {
     "additionalProperties": False,
 }
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-def with_template(tiny_dir, tmp_path_factory, template: str, name: str):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp(name)
-    dirs = {}
-    for model in ("llama", "draft_llama"):
-        dirs[model] = root / model
-        shutil.copytree(tiny_dir[model], dirs[model])
-        tok = AutoTokenizer.from_pretrained(dirs[model])
-        tok.chat_template = template
-        tok.save_pretrained(dirs[model])
-        config = json.loads((dirs[model] / "config.json").read_text())
-        config["max_position_embeddings"] = 2048  # tools' JSON takes many of the tiny tokenizer's tokens
-        (dirs[model] / "config.json").write_text(json.dumps(config))
-    return dirs
 
 
 @pytest.fixture(scope="module")

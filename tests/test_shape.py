@@ -14,11 +14,11 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.events import RoundEvent, TokensEvent
 from ssdlocal.core.hostsync import Audit
-from ssdlocal.core.sequence import Row
+from ssdlocal.core.sequence import Request, Row
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
-from ssdlocal.engine.shape import Shaper, make_shaper
-from support.scripted import Names, ScriptedRunner, TableDrafter, sampling_of
+from ssdlocal.engine.shape import Shaper
+from support.scripted import Names, ScriptedRunner, TableDrafter, sampling_of, seating_of
 
 V = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None)
@@ -79,12 +79,11 @@ def call(prompts, parity, drafter=None, k=0, budget=8, audit=None):
     rows = [Row(list(p), GREEDY, frozenset(), Names(), budget=budget) for p in prompts]
     audit = audit or Audit()
     shaper = Shaper(Parity(parity), None, audit)
-    guard = lambda fn, *a: fn(*a)  # noqa: E731
-    sampling = sampling_of(GREEDY, len(rows))
-    first, _ = read_prompts(runner, guard, rows, sampling, CancelToken(), None, shaper)
+    seating = seating_of(runner, rows, sampling_of(GREEDY, len(rows)), drafter, k, shaper=shaper, audit=audit)
+    first, _ = read_prompts(seating, CancelToken())
     if drafter is not None:
         drafter.start(rows)
-    rnd = Round(runner, guard, drafter, rows, k, sampling, first, shaper=shaper, audit=audit)
+    rnd = Round(seating, first)
     events = []
     for index in range(40):
         if not any(r.active for r in rows):
@@ -131,13 +130,15 @@ def test_drafts_reach_the_grammar_once_per_round():
     assert audit.since(before)["target"].reads == len(rounds) + 1  # + the first token
 
 
-def test_make_shaper_builds_nothing_without_grammars_and_checks_their_count():
-    params = SamplingParams(logprobs=3)
-    shaper = make_shaper(None, 2, params.logprobs, V, {0})
+def test_a_shaper_for_rows_without_grammars_builds_nothing_and_asks_the_most_logprobs():
+    rows = [
+        Row([1], SamplingParams(logprobs=lp), frozenset(), Names(), request=Request((1,), SamplingParams(logprobs=lp)))
+        for lp in (3, None, 1)
+    ]
+    shaper = Shaper.for_rows(rows, V, {0})
     assert shaper.guides is None and shaper.logprobs == 3
-    assert make_shaper([None, None], 2, params.logprobs, V, {0}).guides is None
-    with pytest.raises(ValueError, match="1 grammars for 2 prompts"):
-        make_shaper([None], 2, params.logprobs, V, {0})
+    assert all(row.guide is None for row in rows)
+    assert Shaper.for_rows(rows[1:2], V, {0}).logprobs is None
     logits = torch.randn(2, 3, V)
     assert shaper.mask(logits, "proposal", [True, True]) == (logits, "proposal")
     assert shaper.seconds([0, 1]) == (None, None)

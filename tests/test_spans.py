@@ -3,13 +3,12 @@ bounded by the longest row (not by every slot the call may use), with the same t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from ssdlocal.backends.torch.kvcache import SLOT_ROUNDING
-from ssdlocal.backends.torch.shapes import bucket_span
-from dataclasses import replace
-
+from ssdlocal.backends.torch import decode_state
 from ssdlocal.core.config import EngineConfig, ModelSpec, SamplingParams
 from ssdlocal.draft.ssd.protocol import StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
@@ -20,15 +19,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 @pytest.mark.parametrize("needed", [1, 255, 300, 1100, 2049, 5000, 16000, 16385, 30000])
 def test_a_decode_span_reads_at_most_an_eighth_more_than_it_needs(needed):
-    span = bucket_span(needed)
+    span = decode_state.bucket_span(needed)
     assert needed <= span <= needed + max(255, needed // 8)
-    assert span % SLOT_ROUNDING == 0
+    assert span % decode_state.SLOT_ROUNDING == 0
 
 
 def test_span_buckets_stay_few():
-    shapes = {bucket_span(n) for n in range(1, 32769)}
+    shapes = {decode_state.bucket_span(n) for n in range(1, 32769)}
     assert len(shapes) == 40  # 16 up to 4,096 slots, then 8 per doubling
-    assert {bucket_span(n) for n in range(4000, 4600)} == {4096, 4608}
+    assert {decode_state.bucket_span(n) for n in range(4000, 4600)} == {4096, 4608}
 
 
 def _speculator(runner, prompt, num_slots) -> Speculator:

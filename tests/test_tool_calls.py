@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.server.protocol import APIError, parse_chat, parse_completion
 from ssdlocal.server.structured import MAX_TOOLS
 from ssdlocal.server.tool_parse import CallArgs, CallStart, ToolCallParser, collect
@@ -261,10 +262,10 @@ def test_a_cut_or_invalid_call_is_text_not_a_call():
     ):
         content, calls, parser = _both(cut)
         assert calls == [] and content == cut and parser.cut, cut
-        assert finish_reason("stop", parser=parser) == "stop"
+        assert finish_reason(FinishReason.STOP, parser=parser) == "stop"
     complete = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n</tool_call>'
     content, calls, parser = _both(complete + "\n" + cut)
-    assert len(calls) == 1 and content == cut and finish_reason("stop", parser=parser) == "stop"
+    assert len(calls) == 1 and content == cut and finish_reason(FinishReason.STOP, parser=parser) == "stop"
     invalid = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 7}}\n</tool_call>'
     assert _both(invalid)[:2] == (invalid, [])
     extra = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon", "x": 1}}\n</tool_call>'
@@ -280,7 +281,7 @@ def test_a_repeated_call_ends_the_list():
     again = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius",  "city": "Lisbon"}}\n</tool_call>'
     content, calls, parser = _both("\n".join([one, two, again, two, one, '<tool_call>\n{"name']))
     assert content is None and len(calls) == 2 and parser.repeated and not parser.cut
-    assert finish_reason("length", parser=parser) == "tool_calls"
+    assert finish_reason(FinishReason.LENGTH, parser=parser) == "tool_calls"
 
 
 def test_llama3_json_calls():

@@ -61,7 +61,7 @@ def _tokens(engine: Engine, spec: SpecConfig | None = None) -> list[tuple[int, .
 
 
 def _rank_procs(engine: Engine):
-    return list(engine._tp_group.procs)
+    return list(engine.tp_group.procs)
 
 
 # --------------------------------------------------------------------------- exactness
@@ -645,7 +645,8 @@ def test_shard_loader_reads_exactly_the_rank_slices(tiny_dir, arch):
 def test_auto_devices_sizes_the_checkpoints_and_asks_the_planner(tiny_dir):
     from safetensors import safe_open
 
-    from ssdlocal.placement.auto import auto_devices, checkpoint_gb
+    from ssdlocal.placement.auto import auto_devices
+    from ssdlocal.weights.size import checkpoint_gb
 
     path, draft = tiny_dir["llama"], tiny_dir["draft_llama"]
     numel = 0

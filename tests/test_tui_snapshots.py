@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
 
-from support.fake_engine import FakeEngine, chat_settings
+from support.fake_engine import FakeEngine, FakeMeter, chat_settings
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.errors import OutOfMemoryError
@@ -22,8 +22,11 @@ SIZE = (120, 36)
 
 
 def _chat(engine: FakeEngine) -> ChatApp:
+    from ssdlocal.placement.mode import placement_mode
+
+    engine.choice = placement_mode(("cpu",), "cpu", "model")  # auto's: SD, K per round (the chat runs SSD)
     settings = chat_settings(draft=engine.config.spec.draft, max_new_tokens=48)
-    return ChatApp(lambda: engine, engine.config, settings)
+    return ChatApp(lambda: engine, engine.config, settings, meter=FakeMeter())
 
 
 async def _loaded(pilot) -> None:
@@ -74,7 +77,10 @@ def test_chat_error_modal(snap_compare):
     assert snap_compare(_chat(engine), run_before=run_before, terminal_size=SIZE)
 
 
-def test_race_screen(snap_compare):
+def test_race_screen(snap_compare, monkeypatch):
+    from ssdlocal.tui import facts
+
+    monkeypatch.setattr(facts, "_cores", lambda: 2)  # the SSD pane names the cores: the same on every machine
     engine = FakeEngine()
     app = RaceApp(
         lambda: engine,
@@ -83,6 +89,7 @@ def test_race_screen(snap_compare):
         race_specs(engine.config.spec),
         SamplingParams(max_new_tokens=60),
         clock=engine.clock,
+        meter=FakeMeter(others=(0.0, 0.0, 1.2, 1.1)),  # SSD disturbed twice: re-run once, still marked
     )
 
     async def run_before(pilot):

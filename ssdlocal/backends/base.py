@@ -1,4 +1,6 @@
-"""What every backend offers the layers above: the Runner protocol and the slot layout.
+"""What every backend offers the layers above: the Backend protocol (what a backend does
+with files and models), the Runner protocol (one loaded model and its cache) and the slot
+layout.
 
 A runner owns one loaded model and its KV cache, and remembers for each row of a batch
 `held[b]`: the tokens whose keys/values sit in that row's cache slots 0..len-1. It is the
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from ssdlocal.core.choice import Choice
+from ssdlocal.core.errors import UsageError
+from ssdlocal.core.models import BackendName, ModelSpec
 
 
 class Logits(Choice):
@@ -38,6 +43,64 @@ class Logits(Choice):
             return cls(value)
         except ValueError:
             raise ValueError(f"logits must be one of {cls.choices()}, got {value!r}") from None
+
+
+class Backend(Protocol):
+    """What one backend does; each backend's package implements it (backends/torch/backend.py,
+    backends/llamacpp/backend.py), importing its heavy libraries only inside the methods.
+    Facts about the backend are its name's (core.models.BackendName: runs_gguf, quantizes,
+    tensor_parallel); backends/registry.py is the one table of them."""
+
+    name: BackendName
+
+    def load(self, spec: ModelSpec, threads: int | None) -> Any:
+        """The loaded model of `spec` (`threads`: CPU threads where the backend takes them,
+        None: its default). Whatever it returns carries `backend` (this name)."""
+
+    def make_runner(self, loaded: Any, tree: bool, graphs: str) -> Runner:
+        """The Runner over `loaded`; `tree`: it will decode SSD fan-out trees; `graphs`:
+        captured forwards ("auto", "off", "trace") where the backend captures."""
+
+    def load_tokenizer(self, path: str) -> Any:
+        """The model's tokenizer (transformers), reading no weights."""
+
+    def preflight(self, path: str) -> None:
+        """Cheap checks of the files (ModelLoadError / UsageError with a hint)."""
+
+    def prepare(self, path: str | Path, quantization: str, dtype: str, progress: Any, floats: bool) -> Path:
+        """The path `load` will read for `path`, built now (with progress) if not cached."""
+
+    def build(self) -> Any:
+        """What identifies the library the kernels come from beyond the machine's own key
+        (core/measured.machine has torch's version), or None: timings kept for one build
+        are not trusted for another."""
+
+    def load_head(self, kind: str, path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+        """The runner of the draft head of `kind` (weights.formats.archs.HEADS) in directory
+        `path`, on `device` beside a target that shares `shared` (Runner.head_inputs); a
+        backend that runs no heads raises UsageError with a hint."""
+
+    def context_length(self, path: str) -> int | None:
+        """The model's context (positions) read without loading it, where the backend takes
+        it as stored; None where it cannot say (torch may extend it by rope scaling)."""
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What a target model shares with a draft head that reads its hidden states: the token
+    embedding module (the head embeds its drafts with it), the layers and the hidden width."""
+
+    embeddings: Any
+    layers: int
+    hidden_size: int
+    dtype: torch.dtype
+
+
+HiddenLayers = tuple[int, ...]
+"""Which hidden states of a model a drafter reads, in order: i (0 <= i < layers) is layer i's
+output (the residual stream after it), FINAL_HIDDEN the last layer's output after the final
+norm (what the lm_head reads). A runner gives them concatenated: [..., len(layers) * D]."""
+FINAL_HIDDEN = -1
 
 
 class Runner(Protocol):
@@ -145,6 +208,23 @@ class Runner(Protocol):
     def forget_prefixes(self) -> None:
         """Empty the prefix store (its size stays): later `reuse` finds nothing stored."""
 
+    def keep_hidden(self, layers: HiddenLayers | None) -> None:
+        """From now on every `feed` and `step` also keeps these hidden states (None: none),
+        which `hidden()` returns. UsageError (with a hint) from a runner that cannot."""
+
+    def head_inputs(self) -> HeadInputs:
+        """What a draft head shares with this model (its token embeddings, layer count and
+        width); UsageError (with a hint) from a runner that cannot share them."""
+
+    def hidden(self) -> torch.Tensor:
+        """The hidden states `keep_hidden` asked for, of the last feed or step, at every column
+        it fed ([B, T, len(layers) * D]: row b's first len(rows[b]) columns of a feed are its
+        tokens'); valid until the next feed or step."""
+
+    def prefix_report(self) -> dict | None:
+        """The prefix store's sizes and counts (backends.prefix.PrefixIndex.report, with
+        bytes where the runner knows them), or None without a store."""
+
     def graph_report(self, since: dict | None = None) -> dict:
         """Captured-step counts as plain data ({"mode", "captured", "replays", "eager",
         "refused", "dropped"}, + "notes"), minus `since` (an earlier report of this runner);
@@ -231,6 +311,25 @@ class HeldRows:
     def read_ahead(self, tokens: Sequence[int], n: int) -> int:
         """Runner.read_ahead: by default nothing is read ahead (0)."""
         return 0
+
+    def keep_hidden(self, layers: HiddenLayers | None) -> None:
+        """Runner.keep_hidden: by default a runner keeps none (UsageError when asked)."""
+        if layers:
+            raise UsageError(
+                f"the {type(self).__name__} cannot give a drafter the target's hidden states",
+                "run the target on the torch backend (--target-backend torch), or use a draft model",
+            )
+
+    def head_inputs(self) -> HeadInputs:
+        """Runner.head_inputs: by default a runner shares nothing (UsageError)."""
+        raise UsageError(
+            f"the {type(self).__name__} cannot share its embeddings with a draft head",
+            "run the target on the torch backend (--target-backend torch), or use a draft model",
+        )
+
+    def hidden(self) -> torch.Tensor:
+        """Runner.hidden: none kept (keep_hidden refuses them)."""
+        raise RuntimeError(f"the {type(self).__name__} keeps no hidden states")
 
 
 @dataclass(frozen=True)

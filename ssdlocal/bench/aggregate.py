@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from statistics import mean
 
-from ssdlocal.bench.project import ProjectionInputs
+from ssdlocal.speculation.projection import ProjectionInputs
 from ssdlocal.core.metrics import Counts, Metrics
 
 

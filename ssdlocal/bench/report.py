@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ssdlocal.bench.aggregate import aggregate_all, projection_inputs, session_turns
 from ssdlocal.bench.check import SHAPE_TIE
-from ssdlocal.bench.project import DEFAULT_RATIOS, project
+from ssdlocal.speculation.projection import DEFAULT_RATIOS, project
 from ssdlocal.bench.run import BenchRun
 from ssdlocal.core.models import BackendName
 

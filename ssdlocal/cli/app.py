@@ -55,7 +55,7 @@ _STATE: dict[str, bool] = {"verbose": False}
 
 def _register() -> None:
     """Attach every command (each module imports only what its command needs)."""
-    from ssdlocal.cli import bench, cache, check, generate, models, serve, tui
+    from ssdlocal.cli import bench, cache, check, export, generate, models, pull, serve, tui
 
     for command in (
         generate.generate,
@@ -64,9 +64,11 @@ def _register() -> None:
         tui.race,
         serve.serve,
         models.pairs,
-        models.pull,
+        pull.pull,
+        pull.rm,
         models.devices,
         check.check,
+        export.export,
     ):
         app.command(cls=PlainCommand)(command)
     app.add_typer(cache.cache_app, name="cache")

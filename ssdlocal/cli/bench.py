@@ -205,7 +205,7 @@ def _bench_concurrent(models, spec, sampling, modes, peers, gguf_target, concurr
     # the model options are resolved here, so a bad one fails before a server starts
     config = engine_config(models, replace(spec, mode=modes[0] if modes else "auto"))
     if peers and not gguf_target:
-        from ssdlocal.backends.registry import gguf_source
+        from ssdlocal.weights.cache import gguf_source
 
         gguf_target = gguf_source(config.target.path)
     settings = replace(settings, gguf_target=gguf_target)
@@ -268,7 +268,7 @@ def _default_gguf_peers(settings, config):
     """llama.cpp peers default to the GGUF files the target and draft came from."""
     if not any(p.startswith("llamacpp") for p in settings.peers):
         return settings
-    from ssdlocal.backends.registry import gguf_source
+    from ssdlocal.weights.cache import gguf_source
 
     return replace(
         settings,

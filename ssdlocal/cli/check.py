@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ssdlocal.core.config import Mode
 from ssdlocal.cli import options as o
 from ssdlocal.cli.options import (
     ModelOptions,
@@ -49,14 +50,16 @@ def check(
     from ssdlocal.cli.progress import preparing
 
     with preparing() as progress:  # loading shows its bars; then the modes, one after another
-        modes = ["ar", "sd", "ssd"]
+        modes = ["ar", "sd", "ssd"] if config.spec.draft.ssd else ["ar", "sd"]  # a draft head: SD only
 
         def on_mode(mode: str) -> None:
             done = modes.index(mode) if mode in modes else 0
-            progress("comparing AR, SD, SSD", done, len(modes))
+            progress(f"comparing {', '.join(m.upper() for m in modes)}", done, len(modes))
 
-        report = run_check(config, params=params, chat=chat, on_mode=on_mode)
-        progress("comparing AR, SD, SSD", len(modes), len(modes))
+        report = run_check(
+            config, params=params, chat=chat, on_mode=on_mode, modes=[Mode.parse(m, "mode") for m in modes]
+        )
+        progress(f"comparing {', '.join(m.upper() for m in modes)}", len(modes), len(modes))
     report = dataclasses.replace(report, warnings=warnings)
     if as_json:
         sys.stdout.write(json.dumps({**dataclasses.asdict(report), "identical": report.identical}) + "\n")
@@ -67,7 +70,8 @@ def check(
 
 
 def _render_check(report, near_tie: float, shape_tie: float) -> None:
-    table = Table(title=f"greedy AR / SD / SSD on {len(report.prompts)} prompts ({report.dtype})")
+    names = [run.mode.upper() for run in report.runs]
+    table = Table(title=f"greedy {' / '.join(names)} on {len(report.prompts)} prompts ({report.dtype})")
     for col in ("mode", "tokens", "tok/s", "acceptance", "identical to AR"):
         table.add_column(col)
     diverged = {d.mode for d in report.divergences}
@@ -97,7 +101,7 @@ def _render_check(report, near_tie: float, shape_tie: float) -> None:
             f"(AR {d.ar_token} vs {d.mode} {d.mode_token}); target logit margin {margin}: {verdict}"
         )
     out.print(
-        "[bold green]identical[/bold green]: SD and SSD reproduce AR token for token"
+        f"[bold green]identical[/bold green]: {' and '.join(names[1:])} reproduce{'s' if len(names) == 2 else ''} AR token for token"
         if report.identical
         else "[bold red]NOT identical[/bold red]"
     )

@@ -1,7 +1,8 @@
-"""Typer commands `pairs`, `pull` and `devices`: the model registry and placement.
+"""Typer commands `pairs` and `devices`: the model registry and placement (`pull` and `rm`
+are cli/pull.py).
 
-Wiring and rendering only: the registry is ssdlocal.weights.pairs, downloads
-ssdlocal.weights.hub, planning ssdlocal.placement. Domain errors propagate to main().
+Wiring and rendering only: the registry is ssdlocal.weights.pairs, planning
+ssdlocal.placement. Domain errors propagate to main().
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def _gb(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
 
-def _plan_or_reason(inventory, pair, backend: BackendName, quantization: str) -> tuple[object | None, str]:
+def plan_or_reason(inventory, pair, backend: BackendName, quantization: str) -> tuple[object | None, str]:
+    """The placement plan of `pair` here and its summary, or None and why it does not fit."""
     from ssdlocal.core.errors import PlacementError
     from ssdlocal.placement.planner import plan_placement
 
@@ -88,12 +90,12 @@ def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
     from ssdlocal.weights.hub import is_downloaded
     from ssdlocal.weights.lock import commits
 
-    plan, summary = _plan_or_reason(inventory, pair, backend, quantization)
+    plan, summary = plan_or_reason(inventory, pair, backend, quantization)
     t_gb, d_gb = pair.memory_gb(backend, quantization)
     return {
         "name": pair.name,
         "target": pair.target.label,
-        "draft": pair.draft.label,
+        "draft": pair.draft_label,
         "target_gb": t_gb,
         "draft_gb": d_gb,
         "quantization": pair.schemes(quantization)[0] if backend.quantizes else "gguf",
@@ -157,69 +159,6 @@ def _user_dir():
     from ssdlocal.weights.pairs import user_dir
 
     return user_dir()
-
-
-# --------------------------------------------------------------------------- pull
-
-
-def pull(
-    pair: Annotated[str, typer.Argument(help="Pair name (see `ssdlocal pairs`) or a pair .toml file.")],
-    backend: Annotated[str, typer.Option(help="torch (safetensors) | llamacpp (GGUF)")] = "torch",
-    dtype: Annotated[
-        str, typer.Option(help="dtype of the converted checkpoint (offline pair, torch).")
-    ] = DEFAULT_DTYPE,
-    update: Annotated[
-        bool,
-        typer.Option(
-            help="Trust the commit the pair's revision resolves to now, replacing the locked one from the first pull."
-        ),
-    ] = False,
-    quantization: Annotated[
-        str,
-        typer.Option(
-            help="Weights to prepare for the torch backend, as `generate` will load them: none "
-            "(a bf16 checkpoint from a GGUF pair) | int8 | int4 | auto (a GGUF's own class)."
-        ),
-    ] = "auto",
-) -> None:
-    """Download a pair's target and draft, and lock the commit (trusted on first use).
-
-    After an interruption, run it again: finished files are kept, a file cut off midway
-    starts over.
-    """
-    from ssdlocal.cli.render import err_console, progress_callback
-    from ssdlocal.weights.hub import pull as hub_pull
-    from ssdlocal.weights.pairs import get_pair
-
-    backend = BackendName.parse(backend, "backend")
-    check_quantization(quantization)
-    found = get_pair(pair)
-    err_console.print(f"pulling {found.name} ({backend}): {found.target.label} + {found.draft.label}")
-    with progress_callback() as progress:
-        result = hub_pull(found, backend, dtype=dtype, progress=progress, update=update, quantization=quantization)
-        if backend.quantizes and quantization != "none":
-            result = _prepare_quantized(result, quantization, dtype, progress)
-    for role, path, commit in (
-        ("target", result.target, result.commits[0]),
-        ("draft", result.draft, result.commits[1]),
-    ):
-        at = f" (commit {commit})" if commit else ""
-        out.print(f"{role}: {path}{at}")
-    out.print(f'[dim]use it: ssdlocal generate --pair {found.name} "your prompt"[/dim]')
-
-
-def _prepare_quantized(result, quantization: str, dtype: str, progress):
-    """Build the quantized caches of a pulled pair's GGUF files now, not at the first run."""
-    import dataclasses
-
-    from ssdlocal.backends.registry import prepare_weights
-    from ssdlocal.core.models import BackendName
-
-    paths = [
-        prepare_weights(path, BackendName.TORCH, quantization, dtype, progress, floats=False)
-        for path in (result.target, result.draft)
-    ]
-    return dataclasses.replace(result, target=paths[0], draft=paths[1])
 
 
 # --------------------------------------------------------------------------- devices
@@ -355,13 +294,16 @@ def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, s
     labels = []
     schemes = pair.schemes(quantization) if backend.quantizes else ("", "")
     for ref, gguf, scheme in zip((pair.target, pair.draft), (pair.gguf_target, pair.gguf_draft), schemes):
-        source = _gguf_name(gguf) if pair.source == "pypi" and gguf else ref.label
-        if backend.runs_gguf and gguf is not None:
+        from_gguf = (pair.source == "pypi" or pair.weights == "gguf") and gguf
+        source = _gguf_name(gguf) if from_gguf else ref.label if ref else ""
+        if ref is None:
+            labels.append(pair.draft_label)
+        elif backend.runs_gguf and gguf is not None:
             labels.append(f"{gguf.quant or 'GGUF'} (llama.cpp) from {_gguf_name(gguf)}")
         elif scheme in ("none", ""):
             labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}")
         else:
-            quant = f" ({gguf.quant})" if pair.source == "pypi" and gguf and gguf.quant else ""
+            quant = f" ({gguf.quant})" if from_gguf and gguf.quant else ""
             labels.append(f"{scheme} from {source}{quant}")
     return labels[0], labels[1]
 
@@ -381,7 +323,7 @@ def prefix_cache_plan(pair) -> dict:
     from ssdlocal.core.config import PREFIX_CACHE_TOKENS
 
     per_token = {
-        role: (ref.kv_bytes_per_token() if pair is not None else None)
+        role: (ref.kv_bytes_per_token() if ref else None)
         for role, ref in (("target", pair and pair.target), ("draft", pair and pair.draft))
     }
     return {

@@ -64,6 +64,15 @@ def graph_warning(stats: Metrics) -> str | None:
     return "graphs: " + "; ".join(parts) + " - those steps ran eagerly (same output, slower)"
 
 
+def _same_every_run(config: EngineConfig, prompts: int, stats) -> bool:
+    """Whether these answers' greedy tokens are the same on every run of the command, with
+    or without other prompts beside them (not for prompts batched on llama.cpp's CPU kernels)."""
+    from ssdlocal.backends.llamacpp.alike import same_every_run
+
+    target, drafted = config.target, stats.acceptance_rate is not None  # a rate: something was drafted
+    return same_every_run(target.backend, target.device, target.batch_invariant, drafted=drafted, alone=prompts == 1)
+
+
 def run_generate(
     config: EngineConfig,
     prompts: list[str],
@@ -117,6 +126,7 @@ def run_generate(
                 {"text": o.text, "token_ids": list(o.token_ids), "finish_reason": o.finish_reason} for o in done.outputs
             ],
             "stats": done.stats.to_dict(),
+            "same_every_run": _same_every_run(config, len(prompts), done.stats),
         }
         if changes:  # the engine changed its mind mid-answer (engine/auto.ModeCheck)
             payload["mode_changes"] = [

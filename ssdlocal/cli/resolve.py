@@ -27,14 +27,13 @@ from ssdlocal.core.config import (
     parse_fan_out,
 )
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.models import DRAFT_KINDS, BackendName
+from ssdlocal.core.models import DRAFT_KINDS, BackendName, HeadDraft
+from ssdlocal.weights.formats.archs import head_kind
 
 
 def parse_mode(mode: str) -> Mode:
-    try:
-        return Mode(mode.lower())
-    except ValueError:
-        raise UsageError(f"unknown mode {mode!r}", "choose one of: ar, sd, ssd") from None
+    """--mode's text as a member (UsageError listing every mode, auto included)."""
+    return Mode.parse(mode, "mode")
 
 
 def engine_config(
@@ -153,6 +152,9 @@ def parse_draft(text: str | None, model, hybrid: SuffixDraft | None = SuffixDraf
         return NoDraft()
     if text in DRAFT_WORDS:
         return DRAFT_WORDS[text]()
+    head = head_kind(text)
+    if head is not None:  # a draft head (EAGLE-3): it reads the target's hidden states
+        return HeadDraft(text, head)
     return ModelDraft(model(text), hybrid)
 
 

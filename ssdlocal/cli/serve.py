@@ -25,6 +25,8 @@ from ssdlocal.cli.options import (
 from ssdlocal.cli.resolve import engine_config
 from ssdlocal.core.errors import UsageError
 
+GRAMMAR_START_S = 120.0  # at most this long for the grammar engine before serving
+
 
 @model_command("serve")
 def serve(
@@ -201,6 +203,9 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
             verbose=logging.getLogger().isEnabledFor(logging.DEBUG),
         )
         scheduler.start()
+        # the grammar engine's start-up (its vocabulary view, the compile children) would
+        # take CPU from the first prompt read: requests are accepted once it is done
+        state.grammars.wait_ready(GRAMMAR_START_S)
         err_console.print(
             f"serving [bold]{name}[/bold] at {url(sock)}/v1 · metrics at {url(sock)}/metrics · "
             f"Ctrl-C stops\n{escape(weights_line(config))}\n{escape(engine.choice.line)}",

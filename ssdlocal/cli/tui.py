@@ -19,7 +19,7 @@ from ssdlocal.cli.options import (
     model_command,
 )
 from ssdlocal.cli.resolve import engine_config, parse_mode
-from ssdlocal.core.config import EngineConfig, SamplingParams
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams
 from ssdlocal.core.errors import UsageError
 
 
@@ -93,9 +93,13 @@ def race(
 ) -> None:
     """AR | SD | SSD side by side on one prompt: speedups and an identical-output check.
 
-    The modes run one after another and are replayed with their measured timings.
+    The modes run one after another and are replayed with their measured timings; a mode
+    run while other load used the CPU is run again once, and said if still disturbed. On
+    kernels whose logits part with the call width (llama.cpp on a CPU) every mode's steps
+    are batch-invariant, so greedy outputs are identical.
     """
     from ssdlocal.tui.race import race_specs
+    from ssdlocal.tui.facts import exact_config
 
     if not prompt.strip():
         raise UsageError("empty prompt", "pass some text to generate from")
@@ -111,9 +115,12 @@ def race(
         replace(spec, mode="ssd"),  # the worker loads the draft at start
         need_draft="the race needs a draft for SD and SSD",
     )
+    if not config.spec.draft.ssd:  # a draft head: the race runs AR and SD, and says why not SSD
+        config = replace(config, spec=replace(config.spec, mode=Mode.SD))
+    default, config = config, exact_config(config)
     specs = race_specs(config.spec)
     if no_tui:
-        _race_plain(config, prompt, specs, params, chat=chat_template, warmup=warmup)
+        _race_plain(config, default, prompt, specs, params, chat=chat_template, warmup=warmup)
         return
     from ssdlocal.tui.app import RaceApp
 
@@ -127,23 +134,22 @@ def race(
             chat=chat_template,
             warmup=warmup,
             speed=speed,
+            default_config=default,
         )
     )
 
 
-def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool) -> None:
-    """`race --no-tui`: run the three modes and print the answer and a Rich table."""
+def _race_plain(
+    config: EngineConfig, default: EngineConfig, prompt: str, specs, params: SamplingParams, *, chat: bool, warmup: bool
+) -> None:
+    """`race --no-tui`: run the three modes and print the answer, a Rich table and the
+    lines beside it (tui/facts.footer_lines; the SSD draft's hardware)."""
     from rich.console import Console
 
     from ssdlocal.cli.progress import preparing
     from ssdlocal.cli.render import load_engine
-    from ssdlocal.tui.race import (
-        identical_verdict,
-        record_run,
-        summarize,
-        summary_legend,
-        summary_table,
-    )
+    from ssdlocal.tui.race import record_mode, summarize, summary_legend, summary_table
+    from ssdlocal.tui.facts import footer_lines, ssd_note
 
     with preparing() as progress:  # every step on stderr: loading, warm-up, each mode's run
         engine = load_engine(config)
@@ -155,22 +161,26 @@ def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams
                     seed=params.seed,
                     max_new_tokens=min(4, params.max_new_tokens),
                 )
+                stage = "warming up " + ", ".join(s.mode.value.upper() for s in specs)
                 for n, spec in enumerate(specs):  # SD's first call loads the draft here (once)
-                    progress("warming up AR, SD, SSD", n, len(specs))
+                    progress(stage, n, len(specs))
                     for _ in engine.generate([ids], short, spec=spec):
                         pass
-                progress("warming up AR, SD, SSD", len(specs), len(specs))
+                progress(stage, len(specs), len(specs))
             runs = []
             for spec in specs:
                 stage = f"running {spec.mode.value.upper()}"
                 progress(stage, 0, params.max_new_tokens)
                 runs.append(
-                    record_run(
+                    record_mode(
                         engine,
                         ids,
                         params,
                         spec,
                         on_tokens=lambda n, _new, stage=stage: progress(stage, n, params.max_new_tokens),
+                        on_rerun=lambda load, mode=spec.mode.value.upper(): progress(
+                            f"running {mode} again ({load.describe()})", 0, params.max_new_tokens
+                        ),
                     )
                 )
                 progress(stage, params.max_new_tokens, params.max_new_tokens)
@@ -178,8 +188,11 @@ def _race_plain(config: EngineConfig, prompt: str, specs, params: SamplingParams
     first = runs[0].output
     console.print(first.text if first else "", markup=False, highlight=False)
     rows = summarize(runs)
-    console.print(summary_table(rows, title="AR | SD | SSD, run one after another"))
+    title = " | ".join(s.mode.value.upper() for s in specs)
+    console.print(summary_table(rows, title=f"{title}, run one after another"))
     console.print(summary_legend(), style="dim", highlight=False)
-    verdict = identical_verdict(rows, params.greedy)
-    if verdict:
-        console.print(verdict, markup=False, highlight=False)
+    for line in footer_lines(rows, config, default, params.greedy):
+        console.print(line, markup=False, highlight=False)
+    costs = getattr(engine, "costs", None)  # the draft model's measured cost per token
+    if config.spec.draft.ssd:  # else footer_lines said why SSD did not run
+        console.print(f"SSD: {ssd_note(config, runs, costs=costs)}", markup=False, highlight=False)

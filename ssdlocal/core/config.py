@@ -7,7 +7,6 @@ result objects elsewhere, never here. Invalid values raise UsageError with a hin
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import Enum
 
 from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import UsageError
@@ -31,7 +30,7 @@ MAX_FAN_OUT_TOTAL = 256  # SSD branches per row (the sum of one fan-out list)
 MAX_TOP_LOGPROBS = 20  # alternatives per emitted token (OpenAI's limit)
 
 
-class Mode(str, Enum):
+class Mode(Choice):
     """Decoding mode: plain autoregressive, synchronous SD, asynchronous SSD, or AUTO
     (the engine picks one of the three when it loads; see ssdlocal.engine.auto)."""
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ssdlocal.core.metrics import Metrics
 
 from ssdlocal.core.config import Backup
+from ssdlocal.core.sequence import FinishReason
 
 
 class TokenOrigin(str, Enum):
@@ -81,10 +82,10 @@ class TokensEvent:
     token_ids: tuple[int, ...]
     text: str  # decoded text delta, safe to print as it arrives
     origins: tuple[str, ...] = ()  # one TokenOrigin value per token
-    finish_reason: str | None = None  # set on the row's last event: "eos" | "stop" | "length" | "error"
+    finish_reason: FinishReason | None = None  # set on the row's last event
     at: float = field(default_factory=time.perf_counter)  # when the engine committed them
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the call asked for them
-    error: str | None = None  # with finish_reason "error": why the row could not go on
+    error: str | None = None  # with FinishReason.ERROR: why the row could not go on
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,19 @@ class ModeEvent:
 
 
 @dataclass(frozen=True)
+class DraftLostEvent:
+    """The call's drafter failed (its worker died or hung, its model ran out of memory):
+    from round `round_index` on the rows take plain steps, which give exactly the tokens
+    they would have got; a later call starts a new drafter."""
+
+    round_index: int
+    reason: str  # what failed, for people
+
+
+@dataclass(frozen=True)
 class SeatedEvent:
     """Serving (Engine.serve): a batch of rows starts, before its new rows' prompts are
-    read. Row b serves request `requests[b]` (engine.request.Request.id) until the next
+    read. Row b serves request `requests[b]` (core.sequence.Request.id) until the next
     SeatedEvent: the row indices of later events refer to this seating. `joined`: the
     requests new in it (the others carry on from the previous seating)."""
 
@@ -166,7 +177,7 @@ class Output:
 
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
+    finish_reason: FinishReason
 
 
 @dataclass(frozen=True)
@@ -177,4 +188,6 @@ class DoneEvent:
     stats: Metrics  # the call's (core.metrics)
 
 
-Event = PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DoneEvent | SeatedEvent | SeatingDoneEvent
+Event = (
+    PrefillEvent | TokensEvent | RoundEvent | ModeEvent | DraftLostEvent | DoneEvent | SeatedEvent | SeatingDoneEvent
+)

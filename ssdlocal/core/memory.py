@@ -12,6 +12,8 @@ import ctypes.util
 import functools
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ssdlocal.core.errors import OutOfMemoryError
 
@@ -92,3 +94,16 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # musl and others: no mallopt
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+@contextmanager
+def allocating(doing: str) -> Iterator[None]:
+    """An allocator failure inside (torch's OutOfMemoryError is a RuntimeError) becomes an
+    OutOfMemoryError saying what was `doing`; any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        mapped = oom_error(exc, doing)
+        if mapped is None:
+            raise
+        raise mapped from exc

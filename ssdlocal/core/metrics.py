@@ -131,6 +131,7 @@ class Counts:
     decode_s: float = 0.0  # first token to last
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # taken from the prefix cache (not read)
+    draft_losses: int = 0  # drafters that failed mid-call (the rows went on with plain steps)
     position_tried: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     accepted_len_hist: list[int] = field(default_factory=list)
@@ -262,6 +263,8 @@ class Metrics:
     cached_prompt_tokens: int = 0
     prefill_tokens_per_s: float | None = None  # prompt tokens read (not from the prefix cache) per second
     rounds: int = 0
+    draft_losses: int = 0  # drafters that failed mid-call (core.events.DraftLostEvent)
+    draft_lost: str | None = None  # why the last one failed
     acceptance_rate: float | None = None  # accepted / drafted
     mean_accepted_len: float | None = None  # tokens taken per row-round (accepted + bonus)
     per_position_acceptance: tuple[float | None, ...] = ()
@@ -290,6 +293,7 @@ class Metrics:
             cached_prompt_tokens=c.cached_prompt_tokens,
             prefill_tokens_per_s=_ratio(c.prompt_tokens - c.cached_prompt_tokens, c.prefill_s),
             rounds=c.rounds,
+            draft_losses=c.draft_losses,
             acceptance_rate=_ratio(c.accepted, c.drafted),
             mean_accepted_len=_ratio(c.emitted, c.row_rounds),
             per_position_acceptance=tuple(_ratio(a, t) for a, t in zip(c.position_accepted, c.position_tried)),

@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class BackendName(Choice):
     """Which backend runs a model, and the facts about it that layers below the backends
-    need (what `ssdlocal.backends.registry.Backend` does with it lives there).
+    need (what its Backend does with it lives in ssdlocal.backends).
 
     TORCH: our native models; reads checkpoint directories, converts or quantizes a GGUF
     itself, applies --quantization int8/int4, runs tensor parallel. LLAMACPP:
@@ -117,6 +117,7 @@ class ModelSpec:
 class NoDraft:
     """No proposals: plain autoregressive decoding."""
 
+    ssd: ClassVar[bool] = True  # every kind drafts in SSD too unless it says not (HeadDraft)
     kind: ClassVar[str] = "none"
     model: ClassVar[None] = None
     label: ClassVar[str] = "none"
@@ -130,6 +131,7 @@ class NgramDraft:
 
     n_max: int = 3
     n_min: int = 1
+    ssd: ClassVar[bool] = True
     kind: ClassVar[str] = "ngram"
     model: ClassVar[None] = None
     label: ClassVar[str] = "n-gram (prompt lookup)"
@@ -151,6 +153,7 @@ class SuffixDraft:
 
     min_confidence: float = 0.3
     use_memory: bool = True  # False: the row's own tokens only (proposals repeat for a seed)
+    ssd: ClassVar[bool] = True
     kind: ClassVar[str] = "suffix"
     model: ClassVar[None] = None
     label: ClassVar[str] = "suffix (prompt and memory)"
@@ -188,6 +191,7 @@ class ModelDraft:
 
     model: ModelSpec
     suffix: SuffixDraft | None = SuffixDraft()
+    ssd: ClassVar[bool] = True
     kind: ClassVar[str] = "model"
     word: ClassVar[None] = None
 
@@ -196,5 +200,23 @@ class ModelDraft:
         return self.model.path
 
 
-Draft = NoDraft | NgramDraft | SuffixDraft | ModelDraft
-DRAFT_KINDS = (NoDraft, NgramDraft, SuffixDraft, ModelDraft)
+@dataclass(frozen=True)
+class HeadDraft:
+    """A draft head (an EAGLE-3 checkpoint directory) that drafts from the target's hidden
+    states, run beside the target on its device; SD only (a head needs the hidden state
+    of the token it continues, which exists once the target has verified it)."""
+
+    path: str
+    head: str = "eagle3"  # the kind (weights.formats.archs.HEADS)
+    kind: ClassVar[str] = "head"
+    model: ClassVar[None] = None
+    word: ClassVar[None] = None
+    ssd: ClassVar[bool] = False  # drafts in SD only
+
+    @property
+    def label(self) -> str:
+        return f"{self.head} head {self.path}"
+
+
+Draft = NoDraft | NgramDraft | SuffixDraft | ModelDraft | HeadDraft
+DRAFT_KINDS = (NoDraft, NgramDraft, SuffixDraft, ModelDraft, HeadDraft)

@@ -13,7 +13,7 @@ from ssdlocal.core.errors import UsageError
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
 SCHEMES = ("none", "int8", "int4")  # what `auto` resolves to
 INT4_GROUP = 32  # int4 weights carry one (scale, zero) pair per 32 input features
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per value of each activation dtype
 
 
 def check_quantization(value: str, what: str = "quantization") -> str:
@@ -21,6 +21,21 @@ def check_quantization(value: str, what: str = "quantization") -> str:
     if value not in QUANTIZATIONS:
         raise UsageError(f"unknown {what} {value!r}", f"choose one of: {', '.join(QUANTIZATIONS)}")
     return value
+
+
+def can_quantize(shape: tuple[int, ...], scheme: str) -> bool:
+    """Whether a weight of `shape` (a matrix, or a stack of expert matrices: the last two
+    dims) takes `scheme`: int4 needs whole groups along the input features; int8 any matrix."""
+    if len(shape) not in (2, 3):
+        return False
+    return scheme == "int8" or (scheme == "int4" and shape[-1] % INT4_GROUP == 0)
+
+
+def gguf_embedding_scheme(exact_int4: bool, shape: tuple[int, ...], scheme: str) -> str:
+    """How the torch backend keeps a GGUF's token embedding, quantized in the file already:
+    int4 where its values are int4 already (Q4_0/Q4_1/Q4_K, `exact_int4`: exact) and the
+    scheme is int4, int8 rows otherwise (finer than the 5- and 6-bit types it comes from)."""
+    return "int4" if scheme == "int4" and exact_int4 and can_quantize(shape, "int4") else "int8"
 
 
 def scheme_for_gguf_type(type_name: str) -> str:
@@ -43,7 +58,7 @@ def bytes_per_param(scheme: str, dtype: str = "bfloat16", device_type: str = "cp
     int8: one byte, on every device (its per-output-channel scale is negligible);
     none: the dtype's size. `device_type` is kept for callers that size per device.
     """
-    size = _DTYPE_BYTES.get(dtype, 2)
+    size = DTYPE_BYTES.get(dtype, 2)
     if scheme == "int4":
         return 0.5 + 2 * size / INT4_GROUP
     if scheme == "int8":
@@ -61,7 +76,7 @@ def quantized_gb(
     Counts every parameter at the quantized rate plus the embedding: exact for tied
     embeddings, a little high (by the lm_head's codes) for untied ones.
     """
-    size = _DTYPE_BYTES.get(dtype, 2)
+    size = DTYPE_BYTES.get(dtype, 2)
     if scheme == "none":
         return params_b * size
     return params_b * bytes_per_param(scheme, dtype) + embed_b * (size if embed_bytes is None else embed_bytes)

@@ -1,4 +1,5 @@
-"""Per-row generation state: committed tokens, stopping rules and streamed text.
+"""A sequence from request to row: what was asked (`Request`), its state while it runs
+(`Row`: committed tokens, stopping rules, streamed text) and why it ended (`FinishReason`).
 
 `Row.append` is the only way a generated token enters a row; it applies EOS, the
 token budget and stop strings identically in every mode, which is what keeps AR,
@@ -9,11 +10,53 @@ is one full decode.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from ssdlocal.core.choice import Choice
 from ssdlocal.core.config import SamplingParams
+
+_ids = itertools.count()
+
+
+class FinishReason(Choice):
+    """Why a row ended: end-of-sequence, a stop string, its token budget, a cancel, or an
+    error (its grammar could not continue: `Row.error` says why). The server maps these to
+    OpenAI's words at its edge."""
+
+    EOS = "eos"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence of work for the engine, as asked.
+
+    `prompt`: token ids (at least one). `params.max_new_tokens` None: the rest of the
+    context. `grammar`: a grammar.compiler.Grammar the answer follows, or None.
+    `exclusive`: None, or a key of requests that share a batch only with each other (a
+    seeded sample: its random stream and its proposals must not depend on other requests).
+    `random_key`: requests whose sampled tokens draw from one random stream share it
+    (None: the stream of every request with the same sampling settings).
+    """
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    grammar: object = None
+    exclusive: object = None
+    random_key: object = None
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def settings(self) -> tuple:
+        """What verification depends on: rows with equal settings verify together."""
+        stream = () if self.random_key is None or self.params.greedy else (self.random_key,)
+        return (*self.params.warp, *stream)
 
 
 class Decoder(Protocol):
@@ -25,7 +68,9 @@ class Decoder(Protocol):
 
 @dataclass
 class Row:
-    """One sequence being generated: prompt + generated tokens."""
+    """One sequence being generated: prompt + generated tokens. A row the engine seats for
+    a request keeps it (`request`) and, while the request has a grammar, its matcher
+    (`guide`, a grammar.guide.RowGuide), both carried across re-seats."""
 
     prompt: list[int]
     params: SamplingParams
@@ -33,13 +78,27 @@ class Row:
     tokenizer: Decoder
     budget: int | None = None  # new tokens allowed when params.max_new_tokens is None
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None  # why the row ended with finish_reason "error" (its grammar could not continue)
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why the row ended with FinishReason.ERROR (its grammar could not continue)
+    request: Request | None = None  # what it serves (None: a row made without one, e.g. in a test)
+    # its grammar matcher while it has a grammar: a grammar.guide.RowGuide (Any: core imports no grammar)
+    guide: Any = None
     _emitted_chars: int = 0
     _text: str = ""  # text of generated[:_read], grown incrementally while running
     _prefix: int = 0  # start of the decode window
     _read: int = 0  # generated tokens whose text is in _text
     _final: str | None = None  # the full decode, once finished
+
+    @classmethod
+    def serving(cls, request: Request, eos_ids: frozenset[int], tokenizer: Decoder, budget: int | None) -> Row:
+        """The row of `request` (its prompt and params), with `budget` new tokens at most
+        when its params set none."""
+        return cls(list(request.prompt), request.params, eos_ids, tokenizer, budget, request=request)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """End the row now (a cancel, an error) unless it has ended already."""
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
 
     @property
     def tokens(self) -> list[int]:
@@ -65,11 +124,11 @@ class Row:
             return False
         self.generated.append(token)
         if not self.params.ignore_eos and token in self.eos_ids:
-            self.finish_reason = "eos"
+            self.finish_reason = FinishReason.EOS
         elif self.params.stop and self._stop_index(self._running_text()) is not None:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
         elif len(self.generated) >= self.max_new_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
         return True
 
     @property

@@ -9,10 +9,18 @@ forward), `draft_s` and `verify_s` (decode rounds only).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from ssdlocal.core.events import DoneEvent, GrammarRound, PrefillEvent, RoundEvent, SsdRound, TokensEvent
+from ssdlocal.core.events import (
+    DoneEvent,
+    DraftLostEvent,
+    GrammarRound,
+    PrefillEvent,
+    RoundEvent,
+    SsdRound,
+    TokensEvent,
+)
 from ssdlocal.core.metrics import (
     AdaptiveCounts,
     Counts,
@@ -22,18 +30,31 @@ from ssdlocal.core.metrics import (
 )
 
 
+class StatsSources(Protocol):
+    """What a call's metrics report beyond its events, per model ("target", "draft",
+    "worker"), read when a snapshot is taken: the engine's runners and drafter answer."""
+
+    def graphs(self) -> dict[str, dict]:
+        """Captured-step counts of this call."""
+
+    def prefix(self) -> dict[str, dict]:
+        """The prefix caches' sizes and counts now."""
+
+    def host_waits(self) -> dict:
+        """core.hostsync.HostWaits of this call."""
+
+
 @dataclass
 class RunStats:
-    """Counts of one generate call from its events; `rows` limits them to some rows."""
+    """Counts of one generate call from its events; `rows` limits them to some rows;
+    `sources` (None: none) answers what the events do not carry."""
 
     k: int = 0
     mode: str = ""  # the mode that ran
     mode_reason: str = ""  # why (one sentence)
     rows: frozenset[int] | None = None  # None: every row
     started: float = field(default_factory=time.perf_counter)  # ttft is measured from here
-    graphs_now: Callable[[], dict[str, dict]] | None = None  # captured-step counts per model
-    prefix_now: Callable[[], dict[str, dict]] | None = None  # the prefix caches' counts per model
-    host_waits_now: Callable[[], dict] | None = None  # core.hostsync.HostWaits per model, this call
+    sources: StatsSources | None = None
     counts: Counts = field(init=False)
     first_token_at: float | None = field(default=None, init=False)
     last_token_at: float | None = field(default=None, init=False)
@@ -41,6 +62,7 @@ class RunStats:
     def __post_init__(self) -> None:
         self.counts = Counts(k=self.k)
         self._started_rows: set[int] = set()
+        self.draft_lost: str | None = None  # why the call's drafter failed, if it did
 
     def _mine(self, row: int) -> bool:
         return self.rows is None or row in self.rows
@@ -53,6 +75,9 @@ class RunStats:
             self._tokens(event)
         elif isinstance(event, RoundEvent):
             self._round(event)
+        elif isinstance(event, DraftLostEvent):
+            self.counts.draft_losses += 1
+            self.draft_lost = event.reason
 
     def _prefill(self, event: PrefillEvent) -> None:
         c = self.counts
@@ -142,17 +167,18 @@ class RunStats:
 
     def snapshot(self) -> Metrics:
         """The call's metrics so far; safe to call mid-generation."""
-        host_waits = None
-        if self.host_waits_now is not None:  # stream synchronisations per model, per round
+        sources, host_waits = self.sources, None
+        if sources is not None:  # stream synchronisations per model, per round
             rounds = self.counts.rounds
-            host_waits = {model: w.as_dict(rounds) for model, w in sorted(self.host_waits_now().items())}
+            host_waits = {model: w.as_dict(rounds) for model, w in sorted(sources.host_waits().items())}
         return Metrics.of(
             self.counts,
             mode=self.mode,
             mode_reason=self.mode_reason,
+            draft_lost=self.draft_lost,
             ttft_s=self.ttft_s,
-            graphs=self.graphs_now() if self.graphs_now is not None else None,
-            prefix_cache=self.prefix_now() if self.prefix_now is not None else None,
+            graphs=sources.graphs() if sources is not None else None,
+            prefix_cache=sources.prefix() if sources is not None else None,
             host_waits=host_waits,
         )
 

@@ -19,7 +19,7 @@ import torch
 
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
-from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
+from ssdlocal.draft.base import DrafterBase, Proposal, RoundOutcome, RowView
 from ssdlocal.speculation.adaptive import (
     MAX_PROBE_EVERY,
     PROBE_EVERY,
@@ -45,7 +45,7 @@ class _Round:
     keys: tuple[str, ...]  # each row's suffix acceptance class
 
 
-class AdaptiveDrafter:
+class AdaptiveDrafter(DrafterBase):
     """Drafter protocol over a draft model and/or suffix proposals, K chosen per round."""
 
     def __init__(
@@ -77,10 +77,9 @@ class AdaptiveDrafter:
         self._since_model = 0  # rounds since the model last proposed
         self._since_spec = 0  # rounds since anything was proposed
 
-    @property
-    def runner(self):
-        """The draft model's runner when there is one (the engine reports its graphs)."""
-        return None if self.model is None else self.model.runner
+    def graph_report(self, since: dict | None = None) -> dict | None:
+        """Drafter.graph_report: the draft model's, when there is one."""
+        return None if self.model is None else self.model.graph_report(since)
 
     def read_prompts(self, prompts) -> None:
         if self.model is not None:
@@ -95,7 +94,7 @@ class AdaptiveDrafter:
         if self.model is not None:
             self.model.read_ahead(tokens, n)
 
-    def start(self, rows: Sequence[RowView]) -> None:
+    def start(self, rows: Sequence[RowView], hidden=None) -> None:
         self.rows = rows
         for source in (self.model, self.suffix):
             if source is not None:

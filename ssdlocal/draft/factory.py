@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
-from ssdlocal.core.models import ModelDraft, NgramDraft, SuffixDraft
+from ssdlocal.core.models import HeadDraft, ModelDraft, NgramDraft, SuffixDraft
 from ssdlocal.draft.adaptive import build_suffix
 from ssdlocal.draft.base import DraftResources
+from ssdlocal.draft.head import build_head
 from ssdlocal.draft.sync import build_ngram
 
 
@@ -69,6 +70,7 @@ BUILDERS: dict[type, Builder] = {
     NgramDraft: build_ngram,
     SuffixDraft: build_suffix,
     ModelDraft: build_model,
+    HeadDraft: build_head,
 }
 
 

@@ -16,7 +16,7 @@ from ssdlocal.core.clock import DeviceClock
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
-from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
+from ssdlocal.draft.base import DrafterBase, Proposal, RoundOutcome, RowView
 from ssdlocal.draft.decode import DraftDecoder
 from ssdlocal.speculation.ngram import propose_ngram
 
@@ -26,7 +26,7 @@ def build_ngram(spec, params, resources) -> NgramDrafter:
     return NgramDrafter(spec.k, spec.draft, resources.target_device, resources.audit)
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt-lookup proposals; deterministic, so verified as point masses (q=None)."""
 
     def __init__(self, k: int, draft: NgramDraft = NgramDraft(), device="cpu", audit: Audit | None = None) -> None:
@@ -36,7 +36,7 @@ class NgramDrafter:
         self.site = (audit or Audit()).site("target")  # the proposals' one staged upload
         self.rows: Sequence[RowView] = ()
 
-    def start(self, rows: Sequence[RowView]) -> None:
+    def start(self, rows: Sequence[RowView], hidden=None) -> None:
         self.rows = rows
 
     def propose(self, active: Sequence[bool]) -> Proposal:
@@ -48,23 +48,14 @@ class NgramDrafter:
         ]
         return Proposal.from_lists(tokens, max(map(len, tokens), default=0), self.device, self.site)
 
-    def read_prompts(self, prompts) -> None:
-        return None
-
     def observe(self, outcome: RoundOutcome) -> None:
-        return None
-
-    def store_prefixes(self) -> None:
-        return None
-
-    def close(self) -> None:
         return None
 
 
 CATCH_UP = 32  # most committed tokens one catch-up step feeds per row
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     """A draft model run just in time: K forwards per round, batched over rows, with the
     draft's tokens, positions and distributions kept on its device (draft/decode.py).
 
@@ -126,14 +117,15 @@ class ModelDrafter:
         self._shape = (batch_size, num_slots + CATCH_UP)
         self.decoder.generator = self._generator()
 
-    def start(self, rows: Sequence[RowView]) -> None:
+    def start(self, rows: Sequence[RowView], hidden=None) -> None:
         """A new batch; the draft reads its rows when it is first asked to propose (a
         drafter that never proposes costs nothing: K per round may never ask)."""
         self.rows = rows
         self.cached, self._fed = [], []
 
-    def read_prompts(self, prompts) -> None:
-        return None  # read when first asked to propose (after the target's first token)
+    def graph_report(self, since: dict | None = None) -> dict | None:
+        """Drafter.graph_report: the draft model's runner's."""
+        return self.runner.graph_report(since)
 
     def _prefill(self) -> None:
         """Every row's tokens except its last into the draft's cache, from the longest

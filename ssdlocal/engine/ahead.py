@@ -20,7 +20,7 @@ import time
 import torch
 
 from ssdlocal.core.errors import SSDLocalError
-from ssdlocal.engine.request import Request
+from ssdlocal.core.sequence import Request
 
 log = logging.getLogger(__name__)
 # what a failed read ahead may raise (out of memory, a llama.cpp decode error): the request

@@ -376,7 +376,5 @@ class _Rechecked:
                 change = self.check.round(event, wall_s=busy)
             if change is not None:
                 log.info("mode %s: %s", change.mode.value, change.reason)
-                plain = replace(self.rounds, drafter=None, k=0)  # the same rows, caches, last tokens
-                plain.live = self.rounds.live  # rows that finished keep their cache length
-                self.rounds, self.check = plain, None
+                self.rounds, self.check = self.rounds.plain(), None  # the same rows, caches, last tokens
                 yield ModeEvent(index, change.mode.value, change.reason, change.short)

@@ -25,18 +25,19 @@ A row's tokens therefore never depend on when it was re-seated or with whom: at 
 request gets exactly the tokens it gets alone (up to the prefix cache's own exactness:
 its stored keys/values are the ones computed before). Finished rows leave at a re-seat.
 Tokens each row has cached: the runner's count (`Runner.cached`), which `Round.commit`
-moves; the loop keeps none of its own.
+moves; the loop keeps none of its own. The loop reaches the engine only through the
+public methods of its parts (engine/parts.py: EngineParts), one seating at a time
+(engine/seating.py): seat -> read the prompts -> rounds -> keep the prefixes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ssdlocal.backends.base import SlotLayout
 from ssdlocal.core.cancel import CancelToken
-from ssdlocal.core.config import Mode, SpecConfig, repeatable
+from ssdlocal.core.config import SpecConfig, repeatable
 from ssdlocal.core.events import (
     Event,
     LazySnapshot,
@@ -47,26 +48,18 @@ from ssdlocal.core.events import (
     SeatingDoneEvent,
     TokenOrigin,
 )
-from ssdlocal.core.hostsync import WaitsSince
-from ssdlocal.core.sequence import Row
+from ssdlocal.core.sequence import FinishReason, Request, Row
 from ssdlocal.core.stats import RunStats
+from ssdlocal.draft.base import Drafter, PromptHidden
 from ssdlocal.engine.ahead import ReadAhead
 from ssdlocal.engine.auto import rechecked
+from ssdlocal.engine.parts import EngineParts
 from ssdlocal.engine.prefill import PrefillStopped, read_prompts, store_prefixes
-from ssdlocal.engine.request import Inbox, Request, RowSampling
-from ssdlocal.engine.round import Round, token_events
-from ssdlocal.engine.shape import make_shaper
+from ssdlocal.engine.reports import SeatingReports
+from ssdlocal.engine.request import Inbox
+from ssdlocal.engine.round import DRAFT_FAILURES, Round, token_events
+from ssdlocal.engine.seating import Seating, seat
 from ssdlocal.engine.warm import warm_up
-
-
-@dataclass(eq=False)
-class Seat:
-    """One row of the running batch: the request it serves, its row, its grammar matcher
-    (grammar.guide.RowGuide, carried across re-seats; None without a grammar)."""
-
-    request: Request
-    row: Row
-    guide: object = None
 
 
 def counted(stats: RunStats, events: Iterator[Event]) -> Iterator[Event]:
@@ -79,58 +72,54 @@ def counted(stats: RunStats, events: Iterator[Event]) -> Iterator[Event]:
 class Loop:
     """Seatings of one engine over a stream of requests (see the module docstring).
 
-    `engine`: the Engine (its runner, drafter factory, caches). `spec`: the speculation
-    settings as given (resolved per seating). `inbox` None: one seating of the requests
-    `run` gets; else re-seats from the inbox, at most `max_batch` rows, until the inbox is
-    closed and every row is done. `token` stops everything after the current round."""
+    `parts`: the engine's (EngineParts). `spec`: the speculation settings as given
+    (resolved per seating). `inbox` None: one seating of the requests `run` gets; else
+    re-seats from the inbox, at most `max_batch` rows, until the inbox is closed and every
+    row is done. `token` stops everything after the current round. `started`: when the
+    call began (its time to first token counts from there; default: each seating's start).
+    After `run`, `rows` and `stats` are the latest seating's."""
 
     def __init__(
         self,
-        engine,
+        parts: EngineParts,
         spec: SpecConfig,
-        reason: str,
         token: CancelToken,
         *,
         progress: Callable[[PrefillProgress], None] | None = None,
         inbox: Inbox | None = None,
         max_batch: int | None = None,
+        started: float | None = None,
     ) -> None:
-        self.engine = engine
+        self.parts = parts
         self.spec = spec
-        self.reason = reason
+        self.reason = parts.modes.reason(spec)
         self.token = token
         self.progress = progress
         self.inbox = inbox
         self.max_batch = max_batch
+        self.started = started
         self.generators: dict = {}  # sampling settings -> generator, across seatings
-        self.seats: list[Seat] = []  # the latest seating's (generate: every row, in prompt order)
+        self.rows: list[Row] = []  # the latest seating's (generate: every row, in prompt order)
+        self.stats: RunStats | None = None  # the latest seating's
         self.round_index = 0
-        self.ahead = ReadAhead(engine.runner)  # serving: waiting prompts read between rounds
+        self.ahead = ReadAhead(parts.target)  # serving: waiting prompts read between rounds
         self.round_s = 0.0  # the last round's wall time (what reading ahead may take per boundary)
 
-    def k(self, spec: SpecConfig) -> int:
-        return spec.k if spec.mode is not Mode.AR else 0
-
     # ------------------------------------------------------------------ the loop
-    def run(self, requests: Sequence[Request], stats: RunStats | None = None) -> Iterator[Event]:
-        """Seat `requests` (and, serving, what the inbox brings) and run until done.
-
-        `stats` given (generate): every event is counted there. None (serving): each
-        seating counts its own and ends with a SeatingDoneEvent of its snapshot."""
-        eng, pinned = self.engine, None
+    def run(self, requests: Sequence[Request]) -> Iterator[Event]:
+        """Seat `requests` (and, serving, what the inbox brings) and run until done; each
+        seating counts its own stats (serving: it ends with a SeatingDoneEvent of them)."""
         if self.inbox is not None:  # serving: the steps every join and leave will take, captured now
-            warm_up(eng, eng._resolved(self.spec), self.max_batch or 1)
-        if eng._resolved(self.spec).mode is Mode.SSD and eng._cpu_plan is not None:  # the worker has the other cores
-            pinned = eng._cpu_plan.apply_to_this_process(pin_affinity=eng.config.pin_cpus)
-        try:
-            carried: list[Seat] = []
+            warm_up(self.parts, self.parts.modes.resolved(self.spec), self.max_batch or 1)
+        with self.parts.drafts.pinned(self.parts.modes.resolved(self.spec)):  # SSD on the CPU: our cores
+            carried: list[Row] = []
             joining = list(requests)
             while not self.token.cancelled:
                 if self.inbox is not None:
                     self._cancel(carried, self.inbox.take_cancels())
-                    carried = [s for s in carried if s.row.active]
+                    carried = [r for r in carried if r.active]
                     room = (self.max_batch or 1 << 30) - len(carried) - len(joining)
-                    seated = [s.request for s in carried] + joining
+                    seated = [*_requests(carried), *joining]
                     ready = self._ready if carried else None  # nobody streams: read whole prompts now
                     joining += self.inbox.take(room, seated, ready) if room > 0 else []
                 if not carried and not joining:
@@ -138,21 +127,11 @@ class Loop:
                         return
                     self.inbox.wait(0.5)
                     continue
-                seating_stats = stats if stats is not None else self._new_stats(carried, joining)
-                yield from counted(seating_stats, self._seating(carried, joining, seating_stats))
-                if stats is None:
-                    yield SeatingDoneEvent(seating_stats.snapshot())
-                carried = [s for s in self.seats if s.row.active]
+                yield from self._seating(carried, joining)
+                carried = [r for r in self.rows if r.active]
                 joining = []
                 if self.inbox is None:
                     return
-        finally:
-            if pinned is not None:
-                pinned.restore()
-
-    def _new_stats(self, carried, joining) -> RunStats:
-        spec = self._spec([s.request for s in carried] + list(joining))
-        return RunStats(k=self.k(spec), mode=spec.mode.value, mode_reason=self.reason)
 
     def _spec(self, requests: Sequence[Request]) -> SpecConfig:
         """This seating's settings: repeatable ones (core.config.repeatable) when it serves
@@ -160,30 +139,30 @@ class Loop:
         spec = self.spec
         if any(r.exclusive is not None and not r.params.greedy for r in requests):
             spec = repeatable(spec)
-        return self.engine._resolved(spec)
+        return self.parts.modes.resolved(spec)
 
-    def _cancel(self, seats: Sequence[Seat], ids: set[int]) -> None:
+    def _cancel(self, rows: Sequence[Row], ids: set[int]) -> None:
         self.ahead.forget(ids)
-        for seat in seats:
-            if seat.request.id in ids and seat.row.active:
-                seat.row.finish_reason = "cancelled"
+        for row in rows:
+            if row.request is not None and row.request.id in ids:
+                row.finish(FinishReason.CANCELLED)
 
     def _ready(self, request: Request) -> bool:
         return self.ahead.ready(request, self.ahead.chunk(self.round_s))
 
-    def _at_boundary(self, seats: Sequence[Seat], drafter=None) -> bool:
+    def _at_boundary(self, rows: Sequence[Row], drafter: Drafter | None) -> bool:
         """Serving, at a round boundary: re-seat now when finished rows make up at least
         half of the batch, or a request may join (there is room) whose prompt is ready
         (engine.ahead); else read a chunk of the first waiting prompt that is not."""
         if self.inbox is None:
             return False
-        active = [s for s in seats if s.row.active]
+        active = [r for r in rows if r.active]
         if not active:
             return False
-        if 2 * (len(seats) - len(active)) >= len(seats):
+        if 2 * (len(rows) - len(active)) >= len(rows):
             return True
         room = (self.max_batch or 1 << 30) - len(active)
-        joinable = self.inbox.joinable(room, [s.request for s in active]) if room > 0 else []
+        joinable = self.inbox.joinable(room, _requests(active)) if room > 0 else []
         chunk = self.ahead.chunk(self.round_s)
         if any(self.ahead.ready(r, chunk) for r in joinable):
             return True
@@ -191,103 +170,100 @@ class Loop:
             self.ahead.read(joinable[0], chunk, drafter)
         return False
 
-    def _uncounted(self, prefill: PrefillEvent, seats: Sequence[Seat]) -> PrefillEvent:
+    def _uncounted(self, prefill: PrefillEvent, rows: Sequence[Row]) -> PrefillEvent:
         """The seating's prefill with tokens read ahead not counted as prefix-cache hits."""
         cached = list(prefill.cached_tokens)
-        for b, seat in enumerate(seats):
-            before = self.ahead.cached_before(seat.request)
+        for b, request in enumerate(_requests(rows)):
+            before = self.ahead.cached_before(request)
             if before is not None and b < len(cached):
                 cached[b] = min(cached[b], before)
-        self.ahead.forget([s.request.id for s in seats])
+        self.ahead.forget([r.id for r in _requests(rows)])
         return replace(prefill, cached_tokens=tuple(cached))
 
     # ------------------------------------------------------------------ one seating
-    def _seating(self, carried: list[Seat], joining: list[Request], stats: RunStats) -> Iterator[Event]:
+    def _seating(self, carried: list[Row], joining: list[Request]) -> Iterator[Event]:
         """Seat `carried` + `joining`, read what they lack, run rounds until every row is
         done, the loop is cancelled, or (serving) a re-seat is due."""
-        eng = self.engine
         if self.inbox is not None:  # first: whatever fails next fails these requests' callers
-            yield SeatedEvent(
-                tuple(s.request.id for s in carried) + tuple(r.id for r in joining), tuple(r.id for r in joining)
-            )
-        spec = self._spec([s.request for s in carried] + joining)
-        k = self.k(spec)
-        budgets = [eng.token_budgets([len(r.prompt)], r.params.max_new_tokens, spec)[0] for r in joining]
-        new = [Seat(r, Row(list(r.prompt), r.params, eng.eos_ids, eng.tokenizer, n)) for r, n in zip(joining, budgets)]
-        seats = self.seats = carried + new
-        rows = [s.row for s in seats]
-        fresh = [False] * len(carried) + [True] * len(new)
-        num_slots = SlotLayout.for_generation(max(len(r.prompt) + r.max_new_tokens for r in rows), k).main
-        eng.runner.reset(len(rows), num_slots)
-        grammars = [s.request.grammar for s in seats]
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        shaper = make_shaper(
-            grammars if any(g is not None for g in grammars) else None,
-            len(rows),
-            max(asked) if asked else None,
-            eng.target.args.vocab_size,
-            eng.eos_ids,
-            eng.audit,
-            [s.guide for s in seats],
-        )
-        if shaper.guides is not None:
-            for seat, guide in zip(seats, shaper.guides.rows):
-                seat.guide = guide
-        sampling = RowSampling([s.request for s in seats], eng.runner.device, self.generators)
-        drafter = eng._make_drafter(spec, sampling.params, len(rows), num_slots, shaper.guides, sampling.row_params)
-        graphs_before = eng._graph_reports(drafter)
-        stats.graphs_now = lambda: eng._graph_reports(drafter, graphs_before)
-        stats.prefix_now = eng.prefix_reports
-        stats.host_waits_now = WaitsSince(eng.audit, getattr(drafter, "host_waits", None))  # SSD: + the worker's
+            yield SeatedEvent(tuple(r.id for r in [*_requests(carried), *joining]), tuple(r.id for r in joining))
+        spec = self._spec([*_requests(carried), *joining])
+        seating = seat(self.parts, carried, joining, spec, self.generators)
+        self.rows = seating.rows
+        reports = SeatingReports(self.parts.target, seating.drafter, self.parts.drafts, self.parts.audit)
+        started = self.started if self.started is not None else time.perf_counter()
+        self.started = None  # a later seating counts from its own start
+        stats = self.stats = RunStats(seating.k, spec.mode.value, self.reason, started=started, sources=reports)
+        yield from counted(stats, self._run(seating, reports))
+        if self.inbox is not None:
+            yield SeatingDoneEvent(stats.snapshot())
+
+    def _run(self, seating: Seating, reports: SeatingReports) -> Iterator[Event]:
+        """The seating's prompts, then its rounds; what the caches hold afterwards is kept."""
+        parts, rows, drafter = self.parts, seating.rows, seating.drafter
         completed = False
         try:
-            reads = [r.prompt if f else r.tokens[:-1] for r, f in zip(rows, fresh)]
-            if drafter is not None:
-                drafter.read_prompts(reads)  # a draft on hardware of its own starts now
-            try:
-                first, prefill = read_prompts(
-                    eng.runner, eng._guard, rows, sampling, self.token, self.progress, shaper, fresh
+            lost = None  # a drafter that fails before the first round is lost (core.events.DraftLostEvent)
+            if drafter is not None:  # a draft on hardware of its own starts reading now
+                lost = _attempt(
+                    lambda: drafter.read_prompts(
+                        [r.prompt if f else r.tokens[:-1] for r, f in zip(rows, seating.fresh)]
+                    )
                 )
+            try:
+                first, prefill = read_prompts(seating, self.token, self.progress)
             except PrefillStopped:
                 for r in rows:
-                    r.finish_reason = r.finish_reason or "cancelled"
+                    r.finish(FinishReason.CANCELLED)
                 return
-            shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
-            yield self._uncounted(prefill, seats)
-            firsts = [[r.generated[-1]] if f else [] for r, f in zip(rows, fresh)]
-            yield from token_events(rows, firsts, [[TokenOrigin.TARGET]] * len(rows), shaper.first_logprobs)
-            if drafter is not None:
-                drafter.start(rows)
-            rounds = Round(eng.runner, eng._guard, drafter, rows, k, sampling, first, shaper, eng.audit)
-            rounds = rechecked(rounds, eng.choice, spec, sampling.params, stats.mode_reason)  # SD watches itself
+            seating.shaper.end_failed(rows)  # a row whose first token ended it and broke its grammar
+            yield self._uncounted(prefill, rows)
+            firsts = [[r.generated[-1]] if f else [] for r, f in zip(rows, seating.fresh)]
+            yield from token_events(rows, firsts, [[TokenOrigin.TARGET]] * len(rows), seating.shaper.first_logprobs)
+            if drafter is not None and lost is None:
+                hidden = PromptHidden(parts.target.hidden(), *seating.read) if drafter.hidden else None
+                lost = _attempt(lambda: drafter.start(rows, hidden))
+            rounds = Round(seating, first)
+            if lost is not None:
+                yield rounds.lose_drafter(self.round_index, lost)
+            rounds = rechecked(rounds, parts.modes.choice, seating.spec, seating.sampling.params, self.reason)
             ran = False  # a seating runs at least one round: arrivals cannot starve the rows
             while any(r.active for r in rows) and not self.token.cancelled:
-                eng._apply_row_cancels(rows)
+                parts.cancels.apply(rows)
                 if self.inbox is not None:
-                    self._cancel(seats, self.inbox.take_cancels())
-                if not any(r.active for r in rows) or (ran and self._at_boundary(seats, drafter)):
+                    self._cancel(rows, self.inbox.take_cancels())
+                if not any(r.active for r in rows) or (ran and self._at_boundary(rows, drafter)):
                     break
                 t0 = time.perf_counter()
                 yield from rounds.run(self.round_index)
                 self.round_s = time.perf_counter() - t0
                 self.round_index += 1
                 ran = True
-            for r in rows:
-                if self.token.cancelled and r.active:
-                    r.finish_reason = "cancelled"
+            if self.token.cancelled:
+                for r in rows:
+                    r.finish(FinishReason.CANCELLED)
             completed = True
         except KeyboardInterrupt:
-            eng.interrupted()  # before the drafter's close below, which would wait for the worker
+            parts.drafts.interrupted()  # before the drafter's close below, which would wait for the worker
             raise
         finally:
-            stats.graphs_now = lambda final=eng._graph_reports(drafter, graphs_before): final  # frozen
-            stats.host_waits_now.freeze()
+            reports.freeze()
             if completed:  # what the caches hold now is what later seatings and calls may start from
-                store_prefixes(eng.runner, rows, drafter)
+                store_prefixes(seating)
             if drafter is not None:
                 drafter.close()
-            for r in rows:  # prompt + answer of rows that leave: what later suffix proposals may reuse
-                if self.inbox is None or not r.active:
-                    eng.suffix_memory.add(r.tokens)
-            if eng._memory_file is not None:
-                eng._memory_file.save(eng.suffix_memory)
+            # prompt + answer of rows that leave: what later suffix proposals may reuse
+            parts.suffix.remember(r for r in rows if self.inbox is None or not r.active)
+
+
+def _attempt(call: Callable[[], None]) -> BaseException | None:
+    """call(); a drafter's failure is returned (the rows go on without it), anything else raised."""
+    try:
+        call()
+    except DRAFT_FAILURES as exc:
+        return exc
+    return None
+
+
+def _requests(rows: Sequence[Row]) -> list[Request]:
+    """The requests `rows` serve (every row the loop seats has one)."""
+    return [r.request for r in rows if r.request is not None]

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from ssdlocal.backends.base import Logits
+from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.events import PrefillEvent, PrefillProgress
 from ssdlocal.core.memory import oom_error
-from ssdlocal.engine.shape import Shaper
+from ssdlocal.engine.seating import Seating
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +29,20 @@ class PrefillStopped(Exception):
 
 
 def read_prompts(
-    runner, guard, rows, sampling, token, progress, shaper=None, fresh=None
+    seating: Seating, token: CancelToken, progress: Callable[[PrefillProgress], None] | None = None
 ) -> tuple[torch.Tensor, PrefillEvent]:
     """Feed every row's prompt; the first token of each row ([B] on the target's device),
     appended to the rows. PrefillStopped when `token` is cancelled while a long prompt is
-    read (within one chunk); `progress(PrefillProgress)` as chunks finish. `sampling`
-    (engine.request.RowSampling) draws the first tokens; `shaper` (engine.shape.Shaper):
-    the batch's grammar masks and log-probabilities for them.
+    read (within one chunk); `progress(PrefillProgress)` as chunks finish. The seating's
+    `sampling` draws the first tokens, its `shaper` masks them by grammar and reads their
+    log-probabilities; a drafter that reads hidden states gets the prompt's last ones.
 
-    `fresh[b]` False (default: every row is fresh): row b carries on from an earlier batch
-    (a re-seat). It takes the longest prefix of its tokens the prefix cache holds and feeds
-    the rest but its newest token, which stays pending (the first thing the next round
-    feeds): nothing is drawn for it. Its PrefillEvent entries are 0 (no prompt was read)."""
+    A row that is not `fresh` carries on from an earlier seating (a re-seat). It takes
+    the longest prefix of its tokens the prefix cache holds and feeds the rest but its
+    newest token, which stays pending (the first thing the next round feeds): nothing is
+    drawn for it. Its PrefillEvent entries are 0 (no prompt was read)."""
     t0 = time.perf_counter()
-    fresh = list(fresh) if fresh is not None else [True] * len(rows)
+    runner, rows, fresh, shaper = seating.target, seating.rows, seating.fresh, seating.shaper
     # what each row must hold before its pending token: a fresh row's prompt but the last
     # (fed: its logits), a carried row's tokens but the newest, at least one of them fed
     reads = [r.prompt if new else r.tokens[:-1] for r, new in zip(rows, fresh)]
@@ -54,10 +56,10 @@ def read_prompts(
         if progress is not None:
             progress(PrefillProgress(reused[longest] + done, len(reads[longest])))
 
-    logits = guard(runner.feed, pending, Logits.LAST, report)
+    logits = seating.guard(runner.feed, pending, Logits.LAST, report)
+    seating.read = (tuple(runner.cached(b) - len(p) for b, p in enumerate(pending)), tuple(map(len, pending)))
     last = torch.stack([lg[-1] for lg in logits])[:, None]  # [B, 1, V]
-    shaper = shaper if shaper is not None else Shaper()
-    first, host = shaper.first_token(last, sampling, fresh)  # [B] (grammar-masked, logprobs kept), read once
+    first, host = shaper.first_token(last, seating.sampling, fresh)  # [B] (grammar-masked, logprobs kept), read once
     for row, token_id, new in zip(rows, host, fresh):
         if new:
             row.append(token_id)
@@ -69,15 +71,16 @@ def read_prompts(
     return first, PrefillEvent(time.perf_counter() - t0, len(rows), prompts, cached)
 
 
-def store_prefixes(runner, rows, drafter) -> None:
-    """After a call: each row's tokens the target's cache holds (`Runner.cached`) and what
+def store_prefixes(seating: Seating) -> None:
+    """After a seating: each row's tokens the target's cache holds (`Runner.cached`) and what
     the drafter's model holds go to the prefix caches. A failure to store costs later
     calls their reuse, never this call its answer."""
+    runner = seating.target
     try:
-        for b, row in enumerate(rows):
+        for b, row in enumerate(seating.rows):
             runner.store(b, row.tokens[: min(runner.cached(b), row.length)])
-        if drafter is not None:
-            drafter.store_prefixes()
+        if seating.drafter is not None:
+            seating.drafter.store_prefixes()
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if oom_error(exc) is None:
             raise

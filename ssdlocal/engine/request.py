@@ -1,52 +1,22 @@
-"""Requests, the rows they become, per-row sampling, and the inbox a serving loop reads.
+"""Per-row sampling and the inbox a serving loop reads.
 
-A `Request` is one row of work: prompt token ids, its SamplingParams (its own token
-budget, stop strings, log-probabilities), a grammar or None, and an id. The engine's
-loop (engine/batch.py) seats requests as rows of a running batch; `Inbox` is how another
-thread hands it new requests and cancels running ones, between rounds. `RowSampling`
-verifies a batch whose rows sample differently: rows with equal sampling settings
-(temperature, top-k, top-p) verify together, each such group with its own generator.
+The engine's loop (engine/batch.py) seats requests (core.sequence.Request) as rows of a
+running batch; `Inbox` is how another thread hands it new requests and cancels running
+ones, between rounds. `RowSampling` verifies a batch whose rows sample differently: rows
+with equal sampling settings (temperature, top-k, top-p) verify together, each such group
+with its own generator.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from ssdlocal.core.config import SamplingParams
+from ssdlocal.core.sequence import Request
 from ssdlocal.core.verify import Verdict, verify_groups
-
-_ids = itertools.count()
-
-
-@dataclass(frozen=True)
-class Request:
-    """One row of work for the engine.
-
-    `prompt`: token ids (at least one). `params.max_new_tokens` None: the rest of the
-    context. `grammar`: a grammar.compiler.Grammar the row's answer follows, or None.
-    `exclusive`: None, or a key of rows that share a batch only with each other (a seeded
-    sample: its random stream and its proposals must not depend on other requests).
-    `random_key`: rows whose sampled tokens draw from one random stream share it
-    (None: the stream of every row with the same sampling settings).
-    """
-
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    grammar: object = None
-    exclusive: object = None
-    random_key: object = None
-    id: int = field(default_factory=lambda: next(_ids))
-
-    @property
-    def settings(self) -> tuple:
-        """What verification depends on: rows with equal settings verify together."""
-        stream = () if self.random_key is None or self.params.greedy else (self.random_key,)
-        return (*self.params.warp, *stream)
 
 
 class RowSampling:

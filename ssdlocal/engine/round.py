@@ -17,20 +17,22 @@ after the read-back, so no wait of their own), which is what the drafters' cost 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
-from ssdlocal.backends.base import Runner
 from ssdlocal.core.clock import DeviceClock
-from ssdlocal.core.events import Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
-from ssdlocal.core.hostsync import Audit
-from ssdlocal.core.sequence import Row
+from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, SSDLocalError
+from ssdlocal.core.events import DraftLostEvent, Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.verify import Verdict
-from ssdlocal.draft.base import Drafter, Proposal, RoundOutcome
-from ssdlocal.engine.request import RowSampling
-from ssdlocal.engine.shape import Shaper
+from ssdlocal.draft.base import Proposal, RoundOutcome
+from ssdlocal.engine.seating import Seating
+
+log = logging.getLogger(__name__)
+# what a drafter may fail with that costs the call its speed, never its answer
+DRAFT_FAILURES = (DraftWorkerError, OutOfMemoryError, torch.OutOfMemoryError)
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,9 @@ class HostVerdict:
     drafts: list[list[int]]
 
 
-@dataclass
 class Round:
-    """Everything one generate call's rounds share.
+    """The rounds of one seating (engine/seating.py: its rows, runner, drafter, sampling,
+    shaper), from the prefill's first tokens.
 
     `last` [B] holds each row's newest committed token (the prefill's first token, then
     each bonus), which the target has not cached yet: every round feeds it first. How
@@ -52,33 +54,44 @@ class Round:
     lengths with the same counts on the host, so reading them needs no device read.
     """
 
-    runner: Runner  # the target's, in step mode
-    guard: Callable  # guard(fn, *args): fn(*args) with out-of-memory errors mapped
-    drafter: Drafter | None  # None for AR
-    rows: list[Row]
-    k: int  # drafts per round (0 for AR)
-    sampling: RowSampling  # per-row sampling settings, a generator per group (engine.request)
-    last: torch.Tensor  # [B] long on the target's device
-    shaper: Shaper = field(default_factory=Shaper)  # grammar masks and log-probabilities (none by default)
-    audit: Audit = field(default_factory=Audit)  # host waits per model (core.hostsync)
-
-    def __post_init__(self) -> None:
-        self.site = self.audit.site("target")
-        self.device = self.last.device
+    def __init__(self, seating: Seating, first: torch.Tensor) -> None:
+        self.seating = seating
+        self.runner = seating.target  # in step mode
+        self.drafter = seating.drafter  # None for AR
+        self.rows = seating.rows
+        self.k = seating.k if self.drafter is not None else 0  # drafts per round (0 for AR)
+        self.sampling = seating.sampling
+        self.shaper = seating.shaper
+        self.last = first  # [B] long on the target's device
+        self.site = seating.audit.site("target")
+        self.device = first.device
         self.clock = DeviceClock(self.device)  # draft and verify seconds as the device spent them
         batch = len(self.rows)
         self.live = torch.ones(batch, dtype=torch.bool, device=self.device)  # [B]
         none = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
         self.no_drafts = Proposal(none[:, None][:, :0], none)  # AR: [B, 0] drafts
+        self.hidden = self.drafter is not None and self.drafter.hidden is not None  # it reads hidden states
+        self.failed: BaseException | None = None  # the drafter failed in this round's commit
+
+    def plain(self) -> Round:
+        """These rounds from the next one on with no drafter: plain steps over the same rows,
+        caches, pending tokens and live rows (engine.auto switching to AR mid-answer)."""
+        rounds = Round(replace(self.seating, drafter=None, k=0), self.last)
+        rounds.live = self.live  # rows that finished keep their cache length
+        return rounds
 
     def run(self, index: int) -> Iterator[Event]:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
         active = [r.active for r in self.rows]
         t0 = self.clock.mark()
-        proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
+        try:
+            proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
+        except DRAFT_FAILURES as exc:  # the rows go on with plain steps: the same tokens
+            yield self.lose_drafter(index, exc)
+            proposal = self.shaper.prepare(self.no_drafts)
         t1 = self.clock.mark()
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
-        logits = self.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
+        logits = self.seating.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         logits, proposal = self.shaper.mask(logits, proposal, active)  # each position: its grammar's mask
         verdict = self.sampling.verify(logits, proposal.drafts, proposal.q, proposal.n_draft)
         t2 = self.clock.mark()
@@ -88,6 +101,18 @@ class Round:
         emitted, origins = self.commit(proposal, verdict, outcome, active, draft_s, verify_s)
         yield from token_events(self.rows, emitted, origins, logprobs)
         yield self.round_event(index, proposal, outcome, emitted, active, draft_s, verify_s)
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            yield self.lose_drafter(index, failed)
+
+    def lose_drafter(self, index: int, exc: BaseException) -> DraftLostEvent:
+        """The drafter failed: from now on plain steps (the target has verified every token
+        the rows hold, so they go on exactly as AR would), and the event saying why."""
+        reason = exc.message if isinstance(exc, SSDLocalError) else f"{type(exc).__name__}: {exc}"
+        log.warning("the drafter failed (%s): the rows go on with plain steps", reason)
+        self.seating.drafter = None  # nothing keeps its prefixes; the loop still closes it
+        self.drafter, self.k, self.hidden = None, 0, False
+        return DraftLostEvent(index, reason)
 
     # ------------------------------------------------------------------ steps
     def propose(self, active: list[bool]) -> Proposal:
@@ -151,7 +176,7 @@ class Round:
         if still != active:  # a row finished: its cache length stays where it is
             self.live = self.site.upload(still, self.device, torch.bool)
         if self.drafter is not None:
-            self.drafter.observe(
+            self._observe(
                 RoundOutcome(
                     tuple(map(tuple, emitted)),
                     tuple(outcome.n_accepted),
@@ -160,9 +185,19 @@ class Round:
                     verdict,
                     draft_s=draft_s,
                     verify_s=verify_s,
+                    hidden=self.runner.hidden() if self.hidden else None,
                 )
             )
         return emitted, origins
+
+    def _observe(self, outcome: RoundOutcome) -> None:
+        """Tell the drafter; one that fails here is lost once the round has reported (its
+        tokens stand: the target verified them)."""
+        assert self.drafter is not None
+        try:
+            self.drafter.observe(outcome)
+        except DRAFT_FAILURES as exc:
+            self.failed = exc
 
     def round_event(self, index, proposal, outcome, emitted, active, draft_s, verify_s) -> RoundEvent:
         """What this round did per active row and what it cost (core.stats counts it)."""

@@ -23,25 +23,8 @@ import torch
 from ssdlocal.core.events import TokenLogprob
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.logprobs import to_host, token_logprobs
+from ssdlocal.core.sequence import FinishReason, Row
 from ssdlocal.core.verify import mask_logits
-
-
-def make_shaper(
-    grammars, rows: int, logprobs: int | None, vocab_size: int, eos_ids, audit: Audit | None = None, carried=None
-) -> Shaper:
-    """The Shaper of one batch of `rows` rows: a matcher per row with a grammar (grammars[b],
-    or None; `carried[b]`: a row's grammar.guide.RowGuide from an earlier batch, going on),
-    and `logprobs` alternatives per token (None: no log-probabilities); host waits counted
-    in `audit` (core.hostsync; default: one nobody reads)."""
-    audit = audit or Audit()
-    if grammars is not None and len(grammars) != rows:
-        raise ValueError(f"{len(grammars)} grammars for {rows} prompts")
-    guides = None
-    if grammars is not None and any(g is not None for g in grammars):
-        from ssdlocal.grammar.guide import Guides
-
-        guides = Guides(grammars, vocab_size, sorted(eos_ids), audit, carried)
-    return Shaper(guides, logprobs, audit)
 
 
 class Shaper:
@@ -52,6 +35,24 @@ class Shaper:
         self.logprobs = logprobs  # alternatives per token, or None: no log-probabilities
         self.site = (audit or Audit()).site("target")  # the target's host waits
         self.first_logprobs: list[tuple[TokenLogprob, ...]] | None = None
+
+    @classmethod
+    def for_rows(cls, rows: Sequence[Row], vocab_size: int, eos_ids, audit: Audit | None = None) -> Shaper:
+        """The Shaper of one batch: a matcher per row whose request has a grammar (a row's
+        own `guide` from an earlier batch goes on; a new one is kept on the row), and the
+        most log-probability alternatives any row asked for (None: no row asked); host
+        waits counted in `audit` (core.hostsync; default: one nobody reads)."""
+        audit = audit or Audit()
+        grammars = [row.request.grammar if row.request is not None else None for row in rows]
+        asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+        guides = None
+        if any(g is not None for g in grammars):
+            from ssdlocal.grammar.guide import Guides
+
+            guides = Guides(grammars, vocab_size, sorted(eos_ids), audit, [row.guide for row in rows])
+            for row, guide in zip(rows, guides.rows):
+                row.guide = guide
+        return cls(guides, max(asked) if asked else None, audit)
 
     def first_token(
         self, logits: torch.Tensor, sampling, fresh: Sequence[bool] | None = None
@@ -123,8 +124,8 @@ class Shaper:
             return
         for b, message in self.guides.errors().items():
             row = rows[b]
-            if row.finish_reason is not None and row.finish_reason != "cancelled":
-                row.finish_reason, row.error = "error", message
+            if row.finish_reason is not None and row.finish_reason is not FinishReason.CANCELLED:
+                row.finish_reason, row.error = FinishReason.ERROR, message
 
     def seconds(self, live: Sequence[int]) -> tuple[tuple[bool, ...] | None, tuple[float, ...] | None]:
         """(constrained, grammar seconds since the last call) of the rows `live`."""

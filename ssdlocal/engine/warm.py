@@ -12,21 +12,25 @@ worker (a process of its own) captures its steps when it first takes them.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ssdlocal.core.config import Mode, SpecConfig
+
+if TYPE_CHECKING:
+    from ssdlocal.engine.parts import EngineParts
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_WIDTHS = (1, 2, 4)  # a draft model's catch-up: the bonus, or the bonus and the last draft, or a few more
 
 
-def warm_up(engine, spec: SpecConfig, max_batch: int) -> int:
+def warm_up(parts: EngineParts, spec: SpecConfig, max_batch: int) -> int:
     """Capture the steps a server of `max_batch` rows in `spec`'s (resolved) mode takes on
-    its target and, for SD, its draft model; returns the graphs captured."""
+    its target and, for SD, its draft model (when loaded here); returns the graphs captured."""
     k = spec.k if spec.mode is not Mode.AR else 0
     widths = (1,) if k == 0 else (1, k + 1)
-    captured = engine.runner.warm_up(max_batch, widths)
-    draft = engine._draft_runner if spec.mode is Mode.SD and spec.draft.model is not None else None
+    captured = parts.target.warm_up(max_batch, widths)
+    draft = parts.drafts.runner if spec.mode is Mode.SD and spec.draft.model is not None else None
     if draft is not None:
         captured += draft.warm_up(max_batch, (1,), CATCH_UP_WIDTHS)
     if captured:

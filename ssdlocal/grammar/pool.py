@@ -60,6 +60,17 @@ class CompilePool:
             while len(self._idle) < self.workers:
                 self._idle.append(_Child(self._child_args()))
 
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until the children started now have built their vocabulary view (a child
+        that fails to start is reported at the first compile, as before)."""
+        with self._lock:
+            children = list(self._idle)
+        for child in children:
+            try:
+                child.wait_ready(timeout_s)
+            except (RuntimeError, GrammarError, EOFError, OSError):
+                log.debug("a grammar child did not start", exc_info=True)
+
     def _child_args(self):
         if self._args is None:
             from ssdlocal.grammar.compiler import vocabulary_json

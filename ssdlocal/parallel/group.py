@@ -1,7 +1,7 @@
 """A tensor-parallel target: rank 0 in this process (it runs the engine), one spawned
 process per other rank, each holding a shard (tp.py) on its own device.
 
-Rank 0 wraps its shard in `TPModel` (tpmodel.py), which TorchRunner uses like a plain Transformer:
+Rank 0 wraps its shard in `TPModel` (tpmodel.py), which TorchRunner uses like a plain model:
 before each forward it sends a small header (op, shapes) down a pipe to every rank,
 broadcasts ids/positions/slots/mask with torch.distributed, and runs its shard; the
 ranks run the same forward, so every all_reduce meets its partners.
@@ -364,7 +364,7 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
     The LoadedModel's `model` is a TPModel, so TorchRunner drives the whole group.
     """
     from ssdlocal.backends.torch.loader import resolve_checkpoint
-    from ssdlocal.backends.torch.model import ModelArgs
+    from ssdlocal.backends.torch.models import args_from_config
     from ssdlocal.parallel.tp import check_divisible
     from ssdlocal.weights.formats.checkpoint import load_hf_config
 
@@ -375,8 +375,8 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
         )
     # converts a .gguf once here (float or quantized), so the ranks find it in the cache
     ckpt = resolve_checkpoint(spec.path, getattr(spec, "quantization", "none"), spec.dtype)
-    args = ModelArgs.from_hf_config(load_hf_config(ckpt))
-    check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, len(devices))
+    args = args_from_config(load_hf_config(ckpt))
+    check_divisible(args.tensor_parallel_sizes, len(devices))
     group = RankGroup(spec, devices, **timeouts)
     try:
         from ssdlocal.parallel.shard_loader import load_shard

@@ -26,13 +26,14 @@ from ssdlocal.backends.torch.loader import (
     read_state_dict,
     resolve_checkpoint,
 )
-from ssdlocal.backends.torch.model import ModelArgs, Transformer
+from ssdlocal.backends.torch.models import args_from_config, build
 from ssdlocal.backends.torch.quant import QuantizedWeight
 from ssdlocal.backends.torch.quant_load import load_quantized_weights
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
 from ssdlocal.parallel.tp import apply_tensor_parallel, check_divisible
-from ssdlocal.weights.formats.arch import Architecture, architecture
+from ssdlocal.weights.formats.arch import Architecture
+from ssdlocal.weights.formats.archs import architecture
 from ssdlocal.weights.formats.checkpoint import (
     load_hf_config,
     load_tokenizer,
@@ -86,15 +87,15 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
     scheme = resolve_scheme(spec.path, spec.quantization)
     ckpt = resolve_checkpoint(spec.path, scheme, spec.dtype)
     hf_config = load_hf_config(ckpt)
-    args = ModelArgs.from_hf_config(hf_config)
+    args = args_from_config(hf_config)
     arch = architecture(args.arch)
-    check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, world)
+    check_divisible(args.tensor_parallel_sizes, world)
     files = weight_files(ckpt)
     dev, dtype = parse_device(device), parse_dtype(spec.dtype, hf_config)
     tok = load_tokenizer(ckpt) if tokenizer else None
     preflight(ckpt, args, files, scheme, dev, dtype)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build(args)
     apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors
     try:
         if scheme != "none":

@@ -1,4 +1,4 @@
-"""Tensor parallelism applied to a loaded Transformer from outside the model code (gpt-fast tp.py).
+"""Tensor parallelism applied to a loaded model from outside the model code (gpt-fast tp.py).
 
 Each rank keeps 1/TP of the attention heads and of the MLP's intermediate features. How
 each linear splits comes from the architecture's description (weights/formats/arch.py):
@@ -19,9 +19,10 @@ from dataclasses import replace
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssdlocal.backends.torch.models.moe import MoE, StackedLinear
 from ssdlocal.backends.torch.quant_apply import replace_module
 from ssdlocal.core.errors import UsageError
-from ssdlocal.weights.formats.arch import architecture
+from ssdlocal.weights.formats.archs import architecture
 
 
 class RowParallelLinear(nn.Module):
@@ -45,17 +46,11 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:
-    """Raise UsageError unless heads, kv heads and MLP width split evenly over `tp` ranks."""
-    bad = [
-        f"{name}={value}"
-        for name, value in (
-            ("num_heads", num_heads),
-            ("num_kv_heads", num_kv_heads),
-            ("intermediate_size", intermediate_size),
-        )
-        if value % tp
-    ]
+def check_divisible(sizes: tuple[tuple[str, int], ...], tp: int) -> None:
+    """Raise UsageError unless every (name, size) tensor parallelism divides (a model's
+    heads, kv heads, MLP and expert widths: ModelArgs.tensor_parallel_sizes) splits evenly
+    over `tp` ranks."""
+    bad = [f"{name}={value}" for name, value in sizes if value % tp]
     if tp < 1 or bad:
         raise UsageError(
             f"tensor parallelism over {tp} devices needs {', '.join(bad) or 'tp >= 1'} divisible by {tp}",
@@ -89,7 +84,7 @@ def _row_parallel(linear: nn.Linear, rank: int, tp: int, group) -> RowParallelLi
 
 
 def apply_tensor_parallel(model: nn.Module, rank: int, tp: int, group=None) -> nn.Module:
-    """Shard a loaded Transformer in place for `rank` of `tp`; returns the same model.
+    """Shard a loaded model in place for `rank` of `tp`; returns the same model.
 
     Contiguous head blocks per rank keep grouped-query attention intact: with
     rep = H / Hkv, the rank's q heads [r*H/TP, (r+1)*H/TP) use exactly its kv heads
@@ -97,26 +92,62 @@ def apply_tensor_parallel(model: nn.Module, rank: int, tp: int, group=None) -> n
     per-rank head counts so the cache is [B, Hkv/TP, N, D].
     """
     args = model.args
-    check_divisible(args.num_heads, args.num_kv_heads, args.intermediate_size, tp)
+    check_divisible(args.tensor_parallel_sizes, tp)
     if tp == 1:
         return model
     linears = architecture(args.arch).linears
     for layer in model.layers:
         for name, linear in linears.items():
-            if linear.split == "column":
-                _shard_columns(layer.get_submodule(name), rank, tp)
+            if "{e}" in name or not _has(layer, name):  # one expert each: stacked in the model
+                continue
+            module = layer.get_submodule(name)
+            if isinstance(module, StackedLinear):
+                _shard_stacked(module, linear.split, rank, tp)
+            elif linear.split == "column":
+                _shard_columns(module, rank, tp)
             elif linear.split == "row":
-                replace_module(layer, name, _row_parallel(layer.get_submodule(name), rank, tp, group))
+                replace_module(layer, name, _row_parallel(module, rank, tp, group))
+        for module in layer.modules():
+            if isinstance(module, MoE):  # its experts' outputs are partial sums now
+                module.group = group or _world()
         layer.self_attn.n_heads //= tp
         layer.self_attn.n_kv_heads //= tp
-    model.args = replace(
-        args,
-        num_heads=args.num_heads // tp,
-        num_kv_heads=args.num_kv_heads // tp,
-        intermediate_size=args.intermediate_size // tp,
-    )
+        if layer.self_attn.sinks is not None:  # one sink per query head: the rank's heads
+            layer.self_attn.sinks = nn.Parameter(_rows(layer.self_attn.sinks.data, rank, tp), requires_grad=False)
+    model.args = replace(args, **{name: value // tp for name, value in args.tensor_parallel_sizes})
     model.tp_rank, model.tp_size = rank, tp
     return model
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:  # e.g. a dense layer of a MoE model has no experts
+        return False
+    return True
+
+
+def _world():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def _shard_stacked(experts: StackedLinear, split: str, rank: int, tp: int) -> None:
+    """Every expert keeps the rank's slice: output features (column: weight [E, out/TP, in],
+    bias [E, out/TP]) or input features (row: weight [E, out, in/TP]; the MoE sums the
+    partial outputs over the ranks, a bias is not expected on a row split here)."""
+    weight = experts.weight.data
+    n = weight.shape[1 if split == "column" else 2] // tp
+    dim = 1 if split == "column" else 2
+    experts.weight = nn.Parameter(weight.narrow(dim, rank * n, n).contiguous(), requires_grad=False)
+    if experts.bias is not None and split == "column":
+        experts.bias = nn.Parameter(experts.bias.data.narrow(1, rank * n, n).contiguous(), requires_grad=False)
+    elif experts.bias is not None:
+        raise UsageError(
+            "tensor parallelism over experts whose down projection has a bias is not implemented",
+            "run this model on one device",
+        )
 
 
 def shard_bytes(model: nn.Module) -> int:

@@ -1,9 +1,8 @@
 """Automatic placement: `--target-device auto`, `--draft-device auto`, `--target-devices
 auto`, and whether llama.cpp beats torch for a CPU-only run.
 
-Sizes come from safetensors / GGUF headers (no weights are read), scaled to the run
-dtype or to the quantized layout; a .gguf file loaded as floats counts by its size on
-disk. The planner (planner.py) puts the target on the GPUs (tensor parallel across
+Sizes come from weights/size.py (headers only: the run dtype or the quantized layout; a
+.gguf file loaded as floats counts by its size on disk). The planner (planner.py) puts the target on the GPUs (tensor parallel across
 several) and the draft on a free GPU; with no GPU left for the draft it shares the
 target's GPU when it fits there (a GPU draft outruns a CPU one). Pure apart from reading
 headers, `detect()` and looking for llama_cpp (whether llama.cpp also runs on this
@@ -12,43 +11,11 @@ machine is the probe's question: backends/llamacpp/probe.py).
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
-from pathlib import Path
 
 from ssdlocal.core.models import BackendName
 
 log = logging.getLogger(__name__)
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", device_type: str = "cpu") -> float:
-    """Weights of a checkpoint in GB when loaded as `dtype` with `quantization` on a
-    `device_type` device (header-only read; quantized sizes count codes + scales, see
-    core/quantization.py)."""
-    path = Path(path).expanduser()
-    if quantization != "none":
-        from ssdlocal.backends.registry import quantized_bytes
-
-        held = quantized_bytes(path, quantization, dtype, device_type)
-        if held is not None:
-            return held / 1e9
-    if path.is_file():  # .gguf: quantized on disk; the torch backend dequantizes to dtype
-        return path.stat().st_size / 1e9
-    numel = 0
-    for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                n = 1
-                for d in info["shape"]:
-                    n *= d
-                numel += n
-    return numel * _BYTES.get(dtype, 2) / 1e9
 
 
 def auto_devices(
@@ -65,8 +32,8 @@ def auto_devices(
 
     Raises PlacementError (with a hint) when nothing fits.
     """
-    from ssdlocal.backends.registry import attention_heads
     from ssdlocal.placement.inventory import detect
+    from ssdlocal.weights.size import attention_heads, checkpoint_gb
     from ssdlocal.placement.planner import plan_placement
 
     inventory = detect() if inventory is None else inventory

@@ -96,8 +96,8 @@ def placement_mode(
     adaptive_k: bool = True,
     batch_exact: bool = True,
 ) -> ModeChoice | None:
-    """The mode for this placement. `draft_kind`: "none", "model", or a drafter that costs
-    nothing ("ngram", "suffix"); `batch_exact`: the target's kernels give a token the same
+    """The mode for this placement. `draft_kind`: "none", "model", "head" (a draft head
+    beside the target: SD), or a drafter that costs nothing ("ngram", "suffix"); `batch_exact`: the target's kernels give a token the same
     logits however many tokens its call holds (False: llama.cpp on a CPU without
     batch-invariant steps). None when a calibration of the loaded models decides."""
     if draft_kind == "none":
@@ -109,6 +109,13 @@ def placement_mode(
             "(--batch-invariant makes speculation exact on them, at about 1.5x the cost of a "
             "plain step; --mode sd speculates anyway, exact up to such near-ties)",
             "llama.cpp's CPU kernels: plain decoding keeps greedy answers exact",
+        )
+    if draft_kind == "head":
+        return ModeChoice(
+            Mode.SD,
+            "a draft head reads the target's hidden states, which exist only once the target has "
+            "verified a token, so it drafts between verifications (synchronous speculation)",
+            "a draft head drafts between verifications",
         )
     if draft_kind != "model":
         label = draft_label or draft_kind

@@ -26,12 +26,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ssdlocal.core.errors import SSDLocalError, UsageError
@@ -41,8 +36,9 @@ from ssdlocal.server.gate import AccessPolicy, guard
 from ssdlocal.server.grammars import RequestGrammars
 from ssdlocal.server.infill import InfillAnswer, check_fim_chars, fim_ids, parse_infill
 from ssdlocal.server.limits import ClientGone, ServerLimits, check_request, read_body, shutting_down
-from ssdlocal.server.metrics import Metrics
+from ssdlocal.server.metrics import ServerMetrics
 from ssdlocal.server.protocol import (
+    RETRY_AFTER_S,
     APIError,
     ParsedRequest,
     bad,
@@ -61,7 +57,7 @@ class ServerState:
     """What the routes share: the scheduler, counters and the served model's facts."""
 
     scheduler: Scheduler
-    metrics: Metrics
+    metrics: ServerMetrics
     model: str  # the id clients send as "model"
     context: int  # the target's context (prompt + new tokens)
     tokenizer: object  # the target's tokenizer (copied for this side)
@@ -80,7 +76,8 @@ class ServerState:
         self._tokenizer_lock = threading.Lock()
         self.closing = asyncio.Event()  # set when the server starts stopping (begin_shutdown)
         eos = getattr(self.scheduler.engine, "eos_ids", None) or ()
-        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
+        decoder = getattr(self.scheduler.engine, "tokenizer", None)  # the engine thread's, where masks are made
+        self.grammars = RequestGrammars(self.tokenizer, self.vocab_size or len(self.tokenizer), eos, decoder=decoder)
         self.grammars.warm_up()
         self.fim = fim_tokens(self.tokenizer)  # the model's fill-in-the-middle tokens, or None
 
@@ -143,7 +140,9 @@ def create_app(state: ServerState) -> Callable[..., Awaitable[None]]:
 
     async def health(request: Request) -> Response:
         if not state.scheduler.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse(
+                {"status": "engine stopped"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+            )
         return JSONResponse({"status": "ok"})
 
     routes = [
@@ -371,7 +370,7 @@ def _check_token_ids(prompts: list[tuple[int, ...]], vocab_size: int | None) -> 
 class _Outcome:
     """Counts one request once, however it ends."""
 
-    metrics: Metrics
+    metrics: ServerMetrics
     endpoint: str
     prompt_tokens: int
     started: float

@@ -1,8 +1,8 @@
 """Connections: uvicorn's HTTP/1.1 (h11) protocol with the limits uvicorn lacks.
 
-At most `max_connections` open at once (one more is answered 503 and closed before its
-request is read); a deadline for each request's head, counted from the connection's
-start or the previous answer (silent connections and half-sent headers are closed);
+At most `max_connections` open at once (one more is answered 503 with Retry-After and
+closed before its request is read); a deadline for each request's head, counted from the
+connection's start or the previous answer (silent connections and half-sent headers are closed);
 OpenAI-shaped 400s for malformed heads and body framing (a chunk size that is not hex);
 a lingering close when the client is still sending a body that was answered unread
 (413, 403), so that clients which send the whole body before reading (urllib, requests,
@@ -25,12 +25,14 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors besides connections: model files, pipes, the listener, logs
 LINGER_IDLE_S = 2.0  # a lingering close ends once the client sends nothing for this long
 ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+BUSY_RETRY_AFTER_S = 1  # a connection frees when any answer ends
 
 
-def _error_response(status: int, reason: str, message: str, kind: str, code: str) -> bytes:
+def _error_response(status: int, reason: str, message: str, kind: str, code: str, retry_after_s: int = 0) -> bytes:
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    retry = f"retry-after: {retry_after_s}\r\n" if retry_after_s else ""
     head = (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{retry}"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     return head.encode() + body
@@ -65,6 +67,7 @@ def protocol_class(limits: ServerLimits):
         f"too many open connections (this server allows {limits.max_connections}, --max-connections); retry shortly",
         "server_error",
         "too_many_connections",
+        retry_after_s=BUSY_RETRY_AFTER_S,
     )
     bad_request = _error_response(
         400,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.engine.fim import ContextFile, FimTokens, fim_prompt, no_fim_error
 from ssdlocal.server.protocol import APIError, ParsedRequest, bad, parse_completion
 from ssdlocal.server.responses import grammar_failure
@@ -39,7 +40,13 @@ _FIELDS = {
     "ignore_eos": "ignore_eos",
     "return_tokens": "return_token_ids",
 }
-STOP_TYPES = {"eos": "eos", "stop": "word", "length": "limit", "cancelled": "none"}
+# our finish reasons in llama.cpp's /infill stop_type words
+STOP_TYPES = {
+    FinishReason.EOS: "eos",
+    FinishReason.STOP: "word",
+    FinishReason.LENGTH: "limit",
+    FinishReason.CANCELLED: "none",
+}
 
 
 def parse_infill(body: Any, max_new_tokens: int | None, model: str) -> ParsedRequest:

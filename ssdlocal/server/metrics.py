@@ -19,7 +19,7 @@ from ssdlocal.core.metrics import Metrics as CallMetrics
 PREFIX = "ssdlocal_"
 
 
-class Metrics:
+class ServerMetrics:
     """Counters since the server started."""
 
     def __init__(self, model: str, mode: str, version: str) -> None:
@@ -43,6 +43,7 @@ class Metrics:
         self.prefix_cache: dict = {}  # the target's prefix cache counts, as of the last call
         self.host_waits: dict[str, int] = defaultdict(int)  # per model: stream synchronisations (core.hostsync)
         self.batch_rounds = 0  # verification rounds of every engine call
+        self.draft_losses = 0  # drafters that failed mid-batch (its rows went on without them)
         self.rows_running = 0  # rows of the running batch not finished yet
         self.rows_waiting = 0  # rows waiting to join it
         self.queue_sum = 0.0  # seconds from arrival to joining the running batch, summed over requests
@@ -67,7 +68,7 @@ class Metrics:
 
     def record_job(self, counts: Counts, stats: dict) -> None:
         """A job finished: its core.stats counts and its answer's stats
-        (Metrics.request_stats: the JSON the client gets, whose ttft is the request's own)."""
+        (core.metrics.Metrics.request_stats: the JSON the client gets, whose ttft is the request's own)."""
         with self._lock:
             self.counts = self.counts + counts
             ttft = stats.get("ttft_s")
@@ -100,6 +101,7 @@ class Metrics:
             self.read_prompt_tokens += stats.prompt_tokens - stats.cached_prompt_tokens
             self.prefix_cache = (stats.prefix_cache or {}).get("target", self.prefix_cache)
             self.batch_rounds += stats.rounds
+            self.draft_losses += stats.draft_losses
             for model, waits in (stats.host_waits or {}).items():
                 self.host_waits[model] += waits.get("waits", 0)
 
@@ -216,6 +218,12 @@ class Metrics:
                     ("", {"model": k}, n / self.batch_rounds if self.batch_rounds else math.nan)
                     for k, n in sorted(self.host_waits.items())
                 ],
+            )
+            one(
+                "draft_losses",
+                "counter",
+                "Drafters (an SSD worker, a draft model) that failed mid-batch; its rows finished without them.",
+                self.draft_losses,
             )
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)

@@ -32,6 +32,8 @@ MAX_N = 16  # choices per request
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; some editor plug-ins send more
 MAX_STOP_CHARS = 64  # each stop string is searched in the answer after every round
 _SURROGATE = re.compile("[\ud800-\udfff]")
+RETRY_STATUSES = (429, 503)  # answers that say "later": each carries Retry-After
+RETRY_AFTER_S = 5  # seconds, where the cause names no better wait
 
 
 class APIError(Exception):
@@ -45,7 +47,8 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # OpenAI's field name
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,  # extra response headers (e.g. Connection: close)
+        headers: dict[str, str] | None = None,  # extra response headers (e.g. Connection: close);
+        # a 429 or 503 without Retry-After gets RETRY_AFTER_S
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -54,6 +57,8 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        if status in RETRY_STATUSES and not any(k.lower() == "retry-after" for k in headers or {}):
+            self.headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -8,7 +8,8 @@ stream sends the stats with its last finish chunk and `usage` as OpenAI does: on
 tool_parse.py: calls become `message.tool_calls` (streamed as `delta.tool_calls` with their
 index, each call once complete) and the finish reason `tool_calls`. A choice whose grammar
 the engine could not continue ends with finish_reason "error" and an `error` (`failures`). Log-probabilities go
-with the tokens they belong to (logprob_format.py). Pure dict building: no HTTP, no engine.
+with the tokens they belong to (logprob_format.py), never for the end-of-sequence token
+that ended a choice (`answer_logprobs`). Pure dict building: no HTTP, no engine.
 """
 
 from __future__ import annotations
@@ -17,12 +18,28 @@ import time
 import uuid
 from typing import Any
 
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.server.logprob_format import TokenText, chat_entries, completion_block
 from ssdlocal.server.protocol import APIError, ParsedRequest
 from ssdlocal.server.scheduler import Chunk, Finished
 from ssdlocal.server.tool_parse import CallStart, Content, ToolCallParser, collect
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
+# our finish reasons in OpenAI's words (a cancelled row's answer is never sent)
+FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ERROR: "error",
+}
+
+
+def answer_logprobs(logprobs, token_ids, reason: FinishReason | None):
+    """A row's logprobs without the end-of-sequence token that ended it (Qwen's
+    `<|im_end|>`): it is no part of the answer's text, and OpenAI never returns it, so
+    the tokens returned join to the text."""
+    if logprobs and reason is FinishReason.EOS and token_ids and logprobs[-1].token == token_ids[-1]:
+        return logprobs[:-1]
+    return logprobs
 
 
 def grammar_failure(req: ParsedRequest, message: str, choice: int | None = None) -> APIError:
@@ -33,17 +50,19 @@ def grammar_failure(req: ParsedRequest, message: str, choice: int | None = None)
     return APIError(400, f"{where}{message} (simplify the schema or pattern)", param=param, code="grammar_failed")
 
 
-def finish_reason(reason: str | None, called: bool = False, parser: ToolCallParser | None = None) -> str | None:
+def finish_reason(
+    reason: FinishReason | None, called: bool = False, parser: ToolCallParser | None = None
+) -> str | None:
     """OpenAI's finish reason; an answer that ended by itself after tool calls, or whose
     list of calls ended with a repeated call: tool_calls. An answer that ended inside a
     call (a stop string, max_tokens) keeps its own reason: the cut call is text."""
     if parser is not None:
-        if parser.repeated and parser.calls and reason != "error":
+        if parser.repeated and parser.calls and reason is not FinishReason.ERROR:
             return "tool_calls"
         called = parser.calls > 0 and not parser.cut
-    if called and reason in ("eos", "stop"):
+    if called and reason in (FinishReason.EOS, FinishReason.STOP):
         return "tool_calls"
-    return None if reason is None else FINISH_REASONS.get(reason, reason)
+    return None if reason is None else FINISH_REASONS.get(reason, reason.value)
 
 
 class Responses:
@@ -101,7 +120,7 @@ class Responses:
     def complete(self, finished: Finished) -> dict[str, Any]:
         choices = []
         for index, (text, ids, reason) in enumerate(finished.choices):
-            lps = finished.logprobs[index] if finished.logprobs is not None else None
+            lps = answer_logprobs(finished.logprobs[index], ids, reason) if finished.logprobs is not None else None
             parser = None
             if self.req.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -154,7 +173,7 @@ class Responses:
         Logprobs of tokens whose text is still held back go with the next chunk sent."""
         pending = self._pending.setdefault(item.choice, [])
         if item.logprobs:
-            pending.extend(item.logprobs)
+            pending.extend(answer_logprobs(item.logprobs, item.token_ids, item.finish_reason))
         if self.tool_format is None:
             if not (item.text or self.req.return_token_ids):
                 return []  # text held back (a partial character, a stop string's start)

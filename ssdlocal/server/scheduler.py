@@ -40,7 +40,8 @@ from ssdlocal.core.events import (
 )
 from ssdlocal.core.metrics import Metrics
 from ssdlocal.core.stats import RunStats
-from ssdlocal.engine.request import Inbox, Request
+from ssdlocal.engine.request import Inbox
+from ssdlocal.core.sequence import FinishReason, Request
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -53,7 +54,7 @@ class Chunk:
     choice: int
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: tuple | None = None  # core.events.TokenLogprob per token, when asked for
     error: str | None = None  # with finish_reason "error": why the choice could not go on
 
@@ -62,7 +63,7 @@ class Chunk:
 class Finished:
     """A job's end: per choice (text, token ids, finish reason), and its stats."""
 
-    choices: tuple[tuple[str, tuple[int, ...], str], ...]
+    choices: tuple[tuple[str, tuple[int, ...], FinishReason], ...]
     stats: dict[str, Any]
     cached: tuple[int, ...] = ()  # per choice: prompt tokens taken from the prefix cache
     logprobs: tuple[tuple, ...] | None = None  # per choice: its tokens' TokenLogprobs (when asked for)
@@ -105,10 +106,11 @@ class Job:
         self.text = [""] * n
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
+        self.finish: list[FinishReason | None] = [None] * n
         self.errors: list[str | None] = [None] * n  # per choice: its grammar's failure
         self.cached = [0] * n  # per choice: prompt tokens the prefix cache held
         self.batch_size = 0  # rows of the largest batch it shared
+        self.overlapped = False  # another job was waiting or running while it was
         self.joined_at: float | None = None  # when its first row joined the running batch
         self.inbox: Inbox | None = None  # where its requests wait (set by Scheduler.submit)
         self.requests: list[Request] = self.make_requests()
@@ -230,6 +232,9 @@ class Scheduler:
             if self._stopping:
                 job.push(Failed(ServerShuttingDown()))
                 return job
+            for other in self._jobs.values():  # they may share a batch, or its cells (read ahead)
+                if not other.done:
+                    other.overlapped = job.overlapped = True
             self._jobs[job.id] = job
             for choice, request in enumerate(job.requests):
                 self._owners[request.id] = (job, choice)
@@ -353,7 +358,9 @@ class Scheduler:
             job.done = True
             stats = self.job_stats(job)
             self.metrics.record_job(job.stats.counts, stats)
-            choices = tuple((job.text[c], tuple(job.ids[c]), job.finish[c] or "length") for c in range(len(job.rows)))
+            choices = tuple(
+                (job.text[c], tuple(job.ids[c]), job.finish[c] or FinishReason.LENGTH) for c in range(len(job.rows))
+            )
             logprobs = tuple(map(tuple, job.logprobs)) if job.params.logprobs is not None else None
             job.push(Finished(choices, stats, tuple(job.cached), logprobs, tuple(job.errors)))
             self._forget(job)
@@ -405,4 +412,15 @@ class Scheduler:
         graphs = self._snapshot.metrics.graphs if self._snapshot is not None else self._graphs
         m = Metrics.of(job.stats.counts, mode=self.mode, ttft_s=ttft, graphs=graphs)  # graphs: this seating's
         queue = None if job.joined_at is None else job.joined_at - job.submitted_at
-        return {**m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None), "queue_s": queue}
+        stats = m.request_stats(batch_size=job.batch_size, grammar=job.grammar is not None)
+        return {**stats, "queue_s": queue, "same_every_run": self._same_every_run(job)}
+
+    def _same_every_run(self, job: Job) -> bool:
+        """Whether the job's greedy tokens are the same whatever came before or beside it
+        (backends/llamacpp/alike.same_every_run: not for rows batched on llama.cpp's CPU kernels)."""
+        from ssdlocal.backends.llamacpp.alike import same_every_run
+
+        target = self.engine.config.target
+        alone = len(job.rows) == 1 and job.batch_size <= 1 and not job.overlapped
+        drafted = job.stats.counts.drafted > 0
+        return same_every_run(target.backend, target.device, target.batch_invariant, drafted=drafted, alone=alone)

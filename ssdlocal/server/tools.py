@@ -95,8 +95,9 @@ def forced_grammar_text(
         lines.append(f'call: {_literal(fmt.open_tag, compiler)} "\\n" body "\\n" {_literal(fmt.close_tag, compiler)}')
     else:
         lines.append("call: body")
-    many = fmt.multiple and choice.mode != "function" and choice.parallel
-    lines.append(f'calls: call ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if many else "calls: call")
+    lines.append(
+        f'calls: call ("\\n" call){{0,{MAX_FORCED_CALLS - 1}}}' if several_calls(fmt, choice) else "calls: call"
+    )
     if answer is not None and choice.mode == "auto":
         schema = answer.schema if answer.kind is GrammarKind.JSON_SCHEMA else {"type": "object"}
         lines.append(f"answer: %json {_embedded(schema)}")
@@ -104,6 +105,12 @@ def forced_grammar_text(
     else:
         lines.insert(0, "start: calls")
     return "\n".join(lines)
+
+
+def several_calls(fmt: ToolFormat, choice: ToolChoice) -> bool:
+    """Whether a forced answer may hold more than one call (then calllist.CallList ends it
+    at a repeated call)."""
+    return fmt.multiple and choice.mode != "function" and choice.parallel
 
 
 def _embedded(schema: dict) -> str:

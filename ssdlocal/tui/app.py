@@ -20,6 +20,7 @@ from textual.screen import Screen
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.tui.core import ChatSettings, EngineLike, describe_pair, error_text, progress_line
+from ssdlocal.tui.load import Meter, sample
 from ssdlocal.tui.messages import EngineReady, LoadProgress, WorkFailed
 from ssdlocal.tui.screens.chat import ChatScreen
 from ssdlocal.tui.screens.dialogs import ErrorModal
@@ -134,13 +135,15 @@ class ChatApp(EngineApp):
         config: EngineConfig,
         settings: ChatSettings,
         system: str | None = None,
+        meter: Meter = sample,
     ) -> None:
         super().__init__(load_engine, config)
         self.chat_settings = settings
         self.system = system
+        self.meter = meter  # the machine's load around each answer (tests: a fake)
 
     def make_screen(self) -> ChatScreen:
-        return ChatScreen(self.chat_settings, self.pair, self.placement, self.system)
+        return ChatScreen(self.chat_settings, self.pair, self.placement, self.system, self.meter)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -178,7 +181,11 @@ class RaceApp(EngineApp):
         warmup: bool = True,
         speed: float = 1.0,
         clock: Callable[[], float] = time.perf_counter,
+        default_config: EngineConfig | None = None,
+        meter: Meter = sample,
     ) -> None:
+        """`default_config`: the settings without the race's own changes (what `auto`
+        picks by default is said for them); `meter` samples the machine's load."""
         super().__init__(load_engine, config)
         self.race_args = {
             "prompt": prompt,
@@ -188,6 +195,9 @@ class RaceApp(EngineApp):
             "warmup": warmup,
             "speed": speed,
             "clock": clock,
+            "config": config,
+            "default_config": default_config,
+            "meter": meter,
         }
 
     def make_screen(self) -> RaceScreen:
@@ -202,4 +212,7 @@ class RaceApp(EngineApp):
             warmup=a["warmup"],
             speed=a["speed"],
             clock=a["clock"],
+            config=a["config"],
+            default_config=a["default_config"],
+            meter=a["meter"],
         )

@@ -11,6 +11,7 @@ from typing import Any
 from textual.message import Message
 
 from ssdlocal.core.metrics import Metrics
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.tui.core import Piece
 
 
@@ -64,14 +65,16 @@ class RoundFinished(Message):
 
 
 class GenerationDone(Message):
-    """The answer is complete (finish_reason "cancelled" after a stop)."""
+    """The answer is complete (FinishReason.CANCELLED after a stop); `load`: the other
+    load on the machine while it ran (a tui.load.Disturbance)."""
 
-    def __init__(self, turn: int, text: str, finish_reason: str, stats: Metrics) -> None:
+    def __init__(self, turn: int, text: str, finish_reason: FinishReason, stats: Metrics, load: Any = None) -> None:
         super().__init__()
         self.turn = turn
         self.text = text
         self.finish_reason = finish_reason
         self.stats = stats
+        self.load = load
 
 
 class RaceProgress(Message):
@@ -82,6 +85,15 @@ class RaceProgress(Message):
         self.index = index
         self.tokens = tokens
         self.pieces = pieces or []
+
+
+class RaceRerun(Message):
+    """A race run was disturbed by other load (`why`) and is recorded again."""
+
+    def __init__(self, index: int, why: str) -> None:
+        super().__init__()
+        self.index = index
+        self.why = why
 
 
 class RaceRecorded(Message):

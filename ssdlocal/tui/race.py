@@ -2,7 +2,10 @@
 
 The modes cannot share this machine without slowing each other, so they run one after
 another; each run records when every TokensEvent arrived, and the TUI (or the plain
-table) replays / reports them with those measured timings. No Textual import here.
+table) replays / reports them with those measured timings. Each run also measures the
+other load on the machine while it ran (load.py); a disturbed run is recorded again once
+(`record_mode`), and a row still disturbed says so. What the race says beside its table
+(exactness, hardware, auto's choice) is facts.py's. No Textual import here.
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent, Output, TokensEvent
 from ssdlocal.core.metrics import Metrics
 from ssdlocal.tui.core import EngineLike, OriginSplitter, Piece
+from ssdlocal.tui.load import Disturbance, Meter, between, sample
 
 RACE_MODES = (Mode.AR, Mode.SD, Mode.SSD)
+RERUNS = 1  # times a mode whose run was disturbed by other load is recorded again
 
 
 @dataclass
@@ -32,6 +38,8 @@ class RaceRun:
     output: Output | None = None
     stats: Metrics | None = None  # the DoneEvent's (None: the call never ended)
     wall_s: float = 0.0  # generate call start -> DoneEvent
+    load: Disturbance | None = None  # other processes' CPU while it ran
+    dropped: tuple[Disturbance, ...] = ()  # earlier runs of this mode, dropped for being disturbed
 
     @property
     def tokens(self) -> int:
@@ -59,11 +67,13 @@ class RaceRun:
 
 
 def race_specs(base: SpecConfig, k: int | None = None, fan_out: tuple[int, ...] | None = None) -> list[SpecConfig]:
-    """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD)."""
+    """AR, SD and SSD variants of the engine's speculation settings (same K for SD/SSD);
+    SSD left out for a draft that drafts in SD only (a draft head: `Draft.ssd`)."""
     k = k or base.k
     fan = fan_out if fan_out is not None else base.fan_out
     fan = fan if fan is not None and len(fan) == k + 1 else None
-    return [replace(base, mode=m, k=k, fan_out=fan, fan_out_miss=None) for m in RACE_MODES]
+    modes = [m for m in RACE_MODES if m is not Mode.SSD or base.draft.ssd]
+    return [replace(base, mode=m, k=k, fan_out=fan, fan_out_miss=None) for m in modes]
 
 
 def record_run(
@@ -75,13 +85,16 @@ def record_run(
     clock: Callable[[], float] = time.perf_counter,
     on_tokens: Callable[[int, list[Piece]], None] | None = None,
     cancel: CancelToken | None = None,
+    meter: Meter = sample,
 ) -> RaceRun:
-    """Generate once and record every TokensEvent with its arrival time.
+    """Generate once and record every TokensEvent with its arrival time, and the other
+    load on the machine meanwhile (`meter`).
 
     `on_tokens(total_tokens, new_pieces)` is called after each TokensEvent (live progress).
     """
     run = RaceRun(spec.mode)
     splitter = OriginSplitter(engine.tokenizer)
+    before = meter()
     start = clock()
     for event in engine.generate([prompt_ids], params, spec=spec, cancel=cancel):
         if isinstance(event, TokensEvent):
@@ -94,6 +107,31 @@ def record_run(
             run.output = event.outputs[0]
             run.stats = event.stats
     run.wall_s = clock() - start
+    run.load = between(before, meter())
+    return run
+
+
+def record_mode(
+    engine: EngineLike,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    spec: SpecConfig,
+    *,
+    on_rerun: Callable[[Disturbance], None] | None = None,
+    reruns: int = RERUNS,
+    **record: Any,
+) -> RaceRun:
+    """record_run, again (up to `reruns` times) while other load disturbed the run;
+    `on_rerun(disturbance)` is told before each new try. The last run is kept."""
+    cancel = record.get("cancel")
+    run = record_run(engine, prompt_ids, params, spec, **record)
+    dropped: list[Disturbance] = []
+    while run.load is not None and run.load.disturbed and len(dropped) < reruns and not (cancel and cancel.cancelled):
+        dropped.append(run.load)
+        if on_rerun is not None:
+            on_rerun(run.load)
+        run = record_run(engine, prompt_ids, params, spec, **record)
+    run.dropped = tuple(dropped)
     return run
 
 
@@ -109,6 +147,17 @@ class RaceRow:
     mean_accepted_len: float | None
     cache_hit_rate: float | None
     identical: bool | None  # same token ids as AR (None for AR itself)
+    first_diff: int | None = None  # the first token that differs from AR's
+    disturbed: str | None = None  # other load during its (last) run, when too much
+    dropped: tuple[str, ...] = ()  # other load of earlier runs of the mode, dropped for it
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token sequences differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
@@ -118,9 +167,10 @@ def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
     for r in runs:
         s = r.stats or Metrics()
         rate = s.tokens_per_s
-        same = None
+        same = diff = None
         if ar is not None and r is not ar and r.output and ar.output:
-            same = r.output.token_ids == ar.output.token_ids
+            diff = first_difference(r.output.token_ids, ar.output.token_ids)
+            same = diff is None
         rows.append(
             RaceRow(
                 mode=r.mode.value.upper(),
@@ -133,25 +183,41 @@ def summarize(runs: Sequence[RaceRun]) -> list[RaceRow]:
                 mean_accepted_len=s.mean_accepted_len,
                 cache_hit_rate=s.cache_hit_rate,
                 identical=same,
+                first_diff=diff,
+                disturbed=r.load.describe() if r.load is not None and r.load.disturbed else None,
+                dropped=tuple(d.describe() for d in r.dropped),
             )
         )
     return rows
 
 
-def identical_verdict(rows: Sequence[RaceRow], greedy: bool) -> str:
-    """One sentence about output equality (only expected token-for-token at T=0)."""
+def identical_verdict(rows: Sequence[RaceRow], greedy: bool, cause: str = "") -> str:
+    """One sentence about output equality (only expected token-for-token at T=0), naming
+    the known cause (facts.divergence_cause) and the first token that differs."""
     checks = [r.identical for r in rows if r.identical is not None]
     if not checks:
         return ""
     if all(checks):
-        return "identical output in every mode ✓"
-    differ = ", ".join(r.mode for r in rows if r.identical is False)
+        return "same: identical output in every mode ✓"
+    differ = ", ".join(f"{r.mode} from token {r.first_diff}" for r in rows if r.identical is False)
     if greedy:
-        return (
-            f"output differs from AR in {differ} ✗ (at T=0 this is a near-tie in low "
-            "precision or a bug; see `ssdlocal check`)"
-        )
-    return f"outputs differ ({differ}): expected at T>0 — same distribution, different samples"
+        return f"same: output differs from AR in {differ} ✗ ({cause or 'see `ssdlocal check`'})"
+    return f"same: outputs differ ({differ}): expected at T>0 — same distribution, different samples"
+
+
+def timing_note(rows: Sequence[RaceRow]) -> str:
+    """Whether other load disturbed the timings: which modes, how much, what was re-run."""
+    parts = []
+    for r in rows:
+        if r.disturbed:
+            again = " (on its re-run too)" if r.dropped else ""
+            parts.append(f"{r.mode}* ran while {r.disturbed}{again}")
+        elif r.dropped:
+            parts.append(f"{r.mode} ran again: its first run shared the CPU ({r.dropped[0]})")
+    if not parts:
+        return "timings: no other load on the CPU during any mode"
+    tail = ": a * speed, and speedups against it, are not this hardware's own" if any(r.disturbed for r in rows) else ""
+    return "timings: " + "; ".join(parts) + tail
 
 
 COLUMNS = (  # (header, what it means): short enough for one line of an 80-column table
@@ -203,9 +269,9 @@ def summary_table(rows: Sequence[RaceRow], title: str | None = None):
     for name, _ in COLUMNS:
         table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
     for r in rows:
-        same = "–" if r.identical is None else ("yes" if r.identical else "NO")
+        same = "–" if r.identical is None else ("✓" if r.identical else "✗")
         table.add_row(
-            r.mode,
+            r.mode + ("*" if r.disturbed else ""),
             str(r.tokens),
             num(r.tokens_per_s),
             num(r.speedup, "{:.2f}×"),

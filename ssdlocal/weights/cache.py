@@ -8,12 +8,15 @@ test verdicts (`probes`), remembered suffix memory (`suffix`), leftover download
 (`index`). Removal never races a build: it takes the lock the
 builder holds (and refuses while someone else holds it), renames the entry out of sight
 first (so nothing half-deleted is ever trusted), then deletes it. Every entry is rebuilt
-or fetched again by the next run that needs it. No UI here.
+or fetched again by the next run that needs it. A model's repository in the Hugging Face
+hub cache (`hub`, what `pull` fetched) is removed the same way (`hub_entry`,
+`remove_hub_file`); nothing outside the two caches is ever removed. No UI here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ KINDS = {
     "gguf-keys": ("index", "file digests"),
     "gguf-tokenizers": ("index", "llama.cpp tokenizer files"),
 }
+HUB = ("hub", "a model's repository in the Hugging Face cache (`ssdlocal pull`)")
 _SIDE_FILES = (".verified.json", ".lock", ".partial")  # next to a GGUF file
 
 
@@ -47,18 +51,75 @@ class CacheEntry:
 
     @property
     def what(self) -> str:
-        return next(what for kind, what in KINDS.values() if kind == self.kind)
+        return next((what for kind, what in (*KINDS.values(), HUB) if kind == self.kind), self.kind)
 
 
 def _size(path: Path) -> int:
+    """Bytes on disk; links are not followed (the hub cache links snapshots to blobs)."""
+    if path.is_symlink():
+        return 0
     if path.is_file():
         return path.stat().st_size
     total = 0
     for root, _, files in os.walk(path):
         for f in files:
             with contextlib.suppress(OSError):
-                total += (Path(root) / f).stat().st_size
+                item = Path(root) / f
+                total += 0 if item.is_symlink() else item.stat().st_size
     return total
+
+
+def _roots() -> tuple[Path, ...]:
+    from ssdlocal.weights.hub import hf_cache_dir
+
+    return cache_dir().resolve(), hf_cache_dir().resolve()
+
+
+def inside_caches(path: Path) -> bool:
+    """Whether `path` lies inside ssdlocal's cache or the Hugging Face hub cache (and is
+    not one of them itself)."""
+    found = Path(path).expanduser().resolve()
+    return any(found != root and found.is_relative_to(root) for root in _roots())
+
+
+def hub_entry(repo: str) -> CacheEntry | None:
+    """A model repository's folder in the hub cache (every commit of it), if there."""
+    from ssdlocal.weights.hub import hf_cache_dir
+
+    folder = hf_cache_dir() / f"models--{repo.replace('/', '--')}"
+    return CacheEntry(HUB[0], f"hub/{folder.name}", folder, _size(folder)) if folder.is_dir() else None
+
+
+def derived(gguf_path: Path, found: list[CacheEntry] | None = None) -> list[CacheEntry]:
+    """What ssdlocal built from a GGUF file (its metadata, quantized and converted caches):
+    entries named by the file's stem and content key."""
+    stem = Path(gguf_path).name.removesuffix(".gguf") + "-"
+    kinds = ("metadata", "quantized", "converted")
+    named = [e for e in (found if found is not None else entries()) if e.kind in kinds and e.path.name.startswith(stem)]
+    if not named:
+        return []
+    from ssdlocal.weights.formats.metadata import content_key
+
+    key = content_key(Path(gguf_path))[:16]
+    return [e for e in named if e.path.name.endswith(key)]
+
+
+def remove_hub_file(path: Path) -> int:
+    """Remove one downloaded file of the hub cache (its snapshot link and the blob it
+    points to) and what was built from it; the bytes freed."""
+    path = Path(path)
+    if not inside_caches(path):
+        raise UsageError(f"{path} is not in a cache", "ssdlocal removes only what it downloaded or built")
+    freed = 0
+    for entry in derived(path) if path.suffix == ".gguf" else []:
+        remove(entry)
+        freed += entry.size
+    blob = path.resolve() if path.is_symlink() else None
+    freed += path.resolve().stat().st_size if path.exists() else 0
+    path.unlink(missing_ok=True)
+    if blob is not None and inside_caches(blob):
+        blob.unlink(missing_ok=True)
+    return freed
 
 
 def entries(root: Path | None = None) -> list[CacheEntry]:
@@ -114,8 +175,11 @@ def select(found: list[CacheEntry], words: list[str]) -> list[CacheEntry]:
 
 
 def remove(entry: CacheEntry) -> None:
-    """Delete one entry unless a process is building it right now (AssetError then)."""
+    """Delete one entry unless a process is building it right now (AssetError then); an
+    entry outside the caches is refused (UsageError)."""
     path = entry.path
+    if not inside_caches(path):
+        raise UsageError(f"{path} is not in a cache", "ssdlocal removes only what it downloaded or built")
     lock = path.with_name(path.name + ".lock")
     with _try_lock(lock, entry):
         if not path.exists():
@@ -155,3 +219,22 @@ def _try_lock(lock: Path, entry: CacheEntry):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def gguf_source(path: str | None) -> str | None:
+    """The GGUF file a model path came from, when known: the path itself (.gguf), or the
+    source of a cached conversion (float or quantized) whose file is still on disk."""
+    if not path:
+        return None
+    found = Path(path).expanduser()
+    if found.is_file() and found.suffix.lower() == ".gguf":
+        return str(found)
+    for marker in ("quantization.json", "ssdlocal-convert.json"):
+        try:
+            info = json.loads((found / marker).read_text())
+        except (OSError, ValueError):
+            continue
+        for candidate in (info.get("path"), cache_dir() / "gguf" / str(info.get("source", ""))):
+            if candidate and Path(candidate).is_file() and str(candidate).endswith(".gguf"):
+                return str(candidate)
+    return None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ssdlocal.core.errors import IncompatiblePairError
 from ssdlocal.core.models import BackendName
-from ssdlocal.weights.formats.arch import find
+from ssdlocal.weights.formats.archs import find
 
 _HINT = (
     "use a draft from the same model family that shares the target's tokenizer "

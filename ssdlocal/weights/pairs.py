@@ -22,6 +22,8 @@ from ssdlocal.core.models import BackendName
 from ssdlocal.core.quantization import quantized_gb, scheme_for_gguf_type
 
 SOURCES = ("hf", "pypi", "local")
+WEIGHTS = ("safetensors", "gguf")  # hf pairs: what the repos hold (gguf: every backend reads the GGUF files)
+DRAFT_WORDS = ("suffix", "ngram")  # `draft = "suffix"`: a pair whose draft is no model
 MAX_SUGGESTED_K = 32
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 
@@ -52,6 +54,11 @@ _GLOBS = _Kind(
     'a list of glob strings, e.g. ["*.json", "*.safetensors"]',
 )
 _TABLE = _Kind(lambda v: isinstance(v, dict), "a table")
+_DRAFT = _Kind(
+    lambda v: isinstance(v, dict) or v in DRAFT_WORDS,
+    f"a table, or one of {', '.join(map(repr, DRAFT_WORDS))} (a draft without a model)",
+)
+_WEIGHTS = _Kind(lambda v: v in WEIGHTS, " or ".join(map(repr, WEIGHTS)))
 _FAN = _Kind(
     lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
     "a list of integers >= 0",
@@ -62,11 +69,12 @@ _TOP_KEYS = {
     "description": _TEXT,
     "family": _TEXT,
     "source": _STR,
+    "weights": _WEIGHTS,
     "gated": _BOOL,
     "suggested_k": _COUNT,
     "suggested_fan_out": _FAN,
     "target": _TABLE,
-    "draft": _TABLE,
+    "draft": _DRAFT,
     "torch": _TABLE,
     "llamacpp": _TABLE,
 }
@@ -139,12 +147,15 @@ class GGUFRef:
 
 @dataclass(frozen=True)
 class Pair:
+    """A target and its draft: a draft model (`draft`), or, for a target no smaller model of
+    its family could draft for, a drafter without a model (`draft` None, `draft_word`)."""
+
     name: str
     description: str
     family: str
     source: str
     target: ModelRef
-    draft: ModelRef
+    draft: ModelRef | None
     suggested_k: int = 4
     suggested_fan_out: tuple[int, ...] | None = None
     gated: bool = False
@@ -153,20 +164,30 @@ class Pair:
     gguf_target: GGUFRef | None = None
     gguf_draft: GGUFRef | None = None
     file: Path | None = field(default=None, compare=False)
+    draft_word: str | None = None  # with `draft` None: the drafter without a model
+    weights: str = "safetensors"  # hf pairs: "gguf" when the repos hold GGUF files only
+
+    @property
+    def draft_label(self) -> str:
+        return self.draft.label if self.draft is not None else f"{self.draft_word} drafting (no draft model)"
+
+    @property
+    def has_gguf(self) -> bool:
+        """GGUF files for the target and for the draft model (if it has one)."""
+        return self.gguf_target is not None and (self.gguf_draft is not None or self.draft is None)
 
     @property
     def backends(self) -> tuple[BackendName, ...]:
         """Backends the pair can run on: every backend reading checkpoints; those that run
         GGUF files as they are when the pair names GGUF files for both models."""
-        has_gguf = self.gguf_target is not None and self.gguf_draft is not None
-        return tuple(b for b in BackendName if has_gguf or not b.runs_gguf)
+        return tuple(b for b in BackendName if self.has_gguf or not b.runs_gguf)
 
     def schemes(self, quantization: str = "none") -> tuple[str, str]:
         """(target, draft) torch weight schemes for `--quantization`: auto is the GGUF
         files' class for a PyPI (GGUF) pair and none for safetensors pairs."""
         if quantization != "auto":
             return quantization, quantization
-        if self.source != "pypi":
+        if self.source != "pypi" and self.weights != "gguf":
             return "none", "none"
         refs = (self.gguf_target, self.gguf_draft)
         return tuple(scheme_for_gguf_type(r.quant) if r and r.quant else "none" for r in refs)  # type: ignore[return-value]
@@ -175,11 +196,14 @@ class Pair:
         """(target, draft) weight memory in GB for `backend` (one running GGUF files: their
         sizes; torch: bf16, or the quantized size of codes + scales with the embedding kept
         in bf16)."""
-        if BackendName(backend).runs_gguf and self.gguf_target and self.gguf_draft:
-            return self.gguf_target.size_gb, self.gguf_draft.size_gb
+        gguf_sizes = self.gguf_target, self.gguf_draft
+        if self.has_gguf and (BackendName(backend).runs_gguf or (self.weights == "gguf" and quantization != "none")):
+            return tuple(r.size_gb if r is not None else 0.0 for r in gguf_sizes)  # type: ignore[return-value]
         out = []
         for ref, scheme in zip((self.target, self.draft), self.schemes(quantization)):
-            if scheme == "none" or not ref.params_b:
+            if ref is None:  # no draft model
+                out.append(0.0)
+            elif scheme == "none" or not ref.params_b:
                 out.append(ref.bf16_gb)
             else:  # no embedding size given: assume a tenth of the model, on the safe side
                 embed = ref.embed_b if ref.embed_b is not None else 0.1 * ref.params_b
@@ -230,7 +254,9 @@ def _check(table: dict, schema: dict[str, _Kind], where: str, path: Path, *, kin
     return table
 
 
-def _model(data: dict, key: str, source: str, path: Path) -> ModelRef:
+def _model(data: dict, key: str, source: str, path: Path) -> ModelRef | None:
+    if key == "draft" and data.get("draft") in DRAFT_WORDS:
+        return None  # a drafter without a model
     if key not in data:
         raise _bad(path, f"needs a [{key}] table")
     table = _check(data[key], _MODEL_KEYS, key, path, kinds=False)
@@ -271,6 +297,9 @@ def parse_pair(path: Path) -> Pair:
     source = data.get("source", "hf")
     if source not in SOURCES:
         raise _bad(path, f"unknown source {source!r} (use one of {', '.join(SOURCES)})")
+    weights = data.get("weights", "safetensors")
+    if weights == "gguf" and not (data.get("llamacpp") or {}).get("target"):
+        raise _bad(path, 'weights = "gguf" needs a [llamacpp.target] table naming the GGUF file')
     k, fan = _suggested(data, path)
     torch_table = _check(data.get("torch", {}), _TORCH_KEYS, "torch", path)
     llamacpp = _check(data.get("llamacpp", {}), _LLAMACPP_KEYS, "llamacpp", path)
@@ -292,6 +321,8 @@ def parse_pair(path: Path) -> Pair:
         gguf_target=_gguf(llamacpp.get("target"), "target", path),
         gguf_draft=_gguf(llamacpp.get("draft"), "draft", path),
         file=path,
+        draft_word=data["draft"] if data.get("draft") in DRAFT_WORDS else None,
+        weights=weights,
     )
 
 

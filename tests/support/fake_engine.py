@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import replace
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import (
@@ -248,9 +248,34 @@ class FakeEngine:
         yield DoneEvent((Output(self.tokenizer.decode(generated), generated, finish),), stats.snapshot())
 
 
-def chat_settings(mode: Mode = Mode.SSD, draft: str | None = "d", k: int = 4, fan_out=None, **sampling):
-    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams."""
+class FakeMeter:
+    """Scripted machine load (tui/load.Meter): each pair of samples (before and after a
+    run or an answer) spans 5 virtual seconds in which other processes used the next of
+    `others` cores (0 once they run out), on a machine of `cores` cores."""
+
+    def __init__(self, others=(), cores: int = 2) -> None:
+        self.others = list(others)
+        self.cores = cores
+        self.samples = 0
+        self._wall = self._busy = self._ours = 0.0
+
+    def __call__(self):
+        from ssdlocal.tui.load import LoadSample
+
+        self.samples += 1
+        if self.samples % 2 == 0:  # after a run
+            load = self.others.pop(0) if self.others else 0.0
+            self._wall += 5.0
+            self._ours += 5.0
+            self._busy += 5.0 * (1.0 + load)
+        return LoadSample(self._wall, self._busy, self._ours, self.cores)
+
+
+def chat_settings(mode: Mode = Mode.SSD, draft: Any = "d", k: int = 4, fan_out=None, **sampling):
+    """ChatSettings for tests: speculation fields by name, the rest to SamplingParams;
+    `draft` as a user types it (None, "ngram", a path) or a Draft already made."""
     from ssdlocal.tui.core import ChatSettings
 
-    spec = SpecConfig(mode=mode, k=k, draft=draft_of(draft), fan_out=fan_out)
+    made = draft if draft is not None and not isinstance(draft, str) else draft_of(draft)
+    spec = SpecConfig(mode=mode, k=k, draft=made, fan_out=fan_out)
     return ChatSettings(spec, SamplingParams(**{"max_new_tokens": 256, **sampling}))

@@ -51,4 +51,5 @@ def hub(tmp_path, monkeypatch) -> FakeHub:
     monkeypatch.setenv("SSDLOCAL_PAIRS_PATH", str(pair_file.parent))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "model_info", fake.model_info)
     return fake

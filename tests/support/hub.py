@@ -3,7 +3,10 @@
 `FakeHub` replaces huggingface_hub.snapshot_download / hf_hub_download and copies files
 from `remote/<org>/<name>/` into the hub cache layout; like the real client (huggingface_hub
 >= 1.0) it writes each file to a temporary name and deletes it when the transfer breaks,
-so a cut-off file starts over. The `hub` fixture (conftest.py) registers `fake-pair`.
+so a cut-off file starts over. `model_info` answers as the hub's API does (a real
+huggingface_hub ModelInfo: the commit, every file with its size, the model type read from
+config.json or the GGUF header), or raises RepositoryNotFoundError / RevisionNotFoundError.
+The `hub` fixture (conftest.py) registers `fake-pair`.
 """
 
 from __future__ import annotations
@@ -108,6 +111,43 @@ class FakeHub:
                 continue
             self._copy(src, snap / rel)
         return str(snap)
+
+    def model_info(self, repo_id, *, revision=None, files_metadata=False, token=None, **kwargs):
+        import httpx2
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.hf_api import ModelInfo
+
+        self.calls.append({"fn": "info", "repo": repo_id, "revision": revision, "token": token})
+        url = f"https://hf.co/api/models/{repo_id}/revision/{revision}"
+        if self.unreachable:
+            raise httpx2.ConnectError("[Errno 111] Connection refused")
+        root = self.remote / repo_id
+        if not root.is_dir():
+            response = httpx2.Response(404, request=httpx2.Request("GET", url))
+            raise RepositoryNotFoundError(f"404 Client Error. Repository Not Found for url: {url}", response=response)
+        if revision not in (None, "main", "v1.0", self.commit) and not re.fullmatch(r"[0-9a-f]{40}", revision or ""):
+            response = httpx2.Response(404, request=httpx2.Request("GET", url))
+            raise RevisionNotFoundError(f"404 Client Error. Revision Not Found for url: {url}", response=response)
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        siblings = [
+            {"rfilename": str(p.relative_to(root)), **({"size": p.stat().st_size} if files_metadata else {})}
+            for p in files
+        ]
+        info = {"id": repo_id, "sha": self.commit, "siblings": siblings, "gated": repo_id in self.gated}
+        config = root / "config.json"
+        if config.is_file():
+            import json
+
+            info["config"] = {"model_type": json.loads(config.read_text()).get("model_type")}
+        gguf = next((p for p in files if p.suffix == ".gguf"), None)
+        if gguf is not None:
+            from ssdlocal.weights.formats.gguf import GGUFHeader
+
+            try:
+                info["gguf"] = {"architecture": GGUFHeader.read(gguf).metadata.get("general.architecture")}
+            except Exception:  # noqa: BLE001 - a file that is no GGUF: the hub reports no header either
+                pass
+        return ModelInfo(**info)
 
     def hf_hub_download(
         self,

@@ -23,7 +23,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from ssdlocal.weights.formats.arch import Architecture, TensorNames, register
+from ssdlocal.weights.formats.arch import Architecture, TensorNames
+from ssdlocal.weights.formats.archs import register
 
 RENAMED = Architecture(
     "renamed-llama",

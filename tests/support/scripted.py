@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ssdlocal.backends.base import HeldRows, kept_logits
+from ssdlocal.draft.base import DrafterBase
 
 LogitsOf = Callable[[Sequence[int]], torch.Tensor]
 
@@ -209,7 +210,7 @@ class ScriptedRunner(HeldRows):
         self.held[row].extend(tokens)
 
 
-class TableDrafter:
+class TableDrafter(DrafterBase):
     """A Drafter (draft.base) proposing `k` tokens per active row from `next_token` (a
     table like the runner's, usually wrong somewhere), as host lists; it records every
     RoundOutcome it is told, so tests see what the round reported."""
@@ -219,10 +220,7 @@ class TableDrafter:
         self.rows: Sequence = ()
         self.outcomes: list = []
 
-    def read_prompts(self, prompts) -> None:
-        return None
-
-    def start(self, rows) -> None:
+    def start(self, rows, hidden=None) -> None:
         self.rows = rows
 
     def propose(self, active: Sequence[bool]):
@@ -239,12 +237,6 @@ class TableDrafter:
     def observe(self, outcome) -> None:
         self.outcomes.append(outcome)
 
-    def store_prefixes(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
 
 class Names:
     """A tokenizer for Rows (core.sequence): token i decodes to "<i>"."""
@@ -253,9 +245,25 @@ class Names:
         return "".join(f"<{i}>" for i in ids)
 
 
+def seating_of(runner, rows, sampling, drafter=None, k: int = 0, *, shaper=None, audit=None, fresh=None):
+    """An engine.seating.Seating of `rows` on `runner` (the guard runs a call as it is; no
+    grammar or log-probabilities unless `shaper`; every row fresh unless `fresh`)."""
+    from ssdlocal.core.config import Mode, NgramDraft, SpecConfig
+    from ssdlocal.core.hostsync import Audit
+    from ssdlocal.engine.seating import Seating
+    from ssdlocal.engine.shape import Shaper
+
+    audit = audit or Audit()
+    spec = SpecConfig(mode=Mode.SD, k=k, draft=NgramDraft()) if k else SpecConfig()
+    fresh = list(fresh) if fresh is not None else [True] * len(rows)
+    guard = lambda fn, *a: fn(*a)  # noqa: E731
+    return Seating(list(rows), fresh, spec, k, runner, guard, sampling, shaper or Shaper(audit=audit), drafter, audit)
+
+
 def sampling_of(params, rows: int, device="cpu"):
     """engine.request.RowSampling of `rows` rows that all sample with `params` (one group,
     its generator seeded with params.seed): what a generate call's rounds use."""
-    from ssdlocal.engine.request import Request, RowSampling
+    from ssdlocal.engine.request import RowSampling
+    from ssdlocal.core.sequence import Request
 
     return RowSampling([Request((0,), params) for _ in range(rows)], device)

@@ -1,7 +1,7 @@
 """A live `ssdlocal serve` for tests: the real app on uvicorn in a thread, on 127.0.0.1
 and a free port, with an OpenAI client pointed at it, stopped by `close()`.
 
-Built from the same pieces as the CLI command (Engine, Metrics, Scheduler, ServerState,
+Built from the same pieces as the CLI command (Engine, ServerMetrics, Scheduler, ServerState,
 create_app, run.bind / make_server), so only the option parsing is skipped here.
 """
 
@@ -19,7 +19,7 @@ from ssdlocal.engine import Engine
 from ssdlocal.server.app import ServerState, create_app
 from ssdlocal.server.gate import AccessPolicy
 from ssdlocal.server.limits import ServerLimits
-from ssdlocal.server.metrics import Metrics
+from ssdlocal.server.metrics import ServerMetrics
 from ssdlocal.server.run import bind, make_server, url
 from ssdlocal.server.scheduler import Scheduler
 
@@ -44,7 +44,7 @@ class LiveServer:
 
         self.engine = Engine(config)
         self.mode = config.spec.mode.value
-        self.metrics = Metrics(MODEL, self.mode, __version__)
+        self.metrics = ServerMetrics(MODEL, self.mode, __version__)
         self.scheduler = Scheduler(self.engine, self.metrics, mode=self.mode, max_batch=max_batch, batch_wait_s=0.05)
         self.limits = limits or ServerLimits()
         self.sock = bind("127.0.0.1", 0)
@@ -75,6 +75,7 @@ class LiveServer:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0, timeout=120)
+        self.last_headers: dict[str, str] = {}  # of the last answer to get() / post()
 
     def settle(self, timeout: float = 30.0) -> None:
         """Wait until every seating begun has ended: an answer can reach the client before
@@ -86,10 +87,13 @@ class LiveServer:
             time.sleep(0.01)
 
     def get(self, path: str) -> tuple[int, str]:
+        """(status, text); the answer's headers (names lower-cased) in `last_headers`."""
         try:
             with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as resp:
+                self.last_headers = {k.lower(): v for k, v in resp.headers.items()}
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
+            self.last_headers = {k.lower(): v for k, v in exc.headers.items()}
             return exc.code, exc.read().decode()
 
     def post(self, path: str, data: bytes, headers: dict | None = None) -> tuple[int, dict]:
@@ -101,8 +105,10 @@ class LiveServer:
         )
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
+                self.last_headers = {k.lower(): v for k, v in resp.headers.items()}
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as exc:
+            self.last_headers = {k.lower(): v for k, v in exc.headers.items()}
             return exc.code, json.loads(exc.read())
 
     def close(self) -> None:

@@ -133,11 +133,14 @@ def tensor_type(gguf_name: str, mix: str) -> str:
     return "Q6_K" if any(p in gguf_name for p in ("attn_v", "ffn_down", "output.")) else "Q4_K"
 
 
-def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None = None, tensor_name=None) -> Path:
-    """Write `model` (a transformers llama/qwen2) as a GGUF with the `mix` of types.
+def write_gguf(
+    path: Path, model, arch: str, mix: str, *, file_arch: str | None = None, tensor_name=None, extra=None
+) -> Path:
+    """Write `model` (a transformers llama/qwen2, or gemma3 with `extra`) as a GGUF with the
+    `mix` of types.
 
     file_arch: its general.architecture (default `arch`); tensor_name(hf module name) ->
-    the GGUF's (default: llama.cpp's names for `arch`)."""
+    the GGUF's (default: llama.cpp's names for `arch`); extra(writer): more metadata."""
     import gguf
 
     cfg = model.config
@@ -160,6 +163,8 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
         "f32": gguf.LlamaFileType.ALL_F32,
     }[mix]
     w.add_file_type(file_type)
+    if extra is not None:
+        extra(w)
     _add_chat_tokenizer(w, tokens, merges)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     tensor_name = tensor_name or names.get_name
@@ -172,6 +177,8 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
             n_head = cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
             data = _llama_permute(data, n_head)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp stores Gemma's (1 + weight)
         kind = tensor_type(f"{names.get_name(stem)}.{suffix}", mix) if data.ndim == 2 else "F32"
         _add(w, name, data, kind)
     w.write_header_to_file()
@@ -179,6 +186,51 @@ def write_gguf(path: Path, model, arch: str, mix: str, *, file_arch: str | None 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def make_gemma3(seed: int = 0):
+    """A tiny Gemma 3 of the byte vocabulary, with the settings transformers assumes for a
+    gemma3 GGUF (every sixth layer global, query_pre_attn_scalar 256, local theta 1e4)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(byte_vocab()[0]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=256,
+        sliding_window=8,
+        max_position_embeddings=128,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        initializer_range=0.1,
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def gemma3_metadata(model, rope_scaling: str | None = None):
+    """extra(writer) for `write_gguf`: what llama.cpp writes for a Gemma 3."""
+
+    def extra(w) -> None:
+        w.add_key_length(model.config.head_dim)
+        w.add_value_length(model.config.head_dim)
+        w.add_sliding_window(model.config.sliding_window)
+        if rope_scaling is not None:
+            w.add_rope_scaling_type(getattr(__import__("gguf").RopeScalingType, rope_scaling.upper()))
+            w.add_rope_scaling_factor(8.0)
+
+    return extra
 
 
 def _add_tokenizer(w, tokens: list[str], merges: list[str]) -> None:
@@ -267,21 +319,27 @@ def write_random_gguf(
     return path, params
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
-    """A random 2-layer Qwen2 as an F32 GGUF; returns the HF model it was made from."""
+def write_tiny_gguf(
+    path: Path, arch: str = "qwen2", seed: int = 0, context: int = 128, layers: int = 2, swap_tokens: bool = False
+):
+    """A random Qwen2 (2 layers unless told) as an F32 GGUF (`context` positions); returns the
+    HF model it was made from. `swap_tokens`: two token texts trade ids (a tokenizer the pair
+    check refuses)."""
     import gguf
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokens, merges = byte_vocab()
+    if swap_tokens:
+        tokens[200], tokens[201] = tokens[201], tokens[200]
     cfg = Qwen2Config(
         vocab_size=len(tokens),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=context,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -290,9 +348,9 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
     model = Qwen2ForCausalLM(cfg).eval()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    w.add_context_length(128)
+    w.add_context_length(context)
     w.add_embedding_length(32)
-    w.add_block_count(2)
+    w.add_block_count(layers)
     w.add_feed_forward_length(64)
     w.add_head_count(4)
     w.add_head_count_kv(2)
@@ -300,7 +358,7 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0):
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_chat_tokenizer(w, tokens, merges)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, layers)
     for hf_name, tensor in model.state_dict().items():
         stem, suffix = hf_name.rsplit(".", 1)
         w.add_tensor(f"{names.get_name(stem)}.{suffix}", tensor.float().numpy())

@@ -245,3 +245,45 @@ def make_fim_checkpoint(root: Path, style: str = "qwen", seed: int = 5) -> Path:
     tok = root / f"fim_{style}_tokenizer"
     build_tokenizer(tok, tuple(FIM_SPECIALS[style]))
     return make_tiny_checkpoint(root / f"fim_{style}", "qwen2", seed=seed, tokenizer_dir=tok)
+
+
+def make_turn_ender(source: Path, dest: Path, prompt_ids: list[int], end: str = "<|im_end|>", at: int = 3) -> int:
+    """A copy of the untied checkpoint `source` at `dest` that ends its turn with the special
+    token `end` (made an end-of-sequence id) after a few tokens of greedy answer to
+    `prompt_ids`, as a chat model does: `end`'s lm_head row becomes 1.05 x the row of the
+    token greedy decoding emits at index `at` (a positive logit there), so `end` outscores
+    it there or earlier. Returns how many tokens come before `end` (at least 1)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(source, dest)
+    end_id = AutoTokenizer.from_pretrained(dest).convert_tokens_to_ids(end)
+
+    def greedy() -> list[int]:
+        model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
+        ids, out = list(prompt_ids), []
+        with torch.no_grad():
+            for _ in range(at + 8):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                out.append(int(logits.argmax()))
+                ids.append(out[-1])
+                if out[-1] == end_id:
+                    break
+        return out
+
+    before = greedy()
+    files = sorted(Path(dest).glob("*.safetensors"))
+    for index in range(at, len(before)):  # the first candidate whose logit is positive
+        state = {f: load_file(f) for f in files}
+        head = next((f, s) for f, s in state.items() if "lm_head.weight" in s)
+        weight = head[1]["lm_head.weight"]
+        weight[end_id] = 1.05 * weight[before[index]]
+        save_file(head[1], head[0], metadata={"format": "pt"})
+        after = greedy()
+        if after[-1] == end_id and len(after) >= 2:
+            gen = json.loads((Path(dest) / "generation_config.json").read_text())
+            gen["eos_token_id"] = [0, end_id]
+            (Path(dest) / "generation_config.json").write_text(json.dumps(gen))
+            return len(after) - 1
+        shutil.copy(Path(source) / head[0].name, head[0])
+    raise RuntimeError("no token of the greedy answer could be made to end the turn")  # pragma: no cover

@@ -115,3 +115,17 @@ def widest_alike(decode: Decode, remove: Remove, guess: int, seq: int, pad_seq: 
     finally:
         remove(seq, 0)
         remove(pad_seq, 0)
+
+
+def same_every_run(backend, device: str, batch_invariant: bool, *, drafted: bool, alone: bool) -> bool:
+    """Whether a request's greedy tokens are the same whatever ran before or beside it, as
+    far as the target's kernels go. Only llama.cpp's CPU kernels part with it: a row alone
+    (no other request in its call or overlapping it) reading plainly is the same every run
+    (its cells stay cells 0, 1, ...; it reuses only whole chunks of a cold read: prefix.py),
+    and with `--batch-invariant` drafting is too; rows batched together interleave their
+    cells and may round differently. Other backends keep each row's tokens its own."""
+    from ssdlocal.core.models import BackendName
+
+    if BackendName(backend) is not BackendName.LLAMACPP or device != "cpu":
+        return True
+    return alone and (batch_invariant or not drafted)

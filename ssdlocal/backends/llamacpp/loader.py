@@ -17,11 +17,13 @@ import os
 import shutil
 import struct
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
 
 from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.core.models import BackendName
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,12 @@ class GGUFArgs:
     vocab_size: int
     max_position_embeddings: int
     arch: str
+    hidden_size: int = 0  # hidden states this backend gives a drafter: none (Runner.keep_hidden refuses)
 
 
 @dataclass
 class LoadedGGUF:
+    backend: ClassVar[BackendName] = BackendName.LLAMACPP  # what made it (backends.registry.make_runner)
     model: object  # llama_model pointer (owned by `lib`)
     lib: object  # LlamaLib (or a fake in tests)
     tokenizer: object  # transformers PreTrainedTokenizerBase

@@ -1,12 +1,17 @@
-"""The llama.cpp runner's prefix store: earlier calls' prefixes kept as llama.cpp sequences.
+"""The llama.cpp runner's prefix store: earlier calls' rows kept as llama.cpp sequence states.
 
-llama.cpp keeps one unified KV cache whose cells carry sets of sequence ids; `seq_cp`
-adds a sequence id to cells (no data moves) and `seq_rm` takes it away (a cell with no id
-left is free). So keeping a row's prefix is one seq_cp into a reserved sequence, and a
-later row starts from it with one seq_cp back. This module decides which reserved
-sequence holds which tokens (least recently used out first, a prefix that a longer
-stored one extends replaced by it, at most `tokens` cells counted per entry); the runner
-makes the llama.cpp calls. Matches are token for token (no blocks). Knows nothing about
+When a call ends, a row's cells (keys, values, positions) are saved with llama.cpp's
+sequence state (`seq_state`, one copy into RAM); a later row that shares a prefix restores
+the state into its empty sequence (`set_seq_state`) and cuts it to that prefix. Kept out of
+the context, stored prefixes take no cells there: a row alone in its call finds the
+context empty, so its cells are cells 0, 1, 2, ... for positions 0, 1, 2, ... whether it
+was read cold or restored, which is what llama.cpp's CPU kernels need to give a token the
+same logits (they sum attention over cells in cell order, vectorised: docs/architecture.md
+§2). Each entry also counts how many of its leading tokens a cold read reproduces bit for
+bit (`exact`: whole canonical prompt chunks of a row read alone); a lone row reuses only
+those. This module decides which entry holds which tokens (least recently used out first,
+an entry that a longer one extends replaced by it, at most `tokens` cells in all); the
+runner makes the llama.cpp calls. Matches are token for token. Knows nothing about
 llama.cpp itself.
 """
 
@@ -14,8 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-STORE_SEQUENCES = 8  # reserved llama.cpp sequences: prefixes kept at once
+STORE_ENTRIES = 8  # prefixes kept at once
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -25,108 +31,92 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-class SeqStore:
-    """Reserved sequence ids -> the tokens their cells hold, within a budget of cells."""
+@dataclass(frozen=True)
+class Entry:
+    """One stored row: its tokens, llama.cpp's saved state of its sequence (`cells` cells,
+    at least the tokens), and how many leading tokens a cold read reproduces bit for bit."""
 
-    def __init__(self, ids: Sequence[int], tokens: int) -> None:
-        self.ids = tuple(ids)
+    tokens: tuple[int, ...]
+    state: bytes
+    cells: int
+    exact: int
+
+
+class StateStore:
+    """Stored rows, least recently used first, within a budget of cells."""
+
+    def __init__(self, tokens: int, entries: int = STORE_ENTRIES) -> None:
         self.budget = tokens
-        self.entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # oldest use first
+        self.max_entries = entries
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # key: a running number, oldest use first
+        self._next = 0
         self.lookups = 0
         self.reused_tokens = 0
         self.stored_tokens = 0
         self.evicted_tokens = 0
 
-    def best(self, tokens: Sequence[int], count: bool = True) -> tuple[int | None, int]:
-        """(sequence, n): the stored sequence sharing the longest prefix with `tokens`.
-        `count` False: a look that is no lookup of a row (not in the report's counts)."""
+    def best(self, tokens: Sequence[int], count: bool = True, exact: bool = False) -> tuple[Entry | None, int]:
+        """(entry, n): the entry sharing the longest prefix with `tokens` (`exact`: only its
+        exact tokens count). `count` False: a look that is no lookup of a row (not in the
+        report's counts; the entry's last use does not change)."""
         self.lookups += count
         found, best = None, 0
-        for seq, held in self.entries.items():
-            n = common_prefix(held, tokens)
+        for key, entry in self.entries.items():
+            n = common_prefix(entry.tokens, tokens)
+            n = min(n, entry.exact) if exact else n
             if n > best:
-                found, best = seq, n
-        if found is not None:
+                found, best = key, n
+        if found is None:
+            return None, 0
+        if count:
             self.entries.move_to_end(found)
-            self.reused_tokens += best if count else 0
-        return found, best
+        return self.entries[found], best
 
-    def place(self, tokens: Sequence[int]) -> tuple[int | None, list[int]]:
-        """(sequence to copy `tokens` into or None, sequences to empty first).
+    def counted(self, n: int) -> None:
+        """A row took `n` tokens from the store (the report's reused tokens)."""
+        self.reused_tokens += n
 
-        None when a stored sequence already holds `tokens` (or a longer run starting with
-        them), or when they do not fit the budget at all."""
-        tokens = tuple(tokens)
-        for seq, held in self.entries.items():
-            if held[: len(tokens)] == tokens:
-                self.entries.move_to_end(seq)
-                return None, []
+    def wanted(self, tokens: Sequence[int], exact: int) -> bool:
+        """Whether keeping `tokens` (`exact` of them reproducible) adds anything: no entry
+        holds them (or a longer run starting with them) at least as exactly, and they fit."""
         if not tokens or len(tokens) > self.budget:
-            return None, []
-        drop = [seq for seq, held in self.entries.items() if tokens[: len(held)] == held]  # it extends them
-        for seq in drop:
-            del self.entries[seq]
-        while self.entries and (len(self.entries) >= len(self.ids) or self._cells() + len(tokens) > self.budget):
-            drop.append(self._evict_oldest())
-        seq = next(s for s in self.ids if s not in self.entries)
-        self.entries[seq] = tokens
-        self.stored_tokens += len(tokens)
-        return seq, drop
-
-    def reading(self, tokens: Sequence[int], source: int | None, have: int) -> tuple[int | None, list[int]]:
-        """Room to read `tokens` into the store, whose first `have` tokens sequence
-        `source` holds (None: none): (the sequence to decode the rest into or None when
-        they do not fit, sequences to empty first). An entry holding just those `have`
-        tokens grows in place; else a new entry starts as a copy of `source`'s first
-        `have` cells (the caller's seq_cp) and is recorded as holding them. `record` the
-        tokens once they are in."""
+            return False
         tokens = tuple(tokens)
-        if len(tokens) > self.budget:
-            return None, []
-        in_place = source is not None and len(self.entries[source]) == have
-        keep = () if source is None else (source,)
-        added = len(tokens) - (have if in_place else 0)
-        drop = []
-        while (not in_place and len(self.entries) >= len(self.ids)) or self._cells() + added > self.budget:
-            if len(self.entries) <= len(keep):
-                return None, drop
-            drop.append(self._evict_oldest(keep))
-        if in_place:
-            return source, drop
-        seq = next(s for s in self.ids if s not in self.entries)
-        self.entries[seq] = tokens[:have]
-        return seq, drop
+        for key, entry in self.entries.items():
+            if entry.tokens[: len(tokens)] == tokens and entry.exact >= exact:
+                self.entries.move_to_end(key)
+                return False
+        return True
 
-    def record(self, seq: int, tokens: Sequence[int]) -> None:
-        """Sequence `seq` (from `reading`) now holds `tokens`."""
-        self.stored_tokens += len(tokens) - len(self.entries[seq])
-        self.entries[seq] = tuple(tokens)
-        self.entries.move_to_end(seq)
+    def put(self, tokens: Sequence[int], state: bytes, cells: int, exact: int) -> None:
+        """Keep `tokens` (`wanted` said so): entries they extend (or hold less exactly) go,
+        then the least recently used until the rest fits."""
+        tokens = tuple(tokens)
+        for key in [k for k, e in self.entries.items() if tokens[: len(e.tokens)] == e.tokens]:
+            del self.entries[key]
+        while self.entries and (len(self.entries) >= self.max_entries or self._cells() + cells > self.budget):
+            self._evict_oldest()
+        if cells > self.budget:
+            return
+        self.entries[self._next] = Entry(tokens, state, cells, exact)
+        self._next += 1
+        self.stored_tokens += len(tokens)
 
-    def fit(self, budget: int) -> list[int]:
-        """Make `budget` cells the store's size (rows of a larger batch take the rest of the
-        context, or give it back): entries out, least recently used first, until the rest
-        fits. The sequences to empty."""
+    def fit(self, budget: int) -> None:
+        """Make `budget` cells the store's size: entries out, least recently used first."""
         self.budget = budget
-        drop = []
         while self.entries and self._cells() > budget:
-            drop.append(self._evict_oldest())
-        return drop
+            self._evict_oldest()
 
-    def _evict_oldest(self, keep: Sequence[int] = ()) -> int:
-        """Forget the least recently used entry (but those in `keep`); its sequence (to empty)."""
-        seq = next(s for s in self.entries if s not in keep)
-        self.evicted_tokens += len(self.entries.pop(seq))
-        return seq
+    def _evict_oldest(self) -> None:
+        _, entry = self.entries.popitem(last=False)
+        self.evicted_tokens += len(entry.tokens)
 
     def _cells(self) -> int:
-        return sum(map(len, self.entries.values()))  # shared cells counted once per entry: an upper bound
+        return sum(e.cells for e in self.entries.values())
 
-    def clear(self) -> list[int]:
-        """Forget every entry; the sequences to empty."""
-        seqs = list(self.entries)
+    def clear(self) -> None:
         self.entries.clear()
-        return seqs
 
     def report(self) -> dict[str, int]:
         return {

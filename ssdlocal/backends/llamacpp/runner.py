@@ -7,7 +7,9 @@ common prefix of `held[b]` and what it really wrote (`_kv[b]`) with
 llama_memory_seq_rm. SSD tree decoding (`forward_raw`,
 backends/llamacpp/tree.py) maps each branch to a sequence of its own. With the model
 loaded `batch_invariant`, decode steps go in the call widths of backends/llamacpp/alike.py,
-a lone token padded in a scratch sequence of its own.
+a lone token padded in a scratch sequence of its own. The prefix store keeps saved
+sequence states outside the context (backends/llamacpp/stored.py), so a row alone in its
+call holds cells 0, 1, ... for its positions, read cold or restored.
 Knows nothing about speculation beyond the slot/mask pattern of forward_raw.
 """
 
@@ -21,14 +23,15 @@ import torch
 
 from ssdlocal.backends.base import HeldRows, Logits
 from ssdlocal.backends.llamacpp.alike import REPACKED, WIDEST, beside_pad, plan_calls, widest_alike
-from ssdlocal.backends.llamacpp.prefix import STORE_SEQUENCES, SeqStore, common_prefix
+from ssdlocal.backends.llamacpp.prefix import StateStore
+from ssdlocal.backends.llamacpp.stored import PAD as _PAD
+from ssdlocal.backends.llamacpp.stored import StoredRows
 from ssdlocal.backends.llamacpp.tree import TreeSequences, _Chain
 from ssdlocal.backends.prefix import store_tokens
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.memory import available_ram_bytes
 
 N_BATCH = 512  # most tokens per llama_decode call (llama.cpp's n_batch == n_ubatch)
-_PAD = 256  # llama.cpp rounds the context size up to this
 # A lone row without a prefix store starts in a context of at most this many cells and
 # moves to one twice as large when it fills it (_grow): a call that may run to the end of
 # a 32k context (generate without --max-new-tokens) no longer allocates and clears its
@@ -36,7 +39,7 @@ _PAD = 256  # llama.cpp rounds the context size up to this
 GROW_FROM = 4096
 
 
-class LlamaCppRunner(TreeSequences, HeldRows):
+class LlamaCppRunner(StoredRows, TreeSequences, HeldRows):
     """Feeds variable-length token lists per row through a llama.cpp model.
 
     `tree=True` sizes the context for SSD tree decoding (many sequences).
@@ -65,21 +68,23 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         self._scratch: dict[tuple[int, int], int] = {}  # (row, slot) -> branch sequence id
         self._free: list[int] = []
         self._touched: set[int] = set()  # branch sequences used since the last reset
-        self._store_tokens = 0  # the prefix store's cells (setup_prefix)
-        self.prefix: SeqStore | None = None  # earlier calls' prefixes, in reserved sequences
+        self._store_tokens = 0  # the prefix store's cells (setup_prefix), and the context's room to read ahead
+        self.prefix: StateStore | None = None  # earlier calls' rows, as saved sequence states
+        self._read_seq = -1  # with a store: the sequence a waiting prompt is read ahead into
+        self._reading: list[int] = []  # the tokens it holds
+        self._exact: list[int] = []  # per row: leading cells a cold read reproduces (a lone row's)
         self.alike = loaded.batch_invariant  # steps in alike call widths (alike.py)
         self.alike_width = 0  # the widest alike step call on this machine; 0: not checked yet
         self._pad_seq = self._check_seq = -1  # alike: scratch sequences (pads, the width check)
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, batch_size: int, num_slots: int) -> None:
-        """Forget all rows (the prefix store's sequences stay); (re)create the context when
-        it is too small, which empties the store. Rows and the store share the context's
-        cells: when the rows need more than the context has beside a full store, but the
-        store keeps at least half of its cells, the store gives up cells (least recently
-        used entries out) instead of a new context being made (seconds for a large one,
-        and the store lost): a request joining a serving batch does not stall the rows
-        already running."""
+        """Forget all rows; (re)create the context when it is too small. With a prefix store
+        the context keeps room beside the rows (the store's size) to read waiting prompts
+        ahead; what was read ahead goes to the store first. When the rows need more cells
+        than the context has, but leave the reading room at least half of its cells, the
+        room shrinks instead of a new context being made (seconds for a large one): a
+        request joining a serving batch does not stall the rows already running."""
         max_seqs = self.lib.max_sequences()
         scratch = 2 if self.alike else 0  # the pad and the width check's sequences
         if (max_seqs if self.tree else batch_size) < batch_size or batch_size + scratch > max_seqs:
@@ -87,86 +92,64 @@ class LlamaCppRunner(TreeSequences, HeldRows):
                 f"llama.cpp supports at most {max_seqs - scratch} parallel sequences here, asked for {batch_size} rows",
                 "use fewer prompts per call",
             )
-        stored = min(STORE_SEQUENCES, max_seqs - batch_size - scratch) if self._store_tokens else 0
+        self._put_reading()
+        reading = 1 if self._store_tokens and batch_size + scratch < max_seqs else 0
         # all of them: a new batch size keeps the context
-        seqs = max_seqs if self.tree or stored or scratch else batch_size
-        row_cells, store = batch_size * num_slots, self._store_tokens if stored else 0
-        cells = -(-(row_cells + store) // _PAD) * _PAD
+        seqs = max_seqs if self.tree or reading or scratch else batch_size
+        row_cells, room = batch_size * num_slots, self._store_tokens if reading else 0
+        cells = -(-(row_cells + room) // _PAD) * _PAD
         self._grows_to = 0
-        if batch_size == 1 and not (self.tree or self.alike or store) and cells > GROW_FROM:
+        if batch_size == 1 and not (self.tree or self.alike or room) and cells > GROW_FROM:
             self._grows_to, cells = cells, GROW_FROM  # one row's cells move as a block (_grow)
-        spare = self._ctx_cells - row_cells - _PAD  # what the store may keep in this context
-        if self._ctx is None or seqs > self._ctx_seqs or (cells > self._ctx_cells and spare < store // 2):
+        spare = self._ctx_cells - row_cells - _PAD  # the reading room this context leaves
+        if self._ctx is None or seqs > self._ctx_seqs or (cells > self._ctx_cells and spare < room // 2):
             self.close()
-            if self._ctx_cells:  # growing: leave room, so the store is not dropped at every step
-                cells = max(cells, min(2 * self._ctx_cells, cells + self._store_tokens))
+            if self._ctx_cells:  # growing: leave room, so the context is not made again at every step
+                cells = max(cells, min(2 * self._ctx_cells, cells + room))
             self._open(cells, seqs)
         else:
             self._drop_chains()
-            kept = set(self.prefix.ids) if self.prefix is not None else set()
-            # only rows (below the last batch's size), branches and store entries hold cells: a
-            # seq_rm of each of a context's 256 sequences would scan every cell 256 times
-            used = set(range(max(len(self.held), batch_size))) | self._touched | kept
+            # only rows (below the last batch's size), branches and the reading sequence hold
+            # cells: a seq_rm of each of a context's 256 sequences would scan every cell 256 times
+            used = set(range(max(len(self.held), batch_size))) | self._touched
             for seq in sorted(used):
-                if seq not in kept or seq < batch_size:  # rows (and branches) start empty
-                    self.lib.seq_rm(self._ctx, seq, -1, -1)
-        self._touched = set()
-        self._store_ids(tuple(range(seqs - stored, seqs)) if stored else ())
-        if self.prefix is not None:
-            for seq in self.prefix.fit(min(store, max(0, self._ctx_cells - row_cells - _PAD))):
                 self.lib.seq_rm(self._ctx, seq, -1, -1)
+        self._touched = set()
+        self._read_seq = self._ctx_seqs - 1 if reading else -1
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self._count_end()
         self._kv = [[] for _ in range(batch_size)]
+        self._exact = [0] * batch_size
         self._chains.clear()
         self._scratch.clear()
-        first_store = self.prefix.ids[0] if self.prefix is not None and self.prefix.ids else self._ctx_seqs
+        first_reserved = self._read_seq if reading else self._ctx_seqs
         if scratch:
-            self._pad_seq, self._check_seq = first_store - 1, first_store - 2
-        self._free = list(range(first_store - 1 - scratch, batch_size - 1, -1))  # pop() gives the lowest
+            self._pad_seq, self._check_seq = first_reserved - 1, first_reserved - 2
+        self._free = list(range(first_reserved - 1 - scratch, batch_size - 1, -1))  # pop() gives the lowest
 
     # ------------------------------------------------------------------ prefix store
-    def _store_ids(self, ids: tuple[int, ...]) -> None:
-        """The reserved sequences of this context; entries in sequences no longer reserved
-        (a larger batch takes them as rows) are dropped."""
-        if not ids:
-            self.prefix = None
-            return
-        if self.prefix is None:
-            self.prefix = SeqStore(ids, self._store_tokens)
-        for seq in [s for s in self.prefix.entries if s not in ids]:
-            del self.prefix.entries[seq]
-        self.prefix.ids = ids
-
     def setup_prefix(self, asked: int | None) -> int:
         """A prefix store of `asked` tokens (None: the default size, at most a tenth of the
-        RAM available; 0: none): cells of the context kept in reserved sequences. llama.cpp
-        allocates a context's cells when it creates it, so on a CPU the store's memory is
+        RAM available; 0: none): finished rows' saved states (backends/llamacpp/prefix.py),
+        and as many cells of the context kept to read waiting prompts ahead. llama.cpp
+        allocates a context's cells when it creates it, so on a CPU that room's memory is
         committed then; a size that does not fit in the RAM available is refused
-        (OutOfMemoryError). Takes effect with the next context. None with alike steps: llama.cpp
-        sums attention over cells in cell order, vectorised, so a token's logits also depend on
-        where its row's cells sit (measured: up to 0.46 apart when they move by 7 cells, equal
-        when by 16); without a store every call starts from an empty cache and they land alike."""
+        (OutOfMemoryError). Takes effect with the next context. None with alike steps, whose
+        prompts are read in other chunks (alike.plan_calls): every call starts from an empty
+        cache, so a request's cells land alike in every mode."""
         if self.alike:
             asked = 0
         per_token = self.loaded.kv_bytes_per_token or 1
         free = available_ram_bytes() if self.device.type == "cpu" else None  # a GPU's: llama.cpp's to refuse
         self._store_tokens = store_tokens(asked, per_token, free, "llama.cpp")
-        self.close()  # the next reset sizes a context with room for the store
-        self.prefix = None
+        self.close()  # the next reset sizes a context with room to read ahead
+        self.prefix = StateStore(self._store_tokens) if self._store_tokens else None
+        self._reading = []
         return self._store_tokens
 
     def prefix_report(self) -> dict | None:
         return None if self.prefix is None else self.prefix.report()
-
-    def forget_prefixes(self) -> None:
-        """Runner.forget_prefixes: the stored sequences' cells go too."""
-        if self.prefix is None:
-            return
-        for seq in self.prefix.clear():
-            if self._ctx is not None:
-                self.lib.seq_rm(self._ctx, seq, -1, -1)
 
     def graph_report(self, since: dict | None = None) -> dict:
         """Runner.graph_report: llama.cpp captures nothing of ours."""
@@ -176,64 +159,11 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         """Runner.warm_up: nothing to capture (llama.cpp sizes its context per call)."""
         return 0
 
-    def reuse(self, row: int, tokens) -> int:
-        """Row `row` (empty after reset) starts from the stored sequence sharing the longest
-        prefix with `tokens`: its cells gain the row's sequence id (no data copied)."""
-        if self.prefix is None or self.held[row] or self._kv[row]:
-            return 0
-        seq, n = self.prefix.best(tokens)
-        if seq is None or n == 0:
-            return 0
-        self.lib.seq_cp(self._ctx, seq, row, 0, n)
-        self._kv[row] = [int(t) for t in tokens[:n]]
-        self.held[row] = list(self._kv[row])
-        return n
-
-    def store(self, row: int, tokens) -> None:
-        """Keep the part of `tokens` that row `row`'s sequence really holds in a reserved one."""
-        if self.prefix is None or self._ctx is None:
-            return
-        n = common_prefix(self._kv[row], tokens)
-        seq, drop = self.prefix.place(tokens[:n])
-        for old in drop:
-            self.lib.seq_rm(self._ctx, old, -1, -1)
-        if seq is not None:
-            self.lib.seq_cp(self._ctx, row, seq, 0, n)
-
-    def read_ahead(self, tokens, n: int) -> int:
-        """Runner.read_ahead: the next `n` tokens are decoded into a reserved sequence of
-        the store (its cells are the store's, rows are not touched), growing the stored
-        sequence that holds just the tokens before them, or a copy of the one sharing the
-        longest prefix with `tokens`. Nothing is read when the store cannot hold them."""
-        if self.prefix is None or self._ctx is None:
-            return 0
-        source, have = self.prefix.best(tokens, count=False)
-        end = min(len(tokens), have + max(n, 0))
-        if end <= have:
-            return have
-        seq, drop = self.prefix.reading(tokens[:end], source, have)
-        for old in drop:
-            self.lib.seq_rm(self._ctx, old, -1, -1)
-        if seq is None:
-            return have
-        if seq != source and have:
-            self.lib.seq_cp(self._ctx, source, seq, 0, have)
-        try:
-            self._decode(
-                [int(t) for t in tokens[have:end]], range(have, end), [seq] * (end - have), [False] * (end - have)
-            )
-        except BaseException:  # the entry still holds what it held: drop the cells written
-            self.lib.seq_rm(self._ctx, seq, have, -1)
-            raise
-        self.prefix.record(seq, tokens[:end])
-        return end
-
     def close(self) -> None:
         if self._ctx is not None:
             self.lib.free_context(self._ctx)
             self._ctx = None
-        if self.prefix is not None:
-            self.prefix.clear()  # its cells went with the context
+        self._reading = []  # its cells went with the context (the store is kept apart)
 
     def __del__(self) -> None:  # the model outlives contexts; free ours first
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -391,11 +321,15 @@ class LlamaCppRunner(TreeSequences, HeldRows):
         per_row = {Logits.ALL: None, Logits.LAST: 1, Logits.NONE: 0}[logits]
         result = []
         offset = 0
+        canonical = self._lone() and self._n_batch == N_BATCH  # chunks at multiples of N_BATCH
         for b, r in enumerate(rows):
             n = len(r) if per_row is None or not r else per_row
             result.append(out[offset : offset + n])
             offset += n
             if r:
+                start = len(self._kv[b])
+                if canonical and self._exact[b] == start and start % N_BATCH == 0:
+                    self._exact[b] = start + len(r) // N_BATCH * N_BATCH  # whole chunks, as a cold read has them
                 self.held[b].extend(int(t) for t in r)
                 self._kv[b].extend(int(t) for t in r)
         return result

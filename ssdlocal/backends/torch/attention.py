@@ -76,12 +76,27 @@ class AttentionMask:
     tensor: Tensor | None
     span: int
     spans: tuple[int, ...] = ()
+    groups: int = 1  # query heads per kv head ("efficient-folded" repeats each row this often)
 
     @classmethod
     def lower_right(cls, spans: tuple[int, ...]) -> AttentionMask:
         """A prompt chunk whose T queries of row b are the newest tokens of slots
         [0, spans[b]) (host ints: nothing is read back from the device)."""
         return cls("lower-right", None, max(spans), tuple(spans))
+
+    def visible(self) -> Tensor:
+        """Which slots each query sees, bool [B, 1, T, S], whatever the kernel's form."""
+        if self.kernel == "cpu-flash":
+            assert self.tensor is not None
+            return self.tensor
+        if self.kernel == "efficient-folded":
+            assert self.tensor is not None
+            T = self.tensor.shape[2] // self.groups
+            return torch.isfinite(self.tensor[:, :, :T])  # rows g*T + t: group 0's are the queries'
+        if self.kernel == "batched-matmul":
+            assert self.tensor is not None
+            return ~self.tensor[:, :, 0]  # [B, 1, T, S] from "hidden" [B, 1, 1, T, S]
+        raise ValueError(f"a {self.kernel} mask holds no tensor")  # callers of sink attention build masks
 
     @classmethod
     def build(cls, mask: Tensor, groups: int, dtype: torch.dtype) -> AttentionMask:
@@ -95,25 +110,36 @@ class AttentionMask:
             return cls(kernel, ~mask[:, None, None], S)  # [B, 1, 1, T, S], once for every layer
         rows = mask[:, None].expand(B, groups, T, S).reshape(B, 1, groups * T, S)  # [B, 1, G*T, S]
         bias = torch.zeros(rows.shape, dtype=dtype, device=mask.device)  # [B, 1, G*T, S]
-        return cls(kernel, bias.masked_fill_(~rows, float("-inf")), S)
+        return cls(kernel, bias.masked_fill_(~rows, float("-inf")), S, groups=groups)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, mask: AttentionMask | None) -> Tensor:
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: AttentionMask | None,
+    scale: float | None = None,
+) -> Tensor:
     """q [B, H, T, D]; k/v [B, Hkv, T, D] (the new tokens, used when mask is None);
-    keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]."""
+    keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]. `scale`: the
+    softmax scale (None: 1/sqrt(D))."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:  # a fresh prefill: causal over the new tokens, no dense mask
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, H, T, D]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)  # [B, H, T, D]
     if mask.kernel == "cpu-flash":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.tensor, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.tensor, enable_gqa=gqa, scale=scale)
     if mask.kernel == "lower-right":
-        return lower_right_attention(q, keys, values, mask.spans)
+        return lower_right_attention(q, keys, values, mask.spans, scale)
     if mask.kernel == "batched-matmul":
-        return matmul_attention(q, keys, values, mask.tensor)
-    return folded_attention(q, keys, values, mask.tensor)
+        return matmul_attention(q, keys, values, mask.tensor, scale)
+    return folded_attention(q, keys, values, mask.tensor, scale)
 
 
-def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[int, ...]) -> Tensor:
+def lower_right_attention(
+    q: Tensor, keys: Tensor, values: Tensor, spans: tuple[int, ...], scale: float | None = None
+) -> Tensor:
     """q [B, H, T, D]; keys/values [B, Hkv, S, D]; query t of row b sees slots
     [0, spans[b] - T + t] -> [B, H, T, D]. One kernel call per run of rows with equal spans."""
     from torch.nn.attention.bias import causal_lower_right
@@ -134,19 +160,21 @@ def lower_right_attention(q: Tensor, keys: Tensor, values: Tensor, spans: tuple[
         if grouped:
             by_group = q[a:b].view(b - a, kv_heads, H // kv_heads, T, D)  # head h = kv * G + g
             parts = [
-                F.scaled_dot_product_attention(by_group[:, :, g], rows_keys, rows_values, attn_mask=bias)
+                F.scaled_dot_product_attention(by_group[:, :, g], rows_keys, rows_values, attn_mask=bias, scale=scale)
                 for g in range(H // kv_heads)
             ]  # G x [b - a, Hkv, T, D]
             outs.append(torch.stack(parts, dim=2).view(b - a, H, T, D))
         else:
             outs.append(
-                F.scaled_dot_product_attention(q[a:b], rows_keys, rows_values, attn_mask=bias, enable_gqa=H != kv_heads)
+                F.scaled_dot_product_attention(
+                    q[a:b], rows_keys, rows_values, attn_mask=bias, enable_gqa=H != kv_heads, scale=scale
+                )
             )  # [b - a, H, T, D]
         a = b
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, scale: float | None = None) -> Tensor:
     """Grouped-query attention as plain multi-head attention over Hkv heads of G*T queries.
 
     q [B, H, T, D], keys/values [B, Hkv, S, D], bias [B, 1, G*T, S] additive -> [B, H, T, D].
@@ -154,17 +182,18 @@ def folded_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> T
     B, H, T, D = q.shape
     kv_heads = keys.shape[1]
     folded = q.reshape(B, kv_heads, (H // kv_heads) * T, D)  # [B, Hkv, G*T, D]
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias)  # [B, Hkv, G*T, D]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)  # [B, Hkv, G*T, D]
     return out.reshape(B, H, T, D)
 
 
-def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor) -> Tensor:
+def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: float | None = None) -> Tensor:
     """Grouped-query attention for few query rows over many keys, as two batched matmuls.
 
     q [B, H, T, D], keys/values [B, Hkv, S, D] (views of the cache: no copy), hidden
     [B, 1, 1, T, S] bool (True: the slot is not visible to that query) -> [B, H, T, D].
     Scores are float32 (the matmul's own output type on CUDA: K is never copied or
-    widened); the softmax is float32; the probabilities meet V in V's dtype."""
+    widened); the softmax is float32; the probabilities meet V in V's dtype. `scale`: the
+    softmax scale (None: 1/sqrt(D))."""
     B, H, T, D = q.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
     G = H // kv_heads
@@ -174,7 +203,9 @@ def matmul_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor) ->
         scores = torch.bmm(q3, k3.transpose(1, 2), out_dtype=torch.float32)  # [B*Hkv, G*T, S]
     else:
         scores = torch.bmm(q3, k3.transpose(1, 2)).float()  # [B*Hkv, G*T, S]
-    scores = scores.view(B, kv_heads, G, T, S).mul_(D**-0.5).masked_fill_(hidden, float("-inf"))
+    scores = (
+        scores.view(B, kv_heads, G, T, S).mul_(D**-0.5 if scale is None else scale).masked_fill_(hidden, float("-inf"))
+    )
     probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [B, Hkv, G, T, S]
     out = torch.bmm(probs.view(B * kv_heads, G * T, S), values.reshape(B * kv_heads, S, D))  # [B*Hkv, G*T, D]
     return out.view(B, H, T, D)

@@ -28,15 +28,16 @@ import torch
 
 from ssdlocal.backends.torch.quant import (
     QuantizedWeight,
-    can_quantize,
     pack_int4,
     quantize,
 )
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.core.quantization import can_quantize, gguf_embedding_scheme
 from ssdlocal.core.files import record_digests
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.weights.formats.arch import Architecture, for_gguf
+from ssdlocal.weights.formats.arch import Architecture
+from ssdlocal.weights.formats.archs import for_gguf
 from ssdlocal.weights.formats.gguf import (
     EXACT_INT4,
     GGUFHeader,
@@ -189,7 +190,10 @@ def _convert(
                     writer, gguf_path, info, arch, module, _embedding_scheme(info, scheme), dtype, None, counts
                 )
             else:
-                writer.add(arch.to_checkpoint(name), _float_tensor(gguf_path, info, dtype, rows))
+                tensor = _float_tensor(gguf_path, info, dtype, rows)
+                if arch.gguf_norm_shift and leaf == "weight" and module.endswith("norm"):
+                    tensor = tensor - arch.gguf_norm_shift  # llama.cpp stored Gemma's (1 + weight)
+                writer.add(arch.to_checkpoint(name), tensor)
                 counts["float"] += 1
             if name == "embed_tokens.weight" and tied and head_from_embedding:
                 _add_quantized(writer, gguf_path, info, arch, "lm_head", scheme, dtype, None, counts)
@@ -208,10 +212,8 @@ def _convert(
 
 
 def _embedding_scheme(info: TensorInfo, scheme: str) -> str:
-    """A GGUF's embedding stays quantized: int4 where its values are int4 already (Q4_*,
-    exact), int8 per row otherwise (finer than the 5- and 6-bit types it comes from)."""
-    exact = scheme == "int4" and info.ggml_type in EXACT_INT4 and can_quantize(info.shape, "int4")
-    return "int4" if exact else "int8"
+    """A GGUF's embedding stays quantized (core.quantization.gguf_embedding_scheme)."""
+    return gguf_embedding_scheme(info.ggml_type in EXACT_INT4, info.shape, scheme)
 
 
 def _row_order(module: str, n_rows: int, heads: tuple[int, int]) -> torch.Tensor | None:

@@ -110,7 +110,8 @@ SLICE_RUNS_CPU = 4  # on the CPU, up to this many runs are copied as slices; mor
 
 class KVPool:
     """Stored prefix tokens of one model's layers (backends/prefix.py says which): per
-    layer, k and v [Hkv, tokens, D] in the cache's dtype, on the cache's device.
+    layer, k and v [Hkv, tokens, D] (that layer's heads and width) in the cache's dtype, on
+    the cache's device.
 
     Allocated once with `torch.empty`: on the CPU the pages are only committed as blocks
     are written, on a GPU the memory is reserved up front. A save or load is a list of
@@ -124,16 +125,16 @@ class KVPool:
     place in the KV cache (captured steps keep reading the same cache tensors). `copies`
     counts the operations issued (one per slice or indexed copy of one tensor)."""
 
-    def __init__(self, layers: int, n_kv_heads: int, tokens: int, head_dim: int, dtype, device) -> None:
-        shape = (n_kv_heads, tokens, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+    def __init__(self, shapes: list[tuple[int, int]], tokens: int, dtype, device) -> None:
+        """`shapes`: per layer (kv heads, head width)."""
+        self.k = [torch.empty((h, tokens, d), dtype=dtype, device=device) for h, d in shapes]
+        self.v = [torch.empty((h, tokens, d), dtype=dtype, device=device) for h, d in shapes]
         self.device = torch.device(device)
         self.copies = 0
 
     @staticmethod
-    def bytes_for(layers: int, n_kv_heads: int, tokens: int, head_dim: int, dtype) -> int:
-        return layers * KVCache.bytes_for(1, n_kv_heads, tokens, head_dim, dtype)
+    def bytes_for(shapes: list[tuple[int, int]], tokens: int, dtype) -> int:
+        return sum(KVCache.bytes_for(1, h, tokens, d, dtype) for h, d in shapes)
 
     def save(self, caches: list[KVCache], row: int, runs: list[tuple[int, int, int]]) -> None:
         """Row `row`'s k/v -> the pool, per run (first cache slot, first pool token, length)."""

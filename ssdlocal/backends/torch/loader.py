@@ -1,4 +1,4 @@
-"""Load a checkpoint (HF directory with safetensors, or a .gguf file) into our Transformer.
+"""Load a checkpoint (HF directory with safetensors, or a .gguf file) into our model (backends/torch/models).
 
 Owns what this backend reads for a path (a GGUF's float conversion or quantized cache,
 built on first use and checked against its digests: `resolve_checkpoint`, and ahead of a
@@ -14,12 +14,14 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ssdlocal.backends.torch.model import ModelArgs, Transformer
+from ssdlocal.backends.torch.models import CausalLM, ModelArgs, args_from_config, build
+from ssdlocal.backends.torch.models.moe import stack_experts
 from ssdlocal.backends.torch.quant_load import (
     load_quantized_weights,
     quantized_checkpoint,
@@ -30,8 +32,10 @@ from ssdlocal.core.errors import (
     UnsupportedArchitectureError,
 )
 from ssdlocal.core.files import check_digests, file_lock
+from ssdlocal.core.models import BackendName
 from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
-from ssdlocal.weights.formats.arch import Architecture, architecture
+from ssdlocal.weights.formats.arch import Architecture
+from ssdlocal.weights.formats.archs import architecture
 from ssdlocal.weights.formats.checkpoint import (
     checked,
     damaged_hint,
@@ -61,7 +65,8 @@ DTYPES = {
 
 @dataclass
 class LoadedModel:
-    model: Transformer
+    backend: ClassVar[BackendName] = BackendName.TORCH  # what made it (backends.registry.make_runner)
+    model: CausalLM
     tokenizer: object  # transformers PreTrainedTokenizerBase
     args: ModelArgs
     hf_config: object
@@ -155,11 +160,18 @@ def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=No
     return resolve_checkpoint(found, "none", dtype) if floats else found
 
 
+def declared_params(args: ModelArgs) -> int:
+    """Parameters a model of `args` has, whatever its family: counted on a meta-device build
+    (no memory), a tied lm_head once."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in {id(p): p for p in build(args).parameters()}.values())
+
+
 def preflight(
     ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device, dtype: torch.dtype
 ) -> None:
     """Before the model is built: the config's sizes against the weight files' headers,
-    and the weights against the memory available (weights/formats/checks.py, quant_load.weight_bytes)."""
+    and the weights against the memory available (weights/formats/checks.py, weights/size.py)."""
     headers = {}
     try:
         for file in files:
@@ -168,9 +180,9 @@ def preflight(
     except (DamagedFileError, OSError) as exc:
         message = exc.message if isinstance(exc, DamagedFileError) else first_line(exc)
         raise ModelLoadError(f"cannot read the weights in {ckpt}: {message}", hint=damaged_hint(ckpt)) from exc
-    check_against_weights(args, architecture(args.arch), headers, ckpt)
+    check_against_weights(args, lambda: declared_params(args), architecture(args.arch), headers, ckpt)
     from ssdlocal.backends.torch.kvcache import check_room
-    from ssdlocal.backends.torch.quant_load import weight_bytes
+    from ssdlocal.weights.size import weight_bytes
 
     need = weight_bytes(ckpt, scheme, str(dtype).removeprefix("torch."), device.type)
     check_room(need, device, f"weights of {ckpt.name} ({str(dtype).removeprefix('torch.')}, {scheme})")
@@ -190,6 +202,7 @@ def read_state_dict(
 
     `read(f, name, key)` picks what to keep of one tensor (default: all of it; tensor
     parallelism reads a slice). With `tied` embeddings a stored lm_head.weight is skipped.
+    Experts stored one by one come back stacked (models.moe.stack_experts).
     `on_read(nbytes)`: told the size of each whole tensor read (progress).
     """
     state: dict[str, torch.Tensor] = {}
@@ -208,10 +221,10 @@ def read_state_dict(
                     # pressure; every forward then page-faults the weights back in (seen:
                     # AR at 0.6 instead of 7.7 tok/s until the pages happened to stay).
                     state[key] = read(f, name, key).to(device=device, dtype=dtype, copy=True)
-    return state
+    return stack_experts(state)  # experts stored one by one -> the stacks the model holds
 
 
-def assign_weights(model: Transformer, state: dict[str, torch.Tensor], ckpt: Path) -> None:
+def assign_weights(model: CausalLM, state: dict[str, torch.Tensor], ckpt: Path) -> None:
     """Move `state` into the meta-device `model` (no copy); names must match exactly.
 
     Tied models expect no lm_head.weight (it is re-tied to the embedding here).
@@ -269,7 +282,7 @@ def load_model(
     scheme = resolve_scheme(path, quantization)
     ckpt = resolve_checkpoint(path, scheme, dtype)
     hf_config = load_hf_config(ckpt)
-    args = ModelArgs.from_hf_config(hf_config)
+    args = args_from_config(hf_config)
     files = weight_files(ckpt)
     dev, torch_dtype = parse_device(device), parse_dtype(dtype, hf_config)
     tokenizer = load_tokenizer(ckpt)
@@ -278,7 +291,7 @@ def load_model(
     on_read = _load_progress(path, files, scheme, torch_dtype)
     try:
         with torch.device("meta"):
-            model = Transformer(args)
+            model = build(args)
         if scheme != "none":
             load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype, on_read=on_read)
         else:

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 linears, applied to a Transformer from outside its code.
+"""Weight-only int8 / int4 linears, applied to a model from outside its code.
 
 QuantizedWeight is the device-neutral form that checkpoints store (codes plus scales);
 QuantLinear packs it for its device's kernel once, at construction, and runs that kernel;
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ssdlocal.backends.torch import int4_cpu, int4_cuda
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.quantization import INT4_GROUP
+from ssdlocal.core.quantization import INT4_GROUP, can_quantize
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
 # and norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
@@ -28,11 +28,6 @@ _CHUNK_ELEMENTS = 1 << 22  # quantize this many weights at a time: bounded float
 # whole ones costs as much as a whole one more, and a separate call for it costs less
 # (docs/architecture.md, "Quantized weights": M=5 4.3 -> 3.4 ms on one 1536x8960 matrix).
 _CPU_ROW_BLOCK = 4
-
-
-def can_quantize(shape: tuple[int, ...], scheme: str) -> bool:
-    """int4 needs whole groups along the input features; int8 takes any matrix."""
-    return len(shape) == 2 and (scheme == "int8" or (scheme == "int4" and shape[1] % INT4_GROUP == 0))
 
 
 @dataclass

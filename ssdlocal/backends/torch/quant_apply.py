@@ -9,8 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, can_quantize, quantize
-from ssdlocal.weights.formats.arch import architecture
+from ssdlocal.backends.torch.models.moe import StackedLinear
+from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, quantize
+from ssdlocal.backends.torch.quant_experts import quantize_stacked
+from ssdlocal.core.quantization import can_quantize
+from ssdlocal.weights.formats.archs import architecture
 
 
 class QuantEmbedding(nn.Module):
@@ -54,6 +57,9 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     for name, module in list(model.named_modules()):
         weight = getattr(module, "weight", None)
         if not arch.quantized(name) or weight is None or not can_quantize(tuple(weight.shape), scheme):
+            continue
+        if isinstance(module, StackedLinear):  # a MoE layer's experts, each quantized alone
+            replace_module(model, name, quantize_stacked(module, scheme))
             continue
         qw = quantize(weight.detach(), scheme, weight.dtype)  # where the weight is: a GPU's in seconds
         bias = None if module.bias is None else module.bias.detach()

@@ -1,18 +1,18 @@
-"""Fill a meta-device Transformer with quantized linears, one checkpoint tensor at a time.
+"""Fill a meta-device model with quantized linears, one checkpoint tensor at a time.
 
 Sources: a float checkpoint (each linear weight is read, quantized, and dropped) or a
 quantized one (gguf_quant.py's cache: codes + scales, packed for the device as read).
 Peak memory stays near the final model size: no float copy of the whole model and no
-memory map whose touched pages would count twice. Also sizes the weights as loaded
-(`weight_bytes`, for the planner). What `--quantization auto` means for a path is a
-question about files (weights/formats/quantized.py). Knows nothing about tensor
+memory map whose touched pages would count twice. How many bytes the weights take once
+loaded is weights/size.py's; what `--quantization auto` means for a path is a question
+about files (weights/formats/quantized.py). Knows nothing about tensor
 parallelism beyond a `shard` hook.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,15 +20,19 @@ import torch
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.gguf_quant import ensure_quantized
-from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, can_quantize, quantize
+from ssdlocal.backends.torch.models.moe import stack_experts
+from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, quantize
+from ssdlocal.backends.torch.quant_experts import QuantStacked
 from ssdlocal.backends.torch.quant_apply import QuantEmbedding, replace_module
 from ssdlocal.core.errors import ModelLoadError
-from ssdlocal.core.quantization import SCHEMES
-from ssdlocal.weights.formats.arch import architecture, find, for_gguf, unsupported
+from ssdlocal.core.quantization import SCHEMES, can_quantize
+from ssdlocal.weights.formats.arch import expert_pattern
+from ssdlocal.weights.formats.archs import architecture
 from ssdlocal.weights.formats.quantized import quant_info
 from ssdlocal.weights.formats.safetensors import MemoryReleaser, SafetensorsReader
 
 log = logging.getLogger(__name__)
+_ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)(\.\w+)")  # one expert's linear ("...experts.3.up_proj")
 
 # shard(key, value) -> the rank's part of a tensor or QuantizedWeight (key: "...q_proj.weight")
 Shard = Callable[[str, "Tensor | QuantizedWeight"], "Tensor | QuantizedWeight"]
@@ -72,9 +76,10 @@ def load_quantized_weights(
                 if key is None:
                     continue
                 module, _, leaf = key.rpartition(".")
+                one_expert = "{e}" in expert_pattern(module) and arch.quantized(module)  # stacked at the end
                 if leaf in ("codes", "scales", "zeros"):  # a quantized checkpoint
                     loader.add_part(module, leaf, f.read(name))
-                elif module in linears and leaf == "weight" and can_quantize(f.shape(name), scheme):
+                elif (module in linears or one_expert) and leaf == "weight" and can_quantize(f.shape(name), scheme):
                     loader.install(module, quantize(f.read(name), scheme, dtype))
                 else:
                     tensor = f.read(name)
@@ -98,6 +103,7 @@ class _Filler:
         self.floats: dict[str, Tensor] = {}
         self.parts: dict[str, dict[str, Tensor]] = {}
         self.installed: set[str] = set()
+        self.experts: dict[str, dict[int, QuantizedWeight]] = {}  # stacked module -> expert -> its codes
         self.releaser = MemoryReleaser()
 
     def add_part(self, module: str, leaf: str, tensor: Tensor) -> None:
@@ -120,8 +126,13 @@ class _Filler:
             weight = QuantizedWeight(
                 weight.scheme, weight.codes, weight.scales.to(self.dtype), zeros, weight.group_size
             )
-        old = self.model.get_submodule(module)
         weight = self.shard(f"{module}.weight", weight)
+        one = _ONE_EXPERT.fullmatch(module)
+        if one is not None:  # one expert of a MoE layer: stacked with its siblings in `finish`
+            self.experts.setdefault(one.group(1) + one.group(3), {})[int(one.group(2))] = weight
+            self.releaser.processed(weight.nbytes)
+            return
+        old = self.model.get_submodule(module)
         if module == "embed_tokens":  # a quantized checkpoint's embedding: codes, looked up
             replace_module(self.model, module, QuantEmbedding(weight, dtype=self.dtype, device=self.device))
             self.installed.add(module)
@@ -141,7 +152,24 @@ class _Filler:
         self.installed.add(module)
         self.releaser.processed(weight.nbytes)
 
+    def _stack_experts(self) -> None:
+        """Every MoE layer's experts, quantized one by one, as one QuantStacked (with their
+        biases, stacked, when they have them)."""
+        for module, parts in self.experts.items():
+            order = sorted(parts)
+            if order != list(range(len(order))):
+                raise ModelLoadError(f"{module}: experts {sorted(set(range(max(order) + 1)) - set(order))} are missing")
+            prefix, _, projection = module.rpartition(".")
+            biases = [self.floats.pop(f"{prefix}.{e}.{projection}.bias", None) for e in order]
+            bias = torch.stack(biases) if all(b is not None for b in biases) else None
+            weights = [parts[e] for e in order]
+            replace_module(self.model, module, QuantStacked(weights, bias, dtype=self.dtype, device=self.device))
+            self.installed.add(module)
+        self.experts.clear()
+
     def finish(self, expected: set[str], tied: bool, ckpt: Path) -> None:
+        self._stack_experts()
+        self.floats = stack_experts(self.floats)  # experts left in floats (not quantizable)
         for key in [k for k in self.floats if k.rpartition(".")[0] in self.installed]:
             module, _, leaf = key.rpartition(".")
             if leaf == "bias":  # QuantLinear adds it after any all_reduce
@@ -166,66 +194,3 @@ class _Filler:
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.releaser.flush()
         log.info("%d linears as %s", len(self.installed), self.scheme)
-
-
-def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "cpu") -> int:
-    """Bytes the weights of `path` (HF dir, quantized dir or .gguf) take once loaded with
-    `scheme` in `dtype` on a `device_type` device, from file headers only (quantized
-    codes take their own bytes on every device: core.quantization.bytes_per_param)."""
-    from math import prod
-
-    from ssdlocal.core.quantization import bytes_per_param
-
-    path = Path(path).expanduser()
-    if path.is_dir() and quant_info(path):
-        on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return on_disk
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
-    arch, shapes, embedding = _shapes(path, scheme, dtype)
-    embedding = float(size) if embedding is None else embedding  # bytes per embedding weight
-    tied = "lm_head.weight" not in shapes
-    total = 0.0
-    for name, shape in shapes.items():
-        module, _, leaf = name.rpartition(".")
-        quantized = leaf == "weight" and arch.quantized(module) and can_quantize(shape, scheme)
-        if name == "embed_tokens.weight":
-            total += prod(shape) * embedding
-            if tied and can_quantize(shape, scheme):
-                total += prod(shape) * bytes_per_param(scheme, dtype, device_type)  # lm_head's own codes
-        else:
-            total += prod(shape) * (bytes_per_param(scheme, dtype, device_type) if quantized else size)
-    return int(total)
-
-
-def _shapes(path: Path, scheme: str, dtype: str):
-    """(architecture, our tensor name -> shape, bytes per embedding weight or None for
-    floats) of a float checkpoint directory or a .gguf file, from headers only."""
-    from ssdlocal.backends.torch.gguf_quant import _embedding_scheme
-    from ssdlocal.core.quantization import bytes_per_param
-    from ssdlocal.weights.formats.gguf import GGUFHeader
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    if path.is_file():
-        header = GGUFHeader.read(path)
-        arch = for_gguf(header.metadata.get("general.architecture"), path.name)
-        embedding = None
-        for t in header.tensors:
-            name = arch.from_gguf(t.name)
-            if name is not None:
-                shapes[name] = t.shape
-            if name == "embed_tokens.weight":  # a GGUF's embedding stays quantized
-                embedding = bytes_per_param(_embedding_scheme(t, scheme), dtype)
-        return arch, shapes, embedding
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        raw = {}
-    arch = find(raw.get("architectures"), raw.get("model_type"))
-    if arch is None:
-        raise unsupported(f"architecture {', '.join(raw.get('architectures') or []) or 'unknown'}")
-    for file in sorted(path.glob("*.safetensors")):
-        with SafetensorsReader(file) as f:
-            for name in f.keys():  # noqa: SIM118 - a reader, not a dict
-                if (ours := arch.from_checkpoint(name)) is not None:
-                    shapes[ours] = f.shape(name)
-    return arch, shapes, None

@@ -1,4 +1,4 @@
-"""TorchRunner: the Runner protocol (backends/base.py) over our torch Transformer.
+"""TorchRunner: the Runner protocol (backends/base.py) over our torch models (backends/torch/models).
 
 Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill,
 the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
@@ -28,15 +28,18 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import HeldRows, Logits, kept_logits
+from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, Logits, kept_logits
 from ssdlocal.backends.torch.ahead import StagingRow
-from ssdlocal.backends.prefix import BLOCK_TOKENS, Placement, PrefixIndex, store_tokens
+from ssdlocal.backends.torch.stored import StoredPrefixes
+from ssdlocal.backends.prefix import PrefixIndex
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
-from ssdlocal.backends.torch.kvcache import free_bytes, rounded_slots, runs_of
+from ssdlocal.backends.torch.decode_state import DecodeState, bucket_span
+from ssdlocal.backends.torch.kvcache import rounded_slots
 from ssdlocal.backends.torch.loader import LoadedModel
-from ssdlocal.backends.torch.model import Transformer, causal_mask
+from ssdlocal.backends.torch.models import CausalLM, causal_mask
 from ssdlocal.backends.torch.prefill_path import dense_dtype
-from ssdlocal.backends.torch.shapes import DecodeState, bucket_span, padded, padded_tree_mask, warm_steps
+from ssdlocal.backends.torch.shapes import padded, padded_tree_mask, warm_steps
+from ssdlocal.core.errors import UsageError
 from ssdlocal.core.hostsync import Site, detached_site
 
 FIRST_CAPACITY = 1024  # slots per row allocated at first; doubled as rows grow
@@ -47,7 +50,7 @@ PREFILL_CHUNK = 512  # a long feed reads this many tokens per row at a time, lay
 DENSE_MIN_TOKENS = 128
 
 
-class TorchRunner(HeldRows):
+class TorchRunner(StoredPrefixes, HeldRows):
     """One model, its static KV cache, and which tokens (or how many) each row holds."""
 
     def __init__(self, loaded: LoadedModel, *, graphs: str = "auto") -> None:
@@ -60,7 +63,7 @@ class TorchRunner(HeldRows):
         self.num_slots = 0  # slots per row a call may use at most
         self.capacity = 0  # slots per row allocated now (grows up to num_slots)
         self.state = DecodeState(0, STEP_OFFSETS, self.device)
-        self.plain = isinstance(self.model, Transformer)  # not a tensor-parallel group
+        self.plain = isinstance(self.model, CausalLM)  # not a tensor-parallel group
         # A tensor-parallel model captures on every rank itself (parallel/group.py); its
         # rank 0 cache is this runner's `graphs` all the same (counts, clear, span buckets).
         # What the runner owns refers back to it weakly: no reference cycle, so a runner let go
@@ -70,6 +73,8 @@ class TorchRunner(HeldRows):
         self.prefix: PrefixIndex | None = None  # earlier calls' prefixes (setup_prefix)
         self.prefix_token_bytes = 0
         self.staging = StagingRow(me)  # a one-row cache for reading prompts ahead (read_ahead)
+        self.hidden_layers: HiddenLayers | None = None  # what keep_hidden asked for
+        self._hidden: Tensor | None = None  # the last feed's or step's hidden states
 
     @property
     def lengths(self) -> Tensor:
@@ -87,13 +92,12 @@ class TorchRunner(HeldRows):
         """Every tensor a captured step may read besides its inputs (graphs.StaticTensors)."""
         yield from self.model.parameters()
         yield from self.model.buffers()
-        yield self.state.lengths
-        yield self.state.offsets
+        yield from self.state.tensors()
 
     def state_tensors(self) -> tuple[Tensor, ...]:
         """The registered tensors this runner may reallocate, compared before each replay."""
         caches = (t for layer in self.model.layers for t in layer.self_attn.kv_cache.tensors())
-        return (self.state.lengths, self.state.offsets, *self.model.rope_tables(), *caches)
+        return (*self.state.tensors(), *self.model.rope_tables(), *caches)
 
     def describe(self, tensor: Tensor) -> str:
         """Where a tensor read by a step lives: an attribute of this runner or its model."""
@@ -137,7 +141,7 @@ class TorchRunner(HeldRows):
         self.model.setup_cache(rows, capacity, self.loaded.dtype, self.device)
         self.capacity = capacity
         if rows != self.state.lengths.numel():
-            self.state = DecodeState(rows, self.state.offsets.numel(), self.device)
+            self._new_state(rows, self.state.offsets.numel())
         self._graphs_invalid()  # they read the old cache
 
     def _ensure(self, slots: int) -> None:
@@ -205,13 +209,27 @@ class TorchRunner(HeldRows):
             report = None if progress is None else (lambda done, total: progress(done // layers, total // layers))
             dense = dense_dtype(self.model, rows_in) if rows_in >= DENSE_MIN_TOKENS else None
             out = self.model.prefill(
-                ids, positions, keep, PREFILL_CHUNK, fresh=fresh, dense=dense, progress=report, starts=starts
+                ids,
+                positions,
+                keep,
+                PREFILL_CHUNK,
+                fresh=fresh,
+                dense=dense,
+                progress=report,
+                starts=starts,
+                hidden=self.hidden_layers,
+                hidden_all=True,
             )
         elif not self.plain and t_max > PREFILL_CHUNK:
             out = self._chunked_forward(ids, positions, keep, progress, max(starts))
         else:
             mask = None if self.plain and fresh else causal_mask(positions, max(starts) + t_max)  # [B, T, S]
-            out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
+            if self.plain:
+                out = self.model(ids, positions, positions, mask, keep, self.hidden_layers, True)  # [B, n, V] float32
+            else:
+                out = self.model(ids, positions, positions, mask, keep)  # [B, n, V] float32
+        if self.hidden_layers is not None:
+            out, self._hidden = out  # logits, hidden states at every fed column [B, T, len * hidden]
         for b, r in enumerate(rows):
             self.held[b].extend(r)
         if logits is Logits.ALL:
@@ -249,75 +267,9 @@ class TorchRunner(HeldRows):
         last = [max(n - 1, 0) for n in lengths]
         return self.site.upload(last, self.device)[:, None]  # [B, 1]
 
-    # ------------------------------------------------------------------ prefix store
-    def setup_prefix(self, asked: int | None) -> int:
-        """A prefix store of `asked` tokens (None: the default size, see
-        backends.prefix.store_tokens; 0: none), replacing any earlier one; returns its size."""
-        self.prefix = None
-        self.model.setup_prefix_pool(0, self.loaded.dtype, self.device)  # free the old pool first
-        per_token = self.model.prefix_pool_bytes(1, self.loaded.dtype)
-        tokens = store_tokens(asked, per_token, free_bytes(self.device), f"{self.loaded.args.arch} on {self.device}")
-        self.model.setup_prefix_pool(tokens, self.loaded.dtype, self.device)
-        self.prefix = PrefixIndex(tokens // BLOCK_TOKENS) if tokens else None
-        self.prefix_token_bytes = per_token
-        return tokens
-
-    def forget_prefixes(self) -> None:
-        """Runner.forget_prefixes."""
-        if self.prefix is not None:
-            self.prefix.clear()
-
     def graph_report(self, since: dict | None = None) -> dict:
         """Runner.graph_report (backends.torch.graphs.graph_report)."""
         return graph_report(self, since)
-
-    def prefix_report(self) -> dict | None:
-        """The store's counts (backends.prefix.PrefixIndex.report) and its bytes, or None."""
-        if self.prefix is None:
-            return None
-        report = self.prefix.report()
-        return {
-            **report,
-            "capacity_bytes": report["capacity_tokens"] * self.prefix_token_bytes,
-            "used_bytes": report["used_tokens"] * self.prefix_token_bytes,
-        }
-
-    @torch.inference_mode()
-    def reuse(self, row: int, tokens: Sequence[int]) -> int:
-        """Row `row` (holding nothing yet, after `reset`) takes the longest stored prefix of
-        `tokens` (whole blocks) into its first slots; returns how many tokens it holds now."""
-        if self.prefix is None or self.held[row]:
-            return 0
-        return self.load_stored(row, tokens)
-
-    def load_stored(self, row: int, tokens: Sequence[int], count: bool = True) -> int:
-        """`reuse`'s copy; `count` False for a look that is no row's lookup (StagingRow)."""
-        numbers = self.prefix.match(tokens, count)
-        n = len(numbers) * BLOCK_TOKENS
-        if n:
-            self._ensure(n)
-            self.model.load_prefix(row, runs_of(list(enumerate(numbers)), BLOCK_TOKENS))
-            self.held[row] = list(tokens[:n])
-        return n
-
-    @torch.inference_mode()
-    def store(self, row: int, tokens: Sequence[int]) -> None:
-        """Slots 0..len(tokens)-1 of row `row` hold `tokens` (the caller knows: after steps,
-        `held` is not kept): keep their whole blocks for later calls' `reuse`."""
-        if self.prefix is None:
-            return
-
-        def write(placements: list[Placement]) -> None:
-            self.model.save_prefix(row, runs_of([(p.index, p.number) for p in placements], BLOCK_TOKENS))
-
-        self.prefix.insert(tokens, write)
-
-    def read_ahead(self, tokens: Sequence[int], n: int) -> int:
-        """Runner.read_ahead, on a one-row cache of its own (backends.torch.ahead); whole
-        blocks. A tensor-parallel group reads nothing ahead (its caches are allocated once)."""
-        if self.prefix is None or not self.plain:
-            return 0
-        return self.staging.read(tokens, n)
 
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:
@@ -349,23 +301,67 @@ class TorchRunner(HeldRows):
             span = min(bucket_span(span), limit)  # few shapes to capture
         self._ensure(span)
         if width > self.state.offsets.numel():  # wider than any step so far
-            old = self.state.lengths
-            self.state = DecodeState(old.numel(), width, self.device)
-            self.state.lengths.copy_(old)
+            self._new_state(self.state.lengths.numel(), width)
             self._graphs_invalid()
+        if self.state.hidden is not None:  # what the step writes there (the caller reads `hidden()`)
+            self._hidden = self.state.hidden[:B, : 1 if at is not None else T]
+        layers = self.hidden_layers
         ids = padded(ids, rows, width)  # [rows, width]
         at = None if at is None else padded(at, rows)  # [rows]
         if graphed and self.plain and at is None:
             step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
-            return self.graphs.run(("step", rows, width, span), step, ids=ids)[:B]
+            return self.graphs.run(("step", rows, width, span, layers), step, ids=ids)[:B]
         if graphed and self.plain:
             step_at = lambda ids, at: self._step(ids, span, at)  # noqa: E731
-            return self.graphs.run(("step-at", rows, width, span), step_at, ids=ids, at=at)[:B]
+            return self.graphs.run(("step-at", rows, width, span, layers), step_at, ids=ids, at=at)[:B]
         return self._step(ids, span, at)[:B]
 
     def warm_up(self, batch_size: int, widths: Sequence[int], at_widths: Sequence[int] = ()) -> int:
         """Runner.warm_up (shapes.warm_steps); nothing without graphs."""
         return 0 if self.graphs is None else warm_steps(self, batch_size, widths, at_widths)
+
+    def _new_state(self, batch: int, width: int) -> None:
+        """A DecodeState for `batch` rows and steps up to `width` tokens (its hidden buffer as
+        wide as keep_hidden asks); rows keep their lengths when the batch size stays."""
+        width_hidden = len(self.hidden_layers) * self.loaded.args.hidden_size if self.hidden_layers else 0
+        old, self.state = self.state.lengths, DecodeState(batch, width, self.device, width_hidden, self.loaded.dtype)
+        if old.numel() == batch:
+            self.state.lengths.copy_(old)
+
+    def keep_hidden(self, layers: HiddenLayers | None) -> None:
+        """Runner.keep_hidden: steps then write the hidden states into the state's static
+        buffer (captured steps too: the buffer is registered); a tensor-parallel group
+        cannot give them (UsageError)."""
+        layers = tuple(layers) if layers else None
+        if layers == self.hidden_layers:
+            return
+        if layers is not None and not self.plain:
+            raise UsageError(
+                "a drafter that reads the target's hidden states needs a target on one device",
+                "drop the extra --target-device entries, or use a draft model",
+            )
+        bad = [i for i in layers or () if not (i == FINAL_HIDDEN or 0 <= i < len(self.model.layers))]
+        if bad:
+            raise ValueError(f"hidden layers {bad} are not layers of a {len(self.model.layers)}-layer model")
+        self.hidden_layers, self._hidden = layers, None
+        self._new_state(self.state.lengths.numel(), self.state.offsets.numel())
+        self._graphs_invalid()  # steps now write (or no longer write) the hidden buffer
+
+    def head_inputs(self) -> HeadInputs:
+        """Runner.head_inputs: the model's embeddings, layers and width (one device only)."""
+        if not self.plain:
+            raise UsageError(
+                "a draft head needs a target on one device",
+                "drop the extra --target-device entries, or use a draft model",
+            )
+        args = self.loaded.args
+        return HeadInputs(self.model.embed_tokens, args.num_layers, args.hidden_size, self.loaded.dtype)
+
+    def hidden(self) -> Tensor:
+        """Runner.hidden: the last feed's or step's hidden states (keep_hidden)."""
+        if self._hidden is None:
+            raise RuntimeError("no hidden states kept: call keep_hidden() before the feed or step")
+        return self._hidden
 
     def end_steps(self, kept) -> None:
         """Rows in `kept` hold the tokens their first steps wrote (Runner.end_steps); steps
@@ -389,9 +385,13 @@ class TorchRunner(HeldRows):
         if not self.plain:  # a tensor-parallel group captures the forward on every rank
             logits = self.model(ids, positions, positions, mask, capture=True)  # [B, T, V]
             return logits if at is None else logits[torch.arange(ids.shape[0], device=ids.device), at]
-        if at is None:
-            return self.model(ids, positions, positions, mask)  # [B, T, V]
-        return self.model(ids, positions, positions, mask, keep=at[:, None])[:, 0]  # [B, V]
+        keep = None if at is None else at[:, None]  # [B, 1]
+        if self.hidden_layers is None:
+            logits = self.model(ids, positions, positions, mask, keep)  # [B, T or 1, V]
+        else:
+            logits, states = self.model(ids, positions, positions, mask, keep, self.hidden_layers)
+            self.state.hidden[: states.shape[0], : states.shape[1]].copy_(states)  # [B, T or 1, n * hidden], in place
+        return logits if at is None else logits[:, 0]  # [B, T, V] or [B, V]
 
     # ------------------------------------------------------------------ trees (SSD)
     @torch.inference_mode()

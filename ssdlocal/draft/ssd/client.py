@@ -17,7 +17,7 @@ from ssdlocal.core.config import Backup, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import DraftWorkerError
 from ssdlocal.core.events import SsdRound
 from ssdlocal.core.hostsync import Audit, HostWaits
-from ssdlocal.draft.base import Proposal, RoundOutcome, RowView
+from ssdlocal.draft.base import DrafterBase, Proposal, RoundOutcome, RowView
 from ssdlocal.draft.ssd import protocol as pr
 from ssdlocal.ipc.child import ChildProcess
 from ssdlocal.ipc.qchannel import QChannel, choose_q_channel, make_q_channel
@@ -109,7 +109,7 @@ class DraftWorkerClient:
         self.child.close()
 
 
-class SSDDrafter:
+class SSDDrafter(DrafterBase):
     """Drafter protocol over the async worker: propose waits, observe does not."""
 
     def __init__(
@@ -176,7 +176,7 @@ class SSDDrafter:
         self._ready_owed = sum(len(s) + 1 for s in sequences)  # the prompts, then each row's first token
         self._started, self._first = True, True
 
-    def start(self, rows: Sequence[RowView]) -> None:
+    def start(self, rows: Sequence[RowView], hidden=None) -> None:
         """The rows as the target's prefill left them (prompt + first token); START them
         now unless `read_prompts` did."""
         if self._started:
@@ -256,8 +256,9 @@ class SSDDrafter:
             return None
         return HostWaits.from_dict(self.last.host_waits) - self.waits_at_start
 
-    def graph_report(self) -> dict | None:
-        """The draft runner's graph counts during this batch (as of its last proposal)."""
+    def graph_report(self, since: dict | None = None) -> dict | None:
+        """The draft runner's graph counts during this batch (as of its last proposal; the
+        worker's counts at START are what they are counted from, whatever `since` says)."""
         if self.last is None or self.last.graphs is None:
             return None
         start = self.graphs_at_start or {}

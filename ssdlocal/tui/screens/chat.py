@@ -2,6 +2,9 @@
 
 Generation runs in a thread worker that turns engine events into typed messages
 (messages.py); handlers here update the widgets. The screen never blocks on the engine.
+Each answer samples the machine's load before and after (tui/load.py) so the stats panel
+can say when other work disturbed its timings, and the panel is told why the mode runs
+and where the draft runs (tui/facts.py) whenever either changes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import Mode
 from ssdlocal.core.errors import SSDLocalError
 from ssdlocal.core.events import DoneEvent, ModeEvent, RoundEvent, TokensEvent
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.tui.core import (
     ChatSettings,
     Conversation,
@@ -29,6 +33,8 @@ from ssdlocal.tui.core import (
     error_text,
     run_command,
 )
+from ssdlocal.tui.facts import answer_reason, draft_place
+from ssdlocal.tui.load import Meter, between, sample
 from ssdlocal.tui.messages import (
     GenerationDone,
     ModeChanged,
@@ -65,9 +71,13 @@ class ChatScreen(Screen):
         Binding("ctrl+l", "clear", "Clear", priority=True, show=False),
     ]
 
-    def __init__(self, settings: ChatSettings, pair: str, placement: str, system: str | None = None) -> None:
+    def __init__(
+        self, settings: ChatSettings, pair: str, placement: str, system: str | None = None, meter: Meter = sample
+    ) -> None:
         super().__init__()
         self.settings = settings
+        self.meter = meter  # the machine's load, sampled around each answer
+        self._why = ""  # the reason of the mode the panel shows (a ModeEvent's, mid-answer)
         self.pair, self.placement = pair, placement
         self.conversation = Conversation(system)
         self.engine: EngineLike | None = None
@@ -100,6 +110,15 @@ class ChatScreen(Screen):
         self.query_one(StatsPanel).reset(self.settings.mode.value)
         self.query_one("#prompt", Input).focus()
         self._update_status()
+
+    def _say_why(self, reason: str | None = None) -> None:
+        """Tell the panel why the mode runs (`reason`: the engine's own, when it switched)
+        and where the draft runs."""
+        config = self.app.engine_config
+        auto = getattr(self.engine, "choice", None)
+        mode = self._gen_mode if self.generating else self.settings.mode
+        self._why = reason or answer_reason(config, mode, auto)
+        self.query_one(StatsPanel).show_context(self._why, draft_place(config))
 
     def loading_progress(self, line: str) -> None:
         """A loading step's progress (the app forwards core.progress reports)."""
@@ -165,6 +184,7 @@ class ChatScreen(Screen):
             if self.settings.mode is Mode.AUTO:  # the chat starts in the mode auto chose
                 self.settings = self.settings.with_mode(choice.mode)
                 self.query_one(StatsPanel).reset(self.settings.mode.value)
+        self._say_why()
         self._update_status()
         queued, self._queued = self._queued, None
         if queued is not None:
@@ -201,6 +221,7 @@ class ChatScreen(Screen):
         self._update_status()
         if not self.generating:
             self.query_one(StatsPanel).reset(settings.mode.value)
+            self._say_why()
         note = " (applies to the next answer)" if self.generating else ""
         self.notify(settings.describe() + note, title="settings", timeout=2)
 
@@ -236,6 +257,7 @@ class ChatScreen(Screen):
         self._reading = None
         self._gen_mode = self.settings.mode
         self.query_one(StatsPanel).reset(self._gen_mode.value)
+        self._say_why()
         self._update_status()
         # made now, so Esc works even before the worker thread has started generating
         self._stop = CancelToken(parent=self.app.quitting)
@@ -245,6 +267,7 @@ class ChatScreen(Screen):
     def _generate(self, turn: int, ids: list[int], settings: ChatSettings, stop: CancelToken) -> None:
         engine = self.engine
         splitter = OriginSplitter(engine.tokenizer)
+        before = self.meter()
         try:
             claim_engine_device(engine)  # this worker thread runs the engine
             reading = lambda p: self.post_message(PromptProgress(turn, p.done, p.total))  # noqa: E731
@@ -262,7 +285,8 @@ class ChatScreen(Screen):
                     self.post_message(ModeChanged(turn, ev.mode, ev.reason, ev.short))
                 elif isinstance(ev, DoneEvent):
                     out = ev.outputs[0]
-                    self.post_message(GenerationDone(turn, out.text, out.finish_reason, ev.stats))
+                    load = between(before, self.meter())
+                    self.post_message(GenerationDone(turn, out.text, out.finish_reason, ev.stats, load))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a modal
             self.post_message(WorkFailed("Generation failed", *error_text(exc)))
 
@@ -298,6 +322,7 @@ class ChatScreen(Screen):
         if self.settings.spec.mode is not Mode.AUTO and self.settings.mode is not self._gen_mode:
             self.settings = self.settings.with_mode(self._gen_mode)
         self.query_one(PairHeader).show_mode(f"mode {msg.mode}: {msg.short}")
+        self._say_why(f"the engine switched to {msg.mode.upper()}: {msg.short}")
         self.notify(msg.reason, title=f"mode {msg.mode}", timeout=8)
         self._update_status()
 
@@ -312,13 +337,15 @@ class ChatScreen(Screen):
         note = f"{self._gen_mode.value.upper()} · {s.tokens} tokens"
         if rate:
             note += f" · {rate:.1f} tok/s"
-        if msg.finish_reason == "cancelled":
+        if msg.finish_reason is FinishReason.CANCELLED:
             note += " · stopped"
-        elif msg.finish_reason == "length":
+        elif msg.finish_reason is FinishReason.LENGTH:
             note += " · max tokens reached"
+        if msg.load is not None and msg.load.disturbed:
+            note += f" · timings disturbed ({msg.load.describe()})"
         if self._answer is not None:
             self._answer.set_note(note)
-        self.query_one(StatsPanel).show_stats(self._gen_mode.value, s)
+        self.query_one(StatsPanel).show_stats(self._gen_mode.value, s, load=msg.load)
         self._update_status()
 
     def on_work_failed(self, msg: WorkFailed) -> None:

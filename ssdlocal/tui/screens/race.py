@@ -1,8 +1,12 @@
 """RaceScreen: AR | SD | SSD side by side on one prompt, replayed with measured timings.
 
 A thread worker records the three runs one after another (they would slow each other
-down if run at once on this hardware); the screen then replays every pane against
-its own recorded per-token timestamps and shows the summary table.
+down if run at once on this hardware), each again once when other load disturbed it; the
+screen then replays every pane against its own recorded per-token timestamps and shows
+the summary table with what stands beside it (facts.footer_lines: same output and
+why not, how the modes were made exact, disturbed timings, what auto picks here). The
+SSD pane says where its draft runs and, sharing the target's hardware, what it would give
+on hardware of its own.
 """
 
 from __future__ import annotations
@@ -22,17 +26,12 @@ from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from ssdlocal.core.cancel import CancelToken
-from ssdlocal.core.config import SamplingParams, SpecConfig
+from ssdlocal.core.config import EngineConfig, Mode, SamplingParams, SpecConfig
 from ssdlocal.tui.core import EngineLike, claim_engine_device, error_text
-from ssdlocal.tui.messages import RaceProgress, RaceRecorded, WorkFailed
-from ssdlocal.tui.race import (
-    RaceRun,
-    identical_verdict,
-    record_run,
-    summarize,
-    summary_legend,
-    summary_table,
-)
+from ssdlocal.tui.load import Meter, sample
+from ssdlocal.tui.messages import RaceProgress, RaceRecorded, RaceRerun, WorkFailed
+from ssdlocal.tui.race import RaceRun, identical_verdict, record_mode, summarize, summary_legend, summary_table
+from ssdlocal.tui.facts import footer_lines, ssd_note
 from ssdlocal.tui.widgets.header import PairHeader
 from ssdlocal.tui.widgets.race_pane import RacePane
 
@@ -62,10 +61,14 @@ class RaceScreen(Screen):
         warmup: bool = True,
         speed: float = 1.0,
         clock: Callable[[], float] = time.perf_counter,
+        config: EngineConfig | None = None,
+        default_config: EngineConfig | None = None,
+        meter: Meter = sample,
     ) -> None:
         super().__init__()
         self.prompt, self.specs, self.params = prompt, specs, params
         self.pair, self.placement = pair, placement
+        self.config, self.default_config, self.meter = config, default_config, meter
         self.chat, self.warmup, self.speed, self.clock = chat, warmup, speed, clock
         self.engine: EngineLike | None = None
         self.runs: list[RaceRun | None] = [None] * len(specs)
@@ -74,6 +77,7 @@ class RaceScreen(Screen):
         self.finished = False
         self.rows: list = []
         self.verdict = ""
+        self.footer: list[str] = []
 
     def compose(self) -> ComposeResult:
         yield PairHeader("race", self.pair, self.placement, id="header")
@@ -81,7 +85,8 @@ class RaceScreen(Screen):
         yield Static(Text.assemble(("prompt: ", "bold"), prompt, "\n", (NOTE, "italic dim")), id="race-note")
         with Horizontal(id="panes"):
             for spec in self.specs:
-                yield RacePane(spec.mode.value, id=f"pane-{spec.mode.value}")
+                note = ssd_note(self.config, short=True) if spec.mode is Mode.SSD and self.config is not None else ""
+                yield RacePane(spec.mode.value, note, id=f"pane-{spec.mode.value}")
         yield Static(Text("loading models…", style="italic"), id="summary")
         yield Footer()
 
@@ -128,14 +133,16 @@ class RaceScreen(Screen):
                 if stop.cancelled:
                     return
                 self.post_message(RaceProgress(i, 0))
-                run = record_run(
+                run = record_mode(
                     engine,
                     ids,
                     self.params,
                     spec,
                     clock=self.clock,
                     on_tokens=lambda n, new, i=i: self.post_message(RaceProgress(i, n, new)),
+                    on_rerun=lambda load, i=i: self.post_message(RaceRerun(i, load.describe())),
                     cancel=stop,
+                    meter=self.meter,
                 )
                 self.post_message(RaceRecorded(i, run))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a modal
@@ -145,6 +152,9 @@ class RaceScreen(Screen):
         self.panes[msg.index].recording(msg.tokens, msg.pieces)
         mode = self.specs[msg.index].mode.value.upper()
         self._summary(Text(f"recording {mode} ({msg.index + 1}/{len(self.specs)})…", style="italic"))
+
+    def on_race_rerun(self, msg: RaceRerun) -> None:
+        self.panes[msg.index].rerunning(msg.why)
 
     def on_race_recorded(self, msg: RaceRecorded) -> None:
         self.runs[msg.index] = msg.run
@@ -184,13 +194,24 @@ class RaceScreen(Screen):
             if self._timer is not None:
                 self._timer.stop()
                 self._timer = None
-            rows = summarize([r for r in self.runs if r is not None])
+            runs = [r for r in self.runs if r is not None]
+            rows = summarize(runs)
             self.rows = rows
-            self.verdict = verdict = identical_verdict(rows, self.params.greedy)
+            self.footer = [identical_verdict(rows, self.params.greedy)]
+            if self.config is not None:
+                self.footer = footer_lines(rows, self.config, self.default_config, self.params.greedy)
+                for pane in self.panes:
+                    if pane.mode == Mode.SSD.value:
+                        pane.set_note(
+                            ssd_note(self.config, runs, short=True, costs=getattr(self.engine, "costs", None))
+                        )
+            self.verdict = self.footer[0] if self.footer else ""
+            lines = [Text(line, style="bold" if n == 0 else "") for n, line in enumerate(self.footer)]
             self._summary(
                 Group(
                     summary_table(rows),
                     Text(summary_legend(), style="dim"),
-                    Text(f"{verdict}  ·  r: replay  q: quit", style="bold"),
+                    *lines,
+                    Text("r: replay  q: quit", style="dim"),
                 )
             )

@@ -1,4 +1,5 @@
-"""RacePane: one mode's column in the race — title, live tokens/s, streaming text."""
+"""RacePane: one mode's column in the race — title, live tokens/s, a note (SSD: where its
+draft runs and what it would give on hardware of its own), streaming text."""
 
 from __future__ import annotations
 
@@ -15,17 +16,32 @@ from ssdlocal.tui.widgets.transcript import AnswerText
 class RacePane(Vertical):
     """Shows a RaceRun up to a replay time; also a status line while recording."""
 
-    def __init__(self, mode: str, **kwargs) -> None:
+    def __init__(self, mode: str, note: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         self.mode = mode
+        self.note = note
         self.race_run: RaceRun | None = None
         self._shown = 0
 
     def compose(self) -> ComposeResult:
         yield Static(Text(self.mode.upper(), style="bold"), classes="pane-title")
         yield Static("waiting", classes="pane-meter")
+        yield Static(Text(self.note, style="dim italic"), classes="pane-note")
         with VerticalScroll(classes="pane-body"):
             yield AnswerText(colors=True)
+
+    def set_note(self, note: str) -> None:
+        self.note = note
+        self.query_one(".pane-note", Static).update(Text(note, style="dim italic"))
+        self.query_one(".pane-note", Static).display = bool(note)
+
+    def on_mount(self) -> None:
+        self.query_one(".pane-note", Static).display = bool(self.note)
+
+    def rerunning(self, why: str) -> None:
+        """The recorded run was disturbed: it is recorded again from nothing."""
+        self.reset()
+        self.meter.update(Text(f"again: {why}", style="italic yellow"))
 
     @property
     def meter(self) -> Static:
@@ -76,5 +92,7 @@ class RacePane(Vertical):
         )
         if done:
             meter.append("  done", style="bold green")
+            if run.load is not None and run.load.disturbed:
+                meter.append(" *", style="bold yellow")
         self.meter.update(meter)
         return done

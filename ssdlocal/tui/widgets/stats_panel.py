@@ -2,7 +2,10 @@
 
 Reads the engine's metrics (core.metrics.Metrics: speed, ttft, the prompt and its prefill,
 acceptance, accepted length, per-position acceptance and the accepted-length histogram,
-draft / verify time, and the adaptive and SSD parts) and draws numbers and bars.
+draft / verify time, and the adaptive and SSD parts) and draws numbers and bars; and says
+what stands behind them: the other load on the CPU while the answer ran (tui/load.py: its
+timings are not this hardware's own when others used a share of it), where the draft runs,
+and why the answer runs its mode (tui/facts.answer_reason).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from ssdlocal.core.metrics import Metrics
+from ssdlocal.tui.load import Disturbance
 from ssdlocal.tui.widgets.bars import hbar
 
 BAR = 12
@@ -32,6 +36,15 @@ def _prompt(s: Metrics) -> str:
     if not s.prompt_tokens:
         return "–"
     return f"{s.prompt_tokens:,} · {s.cached_prompt_tokens:,} cached"
+
+
+def _load(load: Disturbance | None, live: bool) -> str:
+    """ "0.9 of 2 cores ⚠": other processes' CPU while the answer ran."""
+    if live:
+        return "measuring…"
+    if load is None or load.others_cores is None:
+        return "–" if load is None else "unknown"
+    return f"{load.others_cores:.1f} of {load.cores} cores" + (" ⚠" if load.disturbed else "")
 
 
 def _prefill(s: Metrics) -> str:
@@ -59,6 +72,14 @@ class StatsPanel(Static):
         self.last_backup: str | None = None
         self.last_hit: bool | None = None
         self.live = False
+        self.load: Disturbance | None = None  # other load while the last answer ran
+        self.reason = ""  # why the answer runs its mode
+        self.place = ""  # where the draft runs, in short
+
+    def show_context(self, reason: str, place: str) -> None:
+        """Why the mode runs and where the draft runs (the chat says it on every change)."""
+        self.reason, self.place = reason, place
+        self.refresh_panel()
 
     def show_stats(
         self,
@@ -68,8 +89,11 @@ class StatsPanel(Static):
         backup: str | None = None,
         cache_hit: bool | None = None,
         live: bool = False,
+        load: Disturbance | None = None,
     ) -> None:
         self.mode, self.snapshot, self.live = mode, snapshot, live
+        if not live:
+            self.load = load
         if cache_hit is not None:
             self.last_hit = cache_hit
             self.last_backup = backup
@@ -81,7 +105,7 @@ class StatsPanel(Static):
         self.refresh_panel()
 
     def reset(self, mode: str) -> None:
-        self.mode, self.snapshot = mode, None
+        self.mode, self.snapshot, self.load = mode, None, None
         self.last_backup = self.last_hit = None
         self.refresh_panel()
 
@@ -108,6 +132,7 @@ class StatsPanel(Static):
         sections = [self._speed(s), self._speculation_rows(s)]
         optional = [  # (drop order: last first) -> kept while they fit
             self._time(s),
+            self._why() if self.reason else None,
             self._bars("Acceptance by position", list(s.per_position_acceptance), 1, _pct)
             if self.mode != "ar"
             else None,
@@ -148,12 +173,23 @@ class StatsPanel(Static):
         rows.append(self._row("prefill", _prefill(s)))  # how fast the rest was read
         rounds = s.rounds
         rows.append(self._row("tokens", f"{s.tokens} in {rounds} round{'s' * (rounds != 1)}" if answered else "–"))
+        busy = self.load is not None and self.load.disturbed
+        rows.append(self._row("other CPU", _load(self.load, self.live), self._style("miss") if busy else ""))
         return rows
+
+    def _why(self) -> list[Text]:
+        """The mode's reason, wrapped to the panel (its whole story is behind F7)."""
+        import textwrap
+
+        width = max((self.size.width or 34) - 2, 20)
+        return [self._title("Why")] + [Text(line, style="dim") for line in textwrap.wrap(self.reason, width)]
 
     def _speculation_rows(self, s: Metrics) -> list[Text]:
         rows = [self._title("Speculation")]
         if self.mode == "ar":
             return rows + [Text("AR: the target alone,", style="dim"), Text("one token per round", style="dim")]
+        if self.place:
+            rows.append(self._row("draft", self.place))
         rows.append(self._row("acceptance", _pct(s.acceptance_rate)))
         rows.append(self._row("accepted len", _num(s.mean_accepted_len, "{:.2f} tok/round")))
         sources = s.adaptive.rows_by_source if s.adaptive else None

@@ -1,4 +1,6 @@
-"""One description per model architecture the torch backend runs: llama, qwen2, qwen3.
+"""How a model architecture is described: what tells it from the others, how its files name
+each tensor, and how tensor parallelism and quantization treat each linear. The table of
+architectures the torch backend runs is weights/formats/archs.py.
 
 Everything that differs between them lives here and only here: how a checkpoint says
 which it is (config.json `architectures` / `model_type`, GGUF `general.architecture`), how
@@ -14,15 +16,17 @@ one more entry in the table at the end, and no other module writes a file's tens
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ssdlocal.core.errors import ModelLoadError, UnsupportedArchitectureError
+from ssdlocal.core.errors import ModelLoadError
 
-# Our names: the modules of model.Transformer, outside the layers and inside layer i
-# ("layers.{i}." + one of BLOCK_MODULES). A tensor is a module name + "." + a leaf
-# (weight, bias; codes, scales, zeros in quantized checkpoints), the leaf the same everywhere.
+# Our names: the modules of the torch backend's models (backends/torch/models), outside the
+# layers and inside layer i ("layers.{i}." + one of an architecture's `modules`). A tensor is
+# a module name + "." + a leaf (weight, bias; codes, scales, zeros in quantized checkpoints),
+# the leaf the same everywhere. In a module name "{e}" stands for an expert's index (a
+# checkpoint storing experts one by one; the loaders stack them into the module without it).
 GLOBAL_MODULES = ("embed_tokens", "norm", "lm_head")
 BLOCK_MODULES = (
     "input_layernorm",
@@ -37,7 +41,22 @@ BLOCK_MODULES = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MOE_MODULES = (
+    "mlp.gate",  # the router
+    *(f"mlp.experts.{{e}}.{p}" for p in EXPERT_PROJECTIONS),  # one expert each (checkpoints)
+    *(f"mlp.experts.{p}" for p in EXPERT_PROJECTIONS),  # stacked [E, out, in] (GGUF, ours)
+)
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def expert_pattern(module: str) -> str:
+    """`module` with an expert's index written as "{e}" ("mlp.experts.3.up_proj" ->
+    "mlp.experts.{e}.up_proj"); other names as they are."""
+    return _EXPERT.sub(".experts.{e}.", module)
+
+
 _SPLITS = ("column", "row", "replicated")
 
 
@@ -49,12 +68,16 @@ class TensorNames:
     outside: our module -> the file's, for the modules outside the layers (all of them).
     block: our module -> the file's, inside a layer (one missing here keeps our name).
     ignored: endings of tensor names that files may hold and nothing loads.
+    tensors: tensors that sit in a layer itself, in no module (Gemma 4's "layer_scalar"):
+    the same name after the layer's prefix in ours and the file's.
     """
 
     layer: str
     outside: Mapping[str, str]
     block: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    modules: tuple[str, ...] = BLOCK_MODULES  # our modules inside a layer that these files name
+    tensors: tuple[str, ...] = ()
 
     def module(self, ours: str) -> str:
         """The file's name for our module `ours` ("layers.3.mlp.up_proj", "lm_head")."""
@@ -62,10 +85,17 @@ class TensorNames:
         if inside is None:
             return self.outside[ours]
         i, part = inside.groups()
-        return self.layer.format(i=i) + self.block.get(part, part)
+        pattern = expert_pattern(part)
+        theirs = self.block.get(pattern, pattern)
+        if "{e}" in pattern:  # the same expert's index in their name
+            theirs = theirs.replace("{e}", _EXPERT.search("." + part).group(0).split(".")[2])
+        return self.layer.format(i=i) + theirs
 
     def theirs(self, ours: str) -> str:
         """The file's name for our tensor `ours` ("layers.3.mlp.up_proj.weight")."""
+        inside = _OUR_LAYER.fullmatch(ours)
+        if inside is not None and inside.group(2) in self.tensors:
+            return self.layer.format(i=inside.group(1)) + inside.group(2)
         module, _, leaf = ours.rpartition(".")
         return f"{self.module(module)}.{leaf}"
 
@@ -74,13 +104,22 @@ class TensorNames:
         a name that has no place in our model."""
         if theirs.endswith(self.ignored):
             return None
+        whole = self._layer.fullmatch(theirs)
+        if whole is not None and whole.group(2) in self.tensors:
+            return f"layers.{whole.group(1)}.{whole.group(2)}"
         module, _, leaf = theirs.rpartition(".")
         if module in self._outside_of:
             return f"{self._outside_of[module]}.{leaf}"
         inside = self._layer.fullmatch(module)
-        if inside is None or inside.group(2) not in self._block_of:
+        if inside is None:
             raise KeyError(theirs)
-        return f"layers.{inside.group(1)}.{self._block_of[inside.group(2)]}.{leaf}"
+        part = inside.group(2)
+        ours = self._block_of.get(expert_pattern(part))
+        if ours is None:
+            raise KeyError(theirs)
+        if "{e}" in ours:  # the expert's index carries over
+            ours = ours.replace("{e}", _EXPERT.search("." + part).group(0).split(".")[2])
+        return f"layers.{inside.group(1)}.{ours}.{leaf}"
 
     @cached_property
     def _outside_of(self) -> dict[str, str]:
@@ -88,7 +127,7 @@ class TensorNames:
 
     @cached_property
     def _block_of(self) -> dict[str, str]:
-        return {self.block.get(part, part): part for part in BLOCK_MODULES}
+        return {self.block.get(part, part): part for part in self.modules}
 
     @cached_property
     def _layer(self) -> re.Pattern:
@@ -157,8 +196,15 @@ class Architecture:
     qkv_bias / o_bias: whether q/k/v and o_proj have biases; None: as config.json's
     `attention_bias` says. qk_norm: per-head RMSNorm on q and k before RoPE.
     gguf_qk_interleaved: llama.cpp stores each head's q/k rows as (pairs, 2), not (2, half).
-    linears: our module inside a layer (or outside, "lm_head") -> its Linear.
+    gguf_norm_shift: what llama.cpp added to every norm weight (Gemma's 1 of (1 + weight));
+    our models take it off again.
+    linears: our module inside a layer (or outside, "lm_head") -> its Linear (expert modules
+    written with "{e}", or stacked).
     pair_family: the `family` of its pairs in models/pairs (None: the model_type).
+    family: the torch backend's model family that computes it (backends/torch/models).
+    experts: our modules inside a layer that hold routed experts stacked [E, ...] (a token
+    reads `used` of them: weights/size.py); expert_keys: config.json's names for (routed
+    experts, experts used per token).
     """
 
     name: str
@@ -172,12 +218,16 @@ class Architecture:
     o_bias: bool | None = None
     qk_norm: bool = False
     gguf_qk_interleaved: bool = False
+    gguf_norm_shift: float = 0.0
     linears: Mapping[str, Linear] = field(default_factory=lambda: dict(LLAMA_LINEARS))
     pair_family: str | None = None
+    experts: frozenset[str] = frozenset()
+    expert_keys: tuple[tuple[str, ...], str] = (("num_experts", "num_local_experts"), "num_experts_per_tok")
+    family: str = "llama"
 
     def __post_init__(self) -> None:
         for module, linear in self.linears.items():
-            if module not in (*BLOCK_MODULES, "lm_head") or linear.split not in _SPLITS:
+            if module not in (*self.checkpoint.modules, "lm_head") or linear.split not in _SPLITS:
                 raise ValueError(f"{self.name}: linear {module!r} split {linear.split!r} is not one of ours")
         if self.linears.get("lm_head", Linear()).split != "replicated":
             raise ValueError(f"{self.name}: tensor parallelism keeps lm_head whole on every rank")
@@ -185,7 +235,21 @@ class Architecture:
     def linear(self, module: str) -> Linear | None:
         """Our module `module`'s Linear ("layers.3.mlp.up_proj", "lm_head"); None if it is none."""
         inside = _OUR_LAYER.fullmatch(module)
-        return self.linears.get(inside.group(2) if inside else module)
+        return self.linears.get(expert_pattern(inside.group(2)) if inside else module)
+
+    def is_expert(self, module: str) -> bool:
+        """Whether our module `module` ("layers.3.mlp.experts.down_proj", or one expert's
+        "layers.3.mlp.experts.7.down_proj") holds routed experts' weights."""
+        inside = _OUR_LAYER.fullmatch(module)
+        return inside is not None and expert_pattern(inside.group(2)) in self.experts
+
+    def expert_counts(self, config: Mapping[str, object]) -> tuple[object, object]:
+        """(routed experts, experts used per token) as config.json `config` states them
+        (None for a model without experts)."""
+        if not self.experts:
+            return None, None
+        routed, used = self.expert_keys
+        return next((config[k] for k in routed if config.get(k)), None), config.get(used)
 
     def quantized(self, module: str) -> bool:
         """Whether --quantization int8/int4 stores our module `module` as codes."""
@@ -197,9 +261,10 @@ class Architecture:
         ranks: 0 (output features), 1 (input features) or None (every rank has it whole)."""
         module, _, leaf = tensor.rpartition(".")
         split = getattr(self.linear(module), "split", "replicated")
+        stacked = 1 if self.is_expert(module) and "{e}" not in expert_pattern(module) else 0  # [E, out, in]
         if split == "column":
-            return 0
-        return 1 if split == "row" and leaf != "bias" else None  # a row split's bias: whole
+            return stacked
+        return 1 + stacked if split == "row" and leaf != "bias" else None  # a row split's bias: whole
 
     def from_checkpoint(self, name: str, tied: bool = False) -> str | None:
         """Our name for checkpoint tensor `name`; None for one nothing loads (ignored
@@ -228,94 +293,3 @@ class Architecture:
         """(q/k/v have biases, o_proj has one) for a config whose `attention_bias` is given."""
         qkv = attention_bias if self.qkv_bias is None else self.qkv_bias
         return qkv, attention_bias if self.o_bias is None else self.o_bias
-
-
-# --------------------------------------------------------------------------- the table
-
-LLAMA = Architecture(
-    "llama", ("LlamaForCausalLM",), "llama", gguf_architecture="llama", gguf_qk_interleaved=True, pair_family="llama3"
-)
-QWEN2 = Architecture(
-    "qwen2",
-    ("Qwen2ForCausalLM",),
-    "qwen2",
-    gguf_architecture="qwen2",
-    qkv_bias=True,
-    o_bias=False,
-    pair_family="qwen2.5",
-)
-QWEN3 = Architecture("qwen3", ("Qwen3ForCausalLM",), "qwen3", gguf_architecture="qwen3", qk_norm=True)
-
-_TABLE: dict[str, Architecture] = {}
-
-
-def register(arch: Architecture) -> Architecture:
-    """Add `arch` to the table. Its name, `architectures` entries and GGUF name must be
-    new; a model_type may repeat (it only names checkpoints without `architectures`)."""
-    for other in _TABLE.values():
-        clash = {other.name} & {arch.name} | set(other.hf_architectures) & set(arch.hf_architectures)
-        if arch.gguf_architecture and arch.gguf_architecture == other.gguf_architecture:
-            clash.add(arch.gguf_architecture)
-        if clash:
-            raise ValueError(f"architecture {arch.name!r} claims {sorted(clash)}, which {other.name!r} has")
-    _TABLE[arch.name] = arch
-    return arch
-
-
-def unregister(name: str) -> None:
-    _TABLE.pop(name, None)
-
-
-for _arch in (LLAMA, QWEN2, QWEN3):
-    register(_arch)
-
-
-def architectures() -> tuple[Architecture, ...]:
-    return tuple(_TABLE.values())
-
-
-def architecture(name: str) -> Architecture:
-    """The description named `name` (ModelArgs.arch)."""
-    if name not in _TABLE:
-        raise unsupported(f"architecture {name}")
-    return _TABLE[name]
-
-
-def find(hf_architectures: Iterable[str] | None, model_type: str | None) -> Architecture | None:
-    """The description a config.json names: by `architectures`, or by `model_type` when
-    it lists none; None when no description claims it."""
-    names = list(hf_architectures or [])
-    found = next((a for n in names for a in _TABLE.values() if n in a.hf_architectures), None)
-    if found is None and not names:
-        found = next((a for a in _TABLE.values() if a.model_type == model_type), None)
-    return found
-
-
-def for_hf_config(cfg) -> Architecture:
-    """The description of a transformers config (UnsupportedArchitectureError if none)."""
-    names, model_type = getattr(cfg, "architectures", None), getattr(cfg, "model_type", None)
-    found = find(names, model_type)
-    if found is None:
-        raise unsupported(f"architecture {', '.join(names or []) or model_type or 'unknown'}")
-    return found
-
-
-def for_gguf(gguf_architecture: object, file_name: str) -> Architecture:
-    """The description of a GGUF file whose `general.architecture` is `gguf_architecture`."""
-    found = next((a for a in _TABLE.values() if a.gguf_architecture == gguf_architecture), None)
-    if found is None:
-        supported = ", ".join(a.gguf_architecture for a in _TABLE.values() if a.gguf_architecture)
-        raise UnsupportedArchitectureError(
-            f"{file_name} has architecture {str(gguf_architecture)!r}, which ssdlocal does not implement",
-            f"supported GGUF architectures: {supported}",
-        )
-    return found
-
-
-def unsupported(what: str) -> UnsupportedArchitectureError:
-    names = ", ".join(n for a in _TABLE.values() for n in a.hf_architectures)
-    return UnsupportedArchitectureError(
-        f"unsupported model: {what}",
-        hint=f"ssdlocal's torch backend supports {names}; "
-        "GGUF files of other architectures may work with the llama.cpp backend",
-    )

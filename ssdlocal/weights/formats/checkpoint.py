@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ssdlocal.core.errors import ModelLoadError
-from ssdlocal.weights.formats.arch import find, unsupported
+from ssdlocal.weights.formats.archs import find, unsupported
 from ssdlocal.weights.formats.checks import (
     PATH_HINT,
     check_config,

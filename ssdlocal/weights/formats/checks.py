@@ -11,6 +11,7 @@ building a million layers or allocating terabytes. Reads headers only; imports n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from math import prod
 from pathlib import Path
 
@@ -111,19 +112,14 @@ def _jsonable(value) -> bool:
     return True
 
 
-def declared_params(args) -> int:
-    """Parameters a model of `args` (a ModelArgs) has, from its sizes alone."""
-    h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * args.intermediate_size + 2 * h
-    layer += (q + 2 * kv) * args.qkv_bias + h * args.o_bias + 2 * args.head_dim * args.qk_norm
-    heads = 1 if args.tie_word_embeddings else 2
-    return heads * args.vocab_size * h + args.num_layers * layer + h
-
-
-def check_against_weights(args, arch, headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]], ckpt: Path) -> None:
-    """The config's sizes against the weight files' headers (file -> tensor -> (dtype,
-    shape)): the same number of layers, the embedding's rows and width, and no more
-    parameters than the files hold (int4 codes count two per byte)."""
+def check_against_weights(
+    args, declared: Callable[[], int], arch, headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]], ckpt: Path
+) -> None:
+    """The config's sizes (`args`: layers, vocabulary, width; `declared()`: the parameters a
+    model of that config has, asked only once the layers and embedding agree) against the
+    weight files' headers (file -> tensor -> (dtype, shape)): the same number of layers,
+    the embedding's rows and width, and no more parameters than the files hold (int4 codes
+    count two per byte)."""
     layers, held, embedding = set(), 0, None
     for tensors in headers.values():
         for name, (dtype, shape) in tensors.items():
@@ -154,8 +150,8 @@ def check_against_weights(args, arch, headers: dict[str, dict[str, tuple[str, tu
                 f"{' x '.join(f'{d:,}' for d in shape)}",
                 hint=hint,
             )
-    declared = declared_params(args)
-    if declared > held * 1.01 + 4096:
+    params = declared()
+    if params > held * 1.01 + 4096:
         raise ModelLoadError(
-            f"{ckpt}: config.json declares about {declared:,} parameters, the weight files hold {held:,}", hint=hint
+            f"{ckpt}: config.json declares about {params:,} parameters, the weight files hold {held:,}", hint=hint
         )

@@ -27,7 +27,7 @@ from ssdlocal.core.files import file_lock, record_digests, remembered_sha256
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir, replace_hint
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.weights.formats.arch import find, for_gguf, unsupported
+from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def gguf_metadata(gguf_path: Path) -> dict[str, object]:
         "name": fields.get("general.name"),
         "has_chat_template": bool(fields.get("tokenizer.chat_template")),
         "context_length": context if isinstance(context, int) and context > 0 else None,
+        "rope_scaling": fields.get(f"{arch}.rope.scaling.type"),
     }
 
 
@@ -304,12 +305,24 @@ def read_config_and_tokenizer(gguf_path: Path) -> tuple[object, object]:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        return (
-            AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False),
-            AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False),
-        )
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     except (ValueError, KeyError, OSError, RuntimeError) as exc:
         raise _unreadable(gguf_path, exc) from exc
+    meta = gguf_metadata(gguf_path)
+    if meta["rope_scaling"] not in (None, "none") and not _scales_rope(config):  # e.g. Gemma 3 4B and larger
+        raise unsupported(
+            f"{meta['architecture']} GGUF with rope scaling {meta['rope_scaling']!r}, "
+            "which transformers does not read from the file's metadata"
+        )
+    return config, tokenizer
+
+
+def _scales_rope(config) -> bool:
+    """Whether a transformers config states any rotary scaling (flat, or per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    tables = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    return any(t.get("rope_type", t.get("type", "default")) != "default" for t in tables)
 
 
 def write_config_and_tokenizer(out: Path, config, tokenizer, architecture: str, torch_dtype) -> None:

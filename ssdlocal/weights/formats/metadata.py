@@ -23,7 +23,7 @@ from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.files import file_lock
 from ssdlocal.core.paths import cache_dir
 from ssdlocal.core.progress import model_label, reporter
-from ssdlocal.weights.formats.arch import for_gguf
+from ssdlocal.weights.formats.archs import for_gguf
 from ssdlocal.weights.formats.gguf import GGUFHeader
 
 META_MARKER = "ssdlocal-meta.json"  # written last into a metadata directory

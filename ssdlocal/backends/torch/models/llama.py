@@ -1,0 +1,88 @@
+"""The llama family: Llama 3.x (SmolLM2 too), Qwen2/2.5 and Qwen3 dense models.
+
+Pre-norm decoder layers of attention (grouped-query; biases on q/k/v for Qwen2, per-head
+q/k norms for Qwen3, as the architecture's description says) and a SiLU-gated MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from ssdlocal.backends.torch.attention import AttentionMask
+from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, read_rope, refuse
+from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm
+from ssdlocal.weights.formats.arch import Architecture
+
+
+@dataclass(frozen=True)
+class LlamaArgs(ModelArgs):
+    qkv_bias: bool = False  # qwen2: True
+    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k before RoPE
+    o_bias: bool = False  # llama/qwen3 with attention_bias=True also bias o_proj
+
+    @classmethod
+    def from_hf_config(cls, cfg, described: Architecture) -> LlamaArgs:
+        arch = described.name
+        refuse(arch, cfg, hidden_act="silu", mlp_bias=False, use_sliding_window=False)
+        theta, scaling = read_rope(None, cfg, arch)
+        qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", False)))
+        heads = cfg.num_attention_heads
+        return cls(
+            arch=arch,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            qkv_bias=qkv_bias,
+            qk_norm=described.qk_norm,
+            o_bias=o_bias,
+        )
+
+
+def llama_attention(args: LlamaArgs) -> Attention:
+    norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+    return Attention(
+        args.hidden_size,
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        qkv_bias=args.qkv_bias,
+        o_bias=args.o_bias,
+        qk_norm=norm,
+    )
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)); `mlp` any module over [B, T, hidden]."""
+
+    rope = "global"
+
+    def __init__(self, args: LlamaArgs, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = llama_attention(args)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
+
+
+class Llama(CausalLM):
+    """Llama / Qwen2 / Qwen3 dense."""
+
+    args: LlamaArgs
+
+    def make_layer(self, index: int) -> nn.Module:
+        return LlamaBlock(self.args, MLP(self.args.hidden_size, self.args.intermediate_size))

@@ -1,0 +1,225 @@
+"""The architectures the torch backend runs, one description each (weights/formats/arch.py
+says what a description holds), and how a checkpoint or a GGUF file finds its own.
+
+A new architecture is one more entry here and, when it computes differently from the
+families the torch backend has, its family module (backends/torch/models). Names must not
+clash (`register` checks). Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ssdlocal.core.errors import UnsupportedArchitectureError
+from ssdlocal.weights.formats.arch import (
+    BLOCK_MODULES,
+    EXPERT_PROJECTIONS,
+    GGUF_NAMES,
+    HF_NAMES,
+    LLAMA_LINEARS,
+    MOE_MODULES,
+    Architecture,
+    Linear,
+    TensorNames,
+)
+
+LLAMA = Architecture(
+    "llama", ("LlamaForCausalLM",), "llama", gguf_architecture="llama", gguf_qk_interleaved=True, pair_family="llama3"
+)
+QWEN2 = Architecture(
+    "qwen2",
+    ("Qwen2ForCausalLM",),
+    "qwen2",
+    gguf_architecture="qwen2",
+    qkv_bias=True,
+    o_bias=False,
+    pair_family="qwen2.5",
+)
+QWEN3 = Architecture("qwen3", ("Qwen3ForCausalLM",), "qwen3", gguf_architecture="qwen3", qk_norm=True)
+
+# Qwen3-MoE: Qwen3's attention, a router and experts in the sparse layers (Hugging Face
+# checkpoints name each expert, GGUF files stack them); experts split by their width under
+# tensor parallelism, the router whole on every rank.
+_MOE_MODULES = (*BLOCK_MODULES, *MOE_MODULES)
+QWEN3_MOE = Architecture(
+    "qwen3_moe",
+    ("Qwen3MoeForCausalLM",),
+    "qwen3_moe",
+    gguf_architecture="qwen3moe",
+    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_MOE_MODULES),
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        GGUF_NAMES.outside,
+        {
+            **GGUF_NAMES.block,
+            "mlp.gate": "ffn_gate_inp",
+            "mlp.experts.gate_proj": "ffn_gate_exps",
+            "mlp.experts.up_proj": "ffn_up_exps",
+            "mlp.experts.down_proj": "ffn_down_exps",
+        },
+        GGUF_NAMES.ignored,
+        modules=_MOE_MODULES,
+    ),
+    qk_norm=True,
+    linears={
+        **LLAMA_LINEARS,
+        "mlp.gate": Linear("replicated", quantized=False),  # the router: small, and routing must agree
+        **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+    },
+    pair_family="qwen3",
+    experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    family="qwen3_moe",
+)
+
+# Gemma 3: four norms per layer (llama.cpp: attn_norm, post_attention_norm, ffn_norm,
+# post_ffw_norm) and q/k norms; tied embeddings. llama.cpp stores Gemma's norm weights
+# with the 1 of (1 + weight) added (gguf_norm_shift).
+_GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+_GEMMA3_MODULES = (*BLOCK_MODULES, *_GEMMA_NORMS)
+GEMMA3 = Architecture(
+    "gemma3",
+    ("Gemma3ForCausalLM",),
+    "gemma3_text",
+    gguf_architecture="gemma3",
+    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_GEMMA3_MODULES),
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        GGUF_NAMES.outside,
+        {
+            **GGUF_NAMES.block,
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        },
+        GGUF_NAMES.ignored,
+        modules=_GEMMA3_MODULES,
+    ),
+    qk_norm=True,
+    gguf_norm_shift=1.0,
+    pair_family="gemma3",
+    family="gemma3",
+)
+
+# Gemma 4: Gemma 3's layer plus the per-layer input branch (gate, projection, norm) and a
+# per-layer output scale; the per-layer embedding table and its projection sit outside the
+# layers. Layers that share another's KV hold no k/v projections (the model builds none).
+_GEMMA4_MODULES = (
+    *_GEMMA3_MODULES,
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "post_per_layer_input_norm",
+)
+_PER_LAYER_EMBEDDINGS = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+GEMMA4 = Architecture(
+    "gemma4",
+    ("Gemma4ForCausalLM",),
+    "gemma4_text",
+    checkpoint=TensorNames(
+        HF_NAMES.layer,
+        {**HF_NAMES.outside, **{m: f"model.{m}" for m in _PER_LAYER_EMBEDDINGS}},
+        ignored=HF_NAMES.ignored,
+        modules=_GEMMA4_MODULES,
+        tensors=("layer_scalar",),
+    ),
+    qk_norm=True,
+    linears={
+        **LLAMA_LINEARS,
+        "per_layer_input_gate": Linear("replicated"),  # narrow (hidden -> per-layer width): every rank whole
+        "per_layer_projection": Linear("replicated"),
+    },
+    pair_family="gemma4",
+    family="gemma4",
+)
+
+_TABLE: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    """Add `arch` to the table. Its name, `architectures` entries and GGUF name must be
+    new; a model_type may repeat (it only names checkpoints without `architectures`)."""
+    for other in _TABLE.values():
+        clash = {other.name} & {arch.name} | set(other.hf_architectures) & set(arch.hf_architectures)
+        if arch.gguf_architecture and arch.gguf_architecture == other.gguf_architecture:
+            clash.add(arch.gguf_architecture)
+        if clash:
+            raise ValueError(f"architecture {arch.name!r} claims {sorted(clash)}, which {other.name!r} has")
+    _TABLE[arch.name] = arch
+    return arch
+
+
+def unregister(name: str) -> None:
+    _TABLE.pop(name, None)
+
+
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, GEMMA4):
+    register(_arch)
+
+
+def architectures() -> tuple[Architecture, ...]:
+    return tuple(_TABLE.values())
+
+
+def architecture(name: str) -> Architecture:
+    """The description named `name` (ModelArgs.arch)."""
+    if name not in _TABLE:
+        raise unsupported(f"architecture {name}")
+    return _TABLE[name]
+
+
+def find(hf_architectures: Iterable[str] | None, model_type: str | None) -> Architecture | None:
+    """The description a config.json names: by `architectures`, or by `model_type` when
+    it lists none; None when no description claims it."""
+    names = list(hf_architectures or [])
+    found = next((a for n in names for a in _TABLE.values() if n in a.hf_architectures), None)
+    if found is None and not names:
+        found = next((a for a in _TABLE.values() if a.model_type == model_type), None)
+    return found
+
+
+def for_hf_config(cfg) -> Architecture:
+    """The description of a transformers config (UnsupportedArchitectureError if none)."""
+    names, model_type = getattr(cfg, "architectures", None), getattr(cfg, "model_type", None)
+    found = find(names, model_type)
+    if found is None:
+        raise unsupported(f"architecture {', '.join(names or []) or model_type or 'unknown'}")
+    return found
+
+
+def for_gguf(gguf_architecture: object, file_name: str) -> Architecture:
+    """The description of a GGUF file whose `general.architecture` is `gguf_architecture`."""
+    found = next((a for a in _TABLE.values() if a.gguf_architecture == gguf_architecture), None)
+    if found is None:
+        supported = ", ".join(a.gguf_architecture for a in _TABLE.values() if a.gguf_architecture)
+        raise UnsupportedArchitectureError(
+            f"{file_name} has architecture {str(gguf_architecture)!r}, which ssdlocal does not implement",
+            f"supported GGUF architectures: {supported}",
+        )
+    return found
+
+
+def unsupported(what: str) -> UnsupportedArchitectureError:
+    names = ", ".join(n for a in _TABLE.values() for n in a.hf_architectures)
+    return UnsupportedArchitectureError(
+        f"unsupported model: {what}",
+        hint=f"ssdlocal's torch backend supports {names}; "
+        "GGUF files of other architectures may work with the llama.cpp backend",
+    )
+
+
+# ------------------------------------------------------------------ draft heads
+# config.json `architectures` of the draft heads the torch backend reads, by kind
+HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+
+
+def head_kind(path) -> str | None:
+    """The kind of draft head the directory `path` holds (a key of HEADS), or None."""
+    import json
+    from pathlib import Path
+
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = raw.get("architectures") or () if isinstance(raw, dict) else ()
+    return next((kind for kind, claimed in HEADS.items() if set(claimed) & set(names)), None)
