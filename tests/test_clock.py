@@ -24,7 +24,7 @@ from ssdlocal.engine import round as round_mod
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
 from ssdlocal.speculation.adaptive import CostModel
-from support.scripted import Names, ScriptedRunner, follow, sampling_of
+from support.scripted import Names, ScriptedRunner, follow, sampling_of, seating_of
 
 V, K = 16, 2
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=None)
@@ -93,10 +93,10 @@ def test_the_cost_model_learns_the_device_seconds_not_the_host_clock(device):
     costs = CostModel()
     drafter = AdaptiveDrafter(model, None, k=K, pinned=True, params=GREEDY, costs=costs, target_vocab=V, device="cpu")
     rows = [Row(list(p), GREEDY, frozenset(), Names(), budget=budget) for p in prompts]
-    sampling = sampling_of(GREEDY, 2)
-    first, _ = read_prompts(target, lambda fn, *a: fn(*a), rows, sampling, CancelToken(), None)
+    seating = seating_of(target, rows, sampling_of(GREEDY, 2), drafter, K)
+    first, _ = read_prompts(seating, CancelToken())
     drafter.start(rows)
-    rnd = Round(target, lambda fn, *a: fn(*a), drafter, rows, K, sampling, first)
+    rnd = Round(seating, first)
     events = []
     for index in range(4):
         events += [e for e in rnd.run(index) if type(e).__name__ == "RoundEvent"]

@@ -9,12 +9,27 @@ import pytest
 import torch
 
 from ssdlocal.backends.torch import int4_cuda, quant, quant_speed
-from ssdlocal.backends.torch.model import ModelArgs
+from ssdlocal.backends.torch.models.llama import LlamaArgs
 from ssdlocal.core.errors import UsageError
 from support.fake_cuda import CUDA, fake_cuda
 
 BF16 = torch.bfloat16
-ARGS = ModelArgs("qwen2", 320, 256, 512, 2, 8, 2, 32, 1e-6, 1e6, None, True, False, True, 512)
+ARGS = LlamaArgs(
+    arch="qwen2",
+    vocab_size=320,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    rope_scaling=None,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    qkv_bias=True,
+)
 
 
 @pytest.fixture(autouse=True)
