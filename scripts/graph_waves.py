@@ -62,9 +62,8 @@ def wave(engine, spec, first_id: int, new_tokens: int) -> dict[int, list[int]]:
 
 
 def captured(engine) -> tuple[int, int]:
-    draft = getattr(engine, "_draft_runner", None)
     counts = []
-    for runner in (engine.runner, draft):
+    for runner in (engine.runner, engine.parts.drafts.runner):
         cache = getattr(runner, "graphs", None) if runner is not None else None
         counts.append(cache.stats.captured if cache is not None else 0)
     return counts[0], counts[1]

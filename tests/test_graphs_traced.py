@@ -226,9 +226,9 @@ def test_served_waves_capture_nothing_after_the_start(tiny_dir, monkeypatch):
             spec = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)
             out, counts = [], []
             for w in range(2):
-                before = [r.graph_report() for r in (engine.runner, engine._draft_runner)]
+                before = [r.graph_report() for r in (engine.runner, engine.parts.drafts.runner)]
                 out.append(_wave(engine, spec, 100 * (w + 1)))
-                counts.append([r.graph_report(b) for r, b in zip((engine.runner, engine._draft_runner), before)])
+                counts.append([r.graph_report(b) for r, b in zip((engine.runner, engine.parts.drafts.runner), before)])
         waves[graphs] = out
     assert waves["trace"] == waves["off"]
     first, second = counts

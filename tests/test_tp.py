@@ -183,7 +183,7 @@ def test_a_capture_that_fails_on_one_rank_runs_eagerly_on_every_rank(tiny_dir, m
         target = done.stats["graphs"]["target"]
         assert target["replays"] == 0 and target["eager"] > 0 and target["dropped"] == 0
         assert two.runner.graphs.stats.refused > 0 and "injected" in two.runner.graphs.notes[0]
-        assert not two._tp_group.broken
+        assert not two.tp_group.broken
 
 
 def test_a_read_back_waiting_on_a_hung_rank_has_a_deadline(monkeypatch):
@@ -219,9 +219,9 @@ def test_a_read_back_waiting_on_a_hung_rank_has_a_deadline(monkeypatch):
 def test_a_tensor_parallel_runner_bounds_its_reads(tiny_dir):
     with Engine(_config(tiny_dir["llama"], TP2)) as two:
         bound = two.audit.bounds["target"]
-        assert bound.limit_s == two._tp_group.collective_timeout_s
+        assert bound.limit_s == two.tp_group.collective_timeout_s
         error = bound.late(bound.limit_s)
-        assert "did not finish within" in error.message and two._tp_group.broken
+        assert "did not finish within" in error.message and two.tp_group.broken
 
 
 def test_killed_rank_is_reported_and_nothing_is_left(tiny_dir):
