@@ -96,7 +96,7 @@ def main() -> int:
             os.environ["SSDLOCAL_GRAPHS"] = graphs
             config = EngineConfig(target=ModelSpec(str(dirs["llama"]), dtype="float32"), spec=spec, pin_cpus=False)
             with Engine(config) as engine:
-                warm_up(engine, spec, 8)  # what Engine.serve does first (engine/warm.py)
+                warm_up(engine.parts, spec, 8)  # what Engine.serve does first (engine/warm.py)
                 before = captured(engine)
                 print(f"graphs={graphs}: at start (warm-up) target {before[0]}, draft {before[1]} captured")
                 waves = []
