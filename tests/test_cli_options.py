@@ -197,8 +197,10 @@ def _landed(command: str, calls: dict, out: str) -> tuple[object, dict]:
         (_, _, settings), app_kw = calls["app"]
         return settings.sampling, app_kw
     if command in ("race", "race-tui"):
-        if command == "race-tui":
+        if command == "race-tui":  # RaceApp(factory, config, prompt, specs, params)
             args, kw = calls["app"][0][1:5], calls["app"][1]
+        else:  # _race_plain(config, default, prompt, specs, params)
+            args = (args[0], *args[2:])
         return args[3], {"prompt": args[1], "chat_template": kw["chat"], "no_tui": "race_plain" in calls, **kw}
     if command == "bench-concurrent":
         settings, params, out_dir = calls["run_concurrent"][0]

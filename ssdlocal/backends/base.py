@@ -15,7 +15,7 @@ the longest stored prefix of its tokens and feeds only the rest.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -86,14 +86,35 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True)
+class LayerKV:
+    """How one layer of a target keeps its keys and values, for a draft head that attends
+    over them (HeadInputs.read_kv): its sliding window (None: full attention), kv heads and
+    head width, and `source`, the layer whose cache it reads (itself unless it shares one)."""
+
+    window: int | None
+    kv_heads: int
+    head_dim: int
+    source: int
+
+
+@dataclass(frozen=True)
 class HeadInputs:
     """What a target model shares with a draft head that reads its hidden states: the token
-    embedding module (the head embeds its drafts with it), the layers and the hidden width."""
+    embedding module (the head embeds its drafts with it) and the factor the target scales
+    embeddings by (None: none), the layers and the hidden width, and per layer how it keeps
+    its keys and values (`kv`) with `read_kv(layer)`, for a head that attends over them (None:
+    a target that shares no cache): layer `layer`'s keys and values as they are now, to read
+    and never write, [B, Hkv, S, D] each (its source's cache); slot s of a row that feeds and
+    steps in order holds position s. The cache may be reallocated by any later feed or step:
+    call it again for every use."""
 
     embeddings: Any
     layers: int
     hidden_size: int
     dtype: torch.dtype
+    embed_scale: float | None = None
+    kv: tuple[LayerKV, ...] = ()
+    read_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 HiddenLayers = tuple[int, ...]

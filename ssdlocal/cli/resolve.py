@@ -153,7 +153,7 @@ def parse_draft(text: str | None, model, hybrid: SuffixDraft | None = SuffixDraf
     if text in DRAFT_WORDS:
         return DRAFT_WORDS[text]()
     head = head_kind(text)
-    if head is not None:  # a draft head (EAGLE-3): it reads the target's hidden states
+    if head is not None:  # a draft head (EAGLE-3, Gemma 4 assistant): it reads the target's hidden states
         return HeadDraft(text, head)
     return ModelDraft(model(text), hybrid)
 

@@ -168,7 +168,7 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
     from ssdlocal.cli.render import err_console, load_engine, weights_line
     from ssdlocal.server.app import ServerState, create_app
     from ssdlocal.server.connections import fit_connections
-    from ssdlocal.server.metrics import Metrics
+    from ssdlocal.server.metrics import ServerMetrics
     from ssdlocal.server.run import is_loopback, make_server, url
     from ssdlocal.server.scheduler import Scheduler
 
@@ -181,7 +181,7 @@ def _serve(sock, config, name: str, *, api_key, max_batch: int, max_new_tokens, 
     engine = load_engine(config)  # progress on stderr
     with engine:
         mode = engine.choice.mode.value  # what --mode auto resolved to, as requests report it
-        metrics = Metrics(name, mode, __version__)
+        metrics = ServerMetrics(name, mode, __version__)
         scheduler = Scheduler(engine, metrics, mode=mode, max_batch=max_batch)
         limits = replace(limits, max_connections=fit_connections(limits.max_connections))
         state = ServerState(

@@ -202,9 +202,9 @@ class ModelDraft:
 
 @dataclass(frozen=True)
 class HeadDraft:
-    """A draft head (an EAGLE-3 checkpoint directory) that drafts from the target's hidden
-    states, run beside the target on its device; SD only (a head needs the hidden state
-    of the token it continues, which exists once the target has verified it)."""
+    """A draft head (an EAGLE-3 checkpoint or Gemma 4 assistant directory) that drafts from
+    the target's hidden states, run beside the target on its device; SD only (a head needs
+    the hidden state of the token it continues, which exists once the target has verified it)."""
 
     path: str
     head: str = "eagle3"  # the kind (weights.formats.archs.HEADS)

@@ -1,11 +1,13 @@
-"""SD with a draft head (an EAGLE-3 checkpoint) that drafts from the target's hidden states.
+"""SD with a draft head (an EAGLE-3 checkpoint or Gemma 4's MTP assistant) that drafts from
+the target's hidden states.
 
-The head reads three of the target's layer outputs (its `hidden` layers); the engine hands
-them over at the seating's start (every prompt position the target read: the head's own
-cache fills with them) and after every round (the positions the round scored). Each round
-the head first catches up on the pairs the target verified (the state after token q with
-token q + 1, at position q: the pending token and the accepted drafts, the bonus last),
-which gives draft 1, then drafts d_2..d_K from its own states (draft.decode.DraftDecoder).
+The head reads some of the target's hidden states (its `hidden` layers: three layer outputs
+for EAGLE-3, the final one for the assistant); the engine hands them over at the seating's
+start (every prompt position the target read: an EAGLE-3 head's own cache fills with them)
+and after every round (the positions the round scored). Each round the head first catches
+up on the pairs the target verified (the state after token q with token q + 1: the pending
+token and the accepted drafts, the bonus last), which gives draft 1, then drafts d_2..d_K
+from its own states (draft.decode.DraftDecoder).
 Drafts are verified like any draft: the head changes speed, never the output. SSD has no
 head drafter: a head needs the hidden state of the token it continues, which exists only
 once the target has verified it (docs/architecture.md, "Draft heads").
@@ -90,8 +92,8 @@ class HeadDrafter(DrafterBase):
 
 
 def build_head(spec, params: SamplingParams, res: DraftResources) -> HeadDrafter:
-    """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head loaded beside
-    the target, on its device, sharing its embeddings (Runner.head_inputs)."""
+    """The drafter of a HeadDraft (its row in draft.factory.BUILDERS): the head of its kind
+    loaded beside the target, on its device, sharing its embeddings (Runner.head_inputs)."""
     from ssdlocal.backends.registry import load_head
     from ssdlocal.core.config import Mode
     from ssdlocal.core.errors import UsageError

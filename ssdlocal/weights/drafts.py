@@ -23,15 +23,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ssdlocal.weights.formats.archs import FAMILY_SIZES
 from ssdlocal.weights.pairs import Pair
 
-# the sizes each family's small models come in (billions), beyond the registry's own
-FAMILY_SIZES = {
-    "qwen2.5": (0.5, 1.5, 3.0),
-    "qwen3": (0.6, 1.7, 4.0),
-    "llama3": (1.0, 3.0),
-    "gemma3": (0.27, 1.0),
-}
 MAX_CANDIDATES = 6  # candidates a pull lists on the hub at most
 DRAFT_QUANTS = ("Q8_0",)  # a GGUF draft's preferred quantization (then the target's)
 _SIZE = re.compile(r"(?i)(?<![A-Za-z0-9.])(\d+(?:\.\d+)?)([BM])(?![A-Za-z0-9])")

@@ -36,6 +36,7 @@ from ssdlocal.core.events import (
     TokenOrigin,
     TokensEvent,
 )
+from ssdlocal.core.sequence import FinishReason
 from ssdlocal.core.stats import RunStats
 from support.drafts import draft_of
 
@@ -189,7 +190,7 @@ class FakeEngine:
         self.calls.append((ids, params, spec))
         k = spec.k if spec.mode is not Mode.AR else 0
         if token.cancelled:  # as Engine: stopped before it began
-            yield DoneEvent((Output("", (), "cancelled"),), RunStats(k=k).snapshot())
+            yield DoneEvent((Output("", (), FinishReason.CANCELLED),), RunStats(k=k).snapshot())
             return
         clock = self.clock
         stats = RunStats(k=k, mode=spec.mode.value, started=clock())
@@ -204,10 +205,10 @@ class FakeEngine:
         stats.consume(first)
         yield first
         pos, rnd = 1, 0
-        finish = "length"
+        finish = FinishReason.LENGTH
         while pos < len(budget):
             if token.cancelled:
-                finish = "cancelled"
+                finish = FinishReason.CANCELLED
                 break
             if self.fail_after is not None and rnd >= self.fail_after:
                 raise self.error

@@ -1,22 +1,20 @@
 """TorchRunner: the Runner protocol (backends/base.py) over our torch models (backends/torch/models).
 
-Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill,
-the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
-the decode path: ids already on the device, positions from the per-row `lengths` kept
-on the device and moved only by `advance` (in place, on the device), causal masks built
-on the device, and, on CUDA, one captured graph per (batch bucket, tokens, span bucket)
-shape (shapes.py: rows and catch-up widths padded to graphs.BUCKETS, spans to eighths of
-a doubling, so a step reads at most 1/8 more slots than it needs).
+Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill, the
+SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is the decode
+path: ids already on the device, positions from the per-row `lengths` kept on the device
+and moved only by `advance` (in place), causal masks built on the device, and, on CUDA, one
+captured graph per (batch bucket, tokens, span bucket) shape (shapes.py: rows and catch-up
+widths padded to graphs.BUCKETS, spans to eighths of a doubling).
 
-Graphs live as long as the runner: the KV cache is sized in rows for the largest batch
-seen (a bucket; `warm_up` sizes it for a server's largest batch and captures its common
-steps before the first request), and a batch of fewer rows uses the cache's first rows,
-so a re-seat that changes the batch size keeps every cache tensor and every graph. Every
-tensor a captured step reads besides its inputs is static: the model's parameters and
-buffers (KV cache, RoPE tables) and this runner's `DecodeState`, updated only in place
-and never rebound. The runner registers them with its graph cache (`registered`,
-`state_tensors`) and clears the cache itself when it reallocates one (more rows, or the
-slots doubling as rows grow). Rejected drafts need no rollback: the write position is the
+Graphs live as long as the runner: the KV cache is sized in rows for the largest batch seen
+(a bucket; `warm_up` sizes it for a server's largest batch and captures its common steps
+before the first request), and a smaller batch uses its first rows, so a re-seat keeps
+every cache tensor and graph. Every tensor a captured step reads besides its inputs is
+static: the model's parameters and buffers (KV cache, RoPE tables) and this runner's
+`DecodeState`, changed only in place. The runner registers them with its graph cache
+(`registered`, `state_tensors`) and clears the cache itself when it reallocates one (more
+rows, or the slots doubling). Rejected drafts need no rollback: the write position is the
 only cache state (as in gpt-fast). Knows nothing about speculation.
 """
 
@@ -28,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, Logits, kept_logits
+from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, LayerKV, Logits, kept_logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.torch.stored import StoredPrefixes
 from ssdlocal.backends.prefix import PrefixIndex
@@ -78,8 +76,7 @@ class TorchRunner(StoredPrefixes, HeldRows):
 
     @property
     def lengths(self) -> Tensor:
-        """[B] long on the device: each row's length for `step` (see `advance`); a view of
-        the first B of the cache's rows."""
+        """[B] long on the device: each row's length for `step` (`advance`), the cache's first B rows."""
         return self.state.lengths[: len(self.held)]
 
     @property
@@ -354,8 +351,17 @@ class TorchRunner(StoredPrefixes, HeldRows):
                 "a draft head needs a target on one device",
                 "drop the extra --target-device entries, or use a draft model",
             )
-        args = self.loaded.args
-        return HeadInputs(self.model.embed_tokens, args.num_layers, args.hidden_size, self.loaded.dtype)
+        args, kv = self.loaded.args, []
+        for i, layer in enumerate(self.model.layers):  # a layer with a kv_source reads that layer's cache
+            attn, source = layer.self_attn, getattr(layer, "kv_source", None)
+            kv.append(LayerKV(attn.window, attn.n_kv_heads, attn.head_dim, i if source is None else source))
+        embeds, scale = self.model.embed_tokens, self.model.embed_scale
+        return HeadInputs(embeds, args.num_layers, args.hidden_size, self.loaded.dtype, scale, tuple(kv), self.head_kv)
+
+    def head_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """HeadInputs.read_kv: the batch's rows of the cache layer `layer` reads (its kv_source's), as it is now."""
+        cache, rows = self.model.layers[layer].self_attn.kv_cache, len(self.held)
+        return cache.k[:rows], cache.v[:rows]
 
     def hidden(self) -> Tensor:
         """Runner.hidden: the last feed's or step's hidden states (keep_hidden)."""

@@ -207,9 +207,23 @@ def unsupported(what: str) -> UnsupportedArchitectureError:
     )
 
 
+# ------------------------------------------------------------------ pair families
+# the sizes (billions) each pair family's small models come in, beyond the registry's own
+# (a pull looks for a draft among them: weights/drafts.py)
+FAMILY_SIZES = {
+    "qwen2.5": (0.5, 1.5, 3.0),
+    "qwen3": (0.6, 1.7, 4.0),
+    "llama3": (1.0, 3.0),
+    "gemma3": (0.27, 1.0),
+}
+
 # ------------------------------------------------------------------ draft heads
 # config.json `architectures` of the draft heads the torch backend reads, by kind
-HEADS = {"eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2")}
+# (backends/torch/heads loads each kind)
+HEADS = {
+    "eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2"),
+    "gemma4_assistant": ("Gemma4AssistantForCausalLM",),
+}
 
 
 def head_kind(path) -> str | None:

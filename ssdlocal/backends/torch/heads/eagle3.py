@@ -147,7 +147,7 @@ def load_eagle3(
             "use the head trained for this target model",
         )
     args = Eagle3Args.read(raw, target_layers, embed.embedding_dim)
-    state = _read_weights(path)
+    state = read_weights(path)
     state = {k.removeprefix("model."): v for k, v in state.items() if k not in ("t2d", "embed_tokens.weight")}
     with torch.device("meta"):
         head = Eagle3Head(args, embed, target_vocab)
@@ -164,7 +164,8 @@ def load_eagle3(
     return head.requires_grad_(False).eval()
 
 
-def _read_weights(path: Path) -> dict[str, Tensor]:
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a head directory's *.safetensors (else *.bin) files."""
     files = sorted(path.glob("*.safetensors"))
     if files:
         from safetensors.torch import load_file
@@ -176,7 +177,7 @@ def _read_weights(path: Path) -> dict[str, Tensor]:
     bins = sorted(path.glob("*.bin"))
     if not bins:
         raise ModelLoadError(
-            f"{path} holds no weights (*.safetensors or *.bin)", "point --draft at an EAGLE-3 head directory"
+            f"{path} holds no weights (*.safetensors or *.bin)", "point --draft at a draft head directory"
         )
     out = {}
     for f in bins:
