@@ -11,25 +11,32 @@ network `pip download <package> --no-deps -d wheels/`, copy `wheels/` beside thi
 checkout, then `pip install --no-index --find-links wheels <package>`.
 
 Steps (each writes DIR/results.json and DIR/results.md before the next starts, so a run
-cut short still leaves what it found; exit code 1 if any exactness check fails):
-  1. environment: torch, GPU, measured device-copy bandwidth;
+cut short still leaves what it found; exit code 1 if any exactness check fails; each
+section of results.md says what its rows measure):
+  1. environment: torch, GPU, measured device-copy bandwidth and bf16 matmul FLOP/s;
   2. graphs == eager == AR == fresh, fp32 greedy, llama / qwen2 / qwen3: one engine per
      graph mode runs a sequence of calls (batch sizes 1, 1, 3, 2; a prompt longer than 64
      tokens, then turns that re-send it with more: the prefix cache serves them) in AR, SD
      and SSD with the draft on the same GPU; every call equals the eager engine's, AR's, and
      an eager engine's without the prefix cache; graphs captured and replayed, none refused
      or dropped; the calls' cached prompt tokens are reported;
-  3. the same sequence with SSDLOCAL_GRAPHS=trace (the CPU twin of CUDA graphs) on the GPU;
-  3b. constrained decoding: a batch with a JSON-schema row, an unconstrained row and a regex
+  2b. constrained decoding: a batch with a JSON-schema row, an unconstrained row and a regex
      row in AR, SD and SSD, with graphs on: every mode equals constrained eager AR and every
      constrained row follows its grammar (needs llguidance: `pip install llguidance`, a
      wheel with no dependencies; the step is reported as skipped without it);
-  4. step times at T=1 and T=K+1 for Qwen2.5-1.5B and 7B shapes in bf16 (eager and graphs)
+  3. step times at T=1 and T=K+1 for Qwen2.5-1.5B and 7B shapes in bf16 (eager and graphs)
      against the bandwidth limit (weight bytes / measured bandwidth), and the prefill of a
      2,048-token prompt against the compute limit (2 x parameters x tokens / measured bf16
      matmul FLOP/s);
-  5. which attention kernel each kind of step ran (profiler kernel names, and torch's own
+  4. which attention kernel each kind of step ran (profiler kernel names, and torch's own
      can-use checks for the shapes the model passes);
+  5. (scripts/accept_speed.py) attention at 1k, 8k and 32k spans: the first --models
+     shape's T=1 and T=K+1 steps through both masked-step paths (the folded
+     memory-efficient kernel and the batched matmuls), against the bandwidth limit of its
+     weights plus the span's K/V bytes, the two paths compared in float32 on the GPU
+     (a difference past 1e-5 fails); then int8 and int4 weights (quantized on the GPU)
+     against bf16: step times per --models shape against their own bandwidth limit and
+     as a ratio to bf16, with what a load would decide (backends/torch/quant_speed.py);
   5b. (scripts/accept_families.py) the 2026 families in timing shapes: a Qwen3-30B-A3B-shaped
      mixture of experts and a Gemma 3 12B-class sliding-window model (12 of 48 layers each),
      random bf16 weights, T=1 and T=K+1 steps eager and in captured graphs against the
@@ -42,15 +49,19 @@ cut short still leaves what it found; exit code 1 if any exactness check fails):
      prefix store filled and churned by 12 calls; seeded sampling at T = 0.8 repeating;
      int8 and int4 weights inside graphs; a TP=2 target and SSD with the draft on a second
      GPU when two or more are present (a clear "skipped" line otherwise); the
-     bandwidth-limit table per forward (target, draft, TP rank; 70B-class at TP=4).
+     bandwidth-limit table per forward (target, draft, TP rank; 70B-class at TP=4);
+  7. last, step 2's sequence with SSDLOCAL_GRAPHS=trace (the CPU twin of CUDA graphs) on
+     the GPU: the slowest step, and the one a run cut short can best do without.
 Every bf16 timing model whose graphs were refused or dropped is a failure. A run past
 --budget-s (default 480 s on a GPU) marks the steps it did not reach as failures, never
 as passes.
-What a GPU run needs beyond torch, triton and transformers: nothing for steps 1-6 except
-the grammar rows (llguidance, one wheel with no dependencies: they are reported as skipped
-without it). `--cpu` is a smoke run of the same code on the CPU with traced graphs (one
+What a GPU run needs beyond torch, triton and transformers: nothing except the grammar
+rows (llguidance, one wheel with no dependencies: they are reported as skipped without
+it). `--cpu` is a smoke run of the same code on the CPU with traced graphs (one
 architecture, fewer calls, no SSD worker in the long-context and two-device steps, the
-TP step over two CPU ranks) to check the script; the host-wait and timing steps need a GPU.
+TP step over two CPU ranks; step 5 on the tiny timing shape in float32, traced graphs, both
+attention paths forced, no load-time verdict) to check the script; the host-wait, step
+time, prefill and kernel steps need a GPU, and CPU timings say nothing about a GPU's.
 """
 
 from __future__ import annotations
@@ -69,6 +80,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import accept_speed as speed  # noqa: E402
 import torch  # noqa: E402
 from ssdlocal.core.config import ModelDraft  # noqa: E402
 
@@ -107,17 +119,66 @@ class Results:
         (self.out / "results.md").write_text(render(self.data))
 
 
+MEASURES = {  # step: what each of its rows measures (printed under its heading)
+    "environment": "the machine: torch, the device, its measured copy bandwidth (read + write) and, "
+    "on a GPU, bf16 matmul FLOP/s (8192^3); the limits below divide by these",
+    "exact_cuda_graphs": "one row per (architecture, mode, graph mode): a sequence of calls (batch "
+    "sizes 1, 1, 3, 2, a prompt past 64 tokens, turns the prefix cache serves; --cpu: the last "
+    "four), float32 greedy; True when every call's tokens equal the eager engine's, AR's, and an "
+    "eager engine's without the prefix cache; graph counts summed over the calls",
+    "exact_constrained": "one row per (architecture, mode): a JSON-schema row, a free row and a regex "
+    "row with graphs on equal constrained eager AR, and each constrained row follows its grammar",
+    "step_times": f"one forward of a random-weight bf16 model after a 512-token prompt, median ms: "
+    f"T=1 (decode) and T={K + 1} (a K={K} verify), eager and graphs, against the bandwidth limit "
+    "(weight bytes / measured copy bandwidth)",
+    "attention_spans": "one row per (span, T, path): median ms of a step whose attention reads "
+    "`span` slots of K/V through that path (efficient-folded: the memory-efficient kernel with "
+    "the query groups folded in; batched-matmul: two GEMMs spread over the keys; cuda_picks: "
+    "the path the product takes there), against the bandwidth limit of the weights plus the "
+    "span's K/V bytes (kv_share: the K/V's part); f32_paths_max_diff: the two paths' outputs "
+    "in float32 on this device (exact: at most 1e-5, else a failure); *_logits_max_diff: the "
+    "model's last logits by the two paths in its own dtype (rounding, reported only)",
+    "quant_speed": f"one row per (model, weights): median ms of a T=1 and a T={K + 1} step with "
+    "dense, int8 or int4 weights (quantized on this device, graphs on a GPU), against the "
+    "bandwidth limit of those weights' bytes plus the prompt's K/V, and as a ratio to dense; "
+    "load_verdict: what loading with that scheme decides here (its MLP projections timed "
+    "through the kernel against dense at 1 and 5 rows)",
+    "prefill": "a cold 2,048-token prompt (one row, chunked layer by layer), best of 3, bf16 and "
+    "int4 weights, against the measured bf16 matmul peak (2 x parameters x tokens FLOP)",
+    "attention_kernels": "the attention kernels the profiler saw per kind of step at a 512-token "
+    "span, and torch's own can-use checks for the folded verify",
+    "host_waits": "host synchronisations per decode round by mode (torch.cuda.set_sync_debug_mode: "
+    "a 40-token call minus a 1-token one), against HOST_WAIT_BUDGET",
+    "long_context": "a 1,000-token prompt and 60 new tokens (the KV cache grows past 1,024 slots "
+    "mid-answer, spans pass 256): graphs equal the eager engine, by mode",
+    "churned_prefix_store": "12 calls filling and evicting a 16-block prefix store: each equals an "
+    "engine without the store; the store reuses and evicts",
+    "seeded_sampling": "T = 0.8, top-p 0.9 with a seed, proposals repeatable: the same tokens twice, by mode",
+    "quantized_graphs": "int8 and int4 weights of a tiny checkpoint, greedy AR and SD: graphs equal "
+    "eager (exactness; their speed is quant_speed's)",
+    "two_devices": "a tensor-parallel target over two devices and SSD with the draft on a second "
+    "GPU: each equals one eager device (skipped with one GPU)",
+    "bandwidth_limits": "the bandwidth limit of one decode forward per configuration (bf16 weights "
+    "plus the K/V of `kv_tokens` / measured bandwidth), beside step_times' graph step where it has one",
+    "exact_traced": "as exact_cuda_graphs with SSDLOCAL_GRAPHS=trace (the CPU twin of CUDA graphs) "
+    "on this device; run last",
+}
+
+
+def _heading(step: str, title: str | None = None) -> list[str]:
+    return [f"## {title or step}", "", f"_{MEASURES[step]}_", ""]
+
+
 def render(data: dict) -> str:
     lines = ["# ssdlocal GPU acceptance", ""]
     env = data["steps"].get("environment")
     if env:
-        lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
+        lines += _heading("environment") + [f"- {k}: {v}" for k, v in env.items()] + [""]
     for step in ("exact_cuda_graphs", "exact_traced"):
         rows = data["steps"].get(step)
         if rows:
             lines += [
-                f"## {step}",
-                "",
+                *_heading(step),
                 "| arch | mode | graphs | calls equal eager | equal AR | equal fresh (no prefix cache) | cached prompt tokens | captured | replays | refused | dropped |",
                 "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
@@ -130,11 +191,10 @@ def render(data: dict) -> str:
             lines.append("")
     cons = data["steps"].get("exact_constrained")
     if isinstance(cons, dict):
-        lines += ["## exact_constrained", "", f"- {cons.get('skipped')}", ""]
+        lines += [*_heading("exact_constrained"), f"- {cons.get('skipped')}", ""]
     elif cons:
         lines += [
-            "## exact_constrained",
-            "",
+            *_heading("exact_constrained"),
             "| arch | mode | graphs | equal constrained AR | follows grammar | "
             "grammar ms/token | captured | replays | refused | dropped |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -149,8 +209,7 @@ def render(data: dict) -> str:
     timing = data["steps"].get("step_times")
     if timing:
         lines += [
-            "## step times (bf16, ms, median)",
-            "",
+            *_heading("step_times", "step times (bf16, ms, median)"),
             f"| model | weights GB | bandwidth limit | T=1 eager | T=1 graphs | T={K + 1} eager | T={K + 1} graphs | T=1 graphs / limit | T={K + 1} / T=1 |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -164,8 +223,7 @@ def render(data: dict) -> str:
     prefill = data["steps"].get("prefill")
     if prefill:
         lines += [
-            "## prefill (bf16, 2,048-token prompt, one row)",
-            "",
+            *_heading("prefill", "prefill (2,048-token prompt, one row)"),
             "| model | weights | seconds | tokens/s | TFLOP/s | of measured matmul peak |",
             "|---|---|---|---|---|---|",
         ]
@@ -175,15 +233,18 @@ def render(data: dict) -> str:
             for r in prefill
         ]
         lines.append("")
-    for step in MORE_STEPS:
+    for step in SPEED_STEPS:
         lines += _table(step, data["steps"].get(step))
     kernels = data["steps"].get("attention_kernels")
     if kernels:
-        lines += ["## attention kernels", ""] + [f"- {k}: {v}" for k, v in kernels.items()] + [""]
+        lines += _heading("attention_kernels") + [f"- {k}: {v}" for k, v in kernels.items()] + [""]
+    for step in MORE_STEPS:
+        lines += _table(step, data["steps"].get(step))
     lines += ["## failures", ""] + ([f"- {f}" for f in data["failures"]] or ["none"])
     return "\n".join(lines) + "\n"
 
 
+SPEED_STEPS = ("attention_spans", "quant_speed")
 MORE_STEPS = (
     "family_step_times",
     "host_waits",
@@ -202,10 +263,10 @@ def _table(step: str, value) -> list[str]:
         return []
     if isinstance(value, dict) and "rows" in value:
         head = {k: v for k, v in value.items() if k != "rows"}
-        return [f"## {step}", "", f"- {head}", ""] + _rows(value["rows"])
+        return [*_heading(step), f"- {head}", ""] + _rows(value["rows"])
     if isinstance(value, dict):
-        return [f"## {step}", ""] + [f"- {k}: {v}" for k, v in value.items()] + [""]
-    return [f"## {step}", ""] + _rows(value)
+        return _heading(step) + [f"- {k}: {v}" for k, v in value.items()] + [""]
+    return _heading(step) + _rows(value)
 
 
 def _rows(rows: list[dict]) -> list[str]:
@@ -227,6 +288,8 @@ def environment(device: torch.device) -> dict:
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         env["bandwidth_gb_s"] = round(copy_bandwidth(device, 2.0) / 1e9, 1)
         env["bf16_matmul_tflops"] = round(matmul_flops(device) / 1e12, 1)
+    else:
+        env["bandwidth_gb_s"] = round(copy_bandwidth(device, 0.2) / 1e9, 1)
     return env
 
 
@@ -571,12 +634,12 @@ def main() -> int:
                 lambda: constrained(dirs, str(device), graph_modes, results, "exact_constrained", smoke=args.cpu),
             )
         )
+        speed_models = ("tiny-target",) if args.cpu else tuple(args.models.split(","))
+
+        def bandwidth() -> float:
+            return results.data["steps"]["environment"]["bandwidth_gb_s"] * 1e9
+
         if not args.cpu:
-
-            def traced() -> None:
-                exactness(dirs, str(device), ("trace",), results, "exact_traced")
-
-            steps.append(("exact_traced", traced))
             steps.append(
                 (
                     "step_times",
@@ -600,7 +663,15 @@ def main() -> int:
                 )
             )
             steps.append(("attention_kernels", lambda: attention_kernels(device, results)))
+        steps.append(("attention_spans", lambda: speed.attention_spans(speed_models[0], device, bandwidth(), results)))
+        steps.append(("quant_speed", lambda: speed.quant_speed(speed_models, device, bandwidth(), results)))
         steps += more_steps(dirs, device, graph_modes[0], results, Path(tmp))
+        if not args.cpu:  # last: what it checks the CUDA graphs' rows checked already, slower
+
+            def traced() -> None:
+                exactness(dirs, str(device), ("trace",), results, "exact_traced")
+
+            steps.append(("exact_traced", traced))
         for name, run in steps:
             if time.perf_counter() - t0 > budget_s:
                 results.fail(f"{name}: not run, past the {budget_s:.0f} s budget")

@@ -46,6 +46,17 @@ def test_placement_decides_the_mode(config, mode, words):
     assert choice.mode is mode and words in choice.reason, choice
 
 
+@pytest.mark.parametrize("tp", [(), ("cuda:0", "cuda:1")])
+def test_one_gpu_for_target_and_draft_is_sd_and_the_reason_says_why(tp):
+    """SSD's worker would be a second process on the target's GPU: its kernels time-slice
+    with the target's (no MPS) and it waits after every tree step, so nothing overlaps."""
+    choice = placement_choice(_config("cuda:0", "cuda:0", tp=tp))
+    assert choice.mode is Mode.SD
+    for words in ("second process", "time-slice", "no MPS", "after every tree step", "not overlap verification"):
+        assert words in choice.reason, words
+    assert choice.line == "mode sd: target and draft share cuda:0: SSD's worker would time-slice"
+
+
 def test_device_names_are_normalised():
     from ssdlocal.core.config import normalize_device
 

@@ -88,7 +88,7 @@ def test_the_cuda_mask_form_gives_the_same_logits(family_dirs, family, monkeypat
         tree[:, t, seen] = True
     runs = []
     for kernel in ("cpu-flash", "efficient-folded"):
-        monkeypatch.setattr(attention, "attention_kernel", lambda device, masked, k=kernel: k)
+        monkeypatch.setattr(attention, "attention_kernel", lambda device, masked, rows=1, span=0, k=kernel: k)
         with torch.inference_mode():
             model.setup_cache(2, 64, torch.float32, "cpu")
             whole = model(ids, pos, pos, causal_mask(pos, 14))  # [2, 14, V]

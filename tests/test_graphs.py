@@ -89,23 +89,36 @@ def test_a_mirror_hears_every_primitive_in_the_order_it_runs():
     cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # captured, computed
     cache.run("a", _double, mirror=mirror, x=torch.ones(2))  # first replay + self-check
     cache.run("a", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "a"), ("replay", "a"), ("eager", "a"), ("replay", "a")]
+    assert heard == [("capture", "a"), ("captured", "a"), ("replay", "a"), ("eager", "a"), ("replay", "a")]
     heard.clear()
     later = CountingBackend()
     uncomputed = later.capture
     later.capture = lambda fn, inputs: replace(uncomputed(fn, inputs), computed=False)  # as CUDA graphs
     cache = GraphCache(later, self_check=False)
     cache.run("b", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "b"), ("replay", "b")]
+    assert heard == [("capture", "b"), ("captured", "b"), ("replay", "b")]
     heard.clear()
     cache = GraphCache(CountingBackend(fail=True))
     cache.run("c", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "c"), ("eager", "c")]
+    assert heard == [("capture", "c"), ("captured", "c"), ("eager", "c")]
+    heard.clear()
+    refusing = lambda action, key: heard.append((action, key)) or _refuse_capture(action)  # noqa: E731
+    cache = GraphCache(CountingBackend())  # captures here, but a mirrored rank could not
+    assert cache.run("e", _double, mirror=refusing, x=torch.ones(2)).tolist() == [2.0, 2.0]
+    assert heard == [("capture", "e"), ("captured", "e"), ("eager", "e")]  # eager on every rank
+    assert len(cache) == 0 and cache.stats.refused == 1 and "rank 1" in cache.notes[0]
     heard.clear()
     cache = GraphCache(CountingBackend(wrong=True))
     for _ in range(3):
         cache.run("d", _double, mirror=mirror, x=torch.ones(2))
-    assert heard == [("capture", "d"), ("replay", "d"), ("eager", "d"), ("eager", "d")]  # then eager for good
+    assert heard == [("capture", "d"), ("captured", "d"), ("replay", "d"), ("eager", "d"), ("eager", "d")]
+
+
+def _refuse_capture(action: str) -> None:
+    from ssdlocal.backends.torch.capture import CaptureError
+
+    if action == "captured":
+        raise CaptureError("on rank 1: RuntimeError: operation not permitted when stream is capturing")
 
 
 def test_memory_budget_refuses_capture_and_runs_eagerly():
@@ -124,11 +137,17 @@ def test_failed_capture_falls_back_to_eager_for_that_shape():
     assert len(cache) == 0 and "capture failed" in cache.notes[0] and cache.stats.refused == 1
 
 
-def test_graph_count_limit():
-    cache = GraphCache(CountingBackend(), max_graphs=2)
-    for key in range(4):
-        cache.run(key, _double, x=torch.tensor([float(key)]))
-    assert len(cache) == 2 and cache.stats.eager == 2
+def test_graph_count_limit_lets_the_least_recently_used_go():
+    """Past max_graphs a new shape is captured all the same: the graph replayed longest ago
+    goes (and a mirror is told), never the new shape (it used to be refused: eager for good)."""
+    backend = CountingBackend()
+    cache = GraphCache(backend, max_graphs=2)
+    evicted = []
+    cache.on_forget = evicted.append
+    for key in (0, 1, 0, 2, 3, 0):  # 0 is replayed before 2 arrives: 1 goes first, then 0, then 2
+        assert cache.run(key, _double, x=torch.tensor([float(key)])).tolist() == [2.0 * key]
+    assert evicted == [1, 0, 2] and len(cache) == 2 and cache.stats.evicted == 3
+    assert cache.stats.eager == 0 and cache.stats.refused == 0 and backend.captures == 5
 
 
 def test_buckets_and_modes(monkeypatch):
@@ -301,6 +320,7 @@ def test_graph_report_counts_one_calls_share():
         "eager": 0,
         "refused": 0,
         "dropped": 0,
+        "evicted": 0,
     }
 
 
@@ -479,3 +499,69 @@ def test_the_cli_says_in_one_line_when_graphs_were_refused_or_dropped():
     line = graph_warning(loud)
     assert "\n" not in line and "target 2 shape(s) refused" in line and "memory budget" in line
     assert "draft dropped 1 time(s)" in line and "same output" in line
+
+
+@pytest.mark.parametrize("graphs", ["off", "trace"])
+def test_a_runner_let_go_is_freed_without_a_garbage_collection(tiny_dir, graphs):
+    """Nothing the runner owns (its graph cache, its staging row) refers back to it, so the
+    last reference going frees it, and with it its graphs' memory and its state, at once:
+    a reference cycle kept a GPU's memory until the next collection. (A traced graph's own
+    fx structures still form cycles among themselves, on the CPU twin only.)"""
+    import gc
+    import weakref
+
+    from ssdlocal.backends import registry
+    from ssdlocal.backends.torch.runner import TorchRunner
+
+    loaded = registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32"))
+    gc.collect()
+    gc.disable()
+    try:
+        runner = TorchRunner(loaded, graphs=graphs)
+        runner.reset(2, 300)
+        runner.feed([[1, 2, 3], [4, 5]], "last")
+        runner.begin_steps()
+        for _ in range(3):
+            runner.step(torch.zeros(2, 1, dtype=torch.long), 10)
+            runner.advance(1)
+        gone, state = weakref.ref(runner), weakref.ref(runner.state.lengths)
+        del runner
+        assert gone() is None
+        assert state() is None or graphs == "trace"
+    finally:
+        gc.enable()
+
+
+def test_a_tensor_parallel_model_let_go_is_freed_without_a_garbage_collection(tiny_dir):
+    """The same for rank 0's TPModel: its graph cache and the cache's on_forget (which tells
+    the ranks to drop a graph) refer to the group, not back to the model."""
+    import gc
+    import weakref
+
+    from ssdlocal.backends import registry
+    from ssdlocal.parallel.tpmodel import TPModel
+
+    class Group:  # what TPModel.use_graphs asks of a RankGroup, with no rank processes
+        device = torch.device("cpu")
+        told: list = []
+
+        def command_all(self, cmd, arg=None) -> None:
+            self.told.append((cmd, arg))
+
+        def collect_acks(self) -> None:
+            pass
+
+    shard = registry.load(ModelSpec(str(tiny_dir["llama"]), dtype="float32")).model
+    group = Group()
+    gc.collect()
+    gc.disable()
+    try:
+        model = TPModel(shard, group)
+        assert model.use_graphs("trace") is not None
+        model.graphs.on_forget("a key")  # still reaches the ranks through the group
+        assert group.told[-1][1] == "a key"
+        gone = weakref.ref(model)
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()

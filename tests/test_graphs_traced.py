@@ -182,3 +182,56 @@ def test_unguarded_the_rebound_lengths_give_wrong_tokens(tiny_dir, monkeypatch):
         got = [_run(traced, p, 12, Mode.AR)[0] for p in prompts]
     assert got[0] == want[0]  # the first call captured with its own lengths
     assert got[1:] != want[1:]  # later calls replay stale positions: wrong tokens, no error
+
+
+# --------------------------------------------------------------------------- serving
+WAVE = ["The quick brown fox", "hello world, def foo(x):", "Once upon a time there was", "x = 1"]
+
+
+def _wave(engine, spec, first_id: int) -> dict[int, list[int]]:
+    """Four requests served, each joining once the one before it has 3 tokens."""
+    from ssdlocal.core.events import SeatedEvent, TokensEvent
+    from ssdlocal.engine.request import Inbox, Request
+
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    requests = [Request(tuple(engine.encode(p, chat=False)), params, id=first_id + i) for i, p in enumerate(WAVE)]
+    inbox, waiting = Inbox(), list(requests[1:])
+    inbox.add(requests[0])
+    tokens: dict[int, list[int]] = {r.id: [] for r in requests}
+    finished, seated = set(), []
+    for event in engine.serve(inbox, max_batch=4, spec=spec):
+        if isinstance(event, SeatedEvent):
+            seated = list(event.requests)
+        elif isinstance(event, TokensEvent):
+            tokens[seated[event.row]] += event.token_ids
+            if event.finish_reason is not None:
+                finished.add(seated[event.row])
+        if waiting and len(tokens[requests[len(requests) - len(waiting) - 1].id]) >= 3:
+            inbox.add(waiting.pop(0))
+        if not waiting and finished >= set(tokens):
+            inbox.close()
+    return {rid - first_id: t for rid, t in tokens.items()}
+
+
+def test_served_waves_capture_nothing_after_the_start(tiny_dir, monkeypatch):
+    """Joins and leaves change the batch size at every re-seat; the caches keep their rows
+    and graphs, and the server captured its steps at start: two waves of the same staggered
+    requests capture nothing (before: each wave captured 7-8 target and 17-19 draft graphs),
+    with the eager server's tokens."""
+    waves = {}
+    for graphs in ("off", "trace"):
+        monkeypatch.setenv("SSDLOCAL_GRAPHS", graphs)
+        engine = Engine(_config(tiny_dir, "llama", "draft_llama", "auto", Mode.SD))
+        with engine:
+            spec = SpecConfig(mode=Mode.SD, k=K, draft=engine.config.spec.draft)
+            out, counts = [], []
+            for w in range(2):
+                before = [r.graph_report() for r in (engine.runner, engine.parts.drafts.runner)]
+                out.append(_wave(engine, spec, 100 * (w + 1)))
+                counts.append([r.graph_report(b) for r, b in zip((engine.runner, engine.parts.drafts.runner), before)])
+        waves[graphs] = out
+    assert waves["trace"] == waves["off"]
+    first, second = counts
+    assert first[0]["captured"] > 0 and first[1]["captured"] > 0  # the start's warm-up (inside the first serve)
+    assert [c["captured"] for c in second] == [0, 0], second
+    assert all(c["replays"] > 0 and c["dropped"] == 0 and c["refused"] == 0 for c in second)

@@ -439,3 +439,21 @@ def test_hf_peer_reads_a_gguf_target_through_its_float_conversion(gguf_files, tm
         want = gguf_files["qwen2", "q8_0"][1](IDS).logits
         got = peer.model(IDS).logits  # the conversion is cached in bf16
         assert (got - want).abs().max() < 0.05 * want.abs().max() and peer.assistant is not None
+
+
+def test_quantize_model_quantizes_on_the_model_s_device(tiny_dir, monkeypatch):
+    """A model on a GPU is quantized there, not copied to the CPU first (a 7B model's int4
+    codes in seconds; scripts/gpu_accept.py quantizes its timing models so)."""
+    from ssdlocal.backends.torch import quant, quant_apply
+    from support.fake_cuda import CUDA, fake_cuda, to_fake_cuda
+
+    seen = []
+    real = quant_apply.quantize
+    monkeypatch.setattr(quant_apply, "quantize", lambda w, *a: seen.append(w.device) or real(w, *a))
+    monkeypatch.setattr(quant, "int8_cuda_kernel", lambda: True)  # a CUDA build has it
+    loaded = load_model(tiny_dir["qwen2"], "cpu", "float32")
+    with fake_cuda():
+        model = to_fake_cuda(loaded.model, torch.bfloat16)
+        quant_apply.quantize_model(model, "int8")
+    assert seen and set(seen) == {CUDA}
+    assert model.lm_head.kernel == "int8_cuda" and model.lm_head.codes.device == CUDA

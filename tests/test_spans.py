@@ -3,6 +3,8 @@ bounded by the longest row (not by every slot the call may use), with the same t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -53,9 +55,9 @@ def test_tree_steps_attend_over_the_longest_row_with_the_same_branches(tiny_dir,
         spans: list[int] = []
         real = runner.forward_raw
 
-        def watched(ids, positions, slots, mask):
+        def watched(ids, positions, slots, mask, out=None):
             spans.append(mask.shape[-1])
-            return real(ids, positions, slots, mask)
+            return real(ids, positions, slots, mask, out)
 
         monkeypatch.setattr(runner, "forward_raw", watched)
         runs = {}
@@ -76,3 +78,44 @@ def test_tree_steps_attend_over_the_longest_row_with_the_same_branches(tiny_dir,
     for key, branch in got_b.items():  # the same branches wherever their scratch slots are
         assert branch.tokens == got_f[key].tokens
         assert torch.allclose(branch.logits, got_f[key].logits, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_steps_keep_the_real_branches_logits_without_copies_per_step(tiny_dir):
+    """Under graphs a tree step's logits are a static buffer: the speculator has each
+    step's logits of its real branches written into one [B, W, K, V] buffer
+    (Runner.forward_raw's `out`), where it used to clone the whole padded [B, W, V] every
+    step and stack them all after (about 2.5 GB per round at B=8, W=64, V=152k)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.vocab, self.made = vocab, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            tree = isinstance(out, torch.Tensor) and out.dim() >= 3 and out.shape[-1] == self.vocab  # [B, W, (K,) V]
+            if name in ("clone", "stack", "cat") and tree:
+                self.made.append((name, tuple(out.shape)))
+            return out
+
+    prompt = [(7 * i) % 300 + 5 for i in range(40)]
+    config = EngineConfig(target=ModelSpec(str(tiny_dir["llama"]), dtype="float32"), prefix_cache_tokens=0)
+    trees = {}
+    for graphs in ("off", "trace"):
+        with Engine(replace(config, graphs=graphs)) as engine:
+            sp = _speculator(engine.runner, prompt, num_slots=900)
+            sp.first()
+            sp.prespeculate()  # captures the tree steps (and checks their first replays)
+            copies = Copies(engine.runner.vocab_size)
+            with copies:
+                sp.prespeculate()
+            trees[graphs] = {key: sp.cache.get(*key) for key in sp.cache.keys()}
+            if graphs == "trace":
+                assert engine.runner.graphs.stats.replays > 0
+                assert copies.made == [], copies.made
+    assert trees["trace"].keys() == trees["off"].keys() and trees["trace"]
+    for key, branch in trees["trace"].items():
+        assert branch.tokens == trees["off"][key].tokens
+        assert torch.allclose(branch.logits, trees["off"][key].logits, atol=1e-5)

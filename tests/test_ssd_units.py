@@ -3,6 +3,8 @@ bonus candidates, backup choice, CPU split. No models, no processes."""
 
 from __future__ import annotations
 
+from ssdlocal.backends.base import kept_logits
+
 from itertools import pairwise
 from types import SimpleNamespace
 
@@ -337,7 +339,7 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
     monkeypatch.setattr(sp, "wait_for_device", lambda t: events.append("wait"))
 
     class Runner:
-        device = torch.device("cpu")
+        device, vocab_size = torch.device("cpu"), 10
 
         def tree_width(self, width):
             return width
@@ -345,9 +347,9 @@ def test_tree_early_stop_waits_for_the_device_before_each_poll(monkeypatch):
         def tree_span(self, needed):
             return None
 
-        def forward_raw(self, ids, positions, slots, mask):
+        def forward_raw(self, ids, positions, slots, mask, out=None):
             events.append("step")
-            return torch.zeros(*ids.shape, 10)
+            return kept_logits(torch.zeros(*ids.shape, 10), out)
 
     spec = object.__new__(sp.Speculator)
     spec.site = detached_site("worker")  # core.hostsync: counts nobody reads
@@ -377,7 +379,7 @@ def _seeding_speculator(suffix: bool):
     from ssdlocal.speculation.suffix import SuffixIndex, SuffixMemory
 
     class Runner:
-        device = torch.device("cpu")
+        device, vocab_size = torch.device("cpu"), 10
 
         def pending(self, b, tokens):
             return []
@@ -450,9 +452,9 @@ def test_one_read_per_prespeculation_and_a_seed_among_the_candidates_is_dropped(
         def tree_span(self, needed):
             return None
 
-        def forward_raw(self, ids, positions, slots, mask):  # next token: id + 1 (mod 10)
+        def forward_raw(self, ids, positions, slots, mask, out=None):  # next token: id + 1 (mod 10)
             steps.append(ids.clone())
-            return torch.nn.functional.one_hot((ids + 1) % 10, 10).float()  # [B, W, V]
+            return kept_logits(torch.nn.functional.one_hot((ids + 1) % 10, 10).float(), out)  # [B, W, V]
 
     spec.runner = Runner()
     spec.prespeculate()

@@ -150,10 +150,78 @@ def test_tp2_steps_replay_traced_graphs_and_equal_one_device(tiny_dir, monkeypat
             assert target["mode"] == "trace" and target["dropped"] == target["refused"] == 0, target
             assert target["replays"] > 0, (spec.mode, target)
             captured += target["captured"]
+        two.runner.graphs.clear()
+        two.runner.graphs.max_graphs = 1  # past it rank 0 lets the least recently used go, and so do the ranks
+        evicted = 0
+        for spec, expected in list(zip(modes, want))[:2] * 2:  # AR's 1-token steps, SD's 4-token steps, again
+            done = [e for e in two.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
+            assert [o.token_ids for o in done.outputs] == expected
+            assert done.stats["graphs"]["target"]["refused"] == 0
+            evicted += done.stats["graphs"]["target"]["evicted"]
+        assert evicted >= 3
     assert captured > 0
 
 
 # --------------------------------------------------------------------------- robustness
+
+
+def test_a_capture_that_fails_on_one_rank_runs_eagerly_on_every_rank(tiny_dir, monkeypatch):
+    """Rank 1's captures fail (tests/support/tp_faults.py): rank 0, which captured, refuses
+    those shapes for every rank and runs them eagerly; the group stays up and equals one
+    device (it used to end: the rank's error killed it while rank 0 would have fallen back)."""
+    from ssdlocal.parallel import group as group_mod
+    from support.tp_faults import rank_main_failing_capture
+
+    with Engine(replace(_config(tiny_dir["llama"], ()), graphs="off")) as one:
+        want = _tokens(one)
+    monkeypatch.setattr(group_mod, "rank_main", rank_main_failing_capture)
+    monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")
+    with Engine(_config(tiny_dir["llama"], TP2)) as two:
+        for _ in range(2):  # and again: the refused shapes stay eager, the group usable
+            done = [e for e in two.generate(PROMPTS, GREEDY) if isinstance(e, DoneEvent)][0]
+            assert [o.token_ids for o in done.outputs] == want
+        target = done.stats["graphs"]["target"]
+        assert target["replays"] == 0 and target["eager"] > 0 and target["dropped"] == 0
+        assert two.runner.graphs.stats.refused > 0 and "injected" in two.runner.graphs.notes[0]
+        assert not two.tp_group.broken
+
+
+def test_a_read_back_waiting_on_a_hung_rank_has_a_deadline(monkeypatch):
+    """On a GPU a rank hung inside a captured all-reduce keeps rank 0's stream from ever
+    finishing, and the round's read-back blocked for ever; a tensor-parallel target bounds
+    its reads (core.hostsync.Bound): past the deadline the group is spent and says so."""
+    from ssdlocal.core.hostsync import Audit
+
+    class Never:  # an event on a stream that never finishes
+        def record(self, stream=None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return False
+
+    class StuckLogits:  # what the round reads: a CUDA tensor whose stream never finishes
+        is_cuda, device = True, torch.device("cuda:0")
+
+        def tolist(self):
+            raise AssertionError("the read blocked on the device with no deadline")
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: Never())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    spent = []
+    audit = Audit()
+    late = lambda s: spent.append(s) or TensorParallelError(f"a tensor-parallel step did not finish within {s} s")  # noqa: E731
+    audit.bound("target", 0.05, late)
+    with pytest.raises(TensorParallelError, match="did not finish within 0.05 s"):
+        audit.site("target").read(StuckLogits())
+    assert spent == [0.05]
+
+
+def test_a_tensor_parallel_runner_bounds_its_reads(tiny_dir):
+    with Engine(_config(tiny_dir["llama"], TP2)) as two:
+        bound = two.audit.bounds["target"]
+        assert bound.limit_s == two.tp_group.collective_timeout_s
+        error = bound.late(bound.limit_s)
+        assert "did not finish within" in error.message and two.tp_group.broken
 
 
 def test_killed_rank_is_reported_and_nothing_is_left(tiny_dir):

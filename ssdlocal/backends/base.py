@@ -195,11 +195,25 @@ class Runner(Protocol):
     def sync(self, row: int, committed: Sequence[int]) -> None:
         """Keep only the cached tokens the next feed can build on (see `sync_held`)."""
 
+    def warm_up(self, batch_size: int, widths: Sequence[int], at_widths: Sequence[int] = ()) -> int:
+        """Ahead of use (a server's start): make room for `batch_size` rows and prepare the
+        steps of `widths` tokens, and steps `at` one column of `at_widths` tokens, for every
+        batch size up to it (captured graphs); returns how many were prepared (0 for a
+        runner that captures nothing). Rows hold nothing afterwards."""
+
     def forward_raw(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tree step: ids/positions/slots [B, T], mask [B, T, S] -> logits [B, T, V];
-        writes the given slots but leaves each row's held tokens unchanged."""
+        """Tree step: ids/positions/slots [B, T], mask [B, T, S] -> logits [B, T, V] the
+        caller owns; with `out` [B, W, V] (W <= T: the queries the caller keeps, the
+        others are padding) the first W queries' logits are written there and `out` is
+        returned (no tensor of the step's own). Writes the given slots but leaves each
+        row's held tokens unchanged."""
 
     def tree_width(self, width: int) -> int:
         """How many queries a tree step of `width` branches should have (padding with
@@ -238,6 +252,14 @@ class Runner(Protocol):
         """Captured-step counts as plain data ({"mode", "captured", "replays", "eager",
         "refused", "dropped"}, + "notes"), minus `since` (an earlier report of this runner);
         mode "off" for a runner that captures nothing."""
+
+
+def kept_logits(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Runner.forward_raw's result: `logits` [B, T, V], or its first W queries copied into `out` [B, W, V]."""
+    if out is None:
+        return logits
+    out.copy_(logits[:, : out.shape[1]])
+    return out
 
 
 def sync_held(held: list[int], committed: Sequence[int]) -> None:

@@ -10,13 +10,18 @@ reads out of the hot paths. Uploads (`Site.upload`) go through pinned staging wi
 `non_blocking=True` on CUDA: torch's caching host allocator records an event on the pinned
 block at the copy and hands the block out again only once that event has completed, so a
 staging buffer is never overwritten while its copy is in flight, and the host never waits.
-Knows no model, no round; torch is imported at first use, not at import.
+A model's reads can be bounded (`Audit.bound`): on CUDA the read first polls an event of
+the device's stream with a deadline instead of blocking in the driver, so a device that
+never finishes (a tensor-parallel rank hung inside a captured all-reduce) becomes an error
+instead of a process stuck for ever. Knows no model, no round; torch is imported at first
+use, not at import.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +63,43 @@ class HostWaits:
         return cls(int(d.get("reads", 0)), int(d.get("blocking", 0)), int(d.get("staged", 0)))
 
 
+SPIN_S = 0.002  # a bounded read polls without sleeping this long, then sleeps between polls
+POLL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class Bound:
+    """How long one model's device work may take before a read gives up: past `limit_s`,
+    `late(limit_s)` gives the exception raised."""
+
+    limit_s: float
+    late: Callable[[float], BaseException]
+
+    def wait(self, device) -> None:
+        """Until the work queued on `device`'s current stream so far has finished, or raise."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        start = time.monotonic()
+        while not event.query():
+            waited = time.monotonic() - start
+            if waited > self.limit_s:
+                raise self.late(self.limit_s)
+            time.sleep(0 if waited < SPIN_S else POLL_S)  # sleep(0) lets other threads run
+
+
 class Audit:
     """Running counts per model for one engine (or one worker process); thread-safe."""
 
     def __init__(self) -> None:
         self._counts: dict[str, HostWaits] = {}
         self._lock = threading.Lock()
+        self.bounds: dict[str, Bound] = {}  # per model: reads on CUDA wait at most this long
+
+    def bound(self, model: str, limit_s: float, late: Callable[[float], BaseException]) -> None:
+        """`model`'s reads of CUDA tensors give up after `limit_s` (raising `late(limit_s)`)."""
+        self.bounds[model] = Bound(limit_s, late)
 
     def site(self, model: str) -> Site:
         return Site(self, model)
@@ -127,6 +163,9 @@ class Site:
         """Python lists (or scalars) of `tensors`: one wait for all of them (they are read one
         after another; the first read drains the stream, the others find it drained)."""
         self.audit.add(self.model, reads=1)
+        bound = self.audit.bounds.get(self.model)
+        if bound is not None and tensors and getattr(tensors[0], "is_cuda", False):
+            bound.wait(tensors[0].device)  # the same one wait, with a deadline
         values = [t.tolist() for t in tensors]
         return values[0] if len(values) == 1 else values
 

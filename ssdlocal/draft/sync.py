@@ -7,12 +7,12 @@ just-in-time backup uses the same K-step decoder (draft/decode.py) as ModelDraft
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
 from ssdlocal.backends.base import Logits, Runner
+from ssdlocal.core.clock import DeviceClock
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
@@ -102,8 +102,9 @@ class ModelDrafter(DrafterBase):
         self._k = 0  # drafts of the last propose
         self._shape: tuple[int, int] | None = None  # the cache `reserve` asked for, made at the first propose
         # the last propose's reading before it drafted: committed tokens fed (the most of any
-        # row, the prompt's too on its first) and host seconds (a GPU's launches unless it waits)
-        self.last_read: tuple[int, float] = (0, 0.0)
+        # row, the prompt's too on its first) and its marks on the draft's device (core.clock)
+        self.clock = DeviceClock(runner.device)
+        self._read: tuple[int, object, object] | None = None
 
     def _generator(self) -> torch.Generator:
         return torch.Generator(device=self.runner.device).manual_seed(self.params.stream_seed(7919))
@@ -144,14 +145,14 @@ class ModelDrafter(DrafterBase):
     def propose(self, active: Sequence[bool], k: int | None = None) -> Proposal:
         """K drafts per row (default: the drafter's K), every row batched."""
         k = self.k if k is None else k
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         before = list(self.cached) or [0] * len(self.rows)
         if not self.cached:
             self._prefill()
         lengths = [row.length for row in self.rows]
         bound = max(lengths) + max(k, CATCH_UP)  # past every write of this round
         first = self._catch_up([row.tail(c) for row, c in zip(self.rows, self.cached)], bound)
-        self.last_read = (max(n - c for n, c in zip(lengths, before)), time.perf_counter() - t0)
+        self._read = (max(n - c for n, c in zip(lengths, before)), t0, self.clock.mark())
         self.decoder.k = k
         if self.guides is not None:
             dev = self.runner.device
@@ -166,12 +167,25 @@ class ModelDrafter(DrafterBase):
             tokens = self.guides.drafted_tokens(drafted.tokens[:, -1], active, self.site)
         return Proposal(drafted.tokens.to(self.device, non_blocking=True), n_draft, q, tokens=tokens)  # [B, K]
 
+    @property
+    def last_read(self) -> tuple[int, float]:
+        """The last propose's reading before it drafted: committed tokens fed (the most of
+        any row) and the seconds the draft's device spent on it; ask after the round's
+        read-back (on CUDA the marks are events, complete by then)."""
+        if self._read is None:
+            return (0, 0.0)
+        fed, start, end = self._read
+        return fed, self.clock.seconds(start, end)
+
     def _catch_up(self, pending: list[list[int]], bound: int) -> torch.Tensor:
         """Feed each row's committed tokens the draft lacks (>= 1: the bonus), in steps of
-        at most CATCH_UP tokens; the draft's logits after each row's newest token [B, V_d]."""
+        at most CATCH_UP tokens; the draft's logits after each row's newest token [B, V_d].
+        A row that ends in an earlier chunk keeps that chunk's logits: the first chunk's are
+        copied out of the step's static buffer (graphs.py) when another chunk follows."""
         dev = self.runner.device
         first: torch.Tensor | None = None
-        for start in range(0, max(map(len, pending)), CATCH_UP):
+        longest = max(map(len, pending))
+        for start in range(0, longest, CATCH_UP):
             part = [p[start : start + CATCH_UP] for p in pending]
             width = max(map(len, part))
             host = [
@@ -181,7 +195,10 @@ class ModelDrafter(DrafterBase):
             staged = self.site.upload(host, dev)  # [B, 3+T]: last, ends, fed, ids (one staged upload)
             ids = staged[:, 3:].contiguous()  # [B, T]
             logits = self.runner.step(ids, bound, at=staged[:, 0])  # [B, V_d]; padding may write past each row
-            first = logits if first is None else torch.where(staged[:, 1, None].bool(), logits, first)
+            if first is None:  # a captured step's output is a static buffer: the next chunk rewrites it
+                first = logits.clone() if start + CATCH_UP < longest else logits
+            else:
+                first = torch.where(staged[:, 1, None].bool(), logits, first)
             self.runner.advance(staged[:, 2])
         if first is None:  # every row lacks at least its bonus token
             raise ValueError("nothing to catch up on")

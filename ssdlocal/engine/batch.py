@@ -59,6 +59,7 @@ from ssdlocal.engine.reports import SeatingReports
 from ssdlocal.engine.request import Inbox
 from ssdlocal.engine.round import DRAFT_FAILURES, Round, token_events
 from ssdlocal.engine.seating import Seating, seat
+from ssdlocal.engine.warm import warm_up
 
 
 def counted(stats: RunStats, events: Iterator[Event]) -> Iterator[Event]:
@@ -108,6 +109,8 @@ class Loop:
     def run(self, requests: Sequence[Request]) -> Iterator[Event]:
         """Seat `requests` (and, serving, what the inbox brings) and run until done; each
         seating counts its own stats (serving: it ends with a SeatingDoneEvent of them)."""
+        if self.inbox is not None:  # serving: the steps every join and leave will take, captured now
+            warm_up(self.parts, self.parts.modes.resolved(self.spec), self.max_batch or 1)
         with self.parts.drafts.pinned(self.parts.modes.resolved(self.spec)):  # SSD on the CPU: our cores
             carried: list[Row] = []
             joining = list(requests)

@@ -9,18 +9,21 @@ runs; per round one small tensor (accepted counts, bonus tokens, and the drafts 
 host does not have them) crosses to the host, which needs the tokens for text, stop
 strings and events: the round's one host wait (core.hostsync counts it; under a grammar
 the drafts' reads for the matcher come on top). Host -> device inputs go up through staged
-uploads. `commit` is the only step that changes rows and cache lengths.
+uploads. `commit` is the only step that changes rows and cache lengths. Drafting and
+verifying are timed on the device (core.clock: CUDA events around propose and verify, read
+after the read-back, so no wait of their own), which is what the drafters' cost models and
+`auto`'s re-check learn from; on the CPU the host's clock.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
+from ssdlocal.core.clock import DeviceClock
 from ssdlocal.core.errors import DraftWorkerError, OutOfMemoryError, SSDLocalError
 from ssdlocal.core.events import DraftLostEvent, Event, GrammarRound, RoundEvent, TokenOrigin, TokensEvent
 from ssdlocal.core.verify import Verdict
@@ -62,6 +65,7 @@ class Round:
         self.last = first  # [B] long on the target's device
         self.site = seating.audit.site("target")
         self.device = first.device
+        self.clock = DeviceClock(self.device)  # draft and verify seconds as the device spent them
         batch = len(self.rows)
         self.live = torch.ones(batch, dtype=torch.bool, device=self.device)  # [B]
         none = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B]
@@ -79,23 +83,24 @@ class Round:
     def run(self, index: int) -> Iterator[Event]:
         """One round over every active row; yields TokensEvents, then one RoundEvent."""
         active = [r.active for r in self.rows]
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         try:
             proposal = self.shaper.prepare(self.propose(active))  # drafts a grammar walks: on the host first
         except DRAFT_FAILURES as exc:  # the rows go on with plain steps: the same tokens
             yield self.lose_drafter(index, exc)
             proposal = self.shaper.prepare(self.no_drafts)
-        t1 = time.perf_counter()
+        t1 = self.clock.mark()
         bound = max(r.length for r in self.rows) + proposal.drafts.shape[1]  # past every row's last write
         logits = self.seating.guard(self.runner.step, self.score_ids(proposal), bound)  # [B, K+1, V]
         logits, proposal = self.shaper.mask(logits, proposal, active)  # each position: its grammar's mask
         verdict = self.sampling.verify(logits, proposal.drafts, proposal.q, proposal.n_draft)
+        t2 = self.clock.mark()
         outcome = self.read_back(verdict, proposal)
+        draft_s, verify_s = self.clock.seconds(t0, t1), self.clock.seconds(t1, t2)  # complete: read after the wait
         logprobs = self.shaper.round_logprobs(logits, outcome.drafts, outcome.n_accepted, outcome.bonus)
-        t2 = time.perf_counter()
-        emitted, origins = self.commit(proposal, verdict, outcome, active, t1 - t0, t2 - t1)
+        emitted, origins = self.commit(proposal, verdict, outcome, active, draft_s, verify_s)
         yield from token_events(self.rows, emitted, origins, logprobs)
-        yield self.round_event(index, proposal, outcome, emitted, active, t1 - t0, t2 - t1)
+        yield self.round_event(index, proposal, outcome, emitted, active, draft_s, verify_s)
         if self.failed is not None:
             failed, self.failed = self.failed, None
             yield self.lose_drafter(index, failed)

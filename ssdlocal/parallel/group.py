@@ -1,7 +1,7 @@
 """A tensor-parallel target: rank 0 in this process (it runs the engine), one spawned
 process per other rank, each holding a shard (tp.py) on its own device.
 
-Rank 0 wraps its shard in `TPModel`, which TorchRunner uses like a plain model:
+Rank 0 wraps its shard in `TPModel` (tpmodel.py), which TorchRunner uses like a plain model:
 before each forward it sends a small header (op, shapes) down a pipe to every rank,
 broadcasts ids/positions/slots/mask with torch.distributed, and runs its shard; the
 ranks run the same forward, so every all_reduce meets its partners.
@@ -34,8 +34,8 @@ from ssdlocal.core.errors import SSDLocalError, TensorParallelError, UsageError
 from ssdlocal.core.memory import oom_error
 from ssdlocal.ipc.lifetime import describe_exit
 from ssdlocal.ipc.child import ChildProcess
-from ssdlocal.parallel.linear_ranks import LinearStatesOnRanks
 from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, pin_to_loopback, rank_main
+from ssdlocal.parallel.tpmodel import TPModel
 
 log = logging.getLogger(__name__)
 
@@ -63,75 +63,6 @@ def backend_for(devices: tuple[str, ...]) -> str:
 
 
 # --------------------------------------------------------------------------- rank 0
-
-
-class TPModel(LinearStatesOnRanks):
-    """What TorchRunner sees on rank 0: the local shard, mirrored on every other rank."""
-
-    def __init__(self, shard, group: RankGroup) -> None:
-        self.shard = shard
-        self.group = group
-        self.args = shard.args  # per-rank head counts
-        self.layers = shard.layers
-        self.graphs = None  # rank 0's GraphCache (use_graphs)
-
-    def setup_cache(self, batch_size: int, num_slots: int, dtype, device) -> None:
-        self.group.command_all(Cmd.CACHE, (batch_size, num_slots))
-        self.shard.setup_cache(batch_size, num_slots, dtype, device)
-        self.group.collect_acks()
-
-    def prefix_pool_bytes(self, tokens: int, dtype) -> int:
-        """Bytes on each rank (the shards' kv heads)."""
-        return self.shard.prefix_pool_bytes(tokens, dtype)
-
-    def setup_prefix_pool(self, tokens: int, dtype, device) -> None:
-        self.group.command_all(Cmd.PREFIX_POOL, tokens)
-        self.shard.setup_prefix_pool(tokens, dtype, device)
-        self.group.collect_acks()
-
-    def save_prefix(self, row, runs) -> None:
-        """Every rank copies its shard's k/v (no reply: the pipe keeps the order)."""
-        self.group.command_all(Cmd.PREFIX_SAVE, (row, runs))
-        self.shard.save_prefix(row, runs)
-
-    def load_prefix(self, row, runs) -> None:
-        self.group.command_all(Cmd.PREFIX_LOAD, (row, runs))
-        self.shard.load_prefix(row, runs)
-
-    def use_graphs(self, mode: str):
-        """Captured steps on every rank in graph mode `mode` (graphs.resolve_mode); returns
-        rank 0's GraphCache (the runner's `graphs`: its counts, its `clear`), or None."""
-        from ssdlocal.backends.torch.graphs import GraphCache, capture_backend, resolve_mode
-
-        backend = capture_backend(self.group.device, mode)
-        self.graphs = None if backend is None else GraphCache(backend, self)
-        self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else "off")
-        self.group.collect_acks()
-        return self.graphs
-
-    # graphs.StaticTensors, for rank 0's shard (the other ranks run the same code)
-    def registered(self):
-        yield from self.shard.parameters()
-        yield from self.shard.buffers()
-
-    def state_tensors(self) -> tuple:
-        caches = (t for cache in self.shard.caches() for t in cache.tensors())
-        return (*self.shard.rope_tables(), *caches)
-
-    def describe(self, tensor) -> str:
-        for name, value in (*self.shard.named_parameters(), *self.shard.named_buffers()):
-            if value.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                return f"shard.{name}"
-        return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor made at capture"
-
-    def __call__(self, ids, positions, slots, mask, keep=None, *, capture: bool = False):
-        """ids/positions/slots [B, T] long, mask [B, T, S] bool (on rank 0's device) ->
-        logits [B, T, V], or [B, n, V] at the query indices `keep` [B, n] (rank 0's lm_head
-        only: the other ranks compute no logits). `capture`: a decode or tree step whose
-        shape recurs, replayed from a graph on every rank when graphs are on (then the
-        logits are a static buffer: read them before the next forward)."""
-        graphs = self.graphs if capture and keep is None else None
-        return self.group.forward(self.shard, ids, positions, slots, mask, keep, graphs=graphs)
 
 
 class RankGroup:
@@ -296,6 +227,9 @@ class RankGroup:
 
         def mirror(action: str, _key) -> None:
             nonlocal sent
+            if action == "captured":  # every rank's verdict on the capture just announced
+                self._capture_verdicts()
+                return
             if sent:
                 self.command_all(Cmd.STEP, (action, key))
                 return
@@ -318,6 +252,27 @@ class RankGroup:
             if isinstance(exc, RuntimeError):  # gloo/NCCL errors, timeouts (DistBackendError)
                 raise self.failure(f"a tensor-parallel collective failed ({_first_line(exc)})") from exc
             raise
+
+    def stalled(self, seconds: float) -> SSDLocalError:
+        """A step rank 0 waited `seconds` for on its device without it finishing: a rank is
+        hung (not dead: the watchdog sees those) or a device is stuck. The group is spent;
+        NCCL is aborted so no collective waits on."""
+        self.broken = True
+        if self.backend == "nccl":
+            _abort_nccl()
+        return self.failure(f"a tensor-parallel step did not finish within {seconds:.0f} s")
+
+    def _capture_verdicts(self) -> None:
+        """Each rank's answer to the capture just mirrored; CaptureError naming the first
+        rank whose capture failed (rank 0's GraphCache then runs that shape eagerly on
+        every rank)."""
+        from ssdlocal.backends.torch.capture import CaptureError
+
+        verdicts = [self._recv(rank, Reply.CAPTURED, self.collective_timeout_s) for rank in range(1, self.world)]
+        failed = [(rank, why) for rank, why in enumerate(verdicts, start=1) if why is not None]
+        if failed:
+            rank, why = failed[0]
+            raise CaptureError(f"on {self.children[rank - 1].role}: {why}")
 
     def failure(self, what: str) -> SSDLocalError:
         """The best account of why the group failed: a rank's own error, else its exit."""

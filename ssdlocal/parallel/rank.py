@@ -4,9 +4,11 @@ mirrors rank 0's forwards, and the pipe protocol both sides speak (Cmd / Reply).
 A rank loads its shard, then answers rank 0 through ssdlocal.ipc's serve loop (which
 also notices a dead parent): CACHE allocates its KV cache; FORWARD joins rank 0's input
 broadcast and runs the same forward (eagerly, or capturing or replaying the graph of
-the key rank 0 names, see RankGraphs), so every all_reduce meets its partners; PREFIX_*
-keep the rank's share of the prefix cache in step with rank 0's. Any
-failure reaches rank 0 as an error reply before the process exits non-zero.
+the key rank 0 names, see RankGraphs), so every all_reduce meets its partners; a capture
+answers whether it worked (CAPTURED), so a shape one rank cannot capture runs eagerly on
+every rank, as on rank 0, instead of ending the group; PREFIX_* keep the rank's share of
+the prefix cache in step with rank 0's. Any other failure reaches rank 0 as an error reply
+before the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Cmd(IntEnum):
     LINEAR_LEAVE = 9  # None: back to per-position linear layers (no reply)
     RING = 10  # positions: grow the linear layers' rings (no reply)
     FORGET = 11  # None: no row holds a linear-attention state any more (no reply)
+    DROP = 12  # key: let the graph of that key go (rank 0 evicted or refused it; no reply)
 
 
 class Reply(IntEnum):
@@ -42,6 +45,7 @@ class Reply(IntEnum):
     JOINING = 1  # about to join the process group
     LOADED = 2  # shard loaded (payload: bytes of parameters held)
     ACK = 3  # cache allocated
+    CAPTURED = 4  # after a capture: None, or why it failed (rank 0 then runs that shape eagerly)
 
 
 def packed_size(B: int, T: int, S: int) -> int:
@@ -88,17 +92,22 @@ class RankGraphs:
     def clear(self) -> None:
         self.captured.clear()
 
-    def run(self, action: str, key, inputs: dict) -> None:
+    def run(self, action: str, key, inputs: dict) -> str | None:
         """`action` ("eager", "capture", "replay") on `inputs` (input_ids, positions,
-        slots, attn_mask); a capture that fails here leaves no graph, and a later replay
-        of its key raises (rank 0 gets the error)."""
+        slots, attn_mask). A capture returns None, or why it failed: it leaves no graph
+        (rank 0 refuses the shape for every rank, tells the ranks to drop it, DROP, and runs
+        it eagerly); a later replay of a key this rank has no graph for raises (rank 0 gets
+        the error)."""
         if action == "eager":
             self.model(**inputs)
         elif action == "capture":
             self.captured.pop(key, None)
             if self.backend is None:
                 raise RuntimeError("rank 0 captures a step but this rank has no graph mode")
-            self.captured[key] = self.backend.capture(self.model, inputs)
+            try:
+                self.captured[key] = self.backend.capture(self.model, inputs)
+            except Exception as exc:  # noqa: BLE001 - told to rank 0, which falls back for every rank
+                return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         elif action == "replay":
             found = self.captured.get(key)
             if found is None:
@@ -106,6 +115,7 @@ class RankGraphs:
             found.replay(inputs)
         else:
             raise RuntimeError(f"unknown step action {action!r}")
+        return None
 
 
 def pin_to_loopback(backend: str) -> None:
@@ -190,6 +200,11 @@ def _serve(
     inputs: dict = {}  # the last FORWARD's inputs, which STEP commands run again
     linear = ExitStack()  # a hybrid model's linear-layer context (LINEAR_ENTER .. LINEAR_LEAVE)
 
+    def step(action: str, key) -> None:
+        failed = graphs.run(action, key, inputs)
+        if action == "capture":
+            conn.send((Reply.CAPTURED, failed))
+
     def handle(cmd, payload) -> None:
         if cmd == Cmd.FORWARD:
             B, T, S, key, action = payload
@@ -198,9 +213,11 @@ def _serve(
             inputs.clear()
             ids, positions, slots, mask = unpack_inputs(packed, B, T, S)
             inputs.update(input_ids=ids, positions=positions, slots=slots, attn_mask=mask)  # the forward's keywords
-            graphs.run(action, key, inputs)  # output unused: rank 0 has the logits
+            step(action, key)  # output unused: rank 0 has the logits
         elif cmd == Cmd.STEP:
-            graphs.run(*payload, inputs)
+            step(*payload)
+        elif cmd == Cmd.DROP:
+            graphs.captured.pop(payload, None)
         elif cmd == Cmd.GRAPHS:
             graphs.use(payload)
             conn.send((Reply.ACK, None))

@@ -3,7 +3,8 @@ words in `devices`, `generate`, `chat` and `serve`.
 
 No draft -> AR; a draft that costs nothing (n-gram, suffix) -> SD; a draft on hardware of
 its own (another GPU, or the CPU beside a GPU target) -> SSD, whose drafting then overlaps
-verification; target and draft on one GPU -> SD. Target and draft both on the CPU share
+verification; target and draft on one GPU (one of a tensor-parallel target's too) -> SD,
+since SSD's worker process would time-slice with the target there (SHARED_GPU says why). Target and draft both on the CPU share
 one memory system, where SSD would split the cores and lose to SD: SD choosing K each
 round (K=0 is a plain step, so plain decoding is one of its choices), or, with K pinned,
 AR or SD by a calibration of the loaded models (engine/auto.py). A target whose kernels
@@ -20,6 +21,18 @@ from ssdlocal.core.config import Mode
 from ssdlocal.core.models import BackendName
 
 CPU_SHARED = "target and draft share the CPU"  # the start of every CPU-shared reason
+# Why one GPU gets SD, not SSD: the worker is a process of its own (it owns its model, cache
+# and speculation cache, and talks through typed messages), and without NVIDIA's MPS two
+# processes' kernels share a GPU by time-slicing, never at once; the worker also waits for
+# its device after every tree step and proposal. Running the speculator in the target's
+# process on a stream of its own would overlap, but shares the target's caching allocator,
+# graph pools and current-device state with the round: not built.
+SHARED_GPU = (
+    "target and draft share {draft}: SSD would run the draft in a second process, whose kernels "
+    "time-slice with the target's on one GPU (no MPS) instead of running beside them, and which "
+    "waits for the GPU after every tree step, so pre-speculation would not overlap verification; "
+    "synchronous speculation drafts and verifies on one stream without that contention"
+)
 KERNELS_APART = (
     "llama.cpp's CPU kernels give a token other logits in a call of several tokens than alone "
     "(tenths apart), so verifying K+1 drafted tokens at once could change a greedy answer "
@@ -122,8 +135,6 @@ def placement_mode(
         )
     if _is_gpu(draft):
         return ModeChoice(
-            Mode.SD,
-            f"target and draft share {draft}, so drafting cannot overlap verification: synchronous speculation",
-            f"target and draft share {draft}",
+            Mode.SD, SHARED_GPU.format(draft=draft), f"target and draft share {draft}: SSD's worker would time-slice"
         )
     return cpu_shared(adaptive_k)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssdlocal.backends.base import HeldRows
+from ssdlocal.backends.base import HeldRows, kept_logits
 from ssdlocal.draft.base import DrafterBase
 
 LogitsOf = Callable[[Sequence[int]], torch.Tensor]
@@ -180,23 +180,26 @@ class ScriptedRunner(HeldRows):
         return self.slots[row][: len(tokens)] == list(tokens)
 
     # ------------------------------------------------------------------ trees
-    def forward_raw(self, ids, positions, slots, mask) -> torch.Tensor:
+    def forward_raw(self, ids, positions, slots, mask, out=None) -> torch.Tensor:
         self.calls["forward_raw"] += 1
         batch, width = ids.shape
         for b in range(batch):
             for t in range(width):
                 self._write(b, int(slots[b, t]), int(ids[b, t]))
-        out = torch.empty(batch, width, self.vocab_size)
+        found = torch.empty(batch, width, self.vocab_size)
         for b in range(batch):
             for t in range(width):
                 seen = [self.slots[b][s] for s in range(mask.shape[-1]) if mask[b, t, s]]
                 if None in seen or len(seen) != int(positions[b, t]) + 1:
                     raise ValueError(f"row {b}, query {t}: sees {len(seen)} slots at position {int(positions[b, t])}")
-                out[b, t] = self.logits_of(seen).float()
-        return out
+                found[b, t] = self.logits_of(seen).float()
+        return kept_logits(found, out)
 
     def tree_width(self, width: int) -> int:
         return width
+
+    def warm_up(self, batch_size: int, widths, at_widths=()) -> int:
+        return 0  # nothing captured
 
     def take_branch(self, row: int, src: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         if [self.slots[row][s] for s in src] != list(tokens):

@@ -148,7 +148,11 @@ class LlamaCppRunner(StoredRows, TreeSequences, RecurrentRows, HeldRows):
 
     def graph_report(self, since: dict | None = None) -> dict:
         """Runner.graph_report: llama.cpp captures nothing of ours."""
-        return {"mode": "off", **dict.fromkeys(("captured", "replays", "eager", "refused", "dropped"), 0)}
+        return {"mode": "off", **dict.fromkeys(("captured", "replays", "eager", "refused", "dropped", "evicted"), 0)}
+
+    def warm_up(self, batch_size: int, widths, at_widths=()) -> int:
+        """Runner.warm_up: nothing to capture (llama.cpp sizes its context per call)."""
+        return 0
 
     def close(self) -> None:
         if self._ctx is not None:

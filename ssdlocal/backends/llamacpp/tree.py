@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ssdlocal.backends.base import kept_logits
 from ssdlocal.core.errors import UsageError
 
 
@@ -49,14 +50,20 @@ class TreeSequences:
     recurrent: bool
 
     def forward_raw(
-        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runner.forward_raw for tree masks; does not touch `held`.
 
         ids, positions, slots [B, T] long; mask [B, T, S] bool. Query (b, t) writes slot
         slots[b, t] and may see a prefix 0..n-1 of row b's cached tokens plus the scratch
         slots one earlier branch wrote (its chain). The last slot is the trash slot of
-        padded queries (skipped; their logits are zeros). Returns [B, T, V] float32.
+        padded queries (skipped; their logits are zeros). Returns [B, T, V] float32 (or
+        `out`, Runner.forward_raw).
         """
         batch, width = ids.shape
         trash = self.num_slots - 1
@@ -73,21 +80,21 @@ class TreeSequences:
             chain, seq = self._chain_for(b, slot_l[b][t], visible[(b, t)], pos_l[b][t], claimed)
             claimed.add(seq)
             plan.append((b, t, chain, seq))
-        out = torch.zeros(batch, width, self.vocab_size)  # [B, T, V]
+        found = torch.zeros(batch, width, self.vocab_size)  # [B, T, V]
         if not plan:
-            return out
+            return kept_logits(found, out)
         logits = self._decode(
             [ids_l[b][t] for b, t, _, _ in plan],
             [pos_l[b][t] for b, t, _, _ in plan],
             [seq for _, _, _, seq in plan],
         )  # [N, V]
         for i, (b, t, chain, seq) in enumerate(plan):
-            out[b, t] = torch.from_numpy(logits[i])
+            found[b, t] = torch.from_numpy(logits[i])
             chain.slots.append(slot_l[b][t])
             chain.tokens.append(ids_l[b][t])
             self._chains[seq] = chain
             self._scratch[(b, slot_l[b][t])] = seq
-        return out
+        return kept_logits(found, out)
 
     def _chain_for(self, b: int, own: int, visible: list[int], position: int, claimed: set[int]) -> tuple[_Chain, int]:
         """The branch chain and llama.cpp sequence for row b's query writing slot `own`

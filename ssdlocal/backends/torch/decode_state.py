@@ -16,8 +16,9 @@ class DecodeState:
     them into, `hidden` [B, STEP_OFFSETS, width] (else None).
 
     Captured steps read and write these at fixed addresses, so they change only in place
-    (`copy_`, `+=`); rebinding an attribute raises. A new batch size gets a new DecodeState
-    (and the runner drops its graphs)."""
+    (`copy_`, `+=`); rebinding an attribute raises. Sized for every row of the KV cache (B
+    there is the cache's rows; a batch uses its first rows): a cache of more rows gets a new
+    DecodeState (and the runner drops its graphs)."""
 
     __slots__ = ("lengths", "offsets", "hidden")
 

@@ -18,13 +18,16 @@ Modes: "auto" (CUDA graphs on CUDA devices, none elsewhere), "off", "trace" (the
 twin of CUDA graphs, capture.TracedGraphs); SSDLOCAL_GRAPHS overrides the configured mode.
 A cache can be mirrored (`run(..., mirror=)`): every primitive it runs (an eager call, a
 capture, a replay) is announced first, so the other ranks of a tensor-parallel group run
-the same primitive on the same inputs and their collectives meet (parallel/group.py).
+the same primitive on the same inputs and their collectives meet (parallel/group.py); after
+a capture "captured" is announced, where a mirror raises CaptureError if one of its ranks
+could not capture, and the shape is refused for all of them (eager everywhere).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, fields
 from typing import Protocol
@@ -36,7 +39,8 @@ from ssdlocal.backends.torch.capture import CaptureError, Captured, CudaGraphs, 
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tree widths are padded up to one of these
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows, tree widths and catch-up widths are padded up to one of these
+MAX_GRAPHS = 64  # graphs kept per cache; the least recently used goes first past it
 GRAPH_MODES = ("auto", "off", "trace")
 ENV_MODE = "SSDLOCAL_GRAPHS"  # overrides the configured mode in every command (and the server)
 ENV_STRICT = "SSDLOCAL_GRAPHS_STRICT"  # "1": audit failures and rebinds raise (tests)
@@ -75,6 +79,7 @@ class GraphStats:
     eager: int = 0  # steps run eagerly (refused shapes, or graphs dropped)
     refused: int = 0  # shapes refused (memory budget, capture failure, audit)
     dropped: int = 0  # times every graph was dropped (rebound state, self-check mismatch)
+    evicted: int = 0  # graphs let go, least recently used first, to capture a new shape past max_graphs
 
     def minus(self, before: GraphStats) -> GraphStats:
         return GraphStats(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
@@ -91,6 +96,9 @@ class GraphCache:
 
     `reserve_bytes`: capture is refused when the device would have less free memory than
     this afterwards (what the KV cache and activations of eager work still need).
+    `max_graphs`: graphs kept; capturing one more lets the least recently replayed go,
+    never refuses the shape. `on_forget(key)` is told of every key let go that way or
+    refused after a capture was tried, so a mirror's ranks let their graph of it go too.
     `statics`: the owner's declaration (StaticTensors); without one nothing is audited or
     guarded (unit tests of the bookkeeping only).
     """
@@ -101,7 +109,7 @@ class GraphCache:
         statics: StaticTensors | None = None,
         *,
         reserve_bytes: int = 1 << 30,
-        max_graphs: int = 64,
+        max_graphs: int = MAX_GRAPHS,
         strict: bool | None = None,
         self_check: bool = True,
     ) -> None:
@@ -109,12 +117,13 @@ class GraphCache:
         self.statics = statics
         self.reserve_bytes = reserve_bytes
         self.max_graphs = max_graphs
+        self.on_forget: Callable[[Hashable], None] | None = None
         self.strict = os.environ.get(ENV_STRICT) == "1" if strict is None else strict
         self.self_check = self_check
         self.disabled = False  # a self-check failed: eager from now on
         self.notes: list[str] = []  # why shapes were refused or graphs dropped (bounded)
         self.stats = GraphStats()
-        self._graphs: dict[Hashable, Captured] = {}
+        self._graphs: OrderedDict[Hashable, Captured] = OrderedDict()  # least recently used first
         self._refused: set[Hashable] = set()
         self._checked: set[Hashable] = set()
         self._state: tuple[Tensor, ...] | None = None  # the owner's state at the first capture
@@ -140,7 +149,8 @@ class GraphCache:
         The returned tensor is a static buffer (the graph-pool rule, capture.py): read or
         clone it before the next call into this cache, whatever its key.
         `mirror(action, key)`, when given, is called before each primitive this call runs,
-        in order: "eager" (fn runs as is), "capture" (the backend captures fn), "replay".
+        in order: "eager" (fn runs as is), "capture" (the backend captures fn), then
+        "captured" (the mirror may raise CaptureError: a rank could not), "replay".
         """
         self._mirror = mirror
         try:
@@ -153,6 +163,8 @@ class GraphCache:
             return self._eager(fn, inputs, key)
         self._guard_state()
         captured = self._graphs.get(key)
+        if captured is not None:
+            self._graphs.move_to_end(key)
         if captured is None and key not in self._refused:
             captured = self._capture(key, fn, inputs)
             if captured is not None and captured.computed:
@@ -178,12 +190,19 @@ class GraphCache:
     # ------------------------------------------------------------------ capture
     def _capture(self, key, fn, inputs) -> Captured | None:
         free = self.backend.free_bytes()
-        if len(self._graphs) >= self.max_graphs or (free is not None and free < self.reserve_bytes):
+        if free is not None and free < self.reserve_bytes:
             return self._refuse(key, "memory budget")
+        while len(self._graphs) >= self.max_graphs:
+            self._evict()
         try:
             self._announce("capture", key)
-            captured = self.backend.capture(fn, inputs)
-        except (RuntimeError, CaptureError) as exc:  # an op that cannot be captured: eager
+            try:
+                captured = self.backend.capture(fn, inputs)
+            finally:
+                self._announce("captured", key)  # a mirror's ranks say whether theirs worked (CaptureError if not)
+        except (RuntimeError, CaptureError) as exc:  # an op that cannot be captured (here or on a rank): eager
+            if self.on_forget is not None:
+                self.on_forget(key)  # ranks that did capture it let it go
             return self._refuse(key, f"capture failed ({str(exc).splitlines()[0][:100]})")
         unregistered = self._audit(captured)
         if unregistered:
@@ -196,6 +215,14 @@ class GraphCache:
         self._graphs[key] = captured
         self.stats.captured += 1
         return captured
+
+    def _evict(self) -> None:
+        """Let the least recently used graph go (its memory returns to the pool)."""
+        key, _ = self._graphs.popitem(last=False)
+        self._checked.discard(key)
+        self.stats.evicted += 1
+        if self.on_forget is not None:
+            self.on_forget(key)
 
     def _audit(self, captured: Captured) -> list[str]:
         """Names of tensors the step reads that its owner did not register as static."""
@@ -270,7 +297,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 def graph_report(runner, since: dict | None = None) -> dict:
     """A runner's graph counts as plain data: {"mode", "captured", "replays", "eager",
-    "refused", "dropped"} (+ "notes" when shapes were refused or graphs dropped), minus
+    "refused", "dropped", "evicted"} (+ "notes" when shapes were refused or graphs dropped), minus
     `since` (an earlier report of the same runner). Runners without graphs: mode "off"."""
     cache = getattr(runner, "graphs", None)
     if cache is None:

@@ -54,7 +54,7 @@ def check_room(need: int, device, what: str, freed: int = 0) -> None:
 
 
 class KVCache(nn.Module):
-    """k and v, each [B, Hkv, num_slots, D]."""
+    """k and v, each [R, Hkv, num_slots, D]: R rows, of which a batch of B uses the first B."""
 
     def __init__(self, batch: int, n_kv_heads: int, num_slots: int, head_dim: int, dtype, device) -> None:
         super().__init__()
@@ -79,15 +79,17 @@ class KVCache(nn.Module):
         return self.k.shape[2]
 
     def update(self, slots: Tensor, k_new: Tensor, v_new: Tensor, span: int) -> tuple[Tensor, Tensor]:
-        """Write k_new/v_new [B, Hkv, T, D] at slots [B, T]; return keys/values of slots [0, span).
+        """Write k_new/v_new [B, Hkv, T, D] at slots [B, T] of the first B rows; return the
+        first B rows' keys/values of slots [0, span) (a cache sized for a larger batch keeps
+        its other rows untouched).
 
         Writing first means the caller's attention mask governs the new tokens too.
         """
         batch, length = slots.shape
         rows = torch.arange(batch, device=slots.device)[:, None].expand(batch, length)  # [B, T]
-        self.k[rows, :, slots] = k_new.transpose(1, 2)  # [B, Hkv, N, D] <- [B, T, Hkv, D]
-        self.v[rows, :, slots] = v_new.transpose(1, 2)  # [B, Hkv, N, D] <- [B, T, Hkv, D]
-        return self.k[:, :, :span], self.v[:, :, :span]  # [B, Hkv, S, D] each
+        self.k[rows, :, slots] = k_new.transpose(1, 2)  # [R, Hkv, N, D] <- [B, T, Hkv, D]
+        self.v[rows, :, slots] = v_new.transpose(1, 2)  # [R, Hkv, N, D] <- [B, T, Hkv, D]
+        return self.k[:batch, :, :span], self.v[:batch, :, :span]  # [B, Hkv, S, D] each
 
     def grown(self, num_slots: int) -> KVCache:
         """A larger cache holding this one's contents in its first slots."""

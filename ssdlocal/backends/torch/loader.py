@@ -47,6 +47,7 @@ from ssdlocal.weights.formats.checkpoint import (
     weight_files,
 )
 from ssdlocal.weights.formats.checks import check_against_weights
+from ssdlocal.backends.torch.quant_speed import check_quant_speed
 from ssdlocal.weights.formats.quantized import resolve_scheme
 from ssdlocal.weights.formats.safetensors import DamagedFileError, SafetensorsReader
 
@@ -306,6 +307,7 @@ def load_model(
     dev, torch_dtype = parse_device(device), parse_dtype(dtype, hf_config)
     tokenizer = load_tokenizer(ckpt)
     preflight(ckpt, args, files, scheme, dev, torch_dtype)
+    check_quant_speed(args, scheme, dev, torch_dtype)  # a GPU whose int8/int4 kernel loses is told before loading
     on_read = _load_progress(path, files, scheme, torch_dtype)
     try:
         with torch.device("meta"):

@@ -110,7 +110,7 @@ def pack_int4(q: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype) -> Q
 
 
 def quantize(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
-    """Quantize W [N, K] (any float dtype, CPU) with scales in `dtype`, a row block at a time."""
+    """Quantize W [N, K] (any float dtype, on its own device) with scales in `dtype`, a row block at a time."""
     n, k = w.shape
     step = max(32, _CHUNK_ELEMENTS // k // 32 * 32)
     parts = [_quantize_rows(w[r : r + step].float(), scheme, dtype) for r in range(0, n, step)]

@@ -47,7 +47,9 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     """Swap the quantized linears of a loaded model (its architecture's) for QuantLinears, in place.
 
     Row-parallel shards (modules with a `group`, see parallel/tp.py) keep their all_reduce.
-    A tied lm_head gets its own codes; the embedding it shared stays as it was.
+    A tied lm_head gets its own codes; the embedding it shared stays as it was. Weights are
+    quantized on their own device (separate elementwise float32 steps, each correctly
+    rounded on either device, so the CPU's codes; a GPU's in seconds).
     """
     if scheme == "none":
         return model
@@ -59,7 +61,7 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
         if isinstance(module, StackedLinear):  # a MoE layer's experts, each quantized alone
             replace_module(model, name, quantize_stacked(module, scheme))
             continue
-        qw = quantize(weight.detach().cpu(), scheme, weight.dtype)
+        qw = quantize(weight.detach(), scheme, weight.dtype)  # where the weight is: a GPU's in seconds
         bias = None if module.bias is None else module.bias.detach()
         replace_module(
             model,

@@ -1,37 +1,43 @@
 """TorchRunner: the Runner protocol (backends/base.py) over our torch models (backends/torch/models).
 
-Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill,
-the SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is
-the decode path: ids already on the device, positions from the per-row `lengths` kept
-on the device and moved only by `advance` (in place, on the device), causal masks built
-on the device, and, on CUDA, one captured graph per (batch, tokens, span bucket) shape
-(`decode_state.bucket_span`: eighths of a doubling, so a step reads at most 1/8 more slots than it needs).
+Two ways to feed a row's tokens. `feed` takes host token lists of any length (prefill, the
+SSD speculator) and remembers `held[b]`, the tokens in slots 0..len-1. `step` is the decode
+path: ids already on the device, positions from the per-row `lengths` kept on the device
+and moved only by `advance` (in place), causal masks built on the device, and, on CUDA, one
+captured graph per (batch bucket, tokens, span bucket) shape (shapes.py: rows and catch-up
+widths padded to graphs.BUCKETS, spans to eighths of a doubling).
 
-Every tensor a captured step reads besides its inputs is static: the model's parameters
-and buffers (KV cache, RoPE tables) and this runner's `DecodeState`, which is updated only
-in place and cannot be rebound. The runner registers them with its graph cache
-(`registered`, `state_tensors`) and clears the cache itself whenever it reallocates one.
-The KV cache starts small and doubles as rows grow. Rejected drafts need no rollback: the
-write position is the only cache state (as in gpt-fast). Knows nothing about speculation.
+Graphs live as long as the runner: the KV cache is sized in rows for the largest batch seen
+(a bucket; `warm_up` sizes it for a server's largest batch and captures its common steps
+before the first request), and a smaller batch uses its first rows, so a re-seat keeps
+every cache tensor and graph. Every tensor a captured step reads besides its inputs is
+static: the model's parameters and buffers (KV cache, RoPE tables) and this runner's
+`DecodeState`, changed only in place. The runner registers them with its graph cache
+(`registered`, `state_tensors`) and clears the cache itself when it reallocates one (more
+rows, or the slots doubling). Rejected drafts need no rollback: the write position is the
+only cache state (as in gpt-fast). Knows nothing about speculation.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, LayerKV, Logits
+from ssdlocal.backends.base import FINAL_HIDDEN, HeadInputs, HeldRows, HiddenLayers, Logits, kept_logits
 from ssdlocal.backends.torch.ahead import StagingRow
 from ssdlocal.backends.torch.stored import StoredPrefixes
 from ssdlocal.backends.prefix import PrefixIndex
+from ssdlocal.backends.torch.heads.shared import shared_with_heads
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
 from ssdlocal.backends.torch.decode_state import DecodeState, bucket_span
 from ssdlocal.backends.torch.kvcache import rounded_slots
 from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.models import CausalLM, causal_mask
 from ssdlocal.backends.torch.prefill_path import dense_dtype
+from ssdlocal.backends.torch.shapes import padded, padded_tree_mask, warm_steps
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.hostsync import Site, detached_site
 
@@ -59,17 +65,25 @@ class TorchRunner(StoredPrefixes, HeldRows):
         self.plain = isinstance(self.model, CausalLM)  # not a tensor-parallel group
         # A tensor-parallel model captures on every rank itself (parallel/group.py); its
         # rank 0 cache is this runner's `graphs` all the same (counts, clear, span buckets).
-        self.graphs = make_graph_cache(self.device, graphs, self) if self.plain else self.model.use_graphs(graphs)
+        # What the runner owns refers back to it weakly: no reference cycle, so a runner let go
+        # frees its graphs' memory pool and its staging cache at once, not at the next collection.
+        me = weakref.proxy(self)
+        self.graphs = make_graph_cache(self.device, graphs, me) if self.plain else self.model.use_graphs(graphs)
         self.prefix: PrefixIndex | None = None  # earlier calls' prefixes (setup_prefix)
         self.prefix_token_bytes = 0
-        self.staging = StagingRow(self)  # a one-row cache for reading prompts ahead (read_ahead)
+        self.staging = StagingRow(me)  # a one-row cache for reading prompts ahead (read_ahead)
         self.hidden_layers: HiddenLayers | None = None  # what keep_hidden asked for
         self._hidden: Tensor | None = None  # the last feed's or step's hidden states
 
     @property
     def lengths(self) -> Tensor:
-        """[B] long on the device: each row's length for `step` (see `advance`)."""
-        return self.state.lengths
+        """[B] long on the device: each row's length for `step` (`advance`), the cache's first B rows."""
+        return self.state.lengths[: len(self.held)]
+
+    @property
+    def rows(self) -> int:
+        """Rows the KV cache holds (a batch of B <= rows uses the first B)."""
+        return self.state.lengths.numel() if self.capacity else 0
 
     # ------------------------------------------------------------------ static tensors
     def registered(self) -> Iterator[Tensor]:
@@ -98,27 +112,34 @@ class TorchRunner(StoredPrefixes, HeldRows):
 
     # ------------------------------------------------------------------ rows
     def count_host_waits(self, site: Site) -> None:
-        """Count this runner's host -> device inputs in `site` (core.hostsync) from now on."""
+        """Count this runner's host -> device inputs in `site` (core.hostsync) from now on. A
+        tensor-parallel group bounds the model's reads: a rank that hangs inside a step
+        (a captured all-reduce waits for it on the device) fails the read instead of
+        blocking it for ever."""
         self.site = site
+        if not self.plain:
+            site.audit.bound(site.model, self.model.group.collective_timeout_s, self.model.group.stalled)
 
     def reset(self, batch_size: int, num_slots: int) -> None:
-        """Forget all rows. A cache of another batch size is allocated anew, small (a
-        tensor-parallel model allocates `num_slots` at once: its ranks cannot grow)."""
+        """Forget all rows. The KV cache (and with it every captured graph) is kept while it
+        has rows enough; a larger batch allocates one of the next bucket's rows (graphs.
+        BUCKETS), small (a tensor-parallel model allocates `num_slots` at once: its ranks
+        cannot grow)."""
         full = not self.plain and num_slots > self.capacity
-        if batch_size != len(self.held) or self.capacity == 0 or full:
+        if batch_size > self.rows or full:
             first = min(num_slots, FIRST_CAPACITY) if self.plain else num_slots
-            self._allocate(batch_size, rounded_slots(first))
+            self._allocate(max(bucket(batch_size), self.rows), rounded_slots(first))
         self.num_slots = num_slots
         self.held = [[] for _ in range(batch_size)]
         self.state.lengths.zero_()
         self.staging.drop()
         self._count_end()
 
-    def _allocate(self, batch_size: int, capacity: int) -> None:
-        self.model.setup_cache(batch_size, capacity, self.loaded.dtype, self.device)
+    def _allocate(self, rows: int, capacity: int) -> None:
+        self.model.setup_cache(rows, capacity, self.loaded.dtype, self.device)
         self.capacity = capacity
-        if batch_size != self.state.lengths.numel():
-            self._new_state(batch_size, self.state.offsets.numel())
+        if rows != self.state.lengths.numel():
+            self._new_state(rows, self.state.offsets.numel())
         self._graphs_invalid()  # they read the old cache
 
     def _ensure(self, slots: int) -> None:
@@ -251,7 +272,7 @@ class TorchRunner(StoredPrefixes, HeldRows):
     # ------------------------------------------------------------------ device steps
     def begin_steps(self) -> None:
         """Start decoding with `step`: each row's length is what `feed` left cached."""
-        self.state.lengths.copy_(torch.tensor([len(h) for h in self.held], dtype=torch.long))
+        self.lengths.copy_(torch.tensor([len(h) for h in self.held], dtype=torch.long))
         self._count_begin()
 
     @torch.inference_mode()
@@ -263,24 +284,39 @@ class TorchRunner(StoredPrefixes, HeldRows):
         move: call `advance`. `held` is not kept up to date by steps. `at` [B] long on
         the device: only column at[b] of each row reaches the lm_head -> logits [B, V]
         (a graph of its own per shape; a tensor-parallel group computes every column and
-        gathers)."""
-        span = rounded_slots(self.num_slots) if bound is None else bound
-        if self.graphs is not None or self.device.type == "cuda":
-            span = min(bucket_span(span), rounded_slots(self.num_slots))  # few shapes to capture
+        gathers). Under graphs the step runs padded (shapes.py): B rows up to a bucket of
+        the cache's rows, and a step `at` (a draft's catch-up, T = 1..32) to a bucket of
+        widths when `bound` leaves room for the padded columns' writes."""
+        B, T = ids.shape
+        graphed = self.graphs is not None
+        rows = min(bucket(B), self.rows) if graphed else B
+        limit = rounded_slots(self.num_slots)
+        width = T
+        if graphed and at is not None and bound is not None and bound + bucket(T) - T <= limit:
+            width = bucket(T)
+        span = limit if bound is None else bound + width - T
+        if graphed or self.device.type == "cuda":
+            span = min(bucket_span(span), limit)  # few shapes to capture
         self._ensure(span)
-        if ids.shape[1] > self.state.offsets.numel():  # wider than any step so far
-            self._new_state(self.state.lengths.numel(), ids.shape[1])
+        if width > self.state.offsets.numel():  # wider than any step so far
+            self._new_state(self.state.lengths.numel(), width)
             self._graphs_invalid()
         if self.state.hidden is not None:  # what the step writes there (the caller reads `hidden()`)
-            self._hidden = self.state.hidden[:, : 1 if at is not None else ids.shape[1]]
+            self._hidden = self.state.hidden[:B, : 1 if at is not None else T]
         layers = self.hidden_layers
-        if self.graphs is not None and self.plain and at is None:
+        ids = padded(ids, rows, width)  # [rows, width]
+        at = None if at is None else padded(at, rows)  # [rows]
+        if graphed and self.plain and at is None:
             step = lambda ids: self._step(ids, span)  # noqa: E731 - span is part of the key
-            return self.graphs.run(("step", *ids.shape, span, layers), step, ids=ids)
-        if self.graphs is not None and self.plain:
+            return self.graphs.run(("step", rows, width, span, layers), step, ids=ids)[:B]
+        if graphed and self.plain:
             step_at = lambda ids, at: self._step(ids, span, at)  # noqa: E731
-            return self.graphs.run(("step-at", *ids.shape, span, layers), step_at, ids=ids, at=at)
-        return self._step(ids, span, at)
+            return self.graphs.run(("step-at", rows, width, span, layers), step_at, ids=ids, at=at)[:B]
+        return self._step(ids, span, at)[:B]
+
+    def warm_up(self, batch_size: int, widths: Sequence[int], at_widths: Sequence[int] = ()) -> int:
+        """Runner.warm_up (shapes.warm_steps); nothing without graphs."""
+        return 0 if self.graphs is None else warm_steps(self, batch_size, widths, at_widths)
 
     def _new_state(self, batch: int, width: int) -> None:
         """A DecodeState for `batch` rows and steps up to `width` tokens (its hidden buffer as
@@ -317,26 +353,7 @@ class TorchRunner(StoredPrefixes, HeldRows):
                 "a draft head needs a target on one device",
                 "drop the extra --target-device entries, or use a draft model",
             )
-        args, kv = self.loaded.args, []
-        for i, layer in enumerate(self.model.layers):  # a layer with a kv_source reads that layer's cache
-            attn, source = layer.self_attn, getattr(layer, "kv_source", None)
-            kv.append(LayerKV(attn.window, attn.n_kv_heads, attn.head_dim, i if source is None else source))
-        embeds, scale = self.model.embed_tokens, self.model.embed_scale
-        return HeadInputs(
-            embeds,
-            args.num_layers,
-            args.hidden_size,
-            self.loaded.dtype,
-            scale,
-            tuple(kv),
-            self.head_kv,
-            self.model.lm_head,
-        )
-
-    def head_kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """HeadInputs.read_kv: the cache layer `layer` reads (its kv_source's), as it is now."""
-        cache = self.model.layers[layer].self_attn.kv_cache
-        return cache.k, cache.v
+        return shared_with_heads(self.model, self.loaded.args, self.loaded.dtype, lambda: len(self.held))
 
     def hidden(self) -> Tensor:
         """Runner.hidden: the last feed's or step's hidden states (keep_hidden)."""
@@ -355,13 +372,13 @@ class TorchRunner(StoredPrefixes, HeldRows):
     def advance(self, n: Tensor | int, host: Sequence[int] | None = None) -> None:
         """lengths += n ([B] long on the device, or one int for every row), in place;
         `host`: the same counts on the host (Runner.advance)."""
-        self.state.lengths += n
+        self.lengths.add_(n)
         self._count_advance(n, host)
 
     def _step(self, ids: Tensor, span: int, at: Tensor | None = None) -> Tensor:
         """Attention over slots [0, span), masked causally on the device (capturable);
         logits [B, T, V], or [B, V] at column at[b] of each row."""
-        positions = self.state.lengths[:, None] + self.state.offsets[: ids.shape[1]]  # [B, T]
+        positions = self.state.lengths[: ids.shape[0], None] + self.state.offsets[: ids.shape[1]]  # [B, T]
         mask = causal_mask(positions, span)  # [B, T, S]
         if not self.plain:  # a tensor-parallel group captures the forward on every rank
             logits = self.model(ids, positions, positions, mask, capture=True)  # [B, T, V]
@@ -371,29 +388,37 @@ class TorchRunner(StoredPrefixes, HeldRows):
             logits = self.model(ids, positions, positions, mask, keep)  # [B, T or 1, V]
         else:
             logits, states = self.model(ids, positions, positions, mask, keep, self.hidden_layers)
-            self.state.hidden[:, : states.shape[1]].copy_(states)  # [B, T or 1, n * hidden], in place
+            self.state.hidden[: states.shape[0], : states.shape[1]].copy_(states)  # [B, T or 1, n * hidden], in place
         return logits if at is None else logits[:, 0]  # [B, T, V] or [B, V]
 
     # ------------------------------------------------------------------ trees (SSD)
     @torch.inference_mode()
-    def forward_raw(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward_raw(
+        self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, out: Tensor | None = None
+    ) -> Tensor:
         """Tree step with explicit positions/slots/mask ([B, T] x3, [B, T, S], on the
         device); does not touch `held`. Returns logits [B, T, V] float32 on the device,
-        which the caller owns."""
+        which the caller owns; with `out` [B, W, V] the first W queries' logits are copied
+        there from the step's output (a static buffer under graphs: no clone of it). Under
+        graphs the B rows are padded to a bucket of the cache's rows (a padded row sees
+        slot 0 only)."""
         self._ensure(mask.shape[-1])
-        if not self.plain:
-            out = self.model(ids, positions, slots, mask, capture=True)  # [B, T, V]
-            return out if self.graphs is None else out.clone()  # a static buffer (capture.py)
+        B = ids.shape[0]
         if self.graphs is not None:
-            return self.graphs.run(
-                ("tree", *mask.shape),
-                self.model,
-                input_ids=ids,
-                positions=positions,
-                slots=slots,
-                attn_mask=mask,
-            ).clone()
-        return self.model(ids, positions, slots, mask)  # [B, T, V]
+            rows = min(bucket(B), self.rows)
+            ids, positions, slots = (padded(t, rows) for t in (ids, positions, slots))  # [rows, T] each
+            mask = padded_tree_mask(mask, rows)  # [rows, T, S]
+        if not self.plain:
+            logits = self.model(ids, positions, slots, mask, capture=True)[:B]  # [B, T, V]
+        elif self.graphs is not None:
+            logits = self.graphs.run(
+                ("tree", *mask.shape), self.model, input_ids=ids, positions=positions, slots=slots, attn_mask=mask
+            )[:B]  # [B, T, V], a static buffer (capture.py)
+        else:
+            return kept_logits(self.model(ids, positions, slots, mask), out)  # [B, T, V]
+        if out is None:
+            return logits if self.graphs is None else logits.clone()
+        return kept_logits(logits, out)
 
     def tree_span(self, needed: int) -> int | None:
         """Runner.tree_span: `needed` in the decode steps' span buckets, within the rows'

@@ -251,17 +251,20 @@ class Speculator:
         reached so far (shorter proposals, no waiting), also on a GPU.
         Inputs and masks are built on the draft's device; the width is padded up to what
         the runner prefers (its graph buckets) with queries that see only the trash slot.
+        The W real branches' logits of every step go straight into one [B, W, K, V_d] buffer
+        (Runner.forward_raw's `out`): no copy per step of the padded width, no stack after.
         """
+        kept = width  # the branches whose logits are kept; the rest of the padded width is padding
         width = self.runner.tree_width(width)
         self.layout = self._tree_layout()
         ids, positions, slots, prefix = self._tree_inputs(branches, cands, width)  # [B, W] each
-        bonuses = ids  # [B, W] each branch's bonus (its first query)
+        bonuses = ids[:, :kept]  # [B, W] each branch's bonus (its first query)
         own = slots.clone()  # [B, W] first scratch slot of each branch (trash for padding)
         real = slots != self.layout.trash  # [B, W]
         span = torch.arange(self.layout.total, device=ids.device)  # [S]
         fan = self.fan_for(True)  # a branch becomes a proposal only on a hit
+        found = torch.empty(ids.shape[0], kept, self.k, self.runner.vocab_size, device=ids.device)  # [B, W, K, V_d]
         step_tokens: list[torch.Tensor] = []  # per step [B, W]
-        step_logits: list[torch.Tensor] = []  # per step [B, W, V]
         step_q: list[torch.Tensor] = []  # per step [B, W, V] (sampling only)
         for j in range(self.k):
             if j > 0 and should_stop is not None:
@@ -272,21 +275,22 @@ class Speculator:
             sees_prefix = span[None, None, :] < prefix[..., None]  # [B, W, S] seq + d_1..d_k
             sees_own = (span >= own[..., None]) & (span <= own[..., None] + j)  # [B, W, S]
             mask = torch.where(real[..., None], sees_prefix | sees_own, span == self.layout.trash)
-            logits = self.runner.forward_raw(ids, positions, slots, mask)  # [B, W, V_d]
+            logits = self.runner.forward_raw(ids, positions, slots, mask, out=found[:, :, j])  # [B, W, V_d]
             logits = align_vocab(logits, self.vocab)  # [B, W, V]
             if self.params.greedy:
                 drawn = torch.argmax(logits, dim=-1)  # [B, W]
             else:
                 q = self._probs(logits.reshape(-1, logits.shape[-1]), fan[j])  # [B*W, V]
-                drawn = sample(q, self.generator).reshape(ids.shape)  # [B, W]
+                drawn = sample(q, self.generator).reshape(logits.shape[:2])  # [B, W]
                 step_q.append(q.reshape(logits.shape))
             step_tokens.append(drawn)
-            step_logits.append(logits)
-            ids = drawn
+            ids = torch.nn.functional.pad(drawn, (0, width - kept))  # [B, W padded]: padding feeds 0
             positions = positions + 1
             slots = torch.where(real, slots + 1, slots)
-        self.last_depth = len(step_logits)
-        self._cache_branches(branches, bonuses, step_tokens, step_logits, step_q)
+        self.last_depth = len(step_tokens)
+        self._cache_branches(
+            branches, bonuses, step_tokens, align_vocab(found[:, :, : self.last_depth], self.vocab), step_q
+        )
 
     def _tree_layout(self) -> SlotLayout:
         """Where this round's scratch runs and trash go: right after the longest row's
@@ -316,15 +320,14 @@ class Speculator:
         ids = token if flat.numel() == 0 else torch.where(pick >= 0, flat[pick.clamp(min=0)], token)
         return ids, positions, slots, prefix
 
-    def _cache_branches(self, branches, bonuses, step_tokens, step_logits, step_q) -> None:
-        """Store every branch's bonus, drafted tokens, logits and q in the speculation cache,
-        read in one host transfer. A branch whose key (row, k, bonus) an earlier branch of
-        the round holds (a suffix seed among the draft's candidates) is dropped: the first
-        wins."""
+    def _cache_branches(self, branches, bonuses, step_tokens, logits, step_q) -> None:
+        """Store every branch's bonus, drafted tokens, logits ([B, W, depth, V]) and q in
+        the speculation cache, read in one host transfer. A branch whose key (row, k,
+        bonus) an earlier branch of the round holds (a suffix seed among the draft's
+        candidates) is dropped: the first wins."""
         if not step_tokens:
             return
         read = self.site.read(torch.stack([bonuses, *step_tokens], dim=-1))  # [B, W, 1 + depth]: one transfer
-        logits = torch.stack(step_logits, dim=2)  # [B, W, depth, V]
         qs = torch.stack(step_q, dim=2) if step_q else None  # [B, W, depth, V]
         for b, todo in enumerate(branches):
             for i, (k, _, _) in enumerate(todo):

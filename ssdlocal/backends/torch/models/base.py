@@ -301,8 +301,9 @@ class CausalLM(nn.Module):
             held = positions  # slot t holds position t of the feed
         else:
             assert self.slot_positions is not None  # windowed models keep them (use_caches)
-            self.slot_positions.scatter_(1, slots, positions)  # what this forward writes
-            held = self.slot_positions[:, : attn_mask.shape[-1]]  # [B, S]
+            rows = self.slot_positions[: slots.shape[0]]  # the batch's: the cache may hold more rows
+            rows.scatter_(1, slots, positions)  # what this forward writes
+            held = rows[:, : attn_mask.shape[-1]]  # [B, S]
         near = held[:, None, :] > positions[:, :, None] - window  # [B, T, S]
         masks = {False: full, True: attn_mask & near}  # [B, T, S] each (full None: fresh)
         return {

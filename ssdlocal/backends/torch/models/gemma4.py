@@ -200,7 +200,7 @@ class Gemma4Attention(nn.Module):
         span = T if mask is None else mask.span
         assert self.kv_cache is not None  # setup_cache ran (CausalLM.forward checks)
         if self.shared:  # a fresh prefill's new tokens are the first T slots of the source's cache
-            keys, values = self.kv_cache.k[:, :, :span], self.kv_cache.v[:, :, :span]  # [B, Hkv, S, D]
+            keys, values = self.kv_cache.k[:B, :, :span], self.kv_cache.v[:B, :, :span]  # [B, Hkv, S, D]
             k, v = keys, values
         else:
             k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]

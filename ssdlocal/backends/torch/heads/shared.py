@@ -1,0 +1,36 @@
+"""What a torch target shares with a draft head beside it (backends.base.HeadInputs): its
+embeddings, lm_head and embedding scale, each layer's KV geometry and a reader of the KV
+cache a layer reads (a layer with a kv_source reads that layer's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from ssdlocal.backends.base import HeadInputs, LayerKV
+
+
+def shared_with_heads(model, args, dtype, rows: Callable[[], int]) -> HeadInputs:
+    """HeadInputs of `model` (a CausalLM with `args`, run in `dtype`); `rows()` is the
+    batch's row count when a head reads the cache (the cache may hold more rows)."""
+    kv = []
+    for i, layer in enumerate(model.layers):
+        attn, source = layer.self_attn, getattr(layer, "kv_source", None)
+        kv.append(LayerKV(attn.window, attn.n_kv_heads, attn.head_dim, i if source is None else source))
+
+    def read_kv(layer: int) -> tuple[Tensor, Tensor]:
+        """The batch's rows of the cache layer `layer` reads, as it is now."""
+        cache, n = model.layers[layer].self_attn.kv_cache, rows()
+        return cache.k[:n], cache.v[:n]
+
+    return HeadInputs(
+        model.embed_tokens,
+        args.num_layers,
+        args.hidden_size,
+        dtype,
+        model.embed_scale,
+        tuple(kv),
+        read_kv,
+        model.lm_head,
+    )
