@@ -36,7 +36,8 @@ from ssdlocal.backends.base import Logits
 from ssdlocal.backends.prefix import BLOCK_TOKENS
 from ssdlocal.backends.torch.linear_states import LinearStates
 from ssdlocal.backends.torch.loader import LoadedModel
-from ssdlocal.backends.torch.runner import TorchRunner
+from ssdlocal.backends.torch.kvcache import rounded_slots
+from ssdlocal.backends.torch.runner import FIRST_CAPACITY, TorchRunner
 from ssdlocal.backends.torch.stored_states import StoredStates
 
 RING_STEP = 4  # rings grow in multiples of this many positions
@@ -55,12 +56,22 @@ class HybridRunner(StoredStates, TorchRunner):
         self.tree_first: Tensor | None = None  # [B, W] the slots of the tree's first step
         self._inner = False  # inside this runner's own feed
 
+    def warm_up(self, batch_size: int, widths: Sequence[int], at_widths: Sequence[int] = ()) -> int:
+        """Runner.warm_up: nothing (a cache of exactly the batch's rows: graphs are captured
+        when a batch size is first reached)."""
+        return 0
+
     @property
     def states(self) -> LinearStates:
         assert self.model.linear_states is not None  # reset ran
         return self.model.linear_states
 
     def reset(self, batch_size: int, num_slots: int) -> None:
+        """TorchRunner.reset, with a cache of exactly `batch_size` rows: the linear layers'
+        states hold one per row and every step runs on all of them (no padded rows)."""
+        if batch_size != self.rows:
+            first = min(num_slots, FIRST_CAPACITY) if self.plain else num_slots
+            self._allocate(batch_size, rounded_slots(first))
         super().reset(batch_size, num_slots)
         self.model.forget_states()
         self.spanned, self.stepped, self.tree_depth, self.tree_first = 0, 0, 0, None
