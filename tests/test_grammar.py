@@ -251,3 +251,34 @@ def test_patterns_whose_counted_repetitions_explode_are_refused_at_compile_time(
             compile_it()
         assert info.value.reason == "too_slow" and "repetitions" in info.value.message
     assert compiler.regex(r"^[a-z0-9]{1,64}(\.[a-z0-9]{1,64}){0,10}$").kind == "regex"  # ordinary counts pass
+
+
+def test_a_compile_while_the_start_is_still_awaited_reads_its_own_answer(tokenizer):
+    """serve's warm-up thread waits for the children's start (CompilePool.wait_started)
+    while a request may already compile on one of them: the two must not read the child's
+    socket side by side (a compile then read an empty message, "its compile crashed", and a
+    second server in one process failed every grammar)."""
+    import threading
+
+    from ssdlocal.grammar.pool import CompilePool
+
+    def compile_twice(pool, done):
+        for text in ("fine", "again"):  # the first waits for the start beside wait_started
+            with pool.slot(5.0):
+                pool.check("regex", text, 20)
+        done.append(True)
+
+    for _ in range(3):
+        pool, done = CompilePool(tokenizer, 384, [0], workers=1, queue=1), []
+        try:
+            pool.start()
+            waiter = threading.Thread(target=pool.wait_started, daemon=True)
+            waiter.start()
+            compiling = threading.Thread(target=compile_twice, args=(pool, done), daemon=True)
+            compiling.start()
+            compiling.join(40)  # before: it read the child's answer beside the waiter and hung
+            assert done == [True]
+            waiter.join(10)
+            assert not waiter.is_alive()
+        finally:
+            pool.close()

@@ -181,19 +181,27 @@ class _Child:
         self.conn = Connection(ours.detach())
         self.conn.send(tuple(rest))
         self.ready = False
+        self._starting = threading.Lock()  # wait_started's thread and a compile may both wait for "ready"
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def wait_ready(self, timeout_s: float) -> None:
-        if self.ready:
-            return
-        if not self.conn.poll(timeout_s):
+        """Wait for the child's "ready" (its vocabulary view built); one reader at a time,
+        so a second waiter sees `ready` instead of reading the socket beside the first."""
+        if not self._starting.acquire(timeout=timeout_s):
             raise RuntimeError("the grammar checking process did not start")
-        message = self.conn.recv()
-        if message[0] != "ready":
-            raise GrammarError(*message[1:]) if message[0] == "error" else RuntimeError(str(message))
-        self.ready = True
+        try:
+            if self.ready:
+                return
+            if not self.conn.poll(timeout_s):
+                raise RuntimeError("the grammar checking process did not start")
+            message = self.conn.recv()
+            if message[0] != "ready":
+                raise GrammarError(*message[1:]) if message[0] == "error" else RuntimeError(str(message))
+            self.ready = True
+        finally:
+            self._starting.release()
 
     def compile(self, kind: GrammarKind, text: str, timeout_s: float):
         """("ok",) or ("error", message, hint, reason); None past the limit."""
