@@ -64,12 +64,16 @@ def test_builtin_registry_is_complete():
 
 def test_every_architecture_names_a_family_of_the_registry():
     """A checkpoint's architecture leads to its registry family (the pair hint, pull's
-    drafts): every family the torch backend computes has pairs under that name."""
+    drafts): every family the torch backend computes has pairs under that name, except the
+    ones with no published pair yet (said here, so a new one is a decision)."""
     from ssdlocal.weights.formats.archs import architectures
 
+    no_pairs_yet = {"qwen3_5", "qwen3_5_moe"}  # Qwen3.5: hybrid models, no registry pair written
     families = {pair.family for pair in load_pairs().values()}
     for arch in architectures():
-        assert (arch.pair_family or arch.model_type) in families, arch.name
+        if arch.name not in no_pairs_yet:
+            assert (arch.pair_family or arch.model_type) in families, arch.name
+    assert no_pairs_yet <= {arch.name for arch in architectures()}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)
