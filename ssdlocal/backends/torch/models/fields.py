@@ -1,5 +1,6 @@
 """How a family reads a transformers config: rotary parameters in either of transformers'
-layouts, and the refusal, by name, of a field whose value a family does not implement.
+layouts, the refusal, by name, of a field whose value a family does not implement, and the
+ModelArgs fields most families read alike.
 """
 
 from __future__ import annotations
