@@ -25,36 +25,19 @@ from collections.abc import Sequence
 import torch
 
 from ssdlocal.core.config import SamplingParams
-from ssdlocal.core.hostsync import Audit
-from ssdlocal.draft.base import DrafterBase, DraftResources, PromptHidden, Proposal, RoundOutcome, RowView
-from ssdlocal.draft.decode import DraftDecoder
+from ssdlocal.draft.base import DraftResources, PromptHidden, Proposal, RoundOutcome, RowView
+from ssdlocal.backends.base import HiddenLayers
+from ssdlocal.draft.beside import BesideDrafter
 
 
-class BlockDrafter(DrafterBase):
+class BlockDrafter(BesideDrafter):
     """Drafter protocol over a block drafter beside the target (backends/torch/heads/dflash_runner.py)."""
 
-    def __init__(
-        self,
-        runner,
-        k: int,
-        params: SamplingParams,
-        target_vocab: int,
-        device,
-        audit: Audit | None = None,
-        row_params: Sequence[SamplingParams] = (),
-    ) -> None:
-        self.runner = runner  # the backend's block runner (backends.registry.load_head)
-        self.hidden = runner.hidden_layers
-        self.k, self.params, self.device = k, params, device
-        self.site = (audit or Audit()).site("draft")
-        generator = torch.Generator(device=runner.device).manual_seed(params.stream_seed(104729))
-        self.decoder = DraftDecoder(runner, k, params, target_vocab, generator, row_params=row_params)
-        self.rows: Sequence[RowView] = ()
-        self.num_slots = 0
-        self.last: torch.Tensor | None = None  # [B]: each row's newest token (its block's first)
+    last: torch.Tensor | None = None  # [B]: each row's newest token (its block's first)
 
-    def reserve(self, batch: int, num_slots: int) -> None:
-        self.num_slots = num_slots
+    @staticmethod
+    def layers_read(runner) -> HiddenLayers:
+        return runner.hidden_layers
 
     def start(self, rows: Sequence[RowView], hidden: PromptHidden | None = None) -> None:
         """The context of the read prompt positions: column j of row b is position start[b] + j."""
@@ -78,9 +61,7 @@ class BlockDrafter(DrafterBase):
         bound = max(row.length for row in self.rows) + self.runner.block_size
         block = self.runner.draft(self.last, bound)[:, : self.k]  # [B, K, V]
         drafted = self.decoder.draw_block(block)
-        n_draft = self.site.upload([self.k if a else 0 for a in active], self.device)  # [B]
-        q = None if drafted.q is None else drafted.q.to(self.device, non_blocking=True)
-        return Proposal(drafted.tokens.to(self.device, non_blocking=True), n_draft, q)
+        return self._proposal(drafted, active)
 
     def observe(self, outcome: RoundOutcome) -> None:
         """The round's verified positions become context: the states the target computed

@@ -20,36 +20,19 @@ from collections.abc import Sequence
 import torch
 
 from ssdlocal.core.config import SamplingParams
-from ssdlocal.core.hostsync import Audit
 from ssdlocal.draft.base import DrafterBase, DraftResources, PromptHidden, Proposal, RoundOutcome, RowView
-from ssdlocal.draft.decode import DraftDecoder
+from ssdlocal.backends.base import HiddenLayers
+from ssdlocal.draft.beside import BesideDrafter
 
 
-class HeadDrafter(DrafterBase):
+class HeadDrafter(BesideDrafter):
     """Drafter protocol over a draft head beside the target (backends/torch/heads)."""
 
-    def __init__(
-        self,
-        runner,
-        k: int,
-        params: SamplingParams,
-        target_vocab: int,
-        device,
-        audit: Audit | None = None,
-        row_params: Sequence[SamplingParams] = (),
-    ) -> None:
-        self.runner = runner  # the backend's head runner (backends.registry.load_head)
-        self.hidden = runner.head.args.hidden_layers
-        self.k, self.params, self.device = k, params, device
-        self.site = (audit or Audit()).site("draft")
-        generator = torch.Generator(device=runner.device).manual_seed(params.stream_seed(104729))
-        self.decoder = DraftDecoder(runner, k, params, target_vocab, generator, row_params=row_params)
-        self.rows: Sequence[RowView] = ()
-        self.num_slots = 0
-        self.first: torch.Tensor | None = None  # [B, V]: the head's logits for each row's next draft
+    first: torch.Tensor | None = None  # [B, V]: the head's logits for each row's next draft
 
-    def reserve(self, batch: int, num_slots: int) -> None:
-        self.num_slots = num_slots
+    @staticmethod
+    def layers_read(runner) -> HiddenLayers:
+        return runner.head.args.hidden_layers
 
     def start(self, rows: Sequence[RowView], hidden: PromptHidden | None = None) -> None:
         """Fill the head's cache with the read prompt positions: column j of row b pairs the
@@ -75,9 +58,7 @@ class HeadDrafter(DrafterBase):
         assert self.first is not None
         bound = max(row.length for row in self.rows) + self.k + 1
         drafted = self.decoder.decode(self.first, min(bound, self.num_slots))
-        n_draft = self.site.upload([self.k if a else 0 for a in active], self.device)  # [B]
-        q = None if drafted.q is None else drafted.q.to(self.device, non_blocking=True)
-        return Proposal(drafted.tokens.to(self.device, non_blocking=True), n_draft, q)
+        return self._proposal(drafted, active)
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Catch up on what the round verified: the states of the positions it scored (the

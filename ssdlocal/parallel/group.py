@@ -34,7 +34,7 @@ from ssdlocal.core.errors import SSDLocalError, TensorParallelError, UsageError
 from ssdlocal.core.memory import oom_error
 from ssdlocal.ipc.lifetime import describe_exit
 from ssdlocal.ipc.child import ChildProcess
-from ssdlocal.parallel.rank import Cmd, Reply, pack_inputs, pin_to_loopback, rank_main
+from ssdlocal.parallel.rank import Cmd, RankSetup, Reply, pack_inputs, pin_to_loopback, rank_main
 from ssdlocal.parallel.tpmodel import TPModel
 
 log = logging.getLogger(__name__)
@@ -137,15 +137,17 @@ class RankGroup:
                 ChildProcess(
                     rank_main,
                     (
-                        rank,
-                        self.world,
-                        store.port,
-                        self.backend,
-                        self.devices,
-                        spec,
-                        self.rendezvous_timeout_s,
-                        self.collective_timeout_s,
-                        threads,
+                        RankSetup(
+                            rank,
+                            self.world,
+                            store.port,
+                            self.backend,
+                            self.devices,
+                            spec,
+                            self.rendezvous_timeout_s,
+                            self.collective_timeout_s,
+                            threads,
+                        ),
                     ),
                     name=f"ssdlocal-tp{rank}",
                     role=f"tensor-parallel rank {rank} ({self.devices[rank]})",

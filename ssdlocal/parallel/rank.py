@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
 
 import torch
+
+from ssdlocal.core.config import ModelSpec
 
 
 class Cmd(IntEnum):
@@ -125,73 +129,61 @@ def pin_to_loopback(backend: str) -> None:
     os.environ.setdefault("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "lo")
 
 
-def rank_main(
-    conn,
-    parent_pid,
-    pdeathsig,
-    rank,
-    world,
-    port,
-    backend,
-    devices,
-    spec,
-    rendezvous_timeout_s,
-    collective_timeout_s,
-    threads,
-) -> None:
-    """Process entry point of rank `rank` >= 1 (spawned by RankGroup through ipc)."""
-    from ssdlocal.ipc.serve import run_child
+@dataclass(frozen=True)
+class RankSetup:
+    """What rank `rank` >= 1 starts with (RankGroup makes one a rank)."""
 
-    def body() -> None:
-        _serve(
-            conn,
-            rank,
-            world,
-            port,
-            backend,
-            devices,
-            spec,
-            parent_pid,
-            rendezvous_timeout_s,
-            collective_timeout_s,
-            threads,
-        )
+    rank: int
+    world: int
+    port: int  # rank 0's TCPStore
+    backend: str  # the process group's: "nccl" or "gloo"
+    devices: Sequence[str]  # every rank's, by rank
+    spec: ModelSpec  # the target's (parallel.shard_loader.load_shard)
+    rendezvous_timeout_s: float
+    collective_timeout_s: float
+    threads: int | None  # torch's intra-op threads (None: leave torch's choice)
+
+
+def rank_main(conn, parent_pid, pdeathsig, setup: RankSetup) -> None:
+    """Process entry point of rank `setup.rank` >= 1 (spawned by RankGroup through ipc)."""
+    from ssdlocal.ipc.serve import run_child
 
     run_child(
         conn,
         parent_pid,
         pdeathsig,
-        body,
-        role=f"tensor-parallel rank {rank} ({devices[rank]})",
+        lambda: _serve(conn, parent_pid, setup),
+        role=f"tensor-parallel rank {setup.rank} ({setup.devices[setup.rank]})",
         default_kind="TensorParallelError",
         prefix_errors=True,
     )
 
 
-def _serve(
-    conn, rank, world, port, backend, devices, spec, parent_pid, rendezvous_timeout_s, collective_timeout_s, threads
-) -> None:
+def _serve(conn, parent_pid, setup: RankSetup) -> None:
+    rank, world, backend, devices = setup.rank, setup.world, setup.backend, setup.devices
     import torch.distributed as dist
 
     from ssdlocal.core.memory import keep_freed_memory
     from ssdlocal.ipc.serve import serve
 
     keep_freed_memory()
-    if threads:
-        torch.set_num_threads(threads)
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pin_to_loopback(backend)  # inherited from rank 0 already
     conn.send((Reply.JOINING, None))
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1", setup.port, world, is_master=False, timeout=timedelta(seconds=setup.rendezvous_timeout_s)
+    )
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=setup.collective_timeout_s)
     )
     from ssdlocal.parallel.shard_loader import load_shard
     from ssdlocal.parallel.tp import shard_bytes
 
-    loaded = load_shard(spec, devices[rank], rank, world, tokenizer=False)
+    loaded = load_shard(setup.spec, devices[rank], rank, world, tokenizer=False)
     model = loaded.model
     model.lm_head = torch.nn.Identity()  # only rank 0 needs logits: skip the [hidden, V] matmul
     conn.send((Reply.LOADED, shard_bytes(model)))

@@ -120,6 +120,9 @@ class ServerMetrics:
             def one(name: str, kind: str, help_text: str, value) -> None:
                 family(name, kind, help_text, [("_total" if kind == "counter" else "", {}, value)])
 
+            def summary(name: str, help_text: str, total: float, count: int) -> None:
+                family(name, "summary", help_text, [("_sum", {}, total), ("_count", {}, count)])
+
             family(
                 "info",
                 "gauge",
@@ -136,11 +139,11 @@ class ServerMetrics:
             one("requests_waiting", "gauge", "Requests waiting for the engine.", waiting)
             one("rows_running", "gauge", "Rows (choices) of the running batch not finished yet.", self.rows_running)
             one("rows_waiting", "gauge", "Rows (choices) waiting to join the running batch.", self.rows_waiting)
-            family(
+            summary(
                 "queue_time_seconds",
-                "summary",
                 "From arrival to the request's first row joining the batch.",
-                [("_sum", {}, self.queue_sum), ("_count", {}, self.queue_count)],
+                self.queue_sum,
+                self.queue_count,
             )
             one("prompt_tokens", "counter", "Prompt tokens of answered requests.", self.prompt_tokens)
             one(
@@ -227,17 +230,9 @@ class ServerMetrics:
             )
             one("draft_seconds", "counter", "Time spent drafting (waiting for proposals).", self.draft_s)
             one("verify_seconds", "counter", "Time spent in target verification.", self.verify_s)
-            family(
-                "time_to_first_token_seconds",
-                "summary",
-                "From arrival to the first token.",
-                [("_sum", {}, self.ttft_sum), ("_count", {}, self.ttft_count)],
-            )
-            family(
-                "request_duration_seconds",
-                "summary",
-                "From arrival to the answer's end.",
-                [("_sum", {}, self.duration_sum), ("_count", {}, self.duration_count)],
+            summary("time_to_first_token_seconds", "From arrival to the first token.", self.ttft_sum, self.ttft_count)
+            summary(
+                "request_duration_seconds", "From arrival to the answer's end.", self.duration_sum, self.duration_count
             )
             return "\n".join(lines) + "\n"
 

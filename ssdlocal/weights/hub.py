@@ -114,20 +114,14 @@ def _hub_errors(
             f"check the network connection (and HF_ENDPOINT / proxy settings); {_NO_HUB_HINT}",
         ) from exc
     except hf_errors.GatedRepoError as exc:
-        raise AssetError(
-            f"{repo} is gated: its licence must be accepted before downloading",
-            f"accept it at https://huggingface.co/{repo}, then set HF_TOKEN (or run `hf auth login`)",
-        ) from exc
+        raise gated_error(repo) from exc
     except hf_errors.RevisionNotFoundError as exc:
         raise AssetError(
             f"revision of {repo} in pair file {pair.file} does not exist on the hub",
             "fix `revision` in the pair file (a branch, tag, or 40-hex commit id)",
         ) from exc
     except hf_errors.RepositoryNotFoundError as exc:
-        raise AssetError(
-            f"{repo} was not found on the hub (or it is private)",
-            f"check `repo`{table} in {pair.file}; for private repos set HF_TOKEN",
-        ) from exc
+        raise not_found_error(repo, f"check `repo`{table} in {pair.file}") from exc
     except missing_file as exc:
         raise AssetError(
             f"{repo} does not exist on the hub at that revision",
@@ -144,6 +138,19 @@ def _hub_errors(
         else:
             hint = f"run `ssdlocal pull {again}` again: {_RESTART_NOTE}"
         raise AssetError(f"download of {repo} was interrupted: {_first_line(exc)}", hint) from exc
+
+
+def gated_error(repo: str) -> AssetError:
+    """The hub refused a gated repository whose licence the user has not accepted."""
+    return AssetError(
+        f"{repo} is gated: its licence must be accepted before downloading",
+        f"accept it at https://huggingface.co/{repo}, then set HF_TOKEN (or run `hf auth login`)",
+    )
+
+
+def not_found_error(repo: str, check: str) -> AssetError:
+    """The hub has no repository `repo` this token may see; `check`: where its id came from."""
+    return AssetError(f"{repo} was not found on the hub (or it is private)", f"{check}; for private repos set HF_TOKEN")
 
 
 def _transport_errors() -> type[BaseException]:

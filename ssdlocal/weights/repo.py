@@ -115,7 +115,7 @@ def _listing_errors(repo: str, revision: str) -> Iterator[None]:
     """The hub's answers to a listing as AssetError / UsageError with a hint."""
     from huggingface_hub import errors as hf_errors
 
-    from ssdlocal.weights.hub import OFFLINE_PAIR, _transport_errors, hub_offline
+    from ssdlocal.weights.hub import OFFLINE_PAIR, _transport_errors, gated_error, hub_offline, not_found_error
 
     unreachable = (OSError, hf_errors.HfHubHTTPError, hf_errors.OfflineModeIsEnabled, _transport_errors())
     try:
@@ -125,15 +125,9 @@ def _listing_errors(repo: str, revision: str) -> Iterator[None]:
             f"{repo} has no revision {revision!r}", "pass --revision with a branch, tag or 40-hex commit id"
         ) from exc
     except hf_errors.GatedRepoError as exc:
-        raise AssetError(
-            f"{repo} is gated: its licence must be accepted before downloading",
-            f"accept it at https://huggingface.co/{repo}, then set HF_TOKEN (or run `hf auth login`)",
-        ) from exc
+        raise gated_error(repo) from exc
     except hf_errors.RepositoryNotFoundError as exc:
-        raise AssetError(
-            f"{repo} was not found on the hub (or it is private)",
-            "check the repository id (ORG/NAME as on huggingface.co); for private repos set HF_TOKEN",
-        ) from exc
+        raise not_found_error(repo, "check the repository id (ORG/NAME as on huggingface.co)") from exc
     except unreachable as exc:  # no network, offline mode, the hub's other refusals
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         offline = "HF_HUB_OFFLINE is set, so " if hub_offline() else ""

@@ -43,6 +43,16 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
 
 
+def replace_linear(
+    model: nn.Module, name: str, old: nn.Module, weight: QuantizedWeight, bias: Tensor | None, dtype, device
+) -> None:
+    """Linear `name` (`old`) -> a QuantLinear of `weight`; a row-parallel shard's (one with
+    a `group`, see parallel/tp.py) keeps its group and its all_reduce."""
+    group = getattr(old, "group", None)
+    quantized = QuantLinear(weight, bias, dtype=dtype, device=device, reduce=hasattr(old, "group"), group=group)
+    replace_module(model, name, quantized)
+
+
 def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     """Swap the quantized linears of a loaded model (its architecture's) for QuantLinears, in place.
 
@@ -63,18 +73,7 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
             continue
         qw = quantize(weight.detach(), scheme, weight.dtype)  # where the weight is: a GPU's in seconds
         bias = None if module.bias is None else module.bias.detach()
-        replace_module(
-            model,
-            name,
-            QuantLinear(
-                qw,
-                bias,
-                dtype=weight.dtype,
-                device=weight.device,
-                reduce=hasattr(module, "group"),
-                group=getattr(module, "group", None),
-            ),
-        )
+        replace_linear(model, name, module, qw, bias, weight.dtype, weight.device)
     return model
 
 

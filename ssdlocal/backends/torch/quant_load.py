@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from ssdlocal.backends.torch.gguf_quant import ensure_quantized
 from ssdlocal.backends.torch.models.moe import stack_experts
 from ssdlocal.backends.torch.packed import Unpacker
-from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, quantize
+from ssdlocal.backends.torch.quant import QuantizedWeight, quantize
 from ssdlocal.backends.torch.quant_experts import QuantStacked
-from ssdlocal.backends.torch.quant_apply import QuantEmbedding, replace_module
+from ssdlocal.backends.torch.quant_apply import QuantEmbedding, replace_linear, replace_module
 from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.quantization import SCHEMES, can_quantize
 from ssdlocal.weights.formats.arch import expert_pattern
@@ -151,18 +151,7 @@ class _Filler:
             replace_module(self.model, module, QuantEmbedding(weight, dtype=self.dtype, device=self.device))
             self.installed.add(module)
             return
-        replace_module(
-            self.model,
-            module,
-            QuantLinear(
-                weight,
-                None,
-                dtype=self.dtype,
-                device=self.device,
-                reduce=hasattr(old, "group"),
-                group=getattr(old, "group", None),
-            ),
-        )
+        replace_linear(self.model, module, old, weight, None, self.dtype, self.device)
         self.installed.add(module)
         self.releaser.processed(weight.nbytes)
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ssdlocal.backends.base import FINAL_HIDDEN
 from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.logits import fp32_logits
-from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, apply_rope, rope_inv_freq, rope_tables
+from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, apply_rope, RopeTable
 from ssdlocal.core.errors import ModelLoadError
 
 MUSE = "muse_glimmer_assistant"
@@ -170,25 +170,18 @@ class DFlashHead(nn.Module):
         self.encoder.output_norm_enc = RMSNorm(h, args.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(h, args.rms_norm_eps)
-        self.register_buffer("rope_cos", None, persistent=False)
-        self.register_buffer("rope_sin", None, persistent=False)
+        self.rope = RopeTable(args.head_dim, args.rope_theta, args.rope_scaling)
 
     def cover(self, positions: int, device) -> None:
         """Rotary tables for positions [0, `positions`)."""
-        if self.rope_cos is not None and self.rope_cos.shape[0] >= positions:
-            return
-        inv_freq, factor = rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
-        self.rope_cos, self.rope_sin = rope_tables(inv_freq, factor, positions, device)
-
-    def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        return self.rope_cos[positions].to(dtype)[:, None], self.rope_sin[positions].to(dtype)[:, None]  # [B, 1, T, D]
+        self.rope.cover(positions, device)
 
     def context(self, hidden: Tensor, positions: Tensor) -> None:
         """The target's states `hidden` [B, T, n x its width] at `positions` [B, T] -> every
         layer's keys and values there (slot = position)."""
         B, T, _ = hidden.shape
         c = self.encoder.output_norm_enc(self.encoder.fc(hidden))  # [B, T, H]
-        cos, sin = self._rope(positions, c.dtype)
+        cos, sin = self.rope.at(positions, c.dtype)
         for layer in self.layers:
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(c).view(B, T, attn.n_kv_heads, attn.head_dim)).transpose(1, 2)  # [B, Hkv, T, D]
@@ -201,7 +194,7 @@ class DFlashHead(nn.Module):
         x = self.embed(ids)  # [B, bs, H]
         if self.embed_scale is not None and self.args.scaled_embeddings:
             x = x * torch.full((), self.embed_scale, device=x.device).to(x.dtype)
-        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = self.rope.at(positions, x.dtype)
         for layer, mask in zip(self.layers, masks):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, positions, mask)  # [B, bs, H]
             x = x + layer.mlp(layer.post_attention_layernorm(x))  # [B, bs, H]

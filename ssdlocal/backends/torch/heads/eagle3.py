@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.attention import AttentionMask
-from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, rope_inv_freq, rope_tables
+from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, RopeTable
 from ssdlocal.core.errors import ModelLoadError
 
 
@@ -96,15 +96,11 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, args.rms_norm_eps)
         self.lm_head = nn.Linear(h, args.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("rope_cos", None, persistent=False)
-        self.register_buffer("rope_sin", None, persistent=False)
+        self.rope = RopeTable(args.head_dim, args.rope_theta, args.rope_scaling)
 
     def cover(self, positions: int, device) -> None:
         """Rotary tables for positions [0, `positions`)."""
-        if self.rope_cos is not None and self.rope_cos.shape[0] >= positions:
-            return
-        inv_freq, factor = rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
-        self.rope_cos, self.rope_sin = rope_tables(inv_freq, factor, positions, device)
+        self.rope.cover(positions, device)
 
     def forward(
         self, ids: Tensor, state: Tensor, positions: Tensor, mask: AttentionMask, fuse: bool
@@ -121,8 +117,7 @@ class Eagle3Head(nn.Module):
         else:
             residual, hidden = hidden, layer.hidden_norm(hidden)
         x = torch.cat([embeds, hidden], dim=-1)  # [B, T, 2H]
-        cos = self.rope_cos[positions].to(x.dtype)[:, None]  # [B, 1, T, D]
-        sin = self.rope_sin[positions].to(x.dtype)[:, None]
+        cos, sin = self.rope.at(positions, x.dtype)  # [B, 1, T, D] each
         residual = residual + layer.self_attn(x, cos, sin, positions, mask)  # [B, T, H]
         residual = residual + layer.mlp(layer.post_attention_layernorm(residual))  # [B, T, H]
         draft = self.lm_head(self.norm(residual)).float()  # [B, T, V_d]

@@ -1,5 +1,6 @@
 """How a family reads a transformers config: rotary parameters in either of transformers'
-layouts, and the refusal, by name, of a field whose value a family does not implement.
+layouts, the refusal, by name, of a field whose value a family does not implement, and the
+ModelArgs fields most families read alike.
 """
 
 from __future__ import annotations
@@ -37,3 +38,33 @@ def refuse(arch: str, cfg, **expected: object) -> None:
         same = bool(got) == want if isinstance(want, bool) else (not got if want is None else got == want)
         if not same:
             raise unsupported(f"{arch} with {name}={got!r}")
+
+
+def common_fields(
+    cfg,
+    arch: str,
+    rope: tuple[float, dict | None],
+    *,
+    tie: bool,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> dict:
+    """ModelArgs' fields as most families read them (`rope`: read_rope's (theta, scaling);
+    `tie`: tie_word_embeddings when the config leaves it out; `kv_heads`, `head_dim`: the
+    family's own reading, where it has one, else the config's)."""
+    heads = cfg.num_attention_heads
+    return {
+        "arch": arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_layers": cfg.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads if kv_heads is not None else getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim if head_dim is not None else getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": rope[0],
+        "rope_scaling": rope[1],
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", tie)),
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.attention import AttentionMask
+from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, read_rope, refuse
 from ssdlocal.backends.torch.models.layers import ACTIVATIONS, MLP, Attention, RMSNorm
 from ssdlocal.weights.formats.arch import Architecture
@@ -66,21 +67,8 @@ class Gemma3Args(ModelArgs):
         theta, scaling = per_type_rope(cfg, arch, FULL)
         local_theta, local_scaling = per_type_rope(cfg, arch, SLIDING)
         qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", False)))
-        heads = cfg.num_attention_heads
         return cls(
-            arch=arch,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
-            max_position_embeddings=cfg.max_position_embeddings,
+            **common_fields(cfg, arch, (theta, scaling), tie=True),
             hidden_act=act,
             qkv_bias=qkv_bias,
             o_bias=o_bias,

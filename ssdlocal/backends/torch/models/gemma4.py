@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.attention import AttentionMask, attend
 from ssdlocal.backends.torch.kvcache import KVCache
+from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, refuse
 from ssdlocal.backends.torch.models.gemma3 import FULL, ROPE_OF, SLIDING, layer_types, per_type_rope
 from ssdlocal.backends.torch.models.layers import ACTIVATIONS, MLP, apply_rope
@@ -106,19 +107,7 @@ class Gemma4Args(ModelArgs):
         shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
         width = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
         return cls(
-            arch=arch,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=local[1],
-            head_dim=local[0],
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
-            max_position_embeddings=cfg.max_position_embeddings,
+            **common_fields(cfg, arch, (theta, scaling), tie=True, kv_heads=local[1], head_dim=local[0]),
             hidden_act=act,
             qkv_bias=qkv_bias,
             o_bias=o_bias,

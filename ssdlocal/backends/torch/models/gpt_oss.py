@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.attention import AttentionMask
+from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, read_rope
 from ssdlocal.backends.torch.models.moe import MoE, Experts, TopKSoftmax
 from ssdlocal.backends.torch.models.layers import Attention, RMSNorm
@@ -71,21 +72,8 @@ class GptOssArgs(ModelArgs):
         if scaling and scaling["rope_type"] == "yarn" and scaling.get("factor") is None:  # as transformers infers it
             scaling["factor"] = cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
         qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", True)))
-        heads = cfg.num_attention_heads
         return cls(
-            arch=arch,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,  # each expert's width
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=cfg.max_position_embeddings,
+            **common_fields(cfg, arch, (theta, scaling), tie=False),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             sliding_window=getattr(cfg, "sliding_window", None) if SLIDING in types else None,

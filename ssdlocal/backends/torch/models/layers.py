@@ -116,6 +116,28 @@ def rope_tables(inv_freq: Tensor, attention_factor: float, positions: int, devic
     return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
+class RopeTable(nn.Module):
+    """One rotary table, cos and sin [P, dim], for positions [0, P): a draft head's, grown
+    by `cover` as its cache grows (a CausalLM keeps one per rope name itself)."""
+
+    def __init__(self, dim: int, theta: float, scaling: Mapping | None) -> None:
+        super().__init__()
+        self.dim, self.theta, self.scaling = dim, theta, scaling
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+
+    def cover(self, positions: int, device) -> None:
+        """Rotary tables for positions [0, `positions`)."""
+        if self.cos is not None and self.cos.shape[0] >= positions:
+            return
+        inv_freq, factor = rope_inv_freq(self.dim, self.theta, self.scaling)
+        self.cos, self.sin = rope_tables(inv_freq, factor, positions, device)
+
+    def at(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin at `positions` [B, T], in `dtype`: [B, 1, T, dim] each."""
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # [..., D/2] each
     return torch.cat((-x2, x1), dim=-1)  # [..., D]
