@@ -66,28 +66,12 @@ def test_a_long_span_step_on_cuda_runs_the_batched_matmuls(monkeypatch):
     """A Qwen2-shaped decode and verify over 8,192 slots on fake CUDA: the model's masked
     steps take the matmul path with float32 scores (bmm's out_dtype), no K/V copy."""
     from ssdlocal.backends.torch.models import build, causal_mask
-    from ssdlocal.backends.torch.models.llama import LlamaArgs
-    from support.fake_cuda import to_fake_cuda
+    from support.fake_cuda import llama_args, to_fake_cuda
 
     calls = []
     real_bmm = torch.bmm
     monkeypatch.setattr(attention.torch, "bmm", lambda *a, **k: calls.append(k.get("out_dtype")) or real_bmm(*a, **k))
-    args = LlamaArgs(
-        arch="qwen2",
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=12,
-        num_kv_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        rope_scaling=None,
-        tie_word_embeddings=True,
-        max_position_embeddings=16384,
-        qkv_bias=True,
-    )
+    args = llama_args("qwen2", num_heads=12, max_position_embeddings=16384)
     with fake_cuda():
         model = to_fake_cuda(build(args), torch.bfloat16)
         model.setup_cache(1, 8192, torch.bfloat16, CUDA)

@@ -15,33 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support.fake_cuda import CUDA, fake_cuda, to_fake_cuda
+from support.fake_cuda import CUDA, fake_cuda, llama_args, to_fake_cuda
 from ssdlocal.backends.torch import attention
 from ssdlocal.backends.torch.models import causal_mask
-from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs
+from ssdlocal.backends.torch.models.llama import Llama
 
 BF16 = torch.bfloat16
-
-
-def _args(arch: str, **changes) -> LlamaArgs:
-    base = dict(
-        arch=arch,
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        rope_scaling=None,
-        qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        tie_word_embeddings=arch != "llama",
-        max_position_embeddings=512,
-    )
-    return LlamaArgs(**{**base, **changes})
 
 
 @pytest.fixture
@@ -66,7 +45,7 @@ def kernels(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_forward_prefill_decode_and_tree_on_cuda(arch, kernels):
-    model = Llama(_args(arch))
+    model = Llama(llama_args(arch))
     with fake_cuda():
         model = to_fake_cuda(model, BF16)
         model.setup_cache(2, 512, BF16, CUDA)
@@ -111,7 +90,7 @@ def test_runner_feed_and_steps_on_cuda():
     from ssdlocal.backends.torch.loader import LoadedModel
     from ssdlocal.backends.torch.runner import TorchRunner
 
-    args = _args("qwen2")
+    args = llama_args("qwen2")
     model = Llama(args)
     with fake_cuda():
         model = to_fake_cuda(model, BF16)

@@ -9,27 +9,11 @@ import pytest
 import torch
 
 from ssdlocal.backends.torch import int4_cuda, quant, quant_speed
-from ssdlocal.backends.torch.models.llama import LlamaArgs
 from ssdlocal.core.errors import UsageError
-from support.fake_cuda import CUDA, fake_cuda
+from support.fake_cuda import CUDA, fake_cuda, llama_args
 
 BF16 = torch.bfloat16
-ARGS = LlamaArgs(
-    arch="qwen2",
-    vocab_size=320,
-    hidden_size=256,
-    intermediate_size=512,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    rope_scaling=None,
-    tie_word_embeddings=True,
-    max_position_embeddings=512,
-    qkv_bias=True,
-)
+ARGS = llama_args("qwen2")
 
 
 @pytest.fixture(autouse=True)

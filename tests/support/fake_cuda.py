@@ -79,3 +79,28 @@ def to_fake_cuda(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Modu
                     made[id(t)] = nn.Parameter(fake, requires_grad=False) if isinstance(t, nn.Parameter) else fake
                 store[name] = made[id(t)]
     return module
+
+
+def llama_args(arch: str, **changes):
+    """Args of a small llama-block model (`arch`: llama, qwen2 or qwen3, with that
+    family's biases and norms) for fake-CUDA shape tests; `changes` override fields."""
+    from ssdlocal.backends.torch.models.llama import LlamaArgs
+
+    base = dict(
+        arch=arch,
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling=None,
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=arch != "llama",
+        max_position_embeddings=512,
+    )
+    return LlamaArgs(**{**base, **changes})
