@@ -3,6 +3,7 @@ the tiny checkpoints once, and shares the fixtures of support/fixtures.py with e
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -65,3 +66,30 @@ def _sigint_restored(request):
             f"SIGINT handled by {found!r} after {request.node.nodeid}; Python's handler put back", stacklevel=1
         )
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class _DraftFailures(logging.Handler):
+    """Keeps the engine's "the drafter failed" warnings of one test."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def _no_silent_draft_loss(request):
+    """A draft that fails hands its rows to plain steps, which give AR's tokens: a test that
+    compares tokens would pass without its mode having run. So a draft failure fails every
+    test not marked `draft_loss` (the tests that make a draft fail on purpose)."""
+    handler = _DraftFailures()
+    logger = logging.getLogger("ssdlocal.engine.round")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if handler.reasons and request.node.get_closest_marker("draft_loss") is None:
+        pytest.fail(f"a draft failed and its rows went on with plain steps: {handler.reasons[0]}")

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from support.batch_serve import greedy, serve
 from support.drafts import draft_of
 
 from ssdlocal.backends.prefix import BLOCK_TOKENS
@@ -24,7 +25,7 @@ from ssdlocal.core.config import (
     SamplingParams,
     SpecConfig,
 )
-from ssdlocal.core.events import DoneEvent, PrefillEvent, SeatedEvent, TokensEvent
+from ssdlocal.core.events import DoneEvent, SeatedEvent, TokensEvent
 from ssdlocal.core.verify import verify_groups, verify_logits
 from ssdlocal.engine import Engine
 from ssdlocal.engine.request import Inbox, RowSampling
@@ -33,10 +34,6 @@ from ssdlocal.core.sequence import Request
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def foo(x):", "the cat sat on the mat, the cat"]
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -69,55 +66,6 @@ def alone(engine, request: Request, spec: SpecConfig):
     done = [e for e in engine.generate([list(request.prompt)], request.params, spec=spec, grammars=grammars)][-1]
     assert isinstance(done, DoneEvent)
     return done.outputs[0]
-
-
-class Served:
-    """Per request: tokens, finish reason, log-probabilities; the seatings in order."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[int, list[int]] = defaultdict(list)
-        self.finish: dict[int, str] = {}
-        self.logprobs: dict[int, list] = defaultdict(list)
-        self.seatings: list[SeatedEvent] = []
-        self.prefills: list[PrefillEvent] = []
-        self.first_at: dict[int, float] = {}
-        self.order: list[int] = []  # requests in the order they finished
-
-
-def serve(engine, spec, start, joins=(), cancels=(), max_batch: int = 8) -> Served:
-    """Run Engine.serve: `start` requests at once; each (request, after, n) of `joins` joins
-    once request `after` has n tokens; each (request, n) of `cancels` is cancelled once it
-    has n tokens. Ends when every request has finished."""
-    inbox, out = Inbox(), Served()
-    inbox.add(*start)
-    joins, cancels = list(joins), list(cancels)
-    everyone = {r.id for r in start} | {r.id for r, *_ in joins}
-    seated: list[int] = []
-    for event in engine.serve(inbox, max_batch=max_batch, spec=spec):
-        if isinstance(event, SeatedEvent):
-            seated = list(event.requests)
-            out.seatings.append(event)
-        elif isinstance(event, PrefillEvent):
-            out.prefills.append(event)
-        elif isinstance(event, TokensEvent):
-            rid = seated[event.row]
-            assert rid not in out.finish, "tokens after the row finished"
-            out.first_at.setdefault(rid, event.at)
-            out.tokens[rid] += event.token_ids
-            out.logprobs[rid] += event.logprobs or ()
-            if event.finish_reason is not None:
-                out.finish[rid] = event.finish_reason
-                out.order.append(rid)
-        for item in [j for j in joins if len(out.tokens[j[1].id]) >= j[2]]:
-            joins.remove(item)
-            inbox.add(item[0])
-        for item in [c for c in cancels if len(out.tokens[c[0].id]) >= c[1]]:
-            cancels.remove(item)
-            inbox.cancel(item[0].id)
-            out.finish[item[0].id] = "cancelled"
-        if not joins and everyone <= set(out.finish):
-            inbox.close()
-    return out
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -470,6 +418,7 @@ def test_a_short_request_is_answered_while_a_long_stream_runs(tiny_dir, monkeypa
         live.close()
 
 
+@pytest.mark.draft_loss
 def test_six_streams_finish_when_the_ssd_worker_dies_mid_answer(engine, tiny_dir):
     """A dead draft worker costs speed, not answers: the rows in flight go on with plain
     steps and give their alone tokens, the seating's stats say the draft was lost, and the

@@ -161,6 +161,7 @@ def test_a_token_cancelled_before_generate_starts_stops_it(tiny_dir):
 
 # --------------------------------------------------------------------------- SSD deadlines
 @linux_only
+@pytest.mark.draft_loss
 def test_the_ssd_prefill_deadline_grows_with_the_prompt(tiny_dir, monkeypatch):
     """A worker that is slow to prefill (here: stopped for 3 s as START is sent) is
     waited for when the prompt is long, but a short prompt's deadline still catches it."""

@@ -145,7 +145,10 @@ def _engine(target, draft=None, **changes) -> Engine:
 
 
 def _tokens(engine: Engine, spec: SpecConfig) -> list[tuple[int, ...]]:
+    """The greedy tokens of PROMPTS; a draft that failed (its rows finished with plain steps)
+    fails the caller: equal tokens alone would not show that the mode ran."""
     done = [e for e in engine.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)]
+    assert done[0].stats.draft_losses == 0, (spec.mode, done[0].stats.draft_lost)
     return [o.token_ids for o in done[0].outputs]
 
 
@@ -171,6 +174,7 @@ def test_greedy_equals_transformers_generate_and_every_mode_equals_ar(family_dir
         for name, spec in modes.items():
             done = [e for e in traced.generate(PROMPTS, GREEDY, spec=spec) if isinstance(e, DoneEvent)][0]
             assert [o.token_ids for o in done.outputs] == expected, name
+            assert done.stats.draft_losses == 0, (name, done.stats.draft_lost)
             graphs = done.stats["graphs"]["target"]
             assert graphs["replays"] > 0 and graphs["refused"] == graphs["dropped"] == 0, (name, graphs)
 

@@ -1,7 +1,7 @@
 """--batch-invariant on the llama.cpp backend, without the compiled library.
 
-`ShapedLib` is the fake LlamaLib of test_llamacpp_runner.py with llama.cpp's CPU kernel
-families in miniature: a token's logits shift by a vector that depends on how many tokens
+`ShapedLib` (support/llamacpp_fakes.py) is the fake LlamaLib of the runner tests with
+llama.cpp's CPU kernel families in miniature: a token's logits shift by a vector that depends on how many tokens
 its call holds (one; two or three; four and more), as the float32 query of a lone token
 and the matrix-matrix kernel of repacked weights do. With it greedy SD leaves AR; with
 `batch_invariant` every step goes in calls of two or three tokens and SD equals AR.
@@ -11,46 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_llamacpp_runner import (  # noqa: F401 - fixtures
-    GREEDY,
-    PROMPTS,
-    FakeLlamaLib,
-    fake,
-    model_logits,
-    run,
-    tok_dir,
-    tokenizer,
-    vocab,
-)
+from support.fake_llamalib import model_logits
+from support.llamacpp_fakes import GREEDY, PROMPTS, fake, run, shaped, tok_dir, tokenizer, vocab  # noqa: F401 - fixtures
 
 from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
 from ssdlocal.backends.llamacpp.alike import Call, balanced, plan_calls, widest_alike
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, NgramDraft, SpecConfig
 from ssdlocal.core.errors import UsageError
 from ssdlocal.engine import Engine
-
-
-class ShapedLib(FakeLlamaLib):
-    """Logits shifted by the call's kernel family: 1 token, 2-3, 4 and more."""
-
-    def __init__(self, vocab: int, tokenizer=None) -> None:
-        super().__init__(vocab, tokenizer, max_seq=64)
-        self.shift = np.random.default_rng(5).standard_normal((3, vocab)).astype(np.float32)
-        self.widths: list[tuple[int, list[int]]] = []  # (context id, seqs) of every call
-
-    def decode(self, ctx, tokens, positions, seqs, want, n_vocab):
-        out = super().decode(ctx, tokens, positions, seqs, want, n_vocab)
-        self.widths.append((id(ctx), list(seqs)))
-        family = 0 if len(tokens) == 1 else 1 if len(tokens) < 4 else 2
-        return out + self.shift[family]
-
-
-@pytest.fixture
-def shaped(fake, monkeypatch, vocab, tokenizer):
-    lib = ShapedLib(vocab, tokenizer)
-    monkeypatch.setattr("ssdlocal.backends.llamacpp.lib.LlamaLib", lambda verbose=False: lib)
-    _old, target, draft = fake
-    return lib, target, draft
 
 
 def _engine(target: str, draft: str, alike: bool) -> Engine:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from support.cli import run_cli
 from support.fake_llamalib import FakeLlamaLib, model_logits, reference_greedy
+from support.llamacpp_fakes import GREEDY, PROMPTS, fake, run, tok_dir, tokenizer, vocab  # noqa: F401 - fixtures
 
 from ssdlocal.backends.llamacpp import LlamaCppRunner, load_gguf
 from ssdlocal.backends.llamacpp import loader as gguf_loader
@@ -25,11 +25,10 @@ from ssdlocal.core.config import (
     EngineConfig,
     Mode,
     ModelSpec,
-    SamplingParams,
     SpecConfig,
 )
 from ssdlocal.core.errors import ModelLoadError, SSDLocalError, UsageError
-from ssdlocal.core.events import DoneEvent, SsdRound
+from ssdlocal.core.events import SsdRound
 from ssdlocal.draft.base import Proposal
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.draft.ssd.speculator import Speculator
@@ -37,48 +36,6 @@ from ssdlocal.engine import Engine
 from ssdlocal.engine.drafts import DraftSide
 from ssdlocal.draft.base import DrafterBase
 from ssdlocal.core.config import ModelDraft, NgramDraft
-
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-PROMPTS = ["hello world, def foo(x):", "the cat", "Once upon a time there was a little model"]
-
-
-# ----------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def tok_dir(tiny_dir) -> Path:
-    return tiny_dir["llama"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def vocab(tok_dir) -> int:
-    return json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-
-
-@pytest.fixture
-def fake(monkeypatch, tokenizer, vocab, tmp_path):
-    """Patch the backend to use FakeLlamaLib; returns (lib, target.gguf, draft.gguf)."""
-    lib = FakeLlamaLib(vocab, tokenizer)
-    monkeypatch.setattr("ssdlocal.backends.llamacpp.lib.LlamaLib", lambda verbose=False: lib)
-    monkeypatch.setattr("ssdlocal.backends.llamacpp.probe.installed", lambda: False)  # no probe
-    monkeypatch.setattr(gguf_loader, "gguf_tokenizer", lambda path: tokenizer)
-    monkeypatch.setattr("ssdlocal.backends.llamacpp.gguf_tokenizer", lambda path: tokenizer)
-    paths = []
-    for name in ("target.gguf", "draft.gguf"):
-        p = tmp_path / name
-        p.write_bytes(b"GGUF" + b"\0" * 60)
-        paths.append(str(p))
-    return lib, paths[0], paths[1]
-
-
-def run(engine: Engine, prompts, spec=None, params=GREEDY):
-    done = next(ev for ev in engine.generate(prompts, params, spec=spec) if isinstance(ev, DoneEvent))
-    return [list(o.token_ids) for o in done.outputs], done.stats
 
 
 # ----------------------------------------------------------------- engine: AR / SD

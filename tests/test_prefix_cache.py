@@ -24,6 +24,7 @@ from ssdlocal.core.errors import OutOfMemoryError, UsageError
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.engine import Engine
 from support.drafts import draft_of
+from support.prefix_calls import SYSTEM, prompt_ids, run_call, run_sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 B = BLOCK_TOKENS
@@ -183,54 +184,6 @@ def models(tiny_dir, tmp_path_factory):
     return out
 
 
-def _ids(seed: int, n: int) -> list[int]:
-    return [(seed * 31 + 17 * i + (i * i) % 7) % 300 + 5 for i in range(n)]
-
-
-SYSTEM = _ids(1, 150)  # a long system message shared by every conversation
-
-
-def _calls(answers: dict) -> list:
-    """(name, prompts) per call; a conversation's next turn is its last prompt + answer + a
-    question (`answers[name]` holds what the engine answered for that conversation)."""
-
-    def turn(name: str, question: list[int]) -> list[int]:
-        prompt, answer = answers.get(name, (SYSTEM, []))
-        return list(prompt) + list(answer) + question
-
-    return [
-        ("a", lambda: [turn("a", _ids(2, 20))]),
-        ("a", lambda: [turn("a", _ids(3, 9))]),  # a's next turn
-        ("b", lambda: [turn("b", _ids(4, 30))]),  # another conversation, same system message
-        ("a", lambda: [turn("a", _ids(5, 12))]),  # back to a
-        ("x", lambda: [SYSTEM[: 3 * B + 7]]),  # a strict prefix of stored prompts, ending inside a block
-        ("x", lambda: [[299] + SYSTEM[1:]]),  # diverges at its first token
-        ("x", lambda: [turn("a", []), _ids(6, 40), SYSTEM + _ids(7, 25)]),  # a batch of rows
-    ]
-
-
-def _run(engine: Engine, prompts, max_new: int, spec=None):
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    done = [e for e in engine.generate(prompts, params, spec=spec) if isinstance(e, DoneEvent)][0]
-    return [list(o.token_ids) for o in done.outputs], done.stats
-
-
-def _sequence(engine: Engine, reference: Engine | None, spec=None, max_new: int = 10):
-    """Run the calls; with `reference` (a fresh engine without the cache), compare each."""
-    answers: dict = {}
-    cached = []
-    for name, prompts_of in _calls(answers):
-        prompts = prompts_of()
-        got, stats = _run(engine, prompts, max_new, spec)
-        if reference is not None:
-            want, _ = _run(reference, prompts, max_new)
-            assert got == want, f"call {name} differs with the prefix cache"
-        if name != "x":
-            answers[name] = (prompts[0], got[0])
-        cached.append(stats["cached_prompt_tokens"])
-    return cached
-
-
 @pytest.fixture(scope="module")
 def reference(models):
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), prefix_cache_tokens=0)
@@ -259,10 +212,10 @@ def test_every_call_equals_a_fresh_engine_without_the_cache(models, reference, m
     ref_config = EngineConfig(target=target, prefix_cache_tokens=0)
     with Engine(EngineConfig(target=target, spec=spec, pin_cpus=False)) as engine:
         if quantization == "none":
-            cached = _sequence(engine, reference)
+            cached = run_sequence(engine, reference)
         else:  # the quantized reference: the same weights without the cache
             with Engine(ref_config) as ref:
-                cached = _sequence(engine, ref)
+                cached = run_sequence(engine, ref)
         report = engine.prefix_reports()["target"]
     first_turn, next_turn, other, back, prefix, diverged, batch = cached
     assert first_turn == 0 and diverged == 0
@@ -274,7 +227,7 @@ def test_every_call_equals_a_fresh_engine_without_the_cache(models, reference, m
 def test_a_cache_too_small_for_the_calls_evicts_and_stays_exact(models, reference):
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), prefix_cache_tokens=4 * B)
     with Engine(config) as engine:
-        _sequence(engine, reference)
+        run_sequence(engine, reference)
         report = engine.prefix_reports()["target"]
     assert report["capacity_tokens"] == 4 * B and report["evicted_tokens"] > 0
 
@@ -282,7 +235,7 @@ def test_a_cache_too_small_for_the_calls_evicts_and_stays_exact(models, referenc
 def test_off_and_on_give_the_same_tokens_and_off_reads_everything(models, reference):
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), prefix_cache_tokens=0)
     with Engine(config) as engine:
-        assert set(_sequence(engine, reference)) == {0}
+        assert set(run_sequence(engine, reference)) == {0}
         assert engine.prefix_reports() == {}
 
 
@@ -291,7 +244,7 @@ def test_sampled_answers_with_the_cache_equal_the_ones_without(models):
     distributions are the same, so the same draws give the same tokens."""
     spec = SpecConfig(mode=Mode.SD, k=3, draft=draft_of(models["draft_llama"], suffix=False))
     params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=12, ignore_eos=True)
-    prompt = SYSTEM + _ids(8, 10)
+    prompt = SYSTEM + prompt_ids(8, 10)
     outs = []
     for tokens in (0, None):
         config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, prefix_cache_tokens=tokens)
@@ -318,12 +271,12 @@ def test_out_of_memory_while_storing_costs_only_the_reuse(models, monkeypatch, c
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
 
         monkeypatch.setattr(engine.runner.model, "save_prefix", no_memory)
-        tokens, _ = _run(engine, [SYSTEM], 6)
+        tokens, _ = run_call(engine, [SYSTEM], 6)
         assert len(tokens[0]) == 6 and "prefix cache was not updated" in caplog.text
         assert engine.prefix_reports()["target"]["used_tokens"] == 0
         monkeypatch.undo()
-        _run(engine, [SYSTEM], 6)
-        _, stats = _run(engine, [SYSTEM], 6)
+        run_call(engine, [SYSTEM], 6)
+        _, stats = run_call(engine, [SYSTEM], 6)
         assert stats["cached_prompt_tokens"] == (len(SYSTEM) - 1) // B * B
 
 
@@ -342,9 +295,9 @@ def test_a_cache_that_does_not_fit_is_refused_at_start(models, monkeypatch):
 
 def test_forget_prefixes_empties_the_cache(models):
     with Engine(EngineConfig(target=ModelSpec(models["llama"], dtype="float32"))) as engine:
-        _run(engine, [SYSTEM], 4)
+        run_call(engine, [SYSTEM], 4)
         engine.forget_prefixes()
-        _, stats = _run(engine, [SYSTEM], 4)
+        _, stats = run_call(engine, [SYSTEM], 4)
         assert stats["cached_prompt_tokens"] == 0
 
 
@@ -380,25 +333,26 @@ def test_captured_steps_read_reused_prefixes_like_eager(models, reference, monke
     monkeypatch.setenv("SSDLOCAL_GRAPHS", "trace")
     spec = SpecConfig(mode=Mode.SD, k=3, draft=draft_of(models["draft_llama"]), backup="jit")
     with Engine(EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, graphs="trace")) as engine:
-        cached = _sequence(engine, reference)
+        cached = run_sequence(engine, reference)
         graphs = engine.runner.graphs.stats.as_dict()
     assert sum(cached) > 0 and graphs["replays"] > 0 and not graphs["dropped"]
 
 
+@pytest.mark.draft_loss
 def test_a_dead_ssd_worker_takes_its_cache_and_the_target_stays_exact(models, reference):
     import os
     import signal
 
     spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(models["draft_llama"]), backup="jit")
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, pin_cpus=False)
-    prompt = SYSTEM + _ids(9, 20)
+    prompt = SYSTEM + prompt_ids(9, 20)
     with Engine(config) as engine:
-        first, _ = _run(engine, [prompt], 10)
+        first, _ = run_call(engine, [prompt], 10)
         os.kill(engine.drafts.worker.proc.pid, signal.SIGKILL)
-        found, lost = _run(engine, [prompt + first[0]], 10)  # the call that finds it dead goes on without it
+        found, lost = run_call(engine, [prompt + first[0]], 10)  # the call that finds it dead goes on without it
         assert lost.draft_losses == 1 and "died" in lost.draft_lost
-        again, stats = _run(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache
-        want, _ = _run(reference, [prompt + first[0]], 10)
+        again, stats = run_call(engine, [prompt + first[0]], 10)  # a new worker, an empty draft cache
+        want, _ = run_call(reference, [prompt + first[0]], 10)
     assert found == again == want and stats["cached_prompt_tokens"] > len(SYSTEM) // 2
     assert stats.draft_losses == 0
 
@@ -407,7 +361,7 @@ def test_the_ssd_workers_cache_is_reported_as_the_drafts(models):
     spec = SpecConfig(mode=Mode.SSD, k=3, draft=draft_of(models["draft_llama"]), backup="jit")
     config = EngineConfig(target=ModelSpec(models["llama"], dtype="float32"), spec=spec, pin_cpus=False)
     with Engine(config) as engine:
-        first, _ = _run(engine, [SYSTEM], 8)
-        _, stats = _run(engine, [SYSTEM + first[0] + _ids(10, 5)], 8)
+        first, _ = run_call(engine, [SYSTEM], 8)
+        _, stats = run_call(engine, [SYSTEM + first[0] + prompt_ids(10, 5)], 8)
     draft = stats["prefix_cache"]["draft"]
     assert draft["reused_tokens"] >= len(SYSTEM) // B * B and draft["stored_tokens"] > 0

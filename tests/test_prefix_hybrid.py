@@ -18,7 +18,7 @@ import torch
 from support.drafts import draft_of
 from support.tiny_families import make_qwen3_5
 from support.tiny_models import build_tokenizer, make_draft_like
-from test_prefix_cache import SYSTEM, _ids, _sequence
+from support.prefix_calls import SYSTEM, prompt_ids, run_sequence
 
 from ssdlocal.backends.base import Logits
 from ssdlocal.backends.prefix import BLOCK_TOKENS
@@ -65,17 +65,17 @@ def _hit(runner, tokens: list[int]) -> tuple[int, torch.Tensor]:
 def test_a_hit_ends_only_at_a_block_whose_state_was_kept_and_equals_a_cold_read(hybrid):
     target, _ = hybrid
     runner = _runner(target, 6 * B)  # six blocks: the later stores evict the earlier ones
-    a = _ids(11, 3 * B + 5)
+    a = prompt_ids(11, 3 * B + 5)
     runner.reset(1, 512)
     runner.feed([a], Logits.NONE)
     runner.store(0, a)  # blocks 0-2 of a, the state after block 2 (position 47)
     report = runner.prefix_report()
     assert report["state_slots"] > 0 and report["state_bytes"] > 0
     cases = {
-        "a's next turn": a + _ids(12, 9),
+        "a's next turn": a + prompt_ids(12, 9),
         "strict prefix ending inside a block": a[: 3 * B + 2],
-        "diverges inside block 2": a[: 2 * B + 3] + _ids(13, 20),  # blocks 0-1 stored, no state at 31
-        "diverges at block 1's end": a[:B] + _ids(14, 20),
+        "diverges inside block 2": a[: 2 * B + 3] + prompt_ids(13, 20),  # blocks 0-1 stored, no state at 31
+        "diverges at block 1's end": a[:B] + prompt_ids(14, 20),
         "diverges at its first token": [299] + a[1:],
     }
     want_reused = {
@@ -94,18 +94,23 @@ def test_a_hit_ends_only_at_a_block_whose_state_was_kept_and_equals_a_cold_read(
     runner.reset(1, 512)
     runner.feed([short], Logits.NONE)
     runner.store(0, short)
-    n, got = _hit(runner, short + _ids(15, 7))
+    n, got = _hit(runner, short + prompt_ids(15, 7))
     assert n == 2 * B
-    torch.testing.assert_close(got, _cold(runner, short + _ids(15, 7)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _cold(runner, short + prompt_ids(15, 7)), rtol=1e-5, atol=1e-5)
     # other sequences take the pool blocks: a block number handed to other tokens never
     # brings back the state its earlier tokens left
     for seed in (16, 17, 18):
-        other = _ids(seed, 3 * B + 1)
+        other = prompt_ids(seed, 3 * B + 1)
         runner.reset(1, 512)
         runner.feed([other], Logits.NONE)
         runner.store(0, other)
     assert runner.prefix_report()["evicted_tokens"] > 0
-    for tokens in (a + _ids(12, 9), short + _ids(15, 7), _ids(18, 3 * B + 1) + [7, 8], _ids(16, 2 * B + 4)):
+    for tokens in (
+        a + prompt_ids(12, 9),
+        short + prompt_ids(15, 7),
+        prompt_ids(18, 3 * B + 1) + [7, 8],
+        prompt_ids(16, 2 * B + 4),
+    ):
         n, got = _hit(runner, tokens)
         assert n % B == 0
         torch.testing.assert_close(got, _cold(runner, tokens), rtol=1e-5, atol=1e-5)
@@ -116,7 +121,7 @@ def test_the_state_stored_comes_from_steps_as_well_as_feeds(hybrid):
     there: the next turn reuses it and reads exactly as cold."""
     target, _ = hybrid
     runner = _runner(target, None)
-    prompt = _ids(21, B + 10)
+    prompt = prompt_ids(21, B + 10)
     runner.reset(1, 512)
     runner.feed([prompt], Logits.NONE)
     runner.begin_steps()
@@ -129,7 +134,7 @@ def test_the_state_stored_comes_from_steps_as_well_as_feeds(hybrid):
         token = (token * 7 + 3) % 300 + 5
     runner.end_steps({0: tokens[len(prompt) :]})
     runner.store(0, tokens)
-    turn = tokens + _ids(22, 5)
+    turn = tokens + prompt_ids(22, 5)
     n, got = _hit(runner, turn)
     assert n == 2 * B
     torch.testing.assert_close(got, _cold(runner, turn), rtol=1e-5, atol=1e-5)
@@ -155,7 +160,7 @@ def test_every_call_equals_a_fresh_engine_without_the_cache(hybrid, reference, c
     target, draft = hybrid
     spec = CASES[case](draft)
     with Engine(EngineConfig(target=ModelSpec(target, dtype="float32"), spec=spec, pin_cpus=False, graphs=graphs)) as e:
-        cached = _sequence(e, reference)
+        cached = run_sequence(e, reference)
         report = e.prefix_reports()["target"]
         replays = e.runner.graphs.stats.as_dict()["replays"] if graphs == "trace" else None
     first_turn, next_turn, other, back, prefix, diverged, batch = cached
@@ -175,7 +180,7 @@ def _tokens(engine: Engine, prompts, spec, n: int) -> list[list[int]]:
 def test_rows_joining_and_leaving_a_running_hybrid_batch_get_their_alone_tokens(hybrid):
     """In traced graphs, AR (test_families covers AR and SSD eagerly; 62 s for SD here)."""
     case = "ar"
-    from test_continuous_batching import greedy, serve
+    from support.batch_serve import greedy, serve
 
     from ssdlocal.core.sequence import Request
 
@@ -184,8 +189,8 @@ def test_rows_joining_and_leaving_a_running_hybrid_batch_get_their_alone_tokens(
     config = EngineConfig(target=ModelSpec(target, dtype="float32"), spec=spec, pin_cpus=False, graphs="trace")
     with Engine(config) as engine:
         long = Request(tuple(SYSTEM[:40]), greedy(40))
-        short = Request(tuple(_ids(31, 9)), greedy(8))
-        later = Request(tuple(SYSTEM[:20] + _ids(32, 30)), greedy(12))
+        short = Request(tuple(prompt_ids(31, 9)), greedy(8))
+        later = Request(tuple(SYSTEM[:20] + prompt_ids(32, 30)), greedy(12))
         served = serve(engine, spec, [long], joins=[(short, long, 6), (later, long, 18)])
         for request in (long, short, later):
             assert (

@@ -14,8 +14,7 @@ from dataclasses import replace
 
 import pytest
 from support.fake_engine import FakeEngine, FakeMeter
-from test_llamacpp_alike import shaped  # noqa: F401 - fixture
-from test_llamacpp_runner import fake, tok_dir, tokenizer, vocab  # noqa: F401 - fixtures
+from support.llamacpp_fakes import fake, shaped, tok_dir, tokenizer, vocab  # noqa: F401 - fixtures
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelDraft, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.tui import facts, load

@@ -74,6 +74,7 @@ def final_ids(events) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------- death
+@pytest.mark.draft_loss
 def test_worker_killed_mid_generation_costs_speed_not_the_answer(tiny_dir):
     """The call goes on with plain steps and gives AR's tokens; its stats say the draft was
     lost and why; the next call starts a fresh worker and is still exact."""
@@ -100,6 +101,7 @@ def test_worker_killed_mid_generation_costs_speed_not_the_answer(tiny_dir):
         assert done.outputs[0].token_ids == final_ids(list(ar.generate(["Hello world"], LONG)))
 
 
+@pytest.mark.draft_loss
 def test_workers_that_keep_failing_give_way_to_sd_with_a_reason(tiny_dir, monkeypatch):
     from ssdlocal.engine import drafts
 
@@ -117,6 +119,7 @@ def test_workers_that_keep_failing_give_way_to_sd_with_a_reason(tiny_dir, monkey
         assert done.outputs[0].token_ids == final_ids(list(ar.generate(["Hello world"], params)))
 
 
+@pytest.mark.draft_loss
 def test_hung_worker_times_out_and_is_killed(tiny_dir, monkeypatch):
     monkeypatch.setattr(ssd, "RECV_TIMEOUT_S", 1.5)
     engine = Engine(ssd_config(tiny_dir))

@@ -55,13 +55,8 @@ def aggregate(records: list[dict], system: str) -> dict:
         accepted=total.accepted,
     )
     if m.ssd is not None:
-        out.update(
-            cache_hit_rate=m.ssd.cache_hit_rate,
-            tokens_per_round_hit=m.ssd.tokens_per_round_hit,
-            tokens_per_round_miss=m.ssd.tokens_per_round_miss,
-            backup_used=dict(m.ssd.backup_used),
-            draft_busy_ms_per_round=_ratio(m.ssd.draft_busy_ms, total.rounds),
-        )
+        out.update(m.ssd.to_dict())  # the SSD part under core.metrics' names
+        out.update(draft_busy_ms_per_round=_ratio(m.ssd.draft_busy_ms, total.rounds))
     return out
 
 

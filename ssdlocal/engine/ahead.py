@@ -21,6 +21,7 @@ import torch
 
 from ssdlocal.core.errors import SSDLocalError
 from ssdlocal.core.sequence import Request
+from ssdlocal.draft.base import Drafter
 
 log = logging.getLogger(__name__)
 # what a failed read ahead may raise (out of memory, a llama.cpp decode error): the request
@@ -62,7 +63,7 @@ class ReadAhead:
             return True
         return len(request.prompt) - 1 - self._held(request) <= chunk
 
-    def read(self, request: Request, chunk: int, drafter=None) -> None:
+    def read(self, request: Request, chunk: int, drafter: Drafter | None = None) -> None:
         """One chunk of `request`'s prompt (one that is not `ready`) into the target's store
         and, when it reads ahead too (Drafter.read_ahead), the drafter's, as far as the
         target's went."""
@@ -78,7 +79,7 @@ class ReadAhead:
             self._stalled.add(request.id)  # the store cannot hold more of it: read it whole at its seat
         else:
             self.rate = (now - held) / max(time.perf_counter() - t0, 1e-6)
-        if drafter is not None and hasattr(drafter, "read_ahead"):
+        if drafter is not None:  # a drafter without a model of its own reads nothing (DrafterBase)
             try:
                 drafter.read_ahead(request.prompt[:now], chunk)
             except READ_FAILURES as exc:  # the draft reads the rest at the seat

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ssdlocal.backends.base import Logits
+from ssdlocal.backends.base import Logits, kept_logits
 from ssdlocal.backends.prefix import BLOCK_TOKENS
 from ssdlocal.backends.torch.linear_states import LinearStates
 from ssdlocal.backends.torch.loader import LoadedModel
@@ -184,10 +184,12 @@ class HybridRunner(StoredStates, TorchRunner):
 
     # ------------------------------------------------------------------ trees (SSD)
     @torch.inference_mode()
-    def forward_raw(self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-        """TorchRunner.forward_raw with a state per branch: the first tree step after a feed
-        starts every branch from its fork's state in the ring, later ones from the tree
-        buffers (read one, write the other: a graph per parity)."""
+    def forward_raw(
+        self, ids: Tensor, positions: Tensor, slots: Tensor, mask: Tensor, out: Tensor | None = None
+    ) -> Tensor:
+        """TorchRunner.forward_raw (with its `out`) with a state per branch: the first tree
+        step after a feed starts every branch from its fork's state in the ring, later ones
+        from the tree buffers (read one, write the other: a graph per parity)."""
         if not self.plain:
             raise RuntimeError(
                 "tree steps of a tensor-parallel hybrid model are not implemented"
@@ -201,11 +203,12 @@ class HybridRunner(StoredStates, TorchRunner):
             if self.graphs is not None:
                 key = ("tree", depth == 0, depth % 2, *mask.shape)
                 inputs = dict(input_ids=ids, positions=positions, slots=slots, attn_mask=mask)
-                out = self.graphs.run(key, self.model, **inputs).clone()
+                logits = self.graphs.run(key, self.model, **inputs)  # a static buffer
+                result = logits.clone() if out is None else kept_logits(logits, out)
             else:
-                out = self.model(ids, positions, slots, mask)  # [B, W, V]
+                result = kept_logits(self.model(ids, positions, slots, mask), out)  # [B, W, V]
         self.tree_depth += 1
-        return out
+        return result
 
     def _tree_buffers(self, width: int) -> None:
         states = self.states
