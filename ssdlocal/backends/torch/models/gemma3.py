@@ -103,11 +103,8 @@ class Gemma3Block(nn.Module):
         super().__init__()
         h, eps = args.hidden_size, args.rms_norm_eps
         self.rope = ROPE_OF[kind]
-        self.self_attn = Attention(
-            h,
-            args.num_heads,
-            args.num_kv_heads,
-            args.head_dim,
+        self.self_attn = Attention.of(
+            args,
             qkv_bias=args.qkv_bias,
             o_bias=args.o_bias,
             qk_norm=gemma_norm(args.head_dim, eps),

@@ -101,11 +101,8 @@ class GptOssBlock(nn.Module):
     def __init__(self, args: GptOssArgs, kind: str) -> None:
         super().__init__()
         h, a = args.hidden_size, args
-        self.self_attn = Attention(
-            h,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
+        self.self_attn = Attention.of(
+            a,
             qkv_bias=a.qkv_bias,
             o_bias=a.o_bias,
             window=a.sliding_window if kind == SLIDING else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,21 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """What a decoder layer's attention, MLP, norms and rotary table read from a config: the
+    first fields of every family's args (models/base.ModelArgs) and every head's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "llama3" | "linear" | "yarn", ...}
 
 
 class RMSNorm(nn.Module):
@@ -191,6 +207,11 @@ class Attention(nn.Module):
         self.scale, self.window = scale, window
         self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
         self.kv_cache: KVCache | None = None  # set by CausalLM.setup_cache
+
+    @classmethod
+    def of(cls, args: LayerArgs, **options) -> Attention:
+        """The attention of a layer with `args`' widths and heads; `options` as the constructor's."""
+        return cls(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, **options)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
         """mask: which slots each query sees (AttentionMask). None: a fresh prefill (every

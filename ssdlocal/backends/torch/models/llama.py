@@ -39,11 +39,8 @@ class LlamaArgs(ModelArgs):
 
 def llama_attention(args: LlamaArgs) -> Attention:
     norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-    return Attention(
-        args.hidden_size,
-        args.num_heads,
-        args.num_kv_heads,
-        args.head_dim,
+    return Attention.of(
+        args,
         qkv_bias=args.qkv_bias,
         o_bias=args.o_bias,
         qk_norm=norm,
