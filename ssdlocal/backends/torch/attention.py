@@ -121,10 +121,14 @@ def attend(
     values: Tensor,
     mask: AttentionMask | None,
     scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """q [B, H, T, D]; k/v [B, Hkv, T, D] (the new tokens, used when mask is None);
     keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]. `scale`: the
-    softmax scale (None: 1/sqrt(D))."""
+    softmax scale (None: 1/sqrt(D)). `sinks` [H]: a learned logit per head in the softmax
+    denominator (gpt-oss; `sink_attention`)."""
+    if sinks is not None:
+        return sink_attention(q, (k, v) if mask is None else (keys, values), mask, sinks, scale)
     gqa = q.shape[1] != k.shape[1]
     if mask is None:  # a fresh prefill: causal over the new tokens, no dense mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)  # [B, H, T, D]
@@ -135,6 +139,31 @@ def attend(
     if mask.kernel == "batched-matmul":
         return matmul_attention(q, keys, values, mask.tensor, scale)
     return folded_attention(q, keys, values, mask.tensor, scale)
+
+
+def sink_attention(
+    q: Tensor, kv: tuple[Tensor, Tensor], mask: AttentionMask | None, sinks: Tensor, scale: float | None
+) -> Tensor:
+    """Attention whose softmax denominator has one more term per head, exp(sinks[h]):
+    q [B, H, T, D]; kv: keys/values [B, Hkv, S, D] (the new tokens' [B, Hkv, T, D] for a fresh
+    prefill); the mask's visible slots (or causal over the new tokens) -> [B, H, T, D]. Written
+    out in float32 as the reference computes it (scores, the sink column, max-shifted softmax)."""
+    keys, values = kv
+    if mask is None:
+        T = q.shape[2]
+        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]  # [1, 1, T, T]
+    else:
+        visible = mask.visible()  # [B, 1, T, S]
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)  # [B, H, S, D]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))  # [B, H, T, S]
+    sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:3], 1)  # [B, H, T, 1]
+    logits = torch.cat([scores, sink], dim=-1)  # [B, H, T, S+1]
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # [B, H, T, S]: the sink dropped
+    return torch.matmul(probs.to(values.dtype), values)  # [B, H, T, D]
 
 
 def lower_right_attention(

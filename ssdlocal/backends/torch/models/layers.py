@@ -227,43 +227,8 @@ class Attention(nn.Module):
         span = T if mask is None else mask.span
         assert self.kv_cache is not None  # setup_cache ran (CausalLM.forward checks)
         keys, values = self.kv_cache.update(slots, k, v, span)  # [B, Hkv, S, D] each
-        if self.sinks is not None:
-            out = sink_attention(q, k, v, keys, values, mask, self.sinks, self.scale)  # [B, H, T, D]
-        else:
-            out = attend(q, k, v, keys, values, mask, scale=self.scale)  # [B, H, T, D]
+        out = attend(q, k, v, keys, values, mask, scale=self.scale, sinks=self.sinks)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
-
-
-def sink_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    mask: AttentionMask | None,
-    sinks: Tensor,
-    scale: float | None,
-) -> Tensor:
-    """Attention whose softmax denominator has one more term per head, exp(sinks[h]):
-    q [B, H, T, D]; keys/values [B, Hkv, S, D] (k/v [B, Hkv, T, D] for a fresh prefill);
-    the mask's visible slots (or causal over the new tokens) -> [B, H, T, D]. Written out in
-    float32 as the reference computes it (scores, the sink column, max-shifted softmax)."""
-    if mask is None:
-        keys, values = k, v
-        T = q.shape[2]
-        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]  # [1, 1, T, T]
-    else:
-        visible = mask.visible()  # [B, 1, T, S]
-    groups = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)  # [B, H, S, D]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, T, S]
-    scores = scores.masked_fill(~visible, float("-inf"))  # [B, H, T, S]
-    sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:3], 1)  # [B, H, T, 1]
-    logits = torch.cat([scores, sink], dim=-1)  # [B, H, T, S+1]
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # [B, H, T, S]: the sink dropped
-    return torch.matmul(probs.to(values.dtype), values)  # [B, H, T, D]
 
 
 # ------------------------------------------------------------------ feed-forward
