@@ -231,6 +231,17 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
 
 
+class PreNormBlock(nn.Module):
+    """x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)): the layer
+    of the Llama-like families, whose subclass builds those four modules."""
+
+    rope = "global"
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
+
+
 # ------------------------------------------------------------------ feed-forward
 class MLP(nn.Module):
     """down(act(gate(x)) * up(x)), with the family's activation."""
