@@ -121,14 +121,10 @@ def attend(
     values: Tensor,
     mask: AttentionMask | None,
     scale: float | None = None,
-    sinks: Tensor | None = None,
 ) -> Tensor:
     """q [B, H, T, D]; k/v [B, Hkv, T, D] (the new tokens, used when mask is None);
     keys/values [B, Hkv, S, D] (the cache's first S slots) -> [B, H, T, D]. `scale`: the
-    softmax scale (None: 1/sqrt(D)). `sinks` [H]: a learned logit per head in the softmax
-    denominator (gpt-oss; `sink_attention`)."""
-    if sinks is not None:
-        return sink_attention(q, (k, v) if mask is None else (keys, values), mask, sinks, scale)
+    softmax scale (None: 1/sqrt(D))."""
     gqa = q.shape[1] != k.shape[1]
     if mask is None:  # a fresh prefill: causal over the new tokens, no dense mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)  # [B, H, T, D]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.attention import AttentionMask, attend
+from ssdlocal.backends.torch.attention import AttentionMask, attend, sink_attention
 from ssdlocal.backends.torch.kvcache import KVCache
 
 ACTIVATIONS = {
@@ -227,7 +227,11 @@ class Attention(nn.Module):
         span = T if mask is None else mask.span
         assert self.kv_cache is not None  # setup_cache ran (CausalLM.forward checks)
         keys, values = self.kv_cache.update(slots, k, v, span)  # [B, Hkv, S, D] each
-        out = attend(q, k, v, keys, values, mask, scale=self.scale, sinks=self.sinks)  # [B, H, T, D]
+        if self.sinks is not None:
+            kv = (k, v) if mask is None else (keys, values)  # what the queries see
+            out = sink_attention(q, kv, mask, self.sinks, self.scale)  # [B, H, T, D]
+        else:
+            out = attend(q, k, v, keys, values, mask, scale=self.scale)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
 
 
