@@ -90,6 +90,7 @@ class CausalLM(nn.Module):
 
     embed_scale: float | None = None  # embeddings times this (cast to the activation dtype first)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    norm_type: Callable[[int, float], nn.Module] = RMSNorm  # the family's norm, from (width, eps)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -117,7 +118,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def make_norm(self) -> nn.Module:
-        return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps)
+        return self.norm_type(self.args.hidden_size, self.args.rms_norm_eps)
 
     # ------------------------------------------------------------------ caches
     def _owners(self) -> list[nn.Module]:

@@ -149,9 +149,7 @@ class GemmaLM(CausalLM):
 
 class Gemma3(GemmaLM):
     args: Gemma3Args
+    norm_type = staticmethod(gemma_norm)
 
     def make_layer(self, index: int) -> nn.Module:
         return Gemma3Block(self.args, self.args.layer_types[index])
-
-    def make_norm(self) -> nn.Module:
-        return gemma_norm(self.args.hidden_size, self.args.rms_norm_eps)

@@ -224,6 +224,7 @@ class Gemma4Block(nn.Module):
 
 class Gemma4(GemmaLM):
     args: Gemma4Args
+    norm_type = Gemma4Norm
 
     def __init__(self, args: Gemma4Args) -> None:
         super().__init__(args)
@@ -235,9 +236,6 @@ class Gemma4(GemmaLM):
 
     def make_layer(self, index: int) -> nn.Module:
         return Gemma4Block(self.args, index)
-
-    def make_norm(self) -> nn.Module:
-        return Gemma4Norm(self.args.hidden_size, self.args.rms_norm_eps)
 
     def layer_inputs(self, input_ids: Tensor, x: Tensor) -> Tensor | None:
         """Per-layer embeddings [B, T, L, width]: the token's row of the per-layer table (times

@@ -114,9 +114,7 @@ class GptOssBlock(PreNormBlock):
 
 class GptOss(CausalLM):
     args: GptOssArgs
+    norm_type = staticmethod(gpt_oss_norm)
 
     def make_layer(self, index: int) -> nn.Module:
         return GptOssBlock(self.args, self.args.layer_types[index])
-
-    def make_norm(self) -> nn.Module:
-        return gpt_oss_norm(self.args.hidden_size, self.args.rms_norm_eps)
