@@ -108,9 +108,9 @@ def _common_notes(s: ExportSettings) -> list[str]:
     return notes
 
 
-# ---------------------------------------------------------------------- vLLM
-def _vllm(s: ExportSettings) -> Export:
-    spec = json.dumps({"model": s.draft, "num_speculative_tokens": s.k.value, "method": "draft_model"})
+def _serving(s: ExportSettings, context_flag: str) -> list[tuple[str, object]]:
+    """The options vLLM and SGLang name alike: served name, address, tensor parallelism, then
+    the context length (when set) under the engine's `context_flag`."""
     options: list[tuple[str, object]] = [
         ("served-model-name", s.served_name),
         ("host", s.host),
@@ -118,8 +118,14 @@ def _vllm(s: ExportSettings) -> Export:
         ("tensor-parallel-size", s.tensor_parallel.value),
     ]
     if s.context.value is not None:
-        options.append(("max-model-len", s.context.value))
-    options.append(("speculative-config", spec))
+        options.append((context_flag, s.context.value))
+    return options
+
+
+# ---------------------------------------------------------------------- vLLM
+def _vllm(s: ExportSettings) -> Export:
+    spec = json.dumps({"model": s.draft, "num_speculative_tokens": s.k.value, "method": "draft_model"})
+    options = [*_serving(s, "max-model-len"), ("speculative-config", spec)]
     argv = ("vllm", "serve", s.target, *_flags(options))
     name = "vllm.yaml"
     notes = _common_notes(s) + [
@@ -133,16 +139,9 @@ def _vllm(s: ExportSettings) -> Export:
 # ---------------------------------------------------------------------- SGLang
 def _sglang(s: ExportSettings) -> Export:
     k = int(s.k.value)  # type: ignore[call-overload]
-    options: list[tuple[str, object]] = [
+    options = [
         ("model-path", s.target),
-        ("served-model-name", s.served_name),
-        ("host", s.host),
-        ("port", s.port),
-        ("tensor-parallel-size", s.tensor_parallel.value),
-    ]
-    if s.context.value is not None:
-        options.append(("context-length", s.context.value))
-    options += [
+        *_serving(s, "context-length"),
         ("speculative-algorithm", "STANDALONE"),
         ("speculative-draft-model-path", s.draft),
         ("speculative-num-steps", k),

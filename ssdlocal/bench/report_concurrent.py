@@ -79,6 +79,11 @@ def _f(value, fmt: str = "{:.2f}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def _latencies(a: dict) -> list[str]:
+    """The latency columns both tables show: time to first token and total, p50 and p95."""
+    return [_f(a[key]) for key in ("ttft_p50_s", "ttft_p95_s", "total_p50_s", "total_p95_s")]
+
+
 def concurrent_rows(doc: dict) -> list[list[str]]:
     """One row per server (Markdown and the terminal)."""
     return [
@@ -86,10 +91,7 @@ def concurrent_rows(doc: dict) -> list[list[str]]:
             name,
             str(a["requests"]),
             str(a["errors"]),
-            _f(a["ttft_p50_s"]),
-            _f(a["ttft_p95_s"]),
-            _f(a["total_p50_s"]),
-            _f(a["total_p95_s"]),
+            *_latencies(a),
             _f(a["queue_p50_s"]),
             _f(a["tokens_per_s"]),
             _f(a["requests_per_s"], "{:.3f}"),
@@ -106,10 +108,7 @@ def kind_rows(doc: dict) -> list[list[str]]:
             name,
             kind,
             str(a["requests"]),
-            _f(a["ttft_p50_s"]),
-            _f(a["ttft_p95_s"]),
-            _f(a["total_p50_s"]),
-            _f(a["total_p95_s"]),
+            *_latencies(a),
             str(a["completion_tokens"]),
         ]
         for name, kinds in doc["by_kind"].items()

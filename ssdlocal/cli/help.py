@@ -71,8 +71,8 @@ def _usage_pieces(command, ctx) -> list[str]:
     return pieces
 
 
-class PlainCommand(TyperCommand):
-    """A command whose --help is plain, 80-column text (see the module docstring)."""
+class _PlainHelp:
+    """What PlainCommand and PlainGroup share: no rich markup, plain options and usage."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["rich_markup_mode"] = None
@@ -85,16 +85,16 @@ class PlainCommand(TyperCommand):
         return _usage_pieces(self, ctx)
 
 
-class PlainGroup(TyperGroup):
+class PlainCommand(_PlainHelp, TyperCommand):
+    """A command whose --help is plain, 80-column text (see the module docstring)."""
+
+
+class PlainGroup(_PlainHelp, TyperGroup):
     """The root command: plain help, and its commands' one-line summaries."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs["rich_markup_mode"] = None
-        super().__init__(*args, **kwargs)
-
     def format_options(self, ctx, formatter) -> None:
-        _format_parameters(self, ctx, formatter)
+        super().format_options(ctx, formatter)
         self.format_commands(ctx, formatter)
 
     def collect_usage_pieces(self, ctx) -> list[str]:
-        return [*_usage_pieces(self, ctx), self.subcommand_metavar]
+        return [*super().collect_usage_pieces(ctx), self.subcommand_metavar]

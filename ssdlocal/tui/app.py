@@ -176,43 +176,13 @@ class RaceApp(EngineApp):
         prompt: str,
         specs: list[SpecConfig],
         params: SamplingParams,
-        *,
-        chat: bool = True,
-        warmup: bool = True,
-        speed: float = 1.0,
-        clock: Callable[[], float] = time.perf_counter,
-        default_config: EngineConfig | None = None,
-        meter: Meter = sample,
+        **options,
     ) -> None:
-        """`default_config`: the settings without the race's own changes (what `auto`
-        picks by default is said for them); `meter` samples the machine's load."""
+        """`options`: RaceScreen's (chat, warmup, speed, clock, default_config: the settings
+        without the race's own changes, meter: samples the machine's load)."""
         super().__init__(load_engine, config)
-        self.race_args = {
-            "prompt": prompt,
-            "specs": specs,
-            "params": params,
-            "chat": chat,
-            "warmup": warmup,
-            "speed": speed,
-            "clock": clock,
-            "config": config,
-            "default_config": default_config,
-            "meter": meter,
-        }
+        self.race_args = (prompt, specs, params)
+        self.race_options = {"config": config, **options}
 
     def make_screen(self) -> RaceScreen:
-        a = self.race_args
-        return RaceScreen(
-            a["prompt"],
-            a["specs"],
-            a["params"],
-            pair=self.pair,
-            placement=self.placement,
-            chat=a["chat"],
-            warmup=a["warmup"],
-            speed=a["speed"],
-            clock=a["clock"],
-            config=a["config"],
-            default_config=a["default_config"],
-            meter=a["meter"],
-        )
+        return RaceScreen(*self.race_args, pair=self.pair, placement=self.placement, **self.race_options)

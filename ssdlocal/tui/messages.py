@@ -6,6 +6,7 @@ screens handle them on the event loop. Payloads are plain data (engine events' p
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from textual.message import Message
@@ -15,113 +16,102 @@ from ssdlocal.core.sequence import FinishReason
 from ssdlocal.tui.core import Piece
 
 
+@dataclass
 class EngineReady(Message):
     """The engine finished loading."""
 
-    def __init__(self, engine: Any) -> None:
-        super().__init__()
-        self.engine = engine
+    engine: Any
 
 
+@dataclass
 class WorkFailed(Message):
     """Background work failed; shown as a modal with the hint (never a crash)."""
 
-    def __init__(self, title: str, message: str, hint: str) -> None:
-        super().__init__()
-        self.title = title
-        self.message = message
-        self.hint = hint
+    title: str
+    message: str
+    hint: str
 
 
+@dataclass
 class TokensArrived(Message):
     """New committed tokens of the current answer, split into origin-coloured pieces."""
 
-    def __init__(self, turn: int, pieces: list[Piece], n_tokens: int) -> None:
-        super().__init__()
-        self.turn = turn
-        self.pieces = pieces
-        self.n_tokens = n_tokens
+    turn: int
+    pieces: list[Piece]
+    n_tokens: int
 
 
+@dataclass
 class PromptProgress(Message):
     """The prompt is being read: `done` of `total` tokens (prefix-cache hits included)."""
 
-    def __init__(self, turn: int, done: int, total: int) -> None:
-        super().__init__()
-        self.turn = turn
-        self.done = done
-        self.total = total
+    turn: int
+    done: int
+    total: int
 
 
+@dataclass
 class RoundFinished(Message):
     """One verification round finished: fresh metric snapshot for the stats panel."""
 
-    def __init__(self, turn: int, snapshot: Metrics, backup: str | None, cache_hit: bool | None) -> None:
-        super().__init__()
-        self.turn = turn
-        self.snapshot = snapshot
-        self.backup = backup
-        self.cache_hit = cache_hit
+    turn: int
+    snapshot: Metrics
+    backup: str | None
+    cache_hit: bool | None
 
 
+@dataclass
 class GenerationDone(Message):
     """The answer is complete (FinishReason.CANCELLED after a stop); `load`: the other
     load on the machine while it ran (a tui.load.Disturbance)."""
 
-    def __init__(self, turn: int, text: str, finish_reason: FinishReason, stats: Metrics, load: Any = None) -> None:
-        super().__init__()
-        self.turn = turn
-        self.text = text
-        self.finish_reason = finish_reason
-        self.stats = stats
-        self.load = load
+    turn: int
+    text: str
+    finish_reason: FinishReason
+    stats: Metrics
+    load: Any = None
 
 
+@dataclass
 class RaceProgress(Message):
     """A race run being recorded has produced `tokens` tokens so far (`pieces`: the new text)."""
 
-    def __init__(self, index: int, tokens: int, pieces: list[Piece] | None = None) -> None:
-        super().__init__()
-        self.index = index
-        self.tokens = tokens
-        self.pieces = pieces or []
+    index: int
+    tokens: int
+    pieces: list[Piece] = field(default_factory=list)
 
 
+@dataclass
 class RaceRerun(Message):
     """A race run was disturbed by other load (`why`) and is recorded again."""
 
-    def __init__(self, index: int, why: str) -> None:
-        super().__init__()
-        self.index = index
-        self.why = why
+    index: int
+    why: str
 
 
+@dataclass
 class RaceRecorded(Message):
     """One race run is recorded (a race.RaceRun)."""
 
-    def __init__(self, index: int, run: Any) -> None:
-        super().__init__()
-        self.index = index
-        self.run = run
+    index: int
+    run: Any
 
 
+@dataclass
 class LoadProgress(Message):
     """A loading step reported progress (core.progress): `line` says it for people."""
 
-    def __init__(self, stage: str, done: float, total: float | None, line: str) -> None:
-        super().__init__()
-        self.stage = stage
-        self.done = done
-        self.total = total
-        self.line = line
+    stage: str
+    done: float
+    total: float | None
+    line: str
 
 
+@dataclass
 class ModeChanged(Message):
     """The engine changed its mind mid-answer (a core.events.ModeEvent)."""
 
-    def __init__(self, turn: int, mode: str, reason: str, short: str) -> None:
-        super().__init__()
-        self.turn = turn
-        self.mode = mode
-        self.reason = reason
-        self.short = short
+    turn: int
+    mode: str
+    reason: str
+    short: str

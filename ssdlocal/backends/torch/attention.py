@@ -137,6 +137,31 @@ def attend(
     return folded_attention(q, keys, values, mask.tensor, scale)
 
 
+def sink_attention(
+    q: Tensor, kv: tuple[Tensor, Tensor], mask: AttentionMask | None, sinks: Tensor, scale: float | None
+) -> Tensor:
+    """Attention whose softmax denominator has one more term per head, exp(sinks[h]):
+    q [B, H, T, D]; kv: keys/values [B, Hkv, S, D] (the new tokens' [B, Hkv, T, D] for a fresh
+    prefill); the mask's visible slots (or causal over the new tokens) -> [B, H, T, D]. Written
+    out in float32 as the reference computes it (scores, the sink column, max-shifted softmax)."""
+    keys, values = kv
+    if mask is None:
+        T = q.shape[2]
+        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]  # [1, 1, T, T]
+    else:
+        visible = mask.visible()  # [B, 1, T, S]
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)  # [B, H, S, D]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))  # [B, H, T, S]
+    sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:3], 1)  # [B, H, T, 1]
+    logits = torch.cat([scores, sink], dim=-1)  # [B, H, T, S+1]
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # [B, H, T, S]: the sink dropped
+    return torch.matmul(probs.to(values.dtype), values)  # [B, H, T, D]
+
+
 def lower_right_attention(
     q: Tensor, keys: Tensor, values: Tensor, spans: tuple[int, ...], scale: float | None = None
 ) -> Tensor:

@@ -136,37 +136,37 @@ class KVPool:
     def bytes_for(shapes: list[tuple[int, int]], tokens: int, dtype) -> int:
         return sum(KVCache.bytes_for(1, h, tokens, d, dtype) for h, d in shapes)
 
-    def _tensors(self, caches: list[KVCache]) -> Iterator[tuple[Tensor, Tensor]]:
-        """(pool tensor, cache tensor) of each layer's k, then v."""
-        for cache, k, v in zip(caches, self.k, self.v):
-            yield k, cache.k
-            yield v, cache.v
+    def _copies(
+        self, caches: list[KVCache], runs: list[tuple[int, int, int]]
+    ) -> Iterator[tuple[_CopyPlan, Tensor, Tensor]]:
+        """A save's or load's plan with (pool tensor, cache tensor) of each layer's k, then v,
+        copied on one CPU thread; counts the plan's operations per tensor."""
+        plan = _CopyPlan.of(runs, self.device)
+        with _one_thread():
+            for cache, k, v in zip(caches, self.k, self.v):
+                for pool_t, cache_t in ((k, cache.k), (v, cache.v)):
+                    yield plan, pool_t, cache_t
+                    self.copies += plan.operations
 
     def save(self, caches: list[KVCache], row: int, runs: list[tuple[int, int, int]]) -> None:
         """Row `row`'s k/v -> the pool, per run (first cache slot, first pool token, length)."""
-        plan = _CopyPlan.of(runs, self.device)
-        with _one_thread():
-            for pool_t, cache_t in self._tensors(caches):
-                if plan.slots is None:
-                    for slot, at, n in runs:
-                        pool_t[:, at : at + n].copy_(cache_t[row, :, slot : slot + n])  # [Hkv, n, D]
-                else:  # [Hkv, N, D] -> pool tokens plan.tokens [N]
-                    pool_t.index_copy_(1, plan.tokens, plan.cache_side(cache_t[row]))
-                self.copies += plan.operations
+        for plan, pool_t, cache_t in self._copies(caches, runs):
+            if plan.slots is None:
+                for slot, at, n in runs:
+                    pool_t[:, at : at + n].copy_(cache_t[row, :, slot : slot + n])  # [Hkv, n, D]
+            else:  # [Hkv, N, D] -> pool tokens plan.tokens [N]
+                pool_t.index_copy_(1, plan.tokens, plan.cache_side(cache_t[row]))
 
     def load(self, caches: list[KVCache], row: int, runs: list[tuple[int, int, int]]) -> None:
         """The pool -> row `row`'s k/v, per run (first cache slot, first pool token, length)."""
-        plan = _CopyPlan.of(runs, self.device)
-        with _one_thread():
-            for pool_t, cache_t in self._tensors(caches):
-                if plan.slots is None:
-                    for slot, at, n in runs:
-                        cache_t[row, :, slot : slot + n].copy_(pool_t[:, at : at + n])  # [Hkv, n, D]
-                elif isinstance(plan.slots, slice):  # written in place into the cache's view
-                    torch.index_select(pool_t, 1, plan.tokens, out=cache_t[row, :, plan.slots])  # [Hkv, N, D]
-                else:
-                    cache_t[row].index_copy_(1, plan.slots, pool_t.index_select(1, plan.tokens))
-                self.copies += plan.operations
+        for plan, pool_t, cache_t in self._copies(caches, runs):
+            if plan.slots is None:
+                for slot, at, n in runs:
+                    cache_t[row, :, slot : slot + n].copy_(pool_t[:, at : at + n])  # [Hkv, n, D]
+            elif isinstance(plan.slots, slice):  # written in place into the cache's view
+                torch.index_select(pool_t, 1, plan.tokens, out=cache_t[row, :, plan.slots])  # [Hkv, N, D]
+            else:
+                cache_t[row].index_copy_(1, plan.slots, pool_t.index_select(1, plan.tokens))
 
 
 class _CopyPlan:

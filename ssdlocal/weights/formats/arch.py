@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ssdlocal.core.errors import ModelLoadError
@@ -113,6 +113,11 @@ class TensorNames:
     modules: tuple[str, ...] = BLOCK_MODULES  # our modules inside a layer that these files name
     tensors: tuple[str, ...] = ()
     packed: Mapping[str, Packed] = field(default_factory=dict)
+
+    def extended(self, modules: tuple[str, ...], block: Mapping[str, str] | None = None, **changes) -> TensorNames:
+        """These names for layers of `modules`, `block`'s names on top of this block's (any
+        other field as `changes` give it)."""
+        return replace(self, modules=modules, block={**self.block, **(block or {})}, **changes)
 
     def module(self, ours: str) -> str:
         """The file's name for our module `ours` ("layers.3.mlp.up_proj", "lm_head")."""

@@ -47,19 +47,15 @@ QWEN3_MOE = Architecture(
     ("Qwen3MoeForCausalLM",),
     "qwen3_moe",
     gguf_architecture="qwen3moe",
-    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_MOE_MODULES),
-    gguf=TensorNames(
-        GGUF_NAMES.layer,
-        GGUF_NAMES.outside,
+    checkpoint=HF_NAMES.extended(_MOE_MODULES),
+    gguf=GGUF_NAMES.extended(
+        _MOE_MODULES,
         {
-            **GGUF_NAMES.block,
             "mlp.gate": "ffn_gate_inp",
             "mlp.experts.gate_proj": "ffn_gate_exps",
             "mlp.experts.up_proj": "ffn_up_exps",
             "mlp.experts.down_proj": "ffn_down_exps",
         },
-        GGUF_NAMES.ignored,
-        modules=_MOE_MODULES,
     ),
     qk_norm=True,
     linears={
@@ -108,9 +104,7 @@ QWEN3_5 = Architecture(
     "qwen3_5",
     ("Qwen3_5ForCausalLM",),
     "qwen3_5_text",
-    checkpoint=TensorNames(
-        HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, skipped=("mtp.",), modules=_QWEN3_5_MODULES
-    ),
+    checkpoint=HF_NAMES.extended(_QWEN3_5_MODULES, skipped=("mtp.",)),
     qk_norm=True,
     linears={**LLAMA_LINEARS, **_LINEAR_LINEARS},
     family="qwen3_5",
@@ -119,9 +113,7 @@ QWEN3_5_MOE = Architecture(
     "qwen3_5_moe",
     ("Qwen3_5MoeForCausalLM",),
     "qwen3_5_moe_text",
-    checkpoint=TensorNames(
-        HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, skipped=("mtp.",), modules=_QWEN3_5_MOE_MODULES
-    ),
+    checkpoint=HF_NAMES.extended(_QWEN3_5_MOE_MODULES, skipped=("mtp.",)),
     qk_norm=True,
     linears={
         **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
@@ -146,18 +138,14 @@ GEMMA3 = Architecture(
     ("Gemma3ForCausalLM",),
     "gemma3_text",
     gguf_architecture="gemma3",
-    checkpoint=TensorNames(HF_NAMES.layer, HF_NAMES.outside, ignored=HF_NAMES.ignored, modules=_GEMMA3_MODULES),
-    gguf=TensorNames(
-        GGUF_NAMES.layer,
-        GGUF_NAMES.outside,
+    checkpoint=HF_NAMES.extended(_GEMMA3_MODULES),
+    gguf=GGUF_NAMES.extended(
+        _GEMMA3_MODULES,
         {
-            **GGUF_NAMES.block,
             "post_attention_layernorm": "post_attention_norm",
             "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffw_norm",
         },
-        GGUF_NAMES.ignored,
-        modules=_GEMMA3_MODULES,
     ),
     qk_norm=True,
     gguf_norm_shift=1.0,
@@ -179,11 +167,9 @@ GEMMA4 = Architecture(
     "gemma4",
     ("Gemma4ForCausalLM",),
     "gemma4_text",
-    checkpoint=TensorNames(
-        HF_NAMES.layer,
-        {**HF_NAMES.outside, **{m: f"model.{m}" for m in _PER_LAYER_EMBEDDINGS}},
-        ignored=HF_NAMES.ignored,
-        modules=_GEMMA4_MODULES,
+    checkpoint=HF_NAMES.extended(
+        _GEMMA4_MODULES,
+        outside={**HF_NAMES.outside, **{m: f"model.{m}" for m in _PER_LAYER_EMBEDDINGS}},
         tensors=("layer_scalar",),
     ),
     qk_norm=True,

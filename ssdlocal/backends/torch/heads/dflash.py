@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ssdlocal.backends.base import FINAL_HIDDEN
 from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.logits import fp32_logits
-from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, apply_rope, RopeTable
+from ssdlocal.backends.torch.models.layers import MLP, Attention, LayerArgs, RMSNorm, apply_rope, RopeTable
 from ssdlocal.core.errors import ModelLoadError
 
 MUSE = "muse_glimmer_assistant"
@@ -49,16 +49,8 @@ UNBUILT = ("conv_kernel_size", "selector_rank", "attention_sink_bias", "use_swa"
 
 
 @dataclass(frozen=True)
-class DFlashArgs:
-    hidden_size: int
-    intermediate_size: int
+class DFlashArgs(LayerArgs):
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
     hidden_act: str
     attention_bias: bool
     block_size: int
@@ -145,15 +137,7 @@ class DFlashLayer(nn.Module):
         super().__init__()
         h, eps, bias = args.hidden_size, args.rms_norm_eps, args.attention_bias
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = Attention(
-            h,
-            args.num_heads,
-            args.num_kv_heads,
-            args.head_dim,
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=RMSNorm(args.head_dim, eps),
-        )
+        self.self_attn = Attention.of(args, qkv_bias=bias, o_bias=bias, qk_norm=RMSNorm(args.head_dim, eps))
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(h, args.intermediate_size, args.hidden_act)
 

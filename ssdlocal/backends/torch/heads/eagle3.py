@@ -19,20 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from ssdlocal.backends.torch.attention import AttentionMask
-from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, RopeTable
+from ssdlocal.backends.torch.models.layers import MLP, Attention, LayerArgs, RMSNorm, RopeTable
 from ssdlocal.core.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
-class Eagle3Args:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+class Eagle3Args(LayerArgs):
     draft_vocab_size: int
     target_hidden_size: int
     aux_layers: tuple[int, ...]  # target layers whose *input* fc reads (the published indices)
@@ -90,7 +82,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = nn.Module()
         self.midlayer.input_layernorm = RMSNorm(h, args.rms_norm_eps)
         self.midlayer.hidden_norm = RMSNorm(h, args.rms_norm_eps)
-        self.midlayer.self_attn = Attention(h, args.num_heads, args.num_kv_heads, args.head_dim, input_size=2 * h)
+        self.midlayer.self_attn = Attention.of(args, input_size=2 * h)
         self.midlayer.post_attention_layernorm = RMSNorm(h, args.rms_norm_eps)
         self.midlayer.mlp = MLP(h, args.intermediate_size)
         self.norm = RMSNorm(h, args.rms_norm_eps)

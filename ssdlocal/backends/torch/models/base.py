@@ -31,7 +31,7 @@ from ssdlocal.backends.base import FINAL_HIDDEN, HiddenLayers
 from ssdlocal.backends.torch.attention import AttentionMask, chunk_kernel
 from ssdlocal.backends.torch.kvcache import KVCache, KVPool, check_room
 from ssdlocal.backends.torch.logits import fp32_logits
-from ssdlocal.backends.torch.models.layers import RMSNorm, rope_inv_freq, rope_tables
+from ssdlocal.backends.torch.models.layers import LayerArgs, RMSNorm, rope_inv_freq, rope_tables
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.memory import allocating
 from ssdlocal.backends.torch.models.fields import read_rope, refuse  # noqa: F401 - the families import them from here
@@ -42,20 +42,13 @@ MASK_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    """What every family reads from its config; a family's args subclass adds its own."""
+class ModelArgs(LayerArgs):
+    """What every family reads from its config (its layers' LayerArgs, then these); a family's
+    args subclass adds its own."""
 
     arch: str  # the name of its Architecture (weights/formats/arch.py)
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # None, or {"rope_type": "llama3" | "linear" | "yarn", ...}
     tie_word_embeddings: bool
     max_position_embeddings: int
 
@@ -97,6 +90,7 @@ class CausalLM(nn.Module):
 
     embed_scale: float | None = None  # embeddings times this (cast to the activation dtype first)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    norm_type: Callable[[int, float], nn.Module] = RMSNorm  # the family's norm, from (width, eps)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -124,7 +118,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def make_norm(self) -> nn.Module:
-        return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps)
+        return self.norm_type(self.args.hidden_size, self.args.rms_norm_eps)
 
     # ------------------------------------------------------------------ caches
     def _owners(self) -> list[nn.Module]:

@@ -45,16 +45,42 @@ def per_type_rope(cfg, arch: str, kind: str, supported=("default", "linear", "ll
 
 
 @dataclass(frozen=True)
-class Gemma3Args(ModelArgs):
+class GemmaArgs(ModelArgs):
+    """What Gemma 3 and Gemma 4 read alike: sliding (local) and full (global) layers, a
+    rotary table for each kind (rope_theta and rope_scaling: the global one's)."""
+
     hidden_act: str = "gelu_pytorch_tanh"
     qkv_bias: bool = False
     o_bias: bool = False
-    query_scale: float = 1.0  # the softmax scale (query_pre_attn_scalar ** -0.5)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     local_theta: float = 10000.0
     local_scaling: dict | None = None
     final_softcap: float | None = None
+
+    @staticmethod
+    def read_alike(cfg, described: Architecture, types: tuple[str, ...], ropes: tuple[str, ...]) -> dict:
+        """Those of the fields both read the same way (the local table of rope types `ropes`)."""
+        local_theta, local_scaling = per_type_rope(cfg, described.name, SLIDING, ropes)
+        qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", False)))
+        return {
+            "qkv_bias": qkv_bias,
+            "o_bias": o_bias,
+            "sliding_window": cfg.sliding_window if SLIDING in types else None,
+            "layer_types": types,
+            "local_theta": local_theta,
+            "local_scaling": local_scaling,
+            "final_softcap": getattr(cfg, "final_logit_softcapping", None),
+        }
+
+    @property
+    def window(self) -> int | None:
+        return self.sliding_window
+
+
+@dataclass(frozen=True)
+class Gemma3Args(GemmaArgs):
+    query_scale: float = 1.0  # the softmax scale (query_pre_attn_scalar ** -0.5)
 
     @classmethod
     def from_hf_config(cls, cfg, described: Architecture) -> Gemma3Args:
@@ -65,19 +91,12 @@ class Gemma3Args(ModelArgs):
             raise unsupported(f"{arch} with hidden_activation={act!r}")
         types = layer_types(cfg, arch)
         theta, scaling = per_type_rope(cfg, arch, FULL)
-        local_theta, local_scaling = per_type_rope(cfg, arch, SLIDING)
-        qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", False)))
+        alike = cls.read_alike(cfg, described, types, ("default", "linear", "llama3"))
         return cls(
             **common_fields(cfg, arch, (theta, scaling), tie=True),
+            **alike,
             hidden_act=act,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
             query_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-            sliding_window=cfg.sliding_window if SLIDING in types else None,
-            layer_types=types,
-            local_theta=local_theta,
-            local_scaling=local_scaling,
-            final_softcap=getattr(cfg, "final_logit_softcapping", None),
         )
 
     def ropes(self) -> dict[str, tuple[int, float, dict | None]]:
@@ -85,10 +104,6 @@ class Gemma3Args(ModelArgs):
             "global": (self.head_dim, self.rope_theta, self.rope_scaling),
             "local": (self.head_dim, self.local_theta, self.local_scaling),
         }
-
-    @property
-    def window(self) -> int | None:
-        return self.sliding_window
 
 
 def gemma_norm(dim: int, eps: float) -> RMSNorm:
@@ -103,11 +118,8 @@ class Gemma3Block(nn.Module):
         super().__init__()
         h, eps = args.hidden_size, args.rms_norm_eps
         self.rope = ROPE_OF[kind]
-        self.self_attn = Attention(
-            h,
-            args.num_heads,
-            args.num_kv_heads,
-            args.head_dim,
+        self.self_attn = Attention.of(
+            args,
             qkv_bias=args.qkv_bias,
             o_bias=args.o_bias,
             qk_norm=gemma_norm(args.head_dim, eps),
@@ -126,16 +138,18 @@ class Gemma3Block(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))  # [B, T, hidden]
 
 
-class Gemma3(CausalLM):
-    args: Gemma3Args
+class GemmaLM(CausalLM):
+    """Gemma 3's and Gemma 4's model: embeddings times sqrt(hidden), logits soft-capped."""
 
-    def __init__(self, args: Gemma3Args) -> None:
+    def __init__(self, args: GemmaArgs) -> None:
         super().__init__(args)
         self.embed_scale = args.hidden_size**0.5
         self.final_softcap = args.final_softcap
 
+
+class Gemma3(GemmaLM):
+    args: Gemma3Args
+    norm_type = staticmethod(gemma_norm)
+
     def make_layer(self, index: int) -> nn.Module:
         return Gemma3Block(self.args, self.args.layer_types[index])
-
-    def make_norm(self) -> nn.Module:
-        return gemma_norm(self.args.hidden_size, self.args.rms_norm_eps)

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from ssdlocal.backends.torch.attention import AttentionMask, attend
 from ssdlocal.backends.torch.kvcache import KVCache
 from ssdlocal.backends.torch.models.fields import common_fields
-from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, refuse
-from ssdlocal.backends.torch.models.gemma3 import FULL, ROPE_OF, SLIDING, layer_types, per_type_rope
+from ssdlocal.backends.torch.models.base import refuse
+from ssdlocal.backends.torch.models.gemma3 import FULL, ROPE_OF, SLIDING, GemmaArgs, GemmaLM, layer_types, per_type_rope
 from ssdlocal.backends.torch.models.layers import ACTIVATIONS, MLP, apply_rope
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import unsupported
@@ -71,15 +71,10 @@ def kv_sources(types: tuple[str, ...], shared: int, arch: str) -> tuple[int | No
 
 
 @dataclass(frozen=True)
-class Gemma4Args(ModelArgs):
+class Gemma4Args(GemmaArgs):
     """ModelArgs' head width and kv heads are the sliding layers', rope_theta and
     rope_scaling the global layers' table."""
 
-    hidden_act: str = "gelu_pytorch_tanh"
-    qkv_bias: bool = False
-    o_bias: bool = False
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()
     global_head_dim: int = 0
     global_kv_heads: int = 0
     k_eq_v: bool = False  # global layers: values are the key projection
@@ -87,9 +82,6 @@ class Gemma4Args(ModelArgs):
     double_wide: bool = False  # layers with a kv_source: an MLP twice as wide
     per_layer_width: int = 0  # hidden_size_per_layer_input (0: no per-layer embeddings)
     per_layer_vocab: int = 0
-    local_theta: float = 10000.0
-    local_scaling: dict | None = None
-    final_softcap: float | None = None
 
     @classmethod
     def from_hf_config(cls, cfg, described: Architecture) -> Gemma4Args:
@@ -102,17 +94,13 @@ class Gemma4Args(ModelArgs):
         shapes = _per_type(cfg, arch, types)
         local, full = shapes.get(SLIDING, shapes.get(FULL)), shapes.get(FULL, shapes.get(SLIDING))
         theta, scaling = per_type_rope(cfg, arch, FULL, ("default", "proportional"))
-        local_theta, local_scaling = per_type_rope(cfg, arch, SLIDING, ("default", "proportional"))
-        qkv_bias, o_bias = described.biases(bool(getattr(cfg, "attention_bias", False)))
+        alike = cls.read_alike(cfg, described, types, ("default", "proportional"))
         shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
         width = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
         return cls(
             **common_fields(cfg, arch, (theta, scaling), tie=True, kv_heads=local[1], head_dim=local[0]),
+            **alike,
             hidden_act=act,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            sliding_window=cfg.sliding_window if SLIDING in types else None,
-            layer_types=types,
             global_head_dim=full[0],
             global_kv_heads=full[1],
             k_eq_v=bool(getattr(cfg, "attention_k_eq_v", False)),
@@ -120,9 +108,6 @@ class Gemma4Args(ModelArgs):
             double_wide=bool(getattr(cfg, "use_double_wide_mlp", False)),
             per_layer_width=width,
             per_layer_vocab=int(getattr(cfg, "vocab_size_per_layer_input", 0) or cfg.vocab_size) if width else 0,
-            local_theta=local_theta,
-            local_scaling=local_scaling,
-            final_softcap=getattr(cfg, "final_logit_softcapping", None),
         )
 
     def ropes(self) -> dict[str, tuple[int, float, dict | None]]:
@@ -130,10 +115,6 @@ class Gemma4Args(ModelArgs):
             "global": (self.global_head_dim, self.rope_theta, self.rope_scaling),
             "local": (self.head_dim, self.local_theta, self.local_scaling),
         }
-
-    @property
-    def window(self) -> int | None:
-        return self.sliding_window
 
     @property
     def tensor_parallel_sizes(self) -> tuple[tuple[str, int], ...]:
@@ -241,13 +222,12 @@ class Gemma4Block(nn.Module):
         return x * self.layer_scalar  # [B, T, hidden]
 
 
-class Gemma4(CausalLM):
+class Gemma4(GemmaLM):
     args: Gemma4Args
+    norm_type = Gemma4Norm
 
     def __init__(self, args: Gemma4Args) -> None:
         super().__init__(args)
-        self.embed_scale = args.hidden_size**0.5
-        self.final_softcap = args.final_softcap
         width = args.per_layer_width
         if width:
             self.embed_tokens_per_layer = nn.Embedding(args.per_layer_vocab, args.num_layers * width)
@@ -256,9 +236,6 @@ class Gemma4(CausalLM):
 
     def make_layer(self, index: int) -> nn.Module:
         return Gemma4Block(self.args, index)
-
-    def make_norm(self) -> nn.Module:
-        return Gemma4Norm(self.args.hidden_size, self.args.rms_norm_eps)
 
     def layer_inputs(self, input_ids: Tensor, x: Tensor) -> Tensor | None:
         """Per-layer embeddings [B, T, L, width]: the token's row of the per-layer table (times

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, read_rope
 from ssdlocal.backends.torch.models.moe import MoE, Experts, TopKSoftmax
-from ssdlocal.backends.torch.models.layers import Attention, RMSNorm
+from ssdlocal.backends.torch.models.layers import Attention, PreNormBlock, RMSNorm
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import unsupported
 
@@ -93,19 +92,14 @@ def gpt_oss_norm(dim: int, eps: float) -> RMSNorm:
     return RMSNorm(dim, eps, scale_in_float=True)
 
 
-class GptOssBlock(nn.Module):
+class GptOssBlock(PreNormBlock):
     """x + attn(norm(x)), then + moe(norm(x))."""
-
-    rope = "global"
 
     def __init__(self, args: GptOssArgs, kind: str) -> None:
         super().__init__()
         h, a = args.hidden_size, args
-        self.self_attn = Attention(
-            h,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
+        self.self_attn = Attention.of(
+            a,
             qkv_bias=a.qkv_bias,
             o_bias=a.o_bias,
             window=a.sliding_window if kind == SLIDING else None,
@@ -117,16 +111,10 @@ class GptOssBlock(nn.Module):
         self.input_layernorm = gpt_oss_norm(h, a.rms_norm_eps)
         self.post_attention_layernorm = gpt_oss_norm(h, a.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
-
 
 class GptOss(CausalLM):
     args: GptOssArgs
+    norm_type = staticmethod(gpt_oss_norm)
 
     def make_layer(self, index: int) -> nn.Module:
         return GptOssBlock(self.args, self.args.layer_types[index])
-
-    def make_norm(self) -> nn.Module:
-        return gpt_oss_norm(self.args.hidden_size, self.args.rms_norm_eps)

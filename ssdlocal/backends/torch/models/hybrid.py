@@ -16,7 +16,6 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from ssdlocal.backends.base import HiddenLayers
 from ssdlocal.backends.torch.kvcache import KVCache, check_room
 from ssdlocal.backends.torch.linear_states import LinearContext, LinearStates
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, allocating
@@ -105,20 +104,12 @@ class HybridLM(CausalLM):
         finally:
             self.ctx.ends, self.ctx.tree, self.ctx.positions, self.ctx.carry = None, None, None, {}
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        slots: Tensor,
-        attn_mask: Tensor | None,
-        keep: Tensor | None = None,
-        hidden: HiddenLayers | None = None,
-        hidden_all: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """CausalLM.forward; a tree step's linear layers read the queries' positions."""
+    def forward(self, input_ids: Tensor, positions: Tensor, *rest, **options) -> Tensor | tuple[Tensor, Tensor]:
+        """CausalLM.forward (the rest of its arguments as they come); a tree step's linear
+        layers read the queries' positions."""
         if self.ctx.tree is not None:
             self.ctx.positions = positions
-        return super().forward(input_ids, positions, slots, attn_mask, keep, hidden, hidden_all)
+        return super().forward(input_ids, positions, *rest, **options)
 
 
 class HybridBlock(nn.Module):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ssdlocal.backends.torch.attention import AttentionMask, attend
+from ssdlocal.backends.torch.attention import AttentionMask, attend, sink_attention
 from ssdlocal.backends.torch.kvcache import KVCache
 
 ACTIVATIONS = {
@@ -23,6 +24,21 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """What a decoder layer's attention, MLP, norms and rotary table read from a config: the
+    first fields of every family's args (models/base.ModelArgs) and every head's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "llama3" | "linear" | "yarn", ...}
 
 
 class RMSNorm(nn.Module):
@@ -192,6 +208,11 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(heads)) if sinks else None
         self.kv_cache: KVCache | None = None  # set by CausalLM.setup_cache
 
+    @classmethod
+    def of(cls, args: LayerArgs, **options) -> Attention:
+        """The attention of a layer with `args`' widths and heads; `options` as the constructor's."""
+        return cls(args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, **options)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
         """mask: which slots each query sees (AttentionMask). None: a fresh prefill (every
         row starts at slot 0, no padding): plain causal attention over the new tokens."""
@@ -207,42 +228,22 @@ class Attention(nn.Module):
         assert self.kv_cache is not None  # setup_cache ran (CausalLM.forward checks)
         keys, values = self.kv_cache.update(slots, k, v, span)  # [B, Hkv, S, D] each
         if self.sinks is not None:
-            out = sink_attention(q, k, v, keys, values, mask, self.sinks, self.scale)  # [B, H, T, D]
+            kv = (k, v) if mask is None else (keys, values)  # what the queries see
+            out = sink_attention(q, kv, mask, self.sinks, self.scale)  # [B, H, T, D]
         else:
             out = attend(q, k, v, keys, values, mask, scale=self.scale)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
 
 
-def sink_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    mask: AttentionMask | None,
-    sinks: Tensor,
-    scale: float | None,
-) -> Tensor:
-    """Attention whose softmax denominator has one more term per head, exp(sinks[h]):
-    q [B, H, T, D]; keys/values [B, Hkv, S, D] (k/v [B, Hkv, T, D] for a fresh prefill);
-    the mask's visible slots (or causal over the new tokens) -> [B, H, T, D]. Written out in
-    float32 as the reference computes it (scores, the sink column, max-shifted softmax)."""
-    if mask is None:
-        keys, values = k, v
-        T = q.shape[2]
-        visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]  # [1, 1, T, T]
-    else:
-        visible = mask.visible()  # [B, 1, T, S]
-    groups = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)  # [B, H, S, D]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, T, S]
-    scores = scores.masked_fill(~visible, float("-inf"))  # [B, H, T, S]
-    sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:3], 1)  # [B, H, T, 1]
-    logits = torch.cat([scores, sink], dim=-1)  # [B, H, T, S+1]
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # [B, H, T, S]: the sink dropped
-    return torch.matmul(probs.to(values.dtype), values)  # [B, H, T, D]
+class PreNormBlock(nn.Module):
+    """x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)): the layer
+    of the Llama-like families, whose subclass builds those four modules."""
+
+    rope = "global"
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
 
 
 # ------------------------------------------------------------------ feed-forward

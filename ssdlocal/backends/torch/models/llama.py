@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor, nn
+from torch import nn
 
-from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, read_rope, refuse
-from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm
+from ssdlocal.backends.torch.models.layers import MLP, Attention, PreNormBlock, RMSNorm
 from ssdlocal.weights.formats.arch import Architecture
 
 
@@ -39,21 +38,16 @@ class LlamaArgs(ModelArgs):
 
 def llama_attention(args: LlamaArgs) -> Attention:
     norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-    return Attention(
-        args.hidden_size,
-        args.num_heads,
-        args.num_kv_heads,
-        args.head_dim,
+    return Attention.of(
+        args,
         qkv_bias=args.qkv_bias,
         o_bias=args.o_bias,
         qk_norm=norm,
     )
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(PreNormBlock):
     """x + attn(norm(x)), then + mlp(norm(x)); `mlp` any module over [B, T, hidden]."""
-
-    rope = "global"
 
     def __init__(self, args: LlamaArgs, mlp: nn.Module) -> None:
         super().__init__()
@@ -61,10 +55,6 @@ class LlamaBlock(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: AttentionMask | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)  # [B, T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, hidden]
 
 
 class Llama(CausalLM):

@@ -147,9 +147,7 @@ class Qwen3_5(HybridLM):
     """Qwen3.5 dense: linear or gated full attention, then a SiLU MLP, in every layer."""
 
     args: Qwen3_5Args
-
-    def make_norm(self) -> nn.Module:
-        return zero_centred(self.args.hidden_size, self.args.rms_norm_eps)
+    norm_type = staticmethod(zero_centred)
 
     def make_mixer(self, index: int) -> nn.Module:
         return linear_attention(self.args) if index in self.args.linear else GatedAttention(self.args)
