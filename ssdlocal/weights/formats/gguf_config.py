@@ -1,0 +1,96 @@
+"""config.json fields a GGUF file states that transformers' GGUF reader misreads or leaves
+out, read as llama.cpp reads them, for the families that need more than a key -> field map
+(the description's `gguf_config`, weights/formats/gguf_tensors.py).
+
+gpt-oss (llama.cpp's "gpt-oss"): the rotary table (transformers' reader fails on a file's
+`rope.scaling.*` keys and, without them, keeps GptOssConfig's default YaRN; llama.cpp reads
+the type, factor and original context and always rounds YaRN's correction range to whole
+dimensions, transformers' `truncate`), the head size and which layers slide
+(`attention.sliding_window_pattern`, every second layer by default). A key that llama.cpp
+reads with another meaning than ours, or ignores where a checkpoint's config would not, is
+refused by name (UnsupportedArchitectureError). Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from ssdlocal.weights.formats.archs import unsupported
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+YARN_BETAS = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}  # llama.cpp's gpt-oss reads no others
+# rope keys llama.cpp's gpt-oss ignores or applies unlike transformers, with the value that
+# means nothing (a file stating another is refused)
+_NEUTRAL = {
+    **YARN_BETAS,
+    "yarn_ext_factor": 1.0,
+    "yarn_attn_factor": 1.0,
+    "yarn_log_multiplier": 0.0,
+    "attn_factor": 1.0,
+}
+
+
+def _gpt_oss(meta: Mapping[str, object], prefix: str) -> dict[str, object]:
+    def key(name: str, default: object = None) -> object:
+        return meta.get(prefix + name, default)
+
+    name = "gpt-oss GGUF"
+    head_dim = key("attention.key_length")
+    for other in ("attention.value_length", "rope.dimension_count"):
+        if key(other, head_dim) != head_dim:
+            raise unsupported(f"{name} with {other}={key(other)!r} (attention.key_length={head_dim!r})")
+    theta = float(key("rope.freq_base", 10000.0))  # type: ignore[arg-type]
+    if float(key("rope.freq_base_swa", theta)) != theta:  # type: ignore[arg-type]
+        raise unsupported(f"{name} with rope.freq_base_swa={key('rope.freq_base_swa')!r}")
+    kind = key("rope.scaling.type", "linear")  # llama.cpp's default
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)  # type: ignore[arg-type]
+    if kind == "yarn":
+        for field, neutral in _NEUTRAL.items():
+            got = key(f"rope.scaling.{field}", neutral)
+            if float(got) != neutral:  # type: ignore[arg-type]
+                raise unsupported(f"{name} with rope.scaling.{field}={got!r}")
+    elif float(key("rope.scaling.attn_factor", 1.0)) != 1.0:  # type: ignore[arg-type]
+        raise unsupported(f"{name} with rope.scaling.attn_factor={key('rope.scaling.attn_factor')!r}")
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": theta}
+    if kind == "none" or (kind in ("linear", "yarn") and factor in (0.0, 1.0)):
+        pass  # llama.cpp: no scaling (a factor of 1 leaves YaRN's table the plain one)
+    elif kind == "linear":
+        rope.update(rope_type="linear", factor=factor)
+    elif kind == "yarn":
+        original = key("rope.scaling.original_context_length", key("context_length"))
+        rope.update(
+            rope_type="yarn",
+            factor=factor,
+            original_max_position_embeddings=int(original),  # type: ignore[call-overload]
+            beta_fast=YARN_BETAS["yarn_beta_fast"],
+            beta_slow=YARN_BETAS["yarn_beta_slow"],
+            truncate=True,  # ggml_rope_yarn_corr_dims: floor / ceil
+        )
+    else:
+        raise unsupported(f"{name} with rope.scaling.type={kind!r}")
+    layers = int(key("block_count"))  # type: ignore[call-overload]
+    pattern = key("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):  # one flag per layer: true slides
+        if len(pattern) != layers:
+            raise unsupported(f"{name} with {len(pattern)} sliding_window_pattern flags for {layers} layers")
+        slides = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern: the last of every n is full (n = 0: all slide)
+        n = int(pattern)  # type: ignore[call-overload]
+        slides = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return {
+        "head_dim": head_dim,
+        "rope_parameters": rope,
+        "layer_types": [SLIDING if s else FULL for s in slides],
+    }
+
+
+# GGUF general.architecture -> its reader (metadata, "{architecture}." prefix) -> config fields
+READERS: dict[str, Callable[[Mapping[str, object], str], dict[str, object]]] = {"gpt-oss": _gpt_oss}
+
+
+def llamacpp_fields(meta: Mapping[str, object]) -> dict[str, object]:
+    """The fields of a GGUF's metadata `meta` that its family's reader states (none for a
+    family without one)."""
+    arch = str(meta.get("general.architecture"))
+    reader = READERS.get(arch)
+    return reader(meta, f"{arch}.") if reader else {}
