@@ -18,15 +18,16 @@ from collections.abc import Callable, Mapping
 from ssdlocal.weights.formats.archs import unsupported
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-YARN_BETAS = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}  # llama.cpp's gpt-oss reads no others
-# rope keys llama.cpp's gpt-oss ignores or applies unlike transformers, with the value that
+YARN_BETAS = (32.0, 1.0)  # beta_fast, beta_slow: llama.cpp's gpt-oss reads no others
+# YaRN keys llama.cpp's gpt-oss ignores or applies unlike transformers, with the value that
 # means nothing (a file stating another is refused)
 _NEUTRAL = {
-    **YARN_BETAS,
-    "yarn_ext_factor": 1.0,
-    "yarn_attn_factor": 1.0,
-    "yarn_log_multiplier": 0.0,
-    "attn_factor": 1.0,
+    "rope.scaling.yarn_beta_fast": YARN_BETAS[0],
+    "rope.scaling.yarn_beta_slow": YARN_BETAS[1],
+    "rope.scaling.yarn_ext_factor": 1.0,
+    "rope.scaling.yarn_attn_factor": 1.0,
+    "rope.scaling.yarn_log_multiplier": 0.0,
+    "rope.scaling.attn_factor": 1.0,
 }
 
 
@@ -46,9 +47,9 @@ def _gpt_oss(meta: Mapping[str, object], prefix: str) -> dict[str, object]:
     factor = float(key("rope.scaling.factor", 0.0) or 0.0)  # type: ignore[arg-type]
     if kind == "yarn":
         for field, neutral in _NEUTRAL.items():
-            got = key(f"rope.scaling.{field}", neutral)
+            got = key(field, neutral)
             if float(got) != neutral:  # type: ignore[arg-type]
-                raise unsupported(f"{name} with rope.scaling.{field}={got!r}")
+                raise unsupported(f"{name} with {field}={got!r}")
     elif float(key("rope.scaling.attn_factor", 1.0)) != 1.0:  # type: ignore[arg-type]
         raise unsupported(f"{name} with rope.scaling.attn_factor={key('rope.scaling.attn_factor')!r}")
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": theta}
@@ -62,8 +63,8 @@ def _gpt_oss(meta: Mapping[str, object], prefix: str) -> dict[str, object]:
             rope_type="yarn",
             factor=factor,
             original_max_position_embeddings=int(original),  # type: ignore[call-overload]
-            beta_fast=YARN_BETAS["yarn_beta_fast"],
-            beta_slow=YARN_BETAS["yarn_beta_slow"],
+            beta_fast=YARN_BETAS[0],
+            beta_slow=YARN_BETAS[1],
             truncate=True,  # ggml_rope_yarn_corr_dims: floor / ceil
         )
     else:

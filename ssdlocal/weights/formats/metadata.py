@@ -140,7 +140,8 @@ def metadata_dir(gguf_path: Path) -> Path:
             progress(stage, 0, 1)
         _run_metadata_child(gguf_path, tmp, arch, tied, chat, fields)
         config = json.loads((tmp / "config.json").read_text())
-        if scaling not in (None, "none") and not scales_rope(config):  # e.g. Gemma 3 4B and larger
+        dropped = scaling not in (None, "none") and "rope_parameters" not in fields  # not read by gguf_config.py
+        if dropped and not scales_rope(config):  # e.g. Gemma 3 4B and larger
             raise unsupported(
                 f"{arch.name} GGUF with rope scaling {scaling!r}, which transformers does not read from the file's metadata"
             )
