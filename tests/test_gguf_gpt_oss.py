@@ -193,6 +193,41 @@ def test_mxfp4_experts_from_llamacpps_converter_are_the_checkpoints_weights(tmp_
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["f32", "mxfp4"])
+def test_the_int8_path_reads_every_tensor_as_the_float_conversion(files, kind):
+    """The int8 converter (backends/torch/gguf_quant.py) walks the same names: each
+    quantized weight within half an int8 step of the float conversion's (MXFP4 experts
+    de-quantized first), every other tensor (sinks, router, biases, norms) equal."""
+    from ssdlocal.backends.torch.loader import load_model
+    from ssdlocal.backends.torch.quant import QuantLinear
+    from ssdlocal.backends.torch.quant_apply import QuantEmbedding
+    from ssdlocal.backends.torch.quant_experts import QuantStacked
+    from ssdlocal.weights.formats.convert import ensure_converted
+
+    quant = load_model(files[kind], "cpu", "float32", "int8").model
+    dense = load_model(ensure_converted(files[kind], dtype="float32"), "cpu", "float32").model
+    quantized, kinds = set(), set()
+    with torch.no_grad():
+        for name, module in quant.named_modules():
+            if isinstance(module, QuantStacked):
+                got, kinds = module.dequantized(), kinds | {"experts"}
+            elif isinstance(module, QuantLinear):
+                got, kinds = module.dequantize_rows(torch.arange(module.out_features)), kinds | {"linear"}
+            elif isinstance(module, QuantEmbedding):
+                got, kinds = module(torch.arange(module.num_embeddings)), kinds | {"embedding"}
+            else:
+                continue
+            want = dense.get_submodule(name).weight
+            step = want.abs().amax(-1, keepdim=True) / 127
+            assert ((got - want).abs() <= step / 2 + 1e-6).all(), name
+            quantized.add(f"{name}.weight")
+    assert kinds == {"experts", "linear", "embedding"}
+    rest = {n: t for n, t in quant.state_dict().items() if n in dict(dense.state_dict()) and n not in quantized}
+    assert any(n.endswith("self_attn.sinks") for n in rest) and any(n.endswith("mlp.router.bias") for n in rest)
+    for n, t in rest.items():
+        assert torch.equal(t, dense.state_dict()[n]), n
+
+
 # ------------------------------------------------------------------ against llama.cpp
 
 
