@@ -88,6 +88,9 @@ def test_the_config_is_what_llamacpp_reads():
         "rope_theta": 150000.0,
         "factor": 2.0,
     }
+    unstated = _meta(**{"attention.key_length": None, "attention.value_length": None})
+    unstated.update({"gpt-oss.embedding_length": 2880, "gpt-oss.attention.head_count": 64})
+    assert llamacpp_fields(unstated)["head_dim"] == 45  # llama.cpp's default: embedding / heads
     assert llamacpp_fields({"general.architecture": "qwen3moe"}) == {}
 
 

@@ -36,7 +36,8 @@ def _gpt_oss(meta: Mapping[str, object], prefix: str) -> dict[str, object]:
         return meta.get(prefix + name, default)
 
     name = "gpt-oss GGUF"
-    head_dim = key("attention.key_length")
+    heads = int(key("attention.head_count", 1))  # type: ignore[call-overload]
+    head_dim = key("attention.key_length", int(key("embedding_length", 0)) // heads)  # type: ignore[call-overload]
     for other in ("attention.value_length", "rope.dimension_count"):
         if key(other, head_dim) != head_dim:
             raise unsupported(f"{name} with {other}={key(other)!r} (attention.key_length={head_dim!r})")
