@@ -21,9 +21,11 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
+from support.gguf_compare import llamacpp_greedy, llamacpp_logits, torch_logits  # noqa: E402
 from support.tiny_gguf_families import WINDOW, write_family_gguf  # noqa: E402
 
 from ssdlocal.core.errors import UnsupportedArchitectureError  # noqa: E402
+from ssdlocal.weights.formats.gguf import GGUFHeader  # noqa: E402
 from ssdlocal.weights.formats.gguf_config import llamacpp_fields  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -48,7 +50,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _meta(**keys: object) -> dict[str, object]:
+def _meta(**keys: object) -> GGUFHeader:
     base = {
         "block_count": 4,
         "context_length": 512,
@@ -60,7 +62,8 @@ def _meta(**keys: object) -> dict[str, object]:
         "rope.scaling.original_context_length": 4096,
     }
     base.update(keys)
-    return {"general.architecture": "gpt-oss", **{f"gpt-oss.{k}": v for k, v in base.items() if v is not None}}
+    meta = {"general.architecture": "gpt-oss", **{f"gpt-oss.{k}": v for k, v in base.items() if v is not None}}
+    return GGUFHeader(Path("unread.gguf"), meta, ())
 
 
 def test_the_config_is_what_llamacpp_reads():
@@ -89,9 +92,9 @@ def test_the_config_is_what_llamacpp_reads():
         "factor": 2.0,
     }
     unstated = _meta(**{"attention.key_length": None, "attention.value_length": None})
-    unstated.update({"gpt-oss.embedding_length": 2880, "gpt-oss.attention.head_count": 64})
+    unstated.metadata.update({"gpt-oss.embedding_length": 2880, "gpt-oss.attention.head_count": 64})
     assert llamacpp_fields(unstated)["head_dim"] == 45  # llama.cpp's default: embedding / heads
-    assert llamacpp_fields({"general.architecture": "qwen3moe"}) == {}
+    assert llamacpp_fields(GGUFHeader(Path("q.gguf"), {"general.architecture": "qwen3moe"}, ())) == {}
 
 
 @pytest.mark.parametrize(
@@ -234,40 +237,6 @@ def test_the_int8_path_reads_every_tensor_as_the_float_conversion(files, kind):
 # ------------------------------------------------------------------ against llama.cpp
 
 
-def _llamacpp(path: Path):
-    """llama-cpp-python's own evaluation of `path`: float32 KV cache and no flash attention,
-    so that its float32 file is computed in float32 throughout (its defaults keep K/V in
-    float16)."""
-    pytest.importorskip("llama_cpp")
-    from ssdlocal.backends.llamacpp.lib import high_level_llama
-
-    return high_level_llama(
-        model_path=str(path),
-        n_ctx=256,
-        logits_all=True,
-        verbose=False,
-        n_threads=2,
-        type_k=0,
-        type_v=0,
-        flash_attn=False,
-    )
-
-
-def _ours(path: Path, ids: list[int]) -> np.ndarray:
-    """The torch backend's logits at every position of `ids` [T, V], the GGUF converted in
-    float32."""
-    from ssdlocal.backends.torch.loader import load_model
-    from ssdlocal.backends.torch.models import causal_mask
-    from ssdlocal.weights.formats.convert import ensure_converted
-
-    model = load_model(ensure_converted(path, dtype="float32"), "cpu", "float32").model
-    t = len(ids)
-    pos = torch.arange(t)[None]
-    model.setup_cache(1, t, torch.float32, "cpu")
-    with torch.inference_mode():
-        return model(torch.tensor([ids]), pos, pos, causal_mask(pos, t))[0].numpy()
-
-
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("kind", ["f32", "mxfp4"])
 def test_logits_at_every_position_are_llamacpps(files, kind, record_property):
@@ -276,10 +245,8 @@ def test_logits_at_every_position_are_llamacpps(files, kind, record_property):
     activations to Q8_0 before it multiplies MXFP4 weights (ggml's vec_dot type for it), so
     the reference is llama.cpp on the file holding the same expert values in float32."""
     assert len(IDS) > 2 * WINDOW
-    llm = _llamacpp(files["mxfp4-values" if kind == "mxfp4" else kind])
-    llm.eval(IDS)
-    want = np.array([llm.scores[i] for i in range(len(IDS))], dtype=np.float32)
-    got = _ours(files[kind], IDS)
+    want = llamacpp_logits(files["mxfp4-values" if kind == "mxfp4" else kind], IDS)
+    got = torch_logits(files[kind], IDS)
     diff = float(np.abs(got - want).max())
     record_property("max_logit_diff", diff)
     assert diff <= F32_CLOSE
@@ -297,12 +264,7 @@ def test_greedy_tokens_are_llamacpps_in_ar_and_sd(files):
     from ssdlocal.weights.formats.convert import ensure_converted
 
     steps, prompt = 48, IDS[:6]
-    llm = _llamacpp(files["f32"])
-    llm.eval(prompt)
-    want = []
-    for _ in range(steps):
-        want.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([want[-1]])
+    want = llamacpp_greedy(files["f32"], prompt, steps)
     params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
     converted = {k: str(ensure_converted(files[k], dtype="float32")) for k in ("f32", "draft")}
     draft = ModelDraft(ModelSpec(converted["draft"], backend="torch", dtype="float32"), suffix=None)

@@ -179,6 +179,30 @@ GEMMA4 = Architecture(
     "gemma4",
     ("Gemma4ForCausalLM",),
     "gemma4_text",
+    # GGUF: llama.cpp's names; gguf_config.py reads the dense text model without per-layer
+    # inputs (their tensors named here, refused there)
+    gguf_architecture="gemma4",
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        {
+            **GGUF_NAMES.outside,
+            "embed_tokens_per_layer": "per_layer_token_embd",
+            "per_layer_model_projection": "per_layer_model_proj",
+            "per_layer_projection_norm": "per_layer_proj_norm",
+        },
+        {
+            **GGUF_NAMES.block,
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+            "per_layer_input_gate": "inp_gate",
+            "per_layer_projection": "proj",
+            "post_per_layer_input_norm": "post_norm",
+        },
+        GGUF_NAMES.ignored,
+        modules=_GEMMA4_MODULES,
+        renamed={"layer_scalar": "layer_output_scale.weight"},
+    ),
     checkpoint=TensorNames(
         HF_NAMES.layer,
         {**HF_NAMES.outside, **{m: f"model.{m}" for m in _PER_LAYER_EMBEDDINGS}},

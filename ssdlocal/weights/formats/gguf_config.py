@@ -6,9 +6,14 @@ gpt-oss (llama.cpp's "gpt-oss"): the rotary table (transformers' reader fails on
 `rope.scaling.*` keys and, without them, keeps GptOssConfig's default YaRN; llama.cpp reads
 the type, factor and original context and always rounds YaRN's correction range to whole
 dimensions, transformers' `truncate`), the head size and which layers slide
-(`attention.sliding_window_pattern`, every second layer by default). A key that llama.cpp
-reads with another meaning than ours, or ignores where a checkpoint's config would not, is
-refused by name (UnsupportedArchitectureError). Imports no torch.
+(`attention.sliding_window_pattern`, every second layer by default). Gemma 4 ("gemma4"):
+transformers' reader keeps Gemma4TextConfig's defaults for the sliding layers' head size,
+the per-layer input width and the soft-capping; the global layers' proportional rotary
+table is llama.cpp's `rope_freqs` tensor (1 for each rotated pair, 1e30 for the others).
+Only the dense text model without per-layer inputs, shared KV, double-wide MLPs or keys as
+values is read. A key that llama.cpp reads with another meaning than ours, or ignores
+where a checkpoint's config would not, is refused by name (UnsupportedArchitectureError).
+Imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from ssdlocal.weights.formats.archs import unsupported
+from ssdlocal.weights.formats.gguf import GGUFHeader, dequantize_rows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 YARN_BETAS = (32.0, 1.0)  # beta_fast, beta_slow: llama.cpp's gpt-oss reads no others
@@ -86,13 +92,88 @@ def _gpt_oss(meta: Mapping[str, object], prefix: str) -> dict[str, object]:
     }
 
 
-# GGUF general.architecture -> its reader (metadata, "{architecture}." prefix) -> config fields
-READERS: dict[str, Callable[[Mapping[str, object], str], dict[str, object]]] = {"gpt-oss": _gpt_oss}
+def _one(value: object, what: str) -> object:
+    """A per-layer key's value where every layer has the same (refused otherwise)."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise unsupported(f"gemma4 GGUF with {what} differing between layers")
+        return value[0]
+    return value
 
 
-def llamacpp_fields(meta: Mapping[str, object]) -> dict[str, object]:
-    """The fields of a GGUF's metadata `meta` that its family's reader states (none for a
-    family without one)."""
-    arch = str(meta.get("general.architecture"))
+def _gemma4(header: GGUFHeader, prefix: str) -> dict[str, object]:
+    meta = header.metadata
+
+    def key(name: str, default: object = None) -> object:
+        return meta.get(prefix + name, default)
+
+    name = "gemma4 GGUF"
+    for field, neutral in (
+        ("embedding_length_per_layer_input", 0),
+        ("attention.shared_kv_layers", 0),
+        ("expert_count", 0),
+        ("rope.scaling.factor", 0.0),
+        ("rope.scaling.attn_factor", 1.0),
+    ):
+        if key(field, neutral) != neutral:
+            raise unsupported(f"{name} with {field}={key(field)!r}")
+    if key("rope.scaling.type", "none") not in ("none", "linear"):  # linear without a factor: none
+        raise unsupported(f"{name} with rope.scaling.type={key('rope.scaling.type')!r}")
+    full, local = key("attention.key_length"), key("attention.key_length_swa")
+    for field, want in (
+        ("attention.value_length", full),
+        ("rope.dimension_count", full),
+        ("attention.value_length_swa", local),
+        ("rope.dimension_count_swa", local),
+    ):
+        if key(field, want) != want:
+            raise unsupported(f"{name} with {field}={key(field)!r}")
+    pattern = key("attention.sliding_window_pattern")
+    layers = int(key("block_count"))  # type: ignore[call-overload]
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise unsupported(f"{name} with attention.sliding_window_pattern={pattern!r}")
+    names = {t.name for t in header.tensors}
+    if any(f"blk.{i}.attn_v.weight" not in names for i in range(layers)):
+        raise unsupported(f"{name} with keys as values (a layer without attn_v)")
+    ffn = _one(key("feed_forward_length"), "feed_forward_length")
+    kv_heads = _one(key("attention.head_count_kv"), "attention.head_count_kv")
+    _one(key("attention.head_count"), "attention.head_count")
+    factors = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is None:
+        raise unsupported(f"{name} without rope_freqs")
+    values = dequantize_rows(header.path, factors, 0, 1).reshape(-1)
+    rotated = int((values == 1.0).sum())
+    if not (values[:rotated] == 1.0).all() or not (values[rotated:] >= 1e29).all():
+        raise unsupported(f"{name} with rope_freqs other than ones then 1e30")
+    theta = float(key("rope.freq_base", 10000.0))  # type: ignore[arg-type]
+    return {
+        "head_dim": local,
+        "layer_types": [SLIDING if p else FULL for p in pattern],
+        "sliding_window": key("attention.sliding_window"),
+        "intermediate_size": ffn,
+        "num_key_value_heads": kv_heads,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+        "attention_k_eq_v": False,
+        "final_logit_softcapping": key("final_logit_softcapping"),
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", theta))},  # type: ignore[arg-type]
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": rotated / len(values), "rope_theta": theta},
+        },
+    }
+
+
+# GGUF general.architecture -> its reader (header, "{architecture}." prefix) -> config fields
+READERS: dict[str, Callable[[GGUFHeader, str], dict[str, object]]] = {
+    "gpt-oss": lambda header, prefix: _gpt_oss(header.metadata, prefix),
+    "gemma4": _gemma4,
+}
+
+
+def llamacpp_fields(header: GGUFHeader) -> dict[str, object]:
+    """The fields of a GGUF file (its `header`) that its family's reader states (none for
+    a family without one)."""
+    arch = str(header.metadata.get("general.architecture"))
     reader = READERS.get(arch)
-    return reader(meta, f"{arch}.") if reader else {}
+    return reader(header, f"{arch}.") if reader else {}

@@ -136,4 +136,4 @@ def gguf_config_fields(header: GGUFHeader, arch: Architecture) -> dict[str, obje
     with those its family's reader states (weights/formats/gguf_config.py)."""
     prefix = f"{header.metadata.get('general.architecture')}."
     found = {ours: header.metadata.get(prefix + key) for key, ours in arch.gguf_config.items()}
-    return {k: v for k, v in found.items() if v is not None} | llamacpp_fields(header.metadata)
+    return {k: v for k, v in found.items() if v is not None} | llamacpp_fields(header)
