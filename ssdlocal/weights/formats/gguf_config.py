@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from ssdlocal.weights.formats.archs import unsupported
+from ssdlocal.weights.formats.arch import GGUF_NAMES
+from ssdlocal.weights.formats.archs import architecture, unsupported
 from ssdlocal.weights.formats.gguf import GGUFHeader, dequantize_rows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+ROPE_FREQS = GGUF_NAMES.ignored[0]  # llama.cpp's rotary factors: nothing loads them as a weight
 YARN_BETAS = (32.0, 1.0)  # beta_fast, beta_slow: llama.cpp's gpt-oss reads no others
 # YaRN keys llama.cpp's gpt-oss ignores or applies unlike transformers, with the value that
 # means nothing (a file stating another is refused)
@@ -133,12 +135,13 @@ def _gemma4(header: GGUFHeader, prefix: str) -> dict[str, object]:
     if not isinstance(pattern, list) or len(pattern) != layers:
         raise unsupported(f"{name} with attention.sliding_window_pattern={pattern!r}")
     names = {t.name for t in header.tensors}
-    if any(f"blk.{i}.attn_v.weight" not in names for i in range(layers)):
+    v_proj = architecture("gemma4").gguf.theirs
+    if any(v_proj(f"layers.{i}.self_attn.v_proj.weight") not in names for i in range(layers)):
         raise unsupported(f"{name} with keys as values (a layer without attn_v)")
     ffn = _one(key("feed_forward_length"), "feed_forward_length")
     kv_heads = _one(key("attention.head_count_kv"), "attention.head_count_kv")
     _one(key("attention.head_count"), "attention.head_count")
-    factors = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    factors = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     if factors is None:
         raise unsupported(f"{name} without rope_freqs")
     values = dequantize_rows(header.path, factors, 0, 1).reshape(-1)
