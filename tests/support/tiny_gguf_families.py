@@ -310,11 +310,14 @@ def write_family_gguf(
     jitter: float = 0.0,
     jitter_seed: int = 1,
     q8: bool = False,
+    experts: str = "f32",
 ) -> Path:
     """Write a GGUF of family `arch` with random weights drawn from `seed`; `jitter` > 0 adds
     that fraction of noise (drawn from `jitter_seed`) to every matrix: a draft that agrees
     with the jitter-free model often, not always. `q8`: matrices whose rows are whole
-    32-blocks in Q8_0 (llama.cpp's quantized kernels), the rest float32."""
+    32-blocks in Q8_0 (llama.cpp's quantized kernels), the rest float32. `experts`: "mxfp4" stores
+    the stacked experts' weights in MXFP4, as llama.cpp's converter writes gpt-oss's;
+    "mxfp4-values" stores the values those hold, in float32."""
     import gguf
 
     layout = layout_of(arch, sizes)
@@ -331,7 +334,13 @@ def write_family_gguf(
         data = _values(rng, shape, layout.kind.get(name, ""))
         if jitter and data.ndim >= 2:
             data = data + (jitter * data.std() * noise.standard_normal(shape)).astype(np.float32)
-        if q8 and name.endswith(".weight") and data.ndim >= 2 and data.shape[-1] % 32 == 0:
+        if experts != "f32" and name.endswith("_exps.weight"):
+            raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4)
+            if experts == "mxfp4":
+                w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            else:
+                w.add_tensor(name, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4))
+        elif q8 and name.endswith(".weight") and data.ndim >= 2 and data.shape[-1] % 32 == 0:
             raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

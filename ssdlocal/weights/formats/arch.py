@@ -103,6 +103,9 @@ class TensorNames:
     the same name after the layer's prefix in ours and the file's.
     packed: tensors of a layer stored in another layout than ours (gpt-oss's fused experts),
     by their name after the layer's prefix (the same in ours and the file's) -> Packed.
+    renamed: tensors of a layer whose whole name differs, not only their module's: ours
+    after the layer's prefix -> the file's (gpt-oss's "self_attn.sinks", llama.cpp's
+    "attn_sinks.weight").
     """
 
     layer: str
@@ -113,6 +116,7 @@ class TensorNames:
     modules: tuple[str, ...] = BLOCK_MODULES  # our modules inside a layer that these files name
     tensors: tuple[str, ...] = ()
     packed: Mapping[str, Packed] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
     def extended(self, modules: tuple[str, ...], block: Mapping[str, str] | None = None, **changes) -> TensorNames:
         """These names for layers of `modules`, `block`'s names on top of this block's (any
@@ -136,6 +140,8 @@ class TensorNames:
         inside = _OUR_LAYER.fullmatch(ours)
         if inside is not None and inside.group(2) in self.tensors:
             return self.layer.format(i=inside.group(1)) + inside.group(2)
+        if inside is not None and inside.group(2) in self.renamed:
+            return self.layer.format(i=inside.group(1)) + self.renamed[inside.group(2)]
         module, _, leaf = ours.rpartition(".")
         return f"{self.module(module)}.{leaf}"
 
@@ -147,6 +153,8 @@ class TensorNames:
         whole = self._layer.fullmatch(theirs)
         if whole is not None and (whole.group(2) in self.tensors or whole.group(2) in self.packed):
             return f"layers.{whole.group(1)}.{whole.group(2)}"
+        if whole is not None and whole.group(2) in self._renamed_of:
+            return f"layers.{whole.group(1)}.{self._renamed_of[whole.group(2)]}"
         module, _, leaf = theirs.rpartition(".")
         if module in self._outside_of:
             return f"{self._outside_of[module]}.{leaf}"
@@ -164,6 +172,10 @@ class TensorNames:
     @cached_property
     def _outside_of(self) -> dict[str, str]:
         return {theirs: ours for ours, theirs in self.outside.items()}
+
+    @cached_property
+    def _renamed_of(self) -> dict[str, str]:
+        return {theirs: ours for ours, theirs in self.renamed.items()}
 
     @cached_property
     def _block_of(self) -> dict[str, str]:

@@ -167,6 +167,30 @@ GEMMA4 = Architecture(
     "gemma4",
     ("Gemma4ForCausalLM",),
     "gemma4_text",
+    # GGUF: llama.cpp's names; gguf_config.py reads the dense text model without per-layer
+    # inputs (their tensors named here, refused there)
+    gguf_architecture="gemma4",
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        {
+            **GGUF_NAMES.outside,
+            "embed_tokens_per_layer": "per_layer_token_embd",
+            "per_layer_model_projection": "per_layer_model_proj",
+            "per_layer_projection_norm": "per_layer_proj_norm",
+        },
+        {
+            **GGUF_NAMES.block,
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+            "per_layer_input_gate": "inp_gate",
+            "per_layer_projection": "proj",
+            "post_per_layer_input_norm": "post_norm",
+        },
+        GGUF_NAMES.ignored,
+        modules=_GEMMA4_MODULES,
+        renamed={"layer_scalar": "layer_output_scale.weight"},
+    ),
     checkpoint=HF_NAMES.extended(
         _GEMMA4_MODULES,
         outside={**HF_NAMES.outside, **{m: f"model.{m}" for m in _PER_LAYER_EMBEDDINGS}},
@@ -186,7 +210,10 @@ GEMMA4 = Architecture(
 # (`mlp.router`) and experts with biases. Checkpoints store the experts as transformers
 # holds them, fused and transposed (gate_up_proj [E, H, 2I], gate and up interleaved;
 # down_proj [E, I, H]), or as published, MXFP4 (`*_blocks`, `*_scales`, [E, out, ...]): both
-# unpacked at load into our stacked gate/up/down (Packed). No GGUF names yet.
+# unpacked at load into our stacked gate/up/down (Packed). GGUF files (llama.cpp's
+# "gpt-oss") store them as ours, gate and up apart, stacked [E, out, in] (the experts in
+# MXFP4 as llama.cpp's converter writes them: de-quantized at load), sinks as
+# "attn_sinks.weight", the post-attention norm as "post_attention_norm".
 _GATE_UP = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight")
 _DOWN = ("mlp.experts.down_proj.weight",)
 _GPT_OSS_MODULES = (
@@ -215,6 +242,22 @@ GPT_OSS = Architecture(
             "mlp.experts.down_proj_scales": Packed(_DOWN, mxfp4="scales"),
         },
     ),
+    gguf_architecture="gpt-oss",
+    gguf=TensorNames(
+        GGUF_NAMES.layer,
+        GGUF_NAMES.outside,
+        {
+            **GGUF_NAMES.block,
+            "post_attention_layernorm": "post_attention_norm",
+            "mlp.router": "ffn_gate_inp",
+            "mlp.experts.gate_proj": "ffn_gate_exps",
+            "mlp.experts.up_proj": "ffn_up_exps",
+            "mlp.experts.down_proj": "ffn_down_exps",
+        },
+        GGUF_NAMES.ignored,
+        modules=_GPT_OSS_MODULES,
+        renamed={"self_attn.sinks": "attn_sinks.weight"},
+    ),
     linears={
         **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
         "mlp.router": Linear("replicated", quantized=False),  # small, and routing must agree
@@ -225,6 +268,12 @@ GPT_OSS = Architecture(
     experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
     family="gpt_oss",
     per_head=("self_attn.sinks",),
+    # transformers' GGUF reader takes the dense width (llama.cpp reads the experts') and
+    # looks for the window under another key
+    gguf_config={
+        "expert_feed_forward_length": "intermediate_size",
+        "attention.sliding_window": "sliding_window",
+    },
 )
 
 _TABLE: dict[str, Architecture] = {}

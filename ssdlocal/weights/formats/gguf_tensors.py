@@ -24,6 +24,7 @@ import numpy as np
 
 from ssdlocal.weights.formats.arch import Architecture, expert_pattern
 from ssdlocal.weights.formats.gguf import GGUFHeader, TensorInfo, dequantize_rows
+from ssdlocal.weights.formats.gguf_config import llamacpp_fields
 
 ROWS_ELEMENTS = 1 << 20  # weights per block of rows read from a GGUF
 _STACK = re.compile(r"\.experts\.")
@@ -131,7 +132,8 @@ def _row_order(module: str, n_rows: int, heads: tuple[int, int]) -> np.ndarray |
 
 def gguf_config_fields(header: GGUFHeader, arch: Architecture) -> dict[str, object]:
     """config.json fields `header`'s file states under the description's `gguf_config` keys
-    ("{general.architecture}.{key}"), by their config name; the keys it lacks are left out."""
+    ("{general.architecture}.{key}"), by their config name; the keys it lacks are left out;
+    with those its family's reader states (weights/formats/gguf_config.py)."""
     prefix = f"{header.metadata.get('general.architecture')}."
     found = {ours: header.metadata.get(prefix + key) for key, ours in arch.gguf_config.items()}
-    return {k: v for k, v in found.items() if v is not None}
+    return {k: v for k, v in found.items() if v is not None} | llamacpp_fields(header)

@@ -140,7 +140,8 @@ def metadata_dir(gguf_path: Path) -> Path:
             progress(stage, 0, 1)
         _run_metadata_child(gguf_path, tmp, arch, tied, chat, fields)
         config = json.loads((tmp / "config.json").read_text())
-        if scaling not in (None, "none") and not scales_rope(config):  # e.g. Gemma 3 4B and larger
+        dropped = scaling not in (None, "none") and "rope_parameters" not in fields  # not read by gguf_config.py
+        if dropped and not scales_rope(config):  # e.g. Gemma 3 4B and larger
             raise unsupported(
                 f"{arch.name} GGUF with rope scaling {scaling!r}, which transformers does not read from the file's metadata"
             )
@@ -191,12 +192,13 @@ def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, cha
     from ssdlocal.core.errors import SSDLocalError
     from ssdlocal.weights.formats import hf_files
 
-    _parse_metadata_once()
+    given = json.loads(fields)
+    _parse_metadata_once(hide_rope_scaling="rope_parameters" in given)
     try:
         config, tokenizer = hf_files.read_config_and_tokenizer(Path(gguf_path))
         # tied iff the file has no separate output matrix (llama.cpp then reuses the embedding)
         config.tie_word_embeddings = tied
-        for name, value in json.loads(fields).items():  # what transformers' reader left out
+        for name, value in given.items():  # what transformers' reader left out or misread
             setattr(config, name, value)
         hf_files.write_config_and_tokenizer(Path(out), config, tokenizer, architecture, torch.bfloat16)
         hf_files.check_chat_template(Path(out), {"has_chat_template": chat})
@@ -204,13 +206,26 @@ def _write_metadata(gguf_path: str, out: str, architecture: str, tied: bool, cha
         (Path(out) / "error.json").write_text(json.dumps({"message": exc.message, "hint": exc.hint}))
 
 
-def _parse_metadata_once() -> None:
+def _parse_metadata_once(hide_rope_scaling: bool = False) -> None:
     """transformers parses the whole GGUF (every vocabulary string through numpy views,
     ~20 s for the offline 1.5B on 2 cores) once for the config and again for the tokenizer;
-    in the metadata child the second asks for what the first already read."""
+    in the metadata child the second asks for what the first already read.
+    `hide_rope_scaling`: its reader does not see the file's `*.rope.scaling.*` keys (for
+    gpt-oss it fails on them; the rotary parameters come from gguf_config.py instead)."""
     import functools
 
+    import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if hide_rope_scaling:
+
+        class Reader(gguf.GGUFReader):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                for key in [k for k in self.fields if ".rope.scaling." in k]:
+                    del self.fields[key]
+
+        gguf.GGUFReader = Reader  # transformers imports it from the package as it reads
 
     original = gguf_utils.load_gguf_checkpoint
 
