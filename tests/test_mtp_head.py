@@ -167,3 +167,18 @@ def test_the_cli_drafts_with_the_targets_mtp_layer(dirs, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "check", *base, "--max-new-tokens", "12")
     assert code == 0, err
     assert "SD reproduces AR" in out
+
+
+def test_a_checkpoint_with_two_mtp_layers_is_refused_by_name(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ssdlocal.backends.torch.heads.mtp import load_mtp
+
+    target = shutil.copytree(dirs["dense"], tmp_path / "two")
+    (file,) = target.glob("*.safetensors")
+    state = load_file(file)
+    state["mtp.layers.1.input_layernorm.weight"] = torch.zeros(state["mtp.norm.weight"].shape)
+    save_file(state, file, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="has 2 MTP layers") as info:
+        load_mtp(target, None, 0, "cpu", torch.float32)
+    assert info.value.hint
