@@ -47,8 +47,9 @@ class ModelOptions:
     target: str | None = option(None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B.")
     draft: str | None = option(
         None,
-        "Draft checkpoint dir, .gguf file, 'ngram' (prompt lookup) or 'suffix' (the row's "
-        "tokens and earlier prompts and answers). Default: Qwen2.5-Coder 0.5B.",
+        "Draft checkpoint dir, .gguf file, draft head dir, 'ngram' (prompt lookup), 'suffix' (the row's "
+        "tokens and earlier prompts and answers) or 'mtp' (the target checkpoint's own MTP layer). "
+        "Default: Qwen2.5-Coder 0.5B.",
     )
     pair: str | None = option(None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair")
     dtype: str = option(DEFAULT_DTYPE, " | ".join(DTYPES))

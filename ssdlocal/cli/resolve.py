@@ -77,13 +77,15 @@ def engine_config(
         target, draft = model_paths(models, backends, quants)
         draft = draft if loads_draft else None
         prepare_weights(target, backends[0], quants[0], models.dtype)
-        if draft is not None and draft not in DRAFT_WORDS:
+        if draft is not None and draft not in NO_FILE_WORDS:
             prepare_weights(draft, backends[1], quants[1], models.dtype)
     tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
-    draft_kind = parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None)
+    draft_kind = parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None, target=target)
     if isinstance(draft_kind, HeadDraft) and spec_opts.k is None:  # a block drafter: K = its block's drafts
         options["k"] = head_most_drafts(draft_kind.path, draft_kind.head) or options["k"]
+        if draft_kind.head == MTP_WORD:
+            options["k"] = MTP_K
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0], models.batch_invariant),
         spec=SpecConfig(**options, draft=draft_kind),
@@ -131,7 +133,7 @@ def _devices(models, tp_devices, auto_place, target, draft, backends, quants) ->
     if auto_place or (models.target_device == "auto" and not tp_devices):
         from ssdlocal.placement.auto import auto_devices
 
-        model_draft = None if draft in DRAFT_WORDS else draft  # only a draft model needs a device
+        model_draft = None if draft in NO_FILE_WORDS else draft  # only a draft model needs a device
         tp_devices, auto_draft = auto_devices(
             target, model_draft, models.dtype, backend=backends[0], quantizations=quants
         )
@@ -145,20 +147,44 @@ def _devices(models, tp_devices, auto_place, target, draft, backends, quants) ->
 
 
 DRAFT_WORDS = {kind.word: kind for kind in DRAFT_KINDS if kind.word}  # --draft values that name no file
+MTP_WORD = "mtp"  # --draft mtp: the target checkpoint's own multi-token-prediction layer (a head)
+NO_FILE_WORDS = {*DRAFT_WORDS, MTP_WORD}
+# K of `--draft mtp` unless --k says: the layer is trained one token ahead and reused on its
+# own output for the later drafts, so its acceptance falls with depth
+MTP_K = 3
 
 
-def parse_draft(text: str | None, model, hybrid: SuffixDraft | None = SuffixDraft()) -> Draft:
-    """--draft as typed (None, "ngram", "suffix", or a checkpoint path) -> the Draft it
-    names; `model(path)` makes a path's ModelSpec (device, dtype, backend, weights);
-    `hybrid`: a model draft's suffix proposals (None: the model's only)."""
+def parse_draft(
+    text: str | None, model, hybrid: SuffixDraft | None = SuffixDraft(), target: str | None = None
+) -> Draft:
+    """--draft as typed (None, "ngram", "suffix", "mtp", or a checkpoint path) -> the Draft
+    it names; `model(path)` makes a path's ModelSpec (device, dtype, backend, weights);
+    `hybrid`: a model draft's suffix proposals (None: the model's only); `target`: the
+    target's path (where "mtp" finds its layer)."""
     if text is None:
         return NoDraft()
     if text in DRAFT_WORDS:
         return DRAFT_WORDS[text]()
+    if text == MTP_WORD:
+        return mtp_draft(target)
     head = head_kind(text)
     if head is not None:  # a draft head (EAGLE-3, Gemma 4 assistant): it reads the target's hidden states
         return HeadDraft(text, head)
     return ModelDraft(model(text), hybrid)
+
+
+def mtp_draft(target: str | None) -> HeadDraft:
+    """The head of `--draft mtp`: the target checkpoint's own MTP layer (UsageError with a
+    hint when the target holds none)."""
+    from ssdlocal.weights.formats.checkpoint import mtp_tensor_names
+
+    if target is None or not mtp_tensor_names(target):
+        raise UsageError(
+            f"--draft mtp needs a target checkpoint with multi-token-prediction weights (mtp.*); {target} has none",
+            "use a Qwen3.5 checkpoint directory as published (a GGUF file or a checkpoint saved without its "
+            "mtp.* tensors has no MTP layer to read), or another --draft",
+        )
+    return HeadDraft(target, MTP_WORD)
 
 
 def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices) -> None:

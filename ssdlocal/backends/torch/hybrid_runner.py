@@ -92,6 +92,8 @@ class HybridRunner(StoredStates, TorchRunner):
             if n:
                 del self.held[b][len(self.held[b]) - n :]
         out = self._feed(rows, logits, progress)
+        if any(again) and self._hidden is not None:  # the hidden states of the asked tokens only
+            self._hidden = joined(self._hidden[:, :0], self._hidden, [-n for n in again], [len(r) for r in rows])
         if logits is Logits.ALL:
             return [o[n:] for o, n in zip(out, again)]
         return [o if n else o[:0] for o, n in zip(out, asked)]
@@ -140,7 +142,10 @@ class HybridRunner(StoredStates, TorchRunner):
         head = self._feed(
             [r[:c] for r, c in zip(rows, cuts)], Logits.NONE if logits is Logits.NONE else logits, progress
         )
+        first = self._hidden
         tail = self._feed([r[c:] for r, c in zip(rows, cuts)], logits, None)
+        if first is not None and self._hidden is not None:  # the hidden states of both parts, per row
+            self._hidden = joined(first, self._hidden, cuts, [len(r) for r in rows])
         if logits is Logits.ALL:
             return [torch.cat([h, t]) for h, t in zip(head, tail)]
         return [t if len(r) > c else h for h, t, r, c in zip(head, tail, rows, cuts)]
@@ -229,3 +234,17 @@ class HybridRunner(StoredStates, TorchRunner):
             raise RuntimeError(f"a branch of {len(src)} steps taken after {self.tree_depth} tree steps")
         column = (self.tree_first[row] == src[0]).int().argmax().reshape(1)  # [1] on the device
         self.states.adopt(row, len(src), column, start + len(src) - 1)
+
+
+def joined(first: Tensor, second: Tensor, cuts: Sequence[int], lengths: Sequence[int]) -> Tensor:
+    """Per row b, the first cuts[b] columns of `first` [B, T1, D] then the columns of `second`
+    [B, T2, D] up to lengths[b] in all (a negative cut: second's first -cuts[b] columns are
+    dropped), left-aligned and zero-padded -> [B, max(lengths), D]."""
+    out = second.new_zeros(second.shape[0], max(lengths, default=0), second.shape[2])
+    for b, (c, n) in enumerate(zip(cuts, lengths)):
+        if c >= 0:
+            out[b, :c] = first[b, :c]
+            out[b, c:n] = second[b, : n - c]
+        else:
+            out[b, : n + c] = second[b, -c:n]
+    return out

@@ -270,8 +270,9 @@ class LinearStates(nn.Module):
         """No row holds anything (a reset)."""
         self.host = [[-1] * self.ring for _ in range(self.batch)]
         self.block_host = [[-1] * self.ends for _ in range(self.batch)]
-        self.tags.fill_(-1)
-        self.block_tags.fill_(-1)
+        with torch.inference_mode():  # the tags may have been made in inference mode (a grown ring)
+            self.tags.fill_(-1)
+            self.block_tags.fill_(-1)
 
     def grown(self, ring: int) -> LinearStates:
         """A copy with rings of `ring` positions, every position and block end this one

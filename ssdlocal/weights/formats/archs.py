@@ -368,6 +368,7 @@ FAMILY_SIZES = {
 HEADS = {
     "eagle3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3LlamaForCausalLM2"),
     "gemma4_assistant": ("Gemma4AssistantForCausalLM",),
+    "mtp": (),  # a target checkpoint's own mtp.* layer: named by `--draft mtp`, never found by config
     "dflash": ("MuseGlimmerAssistantModel", "DFlashDraftModel", "DFlash2DraftModel"),  # block drafters
 }
 

@@ -10,6 +10,8 @@ Imports no torch (transformers reads the config and the tokenizer).
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 from ssdlocal.core.errors import ModelLoadError
@@ -136,6 +138,34 @@ def weight_files(path: Path) -> list[Path]:
     for file in files:
         require_regular(file, f"replace {file} with the model's weight file")
     return files
+
+
+MTP_PREFIX = "mtp."  # multi-token-prediction tensors (Qwen3.5 checkpoints): the target skips them
+
+
+def mtp_tensor_names(path: str | Path) -> list[str]:
+    """The multi-token-prediction tensors (`mtp.*`) checkpoint directory `path` holds, by
+    name, from its index or its safetensors headers (no weights read); [] for a path that
+    is no checkpoint directory or holds none."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return []
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text()).get("weight_map") or {})
+        else:
+            names = []
+            for file in sorted(path.glob("*.safetensors")):
+                with open(file, "rb") as fh:
+                    (size,) = struct.unpack("<Q", fh.read(8))
+                    names += list(json.loads(fh.read(min(size, _MAX_HEADER))))
+    except (OSError, ValueError, AttributeError, struct.error):
+        return []
+    return sorted(n for n in names if isinstance(n, str) and n.startswith(MTP_PREFIX))
+
+
+_MAX_HEADER = 100 << 20  # bytes of a safetensors header read at most
 
 
 def first_line(exc: BaseException) -> str:

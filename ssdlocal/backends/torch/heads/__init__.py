@@ -1,6 +1,7 @@
 """Draft heads: small networks that draft from the target's hidden states, loaded beside the
 target and sharing its token embeddings: EAGLE-3 (eagle3.py, with its own one-layer KV
-cache: runner.py) and Gemma 4's MTP assistant (gemma4_assistant.py, which attends over the
+cache: runner.py), the MTP layer a Qwen3.5 checkpoint ships (mtp.py, on the same runner),
+Gemma 4's MTP assistant (gemma4_assistant.py, which attends over the
 target's own cache: assistant_runner.py), and DFlash block drafters (dflash.py, whose
 runner dflash_runner.py drafts a whole block per forward). What a head drafts is verified like any draft,
 so a head changes speed, never the output. `load_head` (Backend.load_head) goes from a
@@ -22,6 +23,13 @@ def _eagle3(path: str, shared: HeadInputs, target_vocab: int, device: Any) -> An
     return HeadRunner(head, device, shared.dtype)
 
 
+def _mtp(path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
+    from ssdlocal.backends.torch.heads.mtp import load_mtp
+    from ssdlocal.backends.torch.heads.runner import HeadRunner
+
+    return HeadRunner(load_mtp(path, shared, target_vocab, device, shared.dtype), device, shared.dtype)
+
+
 def _gemma4_assistant(path: str, shared: HeadInputs, target_vocab: int, device: Any) -> Any:
     from ssdlocal.backends.torch.heads.assistant_runner import AssistantRunner
     from ssdlocal.backends.torch.heads.gemma4_assistant import load_assistant
@@ -40,6 +48,7 @@ def _dflash(path: str, shared: HeadInputs, target_vocab: int, device: Any) -> An
 # head kind -> (head directory, what the target shares, its vocabulary, device) -> its runner
 LOADERS: dict[str, Callable[[str, HeadInputs, int, Any], Any]] = {
     "eagle3": _eagle3,
+    "mtp": _mtp,
     "gemma4_assistant": _gemma4_assistant,
     "dflash": _dflash,
 }

@@ -90,6 +90,11 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.long))
         self.rope = RopeTable(args.head_dim, args.rope_theta, args.rope_scaling)
 
+    @property
+    def attention(self) -> nn.Module:
+        """The attention whose KV cache the runner allocates."""
+        return self.midlayer.self_attn
+
     def cover(self, positions: int, device) -> None:
         """Rotary tables for positions [0, `positions`)."""
         self.rope.cover(positions, device)

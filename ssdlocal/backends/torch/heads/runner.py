@@ -1,4 +1,5 @@
-"""A draft head's own decoding state: its one-layer KV cache (slot = position, as the target's),
+"""A one-layer draft head's own decoding state (EAGLE-3, heads/eagle3.py; a checkpoint's MTP
+layer, heads/mtp.py): its one-layer KV cache (slot = position, as the target's),
 each row's length, and each row's state from its last step, all on the device.
 
 `catch_up` feeds the pairs the target has verified (its hidden states with the next tokens)
@@ -16,14 +17,15 @@ from torch import Tensor
 
 from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.heads.eagle3 import Eagle3Head
+from ssdlocal.backends.torch.heads.mtp import MtpHead
 from ssdlocal.backends.torch.kvcache import KVCache
 from ssdlocal.backends.torch.models.base import causal_mask
 
 
 class HeadRunner:
-    """One head over a batch of rows."""
+    """One head (EAGLE-3's, or a checkpoint's MTP layer) over a batch of rows."""
 
-    def __init__(self, head: Eagle3Head, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, head: Eagle3Head | MtpHead, device: torch.device, dtype: torch.dtype) -> None:
         self.head, self.device, self.dtype = head, device, dtype
         self.vocab_size = head.target_vocab
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # [B]
@@ -32,7 +34,7 @@ class HeadRunner:
 
     def reset(self, batch: int, num_slots: int) -> None:
         """A batch of empty rows with room for `num_slots` positions."""
-        attn = self.head.midlayer.self_attn
+        attn = self.head.attention
         attn.kv_cache = KVCache(batch, attn.n_kv_heads, num_slots, attn.head_dim, self.dtype, self.device)
         self.head.cover(num_slots, self.device)
         self.num_slots = num_slots
@@ -72,5 +74,5 @@ class HeadRunner:
 
     def _mask(self, positions: Tensor, span: int) -> AttentionMask:
         span = min(span, self.num_slots)
-        attn = self.head.midlayer.self_attn
+        attn = self.head.attention
         return AttentionMask.build(causal_mask(positions, span), attn.n_heads // attn.n_kv_heads, self.dtype)

@@ -1,6 +1,7 @@
 """What a torch target shares with a draft head beside it (backends.base.HeadInputs): its
 embeddings, lm_head and embedding scale, each layer's KV geometry and a reader of the KV
-cache a layer reads (a layer with a kv_source reads that layer's)."""
+cache a layer reads (a layer with a kv_source reads that layer's). A hybrid target (layers
+without attention: Qwen3.5's linear ones) shares no cache: no geometry, no reader."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from ssdlocal.backends.base import HeadInputs, LayerKV
 def shared_with_heads(model, args, dtype, rows: Callable[[], int]) -> HeadInputs:
     """HeadInputs of `model` (a CausalLM with `args`, run in `dtype`); `rows()` is the
     batch's row count when a head reads the cache (the cache may hold more rows)."""
+    if not all(hasattr(layer, "self_attn") for layer in model.layers):  # linear layers keep no KV
+        return HeadInputs(
+            model.embed_tokens, args.num_layers, args.hidden_size, dtype, model.embed_scale, lm_head=model.lm_head
+        )
     kv = []
     for i, layer in enumerate(model.layers):
         attn, source = layer.self_attn, getattr(layer, "kv_source", None)
