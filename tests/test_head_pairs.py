@@ -135,3 +135,19 @@ def test_pull_a_head_pair_downloads_the_target_and_the_head(monkeypatch, capsys,
     hub.unreachable = False
     code, _, err = run_cli(monkeypatch, capsys, "pull", "fake-eagle3", "--backend", "llamacpp")
     assert_clean_error(code, err, 2, "runs on the torch backend only", "--backend torch")
+    code, out, err = run_cli(monkeypatch, capsys, "rm", "fake-eagle3")  # frees the target and the head
+    assert code == 0, err
+    assert "removed hub/models--org--target" in out and "removed hub/models--org--eagle3-head" in out
+    assert not head_snap.exists()
+
+
+def test_auto_placement_puts_a_head_on_the_targets_device(tiny_dir, published_head):
+    """`--target-device auto`: a draft model takes a GPU of its own, a head the target's."""
+    from ssdlocal.placement.auto import auto_devices
+    from ssdlocal.placement.inventory import GPU, DeviceInventory
+
+    two_gpus = DeviceInventory((GPU(0, "a", 24.0, 23.5), GPU(1, "b", 24.0, 23.5)), 8, 64.0, 60.0)
+    target, draft = str(tiny_dir["llama"]), str(tiny_dir["draft_llama"])
+    assert auto_devices(target, draft, "float32", two_gpus) == (("cuda:0",), "cuda:1")
+    head = str(published_head)
+    assert auto_devices(target, head, "float32", two_gpus, draft_beside=True) == (("cuda:0",), "cuda:0")
