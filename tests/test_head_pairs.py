@@ -96,6 +96,9 @@ def test_generate_with_a_head_pair_runs_the_head_in_sd(monkeypatch, capsys, loca
     assert "mode sd" in err and "draft head" in err and out.strip()
     code, _, err = run_cli(monkeypatch, capsys, "generate", "The quick brown fox", *base, "--mode", "ssd")
     assert code != 0 and "SD only" in err and "Traceback" not in err
+    code, out, err = run_cli(monkeypatch, capsys, "check", *base)
+    assert code == 0, err
+    assert "greedy AR / SD on 3 prompts" in out and "SD reproduces AR" in out
 
 
 def test_a_head_pair_on_llama_cpp_is_refused(monkeypatch, capsys, local_head_pair):
