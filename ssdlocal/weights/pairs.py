@@ -234,7 +234,7 @@ def _check_head(data: dict, source: str, path: Path) -> None:
     where = f'[draft] head = "{kind}"'
     if source == "pypi":
         raise bad(path, f'{where} needs source = "hf" or "local" (a head is a checkpoint directory)')
-    if data.get("weights") == "gguf" or "llamacpp" in data:
+    if data.get("weights") == "gguf" or data.get("llamacpp") is not None:
         raise bad(path, f"{where} runs on the torch backend only: drop `weights` and the [llamacpp] tables")
     gguf_only = [b for b in data.get("backends", ()) if BackendName(b).runs_gguf]
     if gguf_only:
