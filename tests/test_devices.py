@@ -203,6 +203,10 @@ def test_devices_command_plans_a_head_pair_beside_its_target(monkeypatch, capsys
     assert code == 0, err
     assert "target + draft head" in out and "target cuda:0, eagle3 draft head beside it" in out
     assert "mode sd: a draft head drafts between verifications" in out
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-8b-eagle3", "--quantization", "int8")
+    assert code == 0, err  # the target quantized, the head as it is
+    assert "target weights: int8 from meta-llama/Llama-3.1-8B-Instruct" in out
+    assert "draft weights: bf16 from yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (eagle3 head)" in out
     code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-8b-eagle3", "--json")
     payload = json.loads(out)
     assert payload["mode"]["mode"] == "sd" and payload["plan"]["draft_device"] == "cuda:0"

@@ -19,6 +19,7 @@ from support.tiny_heads import make_eagle3
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import BackendName, HeadDraft
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 assert_clean_error = partial(cli_helpers.assert_clean_error, skip=("pulling ",))
 
 HEAD_PAIR = """name = "{name}"
@@ -99,6 +100,16 @@ def test_generate_with_a_head_pair_runs_the_head_in_sd(monkeypatch, capsys, loca
     code, out, err = run_cli(monkeypatch, capsys, "check", *base)
     assert code == 0, err
     assert "greedy AR / SD on 3 prompts" in out and "SD reproduces AR" in out
+
+
+def test_bench_of_a_head_pair_runs_ar_and_sd_and_says_why_not_ssd(monkeypatch, capsys, local_head_pair, tmp_path):
+    out = tmp_path / "bench"
+    args = ("--pair", "tiny-eagle3", "--dtype", "float32", "--max-new-tokens", "6", "--limit", "1", "--repeats", "1")
+    code, _, err = run_cli(monkeypatch, capsys, "bench", *args, "--no-chat", "--no-pin", "--project", "--out", str(out))
+    assert code == 0, err
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["aggregates"]) == {"ar", "sd"} and "SD only" in doc["skipped"]["ssd"]
+    assert doc["exactness"]["sd"]["status"] == "exact" and "projections" in doc
 
 
 def test_a_head_pair_on_llama_cpp_is_refused(monkeypatch, capsys, local_head_pair):

@@ -311,8 +311,9 @@ def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, s
             labels.append(pair.draft_label)
         elif backend.runs_gguf and gguf is not None:
             labels.append(f"{gguf.quant or 'GGUF'} (llama.cpp) from {_gguf_name(gguf)}")
-        elif scheme in ("none", ""):
-            labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}")
+        elif scheme in ("none", "") or ref.head:  # a draft head loads unquantized
+            head = f" ({ref.head} head)" if ref.head else ""
+            labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}{head}")
         else:
             quant = f" ({gguf.quant})" if from_gguf and gguf.quant else ""
             labels.append(f"{scheme} from {source}{quant}")
