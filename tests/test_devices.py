@@ -74,6 +74,28 @@ def test_tensor_parallel_degree_divides_the_heads():
     assert plan.tensor_parallel in (2, 4) and 28 % plan.tensor_parallel == 0
 
 
+def test_a_draft_head_sits_beside_the_target_on_one_device():
+    """A draft head reads the target's embedding and hidden states: it goes on the target's
+    device, its bytes counted there, and the target is never split (no tensor parallelism)."""
+    head_gb = 0.85
+    plan = plan_placement(machine(24.0, 24.0), LLAMA_8B, head_gb, draft_beside=True)
+    alone = plan_placement(machine(24.0, 24.0), LLAMA_8B, 0.0)
+    assert plan.target_devices == ("cuda:0",) and plan.draft_device == "cuda:0" and plan.tensor_parallel == 1
+    assert [u.role for u in plan.uses] == ["target + draft head"]
+    head_need = head_gb * 1.05 + 0.25  # weights with the planner's overhead, and its cache's floor
+    assert plan.uses[0].need_gb == pytest.approx(alone.uses[0].need_gb + head_need)
+    assert any("1 GPU(s) unused" in n for n in plan.notes)
+    # a target that needs two GPUs: split with a draft model, refused with a head
+    assert plan_placement(machine(H100, H100), LLAMA_70B * 0.9, LLAMA_1B, heads=LLAMA_HEADS).tensor_parallel == 2
+    with pytest.raises(PlacementError, match="1 GPU"):
+        plan_placement(machine(H100, H100), LLAMA_70B * 0.9, head_gb, heads=LLAMA_HEADS, draft_beside=True)
+    # a target that fits a GPU alone but not with its head
+    target_gb = (machine(24.0).gpus[0].usable_gb - 1.0 - 0.1) / 1.05  # usable less its KV, 0.1 GB spare
+    assert plan_placement(machine(24.0), target_gb, head_gb, kv_gb=1.0).target_devices == ("cuda:0",)
+    with pytest.raises(PlacementError):
+        plan_placement(machine(24.0), target_gb, head_gb, kv_gb=1.0, draft_beside=True)
+
+
 def test_cpu_only():
     plan = plan_placement(machine(cores=16, ram_gb=64), 3.1, 1.0)
     assert plan.target_devices == ("cpu",) and plan.draft_device == "cpu"
@@ -173,6 +195,21 @@ def test_devices_command_prints_the_plan(monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b", "--json")
     payload = json.loads(out)
     assert payload["plan"]["tensor_parallel"] == 4 and len(payload["devices"]["gpus"]) == 5
+
+
+def test_devices_command_plans_a_head_pair_beside_its_target(monkeypatch, capsys):
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(24.0, 24.0))
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-8b-eagle3")
+    assert code == 0, err
+    assert "target + draft head" in out and "target cuda:0, eagle3 draft head beside it" in out
+    assert "mode sd: a draft head drafts between verifications" in out
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-8b-eagle3", "--quantization", "int8")
+    assert code == 0, err  # the target quantized, the head as it is
+    assert "target weights: int8 from meta-llama/Llama-3.1-8B-Instruct" in out
+    assert "draft weights: bf16 from yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (eagle3 head)" in out
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-8b-eagle3", "--json")
+    payload = json.loads(out)
+    assert payload["mode"]["mode"] == "sd" and payload["plan"]["draft_device"] == "cuda:0"
 
 
 def test_devices_command_on_this_machine(monkeypatch, capsys):

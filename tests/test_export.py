@@ -130,6 +130,34 @@ def test_the_built_in_pair_on_sglang_drafts_one_chain_of_k():
     assert {f"--{key}": str(value) for key, value in config.items()} == flags
 
 
+def test_a_head_pair_exports_as_the_engines_head_method():
+    """vLLM's `method` eagle3 / dflash and SGLang's EAGLE3 / DFLASH algorithms, as published
+    heads' model cards run them (DFLASH with no step options; vLLM's dflash as its DFlash
+    design page configures it); the head shares the target's GPU in the plan; llama-server
+    runs no heads: refused with a hint."""
+    vllm = export(settings(Engine.VLLM, pair="llama-3.1-8b-eagle3"))
+    spec = json.loads(options_of(vllm.argv, DOCUMENTED[Engine.VLLM]["program"])["--speculative-config"])
+    assert spec == {"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 4, "method": "eagle3"}
+    assert vllm.settings.plan.draft_device == vllm.settings.plan.target_devices[0] == "cuda:0"
+    eagle = options_of(
+        export(settings(Engine.SGLANG, pair="llama-3.1-8b-eagle3")).argv, DOCUMENTED[Engine.SGLANG]["program"]
+    )
+    assert eagle["--speculative-algorithm"] == "EAGLE3" and eagle["--speculative-num-draft-tokens"] == "5"
+    dflash = export(settings(Engine.SGLANG, k=15, pair="qwen3-8b-dflash"))
+    flags = options_of(dflash.argv, DOCUMENTED[Engine.SGLANG]["program"])
+    assert flags["--speculative-algorithm"] == "DFLASH" and "--speculative-num-steps" not in flags
+    assert (
+        json.loads(
+            options_of(
+                export(settings(Engine.VLLM, k=15, pair="qwen3-8b-dflash")).argv, DOCUMENTED[Engine.VLLM]["program"]
+            )["--speculative-config"]
+        )["method"]
+        == "dflash"
+    )
+    with pytest.raises(UsageError, match="llama-server does not run"):
+        settings(Engine.LLAMA_SERVER, pair="llama-3.1-8b-eagle3")
+
+
 def test_the_built_in_pair_on_llama_server():
     on_cpu = export(settings(Engine.LLAMA_SERVER, CPU_ONLY, gguf_files=FILES, contexts=(32768, 32768)))
     assert on_cpu.argv == (

@@ -36,7 +36,11 @@ REQUIRED = {
     "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-0.6B"),
     "gemma-3-27b": ("google/gemma-3-27b-it", "google/gemma-3-1b-it"),
     "gemma-4-31b": ("google/gemma-4-31B-it", "google/gemma-4-E2B-it"),
+    # draft heads: (target, head)
+    "llama-3.1-8b-eagle3": ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
+    "qwen3-8b-dflash": ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
 }
+HEAD_PAIRS = {"llama-3.1-8b-eagle3": "eagle3", "qwen3-8b-dflash": "dflash"}
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +56,7 @@ def test_builtin_registry_is_complete():
     pairs = load_pairs()
     for name, (target, draft) in REQUIRED.items():
         assert (pairs[name].target.repo, pairs[name].draft.repo) == (target, draft), name
+        assert pairs[name].draft_head == HEAD_PAIRS.get(name), name
     offline = pairs["qwen2.5-coder-1.5b-offline"]
     from ssdlocal.weights import assets
 
@@ -97,6 +102,11 @@ def test_every_pair_file(path):
             assert pair.gguf_target.filename.endswith(".gguf") and pair.gguf_draft.filename.endswith(".gguf")
             assert pair.gguf_target.quant in pair.gguf_target.filename
             assert 0 < pair.gguf_target.size_gb < pair.target.bf16_gb
+    if pair.draft_head is not None:  # a head: beside the target, torch only, from its checkpoint directory
+        from ssdlocal.weights.formats.archs import HEADS
+
+        assert pair.draft_head in HEADS and pair.backends == ("torch",) and pair.gguf_target is None
+        assert pair.draft.repo and pair.memory_gb()[1] == pair.memory_gb(quantization="int4")[1] == pair.draft.bf16_gb
     for ref in (pair.target, pair.draft):  # a mixture of experts states what a token reads
         if ref.experts:
             assert 0 < ref.active_params_b < ref.params_b and ref.experts_per_token < ref.experts
@@ -158,6 +168,28 @@ def test_pairs_path_env(monkeypatch, tmp_path):
             "give `active_params_b`",
         ),
         ('name = "x"\nbackends = ["vllm"]\n[target]\nrepo = "a/t"\n[draft]\nrepo = "a/d"\n', "`backends` must be"),
+        # draft heads
+        (
+            'name = "x"\n[target]\nrepo = "a/t"\n[draft]\nrepo = "a/d"\nhead = "medusa"\n',
+            "`draft.head` must be a draft head kind ('eagle3'",
+        ),
+        (
+            'name = "x"\n[target]\nrepo = "a/t"\nhead = "eagle3"\n[draft]\nrepo = "a/d"\n',
+            "only the [draft] can be a draft head",
+        ),
+        (
+            'name = "x"\nsource = "pypi"\n[target]\nasset = "t"\n[draft]\nasset = "d"\nhead = "eagle3"\n',
+            'needs source = "hf" or "local"',
+        ),
+        (
+            'name = "x"\n[target]\nrepo = "a/t"\n[draft]\nrepo = "a/d"\nhead = "dflash"\n'
+            '[llamacpp.target]\nrepo = "a/t"\nfilename = "t.gguf"\n',
+            "runs on the torch backend only: drop `weights` and the [llamacpp] tables",
+        ),
+        (
+            'name = "x"\nbackends = ["torch", "llamacpp"]\n[target]\nrepo = "a/t"\n[draft]\nrepo = "a/d"\nhead = "eagle3"\n',
+            "not on llamacpp: fix `backends`",
+        ),
     ],
 )
 def test_bad_pair_files(tmp_path, content, needle):

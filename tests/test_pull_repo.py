@@ -295,6 +295,10 @@ def test_draft_candidates_come_from_the_registry_and_the_family(monkeypatch, tmp
     # the model type the hub read names the family where the name does not
     assert family_of("someone/Mystery-8B", "llama", registry) == "llama3"
     assert candidates("someone/Mystery-8B", "llama3", registry)[0].repo == "someone/Mystery-1B"
+    # a registry pair's draft head is no draft model: never a candidate
+    for target in ("meta-llama/Llama-3.1-70B-Instruct", "Qwen/Qwen3-32B"):  # larger than the heads named 8B
+        repos = [c.repo for c in candidates(target, family_of(target, None, registry), registry)]
+        assert repos and not {"yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "z-lab/Qwen3-8B-DFlash-b16"} & set(repos)
 
 
 def test_generated_pair_file_round_trips(monkeypatch, tmp_path):

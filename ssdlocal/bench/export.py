@@ -65,6 +65,7 @@ class ExportSettings:
     served_name: str
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
+    head: str | None = None  # the kind of the pair's draft head (weights.formats.archs.HEADS), None: a draft model
 
 
 # ---------------------------------------------------------------------- K
@@ -169,10 +170,16 @@ def export_settings(
     headers); `context` / `tensor_parallel` override what those and the plan give."""
     if not 1 <= int(k.value) <= 64:
         raise UsageError(f"K must be in 1..64, got {k.value}", "e.g. --k 4")
+    if pair.draft_head is not None and engine.runs_gguf:
+        raise UsageError(
+            f"pair {pair.name} drafts with a {pair.draft_head} draft head, which {engine} does not run",
+            "export it to vllm or sglang (--to vllm), which run such heads beside the target",
+        )
     backend = BackendName.LLAMACPP if engine.runs_gguf else BackendName.TORCH
     t_gb, d_gb = pair.memory_gb(backend, "none")
     try:
-        plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair.target))
+        beside = pair.draft_head is not None  # a head shares the target's GPU
+        plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair.target), draft_beside=beside)
     except SSDLocalError as exc:
         raise UsageError(
             f"the pair {pair.name} does not fit the machine planned for: {exc.message}",
@@ -214,6 +221,7 @@ def export_settings(
         served_name or pair.name,
         host,
         port,
+        pair.draft_head,
     )
 
 

@@ -3,10 +3,12 @@
 The option names are the engines' documented ones (docs/serving.md, "Moving to another
 engine", names the pages; tests/test_export.py pins them):
 - vLLM: `vllm serve MODEL` with `--speculative-config` JSON (`model`, `num_speculative_tokens`,
-  `method: draft_model`), `--tensor-parallel-size`, `--max-model-len`, and the same settings
-  as a YAML file of long option names for `vllm serve --config FILE`.
+  `method: draft_model`, or `eagle3` / `dflash` for a pair's draft head), `--tensor-parallel-size`,
+  `--max-model-len`, and the same settings as a YAML file of long option names for
+  `vllm serve --config FILE`.
 - SGLang: `python -m sglang.launch_server --model-path` with `--speculative-algorithm
-  STANDALONE`, `--speculative-draft-model-path`, `--speculative-num-steps K`,
+  STANDALONE` (a draft head: `EAGLE3`, or `DFLASH` with no step options, as its model cards
+  run it), `--speculative-draft-model-path`, `--speculative-num-steps K`,
   `--speculative-eagle-topk 1` and `--speculative-num-draft-tokens K+1` (one chain of K
   drafts: the root and K tokens), `--tensor-parallel-size`, `--context-length`; YAML for
   `--config`.
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ssdlocal.bench.export import Engine, ExportSettings
+from ssdlocal.core.errors import UsageError
 
 LOST = (
     "SSD itself: no draft pre-speculates while the target verifies (no speculation cache, no "
@@ -122,15 +125,37 @@ def _serving(s: ExportSettings, context_flag: str) -> list[tuple[str, object]]:
     return options
 
 
+# a pair's draft head (weights.formats.archs.HEADS kinds) -> each engine's name for its method
+VLLM_HEAD_METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
+SGLANG_HEAD_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
+
+
+def _head_name(s: ExportSettings, names: dict[str, str]) -> str:
+    """The engine's name for the method of the settings' draft head (UsageError: none known)."""
+    if s.head not in names:
+        raise UsageError(
+            f"ssdlocal knows no {s.engine} option for a {s.head} draft head (pair {s.pair})",
+            f"serve it with `ssdlocal serve --pair {s.pair}`; {s.engine} exports name {', '.join(names)} heads",
+        )
+    return names[s.head]
+
+
+def _draft_note(s: ExportSettings) -> str:
+    if s.head:
+        return "the draft head runs beside the target, as in ssdlocal"
+    return "the draft runs on the target's GPUs, not on a GPU of its own"
+
+
 # ---------------------------------------------------------------------- vLLM
 def _vllm(s: ExportSettings) -> Export:
-    spec = json.dumps({"model": s.draft, "num_speculative_tokens": s.k.value, "method": "draft_model"})
+    method = "draft_model" if s.head is None else _head_name(s, VLLM_HEAD_METHODS)
+    spec = json.dumps({"model": s.draft, "num_speculative_tokens": s.k.value, "method": method})
     options = [*_serving(s, "max-model-len"), ("speculative-config", spec)]
     argv = ("vllm", "serve", s.target, *_flags(options))
     name = "vllm.yaml"
     notes = _common_notes(s) + [
         "vLLM loads the Hugging Face checkpoints (bf16), not the pair's GGUF files",
-        "the draft runs on the target's GPUs, not on a GPU of its own",
+        _draft_note(s),
     ]
     config = (("model", s.target), *options)
     return Export(s, argv, name, config, ("vllm", "serve", "--config", name), tuple(notes), head=3)
@@ -139,20 +164,20 @@ def _vllm(s: ExportSettings) -> Export:
 # ---------------------------------------------------------------------- SGLang
 def _sglang(s: ExportSettings) -> Export:
     k = int(s.k.value)  # type: ignore[call-overload]
-    options = [
-        ("model-path", s.target),
-        *_serving(s, "context-length"),
-        ("speculative-algorithm", "STANDALONE"),
-        ("speculative-draft-model-path", s.draft),
-        ("speculative-num-steps", k),
-        ("speculative-eagle-topk", 1),
-        ("speculative-num-draft-tokens", k + 1),
-    ]
+    options: list[tuple[str, object]] = [("model-path", s.target), *_serving(s, "context-length")]
+    algorithm = "STANDALONE" if s.head is None else _head_name(s, SGLANG_HEAD_ALGORITHMS)
+    options += [("speculative-algorithm", algorithm), ("speculative-draft-model-path", s.draft)]
+    if algorithm != "DFLASH":  # a block drafter drafts its whole block: no steps to set
+        options += [
+            ("speculative-num-steps", k),
+            ("speculative-eagle-topk", 1),
+            ("speculative-num-draft-tokens", k + 1),
+        ]
     program = ("python", "-m", "sglang.launch_server")
     name = "sglang.yaml"
     notes = _common_notes(s) + [
         "SGLang loads the Hugging Face checkpoints (bf16), not the pair's GGUF files",
-        "the draft runs on the target's GPUs, not on a GPU of its own",
+        _draft_note(s),
     ]
     argv = (*program, *_flags(options))
     return Export(s, argv, name, tuple(options), (*program, "--config", name), tuple(notes), head=len(program))

@@ -148,6 +148,9 @@ def run_bench(
                 )
             memories = Memories(engine)
             systems = _systems(engine, config.spec, settings, peers, memories)
+            if "ssd" in systems and not config.spec.draft.ssd:  # a draft head: SD only, as race leaves SSD out
+                del systems["ssd"]
+                run.skipped["ssd"] = f"skipped: {config.spec.draft.label} drafts between verifications (SD only)"
             _measure_all(run, systems, ids, batches, note, memories)
             if params.greedy and "ar" in run.systems:
                 note("exactness", 0, 1, "checking exactness against AR")

@@ -36,27 +36,29 @@ def plan_or_reason(inventory, pair, backend: BackendName, quantization: str) -> 
 
     t_gb, d_gb = pair.memory_gb(backend, quantization)
     try:
-        plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None)
+        beside = pair.draft_head is not None  # a draft head: on the target's device, its bytes counted there
+        plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None, draft_beside=beside)
     except PlacementError as exc:
         return None, exc.message
-    return plan, _plan_summary(plan)
+    return plan, _plan_summary(plan, pair.draft_head)
 
 
 def _heads(pair) -> tuple[int, ...]:
     return tuple(h for h in (pair.target.heads, pair.target.kv_heads) if h)
 
 
-def _plan_short(plan) -> str:
-    """`cpu/cpu`, `cuda:0/cuda:1`, `cuda:0-3 TP4/cuda:4`: target / draft."""
+def _plan_short(plan, head: str | None = None) -> str:
+    """`cpu/cpu`, `cuda:0/cuda:1`, `cuda:0-3 TP4/cuda:4`: target / draft; `cuda:0+head`: a
+    draft head beside the target."""
     devs = plan.target_devices
     target = devs[0] if len(devs) == 1 else f"{devs[0]}-{devs[-1].split(':')[-1]} TP{plan.tensor_parallel}"
-    return f"{target}/{plan.draft_where}"
+    return f"{target}+head" if head else f"{target}/{plan.draft_where}"
 
 
-def _plan_summary(plan) -> str:
+def _plan_summary(plan, head: str | None = None) -> str:
     target = ",".join(plan.target_devices)
     tp = f" TP={plan.tensor_parallel}" if plan.tensor_parallel > 1 else ""
-    return f"target {target}{tp}, draft {plan.draft_where}"
+    return f"target {target}{tp}, " + (f"{head} draft head beside it" if head else f"draft {plan.draft_where}")
 
 
 # --------------------------------------------------------------------------- pairs
@@ -67,7 +69,8 @@ def pairs(
     quantization: o.Quantization = o.ModelOptions.quantization,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List known target/draft pairs: sizes, backends, downloaded, fits on this machine."""
+    """List known target/draft pairs: sizes, backends, downloaded, fits on this machine.
+    A pair marked `(head)` drafts with a draft head (EAGLE-3, DFlash): beside the target, in SD."""
     from ssdlocal.placement.inventory import detect
     from ssdlocal.weights.pairs import load_pairs
 
@@ -82,6 +85,8 @@ def pairs(
         sys.stdout.write(json.dumps([{k: v for k, v in r.items() if k != "short"} for r in rows]) + "\n")
         return
     out.print(_pairs_table(rows, backend, quantization))
+    if any(r["draft_head"] for r in rows):
+        out.print("[dim](head): a draft head, run beside the target: torch only, SD only[/dim]")
     out.print(f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]")
 
 
@@ -96,6 +101,8 @@ def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
         "name": pair.name,
         "target": pair.target.label,
         "draft": pair.draft_label,
+        "draft_head": pair.draft_head,  # the kind of a draft head, None for a draft model or none
+        "ssd": pair.draft_head is None,  # a head drafts in SD only
         "target_gb": t_gb,
         "draft_gb": d_gb,
         "quantization": pair.schemes(quantization)[0] if backend.quantizes else "gguf",
@@ -106,7 +113,7 @@ def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
         "fits": plan is not None,
         "placement": summary,
         "suggested_k": pair.suggested_k,
-        "short": _plan_short(plan) if plan is not None else "",
+        "short": _plan_short(plan, pair.draft_head) if plan is not None else "",
     }
 
 
@@ -137,7 +144,7 @@ def _pairs_table(rows: list[dict], backend: BackendName, quantization: str) -> T
             r["name"],
             _gb(r["target_gb"]),
             _gb(r["draft_gb"]),
-            ", ".join(r["backends"]),
+            ", ".join(r["backends"]) + (" (head)" if r["draft_head"] else ""),  # torch only: fits the column
             _pulled(r),
             f"[green]{r['short']}[/green]" if r["fits"] else "[red]no[/red]",  # where it fits
         )
@@ -184,6 +191,7 @@ def devices(
 
     backend = BackendName.parse(backend, "backend")
     check_quantization(quantization)
+    head = None  # the kind of the pair's draft head: on the target's device, its bytes counted there
     if target_gb is not None:
         label, t_gb, d_gb, heads = (
             f"{target_gb:g} GB target + {draft_gb:g} GB draft",
@@ -194,7 +202,8 @@ def devices(
     else:
         found = get_pair(pair or OFFLINE_PAIR)
         t_gb, d_gb = found.memory_gb(backend, quantization)
-        label, heads = found.name, _heads(found)
+        label, heads, head = found.name, _heads(found), found.draft_head
+    planned = lambda: _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads, draft_beside=bool(head)), d_gb)  # noqa: E731
     inventory = detect()
     weights = _pair_weights(found, backend, quantization) if target_gb is None else ()
     prefix = prefix_cache_plan(None if target_gb is not None else found)
@@ -208,11 +217,11 @@ def devices(
             "calibration": kept(),
         }
         try:
-            plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)
+            plan = planned()
         except Exception:
             sys.stdout.write(json.dumps({**payload, "plan": None}) + "\n")
             raise
-        choice = _mode_of(plan, backend)
+        choice = _mode_of(plan, backend, head)
         payload |= {
             "plan": dataclasses.asdict(plan),
             "weights": dict(zip(("target", "draft"), weights)),
@@ -221,9 +230,10 @@ def devices(
         sys.stdout.write(json.dumps(payload) + "\n")
         return
     _print_inventory(inventory)
-    out.print(f"\nplacement for {label} ({backend}, target {t_gb:g} GB, draft {d_gb:g} GB weights):")
-    plan = _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads), d_gb)  # PlacementError -> exit 1
-    _print_plan(plan, weights, backend)
+    draft_words = f"{head} draft head {d_gb:g} GB" if head else f"draft {d_gb:g} GB"
+    out.print(f"\nplacement for {label} ({backend}, target {t_gb:g} GB, {draft_words} weights):")
+    plan = planned()  # PlacementError -> exit 1
+    _print_plan(plan, weights, backend, head)
     out.print(_prefix_line(prefix), soft_wrap=True)
     out.print(_calibration_line(), soft_wrap=True, highlight=False)
 
@@ -271,12 +281,13 @@ def _as_run(plan, draft_gb: float):
     )
 
 
-def _mode_of(plan, backend: BackendName):
+def _mode_of(plan, backend: BackendName, head: str | None = None):
     """The mode `--mode auto` runs on this plan with a target on `backend` and why
-    (placement/mode.py: the words generate, chat and serve print too)."""
+    (placement/mode.py: the words generate, chat and serve print too); `head`: the kind of
+    the pair's draft head (SD)."""
     from ssdlocal.placement.mode import batch_exact, placement_mode
 
-    kind = "model" if plan.draft_device is not None else "ngram"  # no room: n-gram drafting
+    kind = "head" if head else "model" if plan.draft_device is not None else "ngram"  # no room: n-gram drafting
     return placement_mode(
         plan.target_devices,
         plan.draft_device,
@@ -300,8 +311,9 @@ def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, s
             labels.append(pair.draft_label)
         elif backend.runs_gguf and gguf is not None:
             labels.append(f"{gguf.quant or 'GGUF'} (llama.cpp) from {_gguf_name(gguf)}")
-        elif scheme in ("none", ""):
-            labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}")
+        elif scheme in ("none", "") or ref.head:  # a draft head loads unquantized
+            head = f" ({ref.head} head)" if ref.head else ""
+            labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}{head}")
         else:
             quant = f" ({gguf.quant})" if from_gguf and gguf.quant else ""
             labels.append(f"{scheme} from {source}{quant}")
@@ -368,7 +380,7 @@ def _print_inventory(inventory) -> None:
         out.print(f"[dim]note: {note}[/dim]")
 
 
-def _print_plan(plan, weights: tuple[str, ...], backend: BackendName) -> None:
+def _print_plan(plan, weights: tuple[str, ...], backend: BackendName, head: str | None = None) -> None:
     """The placement table, its summary, the weights, the mode `--mode auto` runs and why,
     the flags that reproduce it, and its notes."""
     from ssdlocal.placement.devarg import plan_flags
@@ -379,10 +391,10 @@ def _print_plan(plan, weights: tuple[str, ...], backend: BackendName) -> None:
     for use in plan.uses:
         plan_table.add_row(use.device, use.role, _gb(use.need_gb), _gb(use.usable_gb), _gb(use.headroom_gb))
     out.print(plan_table)
-    out.print(f"{_plan_summary(plan)}; tensor-parallel degree {plan.tensor_parallel}")
+    out.print(f"{_plan_summary(plan, head)}; tensor-parallel degree {plan.tensor_parallel}")
     for role, label in zip(("target", "draft"), weights):
         out.print(f"{role} weights: {label}", highlight=False)
-    out.print(_mode_of(plan, backend).line, highlight=False)  # what generate, chat and serve print
+    out.print(_mode_of(plan, backend, head).line, highlight=False)  # what generate, chat and serve print
     out.print(f"flags: {plan_flags(plan)}", soft_wrap=True)  # what generate takes to reproduce it
     for note in plan.notes:
         out.print(f"[dim]note: {note}[/dim]")

@@ -79,9 +79,10 @@ def engine_config(
         prepare_weights(target, backends[0], quants[0], models.dtype)
         if draft is not None and draft not in NO_FILE_WORDS:
             prepare_weights(draft, backends[1], quants[1], models.dtype)
-    tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants)
+    head = _head_of(models, draft)
+    tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants, head)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
-    draft_kind = parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None, target=target)
+    draft_kind = parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None, target=target, head=head)
     if isinstance(draft_kind, HeadDraft) and spec_opts.k is None:  # a block drafter: K = its block's drafts
         options["k"] = head_most_drafts(draft_kind.path, draft_kind.head) or options["k"]
         if draft_kind.head == MTP_WORD:
@@ -128,14 +129,15 @@ def _spec_fields(spec_opts: SpecOptions, mode: Mode) -> dict:
     }
 
 
-def _devices(models, tp_devices, auto_place, target, draft, backends, quants) -> tuple[tuple[str, ...], str]:
-    """(target devices, draft device): the planner's where asked (auto), else as given."""
+def _devices(models, tp_devices, auto_place, target, draft, backends, quants, head=None) -> tuple[tuple[str, ...], str]:
+    """(target devices, draft device): the planner's where asked (auto), else as given; a
+    draft head is planned on the target's device (`head`: its kind)."""
     if auto_place or (models.target_device == "auto" and not tp_devices):
         from ssdlocal.placement.auto import auto_devices
 
-        model_draft = None if draft in NO_FILE_WORDS else draft  # only a draft model needs a device
+        model_draft = None if draft in NO_FILE_WORDS else draft  # only a draft model or head needs room
         tp_devices, auto_draft = auto_devices(
-            target, model_draft, models.dtype, backend=backends[0], quantizations=quants
+            target, model_draft, models.dtype, backend=backends[0], quantizations=quants, draft_beside=head is not None
         )
         return tp_devices, auto_draft if models.draft_device == "auto" else models.draft_device
     tp_devices = tp_devices or (models.target_device,)
@@ -155,19 +157,24 @@ MTP_K = 3
 
 
 def parse_draft(
-    text: str | None, model, hybrid: SuffixDraft | None = SuffixDraft(), target: str | None = None
+    text: str | None,
+    model,
+    hybrid: SuffixDraft | None = SuffixDraft(),
+    target: str | None = None,
+    head: str | None = None,
 ) -> Draft:
     """--draft as typed (None, "ngram", "suffix", "mtp", or a checkpoint path) -> the Draft
     it names; `model(path)` makes a path's ModelSpec (device, dtype, backend, weights);
     `hybrid`: a model draft's suffix proposals (None: the model's only); `target`: the
-    target's path (where "mtp" finds its layer)."""
+    target's path (where "mtp" finds its layer); `head`: the path is a draft head of this
+    kind (a pair file says so), else its config.json tells."""
     if text is None:
         return NoDraft()
     if text in DRAFT_WORDS:
         return DRAFT_WORDS[text]()
     if text == MTP_WORD:
         return mtp_draft(target)
-    head = head_kind(text)
+    head = head or head_kind(text)
     if head is not None:  # a draft head (EAGLE-3, Gemma 4 assistant): it reads the target's hidden states
         return HeadDraft(text, head)
     return ModelDraft(model(text), hybrid)
@@ -185,6 +192,21 @@ def mtp_draft(target: str | None) -> HeadDraft:
             "mtp.* tensors has no MTP layer to read), or another --draft",
         )
     return HeadDraft(target, MTP_WORD)
+
+
+def _head_of(models: ModelOptions, draft: str | None) -> str | None:
+    """The kind of draft head `draft` is, or None: the --pair's `[draft] head` when the pair's
+    draft is the one used (a published head's config.json may name a plain architecture),
+    else what its config.json names (weights.formats.archs.head_kind)."""
+    if draft is None or draft in NO_FILE_WORDS:
+        return None
+    if models.pair is not None and models.target is None and models.draft is None:
+        from ssdlocal.weights.pairs import get_pair
+
+        kind = get_pair(models.pair).draft_head
+        if kind is not None:
+            return kind
+    return head_kind(draft)
 
 
 def _validate(models: ModelOptions, options: dict, wants_draft: bool, tp_devices) -> None:

@@ -26,9 +26,10 @@ def auto_devices(
     *,
     backend: BackendName = BackendName.TORCH,
     quantizations: tuple[str, str] = ("none", "none"),
+    draft_beside: bool = False,
 ):
     """(target devices, draft device) from the planner; `draft` None (no draft model) needs
-    no device.
+    no device; `draft_beside`: `draft` is a draft head, planned on the target's device.
 
     Raises PlacementError (with a hint) when nothing fits.
     """
@@ -42,7 +43,7 @@ def auto_devices(
     draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft else 0.0
     heads = attention_heads(target) if backend.tensor_parallel else ()
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
-    plan = plan_placement(inventory, target_gb, draft_gb, heads=heads)
+    plan = plan_placement(inventory, target_gb, draft_gb, heads=heads, draft_beside=draft_beside)
     draft_device = draft_device_of(plan, draft_gb) or "cpu"  # no room anywhere: the CPU, where RAM may swap
     log.info(
         "auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices), plan.tensor_parallel, draft_device

@@ -1,8 +1,8 @@
 """The placement planner: a pure function of a DeviceInventory and model sizes.
 
 `plan_placement()` decides where the target goes (one GPU, a tensor-parallel group, or
-the CPU), where the draft goes (its own GPU, the CPU, or the n-gram fallback), and the
-memory left on each device. Plans that cannot fit raise PlacementError naming the reason.
+the CPU), where the draft goes (its own GPU, the CPU, or the n-gram fallback; a draft head
+beside the target, on its device), and the memory left on each device. Plans that cannot fit raise PlacementError naming the reason.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def plan_placement(
     draft_kv_gb: float | None = None,
     heads: tuple[int, ...] = (),
     allow_cpu_target: bool | None = None,
+    draft_beside: bool = False,
 ) -> Plan:
     """Place a target of `target_gb` and a draft of `draft_gb` (weights, GB) on `devices`.
 
@@ -85,12 +86,18 @@ def plan_placement(
     the free GPU with the most room, else the CPU (needs 2+ cores for SSD), else the
     n-gram proposer. With NVLink the largest such group is chosen (more bandwidth), on
     PCIe or unknown links the smallest (fewer all-reduces). The CPU hosts the target
-    only on machines without GPUs unless `allow_cpu_target`. Raises PlacementError.
+    only on machines without GPUs unless `allow_cpu_target`. `draft_beside`: the draft is a
+    draft head, which reads the target's embedding and hidden states, so it sits on the
+    target's one device (no tensor parallelism) and its bytes count there. Raises
+    PlacementError.
     """
     kv_gb = max(1.0, 0.1 * target_gb) if kv_gb is None else kv_gb
     draft_kv_gb = max(0.25, 0.1 * draft_gb) if draft_kv_gb is None else draft_kv_gb
     need_t = target_gb * OVERHEAD + kv_gb
     need_d = draft_gb * OVERHEAD + draft_kv_gb
+    if draft_beside:  # the head's weights and cache join the target's one device (1: no TP degree > 1 divides it)
+        need_t, need_d, heads = need_t + need_d, 0.0, (1,)
+    place, role = (_beside, _BESIDE) if draft_beside else (_with_draft, "target")
     gpus = sorted(devices.gpus, key=lambda g: (-g.usable_gb, g.index))
     if allow_cpu_target is None:
         allow_cpu_target = not gpus
@@ -101,13 +108,12 @@ def plan_placement(
         if shard > min(g.usable_gb for g in group):
             continue
         uses = [
-            DeviceUse(f"cuda:{g.index}", "target" if tp == 1 else "target (TP shard)", shard, g.usable_gb)
-            for g in group
+            DeviceUse(f"cuda:{g.index}", role if tp == 1 else "target (TP shard)", shard, g.usable_gb) for g in group
         ]
-        candidates.append(_with_draft(devices, tp, tuple(f"cuda:{g.index}" for g in group), uses, rest, need_d, 0.0))
+        candidates.append(place(devices, tp, tuple(f"cuda:{g.index}" for g in group), uses, rest, need_d, 0.0))
     if not candidates and allow_cpu_target and need_t <= devices.ram_usable_gb:
-        uses = [DeviceUse("cpu", "target", need_t, devices.ram_usable_gb)]
-        candidates.append(_with_draft(devices, 1, ("cpu",), uses, gpus, need_d, need_t))
+        uses = [DeviceUse("cpu", role, need_t, devices.ram_usable_gb)]
+        candidates.append(place(devices, 1, ("cpu",), uses, gpus, need_d, need_t))
     if not candidates:
         raise PlacementError(_why_not(devices, gpus, need_t, heads, allow_cpu_target), _fit_hint())
     rank = {"gpu": 0, "cpu": 1, "none": 2}
@@ -116,6 +122,16 @@ def plan_placement(
         candidates,
         key=lambda p: (rank[p.draft_kind], -p.tensor_parallel if prefer_big else p.tensor_parallel),
     )
+
+
+_BESIDE = "target + draft head"
+
+
+def _beside(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Plan:
+    """A draft head's plan: it runs on the target's device, counted in the target's use."""
+    unused = len(rest)
+    notes = (f"{unused} GPU(s) unused (a draft head runs on the target's device)",) if unused else ()
+    return Plan(target_devices, target_devices[0], tp, tuple(uses), notes)
 
 
 def _with_draft(devices, tp, target_devices, uses, rest, need_d, cpu_used) -> Plan:

@@ -75,9 +75,11 @@ def _with_size(repo: str, size: float) -> str:
 
 
 def _repos(pair: Pair, gguf: bool) -> tuple[str | None, str | None]:
+    """The pair's target and draft model repositories (a draft head is no model of the family:
+    its name carries its target's size)."""
     if gguf:
         return (pair.gguf_target.repo if pair.gguf_target else None, pair.gguf_draft.repo if pair.gguf_draft else None)
-    return pair.target.repo, pair.draft.repo if pair.draft else None
+    return pair.target.repo, pair.draft.repo if pair.draft and not pair.draft.head else None
 
 
 def family_of(repo: str, model_type: str | None, registry: list[Pair]) -> str | None:
@@ -117,8 +119,8 @@ def _registry_draft(pair: Pair, gguf: bool, why: str, quants: tuple[str, ...]) -
         if ref is None or not ref.repo or not ref.filename:
             return None
         return Candidate(ref.repo, why, (ref.quant,) if ref.quant else quants, ref.filename)
-    if pair.draft is None or not pair.draft.repo or pair.source != "hf":
-        return None
+    if pair.draft is None or not pair.draft.repo or pair.draft.head or pair.source != "hf":
+        return None  # no draft model (a draft head drafts only beside a registry pair's target)
     return Candidate(pair.draft.repo, why)
 
 

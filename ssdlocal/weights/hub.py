@@ -65,6 +65,12 @@ def _token() -> str | None:
 
 def _gguf_refs(pair: Pair) -> tuple[GGUFRef, GGUFRef | None]:
     """The GGUF files of the target and of the draft model (None: the pair has none)."""
+    if pair.draft_head is not None:
+        raise UsageError(
+            f"pair {pair.name!r} drafts with a {pair.draft_head} draft head, which runs on the torch backend only",
+            "use the torch backend (`--backend torch` for pull and pairs, `--target-backend torch` for generate "
+            "and the others): a head reads the target's hidden states, which llama.cpp's bindings do not expose",
+        )
     if pair.gguf_target is None or not pair.has_gguf:
         raise UsageError(
             f"pair {pair.name!r} has no GGUF files for llama.cpp",

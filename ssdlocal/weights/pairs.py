@@ -3,14 +3,14 @@
 Reads the built-in pair files (shipped in the wheel as `ssdlocal/_pairs`, or read from
 `models/pairs/` in a source checkout), the user's `<config dir>/pairs/*.toml`, and any
 files named in `$SSDLOCAL_PAIRS_PATH`. Pure data: downloading lives in hub.py, device
-planning in ssdlocal.placement. Only the standard library and ssdlocal.core are imported.
+planning in ssdlocal.placement; what a file may hold is pair_keys.py. A pair's draft is a
+draft model, a draft head (`[draft] head = "eagle3"`: it drafts from the target's hidden
+states beside the target, torch only, SD only) or a drafter without a model (`draft = "suffix"`).
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,95 +21,18 @@ from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import BackendName
 from ssdlocal.core.quantization import quantized_gb, scheme_for_gguf_type
 from ssdlocal.core.reads import step_params
-
-SOURCES = ("hf", "pypi", "local")
-WEIGHTS = ("safetensors", "gguf")  # hf pairs: what the repos hold (gguf: every backend reads the GGUF files)
-DRAFT_WORDS = ("suffix", "ngram")  # `draft = "suffix"`: a pair whose draft is no model
-MAX_SUGGESTED_K = 32
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """What one key's value must be: a test and the words for it in an error."""
-
-    ok: Callable[[object], bool]
-    words: str
-
-
-def _number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-
-
-_STR = _Kind(lambda v: isinstance(v, str) and v != "", "a non-empty string")
-_TEXT = _Kind(lambda v: isinstance(v, str), "a string")
-_BOOL = _Kind(lambda v: isinstance(v, bool), "true or false (unquoted)")
-_GB = _Kind(_number, "a number >= 0")
-_COUNT = _Kind(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1")
-_REPO = _Kind(
-    lambda v: isinstance(v, str) and bool(_REPO_ID.match(v)) and ".." not in v and "--" not in v,
-    'a hub repo id "owner/name"',
+from ssdlocal.weights.pair_keys import (
+    DRAFT_WORDS,
+    FILE_KEYS,
+    LLAMACPP_KEYS,
+    MAX_SUGGESTED_K,
+    MODEL_KEYS,
+    SOURCES,
+    TOP_KEYS,
+    TORCH_KEYS,
+    bad,
+    check,
 )
-_GLOBS = _Kind(
-    lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
-    'a list of glob strings, e.g. ["*.json", "*.safetensors"]',
-)
-_TABLE = _Kind(lambda v: isinstance(v, dict), "a table")
-_DRAFT = _Kind(
-    lambda v: isinstance(v, dict) or v in DRAFT_WORDS,
-    f"a table, or one of {', '.join(map(repr, DRAFT_WORDS))} (a draft without a model)",
-)
-_WEIGHTS = _Kind(lambda v: v in WEIGHTS, " or ".join(map(repr, WEIGHTS)))
-_FAN = _Kind(
-    lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v),
-    "a list of integers >= 0",
-)
-
-_TOP_KEYS = {
-    "name": _STR,
-    "description": _TEXT,
-    "family": _TEXT,
-    "source": _STR,
-    "weights": _WEIGHTS,
-    "gated": _BOOL,
-    "suggested_k": _COUNT,
-    "suggested_fan_out": _FAN,
-    "target": _TABLE,
-    "draft": _DRAFT,
-    "torch": _TABLE,
-    "llamacpp": _TABLE,
-    "backends": _Kind(
-        lambda v: isinstance(v, list) and bool(v) and all(x in BackendName.choices() for x in v),
-        f"a non-empty list of backend names ({', '.join(BackendName.choices())})",
-    ),
-}
-_MODEL_KEYS = {
-    "repo": _REPO,
-    "revision": _STR,
-    "asset": _STR,
-    "path": _STR,
-    "params_b": _GB,
-    "active_params_b": _GB,
-    "experts": _COUNT,
-    "experts_per_token": _COUNT,
-    "bf16_gb": _GB,
-    "embed_b": _GB,
-    "heads": _COUNT,
-    "kv_heads": _COUNT,
-    "layers": _COUNT,
-    "head_dim": _COUNT,
-}
-_FILE_KEYS = {
-    "repo": _REPO,
-    "revision": _STR,
-    "filename": _STR,
-    "asset": _STR,
-    "path": _STR,
-    "quant": _TEXT,
-    "size_gb": _GB,
-}
-_TORCH_KEYS = {"allow_patterns": _GLOBS, "ignore_patterns": _GLOBS}
-_LLAMACPP_KEYS = {"target": _TABLE, "draft": _TABLE}
 
 
 @dataclass(frozen=True)
@@ -131,6 +54,7 @@ class ModelRef:
     kv_heads: int | None = None
     layers: int | None = None
     head_dim: int | None = None
+    head: str | None = None  # a draft head's kind (weights.formats.archs.HEADS); None: a model
 
     @property
     def label(self) -> str:
@@ -191,7 +115,16 @@ class Pair:
 
     @property
     def draft_label(self) -> str:
-        return self.draft.label if self.draft is not None else f"{self.draft_word} drafting (no draft model)"
+        if self.draft is None:
+            return f"{self.draft_word} drafting (no draft model)"
+        return f"{self.draft.label} ({self.draft.head} head)" if self.draft.head else self.draft.label
+
+    @property
+    def draft_head(self) -> str | None:
+        """The kind of the pair's draft head (weights.formats.archs.HEADS), None for a draft
+        model or a drafter without one. A head reads the target's hidden states: it runs beside
+        the target on its device, on the torch backend, in SD (never SSD)."""
+        return self.draft.head if self.draft is not None else None
 
     @property
     def has_gguf(self) -> bool:
@@ -201,8 +134,9 @@ class Pair:
     @property
     def backends(self) -> tuple[BackendName, ...]:
         """Backends the pair can run on: every backend reading checkpoints; those that run
-        GGUF files as they are when the pair names GGUF files for both models; of those, the
-        ones the file's `backends` lists when it lists any."""
+        GGUF files as they are when the pair names GGUF files for both models (a draft head
+        has none: its backend must hand it the target's hidden states); of those, the ones
+        the file's `backends` lists when it lists any."""
         found = tuple(b for b in BackendName if self.has_gguf or not b.runs_gguf)
         return found if self.only_backends is None else tuple(b for b in found if b in self.only_backends)
 
@@ -227,7 +161,7 @@ class Pair:
         for ref, scheme in zip((self.target, self.draft), self.schemes(quantization)):
             if ref is None:  # no draft model
                 out.append(0.0)
-            elif scheme == "none" or not ref.params_b:
+            elif scheme == "none" or not ref.params_b or ref.head:  # a head loads unquantized
                 out.append(ref.bf16_gb)
             else:  # no embedding size given: assume a tenth of the model, on the safe side
                 embed = ref.embed_b if ref.embed_b is not None else 0.1 * ref.params_b
@@ -269,61 +203,59 @@ def user_dir() -> Path:
     return config_dir() / "pairs"
 
 
-def _bad(path: Path, what: str) -> UsageError:
-    return UsageError(
-        f"pair file {path}: {what}",
-        "see models/pairs/*.toml in the ssdlocal sources for the format",
-    )
-
-
-def _check(table: dict, schema: dict[str, _Kind], where: str, path: Path, *, kinds: bool = True) -> dict:
-    """Every key known and (with `kinds`) every value of the right kind; `where` names the
-    table ("" = the top level)."""
-    unknown = set(table) - set(schema)
-    if unknown:
-        inside = f"[{where}] has" if where else "has"
-        raise _bad(path, f"{inside} unknown keys {sorted(unknown)} (known: {', '.join(schema)})")
-    for key, value in table.items() if kinds else ():
-        if not schema[key].ok(value):
-            name = f"{where}.{key}" if where else key
-            raise _bad(path, f"`{name}` must be {schema[key].words}, got {value!r}")
-    return table
-
-
 def _model(data: dict, key: str, source: str, path: Path) -> ModelRef | None:
     if key == "draft" and data.get("draft") in DRAFT_WORDS:
         return None  # a drafter without a model
     if key not in data:
-        raise _bad(path, f"needs a [{key}] table")
-    table = _check(data[key], _MODEL_KEYS, key, path, kinds=False)
+        raise bad(path, f"needs a [{key}] table")
+    table = check(data[key], MODEL_KEYS, key, path, kinds=False)
     need = {"hf": "repo", "pypi": "asset", "local": "path"}[source]
     if not table.get(need):
-        raise _bad(path, f'[{key}] needs `{need}` for source = "{source}"')
-    ref = ModelRef(**_check(table, _MODEL_KEYS, key, path))
+        raise bad(path, f'[{key}] needs `{need}` for source = "{source}"')
+    ref = ModelRef(**check(table, MODEL_KEYS, key, path))
     if ref.active_params_b is not None and ref.params_b is not None and ref.active_params_b > ref.params_b:
-        raise _bad(path, f"[{key}] active_params_b {ref.active_params_b} is more than params_b {ref.params_b}")
+        raise bad(path, f"[{key}] active_params_b {ref.active_params_b} is more than params_b {ref.params_b}")
     if (ref.experts is None) != (ref.experts_per_token is None) or (ref.experts or 0) < (ref.experts_per_token or 0):
-        raise _bad(path, f"[{key}] needs both `experts` and `experts_per_token`, at most `experts` of them per token")
+        raise bad(path, f"[{key}] needs both `experts` and `experts_per_token`, at most `experts` of them per token")
     if ref.experts and ref.active_params_b is None:
-        raise _bad(path, f"[{key}] has experts: give `active_params_b`, the parameters one token reads")
+        raise bad(path, f"[{key}] has experts: give `active_params_b`, the parameters one token reads")
+    if ref.head is not None and key != "draft":
+        raise bad(path, f"[{key}] has `head`: only the [draft] can be a draft head")
     return ref
+
+
+def _check_head(data: dict, source: str, path: Path) -> None:
+    """A draft head runs beside the target on the torch backend (it reads the target's hidden
+    states, which llama.cpp's bindings do not expose), from a checkpoint directory."""
+    draft = data.get("draft")
+    kind = draft.get("head") if isinstance(draft, dict) else None
+    if not MODEL_KEYS["head"].ok(kind):
+        return  # no head (or an unknown kind: [draft]'s own check names it)
+    where = f'[draft] head = "{kind}"'
+    if source == "pypi":
+        raise bad(path, f'{where} needs source = "hf" or "local" (a head is a checkpoint directory)')
+    if data.get("weights") == "gguf" or data.get("llamacpp") is not None:
+        raise bad(path, f"{where} runs on the torch backend only: drop `weights` and the [llamacpp] tables")
+    gguf_only = [b for b in data.get("backends", ()) if BackendName(b).runs_gguf]
+    if gguf_only:
+        raise bad(path, f"{where} runs on the torch backend only, not on {', '.join(gguf_only)}: fix `backends`")
 
 
 def _gguf(table: dict | None, key: str, path: Path) -> GGUFRef | None:
     if table is None:
         return None
-    _check(table, _FILE_KEYS, f"llamacpp.{key}", path, kinds=False)
+    check(table, FILE_KEYS, f"llamacpp.{key}", path, kinds=False)
     if not (table.get("asset") or table.get("path") or (table.get("repo") and table.get("filename"))):
-        raise _bad(path, f"[llamacpp.{key}] needs repo + filename, asset, or path")
-    return GGUFRef(**_check(table, _FILE_KEYS, f"llamacpp.{key}", path))
+        raise bad(path, f"[llamacpp.{key}] needs repo + filename, asset, or path")
+    return GGUFRef(**check(table, FILE_KEYS, f"llamacpp.{key}", path))
 
 
 def _suggested(data: dict, path: Path) -> tuple[int, tuple[int, ...] | None]:
     k, fan = data.get("suggested_k", 4), data.get("suggested_fan_out")
     if k > MAX_SUGGESTED_K:
-        raise _bad(path, f"suggested_k must be at most {MAX_SUGGESTED_K}, got {k}")
+        raise bad(path, f"suggested_k must be at most {MAX_SUGGESTED_K}, got {k}")
     if fan is not None and len(fan) != k + 1:
-        raise _bad(path, f"suggested_fan_out needs K+1 = {k + 1} integers >= 0, got {fan!r}")
+        raise bad(path, f"suggested_fan_out needs K+1 = {k + 1} integers >= 0, got {fan!r}")
     return k, tuple(fan) if fan is not None else None
 
 
@@ -333,22 +265,23 @@ def parse_pair(path: Path) -> Pair:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
-        raise _bad(path, f"not valid TOML ({exc})") from None
+        raise bad(path, f"not valid TOML ({exc})") from None
     except OSError as exc:
-        raise _bad(path, f"cannot be read ({exc.strerror or exc})") from None
-    _check(data, _TOP_KEYS, "", path)
+        raise bad(path, f"cannot be read ({exc.strerror or exc})") from None
+    check(data, TOP_KEYS, "", path)
     source = data.get("source", "hf")
     if source not in SOURCES:
-        raise _bad(path, f"unknown source {source!r} (use one of {', '.join(SOURCES)})")
+        raise bad(path, f"unknown source {source!r} (use one of {', '.join(SOURCES)})")
+    _check_head(data, source, path)
     weights = data.get("weights", "safetensors")
     if weights == "gguf" and not (data.get("llamacpp") or {}).get("target"):
-        raise _bad(path, 'weights = "gguf" needs a [llamacpp.target] table naming the GGUF file')
+        raise bad(path, 'weights = "gguf" needs a [llamacpp.target] table naming the GGUF file')
     k, fan = _suggested(data, path)
-    torch_table = _check(data.get("torch", {}), _TORCH_KEYS, "torch", path)
-    llamacpp = _check(data.get("llamacpp", {}), _LLAMACPP_KEYS, "llamacpp", path)
+    torch_table = check(data.get("torch", {}), TORCH_KEYS, "torch", path)
+    llamacpp = check(data.get("llamacpp", {}), LLAMACPP_KEYS, "llamacpp", path)
     allow = torch_table.get("allow_patterns", list(Pair.allow_patterns))
     if not allow:
-        raise _bad(path, "`torch.allow_patterns` must not be empty (nothing would be downloaded)")
+        raise bad(path, "`torch.allow_patterns` must not be empty (nothing would be downloaded)")
     return Pair(
         name=data.get("name") or path.stem,
         description=data.get("description", ""),
