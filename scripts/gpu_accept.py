@@ -147,6 +147,23 @@ MEASURES = {  # step: what each of its rows measures (printed under its heading)
     "int4 weights, against the measured bf16 matmul peak (2 x parameters x tokens FLOP)",
     "attention_kernels": "the attention kernels the profiler saw per kind of step at a 512-token "
     "span, and torch's own can-use checks for the folded verify",
+    "family_step_times": f"one row per (2026 family in timing shapes, T): median ms of a T=1 and a T={K + 1} "
+    "step, eager and in captured graphs, of a random-weight bf16 model (scripts/accept_families.py), against "
+    "the bandwidth limit of the bytes the step reads (the experts its tokens chose, the KV it attends to); "
+    "bitwise / argmax_equal: the captured step's logits against eager's (a different argmax is a failure)",
+    "hybrid_step_times": f"one row per T (1 and {K + 1}) of a Qwen3.5-9B-shaped hybrid, 8 of 32 layers "
+    "(scripts/accept_hybrid.py), random bf16 weights: median ms eager and in captured graphs against the "
+    "bandwidth limit of the weights, the full-attention layers' KV and the linear states read and written; "
+    "kept_mb / kept_ms: the T states per row a verify keeps to roll back to any accepted length and the "
+    "time of their writes; bitwise / argmax_equal: captured against eager (a different argmax is a failure)",
+    "hybrid_rounds": "SD rounds through the engine (n-gram proposals) with the Qwen3.5-9B-shaped hybrid "
+    "written as a checkpoint (scripts/accept_rounds.py): host waits per round with graphs (a 40-token call "
+    "minus a 1-token one; torch's sync count on a GPU, the engine's audit beside it and alone on the CPU) "
+    "against the SD budget, draft and verify ms per round in bf16, graph counts; float32: SD with graphs "
+    "equals AR with graphs and eager AR, token for token",
+    "head_rounds": "as hybrid_rounds with an EAGLE-3 head of the published Llama-3.1-8B head's shape (hidden "
+    "4096, one layer, 32,000 draft ids mapped into 128,256) beside a Llama-3.1-8B-shaped target (8 of 32 "
+    "layers): head draft ms against verify ms per round, host waits per round, exactness against AR",
     "host_waits": "host synchronisations per decode round by mode (torch.cuda.set_sync_debug_mode: "
     "a 40-token call minus a 1-token one), against HOST_WAIT_BUDGET",
     "long_context": "a 1,000-token prompt and 60 new tokens (the KV cache grows past 1,024 slots "
@@ -247,6 +264,9 @@ def render(data: dict) -> str:
 SPEED_STEPS = ("attention_spans", "quant_speed")
 MORE_STEPS = (
     "family_step_times",
+    "hybrid_step_times",
+    "hybrid_rounds",
+    "head_rounds",
     "host_waits",
     "long_context",
     "churned_prefix_store",
@@ -583,8 +603,24 @@ def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Resul
         bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
         family_step_times(device, bandwidth, graph_mode, results, smoke=device.type == "cpu")
 
+    def hybrid() -> None:
+        from accept_hybrid import hybrid_step_times
+        from gpu_bench import copy_bandwidth
+
+        env = results.data["steps"].get("environment", {})
+        bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
+        hybrid_step_times(device, bandwidth, graph_mode, results, smoke=device.type == "cpu")
+
+    def rounds(which: str) -> None:
+        import accept_rounds
+
+        getattr(accept_rounds, which)(tmp / "tokenizer", tmp, device, graph_mode, results)
+
     return [
         ("family_step_times", families),
+        ("hybrid_step_times", hybrid),
+        ("hybrid_rounds", lambda: rounds("hybrid_rounds")),
+        ("head_rounds", lambda: rounds("head_rounds")),
         ("host_waits", lambda: more.host_waits(dirs, where, results)),
         ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp, modes=smoke)),
         ("churned_prefix_store", lambda: more.churned_store(dirs, where, graph_mode, results)),
@@ -605,6 +641,11 @@ def main() -> int:
         type=float,
         default=None,
         help="steps not started by then are failures (default: 480 on a GPU, none with --cpu)",
+    )
+    ap.add_argument(
+        "--steps",
+        default=None,
+        help="run only these steps, comma-separated (environment always runs; default: all)",
     )
     args = ap.parse_args()
     results = Results(Path(args.out))
@@ -672,7 +713,14 @@ def main() -> int:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
 
             steps.append(("exact_traced", traced))
+        chosen = set(args.steps.split(",")) | {"environment"} if args.steps else {name for name, _ in steps}
+        unknown = chosen - {name for name, _ in steps}
+        if unknown:
+            print(f"unknown steps: {', '.join(sorted(unknown))}; steps: {', '.join(name for name, _ in steps)}")
+            return 2
         for name, run in steps:
+            if name not in chosen:
+                continue
             if time.perf_counter() - t0 > budget_s:
                 results.fail(f"{name}: not run, past the {budget_s:.0f} s budget")
                 continue
