@@ -48,7 +48,9 @@ def qwen3_5_fields(smoke: bool, vocab: int | None = None) -> dict:
         linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
         layers, theta = pattern, 10_000.0
     else:
-        sizes = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4, head_dim=256)
+        sizes = dict(
+            hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4, head_dim=256
+        )
         linear = dict(
             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128
         )

@@ -3,8 +3,9 @@ through the engine with a Qwen3.5 hybrid target, and with an EAGLE-3 head beside
 Llama-3.1-8B-shaped target, checkpoints of random bf16 weights written from the device.
 
 - `hybrid_rounds`: the Qwen3.5-9B-shaped hybrid of accept_hybrid.py (8 of 32 layers) as a
-  checkpoint, SD with n-gram proposals (no draft model: the rounds are the target's
-  verifies, its linear states rolled back to each round's accepted length on the device).
+  checkpoint, SD with a small random draft model of its vocabulary (a 2-layer llama of
+  width 256): it proposes K tokens every round and the target rejects nearly all of them,
+  so every round verifies K+1 tokens and rolls its linear states back on the device.
 - `head_rounds`: a Llama-3.1-8B-shaped target (hidden 4096, 32 query / 8 key-value heads
   of 128, MLP 14,336, vocabulary 128,256, untied head; 8 of its 32 layers) and an EAGLE-3
   head shaped like the published Llama-3.1-8B head (one decoder layer of 32 / 8 heads,
@@ -36,7 +37,7 @@ from accept_steps import HOST_WAIT_BUDGET
 
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.events import DoneEvent
-from ssdlocal.core.models import HeadDraft, NgramDraft
+from ssdlocal.core.models import HeadDraft, ModelDraft
 from ssdlocal.engine import Engine
 
 K = 4
@@ -51,7 +52,9 @@ def llama_fields(smoke: bool, vocab: int) -> dict:
         sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         layers, theta = 4, 10_000.0
     else:
-        sizes = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+        sizes = dict(
+            hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+        )
         layers, theta = 8, 500_000.0
     return dict(
         architectures=["LlamaForCausalLM"],
@@ -66,6 +69,16 @@ def llama_fields(smoke: bool, vocab: int) -> dict:
         pad_token_id=0,
         **sizes,
     )
+
+
+def small_draft(root: Path, tokenizer_dir: Path, vocab: int, device: torch.device, smoke: bool) -> Path:
+    """A random 2-layer llama of width 256 over `vocab` ids (width 32 with `smoke`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = llama_fields(True, vocab)
+    width = 32 if smoke else 256
+    fields.update(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, head_dim=width // 4)
+    return write_checkpoint(root / "draft", LlamaConfig(**fields), LlamaForCausalLM, tokenizer_dir, device)
 
 
 def write_checkpoint(out: Path, config, model_cls, tokenizer_dir: Path, device: torch.device) -> Path:
@@ -113,13 +126,17 @@ def head_checkpoints(root: Path, tokenizer_dir: Path, device: torch.device, smok
     if smoke:
         head = make_eagle3(root / "eagle3", target, draft_vocab=200, aux=(1, 2, 3), heads=4, kv=2)
     else:  # the published head's layers 2, 16, 29 of 32, scaled to 8
-        head = make_eagle3(root / "eagle3", target, draft_vocab=32000, aux=(2, layers // 2, layers - 3), heads=32, kv=8, inter=14336)
+        head = make_eagle3(
+            root / "eagle3", target, draft_vocab=32000, aux=(2, layers // 2, layers - 3), heads=32, kv=8, inter=14336
+        )
     return target, head
 
 
 def _engine(path: Path, draft, device: str, graphs: str, dtype: str) -> Engine:
     spec = SpecConfig(mode=Mode.SD, k=K, draft=draft)
-    return Engine(EngineConfig(target=ModelSpec(str(path), device, dtype=dtype), spec=spec, pin_cpus=False, graphs=graphs))
+    return Engine(
+        EngineConfig(target=ModelSpec(str(path), device, dtype=dtype), spec=spec, pin_cpus=False, graphs=graphs)
+    )
 
 
 def _call(engine: Engine, mode: str, draft, tokens: int, count: bool):
@@ -153,13 +170,15 @@ def _graphs(stats: dict) -> dict[str, int]:
     return counts
 
 
-def sd_rounds(name: str, path: Path, draft, device: str, graph_mode: str, results, step: str, rows: list) -> None:
-    """One row for `name`: host waits and ms per round (bf16, graphs), exactness in float32."""
+def sd_rounds(name: str, path: Path, drafts, device: str, graph_mode: str, results, step: str, rows: list) -> None:
+    """One row for `name`: host waits and ms per round (bf16, graphs), exactness in float32;
+    `drafts(dtype)` the draft to use at that dtype."""
     cuda = device.startswith("cuda")
     budget = HOST_WAIT_BUDGET["sd"]
     row: dict = {"model": name}
+    draft = drafts("bfloat16")
     with _engine(path, draft, device, graph_mode, "bfloat16") as engine:
-        _call(engine, "sd", draft, TOKENS, False)  # warm: captures, allocations
+        _, warm, _ = _call(engine, "sd", draft, TOKENS, False)  # captures, allocations
         _, long, syncs_long = _call(engine, "sd", draft, TOKENS, cuda)
         _, short, syncs_short = _call(engine, "sd", draft, 1, cuda)
     rounds = max(1, long["rounds"] - short["rounds"])
@@ -173,8 +192,11 @@ def sd_rounds(name: str, path: Path, draft, device: str, graph_mode: str, result
         draft_ms_per_round=round(long["draft_ms"] / max(long["rounds"], 1), 3),
         verify_ms_per_round=round(long["verify_ms"] / max(long["rounds"], 1), 3),
         tokens_per_round=round(long.get("mean_accepted_len") or 0.0, 2),
-        **{f"bf16_{k}": v for k, v in _graphs(long).items()},
+        acceptance=round(long.get("acceptance_rate") or 0.0, 3),
+        bf16_captured=_graphs(warm)["captured"] + _graphs(long)["captured"],
+        **{f"bf16_{k}": v for k, v in _graphs(long).items() if k != "captured"},
     )
+    draft = drafts("float32")
     with _engine(path, draft, device, graph_mode, "float32") as engine:
         sd, sd_stats, _ = _call(engine, "sd", draft, TOKENS, False)
         ar, _, _ = _call(engine, "ar", draft, TOKENS, False)
@@ -197,15 +219,22 @@ def sd_rounds(name: str, path: Path, draft, device: str, graph_mode: str, result
 def hybrid_rounds(tokenizer_dir: Path, root: Path, device: torch.device, graph_mode: str, results) -> None:
     smoke = device.type == "cpu"
     path = hybrid_checkpoint(root, tokenizer_dir, device, smoke)
-    name = "tiny qwen3.5, n-gram" if smoke else "qwen3.5-9b x8, n-gram"
-    sd_rounds(name, path, NgramDraft(), str(device), graph_mode, results, "hybrid_rounds", [])
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    small = small_draft(root, tokenizer_dir, vocab, device, smoke)
+    name = "tiny qwen3.5 + draft model" if smoke else "qwen3.5-9b x8 + 2-layer draft"
+
+    def drafts(dtype: str) -> ModelDraft:
+        return ModelDraft(ModelSpec(str(small), str(device), dtype=dtype), suffix=None)
+
+    sd_rounds(name, path, drafts, str(device), graph_mode, results, "hybrid_rounds", [])
     shutil.rmtree(path)
+    shutil.rmtree(small)
 
 
 def head_rounds(tokenizer_dir: Path, root: Path, device: torch.device, graph_mode: str, results) -> None:
     smoke = device.type == "cpu"
     target, head = head_checkpoints(root, tokenizer_dir, device, smoke)
     name = "tiny llama + eagle3 head" if smoke else "llama-3.1-8b x8 + eagle3 head"
-    sd_rounds(name, target, HeadDraft(str(head)), str(device), graph_mode, results, "head_rounds", [])
+    sd_rounds(name, target, lambda _dtype: HeadDraft(str(head)), str(device), graph_mode, results, "head_rounds", [])
     shutil.rmtree(target)
     shutil.rmtree(head)

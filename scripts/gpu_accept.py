@@ -42,6 +42,18 @@ section of results.md says what its rows measure):
      random bf16 weights, T=1 and T=K+1 steps eager and in captured graphs against the
      bandwidth limit of the bytes each step reads (the experts its tokens chose, the KV it
      attends to), the captured step's logits against eager's;
+  5c. (scripts/accept_hybrid.py) a Qwen3.5-9B-shaped hybrid (8 of its 32 layers: two periods
+     of three Gated DeltaNet layers and one full-attention layer), random bf16 weights: T=1
+     and T=K+1 steps eager and in captured graphs against the bandwidth limit of the weights,
+     the full-attention KV and the linear states read and written; the states a verify keeps
+     to roll back to any accepted length (bytes, and the time of their writes); captured
+     logits against eager's;
+  5d. (scripts/accept_rounds.py) SD rounds through the engine in timing shapes, checkpoints
+     of random bf16 weights written from the device: that hybrid with a small random draft
+     model, and an EAGLE-3 head of the published Llama-3.1-8B head's shape (hidden 4096, one
+     layer, 32,000 draft ids) beside a Llama-3.1-8B-shaped target (8 of 32 layers): host
+     waits per round with graphs against HOST_WAIT_BUDGET["sd"], draft and verify ms per
+     round, graph counts, and in float32 SD with graphs == AR with graphs == eager AR;
   6. (scripts/accept_steps.py) host waits per decode round under
      torch.cuda.set_sync_debug_mode, by mode, against HOST_WAIT_BUDGET (AR, SD, adaptive
      SD <= 1.5, SD under a JSON-schema grammar <= K + 2; SSD's target reported); a
@@ -60,7 +72,9 @@ rows (llguidance, one wheel with no dependencies: they are reported as skipped w
 it). `--cpu` is a smoke run of the same code on the CPU with traced graphs (one
 architecture, fewer calls, no SSD worker in the long-context and two-device steps, the
 TP step over two CPU ranks; step 5 on the tiny timing shape in float32, traced graphs, both
-attention paths forced, no load-time verdict) to check the script; the host-wait, step
+attention paths forced, no load-time verdict; steps 5b-5d on tiny shapes, the rounds' host
+waits from the engine's own audit) to check the script; `--steps a,b` runs only the named
+steps (and environment). The host-wait, step
 time, prefill and kernel steps need a GPU, and CPU timings say nothing about a GPU's.
 """
 
@@ -156,7 +170,7 @@ MEASURES = {  # step: what each of its rows measures (printed under its heading)
     "bandwidth limit of the weights, the full-attention layers' KV and the linear states read and written; "
     "kept_mb / kept_ms: the T states per row a verify keeps to roll back to any accepted length and the "
     "time of their writes; bitwise / argmax_equal: captured against eager (a different argmax is a failure)",
-    "hybrid_rounds": "SD rounds through the engine (n-gram proposals) with the Qwen3.5-9B-shaped hybrid "
+    "hybrid_rounds": "SD rounds through the engine (a small random draft model: K proposals a round, nearly all rejected) with the Qwen3.5-9B-shaped hybrid "
     "written as a checkpoint (scripts/accept_rounds.py): host waits per round with graphs (a 40-token call "
     "minus a 1-token one; torch's sync count on a GPU, the engine's audit beside it and alone on the CPU) "
     "against the SD budget, draft and verify ms per round in bf16, graph counts; float32: SD with graphs "
