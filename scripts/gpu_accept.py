@@ -42,6 +42,18 @@ section of results.md says what its rows measure):
      random bf16 weights, T=1 and T=K+1 steps eager and in captured graphs against the
      bandwidth limit of the bytes each step reads (the experts its tokens chose, the KV it
      attends to), the captured step's logits against eager's;
+  5c. (scripts/accept_hybrid.py) a Qwen3.5-9B-shaped hybrid (8 of its 32 layers: two periods
+     of three Gated DeltaNet layers and one full-attention layer), random bf16 weights: T=1
+     and T=K+1 steps eager and in captured graphs against the bandwidth limit of the weights,
+     the full-attention KV and the linear states read and written; the states a verify keeps
+     to roll back to any accepted length (bytes, and the time of their writes); captured
+     logits against eager's;
+  5d. (scripts/accept_rounds.py) SD rounds through the engine in timing shapes, checkpoints
+     of random bf16 weights written from the device: that hybrid with a small random draft
+     model, and an EAGLE-3 head of the published Llama-3.1-8B head's shape (hidden 4096, one
+     layer, 32,000 draft ids) beside a Llama-3.1-8B-shaped target (8 of 32 layers): host
+     waits per round with graphs against HOST_WAIT_BUDGET["sd"], draft and verify ms per
+     round, graph counts, and in float32 SD with graphs == AR with graphs == eager AR;
   6. (scripts/accept_steps.py) host waits per decode round under
      torch.cuda.set_sync_debug_mode, by mode, against HOST_WAIT_BUDGET (AR, SD, adaptive
      SD <= 1.5, SD under a JSON-schema grammar <= K + 2; SSD's target reported); a
@@ -60,7 +72,9 @@ rows (llguidance, one wheel with no dependencies: they are reported as skipped w
 it). `--cpu` is a smoke run of the same code on the CPU with traced graphs (one
 architecture, fewer calls, no SSD worker in the long-context and two-device steps, the
 TP step over two CPU ranks; step 5 on the tiny timing shape in float32, traced graphs, both
-attention paths forced, no load-time verdict) to check the script; the host-wait, step
+attention paths forced, no load-time verdict; steps 5b-5d on tiny shapes, the rounds' host
+waits from the engine's own audit) to check the script; `--steps a,b` runs only the named
+steps (and environment). The host-wait, step
 time, prefill and kernel steps need a GPU, and CPU timings say nothing about a GPU's.
 """
 
@@ -147,6 +161,23 @@ MEASURES = {  # step: what each of its rows measures (printed under its heading)
     "int4 weights, against the measured bf16 matmul peak (2 x parameters x tokens FLOP)",
     "attention_kernels": "the attention kernels the profiler saw per kind of step at a 512-token "
     "span, and torch's own can-use checks for the folded verify",
+    "family_step_times": f"one row per (2026 family in timing shapes, T): median ms of a T=1 and a T={K + 1} "
+    "step, eager and in captured graphs, of a random-weight bf16 model (scripts/accept_families.py), against "
+    "the bandwidth limit of the bytes the step reads (the experts its tokens chose, the KV it attends to); "
+    "bitwise / argmax_equal: the captured step's logits against eager's (a different argmax is a failure)",
+    "hybrid_step_times": f"one row per T (1 and {K + 1}) of a Qwen3.5-9B-shaped hybrid, 8 of 32 layers "
+    "(scripts/accept_hybrid.py), random bf16 weights: median ms eager and in captured graphs against the "
+    "bandwidth limit of the weights, the full-attention layers' KV and the linear states read and written; "
+    "kept_mb / kept_ms: the T states per row a verify keeps to roll back to any accepted length and the "
+    "time of their writes; bitwise / argmax_equal: captured against eager (a different argmax is a failure)",
+    "hybrid_rounds": "SD rounds through the engine (a small random draft model: K proposals a round, nearly all rejected) with the Qwen3.5-9B-shaped hybrid "
+    "written as a checkpoint (scripts/accept_rounds.py): host waits per round with graphs (a 40-token call "
+    "minus a 1-token one; torch's sync count on a GPU, the engine's audit beside it and alone on the CPU) "
+    "against the SD budget, draft and verify ms per round in bf16, graph counts; float32: SD with graphs "
+    "equals AR with graphs and eager AR, token for token",
+    "head_rounds": "as hybrid_rounds with an EAGLE-3 head of the published Llama-3.1-8B head's shape (hidden "
+    "4096, one layer, 32,000 draft ids mapped into 128,256) beside a Llama-3.1-8B-shaped target (8 of 32 "
+    "layers): head draft ms against verify ms per round, host waits per round, exactness against AR",
     "host_waits": "host synchronisations per decode round by mode (torch.cuda.set_sync_debug_mode: "
     "a 40-token call minus a 1-token one), against HOST_WAIT_BUDGET",
     "long_context": "a 1,000-token prompt and 60 new tokens (the KV cache grows past 1,024 slots "
@@ -247,6 +278,9 @@ def render(data: dict) -> str:
 SPEED_STEPS = ("attention_spans", "quant_speed")
 MORE_STEPS = (
     "family_step_times",
+    "hybrid_step_times",
+    "hybrid_rounds",
+    "head_rounds",
     "host_waits",
     "long_context",
     "churned_prefix_store",
@@ -583,8 +617,24 @@ def more_steps(dirs: dict, device: torch.device, graph_mode: str, results: Resul
         bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
         family_step_times(device, bandwidth, graph_mode, results, smoke=device.type == "cpu")
 
+    def hybrid() -> None:
+        from accept_hybrid import hybrid_step_times
+        from gpu_bench import copy_bandwidth
+
+        env = results.data["steps"].get("environment", {})
+        bandwidth = env["bandwidth_gb_s"] * 1e9 if "bandwidth_gb_s" in env else copy_bandwidth(device, 0.2)
+        hybrid_step_times(device, bandwidth, graph_mode, results, smoke=device.type == "cpu")
+
+    def rounds(which: str) -> None:
+        import accept_rounds
+
+        getattr(accept_rounds, which)(tmp / "tokenizer", tmp, device, graph_mode, results)
+
     return [
         ("family_step_times", families),
+        ("hybrid_step_times", hybrid),
+        ("hybrid_rounds", lambda: rounds("hybrid_rounds")),
+        ("head_rounds", lambda: rounds("head_rounds")),
         ("host_waits", lambda: more.host_waits(dirs, where, results)),
         ("long_context", lambda: more.long_context(dirs, where, graph_mode, results, tmp, modes=smoke)),
         ("churned_prefix_store", lambda: more.churned_store(dirs, where, graph_mode, results)),
@@ -605,6 +655,11 @@ def main() -> int:
         type=float,
         default=None,
         help="steps not started by then are failures (default: 480 on a GPU, none with --cpu)",
+    )
+    ap.add_argument(
+        "--steps",
+        default=None,
+        help="run only these steps, comma-separated (environment always runs; default: all)",
     )
     args = ap.parse_args()
     results = Results(Path(args.out))
@@ -672,7 +727,14 @@ def main() -> int:
                 exactness(dirs, str(device), ("trace",), results, "exact_traced")
 
             steps.append(("exact_traced", traced))
+        chosen = set(args.steps.split(",")) | {"environment"} if args.steps else {name for name, _ in steps}
+        unknown = chosen - {name for name, _ in steps}
+        if unknown:
+            print(f"unknown steps: {', '.join(sorted(unknown))}; steps: {', '.join(name for name, _ in steps)}")
+            return 2
         for name, run in steps:
+            if name not in chosen:
+                continue
             if time.perf_counter() - t0 > budget_s:
                 results.fail(f"{name}: not run, past the {budget_s:.0f} s budget")
                 continue
