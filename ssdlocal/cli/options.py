@@ -29,6 +29,7 @@ from ssdlocal.core.config import (
 )
 from ssdlocal.core.models import BackendName, MemorySettings
 from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
+from ssdlocal.core.quantization import DType, Quantization
 
 _OPTION = "typer.Option"  # key of a field's metadata: its flag(s) and help
 
@@ -42,7 +43,9 @@ def option(default: Any, help: str, *flags: str, metavar: str | None = None) -> 
 # --------------------------------------------------------------------------- models
 @dataclass(frozen=True)
 class ModelOptions:
-    """Which models, where, on which backend and with which weights."""
+    """Which models, where, on which backend and with which weights. The dtype and the
+    quantizations arrive as the user's text and are parsed into their choices (DType,
+    Quantization) when the group is made, before anything is fetched."""
 
     target: str | None = option(None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B.")
     draft: str | None = option(
@@ -101,13 +104,21 @@ class ModelOptions:
         f"(default: {PREFIX_CACHE_TOKENS}, at most a tenth of the memory free after loading).",
     )
 
-    def quantizations(self, backends: tuple[BackendName, BackendName]) -> tuple[str, str]:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, "--dtype"))
+        object.__setattr__(self, "quantization", Quantization.parse(self.quantization, "--quantization"))
+        if self.draft_quantization is not None:
+            draft = Quantization.parse(self.draft_quantization, "--draft-quantization")
+            object.__setattr__(self, "draft_quantization", draft)
+
+    def quantizations(self, backends: tuple[BackendName, BackendName]) -> tuple[Quantization, Quantization]:
         """(target, draft) weight quantization; a draft whose backend runs GGUF files as
         they are (llama.cpp) keeps its GGUF's own."""
+        target = Quantization.parse(self.quantization, "--quantization")
         draft = self.draft_quantization
         if draft is None:
-            draft = "auto" if BackendName(backends[1]).runs_gguf else self.quantization
-        return self.quantization, draft
+            draft = Quantization.AUTO if BackendName(backends[1]).runs_gguf else target
+        return target, Quantization.parse(draft, "--draft-quantization")
 
 
 # --------------------------------------------------------------------------- speculation
@@ -364,7 +375,7 @@ def _named(f: Field):
     return info
 
 
-Quantization = annotated(ModelOptions, "quantization")  # `devices` plans with it
+QuantizationOption = annotated(ModelOptions, "quantization")  # `devices` plans with it
 
 # --------------------------------------------------------------------------- output
 # Options some commands declare themselves (their defaults differ by command).
