@@ -20,6 +20,7 @@ from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.core.metrics import Counts, Metrics
 from ssdlocal.core.models import BackendName
+from ssdlocal.core.quantization import Quantization
 from ssdlocal.placement.inventory import GPU, DeviceInventory
 from ssdlocal.placement.planner import Plan, plan_placement
 from ssdlocal.weights.pairs import GGUFRef, ModelRef, Pair
@@ -170,7 +171,7 @@ def export_settings(
     if not 1 <= int(k.value) <= 64:
         raise UsageError(f"K must be in 1..64, got {k.value}", "e.g. --k 4")
     backend = BackendName.LLAMACPP if engine.runs_gguf else BackendName.TORCH
-    t_gb, d_gb = pair.memory_gb(backend, "none")
+    t_gb, d_gb = pair.memory_gb(backend, Quantization.NONE)
     try:
         plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair.target))
     except SSDLocalError as exc:

@@ -54,6 +54,7 @@ class ModelOptions:
         "tokens and earlier prompts and answers). Default: Qwen2.5-Coder 0.5B.",
     )
     pair: str | None = option(None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair")
+    # the user's words (Typer passes text); __post_init__ parses dtype and the quantizations
     dtype: str = option(DEFAULT_DTYPE, " | ".join(DTYPES))
     quantization: str = option(
         "auto",
@@ -114,11 +115,10 @@ class ModelOptions:
     def quantizations(self, backends: tuple[BackendName, BackendName]) -> tuple[Quantization, Quantization]:
         """(target, draft) weight quantization; a draft whose backend runs GGUF files as
         they are (llama.cpp) keeps its GGUF's own."""
-        target = Quantization.parse(self.quantization, "--quantization")
         draft = self.draft_quantization
         if draft is None:
-            draft = Quantization.AUTO if BackendName(backends[1]).runs_gguf else target
-        return target, Quantization.parse(draft, "--draft-quantization")
+            draft = Quantization.AUTO if BackendName(backends[1]).runs_gguf else self.quantization
+        return self.quantization, draft
 
 
 # --------------------------------------------------------------------------- speculation

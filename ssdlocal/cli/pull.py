@@ -167,8 +167,8 @@ def _show_plan(plan) -> bool:
     out.print(f"  total: {human_bytes(plan.total)} to download ({plan.total:,} bytes)")
     pair = to_pair(plan)
     backend = BackendName.LLAMACPP if plan.target.gguf else BackendName.TORCH
-    found, reason = plan_or_reason(detect(), pair, backend, "auto")
-    t_gb, d_gb = pair.memory_gb(backend, "auto")
+    found, reason = plan_or_reason(detect(), pair, backend, Quantization.AUTO)
+    t_gb, d_gb = pair.memory_gb(backend, Quantization.AUTO)
     sizes = f"weights {t_gb:.2f} GB + {d_gb:.2f} GB"
     if found is not None:
         out.print(f"  fits here ({sizes}): {reason}")

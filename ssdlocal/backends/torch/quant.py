@@ -135,7 +135,7 @@ def _quantize_rows(w: Tensor, scheme: Quantization, dtype: torch.dtype) -> Quant
         codes = (w / sf[:, None]).round_().clamp_(-128, 127).to(torch.int8)  # [n, K]
         return QuantizedWeight(Quantization.INT8, codes, scales)
     if scheme != Quantization.INT4:
-        raise ValueError(f"unknown quantization scheme {scheme!r}")
+        raise ValueError(f"unknown quantization scheme {str(scheme)!r}")
     n, k = w.shape
     wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # [n, G, g]
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [n, G]
