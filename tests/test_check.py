@@ -259,7 +259,7 @@ def test_check_command_reports_a_divergence(monkeypatch, capsys, tiny_dir, dtype
         (["--pair", "nope"], 2, ["unknown pair 'nope'"]),
         (["--target", "/nowhere/t", "--draft", "/nowhere/d"], 1, ["does not exist"]),
         (["--max-new-tokens", "0"], 2, ["max-new-tokens must be >= 1"]),
-        (["--dtype", "int4"], 2, ["unknown dtype 'int4'"]),
+        (["--dtype", "int4"], 2, ["unknown --dtype 'int4'"]),
     ],
 )
 def test_check_bad_input(monkeypatch, capsys, tmp_path, args, code, needles):

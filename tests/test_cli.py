@@ -99,7 +99,7 @@ def odd_checkpoints(tmp_path_factory, tiny_dir) -> dict[str, Path]:
         (["--top-p", "1.5"], ["top-p must be in (0, 1]"]),
         (["--max-new-tokens", "0"], ["max-new-tokens must be >= 1"]),
         (["--mode", "turbo"], ["unknown mode 'turbo'", "ar, sd, ssd"]),
-        (["--dtype", "int3"], ["unknown dtype 'int3'", "float32"]),
+        (["--dtype", "int3"], ["unknown --dtype 'int3'", "float32"]),
         (["--target-device", "tpu"], ["unknown device 'tpu'", "cuda"]),
         (["--mode", "ssd", "--draft", "ngram", "--draft-device", "gpu0"], ["unknown device 'gpu0'"]),
         (["--mode", "sd"], ["--mode sd needs --draft", "--draft ngram"]),

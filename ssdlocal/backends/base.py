@@ -23,8 +23,10 @@ from typing import Any, Protocol
 import torch
 
 from ssdlocal.core.choice import Choice
+from ssdlocal.core.config import GraphMode
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import BackendName, ModelSpec
+from ssdlocal.core.quantization import DType, Quantization
 
 
 class Logits(Choice):
@@ -57,9 +59,9 @@ class Backend(Protocol):
         """The loaded model of `spec` (`threads`: CPU threads where the backend takes them,
         None: its default). Whatever it returns carries `backend` (this name)."""
 
-    def make_runner(self, loaded: Any, tree: bool, graphs: str) -> Runner:
+    def make_runner(self, loaded: Any, tree: bool, graphs: GraphMode) -> Runner:
         """The Runner over `loaded`; `tree`: it will decode SSD fan-out trees; `graphs`:
-        captured forwards ("auto", "off", "trace") where the backend captures."""
+        captured forwards where the backend captures."""
 
     def load_tokenizer(self, path: str) -> Any:
         """The model's tokenizer (transformers), reading no weights."""
@@ -67,7 +69,7 @@ class Backend(Protocol):
     def preflight(self, path: str) -> None:
         """Cheap checks of the files (ModelLoadError / UsageError with a hint)."""
 
-    def prepare(self, path: str | Path, quantization: str, dtype: str, progress: Any, floats: bool) -> Path:
+    def prepare(self, path: str | Path, quantization: Quantization, dtype: DType, progress: Any, floats: bool) -> Path:
         """The path `load` will read for `path`, built now (with progress) if not cached."""
 
     def build(self) -> Any:

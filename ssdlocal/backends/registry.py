@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ssdlocal.backends.base import Backend, HeadInputs, Runner
+from ssdlocal.core.config import GraphMode
 from ssdlocal.core.models import BackendName, ModelSpec
+from ssdlocal.core.quantization import DEFAULT_DTYPE, DType, Quantization
 
 
 def _torch() -> Backend:
@@ -68,11 +70,11 @@ def claim_device(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
-def make_runner(loaded: Any, *, tree: bool = False, graphs: str = "auto") -> Runner:
+def make_runner(loaded: Any, *, tree: bool = False, graphs: GraphMode = GraphMode.AUTO) -> Runner:
     """The Runner for a loaded model, by the backend that loaded it (`loaded.backend`).
     `tree`: it will decode SSD fan-out trees (llama.cpp sizes its context for many
-    sequences). `graphs`: captured forwards for the torch runner ("auto" = CUDA graphs on
-    CUDA, "off", "trace")."""
+    sequences). `graphs`: captured forwards for the torch runner (AUTO = CUDA graphs on
+    CUDA)."""
     return backend_for(loaded.backend).make_runner(loaded, tree, graphs)
 
 
@@ -101,8 +103,8 @@ def preflight(path: str, name: BackendName = BackendName.TORCH) -> None:
 def prepare_weights(
     path: str | Path,
     name: BackendName = BackendName.TORCH,
-    quantization: str = "none",
-    dtype: str = "bfloat16",
+    quantization: Quantization = Quantization.NONE,
+    dtype: DType = DEFAULT_DTYPE,
     progress=None,
     *,
     floats: bool = True,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ssdlocal.core.config import EngineConfig, Mode, SamplingParams
 from ssdlocal.core.events import DoneEvent
 from ssdlocal.core.models import BackendName
+from ssdlocal.core.quantization import DType
 
 PROMPTS = (
     "def fibonacci(n):",
@@ -32,13 +33,16 @@ SHAPE_TIE = 1.0  # logits: llama.cpp's call widths move a logit by up to ~0.5 (1
 
 @dataclass(frozen=True)
 class ModeRun:
-    mode: str
+    mode: Mode  # a string is parsed
     token_ids: tuple[tuple[int, ...], ...]  # per prompt
     tokens: int
     decode_tokens: float  # tokens emitted after the first one (prefill excluded)
     decode_s: float
     wall_s: float
     acceptance_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,12 +51,15 @@ class ModeRun:
 
 @dataclass(frozen=True)
 class Divergence:
-    mode: str
+    mode: Mode  # a string is parsed
     prompt_index: int
     position: int  # index into the generated tokens
     ar_token: int | None
     mode_token: int | None
     margin: float | None  # target's top1 - top2 logit at that position
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
 
     @property
     def near_tie(self) -> bool:
@@ -61,12 +68,15 @@ class Divergence:
 
 @dataclass(frozen=True)
 class CheckReport:
-    dtype: str
+    dtype: DType  # a string is parsed
     prompts: tuple[str, ...]
     runs: tuple[ModeRun, ...]
     divergences: tuple[Divergence, ...]
     warnings: tuple[str, ...] = ()
     shape_rounding: bool = False  # a llama.cpp target without --batch-invariant
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, "dtype"))
 
     @property
     def identical(self) -> bool:
@@ -104,7 +114,7 @@ def _run_mode(engine, mode: Mode, config: EngineConfig, prompts, params, chat) -
             drafted += weight
     wall = time.perf_counter() - t0
     return ModeRun(
-        mode.value,
+        mode,
         tuple(ids),
         tokens,
         decode_tokens,
@@ -131,16 +141,16 @@ def run_check(
         from ssdlocal.engine import Engine as engine_factory
     params = params or SamplingParams(max_new_tokens=32)
     params = dataclasses.replace(params, temperature=0.0)
-    runs: dict[str, ModeRun] = {}
+    runs: dict[Mode, ModeRun] = {}
     divergences: list[Divergence] = []
     with engine_factory(config) as engine:
         for mode in modes:
             if on_mode:
                 on_mode(mode.value)
-            runs[mode.value] = _run_mode(engine, mode, config, prompts, params, chat)
-        reference = runs.get(Mode.AR.value)
+            runs[mode] = _run_mode(engine, mode, config, prompts, params, chat)
+        reference = runs.get(Mode.AR)
         for mode, run in runs.items():
-            if reference is None or mode == Mode.AR.value:
+            if reference is None or mode is Mode.AR:
                 continue
             for i, (want, got) in enumerate(zip(reference.token_ids, run.token_ids)):
                 pos = divergence_index(want, got)

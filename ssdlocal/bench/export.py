@@ -20,6 +20,7 @@ from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import SSDLocalError, UsageError
 from ssdlocal.core.metrics import Counts, Metrics
 from ssdlocal.core.models import BackendName
+from ssdlocal.core.quantization import Quantization
 from ssdlocal.placement.inventory import GPU, DeviceInventory
 from ssdlocal.placement.planner import Plan, plan_placement
 from ssdlocal.weights.pairs import GGUFRef, ModelRef, Pair
@@ -176,7 +177,7 @@ def export_settings(
             "export it to vllm or sglang (--to vllm), which run such heads beside the target",
         )
     backend = BackendName.LLAMACPP if engine.runs_gguf else BackendName.TORCH
-    t_gb, d_gb = pair.memory_gb(backend, "none")
+    t_gb, d_gb = pair.memory_gb(backend, Quantization.NONE)
     try:
         beside = pair.draft_head is not None  # a head shares the target's GPU
         plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair.target), draft_beside=beside)

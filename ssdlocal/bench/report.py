@@ -20,6 +20,7 @@ from ssdlocal.bench.check import SHAPE_TIE
 from ssdlocal.speculation.projection import DEFAULT_RATIOS, project
 from ssdlocal.bench.run import BenchRun
 from ssdlocal.core.models import BackendName
+from ssdlocal.core.quantization import Quantization
 
 SCHEMA_VERSION = 1
 
@@ -103,7 +104,8 @@ def weight_reads(config, k: int) -> tuple[float | None, float]:
     from ssdlocal.weights.size import step_bytes
 
     def reads(spec, tokens: int) -> int:
-        scheme = "none" if spec.quantization == "none" else resolve_scheme(spec.path, spec.quantization)
+        none = spec.quantization is Quantization.NONE
+        scheme = Quantization.NONE if none else resolve_scheme(spec.path, spec.quantization)
         return step_bytes(spec.path, scheme, spec.dtype, tokens)
 
     try:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ssdlocal.core.config import Mode
+from ssdlocal.core.quantization import DType
 from ssdlocal.cli import options as o
 from ssdlocal.cli.options import (
     ModelOptions,
@@ -76,7 +77,9 @@ def _render_check(report, near_tie: float, shape_tie: float) -> None:
         table.add_column(col)
     diverged = {d.mode for d in report.divergences}
     for run in report.runs:
-        same = "reference" if run.mode == "ar" else ("[red]no[/red]" if run.mode in diverged else "[green]yes[/green]")
+        same = (
+            "reference" if run.mode is Mode.AR else ("[red]no[/red]" if run.mode in diverged else "[green]yes[/green]")
+        )
         acc = "-" if run.acceptance_rate is None else f"{run.acceptance_rate:.0%}"
         table.add_row(run.mode, str(run.tokens), f"{run.tokens_per_s:.2f}", acc, same)
     out.print(table)
@@ -90,7 +93,7 @@ def _render_check(report, near_tie: float, shape_tie: float) -> None:
                 "token, and the margin is within that: not an algorithm error; --batch-invariant "
                 "makes its steps identical bit for bit"
             )
-        elif report.dtype == "float32":
+        elif report.dtype is DType.FLOAT32:
             verdict = "fp32 must be identical: this is a bug, please report it"
         elif d.near_tie:
             verdict = f"margin < {near_tie}: a numerical near-tie in {report.dtype}, not an algorithm error"

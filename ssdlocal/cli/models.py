@@ -20,7 +20,7 @@ from rich.table import Table
 from ssdlocal.cli import options as o
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
-from ssdlocal.core.quantization import check_quantization
+from ssdlocal.core.quantization import Quantization
 
 out = Console(soft_wrap=True)
 
@@ -29,7 +29,7 @@ def _gb(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}"
 
 
-def plan_or_reason(inventory, pair, backend: BackendName, quantization: str) -> tuple[object | None, str]:
+def plan_or_reason(inventory, pair, backend: BackendName, quantization: Quantization) -> tuple[object | None, str]:
     """The placement plan of `pair` here and its summary, or None and why it does not fit."""
     from ssdlocal.core.errors import PlacementError
     from ssdlocal.placement.planner import plan_placement
@@ -66,7 +66,7 @@ def _plan_summary(plan, head: str | None = None) -> str:
 
 def pairs(
     backend: Annotated[str, typer.Option(help="Which files count as downloaded: torch | llamacpp")] = "torch",
-    quantization: o.Quantization = o.ModelOptions.quantization,
+    quantization: o.QuantizationOption = o.ModelOptions.quantization,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List known target/draft pairs: sizes, backends, downloaded, fits on this machine.
@@ -75,7 +75,7 @@ def pairs(
     from ssdlocal.weights.pairs import load_pairs
 
     backend = BackendName.parse(backend, "backend")
-    check_quantization(quantization)
+    quantization = Quantization.parse(quantization, "--quantization")
     inventory = detect()
     rows = [
         _pair_row(pair, inventory, backend, quantization)
@@ -90,7 +90,7 @@ def pairs(
     out.print(f"[dim]pull one with `ssdlocal pull NAME`; add your own in {_user_dir()}/NAME.toml[/dim]")
 
 
-def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
+def _pair_row(pair, inventory, backend: BackendName, quantization: Quantization) -> dict:
     """One pair's row of `pairs` (its --json object, plus "short" for the table)."""
     from ssdlocal.weights.hub import is_downloaded
     from ssdlocal.weights.lock import commits
@@ -117,12 +117,14 @@ def _pair_row(pair, inventory, backend: BackendName, quantization: str) -> dict:
     }
 
 
-def _pairs_table(rows: list[dict], backend: BackendName, quantization: str) -> Table:
+def _pairs_table(rows: list[dict], backend: BackendName, quantization: Quantization) -> Table:
     """The `pairs` table: one line per pair on an 80-column terminal."""
     memory = (
         "GGUF"
         if backend.runs_gguf
-        else {"none": "bf16", "auto": "GGUF pairs quantized, others bf16"}.get(quantization, quantization)
+        else {Quantization.NONE: "bf16", Quantization.AUTO: "GGUF pairs quantized, others bf16"}.get(
+            quantization, quantization
+        )
     )
     # no vertical rules: a row fits on one line of an 80-column terminal; narrower ones
     # wrap the backends and placement cells (never an ellipsis)
@@ -178,7 +180,7 @@ def devices(
         float | None, typer.Option(help="Plan for a target of this many GB instead of a pair.")
     ] = None,
     draft_gb: Annotated[float, typer.Option(help="Draft size in GB with --target-gb.")] = 1.0,
-    quantization: o.Quantization = o.ModelOptions.quantization,
+    quantization: o.QuantizationOption = o.ModelOptions.quantization,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Show GPUs, CPU and RAM, and the placement plan for a pair (refused if it cannot fit)."""
@@ -190,7 +192,7 @@ def devices(
     from ssdlocal.weights.pairs import get_pair
 
     backend = BackendName.parse(backend, "backend")
-    check_quantization(quantization)
+    quantization = Quantization.parse(quantization, "--quantization")
     head = None  # the kind of the pair's draft head: on the target's device, its bytes counted there
     if target_gb is not None:
         label, t_gb, d_gb, heads = (
@@ -298,12 +300,12 @@ def _mode_of(plan, backend: BackendName, head: str | None = None):
     )
 
 
-def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, str]:
+def _pair_weights(pair, backend: BackendName, quantization: Quantization) -> tuple[str, str]:
     """What the target's and draft's weights run as, and from which files."""
     from ssdlocal.weights.describe import SHORT_DTYPES
 
     labels = []
-    schemes = pair.schemes(quantization) if backend.quantizes else ("", "")
+    schemes = pair.schemes(quantization) if backend.quantizes else (None, None)
     for ref, gguf, scheme in zip((pair.target, pair.draft), (pair.gguf_target, pair.gguf_draft), schemes):
         from_gguf = (pair.source == "pypi" or pair.weights == "gguf") and gguf
         source = _gguf_name(gguf) if from_gguf else ref.label if ref else ""
@@ -311,7 +313,7 @@ def _pair_weights(pair, backend: BackendName, quantization: str) -> tuple[str, s
             labels.append(pair.draft_label)
         elif backend.runs_gguf and gguf is not None:
             labels.append(f"{gguf.quant or 'GGUF'} (llama.cpp) from {_gguf_name(gguf)}")
-        elif scheme in ("none", "") or ref.head:  # a draft head loads unquantized
+        elif scheme in (None, Quantization.NONE) or ref.head:  # a draft head loads unquantized
             head = f" ({ref.head} head)" if ref.head else ""
             labels.append(f"{SHORT_DTYPES.get(DEFAULT_DTYPE, DEFAULT_DTYPE)} from {source}{head}")
         else:

@@ -29,6 +29,7 @@ from ssdlocal.core.config import (
 )
 from ssdlocal.core.models import BackendName, MemorySettings
 from ssdlocal.core.models import DEFAULT_DTYPE, DTYPES
+from ssdlocal.core.quantization import DType, Quantization
 
 _OPTION = "typer.Option"  # key of a field's metadata: its flag(s) and help
 
@@ -42,7 +43,9 @@ def option(default: Any, help: str, *flags: str, metavar: str | None = None) -> 
 # --------------------------------------------------------------------------- models
 @dataclass(frozen=True)
 class ModelOptions:
-    """Which models, where, on which backend and with which weights."""
+    """Which models, where, on which backend and with which weights. The dtype and the
+    quantizations arrive as the user's text and are parsed into their choices (DType,
+    Quantization) when the group is made, before anything is fetched."""
 
     target: str | None = option(None, "Target checkpoint dir or .gguf file. Default: the offline Qwen2.5-Coder 1.5B.")
     draft: str | None = option(
@@ -52,6 +55,7 @@ class ModelOptions:
         "Default: Qwen2.5-Coder 0.5B.",
     )
     pair: str | None = option(None, "A registry pair (see `ssdlocal pairs`) instead of --target/--draft.", "--pair")
+    # the user's words (Typer passes text); __post_init__ parses dtype and the quantizations
     dtype: str = option(DEFAULT_DTYPE, " | ".join(DTYPES))
     quantization: str = option(
         "auto",
@@ -102,12 +106,19 @@ class ModelOptions:
         f"(default: {PREFIX_CACHE_TOKENS}, at most a tenth of the memory free after loading).",
     )
 
-    def quantizations(self, backends: tuple[BackendName, BackendName]) -> tuple[str, str]:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, "--dtype"))
+        object.__setattr__(self, "quantization", Quantization.parse(self.quantization, "--quantization"))
+        if self.draft_quantization is not None:
+            draft = Quantization.parse(self.draft_quantization, "--draft-quantization")
+            object.__setattr__(self, "draft_quantization", draft)
+
+    def quantizations(self, backends: tuple[BackendName, BackendName]) -> tuple[Quantization, Quantization]:
         """(target, draft) weight quantization; a draft whose backend runs GGUF files as
         they are (llama.cpp) keeps its GGUF's own."""
         draft = self.draft_quantization
         if draft is None:
-            draft = "auto" if BackendName(backends[1]).runs_gguf else self.quantization
+            draft = Quantization.AUTO if BackendName(backends[1]).runs_gguf else self.quantization
         return self.quantization, draft
 
 
@@ -365,7 +376,7 @@ def _named(f: Field):
     return info
 
 
-Quantization = annotated(ModelOptions, "quantization")  # `devices` plans with it
+QuantizationOption = annotated(ModelOptions, "quantization")  # `devices` plans with it
 
 # --------------------------------------------------------------------------- output
 # Options some commands declare themselves (their defaults differ by command).

@@ -20,7 +20,7 @@ from rich.markup import escape
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
-from ssdlocal.core.quantization import check_quantization
+from ssdlocal.core.quantization import DType, Quantization
 
 out = Console(soft_wrap=True, highlight=False)
 FILES_SHOWN = 6  # files listed per model in a pull's plan (then "and N more")
@@ -74,7 +74,8 @@ def pull(
     from ssdlocal.weights.repo import parse_spec
 
     backend = BackendName.parse(backend, "backend")
-    check_quantization(quantization)
+    quantization = Quantization.parse(quantization, "--quantization")
+    dtype = DType.parse(dtype, "--dtype")
     spec = None if pair.endswith(".toml") or Path(pair).expanduser().exists() else parse_spec(pair)
     if spec is None:
         _pull_pair(pair, backend, dtype, update, quantization)
@@ -82,7 +83,7 @@ def pull(
         _pull_repo(spec, revision, yes=yes, update=update)
 
 
-def _pull_pair(name: str, backend: BackendName, dtype: str, update: bool, quantization: str) -> None:
+def _pull_pair(name: str, backend: BackendName, dtype: DType, update: bool, quantization: Quantization) -> None:
     from ssdlocal.cli.render import err_console, progress_callback
     from ssdlocal.weights.hub import pull as hub_pull
     from ssdlocal.weights.pairs import get_pair
@@ -91,7 +92,7 @@ def _pull_pair(name: str, backend: BackendName, dtype: str, update: bool, quanti
     err_console.print(f"pulling {found.name} ({backend}): {found.target.label} + {found.draft_label}")
     with progress_callback() as progress:
         result = hub_pull(found, backend, dtype=dtype, progress=progress, update=update, quantization=quantization)
-        if backend.quantizes and quantization != "none":
+        if backend.quantizes and quantization is not Quantization.NONE:
             result = _prepare_quantized(result, quantization, dtype, progress)
     for role, path, commit in (
         ("target", result.target, result.commits[0]),
@@ -102,7 +103,7 @@ def _pull_pair(name: str, backend: BackendName, dtype: str, update: bool, quanti
     out.print(f'[dim]use it: ssdlocal generate --pair {found.name} "your prompt"[/dim]')
 
 
-def _prepare_quantized(result, quantization: str, dtype: str, progress):
+def _prepare_quantized(result, quantization: Quantization, dtype: DType, progress):
     """Build the quantized caches of a pulled pair's GGUF files now, not at the first run."""
     import dataclasses
 
@@ -166,8 +167,8 @@ def _show_plan(plan) -> bool:
     out.print(f"  total: {human_bytes(plan.total)} to download ({plan.total:,} bytes)")
     pair = to_pair(plan)
     backend = BackendName.LLAMACPP if plan.target.gguf else BackendName.TORCH
-    found, reason = plan_or_reason(detect(), pair, backend, "auto")
-    t_gb, d_gb = pair.memory_gb(backend, "auto")
+    found, reason = plan_or_reason(detect(), pair, backend, Quantization.AUTO)
+    t_gb, d_gb = pair.memory_gb(backend, Quantization.AUTO)
     sizes = f"weights {t_gb:.2f} GB + {d_gb:.2f} GB"
     if found is not None:
         out.print(f"  fits here ({sizes}): {reason}")

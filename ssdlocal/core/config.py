@@ -181,7 +181,17 @@ class SpecConfig:
                     )
 
 
-GRAPH_MODES = ("auto", "off", "trace")
+class GraphMode(Choice):
+    """How a model's steps are captured and replayed: AUTO (CUDA graphs on CUDA devices,
+    eager elsewhere), OFF (eager), TRACE (CUDA-graph semantics on any device: traced op
+    graphs replayed over the tensors they captured). SSDLOCAL_GRAPHS overrides it in any
+    process (backends.torch.graphs.resolve_mode)."""
+
+    AUTO = "auto"
+    OFF = "off"
+    TRACE = "trace"
+
+
 PREFIX_CACHE_TOKENS = 32768  # the prefix store's default size per model (at most a tenth of free memory)
 PREFIX_CACHE_MAX = 1 << 24  # the most tokens one may ask for
 
@@ -217,10 +227,9 @@ class EngineConfig:
     # Tensor-parallel target: one rank per device, rank 0 on target_devices[0] runs the
     # engine (ssdlocal/parallel). Empty or one device = the target alone on target.device.
     target_devices: tuple[str, ...] = ()
-    # Captured forwards: "auto" = CUDA graphs on CUDA devices (eager elsewhere), "off",
-    # or "trace" (CUDA-graph semantics on any device: traced op graphs replayed over the
-    # tensors they captured). SSDLOCAL_GRAPHS=auto|off|trace overrides it in any process.
-    graphs: str = "auto"
+    # Captured forwards (GraphMode; a string is parsed, unknown: UsageError).
+    # SSDLOCAL_GRAPHS=auto|off|trace overrides it in any process.
+    graphs: GraphMode = GraphMode.AUTO
     # Prefix reuse: each model keeps the KV of up to this many tokens of earlier calls'
     # prompts and answers, and a new call feeds only what follows its longest stored
     # prefix. None = PREFIX_CACHE_TOKENS, at most a tenth of the memory free after loading;
@@ -234,8 +243,7 @@ class EngineConfig:
                 f"prefix-cache-tokens must be a whole number from 0 to {PREFIX_CACHE_MAX}, got {tokens}",
                 f"use e.g. --prefix-cache-tokens {PREFIX_CACHE_TOKENS}, or --no-prefix-cache to turn it off",
             )
-        if self.graphs not in GRAPH_MODES:
-            raise UsageError(f"unknown graphs setting {self.graphs!r}", f"choose one of: {', '.join(GRAPH_MODES)}")
+        object.__setattr__(self, "graphs", GraphMode.parse(self.graphs, "graphs setting"))
         for dev in self.target_devices:
             ModelSpec(self.target.path, dev, self.target.dtype)  # same device rules
         object.__setattr__(self, "target_devices", tuple(normalize_device(d) for d in self.target_devices))

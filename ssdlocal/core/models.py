@@ -23,10 +23,9 @@ from typing import ClassVar
 
 from ssdlocal.core.choice import Choice
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.quantization import check_quantization
+from ssdlocal.core.quantization import DEFAULT_DTYPE, DType, Quantization
 
-DEFAULT_DTYPE = "bfloat16"  # the activation dtype models run in unless told otherwise
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DType.choices()  # what --dtype accepts
 
 
 class BackendName(Choice):
@@ -78,11 +77,12 @@ class ModelSpec:
 
     path: str
     device: str = "cpu"
-    dtype: str = DEFAULT_DTYPE
+    dtype: DType = DEFAULT_DTYPE  # a string is parsed (unknown: UsageError)
     backend: BackendName = BackendName.TORCH  # a string is parsed (unknown: UsageError)
     # Weights of the torch backend: none | int8 | int4 | auto (a GGUF's own class; see
-    # core/quantization.py). llama.cpp always runs a GGUF in its own quantization.
-    quantization: str = "none"
+    # core/quantization.py). llama.cpp always runs a GGUF in its own quantization. A string
+    # is parsed (unknown: UsageError).
+    quantization: Quantization = Quantization.NONE
     # llama.cpp on a CPU: decode steps only in call widths whose logits llama.cpp computes
     # alike (a lone token padded to two, K+1 tokens split), each call from an empty cache
     # (no prefix store), so greedy AR, SD and SSD of one request agree bit for bit; steps
@@ -91,16 +91,15 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", BackendName.parse(self.backend, "backend"))
-        check_quantization(self.quantization)
-        if not self.backend.quantizes and self.quantization in ("int8", "int4"):
+        object.__setattr__(self, "quantization", Quantization.parse(self.quantization, "quantization"))
+        object.__setattr__(self, "dtype", DType.parse(self.dtype, "dtype"))
+        if not self.backend.quantizes and self.quantization.quantized:
             raise UsageError(
                 f"--quantization {self.quantization} applies to the torch backend only",
                 "llama.cpp runs a GGUF in its own quantization: drop --quantization, "
                 "or use the torch backend (--target-backend torch, or auto, which picks it "
                 "for int8/int4)",
             )
-        if self.dtype not in DTYPES:
-            raise UsageError(f"unknown dtype {self.dtype!r}", f"choose one of: {', '.join(DTYPES)}")
         dev = self.device
         if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise UsageError(f"unknown device {dev!r}", "use cpu, cuda or cuda:N")

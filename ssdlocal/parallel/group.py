@@ -376,7 +376,7 @@ def load_tensor_parallel(spec: ModelSpec, devices: tuple[str, ...], **timeouts):
             "drop --target-devices, or load the checkpoint with the torch backend",
         )
     # converts a .gguf once here (float or quantized), so the ranks find it in the cache
-    ckpt = resolve_checkpoint(spec.path, getattr(spec, "quantization", "none"), spec.dtype)
+    ckpt = resolve_checkpoint(spec.path, spec.quantization, spec.dtype)
     args = args_from_config(load_hf_config(ckpt))
     check_divisible(args.tensor_parallel_sizes, len(devices))
     group = RankGroup(spec, devices, **timeouts)

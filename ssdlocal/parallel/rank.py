@@ -23,7 +23,7 @@ from enum import IntEnum
 
 import torch
 
-from ssdlocal.core.config import ModelSpec
+from ssdlocal.core.config import GraphMode, ModelSpec
 
 
 class Cmd(IntEnum):
@@ -34,7 +34,7 @@ class Cmd(IntEnum):
     PREFIX_POOL = 3  # tokens: allocate the rank's prefix cache (ACK)
     PREFIX_SAVE = 4  # (row, runs): cache -> prefix cache (no reply)
     PREFIX_LOAD = 5  # (row, runs): prefix cache -> cache (no reply)
-    GRAPHS = 6  # graph mode ("off", "auto", "trace"): how this rank captures steps (ACK)
+    GRAPHS = 6  # graph mode (core.config.GraphMode): how this rank captures steps (ACK)
     STEP = 7  # (action, key): one more primitive on the last FORWARD's inputs (no reply)
     LINEAR_ENTER = 8  # (ends, tree): the forwards until LINEAR_LEAVE run the linear layers so (no reply)
     LINEAR_LEAVE = 9  # None: back to per-position linear layers (no reply)
@@ -87,7 +87,7 @@ class RankGraphs:
         self.backend = None  # capture.CudaGraphs / TracedGraphs (use)
         self.captured: dict = {}
 
-    def use(self, mode: str) -> None:
+    def use(self, mode: GraphMode) -> None:
         from ssdlocal.backends.torch.graphs import capture_backend
 
         self.clear()

@@ -32,6 +32,7 @@ from ssdlocal.backends.torch.quant import QuantizedWeight
 from ssdlocal.backends.torch.quant_load import load_quantized_weights
 from ssdlocal.core.config import ModelSpec
 from ssdlocal.core.errors import ModelLoadError, OutOfMemoryError
+from ssdlocal.core.quantization import Quantization
 from ssdlocal.parallel.tp import apply_tensor_parallel, check_divisible
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import architecture
@@ -74,7 +75,7 @@ def shard_value(arch: Architecture, key: str, value, rank: int, world: int):
             "use a number of target devices that divides the model's head counts",
         )
     if isinstance(value, QuantizedWeight):
-        if dim == 1 and value.scheme == "int4" and n % value.group_size:
+        if dim == 1 and value.scheme is Quantization.INT4 and n % value.group_size:
             raise ModelLoadError(
                 f"{key}: {n} input features per rank split the int4 groups of {value.group_size}",
                 "use fewer target devices, or --quantization int8",
@@ -99,7 +100,7 @@ def load_shard(spec: ModelSpec, device: str, rank: int, world: int, *, tokenizer
         model = build(args)
     apply_tensor_parallel(model, rank, world)  # shapes only: these are meta tensors
     try:
-        if scheme != "none":
+        if scheme is not Quantization.NONE:
             load_quantized_weights(
                 model,
                 ckpt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 
+from ssdlocal.core.config import GraphMode
 from ssdlocal.parallel.linear_ranks import LinearStatesOnRanks
 from ssdlocal.parallel.rank import Cmd
 
@@ -45,7 +46,7 @@ class TPModel(LinearStatesOnRanks):
         self.group.command_all(Cmd.PREFIX_LOAD, (row, runs))
         self.shard.load_prefix(row, runs)
 
-    def use_graphs(self, mode: str):
+    def use_graphs(self, mode: GraphMode):
         """Captured steps on every rank in graph mode `mode` (graphs.resolve_mode); returns
         rank 0's GraphCache (the runner's `graphs`: its counts, its `clear`), or None."""
         from ssdlocal.backends.torch.graphs import GraphCache, capture_backend, resolve_mode
@@ -56,7 +57,7 @@ class TPModel(LinearStatesOnRanks):
         if self.graphs is not None:  # the ranks let go of what rank 0's cache lets go
             group = self.group
             self.graphs.on_forget = lambda key: group.command_all(Cmd.DROP, key)
-        self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else "off")
+        self.group.command_all(Cmd.GRAPHS, resolve_mode(mode) if backend is not None else GraphMode.OFF)
         self.group.collect_acks()
         return self.graphs
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from ssdlocal.core.models import BackendName
+from ssdlocal.core.quantization import DType, Quantization
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +22,11 @@ log = logging.getLogger(__name__)
 def auto_devices(
     target: str,
     draft: str | None,
-    dtype: str,
+    dtype: DType,
     inventory=None,
     *,
     backend: BackendName = BackendName.TORCH,
-    quantizations: tuple[str, str] = ("none", "none"),
+    quantizations: tuple[Quantization, Quantization] = (Quantization.NONE, Quantization.NONE),
     draft_beside: bool = False,
 ):
     """(target devices, draft device) from the planner; `draft` None (no draft model) needs

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from ssdlocal.core.config import EngineConfig, Mode, normalize_device
 from ssdlocal.core.metrics import Metrics
+from ssdlocal.core.quantization import DType, Quantization
 from ssdlocal.placement.mode import ModeChoice, batch_exact, cpu_shared
 
 
@@ -142,7 +143,9 @@ def divergence_cause(config: EngineConfig) -> str:
             "llama.cpp's CPU kernels give a token other logits in a call of several tokens than alone, "
             "so a near-tie between the top two tokens can turn (--batch-invariant makes the modes identical)"
         )
-    if not target.backend.runs_gguf and (target.dtype != "float32" or target.quantization not in ("none", "")):
+    if not target.backend.runs_gguf and (
+        target.dtype is not DType.FLOAT32 or target.quantization is not Quantization.NONE
+    ):
         return (
             f"a near-tie in {target.dtype}: a forward over K+1 tokens rounds differently from one over 1 token "
             "(in float32 the modes are identical; `ssdlocal check` shows the target's margin there)"

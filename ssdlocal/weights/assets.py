@@ -28,6 +28,7 @@ from pathlib import Path
 from ssdlocal.core.errors import AssetError, UsageError
 from ssdlocal.core.files import file_lock
 from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
+from ssdlocal.core.quantization import Quantization
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
 
@@ -179,7 +180,7 @@ def ensure_default_pair(
     paths = []
     for name, backend, quant in zip((DEFAULT_TARGET, DEFAULT_DRAFT), backends, quantizations):
         path = fetch_gguf(name, progress=progress)
-        if not BackendName(backend).runs_gguf and quant == "none":
+        if not BackendName(backend).runs_gguf and quant == Quantization.NONE:
             path = ensure_converted(path, progress=progress, dtype=dtype)
         paths.append(path)
     return paths[0], paths[1]

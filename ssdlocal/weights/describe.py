@@ -12,9 +12,9 @@ import contextlib
 from pathlib import Path
 
 from ssdlocal.core.models import BackendName
-from ssdlocal.core.quantization import scheme_for_gguf_type
+from ssdlocal.core.quantization import DEFAULT_DTYPE, DType, Quantization, scheme_for_gguf_type
 
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+SHORT_DTYPES = {DType.BFLOAT16: "bf16", DType.FLOAT16: "fp16", DType.FLOAT32: "fp32"}
 
 
 def gguf_file_type(path: Path) -> str | None:
@@ -31,7 +31,9 @@ def gguf_file_type(path: Path) -> str | None:
     return None
 
 
-def weights_format(path: str | Path, backend: BackendName, quantization: str, dtype: str) -> tuple[str, str | None]:
+def weights_format(
+    path: str | Path, backend: BackendName, quantization: Quantization, dtype: DType
+) -> tuple[str, str | None]:
     """(what runs: "int4" | "int8" | "bf16" | ... | "Q4_K_M (llama.cpp)", the GGUF file type or None)."""
     path = Path(path).expanduser()
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
@@ -41,17 +43,20 @@ def weights_format(path: str | Path, backend: BackendName, quantization: str, dt
             file_type = gguf_file_type(path)
     if BackendName(backend).runs_gguf:
         return f"{file_type or 'GGUF'} (llama.cpp)", file_type
-    scheme = quantization
-    if quantization == "auto":
+    scheme = Quantization(quantization)
+    if scheme is Quantization.AUTO:
         if is_gguf:
             scheme = scheme_for_gguf_type(file_type) if file_type else _gguf_scheme(path)
         else:
             scheme = _checkpoint_scheme(path)
-    return (SHORT_DTYPES.get(dtype, dtype) if scheme == "none" else scheme), file_type
+    return (SHORT_DTYPES.get(dtype, dtype) if scheme is Quantization.NONE else scheme), file_type
 
 
 def weights_label(
-    path: str | Path, backend: BackendName = BackendName.TORCH, quantization: str = "none", dtype: str = "bfloat16"
+    path: str | Path,
+    backend: BackendName = BackendName.TORCH,
+    quantization: Quantization = Quantization.NONE,
+    dtype: DType = DEFAULT_DTYPE,
 ) -> str:
     """`int4 from qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (Q4_K_M)`, `bf16 from Qwen2.5-0.5B`."""
     fmt, file_type = weights_format(path, backend, quantization, dtype)
@@ -66,18 +71,18 @@ def spec_label(spec) -> str:
     return weights_label(spec.path, spec.backend, spec.quantization, spec.dtype)
 
 
-def _gguf_scheme(path: Path) -> str:
+def _gguf_scheme(path: Path) -> Quantization:
     from ssdlocal.weights.formats.gguf import gguf_scheme
 
     try:
         return gguf_scheme(path)
     except ImportError:  # the gguf package is not installed: llama.cpp runs the file
-        return "none"
+        return Quantization.NONE
 
 
-def _checkpoint_scheme(path: Path) -> str:
+def _checkpoint_scheme(path: Path) -> Quantization:
     """A quantized checkpoint's scheme (its quantization.json), none for float ones."""
     from ssdlocal.weights.formats.quantized import quant_info
 
     info = quant_info(path)
-    return str(info.get("scheme", "none")) if info else "none"
+    return Quantization(info.get("scheme", Quantization.NONE)) if info else Quantization.NONE

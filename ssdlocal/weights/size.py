@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
-from ssdlocal.core.quantization import DTYPE_BYTES, bytes_per_param, can_quantize, gguf_embedding_scheme
+from ssdlocal.core.quantization import (
+    DTYPE_BYTES,
+    DType,
+    Quantization,
+    bytes_per_param,
+    can_quantize,
+    gguf_embedding_scheme,
+)
 from ssdlocal.core.reads import experts_touched
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
@@ -84,7 +91,7 @@ def _config(path: Path) -> dict:
     return read_config_json(file, damaged_hint(path)) if file.is_file() else {}
 
 
-def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "cpu") -> int:
+def weight_bytes(path: str | Path, scheme: Quantization, dtype: DType, device_type: str = "cpu") -> int:
     """Bytes the weights of `path` (checkpoint directory, quantized checkpoint or .gguf) take
     once loaded with `scheme` (none | int8 | int4) in `dtype` on a `device_type` device:
     quantized linears (and experts) as codes and scales, a GGUF's embedding as the torch
@@ -96,7 +103,7 @@ def weight_bytes(path: str | Path, scheme: str, dtype: str, device_type: str = "
     return int(sum(_tensor_bytes(shapes, scheme, dtype, device_type).values()))
 
 
-def step_bytes(path: str | Path, scheme: str, dtype: str, tokens: int = 1, device_type: str = "cpu") -> int:
+def step_bytes(path: str | Path, scheme: Quantization, dtype: DType, tokens: int = 1, device_type: str = "cpu") -> int:
     """Weight bytes one forward step of `tokens` tokens reads from `path`'s weights as loaded
     with `scheme` in `dtype` (weight_bytes's sizes): every weight but the embedding table
     (a step gathers its rows; a tied one is read whole as the head), and of the routed
@@ -113,7 +120,7 @@ def step_bytes(path: str | Path, scheme: str, dtype: str, tokens: int = 1, devic
     return int(total)
 
 
-def _tensor_bytes(shapes: Shapes, scheme: str, dtype: str, device_type: str) -> dict[str, float]:
+def _tensor_bytes(shapes: Shapes, scheme: Quantization, dtype: DType, device_type: str) -> dict[str, float]:
     """Our tensor name -> bytes it takes loaded with `scheme` in `dtype` (a tied lm_head's
     own codes under "lm_head.weight")."""
     size = DTYPE_BYTES.get(dtype, 2)
@@ -136,17 +143,19 @@ def _tensor_bytes(shapes: Shapes, scheme: str, dtype: str, device_type: str) -> 
     return out
 
 
-def checkpoint_gb(path: str | Path, dtype: str, quantization: str = "none", device_type: str = "cpu") -> float:
+def checkpoint_gb(
+    path: str | Path, dtype: DType, quantization: Quantization = Quantization.NONE, device_type: str = "cpu"
+) -> float:
     """Weights of `path` in GB when loaded as `dtype` with `quantization` (none | int8 | int4 |
     auto, resolved for the path) on a `device_type` device; a .gguf loaded as floats counts
     by its size on disk (the torch backend dequantizes it; llama.cpp runs it as it is)."""
     path = Path(path).expanduser()
-    scheme = resolve_scheme(path, quantization) if quantization != "none" else "none"
-    if scheme != "none":
+    scheme = Quantization.NONE if quantization == Quantization.NONE else resolve_scheme(path, quantization)
+    if scheme is not Quantization.NONE:
         return weight_bytes(path, scheme, dtype, device_type) / 1e9
     if path.is_file():
         return path.stat().st_size / 1e9
-    return weight_bytes(path, "none", dtype, device_type) / 1e9
+    return weight_bytes(path, Quantization.NONE, dtype, device_type) / 1e9
 
 
 @dataclass(frozen=True)
@@ -184,8 +193,8 @@ def attention_heads(path: str | Path) -> tuple[int, int]:
     return heads, kv if isinstance(kv, int) and kv > 0 else heads
 
 
-def quantized_bytes(path: str | Path, quantization: str, dtype: str, device_type: str = "cpu") -> int | None:
+def quantized_bytes(path: str | Path, quantization: Quantization, dtype: DType, device_type: str = "cpu") -> int | None:
     """Bytes of `path`'s weights loaded with `quantization` (int8 | int4 | auto), or None when
     they resolve to floats (nothing to quantize)."""
     scheme = resolve_scheme(path, quantization)
-    return None if scheme == "none" else weight_bytes(path, scheme, dtype, device_type)
+    return None if scheme is Quantization.NONE else weight_bytes(path, scheme, dtype, device_type)

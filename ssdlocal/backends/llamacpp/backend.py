@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ssdlocal.core.config import GraphMode
 from ssdlocal.core.models import BackendName, ModelSpec
+from ssdlocal.core.quantization import DType, Quantization
 
 
 class LlamaCppBackend:
@@ -20,7 +22,7 @@ class LlamaCppBackend:
 
         return load_gguf(spec.path, spec.device, threads, batch_invariant=spec.batch_invariant)
 
-    def make_runner(self, loaded: Any, tree: bool, graphs: str) -> Any:
+    def make_runner(self, loaded: Any, tree: bool, graphs: GraphMode) -> Any:
         from ssdlocal.backends.llamacpp.runner import LlamaCppRunner
 
         return LlamaCppRunner(loaded, tree=tree)  # llama.cpp has its own graphs
@@ -35,7 +37,7 @@ class LlamaCppBackend:
 
         preflight(path)
 
-    def prepare(self, path: str | Path, quantization: str, dtype: str, progress: Any, floats: bool) -> Path:
+    def prepare(self, path: str | Path, quantization: Quantization, dtype: DType, progress: Any, floats: bool) -> Path:
         return Path(path).expanduser()  # llama.cpp reads the file as it is
 
     def build(self) -> Any:

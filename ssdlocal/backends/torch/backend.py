@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ssdlocal.core.config import GraphMode
 from ssdlocal.core.models import BackendName, ModelSpec
+from ssdlocal.core.quantization import DType, Quantization
 
 
 class TorchBackend:
@@ -20,7 +22,7 @@ class TorchBackend:
 
         return load_model(spec.path, spec.device, spec.dtype, spec.quantization)  # torch's own thread setting
 
-    def make_runner(self, loaded: Any, tree: bool, graphs: str) -> Any:
+    def make_runner(self, loaded: Any, tree: bool, graphs: GraphMode) -> Any:
         from ssdlocal.backends.torch.models.hybrid import HybridLM
         from ssdlocal.backends.torch.runner import TorchRunner
 
@@ -47,7 +49,7 @@ class TorchBackend:
         if ckpt.resolve() == Path(path).expanduser().resolve():
             weight_files(ckpt)
 
-    def prepare(self, path: str | Path, quantization: str, dtype: str, progress: Any, floats: bool) -> Path:
+    def prepare(self, path: str | Path, quantization: Quantization, dtype: DType, progress: Any, floats: bool) -> Path:
         from ssdlocal.backends.torch.loader import prepare_weights
 
         return prepare_weights(path, quantization, dtype, progress, floats=floats)

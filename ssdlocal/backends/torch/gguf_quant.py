@@ -32,7 +32,7 @@ from ssdlocal.backends.torch.quant import (
     quantize,
 )
 from ssdlocal.core.errors import ModelLoadError
-from ssdlocal.core.quantization import can_quantize, gguf_embedding_scheme
+from ssdlocal.core.quantization import Quantization, can_quantize, gguf_embedding_scheme
 from ssdlocal.core.files import record_digests
 from ssdlocal.core.paths import ProgressCallback, cache_dir
 from ssdlocal.core.progress import model_label, reporter
@@ -99,7 +99,7 @@ def ensure_quantized(
         info = {
             "format": _FORMAT,
             "scheme": scheme,
-            "group_size": 32 if scheme == "int4" else 0,
+            "group_size": 32 if scheme == Quantization.INT4 else 0,
             "dtype": dtype,
             "source": gguf_path.name,
             "path": str(gguf_path.resolve()),
@@ -181,7 +181,7 @@ def _add_quantized(
     stacked tensor is quantized as a Linear is), a block of rows at a time."""
     parts = []
     info = piece.info
-    exact = scheme == "int4" and info.ggml_type in EXACT_INT4
+    exact = scheme == Quantization.INT4 and info.ggml_type in EXACT_INT4
     for start, stop in piece.row_blocks():
         if exact:
             q, s, z = (torch.from_numpy(a) for a in int4_rows(path, info, start, stop))

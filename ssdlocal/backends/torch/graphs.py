@@ -14,8 +14,9 @@ change the output:
 - the self-check: the first replay of each shape is compared with an eager run of the
   same inputs; on a difference the cache drops its graphs and runs eagerly from then on.
 Refusals and drops are counted in `GraphStats` and never only logged at DEBUG.
-Modes: "auto" (CUDA graphs on CUDA devices, none elsewhere), "off", "trace" (the CPU
-twin of CUDA graphs, capture.TracedGraphs); SSDLOCAL_GRAPHS overrides the configured mode.
+Modes (core.config.GraphMode): AUTO (CUDA graphs on CUDA devices, none elsewhere), OFF,
+TRACE (the CPU twin of CUDA graphs, capture.TracedGraphs); SSDLOCAL_GRAPHS overrides the
+configured mode, parsed where it is read (resolve_mode).
 A cache can be mirrored (`run(..., mirror=)`): every primitive it runs (an eager call, a
 capture, a replay) is announced first, so the other ranks of a tensor-parallel group run
 the same primitive on the same inputs and their collectives meet (parallel/group.py); after
@@ -36,12 +37,12 @@ import torch
 from torch import Tensor
 
 from ssdlocal.backends.torch.capture import CaptureError, Captured, CudaGraphs, TracedGraphs, storage_key
+from ssdlocal.core.config import GraphMode
 
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows, tree widths and catch-up widths are padded up to one of these
 MAX_GRAPHS = 64  # graphs kept per cache; the least recently used goes first past it
-GRAPH_MODES = ("auto", "off", "trace")
 ENV_MODE = "SSDLOCAL_GRAPHS"  # overrides the configured mode in every command (and the server)
 ENV_STRICT = "SSDLOCAL_GRAPHS_STRICT"  # "1": audit failures and rebinds raise (tests)
 MAX_NOTES = 8  # reasons kept per cache for refusals and drops
@@ -311,25 +312,23 @@ def graph_report(runner, since: dict | None = None) -> dict:
     return report
 
 
-def resolve_mode(configured: str) -> str:
-    """The graph mode to use: SSDLOCAL_GRAPHS when set (auto|off|trace), else `configured`."""
-    env = os.environ.get(ENV_MODE, "").strip().lower()
-    if env and env not in GRAPH_MODES:
-        from ssdlocal.core.errors import UsageError
-
-        raise UsageError(f"{ENV_MODE}={env!r} is not a graph mode", f"use one of: {', '.join(GRAPH_MODES)}")
-    return env if env and env != "auto" else configured
+def resolve_mode(configured: GraphMode) -> GraphMode:
+    """The graph mode to use: SSDLOCAL_GRAPHS when set to off or trace, else `configured`.
+    Both are parsed here (an unknown word: UsageError listing the modes)."""
+    env = os.environ.get(ENV_MODE, "").strip()
+    override = GraphMode.parse(env, ENV_MODE) if env else GraphMode.AUTO
+    return override if override is not GraphMode.AUTO else GraphMode.parse(configured, "graphs setting")
 
 
-def capture_backend(device: torch.device, mode: str) -> CudaGraphs | TracedGraphs | None:
+def capture_backend(device: torch.device, mode: GraphMode) -> CudaGraphs | TracedGraphs | None:
     """What captures steps on `device` in graph mode `mode` (see resolve_mode): None for none."""
     mode = resolve_mode(mode)
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+    if mode is GraphMode.OFF or (mode is GraphMode.AUTO and device.type != "cuda"):
         return None
-    return TracedGraphs() if mode == "trace" else CudaGraphs(device)
+    return TracedGraphs() if mode is GraphMode.TRACE else CudaGraphs(device)
 
 
-def make_graph_cache(device: torch.device, mode: str, statics: StaticTensors | None = None) -> GraphCache | None:
+def make_graph_cache(device: torch.device, mode: GraphMode, statics: StaticTensors | None = None) -> GraphCache | None:
     """The graph cache for a model on `device` in graph mode `mode` (see resolve_mode)."""
     backend = capture_backend(device, mode)
     return None if backend is None else GraphCache(backend, statics)

@@ -39,6 +39,7 @@ from ssdlocal.backends.torch.loader import LoadedModel
 from ssdlocal.backends.torch.kvcache import rounded_slots
 from ssdlocal.backends.torch.runner import FIRST_CAPACITY, TorchRunner
 from ssdlocal.backends.torch.stored_states import StoredStates
+from ssdlocal.core.config import GraphMode
 
 RING_STEP = 4  # rings grow in multiples of this many positions
 
@@ -46,7 +47,7 @@ RING_STEP = 4  # rings grow in multiples of this many positions
 class HybridRunner(StoredStates, TorchRunner):
     """TorchRunner over a HybridLM: its linear layers' states follow every row."""
 
-    def __init__(self, loaded: LoadedModel, *, graphs: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, *, graphs: GraphMode = GraphMode.AUTO) -> None:
         super().__init__(loaded, graphs=graphs)
         self.spanned = 0  # positions steps may have written past a row's floor (see module doc)
         self.begun: list[int] = []  # each row's length at begin_steps

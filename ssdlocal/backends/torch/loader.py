@@ -34,6 +34,7 @@ from ssdlocal.core.errors import (
 )
 from ssdlocal.core.files import check_digests, file_lock
 from ssdlocal.core.models import BackendName
+from ssdlocal.core.quantization import DType, Quantization
 from ssdlocal.core.memory import human_bytes, is_oom, requested_bytes
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import architecture
@@ -53,7 +54,8 @@ from ssdlocal.weights.formats.safetensors import DamagedFileError, SafetensorsRe
 
 log = logging.getLogger(__name__)
 
-DTYPES = {
+DTYPES: dict[str, torch.dtype | None] = {  # the loader's spellings (DType's and aliases)
+    "auto": None,  # the checkpoint's own
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -75,21 +77,22 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
-    quantization: str = "none"  # the scheme the linears hold: none | int8 | int4
+    quantization: Quantization = Quantization.NONE  # the scheme the linears hold: none | int8 | int4
 
 
 def parse_dtype(dtype: str | torch.dtype, hf_config=None) -> torch.dtype:
     """ "float32"/"bf16"/... -> torch dtype; "auto" takes the checkpoint's dtype (float32 if unknown)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(found, str):
-            found = DTYPES.get(found)
-        return found if isinstance(found, torch.dtype) else torch.float32
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}", hint="use one of: float32, bfloat16, float16, auto")
-    return DTYPES[dtype]
+        raise ModelLoadError(f"unknown dtype {str(dtype)!r}", hint="use one of: float32, bfloat16, float16, auto")
+    named = DTYPES[dtype]
+    if named is not None:
+        return named
+    found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)  # "auto"
+    if isinstance(found, str):
+        found = DTYPES.get(found)
+    return found if isinstance(found, torch.dtype) else torch.float32
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -113,7 +116,9 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfloat16") -> Path:
+def resolve_checkpoint(
+    path: str | Path, scheme: Quantization = Quantization.NONE, dtype: DType | str = DType.BFLOAT16
+) -> Path:
     """Return an HF checkpoint directory for `path`, converting a .gguf file if needed:
     to a float checkpoint (scheme none) or straight to a quantized one (int8 | int4).
     A cached conversion is used only once its files match the digests recorded when it
@@ -128,7 +133,7 @@ def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfl
         return path
 
     def build() -> Path:
-        if scheme != "none":
+        if scheme != Quantization.NONE:
             return quantized_checkpoint(path, resolve_scheme(path, scheme), dtype)
         from ssdlocal.weights.formats.convert import ensure_converted
 
@@ -147,7 +152,9 @@ def resolve_checkpoint(path: str | Path, scheme: str = "none", dtype: str = "bfl
     return build()
 
 
-def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=None, *, floats: bool = True) -> Path:
+def prepare_weights(
+    path: str | Path, quantization: Quantization, dtype: DType, progress=None, *, floats: bool = True
+) -> Path:
     """The checkpoint directory `load_model(path, ..., dtype, quantization)` will read,
     built now if it is not cached (reporting to `progress`, else to the installed display):
     a .gguf file's quantized cache when `quantization` resolves to int8/int4 for it, else
@@ -155,10 +162,10 @@ def prepare_weights(path: str | Path, quantization: str, dtype: str, progress=No
     is itself once checked (`floats=False`: as given). Raises what `resolve_checkpoint` and
     `resolve_scheme` raise (ModelLoadError, UsageError)."""
     found = Path(path).expanduser()
-    scheme = "none" if quantization == "none" else resolve_scheme(found, quantization)
-    if scheme != "none" and found.is_file() and found.suffix.lower() == ".gguf":
+    scheme = Quantization.NONE if quantization == Quantization.NONE else resolve_scheme(found, quantization)
+    if scheme is not Quantization.NONE and found.is_file() and found.suffix.lower() == ".gguf":
         return quantized_checkpoint(found, scheme, dtype, progress)
-    return resolve_checkpoint(found, "none", dtype) if floats else found
+    return resolve_checkpoint(found, Quantization.NONE, dtype) if floats else found
 
 
 def declared_params(args: ModelArgs) -> int:
@@ -169,7 +176,7 @@ def declared_params(args: ModelArgs) -> int:
 
 
 def preflight(
-    ckpt: Path, args: ModelArgs, files: list[Path], scheme: str, device: torch.device, dtype: torch.dtype
+    ckpt: Path, args: ModelArgs, files: list[Path], scheme: Quantization, device: torch.device, dtype: torch.dtype
 ) -> None:
     """Before the model is built: the config's sizes against the weight files' headers,
     and the weights against the memory available (weights/formats/checks.py, weights/size.py)."""
@@ -292,7 +299,10 @@ def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
 
 
 def load_model(
-    path: str | Path, device: str = "cpu", dtype: str = "float32", quantization: str = "none"
+    path: str | Path,
+    device: str = "cpu",
+    dtype: DType | str = DType.FLOAT32,
+    quantization: Quantization = Quantization.NONE,
 ) -> LoadedModel:
     """Load config, tokenizer and weights; the KV cache is left to the caller (setup_cache).
 
@@ -312,7 +322,7 @@ def load_model(
     try:
         with torch.device("meta"):
             model = build(args)
-        if scheme != "none":
+        if scheme is not Quantization.NONE:
             load_quantized_weights(model, ckpt, files, scheme, dev, torch_dtype, on_read=on_read)
         else:
             state = read_state_dict(
@@ -337,7 +347,7 @@ def load_model(
     )
 
 
-def _load_progress(path, files: list[Path], scheme: str, dtype: torch.dtype):
+def _load_progress(path, files: list[Path], scheme: Quantization, dtype: torch.dtype):
     """on_read(nbytes) reporting "loading <model> (<weights>)" in bytes to the installed
     progress display (core.progress), or None when none is installed."""
     from ssdlocal.core.progress import model_label, reporter
@@ -345,7 +355,11 @@ def _load_progress(path, files: list[Path], scheme: str, dtype: torch.dtype):
     progress = reporter()
     if progress is None:
         return None
-    weights = scheme if scheme != "none" else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    weights = (
+        scheme
+        if scheme is not Quantization.NONE
+        else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    )
     stage, total, done = f"loading {model_label(path)} ({weights})", sum(f.stat().st_size for f in files), 0
     progress(stage, 0, total)
 

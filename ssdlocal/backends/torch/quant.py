@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ssdlocal.backends.torch import int4_cpu, int4_cuda
 from ssdlocal.backends.torch.scratch import ScratchPool
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.quantization import INT4_GROUP, can_quantize
+from ssdlocal.core.quantization import INT4_GROUP, Quantization, can_quantize
 
 # Which linears get quantized is their architecture's (arch.py: Linear.quantized). Embeddings
 # and norms stay in the activation dtype; a tied lm_head gets its own quantized copy.
@@ -39,16 +39,21 @@ class QuantizedWeight:
           scales, zeros [N, K/group]; W = (code - 8) * scale + zero (the kernels' convention).
     """
 
-    scheme: str
+    scheme: Quantization  # INT8 or INT4 (a string, e.g. a checkpoint's, is parsed)
     codes: Tensor
     scales: Tensor
     zeros: Tensor | None = None
     group_size: int = 0
 
+    def __post_init__(self) -> None:
+        self.scheme = Quantization(self.scheme)
+        if not self.scheme.quantized:
+            raise ValueError(f"not a quantization scheme: {self.scheme}")
+
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.codes.shape
-        return (n, k * 2) if self.scheme == "int4" else (n, k)
+        return (n, k * 2) if self.scheme is Quantization.INT4 else (n, k)
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +62,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W [N, K] in `dtype` (computed in float32)."""
-        if self.scheme == "int8":
+        if self.scheme is Quantization.INT8:
             return (self.codes.float() * self.scales.float()[:, None]).to(dtype)  # [N, K]
         n, k = self.shape
         q = torch.stack((self.codes >> 4, self.codes & 15), dim=-1).reshape(n, k)  # [N, K]
@@ -76,13 +81,13 @@ class QuantizedWeight:
 
     def cols(self, start: int, stop: int) -> QuantizedWeight:
         """Input features [start, stop) (tensor-parallel row split); int4 needs whole groups."""
-        if self.scheme == "int8":  # per-output-channel scales hold for any slice of the inputs
-            return QuantizedWeight("int8", self.codes[:, start:stop].contiguous(), self.scales)
+        if self.scheme is Quantization.INT8:  # per-output-channel scales hold for any slice of the inputs
+            return QuantizedWeight(Quantization.INT8, self.codes[:, start:stop].contiguous(), self.scales)
         g = self.group_size
         if start % g or stop % g:
             raise ValueError(f"int4 input slice [{start}, {stop}) is not aligned to groups of {g}")
         return QuantizedWeight(
-            "int4",
+            Quantization.INT4,
             self.codes[:, start // 2 : stop // 2].contiguous(),
             self.scales[:, start // g : stop // g].contiguous(),
             self.zeros[:, start // g : stop // g].contiguous(),
@@ -106,31 +111,31 @@ def pack_int4(q: Tensor, scales: Tensor, zeros: Tensor, dtype: torch.dtype) -> Q
     q = q.to(torch.uint8)
     codes = (q[:, 0::2] << 4) | q[:, 1::2]  # [N, K/2]
     group = q.shape[1] // scales.shape[1]
-    return QuantizedWeight("int4", codes.contiguous(), scales.to(dtype), zeros.to(dtype), group)
+    return QuantizedWeight(Quantization.INT4, codes.contiguous(), scales.to(dtype), zeros.to(dtype), group)
 
 
-def quantize(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
+def quantize(w: Tensor, scheme: Quantization, dtype: torch.dtype) -> QuantizedWeight:
     """Quantize W [N, K] (any float dtype, on its own device) with scales in `dtype`, a row block at a time."""
     n, k = w.shape
     step = max(32, _CHUNK_ELEMENTS // k // 32 * 32)
     parts = [_quantize_rows(w[r : r + step].float(), scheme, dtype) for r in range(0, n, step)]
     if len(parts) == 1:
         return parts[0]
-    zeros = None if scheme == "int8" else torch.cat([p.zeros for p in parts])
+    zeros = None if scheme == Quantization.INT8 else torch.cat([p.zeros for p in parts])
     return QuantizedWeight(
         scheme, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), zeros, parts[0].group_size
     )
 
 
-def _quantize_rows(w: Tensor, scheme: str, dtype: torch.dtype) -> QuantizedWeight:
+def _quantize_rows(w: Tensor, scheme: Quantization, dtype: torch.dtype) -> QuantizedWeight:
     """w [n, K] float32. Codes are rounded against the scales as stored (in `dtype`)."""
-    if scheme == "int8":
+    if scheme == Quantization.INT8:
         scales = (w.abs().amax(dim=1) / 127).to(dtype)  # [n]
         sf = scales.float().masked_fill(scales == 0, 1.0)  # an all-zero row: any scale works
         codes = (w / sf[:, None]).round_().clamp_(-128, 127).to(torch.int8)  # [n, K]
-        return QuantizedWeight("int8", codes, scales)
-    if scheme != "int4":
-        raise ValueError(f"unknown quantization scheme {scheme!r}")
+        return QuantizedWeight(Quantization.INT8, codes, scales)
+    if scheme != Quantization.INT4:
+        raise ValueError(f"unknown quantization scheme {str(scheme)!r}")
     n, k = w.shape
     wg = w.view(n, k // INT4_GROUP, INT4_GROUP)  # [n, G, g]
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [n, G]
@@ -157,7 +162,7 @@ def int8_cuda_kernel() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
 
 
-def kernel_for(scheme: str, device: torch.device, dtype: torch.dtype) -> str:
+def kernel_for(scheme: Quantization, device: torch.device, dtype: torch.dtype) -> str:
     """Which matmul runs a QuantLinear: see docs/architecture.md, "Quantized weights".
 
     On CUDA the weights stay in their quantized bytes (a decode step reads half or a
@@ -165,10 +170,10 @@ def kernel_for(scheme: str, device: torch.device, dtype: torch.dtype) -> str:
     activations only, and int8 through torch's int8 kernel. What those cannot run is
     refused (UsageError) rather than expanded to float on every forward."""
     if device.type == "cpu":
-        if scheme == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        if scheme == Quantization.INT4 and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return "int4_dequant"  # torch < 2.6: no CPU int4 kernel
         return f"{scheme}_cpu"
-    if scheme == "int4":
+    if scheme == Quantization.INT4:
         if dtype != torch.bfloat16:
             raise UsageError(
                 f"int4 weights on {device.type} run tinygemm, which takes bfloat16 activations, not "
@@ -289,7 +294,9 @@ class QuantLinear(nn.Module):
             return self.codes.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
         if k == "int4_cuda":  # tinygemm's layout read back once, on the device
             return self._tinygemm_rows(None).to(dtype)  # [N, K]
-        return QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size).dequantize(dtype)
+        return QuantizedWeight(Quantization.INT4, self.codes, self.scales, self.zeros, self.group_size).dequantize(
+            dtype
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -309,7 +316,7 @@ class QuantLinear(nn.Module):
         elif k == "int8_cuda":  # int8 codes, per-channel scales; float32 accumulation
             out = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [M, N]
         else:
-            w = QuantizedWeight("int4", self.codes, self.scales, self.zeros, self.group_size)
+            w = QuantizedWeight(Quantization.INT4, self.codes, self.scales, self.zeros, self.group_size)
             out = F.linear(x2, w.dequantize(x2.dtype))  # [M, N]
         if out.shape[-1] != self.out_features:  # rows padded for the kernel
             out = out[:, : self.out_features].contiguous()
@@ -331,7 +338,9 @@ class QuantLinear(nn.Module):
         if self.kernel in ("int8_cpu", "int8_cuda"):
             rows = self.codes[flat].float() * self.scales[flat].float()[:, None]  # [R, K]
         elif self.kernel == "int4_dequant":
-            w = QuantizedWeight("int4", self.codes[flat], self.scales[flat], self.zeros[flat], self.group_size)
+            w = QuantizedWeight(
+                Quantization.INT4, self.codes[flat], self.scales[flat], self.zeros[flat], self.group_size
+            )
             rows = w.dequantize(torch.float32)  # [R, K]
         elif self.kernel == "int4_cuda" and self.tinygemm_readable:
             rows = self._tinygemm_rows(flat)  # [R, K]
@@ -372,7 +381,7 @@ def _pad_rows(w: QuantizedWeight, extra: int) -> QuantizedWeight:
         return w
     k2, groups = w.codes.shape[1], w.scales.shape[1]
     return QuantizedWeight(
-        "int4",
+        Quantization.INT4,
         torch.cat([w.codes, torch.full((extra, k2), 0x88, dtype=torch.uint8)]),
         torch.cat([w.scales, w.scales.new_zeros(extra, groups)]),
         torch.cat([w.zeros, w.zeros.new_zeros(extra, groups)]),

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ssdlocal.backends.torch.models.moe import StackedLinear
 from ssdlocal.backends.torch.quant import QuantizedWeight, QuantLinear, quantize
 from ssdlocal.backends.torch.quant_experts import quantize_stacked
-from ssdlocal.core.quantization import can_quantize
+from ssdlocal.core.quantization import Quantization, can_quantize
 from ssdlocal.weights.formats.archs import architecture
 
 
@@ -53,7 +53,7 @@ def replace_linear(
     replace_module(model, name, quantized)
 
 
-def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
+def quantize_model(model: nn.Module, scheme: Quantization) -> nn.Module:
     """Swap the quantized linears of a loaded model (its architecture's) for QuantLinears, in place.
 
     Row-parallel shards (modules with a `group`, see parallel/tp.py) keep their all_reduce.
@@ -61,7 +61,7 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     quantized on their own device (separate elementwise float32 steps, each correctly
     rounded on either device, so the CPU's codes; a GPU's in seconds).
     """
-    if scheme == "none":
+    if scheme == Quantization.NONE:
         return model
     arch = architecture(model.args.arch)
     for name, module in list(model.named_modules()):

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.models.moe import StackedLinear
 from ssdlocal.backends.torch.quant import QuantizedWeight
+from ssdlocal.core.quantization import Quantization
 
 
 class QuantStacked(nn.Module):
@@ -41,7 +42,7 @@ class QuantStacked(nn.Module):
         computed in float32 as QuantizedWeight.dequantize computes them."""
         codes = self.codes if index is None else self.codes[index]
         scales = self.scales if index is None else self.scales[index]
-        if self.scheme == "int8":
+        if self.scheme is Quantization.INT8:
             return (codes.float() * scales.float()[..., None]).to(self.dtype)  # [n, N, K]
         zeros = self.zeros if index is None else self.zeros[index]
         n, rows, half = codes.shape
@@ -63,7 +64,7 @@ class QuantStacked(nn.Module):
         return f"{self.num_experts} x ({self.in_features} -> {self.out_features}), {self.scheme}"
 
 
-def quantize_stacked(module: StackedLinear, scheme: str) -> QuantStacked:
+def quantize_stacked(module: StackedLinear, scheme: Quantization) -> QuantStacked:
     """`module`'s experts quantized one by one (quant.quantize), as a loaded model's."""
     from ssdlocal.backends.torch.quant import quantize
 

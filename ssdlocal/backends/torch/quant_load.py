@@ -26,7 +26,7 @@ from ssdlocal.backends.torch.quant import QuantizedWeight, quantize
 from ssdlocal.backends.torch.quant_experts import QuantStacked
 from ssdlocal.backends.torch.quant_apply import QuantEmbedding, replace_linear, replace_module
 from ssdlocal.core.errors import ModelLoadError
-from ssdlocal.core.quantization import SCHEMES, can_quantize
+from ssdlocal.core.quantization import DType, Quantization, can_quantize
 from ssdlocal.weights.formats.arch import expert_pattern
 from ssdlocal.weights.formats.archs import architecture
 from ssdlocal.weights.formats.quantized import quant_info
@@ -39,10 +39,11 @@ _ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)(\.\w+)")  # one expert's linear 
 Shard = Callable[[str, "Tensor | QuantizedWeight"], "Tensor | QuantizedWeight"]
 
 
-def quantized_checkpoint(path: Path, scheme: str, dtype: str, progress=None) -> Path:
-    """The directory to read for `scheme`: a GGUF's cached conversion, else `path` itself."""
+def quantized_checkpoint(path: Path, scheme: Quantization, dtype: DType | str, progress=None) -> Path:
+    """The directory to read for `scheme`: a GGUF's cached conversion, else `path` itself.
+    `dtype`: the scales' (a loader's spelling that names no DType, e.g. "auto": bfloat16)."""
     if path.is_file() and path.suffix.lower() == ".gguf":
-        name = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+        name = DType(dtype) if dtype in DType.choices() else DType.BFLOAT16
         return ensure_quantized(path, scheme, name, progress)
     return path
 
@@ -51,7 +52,7 @@ def load_quantized_weights(
     model: nn.Module,
     ckpt: Path,
     files: list[Path],
-    scheme: str,
+    scheme: Quantization,
     device: torch.device,
     dtype: torch.dtype,
     *,
@@ -61,8 +62,8 @@ def load_quantized_weights(
     """Fill meta-device `model` (possibly already shaped for a TP rank): the linears its
     architecture quantizes become QuantLinears, every other tensor is assigned in `dtype`
     on `device`. `on_read(nbytes)`: told the size of each tensor read (progress)."""
-    if scheme not in SCHEMES[1:]:
-        raise ValueError(f"not a quantization scheme: {scheme!r}")
+    if not Quantization(scheme).quantized:
+        raise ValueError(f"not a quantization scheme: {scheme}")
     shard = shard or (lambda key, value: value)
     tied = model.args.tie_word_embeddings
     arch = architecture(model.args.arch)
@@ -112,7 +113,7 @@ def load_quantized_weights(
 class _Filler:
     """Collects a load: QuantLinears installed as their weights arrive, floats for the rest."""
 
-    def __init__(self, model: nn.Module, scheme: str, device, dtype, shard: Shard) -> None:
+    def __init__(self, model: nn.Module, scheme: Quantization, device, dtype, shard: Shard) -> None:
         self.model, self.scheme, self.device, self.dtype, self.shard = model, scheme, device, dtype, shard
         self.floats: dict[str, Tensor] = {}
         self.parts: dict[str, dict[str, Tensor]] = {}
@@ -126,8 +127,8 @@ class _Filler:
         codes = parts.get("codes")
         if codes is None or "scales" not in parts:
             return
-        scheme = "int8" if codes.dtype == torch.int8 else "int4"  # an embedding may differ
-        if scheme == "int4" and "zeros" not in parts:
+        scheme = Quantization.INT8 if codes.dtype == torch.int8 else Quantization.INT4  # an embedding may differ
+        if scheme is Quantization.INT4 and "zeros" not in parts:
             return
         zeros = parts.get("zeros")
         group = codes.shape[1] * 2 // zeros.shape[1] if zeros is not None else 0

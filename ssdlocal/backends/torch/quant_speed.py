@@ -24,6 +24,7 @@ import torch
 
 from ssdlocal.core.errors import UsageError
 from ssdlocal.core.measured import MeasuredStore, positive_seconds
+from ssdlocal.core.quantization import Quantization
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ Timer = Callable[[Callable[[], object], torch.device], float]  # seconds of one 
 class QuantSpeed:
     """Seconds of the timed projections per step rows: quantized kernel and dense."""
 
-    scheme: str
+    scheme: Quantization
     kernel: str
     rows: tuple[int, ...]
     quantized_s: tuple[float, ...]
@@ -73,12 +74,14 @@ def dense_bytes(args, dtype: torch.dtype) -> int:
     return (args.num_layers * per_layer + embeddings) * torch.empty((), dtype=dtype).element_size()
 
 
-def check_quant_speed(args, scheme: str, device: torch.device, dtype: torch.dtype, timer: Timer | None = None) -> None:
+def check_quant_speed(
+    args, scheme: Quantization, device: torch.device, dtype: torch.dtype, timer: Timer | None = None
+) -> None:
     """Refuse int8/int4 weights on a CUDA `device` whose kernel is slower than the dense
     matmul at the step shapes, when the dense weights would fit (UsageError with the
     timings and a hint); nothing on other devices, for scheme "none", or for a model under
     MIN_DENSE_BYTES dense (its steps are bound by launches: the kernel's speed is noise there)."""
-    if device.type != "cuda" or scheme == "none" or dense_bytes(args, dtype) < MIN_DENSE_BYTES:
+    if device.type != "cuda" or scheme == Quantization.NONE or dense_bytes(args, dtype) < MIN_DENSE_BYTES:
         return
     speed = measured_speed(args, scheme, device, dtype, timer)
     if speed.pays:
@@ -92,7 +95,7 @@ def check_quant_speed(args, scheme: str, device: torch.device, dtype: torch.dtyp
             "%s weights run slower than dense, kept because dense ones would not fit: %s", scheme, speed.describe()
         )
         return
-    other = "int4" if scheme == "int8" else "int8"
+    other = Quantization.INT4 if scheme == Quantization.INT8 else Quantization.INT8
     raise UsageError(
         f"{scheme} weights would run slower than {str(dtype).removeprefix('torch.')} ones here, measured "
         f"{speed.describe()}",
@@ -101,7 +104,7 @@ def check_quant_speed(args, scheme: str, device: torch.device, dtype: torch.dtyp
 
 
 def measured_speed(
-    args, scheme: str, device: torch.device, dtype: torch.dtype, timer: Timer | None = None
+    args, scheme: Quantization, device: torch.device, dtype: torch.dtype, timer: Timer | None = None
 ) -> QuantSpeed:
     """The step shapes' timings kept for this GPU, torch and kernel, else timed now (and kept)."""
     from ssdlocal.backends.torch.quant import kernel_for
@@ -122,7 +125,7 @@ def measured_speed(
 
 
 def time_projections(
-    shapes: Sequence[tuple[int, int]], scheme: str, kernel: str, device, dtype, timer: Timer, where: str
+    shapes: Sequence[tuple[int, int]], scheme: Quantization, kernel: str, device, dtype, timer: Timer, where: str
 ) -> QuantSpeed:
     """Seconds of the projections of `shapes` at each of STEP_ROWS: QuantLinears of random
     weights through `kernel`, and the same weights dense in `dtype`."""

@@ -32,6 +32,7 @@ from ssdlocal.backends.torch.stored import StoredPrefixes
 from ssdlocal.backends.prefix import PrefixIndex
 from ssdlocal.backends.torch.heads.shared import shared_with_heads
 from ssdlocal.backends.torch.graphs import bucket, graph_report, make_graph_cache
+from ssdlocal.core.config import GraphMode
 from ssdlocal.backends.torch.decode_state import DecodeState, bucket_span
 from ssdlocal.backends.torch.kvcache import rounded_slots
 from ssdlocal.backends.torch.loader import LoadedModel
@@ -52,7 +53,7 @@ DENSE_MIN_TOKENS = 128
 class TorchRunner(StoredPrefixes, HeldRows):
     """One model, its static KV cache, and which tokens (or how many) each row holds."""
 
-    def __init__(self, loaded: LoadedModel, *, graphs: str = "auto") -> None:
+    def __init__(self, loaded: LoadedModel, *, graphs: GraphMode = GraphMode.AUTO) -> None:
         self.loaded = loaded
         self.site = detached_site("runner")  # host -> device inputs: staged (count_host_waits)
         self.model = loaded.model

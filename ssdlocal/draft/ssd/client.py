@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ssdlocal.core.config import Backup, ModelSpec, SamplingParams, SpecConfig
+from ssdlocal.core.config import Backup, GraphMode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import DraftWorkerError
 from ssdlocal.core.events import SsdRound
 from ssdlocal.core.hostsync import Audit, HostWaits
@@ -44,7 +44,7 @@ class DraftWorkerClient:
         *,
         threads: int | None = None,
         cpus: tuple[int, ...] | None = None,
-        graphs: str = "auto",
+        graphs: GraphMode = GraphMode.AUTO,
         timeout_s: float | None = None,
         load_timeout_s: float | None = None,
         prefix_tokens: int | None = None,

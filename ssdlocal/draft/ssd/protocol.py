@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from ssdlocal.core.config import Backup, ModelSpec, SamplingParams
+from ssdlocal.core.config import Backup, GraphMode, ModelSpec, SamplingParams
 
 if TYPE_CHECKING:  # messages carry tensors but need no torch to be defined
     import torch
@@ -40,7 +40,7 @@ class LoadMsg:
     model: ModelSpec
     threads: int | None  # torch threads for the worker (None = leave default)
     cpus: tuple[int, ...] | None  # CPU affinity for the worker process
-    graphs: str = "auto"  # captured forwards (EngineConfig.graphs)
+    graphs: GraphMode = GraphMode.AUTO  # captured forwards (EngineConfig.graphs)
     prefix_tokens: int | None = None  # the prefix cache's size (EngineConfig.prefix_cache_tokens)
 
 

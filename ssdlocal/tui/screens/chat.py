@@ -107,7 +107,7 @@ class ChatScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(StatsPanel).reset(self.settings.mode.value)
+        self.query_one(StatsPanel).reset(self.settings.mode)
         self.query_one("#prompt", Input).focus()
         self._update_status()
 
@@ -183,7 +183,7 @@ class ChatScreen(Screen):
             self.query_one(PairHeader).show_mode(choice.line)
             if self.settings.mode is Mode.AUTO:  # the chat starts in the mode auto chose
                 self.settings = self.settings.with_mode(choice.mode)
-                self.query_one(StatsPanel).reset(self.settings.mode.value)
+                self.query_one(StatsPanel).reset(self.settings.mode)
         self._say_why()
         self._update_status()
         queued, self._queued = self._queued, None
@@ -220,7 +220,7 @@ class ChatScreen(Screen):
         self.settings = settings
         self._update_status()
         if not self.generating:
-            self.query_one(StatsPanel).reset(settings.mode.value)
+            self.query_one(StatsPanel).reset(settings.mode)
             self._say_why()
         note = " (applies to the next answer)" if self.generating else ""
         self.notify(settings.describe() + note, title="settings", timeout=2)
@@ -256,7 +256,7 @@ class ChatScreen(Screen):
         self.generating, self.stopping = True, False
         self._reading = None
         self._gen_mode = self.settings.mode
-        self.query_one(StatsPanel).reset(self._gen_mode.value)
+        self.query_one(StatsPanel).reset(self._gen_mode)
         self._say_why()
         self._update_status()
         # made now, so Esc works even before the worker thread has started generating
@@ -307,7 +307,7 @@ class ChatScreen(Screen):
     def on_round_finished(self, msg: RoundFinished) -> None:
         if msg.turn == self.turn:
             self.query_one(StatsPanel).show_stats(
-                self._gen_mode.value,
+                self._gen_mode,
                 msg.snapshot,
                 backup=msg.backup,
                 cache_hit=msg.cache_hit,
@@ -345,7 +345,7 @@ class ChatScreen(Screen):
             note += f" · timings disturbed ({msg.load.describe()})"
         if self._answer is not None:
             self._answer.set_note(note)
-        self.query_one(StatsPanel).show_stats(self._gen_mode.value, s, load=msg.load)
+        self.query_one(StatsPanel).show_stats(self._gen_mode, s, load=msg.load)
         self._update_status()
 
     def on_work_failed(self, msg: WorkFailed) -> None:
@@ -421,5 +421,5 @@ class ChatScreen(Screen):
         self.last_answer = ""
         self._answer = None
         self.query_one(Transcript).remove_children()
-        self.query_one(StatsPanel).reset(self.settings.mode.value)
+        self.query_one(StatsPanel).reset(self.settings.mode)
         self.notify("conversation cleared", timeout=2)

@@ -15,6 +15,7 @@ from typing import ClassVar
 from rich.text import Text
 from textual.widgets import Static
 
+from ssdlocal.core.config import Mode
 from ssdlocal.core.metrics import Metrics
 from ssdlocal.tui.load import Disturbance
 from ssdlocal.tui.widgets.bars import hbar
@@ -67,7 +68,7 @@ class StatsPanel(Static):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.mode = "ssd"
+        self.mode = Mode.SSD
         self.snapshot: Metrics | None = None  # None: no answer yet
         self.last_backup: str | None = None
         self.last_hit: bool | None = None
@@ -83,7 +84,7 @@ class StatsPanel(Static):
 
     def show_stats(
         self,
-        mode: str,
+        mode: Mode,
         snapshot: Metrics,
         *,
         backup: str | None = None,
@@ -104,7 +105,7 @@ class StatsPanel(Static):
         self.live = False
         self.refresh_panel()
 
-    def reset(self, mode: str) -> None:
+    def reset(self, mode: Mode) -> None:
         self.mode, self.snapshot, self.load = mode, None, None
         self.last_backup = self.last_hit = None
         self.refresh_panel()
@@ -134,9 +135,9 @@ class StatsPanel(Static):
             self._time(s),
             self._why() if self.reason else None,
             self._bars("Acceptance by position", list(s.per_position_acceptance), 1, _pct)
-            if self.mode != "ar"
+            if self.mode is not Mode.AR
             else None,
-            self._histogram(s) if self.mode != "ar" else None,
+            self._histogram(s) if self.mode is not Mode.AR else None,
         ]
         budget = self._height()
         used = sum(len(sec) for sec in sections) + len(sections) - 1  # a blank line between
@@ -186,7 +187,7 @@ class StatsPanel(Static):
 
     def _speculation_rows(self, s: Metrics) -> list[Text]:
         rows = [self._title("Speculation")]
-        if self.mode == "ar":
+        if self.mode is Mode.AR:
             return rows + [Text("AR: the target alone,", style="dim"), Text("one token per round", style="dim")]
         if self.place:
             rows.append(self._row("draft", self.place))
@@ -199,7 +200,7 @@ class StatsPanel(Static):
             rows.append(self._row("K per round", _num(s.mean_k, "{:.1f}") + f" · plain {plain:.0%}"))
             shown = [f"{k} {v / total:.0%}" for k, v in sorted(sources.items()) if k != "none"]
             rows.append(self._row("source", " ".join(shown) or "–"))
-        if self.mode == "ssd":
+        if self.mode is Mode.SSD:
             rows.append(self._row("cache hits", _pct(s.cache_hit_rate)))
             used = s.ssd.backup_used if s.ssd else {}
             rows.append(self._row("backup fired", ", ".join(f"{k} ×{v}" for k, v in used.items()) or "none"))

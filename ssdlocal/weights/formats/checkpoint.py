@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.core.quantization import DType
 from ssdlocal.weights.formats.archs import find, unsupported
 from ssdlocal.weights.formats.checks import (
     PATH_HINT,
@@ -50,7 +51,7 @@ def config_dir(path: str | Path) -> Path:
         from ssdlocal.weights.formats.metadata import metadata_dir
 
         if (cache_dir() / "converted").is_dir():  # hashing the file for its key writes there
-            for dtype in ("bfloat16", "float32", "float16"):  # a float conversion has them too
+            for dtype in DType:  # a float conversion has them too
                 if (converted_dir(path, dtype) / CONVERTED_MARKER).is_file():
                     return converted_dir(path, dtype)
         return metadata_dir(path)

@@ -22,18 +22,18 @@ import time
 from math import prod
 from pathlib import Path
 
-from ssdlocal.core.errors import AssetError, ModelLoadError, UsageError
+from ssdlocal.core.errors import AssetError, ModelLoadError
 from ssdlocal.core.files import file_lock, record_digests, remembered_sha256
 from ssdlocal.core.memory import human_bytes
 from ssdlocal.core.paths import ProgressCallback, cache_dir, replace_hint
 from ssdlocal.core.progress import model_label, reporter
+from ssdlocal.core.quantization import DType
 from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
 from ssdlocal.weights.formats.hf_files import check_chat_template
 
 log = logging.getLogger(__name__)
 
-_DTYPES = ("bfloat16", "float16", "float32")
-_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_SHORT = {DType.BFLOAT16: "bf16", DType.FLOAT16: "fp16", DType.FLOAT32: "fp32"}
 CONVERTED_MARKER = "ssdlocal-convert.json"
 
 
@@ -80,7 +80,7 @@ def is_conversion(path: Path) -> bool:
     return (Path(path) / CONVERTED_MARKER).is_file()
 
 
-def converted_dir(gguf_path: Path, dtype: str = "bfloat16", root: Path | None = None) -> Path:
+def converted_dir(gguf_path: Path, dtype: DType = DType.BFLOAT16, root: Path | None = None) -> Path:
     """The cache directory for `gguf_path` converted to `dtype` (may not exist yet): named
     by the file's content, so a changed file is converted again and a copy is not."""
     root = root or cache_dir() / "converted"
@@ -93,7 +93,7 @@ def ensure_converted(
     gguf_path: Path,
     progress: ProgressCallback | None = None,
     out_dir: Path | None = None,
-    dtype: str = "bfloat16",
+    dtype: DType = DType.BFLOAT16,
 ) -> Path:
     """Return a checkpoint directory for `gguf_path`, converting it on first use.
 
@@ -101,8 +101,7 @@ def ensure_converted(
     written under a temporary name and renamed when complete.
     """
     gguf_path = Path(gguf_path)
-    if dtype not in _DTYPES:
-        raise UsageError(f"unsupported dtype {dtype!r}", f"use one of {', '.join(_DTYPES)}")
+    dtype = DType.parse(dtype, "dtype")
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}", "check the path")
     out = Path(out_dir) if out_dir is not None else converted_dir(gguf_path, dtype)
@@ -131,7 +130,7 @@ def _remove_leftovers(out: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _convert_into(gguf_path: Path, out: Path, dtype: str, meta: dict, progress) -> None:
+def _convert_into(gguf_path: Path, out: Path, dtype: DType, meta: dict, progress) -> None:
     """Convert into a temporary dir, write the marker last, then rename it to `out`."""
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     t0 = time.perf_counter()
@@ -171,7 +170,7 @@ def _disk_error(exc: BaseException, where: Path, need: int | None = None) -> Ass
 def _convert(
     gguf_path: Path,
     tmp: Path,
-    dtype: str,
+    dtype: DType,
     meta: dict[str, object],
     progress: ProgressCallback | None,
 ) -> None:

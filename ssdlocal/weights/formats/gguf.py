@@ -21,7 +21,7 @@ import numpy as np
 
 from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.paths import replace_hint
-from ssdlocal.core.quantization import scheme_for_gguf_type
+from ssdlocal.core.quantization import Quantization, scheme_for_gguf_type
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _FLOATS = {0: np.float32, 1: np.float16}  # F32, F16 (BF16 = 30 is decoded by the gguf package)
@@ -159,7 +159,7 @@ def _parse(path: Path) -> GGUFHeader:
     return GGUFHeader(path, metadata, tensors)
 
 
-def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
+def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> Quantization:
     """What `--quantization auto` means for this file: its file type's class
     (Q4_* / Q5_* -> int4, Q8_0 / Q6_K -> int8, floats -> none)."""
     header = header or GGUFHeader.read(gguf_path)
@@ -173,7 +173,7 @@ def gguf_scheme(gguf_path: Path, header: GGUFHeader | None = None) -> str:
     for t in header.tensors:
         if len(t.shape) == 2:
             sizes[t.type_name] = sizes.get(t.type_name, 0) + t.shape[0] * t.shape[1]
-    return scheme_for_gguf_type(max(sizes, key=sizes.get)) if sizes else "none"
+    return scheme_for_gguf_type(max(sizes, key=sizes.get)) if sizes else Quantization.NONE
 
 
 # --------------------------------------------------------------------------- rows

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ssdlocal.core.errors import UsageError
-from ssdlocal.core.quantization import check_quantization
+from ssdlocal.core.quantization import Quantization
 from ssdlocal.weights.formats.gguf import gguf_scheme
 
 QUANT_FILE = "quantization.json"  # in a quantized checkpoint: scheme, group size, dtype, source
@@ -33,18 +33,19 @@ def quant_info(path: Path) -> dict | None:
         return None
 
 
-def resolve_scheme(path: str | Path, quantization: str) -> str:
+def resolve_scheme(path: str | Path, quantization: Quantization) -> Quantization:
     """none | int8 | int4 for `path`: `auto` is a GGUF's own class, a quantized
     checkpoint's scheme, and none for float checkpoints. Validates the combination."""
-    check_quantization(quantization)
+    quantization = Quantization.parse(quantization, "quantization")
     path = Path(path).expanduser()
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
     info = None if is_gguf or not path.is_dir() else quant_info(path)
-    if quantization == "auto":
+    held = Quantization.parse(info.get("scheme", ""), f"scheme in {path / QUANT_FILE}") if info else None
+    if quantization is Quantization.AUTO:
         if is_gguf:
             return gguf_scheme(path)
-        return info["scheme"] if info else "none"
-    if info and info.get("scheme") != quantization:
+        return held or Quantization.NONE
+    if held is not None and held is not quantization:
         raise UsageError(
             f"{path} holds {info.get('scheme')} weights, not {quantization}",
             f"use --quantization auto (or {info.get('scheme')}), or point at the float checkpoint",
