@@ -10,6 +10,8 @@ A parameter whose name stops matching its field, or a value a command drops, fai
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from dataclasses import replace
 
 import dataclasses
@@ -408,6 +410,7 @@ def test_model_and_speculation_options_reach_the_engine_config(monkeypatch):
         and engine_config(replace(models, prefix_cache_tokens=None), spec).prefix_cache_tokens == 0
     )
     monkeypatch.setattr("ssdlocal.weights.hub.resolve_pair_paths", lambda name, **kw: (f"{name}-t", f"{name}-d"))
+    monkeypatch.setattr("ssdlocal.weights.pairs.get_pair", lambda name: SimpleNamespace(draft_head=None))
     paired = engine_config(
         ModelOptions(pair="p", target_backend="torch", target_device="cpu", draft_device="cpu"), SpecOptions(mode="sd")
     )

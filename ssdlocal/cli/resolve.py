@@ -64,12 +64,6 @@ def engine_config(
     _validate(models, options, wants_draft, tp_devices)  # before any download
     _build_kernels(models, tp_devices)  # llama-cpp-python, once, where `auto` would use it
     choice = backend_choice(models, tp_devices)
-    if choice.note:
-        from rich.markup import escape
-
-        from ssdlocal.cli.render import err_console
-
-        err_console.print(f"[dim]{escape(choice.note)}[/dim]", soft_wrap=True)
     backends = (choice.target, choice.draft)
     quants = models.quantizations(backends)
     loads_draft = mode is not Mode.AR or keep_draft or need_draft is not None
@@ -89,6 +83,7 @@ def engine_config(
         options["k"] = head_most_drafts(draft_kind.path, draft_kind.head) or options["k"]
         if draft_kind.head == MTP_WORD:
             options["k"] = MTP_K
+    _say_note(choice.note)  # once the models are there: an error before it needs no backend note
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0], models.batch_invariant),
         spec=SpecConfig(**options, draft=draft_kind),
@@ -194,6 +189,16 @@ def mtp_draft(target: str | None) -> HeadDraft:
             "mtp.* tensors has no MTP layer to read), or another --draft",
         )
     return HeadDraft(target, MTP_WORD)
+
+
+def _say_note(note: str) -> None:
+    """The backend choice's note (why `auto` picked it, or how it runs), dim on stderr."""
+    if note:
+        from rich.markup import escape
+
+        from ssdlocal.cli.render import err_console
+
+        err_console.print(f"[dim]{escape(note)}[/dim]", soft_wrap=True)
 
 
 def _head_of(models: ModelOptions, draft: str | None) -> str | None:

@@ -24,7 +24,9 @@ def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
 
 
 # lines a run prints on stderr before an error can happen: preparation steps
-# (cli/progress.py, plain lines in tests) and the mode line (cli/render.print_mode)
+# (cli/progress.py, plain lines in tests), the mode line (cli/render.print_mode) and the
+# backend choice's note (cli/resolve.py: why `auto` took torch, or how llama.cpp runs on
+# this CPU, e.g. with its weight repacking off)
 RUN_LINES = (
     "loading ",
     "starting the engine",
@@ -37,6 +39,8 @@ RUN_LINES = (
     "converting ",
     "writing ",
     "mode ",
+    "backend torch: ",
+    "llama-cpp-python ",
 )
 
 
