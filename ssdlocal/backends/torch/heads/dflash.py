@@ -25,6 +25,7 @@ from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.logits import fp32_logits
 from ssdlocal.backends.torch.models.layers import MLP, Attention, LayerArgs, RMSNorm, apply_rope, RopeTable
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.backends.torch.heads.shared import check_state
 
 MUSE = "muse_glimmer_assistant"
 HINT = "use a DFlash drafter trained for this target (transformers' muse_glimmer_assistant form or z-lab's DFlashDraftModel)"
@@ -202,13 +203,7 @@ def load_dflash(path: str | Path, shared, target_vocab: int, device, dtype) -> D
     state = {renamed.get(k, k): v for k, v in state.items()}
     with torch.device("meta"):
         head = DFlashHead(args, shared.embeddings, shared.lm_head, shared.embed_scale)
-    expected = {k for k in head.state_dict() if not k.startswith(("embed.", "lm_head."))}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{path} is not a DFlash drafter this version reads: missing {missing[:5]}, unexpected {unexpected[:5]}",
-            HINT,
-        )
+    check_state(head, state, f"{path} is not a DFlash drafter this version reads", HINT, ("embed.", "lm_head."))
     fc = state["encoder.fc.weight"]
     if fc.shape[1] != len(args.target_layer_ids) * shared.hidden_size:
         raise ModelLoadError(

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ssdlocal.backends.torch.attention import AttentionMask
 from ssdlocal.backends.torch.models.layers import MLP, Attention, LayerArgs, RMSNorm, RopeTable
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.backends.torch.heads.shared import check_state
 
 
 @dataclass(frozen=True)
@@ -143,13 +144,8 @@ def load_eagle3(
     state = {k.removeprefix("model."): v for k, v in state.items() if k not in ("t2d", "embed_tokens.weight")}
     with torch.device("meta"):
         head = Eagle3Head(args, embed, target_vocab)
-    expected = {k for k in head.state_dict() if not k.startswith("embed.")}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{path} is not an EAGLE-3 head this version reads: missing {missing[:5]}, unexpected {unexpected[:5]}",
-            "use an EAGLE-3 checkpoint (fc, midlayer, norm, lm_head, d2t)",
-        )
+    hint = "use an EAGLE-3 checkpoint (fc, midlayer, norm, lm_head, d2t)"
+    check_state(head, state, f"{path} is not an EAGLE-3 head this version reads", hint, ("embed.",))
     state = {k: v.to(device=device, dtype=torch.long if k == "d2t" else dtype) for k, v in state.items()}
     head.load_state_dict(state, strict=False, assign=True)
     head.embed = embed  # the target's, shared (assign above left it on meta)

@@ -32,6 +32,7 @@ from ssdlocal.backends.torch.models.gemma3 import FULL, ROPE_OF
 from ssdlocal.backends.torch.models.gemma4 import Gemma4Args, Gemma4Norm
 from ssdlocal.backends.torch.models.layers import MLP, apply_rope, rope_inv_freq, rope_tables
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.backends.torch.heads.shared import check_state
 
 HINT = "use the assistant published for this target (a Gemma4AssistantForCausalLM directory)"
 
@@ -240,13 +241,7 @@ def load_assistant(path: str | Path, shared: HeadInputs, target_vocab: int, devi
         state["lm_head.weight"] = embeddings
     with torch.device("meta"):
         head = Gemma4Assistant(args)
-    expected = set(head.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{path} is not a Gemma 4 assistant this version reads: missing {missing[:5]}, unexpected {unexpected[:5]}",
-            HINT,
-        )
+    check_state(head, state, f"{path} is not a Gemma 4 assistant this version reads", HINT)
     if args.centroids and not torch.equal(state["token_ordering"].long().sort().values, torch.arange(target_vocab)):
         raise ModelLoadError(f"{path}: token_ordering is not an ordering of the vocabulary", HINT)
     state = {k: v.to(device, torch.long if k == "token_ordering" else dtype) for k, v in state.items()}

@@ -31,6 +31,7 @@ from ssdlocal.backends.torch.models.hybrid import HybridBlock
 from ssdlocal.backends.torch.models.layers import MLP, RopeTable
 from ssdlocal.backends.torch.models.qwen3_5 import GatedAttention, Qwen3_5Args, SharedExpertMoE, zero_centred
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.backends.torch.heads.shared import check_state
 
 HINT = "use the checkpoint as published (its mtp.* tensors), or another --draft"
 
@@ -132,13 +133,7 @@ def load_mtp(path: str | Path, shared: HeadInputs, target_vocab: int, device, dt
         raise ModelLoadError(f"{path}: an MoE MTP layer in a dense model", HINT)
     with torch.device("meta"):
         head = MtpHead(MtpArgs(args, moe), shared.embeddings, shared.lm_head, target_vocab)
-    expected = set(head.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{path}'s MTP layer is not one this version reads: missing {missing[:5]}, unexpected {unexpected[:5]}",
-            HINT,
-        )
+    check_state(head, state, f"{path}'s MTP layer is not one this version reads", HINT)
     head.load_state_dict(state, strict=True, assign=True)
     return head.requires_grad_(False).eval()
 

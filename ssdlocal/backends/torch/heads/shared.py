@@ -5,11 +5,12 @@ without attention: Qwen3.5's linear ones) shares no cache: no geometry, no reade
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
 from ssdlocal.backends.base import HeadInputs, LayerKV
+from ssdlocal.core.errors import ModelLoadError
 
 
 def shared_with_heads(model, args, dtype, rows: Callable[[], int]) -> HeadInputs:
@@ -39,3 +40,12 @@ def shared_with_heads(model, args, dtype, rows: Callable[[], int]) -> HeadInputs
         read_kv,
         model.lm_head,
     )
+
+
+def check_state(head, state: Mapping[str, object], what: str, hint: str, shared: tuple[str, ...] = ()) -> None:
+    """ModelLoadError naming what `state` lacks or has beyond `head`'s own tensors (those
+    starting with a `shared` prefix come from the target); `what`: "{path} is not X" words."""
+    expected = {k for k in head.state_dict() if not k.startswith(shared)} if shared else set(head.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(f"{what}: missing {missing[:5]}, unexpected {unexpected[:5]}", hint)
