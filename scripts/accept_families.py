@@ -107,24 +107,6 @@ def models(smoke: bool) -> list[tuple[str, type, object, int]]:
     ]
 
 
-def random_model(cls, args, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """`cls(args)` with random weights built on `device` (norms 1, the rest N(0, 0.02))."""
-    with torch.device("meta"):
-        model = cls(args).to(dtype)
-    model = model.to_empty(device=device)
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model.requires_grad_(False).eval()
-    return LoadedModel(model, None, args, None, Path(args.arch), device, dtype, ())
-
-
 def experts_read(runner, ids: torch.Tensor) -> list[int]:
     """Distinct experts each MoE layer's router picks in one eager step of `ids` [1, W]."""
     picked: list[int] = []
@@ -163,13 +145,13 @@ def step_bytes(loaded: LoadedModel, experts_per_layer: list[int], span: int) -> 
 
 def family_step_times(device: torch.device, bandwidth: float, graph_mode: str, results, smoke: bool) -> None:
     """One row per model and width: bytes read, the limit, eager and graph ms, exactness."""
-    from gpu_bench import prefilled, timed
+    from gpu_bench import prefilled, random_weights, timed
 
     dtype = torch.bfloat16
     repeats = 3 if smoke else 20
     rows = []
     for name, cls, args, prompt in models(smoke):
-        loaded = random_model(cls, args, device, dtype)
+        loaded = random_weights(cls, args, Path(args.arch), device, dtype)
         eager, graphs = prefilled(loaded, "off", prompt), prefilled(loaded, graph_mode, prompt)
         first = len(rows)
         for width in (1, K + 1):

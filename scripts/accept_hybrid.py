@@ -80,22 +80,6 @@ def hybrid_args(smoke: bool):
     return args_from_config(Qwen3_5TextConfig(**qwen3_5_fields(smoke)))
 
 
-def random_model(args, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """The model of `args` with random weights built on `device` (norms 1, the rest N(0, 0.02))."""
-    with torch.device("meta"):
-        model = build(args).to(dtype)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model.requires_grad_(False).eval()
-    return LoadedModel(model, None, args, None, Path(args.arch), device, dtype, ())
-
-
 def prefilled(loaded: LoadedModel, graphs: str, prompt: int) -> HybridRunner:
     runner = HybridRunner(loaded, graphs=graphs)
     runner.reset(1, prompt + 256)
@@ -163,12 +147,12 @@ def hybrid_step_times(device: torch.device, bandwidth: float, graph_mode: str, r
     """One row per width: bytes read and written, the limit, eager and graph ms, the states
     a verify keeps and their time, exactness of the captured step against eager."""
     from accept_families import with_graphs
-    from gpu_bench import timed
+    from gpu_bench import random_weights, timed
 
     args = hybrid_args(smoke)
     name = "tiny qwen3.5" if smoke else "qwen3.5-9b x8"
     prompt, repeats = (32 if smoke else 512), (3 if smoke else 20)
-    loaded = random_model(args, device, torch.bfloat16)
+    loaded = random_weights(build, args, Path(args.arch), device, torch.bfloat16)
     ids = {w: torch.randint(1, args.vocab_size, (1, w), generator=torch.Generator().manual_seed(w)) for w in (1, K + 1)}
     ids = {w: t.to(device) for w, t in ids.items()}  # [1, W] each: distinct tokens, as a verify scores
     measured: dict[tuple[str, int], tuple[torch.Tensor, float]] = {}

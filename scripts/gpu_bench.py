@@ -81,9 +81,14 @@ def model_args(name: str) -> LlamaArgs:
 
 def random_model(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """A Qwen2-shaped model of `name`'s size with random weights, built directly on `device`."""
-    args = model_args(name)
+    return random_weights(Llama, model_args(name), Path(name), device, dtype)
+
+
+def random_weights(build, args, path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """`build(args)` with random weights built on `device` (norms 1, the rest N(0, 0.02); a
+    tied head shares the embedding), as a LoadedModel named `path`."""
     with torch.device("meta"):
-        model = Llama(args).to(dtype)
+        model = build(args).to(dtype)
     model = model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -95,7 +100,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype) -> LoadedM
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.requires_grad_(False).eval()
-    return LoadedModel(model, None, args, None, Path(name), device, dtype, ())
+    return LoadedModel(model, None, args, None, path, device, dtype, ())
 
 
 def weight_bytes(loaded: LoadedModel) -> int:
