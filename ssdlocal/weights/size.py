@@ -30,7 +30,7 @@ from ssdlocal.core.quantization import (
 from ssdlocal.core.reads import experts_touched
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import find, for_gguf, unsupported
-from ssdlocal.weights.formats.checks import read_config_json
+from ssdlocal.weights.formats.checks import read_config_json, text_part
 from ssdlocal.weights.formats.checkpoint import config_dir, damaged_hint
 from ssdlocal.weights.formats.gguf import EXACT_INT4, GGUFHeader
 from ssdlocal.weights.formats.quantized import quant_info, resolve_scheme
@@ -52,7 +52,8 @@ class Shapes:
 
 
 def read_shapes(path: str | Path) -> Shapes:
-    """The tensors of a float checkpoint directory or a .gguf file (headers only)."""
+    """The tensors of a float checkpoint directory or a .gguf file (headers only); a
+    multimodal checkpoint's text model only (arch.Multimodal: its towers are never loaded)."""
     path = Path(path).expanduser()
     if path.is_file():
         header = GGUFHeader.read(path)
@@ -76,7 +77,7 @@ def read_shapes(path: str | Path) -> Shapes:
         with SafetensorsReader(file) as f:
             for name in f.keys():  # noqa: SIM118 - a reader, not a dict
                 tensors.update(described.checkpoint_shapes(name, f.shape(name)))  # packed ones as ours
-    return Shapes(described, tensors, None, _experts(*described.expert_counts(raw)))
+    return Shapes(described, tensors, None, _experts(*described.expert_counts(text_part(raw))))
 
 
 def _experts(routed: object, used: object) -> tuple[int, int] | None:
@@ -183,7 +184,7 @@ def parameters(path: str | Path) -> Parameters:
 def attention_heads(path: str | Path) -> tuple[int, int]:
     """(attention heads, key/value heads) of the model at `path`, from its config (a .gguf
     file's metadata directory): what tensor parallelism divides."""
-    raw = _config(config_dir(path))
+    raw = text_part(_config(config_dir(path)))  # a multimodal checkpoint's text model
     heads = raw.get("num_attention_heads")
     if not isinstance(heads, int) or heads < 1:
         from ssdlocal.core.errors import ModelLoadError

@@ -294,6 +294,7 @@ def eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
         except ValueError:
             log.warning("ignoring unreadable %s", gen)
     add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(getattr(hf_config, "text_config", None), "eos_token_id", None))  # a multimodal checkpoint's
     add(getattr(tokenizer, "eos_token_id", None))
     return tuple(found)
 

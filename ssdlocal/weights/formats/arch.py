@@ -16,7 +16,7 @@ one more entry in the table at the end, and no other module writes a file's tens
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -187,6 +187,54 @@ class TensorNames:
         return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + "(.+)")
 
 
+# Where a multimodal checkpoint keeps the text model's tensors, as the text-only checkpoint
+# names them: transformers 5 writes "model.language_model." (lm_head at the top); published
+# Gemma 3 checkpoints (and transformers 4) wrote "language_model.model." and
+# "language_model.lm_head." (transformers' conversion mapping reads both).
+LANGUAGE_MODEL_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """The multimodal checkpoints (images or audio, and text: transformers'
+    *ForConditionalGeneration) that hold an architecture's text model, which is all the
+    torch backend runs of them.
+
+    architectures / model_type: what their config.json names (the text model's config is
+    its `text_config`; `tie_word_embeddings` stays the top level's, as transformers ties the
+    whole model's head). towers: beginnings of the names of the image and audio encoders and
+    their projectors (after an optional "model."): never read, never counted.
+    media_only: text_config fields whose value acts on image or audio tokens only (Gemma 4's
+    `use_bidirectional_attention: "vision"`), which a text-only run never holds: read as unset.
+    unread: text_config fields the multimodal model ignores where the text-only one applies
+    them (transformers' Gemma3ForConditionalGeneration never soft-caps its logits): refused
+    by name when set, as two references disagree (published checkpoints leave them unset).
+    """
+
+    architectures: tuple[str, ...]
+    model_type: str
+    towers: tuple[str, ...]
+    media_only: Mapping[str, object] = field(default_factory=dict)
+    unread: tuple[str, ...] = ()
+
+    def claims(self, architectures: Iterable[str], model_type: object) -> bool:
+        """Whether a config.json naming `architectures` (or, naming none, `model_type`) is one of these."""
+        names = list(architectures)
+        return bool(set(names) & set(self.architectures)) if names else model_type == self.model_type
+
+    def text_name(self, name: str) -> str | None:
+        """The text-only checkpoint's name for tensor `name` of either layout (unchanged when
+        it already is one, or has no place in the text model); None for a tower's."""
+        for theirs, ours in LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(theirs):
+                return ours + name.removeprefix(theirs)
+        return None if name.removeprefix("model.").startswith(self.towers) else name
+
+
 @dataclass(frozen=True)
 class Linear:
     """One linear layer. split: how tensor parallelism divides it over the ranks:
@@ -262,6 +310,8 @@ class Architecture:
     gguf_config: GGUF metadata keys (after "{gguf_architecture}.") -> the config.json field
     each states, for the fields transformers' GGUF reader leaves out or reads otherwise
     (weights/formats/gguf_tensors.py applies them to a GGUF's config).
+    multimodal: the multimodal checkpoints holding this text model (None: there are none);
+    their tensor names are read beside the text-only ones (the two never collide).
     """
 
     name: str
@@ -283,6 +333,7 @@ class Architecture:
     family: str = "llama"
     per_head: tuple[str, ...] = ()
     gguf_config: Mapping[str, str] = field(default_factory=dict)
+    multimodal: Multimodal | None = None
 
     def __post_init__(self) -> None:
         for module, linear in self.linears.items():
@@ -329,11 +380,15 @@ class Architecture:
         return 1 + stacked if split == "row" and leaf != "bias" else None  # a row split's bias: whole
 
     def from_checkpoint(self, name: str, tied: bool = False) -> str | None:
-        """Our name for checkpoint tensor `name`; None for one nothing loads (ignored
-        ones, and a stored lm_head when the embeddings are tied). A name with no place in
+        """Our name for checkpoint tensor `name` (a multimodal checkpoint's text tensors
+        included); None for one nothing loads (ignored ones, image and audio towers, and a
+        stored lm_head when the embeddings are tied). A name with no place in
         our model comes back unchanged, for the loaders to report as unexpected."""
+        text = name if self.multimodal is None else self.multimodal.text_name(name)
+        if text is None:  # an image or audio tower's
+            return None
         try:
-            ours = self.checkpoint.ours(name)
+            ours = self.checkpoint.ours(text)
         except KeyError:
             return name
         return None if tied and ours == "lm_head.weight" else ours

@@ -20,6 +20,7 @@ from ssdlocal.weights.formats.arch import (
     MOE_MODULES,
     Architecture,
     Linear,
+    Multimodal,
     Packed,
     TensorNames,
 )
@@ -108,6 +109,7 @@ QWEN3_5 = Architecture(
     qk_norm=True,
     linears={**LLAMA_LINEARS, **_LINEAR_LINEARS},
     family="qwen3_5",
+    multimodal=Multimodal(("Qwen3_5ForConditionalGeneration",), "qwen3_5", towers=("visual.",)),
 )
 QWEN3_5_MOE = Architecture(
     "qwen3_5_moe",
@@ -126,6 +128,7 @@ QWEN3_5_MOE = Architecture(
     },
     experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
     family="qwen3_5_moe",
+    multimodal=Multimodal(("Qwen3_5MoeForConditionalGeneration",), "qwen3_5_moe", towers=("visual.",)),
 )
 
 # Gemma 3: four norms per layer (llama.cpp: attn_norm, post_attention_norm, ffn_norm,
@@ -151,6 +154,12 @@ GEMMA3 = Architecture(
     gguf_norm_shift=1.0,
     pair_family="gemma3",
     family="gemma3",
+    multimodal=Multimodal(
+        ("Gemma3ForConditionalGeneration",),
+        "gemma3",
+        towers=("vision_tower.", "multi_modal_projector."),
+        unread=("final_logit_softcapping",),
+    ),
 )
 
 # Gemma 4: Gemma 3's layer plus the per-layer input branch (gate, projection, norm) and a
@@ -204,6 +213,12 @@ GEMMA4 = Architecture(
     },
     pair_family="gemma4",
     family="gemma4",
+    multimodal=Multimodal(
+        ("Gemma4ForConditionalGeneration",),
+        "gemma4",
+        towers=("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio."),
+        media_only={"use_bidirectional_attention": "vision"},  # image tokens see each other; text is causal
+    ),
 )
 
 # gpt-oss: attention with biases and per-head sinks (`self_attn.sinks`), a router with a bias
@@ -283,13 +298,18 @@ def register(arch: Architecture) -> Architecture:
     """Add `arch` to the table. Its name, `architectures` entries and GGUF name must be
     new; a model_type may repeat (it only names checkpoints without `architectures`)."""
     for other in _TABLE.values():
-        clash = {other.name} & {arch.name} | set(other.hf_architectures) & set(arch.hf_architectures)
+        clash = {other.name} & {arch.name} | _claimed(other) & _claimed(arch)
         if arch.gguf_architecture and arch.gguf_architecture == other.gguf_architecture:
             clash.add(arch.gguf_architecture)
         if clash:
             raise ValueError(f"architecture {arch.name!r} claims {sorted(clash)}, which {other.name!r} has")
     _TABLE[arch.name] = arch
     return arch
+
+
+def _claimed(arch: Architecture) -> set[str]:
+    """The config.json `architectures` entries `arch` claims (its multimodal ones included)."""
+    return {*arch.hf_architectures, *(arch.multimodal.architectures if arch.multimodal else ())}
 
 
 def unregister(name: str) -> None:
@@ -313,11 +333,14 @@ def architecture(name: str) -> Architecture:
 
 def find(hf_architectures: Iterable[str] | None, model_type: str | None) -> Architecture | None:
     """The description a config.json names: by `architectures`, or by `model_type` when
-    it lists none; None when no description claims it."""
+    it lists none (a multimodal checkpoint's: the text model it holds); None when no
+    description claims it."""
     names = list(hf_architectures or [])
     found = next((a for n in names for a in _TABLE.values() if n in a.hf_architectures), None)
     if found is None and not names:
         found = next((a for a in _TABLE.values() if a.model_type == model_type), None)
+    if found is None:  # a multimodal checkpoint holding one of these text models
+        found = next((a for a in _TABLE.values() if a.multimodal and a.multimodal.claims(names, model_type)), None)
     return found
 
 
@@ -343,7 +366,11 @@ def for_gguf(gguf_architecture: object, file_name: str) -> Architecture:
 
 
 def unsupported(what: str) -> UnsupportedArchitectureError:
-    names = ", ".join(n for a in _TABLE.values() for n in a.hf_architectures)
+    names = ", ".join(
+        n
+        for a in _TABLE.values()
+        for n in (*a.hf_architectures, *(f"{m} (text)" for m in (a.multimodal.architectures if a.multimodal else ())))
+    )
     return UnsupportedArchitectureError(
         f"unsupported model: {what}",
         hint=f"ssdlocal's torch backend supports {names}; "

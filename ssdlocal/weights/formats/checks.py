@@ -82,9 +82,18 @@ def read_config_json(path: Path, hint: str) -> dict:
     return config
 
 
+def text_part(config: dict) -> dict:
+    """The part of config.json `config` that describes the text model: a multimodal
+    checkpoint's `text_config`, else the whole."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def check_config(config: dict, path: Path, hint: str) -> None:
     """The sizes transformers and the model would trip over (a string, a negative or zero
-    size, heads that do not divide), refused with the field's name."""
+    size, heads that do not divide), refused with the field's name (a multimodal
+    checkpoint's: its text model's)."""
+    config = text_part(config)
     for key in CONFIG_SIZES:
         value = config.get(key)
         if value is None and (key in OPTIONAL_SIZES or key not in config):

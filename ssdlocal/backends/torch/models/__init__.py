@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, causal_mask
+from ssdlocal.backends.torch.models.fields import text_config
 from ssdlocal.backends.torch.models.gemma3 import Gemma3, Gemma3Args
 from ssdlocal.backends.torch.models.gemma4 import Gemma4, Gemma4Args
 from ssdlocal.backends.torch.models.gpt_oss import GptOss, GptOssArgs
@@ -40,10 +41,11 @@ FAMILIES: dict[str, Family] = {
 
 
 def args_from_config(cfg) -> ModelArgs:
-    """The args of a transformers config: its architecture's family reads the fields it
-    implements and refuses, by name, one it does not (UnsupportedArchitectureError)."""
+    """The args of a transformers config (a multimodal checkpoint's: of its text model,
+    fields.text_config): its architecture's family reads the fields it implements and
+    refuses, by name, one it does not (UnsupportedArchitectureError)."""
     described = for_hf_config(cfg)
-    return FAMILIES[described.family].args.from_hf_config(cfg, described)  # type: ignore[attr-defined]
+    return FAMILIES[described.family].args.from_hf_config(text_config(cfg, described), described)  # type: ignore[attr-defined]
 
 
 def build(args: ModelArgs) -> CausalLM:

@@ -1,13 +1,38 @@
-"""How a family reads a transformers config: rotary parameters in either of transformers'
-layouts, the refusal, by name, of a field whose value a family does not implement, and the
-ModelArgs fields most families read alike.
+"""How a family reads a transformers config: the text model's config of a multimodal
+checkpoint, rotary parameters in either of transformers' layouts, the refusal, by name, of a
+field whose value a family does not implement, and the ModelArgs fields most families read
+alike.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
+from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import unsupported
+
+
+def text_config(cfg, described: Architecture):
+    """The config the family reads: `cfg` itself, or for a multimodal checkpoint of
+    `described` (its Multimodal claims the config) a copy of its `text_config` with the top
+    level's tie_word_embeddings (transformers ties the whole model's head by it) and the
+    fields that act on image or audio tokens only unset. Every other top-level field
+    (image and audio token ids, the towers' configs) leaves text untouched; a text field the
+    multimodal model ignores (Multimodal.unread) is refused by name when set."""
+    multimodal = described.multimodal
+    names, model_type = getattr(cfg, "architectures", None) or (), getattr(cfg, "model_type", None)
+    if multimodal is None or not multimodal.claims(names, model_type):
+        return cfg
+    if getattr(cfg, "text_config", None) is None:
+        raise unsupported(f"{', '.join(names) or model_type} without a text_config")
+    text = copy.copy(cfg.text_config)
+    refuse(f"{described.name} ({', '.join(names) or model_type})", text, **dict.fromkeys(multimodal.unread))
+    text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    for name, value in multimodal.media_only.items():
+        if getattr(text, name, None) == value:
+            setattr(text, name, None)
+    return text
 
 
 def read_rope(rope: dict | None, cfg, arch: str, supported: Sequence[str] = ("default", "llama3", "linear")):
