@@ -142,6 +142,9 @@ NEW_PAIRS = [
     ("gpt-oss-120b", "torch", "int4", 141.0, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
     ("gemma-3-27b", "llamacpp", "auto", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
     ("gemma-4-31b", "llamacpp", "auto", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    # the multimodal checkpoints' text models on the torch backend (54 and 61 GB in bf16)
+    ("gemma-3-27b", "torch", "none", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("gemma-4-31b", "torch", "none", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
 ]
 
 

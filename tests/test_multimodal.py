@@ -18,7 +18,7 @@ import pytest
 import torch
 from support.drafts import draft_of
 from support.tiny_models import build_tokenizer, make_draft_like
-from support.tiny_multimodal import MULTIMODAL, make_multimodal, other_layout
+from support.tiny_multimodal import MULTIMODAL, PUBLISHED, make_multimodal, other_layout, published_config
 
 from ssdlocal.backends.torch.loader import load_model
 from ssdlocal.backends.torch.models import causal_mask
@@ -256,3 +256,28 @@ def test_the_cli_generates_from_a_multimodal_checkpoint_with_its_chat_template(d
     )
     assert code == 0, err
     assert out.strip()
+
+
+@pytest.mark.parametrize("repo", PUBLISHED)
+def test_published_configs_build_exactly_the_text_tensors_of_the_multimodal_model(repo):
+    """The published configs (Gemma 3 27B, Gemma 4 31B and the E2B draft with its per-layer
+    embeddings and shared KV, Qwen3.5 27B) read, and our model built from them on the meta
+    device holds exactly the multimodal model's text tensors, name for name and shape for
+    shape (the towers' and, tied, the head's left out)."""
+    import transformers
+
+    from ssdlocal.backends.torch.models import args_from_config, build
+    from ssdlocal.weights.formats.archs import architecture
+
+    cfg = published_config(repo)
+    args = args_from_config(cfg)
+    described = architecture(args.arch)
+    with torch.device("meta"):
+        ours = build(args)
+        theirs = getattr(transformers, cfg.architectures[0])(cfg)
+    held = {}
+    for name, tensor in theirs.state_dict().items():
+        if (key := described.from_checkpoint(name, args.tie_word_embeddings)) is not None:
+            held[key] = tuple(tensor.shape)
+    tied = {"lm_head.weight"} if args.tie_word_embeddings else set()
+    assert {n: tuple(t.shape) for n, t in ours.state_dict().items() if n not in tied} == held

@@ -136,3 +136,130 @@ def _other_name(name: str) -> str:
         if name.startswith(old):
             return new + name.removeprefix(old)
     return "model." + name  # an older layout's tower
+
+
+# The text_config of published multimodal checkpoints (their config.json, as public copies
+# quote it; the towers' configs left at transformers' defaults: nothing of them is read)
+_GEMMA4_ROPE = {
+    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+}
+PUBLISHED = {
+    "google/gemma-3-27b-it": (
+        "Gemma3ForConditionalGeneration",
+        dict(
+            model_type="gemma3_text",
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+            sliding_window=1024,
+            sliding_window_pattern=6,
+            rope_scaling={"factor": 8.0, "rope_type": "linear"},
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            vocab_size=262208,
+            max_position_embeddings=131072,
+        ),
+    ),
+    "google/gemma-4-31B-it": (
+        "Gemma4ForConditionalGeneration",
+        dict(
+            model_type="gemma4_text",
+            attention_k_eq_v=True,
+            enable_moe_block=False,
+            final_logit_softcapping=30.0,
+            global_head_dim=512,
+            head_dim=256,
+            hidden_size=5376,
+            hidden_size_per_layer_input=0,
+            intermediate_size=21504,
+            layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+            max_position_embeddings=262144,
+            num_attention_heads=32,
+            num_global_key_value_heads=4,
+            num_hidden_layers=60,
+            num_key_value_heads=16,
+            num_kv_shared_layers=0,
+            rope_parameters=_GEMMA4_ROPE,
+            sliding_window=1024,
+            tie_word_embeddings=True,
+            use_bidirectional_attention="vision",
+            use_double_wide_mlp=False,
+            vocab_size=262144,
+        ),
+    ),
+    "google/gemma-4-E2B-it": (
+        "Gemma4ForConditionalGeneration",
+        dict(
+            model_type="gemma4_text",
+            attention_k_eq_v=False,
+            enable_moe_block=False,
+            final_logit_softcapping=30.0,
+            global_head_dim=512,
+            head_dim=256,
+            hidden_size=1536,
+            hidden_size_per_layer_input=256,
+            intermediate_size=6144,
+            layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+            max_position_embeddings=131072,
+            num_attention_heads=8,
+            num_hidden_layers=35,
+            num_key_value_heads=1,
+            num_kv_shared_layers=20,
+            rope_parameters=_GEMMA4_ROPE,
+            sliding_window=512,
+            tie_word_embeddings=True,
+            use_double_wide_mlp=True,
+            vocab_size=262144,
+            vocab_size_per_layer_input=262144,
+        ),
+    ),
+    "Qwen/Qwen3.5-27B": (
+        "Qwen3_5ForConditionalGeneration",
+        dict(
+            model_type="qwen3_5_text",
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=64,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=262144,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_interleaved": True,
+                "mrope_section": [11, 11, 10],
+            },
+            tie_word_embeddings=False,
+            vocab_size=248320,
+        ),
+    ),
+}
+
+
+def published_config(repo: str):
+    """transformers' config of published multimodal checkpoint `repo` (PUBLISHED), as
+    config.json would load it (its architecture named, the top level's tie_word_embeddings
+    the text config's)."""
+    import transformers
+
+    architecture, text = PUBLISHED[repo]
+    if text.get("layer_types") and len(text["layer_types"]) < text["num_hidden_layers"]:  # one period of the pattern
+        text = {**text, "layer_types": text["layer_types"] * (text["num_hidden_layers"] // len(text["layer_types"]))}
+    config_class = getattr(transformers, architecture).config_class
+    raw = config_class(text_config=text, tie_word_embeddings=text.get("tie_word_embeddings", True)).to_dict()
+    return config_class.from_dict({**raw, "architectures": [architecture]})
