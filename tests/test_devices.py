@@ -145,6 +145,7 @@ NEW_PAIRS = [
     # the multimodal checkpoints' text models on the torch backend (54 and 61 GB in bf16)
     ("gemma-3-27b", "torch", "none", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
     ("gemma-4-31b", "torch", "none", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
+    ("qwen3.5-27b", "torch", "none", H100, ["TP1/cpu", "TP1/cuda:1", "TP2/cuda:2", "TP4/cuda:4"]),
 ]
 
 

@@ -232,17 +232,50 @@ def test_the_mtp_layer_of_a_multimodal_qwen3_5_drafts_sd_equal_to_ar(dirs, tmp_p
     assert done.stats.acceptance_rate is not None
 
 
-def test_gemma4s_assistant_drafts_for_a_multimodal_target_sd_equal_to_ar(dirs, tmp_path):
+ASSISTANT_PAIR = """name = "tiny-gemma4-assistant"
+source = "local"
+family = "gemma4"
+[target]
+path = "{target}"
+bf16_gb = 0.01
+[draft]
+head = "gemma4_assistant"
+path = "{head}"
+bf16_gb = 0.002
+[torch]
+allow_patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+"""
+
+
+def test_a_head_pair_of_a_multimodal_gemma4_and_its_assistant_drafts_sd_equal_to_ar(
+    dirs, tmp_path, monkeypatch, capsys
+):
+    """A pair file like gemma-4-31b-assistant's (a multimodal target, its assistant as the
+    draft head): the engine takes the head, greedy SD gives AR's tokens, `check` agrees."""
+    from support.cli import run_cli
     from support.tiny_heads import make_gemma4_assistant
+
+    from ssdlocal.cli.options import ModelOptions, SpecOptions
+    from ssdlocal.cli.resolve import engine_config
 
     assistant = make_gemma4_assistant(tmp_path / "assistant", dirs["gemma4"]["text"])
     target = dirs["gemma4"]["saved"]
-    head = SpecConfig(mode=Mode.SD, k=3, draft=HeadDraft(str(assistant), "gemma4_assistant"))
+    pair_file = tmp_path / "tiny-gemma4-assistant.toml"
+    pair_file.write_text(ASSISTANT_PAIR.format(target=target, head=assistant))
+    monkeypatch.setenv("SSDLOCAL_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("SSDLOCAL_PAIRS_PATH", str(pair_file))
+    config = engine_config(ModelOptions(pair="tiny-gemma4-assistant", dtype="float32"), SpecOptions())
+    assert config.spec.draft == HeadDraft(str(assistant), "gemma4_assistant")
+    head = SpecConfig(mode=Mode.SD, k=3, draft=config.spec.draft)
     with Engine(EngineConfig(target=ModelSpec(str(target), dtype="float32"), pin_cpus=False)) as engine:
         ar = _tokens(engine, SpecConfig(mode=Mode.AR))
         done = [e for e in engine.generate(PROMPTS, GREEDY, spec=head) if isinstance(e, DoneEvent)][0]
     assert [o.token_ids for o in done.outputs] == ar
     assert done.stats.acceptance_rate is not None
+    args = ("--pair", "tiny-gemma4-assistant", "--dtype", "float32", "--max-new-tokens", "8")
+    code, out, err = run_cli(monkeypatch, capsys, "check", *args)
+    assert code == 0, err
+    assert "SD reproduces AR" in out
 
 
 def test_the_cli_generates_from_a_multimodal_checkpoint_with_its_chat_template(dirs, monkeypatch, capsys):

@@ -36,11 +36,17 @@ REQUIRED = {
     "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-0.6B"),
     "gemma-3-27b": ("google/gemma-3-27b-it", "google/gemma-3-1b-it"),
     "gemma-4-31b": ("google/gemma-4-31B-it", "google/gemma-4-E2B-it"),
+    "qwen3.5-27b": ("Qwen/Qwen3.5-27B", "Qwen/Qwen3.5-0.8B"),
     # draft heads: (target, head)
     "llama-3.1-8b-eagle3": ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
     "qwen3-8b-dflash": ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
+    "gemma-4-31b-assistant": ("google/gemma-4-31B-it", "google/gemma-4-31B-it-assistant"),
 }
-HEAD_PAIRS = {"llama-3.1-8b-eagle3": "eagle3", "qwen3-8b-dflash": "dflash"}
+HEAD_PAIRS = {
+    "llama-3.1-8b-eagle3": "eagle3",
+    "qwen3-8b-dflash": "dflash",
+    "gemma-4-31b-assistant": "gemma4_assistant",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -69,16 +75,12 @@ def test_builtin_registry_is_complete():
 
 def test_every_architecture_names_a_family_of_the_registry():
     """A checkpoint's architecture leads to its registry family (the pair hint, pull's
-    drafts): every family the torch backend computes has pairs under that name, except the
-    ones with no published pair yet (said here, so a new one is a decision)."""
+    drafts): every family the torch backend computes has pairs under that name."""
     from ssdlocal.weights.formats.archs import architectures
 
-    no_pairs_yet = {"qwen3_5", "qwen3_5_moe"}  # Qwen3.5: hybrid models, no registry pair written
     families = {pair.family for pair in load_pairs().values()}
     for arch in architectures():
-        if arch.name not in no_pairs_yet:
-            assert (arch.pair_family or arch.model_type) in families, arch.name
-    assert no_pairs_yet <= {arch.name for arch in architectures()}
+        assert (arch.pair_family or arch.model_type) in families, arch.name
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "models" / "pairs").glob("*.toml")), ids=lambda p: p.stem)

@@ -248,6 +248,34 @@ PUBLISHED = {
             vocab_size=248320,
         ),
     ),
+    "Qwen/Qwen3.5-0.8B": (
+        "Qwen3_5ForConditionalGeneration",
+        dict(
+            model_type="qwen3_5_text",
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=262144,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_interleaved": True,
+                "mrope_section": [11, 11, 10],
+            },
+            tie_word_embeddings=True,
+            vocab_size=248320,
+        ),
+    ),
 }
 
 

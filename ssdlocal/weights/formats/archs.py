@@ -108,6 +108,7 @@ QWEN3_5 = Architecture(
     checkpoint=HF_NAMES.extended(_QWEN3_5_MODULES, skipped=("mtp.",)),
     qk_norm=True,
     linears={**LLAMA_LINEARS, **_LINEAR_LINEARS},
+    pair_family="qwen3.5",
     family="qwen3_5",
     multimodal=Multimodal(("Qwen3_5ForConditionalGeneration",), "qwen3_5", towers=("visual.",)),
 )
@@ -127,6 +128,7 @@ QWEN3_5_MOE = Architecture(
         "mlp.shared_expert_gate": Linear("replicated", quantized=False),
     },
     experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    pair_family="qwen3.5",
     family="qwen3_5_moe",
     multimodal=Multimodal(("Qwen3_5MoeForConditionalGeneration",), "qwen3_5_moe", towers=("visual.",)),
 )
@@ -386,6 +388,7 @@ FAMILY_SIZES = {
     "qwen3": (0.6, 1.7, 4.0),
     "llama3": (1.0, 3.0),
     "gemma3": (0.27, 1.0),
+    "qwen3.5": (0.8, 2.0, 4.0, 9.0),
     "gpt-oss": (20.0,),  # gpt-oss-20b: the draft of gpt-oss-120b
 }
 
