@@ -39,6 +39,7 @@ from ssdlocal.backends.torch.runner import TorchRunner  # noqa: E402
 from ssdlocal.core.config import SamplingParams  # noqa: E402
 from ssdlocal.core.verify import verify_logits  # noqa: E402
 from ssdlocal.draft.base import RoundOutcome  # noqa: E402
+from ssdlocal.draft.decode import Drafting  # noqa: E402
 from ssdlocal.draft.sync import ModelDrafter  # noqa: E402
 
 K = 4
@@ -200,7 +201,7 @@ def sd_round_ms(target: LoadedModel, draft: LoadedModel, graph_mode: str, rounds
     params = SamplingParams(max_new_tokens=rounds * (K + 1) + 8)
     t_runner = prefilled(target, graph_mode, prompt)
     d_runner = TorchRunner(draft, graphs=graph_mode)
-    drafter = ModelDrafter(d_runner, K, params, target.args.vocab_size, target.device)
+    drafter = ModelDrafter(Drafting(d_runner, K, params, target.args.vocab_size), target.device)
     row = SimpleNamespace(tokens=list(range(1, prompt + 2)))  # what a drafter reads of a row
     row.length = len(row.tokens)
     row.tail = lambda start: row.tokens[start:]

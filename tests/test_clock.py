@@ -19,6 +19,7 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.sequence import Row
 from ssdlocal.draft.adaptive import AdaptiveDrafter
+from ssdlocal.draft.decode import Drafting
 from ssdlocal.draft.sync import ModelDrafter
 from ssdlocal.engine import round as round_mod
 from ssdlocal.engine.prefill import read_prompts
@@ -88,7 +89,7 @@ def test_the_cost_model_learns_the_device_seconds_not_the_host_clock(device):
     draft.step = device.costing(draft.step, DRAFT_MS)
     prompts, budget = [[1, 2, 3], [4, 5]], 13
     target.reset(2, 40)
-    model = ModelDrafter(draft, K, GREEDY, V, "cpu")
+    model = ModelDrafter(Drafting(draft, K, GREEDY, V), "cpu")
     model.reserve(2, 40)
     costs = CostModel()
     drafter = AdaptiveDrafter(model, None, k=K, pinned=True, params=GREEDY, costs=costs, target_vocab=V, device="cpu")

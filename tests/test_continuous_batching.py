@@ -343,20 +343,14 @@ def test_a_draft_model_draws_each_row_from_its_own_warp():
     from support.stats import assert_distribution
 
     from ssdlocal.core.sampling import logits_to_probs
-    from ssdlocal.draft.decode import DraftDecoder
+    from ssdlocal.draft.decode import DraftDecoder, Drafting
 
     settings = [greedy(4), SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_k=3)]
     per = 1500
     row_params = [p for p in settings for _ in range(per)]
     logits = torch.tensor([1.0, 0.5, 2.0, -1.0, 0.0, 1.5, 0.2, -0.5])
-    decoder = DraftDecoder(
-        SimpleNamespace(device=torch.device("cpu")),
-        1,
-        settings[1],
-        8,
-        torch.Generator().manual_seed(3),
-        row_params=row_params,
-    )
+    drafting = Drafting(SimpleNamespace(device=torch.device("cpu")), 1, settings[1], 8, row_params)
+    decoder = DraftDecoder(drafting, torch.Generator().manual_seed(3))
     drafted = decoder.decode(logits.expand(len(row_params), 8).clone(), bound=0)
     for i, params in enumerate(settings):
         rows = slice(i * per, (i + 1) * per)

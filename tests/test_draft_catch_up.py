@@ -12,6 +12,7 @@ from ssdlocal.backends import registry
 from ssdlocal.backends.base import Logits
 from ssdlocal.backends.torch.runner import TorchRunner
 from ssdlocal.core.config import ModelSpec, SamplingParams
+from ssdlocal.draft.decode import Drafting
 from ssdlocal.draft.sync import CATCH_UP, ModelDrafter
 from support.drafts import row_views
 
@@ -29,7 +30,7 @@ def _drafts(loaded, graphs: str, sequences, cached) -> list[list[int]]:
     """K drafts per row after the draft catches up from `cached` tokens per row."""
     runner = TorchRunner(loaded, graphs=graphs)
     vocab = loaded.args.vocab_size
-    drafter = ModelDrafter(runner, K, GREEDY, vocab, "cpu")
+    drafter = ModelDrafter(Drafting(runner, K, GREEDY, vocab), "cpu")
     rows = row_views(*sequences)
     drafter.start(rows)
     runner.reset(len(rows), max(map(len, sequences)) + K + CATCH_UP + 8)

@@ -12,6 +12,7 @@ from ssdlocal.core.cancel import CancelToken
 from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.models import NgramDraft
 from ssdlocal.core.sequence import Row
+from ssdlocal.draft.decode import Drafting
 from ssdlocal.draft.sync import CATCH_UP, ModelDrafter, NgramDrafter
 from ssdlocal.engine.prefill import read_prompts
 from ssdlocal.engine.round import Round
@@ -43,7 +44,7 @@ def sd_call(prompts, budgets, k):
     target = ScriptedRunner(follow(target_next, V), V)
     target.reset(len(prompts), slots)
     draft = ScriptedRunner(follow(draft_next, V), V)
-    drafter = ModelDrafter(draft, k, GREEDY, V, "cpu")
+    drafter = ModelDrafter(Drafting(draft, k, GREEDY, V), "cpu")
     drafter.reserve(len(prompts), slots)
     rows = [Row(list(p), GREEDY, frozenset(), Names(), budget=n) for p, n in zip(prompts, budgets)]
     seating = seating_of(target, rows, sampling_of(GREEDY, len(rows)), drafter, k)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from support.cli import assert_clean_error, run_cli
 
-from ssdlocal.bench.export import Engine, Sourced, destination, export_settings, measured_k
+from ssdlocal.bench.export import Engine, ExportRequest, Sourced, destination, export_settings, measured_k
 from ssdlocal.bench.export_engines import export
 from ssdlocal.core.errors import UsageError
 from ssdlocal.placement.inventory import DeviceInventory
@@ -66,8 +66,17 @@ TWO_GPUS = destination(2, 24.0, CPU_ONLY)
 FILES = ("/models/t.gguf", "/models/d.gguf")
 
 
-def settings(engine: Engine, inventory=TWO_GPUS, k: int = 4, pair: str = OFFLINE_PAIR, **kw):
-    return export_settings(engine, get_pair(pair), inventory, k=Sourced(k, "given"), **kw)
+def settings(
+    engine: Engine,
+    inventory=TWO_GPUS,
+    k: int = 4,
+    pair: str = OFFLINE_PAIR,
+    gguf_files=None,
+    contexts=(None, None),
+    **asked,
+):
+    request = ExportRequest(Sourced(k, "given"), **asked)
+    return export_settings(engine, get_pair(pair), inventory, request, gguf_files, contexts)
 
 
 def options_of(argv: tuple[str, ...], program: tuple[str, ...]) -> dict[str, str]:

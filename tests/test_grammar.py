@@ -126,6 +126,7 @@ def test_draft_masks_are_the_masks_verification_reuses(compiler, tokenizer):
 def test_the_model_drafter_drafts_what_the_grammar_allows(tiny_dir, compiler, tokenizer):
     from ssdlocal.backends import registry
     from ssdlocal.core.config import ModelSpec, SamplingParams
+    from ssdlocal.draft.decode import Drafting
     from ssdlocal.draft.sync import ModelDrafter
     from support.drafts import row_views
 
@@ -133,7 +134,7 @@ def test_the_model_drafter_drafts_what_the_grammar_allows(tiny_dir, compiler, to
     grammar = compiler.regex("[0-9]{1,9}")
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)):
         guides = Guides([grammar, None], 384, [0])
-        drafter = ModelDrafter(runner, 4, params, 384, "cpu", guides=guides)
+        drafter = ModelDrafter(Drafting(runner, 4, params, 384), "cpu", guides=guides)
         drafter.reserve(2, 64)
         drafter.start(row_views(ids(tokenizer, "the cat 1"), ids(tokenizer, "the cat 2")))
         proposal = drafter.propose([True, True])

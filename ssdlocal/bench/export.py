@@ -50,6 +50,20 @@ class Sourced:
 
 
 @dataclass(frozen=True)
+class ExportRequest:
+    """What was asked of an export besides the engine and the pair: K (and where it came
+    from), and where given the context, the tensor-parallel size and the name clients send
+    (None: the models' own, the placement plan's, the pair's), and the engine's address."""
+
+    k: Sourced  # int
+    context: int | None = None
+    tensor_parallel: int | None = None
+    served_name: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+
+
+@dataclass(frozen=True)
 class ExportSettings:
     """What the exported command serves, resolved for one engine."""
 
@@ -156,19 +170,14 @@ def export_settings(
     engine: Engine,
     pair: Pair,
     inventory: DeviceInventory,
-    *,
-    k: Sourced,
+    asked: ExportRequest,
     gguf_files: tuple[str, str] | None = None,
     contexts: tuple[int | None, int | None] = (None, None),
-    context: int | None = None,
-    tensor_parallel: int | None = None,
-    served_name: str | None = None,
-    host: str = DEFAULT_HOST,
-    port: int = DEFAULT_PORT,
 ) -> ExportSettings:
     """The settings for `engine`. `gguf_files`: the pair's GGUF files on this machine (None:
     not fetched); `contexts`: the target's and draft's own contexts where known (their GGUF
-    headers); `context` / `tensor_parallel` override what those and the plan give."""
+    headers); the context and tensor-parallel size `asked` override what those and the plan give."""
+    k, context, tensor_parallel = asked.k, asked.context, asked.tensor_parallel
     if not 1 <= int(k.value) <= 64:
         raise UsageError(f"K must be in 1..64, got {k.value}", "e.g. --k 4")
     if pair.draft_head is not None and engine.runs_gguf:
@@ -219,9 +228,9 @@ def export_settings(
         ctx,
         plan,
         (pair.target.layers, pair.draft.layers),
-        served_name or pair.name,
-        host,
-        port,
+        asked.served_name or pair.name,
+        asked.host,
+        asked.port,
         pair.draft_head,
     )
 

@@ -18,6 +18,7 @@ from ssdlocal.bench.exactness import check_exactness, logit_margin
 from ssdlocal.bench.measure import Measurement, from_engine_events
 from ssdlocal.bench.peers import KNOWN_PEERS, PeerOptions, PeerSkipped, make_peers
 from ssdlocal.bench.prompts import BenchPrompt
+from ssdlocal.core.choice import Choice
 from ssdlocal.core.config import ADAPTIVE_K_MAX, EngineConfig, Mode, SamplingParams, SpecConfig, SuffixDraft
 from ssdlocal.core.errors import UsageError
 from ssdlocal.engine.prompts import encode_messages
@@ -26,14 +27,33 @@ from ssdlocal.speculation.suffix import SuffixMemory
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int, str], None]
-MODES = ("ar", "sd", "ssd", "suffix", "auto")  # auto: the engine's own choice, as `generate` runs
+
+
+class System(Choice):
+    """One of our systems (`--modes`): a decoding mode, SUFFIX (SD with the suffix drafter,
+    K chosen per round) or AUTO (the engine's own choice, as `generate` runs)."""
+
+    AR = "ar"
+    SD = "sd"
+    SSD = "ssd"
+    SUFFIX = "suffix"
+    AUTO = "auto"
+
+    @property
+    def needs_draft(self) -> bool:
+        """Whether it drafts with the configured draft (SD, SSD)."""
+        return self in (System.SD, System.SSD)
+
+
+MODES = System.choices()
 
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What the benchmark runs besides the engine config and sampling parameters."""
+    """What the benchmark runs besides the engine config and sampling parameters (`modes`:
+    the words are parsed into Systems)."""
 
-    modes: tuple[str, ...] = MODES
+    modes: tuple[System, ...] = tuple(System)
     peers: tuple[str, ...] = ()
     batch_size: int = 1
     repeats: int = 1
@@ -46,6 +66,7 @@ class BenchSettings:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes or len(set(self.modes)) != len(self.modes):
             raise UsageError(f"bad --modes {','.join(self.modes)!r}", f"a comma list of distinct {', '.join(MODES)}")
+        object.__setattr__(self, "modes", tuple(System(m) for m in self.modes))
         bad = [p for p in self.peers if p not in KNOWN_PEERS]
         if bad:
             raise UsageError(f"unknown peer {bad[0]!r}", f"choose from: {', '.join(KNOWN_PEERS)}")
@@ -55,15 +76,15 @@ class BenchSettings:
 
     @property
     def needs_draft(self) -> bool:
-        return any(m in ("sd", "ssd") for m in self.modes) or "hf-assisted" in self.peers
+        return any(m.needs_draft for m in self.modes) or "hf-assisted" in self.peers
 
 
-def mode_spec(base: SpecConfig, mode: str) -> SpecConfig:
-    """The engine's speculation settings for one of our systems: AR drafts nothing; "suffix"
-    is SD with the suffix drafter and K chosen per round; "auto" is the configured spec."""
-    if mode == "ar":
+def mode_spec(base: SpecConfig, mode: System) -> SpecConfig:
+    """The engine's speculation settings for one of our systems: AR drafts nothing; SUFFIX
+    is SD with the suffix drafter and K chosen per round; AUTO is the configured spec."""
+    if mode is System.AR:
         return SpecConfig(mode=Mode.AR, k=base.k)
-    if mode == "suffix":
+    if mode is System.SUFFIX:
         return replace(
             base,
             mode=Mode.SD,
@@ -73,9 +94,9 @@ def mode_spec(base: SpecConfig, mode: str) -> SpecConfig:
             fan_out=None,
             fan_out_miss=None,
         )
-    if mode == "auto":
+    if mode is System.AUTO:
         return base
-    return replace(base, mode=Mode(mode))
+    return replace(base, mode=Mode(mode.value))
 
 
 @dataclass
@@ -148,11 +169,11 @@ def run_bench(
                 )
             memories = Memories(engine)
             systems = _systems(engine, config.spec, settings, peers, memories)
-            if "ssd" in systems and not config.spec.draft.ssd:  # a draft head: SD only, as race leaves SSD out
-                del systems["ssd"]
-                run.skipped["ssd"] = f"skipped: {config.spec.draft.label} drafts between verifications (SD only)"
+            if System.SSD in systems and not config.spec.draft.ssd:  # a draft head: SD only, as race leaves SSD out
+                del systems[System.SSD]
+                run.skipped[System.SSD] = f"skipped: {config.spec.draft.label} drafts between verifications (SD only)"
             _measure_all(run, systems, ids, batches, note, memories)
-            if params.greedy and "ar" in run.systems:
+            if params.greedy and System.AR in run.systems:
                 note("exactness", 0, 1, "checking exactness against AR")
                 margin_fn = lambda prompt, prefix, toks: logit_margin(
                     engine.runner, prompt, prefix, toks, engine.target.dtype
@@ -224,7 +245,7 @@ def _systems(engine, base: SpecConfig, settings: BenchSettings, peers: list, mem
     systems: dict[str, Callable] = {}
     for mode in settings.modes:
         spec = mode_spec(base, mode)
-        k = 0 if mode == "ar" else spec.k
+        k = 0 if mode is System.AR else spec.k
 
         def run_mode(batch, params, fresh=True, _mode=mode, _spec=spec, _k=k) -> Measurement:
             memories.use(_mode)

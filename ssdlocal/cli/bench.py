@@ -110,7 +110,7 @@ def bench(
     """Benchmark AR, SD, SSD, the suffix drafter and the default (and peers) on the same prompts;
     write JSON, Markdown and a plot. --workload concurrent: clients at once against servers."""
     from ssdlocal.bench.prompts import load_prompts, select
-    from ssdlocal.bench.run import BenchSettings
+    from ssdlocal.bench.run import BenchSettings, System
 
     if workload not in WORKLOADS:
         raise UsageError(f"unknown --workload {workload!r}", f"choose from: {', '.join(WORKLOADS)}")
@@ -156,9 +156,9 @@ def bench(
     params = sampling.params()
     # the engine's configured mode: --mode itself for the "auto" system (what generate runs),
     # else the first of sd / ssd, which loads what that mode needs up front
-    speculative = [m for m in settings.modes if m in ("sd", "ssd")]
-    if "auto" not in settings.modes:
-        spec = replace(spec, mode=speculative[0] if speculative else "ar")
+    speculative = [m for m in settings.modes if m.needs_draft]
+    if System.AUTO not in settings.modes:
+        spec = replace(spec, mode=(speculative[0] if speculative else System.AR).value)
     chosen = select(load_prompts(prompts), limit)
     why = "--target needs --draft for SD, SSD and hf-assisted" if settings.needs_draft else None
     config = engine_config(models, spec, need_draft=why)

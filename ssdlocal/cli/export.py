@@ -50,7 +50,15 @@ def export(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Print the command (and config file) that serves the pair on vLLM, SGLang or llama-server."""
-    from ssdlocal.bench.export import Engine, Sourced, destination, export_settings, measured_k, read_bench
+    from ssdlocal.bench.export import (
+        Engine,
+        ExportRequest,
+        Sourced,
+        destination,
+        export_settings,
+        measured_k,
+        read_bench,
+    )
     from ssdlocal.bench.export_engines import export as build
     from ssdlocal.core.errors import UsageError
     from ssdlocal.placement.inventory import detect
@@ -68,19 +76,8 @@ def export(
     else:
         chosen = Sourced(found.suggested_k, f"the pair's suggested K ({found.file.name if found.file else found.name})")
     gguf = _gguf_files(found)
-    settings = export_settings(
-        engine,
-        found,
-        destination(gpus, gpu_memory, detect()),
-        k=chosen,
-        gguf_files=gguf,
-        contexts=_contexts(gguf),
-        context=context,
-        tensor_parallel=tensor_parallel,
-        served_name=served_model_name,
-        host=host,
-        port=port,
-    )
+    asked = ExportRequest(chosen, context, tensor_parallel, served_model_name, host, port)
+    settings = export_settings(engine, found, destination(gpus, gpu_memory, detect()), asked, gguf, _contexts(gguf))
     result = build(settings)
     if write_config is not None:
         if result.config_name is None:

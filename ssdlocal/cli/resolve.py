@@ -79,10 +79,8 @@ def engine_config(
     tp_devices, draft_device = _devices(models, tp_devices, auto_place, target, draft, backends, quants, head)
     model = lambda path: ModelSpec(path, draft_device, models.dtype, backends[1], quants[1])  # noqa: E731
     draft_kind = parse_draft(draft, model, SuffixDraft() if spec_opts.suffix else None, target=target, head=head)
-    if isinstance(draft_kind, HeadDraft) and spec_opts.k is None:  # a block drafter: K = its block's drafts
-        options["k"] = head_most_drafts(draft_kind.path, draft_kind.head) or options["k"]
-        if draft_kind.head == MTP_WORD:
-            options["k"] = MTP_K
+    if isinstance(draft_kind, HeadDraft) and spec_opts.k is None:
+        options["k"] = head_k(draft_kind) or options["k"]
     _say_note(choice.note)  # once the models are there: an error before it needs no backend note
     return EngineConfig(
         target=ModelSpec(target, tp_devices[0], models.dtype, backends[0], quants[0], models.batch_invariant),
@@ -151,6 +149,12 @@ NO_FILE_WORDS = {*DRAFT_WORDS, MTP_WORD}
 # K of `--draft mtp` unless --k says: the layer is trained one token ahead and reused on its
 # own output for the later drafts, so its acceptance falls with depth
 MTP_K = 3
+
+
+def head_k(head: HeadDraft) -> int | None:
+    """K of a draft head when --k does not say: the MTP layer's MTP_K, a block drafter's most
+    drafts a round (its block's); None for the others (K as for any draft)."""
+    return MTP_K if head.head == MTP_WORD else head_most_drafts(head.path, head.head)
 
 
 def parse_draft(

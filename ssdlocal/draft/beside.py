@@ -7,35 +7,27 @@ drafts are made (a head's own steps, one block forward) is the subclass's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ssdlocal.backends.base import HiddenLayers
-from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.draft.base import DrafterBase, Proposal, RowView
-from ssdlocal.draft.decode import DraftDecoder, Drafted
+from ssdlocal.draft.decode import DraftDecoder, Drafted, Drafting
 
 
 class BesideDrafter(DrafterBase):
     """A drafter whose runner (backends.registry.load_head) reads the target's `hidden` layers."""
 
-    def __init__(
-        self,
-        runner,
-        k: int,
-        params: SamplingParams,
-        target_vocab: int,
-        device,
-        audit: Audit | None = None,
-        row_params: Sequence[SamplingParams] = (),
-    ) -> None:
-        self.runner = runner  # the backend's head or block runner (backends.registry.load_head)
+    def __init__(self, drafting: Drafting, device, audit: Audit | None = None) -> None:
+        runner = drafting.runner  # the backend's head or block runner (backends.registry.load_head)
+        self.runner: Any = runner
         self.hidden = self.layers_read(runner)
-        self.k, self.params, self.device = k, params, device
+        self.k, self.params, self.device = drafting.k, drafting.params, device
         self.site = (audit or Audit()).site("draft")
-        generator = torch.Generator(device=runner.device).manual_seed(params.stream_seed(104729))
-        self.decoder = DraftDecoder(runner, k, params, target_vocab, generator, row_params=row_params)
+        generator = torch.Generator(device=runner.device).manual_seed(self.params.stream_seed(104729))
+        self.decoder = DraftDecoder(drafting, generator)
         self.rows: Sequence[RowView] = ()
         self.num_slots = 0
 

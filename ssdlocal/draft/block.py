@@ -28,6 +28,7 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.draft.base import DraftResources, PromptHidden, Proposal, RoundOutcome, RowView
 from ssdlocal.backends.base import HiddenLayers
 from ssdlocal.draft.beside import BesideDrafter
+from ssdlocal.draft.decode import Drafting
 
 
 class BlockDrafter(BesideDrafter):
@@ -91,6 +92,8 @@ def build_block(spec, params: SamplingParams, res: DraftResources) -> BlockDraft
             f"this DFlash drafter (block size {runner.block_size}) drafts at most {most} tokens a round, not {spec.k}",
             f"use --k {most} or less (or leave --k out: K is then {most})",
         )
-    drafter = BlockDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
+    drafter = BlockDrafter(
+        Drafting(runner, spec.k, params, res.target_vocab, res.row_params), res.target_device, res.audit
+    )
     drafter.reserve(res.batch, res.num_slots)
     return drafter

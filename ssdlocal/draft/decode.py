@@ -46,36 +46,43 @@ def align_vocab(logits: Tensor, vocab_size: int) -> Tensor:
     return torch.cat([logits, pad], dim=-1)  # [..., V]
 
 
+@dataclass(frozen=True)
+class Drafting:
+    """What K-step drafting draws with, for the decoder and every drafter built on it: the
+    draft's runner, K (the most drafts a round asks for), the sampling settings and the
+    target's vocabulary size (drafts' q are over it). `row_params` (default: `params` for
+    every row): each row's sampling settings, so a batch whose rows sample differently
+    draws each row from its own warp."""
+
+    runner: Runner
+    k: int
+    params: SamplingParams
+    target_vocab: int
+    row_params: Sequence[SamplingParams] = ()
+
+
 class DraftDecoder:
-    """Draws K tokens per row with a draft Runner in step mode.
+    """Draws K tokens per row with a draft Runner in step mode (`drafting`: Drafting).
 
     `probs(logits [B, V], j) -> q [B, V]`: the distribution draft j is drawn from (default:
-    the sampling parameters' warp, i.e. what the target's p gets); unused when greedy.
+    the sampling parameters' warp, i.e. what the target's p gets; the rows' own with
+    `row_params`); unused when greedy.
     `allowed(j, previous) -> bool [B, V]` (optional): the tokens draft j may be, given the
     previous draft [B] (None at j = 0); the draft's logits are masked to them before q, so
     drafts follow a grammar and q is what they were drawn from.
-    `row_params` (optional, default `params` for every row): each row's sampling settings,
-    so a batch whose rows sample differently draws each row from its own warp.
     """
 
     def __init__(
-        self,
-        runner: Runner,
-        k: int,
-        params: SamplingParams,
-        target_vocab: int,
-        generator: torch.Generator,
-        probs: Callable[[Tensor, int], Tensor] | None = None,
-        row_params: Sequence[SamplingParams] = (),
+        self, drafting: Drafting, generator: torch.Generator, probs: Callable[[Tensor, int], Tensor] | None = None
     ) -> None:
-        self.runner = runner
-        self.k = k
-        self.params = params
-        self.target_vocab = target_vocab
+        self.runner = drafting.runner
+        self.k = drafting.k  # a drafter may lower it for a round
+        self.target_vocab = drafting.target_vocab
         self.generator = generator
+        params = drafting.params
         self.probs = probs or (lambda logits, j: logits_to_probs(logits, params))
         self.allowed: Callable[[int, Tensor | None], Tensor] | None = None
-        self.groups = _groups(row_params, runner.device) if probs is None else []  # [] or 2+ groups
+        self.groups = _groups(drafting.row_params, self.runner.device) if probs is None else []  # [] or 2+ groups
         self.greedy = params.greedy if not self.groups else all(p.greedy for _, p in self.groups)
 
     @torch.inference_mode()

@@ -30,22 +30,15 @@ def build_model(spec: SpecConfig, params: SamplingParams, res: DraftResources):
         raise TypeError(f"build_model builds model drafts, not {type(draft).__name__}")
     if spec.mode is Mode.SD:
         from ssdlocal.draft.adaptive import build_adaptive
+        from ssdlocal.draft.decode import Drafting
         from ssdlocal.draft.sync import ModelDrafter
         from ssdlocal.speculation.adaptive import model_cannot_pay
 
         if spec.adaptive_k and res.costs is not None and model_cannot_pay(res.costs, spec.k, [True] * res.batch):
             return build_adaptive(spec, params, res, None, draft.suffix)
 
-        drafter = ModelDrafter(
-            res.draft_runner(),
-            spec.k,
-            params,
-            res.target_vocab,
-            res.target_device,
-            guides=res.guides,
-            audit=res.audit,
-            row_params=res.row_params,
-        )
+        drafting = Drafting(res.draft_runner(), spec.k, params, res.target_vocab, res.row_params)
+        drafter = ModelDrafter(drafting, res.target_device, guides=res.guides, audit=res.audit)
         drafter.reserve(res.batch, res.num_slots)
         return build_adaptive(spec, params, res, drafter, draft.suffix)
     from ssdlocal.draft.ssd.client import SSDDrafter

@@ -23,6 +23,7 @@ from ssdlocal.core.config import SamplingParams
 from ssdlocal.draft.base import DrafterBase, DraftResources, PromptHidden, Proposal, RoundOutcome, RowView
 from ssdlocal.backends.base import HiddenLayers
 from ssdlocal.draft.beside import BesideDrafter
+from ssdlocal.draft.decode import Drafting
 
 
 class HeadDrafter(BesideDrafter):
@@ -92,6 +93,8 @@ def build_head(spec, params: SamplingParams, res: DraftResources) -> DrafterBase
         raise RuntimeError("a draft head needs the target's runner")  # a caller bug
     shared = res.target.head_inputs()
     runner = load_head(spec.draft.head, spec.draft.path, shared, res.target_vocab, res.target_device)
-    drafter = HeadDrafter(runner, spec.k, params, res.target_vocab, res.target_device, res.audit, res.row_params)
+    drafter = HeadDrafter(
+        Drafting(runner, spec.k, params, res.target_vocab, res.row_params), res.target_device, res.audit
+    )
     drafter.reserve(res.batch, res.num_slots)
     return drafter

@@ -11,13 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ssdlocal.backends.base import Logits, Runner
+from ssdlocal.backends.base import Logits
 from ssdlocal.core.clock import DeviceClock
-from ssdlocal.core.config import SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.models import NgramDraft
 from ssdlocal.draft.base import DrafterBase, Proposal, RoundOutcome, RowView
-from ssdlocal.draft.decode import DraftDecoder
+from ssdlocal.draft.decode import DraftDecoder, Drafting
 from ssdlocal.speculation.ngram import propose_ngram
 
 
@@ -69,33 +68,23 @@ class ModelDrafter(DrafterBase):
     With `guides` (grammar.guide.Guides) a constrained row's drafts are drawn from the
     draft's distribution masked by its grammar (q is that masked distribution), walking the
     matcher verification then reuses; the proposal then carries the drafts as host lists
-    (the matcher needed them), so verification reads nothing more. `row_params`: each row's
-    sampling settings when rows sample differently (default: `params` for all).
+    (the matcher needed them), so verification reads nothing more. `drafting`: the draft
+    runner, K, the sampling settings (each row's, where rows sample differently) and the
+    target's vocabulary (draft/decode.py's Drafting).
     Host waits: none of its own (inputs go up through staged uploads, core.hostsync); under a
     grammar, one read of each draft the matcher walks.
     """
 
-    def __init__(
-        self,
-        runner: Runner,
-        k: int,
-        params: SamplingParams,
-        target_vocab: int,
-        device,
-        guides=None,
-        audit: Audit | None = None,
-        row_params: Sequence[SamplingParams] = (),
-    ) -> None:
-        self.runner = runner  # backends.base.Runner of the draft model
+    def __init__(self, drafting: Drafting, device, guides=None, audit: Audit | None = None) -> None:
+        self.runner = drafting.runner  # backends.base.Runner of the draft model
         audit = audit or Audit()
         self.site = audit.site("draft")  # inputs of the draft model
         self.target_site = audit.site("target")  # n_draft where the target verifies
         self.guides = guides  # grammar.guide.Guides: constrained rows draft what their grammar allows
-        self.k = k  # the most tokens a round may ask for
-        self.params = params
-        self.target_vocab = target_vocab
+        self.k = drafting.k  # the most tokens a round may ask for
+        self.params = drafting.params
         self.device = device  # where the target verifies
-        self.decoder = DraftDecoder(runner, k, params, target_vocab, self._generator(), row_params=row_params)
+        self.decoder = DraftDecoder(drafting, self._generator())
         self.rows: Sequence[RowView] = ()
         self.cached: list[int] = []
         self._fed: list[int] = []  # per row: tokens the last propose left in the draft's cache
@@ -103,7 +92,7 @@ class ModelDrafter(DrafterBase):
         self._shape: tuple[int, int] | None = None  # the cache `reserve` asked for, made at the first propose
         # the last propose's reading before it drafted: committed tokens fed (the most of any
         # row, the prompt's too on its first) and its marks on the draft's device (core.clock)
-        self.clock = DeviceClock(runner.device)
+        self.clock = DeviceClock(self.runner.device)
         self._read: tuple[int, object, object] | None = None
 
     def _generator(self) -> torch.Generator:

@@ -13,7 +13,7 @@ HTTP frameworks, tokenizers or the engine.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from ssdlocal.core.config import SamplingParams
@@ -36,28 +36,24 @@ RETRY_STATUSES = (429, 503)  # answers that say "later": each carries Retry-Afte
 RETRY_AFTER_S = 5  # seconds, where the cause names no better wait
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as exceptions are
 class APIError(Exception):
     """An error answered with OpenAI's error body and an HTTP status."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",  # OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,  # extra response headers (e.g. Connection: close);
-        # a 429 or 503 without Retry-After gets RETRY_AFTER_S
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-        if status in RETRY_STATUSES and not any(k.lower() == "retry-after" for k in headers or {}):
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"  # OpenAI's field name
+    param: str | None = None
+    code: str | None = None
+    # extra response headers (e.g. Connection: close); a 429 or 503 without Retry-After
+    # gets RETRY_AFTER_S
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+        headers = self.headers
+        if self.status in RETRY_STATUSES and not any(k.lower() == "retry-after" for k in headers or {}):
             self.headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
 
     def body(self) -> dict[str, Any]:

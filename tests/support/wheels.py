@@ -50,7 +50,6 @@ def fake_asset(tmp_path, monkeypatch):
     blob = b"A" * 1000 + b"B" * 500 + b"C" * 7 + b"D" * 33
     asset = GGUFAsset(
         name="fake",
-        filename="fake.gguf",
         packages=tuple(PackagePin(p, "1.0") for p in chunks),
         member_glob="*/data/part*.bin",
         size=len(blob),

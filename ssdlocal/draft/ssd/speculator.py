@@ -20,7 +20,7 @@ from ssdlocal.backends.base import Logits, Runner, SlotLayout
 from ssdlocal.core.config import Backup, SamplingParams
 from ssdlocal.core.hostsync import Audit
 from ssdlocal.core.sampling import logits_to_probs, saguaro_probs, sample
-from ssdlocal.draft.decode import DraftDecoder, align_vocab
+from ssdlocal.draft.decode import DraftDecoder, Drafting, align_vocab
 from ssdlocal.draft.ssd.protocol import OutcomeMsg, StartMsg
 from ssdlocal.speculation.fanout import FanOutPlanner
 from ssdlocal.speculation.ngram import propose_ngram
@@ -147,14 +147,8 @@ class Speculator:
         width = max(o.shape[-1] for o in out)
         first = torch.stack([o[-1] if len(o) else o.new_zeros(width) for o in out])  # [B, V_d]
         self.runner.begin_steps()
-        decoder = DraftDecoder(
-            self.runner,
-            self.k,
-            self.params,
-            self.vocab,
-            self.generator,
-            probs=lambda logits, j: self._probs(logits, fan[j]),
-        )
+        drafting = Drafting(self.runner, self.k, self.params, self.vocab)
+        decoder = DraftDecoder(drafting, self.generator, probs=lambda logits, j: self._probs(logits, fan[j]))
         bound = max(self.runner.cached(b) for b in range(len(self.rows))) + self.k
         drafted = decoder.decode(first, bound, keep_logits=True)
         predicted = drafted.logits  # [B, K, V]

@@ -43,30 +43,33 @@ QWEN3 = Architecture("qwen3", ("Qwen3ForCausalLM",), "qwen3", gguf_architecture=
 # checkpoints name each expert, GGUF files stack them); experts split by their width under
 # tensor parallelism, the router whole on every rank.
 _MOE_MODULES = (*BLOCK_MODULES, *MOE_MODULES)
+# the routed experts (every MoE family's): their linears split as a dense MLP's (down_proj by
+# rows, the others by columns), named one by one or stacked; the router is none of them
+_EXPERT_LINEARS = {
+    **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+    **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+}
+_ROUTED_EXPERTS = frozenset(m for m in MOE_MODULES if m != "mlp.gate")
+_GGUF_EXPERTS = {  # llama.cpp's names of the stacked experts
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+}
 QWEN3_MOE = Architecture(
     "qwen3_moe",
     ("Qwen3MoeForCausalLM",),
     "qwen3_moe",
     gguf_architecture="qwen3moe",
     checkpoint=HF_NAMES.extended(_MOE_MODULES),
-    gguf=GGUF_NAMES.extended(
-        _MOE_MODULES,
-        {
-            "mlp.gate": "ffn_gate_inp",
-            "mlp.experts.gate_proj": "ffn_gate_exps",
-            "mlp.experts.up_proj": "ffn_up_exps",
-            "mlp.experts.down_proj": "ffn_down_exps",
-        },
-    ),
+    gguf=GGUF_NAMES.extended(_MOE_MODULES, {"mlp.gate": "ffn_gate_inp", **_GGUF_EXPERTS}),
     qk_norm=True,
     linears={
         **LLAMA_LINEARS,
         "mlp.gate": Linear("replicated", quantized=False),  # the router: small, and routing must agree
-        **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
-        **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **_EXPERT_LINEARS,
     },
     pair_family="qwen3",
-    experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    experts=_ROUTED_EXPERTS,
     family="qwen3_moe",
     # transformers' GGUF reader takes the expert counts but not the experts' width
     gguf_config={
@@ -122,12 +125,11 @@ QWEN3_5_MOE = Architecture(
         **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
         **_LINEAR_LINEARS,
         "mlp.gate": Linear("replicated", quantized=False),
-        **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
-        **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **_EXPERT_LINEARS,
         **{m: Linear("row" if m.endswith("down_proj") else "column") for m in _SHARED_EXPERT},
         "mlp.shared_expert_gate": Linear("replicated", quantized=False),
     },
-    experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    experts=_ROUTED_EXPERTS,
     pair_family="qwen3.5",
     family="qwen3_5_moe",
     multimodal=Multimodal(("Qwen3_5MoeForConditionalGeneration",), "qwen3_5_moe", towers=("visual.",)),
@@ -138,20 +140,18 @@ QWEN3_5_MOE = Architecture(
 # with the 1 of (1 + weight) added (gguf_norm_shift).
 _GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 _GEMMA3_MODULES = (*BLOCK_MODULES, *_GEMMA_NORMS)
+_GEMMA_GGUF_NORMS = {  # llama.cpp's names of the norms around attention and feed-forward
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 GEMMA3 = Architecture(
     "gemma3",
     ("Gemma3ForCausalLM",),
     "gemma3_text",
     gguf_architecture="gemma3",
     checkpoint=HF_NAMES.extended(_GEMMA3_MODULES),
-    gguf=GGUF_NAMES.extended(
-        _GEMMA3_MODULES,
-        {
-            "post_attention_layernorm": "post_attention_norm",
-            "pre_feedforward_layernorm": "ffn_norm",
-            "post_feedforward_layernorm": "post_ffw_norm",
-        },
-    ),
+    gguf=GGUF_NAMES.extended(_GEMMA3_MODULES, _GEMMA_GGUF_NORMS),
     qk_norm=True,
     gguf_norm_shift=1.0,
     pair_family="gemma3",
@@ -191,9 +191,7 @@ GEMMA4 = Architecture(
         },
         {
             **GGUF_NAMES.block,
-            "post_attention_layernorm": "post_attention_norm",
-            "pre_feedforward_layernorm": "ffn_norm",
-            "post_feedforward_layernorm": "post_ffw_norm",
+            **_GEMMA_GGUF_NORMS,
             "per_layer_input_gate": "inp_gate",
             "per_layer_projection": "proj",
             "post_per_layer_input_norm": "post_norm",
@@ -267,9 +265,7 @@ GPT_OSS = Architecture(
             **GGUF_NAMES.block,
             "post_attention_layernorm": "post_attention_norm",
             "mlp.router": "ffn_gate_inp",
-            "mlp.experts.gate_proj": "ffn_gate_exps",
-            "mlp.experts.up_proj": "ffn_up_exps",
-            "mlp.experts.down_proj": "ffn_down_exps",
+            **_GGUF_EXPERTS,
         },
         GGUF_NAMES.ignored,
         modules=_GPT_OSS_MODULES,
@@ -278,11 +274,10 @@ GPT_OSS = Architecture(
     linears={
         **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
         "mlp.router": Linear("replicated", quantized=False),  # small, and routing must agree
-        **{f"mlp.experts.{{e}}.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
-        **{f"mlp.experts.{p}": Linear("row" if p == "down_proj" else "column") for p in EXPERT_PROJECTIONS},
+        **_EXPERT_LINEARS,
     },
     pair_family="gpt-oss",
-    experts=frozenset(m for m in MOE_MODULES if m != "mlp.gate"),
+    experts=_ROUTED_EXPERTS,
     family="gpt_oss",
     per_head=("self_attn.sinks",),
     # transformers' GGUF reader takes the dense width (llama.cpp reads the experts') and

@@ -73,16 +73,17 @@ def common_fields(
     tie: bool,
     kv_heads: int | None = None,
     head_dim: int | None = None,
+    intermediate_size: int | None = None,
 ) -> dict:
     """ModelArgs' fields as most families read them (`rope`: read_rope's (theta, scaling);
-    `tie`: tie_word_embeddings when the config leaves it out; `kv_heads`, `head_dim`: the
-    family's own reading, where it has one, else the config's)."""
+    `tie`: tie_word_embeddings when the config leaves it out; `kv_heads`, `head_dim`,
+    `intermediate_size`: the family's own reading, where it has one, else the config's)."""
     heads = cfg.num_attention_heads
     return {
         "arch": arch,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
+        "intermediate_size": intermediate_size if intermediate_size is not None else cfg.intermediate_size,
         "num_layers": cfg.num_hidden_layers,
         "num_heads": heads,
         "num_kv_heads": kv_heads if kv_heads is not None else getattr(cfg, "num_key_value_heads", None) or heads,

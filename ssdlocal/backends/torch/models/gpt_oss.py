@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.base import CausalLM, ModelArgs, read_rope
-from ssdlocal.backends.torch.models.moe import MoE, Experts, TopKSoftmax
+from ssdlocal.backends.torch.models.moe import ExpertArgs, MoE, Experts, TopKSoftmax
 from ssdlocal.backends.torch.models.layers import Attention, PreNormBlock, RMSNorm
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import unsupported
@@ -40,13 +40,11 @@ class ClampedSwiGLU:
 
 
 @dataclass(frozen=True)
-class GptOssArgs(ModelArgs):
+class GptOssArgs(ExpertArgs, ModelArgs):
     qkv_bias: bool = True
     o_bias: bool = True
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
-    num_experts: int = 0
-    experts_per_token: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
 
@@ -77,8 +75,7 @@ class GptOssArgs(ModelArgs):
             o_bias=o_bias,
             sliding_window=getattr(cfg, "sliding_window", None) if SLIDING in types else None,
             layer_types=types,
-            num_experts=cfg.num_local_experts,
-            experts_per_token=cfg.num_experts_per_tok,
+            **ExpertArgs.read(cfg, described),
             swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
             swiglu_limit=float(getattr(cfg, "swiglu_limit", 7.0)),
         )

@@ -17,12 +17,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 Gate = Callable[[Tensor, Tensor], Tensor]  # (gate, up) [M, I] each -> the expert's activation [M, I]
+
+
+@dataclass(frozen=True)
+class ExpertArgs:
+    """What the args of a family with routed experts add (a base listed before its
+    ModelArgs): E experts, k of them per token (0: none, a dense model of the family)."""
+
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @classmethod
+    def read(cls, cfg, described) -> dict[str, int]:
+        """These fields (by name, for a family's args) from a transformers config, named as
+        the architecture's description says (Architecture.expert_keys, which
+        weights/size.py reads too): the first expert count it sets, and the experts per
+        token where it has experts."""
+        counts, per_token = described.expert_keys
+        experts = next((getattr(cfg, key) for key in counts if getattr(cfg, key, None)), 0)
+        return asdict(cls(experts, getattr(cfg, per_token) if experts else 0))
 
 
 def silu_gate(gate: Tensor, up: Tensor) -> Tensor:

@@ -19,10 +19,11 @@ from torch import Tensor, nn
 
 from ssdlocal.backends.torch.attention import AttentionMask, attend
 from ssdlocal.backends.torch.models.base import ModelArgs, read_rope, refuse
+from ssdlocal.backends.torch.models.fields import common_fields
 from ssdlocal.backends.torch.models.deltanet import GatedDeltaNet
 from ssdlocal.backends.torch.models.hybrid import HybridBlock, HybridLM
 from ssdlocal.backends.torch.models.layers import MLP, Attention, RMSNorm, apply_rope
-from ssdlocal.backends.torch.models.moe import MoE, Experts, SoftmaxTopK
+from ssdlocal.backends.torch.models.moe import ExpertArgs, MoE, Experts, SoftmaxTopK
 from ssdlocal.weights.formats.arch import Architecture
 from ssdlocal.weights.formats.archs import unsupported
 
@@ -30,7 +31,7 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen3_5Args(ModelArgs):
+class Qwen3_5Args(ExpertArgs, ModelArgs):
     linear: tuple[int, ...] = ()  # the layers that are linear attention
     linear_key_heads: int = 0
     linear_value_heads: int = 0
@@ -38,9 +39,7 @@ class Qwen3_5Args(ModelArgs):
     linear_value_dim: int = 0
     conv_kernel: int = 4
     rotary_dim: int = 0  # the rotated share of each attention head
-    num_experts: int = 0  # MoE only, from here on
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
+    moe_intermediate_size: int = 0  # MoE only, from here on (and ExpertArgs)
     shared_expert_size: int = 0
 
     @classmethod
@@ -53,37 +52,25 @@ class Qwen3_5Args(ModelArgs):
         odd = next((k for k in kinds if k not in LAYER_KINDS), None)
         if odd is not None:
             raise unsupported(f"{arch} with a layer of type {odd!r}")
-        theta, _ = read_rope(None, cfg, arch, supported=("default",))
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        experts = getattr(cfg, "num_experts", 0) or 0
+        rope = read_rope(None, cfg, arch, supported=("default",))  # (theta, None)
+        parameters = getattr(cfg, "rope_parameters", None) or {}
+        factor = parameters.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        # the MoE family's config has no dense width
+        common = common_fields(cfg, arch, rope, tie=False, intermediate_size=getattr(cfg, "intermediate_size", 0) or 0)
+        experts = ExpertArgs.read(cfg, described)
+        moe = experts["num_experts"] > 0
         return cls(
-            arch=arch,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=theta,
-            rope_scaling=None,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=cfg.max_position_embeddings,
+            **common,
             linear=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
             linear_key_heads=cfg.linear_num_key_heads,
             linear_value_heads=cfg.linear_num_value_heads,
             linear_key_dim=cfg.linear_key_head_dim,
             linear_value_dim=cfg.linear_value_head_dim,
             conv_kernel=cfg.linear_conv_kernel_dim,
-            rotary_dim=int(head_dim * factor),
-            num_experts=experts,
-            experts_per_token=getattr(cfg, "num_experts_per_tok", 0) if experts else 0,
-            moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) if experts else 0,
-            shared_expert_size=getattr(cfg, "shared_expert_intermediate_size", 0) if experts else 0,
+            rotary_dim=int(common["head_dim"] * factor),
+            **experts,
+            moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) if moe else 0,
+            shared_expert_size=getattr(cfg, "shared_expert_intermediate_size", 0) if moe else 0,
         )
 
     def ropes(self) -> dict[str, tuple[int, float, dict | None]]:

@@ -13,14 +13,12 @@ from torch import nn
 
 from ssdlocal.backends.torch.models.layers import MLP
 from ssdlocal.backends.torch.models.llama import Llama, LlamaArgs, LlamaBlock
-from ssdlocal.backends.torch.models.moe import MoE, Experts, SoftmaxTopK
+from ssdlocal.backends.torch.models.moe import ExpertArgs, MoE, Experts, SoftmaxTopK
 from ssdlocal.weights.formats.arch import Architecture
 
 
 @dataclass(frozen=True)
-class Qwen3MoeArgs(LlamaArgs):
-    num_experts: int = 0
-    experts_per_token: int = 0
+class Qwen3MoeArgs(ExpertArgs, LlamaArgs):
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()  # the layers whose feed-forward is the MoE
@@ -28,16 +26,14 @@ class Qwen3MoeArgs(LlamaArgs):
     @classmethod
     def from_hf_config(cls, cfg, described: Architecture) -> Qwen3MoeArgs:
         dense = LlamaArgs.from_hf_config(cfg, described)
-        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0)
+        experts = ExpertArgs.read(cfg, described)
+        moe = experts["num_experts"] > 0
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
         only_dense = set(getattr(cfg, "mlp_only_layers", None) or ())
-        sparse = tuple(
-            i for i in range(dense.num_layers) if experts > 0 and i not in only_dense and (i + 1) % step == 0
-        )
+        sparse = tuple(i for i in range(dense.num_layers) if moe and i not in only_dense and (i + 1) % step == 0)
         return cls(
             **{f: getattr(dense, f) for f in dense.__dataclass_fields__},
-            num_experts=experts,
-            experts_per_token=cfg.num_experts_per_tok,
+            **experts,
             moe_intermediate_size=cfg.moe_intermediate_size,
             norm_topk_prob=bool(cfg.norm_topk_prob),
             sparse_layers=sparse,
