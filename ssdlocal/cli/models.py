@@ -37,7 +37,10 @@ def plan_or_reason(inventory, pair, backend: BackendName, quantization: Quantiza
     t_gb, d_gb = pair.memory_gb(backend, quantization)
     try:
         beside = pair.draft_head is not None  # a draft head: on the target's device, its bytes counted there
-        plan = plan_placement(inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None, draft_beside=beside)
+        whole = pair.whole_gb(backend, quantization)  # what every tensor-parallel rank holds whole
+        plan = plan_placement(
+            inventory, t_gb, d_gb, heads=_heads(pair), allow_cpu_target=None, draft_beside=beside, target_whole_gb=whole
+        )
     except PlacementError as exc:
         return None, exc.message
     return plan, _plan_summary(plan, pair.draft_head)
@@ -194,6 +197,7 @@ def devices(
     backend = BackendName.parse(backend, "backend")
     quantization = Quantization.parse(quantization, "--quantization")
     head = None  # the kind of the pair's draft head: on the target's device, its bytes counted there
+    whole = 0.0  # GB every tensor-parallel rank holds whole (a pair's count; none given with --target-gb)
     if target_gb is not None:
         label, t_gb, d_gb, heads = (
             f"{target_gb:g} GB target + {draft_gb:g} GB draft",
@@ -205,7 +209,10 @@ def devices(
         found = get_pair(pair or OFFLINE_PAIR)
         t_gb, d_gb = found.memory_gb(backend, quantization)
         label, heads, head = found.name, _heads(found), found.draft_head
-    planned = lambda: _as_run(plan_placement(inventory, t_gb, d_gb, heads=heads, draft_beside=bool(head)), d_gb)  # noqa: E731
+        whole = found.whole_gb(backend, quantization)
+    planned = lambda: _as_run(  # noqa: E731
+        plan_placement(inventory, t_gb, d_gb, heads=heads, draft_beside=bool(head), target_whole_gb=whole), d_gb
+    )
     inventory = detect()
     weights = _pair_weights(found, backend, quantization) if target_gb is None else ()
     prefix = prefix_cache_plan(None if target_gb is not None else found)

@@ -78,6 +78,7 @@ def plan_placement(
     heads: tuple[int, ...] = (),
     allow_cpu_target: bool | None = None,
     draft_beside: bool = False,
+    target_whole_gb: float = 0.0,
 ) -> Plan:
     """Place a target of `target_gb` and a draft of `draft_gb` (weights, GB) on `devices`.
 
@@ -88,8 +89,11 @@ def plan_placement(
     PCIe or unknown links the smallest (fewer all-reduces). The CPU hosts the target
     only on machines without GPUs unless `allow_cpu_target`. `draft_beside`: the draft is a
     draft head, which reads the target's embedding and hidden states, so it sits on the
-    target's one device (no tensor parallelism) and its bytes count there. Raises
-    PlacementError.
+    target's one device (no tensor parallelism) and its bytes count there.
+    `target_whole_gb`: the part of `target_gb` every tensor-parallel rank holds whole
+    (weights/size.py `whole_bytes`: embeddings, norms, lm_head and the linears the
+    architecture keeps replicated); a rank of a group of N holds it plus 1/N of the rest
+    (and of the KV cache). Raises PlacementError.
     """
     kv_gb = max(1.0, 0.1 * target_gb) if kv_gb is None else kv_gb
     draft_kv_gb = max(0.25, 0.1 * draft_gb) if draft_kv_gb is None else draft_kv_gb
@@ -104,7 +108,8 @@ def plan_placement(
     candidates: list[Plan] = []
     for tp in _tp_degrees(len(gpus), heads):
         group, rest = gpus[:tp], gpus[tp:]
-        shard = need_t / tp
+        whole = min(target_whole_gb, target_gb) * OVERHEAD if tp > 1 else 0.0
+        shard = (need_t - whole) / tp + whole  # what each rank of the group holds
         if shard > min(g.usable_gb for g in group):
             continue
         uses = [

@@ -87,6 +87,7 @@ MODEL_KEYS = {
     "experts_per_token": _COUNT,
     "bf16_gb": _GB,
     "embed_b": _GB,
+    "whole_b": _GB,
     "heads": _COUNT,
     "kv_heads": _COUNT,
     "layers": _COUNT,

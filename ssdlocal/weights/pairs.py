@@ -50,6 +50,9 @@ class ModelRef:
     experts_per_token: int | None = None
     bf16_gb: float = 0.0  # approximate weight memory in bf16
     embed_b: float | None = None  # token-embedding parameters in billions (vocab x hidden)
+    # parameters (billions) every tensor-parallel rank holds whole (weights/size.py whole_bytes:
+    # embeddings, norms, lm_head, replicated linears); None: not counted, the plan splits all
+    whole_b: float | None = None
     heads: int | None = None
     kv_heads: int | None = None
     layers: int | None = None
@@ -174,6 +177,20 @@ class Pair:
                 embed_bytes = 1.0 if self.source == "pypi" else None
                 out.append(round(quantized_gb(ref.params_b, embed, scheme, embed_bytes=embed_bytes), 2))
         return out[0], out[1]
+
+    def whole_gb(
+        self, backend: BackendName = BackendName.TORCH, quantization: Quantization = Quantization.NONE
+    ) -> float:
+        """Of memory_gb's target, the GB every tensor-parallel rank holds whole (the target's
+        `whole_b`, sized as memory_gb sizes it); 0 where not counted or where files run as
+        GGUF (llama.cpp)."""
+        ref = self.target
+        as_gguf = BackendName(backend).runs_gguf or (self.weights == "gguf" and quantization != Quantization.NONE)
+        if ref.whole_b is None or (self.has_gguf and as_gguf):
+            return 0.0
+        scheme = self.schemes(quantization)[0]
+        embed = min(ref.embed_b if ref.embed_b is not None else 0.0, ref.whole_b)
+        return round(quantized_gb(ref.whole_b, embed, scheme), 2)
 
     def step_gb(
         self,

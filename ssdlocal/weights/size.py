@@ -6,7 +6,8 @@ quantized, a quantized checkpoint counts as stored), how many parameters it has 
 many one token reads (`parameters`: a mixture-of-experts model reads only its routed
 experts), the bytes a forward step of N tokens reads (`step_bytes`: what speed estimates
 divide by bandwidth), and its attention heads (`attention_heads`, what tensor parallelism divides).
-Checkpoint directories (safetensors headers, config.json) and GGUF files (header and
+What every tensor-parallel rank holds whole (`whole_bytes`) is the tensors the
+architecture's table splits over no rank. Checkpoint directories (safetensors headers, config.json) and GGUF files (header and
 metadata) are read here and nowhere else for sizes; the arithmetic per dtype and scheme
 is core.quantization's, which tensors are quantized linears or experts the architecture
 table's (weights/formats/arch.py). Placement (`devices`, `pairs`, auto placement), the
@@ -102,6 +103,21 @@ def weight_bytes(path: str | Path, scheme: Quantization, dtype: DType, device_ty
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
     shapes = read_shapes(path)
     return int(sum(_tensor_bytes(shapes, scheme, dtype, device_type).values()))
+
+
+def whole_bytes(path: str | Path, scheme: Quantization, dtype: DType, device_type: str = "cpu") -> int:
+    """Of `weight_bytes`, the bytes every tensor-parallel rank holds whole: the tensors the
+    architecture's table splits over no rank (`Architecture.split_dim` None: embeddings,
+    norms, lm_head, a row split's bias, and linears it keeps replicated, such as Qwen3.5's
+    linear-attention layers); a rank of N holds these plus 1/N of the rest. Rank 0 holds
+    the lm_head (the others drop it), so this is the largest rank's share. 0 for a quantized
+    checkpoint (sized as stored)."""
+    path = Path(path).expanduser()
+    if path.is_dir() and quant_info(path):
+        return 0
+    shapes = read_shapes(path)
+    sizes = _tensor_bytes(shapes, scheme, dtype, device_type)
+    return int(sum(size for name, size in sizes.items() if shapes.arch.split_dim(name) is None))
 
 
 def step_bytes(path: str | Path, scheme: Quantization, dtype: DType, tokens: int = 1, device_type: str = "cpu") -> int:

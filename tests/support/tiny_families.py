@@ -221,6 +221,33 @@ def write_mxfp4(float_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def fuse_experts(saved: Path, out_dir: Path) -> Path:
+    """A copy of checkpoint `saved` (Qwen3-MoE or Qwen3.5-MoE, text-only or multimodal) with
+    its experts stored fused, as transformers holds them and published Qwen3.5-MoE
+    checkpoints store them: per layer `mlp.experts.gate_up_proj` [E, 2I, H] (every expert's
+    gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I], in place of
+    `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(shutil.copytree(saved, out_dir))
+    (file,) = out_dir.glob("*.safetensors")
+    state = load_file(file)
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # "...mlp.experts." -> projection -> e -> weight
+    for name in [n for n in state if re.search(r"\.experts\.\d+\.", n)]:
+        prefix, e, projection = re.fullmatch(r"(.+\.experts\.)(\d+)\.(\w+)\.weight", name).groups()
+        experts.setdefault(prefix, {}).setdefault(projection, {})[int(e)] = state.pop(name)
+    for prefix, parts in experts.items():
+        gate, up, down = (
+            torch.stack([p[e] for e in sorted(p)]) for p in (parts[k] for k in ("gate_proj", "up_proj", "down_proj"))
+        )
+        state[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1)  # [E, 2I, H]
+        state[prefix + "down_proj"] = down  # [E, H, I]
+    save_file(state, file, metadata={"format": "pt"})
+    return out_dir
+
+
 def _randomize_norms(model, seed: int) -> None:
     """Norm weights drawn around their init (transformers starts them at 0 or 1), so a
     norm whose offset or cast is wrong changes the logits."""

@@ -1,7 +1,9 @@
 """Checkpoint tensors stored in another layout than our models hold, turned into ours as
 they load: what an architecture's description calls packed (`Packed`, weights/formats/
 arch.py), e.g. gpt-oss's experts as transformers saves them (gate and up fused with their
-features interleaved, weights stored [E, in, out]) and as OpenAI publishes them (MXFP4).
+features interleaved, weights stored [E, in, out]) and as OpenAI publishes them (MXFP4), and
+Qwen3-MoE / Qwen3.5-MoE experts as transformers holds them (gate_up_proj [E, 2I, H]: gate's
+rows, then up's).
 
 The loaders (float, int8/int4, tensor-parallel: backends/torch/loader.py, quant_load.py,
 parallel/shard_loader.py) hand every packed tensor to one `Unpacker` and place what it
@@ -51,8 +53,10 @@ def unpack(packed: Packed, stored: Tensor, dtype: torch.dtype, scales: Tensor | 
         whole = dequantize_mxfp4(stored, scales, dtype)  # [..., out, in]
     else:
         whole = stored.transpose(-1, -2) if packed.transposed else stored  # [..., out, in] or [..., out]
-    n = len(packed.into)
-    if packed.into[0].endswith(".bias"):
+    n, features = len(packed.into), -1 if packed.into[0].endswith(".bias") else -2
+    if packed.layout == "halves":  # [..., n * out, (in)]: each of ours in turn
+        return tuple(part.contiguous() for part in whole.chunk(n, dim=features))  # [..., out, (in)] each
+    if features == -1:
         return tuple(whole[..., j::n].contiguous() for j in range(n))  # [..., out / n] each
     return tuple(whole[..., j::n, :].contiguous() for j in range(n))  # [..., out / n, in] each
 
@@ -74,6 +78,7 @@ class Unpacker:
         found = self.arch.packed(key)
         assert found is not None  # callers ask `claims` first
         packed, names = found
+        self.arch.packed_shapes(key, packed, tuple(tensor.shape))  # refuses a shape that cannot hold ours
         if packed.mxfp4 is None:
             return dict(zip(names, unpack(packed, tensor, self.dtype), strict=True))
         parts = self.waiting.setdefault(names, {})

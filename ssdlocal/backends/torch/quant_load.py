@@ -70,7 +70,7 @@ def load_quantized_weights(
     from_float = quant_info(ckpt) is None  # else the checkpoint stores lm_head's codes itself
     expected = set(model.state_dict())  # meta: names only
     linears = {n for n, _ in model.named_modules() if arch.quantized(n)}
-    loader = _Filler(model, scheme, device, dtype, shard)
+    loader = _Filler(model, scheme, device, dtype, shard, ckpt)
     unpacker = Unpacker(arch, dtype)  # tensors stored packed (fused or MXFP4 experts) -> ours
 
     def place(key: str, tensor: Tensor) -> None:
@@ -113,8 +113,9 @@ def load_quantized_weights(
 class _Filler:
     """Collects a load: QuantLinears installed as their weights arrive, floats for the rest."""
 
-    def __init__(self, model: nn.Module, scheme: Quantization, device, dtype, shard: Shard) -> None:
+    def __init__(self, model: nn.Module, scheme: Quantization, device, dtype, shard: Shard, ckpt: Path) -> None:
         self.model, self.scheme, self.device, self.dtype, self.shard = model, scheme, device, dtype, shard
+        self.ckpt = ckpt
         self.floats: dict[str, Tensor] = {}
         self.parts: dict[str, dict[str, Tensor]] = {}
         self.installed: set[str] = set()
@@ -152,9 +153,20 @@ class _Filler:
             replace_module(self.model, module, QuantEmbedding(weight, dtype=self.dtype, device=self.device))
             self.installed.add(module)
             return
+        self._check_shape(module, weight.shape)
         replace_linear(self.model, module, old, weight, None, self.dtype, self.device)
         self.installed.add(module)
         self.releaser.processed(weight.nbytes)
+
+    def _check_shape(self, module: str, shape: tuple[int, ...]) -> None:
+        """Refuse weights of `shape` for `module` unless the model (as this rank holds it) has that shape."""
+        wanted = tuple(self.model.get_submodule(module).weight.shape)
+        if tuple(shape) != wanted:
+            raise ModelLoadError(
+                f"checkpoint {self.ckpt} does not match its config.json: {module}.weight is "
+                f"{tuple(shape)} in the checkpoint, {wanted} in a model of the config",
+                hint="the config.json may belong to another model; use the model's own",
+            )
 
     def _stack_experts(self) -> None:
         """Every MoE layer's experts, quantized one by one, as one QuantStacked (with their
@@ -167,6 +179,12 @@ class _Filler:
             biases = [self.floats.pop(f"{prefix}.{e}.{projection}.bias", None) for e in order]
             bias = torch.stack(biases) if all(b is not None for b in biases) else None
             weights = [parts[e] for e in order]
+            self._check_shape(module, (len(weights), *weights[0].shape))
+            if any(w.shape != weights[0].shape for w in weights):
+                raise ModelLoadError(
+                    f"{module}: experts of different shapes in {self.ckpt}",
+                    hint="the weights may be from another model or damaged; download the model again",
+                )
             replace_module(self.model, module, QuantStacked(weights, bias, dtype=self.dtype, device=self.device))
             self.installed.add(module)
         self.experts.clear()
@@ -193,7 +211,14 @@ class _Filler:
                 f"unexpected or incomplete {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
                 hint="the weights may be from another model or an incomplete download",
             )
-        self.model.load_state_dict(self.floats, strict=False, assign=True)
+        try:
+            self.model.load_state_dict(self.floats, strict=False, assign=True)
+        except RuntimeError as exc:  # a tensor whose shape the config does not give it
+            sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+            raise ModelLoadError(
+                f"checkpoint {ckpt} does not match its config.json: {(sizes or [str(exc)])[0][:300]}",
+                hint="the config.json may belong to another model; use the model's own",
+            ) from exc
         if tied and "lm_head" not in self.installed:
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.releaser.flush()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ssdlocal.core.errors import ModelLoadError
+from ssdlocal.weights.formats.packing import Packed
 
 # Our names: the modules of the torch backend's models (backends/torch/models), outside the
 # layers and inside layer i ("layers.{i}." + one of an architecture's `modules`). A tensor is
@@ -58,35 +59,6 @@ def expert_pattern(module: str) -> str:
 
 
 _SPLITS = ("column", "row", "replicated")
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A tensor a checkpoint stores in another layout than our model holds, turned into ours
-    as it loads (backends/torch/packed.py). `into`: our tensors inside a layer it holds
-    (weights [..., out, in], biases [..., out]; stacked experts lead with E), their output
-    features interleaved when it holds several (gpt-oss's gate and up: gate, up, gate, ..);
-    `transposed`: a weight stored [..., in, out]; `mxfp4`: "blocks" (MXFP4 values, two per
-    byte: [..., out, in / 32, 16] uint8) or "scales" (each block of 32's power-of-two
-    exponent plus 127: [..., out, in / 32] uint8), the two stored parts of one weight."""
-
-    into: tuple[str, ...]
-    transposed: bool = False
-    mxfp4: str | None = None
-
-    def shapes(self, stored: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-        """The shapes of our tensors (one per `into`) in a stored tensor of shape `stored`;
-        none for MXFP4 scales (their values are in the blocks' weights)."""
-        if self.mxfp4 == "scales":
-            return ()
-        shape = list(stored)
-        if self.mxfp4 == "blocks":
-            shape = [*shape[:-2], shape[-2] * shape[-1] * 2]  # [..., out, in]
-        elif self.transposed:
-            shape[-2:] = shape[-1], shape[-2]
-        features = -1 if self.into[0].endswith(".bias") else -2
-        shape[features] //= len(self.into)
-        return (tuple(shape),) * len(self.into)
 
 
 @dataclass(frozen=True)
@@ -414,7 +386,18 @@ class Architecture:
         packed = self.packed(ours)
         if packed is None:
             return {ours: tuple(shape)}
-        return dict(zip(packed[1], packed[0].shapes(tuple(shape))))
+        return dict(zip(packed[1], self.packed_shapes(name, packed[0], tuple(shape))))
+
+    def packed_shapes(self, name: str, packed: Packed, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """`packed.shapes(shape)` for checkpoint tensor `name`; a shape that cannot hold
+        our tensors is a ModelLoadError naming it."""
+        try:
+            return packed.shapes(shape)
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"checkpoint tensor {name} {exc}: it cannot hold the {self.name} model's {', '.join(packed.into)}",
+                hint="the weights may be from another model or damaged; download the model again",
+            ) from None
 
     def from_gguf(self, name: str) -> str | None:
         """Our name for GGUF tensor `name`; None for one nothing loads."""

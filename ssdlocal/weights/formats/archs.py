@@ -40,8 +40,15 @@ QWEN2 = Architecture(
 QWEN3 = Architecture("qwen3", ("Qwen3ForCausalLM",), "qwen3", gguf_architecture="qwen3", qk_norm=True)
 
 # Qwen3-MoE: Qwen3's attention, a router and experts in the sparse layers (Hugging Face
-# checkpoints name each expert, GGUF files stack them); experts split by their width under
-# tensor parallelism, the router whole on every rank.
+# checkpoints name each expert, or store them fused as transformers holds them: gate_up_proj
+# [E, 2I, H], gate's rows then up's, and down_proj [E, H, I]; GGUF files stack them); experts
+# split by their width under tensor parallelism, the router whole on every rank.
+_GATE_UP = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight")
+_DOWN = ("mlp.experts.down_proj.weight",)
+_FUSED_EXPERTS = {
+    "mlp.experts.gate_up_proj": Packed(_GATE_UP, layout="halves", dims=3),
+    "mlp.experts.down_proj": Packed(_DOWN, dims=3),
+}
 _MOE_MODULES = (*BLOCK_MODULES, *MOE_MODULES)
 # the routed experts (every MoE family's): their linears split as a dense MLP's (down_proj by
 # rows, the others by columns), named one by one or stacked; the router is none of them
@@ -60,7 +67,7 @@ QWEN3_MOE = Architecture(
     ("Qwen3MoeForCausalLM",),
     "qwen3_moe",
     gguf_architecture="qwen3moe",
-    checkpoint=HF_NAMES.extended(_MOE_MODULES),
+    checkpoint=HF_NAMES.extended(_MOE_MODULES, packed=_FUSED_EXPERTS),
     gguf=GGUF_NAMES.extended(_MOE_MODULES, {"mlp.gate": "ffn_gate_inp", **_GGUF_EXPERTS}),
     qk_norm=True,
     linears={
@@ -119,7 +126,7 @@ QWEN3_5_MOE = Architecture(
     "qwen3_5_moe",
     ("Qwen3_5MoeForCausalLM",),
     "qwen3_5_moe_text",
-    checkpoint=HF_NAMES.extended(_QWEN3_5_MOE_MODULES, skipped=("mtp.",)),
+    checkpoint=HF_NAMES.extended(_QWEN3_5_MOE_MODULES, skipped=("mtp.",), packed=_FUSED_EXPERTS),
     qk_norm=True,
     linears={
         **{m: linear for m, linear in LLAMA_LINEARS.items() if not m.startswith("mlp.")},
@@ -229,8 +236,6 @@ GEMMA4 = Architecture(
 # "gpt-oss") store them as ours, gate and up apart, stacked [E, out, in] (the experts in
 # MXFP4 as llama.cpp's converter writes them: de-quantized at load), sinks as
 # "attn_sinks.weight", the post-attention norm as "post_attention_norm".
-_GATE_UP = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight")
-_DOWN = ("mlp.experts.down_proj.weight",)
 _GPT_OSS_MODULES = (
     *(m for m in BLOCK_MODULES if not m.startswith("mlp.")),
     "self_attn",  # its sinks

@@ -4,7 +4,8 @@ token q + 1 and the target's final hidden state after token q (normed, what its 
 reads), each RMS-normed (`pre_fc_norm_embedding`, `pre_fc_norm_hidden`), concatenated in
 that order and projected back to the hidden width (`fc`); one decoder layer built as the
 target's full-attention layers (gated attention, q/k norms, partial rotary positions; the
-MLP, or the shared-expert MoE of a MoE checkpoint); the final norm `mtp.norm`; the
+MLP, or the shared-expert MoE of a MoE checkpoint, its experts stored one by one or fused
+as the model's layers may store them); the final norm `mtp.norm`; the
 target's lm_head. Norms are Qwen3.5's zero-centred ones (scale 1 + weight).
 
 Positions are the target's: the pair (state after token q, token q + 1) sits at position q
@@ -106,6 +107,8 @@ def load_mtp(path: str | Path, shared: HeadInputs, target_vocab: int, device, dt
     beside a target that shares `shared` (its embeddings, lm_head and width)."""
     from ssdlocal.backends.torch.models import args_from_config
     from ssdlocal.backends.torch.models.moe import stack_experts
+    from ssdlocal.backends.torch.packed import Unpacker
+    from ssdlocal.weights.formats.archs import architecture
     from ssdlocal.weights.formats.checkpoint import MTP_PREFIX, load_hf_config, mtp_tensor_names, weight_files
     from ssdlocal.weights.formats.safetensors import SafetensorsReader
 
@@ -122,11 +125,16 @@ def load_mtp(path: str | Path, shared: HeadInputs, target_vocab: int, device, dt
     if args.hidden_size != shared.hidden_size or args.vocab_size != target_vocab:
         raise ModelLoadError(f"{path} is not the target's checkpoint (width or vocabulary differ)", HINT)
     state: dict[str, Tensor] = {}
+    unpacker = Unpacker(architecture(args.arch), dtype)  # experts stored fused, as the model's own layers may
     for file in weight_files(path):
         with SafetensorsReader(file) as reader:
             for name in reader.keys():
-                if name in names:
-                    state[name.removeprefix(MTP_PREFIX)] = reader.read(name).to(device=device, dtype=dtype)
+                if name not in names:
+                    continue
+                key = name.removeprefix(MTP_PREFIX)  # "layers.0. ...": named as a layer of ours
+                parts = unpacker.add(key, reader.read(name)) if unpacker.claims(key) else {key: reader.read(name)}
+                state.update({k: t.to(device=device, dtype=dtype) for k, t in parts.items()})
+    unpacker.finish(path)
     state = stack_experts(state)  # experts stored one by one -> the stacks the MoE holds
     moe = any(".mlp.experts." in k for k in state)
     if moe and not args.num_experts:
