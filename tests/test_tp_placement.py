@@ -102,3 +102,23 @@ def test_whole_bytes_are_what_two_ranks_load_beyond_half(tmp_path):
     held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in rank.state_dict().values()}.values())
     assert held == whole + (total - whole) // 2
     assert 0 < whole < total
+
+
+def test_a_pair_without_whole_b_plans_every_rank_with_its_token_embedding(monkeypatch, capsys):
+    """A pair file that gives no `whole_b` still counts its token embedding (`embed_b`) on
+    every rank: the table every rank holds whole, so an even split would undercount each."""
+    from ssdlocal.weights.pairs import get_pair
+
+    pair = get_pair("llama-3.1-70b")
+    assert pair.target.whole_b is None and pair.target.embed_b
+    embed_gb = pair.target.embed_b * 2  # bf16
+    target_gb = pair.target.bf16_gb
+    kv_gb = max(1.0, 0.1 * target_gb)
+    rank_gb = ((target_gb - embed_gb) * OVERHEAD + kv_gb) / 2 + embed_gb * OVERHEAD
+    monkeypatch.setattr("ssdlocal.placement.inventory.detect", lambda: machine(141.0, 141.0))  # two H200s
+    code, out, err = run_cli(monkeypatch, capsys, "devices", "--pair", "llama-3.1-70b", "--json")
+    assert code == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["tensor_parallel"] == 2
+    shards = [u["need_gb"] for u in plan["uses"] if u["role"] == "target (TP shard)"]
+    assert len(shards) == 2 and all(s == pytest.approx(rank_gb, abs=0.02) for s in shards)

@@ -51,7 +51,7 @@ class ModelRef:
     bf16_gb: float = 0.0  # approximate weight memory in bf16
     embed_b: float | None = None  # token-embedding parameters in billions (vocab x hidden)
     # parameters (billions) every tensor-parallel rank holds whole (weights/size.py whole_bytes:
-    # embeddings, norms, lm_head, replicated linears); None: not counted, the plan splits all
+    # embeddings, norms, lm_head, replicated linears); None: the token embedding alone (embed_b)
     whole_b: float | None = None
     heads: int | None = None
     kv_heads: int | None = None
@@ -182,15 +182,17 @@ class Pair:
         self, backend: BackendName = BackendName.TORCH, quantization: Quantization = Quantization.NONE
     ) -> float:
         """Of memory_gb's target, the GB every tensor-parallel rank holds whole (the target's
-        `whole_b`, sized as memory_gb sizes it); 0 where not counted or where files run as
-        GGUF (llama.cpp)."""
+        `whole_b`, sized as memory_gb sizes it; without one, its token embedding `embed_b`,
+        which every rank holds: a lower bound, as an untied lm_head and the norms are left
+        out); 0 where neither is given or where files run as GGUF (llama.cpp)."""
         ref = self.target
         as_gguf = BackendName(backend).runs_gguf or (self.weights == "gguf" and quantization != Quantization.NONE)
-        if ref.whole_b is None or (self.has_gguf and as_gguf):
+        whole_b = ref.whole_b if ref.whole_b is not None else ref.embed_b
+        if whole_b is None or (self.has_gguf and as_gguf):
             return 0.0
         scheme = self.schemes(quantization)[0]
-        embed = min(ref.embed_b if ref.embed_b is not None else 0.0, ref.whole_b)
-        return round(quantized_gb(ref.whole_b, embed, scheme), 2)
+        embed = min(ref.embed_b if ref.embed_b is not None else 0.0, whole_b)
+        return round(quantized_gb(whole_b, embed, scheme), 2)
 
     def step_gb(
         self,
