@@ -35,7 +35,7 @@ def auto_devices(
     Raises PlacementError (with a hint) when nothing fits.
     """
     from ssdlocal.placement.inventory import detect
-    from ssdlocal.weights.size import attention_heads, checkpoint_gb
+    from ssdlocal.weights.size import attention_heads, checkpoint_gb, whole_gb
     from ssdlocal.placement.planner import plan_placement
 
     inventory = detect() if inventory is None else inventory
@@ -44,24 +44,13 @@ def auto_devices(
     draft_gb = checkpoint_gb(draft, dtype, quantizations[1], "cuda") if draft else 0.0
     heads = attention_heads(target) if backend.tensor_parallel else ()
     target_gb = checkpoint_gb(target, dtype, quantizations[0], "cuda")
-    whole_gb = _whole_gb(target, dtype, quantizations[0]) if backend.tensor_parallel else 0.0
-    plan = plan_placement(
-        inventory, target_gb, draft_gb, heads=heads, draft_beside=draft_beside, target_whole_gb=whole_gb
-    )
+    whole = whole_gb(target, dtype, quantizations[0], "cuda") if backend.tensor_parallel else 0.0
+    plan = plan_placement(inventory, target_gb, draft_gb, heads=heads, draft_beside=draft_beside, target_whole_gb=whole)
     draft_device = draft_device_of(plan, draft_gb) or "cpu"  # no room anywhere: the CPU, where RAM may swap
     log.info(
         "auto placement: target %s (TP=%d), draft %s", ",".join(plan.target_devices), plan.tensor_parallel, draft_device
     )
     return tuple(plan.target_devices), draft_device
-
-
-def _whole_gb(target: str, dtype: DType, quantization: Quantization) -> float:
-    """GB of `target`'s weights every tensor-parallel rank holds whole (weights/size.py)."""
-    from ssdlocal.weights.formats.quantized import resolve_scheme
-    from ssdlocal.weights.size import whole_bytes
-
-    scheme = Quantization.NONE if quantization == Quantization.NONE else resolve_scheme(target, quantization)
-    return whole_bytes(target, scheme, dtype, "cuda") / 1e9
 
 
 def draft_device_of(plan, draft_gb: float) -> str | None:

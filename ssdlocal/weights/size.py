@@ -167,12 +167,25 @@ def checkpoint_gb(
     auto, resolved for the path) on a `device_type` device; a .gguf loaded as floats counts
     by its size on disk (the torch backend dequantizes it; llama.cpp runs it as it is)."""
     path = Path(path).expanduser()
-    scheme = Quantization.NONE if quantization == Quantization.NONE else resolve_scheme(path, quantization)
+    scheme = _scheme(path, quantization)
     if scheme is not Quantization.NONE:
         return weight_bytes(path, scheme, dtype, device_type) / 1e9
     if path.is_file():
         return path.stat().st_size / 1e9
     return weight_bytes(path, Quantization.NONE, dtype, device_type) / 1e9
+
+
+def whole_gb(
+    path: str | Path, dtype: DType, quantization: Quantization = Quantization.NONE, device_type: str = "cpu"
+) -> float:
+    """Of checkpoint_gb's weights, the GB every tensor-parallel rank holds whole (whole_bytes)."""
+    path = Path(path).expanduser()
+    return whole_bytes(path, _scheme(path, quantization), dtype, device_type) / 1e9
+
+
+def _scheme(path: Path, quantization: Quantization) -> Quantization:
+    """`quantization` as loading `path` applies it (auto resolved for the path)."""
+    return Quantization.NONE if quantization == Quantization.NONE else resolve_scheme(path, quantization)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from ssdlocal.backends.torch.models import CausalLM, ModelArgs, args_from_config
 from ssdlocal.backends.torch.models.moe import stack_experts
 from ssdlocal.backends.torch.packed import Unpacker
 from ssdlocal.backends.torch.quant_load import (
+    assign_state,
     load_quantized_weights,
+    names_mismatch,
     quantized_checkpoint,
 )
 from ssdlocal.core.errors import (
@@ -261,20 +263,8 @@ def assign_weights(model: CausalLM, state: dict[str, torch.Tensor], ckpt: Path) 
     expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ModelLoadError(
-            f"checkpoint {ckpt} does not match the {args.arch} architecture: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
-            hint="the weights may be from another model or an incomplete download",
-        )
-    try:
-        model.load_state_dict(state, strict=False, assign=True)
-    except RuntimeError as exc:  # a tensor whose shape the config does not give it
-        sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
-        raise ModelLoadError(
-            f"checkpoint {ckpt} does not match its config.json: {(sizes or [first_line(exc)])[0][:300]}",
-            hint="the config.json may belong to another model; use the model's own",
-        ) from exc
+        raise names_mismatch(ckpt, args.arch, missing, unexpected)
+    assign_state(model, state, ckpt)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
 

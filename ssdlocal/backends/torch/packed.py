@@ -73,6 +73,11 @@ class Unpacker:
     def claims(self, key: str) -> bool:
         return self.arch.packed(key) is not None
 
+    def take(self, key: str, tensor: Tensor) -> dict[str, Tensor]:
+        """Our tensors that checkpoint tensor `key` gives: `add`'s when it is packed, else
+        itself under its name."""
+        return self.add(key, tensor) if self.claims(key) else {key: tensor}
+
     def add(self, key: str, tensor: Tensor) -> dict[str, Tensor]:
         """Our tensors (name -> tensor) that `key` completes; {} while its partner is unread."""
         found = self.arch.packed(key)

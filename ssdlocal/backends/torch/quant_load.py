@@ -6,7 +6,9 @@ Peak memory stays near the final model size: no float copy of the whole model an
 memory map whose touched pages would count twice. How many bytes the weights take once
 loaded is weights/size.py's; what `--quantization auto` means for a path is a question
 about files (weights/formats/quantized.py). Knows nothing about tensor
-parallelism beyond a `shard` hook.
+parallelism beyond a `shard` hook. The errors of a checkpoint that does not fit its model
+(`names_mismatch`, `config_mismatch`) and the last move of the floats into it
+(`assign_state`) serve the float loader (loader.py) too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.quantization import DType, Quantization, can_quantize
 from ssdlocal.weights.formats.arch import expert_pattern
 from ssdlocal.weights.formats.archs import architecture
+from ssdlocal.weights.formats.checkpoint import first_line
 from ssdlocal.weights.formats.quantized import quant_info
 from ssdlocal.weights.formats.safetensors import MemoryReleaser, SafetensorsReader
 
@@ -37,6 +40,38 @@ _ONE_EXPERT = re.compile(r"(.*\.experts)\.(\d+)(\.\w+)")  # one expert's linear 
 
 # shard(key, value) -> the rank's part of a tensor or QuantizedWeight (key: "...q_proj.weight")
 Shard = Callable[[str, "Tensor | QuantizedWeight"], "Tensor | QuantizedWeight"]
+
+
+def names_mismatch(
+    ckpt, arch: str, missing: list[str], unexpected: list[str], extra: str = "unexpected"
+) -> ModelLoadError:
+    """The error for checkpoint `ckpt` whose tensor names are not the `arch` model's
+    (`extra`: the word for the names it should not hold)."""
+    return ModelLoadError(
+        f"checkpoint {ckpt} does not match the {arch} architecture: "
+        f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+        f"{extra} {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
+        hint="the weights may be from another model or an incomplete download",
+    )
+
+
+def config_mismatch(ckpt, what: str) -> ModelLoadError:
+    """The error for checkpoint `ckpt` holding a tensor of a shape its config.json does not
+    give the model (`what`: which tensor, and how)."""
+    return ModelLoadError(
+        f"checkpoint {ckpt} does not match its config.json: {what}",
+        hint="the config.json may belong to another model; use the model's own",
+    )
+
+
+def assign_state(model: nn.Module, state: dict[str, Tensor], ckpt) -> None:
+    """`state` moved into `model` (load_state_dict, strict=False, assign: no copy); a tensor
+    whose shape the config does not give it raises config_mismatch."""
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:
+        sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+        raise config_mismatch(ckpt, (sizes or [first_line(exc)])[0][:300]) from exc
 
 
 def quantized_checkpoint(path: Path, scheme: Quantization, dtype: DType | str, progress=None) -> Path:
@@ -101,11 +136,8 @@ def load_quantized_weights(
                 key = arch.from_checkpoint(name, tied)
                 if key is None:
                     continue
-                if unpacker.claims(key):
-                    for ours, tensor in unpacker.add(key, f.read(name)).items():
-                        place(ours, tensor)
-                else:
-                    place(key, f.read(name))
+                for ours, tensor in unpacker.take(key, f.read(name)).items():
+                    place(ours, tensor)
     unpacker.finish(ckpt)
     loader.finish(expected, tied, ckpt)
 
@@ -162,10 +194,8 @@ class _Filler:
         """Refuse weights of `shape` for `module` unless the model (as this rank holds it) has that shape."""
         wanted = tuple(self.model.get_submodule(module).weight.shape)
         if tuple(shape) != wanted:
-            raise ModelLoadError(
-                f"checkpoint {self.ckpt} does not match its config.json: {module}.weight is "
-                f"{tuple(shape)} in the checkpoint, {wanted} in a model of the config",
-                hint="the config.json may belong to another model; use the model's own",
+            raise config_mismatch(
+                self.ckpt, f"{module}.weight is {tuple(shape)} in the checkpoint, {wanted} in a model of the config"
             )
 
     def _stack_experts(self) -> None:
@@ -205,20 +235,8 @@ class _Filler:
         missing, unexpected = sorted(expected - provided), sorted(provided - expected)
         if missing or unexpected or self.parts:
             unexpected += sorted(self.parts)
-            raise ModelLoadError(
-                f"checkpoint {ckpt} does not match the {self.model.args.arch} architecture: "
-                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected or incomplete {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
-                hint="the weights may be from another model or an incomplete download",
-            )
-        try:
-            self.model.load_state_dict(self.floats, strict=False, assign=True)
-        except RuntimeError as exc:  # a tensor whose shape the config does not give it
-            sizes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
-            raise ModelLoadError(
-                f"checkpoint {ckpt} does not match its config.json: {(sizes or [str(exc)])[0][:300]}",
-                hint="the config.json may belong to another model; use the model's own",
-            ) from exc
+            raise names_mismatch(ckpt, self.model.args.arch, missing, unexpected, "unexpected or incomplete")
+        assign_state(self.model, self.floats, ckpt)
         if tied and "lm_head" not in self.installed:
             self.model.lm_head.weight = self.model.embed_tokens.weight
         self.releaser.flush()

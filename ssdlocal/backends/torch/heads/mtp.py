@@ -132,7 +132,7 @@ def load_mtp(path: str | Path, shared: HeadInputs, target_vocab: int, device, dt
                 if name not in names:
                     continue
                 key = name.removeprefix(MTP_PREFIX)  # "layers.0. ...": named as a layer of ours
-                parts = unpacker.add(key, reader.read(name)) if unpacker.claims(key) else {key: reader.read(name)}
+                parts = unpacker.take(key, reader.read(name))
                 state.update({k: t.to(device=device, dtype=dtype) for k, t in parts.items()})
     unpacker.finish(path)
     state = stack_experts(state)  # experts stored one by one -> the stacks the MoE holds
