@@ -14,12 +14,11 @@ import shutil
 import pytest
 import torch
 from support.drafts import draft_of
-from support.tiny_families import fuse_experts, make_qwen3_5_moe, make_qwen3_moe
+from support.tiny_families import PREFILL_IDS, fuse_experts, make_qwen3_5_moe, make_qwen3_moe, prefill_logits
 from support.tiny_models import build_tokenizer, make_draft_like
 from support.tiny_multimodal import make_multimodal
 
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.models import causal_mask
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import ModelLoadError
 from ssdlocal.core.events import DoneEvent
@@ -28,7 +27,6 @@ from ssdlocal.engine import Engine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 FAMILIES = {"qwen3_moe": make_qwen3_moe, "qwen3_5_moe": make_qwen3_5_moe}
-IDS = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 28, 51], [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 200, 300]])
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacci(n):\n    if n < 2:"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 
@@ -56,15 +54,6 @@ def _names(path) -> set[str]:
         return set(f.keys())
 
 
-def _logits(path, scheme="none") -> torch.Tensor:
-    model = load_model(path, "cpu", "float32", scheme).model
-    B, T = IDS.shape
-    pos = torch.arange(T)[None].repeat(B, 1)
-    with torch.inference_mode():
-        model.setup_cache(B, 64, torch.float32, "cpu")
-        return model(IDS, pos, pos, causal_mask(pos, T))  # [B, T, V]
-
-
 def test_the_fused_checkpoints_hold_what_transformers_holds(dirs):
     """The test files hold the fused form only, named as transformers names its parameters
     (a published Qwen3.5-MoE: "model.language_model.layers.N.mlp.experts.gate_up_proj")."""
@@ -84,19 +73,19 @@ def test_logits_equal_the_per_expert_checkpoint_bit_for_bit_and_transformers(dir
     import transformers
 
     experts, fused = dirs[family]["experts"], dirs[family]["fused"]
-    got = _logits(fused)
-    assert torch.equal(got, _logits(experts))
+    got = prefill_logits(fused)
+    assert torch.equal(got, prefill_logits(experts))
     architecture = transformers.AutoConfig.from_pretrained(fused).architectures[0]
     reference = getattr(transformers, architecture).from_pretrained(fused, dtype=torch.float32).eval()
     with torch.inference_mode():
-        want = reference(IDS).logits  # transformers reading the same fused file
+        want = reference(PREFILL_IDS).logits  # transformers reading the same fused file
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_loads_equal_the_per_expert_checkpoints(dirs, family, scheme):
-    assert torch.equal(_logits(dirs[family]["fused"], scheme), _logits(dirs[family]["experts"], scheme))
+    assert torch.equal(prefill_logits(dirs[family]["fused"], scheme), prefill_logits(dirs[family]["experts"], scheme))
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "multimodal"])

@@ -183,12 +183,8 @@ def test_an_assistant_is_refused_for_a_target_it_cannot_read(dirs, tiny_dir):
 
 
 def test_the_cli_takes_an_assistant_as_draft(dirs, monkeypatch, capsys):
-    from support.cli import run_cli
+    from support.cli import check_head_draft_cli
 
-    base = ("--target", dirs["target"], "--draft", dirs["assistant"], "--dtype", "float32")
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "The quick brown fox", *base, "--max-new-tokens", "8")
-    assert code == 0, err
-    assert "draft head" in err  # auto: the head drafts between verifications (SD)
-    code, out, err = run_cli(monkeypatch, capsys, "check", *base, "--max-new-tokens", "12")
-    assert code == 0, err
-    assert "SD reproduces AR" in out
+    check_head_draft_cli(
+        monkeypatch, capsys, "--target", dirs["target"], "--draft", dirs["assistant"], "--dtype", "float32"
+    )

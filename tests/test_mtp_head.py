@@ -158,15 +158,9 @@ def test_a_target_without_mtp_weights_is_refused_with_a_hint(dirs, tiny_dir, mon
 
 
 def test_the_cli_drafts_with_the_targets_mtp_layer(dirs, monkeypatch, capsys):
-    from support.cli import run_cli
+    from support.cli import check_head_draft_cli
 
-    base = ("--target", str(dirs["dense"]), "--draft", "mtp", "--dtype", "float32")
-    code, out, err = run_cli(monkeypatch, capsys, "generate", "The quick brown fox", *base, "--max-new-tokens", "8")
-    assert code == 0, err
-    assert "draft head" in err  # auto: the head drafts between verifications (SD)
-    code, out, err = run_cli(monkeypatch, capsys, "check", *base, "--max-new-tokens", "12")
-    assert code == 0, err
-    assert "SD reproduces AR" in out
+    check_head_draft_cli(monkeypatch, capsys, "--target", str(dirs["dense"]), "--draft", "mtp", "--dtype", "float32")
 
 
 def test_a_checkpoint_with_two_mtp_layers_is_refused_by_name(dirs, tmp_path):

@@ -17,11 +17,11 @@ import shutil
 import pytest
 import torch
 from support.drafts import draft_of
+from support.tiny_families import PREFILL_IDS, prefill_logits
 from support.tiny_models import build_tokenizer, make_draft_like
 from support.tiny_multimodal import MULTIMODAL, PUBLISHED, make_multimodal, other_layout, published_config
 
 from ssdlocal.backends.torch.loader import load_model
-from ssdlocal.backends.torch.models import causal_mask
 from ssdlocal.core.config import EngineConfig, Mode, ModelSpec, SamplingParams, SpecConfig
 from ssdlocal.core.errors import UnsupportedArchitectureError
 from ssdlocal.core.events import DoneEvent
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacci(n):\n    if n < 2:"]
 NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
-IDS = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 28, 51], [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 200, 300]])
 # transformers' Gemma3ForConditionalGeneration never soft-caps its logits (Multimodal.unread):
 # its tiny text model leaves the cap unset, as the published 4B-27B configs do
 TEXT_CHANGES = {"gemma3": {"final_logit_softcapping": None}}
@@ -57,15 +56,6 @@ def dirs(tmp_path_factory):
             "draft": make_draft_like(saved, root / f"{name}_draft", noise=0.004, seed=31),
         }
     return out
-
-
-def _logits(path, scheme="none") -> torch.Tensor:
-    model = load_model(path, "cpu", "float32", scheme).model
-    B, T = IDS.shape
-    pos = torch.arange(T)[None].repeat(B, 1)
-    with torch.inference_mode():
-        model.setup_cache(B, 64, torch.float32, "cpu")
-        return model(IDS, pos, pos, causal_mask(pos, T))  # [B, T, V]
 
 
 def _reference(path):
@@ -95,10 +85,10 @@ def test_logits_equal_the_multimodal_models_text_forward(dirs, family, layout):
     """At every position of two rows: transformers' multimodal model on text alone, within
     the family tests' tolerance; and bit for bit what the text-only checkpoint gives."""
     with torch.inference_mode():
-        want = _reference(dirs[family]["saved"])(input_ids=IDS).logits  # [B, T, V]
-    ours = _logits(dirs[family][layout])
+        want = _reference(dirs[family]["saved"])(input_ids=PREFILL_IDS).logits  # [B, T, V]
+    ours = prefill_logits(dirs[family][layout])
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(ours, _logits(dirs[family]["text"]))
+    assert torch.equal(ours, prefill_logits(dirs[family]["text"]))
 
 
 def _tokens(engine: Engine, spec: SpecConfig) -> list[tuple[int, ...]]:
@@ -169,7 +159,7 @@ def test_image_only_fields_leave_text_alone_and_a_stray_text_tensor_is_an_error(
     config = json.loads((vision / "config.json").read_text())
     config["text_config"]["use_bidirectional_attention"] = "vision"
     (vision / "config.json").write_text(json.dumps(config))
-    assert torch.equal(_logits(vision), _logits(dirs["gemma4"]["saved"]))
+    assert torch.equal(prefill_logits(vision), prefill_logits(dirs["gemma4"]["saved"]))
     stray = shutil.copytree(dirs["qwen3_5"]["saved"], tmp_path / "stray")
     state = load_file(stray / "model.safetensors")
     state["model.language_model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
@@ -199,7 +189,7 @@ def test_sizes_count_the_text_model_only(dirs, family):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_5_moe"])
 def test_quantized_loads_equal_the_text_only_checkpoints(dirs, family, scheme):
-    assert torch.equal(_logits(dirs[family]["other"], scheme), _logits(dirs[family]["text"], scheme))
+    assert torch.equal(prefill_logits(dirs[family]["other"], scheme), prefill_logits(dirs[family]["text"], scheme))
 
 
 def test_two_tensor_parallel_ranks_equal_one_device(dirs):

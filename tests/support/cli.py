@@ -56,3 +56,16 @@ def assert_clean_error(code: int, err: str, expected_code: int, *needles: str, s
     assert lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+def check_head_draft_cli(monkeypatch, capsys, *base: str) -> str:
+    """With options `base` (a target and a draft head): `generate` drafts with the head (auto
+    picks SD, the head drafting between verifications) and `check` finds SD reproducing AR.
+    Returns check's output."""
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "The quick brown fox", *base, "--max-new-tokens", "8")
+    assert code == 0, err
+    assert "draft head" in err
+    code, out, err = run_cli(monkeypatch, capsys, "check", *base, "--max-new-tokens", "12")
+    assert code == 0, err
+    assert "SD reproduces AR" in out
+    return out

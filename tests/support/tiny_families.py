@@ -13,6 +13,23 @@ from pathlib import Path
 
 import torch
 
+# two rows of 12 token ids, for logits at every position (prefill_logits)
+PREFILL_IDS = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 28, 51], [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 200, 300]])
+
+
+def prefill_logits(path, scheme="none", ids: torch.Tensor = PREFILL_IDS) -> torch.Tensor:
+    """Float32 logits [B, T, V] at every position of `ids` [B, T], one masked prefill of the
+    checkpoint at `path` as our torch backend loads it with quantization `scheme`."""
+    from ssdlocal.backends.torch.loader import load_model
+    from ssdlocal.backends.torch.models import causal_mask
+
+    model = load_model(path, "cpu", "float32", scheme).model
+    B, T = ids.shape
+    pos = torch.arange(T)[None].repeat(B, 1)
+    with torch.inference_mode():
+        model.setup_cache(B, 64, torch.float32, "cpu")
+        return model(ids, pos, pos, causal_mask(pos, T))  # [B, T, V]
+
 
 def _save(model, out_dir: Path, tokenizer_dir: Path, eos: int = 0) -> Path:
     from transformers import GenerationConfig
